@@ -1,0 +1,244 @@
+"""kvtier configuration: one frozen, typed object, parsed once at start.
+
+Sources, later ones win:
+
+    defaults  <  YAML file ($KVTIER_CONFIG_FILE or $LMCACHE_CONFIG_FILE)
+              <  env vars (LMCACHE_<KEY>, then KVTIER_<KEY>)
+              <  engine overrides (vLLM's kv_connector_extra_config)
+
+Every key is declared once, in `KvtierConfig`, with its type, default and a
+one-line meaning; the parser derives everything else from those fields.
+Bad input raises `ConfigError` naming the key, the value and what was
+expected, before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from kvtier.errors import ConfigError, UnknownConfigKey
+
+ENV_PREFIXES = ("LMCACHE_", "KVTIER_")
+CONFIG_FILE_VARS = ("LMCACHE_CONFIG_FILE", "KVTIER_CONFIG_FILE")
+# LMCache env vars that carry no meaning here (they select LMCache code paths
+# that kvtier has only one of). Accepted so that old launch scripts still run.
+IGNORED_LMCACHE_KEYS = frozenset({"use_experimental"})
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_NONE = {"", "none", "null"}
+
+
+def _doc(text: str, **kw: Any) -> Any:
+    return field(metadata={"doc": text}, **kw)
+
+
+@dataclass(frozen=True)
+class KvtierConfig:
+    """All of kvtier's settings. Field names are LMCache's config keys."""
+
+    chunk_size: int = _doc("tokens per KV chunk", default=256)
+    local_cpu: bool = _doc("keep KV chunks in the CPU RAM tier", default=True)
+    max_local_cpu_size: float = _doc("CPU RAM pool size, GB", default=5.0)
+    local_cpu_use_hugepages: bool = _doc("back the CPU pool with 2 MiB huge pages", default=False)
+    save_unfull_chunk: bool = _doc("also store the partial last chunk of a prompt", default=False)
+    local_disk: str | None = _doc("directory of the disk tier (not built yet)", default=None)
+    max_local_disk_size: float = _doc("disk tier size, GB (not built yet)", default=0.0)
+    remote_url: str | None = _doc("remote store URL (not built yet)", default=None)
+    remote_serde: str = _doc("remote payload codec (not built yet)", default="naive")
+    blocking_timeout_secs: float = _doc("longest wait on a tier before a miss, s", default=10.0)
+    enable_pd: bool = _doc("disaggregated prefill (not built yet)", default=False)
+    pd_role: str | None = _doc("sender | receiver (not built yet)", default=None)
+    transfer_channel: str | None = _doc("PD transfer channel, e.g. nixl (not built yet)", default=None)
+    pd_buffer_size: int = _doc("PD transfer buffer, bytes (not built yet)", default=0)
+    pd_buffer_device: str = _doc("cpu | cuda (not built yet)", default="cpu")
+    pd_peer_host: str | None = _doc("decoder host (not built yet)", default=None)
+    pd_peer_init_port: int | None = _doc("decoder init port (not built yet)", default=None)
+    pd_peer_alloc_port: int | None = _doc("decoder alloc port (not built yet)", default=None)
+    pd_proxy_host: str | None = _doc("proxy host (not built yet)", default=None)
+    pd_proxy_port: int | None = _doc("proxy port (not built yet)", default=None)
+    enable_p2p: bool = _doc("peer-to-peer sharing (not built yet)", default=False)
+    extra_config: Mapping[str, Any] = _doc(
+        "free-form settings for extensions", default_factory=dict
+    )
+
+    def __post_init__(self) -> None:
+        _check_ranges(self)
+        _reject_unbuilt(self)
+
+    @property
+    def cpu_pool_bytes(self) -> int:
+        return int(self.max_local_cpu_size * 1e9)
+
+
+# Keys that parse but whose feature has not landed: setting them to anything
+# but the default is refused, so nobody believes a tier is on when it is not.
+NOT_BUILT = {
+    "local_disk": "the disk tier",
+    "max_local_disk_size": "the disk tier",
+    "remote_url": "the remote tier (kvtier server, Redis, fs)",
+    "remote_serde": "the remote tier",
+    "enable_pd": "disaggregated prefill",
+    "pd_role": "disaggregated prefill",
+    "transfer_channel": "disaggregated prefill",
+    "pd_buffer_size": "disaggregated prefill",
+    "pd_buffer_device": "disaggregated prefill",
+    "pd_peer_host": "disaggregated prefill",
+    "pd_peer_init_port": "disaggregated prefill",
+    "pd_peer_alloc_port": "disaggregated prefill",
+    "pd_proxy_host": "disaggregated prefill",
+    "pd_proxy_port": "disaggregated prefill",
+    "enable_p2p": "peer-to-peer sharing",
+}
+
+FIELDS = {f.name: f for f in dataclasses.fields(KvtierConfig)}
+_HINTS = typing.get_type_hints(KvtierConfig)
+
+
+def _check_ranges(cfg: KvtierConfig) -> None:
+    if cfg.chunk_size <= 0:
+        raise ConfigError("chunk_size", cfg.chunk_size, "a positive number of tokens")
+    if cfg.max_local_cpu_size <= 0:
+        # The CPU pool is also the staging buffer of every other tier, so it
+        # must exist even with local_cpu: false (as in LMCache).
+        raise ConfigError("max_local_cpu_size", cfg.max_local_cpu_size, "a size in GB > 0")
+    if cfg.blocking_timeout_secs <= 0:
+        raise ConfigError("blocking_timeout_secs", cfg.blocking_timeout_secs, "seconds > 0")
+
+
+def _reject_unbuilt(cfg: KvtierConfig) -> None:
+    for key, feature in NOT_BUILT.items():
+        value = getattr(cfg, key)
+        f = FIELDS[key]
+        if value != f.default:
+            raise ConfigError(
+                key, value, f"the default ({f.default!r}): {feature} is not built in "
+                "this version of kvtier yet"
+            )
+
+
+def _expected(key: str) -> str:
+    hint = _HINTS[key]
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if args else hint
+    text = names.get(base, "a mapping")
+    return text + (" or null" if type(None) in typing.get_args(hint) else "")
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Turn a YAML value or env string into the field's type, or fail."""
+    hint = _HINTS[key]
+    optional = isinstance(hint, types.UnionType) and type(None) in typing.get_args(hint)
+    base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+    if isinstance(value, str) and optional and value.strip().lower() in _NONE:
+        return None
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(key, value, _expected(key))
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ConfigError(key, value, _expected(key))
+    if base in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(key, value, _expected(key))
+        try:
+            number = base(value) if isinstance(value, str) else value
+        except ValueError:
+            raise ConfigError(key, value, _expected(key)) from None
+        if base is int and (not isinstance(number, int)):
+            raise ConfigError(key, value, _expected(key))
+        if not isinstance(number, (int, float)):
+            raise ConfigError(key, value, _expected(key))
+        return base(number)
+    if base is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(key, value, _expected(key))
+        return str(value)
+    # extra_config: a mapping, or JSON text of one from an env var.
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ConfigError(key, value, "a JSON object") from None
+    if not isinstance(value, dict):
+        raise ConfigError(key, value, "a mapping")
+    return dict(value)
+
+
+def _unknown(key: str, source: str) -> UnknownConfigKey:
+    close = difflib.get_close_matches(key, list(FIELDS), n=1, cutoff=0.5)
+    return UnknownConfigKey(key, source, close[0] if close else None)
+
+
+def _from_file(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("config file", path, "an existing YAML file")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError("config file", path, f"valid YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError("config file", path, "a YAML mapping of key: value")
+    out = {}
+    for key, value in data.items():
+        if key not in FIELDS:
+            raise _unknown(str(key), path)
+        out[key] = _coerce(key, value)
+    return out
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for prefix in ENV_PREFIXES:  # KVTIER_ last, so it wins over LMCACHE_
+        for name, value in sorted(env.items()):
+            if not name.startswith(prefix) or name in CONFIG_FILE_VARS:
+                continue
+            key = name[len(prefix):].lower()
+            if key in IGNORED_LMCACHE_KEYS:
+                continue
+            if key not in FIELDS:
+                raise _unknown(key, f"environment variable {name}")
+            out[key] = _coerce(key, value)
+    return out
+
+
+def load_config(
+    env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> KvtierConfig:
+    """Build the config from file, env and engine overrides (in that order)."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for var in CONFIG_FILE_VARS:
+        if env.get(var):
+            values.update(_from_file(env[var]))
+    values.update(_from_env(env))
+    for key, value in (overrides or {}).items():
+        if key not in FIELDS:
+            raise _unknown(key, "engine overrides")
+        values[key] = _coerce(key, value)
+    return KvtierConfig(**values)
+
+
+def describe_keys() -> list[tuple[str, str, str]]:
+    """(key, default, meaning) rows, for the README and `kvtier config`."""
+    rows = []
+    for f in FIELDS.values():
+        default = f.default if f.default is not dataclasses.MISSING else {}
+        rows.append((f.name, repr(default), f.metadata["doc"]))
+    return rows

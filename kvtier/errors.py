@@ -1,0 +1,43 @@
+"""kvtier's named errors. Each says what was wrong and what was expected."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class KvtierError(Exception):
+    """Base of every error kvtier raises on purpose."""
+
+
+class ConfigError(KvtierError, ValueError):
+    """A config key has a value of the wrong type or range."""
+
+    def __init__(self, key: str, value: Any, expected: str) -> None:
+        self.key, self.value, self.expected = key, value, expected
+        super().__init__(f"kvtier config: {key} = {value!r} is invalid; expected {expected}")
+
+
+class UnknownConfigKey(ConfigError):
+    """A config file, env var or override names a key kvtier does not have."""
+
+    def __init__(self, key: str, source: str, closest: str | None) -> None:
+        self.key, self.source, self.closest = key, source, closest
+        hint = f"; did you mean '{closest}'?" if closest else ""
+        KvtierError.__init__(self, f"kvtier config: unknown key '{key}' in {source}{hint}")
+
+
+class HugePagesUnavailable(KvtierError, MemoryError):
+    """The system has too few free 2 MiB huge pages for the CPU pool."""
+
+    def __init__(self, needed: int, free: int) -> None:
+        self.needed, self.free = needed, free
+        super().__init__(
+            f"local_cpu_use_hugepages: the CPU pool needs {needed} huge pages of 2 MiB, "
+            f"the system has {free} free. Reserve them before starting: "
+            f"sudo sysctl -w vm.nr_hugepages={needed} (check: grep HugePages /proc/meminfo), "
+            "or set local_cpu_use_hugepages: false"
+        )
+
+
+class PoolExhausted(KvtierError):
+    """No block can be allocated: the pool is full and nothing is evictable."""

@@ -1,0 +1,95 @@
+"""Chunk keys: what identifies one chunk of KV cache, in every process.
+
+A prompt is cut into chunks of `chunk_size` tokens. Chunk i's hash covers
+all tokens up to the end of chunk i, by chaining:
+
+    h[-1] = SEED_DIGEST
+    h[i]  = xxh3_128(h[i-1] || tokens[i*C : (i+1)*C] as little-endian u32)
+
+so two prompts share chunk i's key exactly when they share their first
+(i+1)*C tokens. xxh3 is seeded with a constant, never with Python's `hash`,
+so every process and machine agrees without PYTHONHASHSEED.
+
+The hash alone is not the key: the same tokens give different KV for
+another model, dtype, layout or tensor-parallel shard, so `ChunkKey`
+carries those too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import xxhash
+
+_SEED = 0x6B7674696572_0001  # "kvtier" + format version 1
+SEED_DIGEST = xxhash.xxh3_128_digest(b"kvtier chunk hash v1", seed=_SEED)
+
+
+@dataclass(frozen=True, slots=True)
+class KVFormat:
+    """What, besides the tokens, decides the bytes of a chunk."""
+
+    model: str
+    layout: str  # transfer layout name, e.g. "flash_attn", "mla"
+    dtype: str  # e.g. "bfloat16"
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def tag(self) -> str:
+        return f"{self.model}@{self.layout}/{self.dtype}/tp{self.tp_rank}of{self.tp_size}"
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkKey:
+    """One chunk: its format and the prefix-chained hash of its tokens."""
+
+    fmt: KVFormat
+    digest: bytes  # 16 bytes
+
+    def __str__(self) -> str:
+        return f"{self.fmt.tag()}:{self.digest.hex()}"
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSpan:
+    """Token range [start, end) of a prompt that one chunk key covers."""
+
+    key: ChunkKey
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(tokens)
+    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
+        raise ValueError("token ids must lie in [0, 2**32)")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def chunk_spans(
+    tokens: Sequence[int] | np.ndarray,
+    fmt: KVFormat,
+    chunk_size: int,
+    save_unfull_chunk: bool,
+) -> list[ChunkSpan]:
+    """Keys of every chunk of `tokens`, in order.
+
+    The partial last chunk (fewer than `chunk_size` tokens) is included only
+    when `save_unfull_chunk` is true.
+    """
+    data = token_bytes(tokens)
+    n = len(data) // 4
+    end_limit = n if save_unfull_chunk else n - n % chunk_size
+    spans = []
+    prev = SEED_DIGEST
+    for start in range(0, end_limit, chunk_size):
+        end = min(start + chunk_size, end_limit)
+        prev = xxhash.xxh3_128_digest(prev + data[4 * start : 4 * end], seed=_SEED)
+        spans.append(ChunkSpan(ChunkKey(fmt, prev), start, end))
+    return spans

@@ -1,0 +1,168 @@
+"""The host memory pool: one arena, allocated once, carved into equal blocks.
+
+    arena (max_local_cpu_size bytes, page-locked when CUDA is present)
+    ┌──────────┬──────────┬──────────┬─────┬──────────┬──────┐
+    │ block 0  │ block 1  │ block 2  │ ... │ block N-1│ tail │
+    └──────────┴──────────┴──────────┴─────┴──────────┴──────┘
+      block_bytes each = the bytes of one full chunk; a partial chunk
+      uses the front of a block.
+
+Ownership: `allocate()` returns a block holding one reference, owned by the
+caller. Whoever holds a reference calls `release()` exactly once; the block
+returns to the free list when the last reference goes. A tier holds one
+reference per stored chunk; a load takes a second one (`retain()`) for as
+long as it reads the block, which is what "pinned" means here: a block with
+more than one reference is never evicted. The pool never grows.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import re
+import threading
+from pathlib import Path
+
+import torch
+
+from kvtier.errors import HugePagesUnavailable
+
+log = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 * 1024 * 1024
+_MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)
+
+
+class MemoryBlock:
+    """A block of the pool: `data` is its uint8 view, `refs` its holders."""
+
+    __slots__ = ("pool", "index", "data", "_refs")
+
+    def __init__(self, pool: HostPool, index: int, data: torch.Tensor) -> None:
+        self.pool, self.index, self.data = pool, index, data
+        self._refs = 0
+
+    @property
+    def ref_count(self) -> int:
+        return self._refs
+
+    @property
+    def pinned(self) -> bool:
+        """True while someone besides the owning tier holds the block."""
+        return self._refs > 1
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The front of the block as a contiguous tensor of `shape`."""
+        nbytes = dtype.itemsize
+        for dim in shape:
+            nbytes *= dim
+        if nbytes > self.data.numel():
+            raise ValueError(f"shape {shape} of {dtype} needs {nbytes} bytes, block has {self.data.numel()}")
+        return self.data[:nbytes].view(dtype).view(shape)
+
+    def retain(self) -> MemoryBlock:
+        with self.pool.lock:
+            if self._refs <= 0:
+                raise RuntimeError(f"retain of freed block {self.index}")
+            self._refs += 1
+        return self
+
+    def release(self) -> None:
+        self.pool._release(self)
+
+
+class HostPool:
+    """Fixed arena of `capacity` bytes split into blocks of `block_bytes`."""
+
+    def __init__(
+        self,
+        capacity: int,
+        block_bytes: int,
+        *,
+        hugepages: bool = False,
+        pin: bool | None = None,
+    ) -> None:
+        if block_bytes <= 0:
+            raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
+        if capacity < block_bytes:
+            raise ValueError(
+                f"the CPU pool ({capacity / 1e9:.3f} GB) cannot hold one chunk of "
+                f"{block_bytes / 1e6:.1f} MB: raise max_local_cpu_size or lower chunk_size"
+            )
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.hugepages = hugepages
+        self.block_bytes = block_bytes
+        self._mmap: mmap.mmap | None = None
+        self.arena = self._allocate_arena(capacity)
+        self.num_blocks = capacity // block_bytes
+        self.capacity = self.num_blocks * block_bytes
+        self.lock = threading.Lock()
+        self._blocks = [
+            MemoryBlock(self, i, self.arena[i * block_bytes : (i + 1) * block_bytes])
+            for i in range(self.num_blocks)
+        ]
+        self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() gives block 0 first
+
+    # -- arena ---------------------------------------------------------------
+
+    def _allocate_arena(self, capacity: int) -> torch.Tensor:
+        if not self.hugepages:
+            return torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pin)
+        size = -(-capacity // HUGE_PAGE) * HUGE_PAGE
+        needed, free = size // HUGE_PAGE, free_huge_pages()
+        if free < needed:
+            raise HugePagesUnavailable(needed, free)
+        try:
+            self._mmap = mmap.mmap(
+                -1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_HUGETLB
+            )
+        except OSError:
+            # Another process took the pages between the check and the map.
+            raise HugePagesUnavailable(needed, free_huge_pages()) from None
+        arena = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        if self.pin:
+            err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), size, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of the huge-page arena failed: {err}")
+        log.info("CPU pool: %d huge pages of 2 MiB", needed)
+        return arena
+
+    # -- blocks --------------------------------------------------------------
+
+    def allocate(self) -> MemoryBlock | None:
+        """A free block with one reference (the caller's), or None when full."""
+        with self.lock:
+            if not self._free:
+                return None
+            block = self._blocks[self._free.pop()]
+            block._refs = 1
+            return block
+
+    def _release(self, block: MemoryBlock) -> None:
+        with self.lock:
+            if block._refs <= 0:
+                raise RuntimeError(f"double release of block {block.index}")
+            block._refs -= 1
+            if block._refs == 0:
+                self._free.append(block.index)
+
+    @property
+    def used_bytes(self) -> int:
+        return (self.num_blocks - len(self._free)) * self.block_bytes
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+
+def free_huge_pages(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """HugePages_Free of 2 MiB pages, or 0 where the kernel reports none."""
+    try:
+        text = meminfo.read_text()
+    except OSError:
+        return 0
+    size = re.search(r"Hugepagesize:\s+(\d+) kB", text)
+    free = re.search(r"HugePages_Free:\s+(\d+)", text)
+    if not size or not free or int(size.group(1)) * 1024 != HUGE_PAGE:
+        return 0
+    return int(free.group(1))

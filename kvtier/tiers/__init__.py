@@ -1,0 +1,1 @@
+"""Storage tiers. Each keeps chunks by `ChunkKey`; a miss is `None`."""

@@ -1,0 +1,113 @@
+"""The CPU RAM tier: chunks in blocks of the host pool, evicted LRU.
+
+The tier owns one reference to each block it stores. `get` hands out a
+second reference (the block is then pinned: eviction skips it) that the
+caller gives back with `block.release()` once its load has completed.
+`allocate` makes room by evicting the least recently used unpinned chunks;
+when every stored chunk is pinned it returns None instead of waiting.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable
+
+from kvtier.keys import ChunkKey
+from kvtier.memory import HostPool, MemoryBlock
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    evictions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StoredChunk:
+    block: MemoryBlock
+    num_tokens: int
+
+
+class CpuTier:
+    def __init__(self, pool: HostPool) -> None:
+        self.pool = pool
+        self.stats = TierStats()
+        self._chunks: OrderedDict[ChunkKey, StoredChunk] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def contains(self, key: ChunkKey) -> bool:
+        return key in self._chunks
+
+    def prefix_hits(self, keys: Iterable[ChunkKey]) -> int:
+        """How many of `keys`, from the first, are all present."""
+        n = 0
+        with self._lock:
+            for key in keys:
+                if key not in self._chunks:
+                    break
+                n += 1
+        return n
+
+    def get(self, key: ChunkKey) -> StoredChunk | None:
+        """The chunk with its block retained for the caller, or None."""
+        with self._lock:
+            chunk = self._chunks.get(key)
+            if chunk is None:
+                self.stats.misses += 1
+                return None
+            self._chunks.move_to_end(key)
+            chunk.block.retain()
+            self.stats.hits += 1
+            return chunk
+
+    def allocate(self) -> MemoryBlock | None:
+        """A block for a new chunk, evicting LRU chunks to make room."""
+        block = self.pool.allocate()
+        while block is None:
+            if not self._evict_one():
+                return None
+            block = self.pool.allocate()
+        return block
+
+    def put(self, key: ChunkKey, block: MemoryBlock, num_tokens: int) -> None:
+        """Store `block` under `key`; the tier takes over the caller's reference."""
+        with self._lock:
+            old = self._chunks.pop(key, None)
+            self._chunks[key] = StoredChunk(block, num_tokens)
+            self.stats.puts += 1
+        if old is not None:
+            old.block.release()
+
+    def delete(self, key: ChunkKey) -> bool:
+        with self._lock:
+            chunk = self._chunks.pop(key, None)
+        if chunk is None:
+            return False
+        chunk.block.release()
+        return True
+
+    def clear(self) -> None:
+        with self._lock:
+            chunks, self._chunks = list(self._chunks.values()), OrderedDict()
+        for chunk in chunks:
+            chunk.block.release()
+
+    def _evict_one(self) -> bool:
+        """Drop the least recently used chunk nobody is reading; False if none."""
+        with self._lock:
+            for key, chunk in self._chunks.items():
+                if not chunk.block.pinned:
+                    del self._chunks[key]
+                    self.stats.evictions += 1
+                    break
+            else:
+                return False
+        chunk.block.release()
+        return True

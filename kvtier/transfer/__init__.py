@@ -1,0 +1,36 @@
+"""Moving KV between an engine's paged cache and contiguous chunk buffers."""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+from kvtier.transfer.layout import LAYOUTS, PagedKV
+
+__all__ = ["LAYOUTS", "PagedKV", "Transfer", "make_transfer"]
+
+
+class Transfer(Protocol):
+    name: str
+
+    def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None: ...
+
+    def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+
+def make_transfer(kv: PagedKV, backend: str = "auto") -> Transfer:
+    """Triton kernels for GPU caches, torch indexing for host caches."""
+    if backend == "auto":
+        backend = "triton" if kv.device.type == "cuda" else "torch"
+    if backend == "torch":
+        from kvtier.transfer.torch_copy import TorchTransfer
+
+        return TorchTransfer(kv)
+    if backend in ("triton", "triton-staged"):
+        from kvtier.transfer.triton_copy import TritonTransfer
+
+        return TritonTransfer(kv, direct=backend == "triton")
+    raise ValueError(f"unknown transfer backend {backend!r}: auto, torch, triton, triton-staged")

@@ -1,0 +1,47 @@
+"""Gather/scatter between paged KV and chunk buffers with torch indexing.
+
+The CPU path (vLLM's CPU backend keeps KV in host memory, so there is no
+device copy), and the fallback where Triton is absent.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kvtier.transfer.layout import PagedKV
+
+
+class TorchTransfer:
+    name = "torch"
+
+    def __init__(self, kv: PagedKV) -> None:
+        self.kv = kv
+
+    def _index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = slots.to(self.kv.device, non_blocking=True)
+        return slots // self.kv.block_size, slots % self.kv.block_size
+
+    def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
+        """Copy the KV of `slots` into `chunks` ([L, K, T_i, H, D], in order)."""
+        block, offset = self._index(slots)
+        for layer_idx, layer in enumerate(self.kv.layers):
+            tokens = layer[:, block, offset]  # [K, T, H, D]
+            start = 0
+            for chunk in chunks:
+                n = chunk.shape[2]
+                chunk[layer_idx].copy_(tokens[:, start : start + n], non_blocking=True)
+                start += n
+
+    def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
+        """Copy `chunks` back into the KV pages at `slots`."""
+        block, offset = self._index(slots)
+        for layer_idx, layer in enumerate(self.kv.layers):
+            parts = [chunk[layer_idx] for chunk in chunks]
+            tokens = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            layer[:, block, offset] = tokens.to(layer.device, non_blocking=True)
+
+    def synchronize(self) -> None:
+        if self.kv.device.type == "cuda":
+            torch.cuda.current_stream(self.kv.device).synchronize()

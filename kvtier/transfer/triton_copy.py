@@ -1,0 +1,136 @@
+"""Gather/scatter in one Triton launch for all layers of a batch of chunks.
+
+Program (t, l*K + k) moves the H*D values of token t, layer l, K-or-V k
+between the engine's KV page and chunk t // C. Layer and chunk buffers are
+reached through tables of base addresses, so chunks can live anywhere the
+GPU can address: pinned host memory (the copy crosses PCIe inside the
+kernel: "direct") or a device staging buffer followed by a bulk copy
+("staged"). The kernel runs on a side stream; the caller's stream waits on
+it through an event, never through a host sync, except where the host
+itself needs the bytes.
+
+Correctness is also checked on CPU with TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kvtier.transfer.layout import PagedKV
+
+
+@triton.jit
+def _kv_copy_kernel(
+    layer0_ptr,  # typed pointer to layer 0: gives the element type
+    layer_ptrs,  # int64[L]: base address of each layer's canonical view
+    chunk_ptrs,  # int64[num_chunks]: base address of each chunk [L, K, n_c, H, D]
+    slots,  # int64[T]
+    T,
+    C,  # full chunk size in tokens
+    s_k,
+    s_b,
+    s_n,
+    s_h,  # element strides of the canonical view
+    BS,
+    W,  # H * D
+    D,
+    K: tl.constexpr,
+    TO_CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    lk = tl.program_id(1).to(tl.int64)
+    layer = lk // K
+    k = lk % K
+    slot = tl.load(slots + t).to(tl.int64)
+    c = t // C
+    tt = t - c * C
+    n_c = tl.minimum(C, T - c * C)
+    elem_ty = layer0_ptr.dtype.element_ty
+    page = tl.load(layer_ptrs + layer).to(tl.pointer_type(elem_ty))
+    page += k * s_k + (slot // BS) * s_b + (slot % BS) * s_n
+    chunk = tl.load(chunk_ptrs + c).to(tl.pointer_type(elem_ty))
+    chunk += (lk * n_c + tt) * W
+    for w0 in range(0, W, BLOCK):
+        w = w0 + tl.arange(0, BLOCK)
+        mask = w < W
+        src_off = (w // D) * s_h + (w % D)
+        if TO_CHUNK:
+            tl.store(chunk + w, tl.load(page + src_off, mask=mask), mask=mask)
+        else:
+            tl.store(page + src_off, tl.load(chunk + w, mask=mask), mask=mask)
+
+
+class TritonTransfer:
+    """Triton gather/scatter; `direct` kernels touch pinned host chunks."""
+
+    name = "triton"
+
+    def __init__(self, kv: PagedKV, *, direct: bool = True) -> None:
+        self.kv = kv
+        self.direct = direct
+        first = kv.layers[0]
+        self._strides = first.stride()[:4]
+        self._layer_ptrs = torch.tensor(
+            [t.data_ptr() for t in kv.layers], dtype=torch.int64, device=kv.device
+        )
+        w = kv.heads * kv.head_size
+        self._block = min(triton.next_power_of_2(w), 4096)
+        on_cuda = kv.device.type == "cuda"
+        self._stream = torch.cuda.Stream(kv.device) if on_cuda else None
+
+    def _launch(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], to_chunk: bool) -> None:
+        kv = self.kv
+        chunk_size = chunks[0].shape[2]
+        ptrs = torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64)
+        ptrs = ptrs.to(kv.device, non_blocking=True)
+        slots = slots.to(kv.device, non_blocking=True)
+        total = slots.numel()
+        s_k, s_b, s_n, s_h = self._strides
+        grid = (total, kv.num_layers * kv.kv)
+        _kv_copy_kernel[grid](
+            kv.layers[0], self._layer_ptrs, ptrs, slots, total, chunk_size,
+            s_k, s_b, s_n, s_h, kv.block_size, kv.heads * kv.head_size, kv.head_size,
+            K=kv.kv, TO_CHUNK=to_chunk, BLOCK=self._block,
+        )
+
+    def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
+        """Fill `chunks` with the KV of `slots`; returns once the bytes have landed."""
+        if self._stream is None:
+            self._launch(slots, chunks, to_chunk=True)
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+        with torch.cuda.stream(self._stream):
+            if self.direct or chunks[0].is_cuda:
+                self._launch(slots, chunks, to_chunk=True)
+            else:
+                staged = [torch.empty_like(c, device=self.kv.device) for c in chunks]
+                self._launch(slots, staged, to_chunk=True)
+                for host, dev in zip(chunks, staged):
+                    host.copy_(dev, non_blocking=True)
+        self._stream.synchronize()
+
+    def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
+        """Write `chunks` into the KV pages; the current stream is ordered after it."""
+        if self._stream is None:
+            self._launch(slots, chunks, to_chunk=False)
+            return
+        current = torch.cuda.current_stream(self.kv.device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            if self.direct or chunks[0].is_cuda:
+                self._launch(slots, chunks, to_chunk=False)
+            else:
+                staged = [c.to(self.kv.device, non_blocking=True) for c in chunks]
+                self._launch(slots, staged, to_chunk=False)
+        current.wait_stream(self._stream)
+        # The host blocks are released by the caller after this returns.
+        self._stream.synchronize()
+
+    def synchronize(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
