@@ -49,7 +49,7 @@ class KvtierConfig:
 
     chunk_size: int = _doc("tokens per KV chunk", default=256)
     local_cpu: bool = _doc("keep KV chunks in the CPU RAM tier", default=True)
-    max_local_cpu_size: float = _doc("CPU RAM pool size, GB", default=5.0)
+    max_local_cpu_size: float = _doc("CPU RAM pool size, GiB", default=5.0)
     local_cpu_use_hugepages: bool = _doc("back the CPU pool with 2 MiB huge pages", default=False)
     save_unfull_chunk: bool = _doc("also store the partial last chunk of a prompt", default=False)
     local_disk: str | None = _doc("directory of the disk tier (not built yet)", default=None)
@@ -78,7 +78,7 @@ class KvtierConfig:
 
     @property
     def cpu_pool_bytes(self) -> int:
-        return int(self.max_local_cpu_size * 1e9)
+        return int(self.max_local_cpu_size * 1024**3)
 
 
 # Keys that parse but whose feature has not landed: setting them to anything

@@ -17,7 +17,6 @@ more than one reference is never evicted. The pool never grows.
 
 from __future__ import annotations
 
-import logging
 import mmap
 import re
 import threading
@@ -26,8 +25,9 @@ from pathlib import Path
 import torch
 
 from kvtier.errors import HugePagesUnavailable
+from kvtier.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 HUGE_PAGE = 2 * 1024 * 1024
 _MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)

@@ -1,0 +1,215 @@
+"""CacheEngine: the one entry point engines call to store, look up and load KV.
+
+    store(tokens, slots)     keys → allocate blocks → gather KV → put in tier
+    lookup(tokens)           keys → longest stored prefix, in tokens
+    retrieve(tokens, slots)  keys → get (pins blocks) → scatter KV → release
+
+`tokens` are a prompt's token ids from its first token; `slots` are the
+paged-cache slot of each of those tokens (block_id * block_size + offset).
+Only whole chunks move (plus the partial last chunk when
+`save_unfull_chunk`), so callers pass the prefix they want considered.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvtier.config import KvtierConfig
+from kvtier.keys import ChunkSpan, KVFormat, chunk_spans
+from kvtier.logs import get_logger
+from kvtier.memory import HostPool, MemoryBlock
+from kvtier.tiers.cpu import CpuTier, StoredChunk
+from kvtier.transfer import PagedKV, make_transfer
+
+log = get_logger(__name__)
+
+Tokens = Sequence[int] | np.ndarray | torch.Tensor
+
+
+@dataclass
+class EngineStats:
+    stored_tokens: int = 0
+    retrieved_tokens: int = 0
+    skipped_store_tokens: int = 0  # dropped because the pool was full of pinned chunks
+
+
+class CacheEngine:
+    def __init__(
+        self,
+        config: KvtierConfig,
+        kv: PagedKV,
+        fmt: KVFormat,
+        *,
+        transfer: str = "auto",
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.fmt = fmt
+        self.chunk_size = config.chunk_size
+        self.pool = HostPool(
+            config.cpu_pool_bytes,
+            config.chunk_size * kv.bytes_per_token(),
+            hugepages=config.local_cpu_use_hugepages,
+        )
+        self.tier = CpuTier(self.pool)
+        self.transfer = make_transfer(kv, transfer)
+        self.stats = EngineStats()
+        if not config.local_cpu:
+            log.warning("local_cpu is false and no other tier is configured: kvtier stores nothing")
+        log.info(
+            "CacheEngine: %s, %d layers, chunk %d tokens = %.2f MB, CPU pool %d chunks (%.2f GB), "
+            "transfer %s",
+            fmt.tag(), kv.num_layers, self.chunk_size, self.pool.block_bytes / 1e6,
+            self.pool.num_blocks, self.pool.capacity / 1e9, self.transfer.name,
+        )
+
+    # -- queries ---------------------------------------------------------------
+
+    def spans(self, tokens: Tokens) -> list[ChunkSpan]:
+        return chunk_spans(_as_numpy(tokens), self.fmt, self.chunk_size, self.config.save_unfull_chunk)
+
+    def lookup(self, tokens: Tokens) -> int:
+        """Number of leading tokens whose KV is stored (a chunk boundary)."""
+        spans = self.spans(tokens)
+        hits = self.tier.prefix_hits(s.key for s in spans)
+        return spans[hits - 1].end if hits else 0
+
+    # -- store -----------------------------------------------------------------
+
+    def store(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "") -> int:
+        """Store the chunks of `tokens` that end after `start` and are not stored yet.
+
+        Returns the number of tokens stored. When the pool is full of chunks
+        in use, the rest of this store is skipped (logged once), never waited on.
+        """
+        slots = self._check(tokens, slots)
+        if not self.config.local_cpu:
+            return 0
+        t0 = time.perf_counter()
+        todo = [s for s in self.spans(tokens) if s.end > start and not self.tier.contains(s.key)]
+        blocks = self._allocate(todo, request_id)
+        todo = todo[: len(blocks)]
+        if not todo:
+            return 0
+        try:
+            chunks = [b.view(self.kv.dtype, self.kv.chunk_shape(s.num_tokens)) for s, b in zip(todo, blocks)]
+            self.transfer.gather(_concat_slots(slots, todo), chunks)
+        except BaseException:
+            for block in blocks:
+                block.release()
+            raise
+        for span, block in zip(todo, blocks):
+            self.tier.put(span.key, block, span.num_tokens)
+        stored = sum(s.num_tokens for s in todo)
+        self.stats.stored_tokens += stored
+        _log_transfer("Storing KV cache for", stored, len(slots), request_id,
+                      stored * self.kv.bytes_per_token(), time.perf_counter() - t0)
+        return stored
+
+    def _allocate(self, spans: list[ChunkSpan], request_id: str) -> list[MemoryBlock]:
+        blocks = []
+        for span in spans:
+            block = self.tier.allocate()
+            if block is None:
+                skipped = sum(s.num_tokens for s in spans[len(blocks):])
+                self.stats.skipped_store_tokens += skipped
+                log.warning(
+                    "CPU pool full of chunks in use: skipping the store of %d tokens for request %s",
+                    skipped, request_id,
+                )
+                break
+            blocks.append(block)
+        return blocks
+
+    # -- retrieve --------------------------------------------------------------
+
+    def retrieve(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "") -> torch.Tensor:
+        """Load the stored prefix of `tokens` from `start` on into the paged KV.
+
+        Returns a bool mask over `tokens`: True where KV was loaded. Loading
+        stops at the first chunk that is not stored.
+        """
+        slots = self._check(tokens, slots)
+        mask = torch.zeros(len(slots), dtype=torch.bool)
+        t0 = time.perf_counter()
+        found: list[tuple[ChunkSpan, StoredChunk]] = []
+        try:
+            for span in self.spans(tokens):
+                chunk = self.tier.get(span.key)
+                if chunk is None:
+                    break
+                found.append((span, chunk))
+            found = [(s, c) for s, c in found if s.end > start]
+            if found:
+                self._scatter(slots, found, start)
+        finally:
+            for _, chunk in found:
+                chunk.block.release()
+        loaded = 0
+        if found:
+            first = max(start, found[0][0].start)
+            mask[first : found[-1][0].end] = True
+            loaded = int(mask.sum())
+            self.stats.retrieved_tokens += loaded
+            _log_transfer("Retrieved KV cache for", loaded, len(slots), request_id,
+                          loaded * self.kv.bytes_per_token(), time.perf_counter() - t0)
+        return mask
+
+    def _scatter(self, slots: torch.Tensor, found: list[tuple[ChunkSpan, StoredChunk]], start: int) -> None:
+        views = [c.block.view(self.kv.dtype, self.kv.chunk_shape(s.num_tokens)) for s, c in found]
+        head_span = found[0][0]
+        if head_span.start < start:
+            # `start` falls inside the first chunk: load only its tail, since the
+            # slots before it may be shared prefix-cache blocks of the engine.
+            skip = start - head_span.start
+            self.transfer.scatter(slots[start : head_span.end], [views[0][:, :, skip:].contiguous()])
+            found, views = found[1:], views[1:]
+        if found:
+            self.transfer.scatter(_concat_slots(slots, [s for s, _ in found]), views)
+
+    # -- housekeeping ------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Drop every stored chunk (blocks in use are freed when released)."""
+        self.tier.clear()
+
+    def _check(self, tokens: Tokens, slots: torch.Tensor) -> torch.Tensor:
+        """Validate engine input at the boundary; returns slots as int64 on CPU."""
+        if not isinstance(slots, torch.Tensor) or slots.dim() != 1:
+            raise ValueError("slot_mapping must be a 1-D tensor of slot indices")
+        if slots.dtype.is_floating_point or slots.dtype == torch.bool:
+            raise ValueError(f"slot_mapping must hold integers, got {slots.dtype}")
+        if len(tokens) != slots.numel():
+            raise ValueError(f"{len(tokens)} tokens but {slots.numel()} slots: they must match one to one")
+        slots = slots.to("cpu", torch.int64)
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.kv.num_slots):
+            raise ValueError(
+                f"slot_mapping out of range: values in [{int(slots.min())}, {int(slots.max())}], "
+                f"the KV cache has {self.kv.num_slots} slots"
+            )
+        return slots
+
+
+def _as_numpy(tokens: Tokens) -> np.ndarray:
+    if isinstance(tokens, torch.Tensor):
+        return tokens.detach().cpu().numpy()
+    return np.asarray(tokens)
+
+
+def _concat_slots(slots: torch.Tensor, spans: Sequence[ChunkSpan]) -> torch.Tensor:
+    if len(spans) == 1 or all(a.end == b.start for a, b in zip(spans, spans[1:])):
+        return slots[spans[0].start : spans[-1].end]
+    return torch.cat([slots[s.start : s.end] for s in spans])
+
+
+def _log_transfer(what: str, n: int, total: int, request_id: str, nbytes: int, seconds: float) -> None:
+    log.info(
+        "%s %d out of %d tokens for request %s (%.1f MB in %.1f ms, %.2f GB/s)",
+        what, n, total, request_id or "-", nbytes / 1e6, seconds * 1e3,
+        nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+    )

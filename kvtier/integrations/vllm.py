@@ -1,0 +1,265 @@
+"""kvtier as a vLLM v1 KV connector.
+
+    --kv-transfer-config '{"kv_connector": "KvtierConnector",
+                           "kv_connector_module_path": "kvtier.integrations.vllm",
+                           "kv_role": "kv_both"}'
+
+vLLM makes two instances: the scheduler's (decides what to load and save)
+and the worker's (owns the CacheEngine and moves the bytes). Per step:
+
+    scheduler                                worker
+    ---------                                ------
+    get_num_new_matched_tokens ── lookup ──▶ LookupServer → engine.lookup
+    update_state_after_alloc   (plan load)
+    build_connector_meta  ── KvtierMetadata ─▶ start_load_kv  → engine.retrieve
+                                               (forward pass)
+                                               wait_for_save  → engine.store
+    request_finished      (forget request)
+
+Saves follow chunked prefill: after each step, the whole chunks computed so
+far are stored ("Storing KV cache for 2048 out of 12288 tokens"), and the
+partial last chunk once the prompt is done (if `save_unfull_chunk`).
+Loads and saves are synchronous within the step; layerwise pipelining is
+not built yet, so `wait_for_layer_load` and `save_kv_layer` do nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvtier.config import KvtierConfig, load_config
+from kvtier.engine import CacheEngine
+from kvtier.integrations.lookup import LookupClient, LookupServer, socket_path
+from kvtier.keys import KVFormat
+from kvtier.logs import get_logger
+from kvtier.transfer import PagedKV
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = get_logger(__name__)
+
+# kv_connector_extra_config keys of LMCache's connector that kvtier honours.
+_EXTRA_KEYS = {"discard_partial_chunks"}
+
+
+@dataclass
+class TransferSpec:
+    """Tokens [start, end) of a request to load or save, worker-side."""
+
+    req_id: str
+    token_ids: list[int]  # prompt[:end]
+    block_ids: list[int]
+    start: int
+
+    def slots(self, block_size: int) -> torch.Tensor:
+        n = len(self.token_ids)
+        blocks = torch.tensor(self.block_ids[: -(-n // block_size)], dtype=torch.int64)
+        offsets = torch.arange(block_size, dtype=torch.int64)
+        return (blocks[:, None] * block_size + offsets[None, :]).flatten()[:n]
+
+
+@dataclass
+class KvtierMetadata(KVConnectorMetadata):
+    loads: list[TransferSpec] = field(default_factory=list)
+    saves: list[TransferSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    """Scheduler-side state of one request."""
+
+    prompt: list[int]
+    block_ids: list[int] = field(default_factory=list)
+    saved_upto: int = 0
+    load: tuple[int, int] | None = None  # tokens [start, end) to load next step
+
+
+def connector_config(vllm_config: VllmConfig) -> KvtierConfig:
+    """kvtier config from file/env, plus LMCache-style extra config from vLLM."""
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    overrides: dict[str, Any] = {}
+    for key in extra:
+        if key not in _EXTRA_KEYS:
+            raise ValueError(
+                f"kv_connector_extra_config: unknown key {key!r}; kvtier reads "
+                f"{sorted(_EXTRA_KEYS)} there, and everything else from its config file or env"
+            )
+    if "discard_partial_chunks" in extra:
+        overrides["save_unfull_chunk"] = not _as_bool(extra["discard_partial_chunks"])
+    return load_config(overrides=overrides)
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).strip().lower() in {"true", "1", "yes"}:
+        return True
+    if str(value).strip().lower() in {"false", "0", "no"}:
+        return False
+    raise ValueError(f"discard_partial_chunks = {value!r}: expected true or false")
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.config = connector_config(vllm_config)
+        kv_cfg = vllm_config.kv_transfer_config
+        self.engine_id = kv_cfg.engine_id
+        self.can_load = kv_cfg.kv_role in ("kv_both", "kv_consumer")
+        self.can_save = kv_cfg.kv_role in ("kv_both", "kv_producer")
+        self.block_size = vllm_config.cache_config.block_size
+        self.chunk_size = self.config.chunk_size
+        if role == KVConnectorRole.SCHEDULER:
+            tp = vllm_config.parallel_config.tensor_parallel_size
+            addresses = [socket_path(self.engine_id, r) for r in range(tp)]
+            self._lookup = LookupClient(addresses, self.config.blocking_timeout_secs)
+            self._requests: dict[str, _Request] = {}
+            self._pending: dict[str, int] = {}  # req_id -> hit end, between the two calls
+        else:
+            self.engine: CacheEngine | None = None
+            self._server: LookupServer | None = None
+            self._load_errors: set[int] = set()
+
+    # ======================================================================
+    # Scheduler side
+    # ======================================================================
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        prompt = request.prompt_token_ids
+        if not self.can_load or not prompt:
+            return 0, False
+        hit = self._lookup.lookup(prompt)
+        # vLLM must compute at least one token itself to produce logits.
+        hit = min(hit, len(prompt) - 1)
+        need = max(0, hit - num_computed_tokens)
+        log.info("Reqid: %s, Total tokens %d, hit tokens %d, need to load %d",
+                 request.request_id, len(prompt), hit, need)
+        if need:
+            self._pending[request.request_id] = num_computed_tokens + need
+        return need, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        end = self._pending.pop(request.request_id, 0)
+        if num_external_tokens > 0 and request.prompt_token_ids:
+            state = self._requests.setdefault(request.request_id, _Request(list(request.prompt_token_ids)))
+            state.load = (end - num_external_tokens, end)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
+        meta = KvtierMetadata()
+        sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            if not new.prompt_token_ids:
+                continue
+            state = self._requests.setdefault(new.req_id, _Request(list(new.prompt_token_ids)))
+            state.block_ids = list(new.block_ids[0])
+            self._plan(meta, new.req_id, state, new.num_computed_tokens + sched.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                # Preempted and resumed: its blocks are new, and its KV must be recomputed.
+                state.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                state.block_ids.extend(new_blocks[0])
+            self._plan(meta, req_id, state, cached.num_computed_tokens[i] + sched.get(req_id, 0))
+        return meta
+
+    def _plan(self, meta: KvtierMetadata, req_id: str, state: _Request, computed_after_step: int) -> None:
+        if state.load is not None:
+            start, end = state.load
+            meta.loads.append(TransferSpec(req_id, state.prompt[:end], state.block_ids, start))
+            state.load = None
+        if not self.can_save or state.saved_upto >= len(state.prompt):
+            return
+        end = min(computed_after_step, len(state.prompt))
+        if end < len(state.prompt):
+            end -= end % self.chunk_size  # mid-prompt: whole chunks only
+        if end > state.saved_upto:
+            meta.saves.append(TransferSpec(req_id, state.prompt[:end], state.block_ids, state.saved_upto))
+            state.saved_upto = end
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        self._pending.pop(request.request_id, None)
+        return False, None
+
+    # ======================================================================
+    # Worker side
+    # ======================================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        model_config = self._vllm_config.model_config
+        kv = PagedKV.wrap([kv_caches[n] for n in names], "vllm", mla=model_config.use_mla)
+        rank = get_tensor_model_parallel_rank()
+        fmt = KVFormat(
+            model=model_config.model,
+            layout="vllm-mla" if model_config.use_mla else "vllm",
+            dtype=str(kv.dtype).removeprefix("torch."),
+            tp_rank=rank,
+            tp_size=get_tensor_model_parallel_world_size(),
+        )
+        self.engine = CacheEngine(self.config, kv, fmt)
+        self._server = LookupServer(socket_path(self.engine_id, rank), self.engine.lookup)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierMetadata) and self.engine is not None
+        for spec in meta.loads:
+            end = len(spec.token_ids)
+            mask = self.engine.retrieve(spec.token_ids, spec.slots(self.block_size),
+                                        start=spec.start, request_id=spec.req_id)
+            loaded_end = spec.start + int(mask[spec.start:].sum())
+            if loaded_end < end:
+                # Evicted between lookup and load: vLLM recomputes these blocks.
+                first, last = loaded_end // self.block_size, (end - 1) // self.block_size
+                self._load_errors.update(spec.block_ids[first : last + 1])
+                log.warning("request %s: %d of %d tokens could not be loaded; they will be recomputed",
+                            spec.req_id, end - loaded_end, end - spec.start)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierMetadata) and self.engine is not None
+        for spec in meta.saves:
+            self.engine.store(spec.token_ids, spec.slots(self.block_size),
+                              start=spec.start, request_id=spec.req_id)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.role == KVConnectorRole.SCHEDULER:
+            self._lookup.close()
+        elif self._server is not None:
+            self._server.close()
+            self._server = None

@@ -1,0 +1,17 @@
+"""kvtier's log lines: 'kvtier INFO: ...' on stderr, whatever the host app does."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+
+def get_logger(name: str) -> logging.Logger:
+    root = logging.getLogger("kvtier")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("kvtier %(levelname)s %(asctime)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(os.environ.get("KVTIER_LOG_LEVEL", "INFO").upper())
+        root.propagate = False
+    return logging.getLogger(name)
