@@ -130,17 +130,16 @@ def _reject_unbuilt(cfg: KvtierConfig) -> None:
 def _expected(key: str) -> str:
     hint = _HINTS[key]
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    base = args[0] if args else hint
-    text = names.get(base, "a mapping")
-    return text + (" or null" if type(None) in typing.get_args(hint) else "")
+    optional = isinstance(hint, types.UnionType) and type(None) in typing.get_args(hint)
+    base = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
+    return names.get(base, "a mapping") + (" or null" if optional else "")
 
 
 def _coerce(key: str, value: Any) -> Any:
     """Turn a YAML value or env string into the field's type, or fail."""
     hint = _HINTS[key]
     optional = isinstance(hint, types.UnionType) and type(None) in typing.get_args(hint)
-    base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+    base = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
     if isinstance(value, str) and optional and value.strip().lower() in _NONE:
         return None
     if value is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from typing import Protocol, Sequence
 
 import torch
@@ -30,6 +32,11 @@ def make_transfer(kv: PagedKV, backend: str = "auto") -> Transfer:
 
         return TorchTransfer(kv)
     if backend in ("triton", "triton-staged"):
+        if kv.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"the Triton transfer needs a CUDA device, the KV cache is on {kv.device} "
+                "(set TRITON_INTERPRET=1 to run the kernels in Triton's interpreter for checks)"
+            )
         from kvtier.transfer.triton_copy import TritonTransfer
 
         return TritonTransfer(kv, direct=backend == "triton")

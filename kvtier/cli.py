@@ -1,0 +1,84 @@
+"""The `kvtier` command: demo, benchmarks, and the config reference."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvtier.demo import run_demo
+
+    result = run_demo(Path(args.workdir), prompt_tokens=args.prompt_tokens)
+    return 0 if result.hit_lines else 1
+
+
+def _bench_offload(args: argparse.Namespace) -> int:
+    from kvtier.bench.offload import OffloadShape, run_offload, write_result
+
+    shape = OffloadShape(
+        tokens=args.tokens, layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
+        dtype=args.dtype, block_size=args.block_size, layout=args.layout, chunk_size=args.chunk_size,
+    )
+    transfers = ["torch", "triton", "triton-staged"] if args.transfer == "all" else [args.transfer]
+    for transfer in transfers:
+        result = run_offload(shape, args.device, transfer, args.repeats)
+        s = result.summary()
+        print(
+            f"{result.machine} | {result.transfer} | {shape.tokens} tokens, {result.kv_bytes / 1e9:.2f} GB | "
+            f"store {s['store_GBps']} GB/s ({s['store_ratio']:.2f} of copy {s['copy_d2h_GBps']}) | "
+            f"retrieve {s['retrieve_GBps']} GB/s ({s['retrieve_ratio']:.2f} of copy {s['copy_h2d_GBps']})"
+        )
+        if args.output:
+            write_result(result, Path(args.output), "kvtier " + shlex.join(sys.argv[1:]))
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from kvtier.config import describe_keys, load_config
+
+    if args.keys:
+        for key, default, doc in describe_keys():
+            print(f"| `{key}` | `{default}` | {doc} |")
+        return 0
+    print(load_config())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="vLLM + kvtier: one long prompt twice, cold vs warm TTFT")
+    demo.add_argument("--workdir", default=".kvtier/demo")
+    demo.add_argument("--prompt-tokens", type=int, default=8000)
+    demo.set_defaults(fn=_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    off = bench.add_parser("offload", help="store/retrieve GB/s vs plain copy bandwidth")
+    off.add_argument("--tokens", type=int, default=16384)
+    off.add_argument("--layers", type=int, default=32)
+    off.add_argument("--kv-heads", type=int, default=8)
+    off.add_argument("--head-dim", type=int, default=128)
+    off.add_argument("--dtype", default="bfloat16")
+    off.add_argument("--block-size", type=int, default=16)
+    off.add_argument("--layout", default="flash_attn", choices=["flash_attn", "flashinfer", "mla", "vllm"])
+    off.add_argument("--chunk-size", type=int, default=256)
+    off.add_argument("--device", default="auto")
+    off.add_argument("--transfer", default="auto", choices=["auto", "torch", "triton", "triton-staged", "all"])
+    off.add_argument("--repeats", type=int, default=5)
+    off.add_argument("--output", help="append results to this JSON file")
+    off.set_defaults(fn=_bench_offload)
+
+    cfg = sub.add_parser("config", help="print the effective config (file + env)")
+    cfg.add_argument("--keys", action="store_true", help="print every key with its default")
+    cfg.set_defaults(fn=_config)
+
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

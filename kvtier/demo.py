@@ -1,0 +1,181 @@
+"""The two-query TTFT demo of LMCache's CPU offload guide, on CPU.
+
+Starts vLLM's OpenAI-compatible server with kvtier on a small Llama-shaped
+model made locally, sends one long prompt twice through a streaming OpenAI
+client, and prints cold TTFT, warm TTFT, the speedup and the server's
+hit-token log line. vLLM's own prefix caching is off, so the second query
+is fast only because kvtier loads the prompt's KV from CPU RAM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from kvtier.tinymodel import corpus_text, make_tiny_llama
+
+HIT_LINE = re.compile(r"Reqid: \S+, Total tokens (\d+), hit tokens (\d+), need to load (\d+)")
+CONNECTOR = {
+    "kv_connector": "KvtierConnector",
+    "kv_connector_module_path": "kvtier.integrations.vllm",
+    "kv_role": "kv_both",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    log_path: Path
+    proc: subprocess.Popen
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def hit_lines(self) -> list[tuple[int, int, int]]:
+        return [tuple(map(int, m.groups())) for m in HIT_LINE.finditer(self.log_text())]
+
+
+@contextlib.contextmanager
+def vllm_server(
+    model_dir: Path,
+    workdir: Path,
+    *,
+    env: dict[str, str] | None = None,
+    kv_connector: dict | None = CONNECTOR,
+    max_model_len: int = 16384,
+    startup_timeout: float = 900,
+) -> Iterator[Server]:
+    """Run vLLM's OpenAI server on a free loopback port until the block exits."""
+    port = free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    log_path = workdir / f"vllm-{port}.log"
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--load-format", "dummy", "--seed", "0",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--max-model-len", str(max_model_len), "--no-enable-prefix-caching",
+    ]
+    if kv_connector:
+        cmd += ["--kv-transfer-config", json.dumps(kv_connector)]
+    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", **(env or {})}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                start_new_session=True)
+    server = Server(f"http://127.0.0.1:{port}", log_path, proc)
+    try:
+        _wait_healthy(server, startup_timeout)
+        yield server
+    finally:
+        _stop(proc)
+
+
+def _wait_healthy(server: Server, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(
+                f"vLLM server exited with code {server.proc.returncode}; its log ends:\n"
+                + server.log_text()[-4000:]
+            )
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"vLLM server not healthy after {timeout:.0f} s; log: {server.log_path}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def long_prompt(tokenizer_dir: Path, num_tokens: int) -> str:
+    """Stdlib text cut to about `num_tokens` tokens, then a question."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    ids = tok.encode(corpus_text(min_chars=num_tokens * 8))[:num_tokens]
+    return tok.decode(ids) + "\n\nSummarize this code in 2 sentences."
+
+
+def query_ttft(url: str, model: str, prompt: str, max_tokens: int = 32) -> tuple[float, str]:
+    """Stream one chat completion; returns (time to first token, text)."""
+    from openai import OpenAI
+
+    client = OpenAI(api_key="dummy-key", base_url=url + "/v1")
+    start = time.perf_counter()
+    ttft, parts = None, []
+    stream = client.chat.completions.create(
+        messages=[{"role": "user", "content": prompt}], model=model,
+        temperature=0, max_tokens=max_tokens, stream=True,
+    )
+    for chunk in stream:
+        delta = chunk.choices[0].delta.content if chunk.choices else None
+        if delta:
+            ttft = ttft or time.perf_counter() - start
+            parts.append(delta)
+    if ttft is None:
+        raise RuntimeError("the server streamed no tokens")
+    return ttft, "".join(parts)
+
+
+@dataclass
+class DemoResult:
+    prompt_tokens: int
+    cold_ttft: float
+    warm_ttft: float
+    hit_lines: list[tuple[int, int, int]]
+
+    @property
+    def speedup(self) -> float:
+        return self.cold_ttft / self.warm_ttft
+
+
+def run_demo(workdir: Path, prompt_tokens: int = 8000, chunk_size: int = 256) -> DemoResult:
+    model_dir = make_tiny_llama(workdir / "tiny-llama")
+    config_file = workdir / "cpu-offload.yaml"
+    config_file.write_text(f"chunk_size: {chunk_size}\nlocal_cpu: true\nmax_local_cpu_size: 2.0\n")
+    prompt = long_prompt(model_dir, prompt_tokens)
+    print(f"Starting vLLM with kvtier (model {model_dir}, config {config_file}) ...", flush=True)
+    with vllm_server(model_dir, workdir, env={"LMCACHE_CONFIG_FILE": str(config_file)}) as server:
+        model = str(model_dir)
+        query_ttft(server.url, model, "Hello", max_tokens=2)  # warm up the server, not the cache
+        print("Querying vLLM server with cold kvtier CPU offload", flush=True)
+        cold, text = query_ttft(server.url, model, prompt)
+        print(f"{text!r}\nCold TTFT: {cold:.3f} seconds\n", flush=True)
+        print("Querying vLLM server with warm kvtier CPU offload", flush=True)
+        warm, text = query_ttft(server.url, model, prompt)
+        print(f"{text!r}\nWarm TTFT: {warm:.3f} seconds\n", flush=True)
+        time.sleep(0.5)  # let the server flush its log
+        hits = [h for h in server.hit_lines() if h[0] > 100]
+    result = DemoResult(hits[0][0] if hits else 0, cold, warm, hits)
+    print(f"TTFT Improvement: {cold - warm:.3f} seconds ({result.speedup:.1f}x faster)")
+    for total, hit, load in hits:
+        print(f"server log: Total tokens {total}, hit tokens {hit}, need to load {load}")
+    return result

@@ -1,0 +1,139 @@
+import logging
+import os
+
+import psutil
+import pytest
+import torch
+
+from kvtier.config import KvtierConfig
+from kvtier.engine import CacheEngine
+from kvtier.keys import KVFormat
+from kvtier.transfer import PagedKV
+
+L, NB, BS, H, D = 2, 64, 16, 2, 32
+FMT = KVFormat("m", "flash_attn", "float32")
+
+
+def make_engine(chunk=16, pool_mb=1.0, unfull=False, layers=None):
+    layers = layers or [torch.randn(2, NB, BS, H, D) for _ in range(L)]
+    cfg = KvtierConfig(chunk_size=chunk, max_local_cpu_size=pool_mb / 1024, save_unfull_chunk=unfull)
+    return CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), FMT), layers
+
+
+def tokens_at(layers, slots):
+    return torch.stack([x[:, slots // BS, slots % BS] for x in layers])
+
+
+def test_store_lookup_retrieve_roundtrip():
+    eng, layers = make_engine()
+    toks = list(range(100))
+    perm = torch.randperm(NB * BS)
+    src, dst = perm[:100], perm[100:200]
+    assert eng.store(toks, src) == 96  # 6 whole chunks of 16
+    assert eng.lookup(toks) == 96 and eng.lookup(toks[:50]) == 48 and eng.lookup([7] * 40) == 0
+    mask = eng.retrieve(toks, dst)
+    assert mask[:96].all() and not mask[96:].any()
+    assert torch.equal(tokens_at(layers, src[:96]), tokens_at(layers, dst[:96]))
+
+
+def test_store_skips_chunks_already_stored_and_honours_start():
+    eng, _ = make_engine()
+    toks, slots = list(range(64)), torch.arange(64)
+    assert eng.store(toks[:32], slots[:32]) == 32
+    assert eng.store(toks, slots, start=0) == 32  # only the two new chunks
+    assert eng.store(toks, slots) == 0
+
+
+def test_retrieve_from_mid_chunk_start_leaves_earlier_slots_alone():
+    eng, layers = make_engine()
+    toks = list(range(48))
+    eng.store(toks, torch.arange(48))
+    dst = torch.arange(200, 248)
+    before = tokens_at(layers, dst[:20]).clone()
+    mask = eng.retrieve(toks, dst, start=20)
+    assert not mask[:20].any() and mask[20:].all()
+    assert torch.equal(tokens_at(layers, dst[:20]), before)
+    assert torch.equal(tokens_at(layers, dst[20:]), tokens_at(layers, torch.arange(20, 48)))
+
+
+def test_save_unfull_chunk():
+    eng, layers = make_engine(unfull=True)
+    toks = list(range(40))
+    assert eng.store(toks, torch.arange(40)) == 40
+    assert eng.lookup(toks) == 40
+    mask = eng.retrieve(toks, torch.arange(300, 340))
+    assert mask.all()
+    assert torch.equal(tokens_at(layers, torch.arange(32, 40)), tokens_at(layers, torch.arange(332, 340)))
+
+
+def test_retrieve_stops_at_first_missing_chunk():
+    eng, _ = make_engine()
+    toks = list(range(64))
+    eng.store(toks, torch.arange(64))
+    eng.tier.delete(eng.spans(toks)[1].key)
+    assert eng.lookup(toks) == 16
+    assert int(eng.retrieve(toks, torch.arange(64)).sum()) == 16
+
+
+def test_full_pool_of_pinned_chunks_skips_store_and_logs_once(caplog):
+    eng, _ = make_engine(pool_mb=2 * 16 * L * 2 * H * D * 4 / 1e6 * 1.0001 * 1e6 / 1024**2)
+    assert eng.pool.num_blocks == 2
+    eng.store(list(range(32)), torch.arange(32))
+    held = [eng.tier.get(s.key) for s in eng.spans(list(range(32)))]  # in-flight loads pin both
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        assert eng.store(list(range(100, 164)), torch.arange(64)) == 0
+    warnings = [r for r in caplog.records if "pool full" in r.getMessage()]
+    assert len(warnings) == 1 and "64 tokens" in warnings[0].getMessage()
+    for chunk in held:
+        chunk.block.release()
+    assert eng.store(list(range(100, 164)), torch.arange(64)) == 32  # evicts the released two
+
+
+@pytest.mark.parametrize("tokens, slots, match", [
+    (list(range(10)), torch.arange(9), "10 tokens but 9 slots"),
+    (list(range(10)), torch.arange(10) + NB * BS, "out of range"),
+    (list(range(10)), torch.arange(10) - 1, "out of range"),
+    (list(range(10)), torch.zeros(10), "integers"),
+    (list(range(10)), torch.zeros(2, 5, dtype=torch.long), "1-D"),
+])
+def test_bad_input_is_a_clear_value_error_and_cache_keeps_serving(tokens, slots, match):
+    eng, layers = make_engine()
+    good = list(range(32))
+    eng.store(good, torch.arange(32))
+    for op in (eng.store, eng.retrieve):
+        with pytest.raises(ValueError, match=match):
+            op(tokens, slots)
+    assert eng.pool.used_bytes == 2 * eng.pool.block_bytes  # nothing leaked
+    assert int(eng.retrieve(good, torch.arange(500, 532)).sum()) == 32
+    assert eng.store(list(range(50, 82)), torch.arange(32)) == 32
+
+
+def test_mismatched_kv_shapes_are_refused():
+    with pytest.raises(ValueError, match="share shape"):
+        PagedKV.wrap([torch.zeros(2, NB, BS, H, D), torch.zeros(2, NB, BS, H, D + 1)], "flash_attn")
+
+
+def test_memory_stays_flat_over_10000_cycles_with_eviction():
+    """10,000 store/retrieve cycles through a 64 MiB pool that keeps evicting."""
+    layers = [torch.randn(2, 256, 16, 4, 64) for _ in range(4)]  # 32 KiB per token
+    cfg = KvtierConfig(chunk_size=16, max_local_cpu_size=64 / 1024)
+    eng = CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), FMT)
+    logging.getLogger("kvtier").setLevel(logging.WARNING)
+    proc = psutil.Process(os.getpid())
+    gen = torch.Generator().manual_seed(0)
+    rss = []
+    try:
+        for i in range(10_000):
+            toks = torch.randint(0, 50_000, (64,), generator=gen)
+            slots = torch.randperm(256 * 16, generator=gen)[:64]
+            assert eng.store(toks, slots) == 64
+            assert int(eng.retrieve(toks, slots).sum()) == 64
+            if i % 500 == 499:
+                rss.append(proc.memory_info().rss)
+    finally:
+        logging.getLogger("kvtier").setLevel(logging.INFO)
+    assert eng.tier.stats.evictions > 9_000
+    warm = rss[2:]  # after warm-up
+    assert max(warm) <= min(warm) * 1.05, [r // 2**20 for r in rss]
+    eng.clear()
+    assert eng.pool.used_bytes == 0

@@ -1,0 +1,55 @@
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvtier.keys import KVFormat, chunk_spans
+
+FMT = KVFormat("m", "flash_attn", "bfloat16")
+
+
+def test_prefix_chaining():
+    a = chunk_spans(list(range(1000)), FMT, 256, False)
+    b = chunk_spans(list(range(768)) + [5] * 232, FMT, 256, False)
+    assert [s.end for s in a] == [256, 512, 768]
+    assert [s.key for s in a] == [s.key for s in b]  # same first 768 tokens
+    c = chunk_spans([1] + list(range(1, 1000)), FMT, 256, False)
+    assert all(x.key != y.key for x, y in zip(a, c))  # first token differs: every key differs
+
+
+def test_unfull_chunk_follows_config():
+    assert [s.end for s in chunk_spans(range(600), FMT, 256, True)] == [256, 512, 600]
+    assert [s.end for s in chunk_spans(range(600), FMT, 256, False)] == [256, 512]
+    # A partial chunk's key differs from the full chunk over the same start.
+    assert chunk_spans(range(600), FMT, 256, True)[2].key != chunk_spans(range(768), FMT, 256, True)[2].key
+
+
+def test_format_is_part_of_the_key():
+    toks = list(range(256))
+    keys = {chunk_spans(toks, f, 256, False)[0].key for f in [
+        FMT, KVFormat("other", "flash_attn", "bfloat16"), KVFormat("m", "mla", "bfloat16"),
+        KVFormat("m", "flash_attn", "float16"), KVFormat("m", "flash_attn", "bfloat16", 1, 2)]}
+    assert len(keys) == 5
+
+
+def test_golden_digest_is_stable():
+    # Pinned so that a change of the hash (which would orphan every stored
+    # chunk in shared tiers) is a deliberate, versioned decision.
+    d = chunk_spans(list(range(256)), FMT, 256, False)[0].key.digest.hex()
+    assert d == GOLDEN
+
+
+def test_same_keys_in_processes_with_different_hash_seeds():
+    code = "from kvtier.keys import *; print(chunk_spans(list(range(512)), KVFormat('m','flash_attn','bfloat16'), 256, False)[1].key.digest.hex())"
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout for seed in ("0", "1", "random")}
+    assert len(outs) == 1
+
+
+def test_token_range_checked():
+    with pytest.raises(ValueError):
+        chunk_spans(np.array([-1] * 256), FMT, 256, False)
+
+
+GOLDEN = "986edfd8d75cbe5b3ff63276534329cf"

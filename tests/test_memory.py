@@ -1,0 +1,67 @@
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.errors import HugePagesUnavailable
+from kvtier.memory import HUGE_PAGE, HostPool, free_huge_pages
+
+
+def test_pool_is_fixed_and_blocks_are_refcounted():
+    pool = HostPool(10 * 1024, 1024)
+    blocks = [pool.allocate() for _ in range(10)]
+    assert all(b is not None for b in blocks) and pool.allocate() is None  # never grows
+    assert pool.used_bytes == 10 * 1024
+    b = blocks[0].retain()
+    assert b.pinned and b.ref_count == 2
+    b.release()
+    assert not b.pinned
+    b.release()
+    assert pool.free_blocks == 1
+    with pytest.raises(RuntimeError, match="double release"):
+        b.release()
+    for blk in blocks[1:]:
+        blk.release()
+    assert pool.used_bytes == 0
+
+
+def test_block_views_are_disjoint():
+    pool = HostPool(4096, 1024)
+    a, b = pool.allocate(), pool.allocate()
+    a.view(torch.float32, (2, 128)).fill_(1)
+    b.view(torch.float32, (256,)).fill_(2)
+    assert a.view(torch.float32, (256,)).sum() == 256
+    with pytest.raises(ValueError, match="needs"):
+        a.view(torch.float32, (257,))
+
+
+def test_pool_smaller_than_a_chunk_is_refused():
+    with pytest.raises(ValueError, match="cannot hold one chunk"):
+        HostPool(1000, 4096)
+
+
+def test_hugepages_shortfall_says_how_many_and_the_sysctl():
+    need = free_huge_pages() + 3
+    with pytest.raises(HugePagesUnavailable) as info:
+        HostPool(need * HUGE_PAGE, HUGE_PAGE, hugepages=True)
+    msg = str(info.value)
+    assert f"needs {need} huge pages" in msg and f"sysctl -w vm.nr_hugepages={need}" in msg
+
+
+def test_hugepages_pool_when_pages_are_reserved():
+    knob = Path("/proc/sys/vm/nr_hugepages")
+    before = int(knob.read_text())
+    try:
+        knob.write_text(str(before + 4))
+    except OSError:
+        pytest.skip("cannot reserve huge pages here (not root)")
+    try:
+        if free_huge_pages() < 4:
+            pytest.skip("the kernel did not grant the huge pages")
+        pool = HostPool(4 * HUGE_PAGE, HUGE_PAGE, hugepages=True)
+        block = pool.allocate()
+        block.view(torch.uint8, (HUGE_PAGE,)).fill_(7)
+        assert int(block.data.sum()) == 7 * HUGE_PAGE
+        del block, pool
+    finally:
+        knob.write_text(str(before))
