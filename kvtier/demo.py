@@ -67,7 +67,7 @@ def vllm_server(
     log_path = workdir / f"vllm-{port}.log"
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--load-format", "dummy", "--seed", "0",
+        "--model", str(model_dir), "--seed", "0",
         "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", str(max_model_len), "--no-enable-prefix-caching",
     ]

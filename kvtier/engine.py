@@ -129,48 +129,58 @@ class CacheEngine:
     # -- retrieve --------------------------------------------------------------
 
     def retrieve(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "") -> torch.Tensor:
-        """Load the stored prefix of `tokens` from `start` on into the paged KV.
+        """Load stored KV for tokens [start, len(slots)) into the paged KV.
 
-        Returns a bool mask over `tokens`: True where KV was loaded. Loading
-        stops at the first chunk that is not stored.
+        `tokens` may run past `slots`: the extra tokens only make the keys
+        (so the first tokens of a stored chunk can be loaded alone, e.g. all
+        but the last prompt token). Returns a bool mask over `slots`: True
+        where KV was loaded. Loading stops at the first chunk not stored.
         """
-        slots = self._check(tokens, slots)
-        mask = torch.zeros(len(slots), dtype=torch.bool)
+        slots = self._check(tokens, slots, exact=False)
+        end = len(slots)
+        mask = torch.zeros(end, dtype=torch.bool)
         t0 = time.perf_counter()
         found: list[tuple[ChunkSpan, StoredChunk]] = []
         try:
             for span in self.spans(tokens):
+                if span.start >= end:
+                    break
                 chunk = self.tier.get(span.key)
                 if chunk is None:
                     break
                 found.append((span, chunk))
             found = [(s, c) for s, c in found if s.end > start]
             if found:
-                self._scatter(slots, found, start)
+                self._scatter(slots, found, start, end)
         finally:
             for _, chunk in found:
                 chunk.block.release()
-        loaded = 0
         if found:
-            first = max(start, found[0][0].start)
-            mask[first : found[-1][0].end] = True
+            mask[max(start, found[0][0].start) : min(end, found[-1][0].end)] = True
             loaded = int(mask.sum())
             self.stats.retrieved_tokens += loaded
-            _log_transfer("Retrieved KV cache for", loaded, len(slots), request_id,
+            _log_transfer("Retrieved KV cache for", loaded, end, request_id,
                           loaded * self.kv.bytes_per_token(), time.perf_counter() - t0)
         return mask
 
-    def _scatter(self, slots: torch.Tensor, found: list[tuple[ChunkSpan, StoredChunk]], start: int) -> None:
-        views = [c.block.view(self.kv.dtype, self.kv.chunk_shape(s.num_tokens)) for s, c in found]
-        head_span = found[0][0]
-        if head_span.start < start:
-            # `start` falls inside the first chunk: load only its tail, since the
-            # slots before it may be shared prefix-cache blocks of the engine.
-            skip = start - head_span.start
-            self.transfer.scatter(slots[start : head_span.end], [views[0][:, :, skip:].contiguous()])
-            found, views = found[1:], views[1:]
-        if found:
-            self.transfer.scatter(_concat_slots(slots, [s for s, _ in found]), views)
+    def _scatter(self, slots: torch.Tensor, found: list[tuple[ChunkSpan, StoredChunk]], start: int, end: int) -> None:
+        """Whole chunks in one transfer; a chunk cut by start or end on its own.
+
+        A cut chunk writes only its tokens inside [start, end): the slots
+        before `start` may be prefix-cache blocks the engine shares.
+        """
+        whole_spans, whole_views = [], []
+        for span, chunk in found:
+            view = chunk.block.view(self.kv.dtype, self.kv.chunk_shape(span.num_tokens))
+            a, b = max(start, span.start), min(end, span.end)
+            if (a, b) == (span.start, span.end):
+                whole_spans.append(span)
+                whole_views.append(view)
+            else:
+                part = view[:, :, a - span.start : b - span.start].contiguous()
+                self.transfer.scatter(slots[a:b], [part])
+        if whole_spans:
+            self.transfer.scatter(_concat_slots(slots, whole_spans), whole_views)
 
     # -- housekeeping ------------------------------------------------------------
 
@@ -178,14 +188,15 @@ class CacheEngine:
         """Drop every stored chunk (blocks in use are freed when released)."""
         self.tier.clear()
 
-    def _check(self, tokens: Tokens, slots: torch.Tensor) -> torch.Tensor:
+    def _check(self, tokens: Tokens, slots: torch.Tensor, exact: bool = True) -> torch.Tensor:
         """Validate engine input at the boundary; returns slots as int64 on CPU."""
         if not isinstance(slots, torch.Tensor) or slots.dim() != 1:
             raise ValueError("slot_mapping must be a 1-D tensor of slot indices")
         if slots.dtype.is_floating_point or slots.dtype == torch.bool:
             raise ValueError(f"slot_mapping must hold integers, got {slots.dtype}")
-        if len(tokens) != slots.numel():
-            raise ValueError(f"{len(tokens)} tokens but {slots.numel()} slots: they must match one to one")
+        if len(tokens) != slots.numel() if exact else len(tokens) < slots.numel():
+            raise ValueError(f"{len(tokens)} tokens but {slots.numel()} slots: every token needs one slot"
+                             + (" and every slot one token" if exact else ""))
         slots = slots.to("cpu", torch.int64)
         if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.kv.num_slots):
             raise ValueError(

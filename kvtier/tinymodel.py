@@ -1,9 +1,15 @@
 """A small Llama-shaped model directory made locally, for tests and the demo.
 
 Nothing is downloaded: the tokenizer is a byte-level BPE trained here on
-text from Python's own standard library, and the weights are vLLM's
-`load_format="dummy"` (random, seeded), so the directory holds only
-config.json and the tokenizer files.
+text from Python's own standard library, and the weights are random,
+seeded, written as model.safetensors.
+
+Why not vLLM's `load_format="dummy"`: it fills every tensor, norm weights
+included, with U(-1e-3, 1e-3), so attention adds less than bf16 can
+resolve and the output does not depend on the context at all. A test
+that compares output with and without loaded KV would then pass even if
+the KV were wrong. Here linear weights are N(0, 0.02) and norms are 1, as
+a freshly initialised Llama has, so the output follows the context.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ def corpus_text(min_chars: int = 0) -> str:
 def make_tiny_llama(path: str | Path, spec: TinyLlama = TinyLlama()) -> Path:
     """Write config.json and tokenizer files to `path` (idempotent)."""
     path = Path(path)
-    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
+    if all((path / f).exists() for f in ("config.json", "tokenizer.json", "model.safetensors")):
         return path
     path.mkdir(parents=True, exist_ok=True)
     _write_tokenizer(path, spec.vocab_size)
@@ -66,8 +72,40 @@ def make_tiny_llama(path: str | Path, spec: TinyLlama = TinyLlama()) -> Path:
         "bos_token_id": vocab["<s>"],
         "eos_token_id": vocab["</s>"],
     }
+    _write_weights(path, spec)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def _write_weights(path: Path, spec: TinyLlama, seed: int = 0) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, spec.torch_dtype)
+    h, inter, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    q, kv = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
+
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.02).to(dtype)
+
+    weights = {"model.embed_tokens.weight": normal(spec.vocab_size, h),
+               "model.norm.weight": torch.ones(h, dtype=dtype),
+               "lm_head.weight": normal(spec.vocab_size, h)}
+    for i in range(spec.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        weights.update({
+            pre + "self_attn.q_proj.weight": normal(q, h),
+            pre + "self_attn.k_proj.weight": normal(kv, h),
+            pre + "self_attn.v_proj.weight": normal(kv, h),
+            pre + "self_attn.o_proj.weight": normal(h, q),
+            pre + "mlp.gate_proj.weight": normal(inter, h),
+            pre + "mlp.up_proj.weight": normal(inter, h),
+            pre + "mlp.down_proj.weight": normal(h, inter),
+            pre + "input_layernorm.weight": torch.ones(h, dtype=dtype),
+            pre + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
+        })
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _write_tokenizer(path: Path, vocab_size: int) -> None:

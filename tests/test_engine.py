@@ -90,7 +90,7 @@ def test_full_pool_of_pinned_chunks_skips_store_and_logs_once(caplog):
 
 
 @pytest.mark.parametrize("tokens, slots, match", [
-    (list(range(10)), torch.arange(9), "10 tokens but 9 slots"),
+    (list(range(9)), torch.arange(10), "9 tokens but 10 slots"),
     (list(range(10)), torch.arange(10) + NB * BS, "out of range"),
     (list(range(10)), torch.arange(10) - 1, "out of range"),
     (list(range(10)), torch.zeros(10), "integers"),
@@ -137,3 +137,18 @@ def test_memory_stays_flat_over_10000_cycles_with_eviction():
     assert max(warm) <= min(warm) * 1.05, [r // 2**20 for r in rss]
     eng.clear()
     assert eng.pool.used_bytes == 0
+
+
+def test_retrieve_part_of_a_chunk_by_slots():
+    """All but the last prompt token: keys from the full prompt, slots stop early."""
+    eng, layers = make_engine()
+    toks = list(range(64))
+    eng.store(toks, torch.arange(64))
+    dst = torch.arange(300, 363)  # 63 slots
+    before = tokens_at(layers, torch.tensor([363])).clone()
+    mask = eng.retrieve(toks, dst)
+    assert mask.all() and len(mask) == 63
+    assert torch.equal(tokens_at(layers, dst), tokens_at(layers, torch.arange(63)))
+    assert torch.equal(tokens_at(layers, torch.tensor([363])), before)
+    with pytest.raises(ValueError, match="every token needs one slot"):
+        eng.retrieve(toks[:10], torch.arange(11))

@@ -61,12 +61,13 @@ class TransferSpec:
     """Tokens [start, end) of a request to load or save, worker-side."""
 
     req_id: str
-    token_ids: list[int]  # prompt[:end]
+    token_ids: list[int]  # the prompt up to `end` or beyond (for keys)
     block_ids: list[int]
     start: int
+    end: int
 
     def slots(self, block_size: int) -> torch.Tensor:
-        n = len(self.token_ids)
+        n = self.end
         blocks = torch.tensor(self.block_ids[: -(-n // block_size)], dtype=torch.int64)
         offsets = torch.arange(block_size, dtype=torch.int64)
         return (blocks[:, None] * block_size + offsets[None, :]).flatten()[:n]
@@ -184,7 +185,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def _plan(self, meta: KvtierMetadata, req_id: str, state: _Request, computed_after_step: int) -> None:
         if state.load is not None:
             start, end = state.load
-            meta.loads.append(TransferSpec(req_id, state.prompt[:end], state.block_ids, start))
+            meta.loads.append(TransferSpec(req_id, state.prompt, state.block_ids, start, end))
             state.load = None
         if not self.can_save or state.saved_upto >= len(state.prompt):
             return
@@ -192,7 +193,7 @@ class KvtierConnector(KVConnectorBase_V1):
         if end < len(state.prompt):
             end -= end % self.chunk_size  # mid-prompt: whole chunks only
         if end > state.saved_upto:
-            meta.saves.append(TransferSpec(req_id, state.prompt[:end], state.block_ids, state.saved_upto))
+            meta.saves.append(TransferSpec(req_id, state.prompt[:end], state.block_ids, state.saved_upto, end))
             state.saved_upto = end
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -229,7 +230,7 @@ class KvtierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata) and self.engine is not None
         for spec in meta.loads:
-            end = len(spec.token_ids)
+            end = spec.end
             mask = self.engine.retrieve(spec.token_ids, spec.slots(self.block_size),
                                         start=spec.start, request_id=spec.req_id)
             loaded_end = spec.start + int(mask[spec.start:].sum())

@@ -1,0 +1,88 @@
+"""kvtier inside real vLLM (CPU build): hits, chunked prefill, identical output."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.tinymodel import corpus_text
+
+pytestmark = pytest.mark.vllm
+RUNNER = Path(__file__).with_name("vllm_offline.py")
+HIT = re.compile(r"Total tokens (\d+), hit tokens (\d+), need to load (\d+)")
+STORE = re.compile(r"Storing KV cache for (\d+) out of (\d+) tokens")
+
+
+def run_vllm(model: Path, prompts: list[list[int]], tmp: Path, kv_role: str = "", env: dict | None = None):
+    pfile = tmp / f"prompts-{kv_role or 'plain'}.json"
+    pfile.write_text(json.dumps(prompts))
+    cmd = [sys.executable, str(RUNNER), "--model", str(model), "--prompts", str(pfile), "--kv-role", kv_role]
+    full_env = {**os.environ, "KVTIER_CHUNK_SIZE": "256", "KVTIER_MAX_LOCAL_CPU_SIZE": "0.25", **(env or {})}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=full_env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    results = [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(results) == len(prompts)
+    return results, out.stderr
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model):
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(tiny_model)).encode(corpus_text())
+    a = ids[:3000]  # not a chunk multiple: 11 whole chunks, 3 prefill steps of 1024
+    b = ids[5000:7048]  # exactly 8 chunks: the whole prompt is stored
+    c = ids[20000:20256] + a[256:]  # a's prompt with another first chunk
+    return {"a": a, "b": b, "c": c}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, prompts, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm")
+    order = [prompts[k] for k in ("a", "a", "b", "b", "c")]
+    with_kv, log = run_vllm(tiny_model, order, tmp, kv_role="kv_both")
+    plain, _ = run_vllm(tiny_model, [prompts[k] for k in ("a", "b", "c")], tmp)
+    return with_kv, plain, log
+
+
+def test_second_request_hits_the_prompt_rounded_down_to_chunks(runs):
+    _, _, log = runs
+    hits = [tuple(map(int, m)) for m in HIT.findall(log)]
+    assert hits[0] == (3000, 0, 0)
+    assert hits[1] == (3000, 2816, 2816)  # 3000 rounded down to 256
+    assert hits[2] == (2048, 0, 0)
+    assert hits[3] == (2048, 2047, 2047)  # all stored: vLLM computes the last token itself
+    assert hits[4] == (3000, 0, 0)  # different first chunk: no key matches
+
+
+def test_stores_follow_chunked_prefill(runs):
+    _, _, log = runs
+    stores = [tuple(map(int, m)) for m in STORE.findall(log)]
+    assert stores[:3] == [(1024, 1024), (1024, 2048), (768, 3000)]  # the partial chunk is not stored
+    assert stores[3:5] == [(1024, 1024), (1024, 2048)]  # b: whole chunks, step by step
+
+
+def test_output_equals_vllm_without_kvtier(runs):
+    with_kv, plain, _ = runs
+    cold_a, warm_a, cold_b, warm_b, c = with_kv
+    for got, ref in [(cold_a, plain[0]), (warm_a, plain[0]), (cold_b, plain[1]), (warm_b, plain[1]), (c, plain[2])]:
+        assert got["token_ids"] == ref["token_ids"]
+    warm_err = max(abs(x - y) for x, y in zip(warm_a["logprobs"] + warm_b["logprobs"],
+                                               plain[0]["logprobs"] + plain[1]["logprobs"]))
+    # Control: the output does depend on the early context, so loading wrong
+    # KV for it would show: changing only the first chunk moves the logprobs
+    # far more than loading it from kvtier does.
+    context_effect = max(abs(x - y) for x, y in zip(plain[2]["logprobs"], plain[0]["logprobs"]))
+    assert warm_err < 0.05 and context_effect > 10 * max(warm_err, 1e-3), (warm_err, context_effect)
+
+
+def test_producer_stores_but_never_loads_and_consumer_never_stores(tiny_model, prompts, tmp_path):
+    _, log = run_vllm(tiny_model, [prompts["b"], prompts["b"]], tmp_path, kv_role="kv_producer")
+    assert STORE.findall(log) and not HIT.findall(log)
+    _, log = run_vllm(tiny_model, [prompts["b"], prompts["b"]], tmp_path, kv_role="kv_consumer")
+    assert not STORE.findall(log)
+    assert [tuple(map(int, m)) for m in HIT.findall(log)] == [(2048, 0, 0), (2048, 0, 0)]

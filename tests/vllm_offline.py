@@ -1,0 +1,42 @@
+"""Run prompts through real vLLM (CPU build), with or without kvtier.
+
+Used by the tests as a subprocess: vLLM starts worker processes, so this
+needs its own `__main__`. Prints one JSON line per request on stdout.
+"""
+
+import argparse
+import json
+import os
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompts", required=True, help="JSON file: list of token-id lists")
+    p.add_argument("--kv-role", default="", help="kv_both | kv_producer | kv_consumer; empty: no kvtier")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--max-batched", type=int, default=1024)
+    args = p.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kv = None
+    if args.kv_role:
+        kv = KVTransferConfig(kv_connector="KvtierConnector", kv_role=args.kv_role,
+                              kv_connector_module_path="kvtier.integrations.vllm")
+    llm = LLM(model=args.model, seed=0, max_model_len=8192,
+              enable_prefix_caching=False, max_num_batched_tokens=args.max_batched,
+              enforce_eager=True, kv_transfer_config=kv)
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=0)
+    with open(args.prompts) as f:
+        prompts = json.load(f)
+    for ids in prompts:  # one at a time: the second sees the first's stored KV
+        out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0]
+        logprobs = [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
+        print("RESULT " + json.dumps({"token_ids": list(out.token_ids), "logprobs": logprobs}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
