@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: checks, then the offload benchmark.
+#   device run:  bash scripts/gpu_bench.sh   (results land in $OUT, or results/gpu)
+# Uses the machine's own python3 (torch + triton), kvtier from the source tree.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-results/gpu}
+mkdir -p "$out"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+{
+  date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} 2>&1 | tee "$out/machine.txt"
+python3 -m pytest -q -p no:cacheprovider tests/test_transfer_cuda.py tests/test_engine.py tests/test_transfer.py 2>&1 | tee "$out/pytest.txt"
+python3 -m kvtier.cli bench offload --tokens 16384 --layers 32 --kv-heads 8 --head-dim 128 \
+    --dtype bfloat16 --block-size 16 --layout flash_attn --transfer all --repeats 7 \
+    --output "$out/offload.json" 2>&1 | grep -v "it/s" | tee "$out/offload.txt"

