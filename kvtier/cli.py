@@ -22,7 +22,7 @@ def _bench_offload(args: argparse.Namespace) -> int:
         tokens=args.tokens, layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
         dtype=args.dtype, block_size=args.block_size, layout=args.layout, chunk_size=args.chunk_size,
     )
-    transfers = ["torch", "triton", "triton-staged"] if args.transfer == "all" else [args.transfer]
+    transfers = ["torch", "triton", "triton-direct"] if args.transfer == "all" else [args.transfer]
     for transfer in transfers:
         result = run_offload(shape, args.device, transfer, args.repeats)
         s = result.summary()
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     off.add_argument("--layout", default="flash_attn", choices=["flash_attn", "flashinfer", "mla", "vllm"])
     off.add_argument("--chunk-size", type=int, default=256)
     off.add_argument("--device", default="auto")
-    off.add_argument("--transfer", default="auto", choices=["auto", "torch", "triton", "triton-staged", "all"])
+    off.add_argument("--transfer", default="auto", choices=["auto", "torch", "triton", "triton-direct", "all"])
     off.add_argument("--repeats", type=int, default=5)
     off.add_argument("--output", help="append results to this JSON file")
     off.set_defaults(fn=_bench_offload)

@@ -25,7 +25,7 @@ def reference(kv: PagedKV, slots: torch.Tensor) -> torch.Tensor:
     return torch.stack([layer[:, s // kv.block_size, s % kv.block_size] for layer in kv.layers]).cpu()
 
 
-@pytest.mark.parametrize("backend", ["triton", "triton-staged", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "triton-direct", "torch"])
 @pytest.mark.parametrize("layout", SHAPES)
 def test_gather_scatter_match_torch_reference(layout, backend):
     torch.manual_seed(0)
@@ -43,10 +43,13 @@ def test_gather_scatter_match_torch_reference(layout, backend):
     assert torch.equal(reference(kv, dst), reference(kv, src))
 
 
-def test_engine_roundtrip_on_gpu():
+@pytest.mark.parametrize("backend", ["triton", "triton-direct"])
+def test_engine_roundtrip_on_gpu(backend):
+    """Includes chunks cut by `start`, which are pageable copies: direct must stage them."""
     layers = [torch.randn(SHAPES["flash_attn"], device="cuda").to(torch.bfloat16) for _ in range(L)]
     kv = PagedKV.wrap(layers, "flash_attn")
-    eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), kv, KVFormat("m", "flash_attn", "bf16"))
+    eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), kv, KVFormat("m", "flash_attn", "bf16"),
+                      transfer=backend)
     perm = torch.randperm(kv.num_slots)
     toks = list(range(200))
     assert eng.store(toks, perm[:200]) == 192

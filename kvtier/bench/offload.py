@@ -131,7 +131,7 @@ def run_offload(
     config = KvtierConfig(chunk_size=shape.chunk_size, max_local_cpu_size=pool_gb)
     engine = CacheEngine(config, kv, KVFormat("bench", shape.layout, shape.dtype), transfer=transfer)
     tokens = torch.randint(0, 32000, (shape.tokens,), generator=gen)
-    result = OffloadResult(shape, str(dev), engine.transfer.name + ("" if getattr(engine.transfer, "direct", True) else "-staged"),
+    result = OffloadResult(shape, str(dev), engine.transfer.name + ("-direct" if getattr(engine.transfer, "direct", False) else ""),
                            machine_name(dev), dt.date.today().isoformat(), kv_bytes)
     for i in tqdm(range(repeats + 1), desc=f"offload {shape.tokens} tok", disable=not progress):
         engine.clear()

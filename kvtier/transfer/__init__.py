@@ -31,7 +31,7 @@ def make_transfer(kv: PagedKV, backend: str = "auto") -> Transfer:
         from kvtier.transfer.torch_copy import TorchTransfer
 
         return TorchTransfer(kv)
-    if backend in ("triton", "triton-staged"):
+    if backend in ("triton", "triton-direct"):
         if kv.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 f"the Triton transfer needs a CUDA device, the KV cache is on {kv.device} "
@@ -39,5 +39,5 @@ def make_transfer(kv: PagedKV, backend: str = "auto") -> Transfer:
             )
         from kvtier.transfer.triton_copy import TritonTransfer
 
-        return TritonTransfer(kv, direct=backend == "triton")
-    raise ValueError(f"unknown transfer backend {backend!r}: auto, torch, triton, triton-staged")
+        return TritonTransfer(kv, direct=backend == "triton-direct")
+    raise ValueError(f"unknown transfer backend {backend!r}: auto, torch, triton, triton-direct")
