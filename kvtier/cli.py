@@ -36,6 +36,13 @@ def _bench_offload(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_ttft(args: argparse.Namespace) -> int:
+    from kvtier.bench.ttft import run_ttft
+
+    run_ttft(args.lengths, args.repeats, Path(args.output), layers=args.layers)
+    return 0
+
+
 def _config(args: argparse.Namespace) -> int:
     from kvtier.config import describe_keys, load_config
 
@@ -71,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     off.add_argument("--repeats", type=int, default=5)
     off.add_argument("--output", help="append results to this JSON file")
     off.set_defaults(fn=_bench_offload)
+
+    ttft = bench.add_parser("ttft", help="cold vs warm TTFT of a Llama-3.1-8B-shaped model (GPU)")
+    ttft.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
+    ttft.add_argument("--repeats", type=int, default=3)
+    ttft.add_argument("--layers", type=int, help="fewer layers than 32, for a quick look")
+    ttft.add_argument("--output", default="results/ttft", help="folder for ttft.json and ttft.png")
+    ttft.set_defaults(fn=_bench_ttft)
 
     cfg = sub.add_parser("config", help="print the effective config (file + env)")
     cfg.add_argument("--keys", action="store_true", help="print every key with its default")

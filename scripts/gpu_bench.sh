@@ -11,7 +11,8 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
   date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } 2>&1 | tee "$out/machine.txt"
-python3 -m pytest -q -p no:cacheprovider tests/test_transfer_cuda.py tests/test_engine.py tests/test_transfer.py 2>&1 | tee "$out/pytest.txt"
+python3 -m pytest -q -p no:cacheprovider tests/test_transfer_cuda.py tests/test_engine.py tests/test_transfer.py tests/test_hf_integration.py 2>&1 | tee "$out/pytest.txt"
 python3 -m kvtier.cli bench offload --tokens 16384 --layers 32 --kv-heads 8 --head-dim 128 \
     --dtype bfloat16 --block-size 16 --layout flash_attn --transfer all --repeats 7 \
     --output "$out/offload.json" 2>&1 | grep -v "it/s" | tee "$out/offload.txt"
+python3 -m kvtier.cli bench ttft --lengths 4096 16384 32768 --repeats 3 --output "$out" 2>&1 | tee "$out/ttft.txt"

@@ -9,6 +9,9 @@ per layer, in several layouts:
     vllm         [NB, NH, BS, HS_k+HS_v]   vLLM >= 0.30's standardised per-layer
                                            view [B, H, N, C] (any stride order;
                                            MLA is NH == 1, C == HS)
+    hf           [2, NB, NH, BS, HS]       transformers' [batch, heads, seq, dim]
+                                           keys and values stacked; a sequence is
+                                           one block of BS = max length slots
 
 Each maps, by permuting and splitting dimensions only (no copy), onto
 
@@ -56,13 +59,18 @@ def _vllm(t: torch.Tensor, mla: bool) -> torch.Tensor:
     return t.unflatten(3, (2, c // 2)).permute(3, 0, 2, 1, 4)
 
 
+def _hf(t: torch.Tensor, mla: bool) -> torch.Tensor:
+    return t.permute(0, 1, 3, 2, 4)
+
+
 LAYOUTS: dict[str, Canon] = {
     "flash_attn": _flash_attn,
     "flashinfer": _flashinfer,
     "mla": _mla,
     "vllm": _vllm,
+    "hf": _hf,
 }
-_NDIM = {"flash_attn": 5, "flashinfer": 5, "mla": 3, "vllm": 4}
+_NDIM = {"flash_attn": 5, "flashinfer": 5, "mla": 3, "vllm": 4, "hf": 5}
 
 
 @dataclass(frozen=True)

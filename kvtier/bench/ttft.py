@@ -1,0 +1,145 @@
+"""`kvtier bench ttft`: time to first token, cold vs warm from the CPU tier.
+
+A Llama-3.1-8B-shaped model (random weights, bf16, transformers SDPA) on a
+GPU; for each prompt length:
+    cold   prefill of the whole prompt, nothing cached
+    warm   kvtier loads all but the last token from CPU RAM, the model runs one
+    floor  KV bytes / pinned H2D copy bandwidth + a one-token forward over the
+           same context, both measured in the same run
+Medians over repeats; warm is also given as a ratio to its floor. Writes a
+JSON record and a PNG plot of TTFT against prompt length.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvtier.bench.offload import copy_bandwidth, machine_name
+from kvtier.config import KvtierConfig
+from kvtier.integrations.hf import HFSession, KvtierCache
+
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                rope_theta=500000.0)
+
+
+@dataclass
+class TTFTPoint:
+    tokens: int
+    hit_tokens: int
+    cold_s: float
+    warm_s: float
+    load_floor_s: float
+    forward_1_s: float
+
+    @property
+    def floor_s(self) -> float:
+        return self.load_floor_s + self.forward_1_s
+
+    def row(self) -> dict:
+        return {"tokens": self.tokens, "hit_tokens": self.hit_tokens, "cold_s": round(self.cold_s, 4),
+                "warm_s": round(self.warm_s, 4), "floor_s": round(self.floor_s, 4),
+                "warm_over_floor": round(self.warm_s / self.floor_s, 3),
+                "speedup": round(self.cold_s / self.warm_s, 1),
+                "load_floor_s": round(self.load_floor_s, 4), "forward_1_s": round(self.forward_1_s, 4)}
+
+
+def _timed(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def build_model(layers: int | None = None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{**LLAMA_8B, **({"num_hidden_layers": layers} if layers else {})})
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    return model
+
+
+def measure(model, tokens: int, repeats: int, chunk_size: int = 256) -> TTFTPoint:
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens))
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2  # bf16
+    pool_gib = (tokens + chunk_size) * kv_per_token * 1.05 / 1024**3
+    session = HFSession(model, KvtierConfig(chunk_size=chunk_size, max_local_cpu_size=pool_gib), max_len=tokens)
+    cold = [_timed(lambda: session.prefill(ids, use_cache=False)) for _ in range(repeats)]
+    session.prefill(ids)  # stores the prompt's chunks
+    warm, hits = [], []
+    for _ in range(repeats):
+        warm.append(_timed(lambda: hits.append(session.prefill(ids).hit_tokens)))
+    hit = hits[-1]
+    _, h2d = copy_bandwidth(hit * kv_per_token, torch.device("cuda"))
+    last = ids[:, -1:].cuda()
+
+    def forward_one() -> None:
+        with torch.inference_mode():
+            model(input_ids=last, past_key_values=KvtierCache(session.buffers, hit), use_cache=True,
+                  logits_to_keep=1)
+
+    fwd = [_timed(forward_one) for _ in range(repeats)]
+    med = statistics.median
+    point = TTFTPoint(tokens, hit, med(cold), med(warm), hit * kv_per_token / (h2d * 1e9), med(fwd))
+    del session
+    torch.cuda.empty_cache()
+    return point
+
+
+def run_ttft(lengths: list[int], repeats: int, out_dir: Path, layers: int | None = None) -> list[TTFTPoint]:
+    logging.getLogger("kvtier").setLevel(logging.WARNING)
+    model = build_model(layers)
+    measure(model, 512, 1)  # warm-up: kernels, allocator
+    points = []
+    for n in lengths:
+        p = measure(model, n, repeats)
+        print(json.dumps(p.row()), flush=True)
+        points.append(p)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record = {"machine": machine_name(torch.device("cuda")), "date": dt.date.today().isoformat(),
+              "model": {**LLAMA_8B, **({"num_hidden_layers": layers} if layers else {})},
+              "dtype": "bfloat16", "attention": "sdpa", "repeats": repeats,
+              "points": [p.row() for p in points]}
+    (out_dir / "ttft.json").write_text(json.dumps(record, indent=1) + "\n")
+    _plot(points, out_dir / "ttft.png", record["machine"])
+    return points
+
+
+def _plot(points: list[TTFTPoint], path: Path, machine: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [p.tokens for p in points]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(x, [p.cold_s for p in points], "o-", label="cold (full prefill)")
+    ax.plot(x, [p.warm_s for p in points], "o-", label="warm (kvtier, CPU RAM)")
+    ax.plot(x, [p.floor_s for p in points], "--", label="floor (KV bytes / H2D + 1-token forward)")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_yscale("log")
+    ax.set_title(f"Llama-3.1-8B-shaped, bf16 — {machine.split(',')[0]}")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

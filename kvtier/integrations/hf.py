@@ -1,0 +1,109 @@
+"""kvtier for Hugging Face transformers causal LMs (batch size 1).
+
+    session = HFSession(model, config, max_len=32768)
+    ids = session.generate(input_ids, max_new_tokens=32)
+
+A session owns one KV buffer per layer, [2, 1, H, max_len, D] (keys and
+values of transformers' [batch, heads, seq, dim] stacked), handed to the
+model as a static cache. To the CacheEngine that buffer is a paged cache of
+one block of `max_len` slots, where token i lives in slot i, so store,
+lookup, retrieve and the Triton kernels are the ones vLLM uses.
+
+`prefill`: look up the stored prefix, load it into the buffer, run the
+model on the remaining tokens only, store the new chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, StaticLayer
+
+from kvtier.config import KvtierConfig
+from kvtier.engine import CacheEngine
+from kvtier.keys import KVFormat
+from kvtier.transfer import PagedKV
+
+
+class _BufferLayer(StaticLayer):
+    """transformers' static layer over views of a kvtier-owned buffer."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:  # buffer: [2, 1, H, S, D]
+        super().__init__(max_cache_len=buffer.shape[3])
+        self.keys, self.values = buffer[0], buffer[1]
+        self.dtype, self.device = buffer.dtype, buffer.device
+        self.batch_size, self.num_heads = 1, buffer.shape[2]
+        self.k_head_dim = self.v_head_dim = buffer.shape[4]
+        self.cumulative_length = torch.tensor(0, dtype=torch.long, device=buffer.device)
+        self.is_initialized = True
+
+
+class KvtierCache(Cache):
+    """A static cache whose layers are views of the session's buffers."""
+
+    def __init__(self, buffers: list[torch.Tensor], length: int) -> None:
+        super().__init__(layers=[_BufferLayer(b) for b in buffers])
+        for layer in self.layers:
+            layer.cumulative_length.fill_(length)
+
+
+@dataclass
+class PrefillResult:
+    logits: torch.Tensor  # [1, vocab] of the last prompt token
+    cache: KvtierCache
+    hit_tokens: int
+
+
+class HFSession:
+    def __init__(self, model: torch.nn.Module, config: KvtierConfig, max_len: int, *, transfer: str = "auto") -> None:
+        cfg = model.config
+        heads = cfg.num_key_value_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        param = next(model.parameters())
+        self.model = model
+        self.max_len = max_len
+        self.buffers = [
+            torch.zeros(2, 1, heads, max_len, head_dim, dtype=param.dtype, device=param.device)
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        kv = PagedKV.wrap(self.buffers, "hf")
+        fmt = KVFormat(cfg.name_or_path or cfg.model_type, "hf", str(param.dtype).removeprefix("torch."))
+        self.engine = CacheEngine(config, kv, fmt, transfer=transfer)
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, *, use_cache: bool = True) -> PrefillResult:
+        """Run the prompt; with `use_cache`, load its stored prefix and store the rest."""
+        ids = input_ids.reshape(-1)
+        n = ids.numel()
+        if n > self.max_len:
+            raise ValueError(f"prompt of {n} tokens exceeds the session's max_len {self.max_len}")
+        tokens = ids.cpu()
+        slots = torch.arange(n)
+        hit = 0
+        if use_cache:
+            # The model must run at least the last token to give its logits.
+            hit = min(self.engine.lookup(tokens), n - 1)
+            if hit:
+                hit = int(self.engine.retrieve(tokens, slots[:hit]).sum())
+        cache = KvtierCache(self.buffers, hit)
+        out = self.model(input_ids=ids[None, hit:].to(self.buffers[0].device), past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        if use_cache:
+            self.engine.store(tokens, slots, start=hit)
+        return PrefillResult(out.logits[:, -1], cache, hit)
+
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, use_cache: bool = True) -> list[int]:
+        """Greedy decoding after a kvtier prefill; returns the new token ids."""
+        n = input_ids.numel()
+        if n + max_new_tokens > self.max_len:
+            raise ValueError(f"{n} + {max_new_tokens} tokens exceed the session's max_len {self.max_len}")
+        result = self.prefill(input_ids, use_cache=use_cache)
+        token = result.logits.argmax(-1)
+        out = [int(token)]
+        for _ in range(max_new_tokens - 1):
+            logits = self.model(input_ids=token[:, None], past_key_values=result.cache, use_cache=True).logits
+            token = logits[:, -1].argmax(-1)
+            out.append(int(token))
+        return out

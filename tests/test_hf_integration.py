@@ -1,0 +1,52 @@
+"""transformers integration on CPU: same greedy tokens and logits with and without kvtier."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from kvtier.config import KvtierConfig
+from kvtier.integrations.hf import HFSession
+
+SMALL = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+
+
+@pytest.fixture(params=[(LlamaForCausalLM, LlamaConfig), (Qwen2ForCausalLM, Qwen2Config)],
+                ids=["llama", "qwen2"])
+def model(request):
+    torch.manual_seed(0)
+    cls, cfg_cls = request.param
+    cfg = cfg_cls(**SMALL)
+    cfg._attn_implementation = "sdpa"
+    return cls(cfg).eval()
+
+
+def test_generate_equals_transformers_and_second_prompt_hits(model):
+    ids = torch.randint(0, 1000, (1, 700), generator=torch.Generator().manual_seed(1))
+    session = HFSession(model, KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), max_len=800)
+    reference = model.generate(ids, max_new_tokens=10, do_sample=False)[0, 700:].tolist()
+    assert session.generate(ids, 10) == reference  # cold: stores 640 tokens
+    assert session.engine.lookup(ids[0]) == 640
+    assert session.generate(ids, 10) == reference  # warm: loads them
+    assert session.engine.stats.retrieved_tokens == 640
+
+
+def test_warm_logits_match_and_the_context_matters(model):
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 1000, (1, 300), generator=gen)
+    session = HFSession(model, KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), max_len=400)
+    cold = session.prefill(ids, use_cache=False).logits
+    session.prefill(ids)  # store
+    warm = session.prefill(ids)
+    assert warm.hit_tokens == 256
+    err = (warm.logits - cold).abs().max().item()
+    other = ids.clone()
+    other[0, :64] = torch.randint(0, 1000, (64,), generator=gen)
+    effect = (session.prefill(other, use_cache=False).logits - cold).abs().max().item()
+    assert err < 1e-4 and effect > 100 * max(err, 1e-6), (err, effect)
+
+
+def test_prompt_longer_than_session_is_refused(model):
+    session = HFSession(model, KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), max_len=100)
+    with pytest.raises(ValueError, match="max_len"):
+        session.prefill(torch.zeros(1, 101, dtype=torch.long))
