@@ -11,9 +11,8 @@ GPU can address:
 
 Measured on an H200 (docs/benchmarks.md): staged 0.91/0.92 of pinned copy
 bandwidth for store/retrieve, direct 0.84/0.78. Direct needs every chunk
-pinned; a call with a pageable chunk is staged. The kernel and the copies
-run on two side streams, pipelined over groups of chunks, ordered after
-the caller's stream; the caller's stream waits on them.
+pinned; a call with a pageable chunk is staged. Work runs on a side stream
+ordered after the caller's; the caller's stream waits on it.
 
 Correctness is also checked on CPU with TRITON_INTERPRET=1.
 """
@@ -27,10 +26,6 @@ import triton
 import triton.language as tl
 
 from kvtier.transfer.layout import PagedKV
-
-# Chunks per call are split into this many groups so that the kernel on one
-# group overlaps the PCIe copies of the next.
-PIPELINE_GROUPS = 4
 
 
 @triton.jit
@@ -92,7 +87,6 @@ class TritonTransfer:
         self._block = min(triton.next_power_of_2(w), 4096)
         on_cuda = kv.device.type == "cuda"
         self._stream = torch.cuda.Stream(kv.device) if on_cuda else None
-        self._copy_stream = torch.cuda.Stream(kv.device) if on_cuda else None
 
     def _launch(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], to_chunk: bool) -> None:
         kv = self.kv
@@ -118,67 +112,41 @@ class TritonTransfer:
     def _direct_ok(self, chunks: Sequence[torch.Tensor]) -> bool:
         return self.direct and all(c.is_pinned() for c in chunks)
 
-    @staticmethod
-    def _groups(slots: torch.Tensor, chunks: Sequence[torch.Tensor]):
-        """(slots, chunk indices) of up to PIPELINE_GROUPS runs of whole chunks."""
-        n = len(chunks)
-        per = -(-n // min(PIPELINE_GROUPS, n))
-        token = 0
-        for first in range(0, n, per):
-            idx = range(first, min(first + per, n))
-            count = sum(chunks[i].shape[2] for i in idx)
-            yield slots[token : token + count], idx
-            token += count
-
     def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
         """Fill `chunks` with the KV of `slots`; returns once the bytes have landed."""
         if self._stream is None or chunks[0].is_cuda:
             self._launch(slots, chunks, to_chunk=True)
             return
-        kernel, copy = self._stream, self._copy_stream
-        kernel.wait_stream(torch.cuda.current_stream(self.kv.device))
-        if self._direct_ok(chunks):
-            with torch.cuda.stream(kernel):
+        self._stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+        with torch.cuda.stream(self._stream):
+            if self._direct_ok(chunks):
                 self._launch(slots, chunks, to_chunk=True)
-            kernel.synchronize()
-            return
-        staged = self._staging(chunks)
-        # Kernel on group g+1 runs while group g crosses PCIe.
-        for group_slots, idx in self._groups(slots, chunks):
-            with torch.cuda.stream(kernel):
-                self._launch(group_slots, [staged[i] for i in idx], to_chunk=True)
-            copy.wait_stream(kernel)
-            with torch.cuda.stream(copy):
-                for i in idx:
-                    chunks[i].copy_(staged[i], non_blocking=True)
-        copy.synchronize()
+            else:
+                staged = self._staging(chunks)
+                self._launch(slots, staged, to_chunk=True)
+                for host, dev in zip(chunks, staged):
+                    host.copy_(dev, non_blocking=True)
+        self._stream.synchronize()
 
     def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
         """Write `chunks` into the KV pages; the current stream is ordered after it."""
         if self._stream is None or chunks[0].is_cuda:
             self._launch(slots, chunks, to_chunk=False)
             return
-        kernel, copy = self._stream, self._copy_stream
         current = torch.cuda.current_stream(self.kv.device)
-        kernel.wait_stream(current)
-        if self._direct_ok(chunks):
-            with torch.cuda.stream(kernel):
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            if self._direct_ok(chunks):
                 self._launch(slots, chunks, to_chunk=False)
-        else:
-            staged = self._staging(chunks)
-            copy.wait_stream(current)
-            # Group g+1 crosses PCIe while the kernel scatters group g.
-            for group_slots, idx in self._groups(slots, chunks):
-                with torch.cuda.stream(copy):
-                    for i in idx:
-                        staged[i].copy_(chunks[i], non_blocking=True)
-                kernel.wait_stream(copy)
-                with torch.cuda.stream(kernel):
-                    self._launch(group_slots, [staged[i] for i in idx], to_chunk=False)
-        current.wait_stream(kernel)
+            else:
+                staged = self._staging(chunks)
+                for dev, host in zip(staged, chunks):
+                    dev.copy_(host, non_blocking=True)
+                self._launch(slots, staged, to_chunk=False)
+        current.wait_stream(self._stream)
         # The caller releases the host blocks once this returns, so the copies
         # out of them must be done.
-        kernel.synchronize()
+        self._stream.synchronize()
 
     def synchronize(self) -> None:
         if self._stream is not None:
