@@ -13,6 +13,7 @@ Only whole chunks move (plus the partial last chunk when
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -59,6 +60,7 @@ class CacheEngine:
         self.tier = CpuTier(self.pool)
         self.transfer = make_transfer(kv, transfer)
         self.stats = EngineStats()
+        self._warned: OrderedDict[str, None] = OrderedDict()  # requests told their store was cut
         if not config.local_cpu:
             log.warning("local_cpu is false and no other tier is configured: kvtier stores nothing")
         log.info(
@@ -118,13 +120,21 @@ class CacheEngine:
             if block is None:
                 skipped = sum(s.num_tokens for s in spans[len(blocks):])
                 self.stats.skipped_store_tokens += skipped
-                log.warning(
-                    "CPU pool full of chunks in use: skipping the store of %d tokens for request %s",
-                    skipped, request_id,
-                )
+                self._warn_skip(skipped, request_id)
                 break
             blocks.append(block)
         return blocks
+
+    def _warn_skip(self, skipped: int, request_id: str) -> None:
+        """Once per request, though chunked prefill stores a request many times."""
+        if request_id and request_id in self._warned:
+            return
+        log.warning("CPU pool full of chunks in use: skipping the store of %d tokens for request %s "
+                    "(said once per request)", skipped, request_id or "-")
+        if request_id:
+            self._warned[request_id] = None
+            if len(self._warned) > 1024:
+                self._warned.popitem(last=False)
 
     # -- retrieve --------------------------------------------------------------
 

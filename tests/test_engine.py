@@ -81,7 +81,8 @@ def test_full_pool_of_pinned_chunks_skips_store_and_logs_once(caplog):
     eng.store(list(range(32)), torch.arange(32))
     held = [eng.tier.get(s.key) for s in eng.spans(list(range(32)))]  # in-flight loads pin both
     with caplog.at_level(logging.WARNING, logger="kvtier"):
-        assert eng.store(list(range(100, 164)), torch.arange(64)) == 0
+        assert eng.store(list(range(100, 164)), torch.arange(64), request_id="r") == 0
+        assert eng.store(list(range(100, 196)), torch.arange(96), request_id="r") == 0  # next prefill step
     warnings = [r for r in caplog.records if "pool full" in r.getMessage()]
     assert len(warnings) == 1 and "64 tokens" in warnings[0].getMessage()
     for chunk in held:
