@@ -25,7 +25,7 @@ from kvtier.keys import ChunkSpan, KVFormat, chunk_spans
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
 from kvtier.tiers.cpu import CpuTier, StoredChunk
-from kvtier.transfer import PagedKV, make_transfer
+from kvtier.transfer import LayerHandle, PagedKV, make_transfer
 
 log = get_logger(__name__)
 
@@ -146,6 +146,16 @@ class CacheEngine:
         but the last prompt token). Returns a bool mask over `slots`: True
         where KV was loaded. Loading stops at the first chunk not stored.
         """
+        return self.start_retrieve(tokens, slots, start=start, request_id=request_id).finish()
+
+    def start_retrieve(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "",
+                       layerwise: bool = False) -> Retrieval:
+        """`retrieve`, split in two: what to load is decided (and pinned) now.
+
+        With `layerwise`, layers load in order in the background; the caller
+        calls `wait(layer)` before it uses a layer and `finish()` at the end.
+        Without, everything is loaded before this returns.
+        """
         slots = self._check(tokens, slots, exact=False)
         end = len(slots)
         mask = torch.zeros(end, dtype=torch.bool)
@@ -159,25 +169,23 @@ class CacheEngine:
                 if chunk is None:
                     break
                 found.append((span, chunk))
-            found = [(s, c) for s, c in found if s.end > start]
-            if found:
-                self._scatter(slots, found, start, end)
-        finally:
+            loading = [(s, c) for s, c in found if s.end > start]
+            handle = self._scatter(slots, loading, start, end, layerwise) if loading else None
+        except BaseException:
             for _, chunk in found:
                 chunk.block.release()
-        if found:
-            mask[max(start, found[0][0].start) : min(end, found[-1][0].end)] = True
-            loaded = int(mask.sum())
-            self.stats.retrieved_tokens += loaded
-            _log_transfer("Retrieved KV cache for", loaded, end, request_id,
-                          loaded * self.kv.bytes_per_token(), time.perf_counter() - t0)
-        return mask
+            raise
+        if loading:
+            mask[max(start, loading[0][0].start) : min(end, loading[-1][0].end)] = True
+        return Retrieval(self, mask, [c.block for _, c in found], handle, t0, request_id)
 
-    def _scatter(self, slots: torch.Tensor, found: list[tuple[ChunkSpan, StoredChunk]], start: int, end: int) -> None:
+    def _scatter(self, slots: torch.Tensor, found: list[tuple[ChunkSpan, StoredChunk]], start: int, end: int,
+                 layerwise: bool) -> LayerHandle | None:
         """Whole chunks in one transfer; a chunk cut by start or end on its own.
 
         A cut chunk writes only its tokens inside [start, end): the slots
-        before `start` may be prefix-cache blocks the engine shares.
+        before `start` may be prefix-cache blocks the engine shares. Cut
+        chunks (at most two) load at once even when the rest is layerwise.
         """
         whole_spans, whole_views = [], []
         for span, chunk in found:
@@ -193,8 +201,13 @@ class CacheEngine:
                 # The copy is blocking, since the block is released on return.
                 whole = view.to(self.kv.device)
                 self.transfer.scatter(slots[a:b], [whole[:, :, a - span.start : b - span.start].contiguous()])
-        if whole_spans:
-            self.transfer.scatter(_concat_slots(slots, whole_spans), whole_views)
+        if not whole_spans:
+            return None
+        whole_slots = _concat_slots(slots, whole_spans)
+        if layerwise:
+            return self.transfer.scatter_layerwise(whole_slots, whole_views)
+        self.transfer.scatter(whole_slots, whole_views)
+        return None
 
     # -- housekeeping ------------------------------------------------------------
 
@@ -218,6 +231,43 @@ class CacheEngine:
                 f"the KV cache has {self.kv.num_slots} slots"
             )
         return slots
+
+
+class Retrieval:
+    """A retrieve in flight. `mask`: the tokens it loads. The blocks it reads
+    stay pinned in the CPU tier until `finish()`, which is safe to call twice."""
+
+    def __init__(self, engine: CacheEngine, mask: torch.Tensor, blocks: list[MemoryBlock],
+                 handle: LayerHandle | None, t0: float, request_id: str) -> None:
+        self.mask = mask
+        self._engine, self._blocks, self._handle = engine, blocks, handle
+        self._t0, self._request_id = t0, request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.mask.sum())
+
+    def wait(self, layer: int) -> None:
+        if self._handle is not None:
+            self._handle.wait(layer)
+
+    def finish(self) -> torch.Tensor:
+        if self._blocks is None:
+            return self.mask
+        try:
+            if self._handle is not None:
+                self._handle.finish()
+        finally:
+            for block in self._blocks:
+                block.release()
+            self._blocks = None
+        loaded = self.num_tokens
+        if loaded:
+            engine = self._engine
+            engine.stats.retrieved_tokens += loaded
+            _log_transfer("Retrieved KV cache for", loaded, len(self.mask), self._request_id,
+                          loaded * engine.kv.bytes_per_token(), time.perf_counter() - self._t0)
+        return self.mask
 
 
 def _as_numpy(tokens: Tokens) -> np.ndarray:

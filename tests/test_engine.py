@@ -153,3 +153,19 @@ def test_retrieve_part_of_a_chunk_by_slots():
     assert torch.equal(tokens_at(layers, torch.tensor([363])), before)
     with pytest.raises(ValueError, match="every token needs one slot"):
         eng.retrieve(toks[:10], torch.arange(11))
+
+
+def test_layerwise_retrieve_loads_layers_in_order_and_unpins_at_finish():
+    eng, layers = make_engine()
+    toks = list(range(64))
+    eng.store(toks, torch.arange(64))
+    dst = torch.arange(100, 164)
+    load = eng.start_retrieve(toks, dst, start=5, layerwise=True)
+    assert load.num_tokens == 59
+    assert all(c.block.pinned for c in eng.tier._chunks.values())  # in use until finish
+    load.wait(0)
+    assert torch.equal(tokens_at(layers[:1], dst[5:]), tokens_at(layers[:1], torch.arange(5, 64)))
+    load.finish()
+    load.finish()  # idempotent
+    assert not any(c.block.pinned for c in eng.tier._chunks.values())
+    assert torch.equal(tokens_at(layers, dst[5:]), tokens_at(layers, torch.arange(5, 64)))

@@ -50,3 +50,18 @@ def test_prompt_longer_than_session_is_refused(model):
     session = HFSession(model, KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), max_len=100)
     with pytest.raises(ValueError, match="max_len"):
         session.prefill(torch.zeros(1, 101, dtype=torch.long))
+
+
+def test_layerwise_load_gives_the_same_result(model):
+    ids = torch.randint(0, 1000, (1, 300), generator=torch.Generator().manual_seed(3))
+    session = HFSession(model, KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), max_len=400)
+    cold = session.prefill(ids, use_cache=False).logits
+    session.prefill(ids)  # store
+    whole = session.prefill(ids, layerwise=False)
+    session.buffers[0].zero_()  # nothing left over from the last load
+    layered = session.prefill(ids, layerwise=True)
+    assert layered.hit_tokens == whole.hit_tokens == 256
+    assert torch.equal(layered.logits, whole.logits)
+    assert (layered.logits - cold).abs().max().item() < 1e-4
+    assert session.engine.pool.used_bytes == 4 * session.engine.pool.block_bytes  # nothing left pinned
+    assert all(not c.block.pinned for c in session.engine.tier._chunks.values())

@@ -16,6 +16,7 @@ model on the remaining tokens only, store the new chunks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers.cache_utils import Cache, StaticLayer
@@ -27,10 +28,15 @@ from kvtier.transfer import PagedKV
 
 
 class _BufferLayer(StaticLayer):
-    """transformers' static layer over views of a kvtier-owned buffer."""
+    """transformers' static layer over views of a kvtier-owned buffer.
 
-    def __init__(self, buffer: torch.Tensor) -> None:  # buffer: [2, 1, H, S, D]
+    `before_update(index)` runs when the model reaches this layer, before
+    its attention reads the cache: that is where a layerwise load waits.
+    """
+
+    def __init__(self, buffer: torch.Tensor, index: int, before_update: Callable[[int], None] | None) -> None:
         super().__init__(max_cache_len=buffer.shape[3])
+        self.index, self.before_update = index, before_update
         self.keys, self.values = buffer[0], buffer[1]
         self.dtype, self.device = buffer.dtype, buffer.device
         self.batch_size, self.num_heads = 1, buffer.shape[2]
@@ -38,12 +44,18 @@ class _BufferLayer(StaticLayer):
         self.cumulative_length = torch.tensor(0, dtype=torch.long, device=buffer.device)
         self.is_initialized = True
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.before_update is not None:
+            self.before_update(self.index)
+        return super().update(key_states, value_states, *args, **kwargs)
+
 
 class KvtierCache(Cache):
     """A static cache whose layers are views of the session's buffers."""
 
-    def __init__(self, buffers: list[torch.Tensor], length: int) -> None:
-        super().__init__(layers=[_BufferLayer(b) for b in buffers])
+    def __init__(self, buffers: list[torch.Tensor], length: int,
+                 before_update: Callable[[int], None] | None = None) -> None:
+        super().__init__(layers=[_BufferLayer(b, i, before_update) for i, b in enumerate(buffers)])
         for layer in self.layers:
             layer.cumulative_length.fill_(length)
 
@@ -72,23 +84,35 @@ class HFSession:
         self.engine = CacheEngine(config, kv, fmt, transfer=transfer)
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, *, use_cache: bool = True) -> PrefillResult:
-        """Run the prompt; with `use_cache`, load its stored prefix and store the rest."""
+    def prefill(self, input_ids: torch.Tensor, *, use_cache: bool = True, layerwise: bool | None = None) -> PrefillResult:
+        """Run the prompt; with `use_cache`, load its stored prefix and store the rest.
+
+        `layerwise` (default: the config's `use_layerwise`) loads layer i+1
+        while layer i computes, instead of loading everything first.
+        """
+        layerwise = self.engine.config.use_layerwise if layerwise is None else layerwise
         ids = input_ids.reshape(-1)
         n = ids.numel()
         if n > self.max_len:
             raise ValueError(f"prompt of {n} tokens exceeds the session's max_len {self.max_len}")
         tokens = ids.cpu()
         slots = torch.arange(n)
-        hit = 0
+        hit, load, cache = 0, None, None
         if use_cache:
             # The model must run at least the last token to give its logits.
             hit = min(self.engine.lookup(tokens), n - 1)
             if hit:
-                hit = int(self.engine.retrieve(tokens, slots[:hit]).sum())
-        cache = KvtierCache(self.buffers, hit)
-        out = self.model(input_ids=ids[None, hit:].to(self.buffers[0].device), past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
+                load = self.engine.start_retrieve(tokens, slots[:hit], layerwise=layerwise)
+                hit = load.num_tokens
+        try:
+            cache = KvtierCache(self.buffers, hit, before_update=load.wait if load else None)
+            out = self.model(input_ids=ids[None, hit:].to(self.buffers[0].device), past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)
+        finally:
+            if load is not None:
+                load.finish()
+            for layer in cache.layers if cache is not None else ():
+                layer.before_update = None  # decoding needs no waits
         if use_cache:
             self.engine.store(tokens, slots, start=hit)
         return PrefillResult(out.logits[:, -1], cache, hit)

@@ -19,8 +19,10 @@ and the worker's (owns the CacheEngine and moves the bytes). Per step:
 Saves follow chunked prefill: after each step, the whole chunks computed so
 far are stored ("Storing KV cache for 2048 out of 12288 tokens"), and the
 partial last chunk once the prompt is done (if `save_unfull_chunk`).
-Loads and saves are synchronous within the step; layerwise pipelining is
-not built yet, so `wait_for_layer_load` and `save_kv_layer` do nothing.
+Loads finish before the forward pass, or with `use_layerwise` run layer by
+layer behind it: `wait_for_layer_load(layer)` waits only for that layer.
+Saves run in `wait_for_save` (layerwise saving is not built yet, so
+`save_kv_layer` does nothing).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.config import KvtierConfig, load_config
-from kvtier.engine import CacheEngine
+from kvtier.engine import CacheEngine, Retrieval
 from kvtier.integrations.lookup import LookupClient, LookupServer, socket_path
 from kvtier.keys import KVFormat
 from kvtier.logs import get_logger
@@ -134,6 +136,8 @@ class KvtierConnector(KVConnectorBase_V1):
             self.engine: CacheEngine | None = None
             self._server: LookupServer | None = None
             self._load_errors: set[int] = set()
+            self._layer_index: dict[str, int] = {}
+            self._loads: list[Retrieval] = []  # layerwise loads of this step
 
     # ======================================================================
     # Scheduler side
@@ -213,6 +217,7 @@ class KvtierConnector(KVConnectorBase_V1):
         from vllm.model_executor.models.utils import extract_layer_index
 
         names = sorted(kv_caches, key=extract_layer_index)
+        self._layer_index = {name: i for i, name in enumerate(names)}
         model_config = self._vllm_config.model_config
         kv = PagedKV.wrap([kv_caches[n] for n in names], "vllm", mla=model_config.use_mla)
         rank = get_tensor_model_parallel_rank()
@@ -231,9 +236,13 @@ class KvtierConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvtierMetadata) and self.engine is not None
         for spec in meta.loads:
             end = spec.end
-            mask = self.engine.retrieve(spec.token_ids, spec.slots(self.block_size),
-                                        start=spec.start, request_id=spec.req_id)
-            loaded_end = spec.start + int(mask[spec.start:].sum())
+            load = self.engine.start_retrieve(spec.token_ids, spec.slots(self.block_size), start=spec.start,
+                                              request_id=spec.req_id, layerwise=self.config.use_layerwise)
+            if self.config.use_layerwise:
+                self._loads.append(load)
+            else:
+                load.finish()
+            loaded_end = spec.start + load.num_tokens
             if loaded_end < end:
                 # Evicted between lookup and load: vLLM recomputes these blocks.
                 first, last = loaded_end // self.block_size, (end - 1) // self.block_size
@@ -242,7 +251,10 @@ class KvtierConnector(KVConnectorBase_V1):
                             spec.req_id, end - loaded_end, end - spec.start)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        index = self._layer_index.get(layer_name)
+        if index is not None:
+            for load in self._loads:
+                load.wait(index)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return
@@ -250,6 +262,9 @@ class KvtierConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata) and self.engine is not None
+        loads, self._loads = self._loads, []
+        for load in loads:
+            load.finish()
         for spec in meta.saves:
             self.engine.store(spec.token_ids, spec.slots(self.block_size),
                               start=spec.start, request_id=spec.req_id)

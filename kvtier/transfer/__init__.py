@@ -10,7 +10,17 @@ import torch
 
 from kvtier.transfer.layout import LAYOUTS, PagedKV
 
-__all__ = ["LAYOUTS", "PagedKV", "Transfer", "make_transfer"]
+__all__ = ["LAYOUTS", "LayerHandle", "PagedKV", "Transfer", "make_transfer"]
+
+
+class LayerHandle(Protocol):
+    """A layerwise load in flight."""
+
+    def wait(self, layer: int) -> None:
+        """Order the caller's work after layer `layer` is in the KV pages."""
+
+    def finish(self) -> None:
+        """Return once the host chunks are no longer read (they may be released)."""
 
 
 class Transfer(Protocol):
@@ -18,7 +28,9 @@ class Transfer(Protocol):
 
     def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None: ...
 
-    def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None: ...
+    def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None) -> None: ...
+
+    def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LayerHandle: ...
 
     def synchronize(self) -> None: ...
 

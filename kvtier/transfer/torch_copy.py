@@ -34,14 +34,37 @@ class TorchTransfer:
                 chunk[layer_idx].copy_(tokens[:, start : start + n], non_blocking=True)
                 start += n
 
-    def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
-        """Copy `chunks` back into the KV pages at `slots`."""
+    def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None) -> None:
+        """Copy `chunks` back into the KV pages at `slots` (all layers, or `layers`)."""
         block, offset = self._index(slots)
-        for layer_idx, layer in enumerate(self.kv.layers):
+        for layer_idx in layers or range(self.kv.num_layers):
+            layer = self.kv.layers[layer_idx]
             parts = [chunk[layer_idx] for chunk in chunks]
             tokens = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             layer[:, block, offset] = tokens.to(layer.device, non_blocking=True)
 
+    def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LazyLayers:
+        return LazyLayers(self, slots, chunks)
+
     def synchronize(self) -> None:
         if self.kv.device.type == "cuda":
             torch.cuda.current_stream(self.kv.device).synchronize()
+
+
+class LazyLayers:
+    """Layerwise scatter without a device to overlap with: layer l is written
+    when it is first waited for, so compute and loads still interleave in
+    layer order (the Triton interpreter uses this too)."""
+
+    def __init__(self, transfer, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
+        self._transfer, self._slots, self._chunks = transfer, slots, list(chunks)
+        self._done = 0
+
+    def wait(self, layer: int) -> None:
+        if layer >= self._done:
+            self._transfer.scatter(self._slots, self._chunks, layers=range(self._done, layer + 1))
+            self._done = layer + 1
+
+    def finish(self) -> None:
+        self.wait(self._transfer.kv.num_layers - 1)
+        self._chunks = []

@@ -88,17 +88,20 @@ class TritonTransfer:
         on_cuda = kv.device.type == "cuda"
         self._stream = torch.cuda.Stream(kv.device) if on_cuda else None
 
-    def _launch(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], to_chunk: bool) -> None:
+    def _launch(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], to_chunk: bool,
+                layers: range | None = None) -> None:
+        """One launch over `layers` (default all) of every chunk."""
         kv = self.kv
+        layers = layers or range(kv.num_layers)
         chunk_size = chunks[0].shape[2]
-        ptrs = torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64)
+        ptrs = torch.tensor([c[layers.start].data_ptr() for c in chunks], dtype=torch.int64)
         ptrs = ptrs.to(kv.device, non_blocking=True)
         slots = slots.to(kv.device, non_blocking=True)
         total = slots.numel()
         s_k, s_b, s_n, s_h = self._strides
-        grid = (total, kv.num_layers * kv.kv)
+        grid = (total, len(layers) * kv.kv)
         _kv_copy_kernel[grid](
-            kv.layers[0], self._layer_ptrs, ptrs, slots, total, chunk_size,
+            kv.layers[0], self._layer_ptrs[layers.start : layers.stop], ptrs, slots, total, chunk_size,
             s_k, s_b, s_n, s_h, kv.block_size, kv.heads * kv.head_size, kv.head_size,
             K=kv.kv, TO_CHUNK=to_chunk, BLOCK=self._block,
         )
@@ -128,11 +131,13 @@ class TritonTransfer:
                     host.copy_(dev, non_blocking=True)
         self._stream.synchronize()
 
-    def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
+    def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None) -> None:
         """Write `chunks` into the KV pages; the current stream is ordered after it."""
         if self._stream is None or chunks[0].is_cuda:
-            self._launch(slots, chunks, to_chunk=False)
+            self._launch(slots, chunks, to_chunk=False, layers=layers)
             return
+        if layers is not None:
+            raise ValueError("a layer range is for device-resident chunks; use scatter_layerwise")
         current = torch.cuda.current_stream(self.kv.device)
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
@@ -148,6 +153,44 @@ class TritonTransfer:
         # out of them must be done.
         self._stream.synchronize()
 
+    def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LayerEvents:
+        """Start writing `chunks` layer by layer; wait(l) orders the caller after layer l.
+
+        Every layer's copies and kernel are queued at once on the side stream;
+        the caller's stream waits only for the layer it is about to use.
+        """
+        if self._stream is None:
+            from kvtier.transfer.torch_copy import LazyLayers
+
+            return LazyLayers(self, slots, chunks)
+        current = torch.cuda.current_stream(self.kv.device)
+        self._stream.wait_stream(current)
+        staged = self._staging(chunks)
+        events = []
+        with torch.cuda.stream(self._stream):
+            for layer in range(self.kv.num_layers):
+                for dev, host in zip(staged, chunks):
+                    dev[layer].copy_(host[layer], non_blocking=True)
+                self._launch(slots, staged, to_chunk=False, layers=range(layer, layer + 1))
+                events.append(torch.cuda.Event())
+                events[-1].record(self._stream)
+        return LayerEvents(events, self._stream, staged)
+
     def synchronize(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
+
+
+class LayerEvents:
+    """A layerwise scatter in flight: one CUDA event per layer."""
+
+    def __init__(self, events: list, stream, keepalive: list[torch.Tensor]) -> None:
+        self._events, self._stream, self._keepalive = events, stream, keepalive
+
+    def wait(self, layer: int) -> None:
+        torch.cuda.current_stream(self._stream.device).wait_event(self._events[layer])
+
+    def finish(self) -> None:
+        """Returns once every copy out of the host chunks is done."""
+        self._stream.synchronize()
+        self._keepalive = []
