@@ -57,3 +57,20 @@ def test_engine_roundtrip_on_gpu(backend):
     torch.cuda.synchronize()
     assert int(mask.sum()) == 182
     assert torch.equal(reference(kv, perm[10:192]), reference(kv, perm[210:392]))
+
+
+def test_layerwise_retrieve_on_gpu_waits_per_layer():
+    layers = [torch.randn(SHAPES["flash_attn"], device="cuda").to(torch.bfloat16) for _ in range(L)]
+    kv = PagedKV.wrap(layers, "flash_attn")
+    eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), kv, KVFormat("m", "flash_attn", "bf16"))
+    perm = torch.randperm(kv.num_slots)
+    toks = list(range(256))
+    eng.store(toks, perm[:256])
+    load = eng.start_retrieve(toks, perm[256:511], layerwise=True)  # 255: the last chunk is cut
+    for i in range(L):
+        load.wait(i)
+        s_src, s_dst = perm[:255].cuda(), perm[256:511].cuda()
+        got = layers[i][:, s_dst // BS, s_dst % BS]  # read on the current stream, after wait(i)
+        assert torch.equal(got, layers[i][:, s_src // BS, s_src % BS])
+    load.finish()
+    assert not any(c.block.pinned for c in eng.tier._chunks.values())

@@ -4,8 +4,10 @@ A Llama-3.1-8B-shaped model (random weights, bf16, transformers SDPA) on a
 GPU; for each prompt length:
     cold   prefill of the whole prompt, nothing cached
     warm   kvtier loads all but the last token from CPU RAM, the model runs one
+    warm layerwise  the same, layer i+1 loading while layer i computes
     floor  KV bytes / pinned H2D copy bandwidth + a one-token forward over the
-           same context, both measured in the same run
+           same context, both measured in the same run (layerwise: compared
+           with max of the two instead of their sum)
 Medians over repeats; warm is also given as a ratio to its floor. Writes a
 JSON record and a PNG plot of TTFT against prompt length.
 """
@@ -37,6 +39,7 @@ class TTFTPoint:
     hit_tokens: int
     cold_s: float
     warm_s: float
+    warm_layerwise_s: float
     load_floor_s: float
     forward_1_s: float
 
@@ -49,6 +52,9 @@ class TTFTPoint:
                 "warm_s": round(self.warm_s, 4), "floor_s": round(self.floor_s, 4),
                 "warm_over_floor": round(self.warm_s / self.floor_s, 3),
                 "speedup": round(self.cold_s / self.warm_s, 1),
+                "warm_layerwise_s": round(self.warm_layerwise_s, 4),
+                "layerwise_over_max_load_forward": round(
+                    self.warm_layerwise_s / max(self.load_floor_s, self.forward_1_s), 3),
                 "load_floor_s": round(self.load_floor_s, 4), "forward_1_s": round(self.forward_1_s, 4)}
 
 
@@ -85,9 +91,10 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256) -> TTFTPoin
     session = HFSession(model, KvtierConfig(chunk_size=chunk_size, max_local_cpu_size=pool_gib), max_len=tokens)
     cold = [_timed(lambda: session.prefill(ids, use_cache=False)) for _ in range(repeats)]
     session.prefill(ids)  # stores the prompt's chunks
-    warm, hits = [], []
+    warm, layered, hits = [], [], []
     for _ in range(repeats):
-        warm.append(_timed(lambda: hits.append(session.prefill(ids).hit_tokens)))
+        warm.append(_timed(lambda: hits.append(session.prefill(ids, layerwise=False).hit_tokens)))
+        layered.append(_timed(lambda: session.prefill(ids, layerwise=True)))
     hit = hits[-1]
     _, h2d = copy_bandwidth(hit * kv_per_token, torch.device("cuda"))
     last = ids[:, -1:].cuda()
@@ -99,7 +106,7 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256) -> TTFTPoin
 
     fwd = [_timed(forward_one) for _ in range(repeats)]
     med = statistics.median
-    point = TTFTPoint(tokens, hit, med(cold), med(warm), hit * kv_per_token / (h2d * 1e9), med(fwd))
+    point = TTFTPoint(tokens, hit, med(cold), med(warm), med(layered), hit * kv_per_token / (h2d * 1e9), med(fwd))
     del session
     torch.cuda.empty_cache()
     return point
@@ -134,6 +141,7 @@ def _plot(points: list[TTFTPoint], path: Path, machine: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(x, [p.cold_s for p in points], "o-", label="cold (full prefill)")
     ax.plot(x, [p.warm_s for p in points], "o-", label="warm (kvtier, CPU RAM)")
+    ax.plot(x, [p.warm_layerwise_s for p in points], "o-", label="warm, layerwise")
     ax.plot(x, [p.floor_s for p in points], "--", label="floor (KV bytes / H2D + 1-token forward)")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (s)")
