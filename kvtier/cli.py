@@ -39,7 +39,7 @@ def _bench_offload(args: argparse.Namespace) -> int:
 def _bench_ttft(args: argparse.Namespace) -> int:
     from kvtier.bench.ttft import run_ttft
 
-    run_ttft(args.lengths, args.repeats, Path(args.output), layers=args.layers)
+    run_ttft(args.lengths, args.repeats, Path(args.output), layers=args.layers, transfer=args.transfer)
     return 0
 
 
@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ttft.add_argument("--repeats", type=int, default=3)
     ttft.add_argument("--layers", type=int, help="fewer layers than 32, for a quick look")
     ttft.add_argument("--output", default="results/ttft", help="folder for ttft.json and ttft.png")
+    ttft.add_argument("--transfer", default="auto", choices=["auto", "triton", "triton-direct", "torch"])
     ttft.set_defaults(fn=_bench_ttft)
 
     cfg = sub.add_parser("config", help="print the effective config (file + env)")

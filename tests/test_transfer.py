@@ -112,6 +112,15 @@ for layout, shape in shapes.items():
         z = torch.empty(kv.chunk_shape(int(untouched.sum())), dtype=dtype)
         TorchTransfer(kv2).gather(untouched.nonzero().flatten(), [z])
         assert not z.any(), (layout, "scatter wrote outside its slots")
+        dst3 = [torch.zeros_like(t) for t in layers]
+        kv3 = PagedKV.wrap(dst3, layout)
+        handle = TritonTransfer(kv3).scatter_layerwise(slots, got)
+        handle.wait(1)  # layers 0 and 1 written, layer 2 not yet
+        assert dst3[1].any() and not dst3[2].any(), (layout, "layerwise order")
+        handle.finish()
+        back = [torch.empty(kv.chunk_shape(n), dtype=dtype) for n in sizes]
+        TorchTransfer(kv3).gather(slots, back)
+        assert all(torch.equal(a, b) for a, b in zip(ref, back)), (layout, dtype, "layerwise scatter")
 print("ok")
 """
 

@@ -82,13 +82,14 @@ def build_model(layers: int | None = None):
     return model
 
 
-def measure(model, tokens: int, repeats: int, chunk_size: int = 256) -> TTFTPoint:
+def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: str = "auto") -> TTFTPoint:
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens))
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2  # bf16
     pool_gib = (tokens + chunk_size) * kv_per_token * 1.05 / 1024**3
-    session = HFSession(model, KvtierConfig(chunk_size=chunk_size, max_local_cpu_size=pool_gib), max_len=tokens)
+    session = HFSession(model, KvtierConfig(chunk_size=chunk_size, max_local_cpu_size=pool_gib), max_len=tokens,
+                        transfer=transfer)
     cold = [_timed(lambda: session.prefill(ids, use_cache=False)) for _ in range(repeats)]
     session.prefill(ids)  # stores the prompt's chunks
     warm, layered, hits = [], [], []
@@ -112,22 +113,24 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256) -> TTFTPoin
     return point
 
 
-def run_ttft(lengths: list[int], repeats: int, out_dir: Path, layers: int | None = None) -> list[TTFTPoint]:
+def run_ttft(lengths: list[int], repeats: int, out_dir: Path, layers: int | None = None,
+             transfer: str = "auto") -> list[TTFTPoint]:
     logging.getLogger("kvtier").setLevel(logging.WARNING)
     model = build_model(layers)
     measure(model, 512, 1)  # warm-up: kernels, allocator
     points = []
     for n in lengths:
-        p = measure(model, n, repeats)
+        p = measure(model, n, repeats, transfer=transfer)
         print(json.dumps(p.row()), flush=True)
         points.append(p)
     out_dir.mkdir(parents=True, exist_ok=True)
     record = {"machine": machine_name(torch.device("cuda")), "date": dt.date.today().isoformat(),
               "model": {**LLAMA_8B, **({"num_hidden_layers": layers} if layers else {})},
-              "dtype": "bfloat16", "attention": "sdpa", "repeats": repeats,
+              "dtype": "bfloat16", "attention": "sdpa", "repeats": repeats, "transfer": transfer,
               "points": [p.row() for p in points]}
-    (out_dir / "ttft.json").write_text(json.dumps(record, indent=1) + "\n")
-    _plot(points, out_dir / "ttft.png", record["machine"])
+    suffix = "" if transfer == "auto" else f"-{transfer}"
+    (out_dir / f"ttft{suffix}.json").write_text(json.dumps(record, indent=1) + "\n")
+    _plot(points, out_dir / f"ttft{suffix}.png", record["machine"])
     return points
 
 

@@ -88,15 +88,26 @@ class TritonTransfer:
         on_cuda = kv.device.type == "cuda"
         self._stream = torch.cuda.Stream(kv.device) if on_cuda else None
 
-    def _launch(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], to_chunk: bool,
-                layers: range | None = None) -> None:
-        """One launch over `layers` (default all) of every chunk."""
+    def _tables(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device copies of `slots` and of the chunk addresses at each layer of
+        `layers` ([len(layers), num_chunks]). On a GPU they go up from pinned
+        memory: an upload from pageable memory would make the host wait for
+        everything queued on the stream before it."""
+        sizes = [c[0].numel() * c.element_size() for c in chunks]  # bytes of one layer of each chunk
+        ptrs = torch.tensor([[c.data_ptr() + l * n for c, n in zip(chunks, sizes)] for l in layers],
+                            dtype=torch.int64)
+        slots = slots.to(torch.int64)
+        if self.kv.device.type == "cuda":
+            ptrs, slots = ptrs.pin_memory(), slots.pin_memory()
+        return slots.to(self.kv.device, non_blocking=True), ptrs.to(self.kv.device, non_blocking=True)
+
+    def _launch(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], to_chunk: bool) -> None:
+        """One launch over all layers of every chunk."""
+        dev_slots, ptrs = self._tables(slots, chunks, range(1))
+        self._kernel(dev_slots, ptrs[0], chunks[0].shape[2], to_chunk, range(self.kv.num_layers))
+
+    def _kernel(self, slots: torch.Tensor, ptrs: torch.Tensor, chunk_size: int, to_chunk: bool, layers: range) -> None:
         kv = self.kv
-        layers = layers or range(kv.num_layers)
-        chunk_size = chunks[0].shape[2]
-        ptrs = torch.tensor([c[layers.start].data_ptr() for c in chunks], dtype=torch.int64)
-        ptrs = ptrs.to(kv.device, non_blocking=True)
-        slots = slots.to(kv.device, non_blocking=True)
         total = slots.numel()
         s_k, s_b, s_n, s_h = self._strides
         grid = (total, len(layers) * kv.kv)
@@ -133,11 +144,15 @@ class TritonTransfer:
 
     def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None) -> None:
         """Write `chunks` into the KV pages; the current stream is ordered after it."""
-        if self._stream is None or chunks[0].is_cuda:
-            self._launch(slots, chunks, to_chunk=False, layers=layers)
-            return
         if layers is not None:
-            raise ValueError("a layer range is for device-resident chunks; use scatter_layerwise")
+            if self._stream is not None and not chunks[0].is_cuda:
+                raise ValueError("a layer range is for device-resident chunks; use scatter_layerwise")
+            dev_slots, ptrs = self._tables(slots, chunks, range(layers.start, layers.start + 1))
+            self._kernel(dev_slots, ptrs[0], chunks[0].shape[2], False, layers)
+            return
+        if self._stream is None or chunks[0].is_cuda:
+            self._launch(slots, chunks, to_chunk=False)
+            return
         current = torch.cuda.current_stream(self.kv.device)
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
@@ -156,8 +171,10 @@ class TritonTransfer:
     def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LayerEvents:
         """Start writing `chunks` layer by layer; wait(l) orders the caller after layer l.
 
-        Every layer's copies and kernel are queued at once on the side stream;
-        the caller's stream waits only for the layer it is about to use.
+        Every layer's work is queued at once on the side stream; the caller's
+        stream waits only for the layer it is about to use. Direct: one kernel
+        per layer reads the pinned chunks. Staged: each layer's slices cross
+        PCIe to a staging buffer, then its kernel runs.
         """
         if self._stream is None:
             from kvtier.transfer.torch_copy import LazyLayers
@@ -165,13 +182,17 @@ class TritonTransfer:
             return LazyLayers(self, slots, chunks)
         current = torch.cuda.current_stream(self.kv.device)
         self._stream.wait_stream(current)
-        staged = self._staging(chunks)
+        direct = self._direct_ok(chunks)
+        staged = [] if direct else self._staging(chunks)
+        source = chunks if direct else staged
+        layers = range(self.kv.num_layers)
         events = []
         with torch.cuda.stream(self._stream):
-            for layer in range(self.kv.num_layers):
+            dev_slots, ptrs = self._tables(slots, source, layers)
+            for layer in layers:
                 for dev, host in zip(staged, chunks):
                     dev[layer].copy_(host[layer], non_blocking=True)
-                self._launch(slots, staged, to_chunk=False, layers=range(layer, layer + 1))
+                self._kernel(dev_slots, ptrs[layer], chunks[0].shape[2], False, range(layer, layer + 1))
                 events.append(torch.cuda.Event())
                 events[-1].record(self._stream)
         return LayerEvents(events, self._stream, staged)
