@@ -32,8 +32,6 @@ class Transfer(Protocol):
 
     def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LayerHandle: ...
 
-    def synchronize(self) -> None: ...
-
 
 def make_transfer(kv: PagedKV, backend: str = "auto") -> Transfer:
     """Triton kernels for GPU caches, torch indexing for host caches."""

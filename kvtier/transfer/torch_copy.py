@@ -46,9 +46,6 @@ class TorchTransfer:
     def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LazyLayers:
         return LazyLayers(self, slots, chunks)
 
-    def synchronize(self) -> None:
-        if self.kv.device.type == "cuda":
-            torch.cuda.current_stream(self.kv.device).synchronize()
 
 
 class LazyLayers:

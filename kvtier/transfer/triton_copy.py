@@ -197,10 +197,6 @@ class TritonTransfer:
                 events[-1].record(self._stream)
         return LayerEvents(events, self._stream, staged)
 
-    def synchronize(self) -> None:
-        if self._stream is not None:
-            self._stream.synchronize()
-
 
 class LayerEvents:
     """A layerwise scatter in flight: one CUDA event per layer."""
