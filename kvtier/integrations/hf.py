@@ -99,11 +99,10 @@ class HFSession:
         slots = torch.arange(n)
         hit, load, cache = 0, None, None
         if use_cache:
-            # The model must run at least the last token to give its logits.
-            hit = min(self.engine.lookup(tokens), n - 1)
-            if hit:
-                load = self.engine.start_retrieve(tokens, slots[:hit], layerwise=layerwise)
-                hit = load.num_tokens
+            # All but the last token: the model must run that one to give its
+            # logits. The load stops at the first chunk not stored.
+            load = self.engine.start_retrieve(tokens, slots[: n - 1], layerwise=layerwise)
+            hit = load.num_tokens
         try:
             cache = KvtierCache(self.buffers, hit, before_update=load.wait if load else None)
             out = self.model(input_ids=ids[None, hit:].to(self.buffers[0].device), past_key_values=cache,
