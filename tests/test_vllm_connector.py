@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.demo import HIT_LINE as HIT
 from kvtier.tinymodel import corpus_text
 
 pytestmark = pytest.mark.vllm
 RUNNER = Path(__file__).with_name("vllm_offline.py")
-HIT = re.compile(r"Total tokens (\d+), hit tokens (\d+), need to load (\d+)")
 STORE = re.compile(r"Storing KV cache for (\d+) out of (\d+) tokens")
 
 
