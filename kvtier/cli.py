@@ -43,6 +43,28 @@ def _bench_ttft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _server(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    from kvtier.server.app import AUTH_TOKEN_ENV, ServerOptions, run
+
+    logging.getLogger("kvtier").setLevel(args.log_level.upper())
+    try:
+        opts = ServerOptions(
+            host=args.host, service_port=args.service_port, manage_port=args.manage_port,
+            prealloc_bytes=int(args.prealloc_size * 1024**3), page_size=args.page_size_kb << 10,
+            evict_low=args.evict_min_threshold, evict_high=args.evict_max_threshold,
+            auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV), dev_name=args.dev_name,
+            link_type=args.link_type, hint_gid_index=args.hint_gid_index, shm=not args.no_shm,
+        )
+    except ValueError as e:
+        print(f"kvtier server: {e}", file=sys.stderr)
+        return 2
+    run(opts)
+    return 0
+
+
 def _config(args: argparse.Namespace) -> int:
     from kvtier.config import describe_keys, load_config
 
@@ -86,6 +108,22 @@ def main(argv: list[str] | None = None) -> int:
     ttft.add_argument("--output", default="results/ttft", help="folder for ttft.json and ttft.png")
     ttft.add_argument("--transfer", default="auto", choices=["auto", "triton", "triton-direct", "torch"])
     ttft.set_defaults(fn=_bench_ttft)
+
+    srv = sub.add_parser("server", help="the store server (InfiniStore's role): a KV pool for the cluster")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs --auth-token)")
+    srv.add_argument("--service-port", type=int, default=12345, help="KV protocol port")
+    srv.add_argument("--manage-port", type=int, default=18080, help="management HTTP port")
+    srv.add_argument("--prealloc-size", type=float, default=1.0, help="value pool, GiB, allocated at start")
+    srv.add_argument("--page-size-kb", type=int, default=256, help="pool page, KiB")
+    srv.add_argument("--evict-min-threshold", type=float, default=0.8, help="evict down to this pool fraction")
+    srv.add_argument("--evict-max-threshold", type=float, default=0.95, help="evict when above this fraction")
+    srv.add_argument("--auth-token", help="bearer token of the management API (or $KVTIER_SERVER_TOKEN)")
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    srv.add_argument("--dev-name", help="RDMA device, e.g. mlx5_0 (TCP is served when it is absent)")
+    srv.add_argument("--link-type", default="IB", choices=["IB", "Ethernet"], help="RDMA link type")
+    srv.add_argument("--hint-gid-index", type=int, help="RDMA GID index (RoCE in Kubernetes)")
+    srv.add_argument("--no-shm", action="store_true", help="no same-host shared-memory path")
+    srv.set_defaults(fn=_server)
 
     cfg = sub.add_parser("config", help="print the effective config (file + env)")
     cfg.add_argument("--keys", action="store_true", help="print every key with its default")

@@ -26,7 +26,9 @@ from typing import Any, Mapping
 
 import yaml
 
+from kvtier.codec import SERDES
 from kvtier.errors import ConfigError, UnknownConfigKey
+from kvtier.remote import check_url
 
 ENV_PREFIXES = ("LMCACHE_", "KVTIER_")
 CONFIG_FILE_VARS = ("LMCACHE_CONFIG_FILE", "KVTIER_CONFIG_FILE")
@@ -55,8 +57,9 @@ class KvtierConfig:
     use_layerwise: bool = _doc("load layer i+1 while layer i computes", default=False)
     local_disk: str | None = _doc("directory of the disk tier (not built yet)", default=None)
     max_local_disk_size: float = _doc("disk tier size, GB (not built yet)", default=0.0)
-    remote_url: str | None = _doc("remote store URL (not built yet)", default=None)
-    remote_serde: str = _doc("remote payload codec (not built yet)", default="naive")
+    remote_url: str | None = _doc(
+        "remote store: kvtier:// infinistore:// redis:// rediss:// redis-cluster:// fs://", default=None)
+    remote_serde: str = _doc("remote payload codec: naive | lz4", default="naive")
     blocking_timeout_secs: float = _doc("longest wait on a tier before a miss, s", default=10.0)
     enable_pd: bool = _doc("disaggregated prefill (not built yet)", default=False)
     pd_role: str | None = _doc("sender | receiver (not built yet)", default=None)
@@ -87,8 +90,6 @@ class KvtierConfig:
 NOT_BUILT = {
     "local_disk": "the disk tier",
     "max_local_disk_size": "the disk tier",
-    "remote_url": "the remote tier (kvtier server, Redis, fs)",
-    "remote_serde": "the remote tier",
     "enable_pd": "disaggregated prefill",
     "pd_role": "disaggregated prefill",
     "transfer_channel": "disaggregated prefill",
@@ -113,6 +114,10 @@ def _check_ranges(cfg: KvtierConfig) -> None:
         # The CPU pool is also the staging buffer of every other tier, so it
         # must exist even with local_cpu: false (as in LMCache).
         raise ConfigError("max_local_cpu_size", cfg.max_local_cpu_size, "a size in GB > 0")
+    if cfg.remote_url is not None and (expected := check_url(cfg.remote_url)):
+        raise ConfigError("remote_url", cfg.remote_url, expected)
+    if cfg.remote_serde not in SERDES:
+        raise ConfigError("remote_serde", cfg.remote_serde, " | ".join(SERDES))
     if cfg.blocking_timeout_secs <= 0:
         raise ConfigError("blocking_timeout_secs", cfg.blocking_timeout_secs, "seconds > 0")
 

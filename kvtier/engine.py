@@ -1,6 +1,6 @@
 """CacheEngine: the one entry point engines call to store, look up and load KV.
 
-    store(tokens, slots)     keys → allocate blocks → gather KV → put in tier
+    store(tokens, slots)     keys → allocate blocks → gather KV → put in the tiers (store.py)
     lookup(tokens)           keys → longest stored prefix, in tokens
     retrieve(tokens, slots)  keys → get (pins blocks) → scatter KV → release
 
@@ -20,11 +20,15 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from kvtier.codec import Codec
 from kvtier.config import KvtierConfig
 from kvtier.keys import ChunkSpan, KVFormat, chunk_spans
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
+from kvtier.remote import open_store
+from kvtier.store import TieredStore
 from kvtier.tiers.cpu import CpuTier, StoredChunk
+from kvtier.tiers.remote import RemoteTier
 from kvtier.transfer import LayerHandle, PagedKV, make_transfer
 
 log = get_logger(__name__)
@@ -57,11 +61,12 @@ class CacheEngine:
             config.chunk_size * kv.bytes_per_token(),
             hugepages=config.local_cpu_use_hugepages,
         )
-        self.tier = CpuTier(self.pool)
+        self.tiers = TieredStore(CpuTier(self.pool), _remote_tier(config, kv), keep_cpu=config.local_cpu,
+                                 bytes_per_token=kv.bytes_per_token())
         self.transfer = make_transfer(kv, transfer)
         self.stats = EngineStats()
         self._warned: OrderedDict[str, None] = OrderedDict()  # requests told their store was cut
-        if not config.local_cpu:
+        if not config.local_cpu and self.tiers.remote is None:
             log.warning("local_cpu is false and no other tier is configured: kvtier stores nothing")
         log.info(
             "CacheEngine: %s, %d layers, chunk %d tokens = %.2f MB, CPU pool %d chunks (%.2f GB), "
@@ -78,7 +83,7 @@ class CacheEngine:
     def lookup(self, tokens: Tokens) -> int:
         """Number of leading tokens whose KV is stored (a chunk boundary)."""
         spans = self.spans(tokens)
-        hits = self.tier.prefix_hits(s.key for s in spans)
+        hits = self.tiers.prefix_hits([s.key for s in spans])
         return spans[hits - 1].end if hits else 0
 
     # -- store -----------------------------------------------------------------
@@ -90,10 +95,11 @@ class CacheEngine:
         in use, the rest of this store is skipped (logged once), never waited on.
         """
         slots = self._check(tokens, slots)
-        if not self.config.local_cpu:
+        if not self.config.local_cpu and self.tiers.remote is None:
             return 0
         t0 = time.perf_counter()
-        todo = [s for s in self.spans(tokens) if s.end > start and not self.tier.contains(s.key)]
+        todo = [s for s in self.spans(tokens) if s.end > start]
+        todo = [s for s, new in zip(todo, self.tiers.missing([s.key for s in todo])) if new]
         blocks = self._allocate(todo, request_id)
         todo = todo[: len(blocks)]
         if not todo:
@@ -106,7 +112,7 @@ class CacheEngine:
                 block.release()
             raise
         for span, block in zip(todo, blocks):
-            self.tier.put(span.key, block, span.num_tokens)
+            self.tiers.put(span.key, block, span.num_tokens)
         stored = sum(s.num_tokens for s in todo)
         self.stats.stored_tokens += stored
         _log_transfer("Storing KV cache for", stored, len(slots), request_id,
@@ -116,7 +122,7 @@ class CacheEngine:
     def _allocate(self, spans: list[ChunkSpan], request_id: str) -> list[MemoryBlock]:
         blocks = []
         for span in spans:
-            block = self.tier.allocate()
+            block = self.tiers.allocate()
             if block is None:
                 skipped = sum(s.num_tokens for s in spans[len(blocks):])
                 self.stats.skipped_store_tokens += skipped
@@ -160,15 +166,9 @@ class CacheEngine:
         end = len(slots)
         mask = torch.zeros(end, dtype=torch.bool)
         t0 = time.perf_counter()
-        found: list[tuple[ChunkSpan, StoredChunk]] = []
+        spans = [s for s in self.spans(tokens) if s.start < end]
+        found = list(zip(spans, self.tiers.get_prefix(spans)))
         try:
-            for span in self.spans(tokens):
-                if span.start >= end:
-                    break
-                chunk = self.tier.get(span.key)
-                if chunk is None:
-                    break
-                found.append((span, chunk))
             loading = [(s, c) for s, c in found if s.end > start]
             handle = self._scatter(slots, loading, start, end, layerwise) if loading else None
         except BaseException:
@@ -212,8 +212,16 @@ class CacheEngine:
     # -- housekeeping ------------------------------------------------------------
 
     def clear(self) -> None:
-        """Drop every stored chunk (blocks in use are freed when released)."""
-        self.tier.clear()
+        """Drop every chunk of the CPU tier (blocks in use are freed when released)."""
+        self.tiers.clear()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until stored chunks have been sent to the remote tier; False on timeout."""
+        return self.tiers.flush(timeout)
+
+    def close(self) -> None:
+        """Send what is still queued for the remote tier, then disconnect."""
+        self.tiers.close(timeout=self.config.blocking_timeout_secs)
 
     def _check(self, tokens: Tokens, slots: torch.Tensor, exact: bool = True) -> torch.Tensor:
         """Validate engine input at the boundary; returns slots as int64 on CPU."""
@@ -268,6 +276,14 @@ class Retrieval:
             _log_transfer("Retrieved KV cache for", loaded, len(self.mask), self._request_id,
                           loaded * engine.kv.bytes_per_token(), time.perf_counter() - self._t0)
         return self.mask
+
+
+def _remote_tier(config: KvtierConfig, kv: PagedKV) -> RemoteTier | None:
+    if config.remote_url is None:
+        return None
+    codec = Codec(config.remote_serde, itemsize=kv.dtype.itemsize)
+    log.info("remote tier: %s (serde %s)", config.remote_url, config.remote_serde)
+    return RemoteTier(open_store(config.remote_url, config.blocking_timeout_secs), codec, config.remote_url)
 
 
 def _as_numpy(tokens: Tokens) -> np.ndarray:

@@ -41,3 +41,22 @@ class HugePagesUnavailable(KvtierError, MemoryError):
 
 class PoolExhausted(KvtierError):
     """No block can be allocated: the pool is full and nothing is evictable."""
+
+
+class RemoteUnavailable(KvtierError, ConnectionError):
+    """A remote store could not be reached or stopped answering in time.
+
+    Remote connectors raise only this for transport faults; the remote tier
+    turns it into a logged, counted miss."""
+
+
+class RemoteRefused(KvtierError):
+    """The remote store answered with an error (e.g. its pool is full)."""
+
+
+class ValueTooLarge(RemoteRefused, ValueError):
+    """A value larger than the remote store's whole pool."""
+
+
+class CorruptPayload(KvtierError):
+    """A stored payload failed its header or checksum check: treated as a miss."""

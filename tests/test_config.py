@@ -77,13 +77,30 @@ def test_missing_or_malformed_file(tmp_path):
 
 
 @pytest.mark.parametrize("env, key", [
-    ({"LMCACHE_REMOTE_URL": "redis://localhost:6379"}, "remote_url"),
     ({"LMCACHE_LOCAL_DISK": "/tmp/kv"}, "local_disk"),
     ({"LMCACHE_ENABLE_PD": "true"}, "enable_pd"),
     ({"LMCACHE_PD_ROLE": "sender"}, "pd_role"),
 ])
 def test_keys_not_built_yet_are_refused(env, key):
     with pytest.raises(ConfigError, match=f"{key}.*not built"):
+        load_config(env=env)
+
+
+@pytest.mark.parametrize("url", ["kvtier://127.0.0.1:12345", "infinistore://127.0.0.1:12345/?device=mlx5_1",
+                                 "redis://localhost:6379", "rediss://:pw@cache.example:6380/0",
+                                 "redis-cluster://10.0.0.1:7000,10.0.0.2:7000", "fs:///mnt/kv"])
+def test_remote_urls_of_every_scheme_parse(url):
+    assert load_config(env={"LMCACHE_REMOTE_URL": url, "LMCACHE_REMOTE_SERDE": "lz4"}).remote_url == url
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"LMCACHE_REMOTE_URL": "mongodb://x:1"}, "scheme"),
+    ({"LMCACHE_REMOTE_URL": "redis://localhost"}, "redis://host:port"),
+    ({"LMCACHE_REMOTE_URL": "fs://"}, "fs:///path"),
+    ({"LMCACHE_REMOTE_SERDE": "cachegen"}, "naive | lz4"),
+])
+def test_bad_remote_settings_fail_at_start(env, expected):
+    with pytest.raises(ConfigError, match=expected):
         load_config(env=env)
 
 

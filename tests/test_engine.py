@@ -70,7 +70,7 @@ def test_retrieve_stops_at_first_missing_chunk():
     eng, _ = make_engine()
     toks = list(range(64))
     eng.store(toks, torch.arange(64))
-    eng.tier.delete(eng.spans(toks)[1].key)
+    eng.tiers.cpu.delete(eng.spans(toks)[1].key)
     assert eng.lookup(toks) == 16
     assert int(eng.retrieve(toks, torch.arange(64)).sum()) == 16
 
@@ -79,7 +79,7 @@ def test_full_pool_of_pinned_chunks_skips_store_and_logs_once(caplog):
     eng, _ = make_engine(pool_mb=2 * 16 * L * 2 * H * D * 4 / 1e6 * 1.0001 * 1e6 / 1024**2)
     assert eng.pool.num_blocks == 2
     eng.store(list(range(32)), torch.arange(32))
-    held = [eng.tier.get(s.key) for s in eng.spans(list(range(32)))]  # in-flight loads pin both
+    held = [eng.tiers.cpu.get(s.key) for s in eng.spans(list(range(32)))]  # in-flight loads pin both
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         assert eng.store(list(range(100, 164)), torch.arange(64), request_id="r") == 0
         assert eng.store(list(range(100, 196)), torch.arange(96), request_id="r") == 0  # next prefill step
@@ -133,7 +133,7 @@ def test_memory_stays_flat_over_10000_cycles_with_eviction():
                 rss.append(proc.memory_info().rss)
     finally:
         logging.getLogger("kvtier").setLevel(logging.INFO)
-    assert eng.tier.stats.evictions > 9_000
+    assert eng.tiers.cpu.stats.evictions > 9_000
     warm = rss[2:]  # after warm-up
     assert max(warm) <= min(warm) * 1.05, [r // 2**20 for r in rss]
     eng.clear()
@@ -162,10 +162,10 @@ def test_layerwise_retrieve_loads_layers_in_order_and_unpins_at_finish():
     dst = torch.arange(100, 164)
     load = eng.start_retrieve(toks, dst, start=5, layerwise=True)
     assert load.num_tokens == 59
-    assert all(c.block.pinned for c in eng.tier._chunks.values())  # in use until finish
+    assert all(c.block.pinned for c in eng.tiers.cpu._chunks.values())  # in use until finish
     load.wait(0)
     assert torch.equal(tokens_at(layers[:1], dst[5:]), tokens_at(layers[:1], torch.arange(5, 64)))
     load.finish()
     load.finish()  # idempotent
-    assert not any(c.block.pinned for c in eng.tier._chunks.values())
+    assert not any(c.block.pinned for c in eng.tiers.cpu._chunks.values())
     assert torch.equal(tokens_at(layers, dst[5:]), tokens_at(layers, torch.arange(5, 64)))

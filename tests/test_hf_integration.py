@@ -64,4 +64,4 @@ def test_layerwise_load_gives_the_same_result(model):
     assert torch.equal(layered.logits, whole.logits)
     assert (layered.logits - cold).abs().max().item() < 1e-4
     assert session.engine.pool.used_bytes == 4 * session.engine.pool.block_bytes  # nothing left pinned
-    assert all(not c.block.pinned for c in session.engine.tier._chunks.values())
+    assert all(not c.block.pinned for c in session.engine.tiers.cpu._chunks.values())

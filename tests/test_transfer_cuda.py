@@ -73,4 +73,4 @@ def test_layerwise_retrieve_on_gpu_waits_per_layer():
         got = layers[i][:, s_dst // BS, s_dst % BS]  # read on the current stream, after wait(i)
         assert torch.equal(got, layers[i][:, s_src // BS, s_src % BS])
     load.finish()
-    assert not any(c.block.pinned for c in eng.tier._chunks.values())
+    assert not any(c.block.pinned for c in eng.tiers.cpu._chunks.values())

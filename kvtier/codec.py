@@ -1,0 +1,102 @@
+"""Chunk ⇄ bytes for the remote tier (`remote_serde`), with a checksum.
+
+    +-------+---------+-------+-------+------------+---------+---------+----------+
+    | magic | version | serde | shuf  | num_tokens | raw_len | enc_len | checksum |   40-byte header
+    | KVC1  |   u8    |  u8   |  u16  |    u32     |   u64   |   u64   | u64      |
+    +-------+---------+-------+-------+------------+---------+---------+----------+
+    | encoded payload (enc_len bytes)                                               |
+    +-------------------------------------------------------------------------------+
+
+checksum = xxh3-64 of the encoded payload, so corruption is caught before
+anything is decompressed. Decoding checks every field against what the
+reader expects (the key already names model, layout, dtype and TP rank;
+the reader knows the chunk's byte size) and raises CorruptPayload on any
+mismatch: the remote tier turns that into a miss, never wrong KV.
+
+Serdes:
+- naive: the chunk's bytes as they are (the payload is sent as a view of
+  the pool block, no copy).
+- lz4: byte-plane shuffle, then LZ4. KV in 16-bit floats compresses poorly
+  byte by byte; grouping all high bytes (sign, exponent) apart from the low
+  bytes (mantissa) gives LZ4 runs to find. `shuf` records the element size.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from kvtier.errors import CorruptPayload
+
+MAGIC = b"KVC1"
+VERSION = 1
+HEADER = struct.Struct("<4sBBHIQQQ")
+SERDES = {"naive": 0, "lz4": 1}
+
+
+@dataclass(frozen=True)
+class Codec:
+    serde: str = "naive"
+    itemsize: int = 2  # element size of the KV dtype, for the byte-plane shuffle
+
+    def __post_init__(self) -> None:
+        if self.serde not in SERDES:
+            raise ValueError(f"remote_serde {self.serde!r}: expected one of {', '.join(SERDES)}")
+        if self.serde == "lz4":
+            import lz4.block  # noqa: F401  (fail at start, not at the first store)
+
+    def encode(self, chunk: memoryview, num_tokens: int) -> list[memoryview | bytes]:
+        """Header and payload, as parts of one value (naive: the payload is `chunk` itself)."""
+        raw = memoryview(chunk).cast("B")
+        if self.serde == "naive":
+            payload: memoryview | bytes = raw
+        else:
+            import lz4.block
+
+            payload = lz4.block.compress(_shuffle(raw, self.itemsize), store_size=False)
+        header = HEADER.pack(MAGIC, VERSION, SERDES[self.serde], self.itemsize, num_tokens, len(raw),
+                             len(payload), xxhash.xxh3_64_intdigest(payload))
+        return [header, payload]
+
+    def decode(self, value: bytes | memoryview, raw_len: int) -> tuple[int, memoryview]:
+        """(num_tokens, the chunk's bytes), or CorruptPayload."""
+        value = memoryview(value).cast("B")
+        if len(value) < HEADER.size:
+            raise CorruptPayload(f"value of {len(value)} bytes is shorter than the codec header")
+        magic, version, serde, shuf, num_tokens, stored_raw, enc_len, checksum = HEADER.unpack(value[: HEADER.size])
+        if magic != MAGIC or version != VERSION:
+            raise CorruptPayload(f"not a kvtier chunk (magic {bytes(magic)!r}, version {version})")
+        if stored_raw != raw_len:
+            raise CorruptPayload(f"chunk of {stored_raw} bytes, expected {raw_len}")
+        payload = value[HEADER.size :]
+        if len(payload) != enc_len:
+            raise CorruptPayload(f"payload of {len(payload)} bytes, header says {enc_len}")
+        if xxhash.xxh3_64_intdigest(payload) != checksum:
+            raise CorruptPayload("checksum mismatch")
+        if serde == SERDES["naive"]:
+            return num_tokens, payload
+        if serde == SERDES["lz4"]:
+            import lz4.block
+
+            try:
+                shuffled = lz4.block.decompress(payload, uncompressed_size=raw_len)
+            except lz4.block.LZ4BlockError as e:
+                raise CorruptPayload(f"lz4: {e}") from None
+            return num_tokens, _unshuffle(shuffled, shuf)
+        raise CorruptPayload(f"unknown serde id {serde}")
+
+
+def _shuffle(raw: memoryview, itemsize: int) -> np.ndarray:
+    """[n, itemsize] bytes → [itemsize, n]: byte planes one after the other."""
+    if itemsize <= 1 or len(raw) % itemsize:
+        return np.frombuffer(raw, np.uint8)
+    return np.ascontiguousarray(np.frombuffer(raw, np.uint8).reshape(-1, itemsize).T)
+
+
+def _unshuffle(data: bytes, itemsize: int) -> memoryview:
+    if itemsize <= 1 or len(data) % itemsize:
+        return memoryview(data)
+    return memoryview(np.ascontiguousarray(np.frombuffer(data, np.uint8).reshape(itemsize, -1).T)).cast("B")

@@ -1,0 +1,151 @@
+"""Start store servers on free loopback ports, for tests, benchmarks and the demo.
+
+    with kvtier_server(prealloc_gb=0.5) as srv:    srv.url == "kvtier://127.0.0.1:<port>"
+    with redis_server() as srv:                     srv.url == "redis://127.0.0.1:<port>"
+    with redis_cluster(masters=3) as srv:           srv.url == "redis-cluster://127.0.0.1:<p1>,..."
+
+Each yields a `LocalServer` whose processes are stopped (SIGTERM, then
+SIGKILL) when the block ends; `kill()` and `restart()` exist for fault tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before listening on {port}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout} s")
+
+
+@dataclass
+class LocalServer:
+    url: str
+    ports: list[int]
+    commands: list[list[str]]
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    log_path: Path | None = None
+    manage_port: int | None = None
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT) for cmd in self.commands]
+        for port, proc in zip(self.ports, self.procs):
+            wait_for_port(port, proc=proc)
+
+    def kill(self) -> None:
+        """SIGKILL: the server gets no chance to say goodbye."""
+        for proc in self.procs:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+
+@contextlib.contextmanager
+def _running(server: LocalServer) -> Iterator[LocalServer]:
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def kvtier_server(prealloc_gb: float = 0.5, *extra: str, log_dir: Path | None = None) -> Iterator[LocalServer]:
+    port, manage = free_port(), free_port()
+    cmd = [sys.executable, "-m", "kvtier.server", "--service-port", str(port), "--manage-port", str(manage),
+           "--prealloc-size", str(prealloc_gb), *extra]
+    with tempfile.TemporaryDirectory(prefix="kvtier-server-") as tmp:
+        log = Path(log_dir or tmp) / f"kvtier-server-{port}.log"
+        with _running(LocalServer(f"kvtier://127.0.0.1:{port}", [port, manage], [cmd], log_path=log,
+                                  manage_port=manage)) as srv:
+            yield srv
+
+
+def redis_binary(name: str = "redis-server") -> str:
+    path = shutil.which(name) or (f"/usr/bin/{name}" if os.path.exists(f"/usr/bin/{name}") else None)
+    if path is None:
+        raise FileNotFoundError(f"{name} not found: install Debian's redis-server package "
+                                "(scripts/setup.sh does)")
+    return path
+
+
+def _redis_cmd(port: int, workdir: str, *extra: str) -> list[str]:
+    return [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", workdir, "--protected-mode", "no", *extra]
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[LocalServer]:
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="kvtier-redis-") as tmp:
+        with _running(LocalServer(f"redis://127.0.0.1:{port}", [port], [_redis_cmd(port, tmp)],
+                                  log_path=Path(tmp) / "redis.log")) as srv:
+            yield srv
+
+
+@contextlib.contextmanager
+def redis_cluster(masters: int = 3) -> Iterator[LocalServer]:
+    """`masters` redis-server processes in cluster mode, slots spread, no replicas."""
+    ports = [free_port() for _ in range(masters)]
+    with tempfile.TemporaryDirectory(prefix="kvtier-redis-cluster-") as tmp:
+        cmds = [_redis_cmd(p, tmp, "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{p}.conf",
+                           "--cluster-node-timeout", "5000") for p in ports]
+        url = "redis-cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+        with _running(LocalServer(url, ports, cmds, log_path=Path(tmp) / "redis.log")) as srv:
+            subprocess.run([redis_binary("redis-cli"), "--cluster", "create",
+                            *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", "0", "--cluster-yes"],
+                           check=True, capture_output=True, timeout=60)
+            _wait_cluster_ok(ports[0])
+            yield srv
+
+
+def _wait_cluster_ok(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run([redis_binary("redis-cli"), "-p", str(port), "cluster", "info"],
+                             capture_output=True, text=True, timeout=10).stdout
+        if "cluster_state:ok" in out:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"Redis cluster on port {port} not ok after {timeout} s")

@@ -1,0 +1,74 @@
+"""Remote KV stores, reached by URL scheme. Every store speaks `KVStore`.
+
+    kvtier://host:port                     our store server (kvtier.server)
+    infinistore://host:port/?device=mlx5_1 the same server, under InfiniStore's scheme
+    redis://[:password@]host:port[/db]     one redis-server
+    rediss://...                           the same over TLS
+    redis-cluster://host:port[,host:port]  a Redis Cluster, from any seed nodes
+    fs:///shared/dir                       files in a directory shared by the nodes
+
+Backends import their libraries only when their scheme is opened, so
+`import kvtier` never imports redis.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol, Sequence
+from urllib.parse import urlsplit
+
+from kvtier.buffers import Value
+
+# scheme -> "module:function(url, timeout) -> KVStore"
+SCHEMES = {
+    "kvtier": "kvtier.remote.kvserver:open_kvserver",
+    "infinistore": "kvtier.remote.kvserver:open_kvserver",
+    "redis": "kvtier.remote.redis:open_redis",
+    "rediss": "kvtier.remote.redis:open_redis",
+    "redis-cluster": "kvtier.remote.redis:open_redis_cluster",
+    "fs": "kvtier.remote.fs:open_fs",
+}
+
+
+class KVStore(Protocol):
+    """A byte store shared by a cluster. Contract (tests/tier_contract.py):
+
+    - `get` returns one entry per key, None for a miss; a value is seen
+      whole or not at all.
+    - `match_prefix(keys)` is the number of leading keys all present.
+    - `put` of a value too large for the store raises ValueError.
+    - Transport faults raise RemoteUnavailable (and only that), after at
+      most the timeout the store was opened with.
+    """
+
+    def put(self, keys: Sequence[bytes], values: Sequence[Value]) -> None: ...
+    def get(self, keys: Sequence[bytes]) -> list[memoryview | bytes | None]: ...
+    def exists(self, keys: Sequence[bytes]) -> list[bool]: ...
+    def match_prefix(self, keys: Sequence[bytes]) -> int: ...
+    def delete(self, keys: Sequence[bytes]) -> int: ...
+    def close(self) -> None: ...
+
+
+def open_store(url: str, timeout: float) -> KVStore:
+    scheme = urlsplit(url).scheme
+    if scheme not in SCHEMES:
+        raise ValueError(f"remote_url {url!r}: unknown scheme {scheme!r}; expected one of "
+                         + ", ".join(f"{s}://" for s in SCHEMES))
+    module, func = SCHEMES[scheme].split(":")
+    return getattr(importlib.import_module(module), func)(url, timeout)
+
+
+def check_url(url: str) -> str | None:
+    """Why `url` cannot name a remote store, or None if its form is right (nothing is contacted)."""
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        return "a URL with scheme " + " | ".join(f"{s}://" for s in SCHEMES)
+    if parts.scheme == "fs":
+        return None if parts.path else "fs:///path/to/shared/dir"
+    try:
+        hosts = parts.netloc.rsplit("@", 1)[-1].split(",")
+        if not all(h.rsplit(":", 1)[0] and int(h.rsplit(":", 1)[1]) for h in hosts):
+            raise ValueError
+    except (IndexError, ValueError):
+        return f"{parts.scheme}://host:port"
+    return None

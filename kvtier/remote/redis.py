@@ -1,0 +1,88 @@
+"""redis://, rediss:// and redis-cluster:// through redis-py (with hiredis).
+
+Values are plain Redis strings under the chunk key. Batches go out as one
+pipeline (one round trip on one server; one per node in a cluster).
+
+redis-py is fast only with hiredis parsing replies *and* its pure-Python
+command packer, which sends large values as separate buffers; the packer
+it picks with hiredis copies every value into one bytes (measured on a
+2-core machine: SET 0.7–1.2 GB/s instead of 3.5–5.3). So the Python packer
+is passed explicitly.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+from urllib.parse import urlsplit
+
+import redis
+from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import Encoder, PythonRespSerializer
+
+from kvtier.buffers import Value, joined
+from kvtier.errors import RemoteUnavailable
+
+_FAULTS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+           redis.exceptions.ClusterDownError, redis.exceptions.ClusterError)
+
+
+def _packer() -> PythonRespSerializer:
+    return PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+
+
+class RedisStore:
+    def __init__(self, client: redis.Redis | RedisCluster, url: str, max_value: int = 512 << 20) -> None:
+        self.client, self.url, self.max_value = client, url, max_value  # Redis strings stop at 512 MB
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self.url})"
+
+    def put(self, keys: Sequence[bytes], values: Sequence[Value]) -> None:
+        bufs = [joined(v) for v in values]
+        big = [len(b) for b in bufs if len(b) > self.max_value]
+        if big:
+            raise ValueError(f"value of {big[0]} bytes is over Redis's string limit ({self.max_value})")
+        self._pipeline(lambda pipe: [pipe.set(k, b) for k, b in zip(keys, bufs)])
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return self._pipeline(lambda pipe: [pipe.get(k) for k in keys])
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return [bool(n) for n in self._pipeline(lambda pipe: [pipe.exists(k) for k in keys])]
+
+    def match_prefix(self, keys: Sequence[bytes]) -> int:
+        found = self.exists(keys)
+        return found.index(False) if False in found else len(found)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return sum(self._pipeline(lambda pipe: [pipe.delete(k) for k in keys]))
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _pipeline(self, fill) -> list:
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            fill(pipe)
+            return pipe.execute()
+        except _FAULTS as e:
+            raise RemoteUnavailable(f"{self.url}: {e}") from e
+
+
+def open_redis(url: str, timeout: float) -> RedisStore:
+    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                  command_packer=_packer())
+    return RedisStore(client, url)
+
+
+def open_redis_cluster(url: str, timeout: float) -> RedisStore:
+    """redis-cluster://host:port[,host:port...]: seed nodes; the rest are discovered."""
+    parts = urlsplit(url)
+    seeds = []
+    for hostport in parts.netloc.rsplit("@", 1)[-1].split(","):
+        host, port = hostport.rsplit(":", 1)
+        seeds.append(ClusterNode(host, int(port)))
+    client = RedisCluster(startup_nodes=seeds, password=parts.password, socket_timeout=timeout,
+                          socket_connect_timeout=timeout, command_packer=_packer(),
+                          cluster_error_retry_attempts=1)
+    return RedisStore(client, url)

@@ -1,0 +1,5 @@
+import sys
+
+from kvtier.cli import main
+
+sys.exit(main(["server", *sys.argv[1:]]))

@@ -1,0 +1,213 @@
+"""Blocking client of `kvtier server`, for cache engines and tools.
+
+    client = KVClient("127.0.0.1", 12345, timeout=10)
+    client.put([b"k1", b"k2"], [v1, v2])     # batched; a value may be a list of buffers
+    client.get([b"k1", b"k3"])               # [memoryview, None]
+    client.match_prefix([b"k1", b"k2", b"k3"])  # 2
+
+Transport faults (refused, reset, no answer within `timeout`) raise
+RemoteUnavailable and drop the connection; the next call reconnects. The
+server's refusals raise ValueTooLarge (a value larger than its pool) or
+RemoteRefused.
+
+Same host: when the server's HELLO reply says it runs on this kernel boot,
+the client maps the server's pool (a memfd, through /proc/<pid>/fd) and
+moves values with memcpy: PUT_ALLOC → copy → PUT_COMMIT, and GET_SHM →
+copy → RELEASE. Only keys and page extents go over TCP then.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from kvtier.buffers import Value, as_parts, copy_into_extents, gather_extents
+from kvtier.errors import RemoteRefused, RemoteUnavailable, ValueTooLarge
+from kvtier.logs import get_logger
+from kvtier.server import protocol as p
+
+log = get_logger(__name__)
+
+
+@dataclass
+class _Link:
+    sock: socket.socket
+    info: dict
+    shm: np.ndarray | None  # the server's pool, mapped, on the same host
+    shm_map: mmap.mmap | None
+
+    def close(self) -> None:
+        self.sock.close()
+        self.shm = None
+        if self.shm_map is not None:
+            self.shm_map.close()
+
+
+class KVClient:
+    def __init__(self, host: str, port: int, *, timeout: float = 10.0, shm: bool = True) -> None:
+        self.host, self.port, self.timeout, self.use_shm = host, port, timeout, shm
+        self._link: _Link | None = None
+        self._lock = threading.Lock()
+        self._req_ids = itertools.count(1)
+
+    def __repr__(self) -> str:
+        return f"KVClient({self.host}:{self.port})"
+
+    # -- operations --------------------------------------------------------------------
+
+    def put(self, keys: Sequence[bytes], values: Sequence[Value]) -> None:
+        parts = [as_parts(v) for v in values]
+        sizes = [sum(len(x) for x in ps) for ps in parts]
+        with self._lock:
+            link = self._connect()
+            if link.shm is not None:
+                _, meta, _ = self._call(link, p.Op.PUT_ALLOC, p.encode_keys(keys, sizes))
+                ticket, entries = p.decode_extents(meta)
+                for (_, extents), ps in zip(entries, parts):
+                    copy_into_extents(link.shm, extents, ps)
+                self._call(link, p.Op.PUT_COMMIT, p.encode_u32(ticket))
+            else:
+                self._call(link, p.Op.PUT, p.encode_keys(keys, sizes), [x for ps in parts for x in ps], sum(sizes))
+
+    def get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+        with self._lock:
+            link = self._connect()
+            if link.shm is not None:
+                _, meta, _ = self._call(link, p.Op.GET_SHM, p.encode_keys(keys))
+                ticket, entries = p.decode_extents(meta)
+                try:
+                    return [None if size == p.MISSING else gather_extents(link.shm, extents, size)
+                            for size, extents in entries]
+                finally:
+                    self._send(link, p.Op.RELEASE, p.encode_u32(ticket))
+            _, meta, payload = self._call(link, p.Op.GET, p.encode_keys(keys))
+        sizes = p.decode_sizes(meta)
+        out, pos = [], 0
+        for size in sizes:
+            if size == p.MISSING:
+                out.append(None)
+            else:
+                out.append(payload[pos : pos + size])
+                pos += size
+        return out
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return [bool(b) for b in self._simple(p.Op.EXISTS, p.encode_keys(keys))]
+
+    def match_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys`, from the first, the server holds: one round trip."""
+        return p.decode_u32(self._simple(p.Op.MATCH_PREFIX, p.encode_keys(keys)))
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return p.decode_u32(self._simple(p.Op.DELETE, p.encode_keys(keys)))
+
+    def stats(self) -> dict:
+        return p.decode_json(self._simple(p.Op.STATS, b""))
+
+    def server_info(self) -> dict:
+        with self._lock:
+            return dict(self._connect().info)
+
+    @property
+    def shm_active(self) -> bool:
+        with self._lock:
+            return self._connect().shm is not None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    # -- connection ----------------------------------------------------------------------
+
+    def _simple(self, op: p.Op, meta: bytes) -> memoryview:
+        with self._lock:
+            return self._call(self._connect(), op, meta)[1]
+
+    def _connect(self) -> _Link:
+        if self._link is not None:
+            return self._link
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+        except OSError as e:
+            raise RemoteUnavailable(f"kvtier server {self.host}:{self.port} unreachable: {e}") from e
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        link = _Link(sock, {}, None, None)
+        _, meta, _ = self._call(link, p.Op.HELLO, p.encode_json({"host_id": p.host_id() if self.use_shm else ""}))
+        link.info = p.decode_json(meta)
+        if link.info.get("shm"):
+            link.shm_map = _map_server_pool(link.info["shm"])
+            link.shm = None if link.shm_map is None else np.frombuffer(link.shm_map, np.uint8)
+        self._link = link
+        return link
+
+    def _drop(self) -> None:
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+
+    def _send(self, link: _Link, op: p.Op, meta: bytes, parts: Sequence[memoryview] = (), payload_len: int = 0) -> int:
+        req_id = next(self._req_ids) & 0xFFFFFFFF
+        try:
+            link.sock.sendall(p.pack_header(op, req_id, len(meta), payload_len) + meta)
+            for part in parts:
+                link.sock.sendall(part)
+        except OSError as e:
+            self._fail(link, e)
+        return req_id
+
+    def _call(self, link: _Link, op: p.Op, meta: bytes, parts: Sequence[memoryview] = (),
+              payload_len: int = 0) -> tuple[p.Header, memoryview, memoryview]:
+        req_id = self._send(link, op, meta, parts, payload_len)
+        try:
+            head = bytearray(p.HEADER_SIZE)
+            _recv_exactly(link.sock, memoryview(head))
+            h = p.parse_header(head, replies=True)
+            if h.op != op | p.REPLY or h.req_id != req_id:
+                raise p.ProtocolError(f"reply {h.op:#x}/{h.req_id} to request {op:#x}/{req_id}")
+            meta_buf = memoryview(bytearray(h.meta_len))
+            _recv_exactly(link.sock, meta_buf)
+            payload = memoryview(np.empty(h.payload_len, np.uint8)) if h.payload_len else memoryview(b"")
+            _recv_exactly(link.sock, payload)
+        except (OSError, p.ProtocolError) as e:
+            self._fail(link, e)
+        if h.flags != p.Status.OK:
+            message = bytes(meta_buf).decode(errors="replace")
+            raise (ValueTooLarge if h.flags == p.Status.TOO_LARGE else RemoteRefused)(
+                f"kvtier server {self.host}:{self.port}: {message}")
+        return h, meta_buf, payload
+
+    def _fail(self, link: _Link, e: Exception) -> None:
+        if link is self._link:
+            self._drop()
+        else:
+            link.close()
+        raise RemoteUnavailable(f"kvtier server {self.host}:{self.port}: {e}") from e
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    while len(view):
+        n = sock.recv_into(view)
+        if n == 0:
+            raise ConnectionError("server closed the connection")
+        view = view[n:]
+
+
+def _map_server_pool(shm: dict) -> mmap.mmap | None:
+    """Map the server's pool memfd, or None (then values go over TCP)."""
+    path = f"/proc/{shm['pid']}/fd/{shm['fd']}"
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as e:  # another PID namespace or no permission: the byte stream still works
+        log.info("kvtier server pool not mappable (%s): values go over TCP", e)
+        return None
+    try:
+        return mmap.mmap(fd, shm["size"], mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)

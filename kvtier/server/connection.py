@@ -1,0 +1,316 @@
+"""One client connection of the store server: frames in, replies out.
+
+Bytes land where they belong without a copy in Python: `get_buffer` hands
+the event loop the header buffer, then the meta buffer, then, for a PUT,
+the pool pages reserved for the values, so the kernel copies payloads
+straight into the pool. GET replies go out as views of pool pages
+(`writelines`); the values stay pinned until the transport has drained.
+
+The write-buffer high-water mark is 0: any reply the kernel did not take at
+once pauses reading (back-pressure) until the transport drains, and the
+drain is also when the pins of the replies sent are dropped.
+
+Anything that is not the protocol (bad magic or version, an absurd length,
+truncated meta) closes this connection with the reason logged; other
+connections are not affected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from kvtier.logs import get_logger
+from kvtier.server import protocol as p
+from kvtier.server.index import Entry
+
+if TYPE_CHECKING:
+    from kvtier.server.app import ServerState
+
+log = get_logger("kvtier.server")
+
+
+class _Read(enum.Enum):
+    HEADER = 1
+    META = 2
+    PAYLOAD = 3  # a PUT's values, into reserved pool pages
+    DISCARD = 4  # a refused PUT's values, read and dropped to keep the stream in step
+    CLOSED = 5
+
+
+@dataclass
+class _PendingPut:
+    keys: list[bytes]
+    sizes: list[int]
+    pages: list[list[int]]
+
+
+class Connection(asyncio.BufferedProtocol):
+    def __init__(self, state: ServerState) -> None:
+        self.state, self.index, self.pool = state, state.index, state.pool
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self._read = _Read.HEADER
+        self._hdr = bytearray(p.HEADER_SIZE)
+        self._buf = memoryview(self._hdr)  # what the current read state fills
+        self._got = 0
+        self._header: p.Header | None = None
+        self._put: _PendingPut | None = None  # a PUT whose values are arriving
+        self._targets: list[memoryview] = []
+        self._target = 0
+        self._discard_left = 0
+        self._refusal: tuple[p.Status, str] | None = None
+        self._held: list[Entry] = []  # pinned by replies still in the transport
+        self._tickets: dict[int, _PendingPut | list[Entry]] = {}  # shared-memory puts and leases
+        self._ticket_ids = itertools.count(1)
+        self._handlers: dict[int, Callable[[p.Header, memoryview], None]] = {
+            p.Op.HELLO: self._hello, p.Op.GET: self._get, p.Op.EXISTS: self._exists,
+            p.Op.MATCH_PREFIX: self._match_prefix, p.Op.DELETE: self._delete, p.Op.STATS: self._stats,
+            p.Op.PUT_ALLOC: self._put_alloc, p.Op.PUT_COMMIT: self._put_commit,
+            p.Op.GET_SHM: self._get_shm, p.Op.RELEASE: self._release,
+        }
+
+    # -- transport events ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        transport.set_write_buffer_limits(high=0)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.peer = "%s:%s" % tuple(transport.get_extra_info("peername") or ("?", "?"))[:2]
+        self.index.stats.connections += 1
+        self.index.stats.accepted_connections += 1
+        log.debug("connection from %s", self.peer)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.index.stats.connections -= 1
+        if self._put is not None:
+            for pages in self._put.pages:  # a put cut off mid-value is never seen
+                self.index.abort(pages)
+            self._put = None
+        for ticket in list(self._tickets):
+            self._drop_ticket(ticket)
+        self._release_held()
+        self._read = _Read.CLOSED
+        log.debug("connection from %s closed", self.peer)
+
+    def pause_writing(self) -> None:
+        self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._release_held()
+        if not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    # -- reading -----------------------------------------------------------------------
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._read is _Read.PAYLOAD:
+            return self._targets[self._target][self._got :]
+        if self._read in (_Read.DISCARD, _Read.CLOSED):
+            n = min(len(self.state.scratch), self._discard_left) if self._read is _Read.DISCARD else 0
+            return self.state.scratch[: n or len(self.state.scratch)]
+        return self._buf[self._got :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            self._advance(nbytes)
+        except p.ProtocolError as e:
+            self._close(str(e))
+
+    def _advance(self, nbytes: int) -> None:
+        if self._read is _Read.CLOSED:
+            return
+        if self._read is _Read.DISCARD:
+            self._discard_left -= nbytes
+            if self._discard_left == 0:
+                self._finish_refused_put()
+            return
+        self._got += nbytes
+        if self._read is _Read.PAYLOAD:
+            while self._target < len(self._targets) and self._got == len(self._targets[self._target]):
+                self._target, self._got = self._target + 1, 0
+            if self._target == len(self._targets):
+                self._finish_put()
+            return
+        if self._got < len(self._buf):
+            return
+        if self._read is _Read.HEADER:
+            self._header = p.parse_header(self._hdr)
+            if self._header.meta_len:
+                self._read, self._buf, self._got = _Read.META, memoryview(bytearray(self._header.meta_len)), 0
+                return
+        self._on_frame(self._header, self._buf if self._read is _Read.META else memoryview(b""))
+
+    def _next_frame(self) -> None:
+        self._read, self._buf, self._got = _Read.HEADER, memoryview(self._hdr), 0
+
+    def _on_frame(self, h: p.Header, meta: memoryview) -> None:
+        if h.op == p.Op.PUT:
+            self._begin_put(h, meta)
+            return
+        if h.payload_len:
+            raise p.ProtocolError(f"{p.Op(h.op).name} carries no payload, got {h.payload_len} bytes")
+        self._next_frame()
+        self._handlers[h.op](h, meta)
+
+    def _close(self, reason: str) -> None:
+        log.warning("closing connection from %s: %s", self.peer, reason)
+        self.index.stats.protocol_errors += 1
+        self._read = _Read.CLOSED
+        self.transport.abort()
+
+    # -- PUT over the byte stream ----------------------------------------------------
+
+    def _begin_put(self, h: p.Header, meta: memoryview) -> None:
+        keys, sizes = p.decode_keys(meta, with_sizes=True)
+        if sum(sizes) != h.payload_len:
+            raise p.ProtocolError(f"PUT sizes add up to {sum(sizes)}, payload is {h.payload_len} bytes")
+        put = self._reserve(keys, sizes)
+        if isinstance(put, tuple):  # refused: read the values into nothing, then say why
+            self._refusal = put
+            self._read, self._discard_left = _Read.DISCARD, h.payload_len
+            if h.payload_len == 0:
+                self._finish_refused_put()
+            return
+        self._put = put
+        self._targets = [v for pages, size in zip(put.pages, sizes) for v in self.pool.views(pages, size)]
+        self._read, self._target, self._got = _Read.PAYLOAD, 0, 0
+        if not self._targets:
+            self._finish_put()
+
+    def _reserve(self, keys: list[bytes], sizes: list[int]) -> _PendingPut | tuple[p.Status, str]:
+        too_large = [s for s in sizes if s > self.pool.capacity]
+        if too_large:
+            self.index.stats.rejected_puts += len(keys)
+            return p.Status.TOO_LARGE, (f"value of {too_large[0]} bytes is larger than the server's whole "
+                                        f"pool ({self.pool.capacity} bytes; see --prealloc-size)")
+        reserved: list[list[int]] = []
+        for size in sizes:
+            pages = self.index.reserve(size)
+            if pages is None:
+                for got in reserved:
+                    self.index.abort(got)
+                self.index.stats.rejected_puts += len(keys)
+                return p.Status.POOL_FULL, (f"pool full: no room for {sum(sizes)} bytes even after evicting "
+                                            "every value not being read")
+            reserved.append(pages)
+        return _PendingPut(keys, sizes, reserved)
+
+    def _finish_put(self) -> None:
+        put, self._put, self._targets = self._put, None, []
+        for key, pages, size in zip(put.keys, put.pages, put.sizes):
+            self.index.commit(key, pages, size)
+        self._next_frame()
+        self._reply(self._header)
+
+    def _finish_refused_put(self) -> None:
+        status, message = self._refusal
+        self._refusal = None
+        self._next_frame()
+        self._reply(self._header, meta=message.encode(), status=status)
+
+    # -- the other operations -------------------------------------------------------------
+
+    def _hello(self, h: p.Header, meta: memoryview) -> None:
+        hello = p.decode_json(meta) if len(meta) else {}
+        same_host = hello.get("host_id") == self.state.host_id and self.state.shm_enabled
+        self._reply(h, meta=p.encode_json({
+            "version": p.VERSION, "capacity": self.pool.capacity, "page_size": self.pool.page_size,
+            "transport": "tcp", "rdma": self.state.rdma_note,
+            "shm": {"pid": self.state.pid, "fd": self.pool.fd, "size": self.pool.capacity} if same_host else None,
+        }))
+
+    def _get(self, h: p.Header, meta: memoryview) -> None:
+        keys, _ = p.decode_keys(meta)
+        entries = [self.index.get(k) for k in keys]
+        present = [e for e in entries if e is not None]
+        views = [v for e in present for v in self.pool.views(e.pages, e.size)]
+        for e in present:
+            self.index.pin(e)
+        nbytes = sum(e.size for e in present)
+        self.index.stats.bytes_out += nbytes
+        self._reply(h, meta=p.encode_sizes([p.MISSING if e is None else e.size for e in entries]),
+                    payload=views, payload_len=nbytes, pins=present)
+
+    def _exists(self, h: p.Header, meta: memoryview) -> None:
+        keys, _ = p.decode_keys(meta)
+        self._reply(h, meta=bytes(self.index.exists(keys)))
+
+    def _match_prefix(self, h: p.Header, meta: memoryview) -> None:
+        keys, _ = p.decode_keys(meta)
+        self._reply(h, meta=p.encode_u32(self.index.match_prefix(keys)))
+
+    def _delete(self, h: p.Header, meta: memoryview) -> None:
+        keys, _ = p.decode_keys(meta)
+        self._reply(h, meta=p.encode_u32(self.index.delete(keys)))
+
+    def _stats(self, h: p.Header, meta: memoryview) -> None:
+        self._reply(h, meta=p.encode_json(self.state.stats()))
+
+    def _put_alloc(self, h: p.Header, meta: memoryview) -> None:
+        keys, sizes = p.decode_keys(meta, with_sizes=True)
+        put = self._reserve(keys, sizes)
+        if isinstance(put, tuple):
+            self._reply(h, meta=put[1].encode(), status=put[0])
+            return
+        ticket = next(self._ticket_ids)
+        self._tickets[ticket] = put
+        self._reply(h, meta=p.encode_extents(
+            ticket, [(s, self.pool.extents(pages, s)) for pages, s in zip(put.pages, sizes)]))
+
+    def _put_commit(self, h: p.Header, meta: memoryview) -> None:
+        put = self._tickets.pop(p.decode_u32(meta), None)
+        if not isinstance(put, _PendingPut):
+            self._reply(h, meta=b"unknown put ticket", status=p.Status.ERROR)
+            return
+        for key, pages, size in zip(put.keys, put.pages, put.sizes):
+            self.index.commit(key, pages, size)
+        self._reply(h)
+
+    def _get_shm(self, h: p.Header, meta: memoryview) -> None:
+        keys, _ = p.decode_keys(meta)
+        entries = [self.index.get(k) for k in keys]
+        lease = [e for e in entries if e is not None]
+        for e in lease:
+            self.index.pin(e)
+        self.index.stats.bytes_out += sum(e.size for e in lease)
+        ticket = next(self._ticket_ids)
+        self._tickets[ticket] = lease
+        self._reply(h, meta=p.encode_extents(ticket, [
+            (p.MISSING, []) if e is None else (e.size, self.pool.extents(e.pages, e.size)) for e in entries]))
+
+    def _release(self, h: p.Header, meta: memoryview) -> None:
+        self._drop_ticket(p.decode_u32(meta))  # no reply: the client does not wait for it
+
+    def _drop_ticket(self, ticket: int) -> None:
+        held = self._tickets.pop(ticket, None)
+        if isinstance(held, _PendingPut):
+            for pages in held.pages:
+                self.index.abort(pages)
+        elif held is not None:
+            for entry in held:
+                self.index.unpin(entry)
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def _reply(self, h: p.Header, *, meta: bytes = b"", status: p.Status = p.Status.OK,
+               payload: list[memoryview] = (), payload_len: int = 0, pins: list[Entry] = ()) -> None:
+        head = p.pack_header(h.op | p.REPLY, h.req_id, len(meta), payload_len, flags=status) + meta
+        if payload:
+            self.transport.writelines([head, *payload])
+        else:
+            self.transport.write(head)
+        self._held.extend(pins)
+        if self.transport.get_write_buffer_size() == 0:
+            self._release_held()
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, []
+        for entry in held:
+            self.index.unpin(entry)

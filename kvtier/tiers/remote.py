@@ -1,0 +1,121 @@
+"""The remote tier: chunks in a store shared by the cluster, through a codec.
+
+Every fault of the store (unreachable, reset, no answer within
+blocking_timeout_secs) becomes a logged, counted miss here, and the tier
+then stays quiet for a back-off period (1 s, doubling to 30 s) so that a
+dead server costs one timeout, not one per request. The first call after
+the back-off reconnects; the store clients reconnect by themselves.
+A payload that fails its checksum or header checks is a miss as well.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence, TypeVar
+
+from kvtier.codec import Codec
+from kvtier.errors import CorruptPayload, RemoteRefused, RemoteUnavailable
+from kvtier.keys import ChunkKey
+from kvtier.logs import get_logger
+from kvtier.remote import KVStore
+
+log = get_logger(__name__)
+T = TypeVar("T")
+
+BACKOFF_FIRST, BACKOFF_MAX = 1.0, 30.0
+
+
+@dataclass
+class RemoteStats:
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    faults: int = 0  # calls that failed on the transport
+    skipped: int = 0  # calls not made during a back-off
+    corrupt: int = 0  # payloads that failed their checks
+    refused: int = 0  # puts the store refused (full, too large)
+
+
+def wire_key(key: ChunkKey) -> bytes:
+    return str(key).encode()
+
+
+class RemoteTier:
+    def __init__(self, store: KVStore, codec: Codec, url: str) -> None:
+        self.store, self.codec, self.url = store, codec, url
+        self.stats = RemoteStats()
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._backoff = BACKOFF_FIRST
+
+    # -- reads ---------------------------------------------------------------------
+
+    def match_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        if not keys:
+            return 0
+        return self._guard("lookup", lambda: self.store.match_prefix([wire_key(k) for k in keys]), 0)
+
+    def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return self._guard("exists", lambda: self.store.exists([wire_key(k) for k in keys]), [False] * len(keys))
+
+    def get(self, keys: Sequence[ChunkKey], raw_lens: Sequence[int]) -> list[tuple[int, memoryview] | None]:
+        """Per key (num_tokens, chunk bytes) or None; checksum failures are None."""
+        values = self._guard("get", lambda: self.store.get([wire_key(k) for k in keys]), [None] * len(keys))
+        out: list[tuple[int, memoryview] | None] = []
+        for key, value, raw_len in zip(keys, values, raw_lens):
+            if value is None:
+                self.stats.misses += 1
+                out.append(None)
+                continue
+            try:
+                out.append(self.codec.decode(value, raw_len))
+                self.stats.hits += 1
+            except CorruptPayload as e:
+                self.stats.corrupt += 1
+                log.warning("remote %s: chunk %s is corrupt (%s); treated as a miss", self.url, key, e)
+                out.append(None)
+        return out
+
+    # -- writes --------------------------------------------------------------------
+
+    def put(self, keys: Sequence[ChunkKey], chunks: Sequence[tuple[memoryview, int]]) -> bool:
+        values = [self.codec.encode(data, n) for data, n in chunks]
+
+        def put() -> bool:
+            try:
+                self.store.put([wire_key(k) for k in keys], values)
+            except (RemoteRefused, ValueError) as e:  # full or too large: this put only
+                self.stats.refused += len(keys)
+                log.warning("remote %s refused %d chunks: %s", self.url, len(keys), e)
+                return False
+            self.stats.puts += len(keys)
+            return True
+
+        return self._guard("put", put, False)
+
+    def close(self) -> None:
+        self.store.close()
+
+    # -- faults --------------------------------------------------------------------
+
+    def _guard(self, what: str, call: Callable[[], T], default: T) -> T:
+        with self._lock:
+            if time.monotonic() < self._down_until:
+                self.stats.skipped += 1
+                return default
+        try:
+            result = call()
+        except RemoteUnavailable as e:
+            with self._lock:
+                self.stats.faults += 1
+                self._down_until = time.monotonic() + self._backoff
+                log.warning("remote %s: %s failed (%s); a miss, next try in %.0f s", self.url, what, e, self._backoff)
+                self._backoff = min(self._backoff * 2, BACKOFF_MAX)
+            return default
+        with self._lock:
+            if self._backoff != BACKOFF_FIRST:
+                log.info("remote %s is back", self.url)
+                self._backoff = BACKOFF_FIRST
+        return result
