@@ -12,10 +12,12 @@ is passed explicitly.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 from urllib.parse import urlsplit
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import Encoder, PythonRespSerializer
 
@@ -23,7 +25,7 @@ from kvtier.buffers import Value, joined
 from kvtier.errors import RemoteUnavailable
 
 _FAULTS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-           redis.exceptions.ClusterDownError, redis.exceptions.ClusterError)
+           redis.exceptions.ClusterError, redis.exceptions.RedisClusterException)
 
 
 def _packer() -> PythonRespSerializer:
@@ -31,8 +33,22 @@ def _packer() -> PythonRespSerializer:
 
 
 class RedisStore:
-    def __init__(self, client: redis.Redis | RedisCluster, url: str, max_value: int = 512 << 20) -> None:
-        self.client, self.url, self.max_value = client, url, max_value  # Redis strings stop at 512 MB
+    """`connect` makes the client on first use (a cluster client contacts its
+    nodes when made), so a store that is down at start is a miss, not a crash."""
+
+    def __init__(self, connect: Callable[[], redis.Redis | RedisCluster], url: str,
+                 max_value: int = 512 << 20) -> None:
+        self.connect, self.url, self.max_value = connect, url, max_value  # Redis strings stop at 512 MB
+        self._client: redis.Redis | RedisCluster | None = None
+
+    @property
+    def client(self) -> redis.Redis | RedisCluster:
+        if self._client is None:
+            try:
+                self._client = self.connect()
+            except _FAULTS as e:
+                raise RemoteUnavailable(f"{self.url}: {e}") from e
+        return self._client
 
     def __repr__(self) -> str:
         return f"RedisStore({self.url})"
@@ -58,7 +74,8 @@ class RedisStore:
         return sum(self._pipeline(lambda pipe: [pipe.delete(k) for k in keys]))
 
     def close(self) -> None:
-        self.client.close()
+        if self._client is not None:
+            self._client.close()
 
     def _pipeline(self, fill) -> list:
         try:
@@ -70,9 +87,8 @@ class RedisStore:
 
 
 def open_redis(url: str, timeout: float) -> RedisStore:
-    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                  command_packer=_packer())
-    return RedisStore(client, url)
+    return RedisStore(lambda: redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                                   command_packer=_packer()), url)
 
 
 def open_redis_cluster(url: str, timeout: float) -> RedisStore:
@@ -82,7 +98,6 @@ def open_redis_cluster(url: str, timeout: float) -> RedisStore:
     for hostport in parts.netloc.rsplit("@", 1)[-1].split(","):
         host, port = hostport.rsplit(":", 1)
         seeds.append(ClusterNode(host, int(port)))
-    client = RedisCluster(startup_nodes=seeds, password=parts.password, socket_timeout=timeout,
-                          socket_connect_timeout=timeout, command_packer=_packer(),
-                          cluster_error_retry_attempts=1)
-    return RedisStore(client, url)
+    return RedisStore(lambda: RedisCluster(
+        startup_nodes=seeds, password=parts.password, socket_timeout=timeout, socket_connect_timeout=timeout,
+        command_packer=_packer(), retry=Retry(NoBackoff(), 1)), url)

@@ -1,0 +1,132 @@
+"""The tier contract suite: one set of behaviours, every remote store.
+
+Runs against real servers on free loopback ports: kvtier server (over TCP
+and over the same-host shared-memory path), redis-server, a 3-master Redis
+Cluster, and a directory (fs://).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from kvtier.errors import RemoteUnavailable
+from kvtier.localservers import free_port, kvtier_server, redis_cluster, redis_server
+from kvtier.remote import open_store
+from kvtier.remote.redis import RedisStore
+from kvtier.server.client import KVClient
+
+POOL_GB = 0.0625  # 64 MiB: small enough to overflow in a test
+
+
+@pytest.fixture(scope="module")
+def kvserver():
+    with kvtier_server(POOL_GB) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def redis_srv():
+    with redis_server() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with redis_cluster(3) as srv:
+        yield srv
+
+
+@pytest.fixture(params=["kvtier-tcp", "kvtier-shm", "redis", "redis-cluster", "fs"])
+def store(request, tmp_path):
+    """(store, size of a value it must refuse as too large, or None)."""
+    kind = request.param
+    if kind.startswith("kvtier"):
+        srv = request.getfixturevalue("kvserver")
+        st = KVClient("127.0.0.1", srv.ports[0], timeout=5, shm=kind == "kvtier-shm")
+        assert st.shm_active == (kind == "kvtier-shm")
+        too_large = (64 << 20) + 1
+    elif kind == "redis":
+        st = open_store(request.getfixturevalue("redis_srv").url, 5)
+        st.max_value, too_large = 16 << 20, (16 << 20) + 1
+    elif kind == "redis-cluster":
+        st = open_store(request.getfixturevalue("cluster").url, 5)
+        st.max_value, too_large = 16 << 20, (16 << 20) + 1
+    else:
+        st, too_large = open_store(f"fs://{tmp_path}/kv", 5), None
+    keys = [f"{kind}-{os.getpid()}-{i}".encode() for i in range(64)]
+    yield st, keys, too_large
+    st.delete(keys)
+    st.close()
+
+
+def test_get_returns_what_put_stored_and_none_for_misses(store):
+    st, keys, _ = store
+    values = [os.urandom(n) for n in (1, 1000, 3 << 20)]
+    st.put(keys[:3], values)
+    got = st.get([keys[0], keys[10], keys[1], keys[2]])
+    assert got[1] is None
+    assert [bytes(g) for g in (got[0], got[2], got[3])] == values
+
+
+def test_a_value_given_in_parts_is_stored_joined(store):
+    st, keys, _ = store
+    st.put([keys[0]], [[b"header", memoryview(b"-payload-"), bytearray(b"tail")]])
+    assert bytes(st.get([keys[0]])[0]) == b"header-payload-tail"
+
+
+def test_put_replaces_and_delete_counts(store):
+    st, keys, _ = store
+    st.put([keys[0]], [b"old"])
+    st.put([keys[0]], [b"new value"])
+    assert bytes(st.get([keys[0]])[0]) == b"new value"
+    assert st.delete([keys[0], keys[1]]) == 1
+    assert st.get([keys[0]]) == [None]
+
+
+def test_exists_and_match_prefix(store):
+    st, keys, _ = store
+    st.put([keys[0], keys[1], keys[3]], [b"a", b"b", b"d"])
+    assert st.exists(keys[:5]) == [True, True, False, True, False]
+    assert st.match_prefix(keys[:5]) == 2
+    assert st.match_prefix(keys[2:4]) == 0
+    assert st.match_prefix([]) == 0
+    assert st.match_prefix([keys[0], keys[0], keys[1]]) == 3
+    st.put(keys[:64], [b"x"] * 64)
+    assert st.match_prefix(keys) == 64
+
+
+def test_large_values_survive_intact(store):
+    st, keys, _ = store
+    values = [os.urandom(8 << 20), os.urandom((4 << 20) + 17)]
+    st.put(keys[:2], values)
+    assert [bytes(v) for v in st.get(keys[:2])] == values
+
+
+def test_a_value_too_large_is_a_value_error_and_the_store_still_works(store):
+    st, keys, too_large = store
+    if too_large is None:
+        pytest.skip("a directory has no size limit of its own")
+    with pytest.raises(ValueError, match="larger|limit"):
+        st.put([keys[0]], [bytes(too_large)])
+    st.put([keys[1]], [b"fine"])
+    assert bytes(st.get([keys[1]])[0]) == b"fine"
+
+
+@pytest.mark.parametrize("url", ["kvtier://127.0.0.1:{port}", "redis://127.0.0.1:{port}",
+                                 "redis-cluster://127.0.0.1:{port}"])
+def test_an_unreachable_store_is_remote_unavailable_within_the_timeout(url):
+    t0 = time.monotonic()
+    with pytest.raises(RemoteUnavailable):
+        st = open_store(url.format(port=free_port()), 2)
+        st.exists([b"k"])
+    assert time.monotonic() - t0 < 5
+
+
+def test_redis_uses_the_copy_free_command_packer(redis_srv):
+    st = open_store(redis_srv.url, 5)
+    assert isinstance(st, RedisStore)
+    packed = st.client.connection_pool.get_connection().pack_command("SET", b"k", b"v" * 100_000)
+    assert any(len(chunk) == 100_000 for chunk in packed)  # the value travels as its own buffer

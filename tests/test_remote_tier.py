@@ -1,0 +1,135 @@
+"""The remote tier through the CacheEngine: two engines (two "nodes") sharing one store."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from kvtier.codec import Codec
+from kvtier.config import KvtierConfig
+from kvtier.engine import CacheEngine
+from kvtier.errors import CorruptPayload
+from kvtier.keys import KVFormat
+from kvtier.localservers import free_port, kvtier_server, redis_cluster, redis_server
+from kvtier.remote import open_store
+from kvtier.tiers.remote import wire_key
+from kvtier.transfer import PagedKV
+
+L, NB, BS, H, D = 2, 64, 16, 2, 32
+FMT = KVFormat("m", "flash_attn", "bfloat16")
+TOKENS = list(range(1000, 1100))  # 6 whole chunks of 16, then 4 tokens
+
+
+def node(url: str, serde: str = "naive", local_cpu: bool = True, timeout: float = 2.0):
+    layers = [torch.randn(2, NB, BS, H, D).to(torch.bfloat16) for _ in range(L)]
+    cfg = KvtierConfig(chunk_size=16, max_local_cpu_size=1 / 1024, remote_url=url, remote_serde=serde,
+                       local_cpu=local_cpu, blocking_timeout_secs=timeout)
+    return CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), FMT), layers
+
+
+def kv_at(layers, slots):
+    return torch.stack([x[:, slots // BS, slots % BS] for x in layers])
+
+
+@pytest.fixture(scope="module", params=["kvtier", "redis", "redis-cluster", "fs"])
+def url(request, tmp_path_factory):
+    if request.param == "fs":
+        yield f"fs://{tmp_path_factory.mktemp('shared')}"
+        return
+    start = {"kvtier": lambda: kvtier_server(0.0625), "redis": redis_server,
+             "redis-cluster": lambda: redis_cluster(3)}[request.param]
+    with start() as srv:
+        yield srv.url
+
+
+@pytest.mark.parametrize("serde, local_cpu", [("naive", True), ("lz4", True), ("naive", False)])
+def test_a_prefix_stored_by_one_node_loads_on_another(url, serde, local_cpu):
+    tokens = [t + 7 * (serde == "lz4") + 3 * (not local_cpu) for t in TOKENS]  # keys of their own per case
+    a, a_kv = node(url, serde, local_cpu)
+    b, b_kv = node(url, serde, local_cpu)
+    src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
+    assert b.lookup(tokens) == 0
+    assert a.store(tokens, src) == 96
+    assert a.flush(timeout=10)
+    assert b.lookup(tokens) == 96
+    mask = b.retrieve(tokens, dst)
+    assert mask[:96].all() and not mask[96:].any()
+    assert torch.equal(kv_at(b_kv, dst[:96]), kv_at(a_kv, src[:96]))
+    a.close(), b.close()
+
+
+def test_a_corrupt_remote_chunk_is_a_miss_not_wrong_kv(url):
+    tokens = [t + 11 for t in TOKENS]
+    a, a_kv = node(url)
+    b, b_kv = node(url)
+    src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
+    a.store(tokens, src)
+    a.flush(timeout=10)
+    key = wire_key(b.spans(tokens)[2].key)  # the third chunk: flip one payload byte
+    store = open_store(url, 5)
+    value = bytearray(store.get([key])[0])
+    value[-1] ^= 0x40
+    store.put([key], [bytes(value)])
+    before = kv_at(b_kv, dst[32:]).clone()
+    mask = b.retrieve(tokens, dst)
+    assert mask[:32].all() and not mask[32:].any()  # loading stops at the bad chunk
+    assert torch.equal(kv_at(b_kv, dst[32:]), before)
+    assert torch.equal(kv_at(b_kv, dst[:32]), kv_at(a_kv, src[:32]))
+    assert b.tiers.remote.stats.corrupt == 1
+    a.close(), b.close(), store.close()
+
+
+def test_a_dead_remote_store_is_a_fast_miss_and_is_used_again_once_back():
+    with kvtier_server(0.0625) as srv:
+        a, _ = node(srv.url, timeout=1.0)
+        srv.kill()
+        t0 = time.monotonic()
+        src = torch.randperm(NB * BS)[:100]
+        assert a.store(TOKENS, src) == 96  # the CPU tier still works
+        a.flush(timeout=10)
+        a.tiers.cpu.clear()
+        assert a.lookup(TOKENS) == 0
+        for _ in range(20):  # during the back-off nothing is even tried
+            assert a.lookup(TOKENS) == 0
+        assert time.monotonic() - t0 < 3
+        assert a.tiers.remote.stats.faults >= 1 and a.tiers.remote.stats.skipped >= 1
+        srv.start()
+        deadline = time.monotonic() + 10
+        while a.tiers.remote.stats.puts == 0 and time.monotonic() < deadline:
+            a.store(TOKENS, src)  # the CPU tier was cleared, so this stores again
+            a.flush(timeout=10)
+            a.tiers.cpu.clear()
+            time.sleep(0.2)
+        assert a.lookup(TOKENS) == 96  # reconnected after the back-off, and found remotely
+        a.close()
+
+
+def test_an_unreachable_url_at_start_is_not_fatal():
+    a, _ = node(f"kvtier://127.0.0.1:{free_port()}", timeout=0.5)
+    assert a.lookup(TOKENS) == 0
+    a.close()
+
+
+@pytest.mark.parametrize("serde", ["naive", "lz4"])
+def test_codec_roundtrip_and_checks(serde):
+    codec = Codec(serde, itemsize=2)
+    raw = torch.randn(4096).to(torch.bfloat16).view(torch.uint8).numpy()
+    value = b"".join(bytes(x) for x in codec.encode(memoryview(raw), 16))
+    n, out = codec.decode(value, len(raw))
+    assert n == 16 and bytes(out) == raw.tobytes()
+    for bad, why in [(value[:-1], "payload of"), (value[:20], "shorter"), (b"XXXX" + value[4:], "not a kvtier"),
+                     (value[:-1] + bytes([value[-1] ^ 1]), "checksum")]:
+        with pytest.raises(CorruptPayload, match=why):
+            codec.decode(bad, len(raw))
+    with pytest.raises(CorruptPayload, match="expected"):
+        codec.decode(value, len(raw) + 2)
+
+
+def test_lz4_shrinks_structured_kv():
+    # bf16 values near a common scale share their exponent byte: the byte planes compress.
+    raw = (1 + 0.01 * torch.randn(1 << 16)).to(torch.bfloat16).view(torch.uint8).numpy()
+    header, payload = Codec("lz4").encode(memoryview(raw), 16)
+    assert len(payload) < 0.75 * len(raw)

@@ -1,0 +1,221 @@
+"""kvtier server: flags, management API, eviction, and faults, against the real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+
+import psutil
+import pytest
+
+from kvtier.errors import RemoteUnavailable, ValueTooLarge
+from kvtier.localservers import free_port, kvtier_server
+from kvtier.server import protocol as p
+from kvtier.server.client import KVClient
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def srv():
+    with kvtier_server(0.0625, "--dev-name", "mlx5_0", "--link-type", "Ethernet", "--hint-gid-index", "3") as s:
+        yield s
+
+
+def client(srv, **kw) -> KVClient:
+    return KVClient("127.0.0.1", srv.ports[0], timeout=5, **kw)
+
+
+def http(srv, path: str, method: str = "GET", token: str | None = None) -> tuple[int, str]:
+    req = urllib.request.Request(f"http://127.0.0.1:{srv.manage_port}{path}", method=method)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_without_the_rdma_device_it_says_so_once_and_serves_tcp(srv):
+    assert srv.log().count("RDMA device mlx5_0 not available; serving TCP") == 1
+    info = client(srv).server_info()
+    assert info["transport"] == "tcp" and "mlx5_0" in info["rdma"]
+
+
+def test_management_api(srv):
+    c = client(srv)
+    c.put([b"m1", b"m2"], [b"x" * 100, b"y"])
+    c.get([b"m1", b"nope"])
+    assert json.loads(http(srv, "/health")[1])["status"] == "ok"
+    status, text = http(srv, "/metrics")
+    assert status == 200
+    for name in ["kvtier_server_keys", "kvtier_server_value_bytes", "kvtier_server_hits_total",
+                 "kvtier_server_misses_total", "kvtier_server_evictions_total", "kvtier_server_bytes_in_total",
+                 "kvtier_server_bytes_out_total", "kvtier_server_connections"]:
+        assert f"\n{name} " in text, name
+    assert json.loads(http(srv, "/kvmap_len")[1])["len"] >= 2
+    assert json.loads(http(srv, "/purge", "POST")[1])["purged"] >= 2
+    assert json.loads(http(srv, "/kvmap_len")[1])["len"] == 0
+    assert c.get([b"m1"]) == [None]
+
+
+def test_management_token_is_required_when_set():
+    with kvtier_server(0.0625, "--auth-token", "s3cret") as s:
+        assert http(s, "/health")[0] == 401
+        assert http(s, "/health", token="wrong")[0] == 401
+        assert http(s, "/health", token="s3cret")[0] == 200
+
+
+def test_a_non_loopback_address_without_a_token_is_refused():
+    r = subprocess.run([sys.executable, "-m", "kvtier.server", "--host", "0.0.0.0", "--service-port",
+                        str(free_port())], capture_output=True, text=True, timeout=60,
+                       env={k: v for k, v in os.environ.items() if k != "KVTIER_SERVER_TOKEN"})
+    assert r.returncode == 2 and "--auth-token" in r.stderr
+
+
+def test_a_full_pool_evicts_oldest_first_down_to_the_low_watermark(srv):
+    c = client(srv)
+    http(srv, "/purge", "POST")
+    keys = [b"evict-%d" % i for i in range(40)]
+    for key in keys:  # 40 x 4 MiB into 64 MiB
+        c.put([key], [os.urandom(4 * MiB)])
+    stats = c.stats()
+    assert stats["evictions"] >= 24
+    assert stats["used_bytes"] <= 0.95 * stats["capacity_bytes"]
+    assert c.exists([keys[0], keys[-1]]) == [False, True]
+
+
+def test_a_value_larger_than_the_pool_is_a_clear_error(srv):
+    c = client(srv, shm=False)
+    with pytest.raises(ValueTooLarge, match="larger than the server's whole pool"):
+        c.put([b"huge"], [bytes(65 * MiB)])
+    c.put([b"after"], [b"ok"])  # the connection stayed in step
+    assert bytes(c.get([b"after"])[0]) == b"ok"
+    with pytest.raises(ValueTooLarge):
+        client(srv, shm=True).put([b"huge"], [bytes(65 * MiB)])
+
+
+def _raw(srv) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", srv.ports[0]), timeout=5)
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+BAD_INPUT = {
+    "random bytes": os.urandom(4096),
+    "wrong version": p.HEADER.pack(p.MAGIC, 9, p.Op.GET, 0, 1, 4, 0) + b"\0" * 4,
+    "absurd meta length": p.HEADER.pack(p.MAGIC, p.VERSION, p.Op.GET, 0, 1, 0xFFFFFFFF, 0),
+    "absurd payload length": p.HEADER.pack(p.MAGIC, p.VERSION, p.Op.PUT, 0, 1, 4, 1 << 62),
+    "key count past meta": p.pack_header(p.Op.GET, 1, 4) + (1000).to_bytes(4, "little"),
+    "sizes not matching payload": p.pack_header(p.Op.PUT, 1, len(m := p.encode_keys([b"k"], [10])), 5) + m,
+}
+REASONS = {"random bytes": "bad magic", "wrong version": "unsupported protocol version 9",
+           "absurd meta length": "meta length", "absurd payload length": "payload length",
+           "key count past meta": "meta truncated", "sizes not matching payload": "sizes add up"}
+
+
+@pytest.mark.parametrize("what", list(BAD_INPUT))
+def test_bad_input_closes_that_connection_with_a_reason_and_others_go_on(srv, what):
+    good = client(srv)
+    good.put([b"survivor"], [b"alive"])
+    server = psutil.Process(srv.procs[0].pid)
+    rss0 = server.memory_info().rss
+    for _ in range(20):
+        with _raw(srv) as bad:
+            bad.sendall(BAD_INPUT[what])
+            assert _closed_by_server(bad)
+    assert server.memory_info().rss < rss0 + 16 * MiB
+    assert bytes(good.get([b"survivor"])[0]) == b"alive"
+    assert REASONS[what] in srv.log()
+
+
+def test_truncated_frames_are_dropped_with_the_connection(srv):
+    good = client(srv)
+    frame = p.pack_header(p.Op.PUT, 7, len(m := p.encode_keys([b"trunc"], [MiB])), MiB) + m
+    for cut in (3, p.HEADER_SIZE, len(frame), len(frame) + MiB // 2):
+        with _raw(srv) as bad:
+            bad.sendall((frame + os.urandom(MiB))[:cut])
+        time.sleep(0.05)
+    assert good.exists([b"trunc"]) == [False]
+    assert good.stats()["connections"] == 1
+
+
+def test_a_client_killed_mid_put_leaves_nothing_visible(srv):
+    good = client(srv)
+    used0 = good.stats()["used_bytes"]
+    script = textwrap.dedent(f"""
+        import socket, sys, time
+        from kvtier.server import protocol as p
+        s = socket.create_connection(("127.0.0.1", {srv.ports[0]}))
+        meta = p.encode_keys([b"half"], [{8 * MiB}])
+        s.sendall(p.pack_header(p.Op.PUT, 1, len(meta), {8 * MiB}) + meta + bytes({4 * MiB}))
+        print("sent", flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "sent"
+    time.sleep(0.2)
+    assert good.exists([b"half"]) == [False]  # half a value is never visible
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while good.stats()["used_bytes"] != used0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert good.stats()["used_bytes"] == used0  # and its pages went back to the pool
+    assert good.exists([b"half"]) == [False]
+
+
+def test_a_killed_server_is_remote_unavailable_and_the_client_reconnects_after_restart():
+    with kvtier_server(0.0625) as s:
+        c = KVClient("127.0.0.1", s.ports[0], timeout=2)
+        c.put([b"k"], [b"v"])
+        s.kill()
+        t0 = time.monotonic()
+        with pytest.raises(RemoteUnavailable):
+            c.get([b"k"])
+        assert time.monotonic() - t0 < 2.5
+        s.start()
+        assert c.get([b"k"]) == [None]  # a new, empty server
+        c.put([b"k"], [b"v2"])
+        assert bytes(c.get([b"k"])[0]) == b"v2"
+
+
+def test_many_clients_at_once_are_served_by_one_loop(srv):
+    import threading
+
+    errors = []
+
+    def work(i: int) -> None:
+        try:
+            c = client(srv, shm=i % 2 == 0)
+            for j in range(20):
+                value = os.urandom(64 * 1024 + i)
+                c.put([b"c%d-%d" % (i, j)], [value])
+                got = c.get([b"c%d-%d" % (i, j)])[0]
+                assert got is None or bytes(got) == value  # None only if evicted meanwhile
+        except Exception as e:  # collected and reported by the test thread
+            errors.append(e)
+
+    server = psutil.Process(srv.procs[0].pid)
+    before = len(server.threads())
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(server.threads()) == before  # no thread per client
