@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from kvtier.localservers import free_port
 from kvtier.tinymodel import corpus_text, make_tiny_llama
 
 HIT_LINE = re.compile(r"Reqid: \S+, Total tokens (\d+), hit tokens (\d+), need to load (\d+)")
@@ -30,12 +30,6 @@ CONNECTOR = {
     "kv_connector_module_path": "kvtier.integrations.vllm",
     "kv_role": "kv_both",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

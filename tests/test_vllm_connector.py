@@ -1,32 +1,15 @@
 """kvtier inside real vLLM (CPU build): hits, chunked prefill, identical output."""
 
-import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from vllm_offline import run_vllm
 
 from kvtier.demo import HIT_LINE as HIT
 from kvtier.tinymodel import corpus_text
 
 pytestmark = pytest.mark.vllm
-RUNNER = Path(__file__).with_name("vllm_offline.py")
 STORE = re.compile(r"Storing KV cache for (\d+) out of (\d+) tokens")
-
-
-def run_vllm(model: Path, prompts: list[list[int]], tmp: Path, kv_role: str = "", env: dict | None = None):
-    pfile = tmp / f"prompts-{kv_role or 'plain'}.json"
-    pfile.write_text(json.dumps(prompts))
-    cmd = [sys.executable, str(RUNNER), "--model", str(model), "--prompts", str(pfile), "--kv-role", kv_role]
-    full_env = {**os.environ, "KVTIER_CHUNK_SIZE": "256", "KVTIER_MAX_LOCAL_CPU_SIZE": "0.25", **(env or {})}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=full_env)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    results = [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(results) == len(prompts)
-    return results, out.stderr
 
 
 @pytest.fixture(scope="module")

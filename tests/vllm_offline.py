@@ -7,6 +7,9 @@ needs its own `__main__`. Prints one JSON line per request on stdout.
 import argparse
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 
 def main() -> None:
@@ -36,6 +39,20 @@ def main() -> None:
         out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0]
         logprobs = [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
         print("RESULT " + json.dumps({"token_ids": list(out.token_ids), "logprobs": logprobs}), flush=True)
+
+
+def run_vllm(model: Path, prompts: list[list[int]], tmp: Path, kv_role: str = "", env: dict | None = None,
+             name: str = "") -> tuple[list[dict], str]:
+    """Run this file in a subprocess; returns the per-request results and vLLM's log."""
+    pfile = tmp / f"prompts-{name or kv_role or 'plain'}.json"
+    pfile.write_text(json.dumps(prompts))
+    cmd = [sys.executable, __file__, "--model", str(model), "--prompts", str(pfile), "--kv-role", kv_role]
+    full_env = {**os.environ, "KVTIER_CHUNK_SIZE": "256", "KVTIER_MAX_LOCAL_CPU_SIZE": "0.25", **(env or {})}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=full_env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    results = [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(results) == len(prompts)
+    return results, out.stderr
 
 
 if __name__ == "__main__":

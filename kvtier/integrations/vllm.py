@@ -276,6 +276,9 @@ class KvtierConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.role == KVConnectorRole.SCHEDULER:
             self._lookup.close()
-        elif self._server is not None:
-            self._server.close()
-            self._server = None
+        else:
+            if self._server is not None:
+                self._server.close()
+                self._server = None
+            if self.engine is not None:
+                self.engine.close()  # sends what is still queued for the remote tier
