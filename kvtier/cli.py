@@ -43,6 +43,17 @@ def _bench_ttft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_server(args: argparse.Namespace) -> int:
+    from kvtier.bench.server import ServerBenchConfig, run_server_bench, write_result
+
+    cfg = ServerBenchConfig(sizes_mib=tuple(args.sizes), conns=tuple(args.conns), duration=args.duration,
+                            repeats=args.repeats)
+    result = run_server_bench(cfg)
+    if args.output:
+        write_result(result, Path(args.output), "kvtier " + shlex.join(sys.argv[1:]))
+    return 0
+
+
 def _server(args: argparse.Namespace) -> int:
     import logging
     import os
@@ -124,6 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--hint-gid-index", type=int, help="RDMA GID index (RoCE in Kubernetes)")
     srv.add_argument("--no-shm", action="store_true", help="no same-host shared-memory path")
     srv.set_defaults(fn=_server)
+
+    sb = bench.add_parser("server", help="store server vs raw loopback TCP and redis-server")
+    sb.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8], help="value sizes, MiB")
+    sb.add_argument("--conns", type=int, nargs="+", default=[1, 2, 8], help="client connections")
+    sb.add_argument("--duration", type=float, default=1.0, help="seconds per measurement")
+    sb.add_argument("--repeats", type=int, default=3)
+    sb.add_argument("--output", help="write the results to this JSON file")
+    sb.set_defaults(fn=_bench_server)
 
     cfg = sub.add_parser("config", help="print the effective config (file + env)")
     cfg.add_argument("--keys", action="store_true", help="print every key with its default")

@@ -30,6 +30,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free and valid too."""
+    for _ in range(1000):
+        port = free_port()
+        if port + 10000 <= 65535:
+            with contextlib.suppress(OSError), socket.socket() as s:
+                s.bind(("127.0.0.1", port + 10000))
+                return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
 def wait_for_port(port: int, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -127,7 +138,7 @@ def redis_server() -> Iterator[LocalServer]:
 @contextlib.contextmanager
 def redis_cluster(masters: int = 3) -> Iterator[LocalServer]:
     """`masters` redis-server processes in cluster mode, slots spread, no replicas."""
-    ports = [free_port() for _ in range(masters)]
+    ports = [_cluster_port() for _ in range(masters)]
     with tempfile.TemporaryDirectory(prefix="kvtier-redis-cluster-") as tmp:
         cmds = [_redis_cmd(p, tmp, "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{p}.conf",
                            "--cluster-node-timeout", "5000") for p in ports]

@@ -21,6 +21,12 @@ fi
 venv_python=$PWD/.venv/bin/python
 [ -x .venv/bin/kvtier ] && (cd / && "$venv_python" -c "import kvtier") 2>/dev/null \
     || pip install -q --no-deps -e .
-.venv/bin/python -c "import pytest_timeout, psutil, xxhash, openai" 2>/dev/null \
-    || pip install -q pytest pytest-timeout psutil xxhash pyyaml tqdm pyzmq openai
+.venv/bin/python -c "import pytest_timeout, psutil, xxhash, openai, uvloop, aiohttp, prometheus_client, redis, hiredis, lz4" 2>/dev/null \
+    || pip install -q pytest pytest-timeout psutil xxhash pyyaml tqdm pyzmq openai uvloop aiohttp prometheus-client \
+        "redis[hiredis]" lz4
+# The remote-tier tests start real redis-server processes (and a Redis Cluster).
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+    SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+    $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+fi
 .venv/bin/python -c "import torch, vllm, kvtier; print('kvtier env ready: torch', torch.__version__, '| vllm', vllm.__version__)"
