@@ -39,7 +39,8 @@ def _bench_offload(args: argparse.Namespace) -> int:
 def _bench_ttft(args: argparse.Namespace) -> int:
     from kvtier.bench.ttft import run_ttft
 
-    run_ttft(args.lengths, args.repeats, Path(args.output), layers=args.layers, transfer=args.transfer)
+    run_ttft(args.lengths, args.repeats, Path(args.output), layers=args.layers, transfer=args.transfer,
+             server=args.server)
     return 0
 
 
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ttft.add_argument("--layers", type=int, help="fewer layers than 32, for a quick look")
     ttft.add_argument("--output", default="results/ttft", help="folder for ttft.json and ttft.png")
     ttft.add_argument("--transfer", default="auto", choices=["auto", "triton", "triton-direct", "torch"])
+    ttft.add_argument("--server", action="store_true", help="also warm from a kvtier server on this host")
     ttft.set_defaults(fn=_bench_ttft)
 
     srv = sub.add_parser("server", help="the store server (InfiniStore's role): a KV pool for the cluster")

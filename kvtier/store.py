@@ -38,7 +38,11 @@ class TieredStore:
     def __init__(self, cpu: CpuTier, remote: RemoteTier | None, *, keep_cpu: bool, bytes_per_token: int) -> None:
         self.cpu, self.remote, self.keep_cpu = cpu, remote, keep_cpu
         self.bytes_per_token = bytes_per_token
-        self._writer = _RemoteWriter(remote, max_pending=max(1, cpu.pool.num_blocks // 4)) if remote else None
+        # Queued chunks hold their blocks. With the CPU tier on, at most half the
+        # pool waits, so a slow remote cannot stop the CPU tier from evicting;
+        # without it, the pool is only staging and may all wait.
+        pending = cpu.pool.num_blocks // 2 if keep_cpu else cpu.pool.num_blocks
+        self._writer = _RemoteWriter(remote, max_pending=max(1, pending)) if remote else None
 
     def prefix_hits(self, keys: Sequence[ChunkKey]) -> int:
         n = self.cpu.prefix_hits(keys) if self.keep_cpu else 0

@@ -65,3 +65,19 @@ def test_layerwise_load_gives_the_same_result(model):
     assert (layered.logits - cold).abs().max().item() < 1e-4
     assert session.engine.pool.used_bytes == 4 * session.engine.pool.block_bytes  # nothing left pinned
     assert all(not c.block.pinned for c in session.engine.tiers.cpu._chunks.values())
+
+
+def test_a_session_on_another_node_loads_the_prefix_from_the_store_server(model):
+    from kvtier.localservers import kvtier_server
+
+    ids = torch.randint(0, 1000, (1, 700), generator=torch.Generator().manual_seed(4))
+    reference = model.generate(ids, max_new_tokens=10, do_sample=False)[0, 700:].tolist()
+    with kvtier_server(0.0625) as srv:
+        cfg = KvtierConfig(chunk_size=64, max_local_cpu_size=0.05, local_cpu=False, remote_url=srv.url)
+        first = HFSession(model, cfg, max_len=800)
+        assert first.generate(ids, 10) == reference
+        assert first.engine.flush(timeout=10)
+        second = HFSession(model, cfg, max_len=800)
+        assert second.prefill(ids).hit_tokens == 640
+        assert second.generate(ids, 10) == reference
+        first.engine.close(), second.engine.close()

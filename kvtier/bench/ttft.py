@@ -5,6 +5,8 @@ GPU; for each prompt length:
     cold   prefill of the whole prompt, nothing cached
     warm   kvtier loads all but the last token from CPU RAM, the model runs one
     warm layerwise  the same, layer i+1 loading while layer i computes
+    warm server  the same prefix from `kvtier server` on this host (local_cpu
+           off: server → CPU staging block → GPU), when a server URL is given
     floor  KV bytes / pinned H2D copy bandwidth + a one-token forward over the
            same context, both measured in the same run (layerwise: compared
            with max of the two instead of their sum)
@@ -14,6 +16,7 @@ JSON record and a PNG plot of TTFT against prompt length.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -42,6 +45,7 @@ class TTFTPoint:
     warm_layerwise_s: float
     load_floor_s: float
     forward_1_s: float
+    warm_server_s: float | None = None
 
     @property
     def floor_s(self) -> float:
@@ -55,7 +59,17 @@ class TTFTPoint:
                 "warm_layerwise_s": round(self.warm_layerwise_s, 4),
                 "layerwise_over_max_load_forward": round(
                     self.warm_layerwise_s / max(self.load_floor_s, self.forward_1_s), 3),
-                "load_floor_s": round(self.load_floor_s, 4), "forward_1_s": round(self.forward_1_s, 4)}
+                "load_floor_s": round(self.load_floor_s, 4), "forward_1_s": round(self.forward_1_s, 4),
+                **({} if self.warm_server_s is None else {
+                    "warm_server_s": round(self.warm_server_s, 4),
+                    "warm_server_over_floor": round(self.warm_server_s / self.floor_s, 3),
+                    "speedup_server": round(self.cold_s / self.warm_server_s, 1)})}
+
+
+def _kv_bytes_per_token(model) -> int:
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2  # bf16
 
 
 def _timed(fn) -> float:
@@ -82,11 +96,10 @@ def build_model(layers: int | None = None):
     return model
 
 
-def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: str = "auto") -> TTFTPoint:
+def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: str = "auto",
+            server_url: str | None = None) -> TTFTPoint:
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens))
-    cfg = model.config
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2  # bf16
+    kv_per_token = _kv_bytes_per_token(model)
     pool_gib = (tokens + chunk_size) * kv_per_token * 1.05 / 1024**3
     session = HFSession(model, KvtierConfig(chunk_size=chunk_size, max_local_cpu_size=pool_gib), max_len=tokens,
                         transfer=transfer)
@@ -110,20 +123,45 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
     point = TTFTPoint(tokens, hit, med(cold), med(warm), med(layered), hit * kv_per_token / (h2d * 1e9), med(fwd))
     del session
     torch.cuda.empty_cache()
+    if server_url:
+        point.warm_server_s = med(_warm_from_server(model, ids, chunk_size, pool_gib, server_url, repeats, transfer))
     return point
 
 
+def _warm_from_server(model, ids, chunk_size: int, pool_gib: float, url: str, repeats: int,
+                      transfer: str) -> list[float]:
+    cfg = KvtierConfig(chunk_size=chunk_size, max_local_cpu_size=pool_gib, local_cpu=False, remote_url=url)
+    session = HFSession(model, cfg, max_len=ids.shape[1], transfer=transfer)
+    session.prefill(ids)  # stores the prompt's chunks in the server
+    assert session.engine.flush(timeout=600)
+    times, hits = [], []
+    for _ in range(repeats):
+        times.append(_timed(lambda: hits.append(session.prefill(ids).hit_tokens)))
+    assert hits[-1] > 0, "nothing loaded from the store server"
+    session.engine.close()
+    del session
+    torch.cuda.empty_cache()
+    return times
+
+
 def run_ttft(lengths: list[int], repeats: int, out_dir: Path, layers: int | None = None,
-             transfer: str = "auto") -> list[TTFTPoint]:
+             transfer: str = "auto", server: bool = False) -> list[TTFTPoint]:
     logging.getLogger("kvtier").setLevel(logging.WARNING)
+    out_dir.mkdir(parents=True, exist_ok=True)
     model = build_model(layers)
     measure(model, 512, 1)  # warm-up: kernels, allocator
     points = []
-    for n in lengths:
-        p = measure(model, n, repeats, transfer=transfer)
-        print(json.dumps(p.row()), flush=True)
-        points.append(p)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        url = None
+        if server:
+            from kvtier.localservers import kvtier_server
+
+            kv_bytes = max(lengths) * _kv_bytes_per_token(model)
+            url = stack.enter_context(kvtier_server(2.5 * kv_bytes / 1024**3, log_dir=out_dir)).url
+        for n in lengths:
+            p = measure(model, n, repeats, transfer=transfer, server_url=url)
+            print(json.dumps(p.row()), flush=True)
+            points.append(p)
     record = {"machine": machine_name(torch.device("cuda")), "date": dt.date.today().isoformat(),
               "model": {**LLAMA_8B, **({"num_hidden_layers": layers} if layers else {})},
               "dtype": "bfloat16", "attention": "sdpa", "repeats": repeats, "transfer": transfer,
@@ -145,6 +183,8 @@ def _plot(points: list[TTFTPoint], path: Path, machine: str) -> None:
     ax.plot(x, [p.cold_s for p in points], "o-", label="cold (full prefill)")
     ax.plot(x, [p.warm_s for p in points], "o-", label="warm (kvtier, CPU RAM)")
     ax.plot(x, [p.warm_layerwise_s for p in points], "o-", label="warm, layerwise")
+    if points and points[0].warm_server_s is not None:
+        ax.plot(x, [p.warm_server_s for p in points], "o-", label="warm (kvtier server, same host)")
     ax.plot(x, [p.floor_s for p in points], "--", label="floor (KV bytes / H2D + 1-token forward)")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (s)")

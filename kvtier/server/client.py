@@ -72,7 +72,7 @@ class KVClient:
                 ticket, entries = p.decode_extents(meta)
                 for (_, extents), ps in zip(entries, parts):
                     copy_into_extents(link.shm, extents, ps)
-                self._call(link, p.Op.PUT_COMMIT, p.encode_u32(ticket))
+                self._send(link, p.Op.PUT_COMMIT, p.encode_u32(ticket))
             else:
                 self._call(link, p.Op.PUT, p.encode_keys(keys, sizes), [x for ps in parts for x in ps], sum(sizes))
 

@@ -265,13 +265,13 @@ class Connection(asyncio.BufferedProtocol):
             ticket, [(s, self.pool.extents(pages, s)) for pages, s in zip(put.pages, sizes)]))
 
     def _put_commit(self, h: p.Header, meta: memoryview) -> None:
+        # No reply: the client goes on at once. Its later requests on this
+        # connection are read after this one, so it always sees its own put.
         put = self._tickets.pop(p.decode_u32(meta), None)
         if not isinstance(put, _PendingPut):
-            self._reply(h, meta=b"unknown put ticket", status=p.Status.ERROR)
-            return
+            raise p.ProtocolError("PUT_COMMIT of a ticket that is not a pending put")
         for key, pages, size in zip(put.keys, put.pages, put.sizes):
             self.index.commit(key, pages, size)
-        self._reply(h)
 
     def _get_shm(self, h: p.Header, meta: memoryview) -> None:
         keys, _ = p.decode_keys(meta)

@@ -24,7 +24,7 @@ prefixed keys, u64 sizes):
     HELLO        req meta: JSON {"host_id"}                         -> reply meta: JSON
     PUT_ALLOC    req meta: n, keys, sizes (shared memory puts)      -> reply meta: u32 ticket,
                  then per key: u32 extent count, (u64 offset, u64 length) extents
-    PUT_COMMIT   req meta: u32 ticket                               -> reply: empty
+    PUT_COMMIT   req meta: u32 ticket (no reply)
     GET_SHM      req meta: n, keys                                  -> reply meta: u32 ticket, then
                  per key: u64 size (MISSING if absent), extents as in PUT_ALLOC
     RELEASE      req meta: u32 ticket (no reply)
