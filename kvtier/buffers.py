@@ -33,22 +33,34 @@ def joined(value: Value) -> bytes | memoryview:
 
 def copy_into_extents(dst: np.ndarray, extents: Sequence[tuple[int, int]], parts: Sequence[memoryview]) -> None:
     """Copy the concatenation of `parts` into the byte ranges `extents` of `dst`."""
-    srcs = iter(parts)
-    src, pos = np.frombuffer(next(srcs, b""), np.uint8), 0
-    for off, n in extents:
-        while n:
-            while pos == len(src):
-                src, pos = np.frombuffer(next(srcs), np.uint8), 0
-            k = min(n, len(src) - pos)
-            dst[off : off + k] = src[pos : pos + k]
-            off, n, pos = off + k, n - k, pos + k
+    _copy_segments([dst[off : off + n] for off, n in extents], parts)
 
 
-def gather_extents(src: np.ndarray, extents: Sequence[tuple[int, int]], size: int) -> memoryview:
-    """A new buffer of `size` bytes holding the byte ranges `extents` of `src`."""
-    out = np.empty(size, np.uint8)
-    pos = 0
-    for off, n in extents:
-        out[pos : pos + n] = src[off : off + n]
-        pos += n
-    return memoryview(out)
+def copy_from_extents(src: np.ndarray, extents: Sequence[tuple[int, int]], parts: Sequence[memoryview]) -> None:
+    """Fill `parts`, in order, with the byte ranges `extents` of `src`."""
+    _copy_segments(parts, [src[off : off + n] for off, n in extents])
+
+
+def _copy_segments(dst: Sequence[Buffer], src: Sequence[Buffer]) -> None:
+    """Copy the concatenation of `src` into the concatenation of `dst` (equal totals)."""
+    srcs = iter(src)
+    cur, pos = np.empty(0, np.uint8), 0
+    for d in dst:
+        d = np.frombuffer(d, np.uint8) if not isinstance(d, np.ndarray) else d
+        at = 0
+        while at < len(d):
+            while pos == len(cur):
+                nxt = next(srcs)
+                cur, pos = (nxt if isinstance(nxt, np.ndarray) else np.frombuffer(nxt, np.uint8)), 0
+            k = min(len(d) - at, len(cur) - pos)
+            d[at : at + k] = cur[pos : pos + k]
+            at, pos = at + k, pos + k
+
+
+def fill(dest: Value, value: Buffer | None) -> bool:
+    """Copy `value` into `dest` (a buffer or parts) if it has exactly dest's size."""
+    parts = as_parts(dest)
+    if value is None or len(value) != sum(len(x) for x in parts):
+        return False
+    _copy_segments(parts, [value])
+    return True

@@ -61,32 +61,59 @@ class Codec:
                              len(payload), xxhash.xxh3_64_intdigest(payload))
         return [header, payload]
 
-    def decode(self, value: bytes | memoryview, raw_len: int) -> tuple[int, memoryview]:
-        """(num_tokens, the chunk's bytes), or CorruptPayload."""
+    @property
+    def in_place(self) -> bool:
+        """Stored values are the codec header, then the chunk's bytes as they
+        are: a reader can receive the payload straight into the chunk's block."""
+        return self.serde == "naive"
+
+    def check_in_place(self, header: bytes | bytearray | memoryview, payload: memoryview) -> int:
+        """num_tokens of a value received as [header, payload] (naive serde), or CorruptPayload."""
+        serde, _, num_tokens = self._check(memoryview(header), memoryview(payload).cast("B"), len(payload))
+        if serde != SERDES["naive"]:
+            raise CorruptPayload(f"serde id {serde} where naive was expected")
+        return num_tokens
+
+    def decode_into(self, value: bytes | memoryview, out: memoryview) -> int:
+        """Write the chunk held in `value` into `out` (exactly its size); num_tokens, or CorruptPayload."""
         value = memoryview(value).cast("B")
-        if len(value) < HEADER.size:
-            raise CorruptPayload(f"value of {len(value)} bytes is shorter than the codec header")
-        magic, version, serde, shuf, num_tokens, stored_raw, enc_len, checksum = HEADER.unpack(value[: HEADER.size])
+        out = memoryview(out).cast("B")
+        serde, shuf, num_tokens = self._check(value[: HEADER.size], value[HEADER.size :], len(out))
+        payload = value[HEADER.size :]
+        if serde == SERDES["naive"]:
+            out[:] = payload
+        elif serde == SERDES["lz4"]:
+            import lz4.block
+
+            try:
+                shuffled = lz4.block.decompress(payload, uncompressed_size=len(out))
+            except lz4.block.LZ4BlockError as e:
+                raise CorruptPayload(f"lz4: {e}") from None
+            _unshuffle_into(shuffled, shuf, out)
+        else:
+            raise CorruptPayload(f"unknown serde id {serde}")
+        return num_tokens
+
+    def decode(self, value: bytes | memoryview, raw_len: int) -> tuple[int, memoryview]:
+        """(num_tokens, the chunk's bytes in a new buffer), or CorruptPayload."""
+        out = memoryview(bytearray(raw_len))
+        return self.decode_into(value, out), out
+
+    @staticmethod
+    def _check(header: memoryview, payload: memoryview, raw_len: int) -> tuple[int, int, int]:
+        """(serde, shuffle width, num_tokens) of a value whose header and checksum hold."""
+        if len(header) < HEADER.size:
+            raise CorruptPayload(f"value of {len(header)} bytes is shorter than the codec header")
+        magic, version, serde, shuf, num_tokens, stored_raw, enc_len, checksum = HEADER.unpack(header[: HEADER.size])
         if magic != MAGIC or version != VERSION:
             raise CorruptPayload(f"not a kvtier chunk (magic {bytes(magic)!r}, version {version})")
         if stored_raw != raw_len:
             raise CorruptPayload(f"chunk of {stored_raw} bytes, expected {raw_len}")
-        payload = value[HEADER.size :]
         if len(payload) != enc_len:
             raise CorruptPayload(f"payload of {len(payload)} bytes, header says {enc_len}")
         if xxhash.xxh3_64_intdigest(payload) != checksum:
             raise CorruptPayload("checksum mismatch")
-        if serde == SERDES["naive"]:
-            return num_tokens, payload
-        if serde == SERDES["lz4"]:
-            import lz4.block
-
-            try:
-                shuffled = lz4.block.decompress(payload, uncompressed_size=raw_len)
-            except lz4.block.LZ4BlockError as e:
-                raise CorruptPayload(f"lz4: {e}") from None
-            return num_tokens, _unshuffle(shuffled, shuf)
-        raise CorruptPayload(f"unknown serde id {serde}")
+        return serde, shuf, num_tokens
 
 
 def _shuffle(raw: memoryview, itemsize: int) -> np.ndarray:
@@ -96,7 +123,10 @@ def _shuffle(raw: memoryview, itemsize: int) -> np.ndarray:
     return np.ascontiguousarray(np.frombuffer(raw, np.uint8).reshape(-1, itemsize).T)
 
 
-def _unshuffle(data: bytes, itemsize: int) -> memoryview:
+def _unshuffle_into(data: bytes, itemsize: int, out: memoryview) -> None:
+    dst = np.frombuffer(out, np.uint8)
+    src = np.frombuffer(data, np.uint8)
     if itemsize <= 1 or len(data) % itemsize:
-        return memoryview(data)
-    return memoryview(np.ascontiguousarray(np.frombuffer(data, np.uint8).reshape(itemsize, -1).T)).cast("B")
+        dst[:] = src
+    else:
+        dst.reshape(-1, itemsize)[:] = src.reshape(itemsize, -1).T

@@ -1,6 +1,7 @@
 """CacheEngine: the one entry point engines call to store, look up and load KV.
 
     store(tokens, slots)     keys → allocate blocks → gather KV → put in the tiers (store.py)
+    start_store(..., layerwise=True)   the same, one layer at a time as the engine computes it
     lookup(tokens)           keys → longest stored prefix, in tokens
     retrieve(tokens, slots)  keys → get (pins blocks) → scatter KV → release
 
@@ -29,7 +30,7 @@ from kvtier.remote import open_store
 from kvtier.store import TieredStore
 from kvtier.tiers.cpu import CpuTier, StoredChunk
 from kvtier.tiers.remote import RemoteTier
-from kvtier.transfer import LayerHandle, PagedKV, make_transfer
+from kvtier.transfer import LayerHandle, LayerSaver, PagedKV, make_transfer
 
 log = get_logger(__name__)
 
@@ -94,30 +95,38 @@ class CacheEngine:
         Returns the number of tokens stored. When the pool is full of chunks
         in use, the rest of this store is skipped (logged once), never waited on.
         """
+        return self.start_store(tokens, slots, start=start, request_id=request_id).finish()
+
+    def start_store(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "",
+                    layerwise: bool = False) -> Storing:
+        """`store`, split in two: what to store is decided (blocks allocated) now.
+
+        Without `layerwise` the KV is copied out before this returns. With
+        it, the caller calls `save(layer)` as each layer's KV is written, so
+        layer i moves to the host while later layers compute, and `finish()`
+        at the end, which puts the chunks in the tiers.
+        """
         slots = self._check(tokens, slots)
-        if not self.config.local_cpu and self.tiers.remote is None:
-            return 0
         t0 = time.perf_counter()
-        todo = [s for s in self.spans(tokens) if s.end > start]
-        todo = [s for s, new in zip(todo, self.tiers.missing([s.key for s in todo])) if new]
+        todo: list[ChunkSpan] = []
+        if self.config.local_cpu or self.tiers.remote is not None:
+            todo = [s for s in self.spans(tokens) if s.end > start]
+            todo = [s for s, new in zip(todo, self.tiers.missing([s.key for s in todo])) if new]
         blocks = self._allocate(todo, request_id)
         todo = todo[: len(blocks)]
-        if not todo:
-            return 0
-        try:
-            chunks = [b.view(self.kv.dtype, self.kv.chunk_shape(s.num_tokens)) for s, b in zip(todo, blocks)]
-            self.transfer.gather(_concat_slots(slots, todo), chunks)
-        except BaseException:
-            for block in blocks:
-                block.release()
-            raise
-        for span, block in zip(todo, blocks):
-            self.tiers.put(span.key, block, span.num_tokens)
-        stored = sum(s.num_tokens for s in todo)
-        self.stats.stored_tokens += stored
-        _log_transfer("Storing KV cache for", stored, len(slots), request_id,
-                      stored * self.kv.bytes_per_token(), time.perf_counter() - t0)
-        return stored
+        handle = None
+        if todo:
+            try:
+                chunks = [b.view(self.kv.dtype, self.kv.chunk_shape(s.num_tokens)) for s, b in zip(todo, blocks)]
+                if layerwise:
+                    handle = self.transfer.gather_layerwise(_concat_slots(slots, todo), chunks)
+                else:
+                    self.transfer.gather(_concat_slots(slots, todo), chunks)
+            except BaseException:
+                for block in blocks:
+                    block.release()
+                raise
+        return Storing(self, list(zip(todo, blocks)), handle, t0, len(slots), request_id)
 
     def _allocate(self, spans: list[ChunkSpan], request_id: str) -> list[MemoryBlock]:
         blocks = []
@@ -278,6 +287,73 @@ class Retrieval:
         return self.mask
 
 
+class Storing:
+    """A store in flight: its chunks' blocks are allocated and belong to it
+    until `finish()` puts them in the tiers (or `cancel()` frees them)."""
+
+    def __init__(self, engine: CacheEngine, chunks: list[tuple[ChunkSpan, MemoryBlock]],
+                 handle: LayerSaver | None, t0: float, total: int, request_id: str) -> None:
+        self._engine, self._chunks, self._handle = engine, chunks, handle
+        self._t0, self._total, self._request_id = t0, total, request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return _tokens(self._chunks)
+
+    def save(self, layer: int) -> None:
+        """Layer `layer`'s KV is computed: start moving it (layerwise stores only)."""
+        if self._handle is not None:
+            self._handle.save(layer)
+
+    def finish(self) -> int:
+        """Wait for the copies, put the chunks in the tiers; the tokens stored.
+
+        A layerwise store some layer of which was never saved (the forward
+        stopped early) is dropped, not stored: that layer was not computed.
+        """
+        chunks, self._chunks = self._chunks, []
+        if not chunks:
+            return 0
+        try:
+            if self._handle is not None:
+                self._handle.finish()
+        except BaseException:
+            _release(chunks)
+            raise
+        if self._handle is not None and self._handle.unsaved():
+            log.warning("request %s: layers %s were never saved; its store of %d tokens is dropped",
+                        self._request_id or "-", self._handle.unsaved(), _tokens(chunks))
+            _release(chunks)
+            return 0
+        engine = self._engine
+        for span, block in chunks:
+            engine.tiers.put(span.key, block, span.num_tokens)
+        stored = _tokens(chunks)
+        engine.stats.stored_tokens += stored
+        _log_transfer("Storing KV cache for", stored, self._total, self._request_id,
+                      stored * engine.kv.bytes_per_token(), time.perf_counter() - self._t0,
+                      ", layer by layer" if self._handle is not None else "")
+        return stored
+
+    def cancel(self) -> None:
+        """Drop the store (e.g. the forward failed): its blocks go back to the pool."""
+        chunks, self._chunks = self._chunks, []
+        try:
+            if self._handle is not None and chunks:
+                self._handle.finish()  # no copy may still write into a block being freed
+        finally:
+            _release(chunks)
+
+
+def _tokens(chunks: list[tuple[ChunkSpan, MemoryBlock]]) -> int:
+    return sum(span.num_tokens for span, _ in chunks)
+
+
+def _release(chunks: list[tuple[ChunkSpan, MemoryBlock]]) -> None:
+    for _, block in chunks:
+        block.release()
+
+
 def _remote_tier(config: KvtierConfig, kv: PagedKV) -> RemoteTier | None:
     if config.remote_url is None:
         return None
@@ -298,9 +374,10 @@ def _concat_slots(slots: torch.Tensor, spans: Sequence[ChunkSpan]) -> torch.Tens
     return torch.cat([slots[s.start : s.end] for s in spans])
 
 
-def _log_transfer(what: str, n: int, total: int, request_id: str, nbytes: int, seconds: float) -> None:
+def _log_transfer(what: str, n: int, total: int, request_id: str, nbytes: int, seconds: float,
+                  how: str = "") -> None:
     log.info(
-        "%s %d out of %d tokens for request %s (%.1f MB in %.1f ms, %.2f GB/s)",
+        "%s %d out of %d tokens for request %s (%.1f MB in %.1f ms, %.2f GB/s%s)",
         what, n, total, request_id or "-", nbytes / 1e6, seconds * 1e3,
-        nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+        nbytes / seconds / 1e9 if seconds > 0 else 0.0, how,
     )

@@ -1,7 +1,8 @@
 """Start store servers on free loopback ports, for tests, benchmarks and the demo.
 
     with kvtier_server(prealloc_gb=0.5) as srv:    srv.url == "kvtier://127.0.0.1:<port>"
-    with redis_server() as srv:                     srv.url == "redis://127.0.0.1:<port>"
+    with redis_server() as srv:                     srv.url == "redis://127.0.0.1:<port>",
+                                                    also on srv.unix_socket
     with redis_cluster(masters=3) as srv:           srv.url == "redis-cluster://127.0.0.1:<p1>,..."
 
 Each yields a `LocalServer` whose processes are stopped (SIGTERM, then
@@ -60,6 +61,7 @@ class LocalServer:
     procs: list[subprocess.Popen] = field(default_factory=list)
     log_path: Path | None = None
     manage_port: int | None = None
+    unix_socket: str | None = None  # redis-server's, besides its TCP port
 
     def start(self) -> None:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
@@ -130,8 +132,10 @@ def _redis_cmd(port: int, workdir: str, *extra: str) -> list[str]:
 def redis_server() -> Iterator[LocalServer]:
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="kvtier-redis-") as tmp:
-        with _running(LocalServer(f"redis://127.0.0.1:{port}", [port], [_redis_cmd(port, tmp)],
-                                  log_path=Path(tmp) / "redis.log")) as srv:
+        sock = f"{tmp}/redis.sock"
+        cmd = _redis_cmd(port, tmp, "--unixsocket", sock, "--unixsocketperm", "700")
+        with _running(LocalServer(f"redis://127.0.0.1:{port}", [port], [cmd], log_path=Path(tmp) / "redis.log",
+                                  unix_socket=sock)) as srv:
             yield srv
 
 

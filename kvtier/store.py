@@ -2,7 +2,8 @@
 
     prefix_hits(keys)   CPU tier first; the rest asked of the remote store in one round trip
     get_prefix(spans)   retained chunks of the longest stored prefix; remote hits come back
-                        in one batch, decoded into fresh CPU blocks (kept in the CPU tier)
+                        in one batch, received straight into fresh CPU blocks (kept in the
+                        CPU tier)
     allocate()          a CPU block (evicts LRU)
     put(key, block, n)  the CPU tier keeps it; the remote writer sends it in the background
     flush()             wait until the background sends are out
@@ -71,21 +72,27 @@ class TieredStore:
         return found
 
     def _fetch(self, spans: Sequence[ChunkSpan]) -> list[StoredChunk]:
-        n = self.remote.match_prefix([s.key for s in spans])
-        spans = spans[:n]
-        if not spans:
-            return []
-        values = self.remote.get([s.key for s in spans], [s.num_tokens * self.bytes_per_token for s in spans])
-        chunks = []
-        for span, value in zip(spans, values):
-            block = self.cpu.allocate() if value is not None and value[0] == span.num_tokens else None
+        """The remote prefix of `spans`, received straight into fresh CPU blocks."""
+        spans = spans[: self.remote.match_prefix([s.key for s in spans])]
+        blocks = []
+        for _ in spans:
+            block = self.cpu.allocate()
             if block is None:
                 break
-            raw = value[1]
-            block.data[: len(raw)].numpy()[:] = raw
+            blocks.append(block)
+        spans = spans[: len(blocks)]
+        got = self.remote.get_into([s.key for s in spans],
+                                   [b.data[: s.num_tokens * self.bytes_per_token].numpy().data
+                                    for s, b in zip(spans, blocks)]) if spans else []
+        chunks = []
+        for span, block, num_tokens in zip(spans, blocks, got):
+            if num_tokens != span.num_tokens:  # a miss or a corrupt chunk ends the prefix
+                break
             if self.keep_cpu:
                 self.cpu.put(span.key, block.retain(), span.num_tokens)
             chunks.append(StoredChunk(block, span.num_tokens))
+        for block in blocks[len(chunks):]:
+            block.release()
         return chunks
 
     def allocate(self) -> MemoryBlock | None:

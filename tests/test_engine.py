@@ -36,6 +36,38 @@ def test_store_lookup_retrieve_roundtrip():
     assert torch.equal(tokens_at(layers, src[:96]), tokens_at(layers, dst[:96]))
 
 
+def test_layerwise_store_moves_each_layer_when_saved_and_stores_on_finish():
+    eng, layers = make_engine()
+    toks, perm = list(range(100)), torch.randperm(NB * BS)
+    src, dst = perm[:100], perm[100:200]
+    storing = eng.start_store(toks, src, layerwise=True)
+    assert storing.num_tokens == 96 and eng.lookup(toks) == 0  # nothing visible before finish
+    for layer in range(L):
+        storing.save(layer)
+    assert storing.finish() == 96 and storing.finish() == 0
+    assert eng.retrieve(toks, dst)[:96].all()
+    assert torch.equal(tokens_at(layers, dst[:96]), tokens_at(layers, src[:96]))
+
+
+def test_a_layerwise_store_missing_a_layer_is_dropped_not_stored():
+    eng, _ = make_engine()
+    free = eng.pool.free_blocks
+    storing = eng.start_store(list(range(64)), torch.arange(64), layerwise=True)
+    storing.save(0)  # the forward stopped before layer 1
+    assert storing.finish() == 0
+    assert eng.pool.free_blocks == free and eng.lookup(list(range(64))) == 0
+
+
+def test_a_cancelled_store_gives_its_blocks_back():
+    eng, _ = make_engine()
+    free = eng.pool.free_blocks
+    storing = eng.start_store(list(range(64)), torch.arange(64), layerwise=True)
+    assert eng.pool.free_blocks == free - 4
+    storing.save(0)
+    storing.cancel()
+    assert eng.pool.free_blocks == free and eng.lookup(list(range(64))) == 0
+
+
 def test_store_skips_chunks_already_stored_and_honours_start():
     eng, _ = make_engine()
     toks, slots = list(range(64)), torch.arange(64)

@@ -67,6 +67,22 @@ def test_layerwise_load_gives_the_same_result(model):
     assert all(not c.block.pinned for c in session.engine.tiers.cpu._chunks.values())
 
 
+def test_layerwise_store_stores_the_same_kv_as_storing_after(model):
+    ids = torch.randint(0, 1000, (1, 300), generator=torch.Generator().manual_seed(5))
+    cfg = KvtierConfig(chunk_size=64, max_local_cpu_size=0.05)
+    after, layered = HFSession(model, cfg, max_len=400), HFSession(model, cfg, max_len=400)
+    cold = after.prefill(ids, layerwise=False).logits
+    assert torch.equal(layered.prefill(ids, layerwise=True).logits, cold)  # storing changes nothing computed
+    keys = [s.key for s in after.engine.spans(ids[0])]
+    assert layered.engine.lookup(ids[0]) == after.engine.lookup(ids[0]) == 256
+    for key in keys:
+        a, b = after.engine.tiers.cpu.get(key), layered.engine.tiers.cpu.get(key)
+        assert torch.equal(a.block.data, b.block.data)  # the same bytes, chunk for chunk
+        a.block.release(), b.block.release()
+    warm = layered.prefill(ids, layerwise=True)  # and they load back as well
+    assert warm.hit_tokens == 256 and (warm.logits - cold).abs().max().item() < 1e-4
+
+
 def test_a_session_on_another_node_loads_the_prefix_from_the_store_server(model):
     from kvtier.localservers import kvtier_server
 

@@ -77,6 +77,18 @@ def test_a_value_given_in_parts_is_stored_joined(store):
     assert bytes(st.get([keys[0]])[0]) == b"header-payload-tail"
 
 
+def test_get_into_fills_destinations_of_the_exact_size_only(store):
+    st, keys, _ = store
+    big, small = os.urandom((2 << 20) + 5), os.urandom(100)
+    st.put(keys[:2], [big, small])
+    head, body = bytearray(5), bytearray(2 << 20)
+    wrong = bytearray(99)
+    missing = bytearray(10)
+    assert st.get_into([keys[0], keys[1], keys[2]], [[head, memoryview(body)], wrong, missing]) == [True, False, False]
+    assert bytes(head) + bytes(body) == big
+    assert st.get_into([keys[1]], [bytearray(100)]) == [True]
+
+
 def test_put_replaces_and_delete_counts(store):
     st, keys, _ = store
     st.put([keys[0]], [b"old"])

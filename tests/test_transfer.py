@@ -58,6 +58,22 @@ def test_torch_scatter_roundtrip(layout):
             assert torch.equal(reference_tokens(layer, layout, a), reference_tokens(layer, layout, b))
 
 
+def test_torch_layerwise_gather_moves_each_layer_when_saved():
+    layers = [torch.randn(SHAPES["flash_attn"]) for _ in range(L)]
+    kv = PagedKV.wrap(layers, "flash_attn")
+    slots = torch.randperm(NB * BS)[:7]
+    ref = [torch.empty(kv.chunk_shape(n)) for n in (4, 3)]
+    TorchTransfer(kv).gather(slots, ref)
+    got = [torch.zeros(kv.chunk_shape(n)) for n in (4, 3)]
+    saves = TorchTransfer(kv).gather_layerwise(slots, got)
+    saves.save(2)
+    assert all(torch.equal(g[2], r[2]) and not g[:2].any() for g, r in zip(got, ref))
+    assert saves.unsaved() == [0, 1]
+    saves.save(0), saves.save(1)
+    saves.finish()
+    assert all(torch.equal(g, r) for g, r in zip(got, ref))
+
+
 def test_non_contiguous_vllm_stride_order():
     # vLLM may store [B, H, N, C] in another physical order (e.g. LBNHC).
     raw = torch.randn(NB, BS, H, 2 * D)
@@ -121,6 +137,15 @@ for layout, shape in shapes.items():
         back = [torch.empty(kv.chunk_shape(n), dtype=dtype) for n in sizes]
         TorchTransfer(kv3).gather(slots, back)
         assert all(torch.equal(a, b) for a, b in zip(ref, back)), (layout, dtype, "layerwise scatter")
+        saved = [torch.zeros(kv.chunk_shape(n), dtype=dtype) for n in sizes]
+        saves = TritonTransfer(kv).gather_layerwise(slots, saved)
+        saves.save(1)  # only layer 1 moves
+        assert all(torch.equal(a[1], b[1]) and not a[0].any() and not a[2].any() for a, b in zip(saved, ref)), \
+            (layout, "layerwise gather order")
+        saves.save(0), saves.save(2)
+        saves.finish()
+        assert not saves.unsaved()
+        assert all(torch.equal(a, b) for a, b in zip(ref, saved)), (layout, dtype, "layerwise gather")
 print("ok")
 """
 

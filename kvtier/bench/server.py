@@ -4,13 +4,24 @@ One run measures, on this machine:
 
 - put and get throughput of 2, 4 and 8 MiB values with 1, 2 and 8
   connections (one client process per connection), for
-    raw   a plain request/ack TCP server (thread per connection, recv_into
-          a buffer): the limit of loopback TCP with that many streams;
-    kvtier  `kvtier server` through KVClient over TCP (no shared memory);
-    redis   redis-server through kvtier's Redis store (redis-py + hiredis);
-  reported as kvtier/raw and kvtier/redis;
+    raw         a plain request/ack TCP server (thread per connection,
+                recv_into one buffer that stays in cache): the limit of
+                loopback TCP with that many streams;
+    raw-ring    the same, each value into the next slot of a 256 MiB ring,
+                as a store's values land in memory not just touched;
+    kvtier      `kvtier server` through KVClient over TCP;
+    kvtier-shm  the same server and client on the same host, as they run by
+                default there: values through the shared pool, keys over TCP;
+    redis       redis-server over TCP through kvtier's Redis store
+                (redis-py + hiredis);
+    redis-unix  the same redis-server over its unix socket (its own
+                same-host fast path);
+  every get lands in the caller's buffer (as a pool block in the engine);
+  reported as tcp_vs_raw (kvtier/raw), tcp_vs_raw_ring, tcp_vs_redis (kvtier/redis) and
+  same_host_vs_redis (kvtier-shm / the faster of the two redis paths);
 - p50/p99 latency of exists and match-prefix over 64 keys;
-- the same-host shared-memory path (put and get of 4 MiB) against memcpy;
+- the same-host shared-memory path (put and get of 4 MiB values, one and
+  eight per call as the engine's writer batches them) against memcpy;
 - the remote serdes (naive, lz4): ratio and encode/decode GB/s.
 
 Throughput cells are medians over `repeats` runs of `duration` seconds.
@@ -39,26 +50,35 @@ _LEN = struct.Struct("<q")
 # -- the raw TCP limit --------------------------------------------------------------------
 
 
-def raw_server(port: int) -> None:
-    """Request/ack over plain sockets: +n = client sends n bytes, -n = server sends n bytes."""
+def raw_server(port: int, ring: int) -> None:
+    """Request/ack over plain sockets: +n = client sends n bytes, -n = server sends n bytes.
+
+    Each connection's bytes go to (come from) successive n-byte slots of a
+    `ring`-byte buffer: ring = 0 means one slot, which stays in the CPU
+    cache; a ring far larger than the cache is what a store does, whose
+    values land in memory that was not just touched.
+    """
     listener = socket.create_server(("127.0.0.1", port))
     while True:
         conn, _ = listener.accept()
-        threading.Thread(target=_raw_serve, args=(conn,), daemon=True).start()
+        threading.Thread(target=_raw_serve, args=(conn, ring), daemon=True).start()
 
 
-def _raw_serve(conn: socket.socket) -> None:
+def _raw_serve(conn: socket.socket, ring: int) -> None:
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = memoryview(bytearray(16 * MiB))
+    buf = memoryview(np.ones(max(ring, 16 * MiB), np.uint8))  # written once: no first-touch faults later
     head = memoryview(bytearray(8))
+    i = 0
     while _recv_exactly(conn, head):
         (n,) = _LEN.unpack(head)
+        off = (i % (len(buf) // abs(n))) * abs(n) if ring and n else 0
+        i += 1
         if n >= 0:
-            if not _recv_exactly(conn, buf[:n]):
+            if not _recv_exactly(conn, buf[off : off + n]):
                 return
             conn.sendall(b"k")
         else:
-            conn.sendall(buf[:-n])
+            conn.sendall(buf[off : off - n])
 
 
 def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
@@ -77,36 +97,49 @@ class _RawClient:
         self.buf = memoryview(bytearray(16 * MiB))
         self.ack = memoryview(bytearray(1))
 
-    def put(self, key: bytes, value: memoryview) -> None:
+    def put(self, keys: list[bytes], value: memoryview) -> None:
+        assert len(keys) == 1, "raw TCP moves one value per request"
         self.sock.sendall(_LEN.pack(len(value)))
         self.sock.sendall(value)
         _recv_exactly(self.sock, self.ack)
 
-    def get(self, key: bytes, size: int) -> None:
+    def get(self, keys: list[bytes], size: int) -> None:
+        assert len(keys) == 1, "raw TCP moves one value per request"
         self.sock.sendall(_LEN.pack(-size))
         _recv_exactly(self.sock, self.buf[:size])
 
 
 class _StoreClient:
+    """A remote store as the cache engine uses it: values read straight into
+    the caller's buffer (a pool block there, a reused buffer here)."""
+
     def __init__(self, store) -> None:
         self.store = store
+        self.buf = memoryview(bytearray(64 * MiB))
 
-    def put(self, key: bytes, value: memoryview) -> None:
-        self.store.put([key], [value])
+    def put(self, keys: list[bytes], value: memoryview) -> None:
+        self.store.put(keys, [value] * len(keys))
 
-    def get(self, key: bytes, size: int) -> None:
-        (value,) = self.store.get([key])
-        assert value is not None and len(value) == size
+    def get(self, keys: list[bytes], size: int) -> None:
+        found = self.store.get_into(keys, [self.buf[i * size : (i + 1) * size] for i in range(len(keys))])
+        assert all(found)
 
 
 def _client(target: str, address: str):
-    if target == "raw":
+    if target in ("raw", "raw-ring"):
         return _RawClient(int(address))
     if target in ("kvtier", "kvtier-shm"):
         from kvtier.server.client import KVClient
 
         host, port = address.rsplit(":", 1)
         return _StoreClient(KVClient(host, int(port), shm=target == "kvtier-shm"))
+    if target == "redis-unix":
+        import redis
+
+        from kvtier.remote.redis import RedisStore, _packer
+
+        return _StoreClient(RedisStore(lambda: redis.Redis.from_url(f"unix://{address}", command_packer=_packer()),
+                                       f"unix://{address}"))
     from kvtier.remote import open_store
 
     return _StoreClient(open_store(address, 30))
@@ -122,21 +155,22 @@ def _worker(conn, index: int) -> None:
         key_of = (cmd["target"], cmd["address"])
         if key_of not in clients:
             clients[key_of] = _client(*key_of)
-        client, size = clients[key_of], cmd["size"]
-        keys = [b"bench-%d-%d-%d" % (index, size, i) for i in range(4)]
+        client, size, batch = clients[key_of], cmd["size"], cmd.get("batch", 1)
+        keys = [b"bench-%d-%d-%d" % (index, size, i) for i in range(4 * batch)]
+        groups = [keys[i : i + batch] for i in range(0, len(keys), batch)]
         if cmd["op"] == "get":
-            for key in keys:
-                client.put(key, value[:size])
+            for group in groups:
+                client.put(group, value[:size])
         while time.time() < cmd["start"]:
             time.sleep(0.001)
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < cmd["duration"]:
             if cmd["op"] == "put":
-                client.put(keys[n % 4], value[:size])
+                client.put(groups[n % 4], value[:size])
             else:
-                client.get(keys[n % 4], size)
+                client.get(groups[n % 4], size)
             n += 1
-        conn.send((n * size, time.perf_counter() - t0))
+        conn.send((n * size * batch, time.perf_counter() - t0))
 
 
 class _Clients:
@@ -180,45 +214,61 @@ class ServerBenchConfig:
 def run_server_bench(cfg: ServerBenchConfig, progress=print) -> dict:
     from kvtier.localservers import free_port, kvtier_server, redis_server, wait_for_port
 
-    raw_port = free_port()
-    raw = mp.get_context("spawn").Process(target=raw_server, args=(raw_port,), daemon=True)
-    raw.start()
-    wait_for_port(raw_port)
+    raw_port, ring_port = free_port(), free_port()
+    raws = [mp.get_context("spawn").Process(target=raw_server, args=(port, ring), daemon=True)
+            for port, ring in ((raw_port, 0), (ring_port, 256 * MiB))]
+    for proc, port in zip(raws, (raw_port, ring_port)):
+        proc.start()
+        wait_for_port(port)
     clients = _Clients(max(cfg.conns))
     result: dict = {"machine": _machine(), "date": time.strftime("%Y-%m-%d"), "config": cfg.__dict__,
                     "throughput": [], "latency": {}, "shm": {}, "serde": {}}
     try:
         with kvtier_server(1.0) as kv, redis_server() as rd:
             kv_addr = f"127.0.0.1:{kv.ports[0]}"
-            targets = {"raw": str(raw_port), "kvtier": kv_addr, "redis": rd.url}
+            targets = {"raw": str(raw_port), "raw-ring": str(ring_port), "kvtier": kv_addr, "kvtier-shm": kv_addr, "redis": rd.url,
+                       "redis-unix": rd.unix_socket}
             for size in cfg.sizes_mib:
                 for conns in cfg.conns:
                     for op in ("put", "get"):
-                        cell = {"size_mib": size, "conns": conns, "op": op}
-                        runs: dict[str, list[float]] = {t: [] for t in targets}
-                        for _ in range(cfg.repeats):  # interleaved, so that a noisy second hits all alike
-                            for target, address in targets.items():
-                                runs[target].append(clients.run(conns, target=target, address=address, op=op,
-                                                                size=size * MiB, duration=cfg.duration))
-                        for target, gbps in runs.items():
-                            cell[f"{target}_GBps"] = round(statistics.median(gbps), 3)
-                            cell[f"{target}_runs"] = [round(x, 3) for x in gbps]
-                        cell["vs_raw"] = round(cell["kvtier_GBps"] / cell["raw_GBps"], 3)
-                        cell["vs_redis"] = round(cell["kvtier_GBps"] / cell["redis_GBps"], 3)
+                        cell = _cell(clients, targets, cfg, size, conns, op)
                         result["throughput"].append(cell)
-                        progress(f"{op} {size} MiB x{conns}: raw {cell['raw_GBps']:.2f} kvtier "
-                                 f"{cell['kvtier_GBps']:.2f} redis {cell['redis_GBps']:.2f} GB/s "
-                                 f"(kvtier/raw {cell['vs_raw']:.2f}, kvtier/redis {cell['vs_redis']:.2f})")
+                        progress(f"{op} {size} MiB x{conns}: " + " ".join(
+                            f"{t} {cell[t + '_GBps']:.2f}" for t in targets) + " GB/s | "
+                            f"tcp/raw {cell['tcp_vs_raw']:.2f} tcp/redis {cell['tcp_vs_redis']:.2f} "
+                            f"same-host/redis {cell['same_host_vs_redis']:.2f}")
             result["latency"] = _latency(kv_addr, rd.url, cfg.latency_iters)
             progress(f"latency over 64 keys: {result['latency']}")
             result["shm"] = _shm(clients, kv_addr, cfg)
             progress(f"shared memory: {result['shm']}")
     finally:
         clients.close()
-        raw.terminate()
+        for proc in raws:
+            proc.terminate()
     result["serde"] = _serde()
     progress(f"serde: {result['serde']}")
     return result
+
+
+def _cell(clients: _Clients, targets: dict[str, str], cfg: ServerBenchConfig, size: int, conns: int,
+          op: str) -> dict:
+    """One (size, connections, op) cell: every target, repeats interleaved so
+    that a noisy second hits all of them alike; medians."""
+    cell: dict = {"size_mib": size, "conns": conns, "op": op}
+    runs: dict[str, list[float]] = {t: [] for t in targets}
+    for _ in range(cfg.repeats):
+        for target, address in targets.items():
+            runs[target].append(clients.run(conns, target=target, address=address, op=op, size=size * MiB,
+                                            duration=cfg.duration))
+    for target, gbps in runs.items():
+        cell[f"{target}_GBps"] = round(statistics.median(gbps), 3)
+        cell[f"{target}_runs"] = [round(x, 3) for x in gbps]
+    cell["tcp_vs_raw"] = round(cell["kvtier_GBps"] / cell["raw_GBps"], 3)
+    cell["tcp_vs_raw_ring"] = round(cell["kvtier_GBps"] / cell["raw-ring_GBps"], 3)
+    cell["tcp_vs_redis"] = round(cell["kvtier_GBps"] / cell["redis_GBps"], 3)
+    best_redis = max(cell["redis_GBps"], cell["redis-unix_GBps"])
+    cell["same_host_vs_redis"] = round(cell["kvtier-shm_GBps"] / best_redis, 3)
+    return cell
 
 
 def _latency(kv_addr: str, redis_url: str, iters: int) -> dict:
@@ -245,46 +295,65 @@ def _latency(kv_addr: str, redis_url: str, iters: int) -> dict:
     return out
 
 
-def _shm(clients: _Clients, kv_addr: str, cfg: ServerBenchConfig) -> dict:
-    size = 4 * MiB
+def _memcpy(size: int, ring: int, cfg: ServerBenchConfig) -> float:
+    """GB/s of copying `size` bytes into successive slots of a `ring`-byte buffer."""
     src = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
-    dst = np.empty_like(src)
-    memcpy = []
+    dst = np.ones(max(ring, size), np.uint8)
+    slots = len(dst) // size
+    runs = []
     for _ in range(cfg.repeats):
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < cfg.duration:
-            dst[:] = src
+            off = (n % slots) * size
+            dst[off : off + size] = src
             n += 1
-        memcpy.append(n * size / (time.perf_counter() - t0) / 1e9)
-    out = {"memcpy_GBps": round(statistics.median(memcpy), 3)}
-    for op in ("put", "get"):
-        clients.run(1, target="kvtier-shm", address=kv_addr, op=op, size=size, duration=0.2)  # maps the pool
-        runs = [clients.run(1, target="kvtier-shm", address=kv_addr, op=op, size=size, duration=cfg.duration)
-                for _ in range(cfg.repeats)]
-        out[f"{op}_GBps"] = round(statistics.median(runs), 3)
-        out[f"{op}_vs_memcpy"] = round(out[f"{op}_GBps"] / out["memcpy_GBps"], 3)
+        runs.append(n * size / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(runs)
+
+
+def _shm(clients: _Clients, kv_addr: str, cfg: ServerBenchConfig) -> dict:
+    """The same-host path against memcpy of the same values: into one buffer
+    that stays in cache (hot), and into a 256 MiB ring, as values land in a
+    pool far larger than the cache (cold)."""
+    size = 4 * MiB
+    out: dict = {"value_MiB": 4, "memcpy_hot_GBps": round(_memcpy(size, size, cfg), 3),
+                 "memcpy_cold_GBps": round(_memcpy(size, 256 * MiB, cfg), 3)}
+    for batch in (1, 8):
+        for op in ("put", "get"):
+            cmd = dict(target="kvtier-shm", address=kv_addr, op=op, size=size, batch=batch)
+            clients.run(1, **cmd, duration=0.2)  # maps the pool
+            runs = [clients.run(1, **cmd, duration=cfg.duration) for _ in range(cfg.repeats)]
+            name = f"{op}_batch{batch}"
+            out[f"{name}_GBps"] = round(statistics.median(runs), 3)
+            out[f"{name}_vs_memcpy_hot"] = round(out[f"{name}_GBps"] / out["memcpy_hot_GBps"], 3)
+            out[f"{name}_vs_memcpy_cold"] = round(out[f"{name}_GBps"] / out["memcpy_cold_GBps"], 3)
     return out
 
 
 def _serde() -> dict:
+    """Encode a chunk, then decode it into a block, as the remote tier does."""
     import torch
 
     from kvtier.codec import Codec
 
     raw = torch.randn(8 * MiB).to(torch.bfloat16).view(torch.uint8).numpy()  # 16 MiB of bf16 N(0,1)
     out = {"data": "16 MiB of bf16 N(0,1)"}
+    block = memoryview(bytearray(len(raw)))
     for serde in ("naive", "lz4"):
         codec = Codec(serde, itemsize=2)
-        t0 = time.perf_counter()
-        parts = codec.encode(memoryview(raw), 256)
-        t_enc = time.perf_counter() - t0
-        value = b"".join(bytes(p) for p in parts)
-        t0 = time.perf_counter()
-        _, back = codec.decode(value, len(raw))
-        t_dec = time.perf_counter() - t0
-        assert bytes(back) == raw.tobytes()
-        out[serde] = {"ratio": round(len(value) / len(raw), 3), "encode_GBps": round(len(raw) / t_enc / 1e9, 2),
-                      "decode_GBps": round(len(raw) / t_dec / 1e9, 2)}
+        t_enc, t_dec = [], []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            parts = codec.encode(memoryview(raw), 256)
+            t_enc.append(time.perf_counter() - t0)
+            value = b"".join(bytes(p) for p in parts)
+            t0 = time.perf_counter()
+            codec.decode_into(value, block)
+            t_dec.append(time.perf_counter() - t0)
+        assert bytes(block) == raw.tobytes()
+        out[serde] = {"ratio": round(len(value) / len(raw), 3),
+                      "encode_GBps": round(len(raw) / statistics.median(t_enc) / 1e9, 2),
+                      "decode_GBps": round(len(raw) / statistics.median(t_dec) / 1e9, 2)}
     return out
 
 

@@ -10,7 +10,9 @@ one block of `max_len` slots, where token i lives in slot i, so store,
 lookup, retrieve and the Triton kernels are the ones vLLM uses.
 
 `prefill`: look up the stored prefix, load it into the buffer, run the
-model on the remaining tokens only, store the new chunks.
+model on the remaining tokens only, store the new chunks. Layerwise, the
+cache object's update of layer i is where layer i's load is waited for
+and where its store starts.
 """
 
 from __future__ import annotations
@@ -27,16 +29,22 @@ from kvtier.keys import KVFormat
 from kvtier.transfer import PagedKV
 
 
+Hook = Callable[[int], None]
+
+
 class _BufferLayer(StaticLayer):
     """transformers' static layer over views of a kvtier-owned buffer.
 
     `before_update(index)` runs when the model reaches this layer, before
     its attention reads the cache: that is where a layerwise load waits.
+    `after_update(index)` runs once the layer's new keys and values are in
+    the buffer: that is where a layerwise store takes them.
     """
 
-    def __init__(self, buffer: torch.Tensor, index: int, before_update: Callable[[int], None] | None) -> None:
+    def __init__(self, buffer: torch.Tensor, index: int, before_update: Hook | None,
+                 after_update: Hook | None) -> None:
         super().__init__(max_cache_len=buffer.shape[3])
-        self.index, self.before_update = index, before_update
+        self.index, self.before_update, self.after_update = index, before_update, after_update
         self.keys, self.values = buffer[0], buffer[1]
         self.dtype, self.device = buffer.dtype, buffer.device
         self.batch_size, self.num_heads = 1, buffer.shape[2]
@@ -47,17 +55,25 @@ class _BufferLayer(StaticLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.before_update is not None:
             self.before_update(self.index)
-        return super().update(key_states, value_states, *args, **kwargs)
+        out = super().update(key_states, value_states, *args, **kwargs)
+        if self.after_update is not None:
+            self.after_update(self.index)
+        return out
 
 
 class KvtierCache(Cache):
     """A static cache whose layers are views of the session's buffers."""
 
-    def __init__(self, buffers: list[torch.Tensor], length: int,
-                 before_update: Callable[[int], None] | None = None) -> None:
-        super().__init__(layers=[_BufferLayer(b, i, before_update) for i, b in enumerate(buffers)])
+    def __init__(self, buffers: list[torch.Tensor], length: int, before_update: Hook | None = None,
+                 after_update: Hook | None = None) -> None:
+        super().__init__(layers=[_BufferLayer(b, i, before_update, after_update) for i, b in enumerate(buffers)])
         for layer in self.layers:
             layer.cumulative_length.fill_(length)
+
+    def detach_hooks(self) -> None:
+        """Decoding after the prefill neither loads nor stores."""
+        for layer in self.layers:
+            layer.before_update = layer.after_update = None
 
 
 @dataclass
@@ -88,7 +104,8 @@ class HFSession:
         """Run the prompt; with `use_cache`, load its stored prefix and store the rest.
 
         `layerwise` (default: the config's `use_layerwise`) loads layer i+1
-        while layer i computes, instead of loading everything first.
+        while layer i computes, and stores layer i while later layers
+        compute, instead of loading everything first and storing after.
         """
         layerwise = self.engine.config.use_layerwise if layerwise is None else layerwise
         ids = input_ids.reshape(-1)
@@ -97,22 +114,30 @@ class HFSession:
             raise ValueError(f"prompt of {n} tokens exceeds the session's max_len {self.max_len}")
         tokens = ids.cpu()
         slots = torch.arange(n)
-        hit, load, cache = 0, None, None
+        hit, load, storing = 0, None, None
         if use_cache:
             # All but the last token: the model must run that one to give its
             # logits. The load stops at the first chunk not stored.
             load = self.engine.start_retrieve(tokens, slots[: n - 1], layerwise=layerwise)
             hit = load.num_tokens
+            if layerwise:
+                storing = self.engine.start_store(tokens, slots, start=hit, layerwise=True)
+        cache = KvtierCache(self.buffers, hit, before_update=load.wait if load else None,
+                            after_update=storing.save if storing else None)
         try:
-            cache = KvtierCache(self.buffers, hit, before_update=load.wait if load else None)
             out = self.model(input_ids=ids[None, hit:].to(self.buffers[0].device), past_key_values=cache,
                              use_cache=True, logits_to_keep=1)
+        except BaseException:
+            if storing is not None:
+                storing.cancel()
+            raise
         finally:
             if load is not None:
                 load.finish()
-            for layer in cache.layers if cache is not None else ():
-                layer.before_update = None  # decoding needs no waits
-        if use_cache:
+            cache.detach_hooks()
+        if storing is not None:
+            storing.finish()
+        elif use_cache:
             self.engine.store(tokens, slots, start=hit)
         return PrefillResult(out.logits[:, -1], cache, hit)
 

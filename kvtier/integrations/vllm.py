@@ -21,8 +21,10 @@ far are stored ("Storing KV cache for 2048 out of 12288 tokens"), and the
 partial last chunk once the prompt is done (if `save_unfull_chunk`).
 Loads finish before the forward pass, or with `use_layerwise` run layer by
 layer behind it: `wait_for_layer_load(layer)` waits only for that layer.
-Saves run in `wait_for_save` (layerwise saving is not built yet, so
-`save_kv_layer` does nothing).
+Saves run in `wait_for_save`, or with `use_layerwise` layer by layer:
+`save_kv_layer(layer)` (vLLM calls it once the layer's attention has
+written this step's KV) starts moving that layer to the host while later
+layers compute, and `wait_for_save` puts the finished chunks in the tiers.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.config import KvtierConfig, load_config
-from kvtier.engine import CacheEngine, Retrieval
+from kvtier.engine import CacheEngine, Retrieval, Storing
 from kvtier.integrations.lookup import LookupClient, LookupServer, socket_path
 from kvtier.keys import KVFormat
 from kvtier.logs import get_logger
@@ -138,6 +140,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._load_errors: set[int] = set()
             self._layer_index: dict[str, int] = {}
             self._loads: list[Retrieval] = []  # layerwise loads of this step
+            self._stores: list[Storing] | None = None  # layerwise stores of this step, once begun
 
     # ======================================================================
     # Scheduler side
@@ -257,14 +260,31 @@ class KvtierConnector(KVConnectorBase_V1):
                 load.wait(index)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return
+        index = self._layer_index.get(layer_name)
+        if not self.config.use_layerwise or index is None:
+            return
+        if self._stores is None:  # the step's first layer: decide what to store, allocate its blocks
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, KvtierMetadata) and self.engine is not None
+            self._stores = [self.engine.start_store(spec.token_ids, spec.slots(self.block_size), start=spec.start,
+                                                    request_id=spec.req_id, layerwise=True)
+                            for spec in meta.saves]
+        for store in self._stores:
+            store.save(index)
 
     def wait_for_save(self) -> None:
+        # vLLM calls this after every step's forward, also one that raised: a
+        # layerwise store that missed a layer is dropped then (Storing.finish).
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata) and self.engine is not None
         loads, self._loads = self._loads, []
         for load in loads:
             load.finish()
+        stores, self._stores = self._stores, None
+        if stores is not None:
+            for store in stores:
+                store.finish()
+            return
         for spec in meta.saves:
             self.engine.store(spec.token_ids, spec.slots(self.block_size),
                               start=spec.start, request_id=spec.req_id)

@@ -62,6 +62,22 @@ class FSStore:
                 raise RemoteUnavailable(f"fs://{self.root}: {e}") from e
         return out
 
+    def get_into(self, keys: Sequence[bytes], dests: Sequence[Value]) -> list[bool]:
+        out = []
+        for key, dest in zip(keys, dests):
+            parts = as_parts(dest)
+            try:
+                with open(self._path(key), "rb", buffering=0) as f:
+                    if os.fstat(f.fileno()).st_size != sum(len(x) for x in parts):
+                        out.append(False)
+                        continue
+                    out.append(all(_read_exactly(f, part) for part in parts))
+            except FileNotFoundError:
+                out.append(False)
+            except OSError as e:
+                raise RemoteUnavailable(f"fs://{self.root}: {e}") from e
+        return out
+
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return [self._path(k).exists() for k in keys]
 
@@ -83,6 +99,16 @@ class FSStore:
 
     def close(self) -> None:
         pass
+
+
+def _read_exactly(f, view: memoryview) -> bool:
+    """False if the file ends early (it was replaced while being read)."""
+    while len(view):
+        n = f.readinto(view)
+        if not n:
+            return False
+        view = view[n:]
+    return True
 
 
 def open_fs(url: str, timeout: float) -> FSStore:

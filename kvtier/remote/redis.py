@@ -21,7 +21,7 @@ from redis.retry import Retry
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import Encoder, PythonRespSerializer
 
-from kvtier.buffers import Value, joined
+from kvtier.buffers import Value, fill, joined
 from kvtier.errors import RemoteUnavailable
 
 _FAULTS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
@@ -62,6 +62,10 @@ class RedisStore:
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return self._pipeline(lambda pipe: [pipe.get(k) for k in keys])
+
+    def get_into(self, keys: Sequence[bytes], dests: Sequence[Value]) -> list[bool]:
+        # redis-py hands out each reply as a new bytes object: one copy is unavoidable.
+        return [fill(d, v) for d, v in zip(dests, self.get(keys))]
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return [bool(n) for n in self._pipeline(lambda pipe: [pipe.exists(k) for k in keys])]

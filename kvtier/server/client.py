@@ -24,11 +24,11 @@ import os
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from kvtier.buffers import Value, as_parts, copy_into_extents, gather_extents
+from kvtier.buffers import Value, as_parts, copy_from_extents, copy_into_extents
 from kvtier.errors import RemoteRefused, RemoteUnavailable, ValueTooLarge
 from kvtier.logs import get_logger
 from kvtier.server import protocol as p
@@ -68,7 +68,7 @@ class KVClient:
         with self._lock:
             link = self._connect()
             if link.shm is not None:
-                _, meta, _ = self._call(link, p.Op.PUT_ALLOC, p.encode_keys(keys, sizes))
+                _, meta = self._call(link, p.Op.PUT_ALLOC, p.encode_keys(keys, sizes))
                 ticket, entries = p.decode_extents(meta)
                 for (_, extents), ps in zip(entries, parts):
                     copy_into_extents(link.shm, extents, ps)
@@ -77,27 +77,31 @@ class KVClient:
                 self._call(link, p.Op.PUT, p.encode_keys(keys, sizes), [x for ps in parts for x in ps], sum(sizes))
 
     def get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
-        with self._lock:
-            link = self._connect()
-            if link.shm is not None:
-                _, meta, _ = self._call(link, p.Op.GET_SHM, p.encode_keys(keys))
-                ticket, entries = p.decode_extents(meta)
-                try:
-                    return [None if size == p.MISSING else gather_extents(link.shm, extents, size)
-                            for size, extents in entries]
-                finally:
-                    self._send(link, p.Op.RELEASE, p.encode_u32(ticket))
-            _, meta, payload = self._call(link, p.Op.GET, p.encode_keys(keys))
-        sizes = p.decode_sizes(meta)
-        out, pos = [], 0
-        for size in sizes:
-            if size == p.MISSING:
-                out.append(None)
-            else:
-                out.append(payload[pos : pos + size])
-                pos += size
+        out: list[memoryview | None] = [None] * len(keys)
+
+        def fresh(i: int, size: int) -> list[memoryview]:
+            out[i] = memoryview(np.empty(size, np.uint8))
+            return [out[i]]
+
+        self._get(keys, fresh)
         return out
 
+    def get_into(self, keys: Sequence[bytes], dests: Sequence[Value]) -> list[bool]:
+        """Read each value straight into its destination (one buffer, or parts
+        filled in order), with no copy in between. True where a value of
+        exactly the destination's size was there; False for a miss or a
+        value of another size (the destination is then untouched)."""
+        parts = [as_parts(d) for d in dests]
+        filled = [False] * len(keys)
+
+        def into(i: int, size: int) -> list[memoryview] | None:
+            if size != sum(len(x) for x in parts[i]):
+                return None
+            filled[i] = True
+            return parts[i]
+
+        self._get(keys, into)
+        return filled
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return [bool(b) for b in self._simple(p.Op.EXISTS, p.encode_keys(keys))]
 
@@ -139,7 +143,7 @@ class KVClient:
             raise RemoteUnavailable(f"kvtier server {self.host}:{self.port} unreachable: {e}") from e
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         link = _Link(sock, {}, None, None)
-        _, meta, _ = self._call(link, p.Op.HELLO, p.encode_json({"host_id": p.host_id() if self.use_shm else ""}))
+        _, meta = self._call(link, p.Op.HELLO, p.encode_json({"host_id": p.host_id() if self.use_shm else ""}))
         link.info = p.decode_json(meta)
         if link.info.get("shm"):
             link.shm_map = _map_server_pool(link.info["shm"])
@@ -163,7 +167,9 @@ class KVClient:
         return req_id
 
     def _call(self, link: _Link, op: p.Op, meta: bytes, parts: Sequence[memoryview] = (),
-              payload_len: int = 0) -> tuple[p.Header, memoryview, memoryview]:
+              payload_len: int = 0) -> tuple[p.Header, memoryview]:
+        """Send a request and read its reply's header and meta; the reply's
+        payload (a GET's values) is left for the caller to read."""
         req_id = self._send(link, op, meta, parts, payload_len)
         try:
             head = bytearray(p.HEADER_SIZE)
@@ -171,17 +177,48 @@ class KVClient:
             h = p.parse_header(head, replies=True)
             if h.op != op | p.REPLY or h.req_id != req_id:
                 raise p.ProtocolError(f"reply {h.op:#x}/{h.req_id} to request {op:#x}/{req_id}")
+            if h.payload_len and op != p.Op.GET:
+                raise p.ProtocolError(f"a {op.name} reply carries no payload, got {h.payload_len} bytes")
             meta_buf = memoryview(bytearray(h.meta_len))
             _recv_exactly(link.sock, meta_buf)
-            payload = memoryview(np.empty(h.payload_len, np.uint8)) if h.payload_len else memoryview(b"")
-            _recv_exactly(link.sock, payload)
         except (OSError, p.ProtocolError) as e:
             self._fail(link, e)
         if h.flags != p.Status.OK:
             message = bytes(meta_buf).decode(errors="replace")
             raise (ValueTooLarge if h.flags == p.Status.TOO_LARGE else RemoteRefused)(
                 f"kvtier server {self.host}:{self.port}: {message}")
-        return h, meta_buf, payload
+        return h, meta_buf
+
+    def _get(self, keys: Sequence[bytes], dest: Callable[[int, int], list[memoryview] | None]) -> None:
+        """GET `keys`; for each present value of `size` bytes, `dest(i, size)`
+        names the buffers it goes into (None: not wanted, skipped)."""
+        with self._lock:
+            link = self._connect()
+            if link.shm is not None:
+                _, meta = self._call(link, p.Op.GET_SHM, p.encode_keys(keys))
+                ticket, entries = p.decode_extents(meta)
+                try:
+                    for i, (size, extents) in enumerate(entries):
+                        parts = None if size == p.MISSING else dest(i, size)
+                        if parts is not None:
+                            copy_from_extents(link.shm, extents, parts)
+                finally:
+                    self._send(link, p.Op.RELEASE, p.encode_u32(ticket))
+                return
+            h, meta = self._call(link, p.Op.GET, p.encode_keys(keys))
+            try:
+                sizes = p.decode_sizes(meta)
+                if len(sizes) != len(keys) or sum(s for s in sizes if s != p.MISSING) != h.payload_len:
+                    raise p.ProtocolError(f"GET reply: {len(sizes)} sizes for {len(keys)} keys, "
+                                          f"payload {h.payload_len} bytes")
+                for i, size in enumerate(sizes):
+                    if size == p.MISSING:
+                        continue
+                    parts = dest(i, size)
+                    for part in parts if parts is not None else _scratch_parts(size):
+                        _recv_exactly(link.sock, part)
+            except (OSError, p.ProtocolError) as e:
+                self._fail(link, e)
 
     def _fail(self, link: _Link, e: Exception) -> None:
         if link is self._link:
@@ -197,6 +234,14 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise ConnectionError("server closed the connection")
         view = view[n:]
+
+
+_SCRATCH = memoryview(bytearray(1 << 20))
+
+
+def _scratch_parts(size: int) -> list[memoryview]:
+    """Where an unwanted value's bytes are read to, to keep the stream in step."""
+    return [_SCRATCH[: min(len(_SCRATCH), size - off)] for off in range(0, size, len(_SCRATCH))]
 
 
 def _map_server_pool(shm: dict) -> mmap.mmap | None:

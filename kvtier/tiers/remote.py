@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
-from kvtier.codec import Codec
+from kvtier.codec import HEADER, Codec
 from kvtier.errors import CorruptPayload, RemoteRefused, RemoteUnavailable
 from kvtier.keys import ChunkKey
 from kvtier.logs import get_logger
@@ -60,17 +60,31 @@ class RemoteTier:
     def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
         return self._guard("exists", lambda: self.store.exists([wire_key(k) for k in keys]), [False] * len(keys))
 
-    def get(self, keys: Sequence[ChunkKey], raw_lens: Sequence[int]) -> list[tuple[int, memoryview] | None]:
-        """Per key (num_tokens, chunk bytes) or None; checksum failures are None."""
-        values = self._guard("get", lambda: self.store.get([wire_key(k) for k in keys]), [None] * len(keys))
-        out: list[tuple[int, memoryview] | None] = []
-        for key, value, raw_len in zip(keys, values, raw_lens):
-            if value is None:
+    def get_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[int | None]:
+        """Load each chunk's bytes into `outs[i]` (exactly the chunk's size).
+
+        Per key its num_tokens, or None for a miss, a fault or a payload
+        that fails its checks (then `outs[i]` holds nothing usable). With the
+        naive serde the payload lands in `outs[i]` directly, no copy.
+        """
+        wire = [wire_key(k) for k in keys]
+        if self.codec.in_place:
+            headers = [bytearray(HEADER.size) for _ in keys]
+            filled = self._guard("get", lambda: self.store.get_into(wire, [[h, o] for h, o in zip(headers, outs)]),
+                                 [False] * len(keys))
+            decode = lambda i: self.codec.check_in_place(headers[i], outs[i])  # noqa: E731
+        else:
+            values = self._guard("get", lambda: self.store.get(wire), [None] * len(keys))
+            filled = [v is not None for v in values]
+            decode = lambda i: self.codec.decode_into(values[i], outs[i])  # noqa: E731
+        out: list[int | None] = []
+        for i, key in enumerate(keys):
+            if not filled[i]:
                 self.stats.misses += 1
                 out.append(None)
                 continue
             try:
-                out.append(self.codec.decode(value, raw_len))
+                out.append(decode(i))
                 self.stats.hits += 1
             except CorruptPayload as e:
                 self.stats.corrupt += 1

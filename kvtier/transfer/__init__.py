@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-
 from typing import Protocol, Sequence
 
 import torch
 
 from kvtier.transfer.layout import LAYOUTS, PagedKV
 
-__all__ = ["LAYOUTS", "LayerHandle", "PagedKV", "Transfer", "make_transfer"]
+__all__ = ["LAYOUTS", "LayerHandle", "LayerSaver", "PagedKV", "Transfer", "make_transfer"]
 
 
 class LayerHandle(Protocol):
@@ -23,6 +22,19 @@ class LayerHandle(Protocol):
         """Return once the host chunks are no longer read (they may be released)."""
 
 
+class LayerSaver(Protocol):
+    """A layerwise store in flight."""
+
+    def save(self, layer: int) -> None:
+        """Layer `layer`'s KV is written (on the caller's stream): move it out behind that."""
+
+    def finish(self) -> None:
+        """Return once every saved layer is in the host chunks."""
+
+    def unsaved(self) -> list[int]:
+        """The layers `save` was never called for."""
+
+
 class Transfer(Protocol):
     name: str
 
@@ -31,6 +43,8 @@ class Transfer(Protocol):
     def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None) -> None: ...
 
     def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LayerHandle: ...
+
+    def gather_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LayerSaver: ...
 
 
 def make_transfer(kv: PagedKV, backend: str = "auto") -> Transfer:

@@ -23,11 +23,11 @@ class TorchTransfer:
         slots = slots.to(self.kv.device, non_blocking=True)
         return slots // self.kv.block_size, slots % self.kv.block_size
 
-    def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
-        """Copy the KV of `slots` into `chunks` ([L, K, T_i, H, D], in order)."""
+    def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None) -> None:
+        """Copy the KV of `slots` into `chunks` ([L, K, T_i, H, D], in order), all layers or `layers`."""
         block, offset = self._index(slots)
-        for layer_idx, layer in enumerate(self.kv.layers):
-            tokens = layer[:, block, offset]  # [K, T, H, D]
+        for layer_idx in layers or range(self.kv.num_layers):
+            tokens = self.kv.layers[layer_idx][:, block, offset]  # [K, T, H, D]
             start = 0
             for chunk in chunks:
                 n = chunk.shape[2]
@@ -46,6 +46,28 @@ class TorchTransfer:
     def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LazyLayers:
         return LazyLayers(self, slots, chunks)
 
+    def gather_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> EagerSaves:
+        return EagerSaves(self, slots, chunks)
+
+
+class EagerSaves:
+    """Layerwise gather with no device to overlap with: layer l is copied
+    when `save(l)` is called."""
+
+    def __init__(self, transfer: TorchTransfer, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
+        self._transfer, self._slots, self._chunks = transfer, slots, list(chunks)
+        self._saved = [False] * transfer.kv.num_layers
+
+    def save(self, layer: int) -> None:
+        if not self._saved[layer]:
+            self._saved[layer] = True
+            self._transfer.gather(self._slots, self._chunks, layers=range(layer, layer + 1))
+
+    def finish(self) -> None:
+        self._chunks = []
+
+    def unsaved(self) -> list[int]:
+        return [layer for layer, saved in enumerate(self._saved) if not saved]
 
 
 class LazyLayers:

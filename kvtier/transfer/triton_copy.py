@@ -5,9 +5,16 @@ between the engine's KV page and chunk t // C. Layer and chunk buffers are
 reached through tables of base addresses, so chunks can live anywhere the
 GPU can address:
 
-    staged (default)  kernel ⇄ one device staging buffer, then one bulk
-                      copy per chunk ⇄ pinned host blocks
+    staged (default)  kernel ⇄ one device staging buffer ⇄ pinned host
+                      blocks, one strided copy per run of adjacent blocks
     direct            kernel ⇄ pinned host blocks (PCIe inside the kernel)
+
+Whole transfers stage chunk by chunk and launch one kernel for all layers;
+layerwise ones stage layer by layer (layer l of every chunk side by side),
+so each layer crosses PCIe in one copy per run and has its own kernel:
+
+    chunk-major  | c0: L0 L1 .. | c1: L0 L1 .. |       (store, retrieve)
+    layer-major  | L0: c0 c1 .. | L1: c0 c1 .. |       (layerwise)
 
 Measured on an H200 (docs/benchmarks.md): staged 0.91/0.92 of pinned copy
 bandwidth for store/retrieve, direct 0.84/0.78. Direct needs every chunk
@@ -19,13 +26,17 @@ Correctness is also checked on CPU with TRITON_INTERPRET=1.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from kvtier.transfer import cudart
 from kvtier.transfer.layout import PagedKV
+
+if TYPE_CHECKING:
+    from kvtier.transfer import LayerHandle
 
 
 @triton.jit
@@ -70,6 +81,71 @@ def _kv_copy_kernel(
             tl.store(page + src_off, tl.load(chunk + w, mask=mask), mask=mask)
 
 
+class _Staging:
+    """Device memory for the chunks of one transfer, and the copies between it and them.
+
+    `runs` groups chunks that sit at equal distances in host memory with
+    equal sizes (adjacent pool blocks): each run crosses PCIe in one
+    strided copy, per layer or for whole chunks.
+    """
+
+    def __init__(self, chunks: Sequence[torch.Tensor], device: torch.device, layer_major: bool) -> None:
+        self.chunks = list(chunks)
+        self.layer_major = layer_major
+        self.chunk_bytes = [c.numel() * c.element_size() for c in chunks]
+        self.layer_bytes = [n // c.shape[0] for n, c in zip(self.chunk_bytes, chunks)]
+        self.flat = torch.empty(sum(self.chunk_bytes), dtype=torch.uint8, device=device)
+        base = self.flat.data_ptr()
+        if layer_major:
+            row = sum(self.layer_bytes)  # one layer of every chunk
+            offs = _prefix(self.layer_bytes)
+            self._at = lambda l, c: base + l * row + offs[c]  # noqa: E731
+        else:
+            offs = _prefix(self.chunk_bytes)
+            self._at = lambda l, c: base + offs[c] + l * self.layer_bytes[c]  # noqa: E731
+        self.runs = _runs(self.chunks, self.chunk_bytes)
+
+    def ptrs(self, layers: range) -> torch.Tensor:
+        """[len(layers), chunks] device addresses of each layer of each chunk."""
+        return torch.tensor([[self._at(l, c) for c in range(len(self.chunks))] for l in layers], dtype=torch.int64)
+
+    def copy(self, to_host: bool, stream: torch.cuda.Stream, layer: int | None = None) -> None:
+        """Whole chunks (chunk-major staging) or one layer (layer-major), between staging and host."""
+        for first, count, pitch in self.runs:
+            width = self.chunk_bytes[first] if layer is None else self.layer_bytes[first]
+            host = self.chunks[first].data_ptr() + (0 if layer is None else layer * width)
+            dev = self._at(0 if layer is None else layer, first)
+            # Chunk-major staging packs whole chunks back to back; layer-major
+            # packs one layer of each chunk back to back: either way the
+            # device-side rows are `width` apart.
+            if to_host:
+                cudart.memcpy2d(host, pitch, dev, width, width, count, stream)
+            else:
+                cudart.memcpy2d(dev, width, host, pitch, width, count, stream)
+
+
+def _prefix(sizes: Sequence[int]) -> list[int]:
+    out, total = [], 0
+    for n in sizes:
+        out.append(total)
+        total += n
+    return out
+
+
+def _runs(chunks: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first, count, pitch) of runs of equal-sized chunks at equal distances in memory."""
+    runs: list[tuple[int, int, int]] = []
+    for i, chunk in enumerate(chunks):
+        if runs:
+            first, count, pitch = runs[-1]
+            step = chunk.data_ptr() - chunks[i - 1].data_ptr()
+            if sizes[i] == sizes[first] and step >= sizes[first] and (count == 1 or step == pitch):
+                runs[-1] = (first, count + 1, step)
+                continue
+        runs.append((i, 1, sizes[i]))
+    return runs
+
+
 class TritonTransfer:
     """Triton gather/scatter; `direct` kernels touch pinned host chunks."""
 
@@ -87,26 +163,23 @@ class TritonTransfer:
         self._block = min(triton.next_power_of_2(w), 4096)
         on_cuda = kv.device.type == "cuda"
         self._stream = torch.cuda.Stream(kv.device) if on_cuda else None
+        if on_cuda and not cudart.available():
+            raise RuntimeError("the Triton transfer needs cudaMemcpy2DAsync from the CUDA runtime torch loaded, "
+                               "and found no libcudart in this process; use transfer='torch'")
 
-    def _tables(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range) -> tuple[torch.Tensor, torch.Tensor]:
-        """Device copies of `slots` and of the chunk addresses at each layer of
-        `layers` ([len(layers), num_chunks]). On a GPU they go up from pinned
-        memory: an upload from pageable memory would make the host wait for
-        everything queued on the stream before it."""
-        sizes = [c[0].numel() * c.element_size() for c in chunks]  # bytes of one layer of each chunk
-        ptrs = torch.tensor([[c.data_ptr() + l * n for c, n in zip(chunks, sizes)] for l in layers],
-                            dtype=torch.int64)
+    # -- building blocks -----------------------------------------------------------
+
+    def _upload(self, slots: torch.Tensor, ptrs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device copies of the slot and address tables. On a GPU they go up
+        from pinned memory: an upload from pageable memory would make the
+        host wait for everything queued on the stream before it."""
         slots = slots.to(torch.int64)
         if self.kv.device.type == "cuda":
-            ptrs, slots = ptrs.pin_memory(), slots.pin_memory()
+            slots, ptrs = slots.pin_memory(), ptrs.pin_memory()
         return slots.to(self.kv.device, non_blocking=True), ptrs.to(self.kv.device, non_blocking=True)
 
-    def _launch(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], to_chunk: bool) -> None:
-        """One launch over all layers of every chunk."""
-        dev_slots, ptrs = self._tables(slots, chunks, range(1))
-        self._kernel(dev_slots, ptrs[0], chunks[0].shape[2], to_chunk, range(self.kv.num_layers))
-
     def _kernel(self, slots: torch.Tensor, ptrs: torch.Tensor, chunk_size: int, to_chunk: bool, layers: range) -> None:
+        """One launch over `layers`; ptrs[c] is where chunk c's first layer of `layers` is."""
         kv = self.kv
         total = slots.numel()
         s_k, s_b, s_n, s_h = self._strides
@@ -117,91 +190,99 @@ class TritonTransfer:
             K=kv.kv, TO_CHUNK=to_chunk, BLOCK=self._block,
         )
 
-    def _staging(self, chunks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """One device buffer, viewed as one tensor per chunk."""
-        sizes = [c.numel() for c in chunks]
-        flat = torch.empty(sum(sizes), dtype=self.kv.dtype, device=self.kv.device)
-        return [v.view(c.shape) for v, c in zip(flat.split(sizes), chunks)]
+    def _host_ptrs(self, chunks: Sequence[torch.Tensor], layers: range) -> torch.Tensor:
+        return torch.tensor([[c.data_ptr() + l * (c[0].numel() * c.element_size()) for c in chunks]
+                             for l in layers], dtype=torch.int64)
 
-    def _direct_ok(self, chunks: Sequence[torch.Tensor]) -> bool:
-        return self.direct and all(c.is_pinned() for c in chunks)
+    def _staged(self, chunks: Sequence[torch.Tensor]) -> bool:
+        """Chunks in host memory that the kernel should not touch across PCIe."""
+        if self._stream is None or chunks[0].is_cuda:
+            return False
+        return not (self.direct and all(c.is_pinned() for c in chunks))
+
+    # -- whole transfers -------------------------------------------------------------
 
     def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
         """Fill `chunks` with the KV of `slots`; returns once the bytes have landed."""
-        if self._stream is None or chunks[0].is_cuda:
-            self._launch(slots, chunks, to_chunk=True)
+        layers = range(self.kv.num_layers)
+        if self._stream is None:
+            dev_slots, ptrs = self._upload(slots, self._host_ptrs(chunks, range(1)))
+            self._kernel(dev_slots, ptrs[0], chunks[0].shape[2], True, layers)
             return
         self._stream.wait_stream(torch.cuda.current_stream(self.kv.device))
         with torch.cuda.stream(self._stream):
-            if self._direct_ok(chunks):
-                self._launch(slots, chunks, to_chunk=True)
-            else:
-                staged = self._staging(chunks)
-                self._launch(slots, staged, to_chunk=True)
-                for host, dev in zip(chunks, staged):
-                    host.copy_(dev, non_blocking=True)
+            staging = _Staging(chunks, self.kv.device, layer_major=False) if self._staged(chunks) else None
+            ptrs = staging.ptrs(range(1)) if staging else self._host_ptrs(chunks, range(1))
+            dev_slots, dev_ptrs = self._upload(slots, ptrs)
+            self._kernel(dev_slots, dev_ptrs[0], chunks[0].shape[2], True, layers)
+            if staging:
+                staging.copy(to_host=True, stream=self._stream)
         self._stream.synchronize()
 
     def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None) -> None:
-        """Write `chunks` into the KV pages; the current stream is ordered after it."""
-        if layers is not None:
-            if self._stream is not None and not chunks[0].is_cuda:
-                raise ValueError("a layer range is for device-resident chunks; use scatter_layerwise")
-            dev_slots, ptrs = self._tables(slots, chunks, range(layers.start, layers.start + 1))
+        """Write `chunks` into the KV pages; the current stream is ordered after it.
+
+        `layers` (device-resident or interpreter chunks only) limits the write to those layers."""
+        layers = layers or range(self.kv.num_layers)
+        if self._stream is None or chunks[0].is_cuda:
+            dev_slots, ptrs = self._upload(slots, self._host_ptrs(chunks, range(layers.start, layers.start + 1)))
             self._kernel(dev_slots, ptrs[0], chunks[0].shape[2], False, layers)
             return
-        if self._stream is None or chunks[0].is_cuda:
-            self._launch(slots, chunks, to_chunk=False)
-            return
+        if len(layers) != self.kv.num_layers:
+            raise ValueError("a layer range is for device-resident chunks; use scatter_layerwise")
         current = torch.cuda.current_stream(self.kv.device)
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
-            if self._direct_ok(chunks):
-                self._launch(slots, chunks, to_chunk=False)
-            else:
-                staged = self._staging(chunks)
-                for dev, host in zip(staged, chunks):
-                    dev.copy_(host, non_blocking=True)
-                self._launch(slots, staged, to_chunk=False)
+            staging = _Staging(chunks, self.kv.device, layer_major=False) if self._staged(chunks) else None
+            if staging:
+                staging.copy(to_host=False, stream=self._stream)
+            ptrs = staging.ptrs(range(1)) if staging else self._host_ptrs(chunks, range(1))
+            dev_slots, dev_ptrs = self._upload(slots, ptrs)
+            self._kernel(dev_slots, dev_ptrs[0], chunks[0].shape[2], False, layers)
         current.wait_stream(self._stream)
         # The caller releases the host blocks once this returns, so the copies
         # out of them must be done.
         self._stream.synchronize()
 
-    def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LayerEvents:
+    # -- layer by layer ------------------------------------------------------------------
+
+    def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LayerHandle:
         """Start writing `chunks` layer by layer; wait(l) orders the caller after layer l.
 
         Every layer's work is queued at once on the side stream; the caller's
-        stream waits only for the layer it is about to use. Direct: one kernel
-        per layer reads the pinned chunks. Staged: each layer's slices cross
-        PCIe to a staging buffer, then its kernel runs.
+        stream waits only for the layer it is about to use. Staged: layer l
+        of every chunk crosses PCIe (one copy per run), then its kernel runs.
+        Direct: one kernel per layer reads the pinned chunks.
         """
         if self._stream is None:
             from kvtier.transfer.torch_copy import LazyLayers
 
             return LazyLayers(self, slots, chunks)
-        current = torch.cuda.current_stream(self.kv.device)
-        self._stream.wait_stream(current)
-        direct = self._direct_ok(chunks)
-        staged = [] if direct else self._staging(chunks)
-        source = chunks if direct else staged
-        layers = range(self.kv.num_layers)
+        self._stream.wait_stream(torch.cuda.current_stream(self.kv.device))
         events = []
         with torch.cuda.stream(self._stream):
-            dev_slots, ptrs = self._tables(slots, source, layers)
+            staging = _Staging(chunks, self.kv.device, layer_major=True) if self._staged(chunks) else None
+            layers = range(self.kv.num_layers)
+            dev_slots, ptrs = self._upload(slots, staging.ptrs(layers) if staging else self._host_ptrs(chunks, layers))
             for layer in layers:
-                for dev, host in zip(staged, chunks):
-                    dev[layer].copy_(host[layer], non_blocking=True)
+                if staging:
+                    staging.copy(to_host=False, stream=self._stream, layer=layer)
                 self._kernel(dev_slots, ptrs[layer], chunks[0].shape[2], False, range(layer, layer + 1))
                 events.append(torch.cuda.Event())
                 events[-1].record(self._stream)
-        return LayerEvents(events, self._stream, staged)
+        return LayerEvents(events, self._stream, staging)
+
+    def gather_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LayerSaves:
+        """A gather the caller drives layer by layer: `save(l)` once layer l's
+        KV is written (on the current stream) queues its gather and copy to
+        the host behind it; `finish()` returns once the saved layers have landed."""
+        return LayerSaves(self, slots, chunks)
 
 
 class LayerEvents:
     """A layerwise scatter in flight: one CUDA event per layer."""
 
-    def __init__(self, events: list, stream, keepalive: list[torch.Tensor]) -> None:
+    def __init__(self, events: list, stream, keepalive: _Staging | None) -> None:
         self._events, self._stream, self._keepalive = events, stream, keepalive
 
     def wait(self, layer: int) -> None:
@@ -210,4 +291,46 @@ class LayerEvents:
     def finish(self) -> None:
         """Returns once every copy out of the host chunks is done."""
         self._stream.synchronize()
-        self._keepalive = []
+        self._keepalive = None
+
+
+class LayerSaves:
+    """A layerwise gather: layer l moves when `save(l)` says it is computed."""
+
+    def __init__(self, transfer: TritonTransfer, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
+        self._t, self._chunks = transfer, list(chunks)
+        self._saved = [False] * transfer.kv.num_layers
+        self._stream = transfer._stream
+        layers = range(transfer.kv.num_layers)
+        if self._stream is None:  # the interpreter: kernels write the host chunks directly, at once
+            self._staging = None
+            self._slots, self._ptrs = transfer._upload(slots, transfer._host_ptrs(chunks, layers))
+            return
+        with torch.cuda.stream(self._stream):
+            self._staging = _Staging(chunks, transfer.kv.device, layer_major=True) \
+                if transfer._staged(chunks) else None
+            ptrs = self._staging.ptrs(layers) if self._staging else transfer._host_ptrs(chunks, layers)
+            self._slots, self._ptrs = transfer._upload(slots, ptrs)
+
+    def save(self, layer: int) -> None:
+        if self._saved[layer]:
+            return
+        self._saved[layer] = True
+        t, n_c = self._t, self._chunks[0].shape[2]
+        if self._stream is None:
+            t._kernel(self._slots, self._ptrs[layer], n_c, True, range(layer, layer + 1))
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(t.kv.device))
+        with torch.cuda.stream(self._stream):
+            t._kernel(self._slots, self._ptrs[layer], n_c, True, range(layer, layer + 1))
+            if self._staging:
+                self._staging.copy(to_host=True, stream=self._stream, layer=layer)
+
+    def finish(self) -> None:
+        """Every saved layer in the host chunks."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._staging = None
+
+    def unsaved(self) -> list[int]:
+        return [layer for layer, saved in enumerate(self._saved) if not saved]

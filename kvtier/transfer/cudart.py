@@ -1,0 +1,62 @@
+"""The one CUDA runtime call torch does not expose: cudaMemcpy2DAsync.
+
+A layerwise transfer moves layer l of every chunk of a request. Chunks sit
+in separate pool blocks, so layer l of n chunks is n separate ranges; when
+the blocks are adjacent in the pool, those ranges are equally spaced, and
+one strided (2-D) copy moves them all:
+
+    host pool      | chunk 0: L0 L1 .. | chunk 1: L0 L1 .. | chunk 2: ...
+                      ^ width            ^ +pitch            ^ +2 pitch
+    device staging | L0 c0 | L0 c1 | L0 c2 | L1 c0 | ...
+
+One call per layer instead of one per (layer, chunk): at 32k tokens of an
+8B model that is 32 calls instead of 4,096, which is what kept the host
+thread from launching the model's forward in time.
+
+The runtime library is the one torch has already loaded (found through
+/proc/self/maps), so there is no second copy of it and no new dependency.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    maps = Path("/proc/self/maps")
+    paths = {line.split()[-1] for line in maps.read_text().splitlines() if "libcudart.so" in line} \
+        if maps.exists() else set()
+    for path in sorted(paths) or ["libcudart.so"]:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        fn = lib.cudaMemcpy2DAsync
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                       ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        return lib
+    return None
+
+
+def available() -> bool:
+    return torch.cuda.is_available() and _lib() is not None
+
+
+def memcpy2d(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int,
+             stream: torch.cuda.Stream) -> None:
+    """Copy `height` rows of `width` bytes, rows `spitch` apart at `src`, to rows `dpitch` apart at `dst`,
+    queued on `stream`. Asynchronous where the host side is page-locked."""
+    lib = _lib()
+    err = lib.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, _DEFAULT, stream.cuda_stream)
+    if err:
+        raise RuntimeError(f"cudaMemcpy2DAsync failed: {lib.cudaGetErrorString(err).decode()} ({err})")
