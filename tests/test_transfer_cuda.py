@@ -74,3 +74,67 @@ def test_layerwise_retrieve_on_gpu_waits_per_layer():
         assert torch.equal(got, layers[i][:, s_src // BS, s_src % BS])
     load.finish()
     assert not any(c.block.pinned for c in eng.tiers.cpu._chunks.values())
+
+
+def _pool_chunks(kv: PagedKV, sizes: list[int], order: list[int]) -> list[torch.Tensor]:
+    """Chunks in the blocks of one pinned arena, at `order` (block index per chunk):
+    adjacent blocks make runs of strided copies, gaps and reversals break them."""
+    block = kv.chunk_shape(max(sizes))
+    numel = 1
+    for d in block:
+        numel *= d
+    arena = torch.empty((max(order) + 1) * numel, dtype=kv.dtype, pin_memory=True)
+    return [arena[b * numel : b * numel + numel // max(sizes) * n].view(kv.chunk_shape(n))
+            for b, n in zip(order, sizes)]
+
+
+ORDERS = {"adjacent": [0, 1, 2, 3, 4], "gaps": [0, 2, 4, 5, 6], "reversed": [4, 3, 2, 1, 0]}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("layout", ["flash_attn", "vllm"])
+def test_staged_runs_and_layerwise_paths_match_the_reference(layout, order):
+    torch.manual_seed(1)
+    layers = [torch.randn(SHAPES[layout], device="cuda").to(torch.bfloat16) for _ in range(L)]
+    kv = PagedKV.wrap(layers, layout)
+    perm = torch.randperm(kv.num_slots)
+    sizes = [64, 64, 64, 64, 40]
+    src, dst = perm[:296], perm[296:592]
+    transfer = make_transfer(kv, "triton")
+    chunks = _pool_chunks(kv, sizes, ORDERS[order])
+    transfer.gather(src, chunks)
+    assert torch.equal(torch.cat(chunks, dim=2), reference(kv, src))
+    saved = _pool_chunks(kv, sizes, ORDERS[order])
+    saves = transfer.gather_layerwise(src, saved)
+    for layer in range(L):
+        saves.save(layer)
+    saves.finish()
+    assert not saves.unsaved() and torch.equal(torch.cat(saved, dim=2), reference(kv, src))
+    handle = transfer.scatter_layerwise(dst, saved)
+    handle.finish()
+    torch.cuda.synchronize()
+    assert torch.equal(reference(kv, dst), reference(kv, src))
+
+
+def test_layerwise_store_on_gpu_overlaps_nothing_it_should_not():
+    """Each layer is saved right after a kernel rewrites it on the current
+    stream: the store must see the new values, never the old ones."""
+    layers = [torch.zeros(SHAPES["flash_attn"], device="cuda", dtype=torch.bfloat16) for _ in range(L)]
+    kv = PagedKV.wrap(layers, "flash_attn")
+    eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), kv, KVFormat("m", "flash_attn", "bf16"))
+    slots = torch.randperm(kv.num_slots)[:256]
+    toks = list(range(256))
+    storing = eng.start_store(toks, slots, layerwise=True)
+    expect = []
+    for i in range(L):
+        torch.cuda._sleep(2_000_000)  # a slow "forward" on the current stream before the write
+        layers[i].normal_()
+        expect.append(layers[i][:, slots.cuda() // BS, slots.cuda() % BS].clone())  # no host sync
+        storing.save(i)
+    assert storing.finish() == 256
+    for x in layers:
+        x.zero_()
+    assert int(eng.retrieve(toks, slots).sum()) == 256
+    torch.cuda.synchronize()
+    for i in range(L):
+        assert torch.equal(layers[i][:, slots.cuda() // BS, slots.cuda() % BS], expect[i])

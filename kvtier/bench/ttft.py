@@ -2,7 +2,10 @@
 
 A Llama-3.1-8B-shaped model (random weights, bf16, transformers SDPA) on a
 GPU; for each prompt length:
-    cold   prefill of the whole prompt, nothing cached
+    cold   prefill of the whole prompt, nothing cached, kvtier off
+    cold + store  the same miss with kvtier on: the prompt's chunks are
+           stored after the forward (whole), or layer by layer during it
+           (layerwise); reported as a ratio to cold (the cost of storing)
     warm   kvtier loads all but the last token from CPU RAM, the model runs one
     warm layerwise  the same, layer i+1 loading while layer i computes
     warm server  the same prefix from `kvtier server` on this host (local_cpu
@@ -45,6 +48,8 @@ class TTFTPoint:
     warm_layerwise_s: float
     load_floor_s: float
     forward_1_s: float
+    cold_store_s: float
+    cold_store_layerwise_s: float
     warm_server_s: float | None = None
 
     @property
@@ -60,6 +65,10 @@ class TTFTPoint:
                 "layerwise_over_max_load_forward": round(
                     self.warm_layerwise_s / max(self.load_floor_s, self.forward_1_s), 3),
                 "load_floor_s": round(self.load_floor_s, 4), "forward_1_s": round(self.forward_1_s, 4),
+                "cold_store_s": round(self.cold_store_s, 4),
+                "cold_store_over_cold": round(self.cold_store_s / self.cold_s, 3),
+                "cold_store_layerwise_s": round(self.cold_store_layerwise_s, 4),
+                "cold_store_layerwise_over_cold": round(self.cold_store_layerwise_s / self.cold_s, 3),
                 **({} if self.warm_server_s is None else {
                     "warm_server_s": round(self.warm_server_s, 4),
                     "warm_server_over_floor": round(self.warm_server_s / self.floor_s, 3),
@@ -104,7 +113,13 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
     session = HFSession(model, KvtierConfig(chunk_size=chunk_size, max_local_cpu_size=pool_gib), max_len=tokens,
                         transfer=transfer)
     cold = [_timed(lambda: session.prefill(ids, use_cache=False)) for _ in range(repeats)]
-    session.prefill(ids)  # stores the prompt's chunks
+    cold_store, cold_store_layerwise = [], []
+    for _ in range(repeats):  # a miss with kvtier on: the forward, and every chunk stored
+        session.engine.clear()
+        cold_store.append(_timed(lambda: session.prefill(ids, layerwise=False)))
+        session.engine.clear()
+        cold_store_layerwise.append(_timed(lambda: session.prefill(ids, layerwise=True)))
+    assert session.engine.lookup(ids[0]) == tokens - tokens % chunk_size  # stored, for the warm runs
     warm, layered, hits = [], [], []
     for _ in range(repeats):
         warm.append(_timed(lambda: hits.append(session.prefill(ids, layerwise=False).hit_tokens)))
@@ -120,7 +135,8 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
 
     fwd = [_timed(forward_one) for _ in range(repeats)]
     med = statistics.median
-    point = TTFTPoint(tokens, hit, med(cold), med(warm), med(layered), hit * kv_per_token / (h2d * 1e9), med(fwd))
+    point = TTFTPoint(tokens, hit, med(cold), med(warm), med(layered), hit * kv_per_token / (h2d * 1e9), med(fwd),
+                      med(cold_store), med(cold_store_layerwise))
     del session
     torch.cuda.empty_cache()
     if server_url:
@@ -181,6 +197,7 @@ def _plot(points: list[TTFTPoint], path: Path, machine: str) -> None:
     x = [p.tokens for p in points]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(x, [p.cold_s for p in points], "o-", label="cold (full prefill)")
+    ax.plot(x, [p.cold_store_layerwise_s for p in points], "x:", label="cold, kvtier storing layer by layer")
     ax.plot(x, [p.warm_s for p in points], "o-", label="warm (kvtier, CPU RAM)")
     ax.plot(x, [p.warm_layerwise_s for p in points], "o-", label="warm, layerwise")
     if points and points[0].warm_server_s is not None:

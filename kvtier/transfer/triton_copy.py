@@ -96,18 +96,23 @@ class _Staging:
         self.layer_bytes = [n // c.shape[0] for n, c in zip(self.chunk_bytes, chunks)]
         self.flat = torch.empty(sum(self.chunk_bytes), dtype=torch.uint8, device=device)
         base = self.flat.data_ptr()
+        layer_bytes = torch.tensor(self.layer_bytes, dtype=torch.int64)
         if layer_major:
-            row = sum(self.layer_bytes)  # one layer of every chunk
-            offs = _prefix(self.layer_bytes)
-            self._at = lambda l, c: base + l * row + offs[c]  # noqa: E731
+            # (l, c) at base + l * (one layer of every chunk) + the layers of chunks before c
+            self._start = base + _exclusive_cumsum(layer_bytes)
+            self._layer_step = torch.full_like(layer_bytes, int(layer_bytes.sum()))
         else:
-            offs = _prefix(self.chunk_bytes)
-            self._at = lambda l, c: base + offs[c] + l * self.layer_bytes[c]  # noqa: E731
+            # (l, c) at base + the chunks before c + l layers of chunk c
+            self._start = base + _exclusive_cumsum(torch.tensor(self.chunk_bytes, dtype=torch.int64))
+            self._layer_step = layer_bytes
         self.runs = _runs(self.chunks, self.chunk_bytes)
+
+    def _at(self, layer: int, chunk: int) -> int:
+        return int(self._start[chunk] + layer * self._layer_step[chunk])
 
     def ptrs(self, layers: range) -> torch.Tensor:
         """[len(layers), chunks] device addresses of each layer of each chunk."""
-        return torch.tensor([[self._at(l, c) for c in range(len(self.chunks))] for l in layers], dtype=torch.int64)
+        return self._start[None, :] + torch.arange(layers.start, layers.stop)[:, None] * self._layer_step[None, :]
 
     def copy(self, to_host: bool, stream: torch.cuda.Stream, layer: int | None = None) -> None:
         """Whole chunks (chunk-major staging) or one layer (layer-major), between staging and host."""
@@ -124,12 +129,8 @@ class _Staging:
                 cudart.memcpy2d(dev, width, host, pitch, width, count, stream)
 
 
-def _prefix(sizes: Sequence[int]) -> list[int]:
-    out, total = [], 0
-    for n in sizes:
-        out.append(total)
-        total += n
-    return out
+def _exclusive_cumsum(sizes: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(sizes, 0) - sizes
 
 
 def _runs(chunks: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -191,8 +192,9 @@ class TritonTransfer:
         )
 
     def _host_ptrs(self, chunks: Sequence[torch.Tensor], layers: range) -> torch.Tensor:
-        return torch.tensor([[c.data_ptr() + l * (c[0].numel() * c.element_size()) for c in chunks]
-                             for l in layers], dtype=torch.int64)
+        starts = torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64)
+        layer_bytes = torch.tensor([c[0].numel() * c.element_size() for c in chunks], dtype=torch.int64)
+        return starts[None, :] + torch.arange(layers.start, layers.stop)[:, None] * layer_bytes[None, :]
 
     def _staged(self, chunks: Sequence[torch.Tensor]) -> bool:
         """Chunks in host memory that the kernel should not touch across PCIe."""
