@@ -44,6 +44,7 @@ def _lib() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
+        lib.cudaGetLastError.restype = ctypes.c_int
         return lib
     return None
 
@@ -59,4 +60,5 @@ def memcpy2d(dst: int, dpitch: int, src: int, spitch: int, width: int, height: i
     lib = _lib()
     err = lib.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, _DEFAULT, stream.cuda_stream)
     if err:
+        lib.cudaGetLastError()  # clear it, or torch's next CUDA check reports it as its own
         raise RuntimeError(f"cudaMemcpy2DAsync failed: {lib.cudaGetErrorString(err).decode()} ({err})")

@@ -134,13 +134,17 @@ def _exclusive_cumsum(sizes: torch.Tensor) -> torch.Tensor:
 
 
 def _runs(chunks: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first, count, pitch) of runs of equal-sized chunks at equal distances in memory."""
+    """(first, count, pitch) of runs of equal-sized chunks at equal distances in
+    one allocation (a strided copy may not cross from one allocation into another,
+    even where their addresses touch)."""
     runs: list[tuple[int, int, int]] = []
     for i, chunk in enumerate(chunks):
         if runs:
             first, count, pitch = runs[-1]
-            step = chunk.data_ptr() - chunks[i - 1].data_ptr()
-            if sizes[i] == sizes[first] and step >= sizes[first] and (count == 1 or step == pitch):
+            prev = chunks[i - 1]
+            step = chunk.data_ptr() - prev.data_ptr()
+            same = chunk.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+            if same and sizes[i] == sizes[first] and step >= sizes[first] and (count == 1 or step == pitch):
                 runs[-1] = (first, count + 1, step)
                 continue
         runs.append((i, 1, sizes[i]))
