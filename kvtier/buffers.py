@@ -6,6 +6,8 @@ meant back to back (e.g. a codec header, then a view of a pool block).
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence, Union
 
 import numpy as np
@@ -41,8 +43,18 @@ def copy_from_extents(src: np.ndarray, extents: Sequence[tuple[int, int]], parts
     _copy_segments(parts, [src[off : off + n] for off, n in extents])
 
 
+# Large copies (a batch of chunks through the same-host shared pool) are
+# split over a few threads: one thread's memcpy is far below what a server's
+# memory system moves (numpy releases the GIL while it copies).
+COPY_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
+PARALLEL_FROM = 64 << 20
+_PIECE = 8 << 20
+_pool: ThreadPoolExecutor | None = None
+
+
 def _copy_segments(dst: Sequence[Buffer], src: Sequence[Buffer]) -> None:
     """Copy the concatenation of `src` into the concatenation of `dst` (equal totals)."""
+    pairs = []
     srcs = iter(src)
     cur, pos = np.empty(0, np.uint8), 0
     for d in dst:
@@ -53,8 +65,25 @@ def _copy_segments(dst: Sequence[Buffer], src: Sequence[Buffer]) -> None:
                 nxt = next(srcs)
                 cur, pos = (nxt if isinstance(nxt, np.ndarray) else np.frombuffer(nxt, np.uint8)), 0
             k = min(len(d) - at, len(cur) - pos)
-            d[at : at + k] = cur[pos : pos + k]
+            pairs.append((d[at : at + k], cur[pos : pos + k]))
             at, pos = at + k, pos + k
+    if COPY_THREADS == 1 or sum(len(a) for a, _ in pairs) < PARALLEL_FROM:
+        for a, b in pairs:
+            a[:] = b
+        return
+    pieces = [(a[i : i + _PIECE], b[i : i + _PIECE]) for a, b in pairs for i in range(0, len(a), _PIECE)]
+    list(_executor().map(_copy_piece, pieces))
+
+
+def _copy_piece(pair: tuple[np.ndarray, np.ndarray]) -> None:
+    pair[0][:] = pair[1]
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvtier-copy")
+    return _pool
 
 
 def fill(dest: Value, value: Buffer | None) -> bool:

@@ -190,32 +190,18 @@ class CacheEngine:
 
     def _scatter(self, slots: torch.Tensor, found: list[tuple[ChunkSpan, StoredChunk]], start: int, end: int,
                  layerwise: bool) -> LayerHandle | None:
-        """Whole chunks in one transfer; a chunk cut by start or end on its own.
-
-        A cut chunk writes only its tokens inside [start, end): the slots
-        before `start` may be prefix-cache blocks the engine shares. Cut
-        chunks (at most two) load at once even when the rest is layerwise.
-        """
-        whole_spans, whole_views = [], []
-        for span, chunk in found:
-            view = chunk.block.view(self.kv.dtype, self.kv.chunk_shape(span.num_tokens))
-            a, b = max(start, span.start), min(end, span.end)
-            if (a, b) == (span.start, span.end):
-                whole_spans.append(span)
-                whole_views.append(view)
-            else:
-                # Slice where the KV lives: on a GPU, one bulk copy of the pinned
-                # block and a device-side slice beat a host-side copy of a
-                # strided slice through pageable memory (~5 ms per 32 MB chunk).
-                # The copy is blocking, since the block is released on return.
-                whole = view.to(self.kv.device)
-                self.transfer.scatter(slots[a:b], [whole[:, :, a - span.start : b - span.start].contiguous()])
-        if not whole_spans:
-            return None
-        whole_slots = _concat_slots(slots, whole_spans)
+        """Every chunk in one transfer, whole. A chunk cut by `start` or `end`
+        writes only its tokens inside [start, end): the others get slot -1,
+        which the transfers skip (the slots before `start` may be prefix-cache
+        blocks the engine shares; after `end` there are no slots)."""
+        views = [c.block.view(self.kv.dtype, self.kv.chunk_shape(s.num_tokens)) for s, c in found]
+        positions = torch.arange(found[0][0].start, found[-1][0].end)
+        inside = (positions >= start) & (positions < end)
+        targets = torch.full_like(positions, -1)
+        targets[inside] = slots[positions[inside]]
         if layerwise:
-            return self.transfer.scatter_layerwise(whole_slots, whole_views)
-        self.transfer.scatter(whole_slots, whole_views)
+            return self.transfer.scatter_layerwise(targets, views)
+        self.transfer.scatter(targets, views)
         return None
 
     # -- housekeeping ------------------------------------------------------------

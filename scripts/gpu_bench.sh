@@ -25,7 +25,7 @@ python3 -m pytest -q -p no:cacheprovider tests/test_transfer_cuda.py tests/test_
 esac
 case " $steps " in *" offload "*)
 python3 -m kvtier.cli bench offload --tokens 16384 --layers 32 --kv-heads 8 --head-dim 128 \
-    --dtype bfloat16 --block-size 16 --layout flash_attn --transfer all --repeats 7 \
+    --dtype bfloat16 --block-size 16 --layout flash_attn --transfer ${TRANSFER:-all} --repeats 7 \
     --output "$out/offload.json" 2>&1 | grep -v "it/s" | tee "$out/offload.txt" ;;
 esac
 case " $steps " in *" ttft "*)

@@ -102,16 +102,47 @@ def warm(tokens: int, out: Path) -> None:
     trace("cold_store_layerwise", out, lambda: session.prefill(ids, layerwise=True))
 
 
+def server(tokens: int) -> None:
+    """The same-host path: chunks of the 8B shape through kvtier server's shared pool, by copy threads."""
+    import numpy as np
+
+    import kvtier.buffers as buffers
+    from kvtier.localservers import kvtier_server
+    from kvtier.server.client import KVClient
+
+    chunk = 256 * 32 * 2 * 8 * 128 * 2  # 33.5 MB
+    n = tokens // 256
+    src = torch.empty(n * chunk, dtype=torch.uint8, pin_memory=True).fill_(7)
+    dst = torch.empty(n * chunk, dtype=torch.uint8, pin_memory=True)
+    views = [memoryview(src[i * chunk : (i + 1) * chunk].numpy()) for i in range(n)]
+    outs = [memoryview(dst[i * chunk : (i + 1) * chunk].numpy()) for i in range(n)]
+    keys = [b"k%d" % i for i in range(n)]
+    with kvtier_server(2.5 * n * chunk / 1024**3) as srv:
+        client = KVClient("127.0.0.1", srv.ports[0])
+        client.put(keys, views)
+        for threads in (1, 2, 4, 8):
+            buffers.COPY_THREADS, buffers._pool = threads, None
+            t_put = timed(lambda: client.put(keys, views))
+            t_get = timed(lambda: client.get_into(keys, outs))
+            t_cpy = timed(lambda: buffers._copy_segments(outs, views))
+            print(f"{threads} copy threads: put {n * chunk / t_put / 1e9:.1f} GB/s, get_into "
+                  f"{n * chunk / t_get / 1e9:.1f} GB/s, memcpy {n * chunk / t_cpy / 1e9:.1f} GB/s")
+        assert bytes(outs[-1][:16]) == b"\x07" * 16
+        client.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, help="write gzipped chrome traces here")
     p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--what", nargs="+", default=["offload", "warm"])
+    p.add_argument("--what", nargs="+", default=["offload", "server", "warm"])
     args = p.parse_args()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
     if "offload" in args.what:
         offload(args.tokens, args.out)
+    if "server" in args.what:
+        server(args.tokens)
     if "warm" in args.what:
         warm(args.tokens, args.out)
 

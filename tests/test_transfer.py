@@ -74,6 +74,20 @@ def test_torch_layerwise_gather_moves_each_layer_when_saved():
     assert all(torch.equal(g, r) for g, r in zip(got, ref))
 
 
+def test_torch_scatter_skips_slot_minus_one():
+    layers = [torch.randn(SHAPES["flash_attn"]) for _ in range(L)]
+    kv = PagedKV.wrap(layers, "flash_attn")
+    chunk = torch.randn(kv.chunk_shape(4))
+    before = [x.clone() for x in layers]
+    TorchTransfer(kv).scatter(torch.tensor([-1, 5, -1, 9]), [chunk])
+    for i, (layer, old) in enumerate(zip(layers, before)):
+        assert torch.equal(layer[:, 5 // BS, 5 % BS], chunk[i, :, 1])
+        assert torch.equal(layer[:, 9 // BS, 9 % BS], chunk[i, :, 3])
+        layer[:, 5 // BS, 5 % BS] = old[:, 5 // BS, 5 % BS]
+        layer[:, 9 // BS, 9 % BS] = old[:, 9 // BS, 9 % BS]
+        assert torch.equal(layer, old)  # nothing else was written
+
+
 def test_non_contiguous_vllm_stride_order():
     # vLLM may store [B, H, N, C] in another physical order (e.g. LBNHC).
     raw = torch.randn(NB, BS, H, 2 * D)
@@ -137,6 +151,13 @@ for layout, shape in shapes.items():
         back = [torch.empty(kv.chunk_shape(n), dtype=dtype) for n in sizes]
         TorchTransfer(kv3).gather(slots, back)
         assert all(torch.equal(a, b) for a, b in zip(ref, back)), (layout, dtype, "layerwise scatter")
+        holes = slots.clone()
+        holes[::3] = -1  # tokens of cut chunks: not written anywhere
+        a_dst, b_dst = [torch.zeros_like(t) for t in layers], [torch.zeros_like(t) for t in layers]
+        TritonTransfer(PagedKV.wrap(a_dst, layout)).scatter(holes, got)
+        TorchTransfer(PagedKV.wrap(b_dst, layout)).scatter(holes, got)
+        assert all(torch.equal(a, b) for a, b in zip(a_dst, b_dst)), (layout, "skipped slots")
+        assert sum(int((a != 0).any(dim=-1).sum()) for a in a_dst) > 0
         saved = [torch.zeros(kv.chunk_shape(n), dtype=dtype) for n in sizes]
         saves = TritonTransfer(kv).gather_layerwise(slots, saved)
         saves.save(1)  # only layer 1 moves

@@ -173,7 +173,7 @@ def run_ttft(lengths: list[int], repeats: int, out_dir: Path, layers: int | None
             from kvtier.localservers import kvtier_server
 
             kv_bytes = max(lengths) * _kv_bytes_per_token(model)
-            url = stack.enter_context(kvtier_server(2.5 * kv_bytes / 1024**3, log_dir=out_dir)).url
+            url = stack.enter_context(kvtier_server(2.5 * kv_bytes / 1024**3)).url
         for n in lengths:
             p = measure(model, n, repeats, transfer=transfer, server_url=url)
             print(json.dumps(p.row()), flush=True)

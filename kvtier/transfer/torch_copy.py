@@ -35,12 +35,15 @@ class TorchTransfer:
                 start += n
 
     def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None) -> None:
-        """Copy `chunks` back into the KV pages at `slots` (all layers, or `layers`)."""
-        block, offset = self._index(slots)
+        """Copy `chunks` back into the KV pages at `slots` (all layers, or `layers`); slot -1 is skipped."""
+        keep = None if bool((slots >= 0).all()) else (slots >= 0).nonzero().flatten()
+        block, offset = self._index(slots if keep is None else slots[keep])
         for layer_idx in layers or range(self.kv.num_layers):
             layer = self.kv.layers[layer_idx]
             parts = [chunk[layer_idx] for chunk in chunks]
             tokens = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            if keep is not None:
+                tokens = tokens[:, keep.to(tokens.device)]
             layer[:, block, offset] = tokens.to(layer.device, non_blocking=True)
 
     def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LazyLayers:

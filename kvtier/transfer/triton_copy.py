@@ -9,17 +9,23 @@ GPU can address:
                       blocks, one strided copy per run of adjacent blocks
     direct            kernel ⇄ pinned host blocks (PCIe inside the kernel)
 
-Whole transfers stage chunk by chunk and launch one kernel for all layers;
-layerwise ones stage layer by layer (layer l of every chunk side by side),
-so each layer crosses PCIe in one copy per run and has its own kernel:
+Whole transfers stage chunk by chunk, in a few groups of chunks, so the
+kernel of one group runs while another group crosses PCIe; layerwise ones
+stage layer by layer (layer l of every chunk side by side), so each layer
+crosses PCIe in one copy per run and has its own kernel:
 
     chunk-major  | c0: L0 L1 .. | c1: L0 L1 .. |       (store, retrieve)
     layer-major  | L0: c0 c1 .. | L1: c0 c1 .. |       (layerwise)
 
-Measured on an H200 (docs/benchmarks.md): staged 0.91/0.92 of pinned copy
-bandwidth for store/retrieve, direct 0.84/0.78. Direct needs every chunk
-pinned; a call with a pageable chunk is staged. Work runs on a side stream
-ordered after the caller's; the caller's stream waits on it.
+In staging, chunks sit in the order of their host addresses (within a
+group), so blocks that are neighbours in the pool are neighbours there too,
+whatever tokens they hold: a run of them is one strided copy.
+
+Kernels run on one side stream and PCIe copies on another, ordered by
+events; both are ordered after the caller's stream, and the caller's stream
+waits for them. Direct needs every chunk pinned; a call with a pageable
+chunk is staged. Figures (docs/benchmarks.md): staged store/retrieve at
+0.89-0.93 of pinned copy bandwidth, direct 0.84/0.75.
 
 Correctness is also checked on CPU with TRITON_INTERPRET=1.
 """
@@ -44,7 +50,7 @@ def _kv_copy_kernel(
     layer0_ptr,  # typed pointer to layer 0: gives the element type
     layer_ptrs,  # int64[L]: base address of each layer's canonical view
     chunk_ptrs,  # int64[num_chunks]: base address of each chunk [L, K, n_c, H, D]
-    slots,  # int64[T]
+    slots,  # int64[T]; -1: skip this token
     T,
     C,  # full chunk size in tokens
     s_k,
@@ -63,6 +69,8 @@ def _kv_copy_kernel(
     layer = lk // K
     k = lk % K
     slot = tl.load(slots + t).to(tl.int64)
+    width = tl.where(slot >= 0, W, 0)  # slot -1: a token of a cut chunk that stays where it is
+    slot = tl.maximum(slot, 0)
     c = t // C
     tt = t - c * C
     n_c = tl.minimum(C, T - c * C)
@@ -73,7 +81,7 @@ def _kv_copy_kernel(
     chunk += (lk * n_c + tt) * W
     for w0 in range(0, W, BLOCK):
         w = w0 + tl.arange(0, BLOCK)
-        mask = w < W
+        mask = w < width
         src_off = (w // D) * s_h + (w % D)
         if TO_CHUNK:
             tl.store(chunk + w, tl.load(page + src_off, mask=mask), mask=mask)
@@ -84,28 +92,37 @@ def _kv_copy_kernel(
 class _Staging:
     """Device memory for the chunks of one transfer, and the copies between it and them.
 
-    `runs` groups chunks that sit at equal distances in host memory with
-    equal sizes (adjacent pool blocks): each run crosses PCIe in one
-    strided copy, per layer or for whole chunks.
+    Chunks are split into `groups` by token order; within a group they are
+    laid out in the order of their host addresses, and `runs` of them
+    (equal sizes, equal distances apart in one host allocation: adjacent
+    pool blocks) cross PCIe in one strided copy, whole or one layer at a time.
     """
 
-    def __init__(self, chunks: Sequence[torch.Tensor], device: torch.device, layer_major: bool) -> None:
+    def __init__(self, chunks: Sequence[torch.Tensor], device: torch.device, layer_major: bool,
+                 groups: int = 1) -> None:
         self.chunks = list(chunks)
-        self.layer_major = layer_major
+        n = len(self.chunks)
         self.chunk_bytes = [c.numel() * c.element_size() for c in chunks]
-        self.layer_bytes = [n // c.shape[0] for n, c in zip(self.chunk_bytes, chunks)]
+        self.layer_bytes = [b // c.shape[0] for b, c in zip(self.chunk_bytes, chunks)]
         self.flat = torch.empty(sum(self.chunk_bytes), dtype=torch.uint8, device=device)
+        size = (-(-n // groups)) if groups > 1 else n
+        self.groups = [range(a, min(a + size, n)) for a in range(0, n, size)]
+        order = [c for g in self.groups for c in sorted(g, key=lambda c: self.chunks[c].data_ptr())]
+        self.runs = [_runs(self.chunks, [c for c in order if c in g], self.chunk_bytes) for g in self.groups]
+        # Byte offset of each chunk's slot, in staging order.
+        unit = self.layer_bytes if layer_major else self.chunk_bytes
+        start = [0] * n
+        total = 0
+        for c in order:
+            start[c] = total
+            total += unit[c]
         base = self.flat.data_ptr()
-        layer_bytes = torch.tensor(self.layer_bytes, dtype=torch.int64)
+        self._start = base + torch.tensor(start, dtype=torch.int64)
+        # Layer-major: layer l of every chunk follows layer l-1 of every chunk.
+        # Chunk-major: layer l of a chunk follows its layer l-1.
+        self._layer_step = torch.tensor(self.layer_bytes, dtype=torch.int64)
         if layer_major:
-            # (l, c) at base + l * (one layer of every chunk) + the layers of chunks before c
-            self._start = base + _exclusive_cumsum(layer_bytes)
-            self._layer_step = torch.full_like(layer_bytes, int(layer_bytes.sum()))
-        else:
-            # (l, c) at base + the chunks before c + l layers of chunk c
-            self._start = base + _exclusive_cumsum(torch.tensor(self.chunk_bytes, dtype=torch.int64))
-            self._layer_step = layer_bytes
-        self.runs = _runs(self.chunks, self.chunk_bytes)
+            self._layer_step = torch.full_like(self._layer_step, total)
 
     def _at(self, layer: int, chunk: int) -> int:
         return int(self._start[chunk] + layer * self._layer_step[chunk])
@@ -114,41 +131,41 @@ class _Staging:
         """[len(layers), chunks] device addresses of each layer of each chunk."""
         return self._start[None, :] + torch.arange(layers.start, layers.stop)[:, None] * self._layer_step[None, :]
 
-    def copy(self, to_host: bool, stream: torch.cuda.Stream, layer: int | None = None) -> None:
-        """Whole chunks (chunk-major staging) or one layer (layer-major), between staging and host."""
-        for first, count, pitch in self.runs:
+    def copy(self, to_host: bool, stream: torch.cuda.Stream, layer: int | None = None, group: int = 0) -> None:
+        """Whole chunks of a group (chunk-major) or one layer (layer-major), between staging and host."""
+        for first, count, pitch in self.runs[group]:
             width = self.chunk_bytes[first] if layer is None else self.layer_bytes[first]
             host = self.chunks[first].data_ptr() + (0 if layer is None else layer * width)
             dev = self._at(0 if layer is None else layer, first)
-            # Chunk-major staging packs whole chunks back to back; layer-major
-            # packs one layer of each chunk back to back: either way the
-            # device-side rows are `width` apart.
+            # A run's chunks are neighbours in staging: its device-side rows are `width` apart.
             if to_host:
                 cudart.memcpy2d(host, pitch, dev, width, width, count, stream)
             else:
                 cudart.memcpy2d(dev, width, host, pitch, width, count, stream)
 
 
-def _exclusive_cumsum(sizes: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(sizes, 0) - sizes
-
-
-def _runs(chunks: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first, count, pitch) of runs of equal-sized chunks at equal distances in
-    one allocation (a strided copy may not cross from one allocation into another,
-    even where their addresses touch)."""
+def _runs(chunks: Sequence[torch.Tensor], order: Sequence[int], sizes: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first chunk, count, pitch) of runs, walking `order` (chunks by host address),
+    of equal-sized chunks at equal distances in one allocation (a strided copy may
+    not cross from one allocation into another, even where their addresses touch)."""
     runs: list[tuple[int, int, int]] = []
-    for i, chunk in enumerate(chunks):
+    prev = None
+    for c in order:
+        chunk = chunks[c]
         if runs:
             first, count, pitch = runs[-1]
-            prev = chunks[i - 1]
-            step = chunk.data_ptr() - prev.data_ptr()
-            same = chunk.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
-            if same and sizes[i] == sizes[first] and step >= sizes[first] and (count == 1 or step == pitch):
+            step = chunk.data_ptr() - chunks[prev].data_ptr()
+            same = chunk.untyped_storage().data_ptr() == chunks[prev].untyped_storage().data_ptr()
+            if same and sizes[c] == sizes[first] and step >= sizes[first] and (count == 1 or step == pitch):
                 runs[-1] = (first, count + 1, step)
+                prev = c
                 continue
-        runs.append((i, 1, sizes[i]))
+        runs.append((c, 1, sizes[c]))
+        prev = c
     return runs
+
+
+GROUPS = 4  # whole transfers: kernel of group g+1 runs while group g crosses PCIe
 
 
 class TritonTransfer:
@@ -167,7 +184,8 @@ class TritonTransfer:
         w = kv.heads * kv.head_size
         self._block = min(triton.next_power_of_2(w), 4096)
         on_cuda = kv.device.type == "cuda"
-        self._stream = torch.cuda.Stream(kv.device) if on_cuda else None
+        self._stream = torch.cuda.Stream(kv.device) if on_cuda else None  # kernels
+        self._copies = torch.cuda.Stream(kv.device) if on_cuda else None  # PCIe copies
         if on_cuda and not cudart.available():
             raise RuntimeError("the Triton transfer needs cudaMemcpy2DAsync from the CUDA runtime torch loaded, "
                                "and found no libcudart in this process; use transfer='torch'")
@@ -206,48 +224,71 @@ class TritonTransfer:
             return False
         return not (self.direct and all(c.is_pinned() for c in chunks))
 
+    def _in_place(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], to_chunk: bool, layers: range) -> None:
+        """Chunks the kernel reaches itself (device memory, the interpreter, pinned with `direct`):
+        one launch on the current stream."""
+        dev_slots, ptrs = self._upload(slots, self._host_ptrs(chunks, range(layers.start, layers.start + 1)))
+        self._kernel(dev_slots, ptrs[0], chunks[0].shape[2], to_chunk, layers)
+
     # -- whole transfers -------------------------------------------------------------
 
     def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
         """Fill `chunks` with the KV of `slots`; returns once the bytes have landed."""
         layers = range(self.kv.num_layers)
-        if self._stream is None:
-            dev_slots, ptrs = self._upload(slots, self._host_ptrs(chunks, range(1)))
-            self._kernel(dev_slots, ptrs[0], chunks[0].shape[2], True, layers)
+        if not self._staged(chunks):
+            self._unstaged(lambda: self._in_place(slots, chunks, True, layers), chunks)
             return
         self._stream.wait_stream(torch.cuda.current_stream(self.kv.device))
         with torch.cuda.stream(self._stream):
-            staging = _Staging(chunks, self.kv.device, layer_major=False) if self._staged(chunks) else None
-            ptrs = staging.ptrs(range(1)) if staging else self._host_ptrs(chunks, range(1))
-            dev_slots, dev_ptrs = self._upload(slots, ptrs)
-            self._kernel(dev_slots, dev_ptrs[0], chunks[0].shape[2], True, layers)
-            if staging:
-                staging.copy(to_host=True, stream=self._stream)
-        self._stream.synchronize()
+            staging = _Staging(chunks, self.kv.device, layer_major=False, groups=GROUPS)
+            dev_slots, ptrs = self._upload(slots, staging.ptrs(range(1))[0])
+            size = chunks[0].shape[2]
+            for g, group in enumerate(staging.groups):
+                a, b = group.start * size, min(group.stop * size, slots.numel())
+                self._kernel(dev_slots[a:b], ptrs[group.start : group.stop], size, True, layers)
+                self._copies.wait_stream(self._stream)
+                staging.copy(to_host=True, stream=self._copies, group=g)
+        self._copies.synchronize()
 
     def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None) -> None:
         """Write `chunks` into the KV pages; the current stream is ordered after it.
 
         `layers` (device-resident or interpreter chunks only) limits the write to those layers."""
         layers = layers or range(self.kv.num_layers)
-        if self._stream is None or chunks[0].is_cuda:
-            dev_slots, ptrs = self._upload(slots, self._host_ptrs(chunks, range(layers.start, layers.start + 1)))
-            self._kernel(dev_slots, ptrs[0], chunks[0].shape[2], False, layers)
+        if not self._staged(chunks):
+            self._unstaged(lambda: self._in_place(slots, chunks, False, layers), chunks)
             return
         if len(layers) != self.kv.num_layers:
             raise ValueError("a layer range is for device-resident chunks; use scatter_layerwise")
         current = torch.cuda.current_stream(self.kv.device)
         self._stream.wait_stream(current)
+        self._copies.wait_stream(self._stream)  # staging memory may still be read by earlier kernels
         with torch.cuda.stream(self._stream):
-            staging = _Staging(chunks, self.kv.device, layer_major=False) if self._staged(chunks) else None
-            if staging:
-                staging.copy(to_host=False, stream=self._stream)
-            ptrs = staging.ptrs(range(1)) if staging else self._host_ptrs(chunks, range(1))
-            dev_slots, dev_ptrs = self._upload(slots, ptrs)
-            self._kernel(dev_slots, dev_ptrs[0], chunks[0].shape[2], False, layers)
+            staging = _Staging(chunks, self.kv.device, layer_major=False, groups=GROUPS)
+            dev_slots, ptrs = self._upload(slots, staging.ptrs(range(1))[0])
+            size = chunks[0].shape[2]
+            for g, group in enumerate(staging.groups):
+                staging.copy(to_host=False, stream=self._copies, group=g)
+                self._stream.wait_stream(self._copies)
+                a, b = group.start * size, min(group.stop * size, slots.numel())
+                self._kernel(dev_slots[a:b], ptrs[group.start : group.stop], size, False, layers)
         current.wait_stream(self._stream)
         # The caller releases the host blocks once this returns, so the copies
         # out of them must be done.
+        self._copies.synchronize()
+
+    def _unstaged(self, work, chunks: Sequence[torch.Tensor]) -> None:
+        """Device chunks (and the interpreter's): on the current stream.
+        `direct` host chunks: on the side stream, waited for, since the
+        caller frees or reads the chunks next."""
+        if self._stream is None or chunks[0].is_cuda:
+            work()
+            return
+        current = torch.cuda.current_stream(self.kv.device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            work()
+        current.wait_stream(self._stream)
         self._stream.synchronize()
 
     # -- layer by layer ------------------------------------------------------------------
@@ -255,16 +296,18 @@ class TritonTransfer:
     def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LayerHandle:
         """Start writing `chunks` layer by layer; wait(l) orders the caller after layer l.
 
-        Every layer's work is queued at once on the side stream; the caller's
-        stream waits only for the layer it is about to use. Staged: layer l
-        of every chunk crosses PCIe (one copy per run), then its kernel runs.
-        Direct: one kernel per layer reads the pinned chunks.
+        Every layer's work is queued at once: layer l of every chunk crosses
+        PCIe on the copy stream (one copy per run), then its kernel runs on
+        the kernel stream, while layer l+1 crosses. The caller's stream waits
+        only for the layer it is about to use. Direct: one kernel per layer
+        reads the pinned chunks.
         """
         if self._stream is None:
             from kvtier.transfer.torch_copy import LazyLayers
 
             return LazyLayers(self, slots, chunks)
         self._stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+        self._copies.wait_stream(self._stream)  # staging memory may still be read by earlier kernels
         events = []
         with torch.cuda.stream(self._stream):
             staging = _Staging(chunks, self.kv.device, layer_major=True) if self._staged(chunks) else None
@@ -272,11 +315,12 @@ class TritonTransfer:
             dev_slots, ptrs = self._upload(slots, staging.ptrs(layers) if staging else self._host_ptrs(chunks, layers))
             for layer in layers:
                 if staging:
-                    staging.copy(to_host=False, stream=self._stream, layer=layer)
+                    staging.copy(to_host=False, stream=self._copies, layer=layer)
+                    self._stream.wait_stream(self._copies)
                 self._kernel(dev_slots, ptrs[layer], chunks[0].shape[2], False, range(layer, layer + 1))
                 events.append(torch.cuda.Event())
                 events[-1].record(self._stream)
-        return LayerEvents(events, self._stream, staging)
+        return LayerEvents(events, self._stream, self._copies, staging)
 
     def gather_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LayerSaves:
         """A gather the caller drives layer by layer: `save(l)` once layer l's
@@ -288,14 +332,15 @@ class TritonTransfer:
 class LayerEvents:
     """A layerwise scatter in flight: one CUDA event per layer."""
 
-    def __init__(self, events: list, stream, keepalive: _Staging | None) -> None:
-        self._events, self._stream, self._keepalive = events, stream, keepalive
+    def __init__(self, events: list, stream, copies, keepalive: _Staging | None) -> None:
+        self._events, self._stream, self._copies, self._keepalive = events, stream, copies, keepalive
 
     def wait(self, layer: int) -> None:
         torch.cuda.current_stream(self._stream.device).wait_event(self._events[layer])
 
     def finish(self) -> None:
         """Returns once every copy out of the host chunks is done."""
+        self._copies.synchronize()
         self._stream.synchronize()
         self._keepalive = None
 
@@ -329,13 +374,15 @@ class LayerSaves:
         self._stream.wait_stream(torch.cuda.current_stream(t.kv.device))
         with torch.cuda.stream(self._stream):
             t._kernel(self._slots, self._ptrs[layer], n_c, True, range(layer, layer + 1))
-            if self._staging:
-                self._staging.copy(to_host=True, stream=self._stream, layer=layer)
+        if self._staging:
+            t._copies.wait_stream(self._stream)
+            self._staging.copy(to_host=True, stream=t._copies, layer=layer)
 
     def finish(self) -> None:
         """Every saved layer in the host chunks."""
         if self._stream is not None:
             self._stream.synchronize()
+            self._t._copies.synchronize()
         self._staging = None
 
     def unsaved(self) -> list[int]:
