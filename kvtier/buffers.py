@@ -33,27 +33,21 @@ def joined(value: Value) -> bytes | memoryview:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def copy_into_extents(dst: np.ndarray, extents: Sequence[tuple[int, int]], parts: Sequence[memoryview]) -> None:
-    """Copy the concatenation of `parts` into the byte ranges `extents` of `dst`."""
-    _copy_segments([dst[off : off + n] for off, n in extents], parts)
+Copy = list[tuple[np.ndarray, np.ndarray]]  # (destination, source) byte ranges of equal length
 
 
-def copy_from_extents(src: np.ndarray, extents: Sequence[tuple[int, int]], parts: Sequence[memoryview]) -> None:
-    """Fill `parts`, in order, with the byte ranges `extents` of `src`."""
-    _copy_segments(parts, [src[off : off + n] for off, n in extents])
+def into_extents(dst: np.ndarray, extents: Sequence[tuple[int, int]], parts: Sequence[memoryview]) -> Copy:
+    """The copy of the concatenation of `parts` into the byte ranges `extents` of `dst`."""
+    return _pairs([dst[off : off + n] for off, n in extents], parts)
 
 
-# Large copies (a batch of chunks through the same-host shared pool) are
-# split over a few threads: one thread's memcpy is far below what a server's
-# memory system moves (numpy releases the GIL while it copies).
-COPY_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
-PARALLEL_FROM = 64 << 20
-_PIECE = 8 << 20
-_pool: ThreadPoolExecutor | None = None
+def from_extents(src: np.ndarray, extents: Sequence[tuple[int, int]], parts: Sequence[memoryview]) -> Copy:
+    """The copy filling `parts`, in order, from the byte ranges `extents` of `src`."""
+    return _pairs(parts, [src[off : off + n] for off, n in extents])
 
 
-def _copy_segments(dst: Sequence[Buffer], src: Sequence[Buffer]) -> None:
-    """Copy the concatenation of `src` into the concatenation of `dst` (equal totals)."""
+def _pairs(dst: Sequence[Buffer], src: Sequence[Buffer]) -> Copy:
+    """Match the concatenation of `src` with the concatenation of `dst` (equal totals)."""
     pairs = []
     srcs = iter(src)
     cur, pos = np.empty(0, np.uint8), 0
@@ -67,6 +61,20 @@ def _copy_segments(dst: Sequence[Buffer], src: Sequence[Buffer]) -> None:
             k = min(len(d) - at, len(cur) - pos)
             pairs.append((d[at : at + k], cur[pos : pos + k]))
             at, pos = at + k, pos + k
+    return pairs
+
+
+# Large copies (a batch of chunks through the same-host shared pool) are
+# split over a few threads: one thread's memcpy is far below what a server's
+# memory system moves (numpy releases the GIL while it copies).
+COPY_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
+PARALLEL_FROM = 64 << 20
+_PIECE = 8 << 20
+_pool: ThreadPoolExecutor | None = None
+
+
+def run_copy(pairs: Copy) -> None:
+    """Do a copy: in this thread, or over the copy threads when it is large."""
     if COPY_THREADS == 1 or sum(len(a) for a, _ in pairs) < PARALLEL_FROM:
         for a, b in pairs:
             a[:] = b
@@ -91,5 +99,5 @@ def fill(dest: Value, value: Buffer | None) -> bool:
     parts = as_parts(dest)
     if value is None or len(value) != sum(len(x) for x in parts):
         return False
-    _copy_segments(parts, [value])
+    run_copy(_pairs(parts, [value]))
     return True

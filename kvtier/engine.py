@@ -195,10 +195,10 @@ class CacheEngine:
         which the transfers skip (the slots before `start` may be prefix-cache
         blocks the engine shares; after `end` there are no slots)."""
         views = [c.block.view(self.kv.dtype, self.kv.chunk_shape(s.num_tokens)) for s, c in found]
-        positions = torch.arange(found[0][0].start, found[-1][0].end)
-        inside = (positions >= start) & (positions < end)
-        targets = torch.full_like(positions, -1)
-        targets[inside] = slots[positions[inside]]
+        first, last = found[0][0].start, found[-1][0].end
+        a, b = max(start, first), min(end, last)
+        targets = torch.full((last - first,), -1, dtype=torch.int64)
+        targets[a - first : b - first] = slots[a:b]  # slicing only: this runs before any byte moves
         if layerwise:
             return self.transfer.scatter_layerwise(targets, views)
         self.transfer.scatter(targets, views)

@@ -124,7 +124,7 @@ def server(tokens: int) -> None:
             buffers.COPY_THREADS, buffers._pool = threads, None
             t_put = timed(lambda: client.put(keys, views))
             t_get = timed(lambda: client.get_into(keys, outs))
-            t_cpy = timed(lambda: buffers._copy_segments(outs, views))
+            t_cpy = timed(lambda: buffers.run_copy([(np.frombuffer(o, np.uint8), np.frombuffer(v, np.uint8)) for o, v in zip(outs, views)]))
             print(f"{threads} copy threads: put {n * chunk / t_put / 1e9:.1f} GB/s, get_into "
                   f"{n * chunk / t_get / 1e9:.1f} GB/s, memcpy {n * chunk / t_cpy / 1e9:.1f} GB/s")
         assert bytes(outs[-1][:16]) == b"\x07" * 16

@@ -50,6 +50,7 @@ class TTFTPoint:
     forward_1_s: float
     cold_store_s: float
     cold_store_layerwise_s: float
+    samples: dict[str, list[float]]  # every repeat, seconds
     warm_server_s: float | None = None
 
     @property
@@ -72,7 +73,8 @@ class TTFTPoint:
                 **({} if self.warm_server_s is None else {
                     "warm_server_s": round(self.warm_server_s, 4),
                     "warm_server_over_floor": round(self.warm_server_s / self.floor_s, 3),
-                    "speedup_server": round(self.cold_s / self.warm_server_s, 1)})}
+                    "speedup_server": round(self.cold_s / self.warm_server_s, 1)}),
+                "samples_ms": {k: [round(x * 1e3, 1) for x in v] for k, v in self.samples.items()}}
 
 
 def _kv_bytes_per_token(model) -> int:
@@ -120,12 +122,7 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
         session.engine.clear()
         cold_store_layerwise.append(_timed(lambda: session.prefill(ids, layerwise=True)))
     assert session.engine.lookup(ids[0]) == tokens - tokens % chunk_size  # stored, for the warm runs
-    warm, layered, hits = [], [], []
-    for _ in range(repeats):
-        warm.append(_timed(lambda: hits.append(session.prefill(ids, layerwise=False).hit_tokens)))
-        layered.append(_timed(lambda: session.prefill(ids, layerwise=True)))
-    hit = hits[-1]
-    _, h2d = copy_bandwidth(hit * kv_per_token, torch.device("cuda"))
+    hit = session.prefill(ids).hit_tokens
     last = ids[:, -1:].cuda()
 
     def forward_one() -> None:
@@ -133,14 +130,25 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
             model(input_ids=last, past_key_values=KvtierCache(session.buffers, hit), use_cache=True,
                   logits_to_keep=1)
 
-    fwd = [_timed(forward_one) for _ in range(repeats)]
+    # Interleaved, so that the host-bound one-token forward (it varies by
+    # several ms from one minute to the next) is timed in the same conditions.
+    warm, layered, fwd = [], [], []
+    for _ in range(repeats):
+        warm.append(_timed(lambda: session.prefill(ids, layerwise=False)))
+        layered.append(_timed(lambda: session.prefill(ids, layerwise=True)))
+        fwd.append(_timed(forward_one))
+    _, h2d = copy_bandwidth(hit * kv_per_token, torch.device("cuda"))
     med = statistics.median
     point = TTFTPoint(tokens, hit, med(cold), med(warm), med(layered), hit * kv_per_token / (h2d * 1e9), med(fwd),
-                      med(cold_store), med(cold_store_layerwise))
+                      med(cold_store), med(cold_store_layerwise),
+                      {"cold": cold, "cold_store": cold_store, "cold_store_layerwise": cold_store_layerwise,
+                       "warm": warm, "warm_layerwise": layered, "forward_1": fwd})
     del session
     torch.cuda.empty_cache()
     if server_url:
-        point.warm_server_s = med(_warm_from_server(model, ids, chunk_size, pool_gib, server_url, repeats, transfer))
+        point.samples["warm_server"] = _warm_from_server(model, ids, chunk_size, pool_gib, server_url, repeats,
+                                                         transfer)
+        point.warm_server_s = med(point.samples["warm_server"])
     return point
 
 
@@ -176,7 +184,7 @@ def run_ttft(lengths: list[int], repeats: int, out_dir: Path, layers: int | None
             url = stack.enter_context(kvtier_server(2.5 * kv_bytes / 1024**3)).url
         for n in lengths:
             p = measure(model, n, repeats, transfer=transfer, server_url=url)
-            print(json.dumps(p.row()), flush=True)
+            print(json.dumps({k: v for k, v in p.row().items() if k != "samples_ms"}), flush=True)
             points.append(p)
     record = {"machine": machine_name(torch.device("cuda")), "date": dt.date.today().isoformat(),
               "model": {**LLAMA_8B, **({"num_hidden_layers": layers} if layers else {})},

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvtier.buffers import Value, as_parts, copy_from_extents, copy_into_extents
+from kvtier.buffers import Value, as_parts, from_extents, into_extents, run_copy
 from kvtier.errors import RemoteRefused, RemoteUnavailable, ValueTooLarge
 from kvtier.logs import get_logger
 from kvtier.server import protocol as p
@@ -70,8 +70,9 @@ class KVClient:
             if link.shm is not None:
                 _, meta = self._call(link, p.Op.PUT_ALLOC, p.encode_keys(keys, sizes))
                 ticket, entries = p.decode_extents(meta)
-                for (_, extents), ps in zip(entries, parts):
-                    copy_into_extents(link.shm, extents, ps)
+                # One copy for the whole batch, so that a batch of chunks is split over the copy threads.
+                run_copy([pair for (_, extents), ps in zip(entries, parts)
+                          for pair in into_extents(link.shm, extents, ps)])
                 self._send(link, p.Op.PUT_COMMIT, p.encode_u32(ticket))
             else:
                 self._call(link, p.Op.PUT, p.encode_keys(keys, sizes), [x for ps in parts for x in ps], sum(sizes))
@@ -198,10 +199,12 @@ class KVClient:
                 _, meta = self._call(link, p.Op.GET_SHM, p.encode_keys(keys))
                 ticket, entries = p.decode_extents(meta)
                 try:
+                    copy = []
                     for i, (size, extents) in enumerate(entries):
                         parts = None if size == p.MISSING else dest(i, size)
                         if parts is not None:
-                            copy_from_extents(link.shm, extents, parts)
+                            copy += from_extents(link.shm, extents, parts)
+                    run_copy(copy)
                 finally:
                     self._send(link, p.Op.RELEASE, p.encode_u32(ticket))
                 return

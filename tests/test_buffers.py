@@ -1,0 +1,31 @@
+"""Values in parts, and the copies between them and a shared pool's extents."""
+
+import numpy as np
+import pytest
+
+from kvtier import buffers
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_copies_between_parts_and_extents_are_exact(monkeypatch, threads):
+    monkeypatch.setattr(buffers, "COPY_THREADS", threads)
+    monkeypatch.setattr(buffers, "PARALLEL_FROM", 1)  # every copy goes over the threads
+    monkeypatch.setattr(buffers, "_PIECE", 1000)
+    monkeypatch.setattr(buffers, "_pool", None)
+    rng = np.random.default_rng(0)
+    pool = np.zeros(1 << 16, np.uint8)
+    extents = [(40_000, 5000), (100, 3000), (20_000, 7)]  # not in address order, of odd sizes
+    value = rng.integers(0, 255, 8007, dtype=np.uint8)
+    parts = [memoryview(value[:10]), memoryview(value[10:6000]), memoryview(value[6000:])]
+    buffers.run_copy(buffers.into_extents(pool, extents, parts))
+    assert bytes(np.concatenate([pool[o : o + n] for o, n in extents])) == value.tobytes()
+    out = bytearray(8007)
+    head, body = memoryview(out)[:40], memoryview(out)[40:]
+    buffers.run_copy(buffers.from_extents(pool, extents, [head, body]))
+    assert bytes(out) == value.tobytes()
+
+
+def test_fill_takes_only_a_value_of_the_destinations_size():
+    dest = [bytearray(3), bytearray(2)]
+    assert not buffers.fill(dest, b"1234") and not buffers.fill(dest, None)
+    assert buffers.fill(dest, b"12345") and bytes(dest[0] + dest[1]) == b"12345"
