@@ -29,6 +29,6 @@ python3 -m kvtier.cli bench offload --tokens 16384 --layers 32 --kv-heads 8 --he
     --output "$out/offload.json" 2>&1 | grep -v "it/s" | tee "$out/offload.txt" ;;
 esac
 case " $steps " in *" ttft "*)
-python3 -m kvtier.cli bench ttft --lengths 4096 16384 32768 --repeats 5 --server --output "$out" 2>&1 \
+python3 -m kvtier.cli bench ttft --lengths 4096 16384 32768 --repeats 7 --server --output "$out" 2>&1 \
     | tee "$out/ttft.txt" ;;
 esac
