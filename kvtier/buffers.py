@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence, Union
+from typing import Callable, Sequence, TypeVar, Union
 
 import numpy as np
 
 Buffer = Union[bytes, bytearray, memoryview, np.ndarray]
+T = TypeVar("T")
+R = TypeVar("R")
 Value = Union[Buffer, Sequence[Buffer]]
 
 
@@ -81,6 +83,14 @@ def run_copy(pairs: Copy) -> None:
         return
     pieces = [(a[i : i + _PIECE], b[i : i + _PIECE]) for a, b in pairs for i in range(0, len(a), _PIECE)]
     list(_executor().map(_copy_piece, pieces))
+
+
+def parallel(fn: Callable[[T], R], items: Sequence[T], nbytes: int) -> list[R]:
+    """`fn` over `items`, on the copy threads when they touch `nbytes` >= PARALLEL_FROM
+    in all (checksums, codecs: work that releases the GIL while it reads memory)."""
+    if COPY_THREADS == 1 or nbytes < PARALLEL_FROM or len(items) < 2:
+        return [fn(x) for x in items]
+    return list(_executor().map(fn, items))
 
 
 def _copy_piece(pair: tuple[np.ndarray, np.ndarray]) -> None:
