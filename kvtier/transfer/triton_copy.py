@@ -265,11 +265,15 @@ class TritonTransfer:
         self._copies.wait_stream(self._stream)  # staging memory may still be read by earlier kernels
         with torch.cuda.stream(self._stream):
             staging = _Staging(chunks, self.kv.device, layer_major=False, groups=GROUPS)
+            landed = []  # every group's copy is queued first: PCIe starts before the tables go up
+            for g in range(len(staging.groups)):
+                staging.copy(to_host=False, stream=self._copies, group=g)
+                landed.append(torch.cuda.Event())
+                landed[-1].record(self._copies)
             dev_slots, ptrs = self._upload(slots, staging.ptrs(range(1))[0])
             size = chunks[0].shape[2]
-            for g, group in enumerate(staging.groups):
-                staging.copy(to_host=False, stream=self._copies, group=g)
-                self._stream.wait_stream(self._copies)
+            for group, event in zip(staging.groups, landed):
+                self._stream.wait_event(event)
                 a, b = group.start * size, min(group.stop * size, slots.numel())
                 self._kernel(dev_slots[a:b], ptrs[group.start : group.stop], size, False, layers)
         current.wait_stream(self._stream)
@@ -308,15 +312,18 @@ class TritonTransfer:
             return LazyLayers(self, slots, chunks)
         self._stream.wait_stream(torch.cuda.current_stream(self.kv.device))
         self._copies.wait_stream(self._stream)  # staging memory may still be read by earlier kernels
-        events = []
+        layers = range(self.kv.num_layers)
+        events, landed = [], []
         with torch.cuda.stream(self._stream):
             staging = _Staging(chunks, self.kv.device, layer_major=True) if self._staged(chunks) else None
-            layers = range(self.kv.num_layers)
+            for layer in layers if staging else ():  # PCIe starts before the tables go up
+                staging.copy(to_host=False, stream=self._copies, layer=layer)
+                landed.append(torch.cuda.Event())
+                landed[-1].record(self._copies)
             dev_slots, ptrs = self._upload(slots, staging.ptrs(layers) if staging else self._host_ptrs(chunks, layers))
             for layer in layers:
                 if staging:
-                    staging.copy(to_host=False, stream=self._copies, layer=layer)
-                    self._stream.wait_stream(self._copies)
+                    self._stream.wait_event(landed[layer])
                 self._kernel(dev_slots, ptrs[layer], chunks[0].shape[2], False, range(layer, layer + 1))
                 events.append(torch.cuda.Event())
                 events[-1].record(self._stream)
