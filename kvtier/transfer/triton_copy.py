@@ -265,12 +265,15 @@ class TritonTransfer:
         self._copies.wait_stream(self._stream)  # staging memory may still be read by earlier kernels
         with torch.cuda.stream(self._stream):
             staging = _Staging(chunks, self.kv.device, layer_major=False, groups=GROUPS)
-            landed = []  # every group's copy is queued first: PCIe starts before the tables go up
+            # The tables go up first: the copy engine takes host-to-device copies in
+            # the order they are queued, so tables queued behind the chunks would
+            # hold every kernel until all chunks had crossed.
+            dev_slots, ptrs = self._upload(slots, staging.ptrs(range(1))[0])
+            landed = []
             for g in range(len(staging.groups)):
                 staging.copy(to_host=False, stream=self._copies, group=g)
                 landed.append(torch.cuda.Event())
                 landed[-1].record(self._copies)
-            dev_slots, ptrs = self._upload(slots, staging.ptrs(range(1))[0])
             size = chunks[0].shape[2]
             for group, event in zip(staging.groups, landed):
                 self._stream.wait_event(event)
@@ -316,11 +319,12 @@ class TritonTransfer:
         events, landed = [], []
         with torch.cuda.stream(self._stream):
             staging = _Staging(chunks, self.kv.device, layer_major=True) if self._staged(chunks) else None
-            for layer in layers if staging else ():  # PCIe starts before the tables go up
+            # Tables first (see scatter): behind the layers they would hold layer 0's kernel to the end.
+            dev_slots, ptrs = self._upload(slots, staging.ptrs(layers) if staging else self._host_ptrs(chunks, layers))
+            for layer in layers if staging else ():
                 staging.copy(to_host=False, stream=self._copies, layer=layer)
                 landed.append(torch.cuda.Event())
                 landed[-1].record(self._copies)
-            dev_slots, ptrs = self._upload(slots, staging.ptrs(layers) if staging else self._host_ptrs(chunks, layers))
             for layer in layers:
                 if staging:
                     self._stream.wait_event(landed[layer])
