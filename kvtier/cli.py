@@ -45,10 +45,11 @@ def _bench_ttft(args: argparse.Namespace) -> int:
 
 
 def _bench_server(args: argparse.Namespace) -> int:
-    from kvtier.bench.server import ServerBenchConfig, run_server_bench, write_result
+    from kvtier.bench.server import TARGETS, ServerBenchConfig, run_server_bench, write_result
 
     cfg = ServerBenchConfig(sizes_mib=tuple(args.sizes), conns=tuple(args.conns), duration=args.duration,
-                            repeats=args.repeats)
+                            repeats=args.repeats, targets=tuple(args.targets or TARGETS),
+                            extras=not args.throughput_only)
     result = run_server_bench(cfg)
     if args.output:
         write_result(result, Path(args.output), "kvtier " + shlex.join(sys.argv[1:]))
@@ -143,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     sb.add_argument("--conns", type=int, nargs="+", default=[1, 2, 8], help="client connections")
     sb.add_argument("--duration", type=float, default=1.0, help="seconds per measurement")
     sb.add_argument("--repeats", type=int, default=3)
+    sb.add_argument("--targets", nargs="+", help="what to measure: raw raw-ring kvtier kvtier-shm redis redis-unix")
+    sb.add_argument("--throughput-only", action="store_true", help="skip latency, shared memory and serdes")
     sb.add_argument("--output", help="write the results to this JSON file")
     sb.set_defaults(fn=_bench_server)
 

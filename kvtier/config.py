@@ -54,7 +54,7 @@ class KvtierConfig:
     max_local_cpu_size: float = _doc("CPU RAM pool size, GiB", default=5.0)
     local_cpu_use_hugepages: bool = _doc("back the CPU pool with 2 MiB huge pages", default=False)
     save_unfull_chunk: bool = _doc("also store the partial last chunk of a prompt", default=False)
-    use_layerwise: bool = _doc("load layer i+1 while layer i computes", default=False)
+    use_layerwise: bool = _doc("move KV layer by layer, overlapped with compute (load and store)", default=False)
     local_disk: str | None = _doc("directory of the disk tier (not built yet)", default=None)
     max_local_disk_size: float = _doc("disk tier size, GB (not built yet)", default=0.0)
     remote_url: str | None = _doc(
