@@ -13,8 +13,10 @@ GPU; for each prompt length:
     floor  KV bytes / pinned H2D copy bandwidth + a one-token forward over the
            same context, both measured in the same run (layerwise: compared
            with max of the two instead of their sum)
-Medians over repeats; warm is also given as a ratio to its floor. Writes a
-JSON record and a PNG plot of TTFT against prompt length.
+Medians over repeats; warm is also given as a ratio to its floor, both as
+medians of each and paired (the median of per-repeat ratios, each warm run
+against the forward timed right after it). Writes a JSON record and a PNG
+plot of TTFT against prompt length.
 """
 
 from __future__ import annotations
@@ -57,14 +59,22 @@ class TTFTPoint:
     def floor_s(self) -> float:
         return self.load_floor_s + self.forward_1_s
 
+    def paired(self, ratio, warm: str) -> float:
+        """Median over repeats of ratio(warm_i, forward_i): each warm run against the
+        one-token forward timed right after it, so that slow drifts cancel."""
+        return statistics.median(ratio(w, f) for w, f in zip(self.samples[warm], self.samples["forward_1"]))
+
     def row(self) -> dict:
         return {"tokens": self.tokens, "hit_tokens": self.hit_tokens, "cold_s": round(self.cold_s, 4),
                 "warm_s": round(self.warm_s, 4), "floor_s": round(self.floor_s, 4),
                 "warm_over_floor": round(self.warm_s / self.floor_s, 3),
                 "speedup": round(self.cold_s / self.warm_s, 1),
+                "warm_over_floor_paired": round(self.paired(lambda w, f: w / (self.load_floor_s + f), "warm"), 3),
                 "warm_layerwise_s": round(self.warm_layerwise_s, 4),
                 "layerwise_over_max_load_forward": round(
                     self.warm_layerwise_s / max(self.load_floor_s, self.forward_1_s), 3),
+                "layerwise_over_max_paired": round(
+                    self.paired(lambda w, f: w / max(self.load_floor_s, f), "warm_layerwise"), 3),
                 "load_floor_s": round(self.load_floor_s, 4), "forward_1_s": round(self.forward_1_s, 4),
                 "cold_store_s": round(self.cold_store_s, 4),
                 "cold_store_over_cold": round(self.cold_store_s / self.cold_s, 3),

@@ -181,6 +181,9 @@ class TritonTransfer:
         self._layer_ptrs = torch.tensor(
             [t.data_ptr() for t in kv.layers], dtype=torch.int64, device=kv.device
         )
+        # Per-layer launches pass one of these; slicing anew per launch is host time
+        # in front of a forward pass that is itself host-bound.
+        self._one_layer = [self._layer_ptrs[i : i + 1] for i in range(kv.num_layers)]
         w = kv.heads * kv.head_size
         self._block = min(triton.next_power_of_2(w), 4096)
         on_cuda = kv.device.type == "cuda"
@@ -207,8 +210,9 @@ class TritonTransfer:
         total = slots.numel()
         s_k, s_b, s_n, s_h = self._strides
         grid = (total, len(layers) * kv.kv)
+        tables = self._one_layer[layers.start] if len(layers) == 1 else self._layer_ptrs[layers.start : layers.stop]
         _kv_copy_kernel[grid](
-            kv.layers[0], self._layer_ptrs[layers.start : layers.stop], ptrs, slots, total, chunk_size,
+            kv.layers[0], tables, ptrs, slots, total, chunk_size,
             s_k, s_b, s_n, s_h, kv.block_size, kv.heads * kv.head_size, kv.head_size,
             K=kv.kv, TO_CHUNK=to_chunk, BLOCK=self._block,
         )
@@ -325,10 +329,10 @@ class TritonTransfer:
                 staging.copy(to_host=False, stream=self._copies, layer=layer)
                 landed.append(torch.cuda.Event())
                 landed[-1].record(self._copies)
-            for layer in layers:
+            for layer, row in zip(layers, ptrs.unbind(0)):
                 if staging:
                     self._stream.wait_event(landed[layer])
-                self._kernel(dev_slots, ptrs[layer], chunks[0].shape[2], False, range(layer, layer + 1))
+                self._kernel(dev_slots, row, chunks[0].shape[2], False, range(layer, layer + 1))
                 events.append(torch.cuda.Event())
                 events[-1].record(self._stream)
         return LayerEvents(events, self._stream, self._copies, staging)
