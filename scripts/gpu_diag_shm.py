@@ -1,5 +1,5 @@
 """Diagnostics: is memory of a shared memfd mapping slower to copy than private memory, on this host?"""
-import mmap, os, time, sys
+import mmap, os, time
 from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
