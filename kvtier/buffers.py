@@ -76,13 +76,11 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def run_copy(pairs: Copy) -> None:
-    """Do a copy: in this thread, or over the copy threads when it is large."""
-    if COPY_THREADS == 1 or sum(len(a) for a, _ in pairs) < PARALLEL_FROM:
-        for a, b in pairs:
-            a[:] = b
-        return
-    pieces = [(a[i : i + _PIECE], b[i : i + _PIECE]) for a, b in pairs for i in range(0, len(a), _PIECE)]
-    list(_executor().map(_copy_piece, pieces))
+    """Do a copy: in this thread, or in pieces over the copy threads when it is large."""
+    nbytes = sum(len(a) for a, _ in pairs)
+    if nbytes >= PARALLEL_FROM:
+        pairs = [(a[i : i + _PIECE], b[i : i + _PIECE]) for a, b in pairs for i in range(0, len(a), _PIECE)]
+    parallel(_copy_piece, pairs, nbytes)
 
 
 def parallel(fn: Callable[[T], R], items: Sequence[T], nbytes: int) -> list[R]:

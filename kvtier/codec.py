@@ -78,8 +78,8 @@ class Codec:
         """Write the chunk held in `value` into `out` (exactly its size); num_tokens, or CorruptPayload."""
         value = memoryview(value).cast("B")
         out = memoryview(out).cast("B")
-        serde, shuf, num_tokens = self._check(value[: HEADER.size], value[HEADER.size :], len(out))
         payload = value[HEADER.size :]
+        serde, shuf, num_tokens = self._check(value[: HEADER.size], payload, len(out))
         if serde == SERDES["naive"]:
             out[:] = payload
         elif serde == SERDES["lz4"]:

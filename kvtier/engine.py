@@ -114,19 +114,19 @@ class CacheEngine:
             todo = [s for s, new in zip(todo, self.tiers.missing([s.key for s in todo])) if new]
         blocks = self._allocate(todo, request_id)
         todo = todo[: len(blocks)]
+        owned = list(zip(todo, blocks))
         handle = None
-        if todo:
+        if owned:
             try:
-                chunks = [b.view(self.kv.dtype, self.kv.chunk_shape(s.num_tokens)) for s, b in zip(todo, blocks)]
+                chunks = [b.view(self.kv.dtype, self.kv.chunk_shape(s.num_tokens)) for s, b in owned]
                 if layerwise:
                     handle = self.transfer.gather_layerwise(_concat_slots(slots, todo), chunks)
                 else:
                     self.transfer.gather(_concat_slots(slots, todo), chunks)
             except BaseException:
-                for block in blocks:
-                    block.release()
+                _release(owned)
                 raise
-        return Storing(self, list(zip(todo, blocks)), handle, t0, len(slots), request_id)
+        return Storing(self, owned, handle, t0, len(slots), request_id)
 
     def _allocate(self, spans: list[ChunkSpan], request_id: str) -> list[MemoryBlock]:
         blocks = []
@@ -306,9 +306,10 @@ class Storing:
         except BaseException:
             _release(chunks)
             raise
-        if self._handle is not None and self._handle.unsaved():
+        unsaved = self._handle.unsaved() if self._handle is not None else []
+        if unsaved:
             log.warning("request %s: layers %s were never saved; its store of %d tokens is dropped",
-                        self._request_id or "-", self._handle.unsaved(), _tokens(chunks))
+                        self._request_id or "-", unsaved, _tokens(chunks))
             _release(chunks)
             return 0
         engine = self._engine

@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import gzip
 import shutil
-import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvtier.bench.offload import OffloadShape
+from kvtier.bench.offload import timed as timed_on
 from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
 from kvtier.keys import KVFormat
@@ -45,11 +45,7 @@ def trace(name: str, out: Path | None, fn) -> None:
 
 
 def timed(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return timed_on(fn, torch.device("cuda"))
 
 
 def offload(tokens: int, out: Path) -> None:

@@ -83,7 +83,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, device: torch.device) -> float:
+def timed(fn, device: torch.device) -> float:
+    """Seconds `fn` takes, its device work included."""
     _sync(device)
     t0 = time.perf_counter()
     fn()
@@ -98,8 +99,8 @@ def copy_bandwidth(nbytes: int, device: torch.device) -> tuple[float, float]:
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host.fill_(1)
     dev.fill_(2)
-    d2h = _timed(lambda: host.copy_(dev, non_blocking=True), device)
-    h2d = _timed(lambda: dev.copy_(host, non_blocking=True), device)
+    d2h = timed(lambda: host.copy_(dev, non_blocking=True), device)
+    h2d = timed(lambda: dev.copy_(host, non_blocking=True), device)
     return nbytes / d2h / 1e9, nbytes / h2d / 1e9
 
 
@@ -135,8 +136,8 @@ def run_offload(
                            machine_name(dev), dt.date.today().isoformat(), kv_bytes)
     for i in tqdm(range(repeats + 1), desc=f"offload {shape.tokens} tok", disable=not progress):
         engine.clear()
-        t_store = _timed(lambda: engine.store(tokens, store_slots), dev)
-        t_load = _timed(lambda: engine.retrieve(tokens, load_slots), dev)
+        t_store = timed(lambda: engine.store(tokens, store_slots), dev)
+        t_load = timed(lambda: engine.retrieve(tokens, load_slots), dev)
         d2h, h2d = copy_bandwidth(kv_bytes, dev)
         if i == 0:  # warm-up run: check correctness, keep no figures
             _check_roundtrip(kv, store_slots, load_slots, shape.block_size)

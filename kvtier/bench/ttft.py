@@ -26,16 +26,16 @@ import datetime as dt
 import json
 import logging
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvtier.bench.offload import copy_bandwidth, machine_name
+from kvtier.bench.offload import copy_bandwidth, machine_name, timed
 from kvtier.config import KvtierConfig
 from kvtier.integrations.hf import HFSession, KvtierCache
 
+CUDA = torch.device("cuda")
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
                 rope_theta=500000.0)
@@ -94,11 +94,7 @@ def _kv_bytes_per_token(model) -> int:
 
 
 def _timed(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return timed(fn, CUDA)
 
 
 def build_model(layers: int | None = None):

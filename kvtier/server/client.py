@@ -103,6 +103,7 @@ class KVClient:
 
         self._get(keys, into)
         return filled
+
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return [bool(b) for b in self._simple(p.Op.EXISTS, p.encode_keys(keys))]
 

@@ -32,6 +32,7 @@ Correctness is also checked on CPU with TRITON_INTERPRET=1.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -228,6 +229,16 @@ class TritonTransfer:
             return False
         return not (self.direct and all(c.is_pinned() for c in chunks))
 
+    def _layerwise_tables(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]
+                          ) -> tuple[_Staging | None, torch.Tensor, torch.Tensor]:
+        """Layer-major staging (None where the kernel reaches the chunks itself)
+        and the device slot table and [layer, chunk] address table; on the
+        current stream."""
+        layers = range(self.kv.num_layers)
+        staging = _Staging(chunks, self.kv.device, layer_major=True) if self._staged(chunks) else None
+        dev_slots, ptrs = self._upload(slots, staging.ptrs(layers) if staging else self._host_ptrs(chunks, layers))
+        return staging, dev_slots, ptrs
+
     def _in_place(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], to_chunk: bool, layers: range) -> None:
         """Chunks the kernel reaches itself (device memory, the interpreter, pinned with `direct`):
         one launch on the current stream."""
@@ -322,9 +333,8 @@ class TritonTransfer:
         layers = range(self.kv.num_layers)
         events, landed = [], []
         with torch.cuda.stream(self._stream):
-            staging = _Staging(chunks, self.kv.device, layer_major=True) if self._staged(chunks) else None
             # Tables first (see scatter): behind the layers they would hold layer 0's kernel to the end.
-            dev_slots, ptrs = self._upload(slots, staging.ptrs(layers) if staging else self._host_ptrs(chunks, layers))
+            staging, dev_slots, ptrs = self._layerwise_tables(slots, chunks)
             for layer in layers if staging else ():
                 staging.copy(to_host=False, stream=self._copies, layer=layer)
                 landed.append(torch.cuda.Event())
@@ -367,16 +377,9 @@ class LayerSaves:
         self._t, self._chunks = transfer, list(chunks)
         self._saved = [False] * transfer.kv.num_layers
         self._stream = transfer._stream
-        layers = range(transfer.kv.num_layers)
-        if self._stream is None:  # the interpreter: kernels write the host chunks directly, at once
-            self._staging = None
-            self._slots, self._ptrs = transfer._upload(slots, transfer._host_ptrs(chunks, layers))
-            return
-        with torch.cuda.stream(self._stream):
-            self._staging = _Staging(chunks, transfer.kv.device, layer_major=True) \
-                if transfer._staged(chunks) else None
-            ptrs = self._staging.ptrs(layers) if self._staging else transfer._host_ptrs(chunks, layers)
-            self._slots, self._ptrs = transfer._upload(slots, ptrs)
+        # The interpreter has no stream: its kernels write the host chunks directly.
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            self._staging, self._slots, self._ptrs = transfer._layerwise_tables(slots, chunks)
 
     def save(self, layer: int) -> None:
         if self._saved[layer]:
