@@ -70,6 +70,7 @@ def _server(args: argparse.Namespace) -> int:
             evict_low=args.evict_min_threshold, evict_high=args.evict_max_threshold,
             auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV), dev_name=args.dev_name,
             link_type=args.link_type, hint_gid_index=args.hint_gid_index, shm=not args.no_shm,
+            **({} if args.io_threads is None else {"io_threads": args.io_threads}),
         )
     except ValueError as e:
         print(f"kvtier server: {e}", file=sys.stderr)
@@ -137,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--link-type", default="IB", choices=["IB", "Ethernet"], help="RDMA link type")
     srv.add_argument("--hint-gid-index", type=int, help="RDMA GID index (RoCE in Kubernetes)")
     srv.add_argument("--no-shm", action="store_true", help="no same-host shared-memory path")
+    srv.add_argument("--io-threads", type=int,
+                     help="event loops (one thread each) serving client connections; default: CPUs, at most 4")
     srv.set_defaults(fn=_server)
 
     sb = bench.add_parser("server", help="store server vs raw loopback TCP and redis-server")

@@ -1,9 +1,15 @@
 """`kvtier server`: the store server process (InfiniStore's role).
 
-One uvloop event loop serves every client connection (connection.py) and
-the management HTTP API (manage.py); there is no thread per client. The
-value pool is allocated once at start (pool.py) and indexed with LRU
-eviction between watermarks (index.py).
+Client connections (connection.py) are served by a few uvloop event loops,
+one per I/O thread (`--io-threads`, default: the CPUs, at most 4); the main
+loop accepts, hands each new connection to the next loop in turn, and also
+runs the management HTTP API (manage.py). A connection stays on its loop;
+there is no thread per client. More than one loop because one thread moves
+bytes on one core: on a 2-core VM, one loop (or a plain epoll server) got
+4.4 GB/s of loopback puts from two clients, two loops 7.8, a thread per
+connection 5.5-9 (docs/benchmarks.md). The value pool is allocated once at
+start (pool.py) and indexed with LRU eviction between watermarks
+(index.py), one lock for all loops.
 
 RDMA: the flags InfiniStore takes (--dev-name, --link-type,
 --hint-gid-index) are accepted. Without that device the server says so in
@@ -14,8 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import itertools
 import os
 import signal
+import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +54,8 @@ class ServerOptions:
     link_type: str = "IB"
     hint_gid_index: int | None = None
     shm: bool = True  # offer the same-host shared-memory path
+    io_threads: int = min(os.cpu_count() or 1, 4)  # event loops serving connections
+
 
     def __post_init__(self) -> None:
         if not is_loopback(self.host) and not self.auth_token:
@@ -54,6 +65,8 @@ class ServerOptions:
             )
         if self.link_type not in ("IB", "Ethernet"):
             raise ValueError(f"--link-type {self.link_type!r}: expected IB or Ethernet")
+        if self.io_threads < 1:
+            raise ValueError(f"--io-threads {self.io_threads}: need at least 1")
 
 
 def is_loopback(host: str) -> bool:
@@ -90,14 +103,7 @@ class ServerState:
         self.rdma_note = rdma_note(opts)
 
     def stats(self) -> dict:
-        s = self.index.stats
-        return {
-            "keys": len(self.index), "value_bytes": self.index.value_bytes, "used_bytes": self.pool.used_bytes,
-            "capacity_bytes": self.pool.capacity, "hits": s.hits, "misses": s.misses,
-            "evictions": s.evictions, "puts": s.puts, "rejected_puts": s.rejected_puts,
-            "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "connections": s.connections,
-            "accepted_connections": s.accepted_connections, "protocol_errors": s.protocol_errors,
-        }
+        return self.index.snapshot()
 
     def close(self) -> None:
         try:
@@ -106,20 +112,51 @@ class ServerState:
             pass
 
 
+class _LoopThread:
+    """One more event loop, on its own thread, for client connections."""
+
+    def __init__(self, name: str) -> None:
+        import uvloop
+
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+async def _accept(listener: socket.socket, state: ServerState, loops: list[asyncio.AbstractEventLoop]) -> None:
+    """Accept connections and give them to the loops in turn."""
+    loop = asyncio.get_running_loop()
+    for target in itertools.cycle(loops):
+        sock, _ = await loop.sock_accept(listener)
+        serve_on = target.connect_accepted_socket(lambda: Connection(state), sock)
+        if target is loop:
+            loop.create_task(serve_on)
+        else:
+            asyncio.run_coroutine_threadsafe(serve_on, target)
+
+
 async def serve(opts: ServerOptions, ready: asyncio.Event | None = None) -> None:
     """Run until SIGINT/SIGTERM (or cancellation)."""
     from kvtier.server.manage import start_management
 
     state = ServerState(opts)
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: Connection(state), opts.host, opts.service_port,
-                                      reuse_address=True)
+    family = socket.getaddrinfo(opts.host, opts.service_port, type=socket.SOCK_STREAM)[0][0]
+    listener = socket.create_server((opts.host, opts.service_port), family=family, backlog=512)
+    listener.setblocking(False)
+    workers = [_LoopThread(f"kvtier-io-{i}") for i in range(1, opts.io_threads)]
+    acceptor = loop.create_task(_accept(listener, state, [loop, *(w.loop for w in workers)]))
     runner = await start_management(state, opts.host, opts.manage_port, opts.auth_token)
     if state.rdma_note:
         log.warning(state.rdma_note)
-    log.info("kvtier server on %s:%d (TCP%s), management http://%s:%d, pool %.2f GB in %d pages of %d KiB",
-             opts.host, opts.service_port, ", same-host shared memory" if opts.shm else "", opts.host,
-             opts.manage_port, state.pool.capacity / 1e9, state.pool.num_pages, opts.page_size >> 10)
+    log.info("kvtier server on %s:%d (TCP%s, %d I/O threads), management http://%s:%d, "
+             "pool %.2f GB in %d pages of %d KiB", opts.host, opts.service_port,
+             ", same-host shared memory" if opts.shm else "", opts.io_threads, opts.host, opts.manage_port,
+             state.pool.capacity / 1e9, state.pool.num_pages, opts.page_size >> 10)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -129,7 +166,10 @@ async def serve(opts: ServerOptions, ready: asyncio.Event | None = None) -> None
         await stop.wait()
     finally:
         log.info("kvtier server stopping")
-        server.close()
+        acceptor.cancel()
+        listener.close()
+        for worker in workers:
+            worker.stop()
         await runner.cleanup()
         state.close()
 

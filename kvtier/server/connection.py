@@ -20,18 +20,21 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
+import os
 import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from kvtier.logs import get_logger
 from kvtier.server import protocol as p
-from kvtier.server.index import Entry
+from kvtier.server.index import Entry, PoolFull, TooLarge
 
 if TYPE_CHECKING:
     from kvtier.server.app import ServerState
 
 log = get_logger("kvtier.server")
+
+_IOV_MAX = 1024
 
 
 class _Read(enum.Enum):
@@ -65,6 +68,7 @@ class Connection(asyncio.BufferedProtocol):
         self._discard_left = 0
         self._refusal: tuple[p.Status, str] | None = None
         self._held: list[Entry] = []  # pinned by replies still in the transport
+        self._sock: socket.socket | None = None  # the transport's socket, for `_send_now`
         self._tickets: dict[int, _PendingPut | list[Entry]] = {}  # shared-memory puts and leases
         self._ticket_ids = itertools.count(1)
         self._handlers: dict[int, Callable[[p.Header, memoryview], None]] = {
@@ -82,16 +86,18 @@ class Connection(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = socket.socket(sock.family, sock.type, fileno=os.dup(sock.fileno()))
+            self._sock.setblocking(False)
         self.peer = "%s:%s" % tuple(transport.get_extra_info("peername") or ("?", "?"))[:2]
-        self.index.stats.connections += 1
-        self.index.stats.accepted_connections += 1
+        self.index.count(connections=1, accepted_connections=1)
         log.debug("connection from %s", self.peer)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.index.stats.connections -= 1
-        if self._put is not None:
-            for pages in self._put.pages:  # a put cut off mid-value is never seen
-                self.index.abort(pages)
+        self.index.count(connections=-1)
+        if self._sock is not None:
+            self._sock.close()
+        if self._put is not None:  # a put cut off mid-value is never seen
+            self.index.abort(self._put.pages)
             self._put = None
         for ticket in list(self._tickets):
             self._drop_ticket(ticket)
@@ -161,7 +167,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def _close(self, reason: str) -> None:
         log.warning("closing connection from %s: %s", self.peer, reason)
-        self.index.stats.protocol_errors += 1
+        self.index.count(protocol_errors=1)
         self._read = _Read.CLOSED
         self.transport.abort()
 
@@ -185,27 +191,16 @@ class Connection(asyncio.BufferedProtocol):
             self._finish_put()
 
     def _reserve(self, keys: list[bytes], sizes: list[int]) -> _PendingPut | tuple[p.Status, str]:
-        too_large = [s for s in sizes if s > self.pool.capacity]
-        if too_large:
-            self.index.stats.rejected_puts += len(keys)
-            return p.Status.TOO_LARGE, (f"value of {too_large[0]} bytes is larger than the server's whole "
-                                        f"pool ({self.pool.capacity} bytes; see --prealloc-size)")
-        reserved: list[list[int]] = []
-        for size in sizes:
-            pages = self.index.reserve(size)
-            if pages is None:
-                for got in reserved:
-                    self.index.abort(got)
-                self.index.stats.rejected_puts += len(keys)
-                return p.Status.POOL_FULL, (f"pool full: no room for {sum(sizes)} bytes even after evicting "
-                                            "every value not being read")
-            reserved.append(pages)
-        return _PendingPut(keys, sizes, reserved)
+        try:
+            return _PendingPut(keys, sizes, self.index.reserve(sizes))
+        except TooLarge as e:
+            return p.Status.TOO_LARGE, str(e)
+        except PoolFull as e:
+            return p.Status.POOL_FULL, str(e)
 
     def _finish_put(self) -> None:
         put, self._put, self._targets = self._put, None, []
-        for key, pages, size in zip(put.keys, put.pages, put.sizes):
-            self.index.commit(key, pages, size)
+        self.index.commit(put.keys, put.pages, put.sizes)
         self._next_frame()
         self._reply(self._header)
 
@@ -228,13 +223,10 @@ class Connection(asyncio.BufferedProtocol):
 
     def _get(self, h: p.Header, meta: memoryview) -> None:
         keys, _ = p.decode_keys(meta)
-        entries = [self.index.get(k) for k in keys]
+        entries = self.index.lease(keys)
         present = [e for e in entries if e is not None]
         views = [v for e in present for v in self.pool.views(e.pages, e.size)]
-        for e in present:
-            self.index.pin(e)
         nbytes = sum(e.size for e in present)
-        self.index.stats.bytes_out += nbytes
         self._reply(h, meta=p.encode_sizes([p.MISSING if e is None else e.size for e in entries]),
                     payload=views, payload_len=nbytes, pins=present)
 
@@ -270,16 +262,12 @@ class Connection(asyncio.BufferedProtocol):
         put = self._tickets.pop(p.decode_u32(meta), None)
         if not isinstance(put, _PendingPut):
             raise p.ProtocolError("PUT_COMMIT of a ticket that is not a pending put")
-        for key, pages, size in zip(put.keys, put.pages, put.sizes):
-            self.index.commit(key, pages, size)
+        self.index.commit(put.keys, put.pages, put.sizes)
 
     def _get_shm(self, h: p.Header, meta: memoryview) -> None:
         keys, _ = p.decode_keys(meta)
-        entries = [self.index.get(k) for k in keys]
+        entries = self.index.lease(keys)
         lease = [e for e in entries if e is not None]
-        for e in lease:
-            self.index.pin(e)
-        self.index.stats.bytes_out += sum(e.size for e in lease)
         ticket = next(self._ticket_ids)
         self._tickets[ticket] = lease
         self._reply(h, meta=p.encode_extents(ticket, [
@@ -291,26 +279,42 @@ class Connection(asyncio.BufferedProtocol):
     def _drop_ticket(self, ticket: int) -> None:
         held = self._tickets.pop(ticket, None)
         if isinstance(held, _PendingPut):
-            for pages in held.pages:
-                self.index.abort(pages)
+            self.index.abort(held.pages)
         elif held is not None:
-            for entry in held:
-                self.index.unpin(entry)
+            self.index.release(held)
 
     # -- writing -------------------------------------------------------------------------------
 
     def _reply(self, h: p.Header, *, meta: bytes = b"", status: p.Status = p.Status.OK,
                payload: list[memoryview] = (), payload_len: int = 0, pins: list[Entry] = ()) -> None:
         head = p.pack_header(h.op | p.REPLY, h.req_id, len(meta), payload_len, flags=status) + meta
-        if payload:
-            self.transport.writelines([head, *payload])
-        else:
-            self.transport.write(head)
+        rest = self._send_now([head, *payload]) if self._sock is not None else [head, *payload]
+        if rest:
+            self.transport.writelines(rest)
         self._held.extend(pins)
         if self.transport.get_write_buffer_size() == 0:
             self._release_held()
 
+    def _send_now(self, parts: list) -> list[memoryview]:
+        """Send what the kernel takes at once, through our own socket object
+        (its send releases the GIL, so other loops run meanwhile; the
+        transport's first write holds it); the rest is for the transport."""
+        if self.transport.get_write_buffer_size():
+            return parts  # behind earlier bytes
+        views = [memoryview(x).cast("B") for x in parts]
+        try:
+            sent = self._sock.sendmsg(views[:_IOV_MAX])
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            return views  # the transport meets the same error and closes the connection
+        while views and sent >= len(views[0]):
+            sent -= len(views.pop(0))
+        if sent:
+            views[0] = views[0][sent:]
+        return views
+
     def _release_held(self) -> None:
         held, self._held = self._held, []
-        for entry in held:
-            self.index.unpin(entry)
+        if held:
+            self.index.release(held)
