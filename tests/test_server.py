@@ -26,7 +26,8 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def srv():
-    with kvtier_server(0.0625, "--dev-name", "mlx5_0", "--link-type", "Ethernet", "--hint-gid-index", "3") as s:
+    with kvtier_server(0.0625, "--dev-name", "mlx5_0", "--link-type", "Ethernet", "--hint-gid-index", "3",
+                       "--io-threads", "3") as s:
         yield s
 
 
@@ -194,7 +195,18 @@ def test_a_killed_server_is_remote_unavailable_and_the_client_reconnects_after_r
         assert bytes(c.get([b"k"])[0]) == b"v2"
 
 
-def test_many_clients_at_once_are_served_by_one_loop(srv):
+def test_a_server_that_stops_answering_is_remote_unavailable_within_the_timeout():
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog), never answers
+        c = KVClient("127.0.0.1", silent.getsockname()[1], timeout=0.5)
+        t0 = time.monotonic()
+        with pytest.raises(RemoteUnavailable, match="no progress within 0.5 s"):
+            c.exists([b"k"])
+        assert time.monotonic() - t0 < 2
+
+
+def test_many_clients_at_once_share_a_fixed_set_of_loops_and_always_read_whole_values(srv):
+    # 16 clients over 3 loops, 80 MiB of puts into a 64 MiB pool: values are
+    # evicted on one loop while another reads them; a read is the value or a miss.
     import threading
 
     errors = []
@@ -203,7 +215,7 @@ def test_many_clients_at_once_are_served_by_one_loop(srv):
         try:
             c = client(srv, shm=i % 2 == 0)
             for j in range(20):
-                value = os.urandom(64 * 1024 + i)
+                value = os.urandom(256 * 1024 + i)
                 c.put([b"c%d-%d" % (i, j)], [value])
                 got = c.get([b"c%d-%d" % (i, j)])[0]
                 assert got is None or bytes(got) == value  # None only if evicted meanwhile
@@ -211,11 +223,15 @@ def test_many_clients_at_once_are_served_by_one_loop(srv):
             errors.append(e)
 
     server = psutil.Process(srv.procs[0].pid)
-    before = len(server.threads())
+    before = {t.id: t.user_time + t.system_time for t in server.threads()}
+    evictions = client(srv).stats()["evictions"]
     threads = [threading.Thread(target=work, args=(i,)) for i in range(16)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert not errors
-    assert len(server.threads()) == before  # no thread per client
+    after = {t.id: t.user_time + t.system_time for t in server.threads()}
+    assert after.keys() == before.keys()  # no thread per client
+    assert sum(after[t] > before[t] for t in after) >= 3  # every loop served some
+    assert client(srv).stats()["evictions"] > evictions

@@ -18,7 +18,8 @@ One run measures, on this machine:
                 same-host fast path);
   every get lands in the caller's buffer (as a pool block in the engine);
   reported as tcp_vs_raw (kvtier/raw), tcp_vs_raw_ring, tcp_vs_redis (kvtier/redis) and
-  same_host_vs_redis (kvtier-shm / the faster of the two redis paths);
+  same_host_vs_redis (kvtier-shm / the faster of the two redis paths), each
+  as a ratio of medians and as the median of per-repeat ratios (`_paired`);
 - p50/p99 latency of exists and match-prefix over 64 keys;
 - the same-host shared-memory path (put and get of 4 MiB values, one and
   eight per call as the engine's writer batches them) against memcpy;
@@ -281,11 +282,14 @@ def _cell(clients: _Clients, targets: dict[str, str], cfg: ServerBenchConfig, si
               "tcp_vs_redis": ("kvtier", "redis"), "same_host_vs_redis": ("kvtier-shm", "redis*")}
     for name, (a, b) in ratios.items():
         if b == "redis*":  # the faster of redis-server's two paths
-            b_gbps = max((cell[f"{t}_GBps"] for t in ("redis", "redis-unix") if t in targets), default=None)
+            b_runs = [max(pair) for pair in zip(*(runs[t] for t in ("redis", "redis-unix") if t in targets))]
         else:
-            b_gbps = cell.get(f"{b}_GBps")
-        if a in targets and b_gbps:
-            cell[name] = round(cell[f"{a}_GBps"] / b_gbps, 3)
+            b_runs = runs.get(b, [])
+        if a in targets and b_runs:
+            cell[name] = round(cell[f"{a}_GBps"] / statistics.median(b_runs), 3)
+            # the same ratio within each repeat (targets ran back to back), then the median:
+            # a slow second on a shared machine then hits both sides of the ratio
+            cell[name + "_paired"] = round(statistics.median(x / y for x, y in zip(runs[a], b_runs)), 3)
     return cell
 
 

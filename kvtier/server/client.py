@@ -22,6 +22,7 @@ import itertools
 import mmap
 import os
 import socket
+import struct
 import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -144,6 +145,12 @@ class KVClient:
         except OSError as e:
             raise RemoteUnavailable(f"kvtier server {self.host}:{self.port} unreachable: {e}") from e
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Blocking, with the timeout kept by the kernel: Python's own timeout
+        # polls before every call, and a blocking recv can wait for a whole value.
+        sock.settimeout(None)
+        limit = struct.pack("ll", int(self.timeout), int(self.timeout % 1 * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
         link = _Link(sock, {}, None, None)
         _, meta = self._call(link, p.Op.HELLO, p.encode_json({"host_id": p.host_id() if self.use_shm else ""}))
         link.info = p.decode_json(meta)
@@ -223,6 +230,8 @@ class KVClient:
                 self._fail(link, e)
 
     def _fail(self, link: _Link, e: Exception) -> None:
+        if isinstance(e, BlockingIOError):  # SO_RCVTIMEO / SO_SNDTIMEO ran out
+            e = TimeoutError(f"no progress within {self.timeout} s")
         if link is self._link:
             self._drop()
         else:
@@ -248,7 +257,7 @@ _IOV_MAX = 1024
 
 def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
     while len(view):
-        n = sock.recv_into(view)
+        n = sock.recv_into(view, 0, socket.MSG_WAITALL)
         if n == 0:
             raise ConnectionError("server closed the connection")
         view = view[n:]
