@@ -95,6 +95,21 @@ def test_a_full_pool_evicts_oldest_first_down_to_the_low_watermark(srv):
     assert c.exists([keys[0], keys[-1]]) == [False, True]
 
 
+@pytest.mark.parametrize("size", [(1 << 20) - 1, 1 << 20, (1 << 20) + 1, (3 << 20) + 17, 9 << 20])
+def test_values_around_the_wakeup_mark_arrive_whole_and_never_stall(srv, size):
+    # The server asks the kernel to wake it once per MiB of a PUT's values
+    # (SO_RCVLOWAT), never for more than the value still owes; a fresh
+    # connection starts with a small receive window.
+    value = os.urandom(size)
+    for attempt in range(3):
+        c = client(srv, shm=False)
+        t0 = time.monotonic()
+        c.put([b"mark-%d" % size], [value])
+        assert bytes(c.get([b"mark-%d" % size])[0]) == value
+        assert time.monotonic() - t0 < 2  # a stalled wakeup waits for a TCP timer (200 ms and up)
+        c.close()
+
+
 def test_a_value_larger_than_the_pool_is_a_clear_error(srv):
     c = client(srv, shm=False)
     with pytest.raises(ValueTooLarge, match="larger than the server's whole pool"):

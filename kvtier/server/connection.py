@@ -21,7 +21,9 @@ import asyncio
 import enum
 import itertools
 import os
+import platform
 import socket
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -34,7 +36,17 @@ if TYPE_CHECKING:
 
 log = get_logger("kvtier.server")
 
+
+def _kernel() -> tuple[int, ...]:
+    release = platform.release().split("-")[0].split(".")
+    return tuple(int(x) for x in release[:2] if x.isdigit())
+
+
 _IOV_MAX = 1024
+# A PUT's values wake the loop once per _LOWAT bytes (SO_RCVLOWAT). Kernels
+# since 5.10 wake a reader anyway when its receive window closes, so a
+# low-water mark above what the window lets in cannot stall the stream.
+_LOWAT = 1 << 20 if sys.platform == "linux" and _kernel() >= (5, 10) else 0
 
 
 class _Read(enum.Enum):
@@ -66,6 +78,8 @@ class Connection(asyncio.BufferedProtocol):
         self._targets: list[memoryview] = []
         self._target = 0
         self._discard_left = 0
+        self._left = 0  # payload bytes still to come
+        self._lowat = 1  # the socket's SO_RCVLOWAT
         self._refusal: tuple[p.Status, str] | None = None
         self._held: list[Entry] = []  # pinned by replies still in the transport
         self._sock: socket.socket | None = None  # the transport's socket, for `_send_now`
@@ -139,6 +153,9 @@ class Connection(asyncio.BufferedProtocol):
             return
         self._got += nbytes
         if self._read is _Read.PAYLOAD:
+            self._left -= nbytes
+            if self._lowat > max(self._left, 1):
+                self._set_lowat(self._left)
             while self._target < len(self._targets) and self._got == len(self._targets[self._target]):
                 self._target, self._got = self._target + 1, 0
             if self._target == len(self._targets):
@@ -187,8 +204,18 @@ class Connection(asyncio.BufferedProtocol):
         self._put = put
         self._targets = [v for pages, size in zip(put.pages, sizes) for v in self.pool.views(pages, size)]
         self._read, self._target, self._got = _Read.PAYLOAD, 0, 0
+        self._left = h.payload_len
         if not self._targets:
             self._finish_put()
+        elif self._sock is not None and _LOWAT:
+            self._set_lowat(min(self._left, _LOWAT))
+
+    def _set_lowat(self, nbytes: int) -> None:
+        """Wake this loop for the connection only once `nbytes` have arrived
+        (SO_RCVLOWAT): a value then comes in a few large reads, not dozens of
+        small ones each with its wakeup and callbacks."""
+        self._lowat = max(nbytes, 1)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, self._lowat)
 
     def _reserve(self, keys: list[bytes], sizes: list[int]) -> _PendingPut | tuple[p.Status, str]:
         try:
