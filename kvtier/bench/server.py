@@ -237,10 +237,13 @@ def run_server_bench(cfg: ServerBenchConfig, progress=print) -> dict:
     result: dict = {"machine": _machine(), "date": time.strftime("%Y-%m-%d"), "config": cfg.__dict__,
                     "throughput": [], "latency": {}, "shm": {}, "serde": {}}
     try:
-        with kvtier_server(1.0) as kv, redis_server() as rd:
+        # One kvtier server per kvtier target, as a node reaches its server by one
+        # path: the client processes keep a connection to every target, and a
+        # server balances connections, not the bytes each will move.
+        with kvtier_server(1.0) as kv, kvtier_server(1.0) as kv_shm, redis_server() as rd:
             kv_addr = f"127.0.0.1:{kv.ports[0]}"
-            targets = {"raw": str(raw_port), "raw-ring": str(ring_port), "kvtier": kv_addr, "kvtier-shm": kv_addr,
-                       "redis": rd.url, "redis-unix": rd.unix_socket}
+            targets = {"raw": str(raw_port), "raw-ring": str(ring_port), "kvtier": kv_addr,
+                       "kvtier-shm": f"127.0.0.1:{kv_shm.ports[0]}", "redis": rd.url, "redis-unix": rd.unix_socket}
             targets = {t: a for t, a in targets.items() if t in cfg.targets}
             for size in cfg.sizes_mib:
                 for conns in cfg.conns:
@@ -253,7 +256,7 @@ def run_server_bench(cfg: ServerBenchConfig, progress=print) -> dict:
             if cfg.extras:
                 result["latency"] = _latency(kv_addr, rd.url, cfg.latency_iters)
                 progress(f"latency over 64 keys: {result['latency']}")
-                result["shm"] = _shm(clients, kv_addr, cfg)
+                result["shm"] = _shm(clients, targets.get("kvtier-shm", kv_addr), cfg)
                 progress(f"shared memory: {result['shm']}")
     finally:
         clients.close()

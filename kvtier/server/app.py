@@ -2,7 +2,7 @@
 
 Client connections (connection.py) are served by a few uvloop event loops,
 one per I/O thread (`--io-threads`, default: the CPUs, at most 4); the main
-loop accepts, hands each new connection to the next loop in turn, and also
+loop accepts, hands each new connection to the loop serving the fewest, and also
 runs the management HTTP API (manage.py). A connection stays on its loop;
 there is no thread per client. More than one loop because one thread moves
 bytes on one core: on a 2-core VM, one loop (or a plain epoll server) got
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import itertools
 import os
 import signal
 import socket
@@ -127,16 +126,46 @@ class _LoopThread:
         self.thread.join(5)
 
 
-async def _accept(listener: socket.socket, state: ServerState, loops: list[asyncio.AbstractEventLoop]) -> None:
-    """Accept connections and give them to the loops in turn."""
+class _Loops:
+    """The event loops serving client connections, and how many each serves now."""
+
+    def __init__(self, loops: list[asyncio.AbstractEventLoop]) -> None:
+        self.loops = loops
+        self.live = [0] * len(loops)
+        self._lock = threading.Lock()  # `live` is counted up here and down on the loops' threads
+
+    def pick(self) -> int:
+        """The loop with the fewest connections (the first of equals), counted as taken."""
+        with self._lock:
+            i = self.live.index(min(self.live))
+            self.live[i] += 1
+            return i
+
+    def gone(self, i: int) -> None:
+        with self._lock:
+            self.live[i] -= 1
+
+
+async def _accept(listener: socket.socket, state: ServerState, loops: _Loops) -> None:
+    """Accept connections; each goes to the loop serving the fewest."""
     loop = asyncio.get_running_loop()
-    for target in itertools.cycle(loops):
+    while True:
         sock, _ = await loop.sock_accept(listener)
-        serve_on = target.connect_accepted_socket(lambda: Connection(state), sock)
-        if target is loop:
-            loop.create_task(serve_on)
-        else:
-            asyncio.run_coroutine_threadsafe(serve_on, target)
+        i = loops.pick()
+        target = loops.loops[i]
+        serve_on = target.connect_accepted_socket(lambda i=i: Connection(state, lambda: loops.gone(i)), sock)
+        started = loop.create_task(serve_on) if target is loop else asyncio.run_coroutine_threadsafe(serve_on, target)
+        started.add_done_callback(lambda f, i=i, sock=sock: _not_started(f, i, sock, loops))
+
+
+def _not_started(started, i: int, sock: socket.socket, loops: _Loops) -> None:
+    """A connection that failed before its protocol ran: uncount it."""
+    if not started.cancelled() and started.exception() is None:
+        return
+    loops.gone(i)
+    sock.close()
+    log.info("a new connection failed before it was served: %s",
+             "cancelled" if started.cancelled() else started.exception())
 
 
 async def serve(opts: ServerOptions, ready: asyncio.Event | None = None) -> None:
@@ -149,7 +178,7 @@ async def serve(opts: ServerOptions, ready: asyncio.Event | None = None) -> None
     listener = socket.create_server((opts.host, opts.service_port), family=family, backlog=512)
     listener.setblocking(False)
     workers = [_LoopThread(f"kvtier-io-{i}") for i in range(1, opts.io_threads)]
-    acceptor = loop.create_task(_accept(listener, state, [loop, *(w.loop for w in workers)]))
+    acceptor = loop.create_task(_accept(listener, state, _Loops([loop, *(w.loop for w in workers)])))
     runner = await start_management(state, opts.host, opts.manage_port, opts.auth_token)
     if state.rdma_note:
         log.warning(state.rdma_note)

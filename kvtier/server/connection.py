@@ -65,8 +65,9 @@ class _PendingPut:
 
 
 class Connection(asyncio.BufferedProtocol):
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: ServerState, on_lost: Callable[[], None] = lambda: None) -> None:
         self.state, self.index, self.pool = state, state.index, state.pool
+        self._on_lost = on_lost
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self._read = _Read.HEADER
@@ -108,6 +109,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.index.count(connections=-1)
+        self._on_lost()
         if self._sock is not None:
             self._sock.close()
         if self._put is not None:  # a put cut off mid-value is never seen
