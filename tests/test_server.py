@@ -250,3 +250,23 @@ def test_many_clients_at_once_share_a_fixed_set_of_loops_and_always_read_whole_v
     assert after.keys() == before.keys()  # no thread per client
     assert sum(after[t] > before[t] for t in after) >= 3  # every loop served some
     assert client(srv).stats()["evictions"] > evictions
+
+
+def test_the_server_benchmark_runs_every_target_and_reports_its_ratios():
+    # `kvtier bench server` at the smallest size: the figures are noise here,
+    # the shape of the result (every target, both ratio forms) is checked.
+    from kvtier.bench.server import ServerBenchConfig, run_server_bench
+
+    result = run_server_bench(ServerBenchConfig(sizes_mib=(1,), conns=(2,), duration=0.1, repeats=2,
+                                                latency_iters=20), progress=lambda line: None)
+    cells = {(c["op"], c["conns"]): c for c in result["throughput"]}
+    assert cells.keys() == {("put", 2), ("get", 2)}
+    for cell in cells.values():
+        for target in ("raw", "raw-ring", "kvtier", "kvtier-shm", "redis", "redis-unix"):
+            assert cell[f"{target}_GBps"] > 0 and len(cell[f"{target}_runs"]) == 2
+        for ratio in ("tcp_vs_raw", "tcp_vs_raw_ring", "tcp_vs_redis", "same_host_vs_redis"):
+            assert cell[ratio] > 0 and cell[ratio + "_paired"] > 0
+    for op in ("exists", "match_prefix"):
+        assert 0 < result["latency"][f"kvtier_{op}_ms"]["p50"] <= result["latency"][f"kvtier_{op}_ms"]["p99"]
+    assert result["shm"]["put_batch8_vs_memcpy_cold"] > 0
+    assert 0 < result["serde"]["lz4"]["ratio"] < 1

@@ -1,10 +1,21 @@
 """One client connection of the store server: frames in, replies out.
 
+A connection lives on one of the server's event loops (app.py); what it
+shares with the other loops, it reaches through the index, under its lock.
+
 Bytes land where they belong without a copy in Python: `get_buffer` hands
 the event loop the header buffer, then the meta buffer, then, for a PUT,
 the pool pages reserved for the values, so the kernel copies payloads
-straight into the pool. GET replies go out as views of pool pages
-(`writelines`); the values stay pinned until the transport has drained.
+straight into the pool. While a PUT's values arrive, SO_RCVLOWAT asks the
+kernel to wake the loop once per MiB (never for more than is still owed),
+so a value comes in a few large reads instead of dozens of small ones.
+
+Replies go out as views of pool pages. What the kernel takes at once is
+sent through our own socket object on the transport's descriptor, whose
+send releases the GIL (uvloop's first write holds it through the syscall,
+in which the kernel also delivers to the peer: half of the GIL time of two
+busy loops was 24-byte PUT acks); whatever it does not take goes to the
+transport. The values stay pinned until the transport has drained them.
 
 The write-buffer high-water mark is 0: any reply the kernel did not take at
 once pauses reading (back-pressure) until the transport drains, and the
