@@ -35,6 +35,21 @@ def joined(value: Value) -> bytes | memoryview:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
+IOV_MAX = 1024  # the most buffers one sendmsg takes
+
+
+def unsent(views: list[memoryview], sent: int) -> list[memoryview]:
+    """What is left of `views` (bytes, back to back) after a send took the first `sent` bytes."""
+    i = 0
+    while i < len(views) and sent >= len(views[i]):
+        sent -= len(views[i])
+        i += 1
+    rest = views[i:]
+    if sent:
+        rest[0] = rest[0][sent:]
+    return rest
+
+
 Copy = list[tuple[np.ndarray, np.ndarray]]  # (destination, source) byte ranges of equal length
 
 

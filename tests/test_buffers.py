@@ -29,3 +29,13 @@ def test_fill_takes_only_a_value_of_the_destinations_size():
     dest = [bytearray(3), bytearray(2)]
     assert not buffers.fill(dest, b"1234") and not buffers.fill(dest, None)
     assert buffers.fill(dest, b"12345") and bytes(dest[0] + dest[1]) == b"12345"
+
+
+def test_unsent_is_what_a_partial_send_left_of_the_buffers():
+    unsent = buffers.unsent
+    views = [memoryview(b"head"), memoryview(b"0123456789"), memoryview(b"tail")]
+    assert [bytes(v) for v in unsent(views, 0)] == [b"head", b"0123456789", b"tail"]
+    assert [bytes(v) for v in unsent(views, 4)] == [b"0123456789", b"tail"]
+    assert [bytes(v) for v in unsent(views, 7)] == [b"3456789", b"tail"]
+    assert [bytes(v) for v in unsent(views, 17)] == [b"ail"]
+    assert unsent(views, 18) == []

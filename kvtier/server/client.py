@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvtier.buffers import Value, as_parts, from_extents, into_extents, run_copy
+from kvtier.buffers import IOV_MAX, Value, as_parts, from_extents, into_extents, run_copy, unsent
 from kvtier.errors import RemoteRefused, RemoteUnavailable, ValueTooLarge
 from kvtier.logs import get_logger
 from kvtier.server import protocol as p
@@ -244,15 +244,7 @@ def _send_all(sock: socket.socket, parts: list) -> None:
     wakeup for the header alone), resumed where the kernel stopped taking."""
     views = [memoryview(x).cast("B") for x in parts if len(x)]
     while views:
-        n = sock.sendmsg(views[:_IOV_MAX])
-        while n and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
-
-
-_IOV_MAX = 1024
+        views = unsent(views, sock.sendmsg(views[:IOV_MAX]))
 
 
 def _recv_exactly(sock: socket.socket, view: memoryview) -> None:

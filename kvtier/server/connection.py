@@ -38,6 +38,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from kvtier.buffers import IOV_MAX, unsent
 from kvtier.logs import get_logger
 from kvtier.server import protocol as p
 from kvtier.server.index import Entry, PoolFull, TooLarge
@@ -53,7 +54,6 @@ def _kernel() -> tuple[int, ...]:
     return tuple(int(x) for x in release[:2] if x.isdigit())
 
 
-_IOV_MAX = 1024
 # A PUT's values wake the loop once per _LOWAT bytes (SO_RCVLOWAT). Kernels
 # since 5.10 wake a reader anyway when its receive window closes, so a
 # low-water mark above what the window lets in cannot stall the stream.
@@ -343,16 +343,12 @@ class Connection(asyncio.BufferedProtocol):
             return parts  # behind earlier bytes
         views = [memoryview(x).cast("B") for x in parts]
         try:
-            sent = self._sock.sendmsg(views[:_IOV_MAX])
+            sent = self._sock.sendmsg(views[:IOV_MAX])
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError:
             return views  # the transport meets the same error and closes the connection
-        while views and sent >= len(views[0]):
-            sent -= len(views.pop(0))
-        if sent:
-            views[0] = views[0][sent:]
-        return views
+        return unsent(views, sent)
 
     def _release_held(self) -> None:
         held, self._held = self._held, []
