@@ -1,4 +1,4 @@
-"""The store server's management HTTP API, on --manage-port, in the server's loop.
+"""The store server's management HTTP API, on --manage-port, in the server's main loop.
 
     GET  /health      {"status": "ok", ...}
     GET  /metrics     Prometheus text: keys, bytes, hits/misses, evictions,
