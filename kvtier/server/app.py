@@ -174,7 +174,8 @@ async def serve(opts: ServerOptions, ready: asyncio.Event | None = None) -> None
 
     state = ServerState(opts)
     loop = asyncio.get_running_loop()
-    family = socket.getaddrinfo(opts.host, opts.service_port, type=socket.SOCK_STREAM)[0][0]
+    families = [a[0] for a in socket.getaddrinfo(opts.host, opts.service_port, type=socket.SOCK_STREAM)]
+    family = socket.AF_INET if socket.AF_INET in families else families[0]  # "localhost": where clients look first
     listener = socket.create_server((opts.host, opts.service_port), family=family, backlog=512)
     listener.setblocking(False)
     workers = [_LoopThread(f"kvtier-io-{i}") for i in range(1, opts.io_threads)]
