@@ -242,7 +242,7 @@ class KVClient:
 def _send_all(sock: socket.socket, parts: list) -> None:
     """One gathered send for header, meta and values (no extra segment and
     wakeup for the header alone), resumed where the kernel stopped taking."""
-    views = [memoryview(x).cast("B") for x in parts if len(x)]
+    views = [v for v in as_parts(parts) if len(v)]
     while views:
         views = unsent(views, sock.sendmsg(views[:IOV_MAX]))
 

@@ -38,7 +38,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from kvtier.buffers import IOV_MAX, unsent
+from kvtier.buffers import IOV_MAX, as_parts, unsent
 from kvtier.logs import get_logger
 from kvtier.server import protocol as p
 from kvtier.server.index import Entry, PoolFull, TooLarge
@@ -341,7 +341,7 @@ class Connection(asyncio.BufferedProtocol):
         transport's first write holds it); the rest is for the transport."""
         if self.transport.get_write_buffer_size():
             return parts  # behind earlier bytes
-        views = [memoryview(x).cast("B") for x in parts]
+        views = as_parts(parts)
         try:
             sent = self._sock.sendmsg(views[:IOV_MAX])
         except (BlockingIOError, InterruptedError):
