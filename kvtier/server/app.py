@@ -55,7 +55,6 @@ class ServerOptions:
     shm: bool = True  # offer the same-host shared-memory path
     io_threads: int = min(os.cpu_count() or 1, 4)  # event loops serving connections
 
-
     def __post_init__(self) -> None:
         if not is_loopback(self.host) and not self.auth_token:
             raise ValueError(
@@ -173,16 +172,17 @@ async def serve(opts: ServerOptions, ready: asyncio.Event | None = None) -> None
     from kvtier.server.manage import start_management
 
     state = ServerState(opts)
+    if state.rdma_note:
+        log.warning(state.rdma_note)
     loop = asyncio.get_running_loop()
+    runner = await start_management(state, opts.host, opts.manage_port, opts.auth_token)
+    workers = [_LoopThread(f"kvtier-io-{i}") for i in range(1, opts.io_threads)]
+    # The service port opens last: once it answers, the whole server is up.
     families = [a[0] for a in socket.getaddrinfo(opts.host, opts.service_port, type=socket.SOCK_STREAM)]
     family = socket.AF_INET if socket.AF_INET in families else families[0]  # "localhost": where clients look first
     listener = socket.create_server((opts.host, opts.service_port), family=family, backlog=512)
     listener.setblocking(False)
-    workers = [_LoopThread(f"kvtier-io-{i}") for i in range(1, opts.io_threads)]
     acceptor = loop.create_task(_accept(listener, state, _Loops([loop, *(w.loop for w in workers)])))
-    runner = await start_management(state, opts.host, opts.manage_port, opts.auth_token)
-    if state.rdma_note:
-        log.warning(state.rdma_note)
     log.info("kvtier server on %s:%d (TCP%s, %d I/O threads), management http://%s:%d, "
              "pool %.2f GB in %d pages of %d KiB", opts.host, opts.service_port,
              ", same-host shared memory" if opts.shm else "", opts.io_threads, opts.host, opts.manage_port,
