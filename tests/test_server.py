@@ -226,9 +226,13 @@ def test_many_clients_at_once_share_a_fixed_set_of_loops_and_always_read_whole_v
 
     errors = []
 
+    clients = [client(srv, shm=i % 2 == 0) for i in range(16)]
+    for c in clients:
+        c.server_info()  # all 16 connected before any works: the loops share them out evenly
+
     def work(i: int) -> None:
         try:
-            c = client(srv, shm=i % 2 == 0)
+            c = clients[i]
             for j in range(20):
                 value = os.urandom(256 * 1024 + i)
                 c.put([b"c%d-%d" % (i, j)], [value])
