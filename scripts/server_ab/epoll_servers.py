@@ -1,65 +1,39 @@
 """Plain Python epoll servers speaking the raw benchmark's request/ack protocol
 (kvtier.bench.server.raw_server): `serve` on one thread, `serve_multi` on N
 selector loops in N threads. No kvtier code: the limit of one thread vs a few."""
-import selectors, socket, struct, sys, numpy as np
+import selectors
+import socket
+import struct
+
+import numpy as np
+
 MiB = 1 << 20
 _LEN = struct.Struct("<q")
 
+
 def serve(port, ring=256 * MiB):
+    """One thread: accepts and serves every connection."""
     sel = selectors.EpollSelector()
-    lst = socket.create_server(("127.0.0.1", port)); lst.setblocking(False)
+    lst = socket.create_server(("127.0.0.1", port))
+    lst.setblocking(False)
     sel.register(lst, selectors.EVENT_READ, None)
     buf = memoryview(np.ones(ring, np.uint8))
-    st = {}
     while True:
         for key, ev in sel.select():
             if key.data is None:
-                c, _ = lst.accept(); c.setblocking(False)
-                c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                s = {"sock": c, "head": memoryview(bytearray(8)), "got": 0, "mode": "h", "i": 0, "target": None, "out": None}
-                s["target"] = s["head"]
-                sel.register(c, selectors.EVENT_READ, s)
-                continue
-            s = key.data; c = s["sock"]
-            if ev & selectors.EVENT_WRITE:
-                try:
-                    n = c.send(s["out"])
-                except BlockingIOError:
-                    n = 0
-                s["out"] = s["out"][n:]
-                if not len(s["out"]):
-                    sel.modify(c, selectors.EVENT_READ, s)
-                continue
-            while True:
-                try:
-                    n = c.recv_into(s["target"][s["got"]:])
-                except BlockingIOError:
-                    break
-                if n == 0:
-                    sel.unregister(c); c.close(); break
-                s["got"] += n
-                if s["got"] < len(s["target"]):
-                    continue
-                s["got"] = 0
-                if s["mode"] == "h":
-                    (n,) = _LEN.unpack(s["head"])
-                    off = (s["i"] % (len(buf) // abs(n))) * abs(n); s["i"] += 1
-                    if n >= 0:
-                        s["mode"], s["target"] = "p", buf[off:off + n]
-                        continue
-                    out = buf[off:off - n]
-                else:
-                    out = memoryview(b"k")
-                    s["mode"], s["target"] = "h", s["head"]
-                s["mode"], s["target"] = "h", s["head"]
-                try:
-                    k = c.send(out)
-                except BlockingIOError:
-                    k = 0
-                if k < len(out):
-                    s["out"] = out[k:]
-                    sel.modify(c, selectors.EVENT_WRITE, s)
-                    break
+                c, _ = lst.accept()
+                _register(sel, c)
+            else:
+                _handle(sel, key, ev, buf)
+
+
+def _register(sel, c):
+    c.setblocking(False)
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    head = memoryview(bytearray(8))
+    sel.register(c, selectors.EVENT_READ,
+                 {"sock": c, "head": head, "target": head, "got": 0, "mode": "h", "i": 0, "out": None})
+
 
 def serve_multi(port, loops=2, ring=256 * MiB):
     """`loops` selector loops in threads; an acceptor hands connections round-robin."""
@@ -77,10 +51,7 @@ def serve_multi(port, loops=2, ring=256 * MiB):
                 if key.data == "wake":
                     r.recv(100)
                     while not inbox[i].empty():
-                        c = inbox[i].get()
-                        s = {"sock": c, "head": memoryview(bytearray(8)), "got": 0, "mode": "h", "i": 0, "out": None}
-                        s["target"] = s["head"]
-                        sel.register(c, selectors.EVENT_READ, s)
+                        _register(sel, inbox[i].get())
                     continue
                 _handle(sel, key, ev, buf)
     for i in range(loops):
@@ -88,8 +59,7 @@ def serve_multi(port, loops=2, ring=256 * MiB):
     lst = socket.create_server(("127.0.0.1", port))
     n = 0
     while True:
-        c, _ = lst.accept(); c.setblocking(False)
-        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        c, _ = lst.accept()
         inbox[n % loops].put(c); wake[n % loops][1].send(b"x"); n += 1
 
 def _handle(sel, key, ev, buf):
