@@ -11,7 +11,7 @@ from pathlib import Path
 def _demo(args: argparse.Namespace) -> int:
     from kvtier.demo import run_demo
 
-    result = run_demo(Path(args.workdir), prompt_tokens=args.prompt_tokens)
+    result = run_demo(Path(args.workdir), prompt_tokens=args.prompt_tokens, dtype=args.dtype)
     return 0 if result.hit_lines else 1
 
 
@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="vLLM + kvtier: one long prompt twice, cold vs warm TTFT")
     demo.add_argument("--workdir", default=".kvtier/demo")
     demo.add_argument("--prompt-tokens", type=int, default=8000)
+    demo.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                      help="model dtype; auto: bfloat16 if a probe shows this CPU runs it, else float32")
     demo.set_defaults(fn=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

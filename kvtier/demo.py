@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from kvtier.cpu_dtype import cpu_model_dtype
 from kvtier.localservers import free_port
 from kvtier.tinymodel import corpus_text, make_tiny_llama
 
@@ -53,9 +54,15 @@ def vllm_server(
     env: dict[str, str] | None = None,
     kv_connector: dict | None = CONNECTOR,
     max_model_len: int = 16384,
+    dtype: str = "auto",
     startup_timeout: float = 900,
 ) -> Iterator[Server]:
-    """Run vLLM's OpenAI server on a free loopback port until the block exits."""
+    """Run vLLM's OpenAI server on a free loopback port until the block exits.
+
+    `dtype` "auto" is the one this CPU runs models in (kvtier.cpu_dtype).
+    """
+    if dtype == "auto":
+        dtype = cpu_model_dtype().dtype
     port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"vllm-{port}.log"
@@ -63,7 +70,7 @@ def vllm_server(
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--seed", "0",
         "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", str(max_model_len), "--no-enable-prefix-caching",
+        "--max-model-len", str(max_model_len), "--no-enable-prefix-caching", "--dtype", dtype,
     ]
     if kv_connector:
         cmd += ["--kv-transfer-config", json.dumps(kv_connector)]
@@ -145,19 +152,26 @@ class DemoResult:
     cold_ttft: float
     warm_ttft: float
     hit_lines: list[tuple[int, int, int]]
+    dtype: str
 
     @property
     def speedup(self) -> float:
         return self.cold_ttft / self.warm_ttft
 
 
-def run_demo(workdir: Path, prompt_tokens: int = 8000, chunk_size: int = 256) -> DemoResult:
+def run_demo(workdir: Path, prompt_tokens: int = 8000, chunk_size: int = 256, dtype: str = "auto") -> DemoResult:
+    if dtype == "auto":
+        choice = cpu_model_dtype()
+        dtype = choice.dtype
+        print(choice.line(), flush=True)
+    else:
+        print(f"CPU model dtype: {dtype} (set by --dtype)", flush=True)
     model_dir = make_tiny_llama(workdir / "tiny-llama")
     config_file = workdir / "cpu-offload.yaml"
     config_file.write_text(f"chunk_size: {chunk_size}\nlocal_cpu: true\nmax_local_cpu_size: 2.0\n")
     prompt = long_prompt(model_dir, prompt_tokens)
     print(f"Starting vLLM with kvtier (model {model_dir}, config {config_file}) ...", flush=True)
-    with vllm_server(model_dir, workdir, env={"LMCACHE_CONFIG_FILE": str(config_file)}) as server:
+    with vllm_server(model_dir, workdir, env={"LMCACHE_CONFIG_FILE": str(config_file)}, dtype=dtype) as server:
         model = str(model_dir)
         query_ttft(server.url, model, "Hello", max_tokens=2)  # warm up the server, not the cache
         print("Querying vLLM server with cold kvtier CPU offload", flush=True)
@@ -168,8 +182,8 @@ def run_demo(workdir: Path, prompt_tokens: int = 8000, chunk_size: int = 256) ->
         print(f"{text!r}\nWarm TTFT: {warm:.3f} seconds\n", flush=True)
         time.sleep(0.5)  # let the server flush its log
         hits = [h for h in server.hit_lines() if h[0] > 100]
-    result = DemoResult(hits[0][0] if hits else 0, cold, warm, hits)
-    print(f"TTFT Improvement: {cold - warm:.3f} seconds ({result.speedup:.1f}x faster)")
+    result = DemoResult(hits[0][0] if hits else 0, cold, warm, hits, dtype)
+    print(f"TTFT Improvement: {cold - warm:.3f} seconds ({result.speedup:.1f}x faster, model in {dtype})")
     for total, hit, load in hits:
         print(f"server log: Total tokens {total}, hit tokens {hit}, need to load {load}")
     return result

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvtier.cpu_dtype import cpu_model_dtype
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -19,6 +21,7 @@ def main() -> None:
     p.add_argument("--kv-role", default="", help="kv_both | kv_producer | kv_consumer; empty: no kvtier")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--max-batched", type=int, default=1024)
+    p.add_argument("--dtype", required=True, help="bfloat16 | float32 (see kvtier.cpu_dtype)")
     args = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -29,7 +32,7 @@ def main() -> None:
     if args.kv_role:
         kv = KVTransferConfig(kv_connector="KvtierConnector", kv_role=args.kv_role,
                               kv_connector_module_path="kvtier.integrations.vllm")
-    llm = LLM(model=args.model, seed=0, max_model_len=8192,
+    llm = LLM(model=args.model, seed=0, max_model_len=8192, dtype=args.dtype,
               enable_prefix_caching=False, max_num_batched_tokens=args.max_batched,
               enforce_eager=True, kv_transfer_config=kv)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=0)
@@ -42,11 +45,14 @@ def main() -> None:
 
 
 def run_vllm(model: Path, prompts: list[list[int]], tmp: Path, kv_role: str = "", env: dict | None = None,
-             name: str = "") -> tuple[list[dict], str]:
-    """Run this file in a subprocess; returns the per-request results and vLLM's log."""
+             name: str = "", dtype: str = "auto") -> tuple[list[dict], str]:
+    """Run this file in a subprocess; returns the per-request results and vLLM's log.
+
+    dtype "auto": the one this CPU runs models in (kvtier.cpu_dtype)."""
     pfile = tmp / f"prompts-{name or kv_role or 'plain'}.json"
     pfile.write_text(json.dumps(prompts))
-    cmd = [sys.executable, __file__, "--model", str(model), "--prompts", str(pfile), "--kv-role", kv_role]
+    cmd = [sys.executable, __file__, "--model", str(model), "--prompts", str(pfile), "--kv-role", kv_role,
+           "--dtype", cpu_model_dtype().dtype if dtype == "auto" else dtype]
     full_env = {**os.environ, "KVTIER_CHUNK_SIZE": "256", "KVTIER_MAX_LOCAL_CPU_SIZE": "0.25", **(env or {})}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=full_env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]

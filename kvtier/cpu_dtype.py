@@ -1,0 +1,73 @@
+"""Which dtype a model runs in on this CPU: bfloat16 where it works, else float32.
+
+On some x86 hosts with AMX (`amx_tile` in /proc/cpuinfo) the CPU wheel of
+torch 2.13 dies with SIGILL in oneDNN's bf16 matmul, and vLLM's own AMX GEMM
+(`weight_packed_linear`, used for small bf16 weights) dies the same way;
+float32 runs there. Where bf16 works it is faster (measured on a 2-core
+AMD EPYC with avx512_bf16, 8,000-token demo: cold TTFT 4.96 s in bf16 vs
+6.34 s in float32), so kvtier keeps it and probes for it:
+
+    probe   a fresh Python runs both bf16 paths on small tensors
+    passes  -> bfloat16
+    dies    (SIGILL or any other exit, or no answer within the timeout)
+            -> float32, with one line that says why
+
+The probe runs in a subprocess because SIGILL kills the process that
+executes the instruction: in a subprocess it is an answer, not a crash.
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+
+# Both bf16 paths a CPU model takes: torch's matmul (oneDNN) and, when vLLM is
+# installed, vLLM's packed GEMM for small weights. Either one may SIGILL.
+PROBE = """
+import torch
+a = torch.randn(256, 1024, dtype=torch.bfloat16)
+b = torch.randn(1024, 2048, dtype=torch.bfloat16)
+assert torch.isfinite((a @ b).float()).all()
+try:
+    from vllm import _custom_ops as ops
+except ImportError:
+    ops = None
+if ops is not None and hasattr(torch.ops._C, "convert_weight_packed"):
+    w = torch.randn(256, 512, dtype=torch.bfloat16)
+    packed = torch.ops._C.convert_weight_packed(w)
+    y = ops.weight_packed_linear_cpu(torch.randn(8, 512, dtype=torch.bfloat16), packed, 256, None)
+    assert torch.isfinite(y.float()).all()
+"""
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: str  # "bfloat16" or "float32"
+    reason: str
+
+    def line(self) -> str:
+        return f"CPU model dtype: {self.dtype} ({self.reason})"
+
+
+def probe_bf16(code: str = PROBE, timeout: float = 120.0) -> DtypeChoice:
+    """Run `code` in a fresh Python; bfloat16 if it exits 0, else float32 and why."""
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return DtypeChoice("float32", f"the bf16 probe gave no answer within {timeout:.0f} s")
+    if done.returncode == 0:
+        return DtypeChoice("bfloat16", "a bf16 matmul probe passed")
+    if done.returncode == -signal.SIGILL:
+        return DtypeChoice("float32", "the bf16 probe died of SIGILL: this CPU's AMX bf16 path in torch/vLLM "
+                                      "fails here, so models run in float32")
+    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
+    return DtypeChoice("float32", f"the bf16 probe exited with code {done.returncode} ({tail[0][:200]})")
+
+
+@functools.cache
+def cpu_model_dtype() -> DtypeChoice:
+    """The probe's answer, asked once per process."""
+    return probe_bf16()
