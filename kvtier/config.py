@@ -23,6 +23,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+from urllib.parse import unquote
 
 import yaml
 
@@ -55,8 +56,12 @@ class KvtierConfig:
     local_cpu_use_hugepages: bool = _doc("back the CPU pool with 2 MiB huge pages", default=False)
     save_unfull_chunk: bool = _doc("also store the partial last chunk of a prompt", default=False)
     use_layerwise: bool = _doc("move KV layer by layer, overlapped with compute (load and store)", default=False)
-    local_disk: str | None = _doc("directory of the disk tier (not built yet)", default=None)
-    max_local_disk_size: float = _doc("disk tier size, GB (not built yet)", default=0.0)
+    local_disk: str | None = _doc("directory of the disk tier: file:///path (or a plain path)", default=None)
+    max_local_disk_size: float = _doc("disk tier size, GiB (needed with local_disk)", default=0.0)
+    local_disk_min_stores: int = _doc(
+        "write a chunk to disk once it has been stored this many times (spares SSD wear)", default=1)
+    pin_timeout_sec: int = _doc(
+        "longest a looked-up hit stays protected (pinned) waiting for its load, s", default=300)
     remote_url: str | None = _doc(
         "remote store: kvtier:// infinistore:// redis:// rediss:// redis-cluster:// fs://", default=None)
     remote_serde: str = _doc("remote payload codec: naive | lz4", default="naive")
@@ -84,12 +89,21 @@ class KvtierConfig:
     def cpu_pool_bytes(self) -> int:
         return int(self.max_local_cpu_size * 1024**3)
 
+    @property
+    def disk_path(self) -> Path | None:
+        """The disk tier's directory (`local_disk` without its file:// scheme)."""
+        if self.local_disk is None:
+            return None
+        return Path(unquote(self.local_disk.removeprefix("file://")))
+
+    @property
+    def disk_bytes(self) -> int:
+        return int(self.max_local_disk_size * 1024**3)
+
 
 # Keys that parse but whose feature has not landed: setting them to anything
 # but the default is refused, so nobody believes a tier is on when it is not.
 NOT_BUILT = {
-    "local_disk": "the disk tier",
-    "max_local_disk_size": "the disk tier",
     "enable_pd": "disaggregated prefill",
     "pd_role": "disaggregated prefill",
     "transfer_channel": "disaggregated prefill",
@@ -120,6 +134,16 @@ def _check_ranges(cfg: KvtierConfig) -> None:
         raise ConfigError("remote_serde", cfg.remote_serde, " | ".join(SERDES))
     if cfg.blocking_timeout_secs <= 0:
         raise ConfigError("blocking_timeout_secs", cfg.blocking_timeout_secs, "seconds > 0")
+    if cfg.local_disk is not None:
+        if "://" in cfg.local_disk and not cfg.local_disk.startswith("file://") or cfg.local_disk in ("", "file://"):
+            raise ConfigError("local_disk", cfg.local_disk, "file:///path/to/dir (or a plain directory path)")
+        if cfg.max_local_disk_size <= 0:
+            raise ConfigError("max_local_disk_size", cfg.max_local_disk_size,
+                              "a size in GiB > 0 (local_disk is set)")
+    if cfg.local_disk_min_stores < 1:
+        raise ConfigError("local_disk_min_stores", cfg.local_disk_min_stores, "an integer >= 1")
+    if cfg.pin_timeout_sec <= 0:
+        raise ConfigError("pin_timeout_sec", cfg.pin_timeout_sec, "seconds > 0")
 
 
 def _reject_unbuilt(cfg: KvtierConfig) -> None:

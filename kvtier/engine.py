@@ -1,9 +1,12 @@
 """CacheEngine: the one entry point engines call to store, look up and load KV.
 
-    store(tokens, slots)     keys → allocate blocks → gather KV → put in the tiers (store.py)
+    store(tokens, slots)     keys → allocate blocks → gather KV → put in the tiers (store.py),
+                             in batches when the pool is smaller than the store
     start_store(..., layerwise=True)   the same, one layer at a time as the engine computes it
-    lookup(tokens)           keys → longest stored prefix, in tokens
-    retrieve(tokens, slots)  keys → get (pins blocks) → scatter KV → release
+    find(tokens, lease_for)  keys → longest prefix stored in any tier; optionally leased
+                             (protected) until the request's retrieve
+    prefetch(tokens)         disk and remote chunks of that prefix up into CPU RAM
+    retrieve(tokens, slots)  keys → fetch (pins blocks) → scatter KV → release, batch by batch
 
 `tokens` are a prompt's token ids from its first token; `slots` are the
 paged-cache slot of each of those tokens (block_id * block_size + offset).
@@ -13,8 +16,10 @@ Only whole chunks move (plus the partial last chunk when
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -27,8 +32,9 @@ from kvtier.keys import ChunkSpan, KVFormat, chunk_spans
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
 from kvtier.remote import open_store
-from kvtier.store import TieredStore
+from kvtier.store import CPU, Lease, TieredStore
 from kvtier.tiers.cpu import CpuTier, StoredChunk
+from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.remote import RemoteTier
 from kvtier.transfer import LayerHandle, LayerSaver, PagedKV, make_transfer
 
@@ -41,7 +47,17 @@ Tokens = Sequence[int] | np.ndarray | torch.Tensor
 class EngineStats:
     stored_tokens: int = 0
     retrieved_tokens: int = 0
-    skipped_store_tokens: int = 0  # dropped because the pool was full of pinned chunks
+    skipped_store_tokens: int = 0  # not stored: every pool block was held by readers
+    prefetched_tokens: int = 0
+    expired_leases: int = 0
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A lookup's answer, in tokens from the prompt's start (chunk boundaries)."""
+
+    tokens: int  # stored in some tier
+    in_cpu: int  # of those, the leading ones whose chunks are all in CPU RAM
 
 
 class CacheEngine:
@@ -62,12 +78,19 @@ class CacheEngine:
             config.chunk_size * kv.bytes_per_token(),
             hugepages=config.local_cpu_use_hugepages,
         )
-        self.tiers = TieredStore(CpuTier(self.pool), _remote_tier(config, kv), keep_cpu=config.local_cpu,
-                                 bytes_per_token=kv.bytes_per_token())
+        self.tiers = TieredStore(
+            CpuTier(self.pool), keep_cpu=config.local_cpu, bytes_per_token=kv.bytes_per_token(),
+            disk=_disk_tier(config, kv, fmt), remote=_remote_tier(config, kv),
+            disk_min_stores=config.local_disk_min_stores, wait_s=config.blocking_timeout_secs)
         self.transfer = make_transfer(kv, transfer)
         self.stats = EngineStats()
         self._warned: OrderedDict[str, None] = OrderedDict()  # requests told their store was cut
-        if not config.local_cpu and self.tiers.remote is None:
+        self._leases: dict[str, Lease] = {}
+        self._prefetches: dict[str, Future] = {}
+        self._lock = threading.Lock()  # leases and prefetches
+        self._transfer_lock = threading.Lock()  # one gather/scatter at a time (loads may run in a thread)
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
+        if not config.local_cpu and not self.tiers.lower:
             log.warning("local_cpu is false and no other tier is configured: kvtier stores nothing")
         log.info(
             "CacheEngine: %s, %d layers, chunk %d tokens = %.2f MB, CPU pool %d chunks (%.2f GB), "
@@ -82,70 +105,188 @@ class CacheEngine:
         return chunk_spans(_as_numpy(tokens), self.fmt, self.chunk_size, self.config.save_unfull_chunk)
 
     def lookup(self, tokens: Tokens) -> int:
-        """Number of leading tokens whose KV is stored (a chunk boundary)."""
+        """Number of leading tokens whose KV is stored in some tier (a chunk boundary)."""
+        return self.find(tokens).tokens
+
+    def find(self, tokens: Tokens, *, lease_for: str = "") -> Hit:
+        """The longest stored prefix. With `lease_for` (a request id) its chunks are
+        protected until that request's retrieve, or `pin_timeout_sec`: CPU chunks
+        (up to half the pool) are pinned, disk chunks kept from eviction. A lease
+        replaces the request's earlier one. Remote chunks cannot be held: a load
+        that then misses them is reported, and the engine recomputes."""
         spans = self.spans(tokens)
-        hits = self.tiers.prefix_hits([s.key for s in spans])
-        return spans[hits - 1].end if hits else 0
+        keys = [s.key for s in spans]
+        where = self.tiers.locate(keys)
+        in_cpu = next((i for i, w in enumerate(where) if w != CPU), len(where))
+        hit = Hit(spans[len(where) - 1].end if where else 0, spans[in_cpu - 1].end if in_cpu else 0)
+        if lease_for:
+            self._expire_leases()
+            with self._lock:
+                old = self._leases.pop(lease_for, None)
+            if old is not None:
+                self.tiers.release(old)
+            if where:
+                with self._lock:
+                    budget = self.pool.num_blocks // 2 - sum(len(x.blocks) for x in self._leases.values())
+                lease = self.tiers.lease(keys[: len(where)], where, max(0, budget), self.config.pin_timeout_sec)
+                with self._lock:
+                    self._leases[lease_for] = lease
+        return hit
+
+    def release_lease(self, request_id: str) -> None:
+        """The request will not load what it looked up (finished, aborted)."""
+        with self._lock:
+            lease = self._leases.pop(request_id, None)
+        if lease is not None:
+            self.tiers.release(lease)
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [(rid, lease) for rid, lease in self._leases.items() if lease.deadline < now]
+            for rid, _ in expired:
+                del self._leases[rid]
+        for rid, lease in expired:
+            self.stats.expired_leases += 1
+            log.warning("request %s: its looked-up hit waited %d s for a load (pin_timeout_sec); unpinned",
+                        rid, self.config.pin_timeout_sec)
+            self.tiers.release(lease)
+
+    def prefetch(self, tokens: Tokens, *, request_id: str = "") -> int:
+        """Bring the stored prefix's disk and remote chunks up into CPU RAM ahead of a load
+        (at most half the pool); with `request_id`, into that request's lease. Returns
+        the tokens brought up."""
+        if not self.config.local_cpu or not self.tiers.lower:
+            return 0
+        spans = self.spans(tokens)
+        where = self.tiers.locate([s.key for s in spans])
+        below = [(s, w) for s, w in zip(spans, where) if w != CPU][: max(1, self.pool.num_blocks // 2)]
+        brought = 0
+        for batch in self.tiers.fetch([s for s, _ in below], [w for _, w in below]):
+            with self._lock:
+                lease = self._leases.get(request_id) if request_id else None
+                if lease is not None:
+                    lease.blocks += [chunk.block for _, chunk in batch]
+            if lease is None:
+                for _, chunk in batch:
+                    chunk.block.release()
+            brought += sum(span.num_tokens for span, _ in batch)
+        self.stats.prefetched_tokens += brought
+        return brought
+
+    def start_prefetch(self, tokens: Tokens, request_id: str) -> Future:
+        """`prefetch` in the background; that request's retrieve waits for it first."""
+        future = self._prefetcher.submit(self.prefetch, _as_numpy(tokens).copy(), request_id=request_id)
+        with self._lock:
+            self._prefetches[request_id] = future
+        future.add_done_callback(lambda f: self._forget_prefetch(request_id, f))
+        return future
+
+    def _forget_prefetch(self, request_id: str, future: Future) -> None:
+        with self._lock:
+            if self._prefetches.get(request_id) is future:
+                del self._prefetches[request_id]
 
     # -- store -----------------------------------------------------------------
 
     def store(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "") -> int:
         """Store the chunks of `tokens` that end after `start` and are not stored yet.
 
-        Returns the number of tokens stored. When the pool is full of chunks
-        in use, the rest of this store is skipped (logged once), never waited on.
+        Returns the number of tokens stored. A store larger than the pool
+        streams through it in batches (waiting, bounded, for the writers);
+        it is cut short only when every block is held by readers (logged
+        once per request, counted in `stats.skipped_store_tokens`).
         """
         return self.start_store(tokens, slots, start=start, request_id=request_id).finish()
 
     def start_store(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "",
                     layerwise: bool = False) -> Storing:
-        """`store`, split in two: what to store is decided (blocks allocated) now.
+        """`store`, split in two: what to store is decided now.
 
-        Without `layerwise` the KV is copied out before this returns. With
-        it, the caller calls `save(layer)` as each layer's KV is written, so
-        layer i moves to the host while later layers compute, and `finish()`
-        at the end, which puts the chunks in the tiers.
+        Without `layerwise` the KV is copied out at `finish()`. With it,
+        blocks for as many chunks as the pool has free now are allocated
+        here; the caller calls `save(layer)` as each layer's KV is written,
+        so layer i moves to the host while later layers compute, and
+        `finish()` at the end, which puts those chunks in the tiers and
+        streams the rest (chunks that got no block) through the pool.
         """
         slots = self._check(tokens, slots)
         t0 = time.perf_counter()
         todo: list[ChunkSpan] = []
-        if self.config.local_cpu or self.tiers.remote is not None:
+        if self.config.local_cpu or self.tiers.lower:
             todo = [s for s in self.spans(tokens) if s.end > start]
-            todo = [s for s, new in zip(todo, self.tiers.missing([s.key for s in todo])) if new]
-        blocks = self._allocate(todo, request_id)
-        todo = todo[: len(blocks)]
-        owned = list(zip(todo, blocks))
+            todo = [s for s, new in zip(todo, self.tiers.to_gather([s.key for s in todo])) if new]
+        owned: list[tuple[ChunkSpan, MemoryBlock]] = []
         handle = None
-        if owned:
+        if layerwise and todo:
+            owned = self._allocate(todo, wait=False)
             try:
-                chunks = [b.view(self.kv.dtype, self.kv.chunk_shape(s.num_tokens)) for s, b in owned]
-                if layerwise:
-                    handle = self.transfer.gather_layerwise(_concat_slots(slots, todo), chunks)
-                else:
-                    self.transfer.gather(_concat_slots(slots, todo), chunks)
+                handle = self._gather(slots, owned, layerwise=True) if owned else None
             except BaseException:
                 _release(owned)
                 raise
-        return Storing(self, owned, handle, t0, len(slots), request_id)
+        return Storing(self, owned, todo[len(owned):], slots, handle, t0, request_id)
 
-    def _allocate(self, spans: list[ChunkSpan], request_id: str) -> list[MemoryBlock]:
-        blocks = []
+    def _allocate(self, spans: Sequence[ChunkSpan], wait: bool) -> list[tuple[ChunkSpan, MemoryBlock]]:
+        """Blocks for the first spans, as many as the pool gives now (the first may wait for writers)."""
+        owned = []
         for span in spans:
-            block = self.tiers.allocate()
+            block = self.tiers.allocate() if wait and not owned else self.tiers.cpu.allocate()
             if block is None:
-                skipped = sum(s.num_tokens for s in spans[len(blocks):])
-                self.stats.skipped_store_tokens += skipped
-                self._warn_skip(skipped, request_id)
                 break
-            blocks.append(block)
-        return blocks
+            owned.append((span, block))
+        return owned
+
+    def _gather(self, slots: torch.Tensor, owned: list[tuple[ChunkSpan, MemoryBlock]],
+                layerwise: bool = False) -> LayerSaver | None:
+        spans = [s for s, _ in owned]
+        chunks = [b.view(self.kv.dtype, self.kv.chunk_shape(s.num_tokens)) for s, b in owned]
+        with self._transfer_lock:
+            if layerwise:
+                return self.transfer.gather_layerwise(_concat_slots(slots, spans), chunks)
+            self.transfer.gather(_concat_slots(slots, spans), chunks)
+        return None
+
+    def _stream_store(self, slots: torch.Tensor, spans: Sequence[ChunkSpan], request_id: str) -> int:
+        """Gather `spans` batch by batch through the pool into the tiers; the tokens stored.
+
+        With a tier below CPU RAM, a batch's blocks are reused once written
+        there. Without one, this store's chunks stay held until it ends, so it
+        never evicts its own prefix (which would leave its later chunks
+        unreachable): it stores what fits.
+        """
+        stored, i, held = 0, 0, []
+        try:
+            while i < len(spans):
+                owned = self._allocate(spans[i:], wait=True)
+                if not owned:
+                    skipped = sum(s.num_tokens for s in spans[i:])
+                    self.stats.skipped_store_tokens += skipped
+                    self._warn_skip(skipped, request_id)
+                    break
+                try:
+                    self._gather(slots, owned)
+                except BaseException:
+                    _release(owned)
+                    raise
+                for span, block in owned:
+                    if not self.tiers.lower:
+                        held.append(block.retain())
+                    self.tiers.put(span.key, block, span.num_tokens)
+                stored += _tokens(owned)
+                i += len(owned)
+        finally:
+            for block in held:
+                block.release()
+        return stored
 
     def _warn_skip(self, skipped: int, request_id: str) -> None:
         """Once per request, though chunked prefill stores a request many times."""
         if request_id and request_id in self._warned:
             return
-        log.warning("CPU pool full of chunks in use: skipping the store of %d tokens for request %s "
-                    "(said once per request)", skipped, request_id or "-")
+        log.warning("CPU pool full of chunks in use (being read, or this store's own with no disk or remote "
+                    "tier to stream to): skipping the store of %d tokens for request %s (said once per request)",
+                    skipped, request_id or "-")
         if request_id:
             self._warned[request_id] = None
             if len(self._warned) > 1024:
@@ -167,30 +308,53 @@ class CacheEngine:
                        layerwise: bool = False) -> Retrieval:
         """`retrieve`, split in two: what to load is decided (and pinned) now.
 
-        With `layerwise`, layers load in order in the background; the caller
-        calls `wait(layer)` before it uses a layer and `finish()` at the end.
-        Without, everything is loaded before this returns.
+        With `layerwise` and every chunk in CPU RAM, layers load in order in
+        the background; the caller calls `wait(layer)` before it uses a layer
+        and `finish()` at the end. Otherwise (also when chunks come from disk
+        or remote, batch by batch through the pool) everything is loaded
+        before this returns. Either way the request's lease ends at `finish()`.
         """
         slots = self._check(tokens, slots, exact=False)
         end = len(slots)
         mask = torch.zeros(end, dtype=torch.bool)
         t0 = time.perf_counter()
+        with self._lock:
+            prefetch = self._prefetches.get(request_id) if request_id else None
+        if prefetch is not None:
+            prefetch.result()  # its chunks are in CPU RAM (and in the lease) now
         spans = [s for s in self.spans(tokens) if s.start < end]
-        found = list(zip(spans, self.tiers.get_prefix(spans)))
+        where = self.tiers.locate([s.key for s in spans])
+        todo = [(s, w) for s, w in zip(spans, where) if s.end > start]
+        batches = self.tiers.fetch([s for s, _ in todo], [w for _, w in todo])
+        handle, held, loaded = None, [], 0
         try:
-            loading = [(s, c) for s, c in found if s.end > start]
-            handle = self._scatter(slots, loading, start, end, layerwise) if loading else None
+            if layerwise and all(w == CPU for _, w in todo):
+                held = next(batches, [])
+                handle = self._scatter(slots, held, start, end, layerwise=True) if held else None
+                loaded = len(held)
+            else:
+                for batch in batches:
+                    try:
+                        self._scatter(slots, batch, start, end, layerwise=False)
+                    finally:
+                        for _, chunk in batch:
+                            chunk.block.release()
+                    loaded += len(batch)
         except BaseException:
-            for _, chunk in found:
+            for _, chunk in held:
                 chunk.block.release()
+            self.release_lease(request_id)
             raise
-        if loading:
-            mask[max(start, loading[0][0].start) : min(end, loading[-1][0].end)] = True
-        return Retrieval(self, mask, [c.block for _, c in found], handle, t0, request_id)
+        finally:
+            batches.close()
+        if loaded:
+            first, last = todo[0][0], todo[loaded - 1][0]
+            mask[max(start, first.start) : min(end, last.end)] = True
+        return Retrieval(self, mask, [c.block for _, c in held], handle, t0, request_id)
 
     def _scatter(self, slots: torch.Tensor, found: list[tuple[ChunkSpan, StoredChunk]], start: int, end: int,
                  layerwise: bool) -> LayerHandle | None:
-        """Every chunk in one transfer, whole. A chunk cut by `start` or `end`
+        """The chunks in one transfer, whole. A chunk cut by `start` or `end`
         writes only its tokens inside [start, end): the others get slot -1,
         which the transfers skip (the slots before `start` may be prefix-cache
         blocks the engine shares; after `end` there are no slots)."""
@@ -199,23 +363,30 @@ class CacheEngine:
         a, b = max(start, first), min(end, last)
         targets = torch.full((last - first,), -1, dtype=torch.int64)
         targets[a - first : b - first] = slots[a:b]  # slicing only: this runs before any byte moves
-        if layerwise:
-            return self.transfer.scatter_layerwise(targets, views)
-        self.transfer.scatter(targets, views)
+        with self._transfer_lock:
+            if layerwise:
+                return self.transfer.scatter_layerwise(targets, views)
+            self.transfer.scatter(targets, views)
         return None
 
     # -- housekeeping ------------------------------------------------------------
 
     def clear(self) -> None:
-        """Drop every chunk of the CPU tier (blocks in use are freed when released)."""
+        """Drop every chunk of CPU RAM and disk (blocks in use are freed when released)."""
         self.tiers.clear()
+        log.info("cleared the local tiers (CPU RAM%s)", " and disk" if self.tiers.disk is not None else "")
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until stored chunks have been sent to the remote tier; False on timeout."""
+        """Wait until stored chunks have been written to disk and remote; False on timeout."""
         return self.tiers.flush(timeout)
 
     def close(self) -> None:
-        """Send what is still queued for the remote tier, then disconnect."""
+        """Write what is still queued for disk and remote, then let go of them."""
+        self._prefetcher.shutdown(wait=True)
+        with self._lock:
+            leases, self._leases = list(self._leases.values()), {}
+        for lease in leases:
+            self.tiers.release(lease)
         self.tiers.close(timeout=self.config.blocking_timeout_secs)
 
     def _check(self, tokens: Tokens, slots: torch.Tensor, exact: bool = True) -> torch.Tensor:
@@ -264,6 +435,7 @@ class Retrieval:
             for block in self._blocks:
                 block.release()
             self._blocks = None
+            self._engine.release_lease(self._request_id)
         loaded = self.num_tokens
         if loaded:
             engine = self._engine
@@ -274,17 +446,18 @@ class Retrieval:
 
 
 class Storing:
-    """A store in flight: its chunks' blocks are allocated and belong to it
-    until `finish()` puts them in the tiers (or `cancel()` frees them)."""
+    """A store in flight. Chunks that got a block at the start (layerwise) belong
+    to it until `finish()` puts them in the tiers (or `cancel()` frees them);
+    the rest are gathered at `finish()`, batch by batch through the pool."""
 
-    def __init__(self, engine: CacheEngine, chunks: list[tuple[ChunkSpan, MemoryBlock]],
-                 handle: LayerSaver | None, t0: float, total: int, request_id: str) -> None:
-        self._engine, self._chunks, self._handle = engine, chunks, handle
-        self._t0, self._total, self._request_id = t0, total, request_id
+    def __init__(self, engine: CacheEngine, owned: list[tuple[ChunkSpan, MemoryBlock]], rest: list[ChunkSpan],
+                 slots: torch.Tensor, handle: LayerSaver | None, t0: float, request_id: str) -> None:
+        self._engine, self._chunks, self._rest, self._slots, self._handle = engine, owned, rest, slots, handle
+        self._t0, self._request_id = t0, request_id
 
     @property
     def num_tokens(self) -> int:
-        return _tokens(self._chunks)
+        return _tokens(self._chunks) + sum(s.num_tokens for s in self._rest)
 
     def save(self, layer: int) -> None:
         """Layer `layer`'s KV is computed: start moving it (layerwise stores only)."""
@@ -298,7 +471,8 @@ class Storing:
         stopped early) is dropped, not stored: that layer was not computed.
         """
         chunks, self._chunks = self._chunks, []
-        if not chunks:
+        rest, self._rest = self._rest, []
+        if not chunks and not rest:
             return 0
         try:
             if self._handle is not None:
@@ -309,22 +483,23 @@ class Storing:
         unsaved = self._handle.unsaved() if self._handle is not None else []
         if unsaved:
             log.warning("request %s: layers %s were never saved; its store of %d tokens is dropped",
-                        self._request_id or "-", unsaved, _tokens(chunks))
+                        self._request_id or "-", unsaved, _tokens(chunks) + sum(s.num_tokens for s in rest))
             _release(chunks)
             return 0
         engine = self._engine
         for span, block in chunks:
             engine.tiers.put(span.key, block, span.num_tokens)
-        stored = _tokens(chunks)
+        stored = _tokens(chunks) + engine._stream_store(self._slots, rest, self._request_id)
         engine.stats.stored_tokens += stored
-        _log_transfer("Storing KV cache for", stored, self._total, self._request_id,
-                      stored * engine.kv.bytes_per_token(), time.perf_counter() - self._t0,
-                      ", layer by layer" if self._handle is not None else "")
+        if stored:
+            _log_transfer("Storing KV cache for", stored, len(self._slots), self._request_id,
+                          stored * engine.kv.bytes_per_token(), time.perf_counter() - self._t0,
+                          ", layer by layer" if self._handle is not None else "")
         return stored
 
     def cancel(self) -> None:
         """Drop the store (e.g. the forward failed): its blocks go back to the pool."""
-        chunks, self._chunks = self._chunks, []
+        chunks, self._chunks, self._rest = self._chunks, [], []
         try:
             if self._handle is not None and chunks:
                 self._handle.finish()  # no copy may still write into a block being freed
@@ -339,6 +514,15 @@ def _tokens(chunks: list[tuple[ChunkSpan, MemoryBlock]]) -> int:
 def _release(chunks: list[tuple[ChunkSpan, MemoryBlock]]) -> None:
     for _, block in chunks:
         block.release()
+
+
+def _disk_tier(config: KvtierConfig, kv: PagedKV, fmt: KVFormat) -> DiskTier | None:
+    root = config.disk_path
+    if root is None:
+        return None
+    if fmt.tp_size > 1:  # one directory (and one lock) per rank
+        root = root / f"tp{fmt.tp_rank}of{fmt.tp_size}"
+    return DiskTier(root, config.disk_bytes, Codec("naive", itemsize=kv.dtype.itemsize))
 
 
 def _remote_tier(config: KvtierConfig, kv: PagedKV) -> RemoteTier | None:

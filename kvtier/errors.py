@@ -60,3 +60,14 @@ class ValueTooLarge(RemoteRefused, ValueError):
 
 class CorruptPayload(KvtierError):
     """A stored payload failed its header or checksum check: treated as a miss."""
+
+
+class DiskTierInUse(KvtierError):
+    """Another kvtier process holds the disk tier's directory."""
+
+    def __init__(self, root: object, holder: str) -> None:
+        self.root, self.holder = root, holder
+        super().__init__(
+            f"local_disk {root} is in use by another kvtier process (pid {holder or '?'}); "
+            "give each vLLM instance its own local_disk directory, or stop the other one first"
+        )

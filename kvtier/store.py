@@ -1,148 +1,322 @@
-"""TieredStore: where chunks live — the CPU tier, then the remote tier.
+"""TieredStore: where chunks live — CPU RAM, then local disk, then the remote store.
 
-    prefix_hits(keys)   CPU tier first; the rest asked of the remote store in one round trip
-    get_prefix(spans)   retained chunks of the longest stored prefix; remote hits come back
-                        in one batch, received straight into fresh CPU blocks (kept in the
-                        CPU tier)
-    allocate()          a CPU block (evicts LRU)
-    put(key, block, n)  the CPU tier keeps it; the remote writer sends it in the background
-    flush()             wait until the background sends are out
+    locate(keys)        the longest stored prefix, and for each of its chunks the
+                        tier that holds it (CPU first, then disk, then remote)
+    fetch(spans)        that prefix in batches that fit the pool: CPU chunks retained,
+                        disk and remote chunks read into fresh blocks (and kept in
+                        the CPU tier: a disk or remote hit is promoted to RAM)
+    allocate()          a CPU block; evicts LRU, waits (bounded) for the writers
+    put(key, block, n)  the CPU tier keeps it; writers copy it to disk and remote
+    lease / release     protect a looked-up hit until it is loaded
 
-The CPU pool is also the staging area of the remote tier, as in LMCache:
-with `local_cpu: false` blocks hold chunks only while they are being sent
-or loaded.
+The CPU pool is the hot tier and the staging buffer of every tier below it
+(as in LMCache). A store or a load larger than the pool streams through it:
+a batch of blocks is filled, handed to the writers or scattered into the
+engine's pages, and its blocks are reused. So a pool of a few chunks can
+move prompts of any length to and from disk and remote; with `local_cpu:
+false` the pool holds chunks only while they move.
 
-Ownership: `put` takes over the caller's block reference. The background
-writer holds one more reference per queued chunk (so eviction cannot free
-it mid-send) and drops it once sent; `get_prefix` hands the caller one
-reference per chunk, released by the caller when its load is done.
+Writers: one thread per lower tier, each with a bounded queue (a queued
+chunk holds a reference to its block, so eviction cannot free it mid-write).
+Policy when a queue is full: the store waits up to `blocking_timeout_secs`
+for room, then drops that tier's copy of the chunk; waits and drops are
+counted (`WriterStats`) and a drop is logged. `allocate` likewise waits,
+bounded, for blocks that only writers hold: the pool is a buffer, not a
+wall. It returns None only when every block is held by readers.
+
+Ownership: `put` takes over the caller's block reference. `fetch` hands the
+caller one reference per yielded chunk, released by the caller when its
+load is done.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
-from typing import Sequence
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol, Sequence
 
 from kvtier.keys import ChunkKey, ChunkSpan
 from kvtier.logs import get_logger
 from kvtier.memory import MemoryBlock
 from kvtier.tiers.cpu import CpuTier, StoredChunk
-from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.disk import DiskTier
 
 log = get_logger(__name__)
 
-WRITE_BATCH = 8  # chunks per remote put
+CPU = "cpu"
+WRITE_BATCH = 8  # chunks per call into a lower tier
+WAIT_STEP = 0.05  # s between checks for a block freed by someone other than the writers
+
+
+class LowerTier(Protocol):
+    """A tier below CPU RAM (DiskTier, RemoteTier): chunk bytes in and out of pool blocks."""
+
+    name: str
+
+    def exists(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
+    def get_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[int | None]: ...
+    def put(self, keys: Sequence[ChunkKey], chunks: Sequence[tuple[memoryview, int]]) -> bool: ...
+
+
+@dataclass
+class Lease:
+    """A looked-up hit, protected until its load: CPU blocks retained, disk files pinned."""
+
+    blocks: list[MemoryBlock] = field(default_factory=list)
+    disk_names: list[str] = field(default_factory=list)
+    deadline: float = 0.0
 
 
 class TieredStore:
-    def __init__(self, cpu: CpuTier, remote: RemoteTier | None, *, keep_cpu: bool, bytes_per_token: int) -> None:
-        self.cpu, self.remote, self.keep_cpu = cpu, remote, keep_cpu
-        self.bytes_per_token = bytes_per_token
+    def __init__(self, cpu: CpuTier, *, keep_cpu: bool, bytes_per_token: int, disk: DiskTier | None = None,
+                 remote: LowerTier | None = None, disk_min_stores: int = 1, wait_s: float = 10.0) -> None:
+        self.cpu, self.disk, self.remote, self.keep_cpu = cpu, disk, remote, keep_cpu
+        self.bytes_per_token, self.disk_min_stores, self.wait_s = bytes_per_token, disk_min_stores, wait_s
+        self.lower: list[LowerTier] = [t for t in (disk, remote) if t is not None]
+        self._progress = threading.Condition()  # notified when a writer frees blocks
         # Queued chunks hold their blocks. With the CPU tier on, at most half the
-        # pool waits, so a slow remote cannot stop the CPU tier from evicting;
-        # without it, the pool is only staging and may all wait.
-        pending = cpu.pool.num_blocks // 2 if keep_cpu else cpu.pool.num_blocks
-        self._writer = _RemoteWriter(remote, max_pending=max(1, pending)) if remote else None
+        # pool waits per writer, so the CPU tier keeps room to evict; without it
+        # the pool is only staging and may all wait.
+        blocks = cpu.pool.num_blocks
+        pending = max(1, blocks // 2 if keep_cpu else blocks)
+        self.writers = {t.name: _Writer(t, pending, wait_s, self._progress) for t in self.lower}
+        self._stores: OrderedDict[ChunkKey, int] = OrderedDict()  # times each key was stored (write filter)
+
+    # -- where chunks are ---------------------------------------------------------------
+
+    def locate(self, keys: Sequence[ChunkKey]) -> list[str]:
+        """Per key of the longest stored prefix of `keys`, the name of the tier holding it."""
+        where: list[str | None] = [CPU if self.keep_cpu and self.cpu.contains(k) else None for k in keys]
+        for tier in self.lower:
+            todo = [i for i, w in enumerate(where) if w is None]
+            if not todo:
+                break
+            for i, found in zip(todo, tier.exists([keys[i] for i in todo])):
+                if found:
+                    where[i] = tier.name
+        n = where.index(None) if None in where else len(where)
+        return where[:n]  # type: ignore[return-value]
 
     def prefix_hits(self, keys: Sequence[ChunkKey]) -> int:
-        n = self.cpu.prefix_hits(keys) if self.keep_cpu else 0
-        if self.remote is not None and n < len(keys):
-            n += self.remote.match_prefix(keys[n:])
-        return n
+        return len(self.locate(keys))
 
-    def missing(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        """Which keys no tier holds (the ones a store should write)."""
-        if self.keep_cpu:
-            return [not self.cpu.contains(k) for k in keys]
-        if self.remote is not None and keys:
-            return [not found for found in self.remote.exists(keys)]
-        return [True] * len(keys)
+    def to_gather(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Which chunks a store must copy out of the engine: those missing where it keeps them
+        (CPU RAM, or with `local_cpu: false` any lower tier).
 
-    def get_prefix(self, spans: Sequence[ChunkSpan]) -> list[StoredChunk]:
-        """Chunks for the first spans, up to the first that no tier has; each retained."""
-        found: list[StoredChunk] = []
-        for span in spans if self.keep_cpu else ():
-            chunk = self.cpu.get(span.key)
+        Counts each key for the disk write filter; a chunk already in CPU RAM
+        whose count reaches `disk_min_stores` is queued for disk from there.
+        """
+        counts = [self._count_store(k) for k in keys]
+        if not self.keep_cpu:
+            have = [True] * len(keys)
+            for tier in self.lower:
+                have = [h and found for h, found in zip(have, tier.exists(keys))]
+            return [not h for h in have]
+        out = []
+        for key, count in zip(keys, counts):
+            in_cpu = self.cpu.contains(key)
+            if in_cpu and self.disk is not None and count == self.disk_min_stores and not self.disk.exists([key])[0]:
+                chunk = self.cpu.get(key)
+                if chunk is not None:
+                    self._submit(self.disk, key, chunk.block, chunk.num_tokens)
+                    chunk.block.release()
+            out.append(not in_cpu)
+        return out
+
+    def _count_store(self, key: ChunkKey) -> int:
+        count = self._stores.pop(key, 0) + 1
+        self._stores[key] = count
+        if len(self._stores) > 1 << 16:
+            self._stores.popitem(last=False)
+        return count
+
+    # -- reads --------------------------------------------------------------------------
+
+    def fetch(self, spans: Sequence[ChunkSpan], where: Sequence[str]) -> Iterator[list[tuple[ChunkSpan, StoredChunk]]]:
+        """The chunks of `spans`, found by `locate` in `where`, in batches that fit the
+        pool; each chunk retained for the caller.
+
+        Stops at the first chunk no tier can deliver (evicted, corrupt, a
+        fault, or no block to read it into).
+        """
+        i = 0
+        while i < len(where):
+            batch, done = self._next_batch(spans, where, i)
+            if batch:
+                yield batch
+            i += len(batch)
+            if done or not batch:
+                return
+
+    def _next_batch(self, spans: Sequence[ChunkSpan], where: list[str], i: int
+                    ) -> tuple[list[tuple[ChunkSpan, StoredChunk]], bool]:
+        """Chunks from position i on, as many as the pool gives now; (batch, whether the prefix ended)."""
+        batch: list[tuple[ChunkSpan, StoredChunk]] = []
+        reads: dict[str, list[int]] = {}  # tier name -> positions in batch
+        ended = False
+        while i + len(batch) < len(where):
+            span, tier = spans[i + len(batch)], where[i + len(batch)]
+            if tier == CPU:
+                chunk = self.cpu.get(span.key)
+                ended = chunk is None  # evicted since `locate`
+            else:
+                # The first block of a batch may wait for the writers; later ones
+                # only take what is free now, and the batch goes out as it is.
+                block = self.allocate() if not batch else self.cpu.allocate()
+                ended = block is None and not batch
+                chunk = None if block is None else StoredChunk(block, span.num_tokens)
+                if chunk is not None:
+                    reads.setdefault(tier, []).append(len(batch))
             if chunk is None:
                 break
-            found.append(chunk)
-        if self.remote is not None and len(found) < len(spans):
-            found += self._fetch(spans[len(found):])
-        return found
+            batch.append((span, chunk))
+        good = len(batch)
+        for tier in self.lower:
+            pos = reads.get(tier.name, [])
+            got = tier.get_into([batch[p][0].key for p in pos], [self._bytes(*batch[p]) for p in pos]) if pos else []
+            good = min([good] + [p for p, n in zip(pos, got) if n != batch[p][0].num_tokens])
+        if good < len(batch):  # a miss, a fault or a corrupt chunk ends the prefix
+            ended = True
+            for _, chunk in batch[good:]:
+                chunk.block.release()
+            batch = batch[:good]
+        if self.keep_cpu:  # promote what came from below
+            for p in (p for pos in reads.values() for p in pos if p < good):
+                span, chunk = batch[p]
+                self.cpu.put(span.key, chunk.block.retain(), span.num_tokens)
+        return batch, ended
 
-    def _fetch(self, spans: Sequence[ChunkSpan]) -> list[StoredChunk]:
-        """The remote prefix of `spans`, received straight into fresh CPU blocks."""
-        spans = spans[: self.remote.match_prefix([s.key for s in spans])]
-        blocks = []
-        for _ in spans:
-            block = self.cpu.allocate()
-            if block is None:
-                break
-            blocks.append(block)
-        spans = spans[: len(blocks)]
-        got = self.remote.get_into([s.key for s in spans],
-                                   [b.data[: s.num_tokens * self.bytes_per_token].numpy().data
-                                    for s, b in zip(spans, blocks)]) if spans else []
-        chunks = []
-        for span, block, num_tokens in zip(spans, blocks, got):
-            if num_tokens != span.num_tokens:  # a miss or a corrupt chunk ends the prefix
-                break
-            if self.keep_cpu:
-                self.cpu.put(span.key, block.retain(), span.num_tokens)
-            chunks.append(StoredChunk(block, span.num_tokens))
-        for block in blocks[len(chunks):]:
-            block.release()
-        return chunks
+    def _bytes(self, span: ChunkSpan, chunk: StoredChunk) -> memoryview:
+        return chunk.block.data[: span.num_tokens * self.bytes_per_token].numpy().data
+
+    # -- writes -------------------------------------------------------------------------
 
     def allocate(self) -> MemoryBlock | None:
-        return self.cpu.allocate()
+        """A CPU block (evicting LRU chunks). When only writers hold the others, wait
+        for them, up to `wait_s`; None when every block is held by readers."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            block = self.cpu.allocate()
+            if block is not None:
+                return block
+            busy = any(w.pending for w in self.writers.values())
+            left = deadline - time.monotonic()
+            if left <= 0 or not (busy or self.cpu.pool.free_blocks):
+                return None
+            with self._progress:
+                self._progress.wait(min(left, WAIT_STEP))
 
     def put(self, key: ChunkKey, block: MemoryBlock, num_tokens: int) -> None:
-        if self._writer is not None:
-            self._writer.submit(key, block.retain() if self.keep_cpu else block, num_tokens * self.bytes_per_token,
-                                num_tokens)
+        """Keep the chunk in the CPU tier and queue it for the lower tiers; takes over `block`."""
+        if self.disk is not None and self._stores.get(key, 1) >= self.disk_min_stores \
+                and not self.disk.exists([key])[0]:
+            self._submit(self.disk, key, block, num_tokens)
+        if self.remote is not None:
+            self._submit(self.remote, key, block, num_tokens)
         if self.keep_cpu:
             self.cpu.put(key, block, num_tokens)
+        else:
+            block.release()
+
+    def _submit(self, tier: LowerTier, key: ChunkKey, block: MemoryBlock, num_tokens: int) -> None:
+        self.writers[tier.name].submit(key, block.retain(), num_tokens * self.bytes_per_token, num_tokens)
+
+    # -- leases -------------------------------------------------------------------------
+
+    def lease(self, keys: Sequence[ChunkKey], where: Sequence[str], max_blocks: int, timeout: float) -> Lease:
+        """Protect the chunks of a hit: CPU ones (up to `max_blocks`) retained, disk ones pinned."""
+        lease = Lease(deadline=time.monotonic() + timeout)
+        for key, tier in zip(keys, where):
+            if tier == CPU and len(lease.blocks) < max_blocks:
+                chunk = self.cpu.get(key)
+                if chunk is not None:
+                    lease.blocks.append(chunk.block)
+        if self.disk is not None:
+            lease.disk_names = self.disk.pin([k for k, t in zip(keys, where) if t == self.disk.name])
+        return lease
+
+    def release(self, lease: Lease) -> None:
+        blocks, lease.blocks = lease.blocks, []
+        for block in blocks:
+            block.release()
+        if self.disk is not None and lease.disk_names:
+            self.disk.unpin(lease.disk_names)
+            lease.disk_names = []
+
+    # -- housekeeping -------------------------------------------------------------------
 
     def flush(self, timeout: float | None = None) -> bool:
-        return self._writer.flush(timeout) if self._writer else True
+        """Wait until every writer is idle; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for writer in self.writers.values():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not writer.flush(left):
+                return False
+        return True
 
     def clear(self) -> None:
+        """Drop every chunk of the local tiers (CPU RAM and disk); leased ones stay until released."""
         self.cpu.clear()
+        if self.disk is not None:
+            self.disk.clear()
 
     def close(self, timeout: float = 30.0) -> None:
-        if self._writer is not None:
-            self._writer.close(timeout)
+        for writer in self.writers.values():
+            writer.close(timeout)
+        if self.disk is not None:
+            self.disk.close()
+        if self.remote is not None:
             self.remote.close()
 
 
-class _RemoteWriter:
-    """One thread that sends stored chunks to the remote tier, in batches, in order.
+@dataclass
+class WriterStats:
+    written: int = 0  # chunks handed to the tier
+    waits: int = 0  # stores that found the queue full and waited
+    dropped: int = 0  # chunks not written: the queue stayed full for wait_s
 
-    At most `max_pending` chunks wait; beyond that a store is not sent
-    remotely (counted in `dropped`), so a slow remote never fills the pool.
-    """
 
-    def __init__(self, remote: RemoteTier, max_pending: int) -> None:
-        self.remote, self.max_pending = remote, max_pending
-        self.dropped = 0
+class _Writer:
+    """One thread that copies queued chunks into one lower tier, in batches, in order."""
+
+    def __init__(self, tier: LowerTier, max_pending: int, wait_s: float, progress: threading.Condition) -> None:
+        self.tier, self.max_pending, self.wait_s, self._progress = tier, max_pending, wait_s, progress
+        self.stats = WriterStats()
         self._queue: deque[tuple[ChunkKey, MemoryBlock, int, int]] = deque()
         self._busy = 0
         self._cond = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvtier-remote-writer", daemon=True)
+        self._last_drop_log = 0.0
+        self._thread = threading.Thread(target=self._run, name=f"kvtier-{tier.name}-writer", daemon=True)
         self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue) + self._busy
 
     def submit(self, key: ChunkKey, block: MemoryBlock, nbytes: int, num_tokens: int) -> None:
         """Takes over the caller's reference to `block`."""
         with self._cond:
+            if len(self._queue) >= self.max_pending and not self._closed:
+                self.stats.waits += 1
+                self._cond.wait_for(lambda: len(self._queue) < self.max_pending or self._closed, self.wait_s)
             if len(self._queue) >= self.max_pending or self._closed:
-                self.dropped += 1
+                self.stats.dropped += 1
+                self._log_drop()
                 block.release()
                 return
             self._queue.append((key, block, nbytes, num_tokens))
             self._cond.notify_all()
+
+    def _log_drop(self) -> None:
+        now = time.monotonic()
+        if now - self._last_drop_log > 10:
+            self._last_drop_log = now
+            log.warning("%s writer: queue full for %.0f s; chunks not written to %s (%d so far)",
+                        self.tier.name, self.wait_s, self.tier.name, self.stats.dropped)
 
     def _run(self) -> None:
         while True:
@@ -153,15 +327,18 @@ class _RemoteWriter:
                     return
                 batch = [self._queue.popleft() for _ in range(min(WRITE_BATCH, len(self._queue)))]
                 self._busy = len(batch)
+                self._cond.notify_all()
             try:
-                self.remote.put([k for k, *_ in batch],
-                                [(b.data[:n].numpy().data, t) for _, b, n, t in batch])
+                self.tier.put([k for k, *_ in batch], [(b.data[:n].numpy().data, t) for _, b, n, t in batch])
+                self.stats.written += len(batch)
             finally:
                 for _, block, _, _ in batch:
                     block.release()
                 with self._cond:
                     self._busy = 0
                     self._cond.notify_all()
+                with self._progress:
+                    self._progress.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
         with self._cond:
@@ -169,8 +346,12 @@ class _RemoteWriter:
 
     def close(self, timeout: float) -> None:
         if not self.flush(timeout):
-            log.warning("remote writer: %d chunks not sent after %.0f s; dropping them", len(self._queue), timeout)
+            log.warning("%s writer: %d chunks not written after %.0f s; dropping them",
+                        self.tier.name, len(self._queue), timeout)
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout)
+        with self._cond:
+            while self._queue:
+                self._queue.popleft()[1].release()

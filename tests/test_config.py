@@ -77,7 +77,6 @@ def test_missing_or_malformed_file(tmp_path):
 
 
 @pytest.mark.parametrize("env, key", [
-    ({"LMCACHE_LOCAL_DISK": "/tmp/kv"}, "local_disk"),
     ({"LMCACHE_ENABLE_PD": "true"}, "enable_pd"),
     ({"LMCACHE_PD_ROLE": "sender"}, "pd_role"),
 ])
@@ -101,6 +100,23 @@ def test_remote_urls_of_every_scheme_parse(url):
 ])
 def test_bad_remote_settings_fail_at_start(env, expected):
     with pytest.raises(ConfigError, match=expected):
+        load_config(env=env)
+
+
+@pytest.mark.parametrize("value", ["file:///tmp/kv disk", "/tmp/kv disk", "file:///tmp/kv%20disk"])
+def test_local_disk_takes_lmcache_form_and_plain_paths(value):
+    cfg = load_config(env={"LMCACHE_LOCAL_DISK": value, "LMCACHE_MAX_LOCAL_DISK_SIZE": "2"})
+    assert str(cfg.disk_path) == "/tmp/kv disk" and cfg.disk_bytes == 2 * 1024**3
+
+
+@pytest.mark.parametrize("env, key, expected", [
+    ({"LMCACHE_LOCAL_DISK": "file:///tmp/kv"}, "max_local_disk_size", "> 0"),
+    ({"LMCACHE_LOCAL_DISK": "s3://bucket/kv", "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}, "local_disk", "file:///"),
+    ({"KVTIER_LOCAL_DISK_MIN_STORES": "0"}, "local_disk_min_stores", ">= 1"),
+    ({"LMCACHE_PIN_TIMEOUT_SEC": "0"}, "pin_timeout_sec", "> 0"),
+])
+def test_bad_disk_and_pin_settings_fail_at_start(env, key, expected):
+    with pytest.raises(ConfigError, match=f"{key}.*{expected}"):
         load_config(env=env)
 
 

@@ -115,7 +115,7 @@ def test_full_pool_of_pinned_chunks_skips_store_and_logs_once(caplog):
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         assert eng.store(list(range(100, 164)), torch.arange(64), request_id="r") == 0
         assert eng.store(list(range(100, 196)), torch.arange(96), request_id="r") == 0  # next prefill step
-    warnings = [r for r in caplog.records if "pool full" in r.getMessage()]
+    warnings = [r for r in caplog.records if "pool full of chunks in use" in r.getMessage()]
     assert len(warnings) == 1 and "64 tokens" in warnings[0].getMessage()
     for chunk in held:
         chunk.block.release()

@@ -75,6 +75,10 @@ class KVClient:
                 run_copy([pair for (_, extents), ps in zip(entries, parts)
                           for pair in into_extents(link.shm, extents, ps)])
                 self._send(link, p.Op.PUT_COMMIT, p.encode_u32(ticket))
+                # The commit has no reply; a request after it on this connection is
+                # served after it, so its answer means the put is visible to every
+                # client (a flushed store is then a hit on another node at once).
+                self._call(link, p.Op.EXISTS, p.encode_keys(keys[:1]))
             else:
                 self._call(link, p.Op.PUT, p.encode_keys(keys, sizes), [x for ps in parts for x in ps], sum(sizes))
 

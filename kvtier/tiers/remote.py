@@ -44,6 +44,8 @@ def wire_key(key: ChunkKey) -> bytes:
 
 
 class RemoteTier:
+    name = "remote"
+
     def __init__(self, store: KVStore, codec: Codec, url: str) -> None:
         self.store, self.codec, self.url = store, codec, url
         self.stats = RemoteStats()

@@ -1,0 +1,320 @@
+"""The local disk tier: one file per chunk under `local_disk`, LRU by size.
+
+    <local_disk>/                       (tp_size > 1: <local_disk>/tp<rank>of<size>/)
+      .lock                             flock of the one kvtier process using it
+      <32 hex>.kvc                      a chunk: codec header (40 B), then its bytes
+      <32 hex>.kvc.<pid>.tmp            a write in progress
+
+A file's name is the xxh3-128 of its chunk key. A write goes to a temporary
+name and is renamed over the final one only when whole, so a reader never
+sees half a chunk; a crash leaves at most a `.tmp`, removed at the next
+start. No fsync: a file cut short by a power loss fails its length or
+checksum check when read, and a chunk that fails is a miss (and is
+deleted), never wrong KV.
+
+Why one file per chunk, not segment files: a chunk of a real model is tens
+of MB (Llama-3.1-8B: 32 MiB per 256 tokens), so a file's open, rename and
+unlink cost well under 1% of its bytes; eviction is an unlink, and the
+index rebuilds from a directory listing. `kvtier bench disk` measures the
+tier against one sequential file of the same bytes (docs/benchmarks.md).
+
+The index (name → size, in LRU order) is rebuilt at start from the
+directory, oldest modification first; a read touches the file's mtime so
+the order survives restarts. One process owns a directory at a time: a
+second one gets `DiskTierInUse` at start (two writers' LRU accounting
+would disagree). A chunk leased by a lookup (`pin`) is never evicted.
+
+Faults: a file that fails its checks is a logged, counted miss and is
+removed. A write that fails (disk full, read-only, I/O error) is logged
+once with its cause; the tier then stops writing and keeps serving what it
+has, and kvtier goes on from CPU RAM and the remote tier.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import xxhash
+
+from kvtier.codec import HEADER, Codec
+from kvtier.errors import CorruptPayload, DiskTierInUse
+from kvtier.keys import ChunkKey
+from kvtier.logs import get_logger
+from kvtier.tiers.remote import wire_key
+
+log = get_logger(__name__)
+
+SUFFIX = ".kvc"
+
+
+@dataclass
+class DiskStats:
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    evictions: int = 0
+    corrupt: int = 0  # files that failed their checks (removed)
+    write_errors: int = 0
+    too_large: int = 0  # chunks larger than the whole tier
+    bytes_written: int = 0
+    bytes_read: int = 0
+
+
+def file_name(key: ChunkKey) -> str:
+    return xxhash.xxh3_128_hexdigest(wire_key(key)) + SUFFIX
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, root: Path, capacity: int, codec: Codec) -> None:
+        self.root, self.capacity, self.codec = Path(root), capacity, codec
+        self.stats = DiskStats()
+        self.writable = True
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, least recently used first
+        self._pins: Counter[str] = Counter()
+        self._used = 0  # bytes of the index plus writes in progress
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OSError(e.errno, f"local_disk {self.root}: cannot create the directory ({e.strerror})") from None
+        self._lock_fd = self._take_lock()
+        self._rebuild()
+        log.info("disk tier: %s, %d chunks (%.2f of %.2f GB)%s", self.root, len(self._index), self._used / 1e9,
+                 capacity / 1e9, "" if self.writable else ", read-only")
+
+    # -- start -------------------------------------------------------------------------
+
+    def _take_lock(self) -> int:
+        path = self.root / ".lock"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # read-only directory: serve what is there, write nothing
+            fd = os.open(path, os.O_RDONLY) if path.exists() else os.open(self.root, os.O_RDONLY)
+            self._stop_writing(e)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = path.read_text().strip() if path.is_file() else "?"
+            os.close(fd)
+            raise DiskTierInUse(self.root, holder) from None
+        if self.writable:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def _rebuild(self) -> None:
+        """The index from the directory: chunks oldest-touched first; leftovers of crashed writes removed."""
+        found = []
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                if entry.name.endswith(".tmp") and self.writable:
+                    _unlink(Path(entry.path))  # a write cut short: never renamed, never valid
+                elif entry.name.endswith(SUFFIX) and entry.is_file():
+                    st = entry.stat()
+                    found.append((st.st_mtime_ns, entry.name, st.st_size))
+        for _, name, size in sorted(found):
+            self._index[name] = size
+            self._used += size
+        if self._used > self.capacity:
+            self._evict(0)  # max_local_disk_size shrank since the last run
+
+    # -- reads -------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        with self._lock:
+            return [file_name(k) in self._index for k in keys]
+
+    def get_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[int | None]:
+        """Read each chunk into `outs[i]` (exactly its size): num_tokens, or None for a miss."""
+        return [self._read(key, out) for key, out in zip(keys, outs)]
+
+    def _read(self, key: ChunkKey, out: memoryview) -> int | None:
+        name = file_name(key)
+        with self._lock:
+            if name not in self._index:
+                self.stats.misses += 1
+                return None
+            self._index.move_to_end(name)
+        path = self.root / name
+        header = bytearray(HEADER.size)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != HEADER.size + len(out):
+                    raise CorruptPayload(f"file of {size} bytes, the chunk needs {HEADER.size + len(out)}")
+                _read_exactly(f, [memoryview(header), memoryview(out).cast("B")])
+                num_tokens = self.codec.check_in_place(header, out)
+            if self.writable:
+                os.utime(path)  # LRU order that survives a restart
+        except FileNotFoundError:  # removed behind our back
+            self._forget(name)
+            self.stats.misses += 1
+            return None
+        except CorruptPayload as e:
+            self.stats.corrupt += 1
+            log.warning("disk tier: %s is corrupt (%s); removed, treated as a miss", path, e)
+            self._forget(name, unlink=True)
+            return None
+        except OSError as e:  # an I/O error reading: this chunk is a miss
+            self.stats.misses += 1
+            log.warning("disk tier: reading %s failed (%s); treated as a miss", path, e)
+            return None
+        self.stats.hits += 1
+        self.stats.bytes_read += size
+        return num_tokens
+
+    # -- writes ------------------------------------------------------------------------
+
+    def put(self, keys: Sequence[ChunkKey], chunks: Sequence[tuple[memoryview, int]]) -> bool:
+        """Write each (bytes, num_tokens) chunk not on disk yet; False once the tier stopped writing."""
+        for key, (data, num_tokens) in zip(keys, chunks):
+            if not self.writable:
+                return False
+            name = file_name(key)
+            parts = self.codec.encode(data, num_tokens)
+            size = sum(len(p) for p in parts)
+            if not self._reserve(name, size):
+                continue
+            tmp = self.root / f"{name}.{os.getpid()}.tmp"
+            try:
+                _write_file(tmp, parts)
+                os.rename(tmp, self.root / name)
+            except OSError as e:
+                _unlink(tmp)
+                with self._lock:
+                    self._used -= size
+                self._stop_writing(e)
+                return False
+            with self._lock:
+                self._index[name] = size
+                self.stats.puts += 1
+                self.stats.bytes_written += size
+        return True
+
+    def _reserve(self, name: str, size: int) -> bool:
+        """Room for `size` bytes, evicting LRU chunks; False if the chunk is there or can never fit."""
+        with self._lock:
+            if name in self._index:
+                self._index.move_to_end(name)
+                return False
+            if size > self.capacity:
+                self.stats.too_large += 1
+                return False
+        if not self._evict(size):
+            return False
+        with self._lock:
+            self._used += size
+        return True
+
+    def _evict(self, size: int) -> bool:
+        """Remove least recently used, unpinned chunks until `size` more bytes fit."""
+        victims = []
+        with self._lock:
+            for name in list(self._index):
+                if self._used + size <= self.capacity:
+                    break
+                if self._pins[name]:
+                    continue
+                self._used -= self._index.pop(name)
+                self.stats.evictions += 1
+                victims.append(name)
+            fits = self._used + size <= self.capacity
+        for name in victims:
+            _unlink(self.root / name)
+        return fits
+
+    def _stop_writing(self, e: OSError) -> None:
+        self.stats.write_errors += 1
+        if not self.writable:
+            return
+        self.writable = False
+        why = {errno.ENOSPC: "the disk is full", errno.EROFS: "the file system is read-only",
+               errno.EACCES: "no permission", errno.EDQUOT: "the disk quota is used up"}.get(e.errno, e.strerror)
+        log.error("disk tier: writing to %s failed: %s (%s). The disk tier stops writing; it keeps serving the "
+                  "%d chunks it has, and kvtier goes on from CPU RAM", self.root, why, e, len(self._index))
+
+    # -- leases and housekeeping -------------------------------------------------------
+
+    def pin(self, keys: Sequence[ChunkKey]) -> list[str]:
+        """Protect the chunks of `keys` that are on disk from eviction; the names to `unpin`."""
+        with self._lock:
+            names = [n for n in map(file_name, keys) if n in self._index]
+            self._pins.update(names)
+        return names
+
+    def unpin(self, names: Sequence[str]) -> None:
+        with self._lock:
+            self._pins.subtract(names)
+            self._pins = +self._pins  # drop zeros
+
+    def delete(self, key: ChunkKey) -> bool:
+        return self._forget(file_name(key), unlink=True)
+
+    def _forget(self, name: str, unlink: bool = False) -> bool:
+        with self._lock:
+            size = self._index.pop(name, None)
+            if size is not None:
+                self._used -= size
+        if unlink and size is not None and self.writable:
+            _unlink(self.root / name)
+        return size is not None
+
+    def clear(self) -> None:
+        with self._lock:
+            names = [n for n in self._index if not self._pins[n]]
+        for name in names:
+            self._forget(name, unlink=True)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def close(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
+
+
+def _write_file(path: Path, parts: Sequence[memoryview | bytes]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        views = [memoryview(p).cast("B") for p in parts]
+        while views:
+            n = os.writev(fd, views)
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if views and n:
+                views[0] = views[0][n:]
+    finally:
+        os.close(fd)
+
+
+def _read_exactly(f, views: list[memoryview]) -> None:
+    for view in views:
+        while len(view):
+            n = f.readinto(view)
+            if not n:
+                raise CorruptPayload("file ended early")
+            view = view[n:]
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # read-only since: the index forgets it all the same
+        log.debug("disk tier: cannot remove %s: %s", path, e)
