@@ -126,12 +126,15 @@ class CacheEngine:
             if old is not None:
                 self.tiers.release(old)
             if where:
-                with self._lock:
-                    budget = self.pool.num_blocks // 2 - sum(len(x.blocks) for x in self._leases.values())
-                lease = self.tiers.lease(keys[: len(where)], where, max(0, budget), self.config.pin_timeout_sec)
+                lease = self.tiers.lease(keys[: len(where)], where, self._lease_budget(), self.config.pin_timeout_sec)
                 with self._lock:
                     self._leases[lease_for] = lease
         return hit
+
+    def _lease_budget(self) -> int:
+        """Blocks leases may still pin: together at most half the pool, so stores and loads keep room."""
+        with self._lock:
+            return max(0, self.pool.num_blocks // 2 - sum(len(x.blocks) for x in self._leases.values()))
 
     def release_lease(self, request_id: str) -> None:
         """The request will not load what it looked up (finished, aborted)."""
@@ -153,14 +156,15 @@ class CacheEngine:
             self.tiers.release(lease)
 
     def prefetch(self, tokens: Tokens, *, request_id: str = "") -> int:
-        """Bring the stored prefix's disk and remote chunks up into CPU RAM ahead of a load
-        (at most half the pool); with `request_id`, into that request's lease. Returns
-        the tokens brought up."""
+        """Bring the stored prefix's disk and remote chunks up into CPU RAM ahead of a load;
+        with `request_id`, into that request's lease (within the lease budget), else at
+        most half the pool. Returns the tokens brought up."""
         if not self.config.local_cpu or not self.tiers.lower:
             return 0
         spans = self.spans(tokens)
         where = self.tiers.locate([s.key for s in spans])
-        below = [(s, w) for s, w in zip(spans, where) if w != CPU][: max(1, self.pool.num_blocks // 2)]
+        below = [(s, w) for s, w in zip(spans, where) if w != CPU]
+        below = below[: self._lease_budget() if request_id else self.pool.num_blocks // 2]
         brought = 0
         for batch in self.tiers.fetch([s for s, _ in below], [w for _, w in below]):
             with self._lock:

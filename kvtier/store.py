@@ -76,9 +76,9 @@ class TieredStore:
         self.bytes_per_token, self.disk_min_stores, self.wait_s = bytes_per_token, disk_min_stores, wait_s
         self.lower: list[LowerTier] = [t for t in (disk, remote) if t is not None]
         self._progress = threading.Condition()  # notified when a writer frees blocks
-        # Queued chunks hold their blocks. With the CPU tier on, at most half the
-        # pool waits per writer, so the CPU tier keeps room to evict; without it
-        # the pool is only staging and may all wait.
+        # Queued and in-flight chunks hold their blocks. With the CPU tier on, at
+        # most half the pool waits per writer, so the CPU tier keeps room to evict;
+        # without it the pool is only staging and may all wait.
         blocks = cpu.pool.num_blocks
         pending = max(1, blocks // 2 if keep_cpu else blocks)
         self.writers = {t.name: _Writer(t, pending, wait_s, self._progress) for t in self.lower}
@@ -159,10 +159,11 @@ class TieredStore:
         ended = False
         while i + len(batch) < len(where):
             span, tier = spans[i + len(batch)], where[i + len(batch)]
-            if tier == CPU:
-                chunk = self.cpu.get(span.key)
-                ended = chunk is None  # evicted since `locate`
-            else:
+            chunk = self.cpu.get(span.key) if tier == CPU else None
+            if tier == CPU and chunk is None:  # evicted since `locate` (maybe by this fetch): a copy below?
+                tier = next((t.name for t in self.lower if t.exists([span.key])[0]), None)
+                ended = tier is None
+            if tier is not None and tier != CPU:
                 # The first block of a batch may wait for the writers; later ones
                 # only take what is free now, and the batch goes out as it is.
                 block = self.allocate() if not batch else self.cpu.allocate()
@@ -289,6 +290,7 @@ class _Writer:
         self._busy = 0
         self._cond = threading.Condition()
         self._closed = False
+        self._stalled = False  # a wait for room timed out; cleared when a batch is done
         self._last_drop_log = 0.0
         self._thread = threading.Thread(target=self._run, name=f"kvtier-{tier.name}-writer", daemon=True)
         self._thread.start()
@@ -298,12 +300,19 @@ class _Writer:
         return len(self._queue) + self._busy
 
     def submit(self, key: ChunkKey, block: MemoryBlock, nbytes: int, num_tokens: int) -> None:
-        """Takes over the caller's reference to `block`."""
+        """Takes over the caller's reference to `block`.
+
+        A full queue (queued plus in flight) is waited on for up to `wait_s`;
+        if it is still full the chunk is dropped, and until the tier makes
+        progress again later chunks are dropped without waiting, so a stalled
+        tier costs one wait, not one per chunk.
+        """
         with self._cond:
-            if len(self._queue) >= self.max_pending and not self._closed:
+            if self.pending >= self.max_pending and not self._closed and not self._stalled:
                 self.stats.waits += 1
-                self._cond.wait_for(lambda: len(self._queue) < self.max_pending or self._closed, self.wait_s)
-            if len(self._queue) >= self.max_pending or self._closed:
+                self._cond.wait_for(lambda: self.pending < self.max_pending or self._closed, self.wait_s)
+            if self.pending >= self.max_pending or self._closed:
+                self._stalled = True
                 self.stats.dropped += 1
                 self._log_drop()
                 block.release()
@@ -336,6 +345,7 @@ class _Writer:
                     block.release()
                 with self._cond:
                     self._busy = 0
+                    self._stalled = False
                     self._cond.notify_all()
                 with self._progress:
                     self._progress.notify_all()

@@ -1,11 +1,16 @@
 """Prefix lookup across processes: vLLM's scheduler asks the workers.
 
 vLLM's scheduler and its workers live in different processes (the CPU
-platform always uses the multiprocess executor), while the CPU tier lives
-in the worker. Each worker rank serves lookups on a ZMQ IPC socket:
+platform always uses the multiprocess executor), while the tiers live in
+the worker. Each worker rank serves the scheduler on a ZMQ IPC socket:
 
-    request:  token ids as little-endian u32 bytes
-    reply:    8 bytes, little-endian u64: stored prefix length in tokens
+    request:  version u8 (1) | op u8 | request-id length u16 | request id (utf-8) | payload
+        LOOKUP   payload: token ids as little-endian u32; the worker leases the hit
+                 for that request (protected until its load)
+        RELEASE  the request will not load what it looked up
+        RESET    drop the worker's local tiers (vLLM's reset_prefix_cache)
+    reply:    two little-endian u64: LOOKUP (hit tokens, of them in CPU RAM);
+              otherwise (1, 0) done
 
 The client waits at most `timeout_s`; a worker that does not answer is a
 miss (0 tokens), never a hang.
@@ -13,10 +18,12 @@ miss (0 tokens), never a hang.
 
 from __future__ import annotations
 
+import enum
 import os
 import struct
 import tempfile
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -27,18 +34,54 @@ from kvtier.logs import get_logger
 
 log = get_logger(__name__)
 
+VERSION = 1
+HEAD = struct.Struct("<BBH")
+REPLY = struct.Struct("<QQ")
+
+
+class Op(enum.IntEnum):
+    LOOKUP = 1
+    RELEASE = 2
+    RESET = 3
+
+
+@dataclass(frozen=True)
+class Handlers:
+    """What a worker does for each op."""
+
+    lookup: Callable[[np.ndarray, str], tuple[int, int]]  # (tokens, request id) -> (hit, in CPU)
+    release: Callable[[str], None]
+    reset: Callable[[], None]
+
 
 def socket_path(engine_id: str, rank: int) -> str:
     # ipc paths are limited to ~100 bytes, so keep them short.
     return f"ipc://{tempfile.gettempdir()}/kvtier-{engine_id[:24]}-{rank}.sock"
 
 
-class LookupServer:
-    """Answers prefix lookups for one worker from a daemon thread."""
+def encode(op: Op, request_id: str = "", payload: bytes = b"") -> bytes:
+    rid = request_id.encode()
+    return HEAD.pack(VERSION, op, len(rid)) + rid + payload
 
-    def __init__(self, address: str, lookup: Callable[[np.ndarray], int]) -> None:
+
+def decode(message: bytes) -> tuple[Op, str, bytes]:
+    """(op, request id, payload); ValueError for anything malformed."""
+    if len(message) < HEAD.size:
+        raise ValueError(f"lookup message of {len(message)} bytes")
+    version, op, n = HEAD.unpack_from(message)
+    if version != VERSION:
+        raise ValueError(f"lookup protocol version {version}, expected {VERSION}")
+    if len(message) < HEAD.size + n or (len(message) - HEAD.size - n) % 4:
+        raise ValueError("lookup message length does not match its request id and tokens")
+    return Op(op), message[HEAD.size : HEAD.size + n].decode(), message[HEAD.size + n :]
+
+
+class LookupServer:
+    """Answers the scheduler for one worker from a daemon thread."""
+
+    def __init__(self, address: str, handlers: Handlers) -> None:
         self.address = address
-        self._lookup = lookup
+        self._handlers = handlers
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -53,13 +96,22 @@ class LookupServer:
         while not self._stop.is_set():
             if not poller.poll(100):
                 continue
-            payload = self._sock.recv()
+            message = self._sock.recv()
             try:
-                hit = self._lookup(np.frombuffer(payload, dtype="<u4"))
+                reply = self._answer(*decode(message))
             except ValueError as exc:  # malformed request: answer "no hit"
                 log.warning("lookup request rejected: %s", exc)
-                hit = 0
-            self._sock.send(struct.pack("<Q", hit))
+                reply = (0, 0)
+            self._sock.send(REPLY.pack(*reply))
+
+    def _answer(self, op: Op, request_id: str, payload: bytes) -> tuple[int, int]:
+        if op == Op.LOOKUP:
+            return self._handlers.lookup(np.frombuffer(payload, dtype="<u4"), request_id)
+        if op == Op.RELEASE:
+            self._handlers.release(request_id)
+        else:
+            self._handlers.reset()
+        return 1, 0
 
     def close(self) -> None:
         self._stop.set()
@@ -87,21 +139,33 @@ class LookupClient:
         sock.connect(address)
         return sock
 
-    def lookup(self, tokens: list[int] | np.ndarray) -> int:
-        payload = token_bytes(tokens)
-        hits = []
+    def lookup(self, tokens: list[int] | np.ndarray, request_id: str = "") -> tuple[int, int]:
+        """(hit tokens, of them in CPU RAM), the minimum over ranks; (0, 0) if a rank is silent."""
+        replies = self._ask(encode(Op.LOOKUP, request_id, token_bytes(tokens)))
+        if replies is None:
+            return 0, 0
+        return min(r[0] for r in replies), min(r[1] for r in replies)
+
+    def release(self, request_id: str) -> None:
+        self._ask(encode(Op.RELEASE, request_id))
+
+    def reset(self) -> bool:
+        return self._ask(encode(Op.RESET)) is not None
+
+    def _ask(self, message: bytes) -> list[tuple[int, int]] | None:
+        replies = []
         for i, sock in enumerate(self._socks):
             try:
-                sock.send(payload)
-                hits.append(struct.unpack("<Q", sock.recv())[0])
+                sock.send(message)
+                replies.append(REPLY.unpack(sock.recv()))
             except zmq.Again:
                 # A REQ socket that timed out is stuck mid-exchange: replace it.
                 log.warning("lookup at %s timed out after %d ms: treated as a miss",
                             self.addresses[i], self.timeout_ms)
                 sock.close(0)
                 self._socks[i] = self._connect(self.addresses[i])
-                return 0
-        return min(hits) if hits else 0
+                return None
+        return replies
 
     def close(self) -> None:
         for sock in self._socks:

@@ -9,12 +9,26 @@ and the worker's (owns the CacheEngine and moves the bytes). Per step:
 
     scheduler                                worker
     ---------                                ------
-    get_num_new_matched_tokens ── lookup ──▶ LookupServer → engine.lookup
+    get_num_new_matched_tokens ── lookup ──▶ LookupServer → engine.find (leases the hit;
+                                               disk/remote chunks start coming up: prefetch)
     update_state_after_alloc   (plan load)
     build_connector_meta  ── KvtierMetadata ─▶ start_load_kv  → engine.retrieve
-                                               (forward pass)
+                                               (forward pass)   (or, async, in a thread)
                                                wait_for_save  → engine.store
-    request_finished      (forget request)
+                                               get_finished   → async loads that are done
+    request_finished      (forget request; release an unused lease)
+
+A hit that is all in CPU RAM loads synchronously, before the forward (a
+memcpy). A hit with chunks on disk or remote loads asynchronously (vLLM's
+WAITING_FOR_REMOTE_KVS): the request waits while other requests' steps go
+on, and `get_finished` reports it loaded.
+
+A promised hit is delivered: the lookup leases its chunks (CPU ones
+pinned, disk ones kept from eviction) until the load. What can still fail
+(a remote store that dies, a file that turns out corrupt) is reported
+through `get_block_ids_with_load_errors`, and vLLM recomputes those tokens:
+kvtier sets vLLM's `kv_load_failure_policy` to "recompute" (its default,
+"fail", would end the request with an error for a cache miss).
 
 Saves follow chunked prefill: after each step, the whole chunks computed so
 far are stored ("Storing KV cache for 2048 out of 12288 tokens"), and the
@@ -29,8 +43,11 @@ layers compute, and `wait_for_save` puts the finished chunks in the tiers.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -41,7 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.config import KvtierConfig, load_config
 from kvtier.engine import CacheEngine, Retrieval, Storing
-from kvtier.integrations.lookup import LookupClient, LookupServer, socket_path
+from kvtier.integrations.lookup import Handlers, LookupClient, LookupServer, socket_path
 from kvtier.keys import KVFormat
 from kvtier.logs import get_logger
 from kvtier.transfer import PagedKV
@@ -69,6 +86,7 @@ class TransferSpec:
     block_ids: list[int]
     start: int
     end: int
+    background: bool = False  # load asynchronously (chunks below CPU RAM)
 
     def slots(self, block_size: int) -> torch.Tensor:
         n = self.end
@@ -90,7 +108,7 @@ class _Request:
     prompt: list[int]
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int = 0
-    load: tuple[int, int] | None = None  # tokens [start, end) to load next step
+    load: tuple[int, int, bool] | None = None  # tokens [start, end) to load next step, in the background?
 
 
 def connector_config(vllm_config: VllmConfig) -> KvtierConfig:
@@ -133,7 +151,14 @@ class KvtierConnector(KVConnectorBase_V1):
             addresses = [socket_path(self.engine_id, r) for r in range(tp)]
             self._lookup = LookupClient(addresses, self.config.blocking_timeout_secs)
             self._requests: dict[str, _Request] = {}
-            self._pending: dict[str, int] = {}  # req_id -> hit end, between the two calls
+            self._pending: dict[str, tuple[int, bool]] = {}  # req_id -> (hit end, async), between the two calls
+            self._leased: set[str] = set()  # looked up with a hit, load not planned yet
+            self._async_loads: list[str] = []  # async loads planned, to send with the next metadata
+            if kv_cfg.kv_load_failure_policy != "recompute":
+                # Read by vLLM's scheduler right after it builds this connector.
+                log.info("kvtier sets kv_load_failure_policy %r -> 'recompute': KV that cannot be loaded "
+                         "is recomputed; a cache miss never fails a request", kv_cfg.kv_load_failure_policy)
+                kv_cfg.kv_load_failure_policy = "recompute"
         else:
             self.engine: CacheEngine | None = None
             self._server: LookupServer | None = None
@@ -141,6 +166,8 @@ class KvtierConnector(KVConnectorBase_V1):
             self._layer_index: dict[str, int] = {}
             self._loads: list[Retrieval] = []  # layerwise loads of this step
             self._stores: list[Storing] | None = None  # layerwise stores of this step, once begun
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load")
+            self._background: dict[str, tuple[TransferSpec, Future]] = {}
 
     # ======================================================================
     # Scheduler side
@@ -150,24 +177,38 @@ class KvtierConnector(KVConnectorBase_V1):
         prompt = request.prompt_token_ids
         if not self.can_load or not prompt:
             return 0, False
-        hit = self._lookup.lookup(prompt)
+        rid = request.request_id
+        hit, in_cpu = self._lookup.lookup(prompt, rid)
         # vLLM must compute at least one token itself to produce logits.
         hit = min(hit, len(prompt) - 1)
         need = max(0, hit - num_computed_tokens)
-        log.info("Reqid: %s, Total tokens %d, hit tokens %d, need to load %d",
-                 request.request_id, len(prompt), hit, need)
+        background = need > 0 and in_cpu < hit
+        log.info("Reqid: %s, Total tokens %d, hit tokens %d, need to load %d%s", rid, len(prompt), hit, need,
+                 f" ({hit - in_cpu} from disk/remote, in the background)" if background else "")
         if need:
-            self._pending[request.request_id] = num_computed_tokens + need
-        return need, False
+            self._pending[rid] = (num_computed_tokens + need, background)
+            self._leased.add(rid)
+        elif hit:
+            self._lookup.release(rid)
+        return need, background
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        end = self._pending.pop(request.request_id, 0)
+        rid = request.request_id
+        end, background = self._pending.pop(rid, (0, False))
         if num_external_tokens > 0 and request.prompt_token_ids:
-            state = self._requests.setdefault(request.request_id, _Request(list(request.prompt_token_ids)))
-            state.load = (end - num_external_tokens, end)
+            state = self._requests.setdefault(rid, _Request(list(request.prompt_token_ids)))
+            state.load = (end - num_external_tokens, end, background)
+            if background:  # not scheduled this step: the blocks to load into are known only here
+                state.block_ids = list(blocks.get_block_ids()[0])
+                self._async_loads.append(rid)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
         meta = KvtierMetadata()
+        for rid in self._async_loads:
+            state = self._requests.get(rid)
+            if state is not None and state.load is not None:
+                self._plan_load(meta, rid, state)
+        self._async_loads = []
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             if not new.prompt_token_ids:
@@ -189,11 +230,15 @@ class KvtierConnector(KVConnectorBase_V1):
             self._plan(meta, req_id, state, cached.num_computed_tokens[i] + sched.get(req_id, 0))
         return meta
 
+    def _plan_load(self, meta: KvtierMetadata, req_id: str, state: _Request) -> None:
+        start, end, background = state.load
+        meta.loads.append(TransferSpec(req_id, state.prompt, list(state.block_ids), start, end, background))
+        state.load = None
+        self._leased.discard(req_id)  # the worker's retrieve ends the lease
+
     def _plan(self, meta: KvtierMetadata, req_id: str, state: _Request, computed_after_step: int) -> None:
         if state.load is not None:
-            start, end = state.load
-            meta.loads.append(TransferSpec(req_id, state.prompt, state.block_ids, start, end))
-            state.load = None
+            self._plan_load(meta, req_id, state)
         if not self.can_save or state.saved_upto >= len(state.prompt):
             return
         end = min(computed_after_step, len(state.prompt))
@@ -204,9 +249,17 @@ class KvtierConnector(KVConnectorBase_V1):
             state.saved_upto = end
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
-        self._pending.pop(request.request_id, None)
+        rid = request.request_id
+        self._requests.pop(rid, None)
+        self._pending.pop(rid, None)
+        if rid in self._leased:  # looked up, never loaded (aborted, or finished without it)
+            self._leased.discard(rid)
+            self._lookup.release(rid)
         return False, None
+
+    def reset_cache(self) -> bool:
+        """vLLM's /reset_prefix_cache: the workers drop kvtier's CPU RAM and disk tiers too."""
+        return self._lookup.reset()
 
     # ======================================================================
     # Worker side
@@ -232,26 +285,62 @@ class KvtierConnector(KVConnectorBase_V1):
             tp_size=get_tensor_model_parallel_world_size(),
         )
         self.engine = CacheEngine(self.config, kv, fmt)
-        self._server = LookupServer(socket_path(self.engine_id, rank), self.engine.lookup)
+        self._server = LookupServer(socket_path(self.engine_id, rank), Handlers(
+            lookup=self._find, release=self.engine.release_lease, reset=self.engine.clear))
+
+    def _find(self, tokens: np.ndarray, request_id: str) -> tuple[int, int]:
+        """A scheduler lookup: lease the hit; chunks below CPU RAM start coming up now."""
+        assert self.engine is not None
+        hit = self.engine.find(tokens, lease_for=request_id)
+        if hit.in_cpu < hit.tokens and self.can_load:
+            self.engine.start_prefetch(tokens, request_id)
+        return hit.tokens, hit.in_cpu
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata) and self.engine is not None
         for spec in meta.loads:
-            end = spec.end
+            if spec.background:
+                log.info("request %s: loading %d tokens from disk/remote in the background",
+                         spec.req_id, spec.end - spec.start)
+                self._background[spec.req_id] = (spec, self._loader.submit(self._load, spec))
+                continue
             load = self.engine.start_retrieve(spec.token_ids, spec.slots(self.block_size), start=spec.start,
                                               request_id=spec.req_id, layerwise=self.config.use_layerwise)
             if self.config.use_layerwise:
                 self._loads.append(load)
             else:
                 load.finish()
-            loaded_end = spec.start + load.num_tokens
-            if loaded_end < end:
-                # Evicted between lookup and load: vLLM recomputes these blocks.
-                first, last = loaded_end // self.block_size, (end - 1) // self.block_size
-                self._load_errors.update(spec.block_ids[first : last + 1])
-                log.warning("request %s: %d of %d tokens could not be loaded; they will be recomputed",
-                            spec.req_id, end - loaded_end, end - spec.start)
+            self._check_loaded(spec, load.num_tokens)
+
+    def _load(self, spec: TransferSpec) -> int:
+        assert self.engine is not None
+        return int(self.engine.retrieve(spec.token_ids, spec.slots(self.block_size), start=spec.start,
+                                        request_id=spec.req_id).sum())
+
+    def _check_loaded(self, spec: TransferSpec, loaded: int) -> None:
+        """Blocks a load did not fill are reported: vLLM recomputes them."""
+        loaded_end = spec.start + loaded
+        if loaded_end < spec.end:
+            first, last = loaded_end // self.block_size, (spec.end - 1) // self.block_size
+            self._load_errors.update(spec.block_ids[first : last + 1])
+            log.warning("request %s: %d of %d tokens could not be loaded (evicted, corrupt or unreachable); "
+                        "vLLM recomputes them", spec.req_id, spec.end - loaded_end, spec.end - spec.start)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done = set()
+        for rid, (spec, future) in list(self._background.items()):
+            if not future.done():
+                continue
+            del self._background[rid]
+            try:
+                loaded = future.result()
+            except Exception:  # noqa: BLE001 - any failure of a background load: report it, vLLM recomputes
+                log.exception("request %s: background load failed", rid)
+                loaded = 0
+            self._check_loaded(spec, loaded)
+            done.add(rid)
+        return None, done or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self._layer_index.get(layer_name)
@@ -297,6 +386,7 @@ class KvtierConnector(KVConnectorBase_V1):
         if self.role == KVConnectorRole.SCHEDULER:
             self._lookup.close()
         else:
+            self._loader.shutdown(wait=True)
             if self._server is not None:
                 self._server.close()
                 self._server = None

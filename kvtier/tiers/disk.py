@@ -86,30 +86,34 @@ class DiskTier:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise OSError(e.errno, f"local_disk {self.root}: cannot create the directory ({e.strerror})") from None
-        self._lock_fd = self._take_lock()
+        self._lock_fd, cause = self._take_lock()
         self._rebuild()
+        if cause is not None:
+            self._stop_writing(cause)
         log.info("disk tier: %s, %d chunks (%.2f of %.2f GB)%s", self.root, len(self._index), self._used / 1e9,
                  capacity / 1e9, "" if self.writable else ", read-only")
 
     # -- start -------------------------------------------------------------------------
 
-    def _take_lock(self) -> int:
+    def _take_lock(self) -> tuple[int, OSError | None]:
+        """The directory's flock, and why it cannot be written (None if it can)."""
         path = self.root / ".lock"
+        cause = None
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:  # read-only directory: serve what is there, write nothing
             fd = os.open(path, os.O_RDONLY) if path.exists() else os.open(self.root, os.O_RDONLY)
-            self._stop_writing(e)
+            cause, self.writable = e, False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = path.read_text().strip() if path.is_file() else "?"
             os.close(fd)
             raise DiskTierInUse(self.root, holder) from None
-        if self.writable:
+        if cause is None:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return fd
+        return fd, cause
 
     def _rebuild(self) -> None:
         """The index from the directory: chunks oldest-touched first; leftovers of crashed writes removed."""
@@ -236,8 +240,9 @@ class DiskTier:
         return fits
 
     def _stop_writing(self, e: OSError) -> None:
+        """Logged once: later writes are not tried."""
         self.stats.write_errors += 1
-        if not self.writable:
+        if self.stats.write_errors > 1:
             return
         self.writable = False
         why = {errno.ENOSPC: "the disk is full", errno.EROFS: "the file system is read-only",
