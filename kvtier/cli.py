@@ -36,11 +36,29 @@ def _bench_offload(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_disk(args: argparse.Namespace) -> int:
+    from kvtier.bench.disk import run_disk
+    from kvtier.bench.offload import OffloadShape, write_result
+
+    shape = OffloadShape(tokens=args.tokens, layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                         chunk_size=args.chunk_size)
+    result = run_disk(shape, Path(args.dir), args.repeats)
+    s = result.summary()
+    print(f"{result.machine} | {shape.tokens} tokens, {result.kv_bytes / 1e9:.2f} GB in {args.dir} | "
+          f"tier write {s['tier_write_GBps']} GB/s ({s['write_ratio_paired']:.2f} of file {s['file_write_GBps']}) | "
+          f"read {s['tier_read_GBps']} GB/s ({s['read_ratio_paired']:.2f} of file {s['file_read_GBps']}) | "
+          f"step waits {s['step_wait_sync_ms']} ms sync vs {s['step_wait_async_ms']} ms async "
+          f"(request loaded in {s['request_load_async_ms']} ms)")
+    if args.output:
+        write_result(result, Path(args.output), "kvtier " + shlex.join(sys.argv[1:]))
+    return 0
+
+
 def _bench_ttft(args: argparse.Namespace) -> int:
     from kvtier.bench.ttft import run_ttft
 
     run_ttft(args.lengths, args.repeats, Path(args.output), layers=args.layers, transfer=args.transfer,
-             server=args.server)
+             server=args.server, disk_dir=Path(args.disk) if args.disk else None)
     return 0
 
 
@@ -117,6 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     off.add_argument("--output", help="append results to this JSON file")
     off.set_defaults(fn=_bench_offload)
 
+    disk = bench.add_parser("disk", help="disk tier vs sequential file I/O; engine step wait on a disk hit")
+    disk.add_argument("--tokens", type=int, default=16384)
+    disk.add_argument("--layers", type=int, default=32)
+    disk.add_argument("--kv-heads", type=int, default=8)
+    disk.add_argument("--head-dim", type=int, default=128)
+    disk.add_argument("--chunk-size", type=int, default=256)
+    disk.add_argument("--dir", default=".kvtier/bench-disk", help="a directory on the disk to measure")
+    disk.add_argument("--repeats", type=int, default=3)
+    disk.add_argument("--output", help="append results to this JSON file")
+    disk.set_defaults(fn=_bench_disk)
+
     ttft = bench.add_parser("ttft", help="cold vs warm TTFT of a Llama-3.1-8B-shaped model (GPU)")
     ttft.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     ttft.add_argument("--repeats", type=int, default=3)
@@ -124,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ttft.add_argument("--output", default="results/ttft", help="folder for ttft.json and ttft.png")
     ttft.add_argument("--transfer", default="auto", choices=["auto", "triton", "triton-direct", "torch"])
     ttft.add_argument("--server", action="store_true", help="also warm from a kvtier server on this host")
+    ttft.add_argument("--disk", help="also warm from the disk tier in this directory")
     ttft.set_defaults(fn=_bench_ttft)
 
     srv = sub.add_parser("server", help="the store server (InfiniStore's role): a KV pool for the cluster")

@@ -103,8 +103,8 @@ class TieredStore:
         return len(self.locate(keys))
 
     def to_gather(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        """Which chunks a store must copy out of the engine: those missing where it keeps them
-        (CPU RAM, or with `local_cpu: false` any lower tier).
+        """Which chunks a store must copy out of the engine: those in neither CPU RAM nor
+        on disk (with `local_cpu: false`: missing from any lower tier).
 
         Counts each key for the disk write filter; a chunk already in CPU RAM
         whose count reaches `disk_min_stores` is queued for disk from there.
@@ -123,7 +123,7 @@ class TieredStore:
                 if chunk is not None:
                     self._submit(self.disk, key, chunk.block, chunk.num_tokens)
                     chunk.block.release()
-            out.append(not in_cpu)
+            out.append(not in_cpu and not (self.disk is not None and self.disk.exists([key])[0]))
         return out
 
     def _count_store(self, key: ChunkKey) -> int:

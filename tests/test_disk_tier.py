@@ -189,3 +189,16 @@ def test_a_full_or_read_only_disk_stops_writing_with_one_error_and_keeps_serving
     assert result == f"RESULT False False 1 [16, 16] b'\\x03\\x03\\x03' {kept}"
     errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and cause in errors[0] and "stops writing" in errors[0], done.stderr
+
+
+def test_the_disk_benchmark_runs_and_checks_what_it_loads(tmp_path, capsys):
+    # `kvtier bench disk` at a tiny shape: the figures are noise here, the code path is the real one.
+    from kvtier.bench.disk import run_disk
+    from kvtier.bench.offload import OffloadShape
+
+    shape = OffloadShape(tokens=512, layers=2, kv_heads=2, head_dim=32, chunk_size=64)
+    result = run_disk(shape, tmp_path, repeats=2, pool_chunks=2)
+    s = result.summary()
+    assert len(result.tier_read_gbps) == len(result.file_read_gbps) == 2 and s["read_ratio_paired"] > 0
+    assert s["step_wait_sync_ms"] > 0 and s["request_load_async_ms"] > 0
+    assert not list(tmp_path.rglob("*.kvc"))  # cleans up after itself

@@ -53,7 +53,8 @@ def run_vllm(model: Path, prompts: list[list[int]], tmp: Path, kv_role: str = ""
     pfile.write_text(json.dumps(prompts))
     cmd = [sys.executable, __file__, "--model", str(model), "--prompts", str(pfile), "--kv-role", kv_role,
            "--dtype", cpu_model_dtype().dtype if dtype == "auto" else dtype]
-    full_env = {**os.environ, "KVTIER_CHUNK_SIZE": "256", "KVTIER_MAX_LOCAL_CPU_SIZE": "0.25", **(env or {})}
+    # Defaults under LMCACHE_ names: a test's own LMCACHE_ or KVTIER_ setting replaces or overrides them.
+    full_env = {**os.environ, "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25", **(env or {})}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=full_env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     results = [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]

@@ -10,6 +10,10 @@ GPU; for each prompt length:
     warm layerwise  the same, layer i+1 loading while layer i computes
     warm server  the same prefix from `kvtier server` on this host (local_cpu
            off: server → CPU staging block → GPU), when a server URL is given
+    warm disk  the same prefix from the disk tier (`--disk DIR`): the CPU tier
+           emptied and the files' pages dropped before each run, a CPU pool of
+           16 chunks as staging; its floor is KV bytes / the sequential read
+           bandwidth of a file in DIR (measured in the same run) + the forward
     floor  KV bytes / pinned H2D copy bandwidth + a one-token forward over the
            same context, both measured in the same run (layerwise: compared
            with max of the two instead of their sum)
@@ -25,6 +29,7 @@ import contextlib
 import datetime as dt
 import json
 import logging
+import shutil
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +59,8 @@ class TTFTPoint:
     cold_store_layerwise_s: float
     samples: dict[str, list[float]]  # every repeat, seconds
     warm_server_s: float | None = None
+    warm_disk_s: float | None = None
+    disk_floor_s: float | None = None  # KV bytes / file read bandwidth + forward
 
     @property
     def floor_s(self) -> float:
@@ -84,6 +91,10 @@ class TTFTPoint:
                     "warm_server_s": round(self.warm_server_s, 4),
                     "warm_server_over_floor": round(self.warm_server_s / self.floor_s, 3),
                     "speedup_server": round(self.cold_s / self.warm_server_s, 1)}),
+                **({} if self.warm_disk_s is None else {
+                    "warm_disk_s": round(self.warm_disk_s, 4), "disk_floor_s": round(self.disk_floor_s, 4),
+                    "warm_disk_over_disk_floor": round(self.warm_disk_s / self.disk_floor_s, 3),
+                    "speedup_disk": round(self.cold_s / self.warm_disk_s, 1)}),
                 "samples_ms": {k: [round(x * 1e3, 1) for x in v] for k, v in self.samples.items()}}
 
 
@@ -114,7 +125,7 @@ def build_model(layers: int | None = None):
 
 
 def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: str = "auto",
-            server_url: str | None = None) -> TTFTPoint:
+            server_url: str | None = None, disk_dir: Path | None = None) -> TTFTPoint:
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens))
     kv_per_token = _kv_bytes_per_token(model)
     pool_gib = (tokens + chunk_size) * kv_per_token * 1.05 / 1024**3
@@ -155,7 +166,38 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
         point.samples["warm_server"] = _warm_from_server(model, ids, chunk_size, pool_gib, server_url, repeats,
                                                          transfer)
         point.warm_server_s = med(point.samples["warm_server"])
+    if disk_dir is not None:
+        point.samples["warm_disk"], read_gbps = _warm_from_disk(model, ids, chunk_size, disk_dir, repeats, transfer)
+        point.warm_disk_s = med(point.samples["warm_disk"])
+        point.disk_floor_s = hit * kv_per_token / (read_gbps * 1e9) + point.forward_1_s
     return point
+
+
+def _warm_from_disk(model, ids, chunk_size: int, directory: Path, repeats: int,
+                    transfer: str) -> tuple[list[float], float]:
+    """Warm TTFTs from the disk tier, and the file read GB/s of `directory` (its limit)."""
+    from kvtier.bench.disk import drop_cache, file_read_bandwidth
+
+    shutil.rmtree(directory, ignore_errors=True)
+    kv_bytes = ids.shape[1] * _kv_bytes_per_token(model)
+    cfg = KvtierConfig(chunk_size=chunk_size, local_disk=str(directory), max_local_disk_size=2 * kv_bytes / 1024**3,
+                       max_local_cpu_size=16 * chunk_size * _kv_bytes_per_token(model) * 1.001 / 1024**3)
+    session = HFSession(model, cfg, max_len=ids.shape[1], transfer=transfer)
+    session.prefill(ids)  # stores the prompt's chunks: through the pool, onto disk
+    assert session.engine.flush(timeout=600)
+    times, hits = [], []
+    for _ in range(repeats):
+        session.engine.tiers.cpu.clear()
+        for path in directory.glob("*.kvc"):
+            drop_cache(path)
+        times.append(_timed(lambda: hits.append(session.prefill(ids).hit_tokens)))
+    assert hits[-1] > 0, "nothing loaded from the disk tier"
+    session.engine.close()
+    del session
+    torch.cuda.empty_cache()
+    read_gbps = file_read_bandwidth(directory, kv_bytes)
+    shutil.rmtree(directory, ignore_errors=True)
+    return times, read_gbps
 
 
 def _warm_from_server(model, ids, chunk_size: int, pool_gib: float, url: str, repeats: int,
@@ -175,7 +217,7 @@ def _warm_from_server(model, ids, chunk_size: int, pool_gib: float, url: str, re
 
 
 def run_ttft(lengths: list[int], repeats: int, out_dir: Path, layers: int | None = None,
-             transfer: str = "auto", server: bool = False) -> list[TTFTPoint]:
+             transfer: str = "auto", server: bool = False, disk_dir: Path | None = None) -> list[TTFTPoint]:
     logging.getLogger("kvtier").setLevel(logging.WARNING)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = build_model(layers)
@@ -189,7 +231,7 @@ def run_ttft(lengths: list[int], repeats: int, out_dir: Path, layers: int | None
             kv_bytes = max(lengths) * _kv_bytes_per_token(model)
             url = stack.enter_context(kvtier_server(2.5 * kv_bytes / 1024**3)).url
         for n in lengths:
-            p = measure(model, n, repeats, transfer=transfer, server_url=url)
+            p = measure(model, n, repeats, transfer=transfer, server_url=url, disk_dir=disk_dir)
             print(json.dumps({k: v for k, v in p.row().items() if k != "samples_ms"}), flush=True)
             points.append(p)
     record = {"machine": machine_name(torch.device("cuda")), "date": dt.date.today().isoformat(),
@@ -216,6 +258,8 @@ def _plot(points: list[TTFTPoint], path: Path, machine: str) -> None:
     ax.plot(x, [p.warm_layerwise_s for p in points], "o-", label="warm, layerwise")
     if points and points[0].warm_server_s is not None:
         ax.plot(x, [p.warm_server_s for p in points], "o-", label="warm (kvtier server, same host)")
+    if points and points[0].warm_disk_s is not None:
+        ax.plot(x, [p.warm_disk_s for p in points], "o-", label="warm (disk tier)")
     ax.plot(x, [p.floor_s for p in points], "--", label="floor (KV bytes / H2D + 1-token forward)")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (s)")

@@ -184,7 +184,7 @@ class KvtierConnector(KVConnectorBase_V1):
         need = max(0, hit - num_computed_tokens)
         background = need > 0 and in_cpu < hit
         log.info("Reqid: %s, Total tokens %d, hit tokens %d, need to load %d%s", rid, len(prompt), hit, need,
-                 f" ({hit - in_cpu} from disk/remote, in the background)" if background else "")
+                 " (not all in CPU RAM: loading from disk/remote in the background)" if background else "")
         if need:
             self._pending[rid] = (num_computed_tokens + need, background)
             self._leased.add(rid)

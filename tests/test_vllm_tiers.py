@@ -1,0 +1,98 @@
+"""Real vLLM (CPU build) with a CPU pool smaller than the prompt: disk and remote tiers behind it.
+
+The model runs in float32 here, the dtype CPU hosts with AMX fall back to
+(kvtier.cpu_dtype), so every machine runs vLLM + kvtier in it at least here.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from vllm_offline import run_vllm
+
+from kvtier.demo import HIT_LINE
+from kvtier.keys import KVFormat, chunk_spans
+from kvtier.localservers import kvtier_server
+from kvtier.tiers.disk import file_name
+from kvtier.tinymodel import corpus_text
+
+pytestmark = pytest.mark.vllm
+DTYPE = "float32"
+# The tiny model in float32: 8 layers x K,V x 2 heads x 64 x 4 bytes = 8 KiB per token, 2 MiB per chunk.
+TWO_CHUNKS, ONE_CHUNK = "0.004", "0.0025"  # GiB of CPU pool: 2 blocks, 1 block
+RECOMPUTED = re.compile(r"(\d+) of (\d+) tokens could not be loaded")
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model)).encode(corpus_text())[30000:33000]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model, prompt, tmp_path_factory):
+    return run_vllm(tiny_model, [prompt], tmp_path_factory.mktemp("plain"), dtype=DTYPE)[0][0]
+
+
+def hits(log: str) -> list[tuple[int, int, int]]:
+    return [tuple(map(int, m.groups())) for m in HIT_LINE.finditer(log)]
+
+
+def disk_env(path) -> dict[str, str]:
+    return {"LMCACHE_MAX_LOCAL_CPU_SIZE": TWO_CHUNKS, "LMCACHE_LOCAL_DISK": f"file://{path}",
+            "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}
+
+
+def test_a_prompt_larger_than_the_pool_hits_from_disk_also_after_a_restart(tiny_model, prompt, plain, tmp_path):
+    env = disk_env(tmp_path / "disk")
+    results, log = run_vllm(tiny_model, [prompt, prompt], tmp_path, "kv_both", env, name="first", dtype=DTYPE)
+    assert hits(log) == [(3000, 0, 0), (3000, 2816, 2816)]
+    assert "hit tokens 2816, need to load 2816 (not all in CPU RAM: loading from disk/remote in the background)" in log
+    assert "Storing KV cache for" not in log.split("Total tokens 3000, hit tokens 2816")[1]  # on disk already
+    assert "skipping the store" not in log and not RECOMPUTED.search(log)
+    assert len(list((tmp_path / "disk").glob("*.kvc"))) == 11  # every whole chunk, through a 2-chunk pool
+    assert [r["token_ids"] for r in results] == [plain["token_ids"]] * 2
+    (again,), log = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", env, name="restart", dtype=DTYPE)
+    assert "disk tier: " in log and ", 11 chunks" in log  # the index rebuilt from the directory
+    assert hits(log) == [(3000, 2816, 2816)]
+    assert again["token_ids"] == plain["token_ids"]
+    assert max(abs(x - y) for x, y in zip(again["logprobs"], plain["logprobs"])) < 0.05
+
+
+def test_a_pool_of_one_chunk_shares_a_prompt_through_a_kvtier_server(tiny_model, prompt, plain, tmp_path):
+    with kvtier_server(0.25) as srv:
+        env = {"LMCACHE_REMOTE_URL": srv.url, "LMCACHE_MAX_LOCAL_CPU_SIZE": ONE_CHUNK}
+        (a,), log_a = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", env, name="a", dtype=DTYPE)
+        (b,), log_b = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", env, name="b", dtype=DTYPE)
+    assert "CPU pool 1 chunks" in log_a and "skipping the store" not in log_a
+    assert hits(log_b) == [(3000, 2816, 2816)]
+    assert not RECOMPUTED.search(log_b)
+    assert a["token_ids"] == b["token_ids"] == plain["token_ids"]
+
+
+def test_a_load_that_fails_after_the_lookup_is_recomputed_under_the_default_policy(
+        tiny_model, prompt, plain, tmp_path):
+    env = disk_env(tmp_path / "disk")
+    run_vllm(tiny_model, [prompt], tmp_path, "kv_both", env, name="store", dtype=DTYPE)
+    # The sixth chunk's file goes bad on disk: the lookup still counts it (the file
+    # is there), the load finds it corrupt. vLLM's kv_load_failure_policy is left
+    # at its default ("fail").
+    fmt_keys = _chunk_file_names(tiny_model, prompt)
+    bad = tmp_path / "disk" / fmt_keys[5]
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    (result,), log = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", env, name="load", dtype=DTYPE)
+    assert hits(log) == [(3000, 2816, 2816)]
+    assert "is corrupt" in log and RECOMPUTED.search(log).groups() == ("1536", "2816")
+    assert "kv_load_failure_policy 'fail' -> 'recompute'" in log and "Failing" not in log
+    assert result["token_ids"] == plain["token_ids"]
+    assert max(abs(x - y) for x, y in zip(result["logprobs"], plain["logprobs"])) < 0.05
+
+
+def _chunk_file_names(model, prompt) -> list[str]:
+    """The disk file of each chunk of `prompt`, keyed as vLLM's worker keys them."""
+    fmt = KVFormat(str(model), "vllm", DTYPE)
+    return [file_name(s.key) for s in chunk_spans(prompt, fmt, 256, False)]
