@@ -3,8 +3,8 @@
 Tier against file, for N tokens of a model's KV shape (Llama-3.1-8B by default):
     write  DiskTier.put of every chunk (header and checksum, temporary file,
            rename), then sync() so the bytes are on the device
-    read   DiskTier.get_into of every chunk into a pool-sized buffer (length
-           and checksum checked)
+    read   DiskTier.get_into of every chunk, 16 at a time into 16 chunk-sized
+           buffers, as a fetch through a pool reads (length and checksum checked)
     limit  one file of the same bytes, written with the same write size, then
            sync(); read back sequentially
 Reads come from the device, not the page cache: every file is fsynced and
@@ -42,6 +42,8 @@ from kvtier.engine import CacheEngine
 from kvtier.keys import KVFormat, chunk_spans
 from kvtier.tiers.disk import DiskTier
 from kvtier.transfer import PagedKV
+
+READ_BATCH = 16  # chunks per read call, as a fetch through a pool of 16 blocks
 
 
 @dataclass
@@ -144,13 +146,14 @@ def _tier_pass(root: Path, shape: OffloadShape, chunks: list[memoryview], itemsi
     write = total / (time.perf_counter() - t0) / 1e9
     for path in tier_dir.glob("*.kvc"):
         drop_cache(path)
-    out = memoryview(bytearray(len(chunks[0])))
+    outs = [memoryview(bytearray(len(chunks[0]))) for _ in range(READ_BATCH)]
     t0 = time.perf_counter()
-    for key, chunk in zip(keys, chunks):
-        if tier.get_into([key], [out]) != [shape.chunk_size]:
+    for i in range(0, len(keys), READ_BATCH):  # as a fetch reads: a pool's batch at a time
+        batch = keys[i : i + READ_BATCH]
+        if tier.get_into(batch, outs[: len(batch)]) != [shape.chunk_size] * len(batch):
             raise AssertionError("the disk tier lost a chunk")
     read = total / (time.perf_counter() - t0) / 1e9
-    if bytes(out) != bytes(chunks[-1]):
+    if bytes(outs[(len(keys) - 1) % READ_BATCH]) != bytes(chunks[-1]):
         raise AssertionError("the disk tier read back other bytes")
     tier.close()
     shutil.rmtree(tier_dir)

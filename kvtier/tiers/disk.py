@@ -37,6 +37,7 @@ import fcntl
 import os
 import threading
 from collections import Counter, OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -52,6 +53,10 @@ from kvtier.tiers.remote import wire_key
 log = get_logger(__name__)
 
 SUFFIX = ".kvc"
+# Reads in flight at once. Measured on a 2-core VM's virtual disk, 64 files of
+# 32 MiB from a cold cache: 1 reader 0.7-1.1 GB/s, 4-8 readers 1.5-2.3 GB/s,
+# one sequential file 1.2-2.0 GB/s. Reads wait on the device, not on a core.
+READ_THREADS = 4
 
 
 @dataclass
@@ -82,6 +87,7 @@ class DiskTier:
         self._index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, least recently used first
         self._pins: Counter[str] = Counter()
         self._used = 0  # bytes of the index plus writes in progress
+        self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvtier-disk-read")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -141,8 +147,14 @@ class DiskTier:
             return [file_name(k) in self._index for k in keys]
 
     def get_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[int | None]:
-        """Read each chunk into `outs[i]` (exactly its size): num_tokens, or None for a miss."""
-        return [self._read(key, out) for key, out in zip(keys, outs)]
+        """Read each chunk into `outs[i]` (exactly its size): num_tokens, or None for a miss.
+
+        Several chunks are read at once (READ_THREADS): a device serves a
+        deeper queue faster, and checksums run beside the reads.
+        """
+        if len(keys) < 2:
+            return [self._read(key, out) for key, out in zip(keys, outs)]
+        return list(self._readers.map(self._read, keys, outs))
 
     def _read(self, key: ChunkKey, out: memoryview) -> int | None:
         name = file_name(key)
@@ -164,20 +176,25 @@ class DiskTier:
                 os.utime(path)  # LRU order that survives a restart
         except FileNotFoundError:  # removed behind our back
             self._forget(name)
-            self.stats.misses += 1
+            self._count(misses=1)
             return None
         except CorruptPayload as e:
-            self.stats.corrupt += 1
+            self._count(corrupt=1)
             log.warning("disk tier: %s is corrupt (%s); removed, treated as a miss", path, e)
             self._forget(name, unlink=True)
             return None
         except OSError as e:  # an I/O error reading: this chunk is a miss
-            self.stats.misses += 1
+            self._count(misses=1)
             log.warning("disk tier: reading %s failed (%s); treated as a miss", path, e)
             return None
-        self.stats.hits += 1
-        self.stats.bytes_read += size
+        self._count(hits=1, bytes_read=size)
         return num_tokens
+
+    def _count(self, **deltas: int) -> None:
+        """Stats from the reader threads."""
+        with self._lock:
+            for name, n in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + n)
 
     # -- writes ------------------------------------------------------------------------
 
@@ -287,6 +304,7 @@ class DiskTier:
         return self._used
 
     def close(self) -> None:
+        self._readers.shutdown(wait=True)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = -1
