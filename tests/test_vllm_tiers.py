@@ -47,13 +47,16 @@ def disk_env(path) -> dict[str, str]:
 
 def test_a_prompt_larger_than_the_pool_hits_from_disk_also_after_a_restart(tiny_model, prompt, plain, tmp_path):
     env = disk_env(tmp_path / "disk")
-    results, log = run_vllm(tiny_model, [prompt, prompt], tmp_path, "kv_both", env, name="first", dtype=DTYPE)
-    assert hits(log) == [(3000, 0, 0), (3000, 2816, 2816)]
+    results, log = run_vllm(tiny_model, [prompt, prompt, "RESET", prompt], tmp_path, "kv_both", env, name="first",
+                            dtype=DTYPE)
+    assert hits(log) == [(3000, 0, 0), (3000, 2816, 2816), (3000, 0, 0)]  # vLLM's reset cleared RAM and disk
+    assert results[2] == {"reset": True} and "cleared the local tiers (CPU RAM and disk)" in log
+    results = results[:2] + results[3:]
     assert "hit tokens 2816, need to load 2816 (not all in CPU RAM: loading from disk/remote in the background)" in log
-    assert "Storing KV cache for" not in log.split("Total tokens 3000, hit tokens 2816")[1]  # on disk already
+    assert "Storing KV cache for" not in log.split("hit tokens 2816")[1].split("cleared")[0]  # on disk already
     assert "skipping the store" not in log and not RECOMPUTED.search(log)
     assert len(list((tmp_path / "disk").glob("*.kvc"))) == 11  # every whole chunk, through a 2-chunk pool
-    assert [r["token_ids"] for r in results] == [plain["token_ids"]] * 2
+    assert [r["token_ids"] for r in results] == [plain["token_ids"]] * 3
     (again,), log = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", env, name="restart", dtype=DTYPE)
     assert "disk tier: " in log and ", 11 chunks" in log  # the index rebuilt from the directory
     assert hits(log) == [(3000, 2816, 2816)]

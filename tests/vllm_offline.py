@@ -17,7 +17,7 @@ from kvtier.cpu_dtype import cpu_model_dtype
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
-    p.add_argument("--prompts", required=True, help="JSON file: list of token-id lists")
+    p.add_argument("--prompts", required=True, help='JSON file: list of token-id lists (or "RESET")')
     p.add_argument("--kv-role", default="", help="kv_both | kv_producer | kv_consumer; empty: no kvtier")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--max-batched", type=int, default=1024)
@@ -39,6 +39,9 @@ def main() -> None:
     with open(args.prompts) as f:
         prompts = json.load(f)
     for ids in prompts:  # one at a time: the second sees the first's stored KV
+        if ids == "RESET":  # vLLM's reset_prefix_cache, the connector's caches included
+            print("RESULT " + json.dumps({"reset": llm.reset_prefix_cache(reset_connector=True)}), flush=True)
+            continue
         out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0]
         logprobs = [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
         print("RESULT " + json.dumps({"token_ids": list(out.token_ids), "logprobs": logprobs}), flush=True)

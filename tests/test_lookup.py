@@ -1,0 +1,58 @@
+"""The scheduler ⇄ worker lookup protocol over real ZMQ IPC sockets."""
+
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from kvtier.integrations.lookup import Handlers, LookupClient, LookupServer, Op, decode, encode, socket_path
+
+
+@pytest.fixture
+def served(tmp_path):
+    calls = []
+    handlers = Handlers(lookup=lambda tokens, rid: calls.append(("lookup", rid, list(tokens))) or (len(tokens), 3),
+                        release=lambda rid: calls.append(("release", rid)),
+                        reset=lambda: calls.append(("reset",)))
+    address = f"ipc://{tmp_path}/w0.sock"
+    server = LookupServer(address, handlers)
+    client = LookupClient([address], timeout_s=2)
+    yield client, calls, address
+    client.close()
+    server.close()
+
+
+def test_lookup_release_and_reset_reach_the_worker(served):
+    client, calls, _ = served
+    assert client.lookup([5, 6, 7, 8], "req-1") == (4, 3)
+    client.release("req-1")
+    assert client.reset() is True
+    assert calls == [("lookup", "req-1", [5, 6, 7, 8]), ("release", "req-1"), ("reset",)]
+
+
+def test_a_malformed_request_is_answered_as_no_hit(served):
+    _, calls, address = served
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.RCVTIMEO, 2000)
+    sock.connect(address)
+    for bad in (b"\x01", bytes([9, Op.LOOKUP, 0, 0]) + b"\0" * 4, encode(Op.LOOKUP, "r", b"\0" * 4)[:-1]):
+        sock.send(bad)
+        assert sock.recv() == b"\0" * 16
+    sock.close(0)
+    assert calls == []
+
+
+def test_messages_carry_version_request_id_and_tokens():
+    op, rid, payload = decode(encode(Op.LOOKUP, "ré-1", np.array([1, 2**32 - 1], "<u4").tobytes()))
+    assert (op, rid, np.frombuffer(payload, "<u4").tolist()) == (Op.LOOKUP, "ré-1", [1, 2**32 - 1])
+    with pytest.raises(ValueError, match="version 2"):
+        decode(bytes([2, Op.RESET, 0, 0]))
+
+
+def test_a_silent_worker_is_a_miss_within_the_timeout(tmp_path):
+    client = LookupClient([socket_path("nobody-listens", 0)], timeout_s=0.3)
+    t0 = time.monotonic()
+    assert client.lookup([1, 2, 3], "r") == (0, 0) and client.reset() is False
+    assert time.monotonic() - t0 < 2
+    client.close()
