@@ -32,7 +32,8 @@ from kvtier.keys import ChunkSpan, KVFormat, chunk_spans
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
 from kvtier.remote import open_store
-from kvtier.store import CPU, Lease, TieredStore
+from kvtier.leases import Leases
+from kvtier.store import CPU, TieredStore
 from kvtier.tiers.cpu import CpuTier, StoredChunk
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.remote import RemoteTier
@@ -49,7 +50,6 @@ class EngineStats:
     retrieved_tokens: int = 0
     skipped_store_tokens: int = 0  # not stored: every pool block was held by readers
     prefetched_tokens: int = 0
-    expired_leases: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,9 @@ class CacheEngine:
         self.transfer = make_transfer(kv, transfer)
         self.stats = EngineStats()
         self._warned: OrderedDict[str, None] = OrderedDict()  # requests told their store was cut
-        self._leases: dict[str, Lease] = {}
+        self.leases = Leases(self.tiers, config.pin_timeout_sec)
         self._prefetches: dict[str, Future] = {}
-        self._lock = threading.Lock()  # leases and prefetches
+        self._lock = threading.Lock()  # prefetches
         self._transfer_lock = threading.Lock()  # one gather/scatter at a time (loads may run in a thread)
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
         if not config.local_cpu and not self.tiers.lower:
@@ -110,50 +110,18 @@ class CacheEngine:
 
     def find(self, tokens: Tokens, *, lease_for: str = "") -> Hit:
         """The longest stored prefix. With `lease_for` (a request id) its chunks are
-        protected until that request's retrieve, or `pin_timeout_sec`: CPU chunks
-        (up to half the pool) are pinned, disk chunks kept from eviction. A lease
-        replaces the request's earlier one. Remote chunks cannot be held: a load
-        that then misses them is reported, and the engine recomputes."""
+        held for that request until its retrieve (kvtier/leases.py)."""
         spans = self.spans(tokens)
         keys = [s.key for s in spans]
         where = self.tiers.locate(keys)
         in_cpu = next((i for i, w in enumerate(where) if w != CPU), len(where))
-        hit = Hit(spans[len(where) - 1].end if where else 0, spans[in_cpu - 1].end if in_cpu else 0)
         if lease_for:
-            self._expire_leases()
-            with self._lock:
-                old = self._leases.pop(lease_for, None)
-            if old is not None:
-                self.tiers.release(old)
-            if where:
-                lease = self.tiers.lease(keys[: len(where)], where, self._lease_budget(), self.config.pin_timeout_sec)
-                with self._lock:
-                    self._leases[lease_for] = lease
-        return hit
-
-    def _lease_budget(self) -> int:
-        """Blocks leases may still pin: together at most half the pool, so stores and loads keep room."""
-        with self._lock:
-            return max(0, self.pool.num_blocks // 2 - sum(len(x.blocks) for x in self._leases.values()))
+            self.leases.take(lease_for, keys[: len(where)], where)
+        return Hit(spans[len(where) - 1].end if where else 0, spans[in_cpu - 1].end if in_cpu else 0)
 
     def release_lease(self, request_id: str) -> None:
         """The request will not load what it looked up (finished, aborted)."""
-        with self._lock:
-            lease = self._leases.pop(request_id, None)
-        if lease is not None:
-            self.tiers.release(lease)
-
-    def _expire_leases(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            expired = [(rid, lease) for rid, lease in self._leases.items() if lease.deadline < now]
-            for rid, _ in expired:
-                del self._leases[rid]
-        for rid, lease in expired:
-            self.stats.expired_leases += 1
-            log.warning("request %s: its looked-up hit waited %d s for a load (pin_timeout_sec); unpinned",
-                        rid, self.config.pin_timeout_sec)
-            self.tiers.release(lease)
+        self.leases.release(request_id)
 
     def prefetch(self, tokens: Tokens, *, request_id: str = "") -> int:
         """Bring the stored prefix's disk and remote chunks up into CPU RAM ahead of a load;
@@ -164,14 +132,10 @@ class CacheEngine:
         spans = self.spans(tokens)
         where = self.tiers.locate([s.key for s in spans])
         below = [(s, w) for s, w in zip(spans, where) if w != CPU]
-        below = below[: self._lease_budget() if request_id else self.pool.num_blocks // 2]
+        below = below[: self.leases.budget() if request_id else self.pool.num_blocks // 2]
         brought = 0
         for batch in self.tiers.fetch([s for s, _ in below], [w for _, w in below]):
-            with self._lock:
-                lease = self._leases.get(request_id) if request_id else None
-                if lease is not None:
-                    lease.blocks += [chunk.block for _, chunk in batch]
-            if lease is None:
+            if not self.leases.add(request_id, [chunk.block for _, chunk in batch]):
                 for _, chunk in batch:
                     chunk.block.release()
             brought += sum(span.num_tokens for span, _ in batch)
@@ -387,10 +351,7 @@ class CacheEngine:
     def close(self) -> None:
         """Write what is still queued for disk and remote, then let go of them."""
         self._prefetcher.shutdown(wait=True)
-        with self._lock:
-            leases, self._leases = list(self._leases.values()), {}
-        for lease in leases:
-            self.tiers.release(lease)
+        self.leases.release_all()
         self.tiers.close(timeout=self.config.blocking_timeout_secs)
 
     def _check(self, tokens: Tokens, slots: torch.Tensor, exact: bool = True) -> torch.Tensor:

@@ -7,7 +7,6 @@
                         the CPU tier: a disk or remote hit is promoted to RAM)
     allocate()          a CPU block; evicts LRU, waits (bounded) for the writers
     put(key, block, n)  the CPU tier keeps it; writers copy it to disk and remote
-    lease / release     protect a looked-up hit until it is loaded
 
 The CPU pool is the hot tier and the staging buffer of every tier below it
 (as in LMCache). A store or a load larger than the pool streams through it:
@@ -34,7 +33,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence
 
 from kvtier.keys import ChunkKey, ChunkSpan
@@ -58,15 +57,6 @@ class LowerTier(Protocol):
     def exists(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
     def get_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[int | None]: ...
     def put(self, keys: Sequence[ChunkKey], chunks: Sequence[tuple[memoryview, int]]) -> bool: ...
-
-
-@dataclass
-class Lease:
-    """A looked-up hit, protected until its load: CPU blocks retained, disk files pinned."""
-
-    blocks: list[MemoryBlock] = field(default_factory=list)
-    disk_names: list[str] = field(default_factory=list)
-    deadline: float = 0.0
 
 
 class TieredStore:
@@ -224,28 +214,6 @@ class TieredStore:
 
     def _submit(self, tier: LowerTier, key: ChunkKey, block: MemoryBlock, num_tokens: int) -> None:
         self.writers[tier.name].submit(key, block.retain(), num_tokens * self.bytes_per_token, num_tokens)
-
-    # -- leases -------------------------------------------------------------------------
-
-    def lease(self, keys: Sequence[ChunkKey], where: Sequence[str], max_blocks: int, timeout: float) -> Lease:
-        """Protect the chunks of a hit: CPU ones (up to `max_blocks`) retained, disk ones pinned."""
-        lease = Lease(deadline=time.monotonic() + timeout)
-        for key, tier in zip(keys, where):
-            if tier == CPU and len(lease.blocks) < max_blocks:
-                chunk = self.cpu.get(key)
-                if chunk is not None:
-                    lease.blocks.append(chunk.block)
-        if self.disk is not None:
-            lease.disk_names = self.disk.pin([k for k, t in zip(keys, where) if t == self.disk.name])
-        return lease
-
-    def release(self, lease: Lease) -> None:
-        blocks, lease.blocks = lease.blocks, []
-        for block in blocks:
-            block.release()
-        if self.disk is not None and lease.disk_names:
-            self.disk.unpin(lease.disk_names)
-            lease.disk_names = []
 
     # -- housekeeping -------------------------------------------------------------------
 

@@ -6,7 +6,6 @@ import os
 import signal
 import time
 
-import pytest
 import torch
 
 from kvtier.config import KvtierConfig
@@ -92,7 +91,7 @@ def test_a_leased_hit_survives_stores_that_evict_everything_else():
     assert eng.lookup(TOKENS[:32]) == 32
     assert eng.retrieve(TOKENS[:32], DST[:32], request_id="r").all()
     assert torch.equal(kv_at(layers, DST[:32]), kv_at(layers, SRC[:32]))
-    assert not eng._leases  # the retrieve ended the lease
+    assert not len(eng.leases)  # the retrieve ended the lease
     for shift in range(400, 800, 50):  # unprotected now: evicted like any other chunk
         eng.store([t + shift for t in other], SRC)
     assert eng.lookup(TOKENS[:32]) == 0
@@ -106,7 +105,7 @@ def test_leases_hold_at_most_half_the_pool_and_expire(caplog):
     time.sleep(1.1)
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         eng.find(TOKENS[:16], lease_for="b")
-    assert eng.stats.expired_leases == 1 and "pin_timeout_sec" in caplog.text
+    assert eng.leases.expired == 1 and "pin_timeout_sec" in caplog.text
     assert sum(c.block.pinned for c in eng.tiers.cpu._chunks.values()) == 1  # b's only
     eng.release_lease("b")
     assert not any(c.block.pinned for c in eng.tiers.cpu._chunks.values())
@@ -124,7 +123,7 @@ def test_prefetch_brings_disk_chunks_up_and_a_retrieve_waits_for_it(tmp_path):
     assert eng.retrieve(TOKENS, DST, request_id="r").all()
     assert torch.equal(kv_at(layers, DST), kv_at(layers, SRC))
     assert eng.stats.prefetched_tokens == 4 * 16  # the lease budget: half the pool
-    assert not eng._leases and not any(c.block.pinned for c in eng.tiers.cpu._chunks.values())
+    assert not len(eng.leases) and not any(c.block.pinned for c in eng.tiers.cpu._chunks.values())
     eng.close()
 
 
