@@ -108,12 +108,13 @@ class TieredStore:
         out = []
         for key, count in zip(keys, counts):
             in_cpu = self.cpu.contains(key)
-            if in_cpu and self.disk is not None and count == self.disk_min_stores and not self.disk.exists([key])[0]:
+            on_disk = self.disk is not None and self.disk.exists([key])[0]
+            if in_cpu and self.disk is not None and not on_disk and count == self.disk_min_stores:
                 chunk = self.cpu.get(key)
                 if chunk is not None:
                     self._submit(self.disk, key, chunk.block, chunk.num_tokens)
                     chunk.block.release()
-            out.append(not in_cpu and not (self.disk is not None and self.disk.exists([key])[0]))
+            out.append(not (in_cpu or on_disk))
         return out
 
     def _count_store(self, key: ChunkKey) -> int:
