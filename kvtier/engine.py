@@ -26,8 +26,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvtier.codec import Codec
+from kvtier.codec import HEADER, Codec
 from kvtier.config import KvtierConfig
+from kvtier.errors import ConfigError
 from kvtier.keys import ChunkSpan, KVFormat, chunk_spans
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
@@ -485,6 +486,10 @@ def _disk_tier(config: KvtierConfig, kv: PagedKV, fmt: KVFormat) -> DiskTier | N
     root = config.disk_path
     if root is None:
         return None
+    chunk_file = HEADER.size + config.chunk_size * kv.bytes_per_token()
+    if config.disk_bytes < chunk_file:
+        raise ConfigError("max_local_disk_size", config.max_local_disk_size,
+                          f"room for at least one chunk file ({chunk_file / 1e6:.2f} MB)")
     if fmt.tp_size > 1:  # one directory (and one lock) per rank
         root = root / f"tp{fmt.tp_rank}of{fmt.tp_size}"
     return DiskTier(root, config.disk_bytes, Codec("naive", itemsize=kv.dtype.itemsize))

@@ -6,10 +6,12 @@ import os
 import signal
 import time
 
+import pytest
 import torch
 
 from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
+from kvtier.errors import ConfigError
 from kvtier.keys import KVFormat
 from kvtier.localservers import kvtier_server
 from kvtier.store import CPU
@@ -125,6 +127,13 @@ def test_prefetch_brings_disk_chunks_up_and_a_retrieve_waits_for_it(tmp_path):
     assert eng.stats.prefetched_tokens == 4 * 16  # the lease budget: half the pool
     assert not len(eng.leases) and not any(c.block.pinned for c in eng.tiers.cpu._chunks.values())
     eng.close()
+
+
+def test_a_disk_tier_too_small_for_one_chunk_fails_at_start(tmp_path):
+    layers = [torch.zeros(2, NB, BS, H, D) for _ in range(L)]
+    config = KvtierConfig(chunk_size=16, local_disk=str(tmp_path), max_local_disk_size=CHUNK_BYTES / 2 / 1024**3)
+    with pytest.raises(ConfigError, match=r"max_local_disk_size = .* at least one chunk file \(0.02 MB\)"):
+        CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), FMT)
 
 
 def test_reset_clears_cpu_and_disk(tmp_path):
