@@ -7,6 +7,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from kvtier.errors import KvtierError
+
 
 def _demo(args: argparse.Namespace) -> int:
     from kvtier.demo import run_demo
@@ -110,6 +112,7 @@ def _config(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a configuration error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="vLLM + kvtier: one long prompt twice, cold vs warm TTFT")
@@ -189,7 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg.set_defaults(fn=_config)
 
     args = parser.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except KvtierError as e:  # a configuration or usage error: one line that names it, no traceback
+        if args.debug:
+            raise
+        print(e if str(e).startswith("kvtier") else f"kvtier: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
