@@ -200,7 +200,7 @@ class CacheEngine:
         """Blocks for the first spans, as many as the pool gives now (the first may wait for writers)."""
         owned = []
         for span in spans:
-            block = self.tiers.allocate() if wait and not owned else self.tiers.cpu.allocate()
+            block = self.tiers.allocate(wait=wait and not owned)
             if block is None:
                 break
             owned.append((span, block))

@@ -89,9 +89,6 @@ class TieredStore:
         n = where.index(None) if None in where else len(where)
         return where[:n]  # type: ignore[return-value]
 
-    def prefix_hits(self, keys: Sequence[ChunkKey]) -> int:
-        return len(self.locate(keys))
-
     def to_gather(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Which chunks a store must copy out of the engine: those in neither CPU RAM nor
         on disk (with `local_cpu: false`: missing from any lower tier).
@@ -157,7 +154,7 @@ class TieredStore:
             if tier is not None and tier != CPU:
                 # The first block of a batch may wait for the writers; later ones
                 # only take what is free now, and the batch goes out as it is.
-                block = self.allocate() if not batch else self.cpu.allocate()
+                block = self.allocate(wait=not batch)
                 ended = block is None and not batch
                 chunk = None if block is None else StoredChunk(block, span.num_tokens)
                 if chunk is not None:
@@ -186,9 +183,11 @@ class TieredStore:
 
     # -- writes -------------------------------------------------------------------------
 
-    def allocate(self) -> MemoryBlock | None:
-        """A CPU block (evicting LRU chunks). When only writers hold the others, wait
-        for them, up to `wait_s`; None when every block is held by readers."""
+    def allocate(self, wait: bool = True) -> MemoryBlock | None:
+        """A CPU block (evicting LRU chunks). When only writers hold the others and
+        `wait`, wait for them, up to `wait_s`; None when every block is held by readers."""
+        if not wait:
+            return self.cpu.allocate()
         deadline = time.monotonic() + self.wait_s
         while True:
             block = self.cpu.allocate()

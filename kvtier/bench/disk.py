@@ -95,21 +95,8 @@ def _chunks(shape: OffloadShape, bytes_per_token: int) -> list[memoryview]:
 
 def file_read_bandwidth(root: Path, nbytes: int, block: int = 32 << 20) -> float:
     """GB/s of a sequential read of a fresh `nbytes` file in `root`, from the device."""
-    path = root / "read-limit.bin"
     data = memoryview(np.random.default_rng(1).integers(0, 255, block, dtype=np.uint8))
-    with open(path, "wb", buffering=0) as f:
-        for _ in range(-(-nbytes // block)):
-            f.write(data)
-    os.sync()
-    drop_cache(path)
-    out = memoryview(bytearray(block))
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(out):
-            pass
-    gbps = path.stat().st_size / (time.perf_counter() - t0) / 1e9
-    path.unlink()
-    return gbps
+    return _file_pass(root, [data] * -(-nbytes // block))[1]
 
 
 def _file_pass(root: Path, chunks: list[memoryview]) -> tuple[float, float]:

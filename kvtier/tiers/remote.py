@@ -55,11 +55,6 @@ class RemoteTier:
 
     # -- reads ---------------------------------------------------------------------
 
-    def match_prefix(self, keys: Sequence[ChunkKey]) -> int:
-        if not keys:
-            return 0
-        return self._guard("lookup", lambda: self.store.match_prefix([wire_key(k) for k in keys]), 0)
-
     def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
         return self._guard("exists", lambda: self.store.exists([wire_key(k) for k in keys]), [False] * len(keys))
 
