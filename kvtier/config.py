@@ -66,16 +66,24 @@ class KvtierConfig:
         "remote store: kvtier:// infinistore:// redis:// rediss:// redis-cluster:// fs://", default=None)
     remote_serde: str = _doc("remote payload codec: naive | lz4", default="naive")
     blocking_timeout_secs: float = _doc("longest wait on a tier before a miss, s", default=10.0)
-    enable_pd: bool = _doc("disaggregated prefill (not built yet)", default=False)
-    pd_role: str | None = _doc("sender | receiver (not built yet)", default=None)
-    transfer_channel: str | None = _doc("PD transfer channel, e.g. nixl (not built yet)", default=None)
-    pd_buffer_size: int = _doc("PD transfer buffer, bytes (not built yet)", default=0)
-    pd_buffer_device: str = _doc("cpu | cuda (not built yet)", default="cpu")
-    pd_peer_host: str | None = _doc("decoder host (not built yet)", default=None)
-    pd_peer_init_port: int | None = _doc("decoder init port (not built yet)", default=None)
-    pd_peer_alloc_port: int | None = _doc("decoder alloc port (not built yet)", default=None)
-    pd_proxy_host: str | None = _doc("proxy host (not built yet)", default=None)
-    pd_proxy_port: int | None = _doc("proxy port (not built yet)", default=None)
+    enable_pd: bool = _doc("disaggregated prefill: this instance sends (prefiller) or receives (decoder) KV",
+                           default=False)
+    pd_role: str | None = _doc("sender (vLLM kv_producer) | receiver (vLLM kv_consumer)", default=None)
+    transfer_channel: str | None = _doc("PD transfer channel: tcp | nixl | cuda_ipc (unset: tcp)", default=None)
+    pd_buffer_size: int = _doc("receiver: bytes of the buffer the sender writes KV into", default=0)
+    pd_buffer_device: str = _doc("receiver: where the PD buffer lives, cpu | cuda", default="cpu")
+    pd_peer_host: str | None = _doc(
+        "receiver: host it listens on; sender: a fixed decoder (else the proxy names one per request)",
+        default=None)
+    pd_peer_init_port: int | None = _doc("decoder's handshake port (TP rank r listens on port + r)", default=None)
+    pd_peer_alloc_port: int | None = _doc("decoder's allocation port (TP rank r listens on port + r)", default=None)
+    pd_proxy_host: str | None = _doc("sender: host of the proxy told when a prefill's KV has arrived",
+                                     default=None)
+    pd_proxy_port: int | None = _doc("sender: that proxy's notification port (kvtier proxy --proxy-port)",
+                                     default=None)
+    pd_allocation_timeout_sec: float = _doc(
+        "sender: longest wait for room in the decoder's buffer before the decoder recomputes, s "
+        "(LMCache waits forever)", default=10.0)
     enable_p2p: bool = _doc("peer-to-peer sharing (not built yet)", default=False)
     extra_config: Mapping[str, Any] = _doc(
         "free-form settings for extensions", default_factory=dict
@@ -84,6 +92,11 @@ class KvtierConfig:
     def __post_init__(self) -> None:
         _check_ranges(self)
         _reject_unbuilt(self)
+        _check_pd(self)
+
+    @property
+    def pd_channel(self) -> str:
+        return self.transfer_channel or "tcp"
 
     @property
     def cpu_pool_bytes(self) -> int:
@@ -104,18 +117,11 @@ class KvtierConfig:
 # Keys that parse but whose feature has not landed: setting them to anything
 # but the default is refused, so nobody believes a tier is on when it is not.
 NOT_BUILT = {
-    "enable_pd": "disaggregated prefill",
-    "pd_role": "disaggregated prefill",
-    "transfer_channel": "disaggregated prefill",
-    "pd_buffer_size": "disaggregated prefill",
-    "pd_buffer_device": "disaggregated prefill",
-    "pd_peer_host": "disaggregated prefill",
-    "pd_peer_init_port": "disaggregated prefill",
-    "pd_peer_alloc_port": "disaggregated prefill",
-    "pd_proxy_host": "disaggregated prefill",
-    "pd_proxy_port": "disaggregated prefill",
     "enable_p2p": "peer-to-peer sharing",
 }
+
+PD_ROLES = ("sender", "receiver")
+PD_CHANNELS = ("tcp", "nixl", "cuda_ipc")
 
 FIELDS = {f.name: f for f in dataclasses.fields(KvtierConfig)}
 _HINTS = typing.get_type_hints(KvtierConfig)
@@ -144,6 +150,42 @@ def _check_ranges(cfg: KvtierConfig) -> None:
         raise ConfigError("local_disk_min_stores", cfg.local_disk_min_stores, "an integer >= 1")
     if cfg.pin_timeout_sec <= 0:
         raise ConfigError("pin_timeout_sec", cfg.pin_timeout_sec, "seconds > 0")
+
+
+def _check_pd(cfg: KvtierConfig) -> None:
+    """Disaggregated prefill: the keys must describe one working role."""
+    if not cfg.enable_pd:
+        return
+    if cfg.enable_p2p:
+        raise ConfigError("enable_p2p", cfg.enable_p2p, "false when enable_pd is true (PD and P2P exclude each other)")
+    if cfg.pd_role not in PD_ROLES:
+        raise ConfigError("pd_role", cfg.pd_role, "sender or receiver (enable_pd is true)")
+    if cfg.transfer_channel is not None and cfg.transfer_channel not in PD_CHANNELS:
+        raise ConfigError("transfer_channel", cfg.transfer_channel, " | ".join(PD_CHANNELS))
+    if cfg.pd_buffer_device not in ("cpu", "cuda"):
+        raise ConfigError("pd_buffer_device", cfg.pd_buffer_device, "cpu or cuda")
+    if cfg.pd_allocation_timeout_sec <= 0:
+        raise ConfigError("pd_allocation_timeout_sec", cfg.pd_allocation_timeout_sec,
+                          "seconds > 0 (kvtier keeps a bound: a sender never waits forever)")
+    peer = (cfg.pd_peer_host, cfg.pd_peer_init_port, cfg.pd_peer_alloc_port)
+    if cfg.pd_role == "receiver":
+        if cfg.pd_buffer_size <= 0:
+            raise ConfigError("pd_buffer_size", cfg.pd_buffer_size,
+                              "the receiver's buffer size in bytes > 0 (pd_role is receiver)")
+        if None in peer:
+            raise ConfigError("pd_peer_host/pd_peer_init_port/pd_peer_alloc_port", peer,
+                              "the host and the two ports the receiver listens on")
+        if cfg.pd_channel == "cuda_ipc" and cfg.pd_buffer_device != "cuda":
+            raise ConfigError("pd_buffer_device", cfg.pd_buffer_device,
+                              "cuda: transfer_channel cuda_ipc writes into GPU memory")
+    else:
+        if any(peer) and None in peer:
+            raise ConfigError("pd_peer_host/pd_peer_init_port/pd_peer_alloc_port", peer,
+                              "all three (a fixed decoder) or none (the proxy names the decoder)")
+        proxy = (cfg.pd_proxy_host, cfg.pd_proxy_port)
+        if None in peer and None in proxy:
+            raise ConfigError("pd_proxy_host/pd_proxy_port", proxy,
+                              "the proxy to tell, or pd_peer_host and its ports: a sender needs a peer")
 
 
 def _reject_unbuilt(cfg: KvtierConfig) -> None:

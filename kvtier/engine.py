@@ -69,18 +69,22 @@ class CacheEngine:
         fmt: KVFormat,
         *,
         transfer: str = "auto",
+        cpu: CpuTier | None = None,
     ) -> None:
+        """`cpu`: a CPU tier to use instead of a new pool of `max_local_cpu_size` (a PD
+        receiver's buffer: the chunks senders commit there are this engine's hits)."""
         self.config = config
         self.kv = kv
         self.fmt = fmt
         self.chunk_size = config.chunk_size
-        self.pool = HostPool(
-            config.cpu_pool_bytes,
-            config.chunk_size * kv.bytes_per_token(),
-            hugepages=config.local_cpu_use_hugepages,
-        )
+        shared_tier = cpu is not None
+        if cpu is None:
+            cpu = CpuTier(HostPool(config.cpu_pool_bytes, config.chunk_size * kv.bytes_per_token(),
+                                   hugepages=config.local_cpu_use_hugepages))
+        self.pool = cpu.pool
         self.tiers = TieredStore(
-            CpuTier(self.pool), keep_cpu=config.local_cpu, bytes_per_token=kv.bytes_per_token(),
+            cpu, keep_cpu=config.local_cpu or shared_tier,
+            bytes_per_token=kv.bytes_per_token(),
             disk=_disk_tier(config, kv, fmt), remote=_remote_tier(config, kv),
             disk_min_stores=config.local_disk_min_stores, wait_s=config.blocking_timeout_secs)
         self.transfer = make_transfer(kv, transfer)
@@ -91,7 +95,7 @@ class CacheEngine:
         self._lock = threading.Lock()  # prefetches
         self._transfer_lock = threading.Lock()  # one gather/scatter at a time (loads may run in a thread)
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
-        if not config.local_cpu and not self.tiers.lower:
+        if not self.tiers.keep_cpu and not self.tiers.lower and not config.enable_pd:
             log.warning("local_cpu is false and no other tier is configured: kvtier stores nothing")
         log.info(
             "CacheEngine: %s, %d layers, chunk %d tokens = %.2f MB, CPU pool %d chunks (%.2f GB), "
@@ -205,6 +209,18 @@ class CacheEngine:
                 break
             owned.append((span, block))
         return owned
+
+    def allocate_staging(self, spans: Sequence[ChunkSpan]) -> list[tuple[ChunkSpan, MemoryBlock]]:
+        """Pool blocks for the first of `spans` (as many as free now; the first may wait),
+        owned by the caller: a PD sender's staging."""
+        return self._allocate(spans, wait=True)
+
+    def gather_into(self, slots: torch.Tensor, spans: Sequence[ChunkSpan], buffers: Sequence[torch.Tensor]) -> None:
+        """Copy the KV of `spans` into byte buffers of the caller (a PD sender's staging
+        blocks, or a decoder's GPU buffer mapped over CUDA IPC)."""
+        chunks = [buf.view(self.kv.dtype).view(self.kv.chunk_shape(s.num_tokens)) for s, buf in zip(spans, buffers)]
+        with self._transfer_lock:
+            self.transfer.gather(_concat_slots(slots, spans), chunks)
 
     def _gather(self, slots: torch.Tensor, owned: list[tuple[ChunkSpan, MemoryBlock]],
                 layerwise: bool = False) -> LayerSaver | None:

@@ -1,5 +1,8 @@
 """The host memory pool: one arena, allocated once, carved into equal blocks.
 
+(A disaggregated-prefill receiver may place its buffer, the same kind of
+pool, in GPU memory: `device="cuda"`.)
+
     arena (max_local_cpu_size bytes, page-locked when CUDA is present)
     ┌──────────┬──────────┬──────────┬─────┬──────────┬──────┐
     │ block 0  │ block 1  │ block 2  │ ... │ block N-1│ tail │
@@ -81,6 +84,7 @@ class HostPool:
         *,
         hugepages: bool = False,
         pin: bool | None = None,
+        device: str = "cpu",
     ) -> None:
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
@@ -89,8 +93,10 @@ class HostPool:
                 f"the CPU pool ({capacity / 1e9:.3f} GB) cannot hold one chunk of "
                 f"{block_bytes / 1e6:.1f} MB: raise max_local_cpu_size or lower chunk_size"
             )
-        self.pin = torch.cuda.is_available() if pin is None else pin
-        self.hugepages = hugepages
+        self.device = torch.device(device)
+        on_host = self.device.type == "cpu"
+        self.pin = on_host and (torch.cuda.is_available() if pin is None else pin)
+        self.hugepages = hugepages and on_host
         self.block_bytes = block_bytes
         self._mmap: mmap.mmap | None = None
         self.arena = self._allocate_arena(capacity)
@@ -106,6 +112,8 @@ class HostPool:
     # -- arena ---------------------------------------------------------------
 
     def _allocate_arena(self, capacity: int) -> torch.Tensor:
+        if self.device.type != "cpu":  # a PD receive buffer in GPU memory
+            return torch.empty(capacity, dtype=torch.uint8, device=self.device)
         if not self.hugepages:
             return torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pin)
         size = -(-capacity // HUGE_PAGE) * HUGE_PAGE

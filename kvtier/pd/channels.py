@@ -1,0 +1,181 @@
+"""How a chunk's bytes cross from the sender into the receiver's buffer.
+
+    tcp       built in. The sender gathers KV into its staging pool (the CPU
+              pool) and streams each block as a Write frame on the alloc
+              connection; the receiver reads it straight into the reserved
+              block (through a bounce block when the buffer is on a GPU).
+    nixl      the NIXL package (`pip install nixl`; UCX over NVLink, RDMA or
+              TCP). The receiver registers its buffer with a NIXL agent and
+              sends the agent's metadata in Welcome; the sender registers its
+              staging pool and WRITEs staged blocks into the reserved blocks.
+    cuda_ipc  built in, GPUs of one host. The receiver's buffer is in GPU
+              memory and Welcome carries its CUDA IPC handle; the sender maps
+              it and gathers KV from its paged cache directly into the
+              reserved blocks: one device-to-device copy, no staging (NVLink
+              where the GPUs have it).
+
+Each channel has a receiver half (`registration()`: the Welcome payload)
+and a sender half (`connect()` per peer, then `push()` staged blocks or
+`views()` of remote blocks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from kvtier.errors import KvtierError
+from kvtier.logs import get_logger
+from kvtier.memory import HostPool, MemoryBlock
+from kvtier.pd import protocol as proto
+
+log = get_logger(__name__)
+
+
+class ChannelUnavailable(KvtierError):
+    """The configured transfer channel cannot run here (a missing package or device)."""
+
+
+@dataclass
+class Placement:
+    """One chunk to write: the receiver's block, and (staged channels) the local block holding its bytes."""
+
+    remote_block: int
+    nbytes: int
+    staged: MemoryBlock | None = None
+
+
+# -- receiver half -------------------------------------------------------------------------
+
+class ReceiverChannel:
+    def __init__(self, name: str, pool: HostPool) -> None:
+        self.name, self.pool = name, pool
+        self._agent: Any = None
+        if name == "nixl":
+            self._agent = _nixl_agent("kvtier-receiver")
+            _nixl_register(self._agent, pool.arena)
+        elif name == "cuda_ipc" and pool.device.type != "cuda":
+            raise ChannelUnavailable("transfer_channel cuda_ipc needs pd_buffer_device: cuda")
+
+    def registration(self) -> bytes:
+        """What the sender needs to write into the buffer (Welcome's payload)."""
+        if self.name == "nixl":
+            return bytes(self._agent.get_agent_metadata())
+        if self.name == "cuda_ipc":
+            fields = self.pool.arena.untyped_storage()._share_cuda_()
+            return json.dumps([f.hex() if isinstance(f, bytes) else f for f in fields]).encode()
+        return b""
+
+    def agent_name(self) -> str:
+        return self._agent.name if self._agent is not None else ""
+
+
+# -- sender half ---------------------------------------------------------------------------
+
+@dataclass
+class Peer:
+    """A receiver as the sender's channel sees it, from its Welcome."""
+
+    welcome: proto.Welcome
+    nixl_name: str = ""
+    remote: torch.Tensor | None = None  # cuda_ipc: the receiver's buffer, mapped here
+
+
+class SenderChannel:
+    """The sender's side of one channel; `staged` channels need the KV in host blocks first."""
+
+    def __init__(self, name: str, staging: HostPool) -> None:
+        self.name, self.staging = name, staging
+        self.staged = name != "cuda_ipc"
+        self._agent: Any = None
+        if name == "nixl":
+            self._agent = _nixl_agent("kvtier-sender")
+            _nixl_register(self._agent, staging.arena)
+        elif name == "cuda_ipc" and not torch.cuda.is_available():
+            raise ChannelUnavailable("transfer_channel cuda_ipc needs CUDA on the sender")
+
+    def connect(self, welcome: proto.Welcome, registration: bytes) -> Peer:
+        peer = Peer(welcome)
+        if self.name == "nixl":
+            peer.nixl_name = _as_str(self._agent.add_remote_agent(registration))
+        elif self.name == "cuda_ipc":
+            fields = [bytes.fromhex(f) if isinstance(f, str) else f for f in json.loads(registration)]
+            storage = torch.UntypedStorage._new_shared_cuda(*fields)
+            peer.remote = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+                storage, 0, (welcome.num_blocks * welcome.block_bytes,), (1,))
+        return peer
+
+    def views(self, peer: Peer, blocks: Sequence[int], nbytes: Sequence[int]) -> list[torch.Tensor]:
+        """cuda_ipc: the remote blocks as local uint8 tensors to gather into."""
+        assert peer.remote is not None
+        size = peer.welcome.block_bytes
+        return [peer.remote[b * size : b * size + n] for b, n in zip(blocks, nbytes)]
+
+    def push(self, peer: Peer, sock: socket.socket, req_id: str, items: Sequence[Placement],
+             deadline: float) -> None:
+        """Write staged blocks into the peer's reserved blocks (done when this returns)."""
+        if self.name == "tcp":
+            for item in items:
+                assert item.staged is not None
+                data = item.staged.data[: item.nbytes]
+                if data.device.type != "cpu":
+                    data = data.cpu()
+                proto.send(sock, proto.Write(req_id, item.remote_block), data.numpy().data)
+            return
+        if self.name == "nixl":
+            self._nixl_write(peer, items, deadline)
+            return
+        raise ValueError(f"{self.name} writes in place (views), not by push")
+
+    def _nixl_write(self, peer: Peer, items: Sequence[Placement], deadline: float) -> None:
+        agent, w = self._agent, peer.welcome
+        local_dev = 0 if self.staging.device.type == "cpu" else self.staging.device.index or 0
+        remote_dev = 0 if w.device == "cpu" else int(w.device.split(":")[1])
+        src = agent.get_xfer_descs([(it.staged.data.data_ptr(), it.nbytes, local_dev) for it in items],
+                                   _mem_type(self.staging.device.type))
+        dst = agent.get_xfer_descs([(w.base_ptr + it.remote_block * w.block_bytes, it.nbytes, remote_dev)
+                                    for it in items], _mem_type(w.device))
+        handle = agent.initialize_xfer("WRITE", src, dst, peer.nixl_name)
+        try:
+            state = agent.transfer(handle)
+            while state not in ("DONE", "ERR"):
+                if time.monotonic() > deadline:
+                    raise proto.PdPeerError("NIXL write did not complete in time")
+                time.sleep(0.0002)
+                state = agent.check_xfer_state(handle)
+            if state == "ERR":
+                raise proto.PdPeerError("NIXL write failed")
+        finally:
+            agent.release_xfer_handle(handle)
+
+
+def _nixl_agent(role: str) -> Any:
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as exc:
+        raise ChannelUnavailable(
+            "transfer_channel nixl needs the NIXL package: pip install nixl (after torch; "
+            f"on a machine without GPU, UCX_TLS=tcp,self,sm) — {exc}") from None
+    name = f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+
+
+def _nixl_register(agent: Any, arena: torch.Tensor) -> None:
+    dev = 0 if arena.device.type == "cpu" else arena.device.index or 0
+    descs = agent.get_reg_descs([(arena.data_ptr(), arena.numel(), dev, "")], _mem_type(arena.device.type))
+    agent.register_memory(descs)
+
+
+def _mem_type(device: str) -> str:
+    return "DRAM" if device.startswith("cpu") else "VRAM"
+
+
+def _as_str(name: Any) -> str:
+    return name.decode() if isinstance(name, bytes) else str(name)

@@ -1,0 +1,255 @@
+"""The prefiller's side of disaggregated prefill: push a request's KV into a decoder.
+
+    send(target, tokens, slots, start, last)
+        keys of the chunks ending after `start`
+        → Alloc on the decoder's alloc port (retried until `pd_allocation_timeout_sec`)
+        → the channel writes them: staged (tcp, nixl) batch by batch through the
+          CPU pool, or gathered straight into the decoder's GPU buffer (cuda_ipc)
+        → Commit: the decoder now finds them as a hit
+        and, once the prompt's last chunk is in (`last`), PrefillDone to the proxy.
+
+vLLM prefills a long prompt over several steps; each step's new chunks are
+sent after that step, so the transfer overlaps the rest of the prefill. A
+failure (no room in time, the decoder gone) frees what this request holds
+on both sides, tells the proxy `ok=False` and never fails the prefill: the
+decoder then recomputes what is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from kvtier.config import KvtierConfig
+from kvtier.keys import ChunkSpan
+from kvtier.logs import get_logger
+from kvtier.pd import protocol as proto
+from kvtier.pd.channels import Peer, Placement, SenderChannel
+
+log = get_logger(__name__)
+
+CONNECT_TIMEOUT = 5.0
+RETRY_STEP = 0.05  # s between Allocs while the decoder's buffer is full
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one request's KV goes: the decoder's host and its ports (TP rank 0's)."""
+
+    host: str
+    init_port: int
+    alloc_port: int
+    req_id: str  # the proxy's id for the request (the decoder and the proxy know it by this)
+
+
+@dataclass
+class SendStats:
+    requests: int = 0
+    sent_tokens: int = 0
+    sent_bytes: int = 0
+    failed: int = 0
+    waited_for_room: int = 0
+
+
+class _Connection:
+    """One decoder, as seen from this sender: its Welcome, and the alloc connection."""
+
+    def __init__(self, host: str, init_port: int, alloc_port: int, hello: proto.Hello,
+                 channel: SenderChannel, timeout: float) -> None:
+        with socket.create_connection((host, init_port), timeout=CONNECT_TIMEOUT) as init:
+            init.settimeout(timeout)
+            proto.send(init, hello)
+            msg, n = proto.recv(init, max_payload=1 << 24)
+            welcome = proto.expect(msg, proto.Welcome)
+            registration = proto.recv_exact(init, n)
+        self.peer: Peer = channel.connect(welcome, registration)  # type: ignore[arg-type]
+        self.sock = socket.create_connection((host, alloc_port), timeout=CONNECT_TIMEOUT)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.settimeout(timeout)
+        self.name = f"{host}:{alloc_port}"
+
+    def call(self, msg: proto.Message) -> proto.Message:
+        proto.send(self.sock, msg)
+        return proto.recv(self.sock)[0]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class PdSender:
+    def __init__(self, engine: object, config: KvtierConfig, tp_rank: int) -> None:
+        from kvtier.engine import CacheEngine
+
+        assert isinstance(engine, CacheEngine)
+        self.engine, self.config, self.tp_rank = engine, config, tp_rank
+        self.channel = SenderChannel(config.pd_channel, engine.pool)
+        self.stats = SendStats()
+        self._hello = proto.Hello(f"{socket.gethostname()}:{os.getpid()}", engine.fmt.tag(), config.chunk_size,
+                                  engine.kv.bytes_per_token(), config.pd_channel)
+        self._conns: dict[tuple[str, int, int], _Connection] = {}
+        self._proxy: socket.socket | None = None
+        self._proxy_warned = False
+        self._lock = threading.Lock()
+        self._failed: set[str] = set()  # requests whose transfer broke: later steps are not sent
+        self._sent: dict[str, int] = {}  # tokens sent so far per request, for the last log line
+        log.info("PD sender: channel %s, proxy %s:%s", config.pd_channel, config.pd_proxy_host, config.pd_proxy_port)
+
+    def default_target(self, request_id: str) -> Target | None:
+        """A fixed decoder from the config (pd_peer_*), for requests the proxy did not route."""
+        c = self.config
+        if c.pd_peer_host is None or c.pd_peer_init_port is None or c.pd_peer_alloc_port is None:
+            return None
+        return Target(c.pd_peer_host, c.pd_peer_init_port, c.pd_peer_alloc_port, request_id)
+
+    def send(self, target: Target, tokens: Sequence[int], slots: torch.Tensor, *, start: int, last: bool) -> int:
+        """Push the chunks of `tokens` that end after `start`; the tokens sent (0 on failure)."""
+        rid = target.req_id
+        if rid in self._failed:
+            if last:
+                self._failed.discard(rid)
+            return 0
+        t0 = time.perf_counter()
+        spans = [s for s in self.engine.spans(tokens) if s.end > start]
+        sent = 0
+        try:
+            if spans:
+                conn = self._connection(target)
+                sent = self._transfer(conn, rid, spans, slots)
+        except (proto.PdPeerError, proto.ProtocolError, OSError) as exc:
+            self.stats.failed += 1
+            log.warning("PD: request %s: KV not sent to %s:%d (%s); the decoder will recompute it",
+                        rid, target.host, target.alloc_port, exc)
+            self._drop_connection(target)
+            self._sent.pop(rid, None)
+            if not last:
+                self._failed.add(rid)
+            self._notify(proto.PrefillDone(rid, False, 0, str(exc)[:200]))
+            return 0
+        seconds = time.perf_counter() - t0
+        nbytes = sent * self.engine.kv.bytes_per_token()
+        self.stats.sent_tokens += sent
+        self.stats.sent_bytes += nbytes
+        total = self._sent.pop(rid, 0) + sent
+        if sent:
+            log.info("PD: sent KV of %d tokens (%d..%d) for request %s to %s:%d in %.1f ms, %.2f GB/s, over %s",
+                     sent, spans[0].start, spans[-1].end, rid, target.host, target.alloc_port, seconds * 1e3,
+                     nbytes / seconds / 1e9 if seconds > 0 else 0.0, self.config.pd_channel)
+        if last:
+            self.stats.requests += 1
+            self._notify(proto.PrefillDone(rid, True, total, ""))
+        else:
+            self._sent[rid] = total
+        return sent
+
+    def _transfer(self, conn: _Connection, rid: str, spans: list[ChunkSpan], slots: torch.Tensor) -> int:
+        blocks = self._alloc(conn, rid, spans)
+        try:
+            todo = [(s, b) for s, b in zip(spans, blocks) if b >= 0]
+            deadline = time.monotonic() + self.config.blocking_timeout_secs
+            if not self.channel.staged:
+                views = self.channel.views(conn.peer, [b for _, b in todo],
+                                           [s.num_tokens * self.engine.kv.bytes_per_token() for s, _ in todo])
+                self.engine.gather_into(slots, [s for s, _ in todo], views)
+                torch.cuda.synchronize()
+            else:
+                self._push_staged(conn, rid, todo, slots, deadline)
+            reply = proto.expect(conn.call(proto.Commit(rid)), proto.Ok)
+        except BaseException:
+            try:
+                conn.call(proto.Abort(rid))
+            except (OSError, proto.ProtocolError):
+                pass
+            raise
+        assert isinstance(reply, proto.Ok)
+        return sum(s.num_tokens for s in spans)
+
+    def _alloc(self, conn: _Connection, rid: str, spans: list[ChunkSpan]) -> list[int]:
+        msg = proto.Alloc(rid, [s.key.digest.hex() for s in spans], [s.num_tokens for s in spans])
+        deadline = time.monotonic() + self.config.pd_allocation_timeout_sec
+        waited = False
+        while True:
+            reply = conn.call(msg)
+            if isinstance(reply, proto.Allocated):
+                if len(reply.blocks) != len(spans):
+                    raise proto.ProtocolError("Allocated: wrong number of blocks")
+                return reply.blocks
+            reply = proto.expect(reply, proto.NoRoom)
+            assert isinstance(reply, proto.NoRoom)
+            if reply.needed_blocks > reply.num_blocks:
+                raise proto.PdPeerError(f"{reply.needed_blocks} chunks do not fit the decoder's buffer of "
+                                        f"{reply.num_blocks} (raise pd_buffer_size there)")
+            if time.monotonic() > deadline:
+                raise proto.PdPeerError(f"no room for {reply.needed_blocks} chunks in the decoder's buffer "
+                                        f"within pd_allocation_timeout_sec={self.config.pd_allocation_timeout_sec}")
+            if not waited:
+                self.stats.waited_for_room += 1
+                waited = True
+            time.sleep(RETRY_STEP)
+
+    def _push_staged(self, conn: _Connection, rid: str, todo: list[tuple[ChunkSpan, int]], slots: torch.Tensor,
+                     deadline: float) -> None:
+        engine, per_token, i = self.engine, self.engine.kv.bytes_per_token(), 0
+        while i < len(todo):
+            owned = engine.allocate_staging([s for s, _ in todo[i:]])
+            if not owned:
+                raise proto.PdPeerError("no staging block free in the CPU pool")
+            try:
+                engine.gather_into(slots, [s for s, _ in owned], [b.data[: s.num_tokens * per_token] for s, b in owned])
+                items = [Placement(todo[i + j][1], s.num_tokens * per_token, b) for j, (s, b) in enumerate(owned)]
+                self.channel.push(conn.peer, conn.sock, rid, items, deadline)
+            finally:
+                for _, block in owned:
+                    block.release()
+            i += len(owned)
+
+    def _connection(self, target: Target) -> _Connection:
+        rank = self.tp_rank
+        key = (target.host, target.init_port + rank, target.alloc_port + rank)
+        with self._lock:
+            conn = self._conns.get(key)
+            if conn is None:
+                conn = _Connection(*key, self._hello, self.channel, self.config.blocking_timeout_secs)
+                self._conns[key] = conn
+                log.info("PD: connected to decoder %s:%d (init port %d)", key[0], key[2], key[1])
+            return conn
+
+    def _drop_connection(self, target: Target) -> None:
+        key = (target.host, target.init_port + self.tp_rank, target.alloc_port + self.tp_rank)
+        with self._lock:
+            conn = self._conns.pop(key, None)
+        if conn is not None:
+            conn.close()
+
+    def _notify(self, msg: proto.PrefillDone) -> None:
+        """Tell the proxy (rank 0 only); a proxy that is not there is logged once, never fatal."""
+        c = self.config
+        if self.tp_rank != 0 or c.pd_proxy_host is None or c.pd_proxy_port is None:
+            return
+        for attempt in range(2):
+            try:
+                if self._proxy is None:
+                    self._proxy = socket.create_connection((c.pd_proxy_host, c.pd_proxy_port), timeout=CONNECT_TIMEOUT)
+                proto.send(self._proxy, msg)
+                return
+            except OSError as exc:
+                if self._proxy is not None:
+                    self._proxy.close()
+                    self._proxy = None
+                if attempt and not self._proxy_warned:
+                    log.warning("PD: cannot tell the proxy at %s:%d that request %s is done (%s)",
+                                c.pd_proxy_host, c.pd_proxy_port, msg.req_id, exc)
+                    self._proxy_warned = True
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            conn.close()
+        if self._proxy is not None:
+            self._proxy.close()

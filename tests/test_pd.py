@@ -1,0 +1,309 @@
+"""Disaggregated prefill without vLLM: a sender engine pushes KV into a receiver's
+buffer over real sockets (tcp, and nixl where the package is installed), and the
+receiver's engine loads it. Faults: no room, a dead decoder, malformed frames,
+releases and expiry."""
+
+import json
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import torch
+
+from kvtier.config import KvtierConfig
+from kvtier.engine import CacheEngine
+from kvtier.errors import ConfigError
+from kvtier.keys import KVFormat
+from kvtier.pd import make_buffer, protocol as proto, start_receiver
+from kvtier.pd.sender import PdSender, Target
+from kvtier.transfer import PagedKV
+
+L, NB, BS, H, D = 2, 64, 16, 2, 32
+CHUNK = 16
+FMT = KVFormat("m", "flash_attn", "float32")
+BPT = L * 2 * H * D * 4  # bytes per token
+
+
+def channels():
+    out = ["tcp"]
+    try:
+        import nixl._api  # noqa: F401
+
+        out.append("nixl")
+    except ImportError:
+        pass
+    return out
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Pair:
+    """A sender engine and a receiver (buffer, ports, engine) on loopback."""
+
+    def __init__(self, channel="tcp", buffer_chunks=16, alloc_timeout=0.5, ttl=300, proxy_port=None):
+        self.init_port, self.alloc_port = free_port(), free_port()
+        common = dict(chunk_size=CHUNK, save_unfull_chunk=True, enable_pd=True, transfer_channel=channel,
+                      local_cpu=False, max_local_cpu_size=1 / 1024)
+        self.rcfg = KvtierConfig(**common, pd_role="receiver", pd_buffer_size=buffer_chunks * CHUNK * BPT,
+                                 pd_peer_host="127.0.0.1", pd_peer_init_port=self.init_port,
+                                 pd_peer_alloc_port=self.alloc_port, pin_timeout_sec=ttl)
+        self.scfg = KvtierConfig(**common, pd_role="sender", pd_proxy_host="127.0.0.1",
+                                 pd_proxy_port=proxy_port or free_port(), pd_allocation_timeout_sec=alloc_timeout,
+                                 blocking_timeout_secs=2.0)
+        self.src_layers = [torch.randn(2, NB, BS, H, D) for _ in range(L)]
+        self.dst_layers = [torch.zeros(2, NB, BS, H, D) for _ in range(L)]
+        self.sender_engine = CacheEngine(self.scfg, PagedKV.wrap(self.src_layers, "flash_attn"), FMT)
+        dst = PagedKV.wrap(self.dst_layers, "flash_attn")
+        self.buffer = make_buffer(self.rcfg, dst, FMT)
+        self.receiver = start_receiver(self.rcfg, self.buffer, 0)
+        self.receiver_engine = CacheEngine(self.rcfg, dst, FMT, cpu=self.buffer.tier)
+        self.sender = PdSender(self.sender_engine, self.scfg, 0)
+
+    def target(self, req_id):
+        return Target("127.0.0.1", self.init_port, self.alloc_port, req_id)
+
+    def close(self):
+        self.sender.close()
+        self.receiver.close()
+
+
+@pytest.fixture
+def pair(request):
+    p = Pair(**getattr(request, "param", {}))
+    yield p
+    p.close()
+
+
+def kv_at(layers, slots):
+    return torch.stack([x[:, slots // BS, slots % BS] for x in layers])
+
+
+@pytest.mark.parametrize("channel", channels())
+def test_sent_kv_is_a_hit_on_the_receiver_and_loads_bit_exact(channel, monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "tcp,self,sm")
+    p = Pair(channel=channel)
+    try:
+        toks = list(range(1000, 1100))  # 6 whole chunks and a partial one of 4
+        src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
+        # chunked prefill: two steps, the second ends the prompt
+        assert p.sender.send(p.target("r1"), toks[:64], src[:64], start=0, last=False) == 64
+        assert p.sender.send(p.target("r1"), toks, src, start=64, last=True) == 36
+        assert p.receiver_engine.lookup(toks) == 100
+        mask = p.receiver_engine.retrieve(toks, dst[:99])  # all but the last token, as vLLM asks
+        assert mask.all()
+        assert torch.equal(kv_at(p.src_layers, src[:99]), kv_at(p.dst_layers, dst[:99]))
+        p.buffer.release("r1")
+        assert p.receiver_engine.lookup(toks) == 0
+        assert p.buffer.pool.free_blocks == p.buffer.pool.num_blocks
+        assert p.sender_engine.pool.free_blocks == p.sender_engine.pool.num_blocks  # staging given back
+    finally:
+        p.close()
+
+
+def test_a_shared_prefix_is_sent_once_and_freed_with_its_last_owner(pair):
+    toks = list(range(64))
+    slots = torch.arange(64)
+    assert pair.sender.send(pair.target("a"), toks, slots, start=0, last=True) == 64
+    used = pair.buffer.pool.num_blocks - pair.buffer.pool.free_blocks
+    assert pair.sender.send(pair.target("b"), toks, slots, start=0, last=True) == 64
+    assert pair.buffer.pool.num_blocks - pair.buffer.pool.free_blocks == used  # no second copy
+    pair.buffer.release("a")
+    assert pair.receiver_engine.lookup(toks) == 64  # b still owns it
+    pair.buffer.release("b")
+    assert pair.receiver_engine.lookup(toks) == 0
+
+
+@pytest.mark.parametrize("pair", [{"buffer_chunks": 4, "alloc_timeout": 0.3}], indirect=True)
+def test_a_full_buffer_makes_the_sender_wait_bounded_then_give_up(pair, caplog):
+    assert pair.sender.send(pair.target("a"), list(range(64)), torch.arange(64), start=0, last=True) == 64
+    t0 = time.monotonic()
+    got = pair.sender.send(pair.target("b"), list(range(500, 564)), torch.arange(64), start=0, last=True)
+    waited = time.monotonic() - t0
+    assert got == 0 and 0.3 <= waited < 2.0
+    assert "no room" in caplog.text and "recompute" in caplog.text
+    assert pair.receiver_engine.lookup(list(range(500, 564))) == 0
+    pair.buffer.release("a")  # room again: the next request goes through
+    assert pair.sender.send(pair.target("c"), list(range(500, 564)), torch.arange(64), start=0, last=True) == 64
+
+
+@pytest.mark.parametrize("pair", [{"buffer_chunks": 2}], indirect=True)
+def test_a_request_larger_than_the_whole_buffer_fails_at_once(pair, caplog):
+    t0 = time.monotonic()
+    assert pair.sender.send(pair.target("a"), list(range(64)), torch.arange(64), start=0, last=True) == 0
+    assert time.monotonic() - t0 < 0.3
+    assert "raise pd_buffer_size" in caplog.text
+    assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks
+
+
+def test_the_proxy_is_told_when_a_prefill_is_done_or_failed():
+    listener = socket.create_server(("127.0.0.1", 0))
+    got = []
+
+    def serve():
+        conn, _ = listener.accept()
+        while len(got) < 2:
+            got.append(proto.recv(conn)[0])
+        conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    p = Pair(proxy_port=listener.getsockname()[1], buffer_chunks=2)
+    try:
+        assert p.sender.send(p.target("ok"), list(range(20)), torch.arange(20), start=0, last=True) == 20
+        assert p.sender.send(p.target("big"), list(range(64)), torch.arange(64), start=0, last=True) == 0
+        t.join(5)
+        assert got[0] == proto.PrefillDone("ok", True, 20, "")
+        assert got[1].req_id == "big" and got[1].ok is False and "pd_buffer_size" in got[1].detail
+    finally:
+        p.close()
+        listener.close()
+
+
+def test_a_dead_decoder_fails_the_send_quickly_and_frees_the_sender(pair, caplog):
+    pair.receiver.close()
+    t0 = time.monotonic()
+    assert pair.sender.send(pair.target("a"), list(range(64)), torch.arange(64), start=0, last=True) == 0
+    assert time.monotonic() - t0 < 5
+    assert "not sent" in caplog.text
+    assert pair.sender_engine.pool.free_blocks == pair.sender_engine.pool.num_blocks
+
+
+def test_a_sender_that_dies_mid_transfer_frees_its_reservation(pair):
+    conn = socket.create_connection(("127.0.0.1", pair.alloc_port))
+    digests = [f"{i:032x}" for i in range(3)]
+    proto.send(conn, proto.Alloc("x", digests, [CHUNK] * 3))
+    reply = proto.recv(conn)[0]
+    assert isinstance(reply, proto.Allocated) and len(reply.blocks) == 3
+    assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks - 3
+    conn.sendall(proto.encode(proto.Write("x", reply.blocks[0]), CHUNK * BPT) + b"\0" * 100)  # then dies
+    conn.close()
+    deadline = time.monotonic() + 5
+    while pair.buffer.pool.free_blocks != pair.buffer.pool.num_blocks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks
+
+
+def test_a_release_before_commit_frees_the_chunks_at_commit(pair):
+    conn = socket.create_connection(("127.0.0.1", pair.alloc_port))
+    proto.send(conn, proto.Alloc("x", [f"{1:032x}"], [CHUNK]))
+    block = proto.recv(conn)[0].blocks[0]
+    pair.buffer.release("x")  # the client cancelled while the prefill was running
+    proto.send(conn, proto.Write("x", block), b"\1" * (CHUNK * BPT))
+    proto.send(conn, proto.Commit("x"))
+    assert proto.recv(conn)[0] == proto.Ok("x", 0)
+    assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks
+    conn.close()
+
+
+@pytest.mark.parametrize("pair", [{"ttl": 1}], indirect=True)
+def test_kv_whose_request_never_comes_expires(pair):
+    assert pair.sender.send(pair.target("a"), list(range(32)), torch.arange(32), start=0, last=True) == 32
+    time.sleep(1.2)
+    pair.buffer.expire()
+    assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks
+    assert pair.buffer.stats.expired == 1
+
+
+MALFORMED = [
+    b"GARBAGE" * 10,
+    struct.pack("<2sBBIQ", b"KP", 9, 3, 2, 0) + b"{}",  # another version
+    struct.pack("<2sBBIQ", b"KP", 1, 99, 2, 0) + b"{}",  # unknown type
+    struct.pack("<2sBBIQ", b"KP", 1, 3, 1 << 30, 0),  # header too large
+    proto.FRAME.pack(b"KP", 1, 3, 5, 0) + b"nope!",  # not JSON
+    proto.FRAME.pack(b"KP", 1, 3, 2, 0) + b"[]",  # not an object
+    proto.encode(proto.Commit("never-reserved")),
+    proto.encode(proto.Write("x", 0), 10) + b"0123456789",  # a block not reserved
+    proto.encode(proto.Alloc("x", ["zz"], [CHUNK])),  # a digest that is not hex
+    proto.encode(proto.Alloc("x", [f"{1:032x}"], [CHUNK * 99])),  # more tokens than a chunk
+    proto.encode(proto.Alloc("x", [f"{1:032x}", f"{2:032x}"], [CHUNK])),  # lengths differ
+    proto.encode(proto.Hello("s", "f", 1, 1, "tcp")),  # Hello on the alloc port
+    proto.FRAME.pack(b"KP", 1, 10, 0, 0),  # Ok with no header
+    proto.encode(proto.Release("x"), 1 << 40),  # a payload where none belongs
+]
+
+
+@pytest.mark.parametrize("frame", MALFORMED)
+def test_malformed_messages_are_rejected_and_the_receiver_keeps_serving(pair, frame):
+    for port in (pair.alloc_port, pair.init_port):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+            conn.sendall(frame)
+            try:
+                reply = proto.recv(conn, max_payload=1 << 20)[0]
+                assert isinstance(reply, proto.Error)
+            except (ConnectionError, socket.timeout, proto.ProtocolError):
+                pass  # closed, or a truncated frame is still being waited for: both fine
+    assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks
+    toks = list(range(40))
+    assert pair.sender.send(pair.target("after"), toks, torch.arange(40), start=0, last=True) == 40
+
+
+def test_a_sender_with_another_kv_format_is_refused_by_name(pair):
+    with socket.create_connection(("127.0.0.1", pair.init_port), timeout=5) as conn:
+        proto.send(conn, proto.Hello("s", KVFormat("other", "flash_attn", "float32").tag(), CHUNK, BPT, "tcp"))
+        reply = proto.recv(conn)[0]
+    assert isinstance(reply, proto.Error) and "KV format differs" in reply.message
+
+
+def test_random_frames_never_crash_the_receiver(pair):
+    gen = torch.Generator().manual_seed(7)
+    valid = [proto.encode(proto.Alloc("f", [f"{9:032x}"], [CHUNK])), proto.encode(proto.Release("f")),
+             proto.encode(proto.Commit("f"))]
+    for i in range(200):
+        frame = bytearray(valid[i % len(valid)])
+        for _ in range(int(torch.randint(1, 4, (1,), generator=gen))):
+            pos = int(torch.randint(0, len(frame), (1,), generator=gen))
+            frame[pos] = int(torch.randint(0, 256, (1,), generator=gen))
+        with socket.create_connection(("127.0.0.1", pair.alloc_port), timeout=2) as conn:
+            try:
+                conn.sendall(bytes(frame))
+                conn.shutdown(socket.SHUT_WR)
+                while conn.recv(65536):
+                    pass
+            except OSError:
+                pass  # the receiver closed first: fine
+    deadline = time.monotonic() + 5  # reservations of closed connections are aborted
+    while pair.buffer.held_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks
+    assert pair.sender.send(pair.target("after"), list(range(40)), torch.arange(40), start=0, last=True) == 40
+
+
+@pytest.mark.parametrize("settings, key", [
+    ({"pd_role": "receiver", "pd_peer_host": "h", "pd_peer_init_port": 1, "pd_peer_alloc_port": 2}, "pd_buffer_size"),
+    ({"pd_role": "sender", "enable_p2p": True, "pd_proxy_host": "h", "pd_proxy_port": 1}, "enable_p2p"),
+    ({"pd_role": "sender"}, "pd_proxy_host"),
+    ({"pd_role": "sender", "pd_peer_host": "h"}, "pd_peer_host"),
+    ({"pd_role": "both"}, "pd_role"),
+    ({"pd_role": "receiver", "pd_buffer_size": 1, "pd_peer_host": "h", "pd_peer_init_port": 1,
+      "pd_peer_alloc_port": 2, "transfer_channel": "carrier-pigeon"}, "transfer_channel"),
+    ({"pd_role": "receiver", "pd_buffer_size": 1, "pd_peer_host": "h", "pd_peer_init_port": 1,
+      "pd_peer_alloc_port": 2, "transfer_channel": "cuda_ipc"}, "pd_buffer_device"),
+    ({"pd_role": "sender", "pd_proxy_host": "h", "pd_proxy_port": 1, "pd_allocation_timeout_sec": 0},
+     "pd_allocation_timeout_sec"),
+])
+def test_inconsistent_pd_settings_fail_at_start_naming_the_key(settings, key):
+    with pytest.raises(ConfigError, match=key):
+        KvtierConfig(enable_pd=True, **settings)
+
+
+def test_the_guides_configs_parse(tmp_path):
+    from kvtier.config import load_config
+
+    (tmp_path / "p.yaml").write_text(
+        'local_cpu: False\nenable_pd: True\ntransfer_channel: "nixl"\npd_role: "sender"\n'
+        'pd_proxy_host: "localhost"\npd_proxy_port: 7500\npd_buffer_size: 1073741824\npd_buffer_device: "cuda"\n')
+    (tmp_path / "d.yaml").write_text(
+        'local_cpu: False\nenable_pd: True\ntransfer_channel: "nixl"\npd_role: "receiver"\n'
+        'pd_peer_host: "localhost"\npd_peer_init_port: 7300\npd_peer_alloc_port: 7400\n'
+        'pd_buffer_size: 1073741824\npd_buffer_device: "cuda"\n')
+    p = load_config(env={"LMCACHE_CONFIG_FILE": str(tmp_path / "p.yaml")})
+    d = load_config(env={"LMCACHE_CONFIG_FILE": str(tmp_path / "d.yaml")})
+    assert (p.pd_role, p.pd_proxy_port, p.pd_channel) == ("sender", 7500, "nixl")
+    assert (d.pd_role, d.pd_peer_alloc_port, d.pd_buffer_size) == ("receiver", 7400, 1 << 30)
+    json.dumps([p.pd_role, d.pd_role])
