@@ -99,6 +99,25 @@ def _server(args: argparse.Namespace) -> int:
     return 0
 
 
+def _proxy(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from kvtier.proxy import serve, settings_from_args
+
+    logging.getLogger("kvtier").setLevel(args.log_level.upper())
+    try:
+        settings = settings_from_args(args)
+    except ValueError as e:
+        print(f"kvtier proxy: {e}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(settings))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def _config(args: argparse.Namespace) -> int:
     from kvtier.config import describe_keys, load_config
 
@@ -186,6 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     sb.add_argument("--throughput-only", action="store_true", help="skip latency, shared memory and serdes")
     sb.add_argument("--output", help="write the results to this JSON file")
     sb.set_defaults(fn=_bench_server)
+
+    from kvtier.proxy import add_arguments as proxy_arguments
+
+    prx = sub.add_parser("proxy", help="disaggregated prefill: route requests prefiller -> decoder "
+                         "(LMCache's disagg_proxy_server.py flags)")
+    proxy_arguments(prx)
+    prx.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    prx.set_defaults(fn=_proxy)
 
     cfg = sub.add_parser("config", help="print the effective config (file + env)")
     cfg.add_argument("--keys", action="store_true", help="print every key with its default")

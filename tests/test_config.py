@@ -77,8 +77,7 @@ def test_missing_or_malformed_file(tmp_path):
 
 
 @pytest.mark.parametrize("env, key", [
-    ({"LMCACHE_ENABLE_PD": "true"}, "enable_pd"),
-    ({"LMCACHE_PD_ROLE": "sender"}, "pd_role"),
+    ({"LMCACHE_ENABLE_P2P": "true"}, "enable_p2p"),
 ])
 def test_keys_not_built_yet_are_refused(env, key):
     with pytest.raises(ConfigError, match=f"{key}.*not built"):

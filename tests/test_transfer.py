@@ -14,6 +14,7 @@ SHAPES = {
     "flashinfer": (NB, 2, BS, H, D),
     "mla": (NB, BS, D),
     "vllm": (NB, H, BS, 2 * D),
+    "vllm-cpu-vec": (NB, H, BS, 2 * D),
 }
 
 
@@ -26,7 +27,12 @@ def reference_tokens(layer: torch.Tensor, layout: str, slot: int) -> torch.Tenso
         return layer[b, :, o]
     if layout == "mla":
         return layer[b, o][None, None]
-    return layer[b, :, o].reshape(H, 2, D).permute(1, 0, 2)  # C = [K | V]
+    halves = layer.reshape(NB, H, 2, BS * D)[b]  # per (block, head): all K, then all V
+    if layout == "vllm":
+        return halves.reshape(H, 2, BS, D)[:, :, o].permute(1, 0, 2)
+    k = halves[:, 0].reshape(H, D, BS)[:, :, o]  # vllm-cpu-vec: K transposed, V by token
+    v = halves[:, 1].reshape(H, BS, D)[:, o]
+    return torch.stack([k, v])
 
 
 @pytest.mark.parametrize("layout", SHAPES)
@@ -88,14 +94,44 @@ def test_torch_scatter_skips_slot_minus_one():
         assert torch.equal(layer, old)  # nothing else was written
 
 
-def test_non_contiguous_vllm_stride_order():
-    # vLLM may store [B, H, N, C] in another physical order (e.g. LBNHC).
-    raw = torch.randn(NB, BS, H, 2 * D)
-    layer = raw.permute(0, 2, 1, 3)  # logical [B, H, N, C], physical [B, N, H, C]
-    kv = PagedKV.wrap([layer], "vllm")
-    chunk = torch.empty(kv.chunk_shape(3))
-    TorchTransfer(kv).gather(torch.tensor([0, 5, 17]), [chunk])
-    assert torch.equal(chunk[0, :, 1], reference_tokens(layer, "vllm", 5))
+def test_vllm_cpu_layouts_refuse_a_non_contiguous_cache():
+    # vLLM's CPU attention views its cache as [NB, NH, 2*BS, C/2], which needs it contiguous.
+    layer = torch.randn(NB, BS, H, 2 * D).permute(0, 2, 1, 3)
+    for layout in ("vllm", "vllm-cpu-vec"):
+        with pytest.raises(ValueError, match="contiguous"):
+            PagedKV.wrap([layer], layout)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kvtier_reads_each_token_where_vllms_cpu_kernel_writes_it(dtype):
+    """vLLM's own cache-write op fills a cache; kvtier's layout for the kernel that
+    vLLM picks here must find every token, also in a partly filled block."""
+    pytest.importorskip("vllm")
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    nb, nh, bs, hs, n = 4, 2, 128, 64, 300  # 300 tokens: the third block is partly filled
+    isa = _get_attn_isa(dtype, bs, hs)
+    layout = "vllm-cpu-vec" if isa == "vec" else "vllm"
+    if layout == "vllm":
+        pytest.skip(f"vLLM picks the {isa} kernel here: kvtier moves whole blocks of it")
+    cache = torch.zeros(nb, nh, bs, 2 * hs, dtype=dtype)
+    key_cache, value_cache = cache.view(nb, nh, 2 * bs, hs).chunk(2, dim=2)
+    key, value = torch.randn(n, nh, hs, dtype=dtype), torch.randn(n, nh, hs, dtype=dtype)
+    slots = torch.randperm(nb * bs)[:n]
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+    kv = PagedKV.wrap([cache], layout)
+    chunk = torch.empty(kv.chunk_shape(n), dtype=dtype)
+    TorchTransfer(kv).gather(slots, [chunk])
+    assert torch.equal(chunk[0, 0], key) and torch.equal(chunk[0, 1], value)
+    # and a scatter of a few tokens lands where vLLM's kernel reads them
+    fresh = torch.zeros_like(cache)
+    TorchTransfer(PagedKV.wrap([fresh], layout)).scatter(slots[:37], [chunk[:, :, :37]])
+    k2, v2 = fresh.view(nb, nh, 2 * bs, hs).chunk(2, dim=2)
+    again = torch.zeros_like(cache)
+    k3, v3 = again.view(nb, nh, 2 * bs, hs).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key[:37], value[:37], k3, v3, slots[:37], isa)
+    assert torch.equal(fresh, again)
 
 
 def test_layout_validation():
@@ -175,7 +211,8 @@ def test_triton_kernels_in_interpreter_match_torch():
     """The GPU kernels, run by Triton's CPU interpreter on small shapes."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", TRITON_CHECK % SHAPES], env=env,
+    gpu_layouts = {k: v for k, v in SHAPES.items() if k != "vllm-cpu-vec"}  # a CPU-only layout
+    out = subprocess.run([sys.executable, "-c", TRITON_CHECK % gpu_layouts], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "ok"

@@ -57,9 +57,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.config import KvtierConfig, load_config
 from kvtier.engine import CacheEngine, Retrieval, Storing
+from kvtier.errors import ConfigError
 from kvtier.integrations.lookup import Handlers, LookupClient, LookupServer, socket_path
 from kvtier.keys import KVFormat
 from kvtier.logs import get_logger
+from kvtier.pd import make_buffer, start_receiver
+from kvtier.pd.receiver import PdBuffer, PdReceiver
+from kvtier.pd.sender import PdSender, Target
 from kvtier.transfer import PagedKV
 
 if TYPE_CHECKING:
@@ -73,7 +77,9 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 # kv_connector_extra_config keys of LMCache's connector that kvtier honours.
-_EXTRA_KEYS = {"discard_partial_chunks"}
+# lmcache_rpc_port names LMCache's scheduler-worker socket; kvtier's are named by
+# the engine id, so it is accepted and has no effect.
+_EXTRA_KEYS = {"discard_partial_chunks", "lmcache_rpc_port"}
 
 
 @dataclass
@@ -86,6 +92,9 @@ class TransferSpec:
     start: int
     end: int
     background: bool = False  # load asynchronously (chunks below CPU RAM)
+    pd_target: Target | None = None  # save: push these chunks to a decoder (PD sender)
+    last: bool = False  # save: the prompt's last chunk is in this one
+    pd_req_id: str = ""  # load: the proxy's id of this request; its PD chunks are freed once loaded
 
     def slots(self, block_size: int) -> torch.Tensor:
         n = self.end
@@ -108,6 +117,8 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int = 0
     load: tuple[int, int, bool] | None = None  # tokens [start, end) to load next step, in the background?
+    pd_target: Target | None = None  # PD sender: where this request's KV goes
+    pd_req_id: str = ""  # PD receiver: the proxy's id of this request
 
 
 def connector_config(vllm_config: VllmConfig) -> KvtierConfig:
@@ -122,7 +133,58 @@ def connector_config(vllm_config: VllmConfig) -> KvtierConfig:
             )
     if "discard_partial_chunks" in extra:
         overrides["save_unfull_chunk"] = not _as_bool(extra["discard_partial_chunks"])
-    return load_config(overrides=overrides)
+    config = load_config(overrides=overrides)
+    _check_pd_role(config, vllm_config.kv_transfer_config.kv_role)
+    return config
+
+
+def _check_pd_role(config: KvtierConfig, kv_role: str) -> None:
+    """A PD sender computes and saves (kv_producer); a receiver loads (kv_consumer)."""
+    if not config.enable_pd:
+        return
+    wanted = {"sender": "kv_producer", "receiver": "kv_consumer"}[config.pd_role or ""]
+    if kv_role not in (wanted, "kv_both"):
+        raise ConfigError("pd_role", config.pd_role,
+                          f"a role matching vLLM's kv_role {kv_role!r}: pd_role {config.pd_role} "
+                          f"runs with kv_role {wanted}")
+
+
+def cpu_kv_layout(vllm_config: VllmConfig) -> str | None:
+    """kvtier's name for the layout of vLLM's CPU KV cache, None on other platforms.
+
+    Inside a block, vLLM's CPU attention kernels order tokens their own way:
+    the "vec" kernel stores K transposed and V by token (layout vllm-cpu-vec,
+    exact per token); others (AMX tiles, vec16, ARM) are read as whole blocks
+    only (layout vllm), so hits are then rounded down to whole blocks."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    if mc.use_mla:
+        return "vllm"
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype)
+    except Exception as exc:  # noqa: BLE001 - vLLM internals moved: whole blocks are always exact
+        log.info("cannot tell vLLM's CPU attention kernel (%s): kvtier moves whole KV blocks", exc)
+        return "vllm"
+    return "vllm-cpu-vec" if isa == "vec" else "vllm"
+
+
+def pd_target(params: dict[str, Any] | None) -> Target | None:
+    """The decoder a proxy named for this request (LMCache's `disagg_spec`), if any."""
+    spec = (params or {}).get("disagg_spec")
+    if not isinstance(spec, dict):
+        return None
+    try:
+        init, alloc = spec["receiver_init_port"], spec["receiver_alloc_port"]
+        return Target(str(spec["receiver_host"]), int(init[0] if isinstance(init, list) else init),
+                      int(alloc[0] if isinstance(alloc, list) else alloc), str(spec["req_id"]))
+    except (KeyError, TypeError, ValueError, IndexError):
+        log.warning("kv_transfer_params.disagg_spec %r is malformed: this request's KV is not sent", spec)
+        return None
 
 
 def _as_bool(value: Any) -> bool:
@@ -145,6 +207,12 @@ class KvtierConnector(KVConnectorBase_V1):
         self.can_save = kv_cfg.kv_role in ("kv_both", "kv_producer")
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_size = self.config.chunk_size
+        self.cpu_layout = cpu_kv_layout(vllm_config)
+        self.whole_blocks = self.cpu_layout == "vllm"  # a hit must end on a block boundary
+        if self.whole_blocks and self.chunk_size % self.block_size:
+            raise ConfigError("chunk_size", self.chunk_size,
+                              f"a multiple of vLLM's block size {self.block_size}: this CPU's attention kernel "
+                              "stores tokens inside a block its own way, so kvtier moves whole blocks")
         if role == KVConnectorRole.SCHEDULER:
             tp = vllm_config.parallel_config.tensor_parallel_size
             addresses = [socket_path(self.engine_id, r) for r in range(tp)]
@@ -153,6 +221,9 @@ class KvtierConnector(KVConnectorBase_V1):
             self._pending: dict[str, tuple[int, bool]] = {}  # req_id -> (hit end, async), between the two calls
             self._leased: set[str] = set()  # looked up with a hit, load not planned yet
             self._async_loads: list[str] = []  # async loads planned, to send with the next metadata
+            self._pd_ids: dict[str, str] = {}  # PD receiver: request id -> the proxy's id, until planned
+            self._pd_sender = self.config.enable_pd and self.config.pd_role == "sender"
+            self._pd_targets: dict[str, Target] = {}  # PD sender: request id -> its decoder, until scheduled
             if kv_cfg.kv_load_failure_policy != "recompute":
                 # Read by vLLM's scheduler right after it builds this connector.
                 log.info("kvtier sets kv_load_failure_policy %r -> 'recompute': KV that cannot be loaded "
@@ -163,10 +234,13 @@ class KvtierConnector(KVConnectorBase_V1):
             self._server: LookupServer | None = None
             self._load_errors: set[int] = set()
             self._layer_index: dict[str, int] = {}
-            self._loads: list[Retrieval] = []  # layerwise loads of this step
+            self._loads: list[tuple[Retrieval, str]] = []  # layerwise loads of this step (and PD ids)
             self._stores: list[Storing] | None = None  # layerwise stores of this step, once begun
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load")
             self._background: dict[str, tuple[TransferSpec, Future]] = {}
+            self.pd_buffer: PdBuffer | None = None  # PD receiver: the buffer senders write into
+            self._pd_receiver: PdReceiver | None = None
+            self._pd_sender: PdSender | None = None
 
     # ======================================================================
     # Scheduler side
@@ -174,13 +248,23 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         prompt = request.prompt_token_ids
+        if self._pd_sender:
+            target = pd_target(request.kv_transfer_params) or self._fixed_peer(request.request_id)
+            if target is not None:
+                self._pd_targets[request.request_id] = target
         if not self.can_load or not prompt:
             return 0, False
         rid = request.request_id
         hit, in_cpu = self._lookup.lookup(prompt, rid)
         # vLLM must compute at least one token itself to produce logits.
         hit = min(hit, len(prompt) - 1)
+        if self.whole_blocks:
+            hit -= hit % self.block_size
         need = max(0, hit - num_computed_tokens)
+        if self.config.enable_pd and self.config.pd_role == "receiver":
+            pd_id = str((request.kv_transfer_params or {}).get("pd_req_id", ""))
+            if pd_id:
+                self._pd_ids[rid] = pd_id
         background = need > 0 and in_cpu < hit
         log.info("Reqid: %s, Total tokens %d, hit tokens %d, need to load %d%s", rid, len(prompt), hit, need,
                  " (not all in CPU RAM: loading from disk/remote in the background)" if background else "")
@@ -191,12 +275,19 @@ class KvtierConnector(KVConnectorBase_V1):
             self._lookup.release(rid)
         return need, background
 
+    def _fixed_peer(self, request_id: str) -> Target | None:
+        c = self.config
+        if c.pd_peer_host is None or c.pd_peer_init_port is None or c.pd_peer_alloc_port is None:
+            return None
+        return Target(c.pd_peer_host, c.pd_peer_init_port, c.pd_peer_alloc_port, request_id)
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         rid = request.request_id
         end, background = self._pending.pop(rid, (0, False))
         if num_external_tokens > 0 and request.prompt_token_ids:
             state = self._requests.setdefault(rid, _Request(list(request.prompt_token_ids)))
             state.load = (end - num_external_tokens, end, background)
+            state.pd_req_id = self._pd_ids.pop(rid, "")
             if background:  # not scheduled this step: the blocks to load into are known only here
                 state.block_ids = list(blocks.get_block_ids()[0])
                 self._async_loads.append(rid)
@@ -214,6 +305,8 @@ class KvtierConnector(KVConnectorBase_V1):
                 continue
             state = self._requests.setdefault(new.req_id, _Request(list(new.prompt_token_ids)))
             state.block_ids = list(new.block_ids[0])
+            if self._pd_sender and state.pd_target is None:
+                state.pd_target = self._pd_targets.pop(new.req_id, None)
             self._plan(meta, new.req_id, state, new.num_computed_tokens + sched.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -231,7 +324,8 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def _plan_load(self, meta: KvtierMetadata, req_id: str, state: _Request) -> None:
         start, end, background = state.load
-        meta.loads.append(TransferSpec(req_id, state.prompt, list(state.block_ids), start, end, background))
+        meta.loads.append(TransferSpec(req_id, state.prompt, list(state.block_ids), start, end, background,
+                                       pd_req_id=state.pd_req_id))
         state.load = None
         self._leased.discard(req_id)  # the worker's retrieve ends the lease
 
@@ -244,13 +338,16 @@ class KvtierConnector(KVConnectorBase_V1):
         if end < len(state.prompt):
             end -= end % self.chunk_size  # mid-prompt: whole chunks only
         if end > state.saved_upto:
-            meta.saves.append(TransferSpec(req_id, state.prompt[:end], state.block_ids, state.saved_upto, end))
+            meta.saves.append(TransferSpec(req_id, state.prompt[:end], state.block_ids, state.saved_upto, end,
+                                           pd_target=state.pd_target, last=end == len(state.prompt)))
             state.saved_upto = end
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._requests.pop(rid, None)
         self._pending.pop(rid, None)
+        self._pd_ids.pop(rid, None)
+        self._pd_targets.pop(rid, None)
         if rid in self._leased:  # looked up, never loaded (aborted, or finished without it)
             self._leased.discard(rid)
             self._lookup.release(rid)
@@ -274,16 +371,24 @@ class KvtierConnector(KVConnectorBase_V1):
         names = sorted(kv_caches, key=extract_layer_index)
         self._layer_index = {name: i for i, name in enumerate(names)}
         model_config = self._vllm_config.model_config
-        kv = PagedKV.wrap([kv_caches[n] for n in names], "vllm", mla=model_config.use_mla)
+        layout = self.cpu_layout or "vllm"
+        kv = PagedKV.wrap([kv_caches[n] for n in names], layout, mla=model_config.use_mla)
         rank = get_tensor_model_parallel_rank()
         fmt = KVFormat(
             model=model_config.model,
-            layout="vllm-mla" if model_config.use_mla else "vllm",
+            layout="vllm-mla" if model_config.use_mla else layout,
             dtype=str(kv.dtype).removeprefix("torch."),
             tp_rank=rank,
             tp_size=get_tensor_model_parallel_world_size(),
         )
-        self.engine = CacheEngine(self.config, kv, fmt)
+        if self.config.enable_pd and self.config.pd_role == "receiver":
+            self.pd_buffer = make_buffer(self.config, kv, fmt)
+            self.engine = CacheEngine(self.config, kv, fmt, cpu=self.pd_buffer.tier)
+            self._pd_receiver = start_receiver(self.config, self.pd_buffer, rank)
+        else:
+            self.engine = CacheEngine(self.config, kv, fmt)
+        if self.config.enable_pd and self.config.pd_role == "sender":
+            self._pd_sender = PdSender(self.engine, self.config, rank)
         self._server = LookupServer(socket_path(self.engine_id, rank), Handlers(
             lookup=self._find, release=self.engine.release_lease, reset=self.engine.clear))
 
@@ -307,15 +412,24 @@ class KvtierConnector(KVConnectorBase_V1):
             load = self.engine.start_retrieve(spec.token_ids, spec.slots(self.block_size), start=spec.start,
                                               request_id=spec.req_id, layerwise=self.config.use_layerwise)
             if self.config.use_layerwise:
-                self._loads.append(load)
+                self._loads.append((load, spec.pd_req_id))
             else:
                 load.finish()
+                self._pd_loaded(spec.pd_req_id)
             self._check_loaded(spec, load.num_tokens)
 
     def _load(self, spec: TransferSpec) -> int:
         assert self.engine is not None
-        return int(self.engine.retrieve(spec.token_ids, spec.slots(self.block_size), start=spec.start,
-                                        request_id=spec.req_id).sum())
+        try:
+            return int(self.engine.retrieve(spec.token_ids, spec.slots(self.block_size), start=spec.start,
+                                            request_id=spec.req_id).sum())
+        finally:
+            self._pd_loaded(spec.pd_req_id)
+
+    def _pd_loaded(self, pd_req_id: str) -> None:
+        """PD receiver: the request's chunks are in vLLM's pages now; free them in the buffer."""
+        if self.pd_buffer is not None and pd_req_id:
+            self.pd_buffer.release(pd_req_id)
 
     def _check_loaded(self, spec: TransferSpec, loaded: int) -> None:
         """Blocks a load did not fill are reported: vLLM recomputes them."""
@@ -327,6 +441,8 @@ class KvtierConnector(KVConnectorBase_V1):
                         "vLLM recomputes them", spec.req_id, spec.end - loaded_end, spec.end - spec.start)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.pd_buffer is not None:
+            self.pd_buffer.expire()
         done = set()
         for rid, (spec, future) in list(self._background.items()):
             if not future.done():
@@ -344,7 +460,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self._layer_index.get(layer_name)
         if index is not None:
-            for load in self._loads:
+            for load, _ in self._loads:
                 load.wait(index)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
@@ -366,16 +482,22 @@ class KvtierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata) and self.engine is not None
         loads, self._loads = self._loads, []
-        for load in loads:
+        for load, pd_req_id in loads:
             load.finish()
+            self._pd_loaded(pd_req_id)
         stores, self._stores = self._stores, None
         if stores is not None:
             for store in stores:
                 store.finish()
-            return
-        for spec in meta.saves:
-            self.engine.store(spec.token_ids, spec.slots(self.block_size),
-                              start=spec.start, request_id=spec.req_id)
+        else:
+            for spec in meta.saves:
+                self.engine.store(spec.token_ids, spec.slots(self.block_size),
+                                  start=spec.start, request_id=spec.req_id)
+        if self._pd_sender is not None:
+            for spec in meta.saves:
+                if spec.pd_target is not None:
+                    self._pd_sender.send(spec.pd_target, spec.token_ids, spec.slots(self.block_size),
+                                         start=spec.start, last=spec.last)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -389,5 +511,9 @@ class KvtierConnector(KVConnectorBase_V1):
             if self._server is not None:
                 self._server.close()
                 self._server = None
+            if self._pd_receiver is not None:
+                self._pd_receiver.close()
+            if self._pd_sender is not None:
+                self._pd_sender.close()
             if self.engine is not None:
                 self.engine.close()  # sends what is still queued for the remote tier

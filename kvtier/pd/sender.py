@@ -100,13 +100,6 @@ class PdSender:
         self._sent: dict[str, int] = {}  # tokens sent so far per request, for the last log line
         log.info("PD sender: channel %s, proxy %s:%s", config.pd_channel, config.pd_proxy_host, config.pd_proxy_port)
 
-    def default_target(self, request_id: str) -> Target | None:
-        """A fixed decoder from the config (pd_peer_*), for requests the proxy did not route."""
-        c = self.config
-        if c.pd_peer_host is None or c.pd_peer_init_port is None or c.pd_peer_alloc_port is None:
-            return None
-        return Target(c.pd_peer_host, c.pd_peer_init_port, c.pd_peer_alloc_port, request_id)
-
     def send(self, target: Target, tokens: Sequence[int], slots: torch.Tensor, *, start: int, last: bool) -> int:
         """Push the chunks of `tokens` that end after `start`; the tokens sent (0 on failure)."""
         rid = target.req_id

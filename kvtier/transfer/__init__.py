@@ -50,12 +50,14 @@ class Transfer(Protocol):
 def make_transfer(kv: PagedKV, backend: str = "auto") -> Transfer:
     """Triton kernels for GPU caches, torch indexing for host caches."""
     if backend == "auto":
-        backend = "triton" if kv.device.type == "cuda" else "torch"
+        backend = "triton" if kv.device.type == "cuda" and not kv.split else "torch"
     if backend == "torch":
         from kvtier.transfer.torch_copy import TorchTransfer
 
         return TorchTransfer(kv)
     if backend in ("triton", "triton-direct"):
+        if kv.split:
+            raise ValueError(f"the Triton transfer does not take layout {kv.layout} (K and V apart): use torch")
         if kv.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 f"the Triton transfer needs a CUDA device, the KV cache is on {kv.device} "

@@ -48,6 +48,10 @@ def _mla(t: torch.Tensor, mla: bool) -> torch.Tensor:
 
 
 def _vllm(t: torch.Tensor, mla: bool) -> torch.Tensor:
+    """vLLM's CPU backend: [NB, NH, BS, C], where each (block, head) holds BS*C/2 values
+    of K and then BS*C/2 of V (its attention views it as [NB, NH, 2*BS, C/2]). How the
+    tokens lie inside those halves depends on the CPU kernel (see `_vllm_cpu_vec`), so
+    this view is exact for whole blocks only: the connector then moves whole blocks."""
     nb, nh, bs, c = t.shape
     if mla:
         if nh != 1:
@@ -55,8 +59,22 @@ def _vllm(t: torch.Tensor, mla: bool) -> torch.Tensor:
         return t.permute(1, 0, 2, 3).unsqueeze(3)  # [1, NB, BS, 1, C]
     if c % 2:
         raise ValueError(f"vLLM KV view's C = K+V must be even, got shape {tuple(t.shape)}")
-    # C = [K | V]: split it, then put K/V first and heads after tokens.
-    return t.unflatten(3, (2, c // 2)).permute(3, 0, 2, 1, 4)
+    if not t.is_contiguous():
+        raise ValueError("vLLM's CPU KV cache must be contiguous (its attention views it so)")
+    return t.view(nb, nh, 2, bs, c // 2).permute(2, 0, 3, 1, 4)
+
+
+def _vllm_cpu_vec(t: torch.Tensor, mla: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's CPU backend with its "vec" attention kernel (x86 without AMX bf16): per
+    (block, head), K is stored transposed, [C/2, BS], and V as [BS, C/2]. Exact per
+    token. Returns (K, V), each [NB, BS, NH, HS]."""
+    nb, nh, bs, c = t.shape
+    if mla or c % 2 or not t.is_contiguous():
+        raise ValueError(f"layout vllm-cpu-vec wants a contiguous non-MLA [NB, NH, BS, 2*HS], got {tuple(t.shape)}")
+    halves = t.view(nb, nh, 2, bs * (c // 2))
+    k = halves[:, :, 0].view(nb, nh, c // 2, bs).permute(0, 3, 1, 2)
+    v = halves[:, :, 1].view(nb, nh, bs, c // 2).permute(0, 2, 1, 3)
+    return k, v
 
 
 def _hf(t: torch.Tensor, mla: bool) -> torch.Tensor:
@@ -68,21 +86,25 @@ LAYOUTS: dict[str, Canon] = {
     "flashinfer": _flashinfer,
     "mla": _mla,
     "vllm": _vllm,
+    "vllm-cpu-vec": _vllm_cpu_vec,
     "hf": _hf,
 }
-_NDIM = {"flash_attn": 5, "flashinfer": 5, "mla": 3, "vllm": 4, "hf": 5}
+_NDIM = {"flash_attn": 5, "flashinfer": 5, "mla": 3, "vllm": 4, "vllm-cpu-vec": 4, "hf": 5}
+
+Layer = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # [K, NB, BS, NH, HS], or (K, V) each [NB, BS, NH, HS]
 
 
 @dataclass(frozen=True)
 class PagedKV:
     """An engine's per-layer KV tensors seen through the canonical view.
 
-    `layers[i]` is layer i as [K, NB, BS, NH, HS]; all layers share shape,
-    strides, dtype and device.
+    `layers[i]` is layer i as [K, NB, BS, NH, HS], or for layouts where K and V
+    lie differently (vllm-cpu-vec) a pair (K, V) of [NB, BS, NH, HS]; all layers
+    share shape, strides, dtype and device. `read`/`write` index either.
     """
 
     layout: str
-    layers: tuple[torch.Tensor, ...]
+    layers: tuple[Layer, ...]
 
     @classmethod
     def wrap(cls, tensors: Sequence[torch.Tensor], layout: str, mla: bool = False) -> PagedKV:
@@ -96,13 +118,37 @@ class PagedKV:
                     f"layout {layout} wants {_NDIM[layout]}-D tensors, got shape {tuple(t.shape)}"
                 )
         layers = tuple(LAYOUTS[layout](t, mla or layout == "mla") for t in tensors)
-        first = layers[0]
-        if first.stride(-1) != 1:
+        first = _first(layers[0])
+        if isinstance(layers[0], torch.Tensor) and first.stride(-1) != 1:
             raise ValueError("the innermost (head_size) dimension of the KV cache must be contiguous")
-        for t in layers[1:]:
-            if t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype:
+        for t in tensors[1:]:
+            if t.shape != tensors[0].shape or t.stride() != tensors[0].stride() or t.dtype != tensors[0].dtype:
                 raise ValueError("all KV layers must share shape, strides and dtype")
         return cls(layout, layers)
+
+    @property
+    def split(self) -> bool:
+        """True where K and V are separate tensors (only the torch transfer handles these)."""
+        return not isinstance(self.layers[0], torch.Tensor)
+
+    def _shape(self) -> tuple[int, ...]:
+        layer = self.layers[0]
+        return tuple(layer.shape) if isinstance(layer, torch.Tensor) else (2, *layer[0].shape)
+
+    def read(self, layer: int, block: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        """[K, T, NH, HS]: the KV of the tokens at (block, offset)."""
+        t = self.layers[layer]
+        if isinstance(t, torch.Tensor):
+            return t[:, block, offset]
+        return torch.stack([t[0][block, offset], t[1][block, offset]])
+
+    def write(self, layer: int, block: torch.Tensor, offset: torch.Tensor, tokens: torch.Tensor) -> None:
+        t = self.layers[layer]
+        if isinstance(t, torch.Tensor):
+            t[:, block, offset] = tokens
+        else:
+            t[0][block, offset] = tokens[0]
+            t[1][block, offset] = tokens[1]
 
     @property
     def num_layers(self) -> int:
@@ -110,15 +156,15 @@ class PagedKV:
 
     @property
     def kv(self) -> int:
-        return self.layers[0].shape[0]
+        return self._shape()[0]
 
     @property
     def num_blocks(self) -> int:
-        return self.layers[0].shape[1]
+        return self._shape()[1]
 
     @property
     def block_size(self) -> int:
-        return self.layers[0].shape[2]
+        return self._shape()[2]
 
     @property
     def num_slots(self) -> int:
@@ -126,22 +172,26 @@ class PagedKV:
 
     @property
     def heads(self) -> int:
-        return self.layers[0].shape[3]
+        return self._shape()[3]
 
     @property
     def head_size(self) -> int:
-        return self.layers[0].shape[4]
+        return self._shape()[4]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].dtype
+        return _first(self.layers[0]).dtype
 
     @property
     def device(self) -> torch.device:
-        return self.layers[0].device
+        return _first(self.layers[0]).device
 
     def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
         return (self.num_layers, self.kv, num_tokens, self.heads, self.head_size)
 
     def bytes_per_token(self) -> int:
         return self.num_layers * self.kv * self.heads * self.head_size * self.dtype.itemsize
+
+
+def _first(layer: Layer) -> torch.Tensor:
+    return layer if isinstance(layer, torch.Tensor) else layer[0]

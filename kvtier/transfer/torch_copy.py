@@ -27,7 +27,7 @@ class TorchTransfer:
         """Copy the KV of `slots` into `chunks` ([L, K, T_i, H, D], in order), all layers or `layers`."""
         block, offset = self._index(slots)
         for layer_idx in layers or range(self.kv.num_layers):
-            tokens = self.kv.layers[layer_idx][:, block, offset]  # [K, T, H, D]
+            tokens = self.kv.read(layer_idx, block, offset)  # [K, T, H, D]
             start = 0
             for chunk in chunks:
                 n = chunk.shape[2]
@@ -39,12 +39,11 @@ class TorchTransfer:
         keep = None if bool((slots >= 0).all()) else (slots >= 0).nonzero().flatten()
         block, offset = self._index(slots if keep is None else slots[keep])
         for layer_idx in layers or range(self.kv.num_layers):
-            layer = self.kv.layers[layer_idx]
             parts = [chunk[layer_idx] for chunk in chunks]
             tokens = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             if keep is not None:
                 tokens = tokens[:, keep.to(tokens.device)]
-            layer[:, block, offset] = tokens.to(layer.device, non_blocking=True)
+            self.kv.write(layer_idx, block, offset, tokens.to(self.kv.device, non_blocking=True))
 
     def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LazyLayers:
         return LazyLayers(self, slots, chunks)

@@ -1,0 +1,402 @@
+"""`kvtier proxy`: the disaggregated-prefill proxy, with LMCache's proxy flags.
+
+Per request (/v1/completions or /v1/chat/completions, streaming or not):
+
+    1. pick a prefiller and a decoder, round robin; make an id for the request
+    2. POST it to the prefiller with max_tokens=1 and kv_transfer_params.disagg_spec
+       naming the decoder (host, init and alloc ports): its kvtier sender pushes
+       the KV into that decoder's buffer while it prefills
+    3. wait (bounded) for the sender's PrefillDone on --proxy-port
+    4. POST the original request to the decoder with kv_transfer_params.pd_req_id:
+       its kvtier finds the prompt's KV as a hit; stream or return its answer
+    5. Release the request's chunks on the decoder (done, failed or cancelled)
+
+Every wait is bounded: a node that is down answers 502 at once, one that is
+slow 504 after its timeout, and a missing PrefillDone only costs the decoder
+a recompute. Prefill TTFT statistics are printed every few seconds, as
+LMCache's proxy does; /health and Prometheus /metrics are served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import statistics
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvtier.logs import get_logger
+from kvtier.pd import protocol as proto
+
+log = get_logger(__name__)
+
+RELEASE_TIMEOUT = 2.0
+
+
+@dataclass(frozen=True)
+class Decoder:
+    url: str
+    host: str
+    init_ports: list[int]  # per TP rank
+    alloc_ports: list[int]
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    host: str
+    port: int
+    prefillers: list[str]  # base URLs
+    decoders: list[Decoder]
+    proxy_host: str
+    proxy_port: int
+    prefill_timeout: float = 300.0  # s for the whole prefill request
+    decode_timeout: float = 300.0  # s of silence from the decoder (before and between chunks)
+    kv_ready_timeout: float = 30.0  # s to wait for PrefillDone after the prefill answered
+    connect_timeout: float = 5.0
+    stats_interval: float = 5.0
+
+
+def settings_from_args(args: argparse.Namespace) -> ProxySettings:
+    """LMCache's proxy flags: node i of each kind listens on base port + i."""
+    pre_ports = _ports(args.prefiller_port, args.num_prefillers)
+    dec_ports = _ports(args.decoder_port, args.num_decoders)
+    init, alloc = _csv_ints(args.decoder_init_port), _csv_ints(args.decoder_alloc_port)
+    decoders = [Decoder(f"http://{args.decoder_host}:{p}", args.decoder_host, [x + i for x in init],
+                        [x + i for x in alloc]) for i, p in enumerate(dec_ports)]
+    return ProxySettings(args.host, args.port, [f"http://{args.prefiller_host}:{p}" for p in pre_ports], decoders,
+                         args.proxy_host, args.proxy_port, args.prefill_timeout, args.decode_timeout,
+                         args.kv_ready_timeout)
+
+
+def _ports(value: str, count: int) -> list[int]:
+    ports = _csv_ints(value)
+    if len(ports) == 1:
+        return [ports[0] + i for i in range(count)]
+    if len(ports) != count:
+        raise ValueError(f"{len(ports)} ports given for {count} nodes")
+    return ports
+
+
+def _csv_ints(value: str | int) -> list[int]:
+    return [int(x) for x in str(value).split(",") if x.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--host", default="localhost", help="address the proxy's HTTP API listens on")
+    a("--port", type=int, default=9000)
+    a("--prefiller-host", default="localhost")
+    a("--prefiller-port", default="8100", help="first prefiller's port (prefiller i: + i), or a comma list")
+    a("--num-prefillers", type=int, default=1)
+    a("--decoder-host", default="localhost")
+    a("--decoder-port", default="8200", help="first decoder's port (decoder i: + i), or a comma list")
+    a("--decoder-init-port", default="8300", help="decoder's pd_peer_init_port (comma list: one per TP rank)")
+    a("--decoder-alloc-port", default="8400", help="decoder's pd_peer_alloc_port (comma list: one per TP rank)")
+    a("--num-decoders", type=int, default=1)
+    a("--proxy-host", default="localhost", help="where senders' PrefillDone arrive (their pd_proxy_host)")
+    a("--proxy-port", type=int, default=8500, help="their pd_proxy_port")
+    a("--prefill-timeout", type=float, default=300.0, help="s for a prefill request")
+    a("--decode-timeout", type=float, default=300.0, help="s of silence from a decoder")
+    a("--kv-ready-timeout", type=float, default=30.0, help="s to wait for a sender's PrefillDone")
+
+
+class TtftStats:
+    """Prefill times, printed every `interval` s as LMCache's proxy prints them."""
+
+    def __init__(self, interval: float) -> None:
+        self.values: list[float] = []
+        self.interval, self._last = interval, time.monotonic()
+
+    def add(self, ms: float) -> None:
+        self.values.append(ms)
+        if time.monotonic() - self._last > self.interval:
+            self.report()
+
+    def report(self) -> None:
+        self._last = time.monotonic()
+        v = sorted(self.values[-100_000:])
+        if not v:
+            return
+        p99 = v[min(len(v) - 1, int(round(0.99 * (len(v) - 1))))]
+        print("===============================\n"
+              f"Num requests: {len(self.values)}\nPrefill node TTFT stats:\n"
+              f" - Average (ms): {statistics.fmean(v)}\n - Median (ms): {statistics.median(v)}\n"
+              f" - 99th Percentile (ms): {p99}\n===============================", flush=True)
+
+
+@dataclass
+class _Metrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter("kvtier_proxy_requests", "requests by endpoint and outcome",
+                                ["endpoint", "outcome"], registry=r)
+        self.upstream_errors = Counter("kvtier_proxy_upstream_errors", "failed calls to a node",
+                                       ["node", "kind"], registry=r)
+        self.prefill = Histogram("kvtier_proxy_prefill_seconds", "prefill request time (prefill TTFT)",
+                                 registry=r, buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+        self.kv_wait = Histogram("kvtier_proxy_kv_ready_wait_seconds", "wait for PrefillDone after the prefill",
+                                 registry=r, buckets=(.0001, .001, .01, .1, 1, 10, 30))
+        self.kv_not_ready = Counter("kvtier_proxy_kv_not_ready", "requests decoded without their KV sent "
+                                    "(the sender failed or said nothing in time)", registry=r)
+        self.inflight = Gauge("kvtier_proxy_inflight_requests", "requests in progress", registry=r)
+
+
+class UpstreamError(Exception):
+    def __init__(self, status: int, message: str, body: Any = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.body = status, message, body
+
+
+class Proxy:
+    def __init__(self, settings: ProxySettings) -> None:
+        if not settings.prefillers or not settings.decoders:
+            raise ValueError("the proxy needs at least one prefiller and one decoder")
+        self.s = settings
+        self.stats = TtftStats(settings.stats_interval)
+        self.metrics = _Metrics()
+        self._rr = itertools.count()
+        self._waiters: dict[str, asyncio.Future[proto.PrefillDone]] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._notify_server: asyncio.AbstractServer | None = None
+        self._background: set[asyncio.Task] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._notify_server = await asyncio.start_server(self._notifications, self.s.proxy_host, self.s.proxy_port)
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.s.host, self.s.port).start()
+        log.info("kvtier proxy on http://%s:%d: prefillers %s, decoders %s; PrefillDone on %s:%d",
+                 self.s.host, self.s.port, self.s.prefillers, [d.url for d in self.s.decoders],
+                 self.s.proxy_host, self.s.proxy_port)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._notify_server is not None:
+            self._notify_server.close()
+        for task in list(self._background):
+            await asyncio.wait([task], timeout=RELEASE_TIMEOUT)
+        if self._session is not None:
+            await self._session.close()
+
+    # -- notifications from senders ------------------------------------------------------
+
+    async def _notifications(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                cls, header_len, payload_len = proto.parse_head(await reader.readexactly(proto.FRAME.size))
+                msg = proto.parse_header(cls, await reader.readexactly(header_len))
+                if payload_len or not isinstance(msg, proto.PrefillDone):
+                    raise proto.ProtocolError(f"the notification port takes PrefillDone, got {cls.__name__}")
+                waiter = self._waiters.get(msg.req_id)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(msg)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except proto.ProtocolError as exc:
+            log.warning("proxy: bad message on the notification port: %s", exc)
+        finally:
+            writer.close()
+
+    # -- HTTP ----------------------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "prefillers": self.s.prefillers,
+                                  "decoders": [d.url for d in self.s.decoders]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain")
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        assert self._session is not None
+        url = self.s.decoders[0].url + "/v1/models"
+        try:
+            async with self._session.get(url, timeout=self._timeout(self.s.connect_timeout + 5)) as resp:
+                return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return _error(502, f"decoder {url} unreachable: {exc}")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "/v1/completions")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "/v1/chat/completions")
+
+    async def _handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "the request body is not JSON")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        n = next(self._rr)
+        prefiller = self.s.prefillers[n % len(self.s.prefillers)]
+        decoder = self.s.decoders[n % len(self.s.decoders)]
+        req_id = f"pd-{uuid.uuid4().hex}"
+        waiter: asyncio.Future[proto.PrefillDone] = asyncio.get_running_loop().create_future()
+        self._waiters[req_id] = waiter
+        self.metrics.inflight.inc()
+        outcome = "error"
+        try:
+            t0 = time.perf_counter()
+            await self._prefill(prefiller, endpoint, body, req_id, decoder)
+            seconds = time.perf_counter() - t0
+            self.stats.add(seconds * 1e3)
+            self.metrics.prefill.observe(seconds)
+            await self._wait_kv(waiter, req_id)
+            decode_body = dict(body, kv_transfer_params={"pd_req_id": req_id})
+            response = await self._decode(request, decoder, endpoint, decode_body)
+            outcome = "ok"
+            return response
+        except UpstreamError as exc:
+            log.warning("proxy: request %s: %s", req_id, exc.message)
+            if exc.body is not None:
+                return web.json_response(exc.body, status=exc.status)
+            return _error(exc.status, exc.message)
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            log.info("proxy: request %s cancelled by its client", req_id)
+            raise
+        finally:
+            self._waiters.pop(req_id, None)
+            self.metrics.inflight.dec()
+            self.metrics.requests.labels(endpoint, outcome).inc()
+            task = asyncio.get_running_loop().create_task(self._release(decoder, req_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _prefill(self, url: str, endpoint: str, body: dict[str, Any], req_id: str, decoder: Decoder) -> None:
+        assert self._session is not None
+        pre = dict(body, max_tokens=1, stream=False)
+        pre.pop("stream_options", None)
+        if "max_completion_tokens" in pre:
+            pre["max_completion_tokens"] = 1
+        pre["kv_transfer_params"] = {"disagg_spec": {
+            "req_id": req_id, "receiver_host": decoder.host,
+            "receiver_init_port": decoder.init_ports, "receiver_alloc_port": decoder.alloc_ports}}
+        try:
+            async with self._session.post(url + endpoint, json=pre, timeout=self._timeout(self.s.prefill_timeout)) \
+                    as resp:
+                payload = await resp.read()
+                if resp.status != 200:
+                    self.metrics.upstream_errors.labels("prefiller", f"http_{resp.status}").inc()
+                    raise UpstreamError(resp.status, f"prefiller {url} answered {resp.status}", _json_or_none(payload))
+        except asyncio.TimeoutError:
+            self.metrics.upstream_errors.labels("prefiller", "timeout").inc()
+            raise UpstreamError(504, f"prefiller {url} did not answer within {self.s.prefill_timeout:g} s "
+                                "(--prefill-timeout)") from None
+        except aiohttp.ClientError as exc:
+            self.metrics.upstream_errors.labels("prefiller", "unreachable").inc()
+            raise UpstreamError(502, f"prefiller {url} unreachable: {exc}") from None
+
+    async def _wait_kv(self, waiter: asyncio.Future[proto.PrefillDone], req_id: str) -> None:
+        t0 = time.perf_counter()
+        try:
+            done = await asyncio.wait_for(asyncio.shield(waiter), self.s.kv_ready_timeout)
+        except asyncio.TimeoutError:
+            self.metrics.kv_not_ready.inc()
+            log.warning("proxy: no PrefillDone for %s within %g s: the decoder will recompute what is missing",
+                        req_id, self.s.kv_ready_timeout)
+            return
+        self.metrics.kv_wait.observe(time.perf_counter() - t0)
+        if not done.ok:
+            self.metrics.kv_not_ready.inc()
+            log.warning("proxy: the KV of %s was not sent (%s): the decoder will recompute it", req_id, done.detail)
+
+    async def _decode(self, request: web.Request, decoder: Decoder, endpoint: str,
+                      body: dict[str, Any]) -> web.StreamResponse:
+        assert self._session is not None
+        url = decoder.url + endpoint
+        try:
+            resp = await self._session.post(url, json=body, timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=self.s.connect_timeout, sock_read=self.s.decode_timeout))
+        except asyncio.TimeoutError:
+            self.metrics.upstream_errors.labels("decoder", "timeout").inc()
+            raise UpstreamError(504, f"decoder {url} did not answer within {self.s.decode_timeout:g} s") from None
+        except aiohttp.ClientError as exc:
+            self.metrics.upstream_errors.labels("decoder", "unreachable").inc()
+            raise UpstreamError(502, f"decoder {url} unreachable: {exc}") from None
+        async with resp:
+            if resp.status != 200 or not body.get("stream"):
+                try:
+                    payload = await resp.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    self.metrics.upstream_errors.labels("decoder", "broken").inc()
+                    raise UpstreamError(502, f"decoder {url} failed mid-answer: {exc}") from None
+                if resp.status != 200:
+                    self.metrics.upstream_errors.labels("decoder", f"http_{resp.status}").inc()
+                return web.Response(body=payload, status=resp.status, content_type="application/json")
+            out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                          "Cache-Control": "no-cache"})
+            await out.prepare(request)
+            try:
+                async for piece in resp.content.iter_any():
+                    await out.write(piece)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                self.metrics.upstream_errors.labels("decoder", "broken").inc()
+                log.warning("proxy: decoder %s failed mid-stream: %s", url, exc)
+                error = {"error": {"message": f"decoder {url} failed mid-stream: {exc}", "code": 502}}
+                await out.write(f"data: {json.dumps(error)}\n\n".encode())
+            await out.write_eof()
+            return out
+
+    async def _release(self, decoder: Decoder, req_id: str) -> None:
+        """Free the request's chunks on every TP rank of the decoder (idempotent, best effort)."""
+        for port in decoder.alloc_ports:
+            try:
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(decoder.host, port), RELEASE_TIMEOUT)
+                try:
+                    writer.write(proto.encode(proto.Release(req_id)))
+                    await writer.drain()
+                    await asyncio.wait_for(reader.readexactly(proto.FRAME.size), RELEASE_TIMEOUT)
+                finally:
+                    writer.close()
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
+                log.debug("proxy: release of %s on %s:%d failed: %s", req_id, decoder.host, port, exc)
+
+    def _timeout(self, total: float) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=total, sock_connect=self.s.connect_timeout)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "proxy_error", "code": status}}, status=status)
+
+
+def _json_or_none(payload: bytes) -> Any:
+    try:
+        return json.loads(payload)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
+async def serve(settings: ProxySettings) -> None:
+    proxy = Proxy(settings)
+    await proxy.start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        proxy.stats.report()
+        await proxy.stop()
