@@ -64,6 +64,20 @@ def _bench_ttft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_pd(args: argparse.Namespace) -> int:
+    import json
+
+    from kvtier.bench.pd import PdShape, run_pd
+
+    shape = PdShape(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim)
+    result = run_pd(shape, args.tokens, args.channels, args.sender_device, args.receiver_device, args.repeats)
+    if args.output:
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"command": "kvtier " + shlex.join(sys.argv[1:]), **result}, indent=1) + "\n")
+    return 0
+
+
 def _bench_server(args: argparse.Namespace) -> int:
     from kvtier.bench.server import TARGETS, ServerBenchConfig, run_server_bench, write_result
 
@@ -177,6 +191,19 @@ def main(argv: list[str] | None = None) -> int:
     ttft.add_argument("--server", action="store_true", help="also warm from a kvtier server on this host")
     ttft.add_argument("--disk", help="also warm from the disk tier in this directory")
     ttft.set_defaults(fn=_bench_ttft)
+
+    pdb = bench.add_parser("pd", help="disaggregated prefill: sender process -> receiver's buffer -> its pages, "
+                           "vs a plain device copy")
+    pdb.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
+    pdb.add_argument("--channels", nargs="+", default=["cuda_ipc"], choices=["tcp", "nixl", "cuda_ipc"])
+    pdb.add_argument("--sender-device", default="cuda:0")
+    pdb.add_argument("--receiver-device", default="cuda:0", help="cuda:1 for two GPUs")
+    pdb.add_argument("--layers", type=int, default=32)
+    pdb.add_argument("--kv-heads", type=int, default=8)
+    pdb.add_argument("--head-dim", type=int, default=128)
+    pdb.add_argument("--repeats", type=int, default=5)
+    pdb.add_argument("--output", help="write the results to this JSON file")
+    pdb.set_defaults(fn=_bench_pd)
 
     srv = sub.add_parser("server", help="the store server (InfiniStore's role): a KV pool for the cluster")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs --auth-token)")

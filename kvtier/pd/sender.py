@@ -29,6 +29,7 @@ import torch
 from kvtier.config import KvtierConfig
 from kvtier.keys import ChunkSpan
 from kvtier.logs import get_logger
+from kvtier.memory import HostPool, MemoryBlock
 from kvtier.pd import protocol as proto
 from kvtier.pd.channels import Peer, Placement, SenderChannel
 
@@ -88,7 +89,14 @@ class PdSender:
 
         assert isinstance(engine, CacheEngine)
         self.engine, self.config, self.tp_rank = engine, config, tp_rank
-        self.channel = SenderChannel(config.pd_channel, engine.pool)
+        # Staging for tcp and nixl: the sender's own pd_buffer_size on pd_buffer_device when
+        # set (as in LMCache's prefiller config; on a GPU, NIXL then moves VRAM to VRAM),
+        # else the engine's CPU pool. cuda_ipc gathers straight into the decoder's buffer.
+        self.staging = engine.pool
+        if config.pd_buffer_size > 0 and config.pd_channel != "cuda_ipc":
+            device = str(engine.kv.device) if config.pd_buffer_device == "cuda" else "cpu"
+            self.staging = HostPool(config.pd_buffer_size, engine.pool.block_bytes, device=device)
+        self.channel = SenderChannel(config.pd_channel, self.staging)
         self.stats = SendStats()
         self._hello = proto.Hello(f"{socket.gethostname()}:{os.getpid()}", engine.fmt.tag(), config.chunk_size,
                                   engine.kv.bytes_per_token(), config.pd_channel)
@@ -189,7 +197,7 @@ class PdSender:
                      deadline: float) -> None:
         engine, per_token, i = self.engine, self.engine.kv.bytes_per_token(), 0
         while i < len(todo):
-            owned = engine.allocate_staging([s for s, _ in todo[i:]])
+            owned = self._staging_blocks([s for s, _ in todo[i:]])
             if not owned:
                 raise proto.PdPeerError("no staging block free in the CPU pool")
             try:
@@ -200,6 +208,17 @@ class PdSender:
                 for _, block in owned:
                     block.release()
             i += len(owned)
+
+    def _staging_blocks(self, spans: list[ChunkSpan]) -> list[tuple[ChunkSpan, MemoryBlock]]:
+        if self.staging is self.engine.pool:
+            return self.engine.allocate_staging(spans)
+        owned = []
+        for span in spans:  # a pool of the sender's own: every block is free between batches
+            block = self.staging.allocate()
+            if block is None:
+                break
+            owned.append((span, block))
+        return owned
 
     def _connection(self, target: Target) -> _Connection:
         rank = self.tp_rank

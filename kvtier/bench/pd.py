@@ -1,0 +1,255 @@
+"""`kvtier bench pd`: a prefiller's KV into a decoder's buffer, as the PD guide runs it.
+
+Two processes, each a real kvtier piece: this one is the sender (a paged KV
+cache of random Llama-3.1-8B-shaped KV, vLLM's flash-attn layout, random
+block ids, and a PdSender), the other the receiver (a PdBuffer on its device
+with its init and alloc ports, and a CacheEngine over its own paged cache).
+Per run: the sender pushes `tokens` tokens ("prefill done" → Commit), then
+the receiver loads them from its buffer into its paged cache ("loaded") and
+answers with a checksum of what it loaded, compared with the sender's before
+any figure counts. The limit, measured in the same run: a plain torch copy of
+the same bytes from the sender's device to the receiver's.
+
+    kvtier bench pd --sender-device cuda:0 --receiver-device cuda:1 --channels cuda_ipc nixl tcp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvtier.localservers import free_port
+
+FMT_MODEL = "llama-3.1-8b-shape"
+
+
+@dataclass(frozen=True)
+class PdShape:
+    layers: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    block_size: int = 16
+    chunk_size: int = 256
+    dtype: str = "bfloat16"
+
+    def bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * getattr(torch, self.dtype).itemsize
+
+
+@dataclass
+class PdRun:
+    channel: str
+    tokens: int
+    send_ms: list[float] = field(default_factory=list)
+    load_ms: list[float] = field(default_factory=list)
+    done_to_loaded_ms: list[float] = field(default_factory=list)
+    copy_ms: list[float] = field(default_factory=list)
+
+    def summary(self, bytes_per_token: int) -> dict:
+        nbytes = self.tokens * bytes_per_token
+        send, copy = statistics.median(self.send_ms), statistics.median(self.copy_ms)
+        return {"channel": self.channel, "tokens": self.tokens, "GB": round(nbytes / 1e9, 3),
+                "send_ms": round(send, 2), "send_GBps": round(nbytes / send / 1e6, 1),
+                "copy_ms": round(copy, 2), "copy_GBps": round(nbytes / copy / 1e6, 1),
+                "ratio_to_copy": round(copy / send, 3),
+                "load_ms": round(statistics.median(self.load_ms), 2),
+                "done_to_loaded_ms": round(statistics.median(self.done_to_loaded_ms), 2)}
+
+
+def _paged(shape: PdShape, tokens: int, device: str, fill: bool):
+    from kvtier.transfer import PagedKV
+
+    blocks = tokens // shape.block_size + 64
+    dtype = getattr(torch, shape.dtype)
+    make = torch.randn if fill else torch.zeros
+    layers = [make(2, blocks, shape.block_size, shape.kv_heads, shape.head_dim, device=device).to(dtype)
+              for _ in range(shape.layers)]
+    return PagedKV.wrap(layers, "flash_attn"), layers
+
+
+def _slots(blocks: int, block_size: int, tokens: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(blocks, generator=g)[: -(-tokens // block_size)]
+    return (ids[:, None] * block_size + torch.arange(block_size)[None, :]).flatten()[:tokens]
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 128000, (n,), generator=g).tolist()
+
+
+def checksum(layers: list[torch.Tensor], slots: torch.Tensor, block_size: int) -> int:
+    """A position-weighted sum of the KV at `slots`, in their order (device-side)."""
+    total = 0
+    dev = layers[0].device
+    block, offset = slots.to(dev) // block_size, slots.to(dev) % block_size
+    for i, layer in enumerate(layers):
+        x = layer[:, block, offset].contiguous().view(torch.int16).to(torch.int64).flatten()
+        w = torch.arange(x.numel(), device=dev) % 1009 + i + 1
+        total += int((x * w).sum())
+    return total
+
+
+def _config(shape: PdShape, role: str, channel: str, device: str, buffer_bytes: int, init: int, alloc: int):
+    from kvtier.config import KvtierConfig
+
+    dev = "cuda" if device.startswith("cuda") else "cpu"
+    return KvtierConfig(chunk_size=shape.chunk_size, local_cpu=False, max_local_cpu_size=1.0, save_unfull_chunk=True,
+                        enable_pd=True, pd_role=role, transfer_channel=channel, pd_buffer_size=buffer_bytes,
+                        pd_buffer_device=dev, pd_peer_host="127.0.0.1", pd_peer_init_port=init,
+                        pd_peer_alloc_port=alloc, blocking_timeout_secs=60.0, pd_allocation_timeout_sec=30.0)
+
+
+def serve_receiver(args: argparse.Namespace) -> None:
+    """The receiver process: buffer and ports, then load commands from stdin."""
+    from kvtier.engine import CacheEngine
+    from kvtier.keys import KVFormat
+    from kvtier.pd import make_buffer, start_receiver
+
+    shape = PdShape(**json.loads(args.shape))
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(args.device))
+    kv, layers = _paged(shape, args.max_tokens, args.device, fill=False)
+    fmt = KVFormat(FMT_MODEL, "flash_attn", shape.dtype)
+    config = _config(shape, "receiver", args.channel, args.device, args.buffer_bytes, args.init_port, args.alloc_port)
+    buffer = make_buffer(config, kv, fmt)
+    receiver = start_receiver(config, buffer, 0)
+    engine = CacheEngine(config, kv, fmt, cpu=buffer.tier)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        tokens = _tokens(cmd["tokens"], cmd["seed"])
+        slots = _slots(kv.num_blocks, shape.block_size, cmd["tokens"], cmd["seed"] + 1)
+        _sync(args.device)
+        t0 = time.perf_counter()
+        mask = engine.retrieve(tokens, slots)
+        _sync(args.device)
+        load_ms = (time.perf_counter() - t0) * 1e3
+        buffer.release(cmd["req_id"])
+        reply = {"load_ms": load_ms, "loaded": int(mask.sum()), "checksum": checksum(layers, slots, shape.block_size)}
+        print("RESULT " + json.dumps(reply), flush=True)
+    receiver.close()
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+
+
+def run_pd(shape: PdShape, token_counts: list[int], channels: list[str], sender_device: str, receiver_device: str,
+           repeats: int) -> dict:
+    from kvtier.engine import CacheEngine
+    from kvtier.keys import KVFormat
+    from kvtier.pd.sender import PdSender, Target
+
+    max_tokens = max(token_counts)
+    buffer_bytes = (max_tokens // shape.chunk_size + 2) * shape.chunk_size * shape.bytes_per_token()
+    if sender_device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(sender_device))
+    kv, layers = _paged(shape, max_tokens, sender_device, fill=True)
+    fmt = KVFormat(FMT_MODEL, "flash_attn", shape.dtype)
+    runs: list[PdRun] = []
+    for channel in channels:
+        init, alloc = free_port(), free_port()
+        cmd = [sys.executable, "-m", "kvtier.bench.pd", "--serve-receiver", "--device", receiver_device,
+               "--channel", channel, "--buffer-bytes", str(buffer_bytes), "--init-port", str(init),
+               "--alloc-port", str(alloc), "--max-tokens", str(max_tokens), "--shape", json.dumps(asdict(shape))]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            if _read_line(proc, "READY") is None:
+                raise RuntimeError(f"the {channel} receiver did not start")
+            # The sender's staging (tcp, nixl) sits where its KV is, as in the guide's config.
+            config = _config(shape, "sender", channel, sender_device, 1 << 30 if channel != "cuda_ipc" else 0,
+                             init, alloc)
+            engine = CacheEngine(config, kv, fmt)
+            sender = PdSender(engine, config, 0)
+            for n in token_counts:
+                run = PdRun(channel, n)
+                nbytes = n * shape.bytes_per_token()
+                src = torch.empty(nbytes, dtype=torch.uint8, device=sender_device)
+                dst = torch.empty(nbytes, dtype=torch.uint8, device=receiver_device)
+                for r in range(repeats + 1):  # the first is a warm-up (connection, IPC mapping, kernels)
+                    seed = 1000 * n + r
+                    tokens, slots = _tokens(n, seed), _slots(kv.num_blocks, shape.block_size, n, seed + 1)
+                    want = checksum(layers, slots, shape.block_size)
+                    _sync(sender_device)
+                    t0 = time.perf_counter()
+                    sent = sender.send(Target("127.0.0.1", init, alloc, f"r{seed}"), tokens, slots, start=0, last=True)
+                    _sync(sender_device)
+                    t1 = time.perf_counter()
+                    proc.stdin.write(json.dumps({"tokens": n, "seed": seed, "req_id": f"r{seed}"}) + "\n")
+                    proc.stdin.flush()
+                    reply = json.loads(_read_line(proc, "RESULT ") or "{}")
+                    t2 = time.perf_counter()
+                    if sent != n or reply["loaded"] != n or reply["checksum"] != want:
+                        raise RuntimeError(f"{channel}, {n} tokens: sent {sent}, loaded {reply['loaded']}, "
+                                           f"checksum {reply['checksum']} != {want}: the data did not arrive intact")
+                    _sync(sender_device)
+                    c0 = time.perf_counter()
+                    dst.copy_(src)
+                    _sync(sender_device)
+                    _sync(receiver_device)
+                    c1 = time.perf_counter()
+                    if r:
+                        run.send_ms.append((t1 - t0) * 1e3)
+                        run.load_ms.append(reply["load_ms"])
+                        run.done_to_loaded_ms.append((t2 - t0) * 1e3)
+                        run.copy_ms.append((c1 - c0) * 1e3)
+                del src, dst
+                runs.append(run)
+                s = run.summary(shape.bytes_per_token())
+                print(f"{channel:9s} {n:6d} tokens {s['GB']:.2f} GB | send {s['send_ms']} ms = {s['send_GBps']} GB/s "
+                      f"({s['ratio_to_copy']} of copy {s['copy_GBps']} GB/s) | load {s['load_ms']} ms | "
+                      f"done->loaded {s['done_to_loaded_ms']} ms", flush=True)
+            sender.close()
+            engine.close()
+        finally:
+            if proc.stdin:
+                proc.stdin.close()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return {"shape": asdict(shape), "sender_device": sender_device, "receiver_device": receiver_device,
+            "machine": _machine(sender_device, receiver_device), "date": time.strftime("%Y-%m-%d"),
+            "repeats": repeats, "runs": [r.summary(shape.bytes_per_token()) | {"raw": asdict(r)} for r in runs]}
+
+
+def _read_line(proc: subprocess.Popen, prefix: str) -> str | None:
+    """The rest of the receiver's next line starting with `prefix` (libraries print too)."""
+    for line in proc.stdout:  # type: ignore[union-attr]
+        if line.startswith(prefix):
+            return line[len(prefix):].strip()
+    return None
+
+
+def _machine(*devices: str) -> str:
+    names = sorted({torch.cuda.get_device_name(torch.device(d)) if d.startswith("cuda") else "cpu" for d in devices})
+    return ", ".join(names) + f"; {' -> '.join(devices)}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--serve-receiver", action="store_true")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--channel", default="tcp")
+    p.add_argument("--buffer-bytes", type=int, default=0)
+    p.add_argument("--init-port", type=int, default=0)
+    p.add_argument("--alloc-port", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=0)
+    p.add_argument("--shape", default="{}")
+    serve_receiver(p.parse_args())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""`kvtier proxy` when nodes fail: a clear HTTP error within a bound, never a hang,
+and a cancelled request's KV freed on the decoder. The proxy runs as the real
+command; the decoder's buffer is a real PdReceiver; the failing prefillers are
+real sockets that refuse, or accept and never answer."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from test_pd import Pair
+
+from kvtier.localservers import free_port, wait_for_port
+
+
+@contextlib.contextmanager
+def proxy(prefiller_port, decoder_port, alloc_port, notify_port, *extra):
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvtier.cli", "proxy", "--host", "127.0.0.1", "--port", str(port),
+           "--prefiller-host", "127.0.0.1", "--prefiller-port", str(prefiller_port), "--num-prefillers", "1",
+           "--decoder-host", "127.0.0.1", "--decoder-port", str(decoder_port), "--decoder-init-port", "1",
+           "--decoder-alloc-port", str(alloc_port), "--proxy-host", "127.0.0.1", "--proxy-port", str(notify_port),
+           "--num-decoders", "1", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for_port(port, 60, proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+class HungPrefiller:
+    """Reads one HTTP request; pushes its KV to the decoder the request names (as a
+    prefiller's kvtier does), then never answers."""
+
+    def __init__(self, pair: Pair | None = None):
+        self.pair, self.req_ids = pair, []
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self._conns = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self._conns.append(conn)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, body = data.split(b"\r\n\r\n", 1)
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            while len(body) < length:
+                body += conn.recv(65536)
+            spec = json.loads(body)["kv_transfer_params"]["disagg_spec"]
+            self.req_ids.append(spec["req_id"])
+            if self.pair is not None:
+                target = self.pair.target(spec["req_id"])
+                self.pair.sender.send(target, list(range(64)), torch.arange(64), start=0, last=True)
+
+    def close(self):
+        self.sock.close()
+        for conn in self._conns:
+            conn.close()
+
+
+def completion(url, timeout=30):
+    return httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4}, timeout=timeout)
+
+
+def test_a_prefiller_that_is_down_is_a_502_at_once():
+    with proxy(free_port(), free_port(), free_port(), free_port()) as url:
+        t0 = time.monotonic()
+        r = completion(url)
+        assert r.status_code == 502 and "prefiller" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 10
+        metrics = httpx.get(url + "/metrics").text
+        assert 'kvtier_proxy_upstream_errors_total{kind="unreachable",node="prefiller"} 1.0' in metrics
+        assert httpx.get(url + "/health").status_code == 200
+
+
+def test_a_prefiller_that_never_answers_is_a_504_after_the_timeout():
+    hung = HungPrefiller()
+    try:
+        with proxy(hung.port, free_port(), free_port(), free_port(), "--prefill-timeout", "1") as url:
+            t0 = time.monotonic()
+            r = completion(url)
+            assert r.status_code == 504 and "--prefill-timeout" in r.json()["error"]["message"]
+            assert 1 <= time.monotonic() - t0 < 10
+    finally:
+        hung.close()
+
+
+@pytest.mark.parametrize("how", ["client gives up", "prefill times out"])
+def test_a_request_that_ends_early_frees_its_reservation_on_the_decoder(how):
+    pair = Pair()
+    hung = HungPrefiller(pair)
+    extra = ["--prefill-timeout", "1.5"] if how == "prefill times out" else []
+    try:
+        with proxy(hung.port, free_port(), pair.alloc_port, free_port(), *extra) as url:
+            with pytest.raises(httpx.TimeoutException) if not extra else contextlib.nullcontext():
+                completion(url, timeout=1.5 if not extra else 30)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and (not hung.req_ids or pair.buffer.held_requests()):
+                time.sleep(0.05)
+            assert hung.req_ids and pair.buffer.held_requests() == 0  # the proxy released it
+            assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks
+    finally:
+        hung.close()
+        pair.close()
+
+
+def test_garbage_on_the_notification_port_does_not_stop_the_proxy():
+    notify = free_port()
+    with proxy(free_port(), free_port(), free_port(), notify) as url:
+        for junk in (b"\x00" * 64, b"KP" + b"\xff" * 30, b"GET / HTTP/1.1\r\n\r\n"):
+            with socket.create_connection(("127.0.0.1", notify)) as s:
+                s.sendall(junk)
+        assert httpx.get(url + "/health").status_code == 200
+        assert completion(url).status_code == 502  # still answering requests
