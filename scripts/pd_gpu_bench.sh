@@ -23,11 +23,37 @@ channels="cuda_ipc tcp"
 if python3 -c "import nixl._api" 2>/dev/null; then channels="cuda_ipc nixl tcp"; fi
 echo "channels: $channels" | tee -a "$out/machine.txt"
 python3 -m pytest -q -p no:cacheprovider tests/test_pd.py 2>&1 | tail -3 | tee "$out/pytest.txt"
-timeout 280 python3 -m kvtier.cli bench pd --tokens 4096 16384 32768 --channels $channels \
+[ -n "${SKIP_1GPU:-}" ] || timeout 280 python3 -m kvtier.cli bench pd --tokens 4096 16384 32768 --channels $channels \
     --sender-device cuda:0 --receiver-device cuda:0 --repeats 5 --output "$out/pd-1gpu.json" 2>&1 \
     | grep -v " INFO " | tee "$out/pd-1gpu.txt"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-    timeout 280 python3 -m kvtier.cli bench pd --tokens 4096 16384 32768 --channels $channels \
+    timeout 280 python3 -m kvtier.cli bench pd --tokens 4096 16384 32768 --channels ${CHANNELS_2GPU:-$channels} \
         --sender-device cuda:0 --receiver-device cuda:1 --repeats 5 --output "$out/pd-2gpu.json" 2>&1 \
         | grep -v " INFO " | tee "$out/pd-2gpu.txt"
 fi
+# Where a cuda_ipc send's time goes: the gather kernel alone, into local device chunks, 16k tokens.
+python3 - <<'PY' 2>&1 | tee "$out/pd-profile.txt"
+import time, torch
+from kvtier.bench.pd import PdShape, _paged, _slots
+from kvtier.keys import KVFormat, chunk_spans
+from kvtier.transfer import make_transfer
+shape, n = PdShape(), 16384
+kv, _ = _paged(shape, n, "cuda:0", fill=True)
+slots = _slots(kv.num_blocks, shape.block_size, n, 7)
+chunks = [torch.empty(kv.chunk_shape(shape.chunk_size), dtype=kv.dtype, device="cuda:0") for _ in range(n // shape.chunk_size)]
+nbytes = n * shape.bytes_per_token()
+src, dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0"), torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+for name in ("triton", "torch"):
+    t = make_transfer(kv, name)
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize(); t0 = time.perf_counter(); t.gather(slots, chunks); torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    ms = sorted(times[1:])[2] * 1e3
+    print(f"gather kernel only ({name}), 16384 tokens into device chunks: {ms:.2f} ms = {nbytes / ms / 1e6:.0f} GB/s")
+times = []
+for _ in range(6):
+    torch.cuda.synchronize(); t0 = time.perf_counter(); dst.copy_(src); torch.cuda.synchronize(); times.append(time.perf_counter() - t0)
+ms = sorted(times[1:])[2] * 1e3
+print(f"device-to-device copy of the same bytes: {ms:.2f} ms = {nbytes / ms / 1e6:.0f} GB/s")
+PY

@@ -110,8 +110,10 @@ class SenderChannel:
             storage = torch.UntypedStorage._new_shared_cuda(*fields)
             peer.remote = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
                 storage, 0, (welcome.num_blocks * welcome.block_bytes,), (1,))
-            # A read from it turns on peer access from this process's GPU (kernels write there next).
-            torch.empty(1, dtype=torch.uint8, device=torch.cuda.current_device()).copy_(peer.remote[:1])
+            if storage.device.index != torch.cuda.current_device():  # kernels here write there next
+                from kvtier.transfer.cudart import enable_peer_access
+
+                enable_peer_access(storage.device.index)
         return peer
 
     def views(self, peer: Peer, blocks: Sequence[int], nbytes: Sequence[int]) -> list[torch.Tensor]:

@@ -1,4 +1,5 @@
-"""The one CUDA runtime call torch does not expose: cudaMemcpy2DAsync.
+"""The CUDA runtime calls torch does not expose: cudaMemcpy2DAsync, and
+cudaDeviceEnablePeerAccess (a PD sender's kernels write into a decoder's GPU).
 
 A layerwise transfer moves layer l of every chunk of a request. Chunks sit
 in separate pool blocks, so layer l of n chunks is n separate ranges; when
@@ -62,3 +63,18 @@ def memcpy2d(dst: int, dpitch: int, src: int, spitch: int, width: int, height: i
     if err:
         lib.cudaGetLastError()  # clear it, or torch's next CUDA check reports it as its own
         raise RuntimeError(f"cudaMemcpy2DAsync failed: {lib.cudaGetErrorString(err).decode()} ({err})")
+
+
+def enable_peer_access(peer: int) -> None:
+    """Let kernels on the current device read and write memory of device `peer` (NVLink/PCIe P2P)."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the CUDA runtime library is not loaded")
+    fn = lib.cudaDeviceEnablePeerAccess
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_uint], ctypes.c_int
+    err = fn(peer, 0)
+    if err not in (0, 704):  # 704: cudaErrorPeerAccessAlreadyEnabled
+        msg = lib.cudaGetErrorString(err).decode()
+        lib.cudaGetLastError()
+        raise RuntimeError(f"cudaDeviceEnablePeerAccess({peer}) failed: {msg} ({err})")
+    lib.cudaGetLastError()
