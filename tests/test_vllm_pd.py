@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from kvtier.demo import HIT_LINE, vllm_server
+from kvtier.demo import vllm_server
 from kvtier.localservers import free_port, wait_for_port
 from kvtier.tinymodel import corpus_text
 

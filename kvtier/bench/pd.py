@@ -23,7 +23,6 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
