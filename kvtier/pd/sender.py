@@ -241,6 +241,8 @@ class PdSender:
                 raise proto.PdPeerError("no staging block free in the CPU pool")
             try:
                 engine.gather_into(slots, [s for s, _ in owned], [b.data[: s.num_tokens * per_token] for s, b in owned])
+                if self.staging.device.type == "cuda":  # the channel's DMA reads what the kernel wrote
+                    torch.cuda.synchronize(self.staging.device)
                 items = [Placement(todo[i + j][1], s.num_tokens * per_token, b) for j, (s, b) in enumerate(owned)]
                 self.channel.push(conn.peer, conn.sock, rid, items, deadline)
             finally:

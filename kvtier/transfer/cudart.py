@@ -78,3 +78,32 @@ def enable_peer_access(peer: int) -> None:
         lib.cudaGetLastError()
         raise RuntimeError(f"cudaDeviceEnablePeerAccess({peer}) failed: {msg} ({err})")
     lib.cudaGetLastError()
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+def open_ipc_handle(handle: bytes) -> int:
+    """Map another process's CUDA allocation into the *current* device's context (with peer
+    access), so kernels of this device can read and write it; the base address."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the CUDA runtime library is not loaded")
+    fn = lib.cudaIpcOpenMemHandle
+    fn.argtypes, fn.restype = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle, ctypes.c_uint], ctypes.c_int
+    ptr = ctypes.c_void_p()
+    err = fn(ctypes.byref(ptr), _IpcHandle(handle[:64]), 1)  # 1: cudaIpcMemLazyEnablePeerAccess
+    if err:
+        msg = lib.cudaGetErrorString(err).decode()
+        lib.cudaGetLastError()
+        raise RuntimeError(f"cudaIpcOpenMemHandle failed: {msg} ({err})")
+    return int(ptr.value)
+
+
+class DeviceBytes:
+    """Raw device memory as something torch can view (`torch.as_tensor`): no ownership."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (nbytes,), "typestr": "|u1",
+                                         "version": 3, "strides": None}
