@@ -112,8 +112,10 @@ class HostPool:
     # -- arena ---------------------------------------------------------------
 
     def _allocate_arena(self, capacity: int) -> torch.Tensor:
-        if self.device.type != "cpu":  # a PD receive buffer in GPU memory
-            return torch.empty(capacity, dtype=torch.uint8, device=self.device)
+        if self.device.type != "cpu":  # a PD receive buffer in GPU memory, shareable over CUDA IPC
+            from kvtier.transfer.cudart import device_buffer
+
+            return device_buffer(capacity, self.device)
         if not self.hugepages:
             return torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pin)
         size = -(-capacity // HUGE_PAGE) * HUGE_PAGE

@@ -8,11 +8,11 @@
               TCP). The receiver registers its buffer with a NIXL agent and
               sends the agent's metadata in Welcome; the sender registers its
               staging pool and WRITEs staged blocks into the reserved blocks.
-    cuda_ipc  built in, GPUs of one host. The receiver's buffer is in GPU
-              memory and Welcome carries its CUDA IPC handle; the sender maps
-              it and gathers KV from its paged cache directly into the
-              reserved blocks: one device-to-device copy, no staging (NVLink
-              where the GPUs have it).
+    cuda_ipc  built in, GPUs of one host. The receiver's buffer is cudaMalloc'd
+              GPU memory and Welcome carries its CUDA IPC handle; the sender
+              maps it into its own GPU's context and its gather kernel writes
+              KV from the paged cache straight into the reserved blocks: one
+              pass, no staging (over NVLink when the GPUs differ).
 
 Each channel has a receiver half (`registration()`: the Welcome payload)
 and a sender half (`connect()` per peer, then `push()` staged blocks or
@@ -21,7 +21,6 @@ and a sender half (`connect()` per peer, then `push()` staged blocks or
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -68,9 +67,10 @@ class ReceiverChannel:
         """What the sender needs to write into the buffer (Welcome's payload)."""
         if self.name == "nixl":
             return bytes(self._agent.get_agent_metadata())
-        if self.name == "cuda_ipc":
-            fields = self.pool.arena.untyped_storage()._share_cuda_()
-            return json.dumps([f.hex() if isinstance(f, bytes) else f for f in fields]).encode()
+        if self.name == "cuda_ipc":  # the arena is a cudaMalloc'd buffer (memory.py): its own IPC handle
+            from kvtier.transfer.cudart import ipc_handle
+
+            return ipc_handle(self.pool.arena.data_ptr())
         return b""
 
     def agent_name(self) -> str:
@@ -105,15 +105,10 @@ class SenderChannel:
         peer = Peer(welcome)
         if self.name == "nixl":
             peer.nixl_name = _as_str(self._agent.add_remote_agent(registration))
-        elif self.name == "cuda_ipc":
-            fields = [bytes.fromhex(f) if isinstance(f, str) else f for f in json.loads(registration)]
-            storage = torch.UntypedStorage._new_shared_cuda(*fields)
-            peer.remote = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
-                storage, 0, (welcome.num_blocks * welcome.block_bytes,), (1,))
-            if storage.device.index != torch.cuda.current_device():  # kernels here write there next
-                from kvtier.transfer.cudart import enable_peer_access
+        elif self.name == "cuda_ipc":  # mapped for this process's GPU: its kernels write into it
+            from kvtier.transfer.cudart import map_ipc_buffer
 
-                enable_peer_access(storage.device.index)
+            peer.remote = map_ipc_buffer(registration, welcome.num_blocks * welcome.block_bytes)
         return peer
 
     def views(self, peer: Peer, blocks: Sequence[int], nbytes: Sequence[int]) -> list[torch.Tensor]:

@@ -37,7 +37,6 @@ log = get_logger(__name__)
 
 CONNECT_TIMEOUT = 5.0
 RETRY_STEP = 0.05  # s between Allocs while the decoder's buffer is full
-PEER_BATCH = 8  # chunks per gather-then-copy step of cuda_ipc to another GPU
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,6 @@ class PdSender:
             device = str(engine.kv.device) if config.pd_buffer_device == "cuda" else "cpu"
             self.staging = HostPool(config.pd_buffer_size, engine.pool.block_bytes, device=device)
         self.channel = SenderChannel(config.pd_channel, self.staging)
-        self._peer_staging: HostPool | None = None  # cuda_ipc to another GPU: local staging, made at first use
         self.stats = SendStats()
         self._hello = proto.Hello(f"{socket.gethostname()}:{os.getpid()}", engine.fmt.tag(), config.chunk_size,
                                   engine.kv.bytes_per_token(), config.pd_channel)
@@ -158,10 +156,7 @@ class PdSender:
             if not self.channel.staged:
                 views = self.channel.views(conn.peer, [b for _, b in todo],
                                            [s.num_tokens * self.engine.kv.bytes_per_token() for s, _ in todo])
-                if views and views[0].device != self.engine.kv.device:
-                    self._gather_then_copy(slots, [s for s, _ in todo], views)
-                else:  # the decoder's buffer is on this GPU: gather straight into it
-                    self.engine.gather_into(slots, [s for s, _ in todo], views)
+                self.engine.gather_into(slots, [s for s, _ in todo], views)  # into the decoder's GPU buffer
                 torch.cuda.synchronize()
             else:
                 self._push_staged(conn, rid, todo, slots, deadline)
@@ -174,40 +169,6 @@ class PdSender:
             raise
         assert isinstance(reply, proto.Ok)
         return sum(s.num_tokens for s in spans)
-
-    def _gather_then_copy(self, slots: torch.Tensor, spans: list[ChunkSpan], views: list[torch.Tensor]) -> None:
-        """cuda_ipc to another GPU. Kernels here cannot write memory that another process
-        shares over CUDA IPC (it is mapped for that GPU's context only; measured on H200s:
-        an illegal address), but copies can: gather a batch of chunks into local staging,
-        then copy it over NVLink on a side stream while the next batch is gathered."""
-        engine = self.engine
-        if self._peer_staging is None:
-            self._peer_staging = HostPool(2 * PEER_BATCH * engine.pool.block_bytes, engine.pool.block_bytes,
-                                          device=str(engine.kv.device))
-        blocks = [self._peer_staging.allocate() for _ in range(self._peer_staging.num_blocks)]
-        halves = [blocks[:PEER_BATCH], blocks[PEER_BATCH:]]
-        copied: list[torch.cuda.Event | None] = [None, None]
-        stream = torch.cuda.Stream(device=engine.kv.device)
-        try:
-            for k, i in enumerate(range(0, len(spans), PEER_BATCH)):
-                batch, targets, half = spans[i:i + PEER_BATCH], views[i:i + PEER_BATCH], halves[k % 2]
-                if copied[k % 2] is not None:  # this half's previous copy must be out first
-                    torch.cuda.current_stream(engine.kv.device).wait_event(copied[k % 2])
-                bufs = [b.data[: t.numel()] for b, t in zip(half, targets)]
-                engine.gather_into(slots, batch, bufs)
-                gathered = torch.cuda.Event()
-                gathered.record(torch.cuda.current_stream(engine.kv.device))
-                with torch.cuda.stream(stream):
-                    stream.wait_event(gathered)
-                    for target, buf in zip(targets, bufs):
-                        target.copy_(buf, non_blocking=True)
-                    copied[k % 2] = torch.cuda.Event()
-                    copied[k % 2].record(stream)
-            stream.synchronize()
-            torch.cuda.synchronize(views[0].device)
-        finally:
-            for b in blocks:
-                b.release()
 
     def _alloc(self, conn: _Connection, rid: str, spans: list[ChunkSpan]) -> list[int]:
         msg = proto.Alloc(rid, [s.key.digest.hex() for s in spans], [s.num_tokens for s in spans])

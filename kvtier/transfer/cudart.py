@@ -1,5 +1,9 @@
-"""The CUDA runtime calls torch does not expose: cudaMemcpy2DAsync, and
-cudaDeviceEnablePeerAccess (a PD sender's kernels write into a decoder's GPU).
+"""The CUDA runtime calls torch does not expose: cudaMemcpy2DAsync, and legacy
+CUDA IPC (cudaMalloc, cudaIpcGetMemHandle, cudaIpcOpenMemHandle) for the PD
+buffer a sender's kernels write into. torch shares its own allocations so
+that only the owning GPU's context maps them (a kernel on another GPU dies
+of an illegal address, measured on two H200s); a handle opened here maps
+the buffer into the current GPU's context, peer access included.
 
 A layerwise transfer moves layer l of every chunk of a request. Chunks sit
 in separate pool blocks, so layer l of n chunks is n separate ranges; when
@@ -22,7 +26,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -65,23 +71,39 @@ def memcpy2d(dst: int, dpitch: int, src: int, spitch: int, width: int, height: i
         raise RuntimeError(f"cudaMemcpy2DAsync failed: {lib.cudaGetErrorString(err).decode()} ({err})")
 
 
-def enable_peer_access(peer: int) -> None:
-    """Let kernels on the current device read and write memory of device `peer` (NVLink/PCIe P2P)."""
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
+
+
+def _call(name: str, argtypes: list, *args: object) -> None:
     lib = _lib()
     if lib is None:
         raise RuntimeError("the CUDA runtime library is not loaded")
-    fn = lib.cudaDeviceEnablePeerAccess
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_uint], ctypes.c_int
-    err = fn(peer, 0)
-    if err not in (0, 704):  # 704: cudaErrorPeerAccessAlreadyEnabled
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    err = fn(*args)
+    if err:
         msg = lib.cudaGetErrorString(err).decode()
         lib.cudaGetLastError()
-        raise RuntimeError(f"cudaDeviceEnablePeerAccess({peer}) failed: {msg} ({err})")
-    lib.cudaGetLastError()
+        raise RuntimeError(f"{name} failed: {msg} ({err})")
 
 
-class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+def malloc(nbytes: int) -> int:
+    """Device memory from cudaMalloc on the current device, outside torch's allocator: its
+    IPC handle maps into any GPU context of another process (torch's own sharing does not)."""
+    ptr = ctypes.c_void_p()
+    _call("cudaMalloc", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t], ctypes.byref(ptr), nbytes)
+    return int(ptr.value)
+
+
+def free(ptr: int) -> None:
+    _call("cudaFree", [ctypes.c_void_p], ptr)
+
+
+def ipc_handle(ptr: int) -> bytes:
+    handle = _IpcHandle()
+    _call("cudaIpcGetMemHandle", [ctypes.POINTER(_IpcHandle), ctypes.c_void_p], ctypes.byref(handle), ptr)
+    return bytes(handle.reserved)
 
 
 def open_ipc_handle(handle: bytes) -> int:
@@ -93,7 +115,9 @@ def open_ipc_handle(handle: bytes) -> int:
     fn = lib.cudaIpcOpenMemHandle
     fn.argtypes, fn.restype = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle, ctypes.c_uint], ctypes.c_int
     ptr = ctypes.c_void_p()
-    err = fn(ctypes.byref(ptr), _IpcHandle(handle[:64]), 1)  # 1: cudaIpcMemLazyEnablePeerAccess
+    raw = _IpcHandle()
+    ctypes.memmove(ctypes.addressof(raw), handle, 64)
+    err = fn(ctypes.byref(ptr), raw, 1)  # 1: cudaIpcMemLazyEnablePeerAccess
     if err:
         msg = lib.cudaGetErrorString(err).decode()
         lib.cudaGetLastError()
@@ -101,9 +125,29 @@ def open_ipc_handle(handle: bytes) -> int:
     return int(ptr.value)
 
 
-class DeviceBytes:
-    """Raw device memory as something torch can view (`torch.as_tensor`): no ownership."""
+def close_ipc_handle(ptr: int) -> None:
+    _call("cudaIpcCloseMemHandle", [ctypes.c_void_p], ptr)
 
-    def __init__(self, ptr: int, nbytes: int) -> None:
+
+class DeviceBytes:
+    """Raw device memory as something torch can view (`torch.as_tensor`). With `release`,
+    that is called with the address once no tensor views it any more."""
+
+    def __init__(self, ptr: int, nbytes: int, release: Callable[[int], None] | None = None) -> None:
         self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (nbytes,), "typestr": "|u1",
                                          "version": 3, "strides": None}
+        if release is not None:
+            weakref.finalize(self, release, ptr)
+
+
+def device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """`nbytes` of cudaMalloc'd memory on `device` as a uint8 tensor (freed with the tensor)."""
+    with torch.cuda.device(device):
+        ptr = malloc(nbytes)
+        return torch.as_tensor(DeviceBytes(ptr, nbytes, free), device=device)
+
+
+def map_ipc_buffer(handle: bytes, nbytes: int) -> torch.Tensor:
+    """Another process's `device_buffer`, mapped for the current GPU (closed with the tensor)."""
+    ptr = open_ipc_handle(handle)
+    return torch.as_tensor(DeviceBytes(ptr, nbytes, close_ipc_handle), device=torch.cuda.current_device())
