@@ -52,6 +52,7 @@ class PdRun:
     load_ms: list[float] = field(default_factory=list)
     done_to_loaded_ms: list[float] = field(default_factory=list)
     copy_ms: list[float] = field(default_factory=list)
+    phases_ms: list[tuple[float, float, float]] = field(default_factory=list)  # the sender's Alloc, write, Commit
 
     def summary(self, bytes_per_token: int) -> dict:
         nbytes = self.tokens * bytes_per_token
@@ -61,6 +62,7 @@ class PdRun:
                 "copy_ms": round(copy, 2), "copy_GBps": round(nbytes / copy / 1e6, 1),
                 "ratio_to_copy": round(copy / send, 3),
                 "load_ms": round(statistics.median(self.load_ms), 2),
+                "alloc_write_commit_ms": [round(statistics.median(p[i] for p in self.phases_ms), 2) for i in range(3)],
                 "done_to_loaded_ms": round(statistics.median(self.done_to_loaded_ms), 2)}
 
 
@@ -204,12 +206,14 @@ def run_pd(shape: PdShape, token_counts: list[int], channels: list[str], sender_
                         run.load_ms.append(reply["load_ms"])
                         run.done_to_loaded_ms.append((t2 - t0) * 1e3)
                         run.copy_ms.append((c1 - c0) * 1e3)
+                        run.phases_ms.append(sender.stats.last_ms)
                 del src, dst
                 runs.append(run)
                 s = run.summary(shape.bytes_per_token())
                 print(f"{channel:9s} {n:6d} tokens {s['GB']:.2f} GB | send {s['send_ms']} ms = {s['send_GBps']} GB/s "
                       f"({s['ratio_to_copy']} of copy {s['copy_GBps']} GB/s) | load {s['load_ms']} ms | "
-                      f"done->loaded {s['done_to_loaded_ms']} ms", flush=True)
+                      f"done->loaded {s['done_to_loaded_ms']} ms | alloc/write/commit {s['alloc_write_commit_ms']} ms",
+                      flush=True)
             sender.close()
             engine.close()
         finally:

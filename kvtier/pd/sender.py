@@ -56,6 +56,7 @@ class SendStats:
     sent_bytes: int = 0
     failed: int = 0
     waited_for_room: int = 0
+    last_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the last transfer's Alloc, write, Commit
 
 
 class _Connection:
@@ -149,7 +150,9 @@ class PdSender:
         return sent
 
     def _transfer(self, conn: _Connection, rid: str, spans: list[ChunkSpan], slots: torch.Tensor) -> int:
+        t0 = time.perf_counter()
         blocks = self._alloc(conn, rid, spans)
+        t1 = time.perf_counter()
         try:
             todo = [(s, b) for s, b in zip(spans, blocks) if b >= 0]
             deadline = time.monotonic() + self.config.blocking_timeout_secs
@@ -160,7 +163,9 @@ class PdSender:
                 torch.cuda.synchronize()
             else:
                 self._push_staged(conn, rid, todo, slots, deadline)
+            t2 = time.perf_counter()
             reply = proto.expect(conn.call(proto.Commit(rid)), proto.Ok)
+            self.stats.last_ms = ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3)
         except BaseException:
             try:
                 conn.call(proto.Abort(rid))
