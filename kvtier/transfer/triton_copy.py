@@ -1,7 +1,7 @@
 """Gather/scatter in one Triton launch for all layers of a batch of chunks.
 
-Program (p, l*K + k) moves the H*D values of tokens 8p..8p+7, layer l,
-K-or-V k, between the engine's KV pages and their chunks. Layer and chunk buffers are
+Program (t, l*K + k) moves the H*D values of token t, layer l, K-or-V k
+between the engine's KV page and chunk t // C. Layer and chunk buffers are
 reached through tables of base addresses, so chunks can live anywhere the
 GPU can address:
 
@@ -46,11 +46,6 @@ if TYPE_CHECKING:
     from kvtier.transfer import LayerHandle
 
 
-# A program moves this many consecutive tokens of one (layer, K or V): their chunk
-# side is one contiguous run (TPP * H * D values) instead of TPP scattered ones.
-TOKENS_PER_PROGRAM = 8
-
-
 @triton.jit
 def _kv_copy_kernel(
     layer0_ptr,  # typed pointer to layer 0: gives the element type
@@ -69,33 +64,30 @@ def _kv_copy_kernel(
     K: tl.constexpr,
     TO_CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
-    TPP: tl.constexpr,  # tokens per program: consecutive, so a program's chunk side is one run
 ):
+    t = tl.program_id(0).to(tl.int64)
     lk = tl.program_id(1).to(tl.int64)
     layer = lk // K
     k = lk % K
+    slot = tl.load(slots + t).to(tl.int64)
+    width = tl.where(slot >= 0, W, 0)  # slot -1: a token of a cut chunk that stays where it is
+    slot = tl.maximum(slot, 0)
+    c = t // C
+    tt = t - c * C
+    n_c = tl.minimum(C, T - c * C)
     elem_ty = layer0_ptr.dtype.element_ty
-    base = tl.load(layer_ptrs + layer).to(tl.pointer_type(elem_ty))
-    for j in tl.static_range(TPP):
-        t_raw = tl.program_id(0).to(tl.int64) * TPP + j
-        t = tl.minimum(t_raw, T - 1)
-        slot = tl.load(slots + t).to(tl.int64)
-        width = tl.where((slot >= 0) & (t_raw < T), W, 0)  # slot -1: a token of a cut chunk that stays
-        slot = tl.maximum(slot, 0)
-        c = t // C
-        tt = t - c * C
-        n_c = tl.minimum(C, T - c * C)
-        page = base + k * s_k + (slot // BS) * s_b + (slot % BS) * s_n
-        chunk = tl.load(chunk_ptrs + c).to(tl.pointer_type(elem_ty))
-        chunk += (lk * n_c + tt) * W
-        for w0 in range(0, W, BLOCK):
-            w = w0 + tl.arange(0, BLOCK)
-            mask = w < width
-            src_off = (w // D) * s_h + (w % D)
-            if TO_CHUNK:
-                tl.store(chunk + w, tl.load(page + src_off, mask=mask), mask=mask)
-            else:
-                tl.store(page + src_off, tl.load(chunk + w, mask=mask), mask=mask)
+    page = tl.load(layer_ptrs + layer).to(tl.pointer_type(elem_ty))
+    page += k * s_k + (slot // BS) * s_b + (slot % BS) * s_n
+    chunk = tl.load(chunk_ptrs + c).to(tl.pointer_type(elem_ty))
+    chunk += (lk * n_c + tt) * W
+    for w0 in range(0, W, BLOCK):
+        w = w0 + tl.arange(0, BLOCK)
+        mask = w < width
+        src_off = (w // D) * s_h + (w % D)
+        if TO_CHUNK:
+            tl.store(chunk + w, tl.load(page + src_off, mask=mask), mask=mask)
+        else:
+            tl.store(page + src_off, tl.load(chunk + w, mask=mask), mask=mask)
 
 
 class _Staging:
@@ -218,12 +210,12 @@ class TritonTransfer:
         kv = self.kv
         total = slots.numel()
         s_k, s_b, s_n, s_h = self._strides
-        grid = (triton.cdiv(total, TOKENS_PER_PROGRAM), len(layers) * kv.kv)
+        grid = (total, len(layers) * kv.kv)
         tables = self._one_layer[layers.start] if len(layers) == 1 else self._layer_ptrs[layers.start : layers.stop]
         _kv_copy_kernel[grid](
             kv.layers[0], tables, ptrs, slots, total, chunk_size,
             s_k, s_b, s_n, s_h, kv.block_size, kv.heads * kv.head_size, kv.head_size,
-            K=kv.kv, TO_CHUNK=to_chunk, BLOCK=self._block, TPP=TOKENS_PER_PROGRAM,
+            K=kv.kv, TO_CHUNK=to_chunk, BLOCK=self._block,
         )
 
     def _host_ptrs(self, chunks: Sequence[torch.Tensor], layers: range) -> torch.Tensor:
