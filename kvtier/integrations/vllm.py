@@ -30,6 +30,14 @@ through `get_block_ids_with_load_errors`, and vLLM recomputes those tokens:
 kvtier sets vLLM's `kv_load_failure_policy` to "recompute" (its default,
 "fail", would end the request with an error for a cache miss).
 
+Disaggregated prefill (`enable_pd`, kvtier/pd/): on a prefiller
+(`pd_role: sender`, kv_producer) the scheduler reads the decoder a proxy
+named in the request's `kv_transfer_params.disagg_spec`, and each save also
+pushes its chunks into that decoder's buffer (`wait_for_save` →
+PdSender.send). On a decoder (`pd_role: receiver`, kv_consumer) the engine's
+CPU tier is the PD buffer, so received chunks are ordinary hits; once loaded
+they are freed (`kv_transfer_params.pd_req_id`).
+
 Saves follow chunked prefill: after each step, the whole chunks computed so
 far are stored ("Storing KV cache for 2048 out of 12288 tokens"), and the
 partial last chunk once the prompt is done (if `save_unfull_chunk`).
