@@ -24,6 +24,10 @@ venv_python=$PWD/.venv/bin/python
 .venv/bin/python -c "import pytest_timeout, psutil, xxhash, openai, uvloop, aiohttp, prometheus_client, redis, hiredis, lz4" 2>/dev/null \
     || pip install -q pytest pytest-timeout psutil xxhash pyyaml tqdm pyzmq openai uvloop aiohttp prometheus-client \
         "redis[hiredis]" lz4
+# NIXL, the optional transfer channel of disaggregated prefill (its tests run both
+# channels). After torch: nixl-cu12/-cu13 require torch, and with none installed pip
+# would pull a 5.9 GB CUDA build.
+.venv/bin/python -c "import nixl._api" 2>/dev/null || pip install -q nixl==1.5.1
 # The remote-tier tests start real redis-server processes (and a Redis Cluster).
 if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
     SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
