@@ -307,3 +307,21 @@ def test_the_guides_configs_parse(tmp_path):
     assert (p.pd_role, p.pd_proxy_port, p.pd_channel) == ("sender", 7500, "nixl")
     assert (d.pd_role, d.pd_peer_alloc_port, d.pd_buffer_size) == ("receiver", 7400, 1 << 30)
     json.dumps([p.pd_role, d.pd_role])
+
+
+@pytest.mark.parametrize("role, kv_role, ok", [
+    ("sender", "kv_producer", True), ("receiver", "kv_consumer", True), ("sender", "kv_both", True),
+    ("sender", "kv_consumer", False), ("receiver", "kv_producer", False),
+])
+def test_a_pd_role_that_contradicts_vllms_kv_role_fails_naming_both(role, kv_role, ok):
+    pytest.importorskip("vllm")
+    from kvtier.integrations.vllm import _check_pd_role
+
+    extra = ({"pd_buffer_size": 1, "pd_peer_host": "h", "pd_peer_init_port": 1, "pd_peer_alloc_port": 2}
+             if role == "receiver" else {"pd_proxy_host": "h", "pd_proxy_port": 1})
+    config = KvtierConfig(enable_pd=True, pd_role=role, **extra)
+    if ok:
+        _check_pd_role(config, kv_role)
+    else:
+        with pytest.raises(ConfigError, match=f"pd_role.*{kv_role}"):
+            _check_pd_role(config, kv_role)
