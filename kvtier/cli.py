@@ -67,9 +67,10 @@ def _bench_ttft(args: argparse.Namespace) -> int:
 def _bench_pd(args: argparse.Namespace) -> int:
     import json
 
-    from kvtier.bench.pd import PdShape, run_pd
+    from kvtier.bench.offload import OffloadShape
+    from kvtier.bench.pd import run_pd
 
-    shape = PdShape(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim)
+    shape = OffloadShape(tokens=max(args.tokens), layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim)
     result = run_pd(shape, args.tokens, args.channels, args.sender_device, args.receiver_device, args.repeats)
     if args.output:
         out = Path(args.output)

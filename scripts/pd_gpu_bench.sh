@@ -34,14 +34,15 @@ fi
 # Where a cuda_ipc send's time goes: the gather kernel alone, into local device chunks, 16k tokens.
 python3 - <<'PY' 2>&1 | tee "$out/pd-profile.txt"
 import time, torch
-from kvtier.bench.pd import PdShape, _paged, _slots
+from kvtier.bench.offload import OffloadShape
+from kvtier.bench.pd import _paged, _slots, per_token
 from kvtier.keys import KVFormat, chunk_spans
 from kvtier.transfer import make_transfer
-shape, n = PdShape(), 16384
+shape, n = OffloadShape(), 16384
 kv, _ = _paged(shape, n, "cuda:0", fill=True)
 slots = _slots(kv.num_blocks, shape.block_size, n, 7)
 chunks = [torch.empty(kv.chunk_shape(shape.chunk_size), dtype=kv.dtype, device="cuda:0") for _ in range(n // shape.chunk_size)]
-nbytes = n * shape.bytes_per_token()
+nbytes = n * per_token(shape)
 src, dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0"), torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
 for name in ("triton", "torch"):
     t = make_transfer(kv, name)

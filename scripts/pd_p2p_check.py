@@ -14,14 +14,15 @@ if len(sys.argv) > 1:  # child: a cudaMalloc'd buffer on cuda:<argv[2]>, its han
     sys.stdin.readline()
     print(int(buf[:1 << 20].to(torch.int64).sum()), flush=True)
     sys.exit()
-from kvtier.bench.pd import PdShape, _paged, _slots
+from kvtier.bench.offload import OffloadShape
+from kvtier.bench.pd import _paged, _slots, per_token
 from kvtier.transfer import make_transfer
 torch.cuda.set_device(0)
-shape, n = PdShape(), 4096
+shape, n = OffloadShape(), 4096
 kv, _ = _paged(shape, n, "cuda:0", fill=True)
 slots = _slots(kv.num_blocks, shape.block_size, n, 7)
 t = make_transfer(kv, "triton")
-cs = shape.chunk_size * shape.bytes_per_token()
+cs = shape.chunk_size * per_token(shape)
 for dev in (0, 1):
     child = subprocess.Popen([sys.executable, __file__, "child", str(dev)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     ptr = cudart.open_ipc_handle(bytes.fromhex(child.stdout.readline().strip()))
@@ -30,7 +31,7 @@ for dev in (0, 1):
     try:
         for _ in range(3):
             torch.cuda.synchronize(); t0 = time.perf_counter(); t.gather(slots, views); torch.cuda.synchronize()
-        gbps = n * shape.bytes_per_token() / (time.perf_counter() - t0) / 1e9
+        gbps = n * per_token(shape) / (time.perf_counter() - t0) / 1e9
         child.stdin.write("\n"); child.stdin.flush()
         print(f"receiver on cuda:{dev} (tensor says {remote.device}): gather kernel ok, {gbps:.0f} GB/s; receiver sees sum {child.stdout.readline().strip()}", flush=True)
     except Exception as e:

@@ -325,3 +325,16 @@ def test_a_pd_role_that_contradicts_vllms_kv_role_fails_naming_both(role, kv_rol
     else:
         with pytest.raises(ConfigError, match=f"pd_role.*{kv_role}"):
             _check_pd_role(config, kv_role)
+
+
+def test_bench_pd_runs_on_cpu_and_checks_the_data(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "pd.json"
+    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "pd", "--tokens", "300", "--channels", "tcp",
+                          "--sender-device", "cpu", "--receiver-device", "cpu", "--layers", "2", "--repeats", "1",
+                          "--output", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["runs"]
+    assert row["tokens"] == 300 and row["ratio_to_copy"] > 0 and len(row["alloc_write_commit_ms"]) == 3

@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from test_pd import channels
 
 from kvtier.demo import vllm_server
 from kvtier.localservers import free_port, wait_for_port
@@ -21,17 +22,6 @@ from kvtier.tinymodel import corpus_text
 pytestmark = pytest.mark.vllm
 DTYPE = "float32"
 SENT_LINE = re.compile(r"PD: sent KV of (\d+) tokens")
-
-
-def channels():
-    out = ["tcp"]
-    try:
-        import nixl._api  # noqa: F401
-
-        out.append("nixl")
-    except ImportError:
-        pass
-    return out
 
 
 def connector(role: str, rpc: str) -> dict:

@@ -26,22 +26,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from kvtier.bench.offload import OffloadShape
 from kvtier.localservers import free_port
 
 FMT_MODEL = "llama-3.1-8b-shape"
 
 
-@dataclass(frozen=True)
-class PdShape:
-    layers: int = 32
-    kv_heads: int = 8
-    head_dim: int = 128
-    block_size: int = 16
-    chunk_size: int = 256
-    dtype: str = "bfloat16"
-
-    def bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * getattr(torch, self.dtype).itemsize
+def per_token(shape: OffloadShape) -> int:
+    """Bytes of KV per token of `shape` (flash-attn layout: K and V per layer)."""
+    return shape.layers * 2 * shape.kv_heads * shape.head_dim * shape.torch_dtype.itemsize
 
 
 @dataclass
@@ -66,14 +59,12 @@ class PdRun:
                 "done_to_loaded_ms": round(statistics.median(self.done_to_loaded_ms), 2)}
 
 
-def _paged(shape: PdShape, tokens: int, device: str, fill: bool):
+def _paged(shape: OffloadShape, tokens: int, device: str, fill: bool):
     from kvtier.transfer import PagedKV
 
     blocks = tokens // shape.block_size + 64
-    dtype = getattr(torch, shape.dtype)
     make = torch.randn if fill else torch.zeros
-    layers = [make(2, blocks, shape.block_size, shape.kv_heads, shape.head_dim, device=device).to(dtype)
-              for _ in range(shape.layers)]
+    layers = [make(shape.layer_shape(blocks), device=device).to(shape.torch_dtype) for _ in range(shape.layers)]
     return PagedKV.wrap(layers, "flash_attn"), layers
 
 
@@ -100,7 +91,7 @@ def checksum(layers: list[torch.Tensor], slots: torch.Tensor, block_size: int) -
     return total
 
 
-def _config(shape: PdShape, role: str, channel: str, device: str, buffer_bytes: int, init: int, alloc: int):
+def _config(shape: OffloadShape, role: str, channel: str, device: str, buffer_bytes: int, init: int, alloc: int):
     from kvtier.config import KvtierConfig
 
     dev = "cuda" if device.startswith("cuda") else "cpu"
@@ -116,7 +107,7 @@ def serve_receiver(args: argparse.Namespace) -> None:
     from kvtier.keys import KVFormat
     from kvtier.pd import make_buffer, start_receiver
 
-    shape = PdShape(**json.loads(args.shape))
+    shape = OffloadShape(**json.loads(args.shape))
     if args.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(args.device))
     kv, layers = _paged(shape, args.max_tokens, args.device, fill=False)
@@ -146,14 +137,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(torch.device(device))
 
 
-def run_pd(shape: PdShape, token_counts: list[int], channels: list[str], sender_device: str, receiver_device: str,
+def run_pd(shape: OffloadShape, token_counts: list[int], channels: list[str], sender_device: str, receiver_device: str,
            repeats: int) -> dict:
     from kvtier.engine import CacheEngine
     from kvtier.keys import KVFormat
     from kvtier.pd.sender import PdSender, Target
 
     max_tokens = max(token_counts)
-    buffer_bytes = (max_tokens // shape.chunk_size + 2) * shape.chunk_size * shape.bytes_per_token()
+    buffer_bytes = (max_tokens // shape.chunk_size + 2) * shape.chunk_size * per_token(shape)
     if sender_device.startswith("cuda"):
         torch.cuda.set_device(torch.device(sender_device))
     kv, layers = _paged(shape, max_tokens, sender_device, fill=True)
@@ -176,7 +167,7 @@ def run_pd(shape: PdShape, token_counts: list[int], channels: list[str], sender_
             sender = PdSender(engine, config, 0)
             for n in token_counts:
                 run = PdRun(channel, n)
-                nbytes = n * shape.bytes_per_token()
+                nbytes = n * per_token(shape)
                 src = torch.empty(nbytes, dtype=torch.uint8, device=sender_device)
                 dst = torch.empty(nbytes, dtype=torch.uint8, device=receiver_device)
                 for r in range(repeats + 1):  # the first is a warm-up (connection, IPC mapping, kernels)
@@ -209,7 +200,7 @@ def run_pd(shape: PdShape, token_counts: list[int], channels: list[str], sender_
                         run.phases_ms.append(sender.stats.last_ms)
                 del src, dst
                 runs.append(run)
-                s = run.summary(shape.bytes_per_token())
+                s = run.summary(per_token(shape))
                 print(f"{channel:9s} {n:6d} tokens {s['GB']:.2f} GB | send {s['send_ms']} ms = {s['send_GBps']} GB/s "
                       f"({s['ratio_to_copy']} of copy {s['copy_GBps']} GB/s) | load {s['load_ms']} ms | "
                       f"done->loaded {s['done_to_loaded_ms']} ms | alloc/write/commit {s['alloc_write_commit_ms']} ms",
@@ -225,7 +216,7 @@ def run_pd(shape: PdShape, token_counts: list[int], channels: list[str], sender_
                 proc.kill()
     return {"shape": asdict(shape), "sender_device": sender_device, "receiver_device": receiver_device,
             "machine": _machine(sender_device, receiver_device), "date": time.strftime("%Y-%m-%d"),
-            "repeats": repeats, "runs": [r.summary(shape.bytes_per_token()) | {"raw": asdict(r)} for r in runs]}
+            "repeats": repeats, "runs": [r.summary(per_token(shape)) | {"raw": asdict(r)} for r in runs]}
 
 
 def _read_line(proc: subprocess.Popen, prefix: str) -> str | None:
