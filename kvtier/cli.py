@@ -136,6 +136,13 @@ def _proxy(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace) -> int:
     from kvtier.config import describe_keys, load_config
 
+    if args.keys and args.lmcache:
+        from kvtier.lmcache_keys import LMCACHE_VERSION, table
+
+        print(f"| LMCache {LMCACHE_VERSION} key | LMCache default | in kvtier | what kvtier does |\n|---|---|---|---|")
+        for key, default, kind, note in table():
+            print(f"| `{key}` | `{default}` | {kind} | {note} |")
+        return 0
     if args.keys:
         for key, default, doc in describe_keys():
             print(f"| `{key}` | `{default}` | {doc} |")
@@ -244,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = sub.add_parser("config", help="print the effective config (file + env)")
     cfg.add_argument("--keys", action="store_true", help="print every key with its default")
+    cfg.add_argument("--lmcache", action="store_true",
+                     help="with --keys: every LMCache key and what kvtier does with it")
     cfg.set_defaults(fn=_config)
 
     args = parser.parse_args(argv)

@@ -29,6 +29,7 @@ import yaml
 
 from kvtier.codec import SERDES
 from kvtier.errors import ConfigError, UnknownConfigKey
+from kvtier.lmcache_keys import RULES, resolve
 from kvtier.remote import check_url
 
 ENV_PREFIXES = ("LMCACHE_", "KVTIER_")
@@ -84,6 +85,10 @@ class KvtierConfig:
     pd_allocation_timeout_sec: float = _doc(
         "sender: longest wait for room in the decoder's buffer before the decoder recomputes, s "
         "(LMCache waits forever)", default=10.0)
+    cache_policy: str = _doc("eviction order of the CPU and disk tiers: LRU", default="LRU")
+    lookup_timeout_ms: int = _doc("longest the vLLM scheduler waits for a worker's lookup, ms (then a miss)",
+                                  default=3000)
+    min_retrieve_tokens: int = _doc("a hit shorter than this many tokens is treated as a miss", default=0)
     enable_p2p: bool = _doc("peer-to-peer sharing (not built yet)", default=False)
     extra_config: Mapping[str, Any] = _doc(
         "free-form settings for extensions", default_factory=dict
@@ -150,6 +155,13 @@ def _check_ranges(cfg: KvtierConfig) -> None:
         raise ConfigError("local_disk_min_stores", cfg.local_disk_min_stores, "an integer >= 1")
     if cfg.pin_timeout_sec <= 0:
         raise ConfigError("pin_timeout_sec", cfg.pin_timeout_sec, "seconds > 0")
+    if cfg.cache_policy.upper() != "LRU":
+        raise ConfigError("cache_policy", cfg.cache_policy,
+                          "LRU: kvtier evicts least recently used chunks; LMCache's FIFO, LFU and MRU are not built")
+    if cfg.lookup_timeout_ms <= 0:
+        raise ConfigError("lookup_timeout_ms", cfg.lookup_timeout_ms, "milliseconds > 0")
+    if cfg.min_retrieve_tokens < 0:
+        raise ConfigError("min_retrieve_tokens", cfg.min_retrieve_tokens, "a number of tokens >= 0")
 
 
 def _check_pd(cfg: KvtierConfig) -> None:
@@ -252,8 +264,20 @@ def _coerce(key: str, value: Any) -> Any:
 
 
 def _unknown(key: str, source: str) -> UnknownConfigKey:
-    close = difflib.get_close_matches(key, list(FIELDS), n=1, cutoff=0.5)
+    close = difflib.get_close_matches(key, list(FIELDS) + list(RULES), n=1, cutoff=0.5)
     return UnknownConfigKey(key, source, close[0] if close else None)
+
+
+def _put(out: dict[str, Any], key: str, value: Any, source: str) -> None:
+    """One key's value into `out`: a kvtier key, or an LMCache key resolved (lmcache_keys.py)."""
+    if key not in FIELDS:
+        if key not in RULES:
+            raise _unknown(key, source)
+        mapped = resolve(key, value, source)
+        if mapped is None:
+            return
+        key, value = mapped
+    out[key] = _coerce(key, value)
 
 
 def _from_file(path: str) -> dict[str, Any]:
@@ -266,11 +290,9 @@ def _from_file(path: str) -> dict[str, Any]:
         raise ConfigError("config file", path, f"valid YAML ({exc})") from None
     if not isinstance(data, dict):
         raise ConfigError("config file", path, "a YAML mapping of key: value")
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in data.items():
-        if key not in FIELDS:
-            raise _unknown(str(key), path)
-        out[key] = _coerce(key, value)
+        _put(out, str(key), value, path)
     return out
 
 
@@ -283,9 +305,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
             key = name[len(prefix):].lower()
             if key in IGNORED_LMCACHE_KEYS:
                 continue
-            if key not in FIELDS:
-                raise _unknown(key, f"environment variable {name}")
-            out[key] = _coerce(key, value)
+            _put(out, key, value, f"environment variable {name}")
     return out
 
 
@@ -300,9 +320,7 @@ def load_config(
             values.update(_from_file(env[var]))
     values.update(_from_env(env))
     for key, value in (overrides or {}).items():
-        if key not in FIELDS:
-            raise _unknown(key, "engine overrides")
-        values[key] = _coerce(key, value)
+        _put(values, key, value, "engine overrides")
     return KvtierConfig(**values)
 
 

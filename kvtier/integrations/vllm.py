@@ -181,6 +181,15 @@ def cpu_kv_layout(vllm_config: VllmConfig) -> str | None:
     return "vllm-cpu-vec" if isa == "vec" else "vllm"
 
 
+def usable_hit(hit: int, prompt_len: int, granularity: int, min_tokens: int) -> int:
+    """The tokens of a stored prefix vLLM can be told of: at most all but the last prompt
+    token (vLLM computes at least one to get logits), whole blocks where the KV layout
+    needs them (`granularity`), and none below `min_retrieve_tokens`."""
+    hit = min(hit, prompt_len - 1)
+    hit -= hit % granularity
+    return hit if hit >= max(min_tokens, 1) else 0
+
+
 def pd_target(params: dict[str, Any] | None) -> Target | None:
     """The decoder a proxy named for this request (LMCache's `disagg_spec`), if any."""
     spec = (params or {}).get("disagg_spec")
@@ -224,7 +233,7 @@ class KvtierConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             tp = vllm_config.parallel_config.tensor_parallel_size
             addresses = [socket_path(self.engine_id, r) for r in range(tp)]
-            self._lookup = LookupClient(addresses, self.config.blocking_timeout_secs)
+            self._lookup = LookupClient(addresses, self.config.lookup_timeout_ms / 1000)
             self._requests: dict[str, _Request] = {}
             self._pending: dict[str, tuple[int, bool]] = {}  # req_id -> (hit end, async), between the two calls
             self._leased: set[str] = set()  # looked up with a hit, load not planned yet
@@ -263,11 +272,9 @@ class KvtierConnector(KVConnectorBase_V1):
         if not self.can_load or not prompt:
             return 0, False
         rid = request.request_id
-        hit, in_cpu = self._lookup.lookup(prompt, rid)
-        # vLLM must compute at least one token itself to produce logits.
-        hit = min(hit, len(prompt) - 1)
-        if self.whole_blocks:
-            hit -= hit % self.block_size
+        stored, in_cpu = self._lookup.lookup(prompt, rid)
+        hit = usable_hit(stored, len(prompt), self.block_size if self.whole_blocks else 1,
+                         self.config.min_retrieve_tokens)
         need = max(0, hit - num_computed_tokens)
         if self.config.enable_pd and self.config.pd_role == "receiver":
             pd_id = str((request.kv_transfer_params or {}).get("pd_req_id", ""))
@@ -279,7 +286,7 @@ class KvtierConnector(KVConnectorBase_V1):
         if need:
             self._pending[rid] = (num_computed_tokens + need, background)
             self._leased.add(rid)
-        elif hit:
+        elif stored:  # leased by the lookup, not used
             self._lookup.release(rid)
         return need, background
 

@@ -1,0 +1,127 @@
+"""Every LMCache 0.5.6 key is classified, and an LMCache user's YAML starts kvtier."""
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import FIELDS, load_config
+from kvtier.errors import ConfigError, UnknownConfigKey
+from kvtier.lmcache_keys import CLASSES, LMCACHE_VERSION, RULES
+
+DATA = Path(__file__).parent / "data" / f"lmcache-{LMCACHE_VERSION}-keys.txt"
+
+
+def lmcache_keys():
+    lines = [x for x in DATA.read_text().splitlines() if x and not x.startswith("#")]
+    split = lines.index("aliases")
+    return lines[:split], lines[split + 1:]
+
+
+def test_every_lmcache_key_and_alias_is_classified_once():
+    keys, aliases = lmcache_keys()
+    assert len(keys) == 108 and len(aliases) == 12
+    missing = [k for k in keys + aliases if k not in RULES]
+    assert not missing, f"LMCache keys with no class: {missing}"
+    assert not set(RULES) - set(keys) - set(aliases), "a rule for a key LMCache does not have"
+    assert all(rule.kind in CLASSES for rule in RULES.values())
+
+
+def test_built_keys_are_kvtier_fields_and_mapped_ones_name_one():
+    for key, rule in RULES.items():
+        if rule.kind == "built":
+            assert key in FIELDS, key
+        if rule.target is not None:
+            assert rule.kind == "mapped" and rule.target in FIELDS, key
+
+
+COMMON = """\
+chunk_size: 256
+local_cpu: true
+max_local_cpu_size: 0.01
+local_disk: null
+max_local_disk_size: 0
+remote_url: null
+remote_serde: naive
+save_unfull_chunk: false
+use_layerwise: false
+blocking_timeout_secs: 10
+cache_policy: LRU
+enable_async_loading: true
+min_retrieve_tokens: 64
+lookup_timeout_ms: 2000
+numa_mode: auto
+enable_kv_events: true
+save_decode_cache: true
+reserve_local_cpu_size: 1.0
+local_disk_path_sharding: by_gpu
+pd_allocation_timeout_sec: 5
+pin_timeout_sec: 120
+enable_controller: false
+enable_blending: false
+"""
+
+
+def test_an_lmcache_yaml_with_common_keys_starts_kvtier_with_the_right_warnings(tmp_path, caplog):
+    import kvtier.lmcache_keys as lk
+
+    lk._told.clear()
+    f = tmp_path / "lmcache.yaml"
+    f.write_text(COMMON)
+    with caplog.at_level(logging.INFO, logger="kvtier"):
+        cfg = load_config(env={"LMCACHE_CONFIG_FILE": str(f)})
+    assert (cfg.min_retrieve_tokens, cfg.lookup_timeout_ms, cfg.cache_policy, cfg.pin_timeout_sec) == \
+        (64, 2000, "LRU", 120)
+    warned = {r.getMessage().split()[2] for r in caplog.records if r.levelno == logging.WARNING}
+    assert warned == {"numa_mode", "enable_kv_events", "save_decode_cache", "reserve_local_cpu_size",
+                      "enable_controller"}
+    informed = {r.getMessage().split()[2] for r in caplog.records
+                if r.levelno == logging.INFO and "LMCache key" in r.getMessage()}
+    assert informed == {"enable_async_loading", "local_disk_path_sharding"}
+
+
+def test_deprecated_nixl_names_set_the_pd_keys():
+    env = {"LMCACHE_ENABLE_XPYD": "true", "LMCACHE_NIXL_ROLE": "receiver", "LMCACHE_NIXL_BUFFER_SIZE": "1024",
+           "LMCACHE_NIXL_PEER_HOST": "h", "LMCACHE_NIXL_PEER_INIT_PORT": "1", "LMCACHE_NIXL_PEER_ALLOC_PORT": "2"}
+    cfg = load_config(env=env)
+    assert (cfg.enable_pd, cfg.pd_role, cfg.pd_buffer_size, cfg.pd_peer_alloc_port) == (True, "receiver", 1024, 2)
+
+
+@pytest.mark.parametrize("key, value", [("enable_blending", "true"), ("gds_path", "/mnt/gds"),
+                                        ("remote_config_url", "http://x"), ("pd_bidirectional", "true")])
+def test_keys_kvtier_refuses_say_so_and_their_defaults_pass(key, value):
+    with pytest.raises(ConfigError, match=f"{key}.*kvtier does not do"):
+        load_config(env={f"LMCACHE_{key.upper()}": value})
+    load_config(env={f"LMCACHE_{key.upper()}": str(RULES[key].default).lower()})
+
+
+def test_other_cache_policies_are_refused_by_name():
+    with pytest.raises(ConfigError, match="cache_policy.*FIFO, LFU and MRU"):
+        load_config(env={"LMCACHE_CACHE_POLICY": "LFU"})
+
+
+def test_a_key_neither_has_is_still_unknown_with_a_suggestion():
+    with pytest.raises(UnknownConfigKey, match="did you mean 'min_retrieve_tokens'"):
+        load_config(env={"LMCACHE_MIN_RETRIEVE_TOKEN": "3"})
+
+
+@pytest.mark.parametrize("hit, prompt, granularity, minimum, usable", [
+    (700, 700, 1, 0, 699), (700, 700, 128, 0, 640), (100, 700, 1, 256, 0), (300, 700, 1, 256, 300),
+    (0, 10, 1, 0, 0), (5, 1, 1, 0, 0),
+])
+def test_usable_hit(hit, prompt, granularity, minimum, usable):
+    pytest.importorskip("vllm")
+    from kvtier.integrations.vllm import usable_hit
+
+    assert usable_hit(hit, prompt, granularity, minimum) == usable
+
+
+def test_the_readme_carries_the_table_the_code_prints():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "config", "--keys", "--lmcache"],
+                         capture_output=True, text=True, check=True).stdout
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split("<!-- lmcache-keys:begin -->\n")[1].split("<!-- lmcache-keys:end -->")[0]
+    assert block == out
