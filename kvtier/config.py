@@ -31,6 +31,7 @@ from kvtier.codec import SERDES
 from kvtier.errors import ConfigError, UnknownConfigKey
 from kvtier.lmcache_keys import RULES, resolve
 from kvtier.remote import check_url
+from kvtier.tiers.policy import POLICIES
 
 ENV_PREFIXES = ("LMCACHE_", "KVTIER_")
 CONFIG_FILE_VARS = ("LMCACHE_CONFIG_FILE", "KVTIER_CONFIG_FILE")
@@ -85,7 +86,7 @@ class KvtierConfig:
     pd_allocation_timeout_sec: float = _doc(
         "sender: longest wait for room in the decoder's buffer before the decoder recomputes, s "
         "(LMCache waits forever)", default=10.0)
-    cache_policy: str = _doc("eviction order of the CPU and disk tiers: LRU", default="LRU")
+    cache_policy: str = _doc("eviction order of the CPU and disk tiers: LRU | FIFO | MRU | LFU", default="LRU")
     lookup_timeout_ms: int = _doc("longest the vLLM scheduler waits for a worker's lookup, ms (then a miss)",
                                   default=3000)
     min_retrieve_tokens: int = _doc("a hit shorter than this many tokens is treated as a miss", default=0)
@@ -155,9 +156,8 @@ def _check_ranges(cfg: KvtierConfig) -> None:
         raise ConfigError("local_disk_min_stores", cfg.local_disk_min_stores, "an integer >= 1")
     if cfg.pin_timeout_sec <= 0:
         raise ConfigError("pin_timeout_sec", cfg.pin_timeout_sec, "seconds > 0")
-    if cfg.cache_policy.upper() != "LRU":
-        raise ConfigError("cache_policy", cfg.cache_policy,
-                          "LRU: kvtier evicts least recently used chunks; LMCache's FIFO, LFU and MRU are not built")
+    if cfg.cache_policy.upper() not in POLICIES:
+        raise ConfigError("cache_policy", cfg.cache_policy, " | ".join(POLICIES))
     if cfg.lookup_timeout_ms <= 0:
         raise ConfigError("lookup_timeout_ms", cfg.lookup_timeout_ms, "milliseconds > 0")
     if cfg.min_retrieve_tokens < 0:

@@ -80,7 +80,7 @@ class CacheEngine:
         shared_tier = cpu is not None
         if cpu is None:
             cpu = CpuTier(HostPool(config.cpu_pool_bytes, config.chunk_size * kv.bytes_per_token(),
-                                   hugepages=config.local_cpu_use_hugepages))
+                                   hugepages=config.local_cpu_use_hugepages), config.cache_policy)
         self.pool = cpu.pool
         self.tiers = TieredStore(
             cpu, keep_cpu=config.local_cpu or shared_tier,
@@ -508,7 +508,7 @@ def _disk_tier(config: KvtierConfig, kv: PagedKV, fmt: KVFormat) -> DiskTier | N
                           f"room for at least one chunk file ({chunk_file / 1e6:.2f} MB)")
     if fmt.tp_size > 1:  # one directory (and one lock) per rank
         root = root / f"tp{fmt.tp_rank}of{fmt.tp_size}"
-    return DiskTier(root, config.disk_bytes, Codec("naive", itemsize=kv.dtype.itemsize))
+    return DiskTier(root, config.disk_bytes, Codec("naive", itemsize=kv.dtype.itemsize), config.cache_policy)
 
 
 def _remote_tier(config: KvtierConfig, kv: PagedKV) -> RemoteTier | None:

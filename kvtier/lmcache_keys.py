@@ -78,7 +78,7 @@ RULES: dict[str, KeyRule] = {
     "blocking_timeout_secs": _b(10),
     "extra_config": _b(None),
     "pin_timeout_sec": _b(300),
-    "cache_policy": _b("LRU", "LRU; FIFO, LFU and MRU are refused by name"),
+    "cache_policy": _b("LRU", "LRU, FIFO, MRU or LFU, for the CPU and disk tiers"),
     "lookup_timeout_ms": _b(3000, "the scheduler's wait for a worker's lookup"),
     "min_retrieve_tokens": _b(0, "a shorter hit is treated as a miss"),
     "enable_pd": _b(False),

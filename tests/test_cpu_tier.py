@@ -1,3 +1,4 @@
+import pytest
 from kvtier.keys import ChunkKey, KVFormat
 from kvtier.memory import HostPool
 from kvtier.tiers.cpu import CpuTier
@@ -60,3 +61,20 @@ def test_put_same_key_replaces_without_leak():
     tier = CpuTier(pool)
     fill(tier, [1, 1, 1])
     assert len(tier) == 1 and pool.used_bytes == 64
+
+
+
+@pytest.mark.parametrize("policy, evicted", [("LRU", 1), ("FIFO", 0), ("MRU", 2), ("LFU", 1)])
+def test_cache_policy_picks_the_chunk_to_evict(policy, evicted):
+    """Chunks 0, 1, 2 stored in that order, then 0 read twice and 2 once; a fourth evicts
+    one: LRU the least recently used (1), FIFO the oldest (0), MRU the most recently
+    used (2), LFU the least read (1, never read)."""
+    fmt = KVFormat("m", "flash_attn", "float32")
+    keys = [ChunkKey(fmt, bytes([i]) * 16) for i in range(4)]
+    tier = CpuTier(HostPool(3 * 64, 64, pin=False), policy)
+    for k in keys[:3]:
+        tier.put(k, tier.allocate(), 1)
+    for k in (keys[0], keys[0], keys[2]):
+        tier.get(k).block.release()
+    tier.put(keys[3], tier.allocate(), 1)
+    assert [i for i in range(3) if not tier.contains(keys[i])] == [evicted]

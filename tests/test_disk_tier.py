@@ -62,6 +62,16 @@ def test_lru_by_size_evicts_least_recently_used_and_skips_pinned(tmp_path):
     assert len(list(tmp_path.glob("*" + SUFFIX))) == 3
 
 
+@pytest.mark.parametrize("policy, evicted", [("FIFO", 0), ("MRU", 0), ("LFU", 1)])
+def test_cache_policy_orders_disk_evictions(tmp_path, policy, evicted):
+    t, ks = DiskTier(tmp_path, 3 * SIZE, Codec("naive"), policy), keys(4)
+    t.put(ks[:3], [(chunk(i), 16) for i in range(3)])
+    for k in (ks[2], ks[0], ks[0]):  # 0 read last and most; 1 never
+        read(t, k)
+    t.put([ks[3]], [(chunk(3), 16)])
+    assert [i for i in range(3) if not t.exists([ks[i]])[0]] == [evicted]
+
+
 def test_a_restarted_tier_rebuilds_its_index_in_lru_order(tmp_path):
     t, ks = tier(tmp_path, chunks=3), keys(4)
     t.put(ks[:3], [(chunk(i), 16) for i in range(3)])

@@ -95,9 +95,11 @@ def test_keys_kvtier_refuses_say_so_and_their_defaults_pass(key, value):
     load_config(env={f"LMCACHE_{key.upper()}": str(RULES[key].default).lower()})
 
 
-def test_other_cache_policies_are_refused_by_name():
-    with pytest.raises(ConfigError, match="cache_policy.*FIFO, LFU and MRU"):
-        load_config(env={"LMCACHE_CACHE_POLICY": "LFU"})
+def test_lmcaches_cache_policies_are_taken_and_others_refused():
+    for policy in ("LRU", "FIFO", "MRU", "LFU", "lru"):
+        assert load_config(env={"LMCACHE_CACHE_POLICY": policy}).cache_policy == policy
+    with pytest.raises(ConfigError, match="cache_policy.*LRU \\| FIFO \\| MRU \\| LFU"):
+        load_config(env={"LMCACHE_CACHE_POLICY": "ARC"})
 
 
 def test_a_key_neither_has_is_still_unknown_with_a_suggestion():

@@ -1,4 +1,4 @@
-"""The CPU RAM tier: chunks in blocks of the host pool, evicted LRU.
+"""The CPU RAM tier: chunks in blocks of the host pool, evicted in `cache_policy` order (LRU).
 
 The tier owns one reference to each block it stores. `get` hands out a
 second reference (the block is then pinned: eviction skips it) that the
@@ -10,12 +10,12 @@ when every stored chunk is pinned it returns None instead of waiting.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable
 
 from kvtier.keys import ChunkKey
 from kvtier.memory import HostPool, MemoryBlock
+from kvtier.tiers.policy import EvictionOrder
 
 
 @dataclass
@@ -33,10 +33,11 @@ class StoredChunk:
 
 
 class CpuTier:
-    def __init__(self, pool: HostPool) -> None:
+    def __init__(self, pool: HostPool, policy: str = "LRU") -> None:
         self.pool = pool
         self.stats = TierStats()
-        self._chunks: OrderedDict[ChunkKey, StoredChunk] = OrderedDict()
+        self._chunks: dict[ChunkKey, StoredChunk] = {}
+        self._order: EvictionOrder[ChunkKey] = EvictionOrder(policy)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -62,7 +63,7 @@ class CpuTier:
             if chunk is None:
                 self.stats.misses += 1
                 return None
-            self._chunks.move_to_end(key)
+            self._order.touch(key)
             chunk.block.retain()
             self.stats.hits += 1
             return chunk
@@ -81,6 +82,7 @@ class CpuTier:
         with self._lock:
             old = self._chunks.pop(key, None)
             self._chunks[key] = StoredChunk(block, num_tokens)
+            self._order.add(key)
             self.stats.puts += 1
         if old is not None:
             old.block.release()
@@ -88,6 +90,7 @@ class CpuTier:
     def delete(self, key: ChunkKey) -> bool:
         with self._lock:
             chunk = self._chunks.pop(key, None)
+            self._order.discard(key)
         if chunk is None:
             return False
         chunk.block.release()
@@ -95,19 +98,22 @@ class CpuTier:
 
     def clear(self) -> None:
         with self._lock:
-            chunks, self._chunks = list(self._chunks.values()), OrderedDict()
+            chunks, self._chunks = list(self._chunks.values()), {}
+            self._order.clear()
         for chunk in chunks:
             chunk.block.release()
 
     def _evict_one(self) -> bool:
-        """Drop the least recently used chunk nobody is reading; False if none."""
+        """Drop the first chunk in eviction order that nobody is reading; False if none."""
         with self._lock:
-            for key, chunk in self._chunks.items():
+            for key in self._order.victims():
+                chunk = self._chunks[key]
                 if not chunk.block.pinned:
-                    del self._chunks[key]
-                    self.stats.evictions += 1
                     break
             else:
                 return False
+            del self._chunks[key]
+            self._order.discard(key)
+            self.stats.evictions += 1
         chunk.block.release()
         return True

@@ -36,7 +36,7 @@ import errno
 import fcntl
 import os
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +48,7 @@ from kvtier.codec import HEADER, Codec
 from kvtier.errors import CorruptPayload, DiskTierInUse
 from kvtier.keys import ChunkKey
 from kvtier.logs import get_logger
+from kvtier.tiers.policy import EvictionOrder
 from kvtier.tiers.remote import wire_key
 
 log = get_logger(__name__)
@@ -83,12 +84,13 @@ def file_name(key: ChunkKey) -> str:
 class DiskTier:
     name = "disk"
 
-    def __init__(self, root: Path, capacity: int, codec: Codec) -> None:
+    def __init__(self, root: Path, capacity: int, codec: Codec, policy: str = "LRU") -> None:
         self.root, self.capacity, self.codec = Path(root), capacity, codec
         self.stats = DiskStats()
         self.writable = True
         self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, least recently used first
+        self._index: dict[str, int] = {}  # file name -> bytes
+        self._order: EvictionOrder[str] = EvictionOrder(policy)  # cache_policy (a restart keeps mtime order)
         self._pins: Counter[str] = Counter()
         self._used = 0  # bytes of the index plus writes in progress
         self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvtier-disk-read")
@@ -138,6 +140,7 @@ class DiskTier:
                     found.append((st.st_mtime_ns, entry.name, st.st_size))
         for _, name, size in sorted(found):
             self._index[name] = size
+            self._order.add(name)
             self._used += size
         if self._used > self.capacity:
             self._evict(0)  # max_local_disk_size shrank since the last run
@@ -167,7 +170,7 @@ class DiskTier:
             if name not in self._index:
                 self.stats.misses += 1
                 return None
-            self._index.move_to_end(name)
+            self._order.touch(name)
         path = self.root / name
         header = bytearray(HEADER.size)
         try:
@@ -230,15 +233,16 @@ class DiskTier:
             return False
         with self._lock:
             self._index[name] = size
+            self._order.add(name)
             self.stats.puts += 1
             self.stats.bytes_written += size
         return True
 
     def _reserve(self, name: str, size: int) -> bool:
-        """Room for `size` bytes, evicting LRU chunks; False if the chunk is there or can never fit."""
+        """Room for `size` bytes, evicting in `cache_policy` order; False if the chunk is there or can never fit."""
         with self._lock:
             if name in self._index:
-                self._index.move_to_end(name)
+                self._order.touch(name)
                 return False
             if size > self.capacity:
                 self.stats.too_large += 1
@@ -250,15 +254,16 @@ class DiskTier:
         return True
 
     def _evict(self, size: int) -> bool:
-        """Remove least recently used, unpinned chunks until `size` more bytes fit."""
+        """Remove unpinned chunks, in `cache_policy` order, until `size` more bytes fit."""
         victims = []
         with self._lock:
-            for name in list(self._index):
+            for name in list(self._order.victims()):
                 if self._used + size <= self.capacity:
                     break
                 if self._pins[name]:
                     continue
                 self._used -= self._index.pop(name)
+                self._order.discard(name)
                 self.stats.evictions += 1
                 victims.append(name)
             fits = self._used + size <= self.capacity
@@ -299,6 +304,7 @@ class DiskTier:
     def _forget(self, name: str, unlink: bool = False) -> bool:
         with self._lock:
             size = self._index.pop(name, None)
+            self._order.discard(name)
             if size is not None:
                 self._used -= size
         if unlink and size is not None and self.writable:
