@@ -20,7 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -51,6 +51,9 @@ class EngineStats:
     retrieved_tokens: int = 0
     skipped_store_tokens: int = 0  # not stored: every pool block was held by readers
     prefetched_tokens: int = 0
+    store_seconds: float = 0.0
+    retrieve_seconds: float = 0.0
+    loaded_by_tier: dict[str, int] = field(default_factory=dict)  # tokens loaded, by the tier they came from
 
 
 @dataclass(frozen=True)
@@ -335,6 +338,9 @@ class CacheEngine:
         if loaded:
             first, last = todo[0][0], todo[loaded - 1][0]
             mask[max(start, first.start) : min(end, last.end)] = True
+            by_tier = self.stats.loaded_by_tier
+            for span, tier in todo[:loaded]:
+                by_tier[tier] = by_tier.get(tier, 0) + min(end, span.end) - max(start, span.start)
         return Retrieval(self, mask, [c.block for _, c in held], handle, t0, request_id)
 
     def _scatter(self, slots: torch.Tensor, found: list[tuple[ChunkSpan, StoredChunk]], start: int, end: int,
@@ -422,6 +428,7 @@ class Retrieval:
         if loaded:
             engine = self._engine
             engine.stats.retrieved_tokens += loaded
+            engine.stats.retrieve_seconds += time.perf_counter() - self._t0
             _log_transfer("Retrieved KV cache for", loaded, len(self.mask), self._request_id,
                           loaded * engine.kv.bytes_per_token(), time.perf_counter() - self._t0)
         return self.mask
@@ -473,6 +480,7 @@ class Storing:
             engine.tiers.put(span.key, block, span.num_tokens)
         stored = _tokens(chunks) + engine._stream_store(self._slots, rest, self._request_id)
         engine.stats.stored_tokens += stored
+        engine.stats.store_seconds += time.perf_counter() - self._t0
         if stored:
             _log_transfer("Storing KV cache for", stored, len(self._slots), self._request_id,
                           stored * engine.kv.bytes_per_token(), time.perf_counter() - self._t0,

@@ -244,6 +244,7 @@ class TieredStore:
 @dataclass
 class WriterStats:
     written: int = 0  # chunks handed to the tier
+    written_tokens: int = 0
     waits: int = 0  # stores that found the queue full and waited
     dropped: int = 0  # chunks not written: the queue stayed full for wait_s
 
@@ -308,6 +309,7 @@ class _Writer:
             try:
                 self.tier.put([k for k, *_ in batch], [(b.data[:n].numpy().data, t) for _, b, n, t in batch])
                 self.stats.written += len(batch)
+                self.stats.written_tokens += sum(t for *_, t in batch)
             finally:
                 for _, block, _, _ in batch:
                     block.release()

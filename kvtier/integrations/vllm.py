@@ -67,6 +67,7 @@ from kvtier.config import KvtierConfig, load_config
 from kvtier.engine import CacheEngine, Retrieval, Storing
 from kvtier.errors import ConfigError
 from kvtier.integrations.lookup import Handlers, LookupClient, LookupServer, socket_path
+from kvtier.integrations.vllm_metrics import KvtierPromMetrics, KvtierStats, deltas
 from kvtier.keys import KVFormat
 from kvtier.logs import get_logger
 from kvtier.pd import make_buffer, start_receiver
@@ -239,6 +240,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._leased: set[str] = set()  # looked up with a hit, load not planned yet
             self._async_loads: list[str] = []  # async loads planned, to send with the next metadata
             self._pd_ids: dict[str, str] = {}  # PD receiver: request id -> the proxy's id, until planned
+            self._counts = {"lookups": 0, "lookup_tokens": 0, "hit_tokens": 0}  # since the last stats
             self._pd_sender = self.config.enable_pd and self.config.pd_role == "sender"
             self._pd_targets: dict[str, Target] = {}  # PD sender: request id -> its decoder, until scheduled
             if kv_cfg.kv_load_failure_policy != "recompute":
@@ -258,6 +260,8 @@ class KvtierConnector(KVConnectorBase_V1):
             self.pd_buffer: PdBuffer | None = None  # PD receiver: the buffer senders write into
             self._pd_receiver: PdReceiver | None = None
             self._pd_sender: PdSender | None = None
+            self._failed_tokens = 0  # promised tokens that could not be loaded
+            self._reported: dict[str, float] = {}  # counters as last reported to vLLM
 
     # ======================================================================
     # Scheduler side
@@ -281,6 +285,9 @@ class KvtierConnector(KVConnectorBase_V1):
             if pd_id:
                 self._pd_ids[rid] = pd_id
         background = need > 0 and in_cpu < hit
+        self._counts["lookups"] += 1
+        self._counts["lookup_tokens"] += len(prompt)
+        self._counts["hit_tokens"] += hit
         log.info("Reqid: %s, Total tokens %d, hit tokens %d, need to load %d%s", rid, len(prompt), hit, need,
                  " (not all in CPU RAM: loading from disk/remote in the background)" if background else "")
         if need:
@@ -450,6 +457,7 @@ class KvtierConnector(KVConnectorBase_V1):
         """Blocks a load did not fill are reported: vLLM recomputes them."""
         loaded_end = spec.start + loaded
         if loaded_end < spec.end:
+            self._failed_tokens += spec.end - loaded_end
             first, last = loaded_end // self.block_size, (spec.end - 1) // self.block_size
             self._load_errors.update(spec.block_ids[first : last + 1])
             log.warning("request %s: %d of %d tokens could not be loaded (evicted, corrupt or unreachable); "
@@ -513,6 +521,62 @@ class KvtierConnector(KVConnectorBase_V1):
                 if spec.pd_target is not None:
                     self._pd_sender.send(spec.pd_target, spec.token_ids, spec.slots(self.block_size),
                                          start=spec.start, last=spec.last)
+
+    # ======================================================================
+    # Stats (vLLM's /metrics and its "KV Transfer metrics" log): vllm_metrics.py
+    # ======================================================================
+
+    def get_kv_connector_stats(self) -> KvtierStats | None:
+        if self.role == KVConnectorRole.SCHEDULER:
+            counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)
+            return KvtierStats(counts) if any(counts.values()) else None
+        if self.engine is None:
+            return None
+        now = self._counters()
+        changed = deltas(now, self._reported)
+        self._reported = now
+        stats = KvtierStats(changed)
+        return None if stats.is_empty() else stats
+
+    def _counters(self) -> dict[str, float]:
+        """This worker's cumulative counters and current gauges (vllm_metrics.py names)."""
+        engine = self.engine
+        assert engine is not None
+        bpt, tiers = engine.kv.bytes_per_token(), engine.tiers
+        here = "pd" if self.pd_buffer is not None else "cpu"  # a PD receiver's CPU tier is its buffer
+        out: dict[str, float] = {
+            "store_seconds": engine.stats.store_seconds, "load_seconds": engine.stats.retrieve_seconds,
+            "skipped_store_tokens": engine.stats.skipped_store_tokens, "load_failure_tokens": self._failed_tokens,
+            f"evictions:{here}": tiers.cpu.stats.evictions,
+            "pool_used_bytes": engine.pool.used_bytes, "pool_capacity_bytes": engine.pool.capacity,
+            "write_queue_depth": sum(w.pending for w in tiers.writers.values()),
+        }
+        if tiers.keep_cpu:
+            out[f"stored_tokens:{here}"] = engine.stats.stored_tokens
+            out[f"stored_bytes:{here}"] = engine.stats.stored_tokens * bpt
+        for name, writer in tiers.writers.items():
+            out[f"stored_tokens:{name}"] = writer.stats.written_tokens
+            out[f"stored_bytes:{name}"] = writer.stats.written_tokens * bpt
+            out[f"dropped_writes:{name}"] = writer.stats.dropped
+        if tiers.disk is not None:
+            out["evictions:disk"] = tiers.disk.stats.evictions
+        for tier, tokens in engine.stats.loaded_by_tier.items():
+            name = here if tier == "cpu" else tier
+            out[f"loaded_tokens:{name}"] = tokens
+            out[f"loaded_bytes:{name}"] = tokens * bpt
+        if self._pd_sender is not None:
+            out["stored_tokens:pd"] = self._pd_sender.stats.sent_tokens
+            out["stored_bytes:pd"] = self._pd_sender.stats.sent_bytes
+        return out
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierStats:
+        return KvtierStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
