@@ -103,7 +103,8 @@ class PdBuffer:
                     self.stats.no_room += 1
                     return proto.NoRoom(msg.req_id, self.pool.free_blocks, len(new), self.pool.num_blocks)
                 blocks.append(block)
-            shared = [k for i, k in enumerate(keys) if i not in set(new)]
+            fresh = set(new)
+            shared = [k for i, k in enumerate(keys) if i not in fresh]
             for key in shared:  # owned now, so another request's release cannot free it
                 self._own(msg.req_id, key)
             self._reserved[msg.req_id] = _Reservation(

@@ -107,6 +107,7 @@ class PdSender:
         self._lock = threading.Lock()
         self._failed: set[str] = set()  # requests whose transfer broke: later steps are not sent
         self._sent: dict[str, int] = {}  # tokens sent so far per request, for the last log line
+        self._moved = 0  # tokens whose bytes the last transfer moved
         log.info("PD sender: channel %s, proxy %s:%s", config.pd_channel, config.pd_proxy_host, config.pd_proxy_port)
 
     def send(self, target: Target, tokens: Sequence[int], slots: torch.Tensor, *, start: int, last: bool) -> int:
@@ -118,7 +119,7 @@ class PdSender:
             return 0
         t0 = time.perf_counter()
         spans = [s for s in self.engine.spans(tokens) if s.end > start]
-        sent = 0
+        sent = self._moved = 0
         try:
             if spans:
                 conn = self._connection(target)
@@ -134,14 +135,15 @@ class PdSender:
             self._notify(proto.PrefillDone(rid, False, 0, str(exc)[:200]))
             return 0
         seconds = time.perf_counter() - t0
-        nbytes = sent * self.engine.kv.bytes_per_token()
-        self.stats.sent_tokens += sent
+        nbytes = self._moved * self.engine.kv.bytes_per_token()  # chunks the decoder held already did not move
+        self.stats.sent_tokens += self._moved
         self.stats.sent_bytes += nbytes
         total = self._sent.pop(rid, 0) + sent
         if sent:
-            log.info("PD: sent KV of %d tokens (%d..%d) for request %s to %s:%d in %.1f ms, %.2f GB/s, over %s",
+            log.info("PD: sent KV of %d tokens (%d..%d) for request %s to %s:%d in %.1f ms, %.2f GB/s, over %s%s",
                      sent, spans[0].start, spans[-1].end, rid, target.host, target.alloc_port, seconds * 1e3,
-                     nbytes / seconds / 1e9 if seconds > 0 else 0.0, self.config.pd_channel)
+                     nbytes / seconds / 1e9 if seconds > 0 else 0.0, self.config.pd_channel,
+                     f" ({sent - self._moved} tokens were on the decoder already)" if self._moved < sent else "")
         if last:
             self.stats.requests += 1
             self._notify(proto.PrefillDone(rid, True, total, ""))
@@ -155,6 +157,7 @@ class PdSender:
         t1 = time.perf_counter()
         try:
             todo = [(s, b) for s, b in zip(spans, blocks) if b >= 0]
+            self._moved = sum(s.num_tokens for s, _ in todo)
             deadline = time.monotonic() + self.config.blocking_timeout_secs
             if not self.channel.staged:
                 views = self.channel.views(conn.peer, [b for _, b in todo],
