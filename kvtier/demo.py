@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from kvtier.cpu_dtype import cpu_model_dtype
 from kvtier.localservers import free_port
@@ -56,6 +56,7 @@ def vllm_server(
     max_model_len: int = 16384,
     dtype: str = "auto",
     startup_timeout: float = 900,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[Server]:
     """Run vLLM's OpenAI server on a free loopback port until the block exits.
 
@@ -74,6 +75,7 @@ def vllm_server(
     ]
     if kv_connector:
         cmd += ["--kv-transfer-config", json.dumps(kv_connector)]
+    cmd += list(extra_args)
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,

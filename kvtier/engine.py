@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -54,6 +54,19 @@ class EngineStats:
     store_seconds: float = 0.0
     retrieve_seconds: float = 0.0
     loaded_by_tier: dict[str, int] = field(default_factory=dict)  # tokens loaded, by the tier they came from
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkEvent:
+    """A chunk stored in or evicted from the CPU tier (recorded with `enable_kv_events`)."""
+
+    stored: bool
+    digest: bytes
+    parent: bytes | None = None  # the previous chunk of the prompt (stored events)
+    token_ids: list[int] = field(default_factory=list)
+
+
+MAX_EVENTS = 100_000  # recorded and not yet taken; older ones are dropped
 
 
 @dataclass(frozen=True)
@@ -94,6 +107,9 @@ class CacheEngine:
         self.stats = EngineStats()
         self._warned: OrderedDict[str, None] = OrderedDict()  # requests told their store was cut
         self.leases = Leases(self.tiers, config.pin_timeout_sec)
+        self._events: deque[ChunkEvent] | None = deque(maxlen=MAX_EVENTS) if config.enable_kv_events else None
+        if self._events is not None:
+            cpu.on_evict = lambda key: self._events.append(ChunkEvent(False, key.digest))
         self._prefetches: dict[str, Future] = {}
         self._lock = threading.Lock()  # prefetches
         self._transfer_lock = threading.Lock()  # one gather/scatter at a time (loads may run in a thread)
@@ -201,7 +217,7 @@ class CacheEngine:
             except BaseException:
                 _release(owned)
                 raise
-        return Storing(self, owned, todo[len(owned):], slots, handle, t0, request_id)
+        return Storing(self, owned, todo[len(owned):], slots, handle, t0, request_id, _as_numpy(tokens))
 
     def _allocate(self, spans: Sequence[ChunkSpan], wait: bool) -> list[tuple[ChunkSpan, MemoryBlock]]:
         """Blocks for the first spans, as many as the pool gives now (the first may wait for writers)."""
@@ -279,6 +295,24 @@ class CacheEngine:
             self._warned[request_id] = None
             if len(self._warned) > 1024:
                 self._warned.popitem(last=False)
+
+    def _record_stored(self, spans: Sequence[ChunkSpan], tokens: np.ndarray) -> None:
+        """KV events of chunks now in the CPU tier (with `enable_kv_events`)."""
+        if self._events is None or not self.tiers.keep_cpu:
+            return
+        parents = {s.end: s.key.digest for s in self.spans(tokens)}
+        for span in spans:
+            if self.tiers.cpu.contains(span.key):
+                self._events.append(ChunkEvent(True, span.key.digest, parents.get(span.start),
+                                               tokens[span.start:span.end].tolist()))
+
+    def take_events(self) -> list[ChunkEvent]:
+        """The chunk events recorded since the last call."""
+        if not self._events:
+            return []
+        events = list(self._events)
+        self._events.clear()
+        return events
 
     # -- retrieve --------------------------------------------------------------
 
@@ -440,9 +474,10 @@ class Storing:
     the rest are gathered at `finish()`, batch by batch through the pool."""
 
     def __init__(self, engine: CacheEngine, owned: list[tuple[ChunkSpan, MemoryBlock]], rest: list[ChunkSpan],
-                 slots: torch.Tensor, handle: LayerSaver | None, t0: float, request_id: str) -> None:
+                 slots: torch.Tensor, handle: LayerSaver | None, t0: float, request_id: str,
+                 tokens: np.ndarray) -> None:
         self._engine, self._chunks, self._rest, self._slots, self._handle = engine, owned, rest, slots, handle
-        self._t0, self._request_id = t0, request_id
+        self._t0, self._request_id, self._tokens = t0, request_id, tokens
 
     @property
     def num_tokens(self) -> int:
@@ -479,6 +514,7 @@ class Storing:
         for span, block in chunks:
             engine.tiers.put(span.key, block, span.num_tokens)
         stored = _tokens(chunks) + engine._stream_store(self._slots, rest, self._request_id)
+        engine._record_stored([s for s, _ in chunks] + rest, self._tokens)
         engine.stats.stored_tokens += stored
         engine.stats.store_seconds += time.perf_counter() - self._t0
         if stored:

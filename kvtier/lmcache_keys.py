@@ -81,6 +81,7 @@ RULES: dict[str, KeyRule] = {
     "cache_policy": _b("LRU", "LRU, FIFO, MRU or LFU, for the CPU and disk tiers"),
     "lookup_timeout_ms": _b(3000, "the scheduler's wait for a worker's lookup"),
     "min_retrieve_tokens": _b(0, "a shorter hit is treated as a miss"),
+    "enable_kv_events": _b(False, "the CPU tier's stores and evictions, published by vLLM"),
     "enable_pd": _b(False),
     "pd_role": _b(None),
     "pd_buffer_size": _b(None),
@@ -168,7 +169,7 @@ RULES: dict[str, KeyRule] = {
     "chunk_statistics_auto_exit_timeout_hours": _i(0.0, _STATS),
     "chunk_statistics_auto_exit_target_unique_chunks": _i(0, _STATS),
     "chunk_statistics_strategy": _i("memory_bloom_filter", _STATS),
-    "enable_kv_events": _i(False, "vLLM KV events from kvtier's tiers are not built yet"),
+
     "app_id": _i(None, _INTERNAL),
     "max_hidden_state_cpu_size": _i(2.0, _HIDDEN),
     "hidden_state_layers": _i(None, _HIDDEN),

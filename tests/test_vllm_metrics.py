@@ -3,6 +3,7 @@ connector stats API: after a miss and a hit they equal what the hit-token log sa
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -53,3 +54,49 @@ def test_vllm_metrics_show_kvtier_lookups_hits_stores_and_loads(tiny_model, tmp_
     assert metric(text, "kvtier_pool_capacity_bytes") > 0 and metric(text, "kvtier_pool_used_bytes") > 0
     assert re.search(r"kvtier_hit_rate\{[^}]*\} 0\.\d+", text)
     assert metric(text, "kvtier_load_failure_tokens_total") == 0
+
+
+def test_with_enable_kv_events_vllm_publishes_kvtiers_stores_and_evictions(tiny_model, tmp_path):
+    """vLLM's ZMQ event publisher carries BlockStored for each chunk kvtier's CPU tier
+    takes (medium CPU, block size = chunk size, token ids) and BlockRemoved when one goes."""
+    import msgspec
+    import zmq
+    from transformers import AutoTokenizer
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    from kvtier.localservers import free_port
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    ids = tok.encode(corpus_text())
+    first, second = ids[12000:12600], ids[20000:20600]  # two whole chunks each; the pool holds three
+    port = free_port()
+    events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    env = {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_MAX_LOCAL_CPU_SIZE": str(3 * 256 * 8192 / 1024**3),
+           "LMCACHE_ENABLE_KV_EVENTS": "true"}
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")  # vLLM's publisher binds tcp://*:port
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    ours: list = []
+    try:
+        with vllm_server(tiny_model, tmp_path, env=env, dtype="float32", max_model_len=4096,
+                         extra_args=["--kv-events-config", json.dumps(events_cfg)]) as server:
+            for prompt in (first, second):
+                r = httpx.post(server.url + "/v1/completions", timeout=300, json={
+                    "model": str(tiny_model), "prompt": prompt, "max_tokens": 2, "temperature": 0})
+                assert r.status_code == 200, r.text
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and sum(isinstance(e, BlockRemoved) for e in ours) < 1:
+                if sub.poll(500):
+                    _, _, payload = sub.recv_multipart()
+                    ours += [e for e in decoder.decode(payload).events if getattr(e, "medium", None) == "CPU"]
+    finally:
+        sub.close(0)
+        ctx.term()
+    stored = [e for e in ours if isinstance(e, BlockStored)]
+    removed = [e for e in ours if isinstance(e, BlockRemoved)]
+    assert len(stored) == 4 and all(e.block_size == 256 and len(e.token_ids) == 256 for e in stored)
+    assert [e.token_ids for e in stored] == [first[:256], first[256:512], second[:256], second[256:512]]
+    assert stored[1].parent_block_hash == stored[0].block_hashes[0] and stored[0].parent_block_hash is None
+    assert removed and removed[0].block_hashes == stored[0].block_hashes  # LRU: the first prompt's first chunk

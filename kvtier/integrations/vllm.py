@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 import torch
@@ -67,6 +67,7 @@ from kvtier.config import KvtierConfig, load_config
 from kvtier.engine import CacheEngine, Retrieval, Storing
 from kvtier.errors import ConfigError
 from kvtier.integrations.lookup import Handlers, LookupClient, LookupServer, socket_path
+from kvtier.integrations.vllm_events import KvtierKVEvents, to_vllm
 from kvtier.integrations.vllm_metrics import KvtierPromMetrics, KvtierStats, deltas
 from kvtier.keys import KVFormat
 from kvtier.logs import get_logger
@@ -77,6 +78,7 @@ from kvtier.transfer import PagedKV
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -241,6 +243,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._async_loads: list[str] = []  # async loads planned, to send with the next metadata
             self._pd_ids: dict[str, str] = {}  # PD receiver: request id -> the proxy's id, until planned
             self._counts = {"lookups": 0, "lookup_tokens": 0, "hit_tokens": 0}  # since the last stats
+            self._kv_events: list[KVCacheEvent] = []  # from the workers, until vLLM publishes them
             self._pd_sender = self.config.enable_pd and self.config.pd_role == "sender"
             self._pd_targets: dict[str, Target] = {}  # PD sender: request id -> its decoder, until scheduled
             if kv_cfg.kv_load_failure_policy != "recompute":
@@ -568,6 +571,23 @@ class KvtierConnector(KVConnectorBase_V1):
             out["stored_tokens:pd"] = self._pd_sender.stats.sent_tokens
             out["stored_bytes:pd"] = self._pd_sender.stats.sent_bytes
         return out
+
+    # -- KV events (enable_kv_events): vllm_events.py --------------------------------------
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        if self.engine is None or not self.config.enable_kv_events:
+            return None
+        events = self.engine.take_events()
+        return KvtierKVEvents(to_vllm(events, self.chunk_size)) if events else None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        events = getattr(connector_output, "kv_cache_events", None)
+        if isinstance(events, KvtierKVEvents):
+            self._kv_events.extend(events.get_all_events())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events, self._kv_events = self._kv_events, []
+        return events
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierStats:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from kvtier.keys import ChunkKey
 from kvtier.memory import HostPool, MemoryBlock
@@ -39,6 +39,7 @@ class CpuTier:
         self._chunks: dict[ChunkKey, StoredChunk] = {}
         self._order: EvictionOrder[ChunkKey] = EvictionOrder(policy)
         self._lock = threading.Lock()
+        self.on_evict: Callable[[ChunkKey], None] | None = None  # told of each eviction (KV events)
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -115,5 +116,7 @@ class CpuTier:
             del self._chunks[key]
             self._order.discard(key)
             self.stats.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(key)
         chunk.block.release()
         return True

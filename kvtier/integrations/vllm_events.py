@@ -1,0 +1,52 @@
+"""KV events (`enable_kv_events`): vLLM publishes what kvtier's CPU tier stores and evicts.
+
+A KV-aware router (llm-d, Dynamo) listens on vLLM's event publisher
+(`--kv-events-config`) to learn which instance holds which prefix. The
+worker's CacheEngine records each chunk stored in CPU RAM (its key digest,
+its parent's, its token ids) and each chunk evicted; the worker hands them
+to vLLM after every step (`get_kv_connector_kv_cache_events`), the scheduler
+collects them (`update_connector_output`) and vLLM publishes them
+(`take_events`) as BlockStored / BlockRemoved with medium "CPU" and
+block_size = chunk_size. Block hashes are kvtier's 16-byte chunk digests.
+"""
+
+from __future__ import annotations
+
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
+
+from kvtier.engine import ChunkEvent
+
+
+class KvtierKVEvents(KVConnectorKVEvents):
+    def __init__(self, events: list[KVCacheEvent] | None = None) -> None:
+        self._events = list(events or [])
+        self._workers = 1
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        self._events.extend(events)
+
+    def aggregate(self) -> KvtierKVEvents:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._workers += count
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return list(self._events)
+
+    def get_number_of_workers(self) -> int:
+        return self._workers
+
+    def clear_events(self) -> None:
+        self._events.clear()
+
+
+def to_vllm(events: list[ChunkEvent], chunk_size: int) -> list[KVCacheEvent]:
+    out: list[KVCacheEvent] = []
+    for e in events:
+        if e.stored:
+            out.append(BlockStored(block_hashes=[e.digest], parent_block_hash=e.parent, token_ids=e.token_ids,
+                                   block_size=chunk_size, lora_id=None, medium=MEDIUM_CPU, lora_name=None))
+        else:
+            out.append(BlockRemoved(block_hashes=[e.digest], medium=MEDIUM_CPU))
+    return out
