@@ -90,6 +90,8 @@ class KvtierConfig:
     lookup_timeout_ms: int = _doc("longest the vLLM scheduler waits for a worker's lookup, ms (then a miss)",
                                   default=3000)
     min_retrieve_tokens: int = _doc("a hit shorter than this many tokens is treated as a miss", default=0)
+    save_decode_cache: bool = _doc("also store the KV of generated tokens (whole chunks, as decoding goes)",
+                                   default=False)
     enable_kv_events: bool = _doc("publish what the CPU tier stores and evicts as vLLM KV events "
                                   "(with vLLM's --kv-events-config)", default=False)
     enable_p2p: bool = _doc("peer-to-peer sharing (not built yet)", default=False)

@@ -81,6 +81,7 @@ RULES: dict[str, KeyRule] = {
     "cache_policy": _b("LRU", "LRU, FIFO, MRU or LFU, for the CPU and disk tiers"),
     "lookup_timeout_ms": _b(3000, "the scheduler's wait for a worker's lookup"),
     "min_retrieve_tokens": _b(0, "a shorter hit is treated as a miss"),
+    "save_decode_cache": _b(False, "the KV of generated tokens is stored too, in whole chunks"),
     "enable_kv_events": _b(False, "the CPU tier's stores and evictions, published by vLLM"),
     "enable_pd": _b(False),
     "pd_role": _b(None),
@@ -110,7 +111,6 @@ RULES: dict[str, KeyRule] = {
     "nixl_role": _m(None, "deprecated alias", "pd_role"),
     # -- accepted with no effect ---------------------------------------------------------
     "reserve_local_cpu_size": _i(0.0, "kvtier's CPU pool is exactly max_local_cpu_size"),
-    "save_decode_cache": _i(False, "kvtier stores prompt KV only (decode tokens are not stored yet)"),
     "pre_caching_hash_algorithm": _i("builtin", "kvtier's chunk keys are always a seeded xxh3-128 chain"),
     "numa_mode": _i(None, "kvtier does not bind its pool to NUMA nodes"),
     "py_enable_gc": _i(True, _INTERNAL),

@@ -73,7 +73,7 @@ def test_an_lmcache_yaml_with_common_keys_starts_kvtier_with_the_right_warnings(
     assert (cfg.min_retrieve_tokens, cfg.lookup_timeout_ms, cfg.cache_policy, cfg.pin_timeout_sec,
             cfg.enable_kv_events) == (64, 2000, "LRU", 120, True)
     warned = {r.getMessage().split()[2] for r in caplog.records if r.levelno == logging.WARNING}
-    assert warned == {"numa_mode", "save_decode_cache", "reserve_local_cpu_size", "enable_controller"}
+    assert warned == {"numa_mode", "reserve_local_cpu_size", "enable_controller"}
     informed = {r.getMessage().split()[2] for r in caplog.records
                 if r.levelno == logging.INFO and "LMCache key" in r.getMessage()}
     assert informed == {"enable_async_loading", "local_disk_path_sharding"}

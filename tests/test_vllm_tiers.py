@@ -99,3 +99,20 @@ def _chunk_file_names(model, prompt) -> list[str]:
     """The disk file of each chunk of `prompt`, keyed as vLLM's worker keys them."""
     fmt = KVFormat(str(model), "vllm", DTYPE)
     return [file_name(s.key) for s in chunk_spans(prompt, fmt, 256, False)]
+
+
+def test_save_decode_cache_stores_generated_tokens_for_a_follow_up(tiny_model, tmp_path):
+    """A chat's next turn starts with the previous prompt and answer: with save_decode_cache
+    the answer's whole chunks are stored as it is generated, so the next prompt hits past
+    the first prompt (here on disk, from a second vLLM process)."""
+    from transformers import AutoTokenizer
+
+    first = AutoTokenizer.from_pretrained(str(tiny_model)).encode(corpus_text())[40000:40300]
+    env = {**disk_env(tmp_path / "disk"), "LMCACHE_SAVE_DECODE_CACHE": "true"}
+    (turn1,), log = run_vllm(tiny_model, [first], tmp_path, "kv_both", env, name="turn1", dtype=DTYPE,
+                             max_tokens=260)
+    assert len(turn1["token_ids"]) == 260
+    assert "Storing KV cache for 256 out of 512 tokens" in log  # [256, 512): prompt tail + 212 generated
+    follow_up = first + turn1["token_ids"][:250]  # 550 tokens
+    _, log = run_vllm(tiny_model, [follow_up], tmp_path, "kv_both", env, name="turn2", dtype=DTYPE)
+    assert hits(log) == [(550, 512, 512)]  # without the decode cache: 256, the prompt's one whole chunk

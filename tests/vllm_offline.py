@@ -35,7 +35,7 @@ def main() -> None:
     llm = LLM(model=args.model, seed=0, max_model_len=8192, dtype=args.dtype,
               enable_prefix_caching=False, max_num_batched_tokens=args.max_batched,
               enforce_eager=True, kv_transfer_config=kv)
-    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=0)
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=0, ignore_eos=True)
     with open(args.prompts) as f:
         prompts = json.load(f)
     for ids in prompts:  # one at a time: the second sees the first's stored KV
@@ -48,14 +48,14 @@ def main() -> None:
 
 
 def run_vllm(model: Path, prompts: list[list[int]], tmp: Path, kv_role: str = "", env: dict | None = None,
-             name: str = "", dtype: str = "auto") -> tuple[list[dict], str]:
+             name: str = "", dtype: str = "auto", max_tokens: int = 8) -> tuple[list[dict], str]:
     """Run this file in a subprocess; returns the per-request results and vLLM's log.
 
     dtype "auto": the one this CPU runs models in (kvtier.cpu_dtype)."""
     pfile = tmp / f"prompts-{name or kv_role or 'plain'}.json"
     pfile.write_text(json.dumps(prompts))
     cmd = [sys.executable, __file__, "--model", str(model), "--prompts", str(pfile), "--kv-role", kv_role,
-           "--dtype", cpu_model_dtype().dtype if dtype == "auto" else dtype]
+           "--dtype", cpu_model_dtype().dtype if dtype == "auto" else dtype, "--max-tokens", str(max_tokens)]
     # Defaults under LMCACHE_ names: a test's own LMCACHE_ or KVTIER_ setting replaces or overrides them.
     full_env = {**os.environ, "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25", **(env or {})}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=full_env)

@@ -244,6 +244,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._pd_ids: dict[str, str] = {}  # PD receiver: request id -> the proxy's id, until planned
             self._counts = {"lookups": 0, "lookup_tokens": 0, "hit_tokens": 0}  # since the last stats
             self._kv_events: list[KVCacheEvent] = []  # from the workers, until vLLM publishes them
+            self._live: dict[str, Request] = {}  # save_decode_cache: requests whose decoded tokens are stored too
             self._pd_sender = self.config.enable_pd and self.config.pd_role == "sender"
             self._pd_targets: dict[str, Target] = {}  # PD sender: request id -> its decoder, until scheduled
             if kv_cfg.kv_load_failure_policy != "recompute":
@@ -308,6 +309,8 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         rid = request.request_id
+        if self.config.save_decode_cache and self.can_save:
+            self._live[rid] = request  # its all_token_ids grow as it decodes
         end, background = self._pending.pop(rid, (0, False))
         if num_external_tokens > 0 and request.prompt_token_ids:
             state = self._requests.setdefault(rid, _Request(list(request.prompt_token_ids)))
@@ -357,13 +360,19 @@ class KvtierConnector(KVConnectorBase_V1):
     def _plan(self, meta: KvtierMetadata, req_id: str, state: _Request, computed_after_step: int) -> None:
         if state.load is not None:
             self._plan_load(meta, req_id, state)
-        if not self.can_save or state.saved_upto >= len(state.prompt):
+        if not self.can_save:
             return
-        end = min(computed_after_step, len(state.prompt))
-        if end < len(state.prompt):
-            end -= end % self.chunk_size  # mid-prompt: whole chunks only
+        tokens = state.prompt
+        live = self._live.get(req_id)
+        if live is not None and computed_after_step > len(tokens):  # save_decode_cache: the output too
+            tokens = list(live.all_token_ids)
+        if state.saved_upto >= len(tokens):
+            return
+        end = min(computed_after_step, len(tokens))
+        if end != len(state.prompt):
+            end -= end % self.chunk_size  # mid-prompt or decoding: whole chunks only
         if end > state.saved_upto:
-            meta.saves.append(TransferSpec(req_id, state.prompt[:end], state.block_ids, state.saved_upto, end,
+            meta.saves.append(TransferSpec(req_id, tokens[:end], state.block_ids, state.saved_upto, end,
                                            pd_target=state.pd_target, last=end == len(state.prompt)))
             state.saved_upto = end
 
@@ -373,6 +382,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._pending.pop(rid, None)
         self._pd_ids.pop(rid, None)
         self._pd_targets.pop(rid, None)
+        self._live.pop(rid, None)
         if rid in self._leased:  # looked up, never loaded (aborted, or finished without it)
             self._leased.discard(rid)
             self._lookup.release(rid)
