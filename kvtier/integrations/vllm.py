@@ -245,7 +245,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._counts = {"lookups": 0, "lookup_tokens": 0, "hit_tokens": 0}  # since the last stats
             self._kv_events: list[KVCacheEvent] = []  # from the workers, until vLLM publishes them
             self._live: dict[str, Request] = {}  # save_decode_cache: requests whose decoded tokens are stored too
-            self._pd_sender = self.config.enable_pd and self.config.pd_role == "sender"
+            self._pd_sends = self.config.enable_pd and self.config.pd_role == "sender"
             self._pd_targets: dict[str, Target] = {}  # PD sender: request id -> its decoder, until scheduled
             if kv_cfg.kv_load_failure_policy != "recompute":
                 # Read by vLLM's scheduler right after it builds this connector.
@@ -273,7 +273,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         prompt = request.prompt_token_ids
-        if self._pd_sender:
+        if self._pd_sends:
             target = pd_target(request.kv_transfer_params) or self._fixed_peer(request.request_id)
             if target is not None:
                 self._pd_targets[request.request_id] = target
@@ -333,7 +333,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 continue
             state = self._requests.setdefault(new.req_id, _Request(list(new.prompt_token_ids)))
             state.block_ids = list(new.block_ids[0])
-            if self._pd_sender and state.pd_target is None:
+            if self._pd_sends and state.pd_target is None:
                 state.pd_target = self._pd_targets.pop(new.req_id, None)
             self._plan(meta, new.req_id, state, new.num_computed_tokens + sched.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
