@@ -82,8 +82,7 @@ def test_a_load_that_fails_after_the_lookup_is_recomputed_under_the_default_poli
     # The sixth chunk's file goes bad on disk: the lookup still counts it (the file
     # is there), the load finds it corrupt. vLLM's kv_load_failure_policy is left
     # at its default ("fail").
-    fmt_keys = _chunk_file_names(tiny_model, prompt)
-    bad = tmp_path / "disk" / fmt_keys[5]
+    bad = tmp_path / "disk" / _chunk_file_names(tiny_model, prompt, tmp_path / "disk")[5]
     data = bytearray(bad.read_bytes())
     data[len(data) // 2] ^= 0xFF
     bad.write_bytes(bytes(data))
@@ -95,10 +94,15 @@ def test_a_load_that_fails_after_the_lookup_is_recomputed_under_the_default_poli
     assert max(abs(x - y) for x, y in zip(result["logprobs"], plain["logprobs"])) < 0.05
 
 
-def _chunk_file_names(model, prompt) -> list[str]:
-    """The disk file of each chunk of `prompt`, keyed as vLLM's worker keys them."""
-    fmt = KVFormat(str(model), "vllm", DTYPE)
-    return [file_name(s.key) for s in chunk_spans(prompt, fmt, 256, False)]
+def _chunk_file_names(model, prompt, disk) -> list[str]:
+    """The disk file of each chunk of `prompt`, keyed as vLLM's worker keys them (its KV
+    layout name depends on the CPU attention kernel vLLM picks here: the one on disk)."""
+    for layout in ("vllm-cpu-vec", "vllm"):
+        fmt = KVFormat(str(model), layout, DTYPE)
+        names = [file_name(s.key) for s in chunk_spans(prompt, fmt, 256, False)]
+        if (disk / names[0]).exists():
+            return names
+    raise AssertionError(f"no chunk file of the prompt in {disk}")
 
 
 def test_save_decode_cache_stores_generated_tokens_for_a_follow_up(tiny_model, tmp_path):
