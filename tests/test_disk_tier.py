@@ -65,7 +65,8 @@ def test_lru_by_size_evicts_least_recently_used_and_skips_pinned(tmp_path):
 @pytest.mark.parametrize("policy, evicted", [("FIFO", 0), ("MRU", 0), ("LFU", 1)])
 def test_cache_policy_orders_disk_evictions(tmp_path, policy, evicted):
     t, ks = DiskTier(tmp_path, 3 * SIZE, Codec("naive"), policy), keys(4)
-    t.put(ks[:3], [(chunk(i), 16) for i in range(3)])
+    for i in range(3):  # one put each: a put of several writes them in parallel, in no set order
+        t.put([ks[i]], [(chunk(i), 16)])
     for k in (ks[2], ks[0], ks[0]):  # 0 read last and most; 1 never
         read(t, k)
     t.put([ks[3]], [(chunk(3), 16)])
