@@ -16,6 +16,7 @@ from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError
 from kvtier.keys import KVFormat
+from kvtier.localservers import free_port
 from kvtier.pd import make_buffer, protocol as proto, start_receiver
 from kvtier.pd.sender import PdSender, Target
 from kvtier.transfer import PagedKV
@@ -35,12 +36,6 @@ def channels():
     except ImportError:
         pass
     return out
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Pair:

@@ -109,19 +109,10 @@ def ipc_handle(ptr: int) -> bytes:
 def open_ipc_handle(handle: bytes) -> int:
     """Map another process's CUDA allocation into the *current* device's context (with peer
     access), so kernels of this device can read and write it; the base address."""
-    lib = _lib()
-    if lib is None:
-        raise RuntimeError("the CUDA runtime library is not loaded")
-    fn = lib.cudaIpcOpenMemHandle
-    fn.argtypes, fn.restype = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle, ctypes.c_uint], ctypes.c_int
-    ptr = ctypes.c_void_p()
-    raw = _IpcHandle()
+    ptr, raw = ctypes.c_void_p(), _IpcHandle()
     ctypes.memmove(ctypes.addressof(raw), handle, 64)
-    err = fn(ctypes.byref(ptr), raw, 1)  # 1: cudaIpcMemLazyEnablePeerAccess
-    if err:
-        msg = lib.cudaGetErrorString(err).decode()
-        lib.cudaGetLastError()
-        raise RuntimeError(f"cudaIpcOpenMemHandle failed: {msg} ({err})")
+    _call("cudaIpcOpenMemHandle", [ctypes.POINTER(ctypes.c_void_p), _IpcHandle, ctypes.c_uint],
+          ctypes.byref(ptr), raw, 1)  # 1: cudaIpcMemLazyEnablePeerAccess
     return int(ptr.value)
 
 
