@@ -95,7 +95,7 @@ def _server(args: argparse.Namespace) -> int:
     import logging
     import os
 
-    from kvtier.server.app import AUTH_TOKEN_ENV, ServerOptions, run
+    from kvtier.server.app import AUTH_TOKEN_ENV, ServerOptions, ServerState, run
 
     logging.getLogger("kvtier").setLevel(args.log_level.upper())
     try:
@@ -103,14 +103,21 @@ def _server(args: argparse.Namespace) -> int:
             host=args.host, service_port=args.service_port, manage_port=args.manage_port,
             prealloc_bytes=int(args.prealloc_size * 1024**3), page_size=args.page_size_kb << 10,
             evict_low=args.evict_min_threshold, evict_high=args.evict_max_threshold,
-            auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV), dev_name=args.dev_name,
-            link_type=args.link_type, hint_gid_index=args.hint_gid_index, shm=not args.no_shm,
-            **({} if args.io_threads is None else {"io_threads": args.io_threads}),
+            auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV),
+            tenants_file=Path(args.tenants) if args.tenants else None,
+            tls_cert=Path(args.tls_cert) if args.tls_cert else None,
+            tls_key=Path(args.tls_key) if args.tls_key else None,
+            max_connections=args.max_connections,
+            max_held_bytes=None if args.max_held_per_conn is None else int(args.max_held_per_conn * 2**30),
+            lease_timeout=args.lease_timeout, put_deadline=args.put_deadline, idle_timeout=args.idle_timeout,
+            dev_name=args.dev_name, link_type=args.link_type, hint_gid_index=args.hint_gid_index,
+            shm=not args.no_shm, **({} if args.io_threads is None else {"io_threads": args.io_threads}),
         )
+        state = ServerState(opts)
     except ValueError as e:
         print(f"kvtier server: {e}", file=sys.stderr)
         return 2
-    run(opts)
+    run(state)
     return 0
 
 
@@ -221,7 +228,19 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--page-size-kb", type=int, default=256, help="pool page, KiB")
     srv.add_argument("--evict-min-threshold", type=float, default=0.8, help="evict down to this pool fraction")
     srv.add_argument("--evict-max-threshold", type=float, default=0.95, help="evict when above this fraction")
-    srv.add_argument("--auth-token", help="bearer token of the management API (or $KVTIER_SERVER_TOKEN)")
+    srv.add_argument("--auth-token", help="token for the KV port (HMAC handshake) and the management API "
+                     "(bearer); or $KVTIER_SERVER_TOKEN")
+    srv.add_argument("--tenants", help="YAML/JSON file: tenant name -> token; each tenant has its own keys")
+    srv.add_argument("--tls-cert", help="PEM certificate: the KV port speaks TLS (clients: kvtiers://)")
+    srv.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    srv.add_argument("--max-connections", type=int, default=1024, help="client connections at once")
+    srv.add_argument("--max-held-per-conn", type=float,
+                     help="GiB one connection may hold leased or reserved (default: half the pool)")
+    srv.add_argument("--lease-timeout", type=float, default=30.0,
+                     help="s after which a lease is dropped, even on a live connection")
+    srv.add_argument("--put-deadline", type=float, default=30.0,
+                     help="s for a put's values to arrive after its header (or PUT_ALLOC to its commit)")
+    srv.add_argument("--idle-timeout", type=float, default=300.0, help="s a connection may stay silent")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     srv.add_argument("--dev-name", help="RDMA device, e.g. mlx5_0 (TCP is served when it is absent)")
     srv.add_argument("--link-type", default="IB", choices=["IB", "Ethernet"], help="RDMA link type")

@@ -23,14 +23,14 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 import yaml
 
 from kvtier.codec import SERDES
 from kvtier.errors import ConfigError, UnknownConfigKey
 from kvtier.lmcache_keys import RULES, resolve
-from kvtier.remote import check_url
+from kvtier.remote import TOKEN_SCHEMES, check_url
 from kvtier.tiers.policy import POLICIES
 
 ENV_PREFIXES = ("LMCACHE_", "KVTIER_")
@@ -66,6 +66,9 @@ class KvtierConfig:
         "longest a looked-up hit stays protected (pinned) waiting for its load, s", default=300)
     remote_url: str | None = _doc(
         "remote store: kvtier:// infinistore:// redis:// rediss:// redis-cluster:// fs://", default=None)
+    remote_auth_token: str | None = _doc(
+        "token for a kvtier store server that wants one (or ?token_env=VAR in remote_url)", default=None,
+        repr=False)
     remote_serde: str = _doc("remote payload codec: naive | lz4", default="naive")
     blocking_timeout_secs: float = _doc("longest wait on a tier before a miss, s", default=10.0)
     enable_pd: bool = _doc("disaggregated prefill: this instance sends (prefiller) or receives (decoder) KV",
@@ -146,6 +149,10 @@ def _check_ranges(cfg: KvtierConfig) -> None:
         raise ConfigError("max_local_cpu_size", cfg.max_local_cpu_size, "a size in GB > 0")
     if cfg.remote_url is not None and (expected := check_url(cfg.remote_url)):
         raise ConfigError("remote_url", cfg.remote_url, expected)
+    if cfg.remote_auth_token is not None and urlsplit(cfg.remote_url or "").scheme not in TOKEN_SCHEMES:
+        raise ConfigError("remote_auth_token", "<hidden>",
+                          "a remote_url of a kvtier store server (" + ", ".join(f"{s}://" for s in TOKEN_SCHEMES)
+                          + "); Redis takes its password in the URL")
     if cfg.remote_serde not in SERDES:
         raise ConfigError("remote_serde", cfg.remote_serde, " | ".join(SERDES))
     if cfg.blocking_timeout_secs <= 0:

@@ -560,7 +560,8 @@ def _remote_tier(config: KvtierConfig, kv: PagedKV) -> RemoteTier | None:
         return None
     codec = Codec(config.remote_serde, itemsize=kv.dtype.itemsize)
     log.info("remote tier: %s (serde %s)", config.remote_url, config.remote_serde)
-    return RemoteTier(open_store(config.remote_url, config.blocking_timeout_secs), codec, config.remote_url)
+    store = open_store(config.remote_url, config.blocking_timeout_secs, config.remote_auth_token)
+    return RemoteTier(store, codec, config.remote_url)
 
 
 def _as_numpy(tokens: Tokens) -> np.ndarray:

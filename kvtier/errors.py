@@ -50,6 +50,13 @@ class RemoteUnavailable(KvtierError, ConnectionError):
     turns it into a logged, counted miss."""
 
 
+class RemoteAuthFailed(RemoteUnavailable):
+    """The store server wants a token and this client has none, or a wrong one.
+
+    A RemoteUnavailable, so the remote tier backs off as from a dead server
+    (a token does not fix itself between two requests); the message says which."""
+
+
 class RemoteRefused(KvtierError):
     """The remote store answered with an error (e.g. its pool is full)."""
 

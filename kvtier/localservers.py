@@ -4,6 +4,7 @@
     with redis_server() as srv:                     srv.url == "redis://127.0.0.1:<port>",
                                                     also on srv.unix_socket
     with redis_cluster(masters=3) as srv:           srv.url == "redis-cluster://127.0.0.1:<p1>,..."
+    cert, key = self_signed_cert(directory)         for --tls-cert/--tls-key (and the client's tls_ca)
 
 Each yields a `LocalServer` whose processes are stopped (SIGTERM, then
 SIGKILL) when the block ends; `kill()` and `restart()` exist for fault tests.
@@ -113,6 +114,16 @@ def kvtier_server(prealloc_gb: float = 0.5, *extra: str, log_dir: Path | None = 
         with _running(LocalServer(f"kvtier://127.0.0.1:{port}", [port, manage], [cmd], log_path=log,
                                   manage_port=manage)) as srv:
             yield srv
+
+
+def self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    """A throwaway certificate for localhost and 127.0.0.1 (its own CA), by the openssl command."""
+    cert, key = Path(directory) / "cert.pem", Path(directory) / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-days", "2", "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(cert),
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True,
+                   timeout=60)
+    return cert, key
 
 
 def redis_binary(name: str = "redis-server") -> str:

@@ -1,6 +1,7 @@
 """Remote KV stores, reached by URL scheme. Every store speaks `KVStore`.
 
     kvtier://host:port                     our store server (kvtier.server)
+    kvtiers://host:port                    the same over TLS (parameters: remote/kvserver.py)
     infinistore://host:port/?device=mlx5_1 the same server, under InfiniStore's scheme
     redis://[:password@]host:port[/db]     one redis-server
     rediss://...                           the same over TLS
@@ -22,6 +23,7 @@ from kvtier.buffers import Value
 # scheme -> "module:function(url, timeout) -> KVStore"
 SCHEMES = {
     "kvtier": "kvtier.remote.kvserver:open_kvserver",
+    "kvtiers": "kvtier.remote.kvserver:open_kvserver",
     "infinistore": "kvtier.remote.kvserver:open_kvserver",
     "redis": "kvtier.remote.redis:open_redis",
     "rediss": "kvtier.remote.redis:open_redis",
@@ -53,13 +55,17 @@ class KVStore(Protocol):
     def close(self) -> None: ...
 
 
-def open_store(url: str, timeout: float) -> KVStore:
+TOKEN_SCHEMES = ("kvtier", "kvtiers", "infinistore")  # the stores that take remote_auth_token
+
+
+def open_store(url: str, timeout: float, auth_token: str | None = None) -> KVStore:
     scheme = urlsplit(url).scheme
     if scheme not in SCHEMES:
         raise ValueError(f"remote_url {url!r}: unknown scheme {scheme!r}; expected one of "
                          + ", ".join(f"{s}://" for s in SCHEMES))
     module, func = SCHEMES[scheme].split(":")
-    return getattr(importlib.import_module(module), func)(url, timeout)
+    opener = getattr(importlib.import_module(module), func)
+    return opener(url, timeout, auth_token) if scheme in TOKEN_SCHEMES else opener(url, timeout)
 
 
 def check_url(url: str) -> str | None:

@@ -11,6 +11,17 @@ connection 5.5-9 (docs/benchmarks.md). The value pool is allocated once at
 start (pool.py) and indexed with LRU eviction between watermarks
 (index.py), one lock for all loops.
 
+Access (auth.py): with `--auth-token` or `--tenants`, a connection proves
+it holds a token (HMAC challenge-response in the handshake) before any
+other op, and each token's keys live in its tenant's namespace. With
+`--tls-cert/--tls-key` the KV port speaks TLS. Off loopback, a token is
+required. Bounds, each a flag: connections (`--max-connections`), bytes one
+connection holds leased or reserved (`--max-held-per-conn`), how long a
+lease lives (`--lease-timeout`), how long a put's values may take to arrive
+(`--put-deadline`), and how long a connection may stay silent
+(`--idle-timeout`). Each hit is counted in /metrics and logged once per
+client host.
+
 RDMA: the flags InfiniStore takes (--dev-name, --link-type,
 --hint-gid-index) are accepted. Without that device the server says so in
 one line and serves TCP; the RDMA design is in docs/rdma.md.
@@ -23,11 +34,14 @@ import ipaddress
 import os
 import signal
 import socket
+import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.logs import get_logger
+from kvtier.server import protocol as p
+from kvtier.server.auth import Tokens, load_tokens
 from kvtier.server.connection import Connection
 from kvtier.server.index import KVIndex
 from kvtier.server.pool import PagePool
@@ -49,6 +63,14 @@ class ServerOptions:
     evict_low: float = 0.8
     evict_high: float = 0.95
     auth_token: str | None = None
+    tenants_file: Path | None = None  # tenant name -> token, besides --auth-token's
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    max_connections: int = 1024
+    max_held_bytes: int | None = None  # per connection, leased + reserved; None: half the pool
+    lease_timeout: float = 30.0  # s a lease (or a reply's pin) may live
+    put_deadline: float = 30.0  # s from a put's header (or PUT_ALLOC) to its last byte (or PUT_COMMIT)
+    idle_timeout: float = 300.0  # s a connection may send nothing
     dev_name: str | None = None
     link_type: str = "IB"
     hint_gid_index: int | None = None
@@ -58,9 +80,19 @@ class ServerOptions:
     def __post_init__(self) -> None:
         if not is_loopback(self.host) and not self.auth_token:
             raise ValueError(
-                f"--host {self.host} is not a loopback address: the management API needs a token there. "
-                f"Pass --auth-token or set {AUTH_TOKEN_ENV}"
+                f"--host {self.host} is not a loopback address: the KV port and the management API need a "
+                f"token there. Pass --auth-token or set {AUTH_TOKEN_ENV} (tenants' tokens, --tenants, "
+                "come on top of it)"
             )
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        for name in ("lease_timeout", "put_deadline", "idle_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected seconds > 0")
+        if self.max_connections < 1:
+            raise ValueError(f"--max-connections {self.max_connections}: need at least 1")
+        if self.max_held_bytes is not None and self.max_held_bytes <= 0:
+            raise ValueError(f"--max-held-per-conn {self.max_held_bytes}: expected bytes > 0")
         if self.link_type not in ("IB", "Ethernet"):
             raise ValueError(f"--link-type {self.link_type!r}: expected IB or Ethernet")
         if self.io_threads < 1:
@@ -99,15 +131,39 @@ class ServerState:
         self.pid = os.getpid()
         self.shm_enabled = opts.shm
         self.rdma_note = rdma_note(opts)
+        self.tokens: Tokens | None = load_tokens(opts.auth_token, opts.tenants_file)
+        self.tls: ssl.SSLContext | None = _tls_context(opts) if opts.tls_cert else None
+        self.max_held = opts.max_held_bytes or self.pool.capacity // 2
+        # how often each connection checks its bounds: a bound is enforced within a quarter of itself (<= 1 s)
+        self.tick = max(0.05, min(1.0, min(opts.lease_timeout, opts.put_deadline, opts.idle_timeout) / 4))
+        self._noted: set[tuple[str, str]] = set()
 
     def stats(self) -> dict:
         return self.index.snapshot()
+
+    def note(self, peer_host: str, bound: str, message: str) -> None:
+        """Log `message` the first time `peer_host` hits `bound` (counting is the caller's)."""
+        if (peer_host, bound) in self._noted:
+            return
+        if len(self._noted) > 100_000:  # a flood of hosts: forget, and log again
+            self._noted.clear()
+        self._noted.add((peer_host, bound))
+        log.warning("client %s: %s (logged once per client host)", peer_host, message)
 
     def close(self) -> None:
         try:
             self.pool.close()
         except BufferError:  # a view is still exported; the process is exiting anyway
             pass
+
+
+def _tls_context(opts: ServerOptions) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(opts.tls_cert, opts.tls_key)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"--tls-cert {opts.tls_cert} / --tls-key {opts.tls_key}: {e}") from None
+    return ctx
 
 
 class _LoopThread:
@@ -144,17 +200,39 @@ class _Loops:
         with self._lock:
             self.live[i] -= 1
 
+    def total(self) -> int:
+        with self._lock:
+            return sum(self.live)
+
 
 async def _accept(listener: socket.socket, state: ServerState, loops: _Loops) -> None:
-    """Accept connections; each goes to the loop serving the fewest."""
+    """Accept connections; each goes to the loop serving the fewest. Past
+    --max-connections, a new connection gets one error frame and is closed."""
     loop = asyncio.get_running_loop()
     while True:
-        sock, _ = await loop.sock_accept(listener)
+        sock, addr = await loop.sock_accept(listener)
+        if loops.total() >= state.opts.max_connections:
+            _refuse(sock, addr, state)
+            continue
         i = loops.pick()
         target = loops.loops[i]
-        serve_on = target.connect_accepted_socket(lambda i=i: Connection(state, lambda: loops.gone(i)), sock)
+        serve_on = target.connect_accepted_socket(lambda i=i: Connection(state, lambda: loops.gone(i)), sock,
+                                                  ssl=state.tls)
         started = loop.create_task(serve_on) if target is loop else asyncio.run_coroutine_threadsafe(serve_on, target)
         started.add_done_callback(lambda f, i=i, sock=sock: _not_started(f, i, sock, loops))
+
+
+def _refuse(sock: socket.socket, addr, state: ServerState) -> None:
+    limit = state.opts.max_connections
+    state.index.count(refused_connections=1)
+    state.note(str(addr[0]), "max-connections", f"connection refused: the server holds --max-connections {limit}")
+    if state.tls is None:  # over TLS the frame would need a handshake first: the close says enough
+        message = f"too many connections (--max-connections {limit}); try again later".encode()
+        try:
+            sock.send(p.pack_header(p.Op.HELLO | p.REPLY, 0, len(message), flags=p.Status.ERROR) + message)
+        except OSError:
+            pass
+    sock.close()
 
 
 def _not_started(started, i: int, sock: socket.socket, loops: _Loops) -> None:
@@ -167,11 +245,11 @@ def _not_started(started, i: int, sock: socket.socket, loops: _Loops) -> None:
              "cancelled" if started.cancelled() else started.exception())
 
 
-async def serve(opts: ServerOptions, ready: asyncio.Event | None = None) -> None:
+async def serve(state: ServerState, ready: asyncio.Event | None = None) -> None:
     """Run until SIGINT/SIGTERM (or cancellation)."""
     from kvtier.server.manage import start_management
 
-    state = ServerState(opts)
+    opts = state.opts
     if state.rdma_note:
         log.warning(state.rdma_note)
     loop = asyncio.get_running_loop()
@@ -183,10 +261,14 @@ async def serve(opts: ServerOptions, ready: asyncio.Event | None = None) -> None
     listener = socket.create_server((opts.host, opts.service_port), family=family, backlog=512)
     listener.setblocking(False)
     acceptor = loop.create_task(_accept(listener, state, _Loops([loop, *(w.loop for w in workers)])))
-    log.info("kvtier server on %s:%d (TCP%s, %d I/O threads), management http://%s:%d, "
-             "pool %.2f GB in %d pages of %d KiB", opts.host, opts.service_port,
-             ", same-host shared memory" if opts.shm else "", opts.io_threads, opts.host, opts.manage_port,
-             state.pool.capacity / 1e9, state.pool.num_pages, opts.page_size >> 10)
+    log.info("kvtier server on %s:%d (%s%s, %s, %d I/O threads), management http://%s:%d, "
+             "pool %.2f GB in %d pages of %d KiB", opts.host, opts.service_port, "TLS" if state.tls else "TCP",
+             ", same-host shared memory" if opts.shm else "",
+             f"{len(state.tokens)} token(s)" if state.tokens else "no authentication", opts.io_threads,
+             opts.host, opts.manage_port, state.pool.capacity / 1e9, state.pool.num_pages, opts.page_size >> 10)
+    log.info("bounds: %d connections, %.0f MiB held per connection, leases %g s, put payloads %g s, idle %g s",
+             opts.max_connections, state.max_held / 2**20, opts.lease_timeout, opts.put_deadline,
+             opts.idle_timeout)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -204,7 +286,7 @@ async def serve(opts: ServerOptions, ready: asyncio.Event | None = None) -> None
         state.close()
 
 
-def run(opts: ServerOptions) -> None:
+def run(state: ServerState) -> None:
     import uvloop
 
-    uvloop.run(serve(opts))
+    uvloop.run(serve(state))

@@ -7,13 +7,20 @@
 
 Transport faults (refused, reset, no answer within `timeout`) raise
 RemoteUnavailable and drop the connection; the next call reconnects. The
-server's refusals raise ValueTooLarge (a value larger than its pool) or
-RemoteRefused.
+server's refusals raise ValueTooLarge (a value larger than its pool),
+RemoteAuthFailed (no token or a wrong one: auth.py) or RemoteRefused.
+`tls=True` speaks TLS (certificate checked against `tls_ca`, or the
+system's CAs, and the host name). A connection left idle for half the
+server's idle timeout is replaced before it is used.
 
 Same host: when the server's HELLO reply says it runs on this kernel boot,
 the client maps the server's pool (a memfd, through /proc/<pid>/fd) and
 moves values with memcpy: PUT_ALLOC → copy → PUT_COMMIT, and GET_SHM →
-copy → RELEASE. Only keys and page extents go over TCP then.
+copy → RELEASE. Only keys and page extents go over TCP then. The server
+drops a lease after its lease timeout and a reservation after its put
+deadline (both in the HELLO reply): a copy that is not done within half
+of it is thrown away as a fault, so a slow copy never returns, or commits,
+bytes the server may have handed to someone else.
 """
 
 from __future__ import annotations
@@ -22,16 +29,19 @@ import itertools
 import mmap
 import os
 import socket
+import ssl
 import struct
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 
 from kvtier.buffers import IOV_MAX, Value, as_parts, from_extents, into_extents, run_copy, unsent
-from kvtier.errors import RemoteRefused, RemoteUnavailable, ValueTooLarge
+from kvtier.errors import RemoteAuthFailed, RemoteRefused, RemoteUnavailable, ValueTooLarge
 from kvtier.logs import get_logger
+from kvtier.server import auth
 from kvtier.server import protocol as p
 
 log = get_logger(__name__)
@@ -43,6 +53,29 @@ class _Link:
     info: dict
     shm: np.ndarray | None  # the server's pool, mapped, on the same host
     shm_map: mmap.mmap | None
+    tls: bool = False
+    used: float = field(default_factory=time.monotonic)
+
+    def send(self, parts: list) -> None:
+        if self.tls:  # an SSL socket has no sendmsg
+            for part in as_parts(parts):
+                self.sock.sendall(part)
+        else:
+            _send_all(self.sock, parts)
+
+    def recv_into(self, view: memoryview) -> None:
+        if self.tls:  # nor recv flags
+            while len(view):
+                n = self.sock.recv_into(view)
+                if n == 0:
+                    raise ConnectionError("server closed the connection")
+                view = view[n:]
+        else:
+            _recv_exactly(self.sock, view)
+
+    def bound(self, name: str) -> float:
+        """A bound the server enforces (seconds), from its HELLO reply; inf if it has none."""
+        return float(self.info.get("bounds", {}).get(name) or "inf")
 
     def close(self) -> None:
         self.sock.close()
@@ -52,8 +85,10 @@ class _Link:
 
 
 class KVClient:
-    def __init__(self, host: str, port: int, *, timeout: float = 10.0, shm: bool = True) -> None:
+    def __init__(self, host: str, port: int, *, timeout: float = 10.0, shm: bool = True, token: str | None = None,
+                 tls: bool = False, tls_ca: str | None = None) -> None:
         self.host, self.port, self.timeout, self.use_shm = host, port, timeout, shm
+        self.token, self.tls, self.tls_ca = token, tls, tls_ca
         self._link: _Link | None = None
         self._lock = threading.Lock()
         self._req_ids = itertools.count(1)
@@ -69,11 +104,13 @@ class KVClient:
         with self._lock:
             link = self._connect()
             if link.shm is not None:
+                t0 = time.monotonic()
                 _, meta = self._call(link, p.Op.PUT_ALLOC, p.encode_keys(keys, sizes))
                 ticket, entries = p.decode_extents(meta)
                 # One copy for the whole batch, so that a batch of chunks is split over the copy threads.
                 run_copy([pair for (_, extents), ps in zip(entries, parts)
                           for pair in into_extents(link.shm, extents, ps)])
+                self._in_time(link, t0, "put_deadline", "put")
                 self._send(link, p.Op.PUT_COMMIT, p.encode_u32(ticket))
                 # The commit has no reply; a request after it on this connection is
                 # served after it, so its answer means the put is visible to every
@@ -143,26 +180,58 @@ class KVClient:
 
     def _connect(self) -> _Link:
         if self._link is not None:
-            return self._link
+            if time.monotonic() - self._link.used < self._link.bound("idle_timeout") / 2:
+                self._link.used = time.monotonic()
+                return self._link
+            self._drop()  # the server may be closing it as idle: take a fresh one
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
-        except OSError as e:
-            raise RemoteUnavailable(f"kvtier server {self.host}:{self.port} unreachable: {e}") from e
+            if self.tls:
+                ctx = ssl.create_default_context(cafile=self.tls_ca)
+                sock = ctx.wrap_socket(sock, server_hostname=self.host)
+        except (OSError, ssl.SSLError) as e:
+            raise RemoteUnavailable(f"kvtier server {self.host}:{self.port} unreachable"
+                                    f"{' over TLS' if self.tls else ''}: {e}") from e
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        # Blocking, with the timeout kept by the kernel: Python's own timeout
-        # polls before every call, and a blocking recv can wait for a whole value.
-        sock.settimeout(None)
-        limit = struct.pack("ll", int(self.timeout), int(self.timeout % 1 * 1e6))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
-        link = _Link(sock, {}, None, None)
+        if not self.tls:
+            # Blocking, with the timeout kept by the kernel: Python's own timeout
+            # polls before every call, and a blocking recv can wait for a whole value.
+            # (An SSL socket keeps Python's: a kernel timeout there reads as "want read".)
+            sock.settimeout(None)
+            limit = struct.pack("ll", int(self.timeout), int(self.timeout % 1 * 1e6))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+        link = _Link(sock, {}, None, None, tls=self.tls)
         _, meta = self._call(link, p.Op.HELLO, p.encode_json({"host_id": p.host_id() if self.use_shm else ""}))
         link.info = p.decode_json(meta)
+        if link.info.get("auth"):
+            self._authenticate(link)
         if link.info.get("shm"):
             link.shm_map = _map_server_pool(link.info["shm"])
             link.shm = None if link.shm_map is None else np.frombuffer(link.shm_map, np.uint8)
         self._link = link
         return link
+
+    def _authenticate(self, link: _Link) -> None:
+        if link.info["auth"] != auth.SCHEME:
+            link.close()
+            raise RemoteAuthFailed(f"kvtier server {self.host}:{self.port} wants {link.info['auth']!r} "
+                                   f"authentication; this client speaks {auth.SCHEME}")
+        if not self.token:
+            link.close()
+            raise RemoteAuthFailed(f"kvtier server {self.host}:{self.port} wants a token: give it by "
+                                   "kvtier://host:port/?token_env=VAR or the config key remote_auth_token")
+        proof = auth.prove(self.token, bytes.fromhex(link.info["challenge"]))
+        _, meta = self._call(link, p.Op.AUTH, p.encode_json({"proof": proof.hex()}))
+        link.info.update(p.decode_json(meta))
+
+    def _in_time(self, link: _Link, t0: float, bound: str, what: str) -> None:
+        """Fail a same-host copy that took more than half of the server's `bound`
+        (after which it frees what the copy used)."""
+        took = time.monotonic() - t0
+        if took > link.bound(bound) / 2:
+            self._fail(link, TimeoutError(f"a shared-memory {what} took {took:.1f} s, more than half the "
+                                          f"server's {bound} ({link.bound(bound):g} s): dropped"))
 
     def _drop(self) -> None:
         if self._link is not None:
@@ -170,9 +239,9 @@ class KVClient:
             self._link = None
 
     def _send(self, link: _Link, op: p.Op, meta: bytes, parts: Sequence[memoryview] = (), payload_len: int = 0) -> int:
-        req_id = next(self._req_ids) & 0xFFFFFFFF
+        req_id = next(self._req_ids) & 0xFFFFFFFF or next(self._req_ids)  # 0 is the server's own
         try:
-            _send_all(link.sock, [p.pack_header(op, req_id, len(meta), payload_len) + meta, *parts])
+            link.send([p.pack_header(op, req_id, len(meta), payload_len) + meta, *parts])
         except OSError as e:
             self._fail(link, e)
         return req_id
@@ -184,20 +253,27 @@ class KVClient:
         req_id = self._send(link, op, meta, parts, payload_len)
         try:
             head = bytearray(p.HEADER_SIZE)
-            _recv_exactly(link.sock, memoryview(head))
+            link.recv_into(memoryview(head))
             h = p.parse_header(head, replies=True)
-            if h.op != op | p.REPLY or h.req_id != req_id:
+            parting = h.req_id == 0 and h.flags != p.Status.OK  # the server's last word before it closes
+            if not parting and (h.op != op | p.REPLY or h.req_id != req_id):
                 raise p.ProtocolError(f"reply {h.op:#x}/{h.req_id} to request {op:#x}/{req_id}")
             if h.payload_len and op != p.Op.GET:
                 raise p.ProtocolError(f"a {op.name} reply carries no payload, got {h.payload_len} bytes")
             meta_buf = memoryview(bytearray(h.meta_len))
-            _recv_exactly(link.sock, meta_buf)
+            link.recv_into(meta_buf)
         except (OSError, p.ProtocolError) as e:
             self._fail(link, e)
         if h.flags != p.Status.OK:
-            message = bytes(meta_buf).decode(errors="replace")
-            raise (ValueTooLarge if h.flags == p.Status.TOO_LARGE else RemoteRefused)(
-                f"kvtier server {self.host}:{self.port}: {message}")
+            message = f"kvtier server {self.host}:{self.port}: {bytes(meta_buf).decode(errors='replace')}"
+            if parting or h.flags == p.Status.UNAUTHORIZED:  # the server closes this connection
+                if link is self._link:
+                    self._drop()
+                else:
+                    link.close()
+            if h.flags == p.Status.UNAUTHORIZED:
+                raise RemoteAuthFailed(message)
+            raise (ValueTooLarge if h.flags == p.Status.TOO_LARGE else RemoteRefused)(message)
         return h, meta_buf
 
     def _get(self, keys: Sequence[bytes], dest: Callable[[int, int], list[memoryview] | None]) -> None:
@@ -206,6 +282,7 @@ class KVClient:
         with self._lock:
             link = self._connect()
             if link.shm is not None:
+                t0 = time.monotonic()
                 _, meta = self._call(link, p.Op.GET_SHM, p.encode_keys(keys))
                 ticket, entries = p.decode_extents(meta)
                 try:
@@ -217,6 +294,7 @@ class KVClient:
                     run_copy(copy)
                 finally:
                     self._send(link, p.Op.RELEASE, p.encode_u32(ticket))
+                self._in_time(link, t0, "lease_timeout", "get")
                 return
             h, meta = self._call(link, p.Op.GET, p.encode_keys(keys))
             try:
@@ -229,12 +307,12 @@ class KVClient:
                         continue
                     parts = dest(i, size)
                     for part in parts if parts is not None else _scratch_parts(size):
-                        _recv_exactly(link.sock, part)
+                        link.recv_into(part)
             except (OSError, p.ProtocolError) as e:
                 self._fail(link, e)
 
     def _fail(self, link: _Link, e: Exception) -> None:
-        if isinstance(e, BlockingIOError):  # SO_RCVTIMEO / SO_SNDTIMEO ran out
+        if isinstance(e, (BlockingIOError, socket.timeout)):  # SO_RCVTIMEO / SO_SNDTIMEO (or TLS's) ran out
             e = TimeoutError(f"no progress within {self.timeout} s")
         if link is self._link:
             self._drop()

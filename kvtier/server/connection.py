@@ -19,11 +19,22 @@ transport. The values stay pinned until the transport has drained them.
 
 The write-buffer high-water mark is 0: any reply the kernel did not take at
 once pauses reading (back-pressure) until the transport drains, and the
-drain is also when the pins of the replies sent are dropped.
+drain is also when the pins of the replies sent are dropped. Over TLS
+(the transport encrypts every byte, so no send of our own) reading is
+not paused: uvloop's TLS layer stops writing while reading is paused.
 
 Anything that is not the protocol (bad magic or version, an absurd length,
 truncated meta) closes this connection with the reason logged; other
 connections are not affected.
+
+Access and bounds (app.py, auth.py): with tokens, only HELLO and AUTH
+(with small meta) are read until AUTH succeeds, and the tenant's prefix is
+put in front of every key. A connection counts the bytes it holds (leases,
+reservations, replies still pinned in the transport) against
+`--max-held-per-conn`; a timer drops leases older than `--lease-timeout`
+(and aborts a connection whose replies have not drained by then), aborts
+a put whose values or commit take longer than `--put-deadline` (closing
+the connection), and closes a connection silent for `--idle-timeout`.
 """
 
 from __future__ import annotations
@@ -35,11 +46,13 @@ import os
 import platform
 import socket
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from kvtier.buffers import IOV_MAX, as_parts, unsent
 from kvtier.logs import get_logger
+from kvtier.server import auth
 from kvtier.server import protocol as p
 from kvtier.server.index import Entry, PoolFull, TooLarge
 
@@ -68,11 +81,28 @@ class _Read(enum.Enum):
     CLOSED = 5
 
 
+_PRE_AUTH_META = 4096  # the most meta a connection may send before AUTH succeeds
+
+
 @dataclass
 class _PendingPut:
     keys: list[bytes]
     sizes: list[int]
     pages: list[list[int]]
+    since: float = field(default_factory=time.monotonic)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
+
+
+@dataclass
+class _Ticket:
+    """A same-host put's reservation (until PUT_COMMIT) or a GET_SHM lease (until RELEASE)."""
+
+    held: _PendingPut | list[Entry]
+    nbytes: int
+    since: float = field(default_factory=time.monotonic)
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -94,11 +124,19 @@ class Connection(asyncio.BufferedProtocol):
         self._lowat = 1  # the socket's SO_RCVLOWAT
         self._refusal: tuple[p.Status, str] | None = None
         self._held: list[Entry] = []  # pinned by replies still in the transport
+        self._held_since = 0.0
         self._sock: socket.socket | None = None  # the transport's socket, for `_send_now`
-        self._tickets: dict[int, _PendingPut | list[Entry]] = {}  # shared-memory puts and leases
+        self._tickets: dict[int, _Ticket] = {}  # shared-memory puts and leases
         self._ticket_ids = itertools.count(1)
+        self._holding = 0  # bytes leased or reserved by this connection (--max-held-per-conn)
+        self._authed = state.tokens is None
+        self._challenge: bytes | None = None
+        self._host_id: str | None = None
+        self._prefix = b""  # the tenant's namespace
+        self._last_rx = time.monotonic()
+        self._timer: asyncio.TimerHandle | None = None
         self._handlers: dict[int, Callable[[p.Header, memoryview], None]] = {
-            p.Op.HELLO: self._hello, p.Op.GET: self._get, p.Op.EXISTS: self._exists,
+            p.Op.HELLO: self._hello, p.Op.AUTH: self._auth, p.Op.GET: self._get, p.Op.EXISTS: self._exists,
             p.Op.MATCH_PREFIX: self._match_prefix, p.Op.DELETE: self._delete, p.Op.STATS: self._stats,
             p.Op.PUT_ALLOC: self._put_alloc, p.Op.PUT_COMMIT: self._put_commit,
             p.Op.GET_SHM: self._get_shm, p.Op.RELEASE: self._release,
@@ -112,15 +150,20 @@ class Connection(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock = socket.socket(sock.family, sock.type, fileno=os.dup(sock.fileno()))
-            self._sock.setblocking(False)
-        self.peer = "%s:%s" % tuple(transport.get_extra_info("peername") or ("?", "?"))[:2]
+            if self.state.tls is None:  # over TLS every byte goes through the transport
+                self._sock = socket.socket(sock.family, sock.type, fileno=os.dup(sock.fileno()))
+                self._sock.setblocking(False)
+        peer = transport.get_extra_info("peername") or ("?", "?")
+        self.peer, self.peer_host = "%s:%s" % tuple(peer)[:2], str(peer[0])
         self.index.count(connections=1, accepted_connections=1)
+        self._timer = asyncio.get_running_loop().call_later(self.state.tick, self._tick)
         log.debug("connection from %s", self.peer)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.index.count(connections=-1)
         self._on_lost()
+        if self._timer is not None:
+            self._timer.cancel()
         if self._sock is not None:
             self._sock.close()
         if self._put is not None:  # a put cut off mid-value is never seen
@@ -133,11 +176,14 @@ class Connection(asyncio.BufferedProtocol):
         log.debug("connection from %s closed", self.peer)
 
     def pause_writing(self) -> None:
-        self.transport.pause_reading()
+        # Over TLS, reading goes on: uvloop's TLS layer stalls its own writes while
+        # reading is paused. What replies pin there is bounded by --max-held-per-conn.
+        if self.state.tls is None:
+            self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self._release_held()
-        if not self.transport.is_closing():
+        if self.state.tls is None and not self.transport.is_closing():
             self.transport.resume_reading()
 
     # -- reading -----------------------------------------------------------------------
@@ -151,6 +197,7 @@ class Connection(asyncio.BufferedProtocol):
         return self._buf[self._got :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._last_rx = time.monotonic()
         try:
             self._advance(nbytes)
         except p.ProtocolError as e:
@@ -178,6 +225,8 @@ class Connection(asyncio.BufferedProtocol):
             return
         if self._read is _Read.HEADER:
             self._header = p.parse_header(self._hdr)
+            if not self._authed and not self._may_pass(self._header):
+                return
             if self._header.meta_len:
                 self._read, self._buf, self._got = _Read.META, memoryview(bytearray(self._header.meta_len)), 0
                 return
@@ -195,16 +244,130 @@ class Connection(asyncio.BufferedProtocol):
         self._next_frame()
         self._handlers[h.op](h, meta)
 
-    def _close(self, reason: str) -> None:
-        log.warning("closing connection from %s: %s", self.peer, reason)
-        self.index.count(protocol_errors=1)
+    def _close(self, reason: str, counter: str = "protocol_errors") -> None:
+        if counter == "protocol_errors":
+            log.warning("closing connection from %s: %s", self.peer, reason)
+        self.index.count(**{counter: 1})
         self._read = _Read.CLOSED
         self.transport.abort()
+
+    # -- access ------------------------------------------------------------------------
+
+    def _may_pass(self, h: p.Header) -> bool:
+        """Before AUTH: only HELLO and AUTH, with small meta."""
+        if h.op not in (p.Op.HELLO, p.Op.AUTH):
+            self._deny(h, "no-auth", f"authenticate first: this server wants a token before {p.Op(h.op).name} "
+                                     "(kvtier://host:port/?token_env=VAR, or the config key remote_auth_token)")
+            return False
+        if h.meta_len > _PRE_AUTH_META or h.payload_len:
+            raise p.ProtocolError(f"{p.Op(h.op).name} before AUTH with {h.meta_len} bytes of meta")
+        return True
+
+    def _deny(self, h: p.Header, why: str, message: str) -> None:
+        """Refuse with one clear error, count it, and close once the reply is out."""
+        self.index.count(auth_failures=1)
+        self.state.note(self.peer_host, why, message)
+        self._read = _Read.CLOSED
+        self._reply(h, meta=message.encode(), status=p.Status.UNAUTHORIZED)
+        self.transport.close()
+
+    def _hello(self, h: p.Header, meta: memoryview) -> None:
+        hello = p.decode_json(meta) if len(meta) else {}
+        self._host_id = hello.get("host_id")
+        opts = self.state.opts
+        info = {"version": p.VERSION, "capacity": self.pool.capacity, "page_size": self.pool.page_size,
+                "transport": "tls" if self.state.tls else "tcp", "rdma": self.state.rdma_note,
+                "bounds": {"max_held": self.state.max_held, "lease_timeout": opts.lease_timeout,
+                           "put_deadline": opts.put_deadline, "idle_timeout": opts.idle_timeout}}
+        if self._authed:
+            info["shm"] = self._shm_offer()
+        else:
+            self._challenge = auth.new_challenge()
+            info.update(auth=auth.SCHEME, challenge=self._challenge.hex(), shm=None)
+        self._reply(h, meta=p.encode_json(info))
+
+    def _auth(self, h: p.Header, meta: memoryview) -> None:
+        if self.state.tokens is None or self._authed:
+            self._reply(h, meta=b"AUTH: this connection needs none", status=p.Status.ERROR)
+            return
+        challenge, self._challenge = self._challenge, None  # one try per challenge
+        proof = p.decode_json(meta).get("proof")
+        try:
+            proof = bytes.fromhex(proof) if isinstance(proof, str) else b""
+        except ValueError:
+            proof = b""
+        who = self.state.tokens.verify(challenge, proof) if challenge is not None else None
+        if who is None:
+            if challenge is None:
+                self._deny(h, "no-challenge", "AUTH before HELLO's challenge")
+            else:
+                self._deny(h, "wrong-token", "authentication failed: wrong token")
+            return
+        self._authed, self._prefix = True, who.prefix
+        log.debug("connection from %s is tenant %r", self.peer, who.name)
+        self._reply(h, meta=p.encode_json({"tenant": who.name, "shm": self._shm_offer()}))
+
+    def _shm_offer(self) -> dict | None:
+        if self._host_id != self.state.host_id or not self.state.shm_enabled:
+            return None
+        return {"pid": self.state.pid, "fd": self.pool.fd, "size": self.pool.capacity}
+
+    def _keys(self, meta: memoryview, *, with_sizes: bool = False) -> tuple[list[bytes], list[int]]:
+        keys, sizes = p.decode_keys(meta, with_sizes=with_sizes)
+        if self._prefix:
+            keys = [self._prefix + k for k in keys]
+        return keys, sizes
+
+    # -- bounds ------------------------------------------------------------------------
+
+    def _over(self, nbytes: int) -> str | None:
+        """Why holding `nbytes` more would pass --max-held-per-conn, or None."""
+        if self._holding + nbytes <= self.state.max_held:
+            return None
+        message = (f"a request for {nbytes} bytes while holding {self._holding} passes --max-held-per-conn "
+                   f"({self.state.max_held} bytes): release leases first or use smaller batches")
+        self.index.count(over_limit=1)
+        self.state.note(self.peer_host, "max-held", message)
+        return message
+
+    def _tick(self) -> None:
+        """Expire what outlived its bound; runs every `state.tick` seconds."""
+        if self._read is _Read.CLOSED:
+            return
+        opts, now = self.state.opts, time.monotonic()
+        if self._put is not None and now - self._put.since > opts.put_deadline:
+            self._expire("put-deadline", f"a put's values did not arrive within --put-deadline "
+                                         f"{opts.put_deadline:g} s: reservation freed, connection closed")
+            return
+        for ticket_id, ticket in list(self._tickets.items()):
+            if isinstance(ticket.held, _PendingPut) and now - ticket.since > opts.put_deadline:
+                self._expire("put-deadline", f"a shared-memory put was not committed within --put-deadline "
+                                             f"{opts.put_deadline:g} s: reservation freed, connection closed")
+                return
+            if not isinstance(ticket.held, _PendingPut) and now - ticket.since > opts.lease_timeout:
+                self._drop_ticket(ticket_id)
+                self.index.count(lease_timeouts=1)
+                self.state.note(self.peer_host, "lease-timeout", f"a lease held past --lease-timeout "
+                                f"{opts.lease_timeout:g} s was dropped")
+        if self._held and now - self._held_since > opts.lease_timeout:
+            self._expire("lease-timeout", f"replies not read within --lease-timeout {opts.lease_timeout:g} s: "
+                                          "connection closed, their values unpinned")
+            return
+        if now - self._last_rx > opts.idle_timeout and self._put is None and not self._held:
+            self.index.count(idle_closed=1)
+            self._read = _Read.CLOSED
+            self.transport.close()
+            return
+        self._timer = asyncio.get_running_loop().call_later(self.state.tick, self._tick)
+
+    def _expire(self, bound: str, message: str) -> None:
+        self.state.note(self.peer_host, bound, message)
+        self._close(message, "put_deadlines" if bound == "put-deadline" else "lease_timeouts")
 
     # -- PUT over the byte stream ----------------------------------------------------
 
     def _begin_put(self, h: p.Header, meta: memoryview) -> None:
-        keys, sizes = p.decode_keys(meta, with_sizes=True)
+        keys, sizes = self._keys(meta, with_sizes=True)
         if sum(sizes) != h.payload_len:
             raise p.ProtocolError(f"PUT sizes add up to {sum(sizes)}, payload is {h.payload_len} bytes")
         put = self._reserve(keys, sizes)
@@ -231,15 +394,21 @@ class Connection(asyncio.BufferedProtocol):
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, self._lowat)
 
     def _reserve(self, keys: list[bytes], sizes: list[int]) -> _PendingPut | tuple[p.Status, str]:
+        # (a value larger than the whole pool is refused as that, below)
+        if max(sizes, default=0) <= self.pool.capacity and (over := self._over(sum(sizes))) is not None:
+            return p.Status.OVER_LIMIT, over
         try:
-            return _PendingPut(keys, sizes, self.index.reserve(sizes))
+            put = _PendingPut(keys, sizes, self.index.reserve(sizes))
         except TooLarge as e:
             return p.Status.TOO_LARGE, str(e)
         except PoolFull as e:
             return p.Status.POOL_FULL, str(e)
+        self._holding += put.nbytes
+        return put
 
     def _finish_put(self) -> None:
         put, self._put, self._targets = self._put, None, []
+        self._holding -= put.nbytes
         self.index.commit(put.keys, put.pages, put.sizes)
         self._next_frame()
         self._reply(self._header)
@@ -252,18 +421,22 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- the other operations -------------------------------------------------------------
 
-    def _hello(self, h: p.Header, meta: memoryview) -> None:
-        hello = p.decode_json(meta) if len(meta) else {}
-        same_host = hello.get("host_id") == self.state.host_id and self.state.shm_enabled
-        self._reply(h, meta=p.encode_json({
-            "version": p.VERSION, "capacity": self.pool.capacity, "page_size": self.pool.page_size,
-            "transport": "tcp", "rdma": self.state.rdma_note,
-            "shm": {"pid": self.state.pid, "fd": self.pool.fd, "size": self.pool.capacity} if same_host else None,
-        }))
+    def _lease(self, h: p.Header, keys: list[bytes]) -> list[Entry | None] | None:
+        """Pin each key's value, counted as held; None (and the refusal sent)
+        when that would pass --max-held-per-conn."""
+        entries = self.index.lease(keys)
+        present = [e for e in entries if e is not None]
+        if (over := self._over(sum(e.size for e in present))) is not None:
+            self.index.release(present)
+            self._reply(h, meta=over.encode(), status=p.Status.OVER_LIMIT)
+            return None
+        self._holding += sum(e.size for e in present)
+        return entries
 
     def _get(self, h: p.Header, meta: memoryview) -> None:
-        keys, _ = p.decode_keys(meta)
-        entries = self.index.lease(keys)
+        keys, _ = self._keys(meta)
+        if (entries := self._lease(h, keys)) is None:
+            return
         present = [e for e in entries if e is not None]
         views = [v for e in present for v in self.pool.views(e.pages, e.size)]
         nbytes = sum(e.size for e in present)
@@ -271,57 +444,63 @@ class Connection(asyncio.BufferedProtocol):
                     payload=views, payload_len=nbytes, pins=present)
 
     def _exists(self, h: p.Header, meta: memoryview) -> None:
-        keys, _ = p.decode_keys(meta)
+        keys, _ = self._keys(meta)
         self._reply(h, meta=bytes(self.index.exists(keys)))
 
     def _match_prefix(self, h: p.Header, meta: memoryview) -> None:
-        keys, _ = p.decode_keys(meta)
+        keys, _ = self._keys(meta)
         self._reply(h, meta=p.encode_u32(self.index.match_prefix(keys)))
 
     def _delete(self, h: p.Header, meta: memoryview) -> None:
-        keys, _ = p.decode_keys(meta)
+        keys, _ = self._keys(meta)
         self._reply(h, meta=p.encode_u32(self.index.delete(keys)))
 
     def _stats(self, h: p.Header, meta: memoryview) -> None:
         self._reply(h, meta=p.encode_json(self.state.stats()))
 
     def _put_alloc(self, h: p.Header, meta: memoryview) -> None:
-        keys, sizes = p.decode_keys(meta, with_sizes=True)
+        keys, sizes = self._keys(meta, with_sizes=True)
         put = self._reserve(keys, sizes)
         if isinstance(put, tuple):
             self._reply(h, meta=put[1].encode(), status=put[0])
             return
         ticket = next(self._ticket_ids)
-        self._tickets[ticket] = put
+        self._tickets[ticket] = _Ticket(put, put.nbytes)
         self._reply(h, meta=p.encode_extents(
             ticket, [(s, self.pool.extents(pages, s)) for pages, s in zip(put.pages, sizes)]))
 
     def _put_commit(self, h: p.Header, meta: memoryview) -> None:
         # No reply: the client goes on at once. Its later requests on this
         # connection are read after this one, so it always sees its own put.
-        put = self._tickets.pop(p.decode_u32(meta), None)
-        if not isinstance(put, _PendingPut):
+        ticket = self._tickets.pop(p.decode_u32(meta), None)
+        if ticket is None or not isinstance(ticket.held, _PendingPut):
             raise p.ProtocolError("PUT_COMMIT of a ticket that is not a pending put")
+        self._holding -= ticket.nbytes
+        put = ticket.held
         self.index.commit(put.keys, put.pages, put.sizes)
 
     def _get_shm(self, h: p.Header, meta: memoryview) -> None:
-        keys, _ = p.decode_keys(meta)
-        entries = self.index.lease(keys)
+        keys, _ = self._keys(meta)
+        if (entries := self._lease(h, keys)) is None:
+            return
         lease = [e for e in entries if e is not None]
         ticket = next(self._ticket_ids)
-        self._tickets[ticket] = lease
+        self._tickets[ticket] = _Ticket(lease, sum(e.size for e in lease))
         self._reply(h, meta=p.encode_extents(ticket, [
             (p.MISSING, []) if e is None else (e.size, self.pool.extents(e.pages, e.size)) for e in entries]))
 
     def _release(self, h: p.Header, meta: memoryview) -> None:
         self._drop_ticket(p.decode_u32(meta))  # no reply: the client does not wait for it
 
-    def _drop_ticket(self, ticket: int) -> None:
-        held = self._tickets.pop(ticket, None)
-        if isinstance(held, _PendingPut):
-            self.index.abort(held.pages)
-        elif held is not None:
-            self.index.release(held)
+    def _drop_ticket(self, ticket_id: int) -> None:
+        ticket = self._tickets.pop(ticket_id, None)
+        if ticket is None:  # already expired (or never was): nothing to give back
+            return
+        self._holding -= ticket.nbytes
+        if isinstance(ticket.held, _PendingPut):
+            self.index.abort(ticket.held.pages)
+        else:
+            self.index.release(ticket.held)
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -331,6 +510,8 @@ class Connection(asyncio.BufferedProtocol):
         rest = self._send_now([head, *payload]) if self._sock is not None else [head, *payload]
         if rest:
             self.transport.writelines(rest)
+        if pins and not self._held:
+            self._held_since = time.monotonic()
         self._held.extend(pins)
         if self.transport.get_write_buffer_size() == 0:
             self._release_held()
@@ -353,4 +534,5 @@ class Connection(asyncio.BufferedProtocol):
     def _release_held(self) -> None:
         held, self._held = self._held, []
         if held:
+            self._holding -= sum(e.size for e in held)
             self.index.release(held)

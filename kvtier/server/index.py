@@ -54,6 +54,12 @@ class IndexStats:
     connections: int = 0
     accepted_connections: int = 0
     protocol_errors: int = 0
+    auth_failures: int = 0  # connections refused for a missing or wrong token
+    refused_connections: int = 0  # past --max-connections
+    idle_closed: int = 0  # past --idle-timeout
+    lease_timeouts: int = 0  # leases dropped (or connections closed) past --lease-timeout
+    put_deadlines: int = 0  # puts aborted past --put-deadline
+    over_limit: int = 0  # requests refused past --max-held-per-conn
 
 
 class KVIndex:

@@ -6,8 +6,10 @@
     POST /purge       drop every value; {"purged": n}
     GET  /kvmap_len   {"len": n}  (InfiniStore's name)
 
-With a token (--auth-token or $KVTIER_SERVER_TOKEN; required when the server
-binds a non-loopback address), every route wants `Authorization: Bearer <token>`.
+With --auth-token (or $KVTIER_SERVER_TOKEN; a token is required when the
+server binds a non-loopback address), every route wants
+`Authorization: Bearer <token>`. Tenants' tokens (--tenants) do not open it:
+purge and the server-wide counters are the operator's.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ _COUNTERS = {
     "bytes_out": "value bytes sent",
     "accepted_connections": "client connections accepted",
     "protocol_errors": "connections closed for protocol errors",
+    "auth_failures": "connections refused for a missing or wrong token",
+    "refused_connections": "connections refused past --max-connections",
+    "idle_closed": "connections closed past --idle-timeout",
+    "lease_timeouts": "leases dropped past --lease-timeout",
+    "put_deadlines": "puts aborted past --put-deadline",
+    "over_limit": "requests refused past --max-held-per-conn",
 }
 
 

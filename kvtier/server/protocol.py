@@ -11,7 +11,8 @@ Every message, request or reply, is one frame:
     +------------------------------------------------------------------+
 
 A reply has op | REPLY and `flags` holds a Status; an error reply's meta is
-its message in UTF-8. Meta encodings, per op (n = number of keys, u16-length
+its message in UTF-8. A reply with req_id 0 and an error status is the
+server's parting word (e.g. at its connection cap) before it closes. Meta encodings, per op (n = number of keys, u16-length
 prefixed keys, u64 sizes):
 
     PUT          req meta: n, keys, sizes      payload: the values  -> reply: empty
@@ -21,7 +22,9 @@ prefixed keys, u64 sizes):
     MATCH_PREFIX req meta: n, keys                                  -> reply meta: u32 count
     DELETE       req meta: n, keys                                  -> reply meta: u32 count
     STATS        empty                                              -> reply meta: JSON
-    HELLO        req meta: JSON {"host_id"}                         -> reply meta: JSON
+    HELLO        req meta: JSON {"host_id"}                         -> reply meta: JSON (with a
+                 token: {"auth", "challenge"} and no shm until AUTH; see auth.py)
+    AUTH         req meta: JSON {"proof"}                           -> reply meta: JSON {"tenant", "shm"}
     PUT_ALLOC    req meta: n, keys, sizes (shared memory puts)      -> reply meta: u32 ticket,
                  then per key: u32 extent count, (u64 offset, u64 length) extents
     PUT_COMMIT   req meta: u32 ticket (no reply)
@@ -74,6 +77,7 @@ class Op(enum.IntEnum):
     PUT_COMMIT = 9
     GET_SHM = 10
     RELEASE = 11
+    AUTH = 12
 
 
 class Status(enum.IntEnum):
@@ -81,6 +85,8 @@ class Status(enum.IntEnum):
     ERROR = 1  # a bad request that left the connection usable
     TOO_LARGE = 2  # a value larger than the whole pool
     POOL_FULL = 3  # no room even after evicting everything evictable
+    UNAUTHORIZED = 4  # no AUTH yet, or a wrong proof: the connection is closed
+    OVER_LIMIT = 5  # past a bound of this connection (bytes held); the connection stays usable
 
 
 class ProtocolError(Exception):

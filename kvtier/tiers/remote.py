@@ -5,7 +5,9 @@ blocking_timeout_secs) becomes a logged, counted miss here, and the tier
 then stays quiet for a back-off period (1 s, doubling to 30 s) so that a
 dead server costs one timeout, not one per request. The first call after
 the back-off reconnects; the store clients reconnect by themselves.
-A payload that fails its checksum or header checks is a miss as well.
+A payload that fails its checksum or header checks is a miss as well,
+and so is a read the store refuses (a bound of the server). A wrong or
+missing token (RemoteAuthFailed) is a fault: logged, with the back-off.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class RemoteStats:
     faults: int = 0  # calls that failed on the transport
     skipped: int = 0  # calls not made during a back-off
     corrupt: int = 0  # payloads that failed their checks
-    refused: int = 0  # puts the store refused (full, too large)
+    refused: int = 0  # puts (full, too large) and reads (over a server bound) the store refused
 
 
 def wire_key(key: ChunkKey) -> bytes:
@@ -129,6 +131,10 @@ class RemoteTier:
                 return default
         try:
             result = call()
+        except RemoteRefused as e:  # a bound of the server (bytes held by one connection): this call only
+            self.stats.refused += 1
+            log.warning("remote %s refused a %s: %s; a miss", self.url, what, e)
+            return default
         except RemoteUnavailable as e:
             with self._lock:
                 self.stats.faults += 1
