@@ -21,9 +21,9 @@ fi
 venv_python=$PWD/.venv/bin/python
 [ -x .venv/bin/kvtier ] && (cd / && "$venv_python" -c "import kvtier") 2>/dev/null \
     || pip install -q --no-deps -e .
-.venv/bin/python -c "import pytest_timeout, psutil, xxhash, openai, uvloop, aiohttp, prometheus_client, redis, hiredis, lz4" 2>/dev/null \
+.venv/bin/python -c "import pytest_timeout, psutil, xxhash, openai, uvloop, aiohttp, prometheus_client, redis, hiredis, lz4, hypothesis" 2>/dev/null \
     || pip install -q pytest pytest-timeout psutil xxhash pyyaml tqdm pyzmq openai uvloop aiohttp prometheus-client \
-        "redis[hiredis]" lz4
+        "redis[hiredis]" lz4 hypothesis
 # NIXL, the optional transfer channel of disaggregated prefill (its tests run both
 # channels). After torch: nixl-cu12/-cu13 require torch, and with none installed pip
 # would pull a 5.9 GB CUDA build.

@@ -266,9 +266,10 @@ def test_the_server_benchmark_runs_every_target_and_reports_its_ratios():
     cells = {(c["op"], c["conns"]): c for c in result["throughput"]}
     assert cells.keys() == {("put", 2), ("get", 2)}
     for cell in cells.values():
-        for target in ("raw", "raw-ring", "kvtier", "kvtier-shm", "redis", "redis-unix"):
+        for target in ("raw", "raw-ring", "kvtier", "kvtier-shm", "kvtier-auth", "kvtier-tls", "redis", "redis-unix"):
             assert cell[f"{target}_GBps"] > 0 and len(cell[f"{target}_runs"]) == 2
-        for ratio in ("tcp_vs_raw", "tcp_vs_raw_ring", "tcp_vs_redis", "same_host_vs_redis"):
+        for ratio in ("tcp_vs_raw", "tcp_vs_raw_ring", "tcp_vs_redis", "same_host_vs_redis", "auth_vs_plain",
+                      "tls_vs_plain"):
             assert cell[ratio] > 0 and cell[ratio + "_paired"] > 0
     for op in ("exists", "match_prefix"):
         assert 0 < result["latency"][f"kvtier_{op}_ms"]["p50"] <= result["latency"][f"kvtier_{op}_ms"]["p99"]

@@ -12,6 +12,9 @@ One run measures, on this machine:
     kvtier      `kvtier server` through KVClient over TCP;
     kvtier-shm  the same server and client on the same host, as they run by
                 default there: values through the shared pool, keys over TCP;
+    kvtier-auth `kvtier server --auth-token` over TCP: the handshake is per
+                connection, so this should equal kvtier (auth_vs_plain);
+    kvtier-tls  `kvtier server --tls-cert/--tls-key` over TLS (tls_vs_plain);
     redis       redis-server over TCP through kvtier's Redis store
                 (redis-py + hiredis);
     redis-unix  the same redis-server over its unix socket (its own
@@ -30,11 +33,14 @@ Throughput cells are medians over `repeats` runs of `duration` seconds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import platform
+import secrets
 import socket
+import tempfile
 import statistics
 import struct
 import threading
@@ -46,6 +52,7 @@ import numpy as np
 
 MiB = 1 << 20
 _LEN = struct.Struct("<q")
+TOKEN_ENV = "BENCH_SERVER_TOKEN"  # the kvtier-auth target's token, for the client processes
 
 
 # -- the raw TCP limit --------------------------------------------------------------------
@@ -129,11 +136,10 @@ class _StoreClient:
 def _client(target: str, address: str):
     if target in ("raw", "raw-ring"):
         return _RawClient(int(address))
-    if target in ("kvtier", "kvtier-shm"):
-        from kvtier.server.client import KVClient
+    if target.startswith("kvtier"):
+        from kvtier.remote.kvserver import open_kvserver
 
-        host, port = address.rsplit(":", 1)
-        return _StoreClient(KVClient(host, int(port), shm=target == "kvtier-shm"))
+        return _StoreClient(open_kvserver(address, 30))
     if target == "redis-unix":
         import redis
 
@@ -203,7 +209,7 @@ class _Clients:
 # -- the run ----------------------------------------------------------------------------------
 
 
-TARGETS = ("raw", "raw-ring", "kvtier", "kvtier-shm", "redis", "redis-unix")
+TARGETS = ("raw", "raw-ring", "kvtier", "kvtier-shm", "kvtier-auth", "kvtier-tls", "redis", "redis-unix")
 
 
 @dataclass
@@ -225,7 +231,7 @@ class ServerBenchConfig:
 
 
 def run_server_bench(cfg: ServerBenchConfig, progress=print) -> dict:
-    from kvtier.localservers import free_port, kvtier_server, redis_server, wait_for_port
+    from kvtier.localservers import free_port, wait_for_port
 
     raw_port, ring_port = free_port(), free_port()
     raws = [mp.get_context("spawn").Process(target=raw_server, args=(port, ring), daemon=True)
@@ -233,6 +239,7 @@ def run_server_bench(cfg: ServerBenchConfig, progress=print) -> dict:
     for proc, port in zip(raws, (raw_port, ring_port)):
         proc.start()
         wait_for_port(port)
+    os.environ.setdefault(TOKEN_ENV, secrets.token_hex(32))  # before the client processes start
     clients = _Clients(max(cfg.conns))
     result: dict = {"machine": _machine(), "date": time.strftime("%Y-%m-%d"), "config": cfg.__dict__,
                     "throughput": [], "latency": {}, "shm": {}, "serde": {}}
@@ -240,11 +247,10 @@ def run_server_bench(cfg: ServerBenchConfig, progress=print) -> dict:
         # One kvtier server per kvtier target, as a node reaches its server by one
         # path: the client processes keep a connection to every target, and a
         # server balances connections, not the bytes each will move.
-        with kvtier_server(1.0) as kv, kvtier_server(1.0) as kv_shm, redis_server() as rd:
-            kv_addr = f"127.0.0.1:{kv.ports[0]}"
-            targets = {"raw": str(raw_port), "raw-ring": str(ring_port), "kvtier": kv_addr,
-                       "kvtier-shm": f"127.0.0.1:{kv_shm.ports[0]}", "redis": rd.url, "redis-unix": rd.unix_socket}
+        with _servers(cfg.targets) as addresses:
+            targets = {"raw": str(raw_port), "raw-ring": str(ring_port), **addresses}
             targets = {t: a for t, a in targets.items() if t in cfg.targets}
+            kv_addr = targets.get("kvtier")
             for size in cfg.sizes_mib:
                 for conns in cfg.conns:
                     for op in ("put", "get"):
@@ -254,9 +260,9 @@ def run_server_bench(cfg: ServerBenchConfig, progress=print) -> dict:
                             f"{t} {cell[t + '_GBps']:.2f}" for t in targets) + " GB/s | " + " ".join(
                             f"{k} {v:.2f}" for k, v in cell.items() if "_vs_" in k))
             if cfg.extras:
-                result["latency"] = _latency(kv_addr, rd.url, cfg.latency_iters)
+                result["latency"] = _latency(kv_addr, targets["redis"], cfg.latency_iters)
                 progress(f"latency over 64 keys: {result['latency']}")
-                result["shm"] = _shm(clients, targets.get("kvtier-shm", kv_addr), cfg)
+                result["shm"] = _shm(clients, targets.get("kvtier-shm", kv_addr.split("/?")[0]), cfg)
                 progress(f"shared memory: {result['shm']}")
     finally:
         clients.close()
@@ -266,6 +272,30 @@ def run_server_bench(cfg: ServerBenchConfig, progress=print) -> dict:
         result["serde"] = _serde()
         progress(f"serde: {result['serde']}")
     return result
+
+
+@contextlib.contextmanager
+def _servers(targets: tuple[str, ...]):
+    """The servers `targets` need, each on its own ports: target -> address for the clients."""
+    from kvtier.localservers import kvtier_server, redis_server, self_signed_cert
+
+    with contextlib.ExitStack() as stack:
+        out = {}
+        if "kvtier" in targets:  # shm=0: the same server could give this client the same-host path
+            out["kvtier"] = stack.enter_context(kvtier_server(1.0)).url + "/?shm=0"
+        if "kvtier-shm" in targets:
+            out["kvtier-shm"] = stack.enter_context(kvtier_server(1.0)).url
+        if "kvtier-auth" in targets:
+            srv = stack.enter_context(kvtier_server(1.0, "--auth-token", os.environ[TOKEN_ENV]))
+            out["kvtier-auth"] = f"{srv.url}/?shm=0&token_env={TOKEN_ENV}"
+        if "kvtier-tls" in targets:
+            cert, key = self_signed_cert(Path(stack.enter_context(tempfile.TemporaryDirectory())))
+            srv = stack.enter_context(kvtier_server(1.0, "--tls-cert", str(cert), "--tls-key", str(key)))
+            out["kvtier-tls"] = f"kvtiers://127.0.0.1:{srv.ports[0]}/?shm=0&tls_ca={cert}"
+        if {"redis", "redis-unix"} & set(targets):
+            rd = stack.enter_context(redis_server())
+            out.update({"redis": rd.url, "redis-unix": rd.unix_socket})
+        yield out
 
 
 def _cell(clients: _Clients, targets: dict[str, str], cfg: ServerBenchConfig, size: int, conns: int,
@@ -282,7 +312,8 @@ def _cell(clients: _Clients, targets: dict[str, str], cfg: ServerBenchConfig, si
         cell[f"{target}_GBps"] = round(statistics.median(gbps), 3)
         cell[f"{target}_runs"] = [round(x, 3) for x in gbps]
     ratios = {"tcp_vs_raw": ("kvtier", "raw"), "tcp_vs_raw_ring": ("kvtier", "raw-ring"),
-              "tcp_vs_redis": ("kvtier", "redis"), "same_host_vs_redis": ("kvtier-shm", "redis*")}
+              "tcp_vs_redis": ("kvtier", "redis"), "same_host_vs_redis": ("kvtier-shm", "redis*"),
+              "auth_vs_plain": ("kvtier-auth", "kvtier"), "tls_vs_plain": ("kvtier-tls", "kvtier")}
     for name, (a, b) in ratios.items():
         if b == "redis*":  # the faster of redis-server's two paths
             b_runs = [max(pair) for pair in zip(*(runs[t] for t in ("redis", "redis-unix") if t in targets))]
@@ -296,13 +327,11 @@ def _cell(clients: _Clients, targets: dict[str, str], cfg: ServerBenchConfig, si
     return cell
 
 
-def _latency(kv_addr: str, redis_url: str, iters: int) -> dict:
+def _latency(kv_url: str, redis_url: str, iters: int) -> dict:
     from kvtier.remote import open_store
-    from kvtier.server.client import KVClient
 
-    host, port = kv_addr.rsplit(":", 1)
     out = {}
-    for name, store in [("kvtier", KVClient(host, int(port))), ("redis", open_store(redis_url, 30))]:
+    for name, store in [("kvtier", open_store(kv_url, 30)), ("redis", open_store(redis_url, 30))]:
         keys = [b"lat-%d" % i for i in range(64)]
         store.put(keys, [b"v"] * 64)
         for op in ("exists", "match_prefix"):
