@@ -301,11 +301,13 @@ def _servers(targets: tuple[str, ...]):
 def _cell(clients: _Clients, targets: dict[str, str], cfg: ServerBenchConfig, size: int, conns: int,
           op: str) -> dict:
     """One (size, connections, op) cell: every target, repeats interleaved so
-    that a noisy second hits all of them alike; medians."""
+    that a noisy second hits all of them alike, the order rotated each repeat
+    so that no target always runs first (or right after another); medians."""
     cell: dict = {"size_mib": size, "conns": conns, "op": op}
     runs: dict[str, list[float]] = {t: [] for t in targets}
-    for _ in range(cfg.repeats):
-        for target, address in targets.items():
+    order = list(targets.items())
+    for r in range(cfg.repeats):
+        for target, address in order[r % len(order):] + order[: r % len(order)]:
             runs[target].append(clients.run(conns, target=target, address=address, op=op, size=size * MiB,
                                             duration=cfg.duration))
     for target, gbps in runs.items():
