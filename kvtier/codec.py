@@ -99,9 +99,21 @@ class Codec:
         out = memoryview(bytearray(raw_len))
         return self.decode_into(value, out), out
 
+    def check_header(self, header: bytes | memoryview, payload_len: int, raw_len: int) -> tuple[int, int]:
+        """(num_tokens, checksum) of an in-place value whose header holds; the
+        caller checks the payload against the checksum (`checksum`) itself."""
+        serde, _, num_tokens, checksum = self._header(memoryview(header), payload_len, raw_len)
+        if serde != SERDES["naive"]:
+            raise CorruptPayload(f"serde id {serde} where naive was expected")
+        return num_tokens, checksum
+
     @staticmethod
-    def _check(header: memoryview, payload: memoryview, raw_len: int) -> tuple[int, int, int]:
-        """(serde, shuffle width, num_tokens) of a value whose header and checksum hold."""
+    def checksum(payload: memoryview | bytes) -> int:
+        return xxhash.xxh3_64_intdigest(payload)
+
+    @staticmethod
+    def _header(header: memoryview, payload_len: int, raw_len: int) -> tuple[int, int, int, int]:
+        """(serde, shuffle width, num_tokens, checksum) of a header that holds."""
         if len(header) < HEADER.size:
             raise CorruptPayload(f"value of {len(header)} bytes is shorter than the codec header")
         magic, version, serde, shuf, num_tokens, stored_raw, enc_len, checksum = HEADER.unpack(header[: HEADER.size])
@@ -109,9 +121,15 @@ class Codec:
             raise CorruptPayload(f"not a kvtier chunk (magic {bytes(magic)!r}, version {version})")
         if stored_raw != raw_len:
             raise CorruptPayload(f"chunk of {stored_raw} bytes, expected {raw_len}")
-        if len(payload) != enc_len:
-            raise CorruptPayload(f"payload of {len(payload)} bytes, header says {enc_len}")
-        if xxhash.xxh3_64_intdigest(payload) != checksum:
+        if payload_len != enc_len:
+            raise CorruptPayload(f"payload of {payload_len} bytes, header says {enc_len}")
+        return serde, shuf, num_tokens, checksum
+
+    @classmethod
+    def _check(cls, header: memoryview, payload: memoryview, raw_len: int) -> tuple[int, int, int]:
+        """(serde, shuffle width, num_tokens) of a value whose header and checksum hold."""
+        serde, shuf, num_tokens, checksum = cls._header(header, len(payload), raw_len)
+        if cls.checksum(payload) != checksum:
             raise CorruptPayload("checksum mismatch")
         return serde, shuf, num_tokens
 

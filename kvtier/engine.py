@@ -358,10 +358,16 @@ class CacheEngine:
                 for batch in batches:
                     try:
                         self._scatter(slots, batch, start, end, layerwise=False)
+                        # lent chunks are checked while they move; what fails counts as not loaded
+                        good = next((k for k, (_, c) in enumerate(batch) if not c.block.verified()), len(batch))
                     finally:
                         for _, chunk in batch:
                             chunk.block.release()
-                    loaded += len(batch)
+                    loaded += good
+                    if good < len(batch):
+                        log.warning("%d chunks loaded from the store server failed their checksum or outlived "
+                                    "their lease; recomputed", len(batch) - good)
+                        break
         except BaseException:
             for _, chunk in held:
                 chunk.block.release()
@@ -561,7 +567,43 @@ def _remote_tier(config: KvtierConfig, kv: PagedKV) -> RemoteTier | None:
     codec = Codec(config.remote_serde, itemsize=kv.dtype.itemsize)
     log.info("remote tier: %s (serde %s)", config.remote_url, config.remote_serde)
     store = open_store(config.remote_url, config.blocking_timeout_secs, config.remote_auth_token)
+    if kv.device.type == "cuda" and hasattr(store, "on_map"):
+        # The server's pool, mapped here, is what the GPU copies lent chunks from:
+        # page-locked, the copy is a DMA; unregistered it could not be lent.
+        store.on_map, store.on_unmap = _register_pool, _unregister_pool
     return RemoteTier(store, codec, config.remote_url)
+
+
+def _pool_address(mapping) -> int:
+    view = np.frombuffer(mapping, np.uint8)
+    try:
+        return view.ctypes.data
+    finally:
+        del view
+
+
+def _register_pool(mapping) -> bool:
+    from kvtier.transfer import cudart
+
+    t0 = time.perf_counter()
+    try:
+        cudart.host_register(_pool_address(mapping), len(mapping))
+    except RuntimeError as e:  # locked-memory limits, permissions, an old driver
+        log.warning("store server pool not registered with CUDA (%s): its chunks are copied through the "
+                    "CPU pool instead", e)
+        return False
+    log.info("store server pool (%.2f GB) registered with CUDA in %.2f s: chunks go from it to the GPU by DMA",
+             len(mapping) / 1e9, time.perf_counter() - t0)
+    return True
+
+
+def _unregister_pool(mapping) -> None:
+    from kvtier.transfer import cudart
+
+    try:
+        cudart.host_unregister(_pool_address(mapping))
+    except RuntimeError as e:
+        log.warning("store server pool: cudaHostUnregister failed (%s)", e)
 
 
 def _as_numpy(tokens: Tokens) -> np.ndarray:

@@ -63,6 +63,12 @@ class MemoryBlock:
             raise ValueError(f"shape {shape} of {dtype} needs {nbytes} bytes, block has {self.data.numel()}")
         return self.data[:nbytes].view(dtype).view(shape)
 
+    def verified(self) -> bool:
+        """Whether the bytes a reader took from this block are known good: a
+        pool block always (its chunk was checked when it came in; compare
+        remote.BorrowedBlock)."""
+        return True
+
     def retain(self) -> MemoryBlock:
         with self.pool.lock:
             if self._refs <= 0:

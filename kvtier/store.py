@@ -47,6 +47,7 @@ log = get_logger(__name__)
 CPU = "cpu"
 WRITE_BATCH = 8  # chunks per call into a lower tier
 WAIT_STEP = 0.05  # s between checks for a block freed by someone other than the writers
+BORROW_BYTES = 512 << 20  # chunks lent in place per lease: well under a server's per-connection cap
 
 
 class LowerTier(Protocol):
@@ -142,6 +143,11 @@ class TieredStore:
     def _next_batch(self, spans: Sequence[ChunkSpan], where: list[str], i: int
                     ) -> tuple[list[tuple[ChunkSpan, StoredChunk]], bool]:
         """Chunks from position i on, as many as the pool gives now; (batch, whether the prefix ended)."""
+        if (not self.keep_cpu and self.remote is not None and where[i] == self.remote.name
+                and self.remote.can_borrow()):
+            lent = self._borrow(spans, where, i)
+            if lent is not None:
+                return lent
         batch: list[tuple[ChunkSpan, StoredChunk]] = []
         reads: dict[str, list[int]] = {}  # tier name -> positions in batch
         ended = False
@@ -177,6 +183,28 @@ class TieredStore:
                 span, chunk = batch[p]
                 self.cpu.put(span.key, chunk.block.retain(), span.num_tokens)
         return batch, ended
+
+    def _borrow(self, spans: Sequence[ChunkSpan], where: list[str], i: int
+                ) -> tuple[list[tuple[ChunkSpan, StoredChunk]], bool] | None:
+        """Remote chunks from position i on, lent in place by the store server
+        (same host; nothing to keep, so no pool block to copy them into); None:
+        not lent, copy them."""
+        j, nbytes = i, 0
+        while j < len(where) and where[j] == self.remote.name and nbytes < BORROW_BYTES:
+            nbytes += spans[j].num_tokens * self.bytes_per_token
+            j += 1
+        taken = spans[i:j]
+        lent = self.remote.borrow([s.key for s in taken], [s.num_tokens * self.bytes_per_token for s in taken])
+        if lent is None:
+            return None
+        batch = []
+        for span, (block, n) in zip(taken, lent):
+            if n != span.num_tokens:
+                break
+            batch.append((span, StoredChunk(block, n)))
+        for block, _ in lent[len(batch):]:
+            block.release()
+        return batch, len(batch) < len(taken)
 
     def _bytes(self, span: ChunkSpan, chunk: StoredChunk) -> memoryview:
         return chunk.block.data[: span.num_tokens * self.bytes_per_token].numpy().data

@@ -81,6 +81,33 @@ def test_a_corrupt_remote_chunk_is_a_miss_not_wrong_kv(url):
     a.close(), b.close(), store.close()
 
 
+def test_same_host_chunks_are_read_in_place_and_a_bad_one_is_not_loaded():
+    # CPU tier off, kvtier server on this host: chunks go from the server's pool
+    # straight into the KV (lent, no staging block); checksums are checked meanwhile.
+    with kvtier_server(0.0625) as srv:
+        tokens = [t + 13 for t in TOKENS]
+        a, a_kv = node(srv.url)
+        b, b_kv = node(srv.url, local_cpu=False)
+        src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
+        a.store(tokens, src)
+        a.flush(timeout=10)
+        mask = b.retrieve(tokens, dst)
+        assert mask[:96].all() and not mask[96:].any()
+        assert torch.equal(kv_at(b_kv, dst[:96]), kv_at(a_kv, src[:96]))
+        assert b.tiers.remote.stats.lent == 6
+        assert b.pool.free_blocks == b.pool.num_blocks  # no block was needed
+        key = wire_key(b.spans(tokens)[3].key)  # the fourth chunk: flip one payload byte
+        store = open_store(srv.url, 5)
+        value = bytearray(store.get([key])[0])
+        value[-1] ^= 0x40
+        store.put([key], [bytes(value)])
+        mask = b.retrieve(tokens, dst)
+        assert mask[:48].all() and not mask[48:].any()  # loading counts up to the bad chunk only
+        assert torch.equal(kv_at(b_kv, dst[:48]), kv_at(a_kv, src[:48]))
+        assert b.lookup(tokens) == 96  # it is still there; a load just does not trust it
+        a.close(), b.close(), store.close()
+
+
 def test_a_dead_remote_store_is_a_fast_miss_and_is_used_again_once_back():
     with kvtier_server(0.0625) as srv:
         a, _ = node(srv.url, timeout=1.0)

@@ -21,6 +21,11 @@ drops a lease after its lease timeout and a reservation after its put
 deadline (both in the HELLO reply): a copy that is not done within half
 of it is thrown away as a fault, so a slow copy never returns, or commits,
 bytes the server may have handed to someone else.
+
+`borrow(keys)` (same host only) hands out the values themselves: views of
+the mapped pool, leased until `ShmLease.release()`, so a reader can copy
+them where it wants them (a GPU, by DMA from the pool once it is
+registered with CUDA: `on_map`/`on_unmap` are called with each mapping).
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class _Link:
     shm_map: mmap.mmap | None
     tls: bool = False
     used: float = field(default_factory=time.monotonic)
+    on_unmap: Callable[[mmap.mmap], None] | None = None
+    borrowable: bool = True  # values may be lent out in place (see KVClient.borrow)
 
     def send(self, parts: list) -> None:
         if self.tls:  # an SSL socket has no sendmsg
@@ -81,7 +88,32 @@ class _Link:
         self.sock.close()
         self.shm = None
         if self.shm_map is not None:
-            self.shm_map.close()
+            if self.on_unmap is not None:
+                self.on_unmap(self.shm_map)
+            try:
+                self.shm_map.close()
+            except BufferError:  # a borrowed view is still alive: the map goes with it
+                pass
+
+
+@dataclass
+class ShmLease:
+    """Values borrowed from the server's pool: `views[i]` is key i's value in
+    place (None: absent, or not one contiguous range). Valid until `release()`,
+    and only if the server did not drop the lease first: `in_time()` says so."""
+
+    views: list[np.ndarray | None]
+    _release: Callable[[], None]
+    _deadline: float
+    _released: bool = False
+
+    def in_time(self) -> bool:
+        return time.monotonic() < self._deadline
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._release()
 
 
 class KVClient:
@@ -89,6 +121,10 @@ class KVClient:
                  tls: bool = False, tls_ca: str | None = None) -> None:
         self.host, self.port, self.timeout, self.use_shm = host, port, timeout, shm
         self.token, self.tls, self.tls_ca = token, tls, tls_ca
+        # Called with each mapping of the server's pool, and before it is unmapped
+        # (e.g. to register it with CUDA); on_map returning False: no borrowing.
+        self.on_map: Callable[[mmap.mmap], bool] | None = None
+        self.on_unmap: Callable[[mmap.mmap], None] | None = None
         self._link: _Link | None = None
         self._lock = threading.Lock()
         self._req_ids = itertools.count(1)
@@ -145,6 +181,30 @@ class KVClient:
 
         self._get(keys, into)
         return filled
+
+    def borrow(self, keys: Sequence[bytes]) -> ShmLease | None:
+        """Lease `keys`' values in the shared pool, in place; None off the same host
+        (or where on_map refused the mapping)."""
+        with self._lock:
+            link = self._connect()
+            if link.shm is None or not link.borrowable:
+                return None
+            t0 = time.monotonic()
+            _, meta = self._call(link, p.Op.GET_SHM, p.encode_keys(keys))
+            ticket, entries = p.decode_extents(meta)
+        views = [link.shm[ext[0][0] : ext[0][0] + size] if size != p.MISSING and len(ext) == 1 else None
+                 for size, ext in entries]
+
+        def release() -> None:
+            with self._lock:
+                if link is not self._link:  # that connection closed: the server let go of the lease then
+                    return
+                try:
+                    self._send(link, p.Op.RELEASE, p.encode_u32(ticket))
+                except RemoteUnavailable:  # dropped now: the same
+                    pass
+
+        return ShmLease(views, release, t0 + link.bound("lease_timeout") / 2)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return [bool(b) for b in self._simple(p.Op.EXISTS, p.encode_keys(keys))]
@@ -209,6 +269,9 @@ class KVClient:
         if link.info.get("shm"):
             link.shm_map = _map_server_pool(link.info["shm"])
             link.shm = None if link.shm_map is None else np.frombuffer(link.shm_map, np.uint8)
+            if link.shm_map is not None and self.on_map is not None:
+                link.borrowable = bool(self.on_map(link.shm_map))
+                link.on_unmap = self.on_unmap if link.borrowable else None
         self._link = link
         return link
 

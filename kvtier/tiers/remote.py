@@ -5,6 +5,13 @@ blocking_timeout_secs) becomes a logged, counted miss here, and the tier
 then stays quiet for a back-off period (1 s, doubling to 30 s) so that a
 dead server costs one timeout, not one per request. The first call after
 the back-off reconnects; the store clients reconnect by themselves.
+Same host, CPU tier off: `borrow` lends chunks in place from the store
+server's pool (KVClient.borrow), so they go from there straight to the
+engine's KV (by DMA once the pool is registered with CUDA) with no copy
+into a staging block. Their checksums are verified while that copy runs;
+a chunk that fails, or whose lease ran out, reads as not loaded
+(`BorrowedBlock.verified`), and the engine recomputes it.
+
 A payload that fails its checksum or header checks is a miss as well,
 and so is a read the store refuses (a bound of the server). A wrong or
 missing token (RemoteAuthFailed) is a fault: logged, with the back-off.
@@ -14,8 +21,12 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
+
+import numpy as np
+import torch
 
 from kvtier.buffers import parallel
 from kvtier.codec import HEADER, Codec
@@ -39,10 +50,63 @@ class RemoteStats:
     skipped: int = 0  # calls not made during a back-off
     corrupt: int = 0  # payloads that failed their checks
     refused: int = 0  # puts (full, too large) and reads (over a server bound) the store refused
+    lent: int = 0  # hits read in place from the store server's pool (no staging copy)
 
 
 def wire_key(key: ChunkKey) -> bytes:
     return str(key).encode()
+
+
+class _LentBatch:
+    """Chunks of one lease: their checksums, checked in the background, and
+    the lease, given back when the last block is released."""
+
+    def __init__(self, lease, payloads: list[np.ndarray], checksums: list[int], codec: Codec,
+                 checker: ThreadPoolExecutor) -> None:
+        self.lease, self._left = lease, len(payloads)
+        self._lock = threading.Lock()
+        self._checked: Future = checker.submit(
+            lambda: next((i for i, (v, c) in enumerate(zip(payloads, checksums)) if codec.checksum(v) != c),
+                         len(payloads)))
+
+    def good(self, i: int) -> bool:
+        return self._checked.result() > i and self.lease.in_time()
+
+    def bad_from(self) -> int:
+        return self._checked.result()
+
+    def release_one(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self.lease.release()
+
+
+class BorrowedBlock:
+    """A chunk in the store server's pool, lent in place: reads like a MemoryBlock
+    (`view`, `release`), is never kept (`retain` refuses), and its bytes count
+    only once `verified()` (checksum and lease) says so."""
+
+    __slots__ = ("data", "_batch", "_i")
+
+    def __init__(self, data: torch.Tensor, batch: _LentBatch, i: int) -> None:
+        self.data, self._batch, self._i = data, batch, i
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        nbytes = dtype.itemsize * int(np.prod(shape))
+        if nbytes > self.data.numel():
+            raise ValueError(f"shape {shape} of {dtype} needs {nbytes} bytes, the chunk has {self.data.numel()}")
+        return self.data[:nbytes].view(dtype).view(shape)
+
+    def verified(self) -> bool:
+        return self._batch.good(self._i)
+
+    def retain(self) -> BorrowedBlock:
+        raise RuntimeError("a borrowed chunk is not kept: it belongs to the store server's pool")
+
+    def release(self) -> None:
+        self._batch.release_one()
 
 
 class RemoteTier:
@@ -54,6 +118,7 @@ class RemoteTier:
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._backoff = BACKOFF_FIRST
+        self._checker: ThreadPoolExecutor | None = None  # checksums of borrowed chunks
 
     # -- reads ---------------------------------------------------------------------
 
@@ -102,6 +167,38 @@ class RemoteTier:
             out.append(result)
         return out
 
+    def can_borrow(self) -> bool:
+        return self.codec.in_place and hasattr(self.store, "borrow")
+
+    def borrow(self, keys: Sequence[ChunkKey], raw_sizes: Sequence[int]) -> list[tuple[BorrowedBlock, int]] | None:
+        """The leading chunks of `keys` lent in place, each (block, num_tokens);
+        it stops at the first absent, split or bad-header one. None: the store
+        cannot lend them now (another host, a refusal, a fault): copy instead."""
+        lease = self._guard("get", lambda: self.store.borrow([wire_key(k) for k in keys]), None)
+        if lease is None:
+            return None
+        lent: list[tuple[np.ndarray, int, int]] = []
+        for key, view, raw in zip(keys, lease.views, raw_sizes):
+            if view is None:
+                break
+            try:
+                n, checksum = self.codec.check_header(view[: HEADER.size].data, len(view) - HEADER.size, raw)
+            except CorruptPayload as e:
+                self.stats.corrupt += 1
+                log.warning("remote %s: chunk %s is corrupt (%s); treated as a miss", self.url, key, e)
+                break
+            lent.append((view[HEADER.size :], n, checksum))
+        self.stats.hits += len(lent)
+        self.stats.lent += len(lent)
+        self.stats.misses += len(lent) < len(keys)
+        if not lent:
+            lease.release()
+            return []
+        if self._checker is None:
+            self._checker = ThreadPoolExecutor(1, thread_name_prefix="kvtier-checksum")
+        batch = _LentBatch(lease, [v for v, _, _ in lent], [c for _, _, c in lent], self.codec, self._checker)
+        return [(BorrowedBlock(torch.from_numpy(v), batch, i), n) for i, (v, n, _) in enumerate(lent)]
+
     # -- writes --------------------------------------------------------------------
 
     def put(self, keys: Sequence[ChunkKey], chunks: Sequence[tuple[memoryview, int]]) -> bool:
@@ -121,6 +218,8 @@ class RemoteTier:
 
     def close(self) -> None:
         self.store.close()
+        if self._checker is not None:
+            self._checker.shutdown()
 
     # -- faults --------------------------------------------------------------------
 

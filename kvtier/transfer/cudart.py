@@ -120,6 +120,21 @@ def close_ipc_handle(ptr: int) -> None:
     _call("cudaIpcCloseMemHandle", [ctypes.c_void_p], ptr)
 
 
+def host_register(ptr: int, nbytes: int) -> None:
+    """Page-lock host memory someone else allocated (a mapping of another
+    process's pool) so the GPU copies from it by DMA; read-only where the
+    driver allows it (a mapping the GPU never writes)."""
+    args = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    try:
+        _call("cudaHostRegister", args, ptr, nbytes, 1 | 8)  # portable | read-only
+    except RuntimeError:
+        _call("cudaHostRegister", args, ptr, nbytes, 1)
+
+
+def host_unregister(ptr: int) -> None:
+    _call("cudaHostUnregister", [ctypes.c_void_p], ptr)
+
+
 class DeviceBytes:
     """Raw device memory as something torch can view (`torch.as_tensor`). With `release`,
     that is called with the address once no tensor views it any more."""
