@@ -21,8 +21,9 @@ export PYTHONPATH=$PWD:$PWD/.pydeps PYTHONUNBUFFERED=1
 } 2>&1 | tee "$out/machine.txt"
 case " $steps " in *" tests "*)
 python3 -m pytest -q -p no:cacheprovider tests/test_transfer_cuda.py tests/test_engine.py tests/test_transfer.py \
-    tests/test_tiered_store.py tests/test_disk_tier.py \
-    tests/test_hf_integration.py 2>&1 | tee "$out/pytest.txt" ;;
+    tests/test_tiered_store.py tests/test_disk_tier.py tests/test_hf_integration.py \
+    "tests/test_remote_tier.py::test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv" \
+    2>&1 | tee "$out/pytest.txt" ;;
 esac
 case " $steps " in *" offload "*)
 python3 -m kvtier.cli bench offload --tokens 16384 --layers 32 --kv-heads 8 --head-dim 128 \
@@ -30,7 +31,8 @@ python3 -m kvtier.cli bench offload --tokens 16384 --layers 32 --kv-heads 8 --he
     --output "$out/offload.json" 2>&1 | grep -v "it/s" | tee "$out/offload.txt" ;;
 esac
 case " $steps " in *" ttft "*)
-python3 -m kvtier.cli bench ttft --lengths 4096 16384 32768 --repeats 7 --server --output "$out" 2>&1 \
+python3 -m kvtier.cli bench ttft --lengths ${LENGTHS:-4096 16384 32768} --repeats 7 --server --server-tcp \
+    --output "$out" 2>&1 \
     | tee "$out/ttft.txt" ;;
 esac
 case " $steps " in *" disk "*)

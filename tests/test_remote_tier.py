@@ -108,6 +108,25 @@ def test_same_host_chunks_are_read_in_place_and_a_bad_one_is_not_loaded():
         a.close(), b.close(), store.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv():
+    with kvtier_server(0.0625) as srv:
+        tokens = [t + 17 for t in TOKENS]
+        cfg = dict(chunk_size=16, max_local_cpu_size=1 / 1024, remote_url=srv.url, blocking_timeout_secs=5)
+        layers = [[torch.randn(2, NB, BS, H, D, device="cuda").to(torch.bfloat16) for _ in range(L)] for _ in "ab"]
+        a = CacheEngine(KvtierConfig(**cfg), PagedKV.wrap(layers[0], "flash_attn"), FMT)
+        b = CacheEngine(KvtierConfig(**cfg, local_cpu=False), PagedKV.wrap(layers[1], "flash_attn"), FMT)
+        src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
+        a.store(tokens, src)
+        a.flush(timeout=10)
+        assert b.retrieve(tokens, dst)[:96].all()
+        assert torch.equal(kv_at(layers[1], dst[:96].cuda()), kv_at(layers[0], src[:96].cuda()))
+        assert b.tiers.remote.stats.lent == 6
+        pool = b.tiers.remote.store._link.shm
+        assert torch.from_numpy(pool[:16]).is_pinned()  # registered: the copy was a DMA
+        a.close(), b.close()
+
+
 def test_a_dead_remote_store_is_a_fast_miss_and_is_used_again_once_back():
     with kvtier_server(0.0625) as srv:
         a, _ = node(srv.url, timeout=1.0)

@@ -98,6 +98,30 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
+def tcp_bandwidth(size: int = 16 * MiB, seconds: float = 1.0, repeats: int = 3) -> float:
+    """GB/s of raw loopback TCP gets of `size`-byte values, one connection (median of runs):
+    the limit a store server's gets over TCP are held to."""
+    from kvtier.localservers import free_port, wait_for_port
+
+    port = free_port()
+    proc = mp.get_context("spawn").Process(target=raw_server, args=(port, 0), daemon=True)
+    proc.start()
+    try:
+        wait_for_port(port)
+        client = _RawClient(port)
+        runs = []
+        for _ in range(repeats):
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                client.get([b"k"], size)
+                n += 1
+            runs.append(n * size / (time.perf_counter() - t0) / 1e9)
+        client.sock.close()
+        return statistics.median(runs)
+    finally:
+        proc.terminate()
+
+
 class _RawClient:
     def __init__(self, port: int) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port))

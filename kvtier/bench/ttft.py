@@ -9,7 +9,12 @@ GPU; for each prompt length:
     warm   kvtier loads all but the last token from CPU RAM, the model runs one
     warm layerwise  the same, layer i+1 loading while layer i computes
     warm server  the same prefix from `kvtier server` on this host (local_cpu
-           off: server → CPU staging block → GPU), when a server URL is given
+           off: the chunks are lent in place from the server's pool, which the
+           client registered with CUDA, and DMA'd to the GPU), when a server
+           URL is given; also as a ratio to warm (from local CPU RAM)
+    warm server tcp  the same over TCP (`?shm=0`: as from another host): its
+           floor is KV bytes / raw loopback TCP (one connection, measured in
+           the same run) + the forward
     warm disk  the same prefix from the disk tier (`--disk DIR`): the CPU tier
            emptied and the files' pages dropped before each run, a CPU pool of
            16 chunks as staging; its floor is KV bytes / the sequential read
@@ -59,6 +64,8 @@ class TTFTPoint:
     cold_store_layerwise_s: float
     samples: dict[str, list[float]]  # every repeat, seconds
     warm_server_s: float | None = None
+    warm_server_tcp_s: float | None = None
+    tcp_floor_s: float | None = None  # KV bytes / raw loopback TCP + forward
     warm_disk_s: float | None = None
     disk_floor_s: float | None = None  # KV bytes / file read bandwidth + forward
 
@@ -90,7 +97,11 @@ class TTFTPoint:
                 **({} if self.warm_server_s is None else {
                     "warm_server_s": round(self.warm_server_s, 4),
                     "warm_server_over_floor": round(self.warm_server_s / self.floor_s, 3),
+                    "warm_server_over_warm": round(self.warm_server_s / self.warm_s, 3),
                     "speedup_server": round(self.cold_s / self.warm_server_s, 1)}),
+                **({} if self.warm_server_tcp_s is None else {
+                    "warm_server_tcp_s": round(self.warm_server_tcp_s, 4), "tcp_floor_s": round(self.tcp_floor_s, 4),
+                    "warm_server_tcp_over_tcp_floor": round(self.warm_server_tcp_s / self.tcp_floor_s, 3)}),
                 **({} if self.warm_disk_s is None else {
                     "warm_disk_s": round(self.warm_disk_s, 4), "disk_floor_s": round(self.disk_floor_s, 4),
                     "warm_disk_over_disk_floor": round(self.warm_disk_s / self.disk_floor_s, 3),
@@ -125,7 +136,8 @@ def build_model(layers: int | None = None):
 
 
 def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: str = "auto",
-            server_url: str | None = None, disk_dir: Path | None = None) -> TTFTPoint:
+            server_url: str | None = None, disk_dir: Path | None = None,
+            tcp_gbps: float | None = None) -> TTFTPoint:
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens))
     kv_per_token = _kv_bytes_per_token(model)
     pool_gib = (tokens + chunk_size) * kv_per_token * 1.05 / 1024**3
@@ -166,6 +178,11 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
         point.samples["warm_server"] = _warm_from_server(model, ids, chunk_size, pool_gib, server_url, repeats,
                                                          transfer)
         point.warm_server_s = med(point.samples["warm_server"])
+        if tcp_gbps is not None:
+            point.samples["warm_server_tcp"] = _warm_from_server(model, ids, chunk_size, pool_gib,
+                                                                 server_url + "/?shm=0", repeats, transfer)
+            point.warm_server_tcp_s = med(point.samples["warm_server_tcp"])
+            point.tcp_floor_s = hit * kv_per_token / (tcp_gbps * 1e9) + point.forward_1_s
     if disk_dir is not None:
         point.samples["warm_disk"], read_gbps = _warm_from_disk(model, ids, chunk_size, disk_dir, repeats, transfer)
         point.warm_disk_s = med(point.samples["warm_disk"])
@@ -217,7 +234,8 @@ def _warm_from_server(model, ids, chunk_size: int, pool_gib: float, url: str, re
 
 
 def run_ttft(lengths: list[int], repeats: int, out_dir: Path, layers: int | None = None,
-             transfer: str = "auto", server: bool = False, disk_dir: Path | None = None) -> list[TTFTPoint]:
+             transfer: str = "auto", server: bool = False, disk_dir: Path | None = None,
+             server_tcp: bool = False) -> list[TTFTPoint]:
     logging.getLogger("kvtier").setLevel(logging.WARNING)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = build_model(layers)
@@ -230,13 +248,20 @@ def run_ttft(lengths: list[int], repeats: int, out_dir: Path, layers: int | None
 
             kv_bytes = max(lengths) * _kv_bytes_per_token(model)
             url = stack.enter_context(kvtier_server(2.5 * kv_bytes / 1024**3)).url
+        tcp_gbps = None
+        if server and server_tcp:
+            from kvtier.bench.server import tcp_bandwidth
+
+            tcp_gbps = tcp_bandwidth()
+            print(f"raw loopback TCP: {tcp_gbps:.2f} GB/s", flush=True)
         for n in lengths:
-            p = measure(model, n, repeats, transfer=transfer, server_url=url, disk_dir=disk_dir)
+            p = measure(model, n, repeats, transfer=transfer, server_url=url, disk_dir=disk_dir, tcp_gbps=tcp_gbps)
             print(json.dumps({k: v for k, v in p.row().items() if k != "samples_ms"}), flush=True)
             points.append(p)
     record = {"machine": machine_name(torch.device("cuda")), "date": dt.date.today().isoformat(),
               "model": {**LLAMA_8B, **({"num_hidden_layers": layers} if layers else {})},
               "dtype": "bfloat16", "attention": "sdpa", "repeats": repeats, "transfer": transfer,
+              "raw_tcp_GBps": tcp_gbps,
               "points": [p.row() for p in points]}
     suffix = "" if transfer == "auto" else f"-{transfer}"
     (out_dir / f"ttft{suffix}.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -258,6 +283,8 @@ def _plot(points: list[TTFTPoint], path: Path, machine: str) -> None:
     ax.plot(x, [p.warm_layerwise_s for p in points], "o-", label="warm, layerwise")
     if points and points[0].warm_server_s is not None:
         ax.plot(x, [p.warm_server_s for p in points], "o-", label="warm (kvtier server, same host)")
+    if points and points[0].warm_server_tcp_s is not None:
+        ax.plot(x, [p.warm_server_tcp_s for p in points], "o-", label="warm (kvtier server over TCP)")
     if points and points[0].warm_disk_s is not None:
         ax.plot(x, [p.warm_disk_s for p in points], "o-", label="warm (disk tier)")
     ax.plot(x, [p.floor_s for p in points], "--", label="floor (KV bytes / H2D + 1-token forward)")
