@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -357,8 +357,9 @@ class CacheEngine:
             else:
                 for batch in batches:
                     try:
-                        self._scatter(slots, batch, start, end, layerwise=False)
                         # lent chunks are checked while they move; what fails counts as not loaded
+                        self._scatter(slots, batch, start, end, layerwise=False,
+                                      while_copying=lambda: batch[-1][1].block.verified())
                         good = next((k for k, (_, c) in enumerate(batch) if not c.block.verified()), len(batch))
                     finally:
                         for _, chunk in batch:
@@ -384,7 +385,7 @@ class CacheEngine:
         return Retrieval(self, mask, [c.block for _, c in held], handle, t0, request_id)
 
     def _scatter(self, slots: torch.Tensor, found: list[tuple[ChunkSpan, StoredChunk]], start: int, end: int,
-                 layerwise: bool) -> LayerHandle | None:
+                 layerwise: bool, while_copying: Callable[[], object] | None = None) -> LayerHandle | None:
         """The chunks in one transfer, whole. A chunk cut by `start` or `end`
         writes only its tokens inside [start, end): the others get slot -1,
         which the transfers skip (the slots before `start` may be prefix-cache
@@ -397,7 +398,7 @@ class CacheEngine:
         with self._transfer_lock:
             if layerwise:
                 return self.transfer.scatter_layerwise(targets, views)
-            self.transfer.scatter(targets, views)
+            self.transfer.scatter(targets, views, while_copying=while_copying)
         return None
 
     # -- housekeeping ------------------------------------------------------------

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
@@ -58,22 +57,22 @@ def wire_key(key: ChunkKey) -> bytes:
 
 
 class _LentBatch:
-    """Chunks of one lease: their checksums, checked in the background, and
-    the lease, given back when the last block is released."""
+    """Chunks of one lease: their checksums, checked on the first `good` (the
+    engine asks while their copy to the KV runs), and the lease, given back
+    when the last block is released. (A thread would not help: xxhash holds
+    the GIL, and the copy's many small launches would queue behind it.)"""
 
-    def __init__(self, lease, payloads: list[np.ndarray], checksums: list[int], codec: Codec,
-                 checker: ThreadPoolExecutor) -> None:
+    def __init__(self, lease, payloads: list[np.ndarray], checksums: list[int], codec: Codec) -> None:
         self.lease, self._left = lease, len(payloads)
+        self._payloads, self._checksums, self._codec = payloads, checksums, codec
+        self._good: int | None = None  # leading chunks whose checksum holds
         self._lock = threading.Lock()
-        self._checked: Future = checker.submit(
-            lambda: next((i for i, (v, c) in enumerate(zip(payloads, checksums)) if codec.checksum(v) != c),
-                         len(payloads)))
 
     def good(self, i: int) -> bool:
-        return self._checked.result() > i and self.lease.in_time()
-
-    def bad_from(self) -> int:
-        return self._checked.result()
+        if self._good is None:
+            self._good = next((k for k, (v, c) in enumerate(zip(self._payloads, self._checksums))
+                               if self._codec.checksum(v) != c), len(self._payloads))
+        return self._good > i and self.lease.in_time()
 
     def release_one(self) -> None:
         with self._lock:
@@ -118,7 +117,6 @@ class RemoteTier:
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._backoff = BACKOFF_FIRST
-        self._checker: ThreadPoolExecutor | None = None  # checksums of borrowed chunks
 
     # -- reads ---------------------------------------------------------------------
 
@@ -194,9 +192,7 @@ class RemoteTier:
         if not lent:
             lease.release()
             return []
-        if self._checker is None:
-            self._checker = ThreadPoolExecutor(1, thread_name_prefix="kvtier-checksum")
-        batch = _LentBatch(lease, [v for v, _, _ in lent], [c for _, _, c in lent], self.codec, self._checker)
+        batch = _LentBatch(lease, [v for v, _, _ in lent], [c for _, _, c in lent], self.codec)
         return [(BorrowedBlock(torch.from_numpy(v), batch, i), n) for i, (v, n, _) in enumerate(lent)]
 
     # -- writes --------------------------------------------------------------------
@@ -218,8 +214,6 @@ class RemoteTier:
 
     def close(self) -> None:
         self.store.close()
-        if self._checker is not None:
-            self._checker.shutdown()
 
     # -- faults --------------------------------------------------------------------
 

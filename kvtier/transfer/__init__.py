@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -40,7 +40,10 @@ class Transfer(Protocol):
 
     def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None: ...
 
-    def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None) -> None: ...
+    def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
+                while_copying: Callable[[], object] | None = None) -> None:
+        """... `while_copying` runs on this thread once every copy is queued, before
+        waiting for them: host work (checksums) that overlaps the DMA."""
 
     def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LayerHandle: ...
 

@@ -6,7 +6,7 @@ device copy), and the fallback where Triton is absent.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -34,8 +34,10 @@ class TorchTransfer:
                 chunk[layer_idx].copy_(tokens[:, start : start + n], non_blocking=True)
                 start += n
 
-    def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None) -> None:
-        """Copy `chunks` back into the KV pages at `slots` (all layers, or `layers`); slot -1 is skipped."""
+    def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
+                while_copying: Callable[[], object] | None = None) -> None:
+        """Copy `chunks` back into the KV pages at `slots` (all layers, or `layers`); slot -1 is skipped.
+        `while_copying` runs after the copies (they are synchronous here)."""
         keep = None if bool((slots >= 0).all()) else (slots >= 0).nonzero().flatten()
         block, offset = self._index(slots if keep is None else slots[keep])
         for layer_idx in layers or range(self.kv.num_layers):
@@ -44,6 +46,8 @@ class TorchTransfer:
             if keep is not None:
                 tokens = tokens[:, keep.to(tokens.device)]
             self.kv.write(layer_idx, block, offset, tokens.to(self.kv.device, non_blocking=True))
+        if while_copying is not None:
+            while_copying()
 
     def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LazyLayers:
         return LazyLayers(self, slots, chunks)

@@ -33,7 +33,7 @@ Correctness is also checked on CPU with TRITON_INTERPRET=1.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import triton
@@ -265,13 +265,15 @@ class TritonTransfer:
                 staging.copy(to_host=True, stream=self._copies, group=g)
         self._copies.synchronize()
 
-    def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None) -> None:
+    def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
+                while_copying: Callable[[], object] | None = None) -> None:
         """Write `chunks` into the KV pages; the current stream is ordered after it.
 
-        `layers` (device-resident or interpreter chunks only) limits the write to those layers."""
+        `layers` (device-resident or interpreter chunks only) limits the write to those layers.
+        `while_copying` runs here once everything is queued, while the copies run."""
         layers = layers or range(self.kv.num_layers)
         if not self._staged(chunks):
-            self._unstaged(lambda: self._in_place(slots, chunks, False, layers), chunks)
+            self._unstaged(lambda: self._in_place(slots, chunks, False, layers), chunks, while_copying)
             return
         if len(layers) != self.kv.num_layers:
             raise ValueError("a layer range is for device-resident chunks; use scatter_layerwise")
@@ -295,22 +297,29 @@ class TritonTransfer:
                 a, b = group.start * size, min(group.stop * size, slots.numel())
                 self._kernel(dev_slots[a:b], ptrs[group.start : group.stop], size, False, layers)
         current.wait_stream(self._stream)
+        if while_copying is not None:
+            while_copying()
         # The caller releases the host blocks once this returns, so the copies
         # out of them must be done.
         self._copies.synchronize()
 
-    def _unstaged(self, work, chunks: Sequence[torch.Tensor]) -> None:
+    def _unstaged(self, work, chunks: Sequence[torch.Tensor], while_copying: Callable[[], object] | None = None
+                  ) -> None:
         """Device chunks (and the interpreter's): on the current stream.
         `direct` host chunks: on the side stream, waited for, since the
         caller frees or reads the chunks next."""
         if self._stream is None or chunks[0].is_cuda:
             work()
+            if while_copying is not None:
+                while_copying()
             return
         current = torch.cuda.current_stream(self.kv.device)
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
             work()
         current.wait_stream(self._stream)
+        if while_copying is not None:
+            while_copying()
         self._stream.synchronize()
 
     # -- layer by layer ------------------------------------------------------------------
