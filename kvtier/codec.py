@@ -8,7 +8,9 @@
     +-------------------------------------------------------------------------------+
 
 checksum = xxh3-64 of the encoded payload, so corruption is caught before
-anything is decompressed. Decoding checks every field against what the
+anything is decompressed. It is computed by the xxhash package's own C
+function called through ctypes, which lets go of the GIL (the package's
+Python API holds it), so chunks are hashed in parallel on the copy threads. Decoding checks every field against what the
 reader expects (the key already names model, layout, dtype and TP rank;
 the reader knows the chunk's byte size) and raises CorruptPayload on any
 mismatch: the remote tier turns that into a miss, never wrong KV.
@@ -23,6 +25,7 @@ Serdes:
 
 from __future__ import annotations
 
+import ctypes
 import struct
 from dataclasses import dataclass
 
@@ -58,7 +61,7 @@ class Codec:
 
             payload = lz4.block.compress(_shuffle(raw, self.itemsize), store_size=False)
         header = HEADER.pack(MAGIC, VERSION, SERDES[self.serde], self.itemsize, num_tokens, len(raw),
-                             len(payload), xxhash.xxh3_64_intdigest(payload))
+                             len(payload), checksum(payload))
         return [header, payload]
 
     @property
@@ -108,8 +111,8 @@ class Codec:
         return num_tokens, checksum
 
     @staticmethod
-    def checksum(payload: memoryview | bytes) -> int:
-        return xxhash.xxh3_64_intdigest(payload)
+    def checksum(payload: memoryview | bytes | np.ndarray) -> int:
+        return checksum(payload)
 
     @staticmethod
     def _header(header: memoryview, payload_len: int, raw_len: int) -> tuple[int, int, int, int]:
@@ -132,6 +135,31 @@ class Codec:
         if cls.checksum(payload) != checksum:
             raise CorruptPayload("checksum mismatch")
         return serde, shuf, num_tokens
+
+
+def _xxh3_c():
+    """XXH3_64bits of the xxhash extension, through ctypes (which releases the GIL), or None."""
+    import xxhash._xxhash as ext
+
+    try:
+        fn = ctypes.CDLL(ext.__file__).XXH3_64bits
+    except (OSError, AttributeError):  # a build that does not export it
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_uint64
+    return fn
+
+
+_XXH3 = _xxh3_c()
+
+
+def checksum(payload: memoryview | bytes | np.ndarray) -> int:
+    """xxh3-64 of `payload`, with the GIL let go while it reads (where the C function is reachable)."""
+    if _XXH3 is None:
+        return xxhash.xxh3_64_intdigest(payload)
+    arr = np.frombuffer(payload, np.uint8) if not isinstance(payload, np.ndarray) else payload
+    if not arr.flags.c_contiguous:
+        return xxhash.xxh3_64_intdigest(payload)
+    return _XXH3(arr.ctypes.data, arr.nbytes)
 
 
 def _shuffle(raw: memoryview, itemsize: int) -> np.ndarray:

@@ -173,6 +173,20 @@ def test_codec_roundtrip_and_checks(serde):
         codec.decode(value, len(raw) + 2)
 
 
+@pytest.mark.parametrize("n", [0, 1, 17, 4096, 3 * 2**20 + 5])
+def test_the_gil_free_checksum_is_xxh3_64(n):
+    import os
+
+    import numpy as np
+    import xxhash
+
+    from kvtier.codec import checksum
+
+    data = os.urandom(n)
+    want = xxhash.xxh3_64_intdigest(data)
+    assert checksum(data) == checksum(memoryview(data)) == checksum(np.frombuffer(data, np.uint8)) == want
+
+
 def test_lz4_shrinks_structured_kv():
     # bf16 values near a common scale share their exponent byte: the byte planes compress.
     raw = (1 + 0.01 * torch.randn(1 << 16)).to(torch.bfloat16).view(torch.uint8).numpy()

@@ -58,9 +58,8 @@ def wire_key(key: ChunkKey) -> bytes:
 
 class _LentBatch:
     """Chunks of one lease: their checksums, checked on the first `good` (the
-    engine asks while their copy to the KV runs), and the lease, given back
-    when the last block is released. (A thread would not help: xxhash holds
-    the GIL, and the copy's many small launches would queue behind it.)"""
+    engine asks while their copy to the KV runs; over the copy threads), and
+    the lease, given back when the last block is released."""
 
     def __init__(self, lease, payloads: list[np.ndarray], checksums: list[int], codec: Codec) -> None:
         self.lease, self._left = lease, len(payloads)
@@ -70,8 +69,9 @@ class _LentBatch:
 
     def good(self, i: int) -> bool:
         if self._good is None:
-            self._good = next((k for k, (v, c) in enumerate(zip(self._payloads, self._checksums))
-                               if self._codec.checksum(v) != c), len(self._payloads))
+            sums = parallel(self._codec.checksum, self._payloads, sum(v.nbytes for v in self._payloads))
+            self._good = next((k for k, (s, c) in enumerate(zip(sums, self._checksums)) if s != c),
+                              len(self._payloads))
         return self._good > i and self.lease.in_time()
 
     def release_one(self) -> None:
