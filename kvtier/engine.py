@@ -347,10 +347,11 @@ class CacheEngine:
         spans = [s for s in self.spans(tokens) if s.start < end]
         where = self.tiers.locate([s.key for s in spans])
         todo = [(s, w) for s, w in zip(spans, where) if s.end > start]
-        batches = self.tiers.fetch([s for s, _ in todo], [w for _, w in todo])
+        all_cpu = all(w == CPU for _, w in todo)
+        batches = self.tiers.fetch([s for s, _ in todo], [w for _, w in todo], ahead=not all_cpu)
         handle, held, loaded = None, [], 0
         try:
-            if layerwise and all(w == CPU for _, w in todo):
+            if layerwise and all_cpu:
                 held = next(batches, [])
                 handle = self._scatter(slots, held, start, end, layerwise=True) if held else None
                 loaded = len(held)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence
 
@@ -48,6 +49,7 @@ CPU = "cpu"
 WRITE_BATCH = 8  # chunks per call into a lower tier
 WAIT_STEP = 0.05  # s between checks for a block freed by someone other than the writers
 BORROW_BYTES = 512 << 20  # chunks lent in place per lease: well under a server's per-connection cap
+AHEAD_BYTES = 256 << 20  # a batch when the next is read ahead: small enough that reading and loading overlap
 
 
 class LowerTier(Protocol):
@@ -74,6 +76,7 @@ class TieredStore:
         pending = max(1, blocks // 2 if keep_cpu else blocks)
         self.writers = {t.name: _Writer(t, pending, wait_s, self._progress) for t in self.lower}
         self._stores: OrderedDict[ChunkKey, int] = OrderedDict()  # times each key was stored (write filter)
+        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="kvtier-fetch-ahead")  # fetch(ahead=True)
 
     # -- where chunks are ---------------------------------------------------------------
 
@@ -124,25 +127,46 @@ class TieredStore:
 
     # -- reads --------------------------------------------------------------------------
 
-    def fetch(self, spans: Sequence[ChunkSpan], where: Sequence[str]) -> Iterator[list[tuple[ChunkSpan, StoredChunk]]]:
+    def fetch(self, spans: Sequence[ChunkSpan], where: Sequence[str], *, ahead: bool = False
+              ) -> Iterator[list[tuple[ChunkSpan, StoredChunk]]]:
         """The chunks of `spans`, found by `locate` in `where`, in batches that fit the
         pool; each chunk retained for the caller.
 
         Stops at the first chunk no tier can deliver (evicted, corrupt, a
-        fault, or no block to read it into).
+        fault, or no block to read it into). With `ahead`, the next batch is
+        read (received, copied, lent) on a thread while the caller uses this
+        one, when the pool has a free block for it (so a batch then takes at
+        most half the pool, and AHEAD_BYTES); closing the iterator early
+        releases that batch too.
         """
-        i = 0
-        while i < len(where):
-            batch, done = self._next_batch(spans, where, i)
-            if batch:
-                yield batch
-            i += len(batch)
-            if done or not batch:
-                return
+        limit = None
+        if ahead:
+            per_chunk = max(1, max((s.num_tokens for s in spans), default=1) * self.bytes_per_token)
+            limit = max(1, min(self.cpu.pool.num_blocks // 2, AHEAD_BYTES // per_chunk))
+        i, pending = 0, None
+        try:
+            while i < len(where):
+                if pending is not None:
+                    batch, done = pending.result()
+                    pending = None
+                else:
+                    batch, done = self._next_batch(spans, where, i, limit)
+                i += len(batch)
+                if ahead and batch and not done and i < len(where) and self.cpu.pool.free_blocks:
+                    pending = self._ahead.submit(self._next_batch, spans, where, i, limit)
+                if batch:
+                    yield batch
+                if done or not batch:
+                    return
+        finally:
+            if pending is not None:
+                for _, chunk in pending.result()[0]:
+                    chunk.block.release()
 
-    def _next_batch(self, spans: Sequence[ChunkSpan], where: list[str], i: int
+    def _next_batch(self, spans: Sequence[ChunkSpan], where: list[str], i: int, limit: int | None = None
                     ) -> tuple[list[tuple[ChunkSpan, StoredChunk]], bool]:
-        """Chunks from position i on, as many as the pool gives now; (batch, whether the prefix ended)."""
+        """Chunks from position i on, as many as the pool gives now (at most `limit`);
+        (batch, whether the prefix ended)."""
         if (not self.keep_cpu and self.remote is not None and where[i] == self.remote.name
                 and self.remote.can_borrow()):
             lent = self._borrow(spans, where, i)
@@ -151,7 +175,7 @@ class TieredStore:
         batch: list[tuple[ChunkSpan, StoredChunk]] = []
         reads: dict[str, list[int]] = {}  # tier name -> positions in batch
         ended = False
-        while i + len(batch) < len(where):
+        while i + len(batch) < len(where) and (limit is None or len(batch) < limit):
             span, tier = spans[i + len(batch)], where[i + len(batch)]
             chunk = self.cpu.get(span.key) if tier == CPU else None
             if tier == CPU and chunk is None:  # evicted since `locate` (maybe by this fetch): a copy below?
@@ -261,6 +285,7 @@ class TieredStore:
             self.disk.clear()
 
     def close(self, timeout: float = 30.0) -> None:
+        self._ahead.shutdown()
         for writer in self.writers.values():
             writer.close(timeout)
         if self.disk is not None:

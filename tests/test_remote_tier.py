@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -124,6 +125,35 @@ def test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv():
         assert b.tiers.remote.stats.lent == 6
         pool = b.tiers.remote.store._link.shm
         assert torch.from_numpy(pool[:16]).is_pinned()  # registered: the copy was a DMA
+        a.close(), b.close()
+
+
+def test_over_tcp_the_next_batch_is_read_while_this_one_loads_and_nothing_leaks():
+    with kvtier_server(0.0625) as srv:
+        tokens = [t + 19 for t in TOKENS]
+        a, a_kv = node(srv.url)
+        layers = [torch.randn(2, NB, BS, H, D).to(torch.bfloat16) for _ in range(L)]
+        cfg = KvtierConfig(chunk_size=16, max_local_cpu_size=2.5 * L * 2 * 16 * H * D * 2 / 2**30,  # 2 blocks
+                           remote_url=srv.url + "/?shm=0", local_cpu=False, blocking_timeout_secs=5)
+        b = CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), FMT)
+        assert b.pool.num_blocks == 2
+        src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
+        a.store(tokens, src)
+        a.flush(timeout=10)
+        threads = []
+        next_batch = b.tiers._next_batch
+        b.tiers._next_batch = lambda *args: threads.append(threading.current_thread().name) or next_batch(*args)
+        mask = b.retrieve(tokens, dst)  # 6 chunks through 2 blocks: batches of 1, the next read ahead
+        assert len(threads) == 6 and sum(t.startswith("kvtier-fetch-ahead") for t in threads) == 5
+        assert mask[:96].all() and torch.equal(kv_at(layers, dst[:96]), kv_at(a_kv, src[:96]))
+        assert b.pool.free_blocks == 2
+        spans = b.spans(tokens)[:6]
+        batches = b.tiers.fetch(spans, ["remote"] * 6, ahead=True)
+        first = next(batches)  # the second is being read meanwhile
+        batches.close()  # given up: the batch read ahead goes back to the pool
+        for _, chunk in first:
+            chunk.block.release()
+        assert b.pool.free_blocks == 2
         a.close(), b.close()
 
 
