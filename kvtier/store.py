@@ -213,8 +213,8 @@ class TieredStore:
         """Remote chunks from position i on, lent in place by the store server
         (same host; nothing to keep, so no pool block to copy them into); None:
         not lent, copy them."""
-        j, nbytes = i, 0
-        while j < len(where) and where[j] == self.remote.name and nbytes < BORROW_BYTES:
+        j, nbytes, limit = i, 0, min(BORROW_BYTES, self.remote.lend_limit())
+        while j < len(where) and where[j] == self.remote.name and (j == i or nbytes < limit):
             nbytes += spans[j].num_tokens * self.bytes_per_token
             j += 1
         taken = spans[i:j]

@@ -168,6 +168,14 @@ class RemoteTier:
     def can_borrow(self) -> bool:
         return self.codec.in_place and hasattr(self.store, "borrow")
 
+    def lend_limit(self) -> float:
+        """Bytes to borrow per lease: a quarter of what the server lets one
+        connection hold (a load holds two leases when it reads ahead)."""
+        info = self._guard("get", self.store.server_info, None)
+        if info is None:  # down (or backing off): the borrow that follows will say so
+            return 0.0
+        return (info.get("bounds") or {}).get("max_held", float("inf")) / 4
+
     def borrow(self, keys: Sequence[ChunkKey], raw_sizes: Sequence[int]) -> list[tuple[BorrowedBlock, int]] | None:
         """The leading chunks of `keys` lent in place, each (block, num_tokens);
         it stops at the first absent, split or bad-header one. None: the store
