@@ -10,8 +10,8 @@
 checksum = xxh3-64 of the encoded payload, so corruption is caught before
 anything is decompressed. It is computed by the xxhash package's own C
 function called through ctypes, which lets go of the GIL (the package's
-Python API holds it), so chunks are hashed in parallel on the copy threads. Decoding checks every field against what the
-reader expects (the key already names model, layout, dtype and TP rank;
+Python API holds it), so chunks are hashed in parallel on the copy
+threads. Decoding checks every field against what the reader expects (the key already names model, layout, dtype and TP rank;
 the reader knows the chunk's byte size) and raises CorruptPayload on any
 mismatch: the remote tier turns that into a miss, never wrong KV.
 
@@ -104,15 +104,11 @@ class Codec:
 
     def check_header(self, header: bytes | memoryview, payload_len: int, raw_len: int) -> tuple[int, int]:
         """(num_tokens, checksum) of an in-place value whose header holds; the
-        caller checks the payload against the checksum (`checksum`) itself."""
+        caller checks the payload against the checksum (`checksum()`) itself."""
         serde, _, num_tokens, checksum = self._header(memoryview(header), payload_len, raw_len)
         if serde != SERDES["naive"]:
             raise CorruptPayload(f"serde id {serde} where naive was expected")
         return num_tokens, checksum
-
-    @staticmethod
-    def checksum(payload: memoryview | bytes | np.ndarray) -> int:
-        return checksum(payload)
 
     @staticmethod
     def _header(header: memoryview, payload_len: int, raw_len: int) -> tuple[int, int, int, int]:
@@ -131,8 +127,8 @@ class Codec:
     @classmethod
     def _check(cls, header: memoryview, payload: memoryview, raw_len: int) -> tuple[int, int, int]:
         """(serde, shuffle width, num_tokens) of a value whose header and checksum hold."""
-        serde, shuf, num_tokens, checksum = cls._header(header, len(payload), raw_len)
-        if cls.checksum(payload) != checksum:
+        serde, shuf, num_tokens, stored = cls._header(header, len(payload), raw_len)
+        if checksum(payload) != stored:
             raise CorruptPayload("checksum mismatch")
         return serde, shuf, num_tokens
 

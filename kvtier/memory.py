@@ -56,12 +56,7 @@ class MemoryBlock:
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The front of the block as a contiguous tensor of `shape`."""
-        nbytes = dtype.itemsize
-        for dim in shape:
-            nbytes *= dim
-        if nbytes > self.data.numel():
-            raise ValueError(f"shape {shape} of {dtype} needs {nbytes} bytes, block has {self.data.numel()}")
-        return self.data[:nbytes].view(dtype).view(shape)
+        return front_view(self.data, dtype, shape)
 
     def verified(self) -> bool:
         """Whether the bytes a reader took from this block are known good: a
@@ -78,6 +73,16 @@ class MemoryBlock:
 
     def release(self) -> None:
         self.pool._release(self)
+
+
+def front_view(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The front of the uint8 buffer `data` as a contiguous tensor of `shape`."""
+    nbytes = dtype.itemsize
+    for dim in shape:
+        nbytes *= dim
+    if nbytes > data.numel():
+        raise ValueError(f"shape {shape} of {dtype} needs {nbytes} bytes, block has {data.numel()}")
+    return data[:nbytes].view(dtype).view(shape)
 
 
 class HostPool:

@@ -211,8 +211,9 @@ class TieredStore:
     def _borrow(self, spans: Sequence[ChunkSpan], where: list[str], i: int
                 ) -> tuple[list[tuple[ChunkSpan, StoredChunk]], bool] | None:
         """Remote chunks from position i on, lent in place by the store server
-        (same host; nothing to keep, so no pool block to copy them into); None:
-        not lent, copy them."""
+        (same host; nothing to keep, so no pool block to copy them into). The
+        next batch starts at the first chunk not lent; None: the chunk at i
+        was not lent, the copying path reads it (or finds it missing)."""
         j, nbytes, limit = i, 0, min(BORROW_BYTES, self.remote.lend_limit())
         while j < len(where) and where[j] == self.remote.name and (j == i or nbytes < limit):
             nbytes += spans[j].num_tokens * self.bytes_per_token
@@ -228,7 +229,7 @@ class TieredStore:
             batch.append((span, StoredChunk(block, n)))
         for block, _ in lent[len(batch):]:
             block.release()
-        return batch, len(batch) < len(taken)
+        return (batch, False) if batch else None
 
     def _bytes(self, span: ChunkSpan, chunk: StoredChunk) -> memoryview:
         return chunk.block.data[: span.num_tokens * self.bytes_per_token].numpy().data

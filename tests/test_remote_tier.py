@@ -106,6 +106,14 @@ def test_same_host_chunks_are_read_in_place_and_a_bad_one_is_not_loaded():
         assert mask[:48].all() and not mask[48:].any()  # loading counts up to the bad chunk only
         assert torch.equal(kv_at(b_kv, dst[:48]), kv_at(a_kv, src[:48]))
         assert b.lookup(tokens) == 96  # it is still there; a load just does not trust it
+        first = wire_key(b.spans(tokens)[0].key)  # a bad header on the first chunk: not lent, read by copy
+        value = bytearray(store.get([first])[0])
+        value[0] ^= 0xFF  # the codec's magic
+        store.put([first], [bytes(value)])
+        lent, corrupt = b.tiers.remote.stats.lent, b.tiers.remote.stats.corrupt
+        assert not b.retrieve(tokens, dst).any()
+        # the copying path read the batch: chunk 0 (bad header) and chunk 3 (bad payload), each counted once
+        assert b.tiers.remote.stats.lent == lent and b.tiers.remote.stats.corrupt == corrupt + 2
         a.close(), b.close(), store.close()
 
 

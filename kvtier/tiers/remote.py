@@ -28,10 +28,11 @@ import numpy as np
 import torch
 
 from kvtier.buffers import parallel
-from kvtier.codec import HEADER, Codec
+from kvtier.codec import HEADER, Codec, checksum
 from kvtier.errors import CorruptPayload, RemoteRefused, RemoteUnavailable
 from kvtier.keys import ChunkKey
 from kvtier.logs import get_logger
+from kvtier.memory import front_view
 from kvtier.remote import KVStore
 
 log = get_logger(__name__)
@@ -61,15 +62,15 @@ class _LentBatch:
     engine asks while their copy to the KV runs; over the copy threads), and
     the lease, given back when the last block is released."""
 
-    def __init__(self, lease, payloads: list[np.ndarray], checksums: list[int], codec: Codec) -> None:
+    def __init__(self, lease, payloads: list[np.ndarray], checksums: list[int]) -> None:
         self.lease, self._left = lease, len(payloads)
-        self._payloads, self._checksums, self._codec = payloads, checksums, codec
+        self._payloads, self._checksums = payloads, checksums
         self._good: int | None = None  # leading chunks whose checksum holds
         self._lock = threading.Lock()
 
     def good(self, i: int) -> bool:
         if self._good is None:
-            sums = parallel(self._codec.checksum, self._payloads, sum(v.nbytes for v in self._payloads))
+            sums = parallel(checksum, self._payloads, sum(v.nbytes for v in self._payloads))
             self._good = next((k for k, (s, c) in enumerate(zip(sums, self._checksums)) if s != c),
                               len(self._payloads))
         return self._good > i and self.lease.in_time()
@@ -93,10 +94,7 @@ class BorrowedBlock:
         self.data, self._batch, self._i = data, batch, i
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        nbytes = dtype.itemsize * int(np.prod(shape))
-        if nbytes > self.data.numel():
-            raise ValueError(f"shape {shape} of {dtype} needs {nbytes} bytes, the chunk has {self.data.numel()}")
-        return self.data[:nbytes].view(dtype).view(shape)
+        return front_view(self.data, dtype, shape)
 
     def verified(self) -> bool:
         return self._batch.good(self._i)
@@ -178,29 +176,28 @@ class RemoteTier:
 
     def borrow(self, keys: Sequence[ChunkKey], raw_sizes: Sequence[int]) -> list[tuple[BorrowedBlock, int]] | None:
         """The leading chunks of `keys` lent in place, each (block, num_tokens);
-        it stops at the first absent, split or bad-header one. None: the store
-        cannot lend them now (another host, a refusal, a fault): copy instead."""
+        it stops at the first one absent, split over pages or with a bad header,
+        which the copying path (`get_into`) then reads, counts and logs as what
+        it is. None: not one lent (another host, a refusal, a fault, or the
+        first chunk is such a one): copy instead."""
         lease = self._guard("get", lambda: self.store.borrow([wire_key(k) for k in keys]), None)
         if lease is None:
             return None
         lent: list[tuple[np.ndarray, int, int]] = []
-        for key, view, raw in zip(keys, lease.views, raw_sizes):
+        for view, raw in zip(lease.views, raw_sizes):
             if view is None:
                 break
             try:
-                n, checksum = self.codec.check_header(view[: HEADER.size].data, len(view) - HEADER.size, raw)
-            except CorruptPayload as e:
-                self.stats.corrupt += 1
-                log.warning("remote %s: chunk %s is corrupt (%s); treated as a miss", self.url, key, e)
+                n, stored = self.codec.check_header(view[: HEADER.size].data, len(view) - HEADER.size, raw)
+            except CorruptPayload:
                 break
-            lent.append((view[HEADER.size :], n, checksum))
-        self.stats.hits += len(lent)
-        self.stats.lent += len(lent)
-        self.stats.misses += len(lent) < len(keys)
+            lent.append((view[HEADER.size :], n, stored))
         if not lent:
             lease.release()
-            return []
-        batch = _LentBatch(lease, [v for v, _, _ in lent], [c for _, _, c in lent], self.codec)
+            return None
+        self.stats.hits += len(lent)
+        self.stats.lent += len(lent)
+        batch = _LentBatch(lease, [v for v, _, _ in lent], [c for _, _, c in lent])
         return [(BorrowedBlock(torch.from_numpy(v), batch, i), n) for i, (v, n, _) in enumerate(lent)]
 
     # -- writes --------------------------------------------------------------------
