@@ -330,11 +330,12 @@ class CacheEngine:
                        layerwise: bool = False) -> Retrieval:
         """`retrieve`, split in two: what to load is decided (and pinned) now.
 
-        With `layerwise` and every chunk in CPU RAM, layers load in order in
-        the background; the caller calls `wait(layer)` before it uses a layer
-        and `finish()` at the end. Otherwise (also when chunks come from disk
-        or remote, batch by batch through the pool) everything is loaded
-        before this returns. Either way the request's lease ends at `finish()`.
+        With `layerwise` and every chunk in CPU RAM (or every chunk lent whole
+        by the store server of this host, CPU tier off), layers load in order
+        in the background; the caller calls `wait(layer)` before it uses a
+        layer and `finish()` at the end, whose mask is the one to trust.
+        Otherwise (chunks from disk or remote, batch by batch) everything is
+        loaded before this returns. Either way the request's lease ends at `finish()`.
         """
         slots = self._check(tokens, slots, exact=False)
         end = len(slots)
@@ -351,25 +352,14 @@ class CacheEngine:
         batches = self.tiers.fetch([s for s, _ in todo], [w for _, w in todo], ahead=not all_cpu)
         handle, held, loaded = None, [], 0
         try:
-            if layerwise and all_cpu:
-                held = next(batches, [])
-                handle = self._scatter(slots, held, start, end, layerwise=True) if held else None
+            if layerwise:  # from CPU RAM, or lent whole by the store server of this host
+                held = next(batches, []) if all_cpu else self.tiers.lend_whole([s for s, _ in todo],
+                                                                                [w for _, w in todo])
+            if held:
+                handle = self._scatter(slots, held, start, end, layerwise=True)
                 loaded = len(held)
-            else:
-                for batch in batches:
-                    try:
-                        # lent chunks are checked while they move; what fails counts as not loaded
-                        self._scatter(slots, batch, start, end, layerwise=False,
-                                      while_copying=lambda: batch[-1][1].block.verified())
-                        good = next((k for k, (_, c) in enumerate(batch) if not c.block.verified()), len(batch))
-                    finally:
-                        for _, chunk in batch:
-                            chunk.block.release()
-                    loaded += good
-                    if good < len(batch):
-                        log.warning("%d chunks loaded from the store server failed their checksum or outlived "
-                                    "their lease; recomputed", len(batch) - good)
-                        break
+            elif not (layerwise and all_cpu):
+                loaded = self._load_batches(slots, batches, start, end)
         except BaseException:
             for _, chunk in held:
                 chunk.block.release()
@@ -380,14 +370,38 @@ class CacheEngine:
         if loaded:
             first, last = todo[0][0], todo[loaded - 1][0]
             mask[max(start, first.start) : min(end, last.end)] = True
-            by_tier = self.stats.loaded_by_tier
-            for span, tier in todo[:loaded]:
-                by_tier[tier] = by_tier.get(tier, 0) + min(end, span.end) - max(start, span.start)
-        return Retrieval(self, mask, [c.block for _, c in held], handle, t0, request_id)
+        return Retrieval(self, mask, held, handle, t0, request_id, todo[:loaded], start)
+
+    def _load_batches(self, slots: torch.Tensor, batches, start: int, end: int) -> int:
+        """Whole loads, batch after batch; how many chunks loaded. Lent chunks are
+        checked while they move, and what fails counts as not loaded (and ends
+        the load). A lent batch's copies are queued before the one before it is
+        waited for and released, so the copy engine does not idle between them;
+        a batch in pool blocks is waited for at once (reading ahead needs its blocks)."""
+        loaded, inflight = 0, []  # batches whose copies may still run, each with what waits for them
+        try:
+            for batch in batches:
+                pooled = any(c.block.pool is not None for _, c in batch)
+                inflight.append((batch, _nothing))
+                inflight[-1] = (batch, self._scatter(slots, batch, start, end, layerwise=False, wait=pooled,
+                                                     while_copying=lambda: batch[-1][1].block.verified()))
+                good = next((k for k, (_, c) in enumerate(batch) if not c.block.verified()), len(batch))
+                while len(inflight) > (0 if pooled else 1):
+                    _settle(*inflight.pop(0))
+                loaded += good
+                if good < len(batch):
+                    log.warning("%d chunks loaded from the store server failed their checksum or outlived "
+                                "their lease; recomputed", len(batch) - good)
+                    break
+        finally:
+            for entry in inflight:
+                _settle(*entry)
+        return loaded
 
     def _scatter(self, slots: torch.Tensor, found: list[tuple[ChunkSpan, StoredChunk]], start: int, end: int,
-                 layerwise: bool, while_copying: Callable[[], object] | None = None) -> LayerHandle | None:
-        """The chunks in one transfer, whole. A chunk cut by `start` or `end`
+                 layerwise: bool, while_copying: Callable[[], object] | None = None, wait: bool = True):
+        """The chunks in one transfer (a layerwise handle, or what waits for the
+        copies out of the chunks), whole. A chunk cut by `start` or `end`
         writes only its tokens inside [start, end): the others get slot -1,
         which the transfers skip (the slots before `start` may be prefix-cache
         blocks the engine shares; after `end` there are no slots)."""
@@ -399,8 +413,7 @@ class CacheEngine:
         with self._transfer_lock:
             if layerwise:
                 return self.transfer.scatter_layerwise(targets, views)
-            self.transfer.scatter(targets, views, while_copying=while_copying)
-        return None
+            return self.transfer.scatter(targets, views, while_copying=while_copying, wait=wait)
 
     # -- housekeeping ------------------------------------------------------------
 
@@ -438,14 +451,20 @@ class CacheEngine:
 
 
 class Retrieval:
-    """A retrieve in flight. `mask`: the tokens it loads. The blocks it reads
-    stay pinned in the CPU tier until `finish()`, which is safe to call twice."""
+    """A retrieve in flight. `mask`: the tokens it loads. The chunks it reads
+    stay held (pinned in the CPU tier, or lent by the store server) until
+    `finish()`, which is safe to call twice. Lent chunks of a layerwise load
+    are checked while their layers move; if one fails, `finish()` returns the
+    mask cut before it, and the caller recomputes the rest (a forward that
+    already read those layers is to be thrown away)."""
 
-    def __init__(self, engine: CacheEngine, mask: torch.Tensor, blocks: list[MemoryBlock],
-                 handle: LayerHandle | None, t0: float, request_id: str) -> None:
+    def __init__(self, engine: CacheEngine, mask: torch.Tensor, held: list[tuple[ChunkSpan, StoredChunk]],
+                 handle: LayerHandle | None, t0: float, request_id: str,
+                 loaded: list[tuple[ChunkSpan, str]], start: int) -> None:
         self.mask = mask
-        self._engine, self._blocks, self._handle = engine, blocks, handle
+        self._engine, self._held, self._handle = engine, held, handle
         self._t0, self._request_id = t0, request_id
+        self._loaded, self._start = loaded, start
 
     @property
     def num_tokens(self) -> int:
@@ -456,24 +475,48 @@ class Retrieval:
             self._handle.wait(layer)
 
     def finish(self) -> torch.Tensor:
-        if self._blocks is None:
+        if self._held is None:
             return self.mask
+        held, self._held = self._held, None
         try:
             if self._handle is not None:
                 self._handle.finish()
+            good = next((k for k, (_, c) in enumerate(held) if not c.block.verified()), len(held))
         finally:
-            for block in self._blocks:
-                block.release()
-            self._blocks = None
+            for _, chunk in held:
+                chunk.block.release()
             self._engine.release_lease(self._request_id)
+        engine = self._engine
+        if good < len(held):
+            self.mask[max(self._start, held[good][0].start) :] = False
+            self._loaded = self._loaded[:good]
+            log.warning("%d chunks loaded layer by layer from the store server failed their checksum or "
+                        "outlived their lease: the tokens from %d on are to be recomputed",
+                        len(held) - good, held[good][0].start)
+        end = len(self.mask)
+        by_tier = engine.stats.loaded_by_tier
+        for span, tier in self._loaded:
+            by_tier[tier] = by_tier.get(tier, 0) + min(end, span.end) - max(self._start, span.start)
         loaded = self.num_tokens
         if loaded:
-            engine = self._engine
             engine.stats.retrieved_tokens += loaded
             engine.stats.retrieve_seconds += time.perf_counter() - self._t0
             _log_transfer("Retrieved KV cache for", loaded, len(self.mask), self._request_id,
                           loaded * engine.kv.bytes_per_token(), time.perf_counter() - self._t0)
         return self.mask
+
+
+def _nothing() -> None:
+    """Waits for no copy."""
+
+
+def _settle(batch: list[tuple[ChunkSpan, StoredChunk]], copied: Callable[[], None]) -> None:
+    """Once a batch's copies are over, give its chunks back."""
+    try:
+        copied()
+    finally:
+        for _, chunk in batch:
+            chunk.block.release()
 
 
 class Storing:

@@ -49,6 +49,7 @@ CPU = "cpu"
 WRITE_BATCH = 8  # chunks per call into a lower tier
 WAIT_STEP = 0.05  # s between checks for a block freed by someone other than the writers
 BORROW_BYTES = 512 << 20  # chunks lent in place per lease: well under a server's per-connection cap
+LEND_WHOLE_SHARE = 0.9  # of the server's per-connection cap, for one layerwise lease
 AHEAD_BYTES = 256 << 20  # a batch when the next is read ahead: small enough that reading and loading overlap
 
 
@@ -214,7 +215,8 @@ class TieredStore:
         (same host; nothing to keep, so no pool block to copy them into). The
         next batch starts at the first chunk not lent; None: the chunk at i
         was not lent, the copying path reads it (or finds it missing)."""
-        j, nbytes, limit = i, 0, min(BORROW_BYTES, self.remote.lend_limit())
+        # A quarter of the server's per-connection cap: a load reading ahead holds up to three leases.
+        j, nbytes, limit = i, 0, min(BORROW_BYTES, self.remote.max_held() / 4)
         while j < len(where) and where[j] == self.remote.name and (j == i or nbytes < limit):
             nbytes += spans[j].num_tokens * self.bytes_per_token
             j += 1
@@ -230,6 +232,25 @@ class TieredStore:
         for block, _ in lent[len(batch):]:
             block.release()
         return (batch, False) if batch else None
+
+    def lend_whole(self, spans: Sequence[ChunkSpan], where: Sequence[str]) -> list[tuple[ChunkSpan, StoredChunk]]:
+        """Every chunk of `spans` lent in place in one lease, for a layerwise load
+        (which moves layer l of every chunk before layer l+1); [] unless all are on
+        the store server of this host, the CPU tier is off and they fit in most of
+        what the server lets one connection hold."""
+        remote = self.remote
+        if (not spans or self.keep_cpu or remote is None or not remote.can_borrow()
+                or any(w != remote.name for w in where)):
+            return []
+        nbytes = sum(s.num_tokens for s in spans) * self.bytes_per_token
+        if nbytes > LEND_WHOLE_SHARE * remote.max_held():
+            return []
+        lent = remote.borrow([s.key for s in spans], [s.num_tokens * self.bytes_per_token for s in spans])
+        if lent is None or len(lent) < len(spans) or any(n != s.num_tokens for s, (_, n) in zip(spans, lent)):
+            for block, _ in lent or []:
+                block.release()
+            return []
+        return [(span, StoredChunk(block, n)) for span, (block, n) in zip(spans, lent)]
 
     def _bytes(self, span: ChunkSpan, chunk: StoredChunk) -> memoryview:
         return chunk.block.data[: span.num_tokens * self.bytes_per_token].numpy().data

@@ -1,6 +1,6 @@
 """Where a warm load from `kvtier server` on this host spends its time (GPU).
 
-    python3 scripts/gpu_server_profile.py [tokens]
+    python3 scripts/gpu_server_profile.py [tokens [copy threads]]
 
 A Llama-3.1-8B-shaped KV cache (32 layers, 8 KV heads of 128, bf16) on the
 GPU; one engine stores the prompt into the server, another (CPU tier off)
@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from kvtier import buffers
 from kvtier.bench.offload import copy_bandwidth
 from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
@@ -26,6 +27,8 @@ from kvtier.transfer import PagedKV
 
 if __name__ == "__main__":
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
+    if len(sys.argv) > 2:
+        buffers.COPY_THREADS = int(sys.argv[2])
     L, H, D, BS = 32, 8, 128, 16
     nb = tokens // BS + 16
     fmt = KVFormat("llama-8b-shaped", "flash_attn", "bfloat16")

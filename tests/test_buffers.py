@@ -39,3 +39,26 @@ def test_unsent_is_what_a_partial_send_left_of_the_buffers():
     assert [bytes(v) for v in unsent(views, 7)] == [b"3456789", b"tail"]
     assert [bytes(v) for v in unsent(views, 15)] == [b"ail"]
     assert unsent(views, 18) == []
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_work_begun_on_the_copy_threads_runs_before_its_results_are_asked_for(monkeypatch, threads):
+    import threading
+
+    monkeypatch.setattr(buffers, "COPY_THREADS", threads)
+    monkeypatch.setattr(buffers, "PARALLEL_FROM", 10)
+    monkeypatch.setattr(buffers, "_pool", None)
+    ran = []
+    started = threading.Event()
+
+    def work(x):
+        ran.append(x)
+        started.set()
+        return x * x
+
+    results = buffers.start_parallel(work, [1, 2, 3], nbytes=100)
+    assert started.wait(5) if threads > 1 else not ran  # begun at once on threads; small or one thread: on asking
+    assert results() == [1, 4, 9] and results() == [1, 4, 9]
+    assert sorted(ran) == [1, 2, 3]  # each item ran once, however often the results were asked for
+    small = buffers.start_parallel(work, [4], nbytes=100)
+    assert small() == [16]

@@ -117,6 +117,54 @@ def test_same_host_chunks_are_read_in_place_and_a_bad_one_is_not_loaded():
         a.close(), b.close(), store.close()
 
 
+def test_layerwise_loads_lent_chunks_in_one_lease_and_a_bad_one_cuts_the_mask_at_finish():
+    # Layer by layer from the store server of this host: every chunk lent in one
+    # lease; their checksums run while the layers move, and finish() says what holds.
+    with kvtier_server(0.0625) as srv:
+        tokens = [t + 23 for t in TOKENS]
+        a, a_kv = node(srv.url)
+        b, b_kv = node(srv.url, local_cpu=False)
+        src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
+        a.store(tokens, src)
+        a.flush(timeout=10)
+        load = b.start_retrieve(tokens, dst, layerwise=True)
+        assert load.num_tokens == 96 and b.tiers.remote.stats.lent == 6
+        for layer in range(L):
+            load.wait(layer)
+        assert load.finish()[:96].all()
+        assert torch.equal(kv_at(b_kv, dst[:96]), kv_at(a_kv, src[:96]))
+        assert b.stats.loaded_by_tier == {"remote": 96}
+        key = wire_key(b.spans(tokens)[3].key)  # the fourth chunk: flip one payload byte
+        store = open_store(srv.url, 5)
+        value = bytearray(store.get([key])[0])
+        value[-1] ^= 0x40
+        store.put([key], [bytes(value)])
+        load = b.start_retrieve(tokens, dst, layerwise=True)
+        assert load.num_tokens == 96  # promised before the layers move ...
+        mask = load.finish()  # ... and cut at the bad chunk once its checksum is known
+        assert mask[:48].all() and not mask[48:].any()
+        assert b.stats.loaded_by_tier == {"remote": 96 + 48}
+        a.close(), b.close(), store.close()
+
+
+def test_a_layerwise_load_larger_than_one_lease_may_hold_loads_whole():
+    # 6 chunks of 8 KiB, a server that lets a connection hold 52 KiB (a put of all
+    # six fits): not lent whole (over 90% of that), so loaded in batches of a quarter
+    # of it, lent, all before start_retrieve returns.
+    with kvtier_server(0.0625, "--max-held-per-conn", str(52 / 2**20)) as srv:
+        tokens = [t + 29 for t in TOKENS]
+        a, a_kv = node(srv.url)
+        b, b_kv = node(srv.url, local_cpu=False)
+        src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
+        a.store(tokens, src)
+        a.flush(timeout=10)
+        load = b.start_retrieve(tokens, dst, layerwise=True)
+        assert load._handle is None and load.num_tokens == 96  # loaded already: no layer to wait for
+        assert load.finish()[:96].all() and b.tiers.remote.stats.lent == 6
+        assert torch.equal(kv_at(b_kv, dst[:96]), kv_at(a_kv, src[:96]))
+        a.close(), b.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv():
     with kvtier_server(0.0625) as srv:

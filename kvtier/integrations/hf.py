@@ -26,7 +26,10 @@ from transformers.cache_utils import Cache, StaticLayer
 from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
 from kvtier.keys import KVFormat
+from kvtier.logs import get_logger
 from kvtier.transfer import PagedKV
+
+log = get_logger(__name__)
 
 
 Hook = Callable[[int], None]
@@ -132,9 +135,13 @@ class HFSession:
                 storing.cancel()
             raise
         finally:
-            if load is not None:
-                load.finish()
+            loaded = int(load.finish().sum()) if load is not None else 0
             cache.detach_hooks()
+        if loaded < hit:  # a chunk lent layer by layer failed its check after the forward read it
+            if storing is not None:
+                storing.cancel()
+            log.warning("%d of %d loaded tokens failed their check: the prompt is computed again", hit - loaded, hit)
+            return self.prefill(input_ids, use_cache=False)
         if storing is not None:
             storing.finish()
         elif use_cache:

@@ -257,7 +257,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._server: LookupServer | None = None
             self._load_errors: set[int] = set()
             self._layer_index: dict[str, int] = {}
-            self._loads: list[tuple[Retrieval, str]] = []  # layerwise loads of this step (and PD ids)
+            self._loads: list[tuple[Retrieval, TransferSpec]] = []  # layerwise loads of this step
             self._stores: list[Storing] | None = None  # layerwise stores of this step, once begun
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load")
             self._background: dict[str, tuple[TransferSpec, Future]] = {}
@@ -447,7 +447,7 @@ class KvtierConnector(KVConnectorBase_V1):
             load = self.engine.start_retrieve(spec.token_ids, spec.slots(self.block_size), start=spec.start,
                                               request_id=spec.req_id, layerwise=self.config.use_layerwise)
             if self.config.use_layerwise:
-                self._loads.append((load, spec.pd_req_id))
+                self._loads.append((load, spec))
             else:
                 load.finish()
                 self._pd_loaded(spec.pd_req_id)
@@ -518,9 +518,12 @@ class KvtierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata) and self.engine is not None
         loads, self._loads = self._loads, []
-        for load, pd_req_id in loads:
+        for load, spec in loads:
+            promised = load.num_tokens
             load.finish()
-            self._pd_loaded(pd_req_id)
+            self._pd_loaded(spec.pd_req_id)
+            if load.num_tokens < promised:  # a lent chunk failed its check after its layers were read
+                self._check_loaded(spec, load.num_tokens)
         stores, self._stores = self._stores, None
         if stores is not None:
             for store in stores:

@@ -27,7 +27,7 @@ from typing import Callable, Sequence, TypeVar
 import numpy as np
 import torch
 
-from kvtier.buffers import parallel
+from kvtier.buffers import parallel, start_parallel
 from kvtier.codec import HEADER, Codec, checksum
 from kvtier.errors import CorruptPayload, RemoteRefused, RemoteUnavailable
 from kvtier.keys import ChunkKey
@@ -58,21 +58,23 @@ def wire_key(key: ChunkKey) -> bytes:
 
 
 class _LentBatch:
-    """Chunks of one lease: their checksums, checked on the first `good` (the
-    engine asks while their copy to the KV runs; over the copy threads), and
-    the lease, given back when the last block is released."""
+    """Chunks of one lease: their checksums, begun over the copy threads as
+    soon as the chunks are lent (a batch read ahead is hashed while the one
+    before it crosses to the GPU) and checked on the first `good`; and the
+    lease, given back when the last block is released."""
 
     def __init__(self, lease, payloads: list[np.ndarray], checksums: list[int]) -> None:
         self.lease, self._left = lease, len(payloads)
-        self._payloads, self._checksums = payloads, checksums
+        self._checksums = checksums
+        self._sums = start_parallel(checksum, payloads, sum(v.nbytes for v in payloads))
         self._good: int | None = None  # leading chunks whose checksum holds
         self._lock = threading.Lock()
 
     def good(self, i: int) -> bool:
         if self._good is None:
-            sums = parallel(checksum, self._payloads, sum(v.nbytes for v in self._payloads))
+            sums = self._sums()
             self._good = next((k for k, (s, c) in enumerate(zip(sums, self._checksums)) if s != c),
-                              len(self._payloads))
+                              len(self._checksums))
         return self._good > i and self.lease.in_time()
 
     def release_one(self) -> None:
@@ -80,6 +82,7 @@ class _LentBatch:
             self._left -= 1
             last = self._left == 0
         if last:
+            self._sums()  # no thread still reads the pages when they go back (or are unmapped)
             self.lease.release()
 
 
@@ -89,6 +92,7 @@ class BorrowedBlock:
     only once `verified()` (checksum and lease) says so."""
 
     __slots__ = ("data", "_batch", "_i")
+    pool = None  # no block of the engine's pool
 
     def __init__(self, data: torch.Tensor, batch: _LentBatch, i: int) -> None:
         self.data, self._batch, self._i = data, batch, i
@@ -166,13 +170,12 @@ class RemoteTier:
     def can_borrow(self) -> bool:
         return self.codec.in_place and hasattr(self.store, "borrow")
 
-    def lend_limit(self) -> float:
-        """Bytes to borrow per lease: a quarter of what the server lets one
-        connection hold (a load holds two leases when it reads ahead)."""
+    def max_held(self) -> float:
+        """Bytes the server lets one connection hold (leases included); 0 while it is down."""
         info = self._guard("get", self.store.server_info, None)
         if info is None:  # down (or backing off): the borrow that follows will say so
             return 0.0
-        return (info.get("bounds") or {}).get("max_held", float("inf")) / 4
+        return (info.get("bounds") or {}).get("max_held", float("inf"))
 
     def borrow(self, keys: Sequence[ChunkKey], raw_sizes: Sequence[int]) -> list[tuple[BorrowedBlock, int]] | None:
         """The leading chunks of `keys` lent in place, each (block, num_tokens);

@@ -41,9 +41,12 @@ class Transfer(Protocol):
     def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None: ...
 
     def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
-                while_copying: Callable[[], object] | None = None) -> None:
+                while_copying: Callable[[], object] | None = None, wait: bool = True) -> Callable[[], None]:
         """... `while_copying` runs on this thread once every copy is queued, before
-        waiting for them: host work (checksums) that overlaps the DMA."""
+        waiting for them: host work (checksums) that overlaps the DMA. Returns a
+        function that waits until the host chunks are no longer read; that is
+        already so with `wait`, otherwise the next batch's copies can be queued
+        behind these before the caller waits (no idle gap between batches)."""
 
     def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LayerHandle: ...
 

@@ -35,9 +35,9 @@ class TorchTransfer:
                 start += n
 
     def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
-                while_copying: Callable[[], object] | None = None) -> None:
+                while_copying: Callable[[], object] | None = None, wait: bool = True) -> Callable[[], None]:
         """Copy `chunks` back into the KV pages at `slots` (all layers, or `layers`); slot -1 is skipped.
-        `while_copying` runs after the copies (they are synchronous here)."""
+        `while_copying` runs after the copies (they are synchronous here, whatever `wait` says)."""
         keep = None if bool((slots >= 0).all()) else (slots >= 0).nonzero().flatten()
         block, offset = self._index(slots if keep is None else slots[keep])
         for layer_idx in layers or range(self.kv.num_layers):
@@ -48,12 +48,17 @@ class TorchTransfer:
             self.kv.write(layer_idx, block, offset, tokens.to(self.kv.device, non_blocking=True))
         if while_copying is not None:
             while_copying()
+        return _done
 
     def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LazyLayers:
         return LazyLayers(self, slots, chunks)
 
     def gather_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> EagerSaves:
         return EagerSaves(self, slots, chunks)
+
+
+def _done() -> None:
+    """The copies are over already."""
 
 
 class EagerSaves:

@@ -166,6 +166,17 @@ def _runs(chunks: Sequence[torch.Tensor], order: Sequence[int], sizes: Sequence[
     return runs
 
 
+def _waiter(stream: torch.cuda.Stream | None, now: bool) -> Callable[[], None]:
+    """Waits for the work queued on `stream` so far: now, or when called."""
+    if stream is None or now:
+        if stream is not None:
+            stream.synchronize()
+        return lambda: None
+    done = torch.cuda.Event()
+    done.record(stream)
+    return done.synchronize
+
+
 GROUPS = 4  # whole transfers: kernel of group g+1 runs while group g crosses PCIe
 
 
@@ -266,15 +277,15 @@ class TritonTransfer:
         self._copies.synchronize()
 
     def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
-                while_copying: Callable[[], object] | None = None) -> None:
+                while_copying: Callable[[], object] | None = None, wait: bool = True) -> Callable[[], None]:
         """Write `chunks` into the KV pages; the current stream is ordered after it.
 
         `layers` (device-resident or interpreter chunks only) limits the write to those layers.
-        `while_copying` runs here once everything is queued, while the copies run."""
+        `while_copying` runs here once everything is queued, while the copies run.
+        Returns what waits for the copies out of the host chunks (done already with `wait`)."""
         layers = layers or range(self.kv.num_layers)
         if not self._staged(chunks):
-            self._unstaged(lambda: self._in_place(slots, chunks, False, layers), chunks, while_copying)
-            return
+            return self._unstaged(lambda: self._in_place(slots, chunks, False, layers), chunks, while_copying, wait)
         if len(layers) != self.kv.num_layers:
             raise ValueError("a layer range is for device-resident chunks; use scatter_layerwise")
         current = torch.cuda.current_stream(self.kv.device)
@@ -299,20 +310,19 @@ class TritonTransfer:
         current.wait_stream(self._stream)
         if while_copying is not None:
             while_copying()
-        # The caller releases the host blocks once this returns, so the copies
-        # out of them must be done.
-        self._copies.synchronize()
+        # The caller releases the host blocks once the copies out of them are done.
+        return _waiter(self._copies, wait)
 
-    def _unstaged(self, work, chunks: Sequence[torch.Tensor], while_copying: Callable[[], object] | None = None
-                  ) -> None:
+    def _unstaged(self, work, chunks: Sequence[torch.Tensor], while_copying: Callable[[], object] | None = None,
+                  wait: bool = True) -> Callable[[], None]:
         """Device chunks (and the interpreter's): on the current stream.
-        `direct` host chunks: on the side stream, waited for, since the
-        caller frees or reads the chunks next."""
+        `direct` host chunks: on the side stream, waited for (now or by the
+        returned function), since the caller frees or reads the chunks next."""
         if self._stream is None or chunks[0].is_cuda:
             work()
             if while_copying is not None:
                 while_copying()
-            return
+            return _waiter(None, True)
         current = torch.cuda.current_stream(self.kv.device)
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
@@ -320,7 +330,7 @@ class TritonTransfer:
         current.wait_stream(self._stream)
         if while_copying is not None:
             while_copying()
-        self._stream.synchronize()
+        return _waiter(self._stream, wait)
 
     # -- layer by layer ------------------------------------------------------------------
 
