@@ -7,6 +7,7 @@ meant back to back (e.g. a codec header, then a view of a pool block).
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar, Union
 
@@ -126,10 +127,24 @@ def _copy_piece(pair: tuple[np.ndarray, np.ndarray]) -> None:
     pair[0][:] = pair[1]
 
 
+# Copy threads run at a lower priority (Linux nice, per thread): when every core
+# hashes a lent batch, the thread driving the GPU (and a host-bound forward pass)
+# still gets its core at once.
+COPY_NICE = 5
+
+
+def _lower_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COPY_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the same priority as the caller
+        pass
+
+
 def _executor() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvtier-copy")
+        _pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvtier-copy",
+                                   initializer=_lower_priority if COPY_NICE else None)
     return _pool
 
 

@@ -181,6 +181,13 @@ def test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv():
         assert b.tiers.remote.stats.lent == 6
         pool = b.tiers.remote.store._link.shm
         assert torch.from_numpy(pool[:16]).is_pinned()  # registered: the copy was a DMA
+        layers[1][0].zero_()
+        load = b.start_retrieve(tokens, dst, layerwise=True)  # all six in one lease, layer by layer
+        assert load._handle is not None and b.tiers.remote.stats.lent == 12
+        for layer in range(L):
+            load.wait(layer)
+        assert load.finish()[:96].all()
+        assert torch.equal(kv_at(layers[1], dst[:96].cuda()), kv_at(layers[0], src[:96].cuda()))
         a.close(), b.close()
 
 

@@ -98,17 +98,20 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
-def tcp_bandwidth(size: int = 16 * MiB, seconds: float = 1.0, repeats: int = 3) -> float:
+def tcp_bandwidth(size: int = 16 * MiB, seconds: float = 1.0, repeats: int = 3, ring: int = 0) -> float:
     """GB/s of raw loopback TCP gets of `size`-byte values, one connection (median of runs):
-    the limit a store server's gets over TCP are held to."""
+    the limit a store server's gets over TCP are held to. With `ring`, each value
+    leaves from and lands in the next slot of a `ring`-byte buffer at both ends,
+    as KV moves from a store's pool into a cache's pool (out of the CPU cache);
+    0: one slot each, which stays in the CPU cache."""
     from kvtier.localservers import free_port, wait_for_port
 
     port = free_port()
-    proc = mp.get_context("spawn").Process(target=raw_server, args=(port, 0), daemon=True)
+    proc = mp.get_context("spawn").Process(target=raw_server, args=(port, ring), daemon=True)
     proc.start()
     try:
         wait_for_port(port)
-        client = _RawClient(port)
+        client = _RawClient(port, ring)
         runs = []
         for _ in range(repeats):
             n, t0 = 0, time.perf_counter()
@@ -123,10 +126,11 @@ def tcp_bandwidth(size: int = 16 * MiB, seconds: float = 1.0, repeats: int = 3) 
 
 
 class _RawClient:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, ring: int = 0) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.buf = memoryview(bytearray(16 * MiB))
+        self.buf = memoryview(np.ones(max(ring, 16 * MiB), np.uint8))  # written once: no first-touch faults
+        self.ring, self.gets = ring, 0
         self.ack = memoryview(bytearray(1))
 
     def put(self, keys: list[bytes], value: memoryview) -> None:
@@ -138,7 +142,9 @@ class _RawClient:
     def get(self, keys: list[bytes], size: int) -> None:
         assert len(keys) == 1, "raw TCP moves one value per request"
         self.sock.sendall(_LEN.pack(-size))
-        _recv_exactly(self.sock, self.buf[:size])
+        off = (self.gets % (len(self.buf) // size)) * size if self.ring else 0
+        self.gets += 1
+        _recv_exactly(self.sock, self.buf[off : off + size])
 
 
 class _StoreClient:

@@ -12,9 +12,13 @@ GPU; for each prompt length:
            off: the chunks are lent in place from the server's pool, which the
            client registered with CUDA, and DMA'd to the GPU), when a server
            URL is given; also as a ratio to warm (from local CPU RAM)
+    warm server layerwise  the same, layer by layer (all chunks lent in one
+           lease, checked while they move): compared with max(load floor, forward)
     warm server tcp  the same over TCP (`?shm=0`: as from another host): its
-           floor is KV bytes / raw loopback TCP (one connection, measured in
-           the same run) + the forward
+           floor is KV bytes / raw loopback TCP (one connection, measured right
+           after those runs, from a 256 MiB ring into a 256 MiB ring as from a
+           store's pool into a cache's pool) + the forward; also given against
+           the faster cache-resident figure (one 16 MiB buffer at each end)
     warm disk  the same prefix from the disk tier (`--disk DIR`): the CPU tier
            emptied and the files' pages dropped before each run, a CPU pool of
            16 chunks as staging; its floor is KV bytes / the sequential read
@@ -65,7 +69,10 @@ class TTFTPoint:
     samples: dict[str, list[float]]  # every repeat, seconds
     warm_server_s: float | None = None
     warm_server_tcp_s: float | None = None
-    tcp_floor_s: float | None = None  # KV bytes / raw loopback TCP + forward
+    warm_server_layerwise_s: float | None = None
+    tcp_floor_s: float | None = None  # KV bytes / raw loopback TCP (pool to pool) + forward
+    tcp_cached_floor_s: float | None = None  # the same with the cache-resident TCP figure
+    tcp_gbps: tuple[float, float] | None = None  # raw loopback TCP: pool to pool, and cache-resident
     warm_disk_s: float | None = None
     disk_floor_s: float | None = None  # KV bytes / file read bandwidth + forward
 
@@ -99,9 +106,17 @@ class TTFTPoint:
                     "warm_server_over_floor": round(self.warm_server_s / self.floor_s, 3),
                     "warm_server_over_warm": round(self.warm_server_s / self.warm_s, 3),
                     "speedup_server": round(self.cold_s / self.warm_server_s, 1)}),
+                **({} if self.warm_server_layerwise_s is None else {
+                    "warm_server_layerwise_s": round(self.warm_server_layerwise_s, 4),
+                    "server_layerwise_over_max_load_forward": round(
+                        self.warm_server_layerwise_s / max(self.load_floor_s, self.forward_1_s), 3)}),
                 **({} if self.warm_server_tcp_s is None else {
                     "warm_server_tcp_s": round(self.warm_server_tcp_s, 4), "tcp_floor_s": round(self.tcp_floor_s, 4),
-                    "warm_server_tcp_over_tcp_floor": round(self.warm_server_tcp_s / self.tcp_floor_s, 3)}),
+                    "warm_server_tcp_over_tcp_floor": round(self.warm_server_tcp_s / self.tcp_floor_s, 3),
+                    "raw_tcp_pool_to_pool_GBps": round(self.tcp_gbps[0], 3),
+                    "raw_tcp_cache_resident_GBps": round(self.tcp_gbps[1], 3),
+                    "warm_server_tcp_over_cache_resident_floor": round(
+                        self.warm_server_tcp_s / self.tcp_cached_floor_s, 3)}),
                 **({} if self.warm_disk_s is None else {
                     "warm_disk_s": round(self.warm_disk_s, 4), "disk_floor_s": round(self.disk_floor_s, 4),
                     "warm_disk_over_disk_floor": round(self.warm_disk_s / self.disk_floor_s, 3),
@@ -137,7 +152,7 @@ def build_model(layers: int | None = None):
 
 def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: str = "auto",
             server_url: str | None = None, disk_dir: Path | None = None,
-            tcp_gbps: float | None = None) -> TTFTPoint:
+            server_tcp: bool = False) -> TTFTPoint:
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens))
     kv_per_token = _kv_bytes_per_token(model)
     pool_gib = (tokens + chunk_size) * kv_per_token * 1.05 / 1024**3
@@ -175,14 +190,21 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
     del session
     torch.cuda.empty_cache()
     if server_url:
-        point.samples["warm_server"] = _warm_from_server(model, ids, chunk_size, pool_gib, server_url, repeats,
-                                                         transfer)
+        point.samples["warm_server"], point.samples["warm_server_layerwise"] = _warm_from_server(
+            model, ids, chunk_size, pool_gib, server_url, repeats, transfer, layerwise=True)
         point.warm_server_s = med(point.samples["warm_server"])
-        if tcp_gbps is not None:
-            point.samples["warm_server_tcp"] = _warm_from_server(model, ids, chunk_size, pool_gib,
-                                                                 server_url + "/?shm=0", repeats, transfer)
+        point.warm_server_layerwise_s = med(point.samples["warm_server_layerwise"])
+        if server_tcp:
+            from kvtier.bench.server import tcp_bandwidth
+
+            point.samples["warm_server_tcp"], _ = _warm_from_server(model, ids, chunk_size, pool_gib,
+                                                                    server_url + "/?shm=0", repeats, transfer)
             point.warm_server_tcp_s = med(point.samples["warm_server_tcp"])
-            point.tcp_floor_s = hit * kv_per_token / (tcp_gbps * 1e9) + point.forward_1_s
+            # Measured now, beside the runs it bounds: values out of and into 256 MiB rings (a store's
+            # pool, a cache's pool), and the cache-resident figure of one 16 MiB buffer at each end.
+            point.tcp_gbps = (tcp_bandwidth(ring=256 << 20), tcp_bandwidth())
+            point.tcp_floor_s, point.tcp_cached_floor_s = (hit * kv_per_token / (gbps * 1e9) + point.forward_1_s
+                                                           for gbps in point.tcp_gbps)
     if disk_dir is not None:
         point.samples["warm_disk"], read_gbps = _warm_from_disk(model, ids, chunk_size, disk_dir, repeats, transfer)
         point.warm_disk_s = med(point.samples["warm_disk"])
@@ -218,19 +240,22 @@ def _warm_from_disk(model, ids, chunk_size: int, directory: Path, repeats: int,
 
 
 def _warm_from_server(model, ids, chunk_size: int, pool_gib: float, url: str, repeats: int,
-                      transfer: str) -> list[float]:
+                      transfer: str, layerwise: bool = False) -> tuple[list[float], list[float]]:
+    """Warm TTFTs from the store server, whole and (interleaved, if `layerwise`) layer by layer."""
     cfg = KvtierConfig(chunk_size=chunk_size, max_local_cpu_size=pool_gib, local_cpu=False, remote_url=url)
     session = HFSession(model, cfg, max_len=ids.shape[1], transfer=transfer)
     session.prefill(ids)  # stores the prompt's chunks in the server
     assert session.engine.flush(timeout=600)
-    times, hits = [], []
+    times, layered, hits = [], [], []
     for _ in range(repeats):
-        times.append(_timed(lambda: hits.append(session.prefill(ids).hit_tokens)))
-    assert hits[-1] > 0, "nothing loaded from the store server"
+        times.append(_timed(lambda: hits.append(session.prefill(ids, layerwise=False).hit_tokens)))
+        if layerwise:
+            layered.append(_timed(lambda: hits.append(session.prefill(ids, layerwise=True).hit_tokens)))
+    assert min(hits) > 0, "nothing loaded from the store server"
     session.engine.close()
     del session
     torch.cuda.empty_cache()
-    return times
+    return times, layered
 
 
 def run_ttft(lengths: list[int], repeats: int, out_dir: Path, layers: int | None = None,
@@ -248,20 +273,14 @@ def run_ttft(lengths: list[int], repeats: int, out_dir: Path, layers: int | None
 
             kv_bytes = max(lengths) * _kv_bytes_per_token(model)
             url = stack.enter_context(kvtier_server(2.5 * kv_bytes / 1024**3)).url
-        tcp_gbps = None
-        if server and server_tcp:
-            from kvtier.bench.server import tcp_bandwidth
-
-            tcp_gbps = tcp_bandwidth()
-            print(f"raw loopback TCP: {tcp_gbps:.2f} GB/s", flush=True)
         for n in lengths:
-            p = measure(model, n, repeats, transfer=transfer, server_url=url, disk_dir=disk_dir, tcp_gbps=tcp_gbps)
+            p = measure(model, n, repeats, transfer=transfer, server_url=url, disk_dir=disk_dir,
+                        server_tcp=server and server_tcp)
             print(json.dumps({k: v for k, v in p.row().items() if k != "samples_ms"}), flush=True)
             points.append(p)
     record = {"machine": machine_name(torch.device("cuda")), "date": dt.date.today().isoformat(),
               "model": {**LLAMA_8B, **({"num_hidden_layers": layers} if layers else {})},
               "dtype": "bfloat16", "attention": "sdpa", "repeats": repeats, "transfer": transfer,
-              "raw_tcp_GBps": tcp_gbps,
               "points": [p.row() for p in points]}
     suffix = "" if transfer == "auto" else f"-{transfer}"
     (out_dir / f"ttft{suffix}.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -283,6 +302,8 @@ def _plot(points: list[TTFTPoint], path: Path, machine: str) -> None:
     ax.plot(x, [p.warm_layerwise_s for p in points], "o-", label="warm, layerwise")
     if points and points[0].warm_server_s is not None:
         ax.plot(x, [p.warm_server_s for p in points], "o-", label="warm (kvtier server, same host)")
+    if points and points[0].warm_server_layerwise_s is not None:
+        ax.plot(x, [p.warm_server_layerwise_s for p in points], "o-", label="warm (kvtier server, layerwise)")
     if points and points[0].warm_server_tcp_s is not None:
         ax.plot(x, [p.warm_server_tcp_s for p in points], "o-", label="warm (kvtier server over TCP)")
     if points and points[0].warm_disk_s is not None:
