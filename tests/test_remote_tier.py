@@ -17,6 +17,7 @@ from kvtier.localservers import free_port, kvtier_server, redis_cluster, redis_s
 from kvtier.remote import open_store
 from kvtier.tiers.remote import wire_key
 from kvtier.transfer import PagedKV
+from kvtier.transfer.triton_copy import _runs
 
 L, NB, BS, H, D = 2, 64, 16, 2, 32
 FMT = KVFormat("m", "flash_attn", "bfloat16")
@@ -127,8 +128,14 @@ def test_layerwise_loads_lent_chunks_in_one_lease_and_a_bad_one_cuts_the_mask_at
         src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
         a.store(tokens, src)
         a.flush(timeout=10)
+        lent = b.tiers.lend_whole(b.spans(tokens)[:6], ["remote"] * 6)
+        views = [c.block.view(torch.bfloat16, b.kv.chunk_shape(s.num_tokens)) for s, c in lent]
+        # slices of one tensor over the pool: chunks stored one after another make one strided run
+        assert _runs(views, range(6), [v.numel() * 2 for v in views]) == [(0, 6, views[1].data_ptr() - views[0].data_ptr())]
+        for _, c in lent:
+            c.block.release()
         load = b.start_retrieve(tokens, dst, layerwise=True)
-        assert load.num_tokens == 96 and b.tiers.remote.stats.lent == 6
+        assert load.num_tokens == 96 and b.tiers.remote.stats.lent == 12
         for layer in range(L):
             load.wait(layer)
         assert load.finish()[:96].all()

@@ -105,11 +105,15 @@ class TTFTPoint:
                     "warm_server_s": round(self.warm_server_s, 4),
                     "warm_server_over_floor": round(self.warm_server_s / self.floor_s, 3),
                     "warm_server_over_warm": round(self.warm_server_s / self.warm_s, 3),
+                    "warm_server_over_warm_paired": round(statistics.median(
+                        s / w for s, w in zip(self.samples["warm_server"], self.samples["warm"])), 3),
                     "speedup_server": round(self.cold_s / self.warm_server_s, 1)}),
                 **({} if self.warm_server_layerwise_s is None else {
                     "warm_server_layerwise_s": round(self.warm_server_layerwise_s, 4),
                     "server_layerwise_over_max_load_forward": round(
-                        self.warm_server_layerwise_s / max(self.load_floor_s, self.forward_1_s), 3)}),
+                        self.warm_server_layerwise_s / max(self.load_floor_s, self.forward_1_s), 3),
+                    "server_layerwise_over_max_paired": round(
+                        self.paired(lambda w, f: w / max(self.load_floor_s, f), "warm_server_layerwise"), 3)}),
                 **({} if self.warm_server_tcp_s is None else {
                     "warm_server_tcp_s": round(self.warm_server_tcp_s, 4), "tcp_floor_s": round(self.tcp_floor_s, 4),
                     "warm_server_tcp_over_tcp_floor": round(self.warm_server_tcp_s / self.tcp_floor_s, 3),
@@ -175,12 +179,17 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
                   logits_to_keep=1)
 
     # Interleaved, so that the host-bound one-token forward (it varies by
-    # several ms from one minute to the next) is timed in the same conditions.
-    warm, layered, fwd = [], [], []
+    # several ms from one minute to the next) is timed in the same conditions;
+    # so are the loads from the store server of this host (a second session).
+    remote = _ServerSession(model, ids, chunk_size, pool_gib, server_url, transfer) if server_url else None
+    warm, layered, fwd, warm_server, server_layered = [], [], [], [], []
     for _ in range(repeats):
         warm.append(_timed(lambda: session.prefill(ids, layerwise=False)))
         layered.append(_timed(lambda: session.prefill(ids, layerwise=True)))
         fwd.append(_timed(forward_one))
+        if remote is not None:
+            warm_server.append(remote.timed(layerwise=False))
+            server_layered.append(remote.timed(layerwise=True))
     _, h2d = copy_bandwidth(hit * kv_per_token, torch.device("cuda"))
     med = statistics.median
     point = TTFTPoint(tokens, hit, med(cold), med(warm), med(layered), hit * kv_per_token / (h2d * 1e9), med(fwd),
@@ -188,23 +197,23 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
                       {"cold": cold, "cold_store": cold_store, "cold_store_layerwise": cold_store_layerwise,
                        "warm": warm, "warm_layerwise": layered, "forward_1": fwd})
     del session
+    if remote is not None:
+        remote.close()
+        point.samples["warm_server"], point.samples["warm_server_layerwise"] = warm_server, server_layered
+        point.warm_server_s = med(warm_server)
+        point.warm_server_layerwise_s = med(server_layered)
     torch.cuda.empty_cache()
-    if server_url:
-        point.samples["warm_server"], point.samples["warm_server_layerwise"] = _warm_from_server(
-            model, ids, chunk_size, pool_gib, server_url, repeats, transfer, layerwise=True)
-        point.warm_server_s = med(point.samples["warm_server"])
-        point.warm_server_layerwise_s = med(point.samples["warm_server_layerwise"])
-        if server_tcp:
-            from kvtier.bench.server import tcp_bandwidth
+    if server_url and server_tcp:
+        from kvtier.bench.server import tcp_bandwidth
 
-            point.samples["warm_server_tcp"], _ = _warm_from_server(model, ids, chunk_size, pool_gib,
-                                                                    server_url + "/?shm=0", repeats, transfer)
-            point.warm_server_tcp_s = med(point.samples["warm_server_tcp"])
-            # Measured now, beside the runs it bounds: values out of and into 256 MiB rings (a store's
-            # pool, a cache's pool), and the cache-resident figure of one 16 MiB buffer at each end.
-            point.tcp_gbps = (tcp_bandwidth(ring=256 << 20), tcp_bandwidth())
-            point.tcp_floor_s, point.tcp_cached_floor_s = (hit * kv_per_token / (gbps * 1e9) + point.forward_1_s
-                                                           for gbps in point.tcp_gbps)
+        point.samples["warm_server_tcp"] = _warm_from_server(model, ids, chunk_size, pool_gib,
+                                                             server_url + "/?shm=0", repeats, transfer)
+        point.warm_server_tcp_s = med(point.samples["warm_server_tcp"])
+        # Measured now, beside the runs it bounds: values out of and into 256 MiB rings (a store's
+        # pool, a cache's pool), and the cache-resident figure of one 16 MiB buffer at each end.
+        point.tcp_gbps = (tcp_bandwidth(ring=256 << 20), tcp_bandwidth())
+        point.tcp_floor_s, point.tcp_cached_floor_s = (hit * kv_per_token / (gbps * 1e9) + point.forward_1_s
+                                                       for gbps in point.tcp_gbps)
     if disk_dir is not None:
         point.samples["warm_disk"], read_gbps = _warm_from_disk(model, ids, chunk_size, disk_dir, repeats, transfer)
         point.warm_disk_s = med(point.samples["warm_disk"])
@@ -239,23 +248,37 @@ def _warm_from_disk(model, ids, chunk_size: int, directory: Path, repeats: int,
     return times, read_gbps
 
 
+class _ServerSession:
+    """A session whose only tier is the store server at `url` (CPU tier off),
+    with the prompt stored there."""
+
+    def __init__(self, model, ids, chunk_size: int, pool_gib: float, url: str, transfer: str) -> None:
+        cfg = KvtierConfig(chunk_size=chunk_size, max_local_cpu_size=pool_gib, local_cpu=False, remote_url=url)
+        self.session = HFSession(model, cfg, max_len=ids.shape[1], transfer=transfer)
+        self.ids = ids
+        self.session.prefill(ids)  # stores the prompt's chunks in the server
+        assert self.session.engine.flush(timeout=600)
+
+    def timed(self, layerwise: bool) -> float:
+        """Seconds of one warm prefill."""
+        hits = []
+        seconds = _timed(lambda: hits.append(self.session.prefill(self.ids, layerwise=layerwise).hit_tokens))
+        assert hits[0] > 0, "nothing loaded from the store server"
+        return seconds
+
+    def close(self) -> None:
+        self.session.engine.close()
+        del self.session
+
+
 def _warm_from_server(model, ids, chunk_size: int, pool_gib: float, url: str, repeats: int,
-                      transfer: str, layerwise: bool = False) -> tuple[list[float], list[float]]:
-    """Warm TTFTs from the store server, whole and (interleaved, if `layerwise`) layer by layer."""
-    cfg = KvtierConfig(chunk_size=chunk_size, max_local_cpu_size=pool_gib, local_cpu=False, remote_url=url)
-    session = HFSession(model, cfg, max_len=ids.shape[1], transfer=transfer)
-    session.prefill(ids)  # stores the prompt's chunks in the server
-    assert session.engine.flush(timeout=600)
-    times, layered, hits = [], [], []
-    for _ in range(repeats):
-        times.append(_timed(lambda: hits.append(session.prefill(ids, layerwise=False).hit_tokens)))
-        if layerwise:
-            layered.append(_timed(lambda: hits.append(session.prefill(ids, layerwise=True).hit_tokens)))
-    assert min(hits) > 0, "nothing loaded from the store server"
-    session.engine.close()
-    del session
+                      transfer: str) -> list[float]:
+    """Warm TTFTs from the store server at `url`."""
+    remote = _ServerSession(model, ids, chunk_size, pool_gib, url, transfer)
+    times = [remote.timed(layerwise=False) for _ in range(repeats)]
+    remote.close()
     torch.cuda.empty_cache()
-    return times, layered
+    return times
 
 
 def run_ttft(lengths: list[int], repeats: int, out_dir: Path, layers: int | None = None,

@@ -103,6 +103,7 @@ class ShmLease:
     and only if the server did not drop the lease first: `in_time()` says so."""
 
     views: list[np.ndarray | None]
+    pool: np.ndarray  # the whole mapped pool, of which the views are slices
     _release: Callable[[], None]
     _deadline: float
     _released: bool = False
@@ -204,7 +205,7 @@ class KVClient:
                 except RemoteUnavailable:  # dropped now: the same
                     pass
 
-        return ShmLease(views, release, t0 + link.bound("lease_timeout") / 2)
+        return ShmLease(views, link.shm, release, t0 + link.bound("lease_timeout") / 2)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return [bool(b) for b in self._simple(p.Op.EXISTS, p.encode_keys(keys))]

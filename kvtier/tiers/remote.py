@@ -201,7 +201,10 @@ class RemoteTier:
         self.stats.hits += len(lent)
         self.stats.lent += len(lent)
         batch = _LentBatch(lease, [v for v, _, _ in lent], [c for _, _, c in lent])
-        return [(BorrowedBlock(torch.from_numpy(v), batch, i), n) for i, (v, n, _) in enumerate(lent)]
+        # Slices of one tensor over the pool: chunks that are neighbours there cross to the GPU as one run.
+        pool, base = torch.from_numpy(lease.pool), lease.pool.ctypes.data
+        return [(BorrowedBlock(pool[v.ctypes.data - base :][: v.nbytes], batch, i), n)
+                for i, (v, n, _) in enumerate(lent)]
 
     # -- writes --------------------------------------------------------------------
 
