@@ -35,6 +35,17 @@ def kv_at(layers, slots):
     return torch.stack([x[:, slots // BS, slots % BS] for x in layers])
 
 
+def stored_by_one_lent_to_another(url: str, tokens: list[int]):
+    """(engine, KV, slots) of a node that stored `tokens` in the server at `url`,
+    and of one on the same host with its CPU tier off (chunks lent in place)."""
+    a, a_kv = node(url)
+    b, b_kv = node(url, local_cpu=False)
+    src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
+    a.store(tokens, src)
+    a.flush(timeout=10)
+    return (a, a_kv, src), (b, b_kv, dst)
+
+
 @pytest.fixture(scope="module", params=["kvtier", "redis", "redis-cluster", "fs"])
 def url(request, tmp_path_factory):
     if request.param == "fs":
@@ -88,11 +99,7 @@ def test_same_host_chunks_are_read_in_place_and_a_bad_one_is_not_loaded():
     # straight into the KV (lent, no staging block); checksums are checked meanwhile.
     with kvtier_server(0.0625) as srv:
         tokens = [t + 13 for t in TOKENS]
-        a, a_kv = node(srv.url)
-        b, b_kv = node(srv.url, local_cpu=False)
-        src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
-        a.store(tokens, src)
-        a.flush(timeout=10)
+        (a, a_kv, src), (b, b_kv, dst) = stored_by_one_lent_to_another(srv.url, tokens)
         mask = b.retrieve(tokens, dst)
         assert mask[:96].all() and not mask[96:].any()
         assert torch.equal(kv_at(b_kv, dst[:96]), kv_at(a_kv, src[:96]))
@@ -123,15 +130,12 @@ def test_layerwise_loads_lent_chunks_in_one_lease_and_a_bad_one_cuts_the_mask_at
     # lease; their checksums run while the layers move, and finish() says what holds.
     with kvtier_server(0.0625) as srv:
         tokens = [t + 23 for t in TOKENS]
-        a, a_kv = node(srv.url)
-        b, b_kv = node(srv.url, local_cpu=False)
-        src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
-        a.store(tokens, src)
-        a.flush(timeout=10)
+        (a, a_kv, src), (b, b_kv, dst) = stored_by_one_lent_to_another(srv.url, tokens)
         lent = b.tiers.lend_whole(b.spans(tokens)[:6], ["remote"] * 6)
         views = [c.block.view(torch.bfloat16, b.kv.chunk_shape(s.num_tokens)) for s, c in lent]
         # slices of one tensor over the pool: chunks stored one after another make one strided run
-        assert _runs(views, range(6), [v.numel() * 2 for v in views]) == [(0, 6, views[1].data_ptr() - views[0].data_ptr())]
+        pitch = views[1].data_ptr() - views[0].data_ptr()
+        assert _runs(views, range(6), [v.numel() * 2 for v in views]) == [(0, 6, pitch)]
         for _, c in lent:
             c.block.release()
         load = b.start_retrieve(tokens, dst, layerwise=True)
@@ -160,11 +164,7 @@ def test_a_layerwise_load_larger_than_one_lease_may_hold_loads_whole():
     # of it, lent, all before start_retrieve returns.
     with kvtier_server(0.0625, "--max-held-per-conn", str(52 / 2**20)) as srv:
         tokens = [t + 29 for t in TOKENS]
-        a, a_kv = node(srv.url)
-        b, b_kv = node(srv.url, local_cpu=False)
-        src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
-        a.store(tokens, src)
-        a.flush(timeout=10)
+        (a, a_kv, src), (b, b_kv, dst) = stored_by_one_lent_to_another(srv.url, tokens)
         load = b.start_retrieve(tokens, dst, layerwise=True)
         assert load._handle is None and load.num_tokens == 96  # loaded already: no layer to wait for
         assert load.finish()[:96].all() and b.tiers.remote.stats.lent == 6
