@@ -16,6 +16,7 @@ Only whole chunks move (plus the partial last chunk when
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import OrderedDict, deque
@@ -615,7 +616,7 @@ def _remote_tier(config: KvtierConfig, kv: PagedKV) -> RemoteTier | None:
     if kv.device.type == "cuda" and hasattr(store, "on_map"):
         # The server's pool, mapped here, is what the GPU copies lent chunks from:
         # page-locked, the copy is a DMA; unregistered it could not be lent.
-        store.on_map, store.on_unmap = _register_pool, _unregister_pool
+        store.on_map, store.on_unmap = _register_pool, functools.partial(_unregister_pool, device=kv.device)
     return RemoteTier(store, codec, config.remote_url)
 
 
@@ -642,9 +643,12 @@ def _register_pool(mapping) -> bool:
     return True
 
 
-def _unregister_pool(mapping) -> None:
+def _unregister_pool(mapping, device: torch.device) -> None:
+    """Before the pool's mapping goes (its connection closed, maybe under a load
+    on another thread): no copy out of it may still be in flight on the GPU."""
     from kvtier.transfer import cudart
 
+    torch.cuda.synchronize(device)
     try:
         cudart.host_unregister(_pool_address(mapping))
     except RuntimeError as e:
