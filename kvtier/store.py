@@ -245,8 +245,9 @@ class TieredStore:
         nbytes = sum(s.num_tokens for s in spans) * self.bytes_per_token
         if nbytes > LEND_WHOLE_SHARE * remote.max_held():
             return []
-        lent = remote.borrow([s.key for s in spans], [s.num_tokens * self.bytes_per_token for s in spans])
-        if lent is None or len(lent) < len(spans) or any(n != s.num_tokens for s, (_, n) in zip(spans, lent)):
+        lent = remote.borrow([s.key for s in spans], [s.num_tokens * self.bytes_per_token for s in spans],
+                             whole=True)
+        if lent is None or any(n != s.num_tokens for s, (_, n) in zip(spans, lent)):
             for block, _ in lent or []:
                 block.release()
             return []

@@ -155,6 +155,10 @@ def test_layerwise_loads_lent_chunks_in_one_lease_and_a_bad_one_cuts_the_mask_at
         mask = load.finish()  # ... and cut at the bad chunk once its checksum is known
         assert mask[:48].all() and not mask[48:].any()
         assert b.stats.loaded_by_tier == {"remote": 96 + 48}
+        store.delete([key])  # gone after the lookup: a whole lease cannot be had, and nothing is counted
+        spans, lent = b.spans(tokens)[:6], b.tiers.remote.stats.lent
+        assert b.tiers.remote.borrow([s.key for s in spans], [16 * b.tiers.bytes_per_token] * 6, whole=True) is None
+        assert b.tiers.lend_whole(spans, ["remote"] * 6) == [] and b.tiers.remote.stats.lent == lent
         a.close(), b.close(), store.close()
 
 
@@ -167,7 +171,7 @@ def test_a_layerwise_load_larger_than_one_lease_may_hold_loads_whole():
         (a, a_kv, src), (b, b_kv, dst) = stored_by_one_lent_to_another(srv.url, tokens)
         load = b.start_retrieve(tokens, dst, layerwise=True)
         assert load._handle is None and load.num_tokens == 96  # loaded already: no layer to wait for
-        assert load.finish()[:96].all() and b.tiers.remote.stats.lent == 6
+        assert load.finish()[:96].all() and b.tiers.remote.stats.lent == 6  # each chunk counted once
         assert torch.equal(kv_at(b_kv, dst[:96]), kv_at(a_kv, src[:96]))
         a.close(), b.close()
 

@@ -177,12 +177,13 @@ class RemoteTier:
             return 0.0
         return (info.get("bounds") or {}).get("max_held", float("inf"))
 
-    def borrow(self, keys: Sequence[ChunkKey], raw_sizes: Sequence[int]) -> list[tuple[BorrowedBlock, int]] | None:
+    def borrow(self, keys: Sequence[ChunkKey], raw_sizes: Sequence[int], *, whole: bool = False
+               ) -> list[tuple[BorrowedBlock, int]] | None:
         """The leading chunks of `keys` lent in place, each (block, num_tokens);
         it stops at the first one absent, split over pages or with a bad header,
         which the copying path (`get_into`) then reads, counts and logs as what
         it is. None: not one lent (another host, a refusal, a fault, or the
-        first chunk is such a one): copy instead."""
+        first chunk is such a one), or with `whole` not every one: copy instead."""
         lease = self._guard("get", lambda: self.store.borrow([wire_key(k) for k in keys]), None)
         if lease is None:
             return None
@@ -195,7 +196,7 @@ class RemoteTier:
             except CorruptPayload:
                 break
             lent.append((view[HEADER.size :], n, stored))
-        if not lent:
+        if not lent or (whole and len(lent) < len(keys)):
             lease.release()
             return None
         self.stats.hits += len(lent)
