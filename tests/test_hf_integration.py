@@ -97,3 +97,33 @@ def test_a_session_on_another_node_loads_the_prefix_from_the_store_server(model)
         assert second.prefill(ids).hit_tokens == 640
         assert second.generate(ids, 10) == reference
         first.engine.close(), second.engine.close()
+
+
+def test_layerwise_from_the_store_server_and_a_chunk_that_fails_its_check_is_computed_again(model):
+    # CPU tier off, server on this host: the prefix is lent in one lease and loaded
+    # layer by layer; a chunk whose bytes changed is found at the end, and the
+    # prompt is computed again, so the logits are still the cold ones.
+    from kvtier.localservers import kvtier_server
+    from kvtier.remote import open_store
+    from kvtier.tiers.remote import wire_key
+
+    ids = torch.randint(0, 1000, (1, 300), generator=torch.Generator().manual_seed(5))
+    with kvtier_server(0.0625) as srv:
+        cfg = KvtierConfig(chunk_size=64, max_local_cpu_size=0.05, local_cpu=False, remote_url=srv.url)
+        session = HFSession(model, cfg, max_len=400)
+        cold = session.prefill(ids, use_cache=False).logits
+        session.prefill(ids)  # store
+        assert session.engine.flush(timeout=10)
+        lent = session.engine.tiers.remote.stats.lent
+        warm = session.prefill(ids, layerwise=True)
+        assert warm.hit_tokens == 256 and session.engine.tiers.remote.stats.lent == lent + 4
+        assert (warm.logits - cold).abs().max().item() < 1e-4
+        store = open_store(srv.url, 5)
+        key = wire_key(session.engine.spans(ids[0])[2].key)
+        value = bytearray(store.get([key])[0])
+        value[-1] ^= 0x40
+        store.put([key], [bytes(value)])
+        again = session.prefill(ids, layerwise=True)
+        assert again.hit_tokens == 0  # computed again, not from the KV that was loaded
+        assert (again.logits - cold).abs().max().item() < 1e-4
+        session.engine.close(), store.close()
