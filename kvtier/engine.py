@@ -383,7 +383,7 @@ class CacheEngine:
         try:
             for batch in batches:
                 pooled = any(c.block.pool is not None for _, c in batch)
-                inflight.append((batch, _nothing))
+                inflight.append((batch, self._device_idle))  # until scatter returns: if it raises, wait for all
                 inflight[-1] = (batch, self._scatter(slots, batch, start, end, layerwise=False, wait=pooled,
                                                      while_copying=lambda: batch[-1][1].block.verified()))
                 good = next((k for k, (_, c) in enumerate(batch) if not c.block.verified()), len(batch))
@@ -398,6 +398,11 @@ class CacheEngine:
             for entry in inflight:
                 _settle(*entry)
         return loaded
+
+    def _device_idle(self) -> None:
+        """Wait for everything queued on the KV's device (nothing to wait for on a host)."""
+        if self.kv.device.type == "cuda":
+            torch.cuda.synchronize(self.kv.device)
 
     def _scatter(self, slots: torch.Tensor, found: list[tuple[ChunkSpan, StoredChunk]], start: int, end: int,
                  layerwise: bool, while_copying: Callable[[], object] | None = None, wait: bool = True):
@@ -505,10 +510,6 @@ class Retrieval:
             _log_transfer("Retrieved KV cache for", loaded, len(self.mask), self._request_id,
                           loaded * engine.kv.bytes_per_token(), time.perf_counter() - self._t0)
         return self.mask
-
-
-def _nothing() -> None:
-    """Waits for no copy."""
 
 
 def _settle(batch: list[tuple[ChunkSpan, StoredChunk]], copied: Callable[[], None]) -> None:
