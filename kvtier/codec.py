@@ -11,9 +11,10 @@ checksum = xxh3-64 of the encoded payload, so corruption is caught before
 anything is decompressed. It is computed by the xxhash package's own C
 function called through ctypes, which lets go of the GIL (the package's
 Python API holds it), so chunks are hashed in parallel on the copy
-threads. Decoding checks every field against what the reader expects (the key already names model, layout, dtype and TP rank;
-the reader knows the chunk's byte size) and raises CorruptPayload on any
-mismatch: the remote tier turns that into a miss, never wrong KV.
+threads. Decoding checks every field against what the reader expects (the
+key already names model, layout, dtype and TP rank; the reader knows the
+chunk's byte size) and raises CorruptPayload on any mismatch: the remote
+tier turns that into a miss, never wrong KV.
 
 Serdes:
 - naive: the chunk's bytes as they are (the payload is sent as a view of

@@ -386,7 +386,7 @@ class CacheEngine:
                 inflight.append((batch, self._device_idle))  # until scatter returns: if it raises, wait for all
                 inflight[-1] = (batch, self._scatter(slots, batch, start, end, layerwise=False, wait=pooled,
                                                      while_copying=lambda: batch[-1][1].block.verified()))
-                good = next((k for k, (_, c) in enumerate(batch) if not c.block.verified()), len(batch))
+                good = _verified(batch)
                 while len(inflight) > (0 if pooled else 1):
                     _settle(*inflight.pop(0))
                 loaded += good
@@ -487,7 +487,7 @@ class Retrieval:
         try:
             if self._handle is not None:
                 self._handle.finish()
-            good = next((k for k, (_, c) in enumerate(held) if not c.block.verified()), len(held))
+            good = _verified(held)
         finally:
             for _, chunk in held:
                 chunk.block.release()
@@ -510,6 +510,11 @@ class Retrieval:
             _log_transfer("Retrieved KV cache for", loaded, len(self.mask), self._request_id,
                           loaded * engine.kv.bytes_per_token(), time.perf_counter() - self._t0)
         return self.mask
+
+
+def _verified(chunks: list[tuple[ChunkSpan, StoredChunk]]) -> int:
+    """How many of `chunks`, from the first, are known good (a lent one: its checksum and lease held)."""
+    return next((k for k, (_, c) in enumerate(chunks) if not c.block.verified()), len(chunks))
 
 
 def _settle(batch: list[tuple[ChunkSpan, StoredChunk]], copied: Callable[[], None]) -> None:

@@ -446,12 +446,12 @@ class KvtierConnector(KVConnectorBase_V1):
                 continue
             load = self.engine.start_retrieve(spec.token_ids, spec.slots(self.block_size), start=spec.start,
                                               request_id=spec.req_id, layerwise=self.config.use_layerwise)
-            if self.config.use_layerwise:
+            if self.config.use_layerwise:  # checked at wait_for_save, once finished
                 self._loads.append((load, spec))
             else:
                 load.finish()
                 self._pd_loaded(spec.pd_req_id)
-            self._check_loaded(spec, load.num_tokens)
+                self._check_loaded(spec, load.num_tokens)
 
     def _load(self, spec: TransferSpec) -> int:
         assert self.engine is not None
@@ -519,11 +519,9 @@ class KvtierConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvtierMetadata) and self.engine is not None
         loads, self._loads = self._loads, []
         for load, spec in loads:
-            promised = load.num_tokens
-            load.finish()
+            load.finish()  # its mask is final now (a lent chunk may fail its check after its layers were read)
             self._pd_loaded(spec.pd_req_id)
-            if load.num_tokens < promised:  # a lent chunk failed its check after its layers were read
-                self._check_loaded(spec, load.num_tokens)
+            self._check_loaded(spec, load.num_tokens)
         stores, self._stores = self._stores, None
         if stores is not None:
             for store in stores:
