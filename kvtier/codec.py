@@ -19,6 +19,9 @@ tier turns that into a miss, never wrong KV.
 Serdes:
 - naive: the chunk's bytes as they are (the payload is sent as a view of
   the pool block, no copy).
+- (remote_serde int8 and fp8 are not serdes of this module: they quantize
+  the KV where it leaves the engine, kvtier/transfer/quant.py, and their
+  chunks are stored naive.)
 - lz4: byte-plane shuffle, then LZ4. KV in 16-bit floats compresses poorly
   byte by byte; grouping all high bytes (sign, exponent) apart from the low
   bytes (mantissa) gives LZ4 runs to find. `shuf` records the element size.
@@ -39,6 +42,7 @@ MAGIC = b"KVC1"
 VERSION = 1
 HEADER = struct.Struct("<4sBBHIQQQ")
 SERDES = {"naive": 0, "lz4": 1}
+KV_CODECS = ("int8", "fp8")  # lossy, on the GPU before any tier: kvtier/transfer/quant.py
 
 
 @dataclass(frozen=True)

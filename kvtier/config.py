@@ -27,7 +27,7 @@ from urllib.parse import unquote, urlsplit
 
 import yaml
 
-from kvtier.codec import SERDES
+from kvtier.codec import KV_CODECS, SERDES
 from kvtier.errors import ConfigError, UnknownConfigKey
 from kvtier.lmcache_keys import RULES, resolve
 from kvtier.remote import TOKEN_SCHEMES, check_url
@@ -69,7 +69,9 @@ class KvtierConfig:
     remote_auth_token: str | None = _doc(
         "token for a kvtier store server that wants one (or ?token_env=VAR in remote_url)", default=None,
         repr=False)
-    remote_serde: str = _doc("remote payload codec: naive | lz4", default="naive")
+    remote_serde: str = _doc(
+        "chunk codec: naive | lz4 (lossless, remote only) | int8 | fp8 (lossy, on the GPU, every tier)",
+        default="naive")
     blocking_timeout_secs: float = _doc("longest wait on a tier before a miss, s", default=10.0)
     enable_pd: bool = _doc("disaggregated prefill: this instance sends (prefiller) or receives (decoder) KV",
                            default=False)
@@ -153,8 +155,8 @@ def _check_ranges(cfg: KvtierConfig) -> None:
         raise ConfigError("remote_auth_token", "<hidden>",
                           "a remote_url of a kvtier store server (" + ", ".join(f"{s}://" for s in TOKEN_SCHEMES)
                           + "); Redis takes its password in the URL")
-    if cfg.remote_serde not in SERDES:
-        raise ConfigError("remote_serde", cfg.remote_serde, " | ".join(SERDES))
+    if cfg.remote_serde not in (*SERDES, *KV_CODECS):
+        raise ConfigError("remote_serde", cfg.remote_serde, " | ".join((*SERDES, *KV_CODECS)))
     if cfg.blocking_timeout_secs <= 0:
         raise ConfigError("blocking_timeout_secs", cfg.blocking_timeout_secs, "seconds > 0")
     if cfg.local_disk is not None:
@@ -181,6 +183,9 @@ def _check_pd(cfg: KvtierConfig) -> None:
         return
     if cfg.enable_p2p:
         raise ConfigError("enable_p2p", cfg.enable_p2p, "false when enable_pd is true (PD and P2P exclude each other)")
+    if cfg.remote_serde in KV_CODECS:
+        raise ConfigError("remote_serde", cfg.remote_serde,
+                          "a lossless codec (naive | lz4) when enable_pd is true: PD moves the KV as computed")
     if cfg.pd_role not in PD_ROLES:
         raise ConfigError("pd_role", cfg.pd_role, "sender or receiver (enable_pd is true)")
     if cfg.transfer_channel is not None and cfg.transfer_channel not in PD_CHANNELS:

@@ -16,6 +16,7 @@ Only whole chunks move (plus the partial last chunk when
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -27,19 +28,19 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from kvtier.codec import HEADER, Codec
+from kvtier.codec import HEADER, KV_CODECS, Codec
 from kvtier.config import KvtierConfig
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkSpan, KVFormat, chunk_spans
 from kvtier.logs import get_logger
-from kvtier.memory import HostPool, MemoryBlock
+from kvtier.memory import HostPool, MemoryBlock, front_view
 from kvtier.remote import open_store
 from kvtier.leases import Leases
 from kvtier.store import CPU, TieredStore
 from kvtier.tiers.cpu import CpuTier, StoredChunk
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.remote import RemoteTier
-from kvtier.transfer import LayerHandle, LayerSaver, PagedKV, make_transfer
+from kvtier.transfer import LayerHandle, LayerSaver, PagedKV, Quant, make_transfer
 
 log = get_logger(__name__)
 
@@ -92,19 +93,26 @@ class CacheEngine:
         receiver's buffer: the chunks senders commit there are this engine's hits)."""
         self.config = config
         self.kv = kv
-        self.fmt = fmt
+        # A lossy codec (remote_serde int8 | fp8) decides the bytes of every chunk, in every
+        # tier: the key names it, so its chunks and lossless ones never meet.
+        self.quant = Quant(config.remote_serde, kv.heads, kv.head_size) if config.remote_serde in KV_CODECS else None
+        self.fmt = fmt if self.quant is None else dataclasses.replace(fmt, dtype=f"{fmt.dtype}+{self.quant.name}")
         self.chunk_size = config.chunk_size
+        # Bytes of one token in a chunk (the KV's own, or the codec's); `kv.bytes_per_token()`
+        # stays the KV's, the bytes a load delivers.
+        self.chunk_bytes_per_token = (kv.bytes_per_token() if self.quant is None
+                                      else self.quant.bytes_per_token(kv.num_layers, kv.kv))
         shared_tier = cpu is not None
         if cpu is None:
-            cpu = CpuTier(HostPool(config.cpu_pool_bytes, config.chunk_size * kv.bytes_per_token(),
+            cpu = CpuTier(HostPool(config.cpu_pool_bytes, config.chunk_size * self.chunk_bytes_per_token,
                                    hugepages=config.local_cpu_use_hugepages), config.cache_policy)
         self.pool = cpu.pool
         self.tiers = TieredStore(
             cpu, keep_cpu=config.local_cpu or shared_tier,
-            bytes_per_token=kv.bytes_per_token(),
-            disk=_disk_tier(config, kv, fmt), remote=_remote_tier(config, kv),
+            bytes_per_token=self.chunk_bytes_per_token,
+            disk=_disk_tier(config, self.chunk_bytes_per_token, self.fmt), remote=_remote_tier(config, kv, self.quant),
             disk_min_stores=config.local_disk_min_stores, wait_s=config.blocking_timeout_secs)
-        self.transfer = make_transfer(kv, transfer)
+        self.transfer = make_transfer(kv, transfer, self.quant)
         self.stats = EngineStats()
         self._warned: OrderedDict[str, None] = OrderedDict()  # requests told their store was cut
         self.leases = Leases(self.tiers, config.pin_timeout_sec)
@@ -119,9 +127,11 @@ class CacheEngine:
             log.warning("local_cpu is false and no other tier is configured: kvtier stores nothing")
         log.info(
             "CacheEngine: %s, %d layers, chunk %d tokens = %.2f MB, CPU pool %d chunks (%.2f GB), "
-            "transfer %s",
-            fmt.tag(), kv.num_layers, self.chunk_size, self.pool.block_bytes / 1e6,
+            "transfer %s%s",
+            self.fmt.tag(), kv.num_layers, self.chunk_size, self.pool.block_bytes / 1e6,
             self.pool.num_blocks, self.pool.capacity / 1e9, self.transfer.name,
+            "" if self.quant is None else f", lossy KV codec {self.quant.name} (chunks "
+            f"{self.chunk_bytes_per_token / kv.bytes_per_token():.3f} of the KV's bytes)",
         )
 
     # -- queries ---------------------------------------------------------------
@@ -220,6 +230,14 @@ class CacheEngine:
                 raise
         return Storing(self, owned, todo[len(owned):], slots, handle, t0, request_id, _as_numpy(tokens))
 
+    def chunk_view(self, data: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """The chunk at the front of the byte buffer `data`, as the transfers take it:
+        [L, K, T, NH, HS] of the KV's dtype, or the codec's rows [L, K, T, R] uint8."""
+        if self.quant is None:
+            return front_view(data.view(torch.uint8), self.kv.dtype, self.kv.chunk_shape(num_tokens))
+        return front_view(data.view(torch.uint8), torch.uint8,
+                          (self.kv.num_layers, self.kv.kv, num_tokens, self.quant.row_bytes))
+
     def _allocate(self, spans: Sequence[ChunkSpan], wait: bool) -> list[tuple[ChunkSpan, MemoryBlock]]:
         """Blocks for the first spans, as many as the pool gives now (the first may wait for writers)."""
         owned = []
@@ -238,14 +256,14 @@ class CacheEngine:
     def gather_into(self, slots: torch.Tensor, spans: Sequence[ChunkSpan], buffers: Sequence[torch.Tensor]) -> None:
         """Copy the KV of `spans` into byte buffers of the caller (a PD sender's staging
         blocks, or a decoder's GPU buffer mapped over CUDA IPC)."""
-        chunks = [buf.view(self.kv.dtype).view(self.kv.chunk_shape(s.num_tokens)) for s, buf in zip(spans, buffers)]
+        chunks = [self.chunk_view(buf, s.num_tokens) for s, buf in zip(spans, buffers)]
         with self._transfer_lock:
             self.transfer.gather(_concat_slots(slots, spans), chunks)
 
     def _gather(self, slots: torch.Tensor, owned: list[tuple[ChunkSpan, MemoryBlock]],
                 layerwise: bool = False) -> LayerSaver | None:
         spans = [s for s, _ in owned]
-        chunks = [b.view(self.kv.dtype, self.kv.chunk_shape(s.num_tokens)) for s, b in owned]
+        chunks = [self.chunk_view(b.data, s.num_tokens) for s, b in owned]
         with self._transfer_lock:
             if layerwise:
                 return self.transfer.gather_layerwise(_concat_slots(slots, spans), chunks)
@@ -411,7 +429,7 @@ class CacheEngine:
         writes only its tokens inside [start, end): the others get slot -1,
         which the transfers skip (the slots before `start` may be prefix-cache
         blocks the engine shares; after `end` there are no slots)."""
-        views = [c.block.view(self.kv.dtype, self.kv.chunk_shape(s.num_tokens)) for s, c in found]
+        views = [self.chunk_view(c.block.data, s.num_tokens) for s, c in found]
         first, last = found[0][0].start, found[-1][0].end
         a, b = max(start, first), min(end, last)
         targets = torch.full((last - first,), -1, dtype=torch.int64)
@@ -600,23 +618,24 @@ def _release(chunks: list[tuple[ChunkSpan, MemoryBlock]]) -> None:
         block.release()
 
 
-def _disk_tier(config: KvtierConfig, kv: PagedKV, fmt: KVFormat) -> DiskTier | None:
+def _disk_tier(config: KvtierConfig, bytes_per_token: int, fmt: KVFormat) -> DiskTier | None:
     root = config.disk_path
     if root is None:
         return None
-    chunk_file = HEADER.size + config.chunk_size * kv.bytes_per_token()
+    chunk_file = HEADER.size + config.chunk_size * bytes_per_token
     if config.disk_bytes < chunk_file:
         raise ConfigError("max_local_disk_size", config.max_local_disk_size,
                           f"room for at least one chunk file ({chunk_file / 1e6:.2f} MB)")
     if fmt.tp_size > 1:  # one directory (and one lock) per rank
         root = root / f"tp{fmt.tp_rank}of{fmt.tp_size}"
-    return DiskTier(root, config.disk_bytes, Codec("naive", itemsize=kv.dtype.itemsize), config.cache_policy)
+    return DiskTier(root, config.disk_bytes, Codec("naive"), config.cache_policy)
 
 
-def _remote_tier(config: KvtierConfig, kv: PagedKV) -> RemoteTier | None:
+def _remote_tier(config: KvtierConfig, kv: PagedKV, quant: Quant | None) -> RemoteTier | None:
     if config.remote_url is None:
         return None
-    codec = Codec(config.remote_serde, itemsize=kv.dtype.itemsize)
+    # Quantized chunks (kvtier/transfer/quant.py) are stored as their bytes are.
+    codec = Codec("naive") if quant is not None else Codec(config.remote_serde, itemsize=kv.dtype.itemsize)
     log.info("remote tier: %s (serde %s)", config.remote_url, config.remote_serde)
     store = open_store(config.remote_url, config.blocking_timeout_secs, config.remote_auth_token)
     if kv.device.type == "cuda" and hasattr(store, "on_map"):

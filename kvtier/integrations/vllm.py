@@ -556,7 +556,7 @@ class KvtierConnector(KVConnectorBase_V1):
         """This worker's cumulative counters and current gauges (vllm_metrics.py names)."""
         engine = self.engine
         assert engine is not None
-        bpt, tiers = engine.kv.bytes_per_token(), engine.tiers
+        bpt, tiers = engine.chunk_bytes_per_token, engine.tiers  # bytes the tiers hold
         here = "pd" if self.pd_buffer is not None else "cpu"  # a PD receiver's CPU tier is its buffer
         out: dict[str, float] = {
             "store_seconds": engine.stats.store_seconds, "load_seconds": engine.stats.retrieve_seconds,

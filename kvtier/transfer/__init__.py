@@ -8,8 +8,9 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from kvtier.transfer.layout import LAYOUTS, PagedKV
+from kvtier.transfer.quant import Quant
 
-__all__ = ["LAYOUTS", "LayerHandle", "LayerSaver", "PagedKV", "Transfer", "make_transfer"]
+__all__ = ["LAYOUTS", "LayerHandle", "LayerSaver", "PagedKV", "Quant", "Transfer", "make_transfer"]
 
 
 class LayerHandle(Protocol):
@@ -53,14 +54,19 @@ class Transfer(Protocol):
     def gather_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LayerSaver: ...
 
 
-def make_transfer(kv: PagedKV, backend: str = "auto") -> Transfer:
-    """Triton kernels for GPU caches, torch indexing for host caches."""
+def make_transfer(kv: PagedKV, backend: str = "auto", quant: Quant | None = None) -> Transfer:
+    """Triton kernels for GPU caches, torch indexing for host caches; with `quant`,
+    chunks hold that codec's quantized rows (quant.py)."""
     if backend == "auto":
         backend = "triton" if kv.device.type == "cuda" and not kv.split else "torch"
+    if quant is not None and quant.name == "fp8" and kv.device.type == "cuda" \
+            and torch.cuda.get_device_capability(kv.device) < (8, 9):
+        raise ValueError(f"the fp8 KV codec needs a GPU with fp8 (compute capability 8.9+), {kv.device} is "
+                         f"{torch.cuda.get_device_name(kv.device)}: use int8")
     if backend == "torch":
         from kvtier.transfer.torch_copy import TorchTransfer
 
-        return TorchTransfer(kv)
+        return TorchTransfer(kv, quant)
     if backend in ("triton", "triton-direct"):
         if kv.split:
             raise ValueError(f"the Triton transfer does not take layout {kv.layout} (K and V apart): use torch")
@@ -71,5 +77,5 @@ def make_transfer(kv: PagedKV, backend: str = "auto") -> Transfer:
             )
         from kvtier.transfer.triton_copy import TritonTransfer
 
-        return TritonTransfer(kv, direct=backend == "triton-direct")
+        return TritonTransfer(kv, direct=backend == "triton-direct", quant=quant)
     raise ValueError(f"unknown transfer backend {backend!r}: auto, torch, triton, triton-direct")

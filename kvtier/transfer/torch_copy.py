@@ -11,13 +11,15 @@ from typing import Callable, Sequence
 import torch
 
 from kvtier.transfer.layout import PagedKV
+from kvtier.transfer.quant import Quant
 
 
 class TorchTransfer:
     name = "torch"
 
-    def __init__(self, kv: PagedKV) -> None:
+    def __init__(self, kv: PagedKV, quant: Quant | None = None) -> None:
         self.kv = kv
+        self.quant = quant  # chunks hold quantized rows [L, K, T, R] (quant.py)
 
     def _index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         slots = slots.to(self.kv.device, non_blocking=True)
@@ -31,7 +33,10 @@ class TorchTransfer:
             start = 0
             for chunk in chunks:
                 n = chunk.shape[2]
-                chunk[layer_idx].copy_(tokens[:, start : start + n], non_blocking=True)
+                if self.quant is not None:
+                    self.quant.encode(tokens[:, start : start + n], chunk[layer_idx])
+                else:
+                    chunk[layer_idx].copy_(tokens[:, start : start + n], non_blocking=True)
                 start += n
 
     def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
@@ -45,6 +50,8 @@ class TorchTransfer:
             tokens = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             if keep is not None:
                 tokens = tokens[:, keep.to(tokens.device)]
+            if self.quant is not None:
+                tokens = self.quant.decode(tokens, self.kv.dtype)
             self.kv.write(layer_idx, block, offset, tokens.to(self.kv.device, non_blocking=True))
         if while_copying is not None:
             while_copying()

@@ -27,6 +27,11 @@ waits for them. Direct needs every chunk pinned; a call with a pageable
 chunk is staged. Figures (docs/benchmarks.md): staged store/retrieve at
 0.89-0.93 of pinned copy bandwidth, direct 0.84/0.75.
 
+With a lossy codec (quant.py) the kernels quantize the KV into the chunk
+rows as they gather, and dequantize as they scatter: staging, copies and
+host chunks then hold the quantized bytes (about half), nothing else
+changes.
+
 Correctness is also checked on CPU with TRITON_INTERPRET=1.
 """
 
@@ -41,6 +46,7 @@ import triton.language as tl
 
 from kvtier.transfer import cudart
 from kvtier.transfer.layout import PagedKV
+from kvtier.transfer.quant import Quant
 
 if TYPE_CHECKING:
     from kvtier.transfer import LayerHandle
@@ -88,6 +94,62 @@ def _kv_copy_kernel(
             tl.store(chunk + w, tl.load(page + src_off, mask=mask), mask=mask)
         else:
             tl.store(page + src_off, tl.load(chunk + w, mask=mask), mask=mask)
+
+
+@triton.jit
+def _kv_quant_copy_kernel(
+    layer0_ptr, layer_ptrs, chunk_ptrs, slots, T, C, s_k, s_b, s_n, s_h, BS,  # as in _kv_copy_kernel
+    NH: tl.constexpr,
+    D: tl.constexpr,
+    NHP: tl.constexpr,  # NH and D rounded up to powers of two: the tile of one token's heads
+    DP: tl.constexpr,
+    K: tl.constexpr,
+    TO_CHUNK: tl.constexpr,  # True: quantize page -> chunk row; False: dequantize chunk row -> page
+    FP8: tl.constexpr,
+    QMAX: tl.constexpr,
+):
+    """Program (t, l*K + k): token t's row of layer l, K-or-V k, in a quantized
+    chunk (quant.py): NH*D one-byte values, then NH float32 scales."""
+    t = tl.program_id(0).to(tl.int64)
+    lk = tl.program_id(1).to(tl.int64)
+    layer = lk // K
+    k = lk % K
+    slot = tl.load(slots + t).to(tl.int64)
+    heads_here = tl.where(slot >= 0, NH, 0)  # slot -1: a token of a cut chunk that stays where it is
+    slot = tl.maximum(slot, 0)
+    c = t // C
+    tt = t - c * C
+    n_c = tl.minimum(C, T - c * C)
+    elem_ty = layer0_ptr.dtype.element_ty
+    page = tl.load(layer_ptrs + layer).to(tl.pointer_type(elem_ty))
+    page += k * s_k + (slot // BS) * s_b + (slot % BS) * s_n
+    row = tl.load(chunk_ptrs + c).to(tl.pointer_type(tl.uint8))
+    row += (lk * n_c + tt) * (NH * D + 4 * NH)
+    scales = (row + NH * D).to(tl.pointer_type(tl.float32))
+    heads = tl.arange(0, NHP)
+    h = heads[:, None]
+    d = tl.arange(0, DP)[None, :]
+    mask = (h < heads_here) & (d < D)
+    head_mask = heads < heads_here
+    if TO_CHUNK:
+        x = tl.load(page + h * s_h + d, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        inv = tl.where(amax > 0, QMAX / amax, 0.0)
+        y = tl.minimum(tl.maximum(x * inv[:, None], -QMAX), QMAX)
+        if FP8:
+            q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            q = tl.floor(y + 0.5).to(tl.int8).to(tl.uint8, bitcast=True)
+        tl.store(row + h * D + d, q, mask=mask)
+        tl.store(scales + heads, amax / QMAX, mask=head_mask)
+    else:
+        q = tl.load(row + h * D + d, mask=mask, other=0)
+        if FP8:
+            v = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            v = q.to(tl.int8, bitcast=True).to(tl.float32)
+        s = tl.load(scales + heads, mask=head_mask, other=0.0)
+        tl.store(page + h * s_h + d, (v * s[:, None]).to(elem_ty), mask=mask)
 
 
 class _Staging:
@@ -185,9 +247,10 @@ class TritonTransfer:
 
     name = "triton"
 
-    def __init__(self, kv: PagedKV, *, direct: bool = False) -> None:
+    def __init__(self, kv: PagedKV, *, direct: bool = False, quant: Quant | None = None) -> None:
         self.kv = kv
         self.direct = direct
+        self.quant = quant
         first = kv.layers[0]
         self._strides = first.stride()[:4]
         self._layer_ptrs = torch.tensor(
@@ -223,6 +286,15 @@ class TritonTransfer:
         s_k, s_b, s_n, s_h = self._strides
         grid = (total, len(layers) * kv.kv)
         tables = self._one_layer[layers.start] if len(layers) == 1 else self._layer_ptrs[layers.start : layers.stop]
+        if self.quant is not None:
+            q = self.quant
+            _kv_quant_copy_kernel[grid](
+                kv.layers[0], tables, ptrs, slots, total, chunk_size, s_k, s_b, s_n, s_h, kv.block_size,
+                NH=kv.heads, D=kv.head_size, NHP=triton.next_power_of_2(kv.heads),
+                DP=triton.next_power_of_2(kv.head_size), K=kv.kv, TO_CHUNK=to_chunk, FP8=q.name == "fp8",
+                QMAX=q.qmax,
+            )
+            return
         _kv_copy_kernel[grid](
             kv.layers[0], tables, ptrs, slots, total, chunk_size,
             s_k, s_b, s_n, s_h, kv.block_size, kv.heads * kv.head_size, kv.head_size,
