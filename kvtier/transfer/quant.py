@@ -86,7 +86,8 @@ class Quant:
         """The largest |decode(encode(x)) - x| the codec allows, per element of x [..., NH, HS]
         (plus the rounding of the output dtype, which the caller adds)."""
         x = x.float()
-        scale = (x.abs().amax(dim=-1, keepdim=True) / self.qmax).expand_as(x)
+        amax = x.abs().amax(dim=-1, keepdim=True).expand_as(x)
+        scale, fp32 = amax / self.qmax, amax * 2.0**-20  # fp32's own rounding of the scaling
         if self.name == "int8":
-            return scale / 2
-        return x.abs() / 16 + scale * 2.0**-9
+            return scale / 2 + fp32
+        return x.abs() / 16 + scale * 2.0**-9 + fp32
