@@ -60,7 +60,8 @@ def _bench_ttft(args: argparse.Namespace) -> int:
     from kvtier.bench.ttft import run_ttft
 
     run_ttft(args.lengths, args.repeats, Path(args.output), layers=args.layers, transfer=args.transfer,
-             server=args.server, disk_dir=Path(args.disk) if args.disk else None, server_tcp=args.server_tcp)
+             server=args.server, disk_dir=Path(args.disk) if args.disk else None, server_tcp=args.server_tcp,
+             codecs=tuple(args.codecs))
     return 0
 
 
@@ -206,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     ttft.add_argument("--server", action="store_true", help="also warm from a kvtier server on this host")
     ttft.add_argument("--server-tcp", action="store_true", help="with --server: also over TCP (?shm=0), "
                       "against raw loopback TCP")
+    ttft.add_argument("--codecs", nargs="*", default=[], choices=["int8", "fp8"],
+                      help="with --server-tcp: also over TCP with these lossy KV codecs (remote_serde)")
     ttft.add_argument("--disk", help="also warm from the disk tier in this directory")
     ttft.set_defaults(fn=_bench_ttft)
 

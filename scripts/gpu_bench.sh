@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: checks, then the benchmarks.
 #   device run:  bash scripts/gpu_bench.sh            (results land in $OUT, or results/gpu)
-#   STEPS="ttft" bash scripts/gpu_bench.sh            (a subset: tests offload ttft disk)
+#   STEPS="ttft" bash scripts/gpu_bench.sh            (a subset: tests offload ttft codec disk)
 # Uses the machine's own python3 (torch + triton), kvtier from the source tree.
 # The GPU machine reaches no package index: the server's dependencies come
 # as wheels in .wheels/ (made here with scripts/gpu_wheels.sh, carried along).
@@ -21,6 +21,7 @@ export PYTHONPATH=$PWD:$PWD/.pydeps PYTHONUNBUFFERED=1
 } 2>&1 | tee "$out/machine.txt"
 case " $steps " in *" tests "*)
 python3 -m pytest -q -p no:cacheprovider tests/test_transfer_cuda.py tests/test_engine.py tests/test_transfer.py \
+    tests/test_kv_codec.py \
     tests/test_tiered_store.py tests/test_disk_tier.py tests/test_hf_integration.py \
     "tests/test_remote_tier.py::test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv" \
     2>&1 | tee "$out/pytest.txt" ;;
@@ -32,8 +33,11 @@ python3 -m kvtier.cli bench offload --tokens 16384 --layers 32 --kv-heads 8 --he
 esac
 case " $steps " in *" ttft "*)
 python3 -m kvtier.cli bench ttft --lengths ${LENGTHS:-4096 16384 32768} --repeats 7 --server --server-tcp \
-    --output "$out" 2>&1 \
+    --codecs int8 fp8 --output "$out" 2>&1 \
     | tee "$out/ttft.txt" ;;
+esac
+case " $steps " in *" codec "*)
+python3 scripts/gpu_kv_codec.py "$out/kv-codec.json" --lengths 4096 16384 2>&1 | tee "$out/kv-codec.txt" ;;
 esac
 case " $steps " in *" disk "*)
 python3 -m kvtier.cli bench disk --tokens 16384 --repeats 5 --dir /tmp/kvtier-bench-disk \

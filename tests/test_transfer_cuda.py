@@ -138,3 +138,73 @@ def test_layerwise_store_on_gpu_overlaps_nothing_it_should_not():
     torch.cuda.synchronize()
     for i in range(L):
         assert torch.equal(layers[i][:, slots.cuda() // BS, slots.cuda() % BS], expect[i])
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+@pytest.mark.parametrize("backend", ["triton", "triton-direct", "torch"])
+@pytest.mark.parametrize("layout", SHAPES)
+def test_the_lossy_codec_kernels_match_the_torch_codec(layout, backend, codec):
+    """Gather quantizes within the codec's bound; scatter writes what the torch codec
+    decodes; layer by layer too (staged or direct, pinned pool chunks)."""
+    from kvtier.transfer import Quant
+
+    torch.manual_seed(2)
+    layers = [(torch.randn(SHAPES[layout], device="cuda") * 5).to(torch.bfloat16) for _ in range(L)]
+    kv = PagedKV.wrap(layers, layout)
+    q = Quant(codec, kv.heads, kv.head_size)
+    perm = torch.randperm(kv.num_slots)
+    src, dst = perm[:300], perm[300:600]
+    sizes = [128, 128, 44]
+    arena = torch.zeros(3, L * kv.kv * 128 * q.row_bytes, dtype=torch.uint8, pin_memory=True)
+    chunks = [arena[i, : L * kv.kv * n * q.row_bytes].view(L, kv.kv, n, q.row_bytes) for i, n in enumerate(sizes)]
+    transfer = make_transfer(kv, backend, q)
+    transfer.gather(src, chunks)
+    ref = reference(kv, src)
+    dec = torch.cat([q.decode(c, torch.float32) for c in chunks], dim=2)
+    assert ((dec - ref.float()).abs() <= q.error_bound(ref) + 1e-6).all()
+    want = torch.cat([q.decode(c, kv.dtype) for c in chunks], dim=2).float()
+    for scatter in ("whole", "layerwise"):
+        for x in layers:
+            x.zero_()
+        if scatter == "whole":
+            transfer.scatter(dst, chunks)
+        else:
+            transfer.scatter_layerwise(dst, chunks).finish()
+        torch.cuda.synchronize()
+        got = reference(kv, dst).float()
+        assert ((got - want).abs() <= want.abs() / 128).all(), scatter  # one bf16 rounding apart at most
+    saved = [torch.zeros_like(c) for c in chunks]
+    saves = transfer.gather_layerwise(dst, saved)
+    for layer in range(L):
+        saves.save(layer)
+    saves.finish()
+    redec = torch.cat([q.decode(c, torch.float32) for c in saved], dim=2)
+    assert ((redec - got).abs() <= q.error_bound(got) + 1e-6).all()
+
+
+def test_engine_with_the_int8_codec_through_the_store_server_on_gpu():
+    from kvtier.localservers import kvtier_server
+
+    with kvtier_server(0.0625) as srv:
+        cfg = dict(chunk_size=64, max_local_cpu_size=0.05, remote_url=srv.url, remote_serde="int8",
+                   blocking_timeout_secs=5)
+        layers = [[torch.randn(SHAPES["flash_attn"], device="cuda").to(torch.bfloat16) for _ in range(L)]
+                  for _ in "ab"]
+        fmt = KVFormat("m", "flash_attn", "bf16")
+        a = CacheEngine(KvtierConfig(**cfg), PagedKV.wrap(layers[0], "flash_attn"), fmt)
+        b = CacheEngine(KvtierConfig(**cfg, local_cpu=False), PagedKV.wrap(layers[1], "flash_attn"), fmt)
+        perm = torch.randperm(NB * BS)
+        toks = list(range(300))
+        assert a.store(toks, perm[:300]) == 256
+        assert a.flush(timeout=10)
+        for layerwise in (False, True):
+            load = b.start_retrieve(toks, perm[300:556], layerwise=layerwise)
+            for i in range(L):
+                load.wait(i)
+            assert load.finish().all()
+            torch.cuda.synchronize()
+            want = reference(a.kv, perm[:256]).float()
+            got = reference(b.kv, perm[300:556]).float()
+            assert ((got - want).abs() <= a.quant.error_bound(want) + want.abs() / 128).all()
+        assert b.tiers.remote.stats.lent >= 4
+        a.close(), b.close()

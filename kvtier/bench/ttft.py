@@ -19,6 +19,10 @@ GPU; for each prompt length:
            after those runs, from a 256 MiB ring into a 256 MiB ring as from a
            store's pool into a cache's pool) + the forward; also given against
            the faster cache-resident figure (one 16 MiB buffer at each end)
+    warm server tcp int8 / fp8  the same with the lossy KV codec (`--codecs`):
+           against the lossless TCP run, and as an effective bandwidth (bytes
+           of bf16 KV delivered per second of load, i.e. TTFT less the
+           forward), which can exceed raw TCP
     warm disk  the same prefix from the disk tier (`--disk DIR`): the CPU tier
            emptied and the files' pages dropped before each run, a CPU pool of
            16 chunks as staging; its floor is KV bytes / the sequential read
@@ -75,6 +79,7 @@ class TTFTPoint:
     tcp_gbps: tuple[float, float] | None = None  # raw loopback TCP: pool to pool, and cache-resident
     warm_disk_s: float | None = None
     disk_floor_s: float | None = None  # KV bytes / file read bandwidth + forward
+    kv_bytes: int = 0  # bf16 KV of the hit tokens
 
     @property
     def floor_s(self) -> float:
@@ -84,6 +89,18 @@ class TTFTPoint:
         """Median over repeats of ratio(warm_i, forward_i): each warm run against the
         one-token forward timed right after it, so that slow drifts cancel."""
         return statistics.median(ratio(w, f) for w, f in zip(self.samples[warm], self.samples["forward_1"]))
+
+    def tcp_codecs(self) -> list[str]:
+        return [k.removeprefix("warm_server_tcp_") for k in self.samples if k.startswith("warm_server_tcp_")]
+
+    def _codec_row(self, name: str) -> dict:
+        times = self.samples[f"warm_server_tcp_{name}"]
+        t = statistics.median(times)
+        load = t - self.forward_1_s
+        return {f"warm_server_tcp_{name}_s": round(t, 4),
+                f"tcp_{name}_over_lossless": round(t / self.warm_server_tcp_s, 3),
+                f"tcp_{name}_effective_GBps": round(self.kv_bytes / load / 1e9, 3),
+                f"tcp_{name}_effective_over_raw_tcp": round(self.kv_bytes / load / 1e9 / self.tcp_gbps[0], 3)}
 
     def row(self) -> dict:
         return {"tokens": self.tokens, "hit_tokens": self.hit_tokens, "cold_s": round(self.cold_s, 4),
@@ -121,6 +138,7 @@ class TTFTPoint:
                     "raw_tcp_cache_resident_GBps": round(self.tcp_gbps[1], 3),
                     "warm_server_tcp_over_cache_resident_floor": round(
                         self.warm_server_tcp_s / self.tcp_cached_floor_s, 3)}),
+                **{k: v for name in self.tcp_codecs() for k, v in self._codec_row(name).items()},
                 **({} if self.warm_disk_s is None else {
                     "warm_disk_s": round(self.warm_disk_s, 4), "disk_floor_s": round(self.disk_floor_s, 4),
                     "warm_disk_over_disk_floor": round(self.warm_disk_s / self.disk_floor_s, 3),
@@ -156,7 +174,7 @@ def build_model(layers: int | None = None):
 
 def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: str = "auto",
             server_url: str | None = None, disk_dir: Path | None = None,
-            server_tcp: bool = False) -> TTFTPoint:
+            server_tcp: bool = False, codecs: tuple[str, ...] = ()) -> TTFTPoint:
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens))
     kv_per_token = _kv_bytes_per_token(model)
     pool_gib = (tokens + chunk_size) * kv_per_token * 1.05 / 1024**3
@@ -195,7 +213,7 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
     point = TTFTPoint(tokens, hit, med(cold), med(warm), med(layered), hit * kv_per_token / (h2d * 1e9), med(fwd),
                       med(cold_store), med(cold_store_layerwise),
                       {"cold": cold, "cold_store": cold_store, "cold_store_layerwise": cold_store_layerwise,
-                       "warm": warm, "warm_layerwise": layered, "forward_1": fwd})
+                       "warm": warm, "warm_layerwise": layered, "forward_1": fwd}, kv_bytes=hit * kv_per_token)
     del session
     if remote is not None:
         remote.close()
@@ -209,6 +227,9 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
         point.samples["warm_server_tcp"] = _warm_from_server(model, ids, chunk_size, pool_gib,
                                                              server_url + "/?shm=0", repeats, transfer)
         point.warm_server_tcp_s = med(point.samples["warm_server_tcp"])
+        for name in codecs:  # the lossy KV codecs: about half the bytes on the wire
+            point.samples[f"warm_server_tcp_{name}"] = _warm_from_server(
+                model, ids, chunk_size, pool_gib, server_url + "/?shm=0", repeats, transfer, serde=name)
         # Measured now, beside the runs it bounds: values out of and into 256 MiB rings (a store's
         # pool, a cache's pool), and the cache-resident figure of one 16 MiB buffer at each end.
         point.tcp_gbps = (tcp_bandwidth(ring=256 << 20), tcp_bandwidth())
@@ -252,8 +273,10 @@ class _ServerSession:
     """A session whose only tier is the store server at `url` (CPU tier off),
     with the prompt stored there."""
 
-    def __init__(self, model, ids, chunk_size: int, pool_gib: float, url: str, transfer: str) -> None:
-        cfg = KvtierConfig(chunk_size=chunk_size, max_local_cpu_size=pool_gib, local_cpu=False, remote_url=url)
+    def __init__(self, model, ids, chunk_size: int, pool_gib: float, url: str, transfer: str,
+                 serde: str = "naive") -> None:
+        cfg = KvtierConfig(chunk_size=chunk_size, max_local_cpu_size=pool_gib, local_cpu=False, remote_url=url,
+                           remote_serde=serde)
         self.session = HFSession(model, cfg, max_len=ids.shape[1], transfer=transfer)
         self.ids = ids
         self.session.prefill(ids)  # stores the prompt's chunks in the server
@@ -272,9 +295,9 @@ class _ServerSession:
 
 
 def _warm_from_server(model, ids, chunk_size: int, pool_gib: float, url: str, repeats: int,
-                      transfer: str) -> list[float]:
+                      transfer: str, serde: str = "naive") -> list[float]:
     """Warm TTFTs from the store server at `url`."""
-    remote = _ServerSession(model, ids, chunk_size, pool_gib, url, transfer)
+    remote = _ServerSession(model, ids, chunk_size, pool_gib, url, transfer, serde)
     times = [remote.timed(layerwise=False) for _ in range(repeats)]
     remote.close()
     torch.cuda.empty_cache()
@@ -283,7 +306,7 @@ def _warm_from_server(model, ids, chunk_size: int, pool_gib: float, url: str, re
 
 def run_ttft(lengths: list[int], repeats: int, out_dir: Path, layers: int | None = None,
              transfer: str = "auto", server: bool = False, disk_dir: Path | None = None,
-             server_tcp: bool = False) -> list[TTFTPoint]:
+             server_tcp: bool = False, codecs: tuple[str, ...] = ()) -> list[TTFTPoint]:
     logging.getLogger("kvtier").setLevel(logging.WARNING)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = build_model(layers)
@@ -298,7 +321,7 @@ def run_ttft(lengths: list[int], repeats: int, out_dir: Path, layers: int | None
             url = stack.enter_context(kvtier_server(2.5 * kv_bytes / 1024**3)).url
         for n in lengths:
             p = measure(model, n, repeats, transfer=transfer, server_url=url, disk_dir=disk_dir,
-                        server_tcp=server and server_tcp)
+                        server_tcp=server and server_tcp, codecs=codecs)
             print(json.dumps({k: v for k, v in p.row().items() if k != "samples_ms"}), flush=True)
             points.append(p)
     record = {"machine": machine_name(torch.device("cuda")), "date": dt.date.today().isoformat(),
@@ -329,6 +352,9 @@ def _plot(points: list[TTFTPoint], path: Path, machine: str) -> None:
         ax.plot(x, [p.warm_server_layerwise_s for p in points], "o-", label="warm (kvtier server, layerwise)")
     if points and points[0].warm_server_tcp_s is not None:
         ax.plot(x, [p.warm_server_tcp_s for p in points], "o-", label="warm (kvtier server over TCP)")
+    for name in points[0].tcp_codecs() if points else ():
+        ax.plot(x, [statistics.median(p.samples[f"warm_server_tcp_{name}"]) for p in points], "o:",
+                label=f"warm (kvtier server over TCP, {name} codec)")
     if points and points[0].warm_disk_s is not None:
         ax.plot(x, [p.warm_disk_s for p in points], "o-", label="warm (disk tier)")
     ax.plot(x, [p.floor_s for p in points], "--", label="floor (KV bytes / H2D + 1-token forward)")
