@@ -120,3 +120,19 @@ def test_save_decode_cache_stores_generated_tokens_for_a_follow_up(tiny_model, t
     follow_up = first + turn1["token_ids"][:250]  # 550 tokens
     _, log = run_vllm(tiny_model, [follow_up], tmp_path, "kv_both", env, name="turn2", dtype=DTYPE)
     assert hits(log) == [(550, 512, 512)]  # without the decode cache: 256, the prompt's one whole chunk
+
+
+def test_the_int8_codec_shares_a_prompt_through_a_kvtier_server(tiny_model, prompt, plain, tmp_path):
+    """remote_serde int8 with vLLM's CPU backend (the torch codec): half the bytes in
+    every tier, the prompt still a hit on another instance."""
+    with kvtier_server(0.25) as srv:
+        env = {"LMCACHE_REMOTE_URL": srv.url, "LMCACHE_MAX_LOCAL_CPU_SIZE": ONE_CHUNK,
+               "LMCACHE_REMOTE_SERDE": "int8"}
+        (a,), log_a = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", env, name="a", dtype=DTYPE)
+        (b,), log_b = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", env, name="b", dtype=DTYPE)
+    assert "lossy KV codec int8 (chunks 0.266 of the KV's bytes)" in log_a  # float32 KV: a quarter, plus scales
+    assert hits(log_b) == [(3000, 2816, 2816)]
+    assert not RECOMPUTED.search(log_b)
+    assert a["token_ids"] == b["token_ids"] == plain["token_ids"]
+    # Measured: 0.0006-0.0018 (2026-11-24); the float32 tiny model with lossless KV gives < 1e-4.
+    assert max(abs(x - y) for x, y in zip(b["logprobs"], plain["logprobs"])) < 0.05
