@@ -296,33 +296,3 @@ def test_lz4_shrinks_structured_kv():
     raw = (1 + 0.01 * torch.randn(1 << 16)).to(torch.bfloat16).view(torch.uint8).numpy()
     header, payload = Codec("lz4").encode(memoryview(raw), 16)
     assert len(payload) < 0.75 * len(raw)
-
-
-def test_a_batch_received_in_groups_is_checked_group_by_group(monkeypatch):
-    """Over TCP a batch arrives RECV_GROUP bytes per call, each group checked while the
-    next arrives: the KV is whole, and a bad chunk in a later group still ends the load."""
-    import kvtier.tiers.remote as remote
-
-    calls = []
-    with kvtier_server(0.0625) as srv:
-        tokens = [t + 19 for t in TOKENS]
-        a, a_kv = node(srv.url)
-        b, b_kv = node(srv.url + "/?shm=0", local_cpu=False)
-        monkeypatch.setattr(remote, "RECV_GROUP", 2 * 16 * b.chunk_bytes_per_token)  # two chunks per call
-        get_into = b.tiers.remote.store.get_into
-        monkeypatch.setattr(b.tiers.remote.store, "get_into", lambda k, d: calls.append(len(k)) or get_into(k, d))
-        src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
-        a.store(tokens, src)
-        a.flush(timeout=10)
-        assert b.retrieve(tokens, dst)[:96].all()
-        assert torch.equal(kv_at(b_kv, dst[:96]), kv_at(a_kv, src[:96]))
-        assert max(calls) == 2 and sum(calls) == 6
-        key = wire_key(b.spans(tokens)[4].key)  # the fifth chunk, in the third group
-        store = open_store(srv.url, 5)
-        value = bytearray(store.get([key])[0])
-        value[-1] ^= 0x40
-        store.put([key], [bytes(value)])
-        mask = b.retrieve(tokens, dst)
-        assert mask[:64].all() and not mask[64:].any()
-        assert b.tiers.remote.stats.corrupt == 1
-        a.close(), b.close(), store.close()

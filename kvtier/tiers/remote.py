@@ -39,31 +39,6 @@ log = get_logger(__name__)
 T = TypeVar("T")
 
 BACKOFF_FIRST, BACKOFF_MAX = 1.0, 30.0
-RECV_GROUP = 64 << 20  # bytes per receive call of a batch, checked while the next group arrives
-
-
-def _checked(decode: Callable[[int], int], filled: Sequence[bool]) -> Callable[[int], int | CorruptPayload | None]:
-    """Item i → decode(i) where it was filled (None where not), its CorruptPayload returned, not raised."""
-    def check(i: int) -> int | CorruptPayload | None:
-        try:
-            return decode(i) if filled[i] else None
-        except CorruptPayload as e:
-            return e
-
-    return check
-
-
-def _groups(sizes: Sequence[int], limit: int) -> list[tuple[int, int]]:
-    """[a, b) ranges of consecutive items, each at most `limit` bytes (or one item)."""
-    out, a, nbytes = [], 0, 0
-    for i, size in enumerate(sizes):
-        if i > a and nbytes + size > limit:
-            out.append((a, i))
-            a, nbytes = i, 0
-        nbytes += size
-    if sizes:
-        out.append((a, len(sizes)))
-    return out
 
 
 @dataclass
@@ -159,14 +134,28 @@ class RemoteTier:
         """
         wire = [wire_key(k) for k in keys]
         if self.codec.in_place:
-            results = self._receive_in_place(wire, outs)
-        else:  # decoding (lz4) reads every byte once more: over the copy threads
+            headers = [bytearray(HEADER.size) for _ in keys]
+            filled = self._guard("get", lambda: self.store.get_into(wire, [[h, o] for h, o in zip(headers, outs)]),
+                                 [False] * len(keys))
+
+            def decode(i: int) -> int:
+                return self.codec.check_in_place(headers[i], outs[i])
+        else:
             values = self._guard("get", lambda: self.store.get(wire), [None] * len(keys))
-            results = parallel(_checked(lambda i: self.codec.decode_into(values[i], outs[i]),
-                                        [v is not None for v in values]),
-                               range(len(keys)), sum(len(o) for o in outs))
+            filled = [v is not None for v in values]
+
+            def decode(i: int) -> int:
+                return self.codec.decode_into(values[i], outs[i])
+
+        def check(i: int) -> int | CorruptPayload | None:
+            try:
+                return decode(i) if filled[i] else None
+            except CorruptPayload as e:
+                return e
+
+        # Checksums (and lz4) read every byte once more: over the copy threads for a large batch.
         out: list[int | None] = []
-        for key, result in zip(keys, results):
+        for key, result in zip(keys, parallel(check, range(len(keys)), sum(len(o) for o in outs))):
             if isinstance(result, CorruptPayload):
                 self.stats.corrupt += 1
                 log.warning("remote %s: chunk %s is corrupt (%s); treated as a miss", self.url, key, result)
@@ -177,18 +166,6 @@ class RemoteTier:
                 self.stats.hits += 1
             out.append(result)
         return out
-
-    def _receive_in_place(self, wire: list[bytes], outs: Sequence[memoryview]) -> list[int | CorruptPayload | None]:
-        """Payloads straight into `outs`, RECV_GROUP bytes per call; each group's
-        checksums run on the copy threads while the next group arrives."""
-        headers = [bytearray(HEADER.size) for _ in wire]
-        groups = []
-        for a, b in _groups([len(o) for o in outs], RECV_GROUP):
-            dests = [[h, o] for h, o in zip(headers[a:b], outs[a:b])]
-            filled = self._guard("get", lambda: self.store.get_into(wire[a:b], dests), [False] * (b - a))
-            check = _checked(lambda i, a=a: self.codec.check_in_place(headers[a + i], outs[a + i]), filled)
-            groups.append(start_parallel(check, range(b - a), sum(len(o) for o in outs[a:b])))
-        return [r for group in groups for r in group()]
 
     def can_borrow(self) -> bool:
         return self.codec.in_place and hasattr(self.store, "borrow")
