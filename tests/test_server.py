@@ -275,3 +275,25 @@ def test_the_server_benchmark_runs_every_target_and_reports_its_ratios():
         assert 0 < result["latency"][f"kvtier_{op}_ms"]["p50"] <= result["latency"][f"kvtier_{op}_ms"]["p99"]
     assert result["shm"]["put_batch8_vs_memcpy_cold"] > 0
     assert 0 < result["serde"]["lz4"]["ratio"] < 1
+
+
+def test_a_large_tcp_get_is_spread_over_several_connections_and_lands_in_order(monkeypatch):
+    import kvtier.server.client as client_mod
+
+    monkeypatch.setattr(client_mod, "READER_BYTES", 64 << 10)  # 64 KiB per extra connection
+    with kvtier_server(0.0625, "--max-connections", "3") as srv:
+        c = KVClient("127.0.0.1", srv.ports[0], timeout=5, shm=False)
+        keys = [f"k{i}".encode() for i in range(16)]
+        values = [os.urandom(48 << 10) for _ in keys]
+        c.put(keys, values)
+        outs = [bytearray(48 << 10) for _ in keys]
+        asked = keys[:5] + [b"missing"] + keys[5:]
+        outs.insert(5, bytearray(48 << 10))
+        got = c.get_into(asked, outs)
+        # The cap is 3 connections: this one and two readers (the third is refused, logged, not fatal).
+        assert len(c._readers) == 2
+        assert got == [True] * 5 + [False] + [True] * 11
+        assert [bytes(o) for i, o in enumerate(outs) if i != 5] == values
+        assert not any(outs[5])
+        c.close()
+        assert c._readers is None

@@ -22,6 +22,12 @@ deadline (both in the HELLO reply): a copy that is not done within half
 of it is thrown away as a fault, so a slow copy never returns, or commits,
 bytes the server may have handed to someone else.
 
+Over TCP a large `get_into` is spread over up to READERS connections
+(each a contiguous share of the keys, received on its own thread): one
+loopback TCP stream moves ~3 GB/s, several move more, and the server
+serves them on its I/O threads. The extra connections open on the first
+such get and are left alone if the server refuses them (a bound).
+
 `borrow(keys)` (same host only) hands out the values themselves: views of
 the mapped pool, leased until `ShmLease.release()`, so a reader can copy
 them where it wants them (a GPU, by DMA from the pool once it is
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import mmap
+from concurrent.futures import ThreadPoolExecutor, wait
 import os
 import socket
 import ssl
@@ -50,6 +57,9 @@ from kvtier.server import auth
 from kvtier.server import protocol as p
 
 log = get_logger(__name__)
+
+READERS = 4  # connections one large TCP get_into is spread over
+READER_BYTES = 32 << 20  # at least this much for each connection beyond the first
 
 
 @dataclass
@@ -129,6 +139,8 @@ class KVClient:
         self._link: _Link | None = None
         self._lock = threading.Lock()
         self._req_ids = itertools.count(1)
+        self._readers: list[KVClient] | None = None  # the extra connections of large TCP gets
+        self._reader_threads: ThreadPoolExecutor | None = None
 
     def __repr__(self) -> str:
         return f"KVClient({self.host}:{self.port})"
@@ -166,22 +178,64 @@ class KVClient:
         self._get(keys, fresh)
         return out
 
-    def get_into(self, keys: Sequence[bytes], dests: Sequence[Value]) -> list[bool]:
+    def get_into(self, keys: Sequence[bytes], dests: Sequence[Value], *, spread: bool = True) -> list[bool]:
         """Read each value straight into its destination (one buffer, or parts
         filled in order), with no copy in between. True where a value of
         exactly the destination's size was there; False for a miss or a
-        value of another size (the destination is then untouched)."""
+        value of another size (the destination is then untouched). With
+        `spread`, a large get over TCP runs over several connections."""
         parts = [as_parts(d) for d in dests]
+        sizes = [sum(len(x) for x in ps) for ps in parts]
+        shares = _shares(sizes, READERS, READER_BYTES) if spread else []
+        if len(shares) > 1 and not self.shm_active:
+            readers = self._extra_readers(len(shares) - 1)
+            if readers:
+                return self._get_into_spread(keys, parts, _shares(sizes, len(readers) + 1, READER_BYTES), readers)
         filled = [False] * len(keys)
 
         def into(i: int, size: int) -> list[memoryview] | None:
-            if size != sum(len(x) for x in parts[i]):
+            if size != sizes[i]:
                 return None
             filled[i] = True
             return parts[i]
 
         self._get(keys, into)
         return filled
+
+    def _get_into_spread(self, keys: Sequence[bytes], parts: list[list[memoryview]],
+                         shares: list[tuple[int, int]], readers: list[KVClient]) -> list[bool]:
+        """`get_into` with share 0 on this connection and share k on readers[k-1], at once.
+        Returns only when every share is done (their buffers are the caller's)."""
+        (a0, b0), rest = shares[0], shares[1:]
+        futures = [self._reader_threads.submit(reader.get_into, keys[a:b], parts[a:b], spread=False)
+                   for reader, (a, b) in zip(readers, rest)]
+        try:
+            filled = self.get_into(keys[a0:b0], parts[a0:b0], spread=False)
+        finally:
+            wait(futures)
+        for future in futures:
+            filled += future.result()  # a share's fault is the whole call's
+        return filled
+
+    def _extra_readers(self, n: int) -> list[KVClient]:
+        """Up to `n` more connections to this server (made once; none if it refuses them)."""
+        with self._lock:
+            if self._readers is None:
+                self._readers = []
+                for _ in range(READERS - 1):
+                    reader = KVClient(self.host, self.port, timeout=self.timeout, shm=False, token=self.token,
+                                      tls=self.tls, tls_ca=self.tls_ca)
+                    try:
+                        reader.shm_active  # connects (and authenticates) now
+                    except (RemoteUnavailable, RemoteRefused, RemoteAuthFailed) as e:
+                        log.info("kvtier server %s:%d: %d more read connections (%s); large gets use those",
+                                 self.host, self.port, len(self._readers), e)
+                        reader.close()
+                        break
+                    self._readers.append(reader)
+                if self._readers:
+                    self._reader_threads = ThreadPoolExecutor(len(self._readers), thread_name_prefix="kvtier-get")
+            return self._readers[:n]
 
     def borrow(self, keys: Sequence[bytes]) -> ShmLease | None:
         """Lease `keys`' values in the shared pool, in place; None off the same host
@@ -232,6 +286,12 @@ class KVClient:
     def close(self) -> None:
         with self._lock:
             self._drop()
+            readers, self._readers = self._readers or [], None
+            threads, self._reader_threads = self._reader_threads, None
+        if threads is not None:
+            threads.shutdown(wait=True)
+        for reader in readers:
+            reader.close()
 
     # -- connection ----------------------------------------------------------------------
 
@@ -383,6 +443,21 @@ class KVClient:
         else:
             link.close()
         raise RemoteUnavailable(f"kvtier server {self.host}:{self.port}: {e}") from e
+
+
+def _shares(sizes: Sequence[int], most: int, least_bytes: int) -> list[tuple[int, int]]:
+    """[a, b) ranges of consecutive values, about equal in bytes, at most `most` of them
+    and each at least `least_bytes` (one range when the total is smaller than two)."""
+    total = sum(sizes)
+    n = max(1, min(most, len(sizes), total // least_bytes))
+    shares, a, acc = [], 0, 0
+    for i, size in enumerate(sizes):
+        acc += size
+        if len(shares) < n - 1 and acc >= total * (len(shares) + 1) / n:
+            shares.append((a, i + 1))
+            a = i + 1
+    shares.append((a, len(sizes)))
+    return shares
 
 
 def _send_all(sock: socket.socket, parts: list) -> None:
