@@ -98,12 +98,14 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
-def tcp_bandwidth(size: int = 16 * MiB, seconds: float = 1.0, repeats: int = 3, ring: int = 0) -> float:
-    """GB/s of raw loopback TCP gets of `size`-byte values, one connection (median of runs):
-    the limit a store server's gets over TCP are held to. With `ring`, each value
-    leaves from and lands in the next slot of a `ring`-byte buffer at both ends,
-    as KV moves from a store's pool into a cache's pool (out of the CPU cache);
-    0: one slot each, which stays in the CPU cache."""
+def tcp_bandwidth(size: int = 16 * MiB, seconds: float = 1.0, repeats: int = 3, ring: int = 0,
+                  connections: int = 1) -> float:
+    """GB/s of raw loopback TCP gets of `size`-byte values (median of runs), over
+    `connections` connections at once (a thread each, their bytes summed): the
+    limit a store server's gets over TCP are held to. With `ring`, each value
+    leaves from and lands in the next slot of a `ring`-byte buffer at both ends
+    (per connection), as KV moves from a store's pool into a cache's pool (out of
+    the CPU cache); 0: one slot each, which stays in the CPU cache."""
     from kvtier.localservers import free_port, wait_for_port
 
     port = free_port()
@@ -111,15 +113,25 @@ def tcp_bandwidth(size: int = 16 * MiB, seconds: float = 1.0, repeats: int = 3, 
     proc.start()
     try:
         wait_for_port(port)
-        client = _RawClient(port, ring)
+        clients = [_RawClient(port, ring) for _ in range(connections)]
         runs = []
         for _ in range(repeats):
-            n, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < seconds:
-                client.get([b"k"], size)
-                n += 1
-            runs.append(n * size / (time.perf_counter() - t0) / 1e9)
-        client.sock.close()
+            moved = [0] * connections
+            t0 = time.perf_counter()
+
+            def pull(k: int) -> None:
+                while time.perf_counter() - t0 < seconds:
+                    clients[k].get([b"k"], size)
+                    moved[k] += size
+
+            threads = [threading.Thread(target=pull, args=(k,)) for k in range(connections)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            runs.append(sum(moved) / (time.perf_counter() - t0) / 1e9)
+        for client in clients:
+            client.sock.close()
         return statistics.median(runs)
     finally:
         proc.terminate()

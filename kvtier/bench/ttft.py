@@ -18,7 +18,9 @@ GPU; for each prompt length:
            floor is KV bytes / raw loopback TCP (one connection, measured right
            after those runs, from a 256 MiB ring into a 256 MiB ring as from a
            store's pool into a cache's pool) + the forward; also given against
-           the faster cache-resident figure (one 16 MiB buffer at each end)
+           the faster cache-resident figure (one 16 MiB buffer at each end), and
+           against raw TCP over as many connections as a large get uses
+           (KVClient spreads it over READERS connections)
     warm server tcp int8 / fp8  the same with the lossy KV codec (`--codecs`):
            against the lossless TCP run, and as an effective bandwidth (bytes
            of bf16 KV delivered per second of load, i.e. TTFT less the
@@ -52,6 +54,7 @@ import torch
 from kvtier.bench.offload import copy_bandwidth, machine_name, timed
 from kvtier.config import KvtierConfig
 from kvtier.integrations.hf import HFSession, KvtierCache
+from kvtier.server.client import READERS
 
 CUDA = torch.device("cuda")
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -77,6 +80,7 @@ class TTFTPoint:
     tcp_floor_s: float | None = None  # KV bytes / raw loopback TCP (pool to pool) + forward
     tcp_cached_floor_s: float | None = None  # the same with the cache-resident TCP figure
     tcp_gbps: tuple[float, float] | None = None  # raw loopback TCP: pool to pool, and cache-resident
+    tcp_multi_gbps: float | None = None  # raw loopback TCP pool to pool over as many connections as KVClient uses
     warm_disk_s: float | None = None
     disk_floor_s: float | None = None  # KV bytes / file read bandwidth + forward
     kv_bytes: int = 0  # bf16 KV of the hit tokens
@@ -136,6 +140,9 @@ class TTFTPoint:
                     "warm_server_tcp_over_tcp_floor": round(self.warm_server_tcp_s / self.tcp_floor_s, 3),
                     "raw_tcp_pool_to_pool_GBps": round(self.tcp_gbps[0], 3),
                     "raw_tcp_cache_resident_GBps": round(self.tcp_gbps[1], 3),
+                    "raw_tcp_pool_to_pool_multi_GBps": round(self.tcp_multi_gbps, 3),
+                    "warm_server_tcp_over_multi_floor": round(self.warm_server_tcp_s / (
+                        self.kv_bytes / (self.tcp_multi_gbps * 1e9) + self.forward_1_s), 3),
                     "warm_server_tcp_over_cache_resident_floor": round(
                         self.warm_server_tcp_s / self.tcp_cached_floor_s, 3)}),
                 **{k: v for name in self.tcp_codecs() for k, v in self._codec_row(name).items()},
@@ -233,6 +240,7 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
         # Measured now, beside the runs it bounds: values out of and into 256 MiB rings (a store's
         # pool, a cache's pool), and the cache-resident figure of one 16 MiB buffer at each end.
         point.tcp_gbps = (tcp_bandwidth(ring=256 << 20), tcp_bandwidth())
+        point.tcp_multi_gbps = tcp_bandwidth(ring=256 << 20, connections=READERS)
         point.tcp_floor_s, point.tcp_cached_floor_s = (hit * kv_per_token / (gbps * 1e9) + point.forward_1_s
                                                        for gbps in point.tcp_gbps)
     if disk_dir is not None:
