@@ -7,6 +7,14 @@
     | encoded payload (enc_len bytes)                                               |
     +-------------------------------------------------------------------------------+
 
+Version 2 (naive serde only): enc_len, which naive makes equal to raw_len,
+carries instead the chunk's KV digest (`kv_digest`), written by a storer
+that gathered the chunk on a GPU. The digest is a sum a GPU computes in
+parallel, slice by slice, from the copy it holds: a GPU reader of chunks
+lent in place checks that instead of hashing them on the CPU (where those
+checksums competed with the load and the forward for the host). Every
+other reader checks the xxh3 as before; version 1 values read as before.
+
 checksum = xxh3-64 of the encoded payload, so corruption is caught before
 anything is decompressed. It is computed by the xxhash package's own C
 function called through ctypes, which lets go of the GIL (the package's
@@ -40,6 +48,7 @@ from kvtier.errors import CorruptPayload
 
 MAGIC = b"KVC1"
 VERSION = 1
+VERSION_DIGEST = 2  # naive, enc_len carrying the KV digest
 HEADER = struct.Struct("<4sBBHIQQQ")
 SERDES = {"naive": 0, "lz4": 1}
 KV_CODECS = ("int8", "fp8")  # lossy, on the GPU before any tier: kvtier/transfer/quant.py
@@ -56,8 +65,9 @@ class Codec:
         if self.serde == "lz4":
             import lz4.block  # noqa: F401  (fail at start, not at the first store)
 
-    def encode(self, chunk: memoryview, num_tokens: int) -> list[memoryview | bytes]:
-        """Header and payload, as parts of one value (naive: the payload is `chunk` itself)."""
+    def encode(self, chunk: memoryview, num_tokens: int, digest: int = 0) -> list[memoryview | bytes]:
+        """Header and payload, as parts of one value (naive: the payload is `chunk` itself);
+        `digest`: the chunk's KV digest, 0 where none was computed."""
         raw = memoryview(chunk).cast("B")
         if self.serde == "naive":
             payload: memoryview | bytes = raw
@@ -65,8 +75,9 @@ class Codec:
             import lz4.block
 
             payload = lz4.block.compress(_shuffle(raw, self.itemsize), store_size=False)
-        header = HEADER.pack(MAGIC, VERSION, SERDES[self.serde], self.itemsize, num_tokens, len(raw),
-                             len(payload), checksum(payload))
+        with_digest = bool(digest) and self.serde == "naive"
+        header = HEADER.pack(MAGIC, VERSION_DIGEST if with_digest else VERSION, SERDES[self.serde], self.itemsize,
+                             num_tokens, len(raw), digest if with_digest else len(payload), checksum(payload))
         return [header, payload]
 
     @property
@@ -107,32 +118,37 @@ class Codec:
         out = memoryview(bytearray(raw_len))
         return self.decode_into(value, out), out
 
-    def check_header(self, header: bytes | memoryview, payload_len: int, raw_len: int) -> tuple[int, int]:
-        """(num_tokens, checksum) of an in-place value whose header holds; the
-        caller checks the payload against the checksum (`checksum()`) itself."""
-        serde, _, num_tokens, checksum = self._header(memoryview(header), payload_len, raw_len)
+    def check_header(self, header: bytes | memoryview, payload_len: int, raw_len: int) -> tuple[int, int, int]:
+        """(num_tokens, checksum, KV digest or 0) of an in-place value whose header
+        holds; the caller checks the payload against one of them itself."""
+        serde, _, num_tokens, checksum, digest = self._header(memoryview(header), payload_len, raw_len)
         if serde != SERDES["naive"]:
             raise CorruptPayload(f"serde id {serde} where naive was expected")
-        return num_tokens, checksum
+        return num_tokens, checksum, digest
 
     @staticmethod
-    def _header(header: memoryview, payload_len: int, raw_len: int) -> tuple[int, int, int, int]:
-        """(serde, shuffle width, num_tokens, checksum) of a header that holds."""
+    def _header(header: memoryview, payload_len: int, raw_len: int) -> tuple[int, int, int, int, int]:
+        """(serde, shuffle width, num_tokens, checksum, KV digest or 0) of a header that holds."""
         if len(header) < HEADER.size:
             raise CorruptPayload(f"value of {len(header)} bytes is shorter than the codec header")
         magic, version, serde, shuf, num_tokens, stored_raw, enc_len, checksum = HEADER.unpack(header[: HEADER.size])
-        if magic != MAGIC or version != VERSION:
+        if magic != MAGIC or version not in (VERSION, VERSION_DIGEST):
             raise CorruptPayload(f"not a kvtier chunk (magic {bytes(magic)!r}, version {version})")
+        digest = 0
+        if version == VERSION_DIGEST:
+            if serde != SERDES["naive"]:
+                raise CorruptPayload(f"version {version} with serde id {serde}: only naive carries a digest")
+            digest, enc_len = enc_len, stored_raw
         if stored_raw != raw_len:
             raise CorruptPayload(f"chunk of {stored_raw} bytes, expected {raw_len}")
         if payload_len != enc_len:
             raise CorruptPayload(f"payload of {payload_len} bytes, header says {enc_len}")
-        return serde, shuf, num_tokens, checksum
+        return serde, shuf, num_tokens, checksum, digest
 
     @classmethod
     def _check(cls, header: memoryview, payload: memoryview, raw_len: int) -> tuple[int, int, int]:
         """(serde, shuffle width, num_tokens) of a value whose header and checksum hold."""
-        serde, shuf, num_tokens, stored = cls._header(header, len(payload), raw_len)
+        serde, shuf, num_tokens, stored, _ = cls._header(header, len(payload), raw_len)
         if checksum(payload) != stored:
             raise CorruptPayload("checksum mismatch")
         return serde, shuf, num_tokens
@@ -161,6 +177,26 @@ def checksum(payload: memoryview | bytes | np.ndarray) -> int:
     if not arr.flags.c_contiguous:
         return xxhash.xxh3_64_intdigest(payload)
     return _XXH3(arr.ctypes.data, arr.nbytes)
+
+
+# The KV digest: over the payload as little-endian u32 words w_i (its length a
+# multiple of 4), D = sum_i (w_i + 1) * ((i * DIGEST_A + DIGEST_B) | 1) mod 2^64.
+# Each word has an odd (so invertible) weight of its own: any change of one
+# word changes D, and words trading places change it; the sum over a slice
+# that starts at word o uses weights from o on, so slices (a chunk's layers,
+# hashed as each crosses) add up to the chunk's. 0 means "none" (a chunk whose
+# digest comes out 0 is checked by its xxh3). The GPU kernel: triton_copy.py.
+DIGEST_A, DIGEST_B = 0x5851F42D4C957F2D, 0x14057B7EF767814F
+U64 = (1 << 64) - 1
+
+
+def kv_digest(payload: memoryview | bytes | np.ndarray, first_word: int = 0) -> int:
+    """The KV digest of `payload` (a slice starting at word `first_word` of its chunk), in numpy."""
+    w = np.frombuffer(payload, np.uint32) if not isinstance(payload, np.ndarray) else payload.reshape(-1).view(np.uint32)
+    i = np.arange(first_word, first_word + len(w), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        weights = (i * np.uint64(DIGEST_A) + np.uint64(DIGEST_B)) | np.uint64(1)
+        return int(((w.astype(np.uint64) + np.uint64(1)) * weights).sum(dtype=np.uint64))
 
 
 def _shuffle(raw: memoryview, itemsize: int) -> np.ndarray:

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from kvtier.codec import HEADER, KV_CODECS, Codec
+from kvtier.codec import HEADER, KV_CODECS, U64, Codec
 from kvtier.config import KvtierConfig
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkSpan, KVFormat, chunk_spans
@@ -113,6 +113,13 @@ class CacheEngine:
             disk=_disk_tier(config, self.chunk_bytes_per_token, self.fmt), remote=_remote_tier(config, kv, self.quant),
             disk_min_stores=config.local_disk_min_stores, wait_s=config.blocking_timeout_secs)
         self.transfer = make_transfer(kv, transfer, self.quant)
+        # KV digests (codec.kv_digest), summed on the GPU as chunks cross: stored with each
+        # chunk gathered here, and what chunks lent by the store server are checked by here,
+        # so the load path hashes nothing on the CPU. Needs a layer of a chunk in whole words.
+        self._digests = (self.transfer.name == "triton" and kv.device.type == "cuda"
+                         and self.chunk_bytes_per_token // kv.num_layers % 4 == 0)
+        if self.tiers.remote is not None:
+            self.tiers.remote.digests_on_device = self._digests
         self.stats = EngineStats()
         self._warned: OrderedDict[str, None] = OrderedDict()  # requests told their store was cut
         self.leases = Leases(self.tiers, config.pin_timeout_sec)
@@ -220,15 +227,16 @@ class CacheEngine:
             todo = [s for s in self.spans(tokens) if s.end > start]
             todo = [s for s, new in zip(todo, self.tiers.to_gather([s.key for s in todo])) if new]
         owned: list[tuple[ChunkSpan, MemoryBlock]] = []
-        handle = None
+        handle = sums = None
         if layerwise and todo:
             owned = self._allocate(todo, wait=False)
+            sums = self._digest_sums(len(owned))
             try:
-                handle = self._gather(slots, owned, layerwise=True) if owned else None
+                handle = self._gather(slots, owned, layerwise=True, digests=sums) if owned else None
             except BaseException:
                 _release(owned)
                 raise
-        return Storing(self, owned, todo[len(owned):], slots, handle, t0, request_id, _as_numpy(tokens))
+        return Storing(self, owned, todo[len(owned):], slots, handle, t0, request_id, _as_numpy(tokens), sums)
 
     def chunk_view(self, data: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """The chunk at the front of the byte buffer `data`, as the transfers take it:
@@ -261,14 +269,20 @@ class CacheEngine:
             self.transfer.gather(_concat_slots(slots, spans), chunks)
 
     def _gather(self, slots: torch.Tensor, owned: list[tuple[ChunkSpan, MemoryBlock]],
-                layerwise: bool = False) -> LayerSaver | None:
+                layerwise: bool = False, digests: torch.Tensor | None = None) -> LayerSaver | None:
+        """The KV into the blocks, now (whole: with their digests stamped) or as layers are saved."""
         spans = [s for s, _ in owned]
         chunks = [self.chunk_view(b.data, s.num_tokens) for s, b in owned]
         with self._transfer_lock:
             if layerwise:
-                return self.transfer.gather_layerwise(_concat_slots(slots, spans), chunks)
-            self.transfer.gather(_concat_slots(slots, spans), chunks)
+                return self.transfer.gather_layerwise(_concat_slots(slots, spans), chunks, digests=digests)
+            self.transfer.gather(_concat_slots(slots, spans), chunks, digests=digests)
+        _stamp(owned, digests)
         return None
+
+    def _digest_sums(self, count: int) -> torch.Tensor | None:
+        """Where a gather of `count` chunks adds their KV digests (None: not computed here)."""
+        return torch.zeros(count, dtype=torch.int64, device=self.kv.device) if self._digests and count else None
 
     def _stream_store(self, slots: torch.Tensor, spans: Sequence[ChunkSpan], request_id: str) -> int:
         """Gather `spans` batch by batch through the pool into the tiers; the tokens stored.
@@ -288,7 +302,7 @@ class CacheEngine:
                     self._warn_skip(skipped, request_id)
                     break
                 try:
-                    self._gather(slots, owned)
+                    self._gather(slots, owned, digests=self._digest_sums(len(owned)))
                 except BaseException:
                     _release(owned)
                     raise
@@ -402,20 +416,34 @@ class CacheEngine:
             for batch in batches:
                 pooled = any(c.block.pool is not None for _, c in batch)
                 inflight.append((batch, self._device_idle))  # until scatter returns: if it raises, wait for all
-                inflight[-1] = (batch, self._scatter(slots, batch, start, end, layerwise=False, wait=pooled,
-                                                     while_copying=lambda: batch[-1][1].block.verified()))
-                good = _verified(batch)
+                inflight[-1] = (batch, self._scatter(slots, batch, start, end, layerwise=False, wait=pooled))
                 while len(inflight) > (0 if pooled else 1):
-                    _settle(*inflight.pop(0))
+                    good, whole = self._checked(*inflight.pop(0))
+                    loaded += good
+                    if not whole:
+                        return loaded
+            while inflight:
+                good, whole = self._checked(*inflight.pop(0))
                 loaded += good
-                if good < len(batch):
-                    log.warning("%d chunks loaded from the store server failed their checksum or outlived "
-                                "their lease; recomputed", len(batch) - good)
-                    break
+                if not whole:
+                    return loaded
         finally:
             for entry in inflight:
                 _settle(*entry)
         return loaded
+
+    def _checked(self, batch: list[tuple[ChunkSpan, StoredChunk]], copied: Callable[[], None]) -> tuple[int, bool]:
+        """A batch whose copies are queued: its leading chunks that hold (lent ones: their
+        checksums or their digests on the device, and their lease), once it is given
+        back; and whether that is all of them."""
+        try:
+            good = _verified(batch)
+        finally:
+            _settle(batch, copied)
+        if good < len(batch):
+            log.warning("%d chunks loaded from the store server failed their checksum or outlived "
+                        "their lease; recomputed", len(batch) - good)
+        return good, good == len(batch)
 
     def _device_idle(self) -> None:
         """Wait for everything queued on the KV's device (nothing to wait for on a host)."""
@@ -423,21 +451,22 @@ class CacheEngine:
             torch.cuda.synchronize(self.kv.device)
 
     def _scatter(self, slots: torch.Tensor, found: list[tuple[ChunkSpan, StoredChunk]], start: int, end: int,
-                 layerwise: bool, while_copying: Callable[[], object] | None = None, wait: bool = True):
+                 layerwise: bool, wait: bool = True):
         """The chunks in one transfer (a layerwise handle, or what waits for the
         copies out of the chunks), whole. A chunk cut by `start` or `end`
         writes only its tokens inside [start, end): the others get slot -1,
         which the transfers skip (the slots before `start` may be prefix-cache
         blocks the engine shares; after `end` there are no slots)."""
         views = [self.chunk_view(c.block.data, s.num_tokens) for s, c in found]
+        digests = found[0][1].block.device_check(len(found), self.kv.device)  # lent, checked on the GPU
         first, last = found[0][0].start, found[-1][0].end
         a, b = max(start, first), min(end, last)
         targets = torch.full((last - first,), -1, dtype=torch.int64)
         targets[a - first : b - first] = slots[a:b]  # slicing only: this runs before any byte moves
         with self._transfer_lock:
             if layerwise:
-                return self.transfer.scatter_layerwise(targets, views)
-            return self.transfer.scatter(targets, views, while_copying=while_copying, wait=wait)
+                return self.transfer.scatter_layerwise(targets, views, digests=digests)
+            return self.transfer.scatter(targets, views, wait=wait, digests=digests)
 
     # -- housekeeping ------------------------------------------------------------
 
@@ -535,6 +564,13 @@ def _verified(chunks: list[tuple[ChunkSpan, StoredChunk]]) -> int:
     return next((k for k, (_, c) in enumerate(chunks) if not c.block.verified()), len(chunks))
 
 
+def _stamp(owned: list[tuple[ChunkSpan, MemoryBlock]], digests: torch.Tensor | None) -> None:
+    """Each block's KV digest, once its gather is done (codec.kv_digest; 0: none)."""
+    if digests is not None:
+        for (_, block), digest in zip(owned, digests.tolist()):
+            block.digest = digest & U64
+
+
 def _settle(batch: list[tuple[ChunkSpan, StoredChunk]], copied: Callable[[], None]) -> None:
     """Once a batch's copies are over, give its chunks back."""
     try:
@@ -551,9 +587,9 @@ class Storing:
 
     def __init__(self, engine: CacheEngine, owned: list[tuple[ChunkSpan, MemoryBlock]], rest: list[ChunkSpan],
                  slots: torch.Tensor, handle: LayerSaver | None, t0: float, request_id: str,
-                 tokens: np.ndarray) -> None:
+                 tokens: np.ndarray, digests: torch.Tensor | None = None) -> None:
         self._engine, self._chunks, self._rest, self._slots, self._handle = engine, owned, rest, slots, handle
-        self._t0, self._request_id, self._tokens = t0, request_id, tokens
+        self._t0, self._request_id, self._tokens, self._digests = t0, request_id, tokens, digests
 
     @property
     def num_tokens(self) -> int:
@@ -587,6 +623,7 @@ class Storing:
             _release(chunks)
             return 0
         engine = self._engine
+        _stamp(chunks, self._digests)
         for span, block in chunks:
             engine.tiers.put(span.key, block, span.num_tokens)
         stored = _tokens(chunks) + engine._stream_store(self._slots, rest, self._request_id)

@@ -37,12 +37,14 @@ _MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)
 
 
 class MemoryBlock:
-    """A block of the pool: `data` is its uint8 view, `refs` its holders."""
+    """A block of the pool: `data` is its uint8 view, `refs` its holders, `digest`
+    the KV digest (codec.kv_digest) of the chunk a GPU gathered into it, 0: none."""
 
-    __slots__ = ("pool", "index", "data", "_refs")
+    __slots__ = ("pool", "index", "data", "digest", "_refs")
 
     def __init__(self, pool: HostPool, index: int, data: torch.Tensor) -> None:
         self.pool, self.index, self.data = pool, index, data
+        self.digest = 0
         self._refs = 0
 
     @property
@@ -63,6 +65,11 @@ class MemoryBlock:
         pool block always (its chunk was checked when it came in; compare
         remote.BorrowedBlock)."""
         return True
+
+    def device_check(self, count: int, device: torch.device) -> torch.Tensor | None:
+        """Where a transfer is to add the KV digests of `count` chunks to be checked on
+        the device: never for pool blocks (compare remote.BorrowedBlock)."""
+        return None
 
     def retain(self) -> MemoryBlock:
         with self.pool.lock:
@@ -157,6 +164,7 @@ class HostPool:
                 return None
             block = self._blocks[self._free.pop()]
             block._refs = 1
+            block.digest = 0
             return block
 
     def _release(self, block: MemoryBlock) -> None:

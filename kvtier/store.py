@@ -60,7 +60,8 @@ class LowerTier(Protocol):
 
     def exists(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
     def get_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[int | None]: ...
-    def put(self, keys: Sequence[ChunkKey], chunks: Sequence[tuple[memoryview, int]]) -> bool: ...
+    def put(self, keys: Sequence[ChunkKey], chunks: Sequence[tuple[memoryview, int, int]]) -> bool:
+        """Each chunk as (its bytes, num_tokens, its KV digest or 0: MemoryBlock.digest)."""
 
 
 class TieredStore:
@@ -383,7 +384,7 @@ class _Writer:
                 self._busy = len(batch)
                 self._cond.notify_all()
             try:
-                self.tier.put([k for k, *_ in batch], [(b.data[:n].numpy().data, t) for _, b, n, t in batch])
+                self.tier.put([k for k, *_ in batch], [(b.data[:n].numpy().data, t, b.digest) for _, b, n, t in batch])
                 self.stats.written += len(batch)
                 self.stats.written_tokens += sum(t for *_, t in batch)
             finally:

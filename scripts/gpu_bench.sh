@@ -23,7 +23,8 @@ case " $steps " in *" tests "*)
 python3 -m pytest -q -p no:cacheprovider tests/test_transfer_cuda.py tests/test_engine.py tests/test_transfer.py \
     tests/test_kv_codec.py \
     tests/test_tiered_store.py tests/test_disk_tier.py tests/test_hf_integration.py \
-    "tests/test_remote_tier.py::test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv" \
+    tests/test_digest.py "tests/test_remote_tier.py::test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv" \
+    "tests/test_remote_tier.py::test_on_a_gpu_lent_chunks_are_checked_by_their_digests_on_the_device" \
     2>&1 | tee "$out/pytest.txt" ;;
 esac
 case " $steps " in *" offload "*)

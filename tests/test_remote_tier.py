@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from kvtier.codec import Codec
+from kvtier.codec import HEADER, Codec
 from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
 from kvtier.errors import CorruptPayload
@@ -296,3 +296,52 @@ def test_lz4_shrinks_structured_kv():
     raw = (1 + 0.01 * torch.randn(1 << 16)).to(torch.bfloat16).view(torch.uint8).numpy()
     header, payload = Codec("lz4").encode(memoryview(raw), 16)
     assert len(payload) < 0.75 * len(raw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_on_a_gpu_lent_chunks_are_checked_by_their_digests_on_the_device(layerwise):
+    """A GPU storer writes each chunk's KV digest (codec version 2); a GPU reader of lent
+    chunks sums them as they cross and hashes nothing on the CPU; a flipped byte is caught."""
+    from kvtier.codec import kv_digest
+
+    with kvtier_server(0.0625) as srv:
+        tokens = [t + 23 + layerwise for t in TOKENS]
+        cfg = dict(chunk_size=16, max_local_cpu_size=1 / 1024, remote_url=srv.url, blocking_timeout_secs=5)
+        layers = [[torch.randn(2, NB, BS, H, D, device="cuda").to(torch.bfloat16) for _ in range(L)] for _ in "ab"]
+        a = CacheEngine(KvtierConfig(**cfg), PagedKV.wrap(layers[0], "flash_attn"), FMT)
+        b = CacheEngine(KvtierConfig(**cfg, local_cpu=False), PagedKV.wrap(layers[1], "flash_attn"), FMT)
+        src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
+        if layerwise:
+            storing = a.start_store(tokens, src, layerwise=True)
+            for layer in range(L):
+                storing.save(layer)
+            storing.finish()
+        else:
+            a.store(tokens, src)
+        a.flush(timeout=10)
+        store = open_store(srv.url, 5)
+        key = wire_key(b.spans(tokens)[3].key)
+        value = bytearray(store.get([key])[0])
+        n, _, digest = Codec("naive").check_header(bytes(value[: HEADER.size]), len(value) - HEADER.size,
+                                                    16 * b.chunk_bytes_per_token)
+        assert value[4] == 2 and digest == kv_digest(bytes(value[HEADER.size :]))
+
+        def load():
+            handle = b.start_retrieve(tokens, dst, layerwise=layerwise)
+            batch = handle._held[0][1].block._batch if layerwise else None
+            for layer in range(L):
+                handle.wait(layer)
+            return handle.finish(), batch
+
+        mask, batch = load()
+        assert mask[:96].all()
+        torch.cuda.synchronize()
+        assert torch.equal(kv_at(layers[1], dst[:96].cuda()), kv_at(layers[0], src[:96].cuda()))
+        if batch is not None:
+            assert batch._sums is None and batch._device_sums is not None  # no CPU checksum ran
+        value[HEADER.size + 1000] ^= 0x40  # the fourth chunk: one payload bit (its xxh3 left as it was)
+        store.put([key], [bytes(value)])
+        mask, _ = load()
+        assert mask[:48].all() and not mask[48:].any()
+        a.close(), b.close(), store.close()

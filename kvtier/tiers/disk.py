@@ -206,14 +206,14 @@ class DiskTier:
 
     # -- writes ------------------------------------------------------------------------
 
-    def put(self, keys: Sequence[ChunkKey], chunks: Sequence[tuple[memoryview, int]]) -> bool:
-        """Write each (bytes, num_tokens) chunk not on disk yet, WRITE_THREADS at a time;
+    def put(self, keys: Sequence[ChunkKey], chunks: Sequence[tuple[memoryview, int, int]]) -> bool:
+        """Write each (bytes, num_tokens[, KV digest]) chunk not on disk yet, WRITE_THREADS at a time;
         False once the tier stopped writing."""
         if len(keys) < 2:
             return all(self._write(k, c) for k, c in zip(keys, chunks))
         return all(list(self._writers.map(self._write, keys, chunks)))
 
-    def _write(self, key: ChunkKey, chunk: tuple[memoryview, int]) -> bool:
+    def _write(self, key: ChunkKey, chunk: tuple[memoryview, int, int]) -> bool:
         if not self.writable:
             return False
         name = file_name(key)

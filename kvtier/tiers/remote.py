@@ -8,8 +8,10 @@ the back-off reconnects; the store clients reconnect by themselves.
 Same host, CPU tier off: `borrow` lends chunks in place from the store
 server's pool (KVClient.borrow), so they go from there straight to the
 engine's KV (by DMA once the pool is registered with CUDA) with no copy
-into a staging block. Their checksums are verified while that copy runs;
-a chunk that fails, or whose lease ran out, reads as not loaded
+into a staging block. A GPU reader checks them by their KV digests
+(codec.kv_digest, written by a GPU storer), summed on the device as they
+cross; otherwise their xxh3 checksums run on the copy threads meanwhile. A
+chunk that fails, or whose lease ran out, reads as not loaded
 (`BorrowedBlock.verified`), and the engine recomputes it.
 
 A payload that fails its checksum or header checks is a miss as well,
@@ -28,7 +30,7 @@ import numpy as np
 import torch
 
 from kvtier.buffers import parallel, start_parallel
-from kvtier.codec import HEADER, Codec, checksum
+from kvtier.codec import HEADER, U64, Codec, checksum
 from kvtier.errors import CorruptPayload, RemoteRefused, RemoteUnavailable
 from kvtier.keys import ChunkKey
 from kvtier.logs import get_logger
@@ -58,23 +60,43 @@ def wire_key(key: ChunkKey) -> bytes:
 
 
 class _LentBatch:
-    """Chunks of one lease: their checksums, begun over the copy threads as
-    soon as the chunks are lent (a batch read ahead is hashed while the one
-    before it crosses to the GPU) and checked on the first `good`; and the
-    lease, given back when the last block is released."""
+    """Chunks of one lease, and how they are checked; the lease is given back
+    when the last block is released.
 
-    def __init__(self, lease, payloads: list[np.ndarray], checksums: list[int]) -> None:
+    With `digests` (every chunk carries one, and the reader moves chunks on a
+    GPU), the transfer that moves them sums their KV digests on the device
+    (`device_check`) and those are compared on the first `good`. Otherwise
+    their xxh3 checksums begin over the copy threads as soon as they are lent
+    (a batch read ahead is hashed while the one before it crosses)."""
+
+    def __init__(self, lease, payloads: list[np.ndarray], checksums: list[int], digests: list[int] | None) -> None:
         self.lease, self._left = lease, len(payloads)
-        self._checksums = checksums
-        self._sums = start_parallel(checksum, payloads, sum(v.nbytes for v in payloads))
-        self._good: int | None = None  # leading chunks whose checksum holds
+        self._payloads, self._checksums, self._digests = payloads, checksums, digests
+        self._device_sums: torch.Tensor | None = None
+        self._sums = None if digests else self._start_checksums()
+        self._good: int | None = None  # leading chunks whose check holds
         self._lock = threading.Lock()
+
+    def _start_checksums(self) -> Callable[[], list[int]]:
+        return start_parallel(checksum, self._payloads, sum(v.nbytes for v in self._payloads))
+
+    def device_check(self, count: int, device: torch.device) -> torch.Tensor | None:
+        if self._digests is None:
+            return None
+        if count != len(self._digests) or self._device_sums is not None:
+            raise RuntimeError("a lent batch is checked on the device in one transfer of all its chunks")
+        self._device_sums = torch.zeros(count, dtype=torch.int64, device=device)
+        return self._device_sums
 
     def good(self, i: int) -> bool:
         if self._good is None:
-            sums = self._sums()
-            self._good = next((k for k, (s, c) in enumerate(zip(sums, self._checksums)) if s != c),
-                              len(self._checksums))
+            if self._digests is not None and self._device_sums is not None:  # on the reader's stream
+                bad = [got & U64 != want for got, want in zip(self._device_sums.tolist(), self._digests)]
+            else:  # no digests, or a reader that did not take them: the checksums
+                if self._sums is None:
+                    self._sums = self._start_checksums()
+                bad = [s != c for s, c in zip(self._sums(), self._checksums)]
+            self._good = bad.index(True) if True in bad else len(bad)
         return self._good > i and self.lease.in_time()
 
     def release_one(self) -> None:
@@ -82,7 +104,8 @@ class _LentBatch:
             self._left -= 1
             last = self._left == 0
         if last:
-            self._sums()  # no thread still reads the pages when they go back (or are unmapped)
+            if self._sums is not None:
+                self._sums()  # no thread still reads the pages when they go back (or are unmapped)
             self.lease.release()
 
 
@@ -103,6 +126,11 @@ class BorrowedBlock:
     def verified(self) -> bool:
         return self._batch.good(self._i)
 
+    def device_check(self, count: int, device: torch.device) -> torch.Tensor | None:
+        """Where the transfer of this chunk's whole batch (`count` chunks, in order)
+        adds their KV digests; None: checked by xxh3 on the CPU instead."""
+        return self._batch.device_check(count, device)
+
     def retain(self) -> BorrowedBlock:
         raise RuntimeError("a borrowed chunk is not kept: it belongs to the store server's pool")
 
@@ -115,6 +143,7 @@ class RemoteTier:
 
     def __init__(self, store: KVStore, codec: Codec, url: str) -> None:
         self.store, self.codec, self.url = store, codec, url
+        self.digests_on_device = False  # the reader moves lent chunks on a GPU, which checks their digests
         self.stats = RemoteStats()
         self._lock = threading.Lock()
         self._down_until = 0.0
@@ -187,30 +216,32 @@ class RemoteTier:
         lease = self._guard("get", lambda: self.store.borrow([wire_key(k) for k in keys]), None)
         if lease is None:
             return None
-        lent: list[tuple[np.ndarray, int, int]] = []
+        lent: list[tuple[np.ndarray, int, int, int]] = []
         for view, raw in zip(lease.views, raw_sizes):
             if view is None:
                 break
             try:
-                n, stored = self.codec.check_header(view[: HEADER.size].data, len(view) - HEADER.size, raw)
+                n, stored, digest = self.codec.check_header(view[: HEADER.size].data, len(view) - HEADER.size, raw)
             except CorruptPayload:
                 break
-            lent.append((view[HEADER.size :], n, stored))
+            lent.append((view[HEADER.size :], n, stored, digest))
         if not lent or (whole and len(lent) < len(keys)):
             lease.release()
             return None
         self.stats.hits += len(lent)
         self.stats.lent += len(lent)
-        batch = _LentBatch(lease, [v for v, _, _ in lent], [c for _, _, c in lent])
+        digests = [d for *_, d in lent] if self.digests_on_device and all(d for *_, d in lent) else None
+        batch = _LentBatch(lease, [v for v, *_ in lent], [c for _, _, c, _ in lent], digests)
         # Slices of one tensor over the pool: chunks that are neighbours there cross to the GPU as one run.
         pool, base = torch.from_numpy(lease.pool), lease.pool.ctypes.data
         return [(BorrowedBlock(pool[v.ctypes.data - base :][: v.nbytes], batch, i), n)
-                for i, (v, n, _) in enumerate(lent)]
+                for i, (v, n, *_) in enumerate(lent)]
 
     # -- writes --------------------------------------------------------------------
 
-    def put(self, keys: Sequence[ChunkKey], chunks: Sequence[tuple[memoryview, int]]) -> bool:
-        values = parallel(lambda chunk: self.codec.encode(*chunk), chunks, sum(len(data) for data, _ in chunks))
+    def put(self, keys: Sequence[ChunkKey], chunks: Sequence[tuple[memoryview, int, int]]) -> bool:
+        """Chunks as (bytes, num_tokens, KV digest or 0), as the CPU tier's writers hand them over."""
+        values = parallel(lambda chunk: self.codec.encode(*chunk), chunks, sum(len(c[0]) for c in chunks))
 
         def put() -> bool:
             try:

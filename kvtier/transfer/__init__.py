@@ -39,19 +39,22 @@ class LayerSaver(Protocol):
 class Transfer(Protocol):
     name: str
 
-    def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None: ...
+    def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], digests: torch.Tensor | None = None
+               ) -> None: ...
 
     def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
-                while_copying: Callable[[], object] | None = None, wait: bool = True) -> Callable[[], None]:
-        """... `while_copying` runs on this thread once every copy is queued, before
-        waiting for them: host work (checksums) that overlaps the DMA. Returns a
-        function that waits until the host chunks are no longer read; that is
+                wait: bool = True, digests: torch.Tensor | None = None) -> Callable[[], None]:
+        """... `digests` (Triton on a GPU only: int64 zeros, one per chunk): each chunk's KV
+        digest (codec.kv_digest) is added there as its bytes arrive (gather: as they leave).
+        Returns a function that waits until the host chunks are no longer read; that is
         already so with `wait`, otherwise the next batch's copies can be queued
         behind these before the caller waits (no idle gap between batches)."""
 
-    def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LayerHandle: ...
+    def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
+                          digests: torch.Tensor | None = None) -> LayerHandle: ...
 
-    def gather_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LayerSaver: ...
+    def gather_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
+                         digests: torch.Tensor | None = None) -> LayerSaver: ...
 
 
 def make_transfer(kv: PagedKV, backend: str = "auto", quant: Quant | None = None) -> Transfer:

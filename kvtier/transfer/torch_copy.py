@@ -25,8 +25,11 @@ class TorchTransfer:
         slots = slots.to(self.kv.device, non_blocking=True)
         return slots // self.kv.block_size, slots % self.kv.block_size
 
-    def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None) -> None:
-        """Copy the KV of `slots` into `chunks` ([L, K, T_i, H, D], in order), all layers or `layers`."""
+    def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
+               digests: None = None) -> None:
+        """Copy the KV of `slots` into `chunks` ([L, K, T_i, H, D], in order), all layers or `layers`.
+        (KV digests are the Triton transfer's: `digests` must be None here.)"""
+        _no_digests(digests)
         block, offset = self._index(slots)
         for layer_idx in layers or range(self.kv.num_layers):
             tokens = self.kv.read(layer_idx, block, offset)  # [K, T, H, D]
@@ -40,9 +43,10 @@ class TorchTransfer:
                 start += n
 
     def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
-                while_copying: Callable[[], object] | None = None, wait: bool = True) -> Callable[[], None]:
+                wait: bool = True, digests: None = None) -> Callable[[], None]:
         """Copy `chunks` back into the KV pages at `slots` (all layers, or `layers`); slot -1 is skipped.
-        `while_copying` runs after the copies (they are synchronous here, whatever `wait` says)."""
+        The copies are synchronous here, whatever `wait` says."""
+        _no_digests(digests)
         keep = None if bool((slots >= 0).all()) else (slots >= 0).nonzero().flatten()
         block, offset = self._index(slots if keep is None else slots[keep])
         for layer_idx in layers or range(self.kv.num_layers):
@@ -53,15 +57,22 @@ class TorchTransfer:
             if self.quant is not None:
                 tokens = self.quant.decode(tokens, self.kv.dtype)
             self.kv.write(layer_idx, block, offset, tokens.to(self.kv.device, non_blocking=True))
-        if while_copying is not None:
-            while_copying()
         return _done
 
-    def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LazyLayers:
+    def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
+                          digests: None = None) -> LazyLayers:
+        _no_digests(digests)
         return LazyLayers(self, slots, chunks)
 
-    def gather_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> EagerSaves:
+    def gather_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
+                         digests: None = None) -> EagerSaves:
+        _no_digests(digests)
         return EagerSaves(self, slots, chunks)
+
+
+def _no_digests(digests: object) -> None:
+    if digests is not None:
+        raise ValueError("KV digests are summed by the Triton transfer on a GPU, not by the torch one")
 
 
 def _done() -> None:

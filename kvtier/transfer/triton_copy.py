@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtier.codec import DIGEST_A, DIGEST_B
 from kvtier.transfer import cudart
 from kvtier.transfer.layout import PagedKV
 from kvtier.transfer.quant import Quant
@@ -152,6 +153,28 @@ def _kv_quant_copy_kernel(
         tl.store(page + h * s_h + d, (v * s[:, None]).to(elem_ty), mask=mask)
 
 
+@triton.jit
+def _digest_kernel(
+    table,  # int64[n, 3]: per chunk (slice) its address, its bytes, and the index of its first word in its chunk
+    out,  # int64[n]: each slice's share of its chunk's digest is added here (mod 2^64)
+    A: tl.constexpr,
+    B: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """codec.kv_digest of slices: program (c, b) sums words [b*BLOCK, (b+1)*BLOCK) of slice c."""
+    c = tl.program_id(0).to(tl.int64)
+    start = tl.program_id(1).to(tl.int64) * BLOCK
+    words = tl.load(table + c * 3 + 1) // 4
+    if start < words:
+        base = tl.load(table + c * 3).to(tl.pointer_type(tl.uint32))
+        first = tl.load(table + c * 3 + 2)
+        idx = start + tl.arange(0, BLOCK).to(tl.int64)
+        mask = idx < words
+        w = tl.load(base + idx, mask=mask, other=0).to(tl.int64)  # zero-extended
+        weight = ((first + idx) * A + B) | 1  # int64 arithmetic wraps: the same bits as the u64 sum
+        tl.atomic_add(out + c, tl.sum(tl.where(mask, (w + 1) * weight, 0), axis=0))
+
+
 class _Staging:
     """Device memory for the chunks of one transfer, and the copies between it and them.
 
@@ -193,6 +216,15 @@ class _Staging:
     def ptrs(self, layers: range) -> torch.Tensor:
         """[len(layers), chunks] device addresses of each layer of each chunk."""
         return self._start[None, :] + torch.arange(layers.start, layers.stop)[:, None] * self._layer_step[None, :]
+
+    def digest_table(self, layer: int | None = None) -> torch.Tensor:
+        """[chunks, 3] (address, bytes, first word) of each chunk in staging (whole), or of
+        its layer `layer` (layer-major), for _digest_kernel."""
+        n = len(self.chunks)
+        if layer is None:
+            return torch.stack([self._start, torch.tensor(self.chunk_bytes), torch.zeros(n, dtype=torch.int64)], 1)
+        step = torch.tensor(self.layer_bytes, dtype=torch.int64)
+        return torch.stack([self._start + layer * self._layer_step, step, layer * step // 4], 1)
 
     def copy(self, to_host: bool, stream: torch.cuda.Stream, layer: int | None = None, group: int = 0) -> None:
         """Whole chunks of a group (chunk-major) or one layer (layer-major), between staging and host."""
@@ -240,6 +272,7 @@ def _waiter(stream: torch.cuda.Stream | None, now: bool) -> Callable[[], None]:
 
 
 GROUPS = 4  # whole transfers: kernel of group g+1 runs while group g crosses PCIe
+DIGEST_BLOCK = 4096  # words per program of _digest_kernel
 
 
 class TritonTransfer:
@@ -306,6 +339,25 @@ class TritonTransfer:
         layer_bytes = torch.tensor([c[0].numel() * c.element_size() for c in chunks], dtype=torch.int64)
         return starts[None, :] + torch.arange(layers.start, layers.stop)[:, None] * layer_bytes[None, :]
 
+    def _digest(self, table: torch.Tensor, out: torch.Tensor) -> None:
+        """Add each slice's share of its chunk's KV digest (table: _Staging.digest_table)
+        to `out` (int64 on the device), on the current stream."""
+        if not len(table):
+            return
+        blocks = -(-int(table[:, 1].max()) // 4 // DIGEST_BLOCK)
+        dev = table.pin_memory().to(self.kv.device, non_blocking=True) if self._stream is not None else table
+        _digest_kernel[(len(table), blocks)](dev.contiguous(), out, A=DIGEST_A, B=DIGEST_B, BLOCK=DIGEST_BLOCK)
+
+    @staticmethod
+    def _host_table(chunks: Sequence[torch.Tensor], layer: int | None = None) -> torch.Tensor:
+        """digest_table of chunks the kernels reach where they are."""
+        whole = torch.tensor([c.numel() * c.element_size() for c in chunks], dtype=torch.int64)
+        ptrs = torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64)
+        if layer is None:
+            return torch.stack([ptrs, whole, torch.zeros_like(whole)], 1)
+        step = whole // chunks[0].shape[0]
+        return torch.stack([ptrs + layer * step, step, layer * step // 4], 1)
+
     def _staged(self, chunks: Sequence[torch.Tensor]) -> bool:
         """Chunks in host memory that the kernel should not touch across PCIe."""
         if self._stream is None or chunks[0].is_cuda:
@@ -322,42 +374,52 @@ class TritonTransfer:
         dev_slots, ptrs = self._upload(slots, staging.ptrs(layers) if staging else self._host_ptrs(chunks, layers))
         return staging, dev_slots, ptrs
 
-    def _in_place(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], to_chunk: bool, layers: range) -> None:
+    def _in_place(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], to_chunk: bool, layers: range,
+                  digests: torch.Tensor | None = None) -> None:
         """Chunks the kernel reaches itself (device memory, the interpreter, pinned with `direct`):
-        one launch on the current stream."""
+        one launch on the current stream (and the digests of the chunks, whole)."""
         dev_slots, ptrs = self._upload(slots, self._host_ptrs(chunks, range(layers.start, layers.start + 1)))
+        if digests is not None and not to_chunk:
+            self._digest(self._host_table(chunks), digests)
         self._kernel(dev_slots, ptrs[0], chunks[0].shape[2], to_chunk, layers)
+        if digests is not None and to_chunk:
+            self._digest(self._host_table(chunks), digests)
 
     # -- whole transfers -------------------------------------------------------------
 
-    def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
-        """Fill `chunks` with the KV of `slots`; returns once the bytes have landed."""
+    def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], digests: torch.Tensor | None = None) -> None:
+        """Fill `chunks` with the KV of `slots`; returns once the bytes have landed.
+        `digests` (int64 zeros on the device, one per chunk): their KV digests are added there."""
         layers = range(self.kv.num_layers)
         if not self._staged(chunks):
-            self._unstaged(lambda: self._in_place(slots, chunks, True, layers), chunks)
+            self._unstaged(lambda: self._in_place(slots, chunks, True, layers, digests), chunks)
             return
         self._stream.wait_stream(torch.cuda.current_stream(self.kv.device))
         with torch.cuda.stream(self._stream):
             staging = _Staging(chunks, self.kv.device, layer_major=False, groups=GROUPS)
             dev_slots, ptrs = self._upload(slots, staging.ptrs(range(1))[0])
+            table = staging.digest_table() if digests is not None else None
             size = chunks[0].shape[2]
             for g, group in enumerate(staging.groups):
                 a, b = group.start * size, min(group.stop * size, slots.numel())
                 self._kernel(dev_slots[a:b], ptrs[group.start : group.stop], size, True, layers)
+                if table is not None:
+                    self._digest(table[group.start : group.stop], digests[group.start : group.stop])
                 self._copies.wait_stream(self._stream)
                 staging.copy(to_host=True, stream=self._copies, group=g)
         self._copies.synchronize()
 
     def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
-                while_copying: Callable[[], object] | None = None, wait: bool = True) -> Callable[[], None]:
+                wait: bool = True, digests: torch.Tensor | None = None) -> Callable[[], None]:
         """Write `chunks` into the KV pages; the current stream is ordered after it.
 
         `layers` (device-resident or interpreter chunks only) limits the write to those layers.
-        `while_copying` runs here once everything is queued, while the copies run.
+        `digests` (int64 zeros on the device, one per chunk): the KV digests of the
+        bytes as they arrived are added there (readable on the current stream).
         Returns what waits for the copies out of the host chunks (done already with `wait`)."""
         layers = layers or range(self.kv.num_layers)
         if not self._staged(chunks):
-            return self._unstaged(lambda: self._in_place(slots, chunks, False, layers), chunks, while_copying, wait)
+            return self._unstaged(lambda: self._in_place(slots, chunks, False, layers, digests), chunks, wait)
         if len(layers) != self.kv.num_layers:
             raise ValueError("a layer range is for device-resident chunks; use scatter_layerwise")
         current = torch.cuda.current_stream(self.kv.device)
@@ -375,47 +437,47 @@ class TritonTransfer:
                 landed.append(torch.cuda.Event())
                 landed[-1].record(self._copies)
             size = chunks[0].shape[2]
+            table = staging.digest_table() if digests is not None else None
             for group, event in zip(staging.groups, landed):
                 self._stream.wait_event(event)
+                if table is not None:
+                    self._digest(table[group.start : group.stop], digests[group.start : group.stop])
                 a, b = group.start * size, min(group.stop * size, slots.numel())
                 self._kernel(dev_slots[a:b], ptrs[group.start : group.stop], size, False, layers)
         current.wait_stream(self._stream)
-        if while_copying is not None:
-            while_copying()
         # The caller releases the host blocks once the copies out of them are done.
         return _waiter(self._copies, wait)
 
-    def _unstaged(self, work, chunks: Sequence[torch.Tensor], while_copying: Callable[[], object] | None = None,
-                  wait: bool = True) -> Callable[[], None]:
+    def _unstaged(self, work, chunks: Sequence[torch.Tensor], wait: bool = True) -> Callable[[], None]:
         """Device chunks (and the interpreter's): on the current stream.
         `direct` host chunks: on the side stream, waited for (now or by the
         returned function), since the caller frees or reads the chunks next."""
         if self._stream is None or chunks[0].is_cuda:
             work()
-            if while_copying is not None:
-                while_copying()
             return _waiter(None, True)
         current = torch.cuda.current_stream(self.kv.device)
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
             work()
         current.wait_stream(self._stream)
-        if while_copying is not None:
-            while_copying()
         return _waiter(self._stream, wait)
 
     # -- layer by layer ------------------------------------------------------------------
 
-    def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LayerHandle:
+    def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
+                          digests: torch.Tensor | None = None) -> LayerHandle:
         """Start writing `chunks` layer by layer; wait(l) orders the caller after layer l.
 
         Every layer's work is queued at once: layer l of every chunk crosses
         PCIe on the copy stream (one copy per run), then its kernel runs on
         the kernel stream, while layer l+1 crosses. The caller's stream waits
         only for the layer it is about to use. Direct: one kernel per layer
-        reads the pinned chunks.
+        reads the pinned chunks. `digests`: as in `scatter`, layer by layer
+        (complete once `finish()` returns).
         """
         if self._stream is None:
+            if digests is not None:
+                raise ValueError("digests are computed on a CUDA device")
             from kvtier.transfer.torch_copy import LazyLayers
 
             return LazyLayers(self, slots, chunks)
@@ -433,16 +495,20 @@ class TritonTransfer:
             for layer, row in zip(layers, ptrs.unbind(0)):
                 if staging:
                     self._stream.wait_event(landed[layer])
+                if digests is not None:
+                    self._digest(staging.digest_table(layer) if staging else self._host_table(chunks, layer), digests)
                 self._kernel(dev_slots, row, chunks[0].shape[2], False, range(layer, layer + 1))
                 events.append(torch.cuda.Event())
                 events[-1].record(self._stream)
         return LayerEvents(events, self._stream, self._copies, staging)
 
-    def gather_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> LayerSaves:
+    def gather_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
+                         digests: torch.Tensor | None = None) -> LayerSaves:
         """A gather the caller drives layer by layer: `save(l)` once layer l's
         KV is written (on the current stream) queues its gather and copy to
-        the host behind it; `finish()` returns once the saved layers have landed."""
-        return LayerSaves(self, slots, chunks)
+        the host behind it; `finish()` returns once the saved layers have landed.
+        `digests`: as in `gather`, complete (if every layer was saved) after `finish()`."""
+        return LayerSaves(self, slots, chunks, digests)
 
 
 class LayerEvents:
@@ -464,8 +530,9 @@ class LayerEvents:
 class LayerSaves:
     """A layerwise gather: layer l moves when `save(l)` says it is computed."""
 
-    def __init__(self, transfer: TritonTransfer, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
-        self._t, self._chunks = transfer, list(chunks)
+    def __init__(self, transfer: TritonTransfer, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
+                 digests: torch.Tensor | None = None) -> None:
+        self._t, self._chunks, self._digests = transfer, list(chunks), digests
         self._saved = [False] * transfer.kv.num_layers
         self._stream = transfer._stream
         # The interpreter has no stream: its kernels write the host chunks directly.
@@ -483,6 +550,9 @@ class LayerSaves:
         self._stream.wait_stream(torch.cuda.current_stream(t.kv.device))
         with torch.cuda.stream(self._stream):
             t._kernel(self._slots, self._ptrs[layer], n_c, True, range(layer, layer + 1))
+            if self._digests is not None:
+                table = self._staging.digest_table(layer) if self._staging else t._host_table(self._chunks, layer)
+                t._digest(table, self._digests)
         if self._staging:
             t._copies.wait_stream(self._stream)
             self._staging.copy(to_host=True, stream=t._copies, layer=layer)
