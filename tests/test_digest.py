@@ -76,6 +76,12 @@ for quant in (None, Quant("int8", H, D)):
     back = torch.zeros(3, dtype=torch.int64)
     t.scatter(slots, chunks, digests=back)
     assert back.tolist() == sums.tolist(), "scatter"
+    layered = torch.zeros(3, dtype=torch.int64)
+    saves = t.gather_layerwise(slots, [torch.zeros_like(c) for c in chunks], digests=layered)
+    for layer in range(L):
+        saves.save(layer)
+    saves.finish()
+    assert layered.tolist() == sums.tolist(), "layer by layer"
     chunks[1].view(torch.uint8).view(-1)[1001] ^= 1
     again = torch.zeros(3, dtype=torch.int64)
     t.scatter(slots, chunks, digests=again)

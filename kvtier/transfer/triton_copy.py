@@ -217,14 +217,12 @@ class _Staging:
         """[len(layers), chunks] device addresses of each layer of each chunk."""
         return self._start[None, :] + torch.arange(layers.start, layers.stop)[:, None] * self._layer_step[None, :]
 
-    def digest_table(self, layer: int | None = None) -> torch.Tensor:
-        """[chunks, 3] (address, bytes, first word) of each chunk in staging (whole), or of
-        its layer `layer` (layer-major), for _digest_kernel."""
-        n = len(self.chunks)
-        if layer is None:
-            return torch.stack([self._start, torch.tensor(self.chunk_bytes), torch.zeros(n, dtype=torch.int64)], 1)
-        step = torch.tensor(self.layer_bytes, dtype=torch.int64)
-        return torch.stack([self._start + layer * self._layer_step, step, layer * step // 4], 1)
+    def digest_tables(self, by_layer: bool) -> torch.Tensor:
+        """(address, bytes, first word) of each chunk in staging: [1, chunks, 3] whole,
+        or [L, chunks, 3] layer by layer (layer-major staging), for _DigestTables."""
+        if not by_layer:
+            return _whole_table(self._start, self.chunk_bytes)
+        return _layer_tables(self._start, self._layer_step, self.layer_bytes, self.chunks[0].shape[0])
 
     def copy(self, to_host: bool, stream: torch.cuda.Stream, layer: int | None = None, group: int = 0) -> None:
         """Whole chunks of a group (chunk-major) or one layer (layer-major), between staging and host."""
@@ -237,6 +235,44 @@ class _Staging:
                 cudart.memcpy2d(host, pitch, dev, width, width, count, stream)
             else:
                 cudart.memcpy2d(dev, width, host, pitch, width, count, stream)
+
+
+def _whole_table(starts: torch.Tensor, nbytes: Sequence[int]) -> torch.Tensor:
+    return torch.stack([starts, torch.tensor(nbytes, dtype=torch.int64), torch.zeros_like(starts)], 1)[None]
+
+
+def _layer_tables(starts: torch.Tensor, layer_step: torch.Tensor, layer_bytes: Sequence[int], layers: int
+                  ) -> torch.Tensor:
+    layer = torch.arange(layers, dtype=torch.int64)[:, None]
+    size = torch.tensor(layer_bytes, dtype=torch.int64)[None, :].expand(layers, -1)
+    return torch.stack([starts[None, :] + layer * layer_step[None, :], size, layer * size // 4], 2)
+
+
+def _host_tables(chunks: Sequence[torch.Tensor], by_layer: bool) -> torch.Tensor:
+    """Staging.digest_tables for chunks the kernels reach where they are."""
+    starts = torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64)
+    whole = [c.numel() * c.element_size() for c in chunks]
+    if not by_layer:
+        return _whole_table(starts, whole)
+    layer = [b // c.shape[0] for b, c in zip(whole, chunks)]
+    return _layer_tables(starts, torch.tensor(layer, dtype=torch.int64), layer, chunks[0].shape[0])
+
+
+class _DigestTables:
+    """Where the digest kernel reads, [rows, chunks, 3] (address, bytes, first word), gone
+    up to the device in one copy (on the current stream: queue it before the chunks)."""
+
+    def __init__(self, tables: torch.Tensor, device: torch.device, upload: bool) -> None:
+        self.blocks = -(-int(tables[..., 1].max()) // 4 // DIGEST_BLOCK) if tables.numel() else 0
+        tables = tables.contiguous()
+        self.dev = tables.pin_memory().to(device, non_blocking=True) if upload else tables
+
+    def add(self, out: torch.Tensor, row: int = 0, chunks: range | None = None) -> None:
+        """Add the shares of row `row` (a layer, or 0: whole) of `chunks` to `out` (int64, per chunk)."""
+        pick = slice(chunks.start, chunks.stop) if chunks is not None else slice(None)
+        table = self.dev[row, pick]
+        if len(table) and self.blocks:
+            _digest_kernel[(len(table), self.blocks)](table, out[pick], A=DIGEST_A, B=DIGEST_B, BLOCK=DIGEST_BLOCK)
 
 
 def _runs(chunks: Sequence[torch.Tensor], order: Sequence[int], sizes: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -339,24 +375,8 @@ class TritonTransfer:
         layer_bytes = torch.tensor([c[0].numel() * c.element_size() for c in chunks], dtype=torch.int64)
         return starts[None, :] + torch.arange(layers.start, layers.stop)[:, None] * layer_bytes[None, :]
 
-    def _digest(self, table: torch.Tensor, out: torch.Tensor) -> None:
-        """Add each slice's share of its chunk's KV digest (table: _Staging.digest_table)
-        to `out` (int64 on the device), on the current stream."""
-        if not len(table):
-            return
-        blocks = -(-int(table[:, 1].max()) // 4 // DIGEST_BLOCK)
-        dev = table.pin_memory().to(self.kv.device, non_blocking=True) if self._stream is not None else table
-        _digest_kernel[(len(table), blocks)](dev.contiguous(), out, A=DIGEST_A, B=DIGEST_B, BLOCK=DIGEST_BLOCK)
-
-    @staticmethod
-    def _host_table(chunks: Sequence[torch.Tensor], layer: int | None = None) -> torch.Tensor:
-        """digest_table of chunks the kernels reach where they are."""
-        whole = torch.tensor([c.numel() * c.element_size() for c in chunks], dtype=torch.int64)
-        ptrs = torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64)
-        if layer is None:
-            return torch.stack([ptrs, whole, torch.zeros_like(whole)], 1)
-        step = whole // chunks[0].shape[0]
-        return torch.stack([ptrs + layer * step, step, layer * step // 4], 1)
+    def _digest_tables(self, tables: torch.Tensor) -> _DigestTables:
+        return _DigestTables(tables, self.kv.device, upload=self._stream is not None)
 
     def _staged(self, chunks: Sequence[torch.Tensor]) -> bool:
         """Chunks in host memory that the kernel should not touch across PCIe."""
@@ -379,11 +399,12 @@ class TritonTransfer:
         """Chunks the kernel reaches itself (device memory, the interpreter, pinned with `direct`):
         one launch on the current stream (and the digests of the chunks, whole)."""
         dev_slots, ptrs = self._upload(slots, self._host_ptrs(chunks, range(layers.start, layers.start + 1)))
-        if digests is not None and not to_chunk:
-            self._digest(self._host_table(chunks), digests)
+        sums = self._digest_tables(_host_tables(chunks, by_layer=False)) if digests is not None else None
+        if sums is not None and not to_chunk:
+            sums.add(digests)
         self._kernel(dev_slots, ptrs[0], chunks[0].shape[2], to_chunk, layers)
-        if digests is not None and to_chunk:
-            self._digest(self._host_table(chunks), digests)
+        if sums is not None and to_chunk:
+            sums.add(digests)
 
     # -- whole transfers -------------------------------------------------------------
 
@@ -398,13 +419,13 @@ class TritonTransfer:
         with torch.cuda.stream(self._stream):
             staging = _Staging(chunks, self.kv.device, layer_major=False, groups=GROUPS)
             dev_slots, ptrs = self._upload(slots, staging.ptrs(range(1))[0])
-            table = staging.digest_table() if digests is not None else None
+            sums = self._digest_tables(staging.digest_tables(by_layer=False)) if digests is not None else None
             size = chunks[0].shape[2]
             for g, group in enumerate(staging.groups):
                 a, b = group.start * size, min(group.stop * size, slots.numel())
                 self._kernel(dev_slots[a:b], ptrs[group.start : group.stop], size, True, layers)
-                if table is not None:
-                    self._digest(table[group.start : group.stop], digests[group.start : group.stop])
+                if sums is not None:
+                    sums.add(digests, chunks=group)
                 self._copies.wait_stream(self._stream)
                 staging.copy(to_host=True, stream=self._copies, group=g)
         self._copies.synchronize()
@@ -431,17 +452,17 @@ class TritonTransfer:
             # the order they are queued, so tables queued behind the chunks would
             # hold every kernel until all chunks had crossed.
             dev_slots, ptrs = self._upload(slots, staging.ptrs(range(1))[0])
+            sums = self._digest_tables(staging.digest_tables(by_layer=False)) if digests is not None else None
             landed = []
             for g in range(len(staging.groups)):
                 staging.copy(to_host=False, stream=self._copies, group=g)
                 landed.append(torch.cuda.Event())
                 landed[-1].record(self._copies)
             size = chunks[0].shape[2]
-            table = staging.digest_table() if digests is not None else None
             for group, event in zip(staging.groups, landed):
                 self._stream.wait_event(event)
-                if table is not None:
-                    self._digest(table[group.start : group.stop], digests[group.start : group.stop])
+                if sums is not None:
+                    sums.add(digests, chunks=group)
                 a, b = group.start * size, min(group.stop * size, slots.numel())
                 self._kernel(dev_slots[a:b], ptrs[group.start : group.stop], size, False, layers)
         current.wait_stream(self._stream)
@@ -488,6 +509,8 @@ class TritonTransfer:
         with torch.cuda.stream(self._stream):
             # Tables first (see scatter): behind the layers they would hold layer 0's kernel to the end.
             staging, dev_slots, ptrs = self._layerwise_tables(slots, chunks)
+            sums = None if digests is None else self._digest_tables(
+                staging.digest_tables(by_layer=True) if staging else _host_tables(chunks, by_layer=True))
             for layer in layers if staging else ():
                 staging.copy(to_host=False, stream=self._copies, layer=layer)
                 landed.append(torch.cuda.Event())
@@ -495,8 +518,8 @@ class TritonTransfer:
             for layer, row in zip(layers, ptrs.unbind(0)):
                 if staging:
                     self._stream.wait_event(landed[layer])
-                if digests is not None:
-                    self._digest(staging.digest_table(layer) if staging else self._host_table(chunks, layer), digests)
+                if sums is not None:
+                    sums.add(digests, row=layer)
                 self._kernel(dev_slots, row, chunks[0].shape[2], False, range(layer, layer + 1))
                 events.append(torch.cuda.Event())
                 events[-1].record(self._stream)
@@ -532,12 +555,15 @@ class LayerSaves:
 
     def __init__(self, transfer: TritonTransfer, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
                  digests: torch.Tensor | None = None) -> None:
-        self._t, self._chunks, self._digests = transfer, list(chunks), digests
+        self._t, self._chunks, self._digests, self._sums = transfer, list(chunks), digests, None
         self._saved = [False] * transfer.kv.num_layers
         self._stream = transfer._stream
         # The interpreter has no stream: its kernels write the host chunks directly.
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             self._staging, self._slots, self._ptrs = transfer._layerwise_tables(slots, chunks)
+            if digests is not None:
+                self._sums = transfer._digest_tables(self._staging.digest_tables(by_layer=True) if self._staging
+                                                     else _host_tables(self._chunks, by_layer=True))
 
     def save(self, layer: int) -> None:
         if self._saved[layer]:
@@ -546,13 +572,14 @@ class LayerSaves:
         t, n_c = self._t, self._chunks[0].shape[2]
         if self._stream is None:
             t._kernel(self._slots, self._ptrs[layer], n_c, True, range(layer, layer + 1))
+            if self._sums is not None:
+                self._sums.add(self._digests, row=layer)
             return
         self._stream.wait_stream(torch.cuda.current_stream(t.kv.device))
         with torch.cuda.stream(self._stream):
             t._kernel(self._slots, self._ptrs[layer], n_c, True, range(layer, layer + 1))
-            if self._digests is not None:
-                table = self._staging.digest_table(layer) if self._staging else t._host_table(self._chunks, layer)
-                t._digest(table, self._digests)
+            if self._sums is not None:
+                self._sums.add(self._digests, row=layer)
         if self._staging:
             t._copies.wait_stream(self._stream)
             self._staging.copy(to_host=True, stream=t._copies, layer=layer)
