@@ -54,6 +54,26 @@ if TYPE_CHECKING:
 
 
 @triton.jit
+def _token(layer0_ptr, layer_ptrs, chunk_ptrs, slots, T, C, s_k, s_b, s_n, BS, K: tl.constexpr):
+    """Program (t, l*K + k) of the copy kernels: the page of token t's K-or-V k in layer l,
+    its chunk's base address (int64), its row in the chunk (layer l, k, its place in the
+    chunk), and whether the token moves at all (slot -1: a token of a cut chunk that stays)."""
+    t = tl.program_id(0).to(tl.int64)
+    lk = tl.program_id(1).to(tl.int64)
+    layer = lk // K
+    k = lk % K
+    slot = tl.load(slots + t).to(tl.int64)
+    here = slot >= 0
+    slot = tl.maximum(slot, 0)
+    c = t // C
+    tt = t - c * C
+    n_c = tl.minimum(C, T - c * C)
+    page = tl.load(layer_ptrs + layer).to(tl.pointer_type(layer0_ptr.dtype.element_ty))
+    page += k * s_k + (slot // BS) * s_b + (slot % BS) * s_n
+    return page, tl.load(chunk_ptrs + c), lk * n_c + tt, here
+
+
+@triton.jit
 def _kv_copy_kernel(
     layer0_ptr,  # typed pointer to layer 0: gives the element type
     layer_ptrs,  # int64[L]: base address of each layer's canonical view
@@ -72,21 +92,9 @@ def _kv_copy_kernel(
     TO_CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    lk = tl.program_id(1).to(tl.int64)
-    layer = lk // K
-    k = lk % K
-    slot = tl.load(slots + t).to(tl.int64)
-    width = tl.where(slot >= 0, W, 0)  # slot -1: a token of a cut chunk that stays where it is
-    slot = tl.maximum(slot, 0)
-    c = t // C
-    tt = t - c * C
-    n_c = tl.minimum(C, T - c * C)
-    elem_ty = layer0_ptr.dtype.element_ty
-    page = tl.load(layer_ptrs + layer).to(tl.pointer_type(elem_ty))
-    page += k * s_k + (slot // BS) * s_b + (slot % BS) * s_n
-    chunk = tl.load(chunk_ptrs + c).to(tl.pointer_type(elem_ty))
-    chunk += (lk * n_c + tt) * W
+    page, chunk, row, here = _token(layer0_ptr, layer_ptrs, chunk_ptrs, slots, T, C, s_k, s_b, s_n, BS, K)
+    width = tl.where(here, W, 0)
+    chunk = chunk.to(tl.pointer_type(layer0_ptr.dtype.element_ty)) + row * W
     for w0 in range(0, W, BLOCK):
         w = w0 + tl.arange(0, BLOCK)
         mask = w < width
@@ -111,21 +119,10 @@ def _kv_quant_copy_kernel(
 ):
     """Program (t, l*K + k): token t's row of layer l, K-or-V k, in a quantized
     chunk (quant.py): NH*D one-byte values, then NH float32 scales."""
-    t = tl.program_id(0).to(tl.int64)
-    lk = tl.program_id(1).to(tl.int64)
-    layer = lk // K
-    k = lk % K
-    slot = tl.load(slots + t).to(tl.int64)
-    heads_here = tl.where(slot >= 0, NH, 0)  # slot -1: a token of a cut chunk that stays where it is
-    slot = tl.maximum(slot, 0)
-    c = t // C
-    tt = t - c * C
-    n_c = tl.minimum(C, T - c * C)
+    page, chunk, r, here = _token(layer0_ptr, layer_ptrs, chunk_ptrs, slots, T, C, s_k, s_b, s_n, BS, K)
+    heads_here = tl.where(here, NH, 0)
     elem_ty = layer0_ptr.dtype.element_ty
-    page = tl.load(layer_ptrs + layer).to(tl.pointer_type(elem_ty))
-    page += k * s_k + (slot // BS) * s_b + (slot % BS) * s_n
-    row = tl.load(chunk_ptrs + c).to(tl.pointer_type(tl.uint8))
-    row += (lk * n_c + tt) * (NH * D + 4 * NH)
+    row = chunk.to(tl.pointer_type(tl.uint8)) + r * (NH * D + 4 * NH)
     scales = (row + NH * D).to(tl.pointer_type(tl.float32))
     heads = tl.arange(0, NHP)
     h = heads[:, None]
