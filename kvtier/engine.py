@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import threading
 import time
 from collections import OrderedDict, deque
@@ -407,26 +408,25 @@ class CacheEngine:
 
     def _load_batches(self, slots: torch.Tensor, batches, start: int, end: int) -> int:
         """Whole loads, batch after batch; how many chunks loaded. Lent chunks are
-        checked while they move, and what fails counts as not loaded (and ends
-        the load). A lent batch's copies are queued before the one before it is
-        waited for and released, so the copy engine does not idle between them;
-        a batch in pool blocks is waited for at once (reading ahead needs its blocks)."""
+        checked once their copies are over, and what fails counts as not loaded
+        (and ends the load). A lent batch's copies are queued before the one
+        before it is checked and released, so the copy engine does not idle
+        between them; a batch in pool blocks is settled at once (reading ahead
+        needs its blocks)."""
         loaded, inflight = 0, []  # batches whose copies may still run, each with what waits for them
         try:
-            for batch in batches:
-                pooled = any(c.block.pool is not None for _, c in batch)
-                inflight.append((batch, self._device_idle))  # until scatter returns: if it raises, wait for all
-                inflight[-1] = (batch, self._scatter(slots, batch, start, end, layerwise=False, wait=pooled))
-                while len(inflight) > (0 if pooled else 1):
+            for batch in itertools.chain(batches, [None]):  # None: the end, where every batch is settled
+                keep = 0
+                if batch is not None:
+                    pooled = any(c.block.pool is not None for _, c in batch)
+                    inflight.append((batch, self._device_idle))  # until scatter returns: if it raises, wait for all
+                    inflight[-1] = (batch, self._scatter(slots, batch, start, end, layerwise=False, wait=pooled))
+                    keep = 0 if pooled else 1
+                while len(inflight) > keep:
                     good, whole = self._checked(*inflight.pop(0))
                     loaded += good
                     if not whole:
                         return loaded
-            while inflight:
-                good, whole = self._checked(*inflight.pop(0))
-                loaded += good
-                if not whole:
-                    return loaded
         finally:
             for entry in inflight:
                 _settle(*entry)

@@ -201,13 +201,13 @@ def test_quantized_chunks_on_disk_load_after_a_restart(tmp_path):
 def test_transformers_llama_with_the_codec_decodes_as_without(name):
     """A small Llama on CPU: with the prompt's KV loaded quantized, the greedy tokens
     equal the cold run's and the first logits move by far less than a changed prompt does."""
+    from test_hf_integration import SMALL
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from kvtier.integrations.hf import HFSession
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    cfg = LlamaConfig(**SMALL)
     cfg._attn_implementation = "sdpa"
     model = LlamaForCausalLM(cfg).eval()
     gen = torch.Generator().manual_seed(5)
