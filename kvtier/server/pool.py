@@ -68,6 +68,8 @@ class PagePool:
 
     def extents(self, pages: list[int], nbytes: int) -> Extents:
         """The (offset, length) ranges holding a value's `nbytes`, adjacent pages merged."""
+        if pages and pages[-1] - pages[0] == len(pages) - 1 and pages == list(range(pages[0], pages[-1] + 1)):
+            return [(pages[0] * self.page_size, nbytes)]  # one run (most values): no walk page by page
         out: Extents = []
         left = nbytes
         for page in pages:

@@ -152,8 +152,9 @@ def _kv_quant_copy_kernel(
 
 @triton.jit
 def _digest_kernel(
-    table,  # int64[n, 3]: per chunk (slice) its address, its bytes, and the index of its first word in its chunk
-    out,  # int64[n]: each slice's share of its chunk's digest is added here (mod 2^64)
+    table,  # int64[rows, 3]: per slice its address, its bytes, and the index of its first word in its chunk
+    out,  # int64[n]: slice c's share of its chunk's digest is added to out[c % n] (mod 2^64)
+    n,  # chunks: the table holds one slice of each, or of each for several layers in turn
     A: tl.constexpr,
     B: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -169,7 +170,7 @@ def _digest_kernel(
         mask = idx < words
         w = tl.load(base + idx, mask=mask, other=0).to(tl.int64)  # zero-extended
         weight = ((first + idx) * A + B) | 1  # int64 arithmetic wraps: the same bits as the u64 sum
-        tl.atomic_add(out + c, tl.sum(tl.where(mask, (w + 1) * weight, 0), axis=0))
+        tl.atomic_add(out + c % n, tl.sum(tl.where(mask, (w + 1) * weight, 0), axis=0))
 
 
 class _Staging:
@@ -264,12 +265,15 @@ class _DigestTables:
         tables = tables.contiguous()
         self.dev = tables.pin_memory().to(device, non_blocking=True) if upload else tables
 
-    def add(self, out: torch.Tensor, row: int = 0, chunks: range | None = None) -> None:
-        """Add the shares of row `row` (a layer, or 0: whole) of `chunks` to `out` (int64, per chunk)."""
+    def add(self, out: torch.Tensor, rows: range = range(1), chunks: range | None = None) -> None:
+        """Add the shares of `rows` (layers, or row 0: whole) of `chunks` to `out` (int64, per chunk),
+        in one launch."""
         pick = slice(chunks.start, chunks.stop) if chunks is not None else slice(None)
-        table = self.dev[row, pick]
-        if len(table) and self.blocks:
-            _digest_kernel[(len(table), self.blocks)](table, out[pick], A=DIGEST_A, B=DIGEST_B, BLOCK=DIGEST_BLOCK)
+        table = self.dev[rows.start : rows.stop, pick]
+        n = table.shape[1]
+        if table.numel() and self.blocks:
+            _digest_kernel[(len(rows) * n, self.blocks)](table.reshape(-1, 3), out[pick], n,
+                                                         A=DIGEST_A, B=DIGEST_B, BLOCK=DIGEST_BLOCK)
 
 
 def _runs(chunks: Sequence[torch.Tensor], order: Sequence[int], sizes: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -306,6 +310,7 @@ def _waiter(stream: torch.cuda.Stream | None, now: bool) -> Callable[[], None]:
 
 GROUPS = 4  # whole transfers: kernel of group g+1 runs while group g crosses PCIe
 DIGEST_BLOCK = 4096  # words per program of _digest_kernel
+DIGEST_LAYERS = 8  # layers summed per digest launch of a layerwise scatter
 
 
 class TritonTransfer:
@@ -515,11 +520,13 @@ class TritonTransfer:
             for layer, row in zip(layers, ptrs.unbind(0)):
                 if staging:
                     self._stream.wait_event(landed[layer])
-                if sums is not None:
-                    sums.add(digests, row=layer)
                 self._kernel(dev_slots, row, chunks[0].shape[2], False, range(layer, layer + 1))
                 events.append(torch.cuda.Event())
                 events[-1].record(self._stream)
+                if sums is not None and (layer % DIGEST_LAYERS == DIGEST_LAYERS - 1 or layer == layers[-1]):
+                    # Behind the layer's event, so that no forward waits for it; a few layers
+                    # per launch, each launch being host time in front of the forward.
+                    sums.add(digests, rows=range(layer - layer % DIGEST_LAYERS, layer + 1))
         return LayerEvents(events, self._stream, self._copies, staging)
 
     def gather_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
@@ -570,13 +577,13 @@ class LayerSaves:
         if self._stream is None:
             t._kernel(self._slots, self._ptrs[layer], n_c, True, range(layer, layer + 1))
             if self._sums is not None:
-                self._sums.add(self._digests, row=layer)
+                self._sums.add(self._digests, rows=range(layer, layer + 1))
             return
         self._stream.wait_stream(torch.cuda.current_stream(t.kv.device))
         with torch.cuda.stream(self._stream):
             t._kernel(self._slots, self._ptrs[layer], n_c, True, range(layer, layer + 1))
             if self._sums is not None:
-                self._sums.add(self._digests, row=layer)
+                self._sums.add(self._digests, rows=range(layer, layer + 1))
         if self._staging:
             t._copies.wait_stream(self._stream)
             self._staging.copy(to_host=True, stream=t._copies, layer=layer)
