@@ -103,6 +103,11 @@ class CacheEngine:
         # stays the KV's, the bytes a load delivers.
         self.chunk_bytes_per_token = (kv.bytes_per_token() if self.quant is None
                                       else self.quant.bytes_per_token(kv.num_layers, kv.kv))
+        # A chunk's tensor, [L, K, T, NH, HS] of the KV's dtype or the codec's rows [L, K, T, R] uint8:
+        # its dtype, and its dimensions before and after T (asked once per chunk on every load).
+        self._chunk_dtype, self._chunk_dims = ((kv.dtype, ((kv.num_layers, kv.kv), (kv.heads, kv.head_size)))
+                                               if self.quant is None else
+                                               (torch.uint8, ((kv.num_layers, kv.kv), (self.quant.row_bytes,))))
         shared_tier = cpu is not None
         if cpu is None:
             cpu = CpuTier(HostPool(config.cpu_pool_bytes, config.chunk_size * self.chunk_bytes_per_token,
@@ -242,10 +247,9 @@ class CacheEngine:
     def chunk_view(self, data: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """The chunk at the front of the byte buffer `data`, as the transfers take it:
         [L, K, T, NH, HS] of the KV's dtype, or the codec's rows [L, K, T, R] uint8."""
-        if self.quant is None:
-            return front_view(data.view(torch.uint8), self.kv.dtype, self.kv.chunk_shape(num_tokens))
-        return front_view(data.view(torch.uint8), torch.uint8,
-                          (self.kv.num_layers, self.kv.kv, num_tokens, self.quant.row_bytes))
+        before, after = self._chunk_dims
+        return front_view(data if data.dtype == torch.uint8 else data.view(torch.uint8), self._chunk_dtype,
+                          (*before, num_tokens, *after))
 
     def _allocate(self, spans: Sequence[ChunkSpan], wait: bool) -> list[tuple[ChunkSpan, MemoryBlock]]:
         """Blocks for the first spans, as many as the pool gives now (the first may wait for writers)."""
@@ -380,27 +384,32 @@ class CacheEngine:
         if prefetch is not None:
             prefetch.result()  # its chunks are in CPU RAM (and in the lease) now
         spans = [s for s in self.spans(tokens) if s.start < end]
-        where = self.tiers.locate([s.key for s in spans])
-        todo = [(s, w) for s, w in zip(spans, where) if s.end > start]
-        all_cpu = all(w == CPU for _, w in todo)
-        batches = self.tiers.fetch([s for s, _ in todo], [w for _, w in todo], ahead=not all_cpu)
-        handle, held, loaded = None, [], 0
+        handle, held, loaded, batches = None, [], 0, None
         try:
-            if layerwise:  # from CPU RAM, or lent whole by the store server of this host
-                held = next(batches, []) if all_cpu else self.tiers.lend_whole([s for s, _ in todo],
-                                                                                [w for _, w in todo])
+            if layerwise:  # lent whole by the store server of this host (CPU tier off), found by the lease
+                held = self.tiers.lend_whole([s for s in spans if s.end > start])
+            if held:
+                todo = [(s, self.tiers.remote.name) for s, _ in held]
+            else:
+                where = self.tiers.locate([s.key for s in spans])
+                todo = [(s, w) for s, w in zip(spans, where) if s.end > start]
+                all_cpu = all(w == CPU for _, w in todo)
+                batches = self.tiers.fetch([s for s, _ in todo], [w for _, w in todo], ahead=not all_cpu)
+                if layerwise and all_cpu:  # from CPU RAM
+                    held = next(batches, [])
+                else:
+                    loaded = self._load_batches(slots, batches, start, end)
             if held:
                 handle = self._scatter(slots, held, start, end, layerwise=True)
                 loaded = len(held)
-            elif not (layerwise and all_cpu):
-                loaded = self._load_batches(slots, batches, start, end)
         except BaseException:
             for _, chunk in held:
                 chunk.block.release()
             self.release_lease(request_id)
             raise
         finally:
-            batches.close()
+            if batches is not None:
+                batches.close()
         if loaded:
             first, last = todo[0][0], todo[loaded - 1][0]
             mask[max(start, first.start) : min(end, last.end)] = True

@@ -234,20 +234,21 @@ class TieredStore:
             block.release()
         return (batch, False) if batch else None
 
-    def lend_whole(self, spans: Sequence[ChunkSpan], where: Sequence[str]) -> list[tuple[ChunkSpan, StoredChunk]]:
-        """Every chunk of `spans` lent in place in one lease, for a layerwise load
-        (which moves layer l of every chunk before layer l+1); [] unless all are on
-        the store server of this host, the CPU tier is off and they fit in most of
-        what the server lets one connection hold."""
-        remote = self.remote
+    def lend_whole(self, spans: Sequence[ChunkSpan]) -> list[tuple[ChunkSpan, StoredChunk]]:
+        """The leading chunks of `spans` that the store server of this host holds, all
+        lent in place in one lease, for a layerwise load (which moves layer l of every
+        chunk before layer l+1). One round trip, no `locate`: the lease says which
+        chunks are there. [] unless the CPU tier is off, none of them is on disk, every
+        one held is lent (none split over pages, no bad header) and `spans` fit in most
+        of what the server lets one connection hold: then `locate` and `fetch` do it."""
+        remote, keys = self.remote, [s.key for s in spans]
         if (not spans or self.keep_cpu or remote is None or not remote.can_borrow()
-                or any(w != remote.name for w in where)):
+                or (self.disk is not None and any(self.disk.exists(keys)))):
             return []
         nbytes = sum(s.num_tokens for s in spans) * self.bytes_per_token
         if nbytes > LEND_WHOLE_SHARE * remote.max_held():
             return []
-        lent = remote.borrow([s.key for s in spans], [s.num_tokens * self.bytes_per_token for s in spans],
-                             whole=True)
+        lent = remote.borrow(keys, [s.num_tokens * self.bytes_per_token for s in spans], whole=True)
         if lent is None or any(n != s.num_tokens for s, (_, n) in zip(spans, lent)):
             for block, _ in lent or []:
                 block.release()

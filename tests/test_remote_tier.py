@@ -131,7 +131,7 @@ def test_layerwise_loads_lent_chunks_in_one_lease_and_a_bad_one_cuts_the_mask_at
     with kvtier_server(0.0625) as srv:
         tokens = [t + 23 for t in TOKENS]
         (a, a_kv, src), (b, b_kv, dst) = stored_by_one_lent_to_another(srv.url, tokens)
-        lent = b.tiers.lend_whole(b.spans(tokens)[:6], ["remote"] * 6)
+        lent = b.tiers.lend_whole(b.spans(tokens)[:6])
         views = [c.block.view(torch.bfloat16, b.kv.chunk_shape(s.num_tokens)) for s, c in lent]
         # slices of one tensor over the pool: chunks stored one after another make one strided run
         pitch = views[1].data_ptr() - views[0].data_ptr()
@@ -155,10 +155,39 @@ def test_layerwise_loads_lent_chunks_in_one_lease_and_a_bad_one_cuts_the_mask_at
         mask = load.finish()  # ... and cut at the bad chunk once its checksum is known
         assert mask[:48].all() and not mask[48:].any()
         assert b.stats.loaded_by_tier == {"remote": 96 + 48}
-        store.delete([key])  # gone after the lookup: a whole lease cannot be had, and nothing is counted
+        store.delete([key])  # gone: the lease says so, and the three chunks before it are lent
         spans, lent = b.spans(tokens)[:6], b.tiers.remote.stats.lent
-        assert b.tiers.remote.borrow([s.key for s in spans], [16 * b.tiers.bytes_per_token] * 6, whole=True) is None
-        assert b.tiers.lend_whole(spans, ["remote"] * 6) == [] and b.tiers.remote.stats.lent == lent
+        got = b.tiers.lend_whole(spans)
+        assert [s for s, _ in got] == spans[:3] and b.tiers.remote.stats.lent == lent + 3
+        for _, chunk in got:
+            chunk.block.release()
+        load = b.start_retrieve(tokens, dst, layerwise=True)
+        assert load.num_tokens == 48 and load.finish()[:48].all() and not load.mask[48:].any()
+        a.close(), b.close(), store.close()
+
+
+def test_a_layerwise_load_whose_lease_has_a_chunk_split_over_pages_loads_by_copy():
+    # Pages of 4 KiB, chunks of 8 KiB + header (3 pages each). The server holds chunks
+    # 0-3 (4 is deleted), chunk 3 rewritten onto pages that are not neighbours: a
+    # lease lends it only as a split value, so the layerwise load does not take a
+    # shorter prefix than the server holds: it copies all four, batch by batch.
+    with kvtier_server(0.0625, "--page-size-kb", "4") as srv:
+        tokens = [t + 31 for t in TOKENS]
+        (a, a_kv, src), (b, b_kv, dst) = stored_by_one_lent_to_another(srv.url, tokens)
+        store = open_store(srv.url, 5)
+        keys = [wire_key(s.key) for s in b.spans(tokens)[:6]]
+        store.put([b"barrier"], [b"x"])  # the lowest never-used page: not next to any chunk's
+        store.delete([keys[4]])  # its three pages go back on the free stack
+        store.put([b"filler"], [b"y"])  # takes the first of them
+        store.put([keys[3]], store.get([keys[3]]))  # two of chunk 4's old pages and a far one
+        lease = b.tiers.remote.store.borrow(keys)
+        assert lease.leading == 4 and None not in lease.places[:3] and lease.places[3] is None
+        lease.release()
+        assert b.tiers.lend_whole(b.spans(tokens)[:6]) == []
+        load = b.start_retrieve(tokens, dst, layerwise=True)
+        assert load._handle is None and load.num_tokens == 64  # loaded by copy before it returned
+        assert load.finish()[:64].all() and not load.mask[64:].any()
+        assert torch.equal(kv_at(b_kv, dst[:64]), kv_at(a_kv, src[:64]))
         a.close(), b.close(), store.close()
 
 

@@ -108,12 +108,15 @@ class _Link:
 
 @dataclass
 class ShmLease:
-    """Values borrowed from the server's pool: `views[i]` is key i's value in
-    place (None: absent, or not one contiguous range). Valid until `release()`,
-    and only if the server did not drop the lease first: `in_time()` says so."""
+    """Values borrowed from the server's pool: `places[i]` is (offset, bytes) of
+    key i's value in `pool` (None: absent, or not one contiguous range);
+    `leading`: how many keys, from the first, the server holds. Valid until
+    `release()`, and only if the server did not drop the lease first:
+    `in_time()` says so."""
 
-    views: list[np.ndarray | None]
-    pool: np.ndarray  # the whole mapped pool, of which the views are slices
+    places: list[tuple[int, int] | None]
+    leading: int
+    pool: np.ndarray  # the whole mapped pool
     _release: Callable[[], None]
     _deadline: float
     _released: bool = False
@@ -247,8 +250,8 @@ class KVClient:
             t0 = time.monotonic()
             _, meta = self._call(link, p.Op.GET_SHM, p.encode_keys(keys))
             ticket, entries = p.decode_extents(meta)
-        views = [link.shm[ext[0][0] : ext[0][0] + size] if size != p.MISSING and len(ext) == 1 else None
-                 for size, ext in entries]
+        places = [(ext[0][0], size) if size != p.MISSING and len(ext) == 1 else None for size, ext in entries]
+        leading = next((i for i, (size, _) in enumerate(entries) if size == p.MISSING), len(entries))
 
         def release() -> None:
             with self._lock:
@@ -259,7 +262,7 @@ class KVClient:
                 except RemoteUnavailable:  # dropped now: the same
                     pass
 
-        return ShmLease(views, link.shm, release, t0 + link.bound("lease_timeout") / 2)
+        return ShmLease(places, leading, link.shm, release, t0 + link.bound("lease_timeout") / 2)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return [bool(b) for b in self._simple(p.Op.EXISTS, p.encode_keys(keys))]

@@ -26,7 +26,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
-import numpy as np
 import torch
 
 from kvtier.buffers import parallel, start_parallel
@@ -69,16 +68,18 @@ class _LentBatch:
     their xxh3 checksums begin over the copy threads as soon as they are lent
     (a batch read ahead is hashed while the one before it crosses)."""
 
-    def __init__(self, lease, payloads: list[np.ndarray], checksums: list[int], digests: list[int] | None) -> None:
+    def __init__(self, lease, payloads: list[tuple[int, int]], checksums: list[int], digests: list[int] | None
+                 ) -> None:
         self.lease, self._left = lease, len(payloads)
-        self._payloads, self._checksums, self._digests = payloads, checksums, digests
+        self._payloads, self._checksums, self._digests = payloads, checksums, digests  # payloads: (offset, bytes)
         self._device_sums: torch.Tensor | None = None
         self._sums = None if digests else self._start_checksums()
         self._good: int | None = None  # leading chunks whose check holds
         self._lock = threading.Lock()
 
     def _start_checksums(self) -> Callable[[], list[int]]:
-        return start_parallel(checksum, self._payloads, sum(v.nbytes for v in self._payloads))
+        pool = self.lease.pool
+        return start_parallel(checksum, [pool[o : o + n] for o, n in self._payloads], sum(n for _, n in self._payloads))
 
     def device_check(self, count: int, device: torch.device) -> torch.Tensor | None:
         if self._digests is None:
@@ -212,30 +213,33 @@ class RemoteTier:
         it stops at the first one absent, split over pages or with a bad header,
         which the copying path (`get_into`) then reads, counts and logs as what
         it is. None: not one lent (another host, a refusal, a fault, or the
-        first chunk is such a one), or with `whole` not every one: copy instead."""
+        first chunk is such a one), or with `whole` not every chunk the server
+        holds before the first it does not: copy instead."""
         lease = self._guard("get", lambda: self.store.borrow([wire_key(k) for k in keys]), None)
         if lease is None:
             return None
-        lent: list[tuple[np.ndarray, int, int, int]] = []
-        for view, raw in zip(lease.views, raw_sizes):
-            if view is None:
+        wanted = lease.leading if whole else len(keys)
+        pool = memoryview(lease.pool)
+        lent: list[tuple[tuple[int, int], int, int, int]] = []  # ((payload offset, bytes), tokens, checksum, digest)
+        for place, raw in zip(lease.places[:wanted], raw_sizes):
+            if place is None:
                 break
+            at, size = place
             try:
-                n, stored, digest = self.codec.check_header(view[: HEADER.size].data, len(view) - HEADER.size, raw)
+                n, stored, digest = self.codec.check_header(pool[at : at + HEADER.size], size - HEADER.size, raw)
             except CorruptPayload:
                 break
-            lent.append((view[HEADER.size :], n, stored, digest))
-        if not lent or (whole and len(lent) < len(keys)):
+            lent.append(((at + HEADER.size, size - HEADER.size), n, stored, digest))
+        if not lent or len(lent) < wanted and whole:
             lease.release()
             return None
         self.stats.hits += len(lent)
         self.stats.lent += len(lent)
         digests = [d for *_, d in lent] if self.digests_on_device and all(d for *_, d in lent) else None
-        batch = _LentBatch(lease, [v for v, *_ in lent], [c for _, _, c, _ in lent], digests)
+        batch = _LentBatch(lease, [p for p, *_ in lent], [c for _, _, c, _ in lent], digests)
         # Slices of one tensor over the pool: chunks that are neighbours there cross to the GPU as one run.
-        pool, base = torch.from_numpy(lease.pool), lease.pool.ctypes.data
-        return [(BorrowedBlock(pool[v.ctypes.data - base :][: v.nbytes], batch, i), n)
-                for i, (v, n, *_) in enumerate(lent)]
+        pages = torch.from_numpy(lease.pool)
+        return [(BorrowedBlock(pages[at : at + size], batch, i), n) for i, ((at, size), n, *_) in enumerate(lent)]
 
     # -- writes --------------------------------------------------------------------
 

@@ -517,16 +517,19 @@ class TritonTransfer:
                 staging.copy(to_host=False, stream=self._copies, layer=layer)
                 landed.append(torch.cuda.Event())
                 landed[-1].record(self._copies)
+            summed = 0  # layers whose digests are queued
             for layer, row in zip(layers, ptrs.unbind(0)):
                 if staging:
                     self._stream.wait_event(landed[layer])
                 self._kernel(dev_slots, row, chunks[0].shape[2], False, range(layer, layer + 1))
                 events.append(torch.cuda.Event())
                 events[-1].record(self._stream)
-                if sums is not None and (layer % DIGEST_LAYERS == DIGEST_LAYERS - 1 or layer == layers[-1]):
-                    # Behind the layer's event, so that no forward waits for it; a few layers
-                    # per launch, each launch being host time in front of the forward.
-                    sums.add(digests, rows=range(layer - layer % DIGEST_LAYERS, layer + 1))
+                if sums is not None and (layer + 1 - summed == DIGEST_LAYERS or layer >= layers[-1] - 1):
+                    # Behind the layer's event, so that no forward waits for it; several layers per
+                    # launch (each launch is host time in front of the forward), the last one alone
+                    # (what runs after the last layer lands, `finish()` waits for).
+                    sums.add(digests, rows=range(summed, layer + 1))
+                    summed = layer + 1
         return LayerEvents(events, self._stream, self._copies, staging)
 
     def gather_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
