@@ -32,6 +32,10 @@ GPU; for each prompt length:
     floor  KV bytes / pinned H2D copy bandwidth + a one-token forward over the
            same context, both measured in the same run (layerwise: compared
            with max of the two instead of their sum)
+    forward beside a copy  the one-token forward while the same bytes cross
+           PCIe on another stream, as they do beside a layerwise load's
+           forward: on some hosts the DMA slows the host-bound forward (not
+           part of any floor; it says how much of a layerwise ratio is that)
 Medians over repeats; warm is also given as a ratio to its floor, both as
 medians of each and paired (the median of per-repeat ratios, each warm run
 against the forward timed right after it). Writes a JSON record and a PNG
@@ -46,6 +50,7 @@ import json
 import logging
 import shutil
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,6 +123,8 @@ class TTFTPoint:
                 "layerwise_over_max_paired": round(
                     self.paired(lambda w, f: w / max(self.load_floor_s, f), "warm_layerwise"), 3),
                 "load_floor_s": round(self.load_floor_s, 4), "forward_1_s": round(self.forward_1_s, 4),
+                "forward_1_beside_a_copy_over_forward_1": round(statistics.median(
+                    c / f for c, f in zip(self.samples["forward_1_beside_a_copy"], self.samples["forward_1"])), 3),
                 "cold_store_s": round(self.cold_store_s, 4),
                 "cold_store_over_cold": round(self.cold_store_s / self.cold_s, 3),
                 "cold_store_layerwise_s": round(self.cold_store_layerwise_s, 4),
@@ -207,11 +214,27 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
     # several ms from one minute to the next) is timed in the same conditions;
     # so are the loads from the store server of this host (a second session).
     remote = _ServerSession(model, ids, chunk_size, pool_gib, server_url, transfer) if server_url else None
-    warm, layered, fwd, warm_server, server_layered = [], [], [], [], []
+    copy_from = torch.empty(hit * kv_per_token, dtype=torch.uint8, pin_memory=True)
+    copy_to = torch.empty_like(copy_from, device=CUDA)
+    side = torch.cuda.Stream(CUDA)
+
+    def beside_a_copy() -> float:
+        torch.cuda.synchronize(CUDA)
+        with torch.cuda.stream(side):
+            copy_to.copy_(copy_from, non_blocking=True)
+        t = time.perf_counter()
+        forward_one()
+        torch.cuda.current_stream(CUDA).synchronize()
+        seconds = time.perf_counter() - t
+        torch.cuda.synchronize(CUDA)
+        return seconds
+
+    warm, layered, fwd, fwd_copy, warm_server, server_layered = [], [], [], [], [], []
     for _ in range(repeats):
         warm.append(_timed(lambda: session.prefill(ids, layerwise=False)))
         layered.append(_timed(lambda: session.prefill(ids, layerwise=True)))
         fwd.append(_timed(forward_one))
+        fwd_copy.append(beside_a_copy())
         if remote is not None:
             warm_server.append(remote.timed(layerwise=False))
             server_layered.append(remote.timed(layerwise=True))
@@ -220,8 +243,9 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
     point = TTFTPoint(tokens, hit, med(cold), med(warm), med(layered), hit * kv_per_token / (h2d * 1e9), med(fwd),
                       med(cold_store), med(cold_store_layerwise),
                       {"cold": cold, "cold_store": cold_store, "cold_store_layerwise": cold_store_layerwise,
-                       "warm": warm, "warm_layerwise": layered, "forward_1": fwd}, kv_bytes=hit * kv_per_token)
-    del session
+                       "warm": warm, "warm_layerwise": layered, "forward_1": fwd,
+                       "forward_1_beside_a_copy": fwd_copy}, kv_bytes=hit * kv_per_token)
+    del session, copy_from, copy_to
     if remote is not None:
         remote.close()
         point.samples["warm_server"], point.samples["warm_server_layerwise"] = warm_server, server_layered
