@@ -14,6 +14,7 @@ from __future__ import annotations
 import cProfile
 import io
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -32,6 +33,7 @@ from kvtier.bench.offload import timed  # noqa: E402
 from kvtier.integrations.hf import HFSession, KvtierCache  # noqa: E402
 from kvtier.localservers import kvtier_server  # noqa: E402
 
+WHOLE_BEFORE = bool(int(os.environ.get("WHOLE_BEFORE", "0")))
 marks: dict[str, float] = {}
 handles: list = []
 runs: list[int] = []
@@ -114,7 +116,11 @@ def one(session, ids) -> dict:
     marks.clear()
     handles.clear()
     spent.clear()
+    if WHOLE_BEFORE:  # as the ttft bench does: a whole (not layerwise) warm load before each layerwise one
+        session.prefill(ids, layerwise=False)
+        marks.clear()
     torch.cuda.synchronize()
+    segments = torch.cuda.memory_stats()["segment.all.allocated"]
     begin = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     t0 = time.perf_counter()
@@ -134,6 +140,7 @@ def one(session, ids) -> dict:
         "after_finish_ms": (t1 - marks["finish1"]) * 1e3,
         "last_layer_landed_ms": begin.elapsed_time(last) if last is not None else None,
         "device_end_ms": begin.elapsed_time(end),
+        "cuda_mallocs": torch.cuda.memory_stats()["segment.all.allocated"] - segments,
         **{f"in_{k}_ms": v * 1e3 for k, v in spent.items()},
     }
 
