@@ -16,6 +16,7 @@ Only whole chunks move (plus the partial last chunk when
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -135,6 +136,9 @@ class CacheEngine:
         self._prefetches: dict[str, Future] = {}
         self._lock = threading.Lock()  # prefetches
         self._transfer_lock = threading.Lock()  # one gather/scatter at a time (loads may run in a thread)
+        # Where a finished layerwise load reads its digest sums back: not the caller's stream,
+        # which holds the whole forward that read the layers (it need not be over yet).
+        self._readback = torch.cuda.Stream(kv.device) if self._digests else None
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
         if not self.tiers.keep_cpu and not self.tiers.lower and not config.enable_pd:
             log.warning("local_cpu is false and no other tier is configured: kvtier stores nothing")
@@ -540,15 +544,16 @@ class Retrieval:
         if self._held is None:
             return self.mask
         held, self._held = self._held, None
+        engine = self._engine
         try:
             if self._handle is not None:
-                self._handle.finish()
-            good = _verified(held)
+                self._handle.finish()  # every layer's copies and digests are done: any stream may read them
+            with torch.cuda.stream(engine._readback) if engine._readback is not None else contextlib.nullcontext():
+                good = _verified(held)
         finally:
             for _, chunk in held:
                 chunk.block.release()
-            self._engine.release_lease(self._request_id)
-        engine = self._engine
+            engine.release_lease(self._request_id)
         if good < len(held):
             self.mask[max(self._start, held[good][0].start) :] = False
             self._loaded = self._loaded[:good]
