@@ -28,10 +28,12 @@ loopback TCP stream moves ~3 GB/s, several move more, and the server
 serves them on its I/O threads. The extra connections open on the first
 such get and are left alone if the server refuses them (a bound).
 
-`borrow(keys)` (same host only) hands out the values themselves: views of
-the mapped pool, leased until `ShmLease.release()`, so a reader can copy
-them where it wants them (a GPU, by DMA from the pool once it is
+`borrow(keys)` (same host only) hands out the values themselves: where they
+lie in the mapped pool, leased until `ShmLease.release()`, so a reader can
+copy them where it wants them (a GPU, by DMA from the pool once it is
 registered with CUDA: `on_map`/`on_unmap` are called with each mapping).
+The lease also says how many keys, from the first, the server holds: a
+reader needs no EXISTS round trip before it.
 """
 
 from __future__ import annotations
