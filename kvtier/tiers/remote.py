@@ -230,7 +230,7 @@ class RemoteTier:
             except CorruptPayload:
                 break
             lent.append(((at + HEADER.size, size - HEADER.size), n, stored, digest))
-        if not lent or len(lent) < wanted and whole:
+        if not lent or (whole and len(lent) < wanted):
             lease.release()
             return None
         self.stats.hits += len(lent)
