@@ -117,13 +117,16 @@ class HFSession:
             raise ValueError(f"prompt of {n} tokens exceeds the session's max_len {self.max_len}")
         tokens = ids.cpu()
         slots = torch.arange(n)
-        hit, load, storing = 0, None, None
+        hit, load, storing, store = 0, None, None, use_cache
         if use_cache:
             # All but the last token: the model must run that one to give its
             # logits. The load stops at the first chunk not stored.
             load = self.engine.start_retrieve(tokens, slots[: n - 1], layerwise=layerwise)
             hit = load.num_tokens
-            if layerwise:
+            size = self.engine.chunk_size
+            # The tokens the forward computes lie in the chunk the load ended inside: stored already.
+            store = not (hit % size and (n - 1) // size == hit // size)
+            if layerwise and store:
                 storing = self.engine.start_store(tokens, slots, start=hit, layerwise=True)
         cache = KvtierCache(self.buffers, hit, before_update=load.wait if load else None,
                             after_update=storing.save if storing else None)
@@ -144,7 +147,7 @@ class HFSession:
             return self.prefill(input_ids, use_cache=False)
         if storing is not None:
             storing.finish()
-        elif use_cache:
+        elif store:
             self.engine.store(tokens, slots, start=hit)
         return PrefillResult(out.logits[:, -1], cache, hit)
 
