@@ -92,15 +92,16 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def copy_bandwidth(nbytes: int, device: torch.device) -> tuple[float, float]:
-    """GB/s of one contiguous device→host and host→device copy of `nbytes`."""
+def copy_bandwidth(nbytes: int, device: torch.device, tries: int = 3) -> tuple[float, float]:
+    """GB/s of a contiguous device→host and host→device copy of `nbytes`: the fastest
+    of `tries` each way (a limit; one copy alone was once a third slow on a busy host)."""
     pin = device.type == "cuda"
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host.fill_(1)
     dev.fill_(2)
-    d2h = timed(lambda: host.copy_(dev, non_blocking=True), device)
-    h2d = timed(lambda: dev.copy_(host, non_blocking=True), device)
+    d2h = min(timed(lambda: host.copy_(dev, non_blocking=True), device) for _ in range(tries))
+    h2d = min(timed(lambda: dev.copy_(host, non_blocking=True), device) for _ in range(tries))
     return nbytes / d2h / 1e9, nbytes / h2d / 1e9
 
 
