@@ -2,12 +2,15 @@
 the same prefill from CPU RAM (GPU, the ttft bench's model and sessions).
 
     python3 scripts/gpu_layerwise_profile.py OUT_DIR [tokens]
+    WHOLE_BEFORE=1 python3 scripts/gpu_layerwise_profile.py ...   # a whole warm load before each, as the bench
 
-Per prefill, host time: start_retrieve (lookup, lease, queuing every layer's
-copies), the forward, finish(); device time: when the last layer's scatter
-ended and when the forward's last kernel ended, from the prefill's start. Then
-cProfile of the server path's start_retrieve and finish, and the CUDA
-timeline of one prefill of each (torch profiler: copy and kernel spans)."""
+Per prefill (medians of 9), host time: start_retrieve (lookup, lease, queuing
+every layer's copies), the forward, finish(), and the time inside each of
+TIMED (in_<name>_ms); device time: when the last layer's scatter ended and
+when the prefill's work ended, from its start; cudaMallocs. Also the
+one-token forward alone and beside a copy of the same bytes. Then the CUDA
+timeline of one prefill of each (torch profiler: copy and kernel spans) and
+cProfile of one from the server."""
 
 from __future__ import annotations
 
@@ -27,16 +30,31 @@ import torch  # noqa: E402
 
 import kvtier.engine as engine_mod  # noqa: E402
 import kvtier.transfer.triton_copy as tc  # noqa: E402
+from kvtier.bench.offload import timed  # noqa: E402
 from kvtier.bench.ttft import _ServerSession, build_model  # noqa: E402
 from kvtier.config import KvtierConfig  # noqa: E402
-from kvtier.bench.offload import timed  # noqa: E402
 from kvtier.integrations.hf import HFSession, KvtierCache  # noqa: E402
 from kvtier.localservers import kvtier_server  # noqa: E402
+from kvtier.server.client import KVClient  # noqa: E402
+from kvtier.store import TieredStore  # noqa: E402
+from kvtier.tiers.remote import RemoteTier  # noqa: E402
 
 WHOLE_BEFORE = bool(int(os.environ.get("WHOLE_BEFORE", "0")))
-marks: dict[str, float] = {}
-handles: list = []
-runs: list[int] = []
+# Host time spent in each of these per prefill (in_<name>_ms), summed over calls.
+TIMED = [
+    (TieredStore, "locate", "locate"), (TieredStore, "lend_whole", "lend_whole"),
+    (RemoteTier, "max_held", "max_held"), (KVClient, "borrow", "borrow_rpc"), (KVClient, "exists", "exists_rpc"),
+    (RemoteTier, "borrow", "borrow_all"), (engine_mod.CacheEngine, "_scatter", "engine_scatter"),
+    (engine_mod.CacheEngine, "chunk_view", "chunk_views"), (tc._Staging, "__init__", "staging_init"),
+    (tc._Staging, "copy", "staging_copies"), (tc.TritonTransfer, "_upload", "tables_upload"),
+    (tc.TritonTransfer, "_kernel", "kernel_launches"), (tc._DigestTables, "__init__", "digest_tables"),
+    (tc._DigestTables, "add", "digest_launches"), (engine_mod.CacheEngine, "start_store", "start_store"),
+    (engine_mod.CacheEngine, "_stream_store", "stream_store"),
+]
+marks: dict[str, float] = {}  # phase boundaries of the current prefill (perf_counter)
+spent: dict[str, float] = {}  # seconds per TIMED name in the current prefill
+landed_events: list = []  # per layerwise scatter: an event behind its last layer's kernel
+runs: list[int] = []  # per layerwise scatter: strided copies per layer (-1: chunks read in place)
 
 start_retrieve, finish, scatter_layerwise = (engine_mod.CacheEngine.start_retrieve, engine_mod.Retrieval.finish,
                                              tc.TritonTransfer.scatter_layerwise)
@@ -60,13 +78,10 @@ def kept_scatter(self, slots, chunks, digests=None):
     handle = scatter_layerwise(self, slots, chunks, digests=digests)
     landed = torch.cuda.Event(enable_timing=True)
     landed.record(self._stream)  # behind every layer's scatter
-    handles.append(landed)
+    landed_events.append(landed)
     staging = handle._keepalive
     runs.append(sum(len(r) for r in staging.runs) if staging is not None else -1)
     return handle
-
-
-spent: dict[str, float] = {}
 
 
 def accumulate(owner, attr: str, name: str) -> None:
@@ -82,31 +97,8 @@ def accumulate(owner, attr: str, name: str) -> None:
     setattr(owner, attr, wrapper)
 
 
-from kvtier import store as store_mod  # noqa: E402
-from kvtier.server import client as client_mod  # noqa: E402
-from kvtier.tiers import remote as remote_mod  # noqa: E402
-
-for owner, attr, name in [
-    (store_mod.TieredStore if hasattr(store_mod, "TieredStore") else None, "locate", "locate"),
-    (store_mod.TieredStore if hasattr(store_mod, "TieredStore") else None, "lend_whole", "lend_whole"),
-    (remote_mod.RemoteTier, "max_held", "max_held"),
-    (client_mod.KVClient, "borrow", "borrow_rpc"),
-    (client_mod.KVClient, "exists", "exists_rpc"),
-    (remote_mod.RemoteTier, "borrow", "borrow_all"),
-    (engine_mod.CacheEngine, "_scatter", "engine_scatter"),
-    (engine_mod.CacheEngine, "chunk_view", "chunk_views"),
-    (tc._Staging, "__init__", "staging_init"),
-    (tc._Staging, "copy", "staging_copies"),
-    (tc.TritonTransfer, "_upload", "tables_upload"),
-    (tc.TritonTransfer, "_kernel", "kernel_launches"),
-    (tc._DigestTables, "__init__", "digest_tables"),
-    (tc._DigestTables, "add", "digest_launches"),
-    (engine_mod.CacheEngine, "start_store", "start_store"),
-    (engine_mod.CacheEngine, "_stream_store", "stream_store"),
-]:
-    if owner is not None:
-        accumulate(owner, attr, name)
-
+for owner, attr, name in TIMED:
+    accumulate(owner, attr, name)
 engine_mod.CacheEngine.start_retrieve = timed_start
 engine_mod.Retrieval.finish = timed_finish
 tc.TritonTransfer.scatter_layerwise = kept_scatter
@@ -114,7 +106,7 @@ tc.TritonTransfer.scatter_layerwise = kept_scatter
 
 def one(session, ids) -> dict:
     marks.clear()
-    handles.clear()
+    landed_events.clear()
     spent.clear()
     if WHOLE_BEFORE:  # as the ttft bench does: a whole (not layerwise) warm load before each layerwise one
         session.prefill(ids, layerwise=False)
@@ -130,7 +122,7 @@ def one(session, ids) -> dict:
     torch.cuda.synchronize()
     t1 = time.perf_counter()
     assert hit > 0
-    last = handles[-1] if handles else None
+    last = landed_events[-1] if landed_events else None
     return {
         "total_ms": (t1 - t0) * 1e3,
         "before_retrieve_ms": (marks["retrieve0"] - t0) * 1e3,
