@@ -241,9 +241,11 @@ class TieredStore:
         chunks are there. [] unless the CPU tier is off, none of them is on disk, every
         one held is lent (none split over pages, no bad header) and `spans` fit in most
         of what the server lets one connection hold: then `locate` and `fetch` do it."""
-        remote, keys = self.remote, [s.key for s in spans]
-        if (not spans or self.keep_cpu or remote is None or not remote.can_borrow()
-                or (self.disk is not None and any(self.disk.exists(keys)))):
+        remote = self.remote
+        if not spans or self.keep_cpu or remote is None or not remote.can_borrow():
+            return []
+        keys = [s.key for s in spans]
+        if self.disk is not None and any(self.disk.exists(keys)):
             return []
         nbytes = sum(s.num_tokens for s in spans) * self.bytes_per_token
         if nbytes > LEND_WHOLE_SHARE * remote.max_held():

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import kvtier.engine as engine_mod  # noqa: E402
 import kvtier.transfer.triton_copy as tc  # noqa: E402
 from kvtier.bench.offload import timed  # noqa: E402
-from kvtier.bench.ttft import _ServerSession, build_model  # noqa: E402
+from kvtier.bench.ttft import BesideACopy, _ServerSession, build_model  # noqa: E402
 from kvtier.config import KvtierConfig  # noqa: E402
 from kvtier.integrations.hf import HFSession, KvtierCache  # noqa: E402
 from kvtier.localservers import kvtier_server  # noqa: E402
@@ -202,21 +202,7 @@ if __name__ == "__main__":
                 model(input_ids=last, past_key_values=KvtierCache(cpu.buffers, hit), use_cache=True,
                       logits_to_keep=1)
 
-        host = torch.empty(hit * 131072, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty_like(host, device="cuda")
-        side = torch.cuda.Stream()
-
-        def beside_copy(fn) -> float:
-            """Host seconds of `fn` while the KV's bytes cross PCIe on another stream (the same load)."""
-            torch.cuda.synchronize()
-            with torch.cuda.stream(side):
-                dev.copy_(host, non_blocking=True)
-            t = time.perf_counter()
-            fn()
-            torch.cuda.current_stream().synchronize()
-            seconds = time.perf_counter() - t
-            torch.cuda.synchronize()
-            return seconds
+        beside_a_copy = BesideACopy(hit * 131072)
 
         rows: dict[str, list[dict]] = {"cpu": [], "server": [], "forward_1": [], "forward_1_beside_a_copy": []}
         run_counts: dict[str, int] = {}
@@ -225,7 +211,7 @@ if __name__ == "__main__":
                 rows[name].append(one(s, ids))
                 run_counts[name] = runs[-1]
             rows["forward_1"].append({"total_ms": timed(forward_one, torch.device("cuda")) * 1e3})
-            rows["forward_1_beside_a_copy"].append({"total_ms": beside_copy(forward_one) * 1e3})
+            rows["forward_1_beside_a_copy"].append({"total_ms": beside_a_copy.timed(forward_one) * 1e3})
         report["median"] = {k: summary(v) for k, v in rows.items()}
         report["staging_runs_per_layer"] = run_counts
         print(json.dumps(report, indent=1), flush=True)

@@ -160,6 +160,28 @@ class TTFTPoint:
                 "samples_ms": {k: [round(x * 1e3, 1) for x in v] for k, v in self.samples.items()}}
 
 
+class BesideACopy:
+    """Times work while `nbytes` cross PCIe host→device on another stream (as a
+    layerwise load's bytes do beside its forward); owns the two buffers."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.dev = torch.empty_like(self.host, device=CUDA)
+        self.side = torch.cuda.Stream(CUDA)
+
+    def timed(self, fn) -> float:
+        """Seconds of `fn` and its device work on the current stream, the copy running beside."""
+        torch.cuda.synchronize(CUDA)
+        with torch.cuda.stream(self.side):
+            self.dev.copy_(self.host, non_blocking=True)
+        t = time.perf_counter()
+        fn()
+        torch.cuda.current_stream(CUDA).synchronize()
+        seconds = time.perf_counter() - t
+        torch.cuda.synchronize(CUDA)
+        return seconds
+
+
 def _kv_bytes_per_token(model) -> int:
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -214,27 +236,13 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
     # several ms from one minute to the next) is timed in the same conditions;
     # so are the loads from the store server of this host (a second session).
     remote = _ServerSession(model, ids, chunk_size, pool_gib, server_url, transfer) if server_url else None
-    copy_from = torch.empty(hit * kv_per_token, dtype=torch.uint8, pin_memory=True)
-    copy_to = torch.empty_like(copy_from, device=CUDA)
-    side = torch.cuda.Stream(CUDA)
-
-    def beside_a_copy() -> float:
-        torch.cuda.synchronize(CUDA)
-        with torch.cuda.stream(side):
-            copy_to.copy_(copy_from, non_blocking=True)
-        t = time.perf_counter()
-        forward_one()
-        torch.cuda.current_stream(CUDA).synchronize()
-        seconds = time.perf_counter() - t
-        torch.cuda.synchronize(CUDA)
-        return seconds
-
+    beside_a_copy = BesideACopy(hit * kv_per_token)
     warm, layered, fwd, fwd_copy, warm_server, server_layered = [], [], [], [], [], []
     for _ in range(repeats):
         warm.append(_timed(lambda: session.prefill(ids, layerwise=False)))
         layered.append(_timed(lambda: session.prefill(ids, layerwise=True)))
         fwd.append(_timed(forward_one))
-        fwd_copy.append(beside_a_copy())
+        fwd_copy.append(beside_a_copy.timed(forward_one))
         if remote is not None:
             warm_server.append(remote.timed(layerwise=False))
             server_layered.append(remote.timed(layerwise=True))
@@ -245,7 +253,7 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
                       {"cold": cold, "cold_store": cold_store, "cold_store_layerwise": cold_store_layerwise,
                        "warm": warm, "warm_layerwise": layered, "forward_1": fwd,
                        "forward_1_beside_a_copy": fwd_copy}, kv_bytes=hit * kv_per_token)
-    del session, copy_from, copy_to
+    del session, beside_a_copy
     if remote is not None:
         remote.close()
         point.samples["warm_server"], point.samples["warm_server_layerwise"] = warm_server, server_layered
