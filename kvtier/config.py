@@ -29,7 +29,7 @@ import yaml
 
 from kvtier.codec import KV_CODECS, SERDES
 from kvtier.errors import ConfigError, UnknownConfigKey
-from kvtier.lmcache_keys import RULES, resolve
+from kvtier.lmcache_keys import RULES, env_var_note, resolve
 from kvtier.remote import TOKEN_SCHEMES, check_url
 from kvtier.tiers.policy import POLICIES
 
@@ -316,7 +316,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for prefix in ENV_PREFIXES:  # KVTIER_ last, so it wins over LMCACHE_
         for name, value in sorted(env.items()):
-            if not name.startswith(prefix) or name in CONFIG_FILE_VARS:
+            if not name.startswith(prefix) or name in CONFIG_FILE_VARS or env_var_note(name):
                 continue
             key = name[len(prefix):].lower()
             if key in IGNORED_LMCACHE_KEYS:

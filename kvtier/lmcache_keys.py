@@ -190,7 +190,58 @@ RULES: dict[str, KeyRule] = {
     "enable_hidden_state_cache": _r(False, "the hidden-state cache"),
 }
 
+# LMCache's environment variables that are not config keys (os.getenv calls in
+# LMCache 0.5.6, outside its config): an LMCache user's environment must not stop
+# kvtier, so each is accepted with one line saying what kvtier does with it.
+# LMCACHE_LOG_LEVEL is honoured by logs.py.
+_TELEMETRY = "LMCache's usage telemetry; kvtier sends none"
+_MP = "LMCache's multi-process server mode, which kvtier does not have (its store server is `kvtier server`)"
+ENV_VARS: dict[str, str] = {
+    "LMCACHE_TRACK_USAGE": _TELEMETRY,
+    "LMCACHE_USAGE_TRACK_URL": _TELEMETRY,
+    "LMCACHE_USAGE_TRACK_INTERVAL": _TELEMETRY,
+    "LMCACHE_REQUEST_TELEMETRY_TYPE": _TELEMETRY,
+    "LMCACHE_DISABLE_BANNER": "LMCache's start banner; kvtier prints none",
+    "LMCACHE_LOG_LEVEL": "kvtier's log level (as KVTIER_LOG_LEVEL, which wins)",
+    "LMCACHE_FORCE_SKIP_SAVE": "not honoured: kvtier still stores (kv_role kv_consumer stores nothing)",
+    "LMCACHE_GPU_STAGING_BUFFER_BYTES": "LMCache's MUSA staging buffer; kvtier sizes its own",
+    "LMCACHE_OFFLOAD_RPC_PORT": "LMCache's offload server port; kvtier's sockets are named by vLLM's engine id",
+    "LMCACHE_RUNTIME_PLUGIN_CONFIG": "LMCache runtime plugins, which kvtier does not run",
+    "LMCACHE_SERVER_URL": _MP,
+    "LMCACHE_MQ_TIMEOUT": _MP,
+    "LMCACHE_COORDINATOR_URL": _MP,
+    "LMCACHE_COORDINATOR_ADVERTISE_IP": _MP,
+    "LMCACHE_COORDINATOR_HEARTBEAT_INTERVAL": _MP,
+    "LMCACHE_COORDINATOR_EVENT_FLUSH_INTERVAL": _MP,
+    "LMCACHE_COORDINATOR_EVENT_REPORTING": _MP,
+    "LMCACHE_RESP_HOST": "LMCache's RESP (Redis protocol) backend settings; kvtier's is remote_url redis://",
+    "LMCACHE_RESP_PORT": "LMCache's RESP backend settings; kvtier's is remote_url redis://",
+    "LMCACHE_RESP_USERNAME": "LMCache's RESP backend settings; kvtier's is remote_url redis://",
+    "LMCACHE_RESP_PASSWORD": "LMCache's RESP backend settings; kvtier's is remote_url redis://",
+    "LMCACHE_AEROSPIKE_HOSTS": "LMCache's Aerospike backend, which kvtier does not have",
+    "LMCACHE_AEROSPIKE_NAMESPACE": "LMCache's Aerospike backend, which kvtier does not have",
+    "LMCACHE_AEROSPIKE_SET": "LMCache's Aerospike backend, which kvtier does not have",
+    "LMCACHE_AEROSPIKE_USERNAME": "LMCache's Aerospike backend, which kvtier does not have",
+    "LMCACHE_AEROSPIKE_PASSWORD": "LMCache's Aerospike backend, which kvtier does not have",
+}
+# LMCACHE_EC_<key>: LMCache's extra_config entries one by one.
+EXTRA_CONFIG_ENV_PREFIX = "LMCACHE_EC_"
+
 _told: set[str] = set()
+
+
+def env_var_note(name: str) -> bool:
+    """True (and one line, once) where `name` is one of LMCache's environment variables
+    that are not config keys; False for any other name."""
+    note = ENV_VARS.get(name)
+    if note is None and name.startswith(EXTRA_CONFIG_ENV_PREFIX):
+        note = "LMCache's extra_config entry, which kvtier has no use for (its extra_config is read whole)"
+    if note is None:
+        return False
+    if name not in _told:
+        _told.add(name)
+        log.info("LMCache environment variable %s: %s", name, note)
+    return True
 
 
 def resolve(key: str, value: Any, source: str) -> tuple[str, Any] | None:

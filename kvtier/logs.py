@@ -12,6 +12,7 @@ def get_logger(name: str) -> logging.Logger:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("kvtier %(levelname)s %(asctime)s: %(message)s"))
         root.addHandler(handler)
-        root.setLevel(os.environ.get("KVTIER_LOG_LEVEL", "INFO").upper())
+        level = os.environ.get("KVTIER_LOG_LEVEL") or os.environ.get("LMCACHE_LOG_LEVEL") or "INFO"
+        root.setLevel(level.upper())
         root.propagate = False
     return logging.getLogger(name)

@@ -101,6 +101,21 @@ def test_lmcaches_cache_policies_are_taken_and_others_refused():
         load_config(env={"LMCACHE_CACHE_POLICY": "ARC"})
 
 
+def test_lmcaches_own_environment_variables_start_kvtier_with_a_line_each(caplog):
+    """LMCACHE_TRACK_USAGE and the like are LMCache's switches, not config keys:
+    an LMCache user's environment starts kvtier, and each says what kvtier does."""
+    import kvtier.lmcache_keys as lk
+
+    lk._told.clear()
+    env = {name: "false" for name in lk.ENV_VARS} | {"LMCACHE_EC_FOO": "1", "LMCACHE_CHUNK_SIZE": "512"}
+    with caplog.at_level(logging.INFO, logger="kvtier"):
+        cfg = load_config(env=env)
+    assert cfg.chunk_size == 512
+    told = {r.getMessage().split()[3].rstrip(":") for r in caplog.records
+            if "LMCache environment variable" in r.getMessage()}
+    assert told == set(lk.ENV_VARS) | {"LMCACHE_EC_FOO"}
+
+
 def test_a_key_neither_has_is_still_unknown_with_a_suggestion():
     with pytest.raises(UnknownConfigKey, match="did you mean 'min_retrieve_tokens'"):
         load_config(env={"LMCACHE_MIN_RETRIEVE_TOKEN": "3"})
