@@ -26,6 +26,16 @@ class UnknownConfigKey(ConfigError):
         KvtierError.__init__(self, f"kvtier config: unknown key '{key}' in {source}{hint}")
 
 
+class UnsupportedKVLayout(KvtierError, ValueError):
+    """An engine's KV cache is laid out in a way kvtier cannot map exactly: it refuses
+    at start rather than move the wrong bytes."""
+
+    def __init__(self, backend: str, layout: str, expected: str) -> None:
+        self.backend, self.layout, self.expected = backend, layout, expected
+        super().__init__(f"kvtier cannot map the KV cache of attention backend {backend}: {layout}; "
+                         f"it maps {expected}")
+
+
 class HugePagesUnavailable(KvtierError, MemoryError):
     """The system has too few free 2 MiB huge pages for the CPU pool."""
 

@@ -19,7 +19,9 @@ fi
 # root that import finds the source tree even when nothing is installed, but
 # vLLM's worker processes start elsewhere and need the installed package.
 venv_python=$PWD/.venv/bin/python
-[ -x .venv/bin/kvtier ] && (cd / && "$venv_python" -c "import kvtier") 2>/dev/null \
+# The vLLM plugin entry point (pyproject.toml) is written at install: reinstall if it is missing.
+[ -x .venv/bin/kvtier ] && (cd / && "$venv_python" -c "import kvtier, importlib.metadata as m; \
+assert any(e.name == 'kvtier' for e in m.entry_points(group='vllm.general_plugins'))") 2>/dev/null \
     || pip install -q --no-deps -e .
 .venv/bin/python -c "import pytest_timeout, psutil, xxhash, openai, uvloop, aiohttp, prometheus_client, redis, hiredis, lz4, hypothesis" 2>/dev/null \
     || pip install -q pytest pytest-timeout psutil xxhash pyyaml tqdm pyzmq openai uvloop aiohttp prometheus-client \

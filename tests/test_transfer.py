@@ -15,6 +15,7 @@ SHAPES = {
     "mla": (NB, BS, D),
     "vllm": (NB, H, BS, 2 * D),
     "vllm-cpu-vec": (NB, H, BS, 2 * D),
+    "packed": (NB, H, BS, 2 * D),
 }
 
 
@@ -27,6 +28,8 @@ def reference_tokens(layer: torch.Tensor, layout: str, slot: int) -> torch.Tenso
         return layer[b, :, o]
     if layout == "mla":
         return layer[b, o][None, None]
+    if layout == "packed":  # vLLM's GPU backends: K|V in the last dimension, K first
+        return layer[b, :, o].reshape(H, 2, D).permute(1, 0, 2)
     halves = layer.reshape(NB, H, 2, BS * D)[b]  # per (block, head): all K, then all V
     if layout == "vllm":
         return halves.reshape(H, 2, BS, D)[:, :, o].permute(1, 0, 2)

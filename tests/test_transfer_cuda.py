@@ -16,7 +16,18 @@ SHAPES = {
     "flashinfer": (NB, 2, BS, H, D),
     "mla": (NB, BS, 576),
     "vllm": (NB, H, BS, 2 * D),
+    "packed": (NB, H, BS, 2 * D),
+    "packed-nhd": (NB, BS, H, 2 * D),  # vLLM 0.26's FLASH_ATTN in memory; seen as [NB, H, BS, 2*D]
 }
+
+
+def make_kv(layout: str, scale: float = 1.0) -> tuple[list[torch.Tensor], PagedKV]:
+    """L random bf16 layers of `layout` on the GPU, and kvtier's view of them."""
+    layers = [(torch.randn(SHAPES[layout], device="cuda") * scale).to(torch.bfloat16) for _ in range(L)]
+    if layout == "packed-nhd":
+        layers = [t.permute(0, 2, 1, 3) for t in layers]
+        return layers, PagedKV.wrap(layers, "packed")
+    return layers, PagedKV.wrap(layers, layout)
 
 
 def reference(kv: PagedKV, slots: torch.Tensor) -> torch.Tensor:
@@ -29,8 +40,7 @@ def reference(kv: PagedKV, slots: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("layout", SHAPES)
 def test_gather_scatter_match_torch_reference(layout, backend):
     torch.manual_seed(0)
-    layers = [torch.randn(SHAPES[layout], device="cuda").to(torch.bfloat16) for _ in range(L)]
-    kv = PagedKV.wrap(layers, layout)
+    layers, kv = make_kv(layout)
     perm = torch.randperm(kv.num_slots)
     src, dst = perm[:300], perm[300:600]
     sizes = [128, 128, 44]
@@ -92,11 +102,10 @@ ORDERS = {"adjacent": [0, 1, 2, 3, 4], "gaps": [0, 2, 4, 5, 6], "reversed": [4, 
 
 
 @pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize("layout", ["flash_attn", "vllm"])
+@pytest.mark.parametrize("layout", ["flash_attn", "vllm", "packed-nhd"])
 def test_staged_runs_and_layerwise_paths_match_the_reference(layout, order):
     torch.manual_seed(1)
-    layers = [torch.randn(SHAPES[layout], device="cuda").to(torch.bfloat16) for _ in range(L)]
-    kv = PagedKV.wrap(layers, layout)
+    layers, kv = make_kv(layout)
     perm = torch.randperm(kv.num_slots)
     sizes = [64, 64, 64, 64, 40]
     src, dst = perm[:296], perm[296:592]
@@ -149,8 +158,7 @@ def test_the_lossy_codec_kernels_match_the_torch_codec(layout, backend, codec):
     from kvtier.transfer import Quant
 
     torch.manual_seed(2)
-    layers = [(torch.randn(SHAPES[layout], device="cuda") * 5).to(torch.bfloat16) for _ in range(L)]
-    kv = PagedKV.wrap(layers, layout)
+    layers, kv = make_kv(layout, 5.0)
     q = Quant(codec, kv.heads, kv.head_size)
     perm = torch.randperm(kv.num_slots)
     src, dst = perm[:300], perm[300:600]

@@ -47,6 +47,19 @@ def main() -> None:
         print("RESULT " + json.dumps({"token_ids": list(out.token_ids), "logprobs": logprobs}), flush=True)
 
 
+CPU_BLOCK_SIZE = 128  # vLLM's CPU build's default block size
+
+
+def hit_granularity() -> int:
+    """Tokens a vLLM (CPU build) hit is rounded to here: 1 where vLLM's CPU attention kernel
+    is "vec" (kvtier knows its token layout), else whole blocks (kvtier moves whole blocks)."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    dtype = getattr(torch, cpu_model_dtype().dtype)
+    return 1 if _get_attn_isa(dtype, CPU_BLOCK_SIZE, 64, "auto") == "vec" else CPU_BLOCK_SIZE
+
+
 def run_vllm(model: Path, prompts: list[list[int]], tmp: Path, kv_role: str = "", env: dict | None = None,
              name: str = "", dtype: str = "auto", max_tokens: int = 8) -> tuple[list[dict], str]:
     """Run this file in a subprocess; returns the per-request results and vLLM's log.

@@ -65,7 +65,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.config import KvtierConfig, load_config
 from kvtier.engine import CacheEngine, Retrieval, Storing
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, UnsupportedKVLayout
 from kvtier.integrations.lookup import Handlers, LookupClient, LookupServer, socket_path
 from kvtier.integrations.vllm_events import KvtierKVEvents, to_vllm
 from kvtier.integrations.vllm_metrics import KvtierPromMetrics, KvtierStats, deltas
@@ -74,7 +74,7 @@ from kvtier.logs import get_logger
 from kvtier.pd import make_buffer, start_receiver
 from kvtier.pd.receiver import PdBuffer, PdReceiver
 from kvtier.pd.sender import PdSender, Target
-from kvtier.transfer import PagedKV
+from kvtier.integrations.vllm_layout import cpu_kernel_layout, vllm_kv
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -160,28 +160,14 @@ def _check_pd_role(config: KvtierConfig, kv_role: str) -> None:
                           f"runs with kv_role {wanted}")
 
 
-def cpu_kv_layout(vllm_config: VllmConfig) -> str | None:
-    """kvtier's name for the layout of vLLM's CPU KV cache, None on other platforms.
-
-    Inside a block, vLLM's CPU attention kernels order tokens their own way:
-    the "vec" kernel stores K transposed and V by token (layout vllm-cpu-vec,
-    exact per token); others (AMX tiles, vec16, ARM) are read as whole blocks
-    only (layout vllm), so hits are then rounded down to whole blocks."""
+def _cpu_whole_blocks(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM's KV moves in whole blocks here: on a CPU whose attention kernel is not
+    "vec" (vllm_layout.py). Known to the scheduler, which has no KV tensors to look at."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        return None
-    mc, cc = vllm_config.model_config, vllm_config.cache_config
-    if mc.use_mla:
-        return "vllm"
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        isa = _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype)
-    except Exception as exc:  # noqa: BLE001 - vLLM internals moved: whole blocks are always exact
-        log.info("cannot tell vLLM's CPU attention kernel (%s): kvtier moves whole KV blocks", exc)
-        return "vllm"
-    return "vllm-cpu-vec" if isa == "vec" else "vllm"
+    if not current_platform.is_cpu() or vllm_config.model_config.use_mla:
+        return current_platform.is_cpu()
+    return cpu_kernel_layout(vllm_config) == "vllm"
 
 
 def usable_hit(hit: int, prompt_len: int, granularity: int, min_tokens: int) -> int:
@@ -227,8 +213,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self.can_save = kv_cfg.kv_role in ("kv_both", "kv_producer")
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_size = self.config.chunk_size
-        self.cpu_layout = cpu_kv_layout(vllm_config)
-        self.whole_blocks = self.cpu_layout == "vllm"  # a hit must end on a block boundary
+        # vLLM's CPU kernels other than "vec" lay out tokens inside a block their own way:
+        # kvtier then moves whole blocks, and a hit must end on a block boundary.
+        self.whole_blocks = _cpu_whole_blocks(vllm_config)
         if self.whole_blocks and self.chunk_size % self.block_size:
             raise ConfigError("chunk_size", self.chunk_size,
                               f"a multiple of vLLM's block size {self.block_size}: this CPU's attention kernel "
@@ -405,13 +392,14 @@ class KvtierConnector(KVConnectorBase_V1):
 
         names = sorted(kv_caches, key=extract_layer_index)
         self._layer_index = {name: i for i, name in enumerate(names)}
-        model_config = self._vllm_config.model_config
-        layout = self.cpu_layout or "vllm"
-        kv = PagedKV.wrap([kv_caches[n] for n in names], layout, mla=model_config.use_mla)
+        vkv = vllm_kv(self._vllm_config, kv_caches, names)
+        if vkv.whole_blocks != self.whole_blocks:  # the scheduler rounded hits by what it expected
+            raise UnsupportedKVLayout(vkv.backend, f"layout {vkv.kv.layout}", "what the scheduler expected")
+        kv = vkv.kv
         rank = get_tensor_model_parallel_rank()
         fmt = KVFormat(
-            model=model_config.model,
-            layout="vllm-mla" if model_config.use_mla else layout,
+            model=self._vllm_config.model_config.model,
+            layout=vkv.chunk_layout,
             dtype=str(kv.dtype).removeprefix("torch."),
             tp_rank=rank,
             tp_size=get_tensor_model_parallel_world_size(),

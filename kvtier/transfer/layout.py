@@ -1,17 +1,24 @@
 """Paged KV layouts, and the one canonical view every transfer works on.
 
 Engines keep KV in pages ("blocks") of `block_size` token slots, one tensor
-per layer, in several layouts:
+per layer, in several layouts. Most are named dimensions in some order
+(DECLARED; an engine can also declare its own, as vLLM's backends do):
 
     flash_attn   [2, NB, BS, NH, HS]       K/V outermost
     flashinfer   [NB, 2, BS, NH, HS]       K/V inside the block
     mla          [NB, BS, HS]              one latent vector per token
-    vllm         [NB, NH, BS, HS_k+HS_v]   vLLM >= 0.30's standardised per-layer
-                                           view [B, H, N, C] (any stride order;
-                                           MLA is NH == 1, C == HS)
+    packed       [NB, NH, BS, 2*HS]        vLLM's GPU backends from 0.26 on:
+                                           K|V in one content dimension, any
+                                           stride order (NHD or HND in memory)
     hf           [2, NB, NH, BS, HS]       transformers' [batch, heads, seq, dim]
                                            keys and values stacked; a sequence is
                                            one block of BS = max length slots
+
+vLLM's CPU backend has the packed shape but not its meaning: per (block,
+head) it keeps BS*HS values of K, then of V, tokens ordered by its kernel:
+
+    vllm         whole blocks only (any CPU kernel)
+    vllm-cpu-vec per token, for the "vec" kernel (K transposed, V by token)
 
 Each maps, by permuting and splitting dimensions only (no copy), onto
 
@@ -34,17 +41,45 @@ import torch
 
 Canon = Callable[[torch.Tensor, bool], torch.Tensor]
 
+# The named dimensions a layout is declared in. KV_HEAD is K and V side by side in
+# one dimension, K's HS values first (vLLM's standardised [B, H, N, 2*HS]).
+BLOCKS, TOKENS, HEADS, HEAD, KV, KV_HEAD = "blocks", "tokens", "heads", "head", "kv", "kv_head"
+CANONICAL = (KV, BLOCKS, TOKENS, HEADS, HEAD)
+Dims = tuple[str, ...]
 
-def _flash_attn(t: torch.Tensor, mla: bool) -> torch.Tensor:
-    return t
+# Layouts that are a permutation (and split) of named dimensions.
+DECLARED: dict[str, Dims] = {
+    "flash_attn": (KV, BLOCKS, TOKENS, HEADS, HEAD),
+    "flashinfer": (BLOCKS, KV, TOKENS, HEADS, HEAD),
+    "mla": (BLOCKS, TOKENS, HEAD),
+    "packed": (BLOCKS, HEADS, TOKENS, KV_HEAD),
+    "hf": (KV, BLOCKS, HEADS, TOKENS, HEAD),
+}
 
 
-def _flashinfer(t: torch.Tensor, mla: bool) -> torch.Tensor:
-    return t.permute(1, 0, 2, 3, 4)
+def canonical(t: torch.Tensor, dims: Dims) -> torch.Tensor:
+    """`t`, whose dimensions are `dims`, as [K, NB, BS, NH, HS] (a view: no copy).
+    A layout without KV (MLA's one latent vector) or without HEADS gets them as
+    dimensions of size 1."""
+    if t.dim() != len(dims) or sorted(dims) != sorted(set(dims)) or not set(dims) <= {*CANONICAL, KV_HEAD}:
+        raise ValueError(f"KV layout dims {dims} do not describe a {t.dim()}-D tensor of shape {tuple(t.shape)}")
+    if KV_HEAD in dims:
+        if KV in dims or HEAD in dims:
+            raise ValueError(f"KV layout dims {dims}: {KV_HEAD} holds both {KV} and {HEAD}")
+        i = dims.index(KV_HEAD)
+        if t.shape[i] % 2:
+            raise ValueError(f"K and V packed in one dimension need an even size, got {t.shape[i]} in {tuple(t.shape)}")
+        t = t.unflatten(i, (2, t.shape[i] // 2))
+        dims = (*dims[:i], KV, HEAD, *dims[i + 1:])
+    for missing in (d for d in CANONICAL if d not in dims):
+        if missing not in (KV, HEADS):
+            raise ValueError(f"KV layout dims {dims} lack {missing!r}")
+        t, dims = t.unsqueeze(-1), (*dims, missing)
+    return t.permute(*(dims.index(d) for d in CANONICAL))
 
 
-def _mla(t: torch.Tensor, mla: bool) -> torch.Tensor:
-    return t.unsqueeze(0).unsqueeze(3)
+def _declared(dims: Dims) -> Canon:
+    return lambda t, mla: canonical(t, dims)
 
 
 def _vllm(t: torch.Tensor, mla: bool) -> torch.Tensor:
@@ -77,19 +112,11 @@ def _vllm_cpu_vec(t: torch.Tensor, mla: bool) -> tuple[torch.Tensor, torch.Tenso
     return k, v
 
 
-def _hf(t: torch.Tensor, mla: bool) -> torch.Tensor:
-    return t.permute(0, 1, 3, 2, 4)
-
-
-LAYOUTS: dict[str, Canon] = {
-    "flash_attn": _flash_attn,
-    "flashinfer": _flashinfer,
-    "mla": _mla,
+LAYOUTS: dict[str, Canon] = {name: _declared(dims) for name, dims in DECLARED.items()} | {
     "vllm": _vllm,
     "vllm-cpu-vec": _vllm_cpu_vec,
-    "hf": _hf,
 }
-_NDIM = {"flash_attn": 5, "flashinfer": 5, "mla": 3, "vllm": 4, "vllm-cpu-vec": 4, "hf": 5}
+_NDIM = {name: len(dims) for name, dims in DECLARED.items()} | {"vllm": 4, "vllm-cpu-vec": 4}
 
 Layer = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # [K, NB, BS, NH, HS], or (K, V) each [NB, BS, NH, HS]
 
@@ -117,7 +144,10 @@ class PagedKV:
                 raise ValueError(
                     f"layout {layout} wants {_NDIM[layout]}-D tensors, got shape {tuple(t.shape)}"
                 )
-        layers = tuple(LAYOUTS[layout](t, mla or layout == "mla") for t in tensors)
+        return cls._of(layout, tuple(LAYOUTS[layout](t, mla or layout == "mla") for t in tensors), tensors)
+
+    @classmethod
+    def _of(cls, layout: str, layers: tuple[Layer, ...], tensors: Sequence[torch.Tensor]) -> PagedKV:
         first = _first(layers[0])
         if isinstance(layers[0], torch.Tensor) and first.stride(-1) != 1:
             raise ValueError("the innermost (head_size) dimension of the KV cache must be contiguous")
@@ -125,6 +155,14 @@ class PagedKV:
             if t.shape != tensors[0].shape or t.stride() != tensors[0].stride() or t.dtype != tensors[0].dtype:
                 raise ValueError("all KV layers must share shape, strides and dtype")
         return cls(layout, layers)
+
+    @classmethod
+    def declared(cls, tensors: Sequence[torch.Tensor], dims: Dims, name: str) -> PagedKV:
+        """Tensors whose dimensions an engine declared as `dims` (named `name` in errors
+        and in `layout`)."""
+        if not tensors:
+            raise ValueError("no KV cache tensors to register")
+        return cls._of(name, tuple(canonical(t, dims) for t in tensors), tensors)
 
     @property
     def split(self) -> bool:
