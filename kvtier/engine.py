@@ -140,6 +140,8 @@ class CacheEngine:
         # which holds the whole forward that read the layers (it need not be over yet).
         self._readback = torch.cuda.Stream(kv.device) if self._digests else None
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
+        if kv.device.type == "cuda":
+            self._warm_up()
         if not self.tiers.keep_cpu and not self.tiers.lower and not config.enable_pd:
             log.warning("local_cpu is false and no other tier is configured: kvtier stores nothing")
         log.info(
@@ -150,6 +152,30 @@ class CacheEngine:
             "" if self.quant is None else f", lossy KV codec {self.quant.name} (chunks "
             f"{self.chunk_bytes_per_token / kv.bytes_per_token():.3f} of the KV's bytes)",
         )
+
+    def _warm_up(self) -> None:
+        """Run each copy path once, moving nothing (every slot -1): its kernels' compile or
+        load, its streams and staging buffers cost the start, not the first requests."""
+        block = self.pool.allocate()
+        if block is None:
+            return
+        try:
+            view = self.chunk_view(block.data, self.chunk_size)
+            nothing = torch.full((self.chunk_size,), -1, dtype=torch.int64)
+            with self._transfer_lock:
+                self.transfer.gather(nothing, [view], digests=self._digest_sums(1))
+                self.transfer.scatter(nothing, [view])()
+                saver = self.transfer.gather_layerwise(nothing, [view], digests=self._digest_sums(1))
+                for layer in range(self.kv.num_layers):
+                    saver.save(layer)
+                saver.finish()
+                loading = self.transfer.scatter_layerwise(nothing, [view])
+                for layer in range(self.kv.num_layers):
+                    loading.wait(layer)
+                loading.finish()
+            torch.cuda.synchronize(self.kv.device)
+        finally:
+            block.release()
 
     # -- queries ---------------------------------------------------------------
 
@@ -372,12 +398,15 @@ class CacheEngine:
                        layerwise: bool = False) -> Retrieval:
         """`retrieve`, split in two: what to load is decided (and pinned) now.
 
-        With `layerwise` and every chunk in CPU RAM (or every chunk lent whole
-        by the store server of this host, CPU tier off), layers load in order
-        in the background; the caller calls `wait(layer)` before it uses a
-        layer and `finish()` at the end, whose mask is the one to trust.
-        Otherwise (chunks from disk or remote, batch by batch) everything is
-        loaded before this returns. Either way the request's lease ends at `finish()`.
+        With every chunk in CPU RAM, the copies are queued and this returns
+        at once: the caller's stream is ordered after them (so the forward's
+        launches overlap the copies), and the chunks stay pinned until
+        `finish()`. With `layerwise` too (or every chunk lent whole by the
+        store server of this host, CPU tier off), layers load in order; the
+        caller calls `wait(layer)` before it uses a layer. `finish()` at the
+        end gives the mask to trust. Otherwise (chunks from disk or remote,
+        batch by batch) everything is loaded before this returns. Either way
+        the request's lease ends at `finish()`.
         """
         slots = self._check(tokens, slots, exact=False)
         end = len(slots)
@@ -399,12 +428,13 @@ class CacheEngine:
                 todo = [(s, w) for s, w in zip(spans, where) if s.end > start]
                 all_cpu = all(w == CPU for _, w in todo)
                 batches = self.tiers.fetch([s for s, _ in todo], [w for _, w in todo], ahead=not all_cpu)
-                if layerwise and all_cpu:  # from CPU RAM
+                if all_cpu:  # from CPU RAM: one batch, pinned until finish()
                     held = next(batches, [])
                 else:
                     loaded = self._load_batches(slots, batches, start, end)
             if held:
-                handle = self._scatter(slots, held, start, end, layerwise=True)
+                handle = (self._scatter(slots, held, start, end, layerwise=True) if layerwise else
+                          _Queued(self._scatter(slots, held, start, end, layerwise=False, wait=False)))
                 loaded = len(held)
         except BaseException:
             for _, chunk in held:
@@ -571,6 +601,20 @@ class Retrieval:
             _log_transfer("Retrieved KV cache for", loaded, len(self.mask), self._request_id,
                           loaded * engine.kv.bytes_per_token(), time.perf_counter() - self._t0)
         return self.mask
+
+
+class _Queued:
+    """A whole load's copies, queued ahead of the caller's stream (a LayerHandle whose
+    layers are all ordered before whatever the caller queues next)."""
+
+    def __init__(self, copied: Callable[[], None]) -> None:
+        self._copied = copied
+
+    def wait(self, layer: int) -> None:
+        pass  # the caller's stream already waits for every layer
+
+    def finish(self) -> None:
+        self._copied()
 
 
 def _verified(chunks: list[tuple[ChunkSpan, StoredChunk]]) -> int:

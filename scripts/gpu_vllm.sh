@@ -6,9 +6,12 @@
 # Steps: tests (GPU tests), bench (query twice per setup: kvtier.bench.vllm).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# Everything is written to $work and comes back as one archive in $OUT (the device returns at most 8 files).
 out=${OUT:-results/gpu-vllm}
+work=/tmp/gpu-vllm-results
 steps=${STEPS:-tests bench}
-mkdir -p "$out"
+rm -rf "$work"; mkdir -p "$out" "$work"
+trap 'tar czf "$out/gpu-vllm.tgz" -C "$work" .' EXIT
 if [ ! -d /tmp/site/vllm ]; then
     bash .gpu-vllm/install.sh .gpu-vllm /tmp/site >/dev/null || exit 1
 fi
@@ -19,13 +22,14 @@ export PYTHONPATH=$PWD:/tmp/site:/tmp/kvtier-dist PYTHONUNBUFFERED=1 VLLM_USE_FL
 {
   date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton, vllm; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__)"
-} 2>&1 | tee "$out/machine.txt"
+} 2>&1 | tee "$work/machine.txt"
 case " $steps " in *" tests "*)
-python3 -m pytest -q -p no:cacheprovider tests/test_transfer_cuda.py tests/test_vllm_layout.py 2>&1 \
-    | tail -5 | tee "$out/pytest.txt" ;;
+python3 -m pytest -q -p no:cacheprovider tests/test_transfer_cuda.py tests/test_vllm_layout.py tests/test_engine.py \
+    tests/test_digest.py tests/test_hf_integration.py "tests/test_remote_tier.py::test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv" 2>&1 \
+    > "$work/pytest.txt"; tail -5 "$work/pytest.txt" ;;
 esac
 case " $steps " in *" bench "*)
 python3 -m kvtier.bench.vllm --setups ${SETUPS:-plain kvtier kvtier-layerwise} --lengths ${LENGTHS:-4096 16384 32768} \
-    --pairs ${PAIRS:-7} --out "$out" ${BENCH_ARGS:-} > "$out/bench.log" 2>&1
-echo "bench exit $?"; grep -E "^\[|tokens|Traceback|Error" "$out/bench.log" | tail -40 ;;
+    --pairs ${PAIRS:-7} --out "$work" ${BENCH_ARGS:-} > "$work/bench.log" 2>&1
+echo "bench exit $?"; grep -E "^\[|tokens|Traceback|Error" "$work/bench.log" | tail -40 ;;
 esac

@@ -8,7 +8,9 @@ can be timed by CUDA events and the warm path profiled in one process):
     seeded (vLLM's dummy weights make the output ignore the prompt)
     per prompt length: `pairs` times a new prompt cold, vLLM's prefix cache
     reset, the same prompt warm (its hit can only come from the offloader);
-    TTFT = the wall time of generate() with max_tokens=1
+    TTFT = the wall time of generate() with max_tokens=1; between the two, the
+    same prompt again at once, a hit in vLLM's own GPU prefix cache (what a
+    load that cost nothing would give)
     correctness: the first prompt cold and warm with `check_tokens` greedy
     tokens, and a control prompt with another first chunk; setups compare
     them with plain vLLM's (`compare`)
@@ -180,7 +182,7 @@ def run_setup(args: argparse.Namespace) -> None:
 
     for length in args.lengths:
         bw = h2d_bandwidth(length * KV_BYTES_PER_TOKEN)
-        runs = {"cold": [], "warm": [], "fwd_ms": [], "cold_fwd_ms": []}
+        runs = {"cold": [], "gpu_hit": [], "warm": [], "fwd_ms": [], "gpu_hit_fwd_ms": []}
         # Tokens of variant 0: cold; again at once (a hit in vLLM's own GPU prefix cache: the
         # computation a warm load must reproduce); warm from the offloader; and a control
         # prompt (variant 1: another first chunk) cold.
@@ -198,34 +200,34 @@ def run_setup(args: argparse.Namespace) -> None:
                   "cold_vs_gpu_hit_logprob_err": _logprob_err(cold_out, gpu_out)}
         for i in range(args.pairs + 1):  # the first pair warms up
             ids = prompt(length, 100 + i)
-            timer.clear()
             cold, _ = gen(ids)
-            cold_fwd = timer.last_ms()
+            timer.clear()
+            gpu_hit, _ = gen(ids)  # vLLM's own prefix cache: what a zero-cost load would give
+            gpu_hit_fwd = timer.last_ms()
             llm.reset_prefix_cache()
             timer.clear()
-            if args.profile and i == args.pairs:
-                prof = cProfile.Profile()
+            profiled = args.profile and i == args.pairs
+            prof = cProfile.Profile() if profiled else None
+            if prof is not None:
                 prof.enable()
             warm, _ = gen(ids)
-            if args.profile and i == args.pairs:
+            if prof is not None:
                 prof.disable()
-                prof.dump_stats(f"{args.out}/{args.setup}-{length}.prof")
-                stats = pstats.Stats(prof).sort_stats("cumulative")
-                with open(f"{args.out}/{args.setup}-{length}.prof.txt", "w") as f:
-                    stats.stream = f
-                    stats.print_stats(60)
+                with open(f"{args.out}/{args.setup}.prof.txt", "a") as f:
+                    f.write(f"==== {args.setup} {length} tokens: the last warm run\n")
+                    pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(70)
             fwd = timer.last_ms()
             llm.reset_prefix_cache()
             if i:
-                runs["cold"].append(cold)
-                runs["warm"].append(warm)
-                runs["fwd_ms"].append(fwd)
-                runs["cold_fwd_ms"].append(cold_fwd)
+                for key, value in (("cold", cold), ("gpu_hit", gpu_hit), ("warm", warm), ("fwd_ms", fwd),
+                                   ("gpu_hit_fwd_ms", gpu_hit_fwd)):
+                    runs[key].append(value)
         copy_s = length * KV_BYTES_PER_TOKEN / bw
         floors = [copy_s + f / 1e3 for f in runs["fwd_ms"]]
         rec.lengths[str(length)] = {
             **runs, "h2d_GBps": bw / 1e9, "copy_ms": copy_s * 1e3, "tokens": tokens,
             "cold_median": statistics.median(runs["cold"]), "warm_median": statistics.median(runs["warm"]),
+            "gpu_hit_median": statistics.median(runs["gpu_hit"]),
             "fwd_median_ms": statistics.median(runs["fwd_ms"]),
             "warm_over_floor_paired": statistics.median(w / f for w, f in zip(runs["warm"], floors)),
             "warm_over_max_load_fwd_paired": statistics.median(
@@ -233,6 +235,7 @@ def run_setup(args: argparse.Namespace) -> None:
         }
         r = rec.lengths[str(length)]
         print(f"[{args.setup}] {length}: cold {r['cold_median']*1e3:.1f} ms, warm {r['warm_median']*1e3:.1f} ms, "
+              f"vLLM's own GPU prefix hit {r['gpu_hit_median']*1e3:.1f} ms, "
               f"copy {r['copy_ms']:.1f} ms ({r['h2d_GBps']:.1f} GB/s) + fwd {r['fwd_median_ms']:.1f} ms, "
               f"warm/floor {r['warm_over_floor_paired']:.3f}, warm/max(load,fwd) "
               f"{r['warm_over_max_load_fwd_paired']:.3f}", flush=True)
@@ -264,6 +267,7 @@ def compare(out: Path) -> int:
             ok = same_warm and same_plain and control_differs
             bad += not ok
             print(f"{name:18s} {length:>6s}  cold {r['cold_median']*1e3:7.1f}  warm {r['warm_median']*1e3:7.1f} ms"
+                  f"  (GPU hit {r['gpu_hit_median']*1e3:6.1f})"
                   f"  floor ratio {r['warm_over_floor_paired']:.3f}  max(load,fwd) ratio "
                   f"{r['warm_over_max_load_fwd_paired']:.3f}  tokens {'OK' if ok else 'DIFFER'}"
                   f" (warm=GPU hit {same_warm}, cold=plain {same_plain}, control differs {control_differs},"

@@ -244,7 +244,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._server: LookupServer | None = None
             self._load_errors: set[int] = set()
             self._layer_index: dict[str, int] = {}
-            self._loads: list[tuple[Retrieval, TransferSpec]] = []  # layerwise loads of this step
+            self._loads: list[tuple[Retrieval, TransferSpec]] = []  # loads of this step, finished at wait_for_save
             self._stores: list[Storing] | None = None  # layerwise stores of this step, once begun
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load")
             self._background: dict[str, tuple[TransferSpec, Future]] = {}
@@ -432,14 +432,11 @@ class KvtierConnector(KVConnectorBase_V1):
                          spec.req_id, spec.end - spec.start)
                 self._background[spec.req_id] = (spec, self._loader.submit(self._load, spec))
                 continue
+            # From CPU RAM the copies are queued ahead of the forward (layer by layer with
+            # use_layerwise); finished, and checked, at wait_for_save.
             load = self.engine.start_retrieve(spec.token_ids, spec.slots(self.block_size), start=spec.start,
                                               request_id=spec.req_id, layerwise=self.config.use_layerwise)
-            if self.config.use_layerwise:  # checked at wait_for_save, once finished
-                self._loads.append((load, spec))
-            else:
-                load.finish()
-                self._pd_loaded(spec.pd_req_id)
-                self._check_loaded(spec, load.num_tokens)
+            self._loads.append((load, spec))
 
     def _load(self, spec: TransferSpec) -> int:
         assert self.engine is not None
