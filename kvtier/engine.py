@@ -33,7 +33,7 @@ import torch
 from kvtier.codec import HEADER, KV_CODECS, U64, Codec
 from kvtier.config import KvtierConfig
 from kvtier.errors import ConfigError
-from kvtier.keys import ChunkSpan, KVFormat, chunk_spans
+from kvtier.keys import ChunkSpan, KVFormat, SpanMemo
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock, front_view
 from kvtier.remote import open_store
@@ -100,6 +100,7 @@ class CacheEngine:
         self.quant = Quant(config.remote_serde, kv.heads, kv.head_size) if config.remote_serde in KV_CODECS else None
         self.fmt = fmt if self.quant is None else dataclasses.replace(fmt, dtype=f"{fmt.dtype}+{self.quant.name}")
         self.chunk_size = config.chunk_size
+        self._spans = SpanMemo(self.fmt, config.chunk_size, config.save_unfull_chunk)
         # Bytes of one token in a chunk (the KV's own, or the codec's); `kv.bytes_per_token()`
         # stays the KV's, the bytes a load delivers.
         self.chunk_bytes_per_token = (kv.bytes_per_token() if self.quant is None
@@ -179,8 +180,9 @@ class CacheEngine:
 
     # -- queries ---------------------------------------------------------------
 
-    def spans(self, tokens: Tokens) -> list[ChunkSpan]:
-        return chunk_spans(_as_numpy(tokens), self.fmt, self.chunk_size, self.config.save_unfull_chunk)
+    def spans(self, tokens: Tokens, request_id: str = "") -> list[ChunkSpan]:
+        """The chunks of `tokens`; hashed once per request where `request_id` is given."""
+        return self._spans.spans(_as_numpy(tokens), request_id)
 
     def lookup(self, tokens: Tokens) -> int:
         """Number of leading tokens whose KV is stored in some tier (a chunk boundary)."""
@@ -189,7 +191,7 @@ class CacheEngine:
     def find(self, tokens: Tokens, *, lease_for: str = "") -> Hit:
         """The longest stored prefix. With `lease_for` (a request id) its chunks are
         held for that request until its retrieve (kvtier/leases.py)."""
-        spans = self.spans(tokens)
+        spans = self.spans(tokens, lease_for)
         keys = [s.key for s in spans]
         where = self.tiers.locate(keys)
         in_cpu = next((i for i, w in enumerate(where) if w != CPU), len(where))
@@ -207,7 +209,7 @@ class CacheEngine:
         most half the pool. Returns the tokens brought up."""
         if not self.config.local_cpu or not self.tiers.lower:
             return 0
-        spans = self.spans(tokens)
+        spans = self.spans(tokens, request_id)
         where = self.tiers.locate([s.key for s in spans])
         below = [(s, w) for s, w in zip(spans, where) if w != CPU]
         below = below[: self.leases.budget() if request_id else self.pool.num_blocks // 2]
@@ -260,7 +262,7 @@ class CacheEngine:
         t0 = time.perf_counter()
         todo: list[ChunkSpan] = []
         if self.config.local_cpu or self.tiers.lower:
-            todo = [s for s in self.spans(tokens) if s.end > start]
+            todo = [s for s in self.spans(tokens, request_id) if s.end > start]
             todo = [s for s, new in zip(todo, self.tiers.to_gather([s.key for s in todo])) if new]
         owned: list[tuple[ChunkSpan, MemoryBlock]] = []
         handle = sums = None
@@ -416,7 +418,7 @@ class CacheEngine:
             prefetch = self._prefetches.get(request_id) if request_id else None
         if prefetch is not None:
             prefetch.result()  # its chunks are in CPU RAM (and in the lease) now
-        spans = [s for s in self.spans(tokens) if s.start < end]
+        spans = [s for s in self.spans(tokens, request_id) if s.start < end]
         handle, held, loaded, batches = None, [], 0, None
         try:
             if layerwise:  # lent whole by the store server of this host (CPU tier off), found by the lease

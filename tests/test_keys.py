@@ -53,3 +53,18 @@ def test_token_range_checked():
 
 
 GOLDEN = "986edfd8d75cbe5b3ff63276534329cf"
+
+
+def test_span_memo_gives_the_spans_of_the_tokens_it_is_given():
+    from kvtier.keys import SpanMemo
+
+    fmt = KVFormat("m", "kv", "bfloat16")
+    memo = SpanMemo(fmt, 4, save_unfull_chunk=False)
+    prompt = np.arange(18)
+    assert memo.spans(prompt, "r") == chunk_spans(prompt, fmt, 4, False)
+    assert memo.spans(prompt[:10], "r") == chunk_spans(prompt[:10], fmt, 4, False)  # a prefix: reused
+    other = prompt.copy()
+    other[0] = 99
+    assert memo.spans(other, "r") == chunk_spans(other, fmt, 4, False)  # other tokens: hashed anew
+    longer = np.arange(30)
+    assert memo.spans(longer, "r") == chunk_spans(longer, fmt, 4, False)

@@ -111,11 +111,13 @@ def test_the_installed_vllms_flash_attn_backend_moves_the_bytes_attention_reads(
     """vLLM 0.26 (the GPU machine) declares its shape; 0.32 (here) gives [B, H, N, C] views."""
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
-    if hasattr(FlashAttentionBackend, "get_kv_cache_shape"):
-        layers = vllm_026_layers(FlashAttentionBackend)
-    else:
-        layers = vllm_032_layers("LBNHC")
-    check_moves_the_right_bytes(layers, FlashAttentionBackend)
+    if not hasattr(FlashAttentionBackend, "get_kv_cache_shape"):
+        check_moves_the_right_bytes(vllm_032_layers("LBNHC"), FlashAttentionBackend)
+        return
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig()):  # its stride order reads the configured cache layout
+        check_moves_the_right_bytes(vllm_026_layers(FlashAttentionBackend), FlashAttentionBackend)
 
 
 def test_a_packed_layout_of_a_backend_not_known_to_put_k_first_is_refused():

@@ -16,7 +16,8 @@ can be timed by CUDA events and the warm path profiled in one process):
     them with plain vLLM's (`compare`)
     the floor of a warm TTFT: KV bytes / pinned H2D copy bandwidth (the best
     of 3 copies of those bytes, timed in the same process) + the one-token
-    forward of that warm step (CUDA events around the model's forward)
+    forward timed alone (CUDA events around the model's forward in the GPU
+    hit's step, paired with each warm run); layerwise: the larger of the two
 
 Each setup writes one JSON record. `compare` reads them all and prints the
 table and the token checks.
@@ -223,15 +224,17 @@ def run_setup(args: argparse.Namespace) -> None:
                                    ("gpu_hit_fwd_ms", gpu_hit_fwd)):
                     runs[key].append(value)
         copy_s = length * KV_BYTES_PER_TOKEN / bw
-        floors = [copy_s + f / 1e3 for f in runs["fwd_ms"]]
+        # The forward timed alone: the GPU-hit step's (its own launches paced it, as a
+        # forward that waits for nothing runs); the warm step's ran behind its copies.
+        alone = [f / 1e3 for f in runs["gpu_hit_fwd_ms"]]
         rec.lengths[str(length)] = {
             **runs, "h2d_GBps": bw / 1e9, "copy_ms": copy_s * 1e3, "tokens": tokens,
             "cold_median": statistics.median(runs["cold"]), "warm_median": statistics.median(runs["warm"]),
             "gpu_hit_median": statistics.median(runs["gpu_hit"]),
-            "fwd_median_ms": statistics.median(runs["fwd_ms"]),
-            "warm_over_floor_paired": statistics.median(w / f for w, f in zip(runs["warm"], floors)),
+            "fwd_median_ms": statistics.median(runs["gpu_hit_fwd_ms"]),
+            "warm_over_floor_paired": statistics.median(w / (copy_s + f) for w, f in zip(runs["warm"], alone)),
             "warm_over_max_load_fwd_paired": statistics.median(
-                w / max(copy_s, fl - copy_s) for w, fl in zip(runs["warm"], floors)),
+                w / max(copy_s, f) for w, f in zip(runs["warm"], alone)),
         }
         r = rec.lengths[str(length)]
         print(f"[{args.setup}] {length}: cold {r['cold_median']*1e3:.1f} ms, warm {r['warm_median']*1e3:.1f} ms, "
