@@ -24,12 +24,12 @@ export PYTHONPATH=$PWD:/tmp/site:/tmp/kvtier-dist PYTHONUNBUFFERED=1 VLLM_USE_FL
   python3 -c "import torch, triton, vllm; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__)"
 } 2>&1 | tee "$work/machine.txt"
 case " $steps " in *" tests "*)
-python3 -m pytest -q -p no:cacheprovider tests/test_transfer_cuda.py tests/test_vllm_layout.py tests/test_engine.py \
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_transfer_cuda.py tests/test_vllm_layout.py tests/test_engine.py \
     tests/test_digest.py tests/test_hf_integration.py "tests/test_remote_tier.py::test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv" 2>&1 \
     > "$work/pytest.txt"; tail -5 "$work/pytest.txt" ;;
 esac
 case " $steps " in *" bench "*)
-python3 -m kvtier.bench.vllm --setups ${SETUPS:-plain kvtier kvtier-layerwise} --lengths ${LENGTHS:-4096 16384 32768} \
+timeout ${BENCH_TIMEOUT:-480} python3 -m kvtier.bench.vllm --setups ${SETUPS:-plain kvtier kvtier-layerwise} --lengths ${LENGTHS:-4096 16384 32768} \
     --pairs ${PAIRS:-7} --out "$work" ${BENCH_ARGS:-} > "$work/bench.log" 2>&1
 echo "bench exit $?"; grep -E "^\[|tokens|Traceback|Error" "$work/bench.log" | tail -40 ;;
 esac

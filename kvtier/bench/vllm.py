@@ -291,6 +291,7 @@ def main() -> None:
     p.add_argument("--gpu-util", type=float, default=0.85)
     p.add_argument("--batched", type=int, default=8192)
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--setup-timeout", type=float, default=300, help="seconds a setup may take")
     p.add_argument("--profile", action="store_true", help="cProfile the last warm run of each length")
     p.add_argument("--module-path", action=argparse.BooleanOptionalAction, default=False,
                    help="name kvtier's module in the config (default: by name, through vLLM's plugin)")
@@ -303,7 +304,11 @@ def main() -> None:
     for name in args.setups:
         cmd = [sys.executable, "-m", "kvtier.bench.vllm", "--setup", name, *_passthrough(args)]
         env = {**os.environ, "LMCACHE_MAX_LOCAL_CPU_SIZE": str(args.cpu_gb), "LMCACHE_CHUNK_SIZE": "256"}
-        rc |= subprocess.run(cmd, env=env).returncode
+        try:
+            rc |= subprocess.run(cmd, env=env, timeout=args.setup_timeout).returncode
+        except subprocess.TimeoutExpired:
+            print(f"[{name}] did not finish in {args.setup_timeout} s", flush=True)
+            rc = 1
     sys.exit(rc or compare(Path(args.out)))
 
 
