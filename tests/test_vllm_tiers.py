@@ -75,6 +75,7 @@ def test_a_pool_of_one_chunk_shares_a_prompt_through_a_kvtier_server(tiny_model,
     assert a["token_ids"] == b["token_ids"] == plain["token_ids"]
 
 
+@pytest.mark.vllm_smoke
 def test_a_load_that_fails_after_the_lookup_is_recomputed_under_the_default_policy(
         tiny_model, prompt, plain, tmp_path):
     env = disk_env(tmp_path / "disk")

@@ -22,6 +22,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--max-batched", type=int, default=1024)
     p.add_argument("--dtype", required=True, help="bfloat16 | float32 (see kvtier.cpu_dtype)")
+    p.add_argument("--by-name", action="store_true", help="no kv_connector_module_path: vLLM's plugin finds it")
     args = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -31,7 +32,7 @@ def main() -> None:
     kv = None
     if args.kv_role:
         kv = KVTransferConfig(kv_connector="KvtierConnector", kv_role=args.kv_role,
-                              kv_connector_module_path="kvtier.integrations.vllm")
+                              kv_connector_module_path=None if args.by_name else "kvtier.integrations.vllm")
     llm = LLM(model=args.model, seed=0, max_model_len=8192, dtype=args.dtype,
               enable_prefix_caching=False, max_num_batched_tokens=args.max_batched,
               enforce_eager=True, kv_transfer_config=kv)
@@ -61,7 +62,8 @@ def hit_granularity() -> int:
 
 
 def run_vllm(model: Path, prompts: list[list[int]], tmp: Path, kv_role: str = "", env: dict | None = None,
-             name: str = "", dtype: str = "auto", max_tokens: int = 8) -> tuple[list[dict], str]:
+             name: str = "", dtype: str = "auto", max_tokens: int = 8, by_name: bool = False
+             ) -> tuple[list[dict], str]:
     """Run this file in a subprocess; returns the per-request results and vLLM's log.
 
     dtype "auto": the one this CPU runs models in (kvtier.cpu_dtype)."""
@@ -69,6 +71,7 @@ def run_vllm(model: Path, prompts: list[list[int]], tmp: Path, kv_role: str = ""
     pfile.write_text(json.dumps(prompts))
     cmd = [sys.executable, __file__, "--model", str(model), "--prompts", str(pfile), "--kv-role", kv_role,
            "--dtype", cpu_model_dtype().dtype if dtype == "auto" else dtype, "--max-tokens", str(max_tokens)]
+    cmd += ["--by-name"] if by_name else []
     # Defaults under LMCACHE_ names: a test's own LMCACHE_ or KVTIER_ setting replaces or overrides them.
     full_env = {**os.environ, "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25", **(env or {})}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=full_env)
