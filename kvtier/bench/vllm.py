@@ -51,6 +51,13 @@ SETUPS: dict[str, dict] = {
     "plain": {},
     "kvtier": {"connector": "KvtierConnector", "env": {}},
     "kvtier-layerwise": {"connector": "KvtierConnector", "env": {"LMCACHE_USE_LAYERWISE": "true"}},
+    # The disk tier: a CPU pool smaller than one prompt (staging only), the chunks from files.
+    "kvtier-disk": {"connector": "KvtierConnector", "env": {
+        "LMCACHE_MAX_LOCAL_CPU_SIZE": "1", "LMCACHE_LOCAL_DISK": "file:///tmp/kvtier-bench-disk/",
+        "LMCACHE_MAX_LOCAL_DISK_SIZE": "60"}},
+    # `kvtier server` on this host, CPU tier off: lent from its shared memory, or over TCP.
+    "kvtier-server": {"connector": "KvtierConnector", "server": "", "env": {"LMCACHE_LOCAL_CPU": "false"}},
+    "kvtier-server-tcp": {"connector": "KvtierConnector", "server": "?shm=0", "env": {"LMCACHE_LOCAL_CPU": "false"}},
     "lmcache": {"connector": "LMCacheConnectorV1", "env": {"LMCACHE_LOCAL_CPU": "true"}},
     "native": {"native": True},
 }
@@ -146,14 +153,24 @@ def prompt(length: int, variant: int, vocab: int = 128000) -> list[int]:
 
 
 def run_setup(args: argparse.Namespace) -> None:
+    setup = SETUPS[args.setup]
+    os.environ.update(setup.get("env", {}))
+    if "server" not in setup:
+        _run_setup(args, setup)
+        return
+    from kvtier.localservers import kvtier_server
+
+    with kvtier_server(args.cpu_gb) as server:
+        os.environ["LMCACHE_REMOTE_URL"] = server.url + "/" + setup["server"]
+        _run_setup(args, setup)
+
+
+def _run_setup(args: argparse.Namespace, setup: dict) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    setup = SETUPS[args.setup]
-    for k, v in setup.get("env", {}).items():
-        os.environ.setdefault(k, v)
     kw: dict = {}
     if "connector" in setup:
         kv = {"kv_connector": setup["connector"], "kv_role": "kv_both"}
