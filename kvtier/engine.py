@@ -141,7 +141,7 @@ class CacheEngine:
         # which holds the whole forward that read the layers (it need not be over yet).
         self._readback = torch.cuda.Stream(kv.device) if self._digests else None
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
-        if kv.device.type == "cuda":
+        if kv.device.type == "cuda" and self.pool.device.type == "cpu":  # host chunks, staged over PCIe
             self._warm_up()
         if not self.tiers.keep_cpu and not self.tiers.lower and not config.enable_pd:
             log.warning("local_cpu is false and no other tier is configured: kvtier stores nothing")

@@ -78,13 +78,14 @@ class LayerSpec:
 def vllm_kv(vllm_config: VllmConfig, kv_caches: dict[str, Any], names: list[str]) -> VllmKV:
     """The KV tensors of `names` (in layer order) as kvtier's PagedKV; UnsupportedKVLayout
     when vLLM's layout cannot be mapped exactly."""
-    backends = _backends(vllm_config, names)
-    kinds = {b.get_name() for b in backends.values()}
+    layers = _attention_layers(vllm_config, names)
+    backends = [layer.get_attn_backend() for layer in layers.values()]
+    kinds = {b.get_name() for b in backends}
     if len(kinds) != 1:
         raise UnsupportedKVLayout(", ".join(sorted(kinds)), "one attention backend for every layer",
                                   "layers with different attention backends (a hybrid model) are not moved yet")
     name = kinds.pop()
-    backend = next(iter(backends.values()))
+    backend = backends[0]
     tensors = []
     for n in names:
         t = kv_caches[n]
@@ -92,7 +93,7 @@ def vllm_kv(vllm_config: VllmConfig, kv_caches: dict[str, Any], names: list[str]
             raise UnsupportedKVLayout(name, f"{type(t).__name__} for layer {n}",
                                       "a KV cache that is one tensor per layer (not Mamba state)")
         tensors.append(t)
-    spec = _layer_spec(vllm_config, names[0])
+    spec = _layer_spec(vllm_config, layers[names[0]])
     if name == CPU_BACKEND:
         return _cpu_kv(vllm_config, tensors, spec)
     kv = map_layout(backend, spec, vllm_config.cache_config.cache_dtype, tensors)
@@ -209,7 +210,8 @@ def cpu_kernel_layout(vllm_config: VllmConfig) -> str:
     return "vllm-cpu-vec" if isa == "vec" else "vllm"
 
 
-def _backends(vllm_config: VllmConfig, names: list[str]) -> dict[str, Any]:
+def _attention_layers(vllm_config: VllmConfig, names: list[str]) -> dict[str, Any]:
+    """vLLM's attention layer behind each KV tensor of `names`."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
@@ -218,14 +220,10 @@ def _backends(vllm_config: VllmConfig, names: list[str]) -> dict[str, Any]:
     if missing:
         raise UnsupportedKVLayout("?", f"KV caches of layers {missing[:3]} that are not attention layers",
                                   "an attention layer behind every KV cache tensor")
-    return {n: layer.get_attn_backend() for n, layer in layers.items()}
+    return layers
 
 
-def _layer_spec(vllm_config: VllmConfig, name: str) -> LayerSpec:
-    from vllm.config import get_layers_from_vllm_config
-    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-
-    layer = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, [name])[name]
+def _layer_spec(vllm_config: VllmConfig, layer: Any) -> LayerSpec:
     spec = layer.get_kv_cache_spec(vllm_config)
     mla = bool(vllm_config.model_config.use_mla)
     return LayerSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
