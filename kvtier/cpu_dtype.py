@@ -47,9 +47,10 @@ if ops is not None and hasattr(torch.ops._C, "convert_weight_packed"):
 class DtypeChoice:
     dtype: str  # "bfloat16" or "float32"
     reason: str
+    device: str = "cpu"  # where vLLM runs the model: "cpu" or "cuda"
 
     def line(self) -> str:
-        return f"CPU model dtype: {self.dtype} ({self.reason})"
+        return f"{self.device.upper()} model dtype: {self.dtype} ({self.reason})"
 
 
 def probe_bf16(code: str = PROBE, timeout: float = 120.0) -> DtypeChoice:
@@ -71,3 +72,14 @@ def probe_bf16(code: str = PROBE, timeout: float = 120.0) -> DtypeChoice:
 def cpu_model_dtype() -> DtypeChoice:
     """The probe's answer, asked once per process."""
     return probe_bf16()
+
+
+@functools.cache
+def model_dtype() -> DtypeChoice:
+    """The dtype vLLM runs the demo's and tests' models in here: bfloat16 on a CUDA GPU
+    (its attention kernels take no float32), else this CPU's (the probe)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return DtypeChoice("bfloat16", torch.cuda.get_device_name(), device="cuda")
+    return cpu_model_dtype()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from kvtier.cpu_dtype import cpu_model_dtype
+from kvtier.cpu_dtype import model_dtype
 from kvtier.localservers import free_port
 from kvtier.tinymodel import corpus_text, make_tiny_llama
 
@@ -57,13 +57,16 @@ def vllm_server(
     dtype: str = "auto",
     startup_timeout: float = 900,
     extra_args: Sequence[str] = (),
+    gpu_memory_utilization: float = 0.4,
 ) -> Iterator[Server]:
     """Run vLLM's OpenAI server on a free loopback port until the block exits.
 
-    `dtype` "auto" is the one this CPU runs models in (kvtier.cpu_dtype).
+    `dtype` "auto" is the one models run in here (kvtier.cpu_dtype.model_dtype). On a
+    GPU the server takes `gpu_memory_utilization` of it (two may share one) and runs
+    eager (no graphs to capture at start).
     """
     if dtype == "auto":
-        dtype = cpu_model_dtype().dtype
+        dtype = model_dtype().dtype
     port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"vllm-{port}.log"
@@ -75,6 +78,8 @@ def vllm_server(
     ]
     if kv_connector:
         cmd += ["--kv-transfer-config", json.dumps(kv_connector)]
+    if model_dtype().device == "cuda":
+        cmd += ["--enforce-eager", "--gpu-memory-utilization", str(gpu_memory_utilization)]
     cmd += list(extra_args)
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", **(env or {})}
     with open(log_path, "wb") as log:
@@ -128,21 +133,25 @@ def long_prompt(tokenizer_dir: Path, num_tokens: int) -> str:
 
 
 def query_ttft(url: str, model: str, prompt: str, max_tokens: int = 32) -> tuple[float, str]:
-    """Stream one chat completion; returns (time to first token, text)."""
-    from openai import OpenAI
+    """Stream one chat completion (OpenAI's API, server-sent events); returns (time to
+    first token, text). httpx alone: the GPU machine's vLLM bundle has no OpenAI client."""
+    import httpx
 
-    client = OpenAI(api_key="dummy-key", base_url=url + "/v1")
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+            "max_tokens": max_tokens, "stream": True}
     start = time.perf_counter()
     ttft, parts = None, []
-    stream = client.chat.completions.create(
-        messages=[{"role": "user", "content": prompt}], model=model,
-        temperature=0, max_tokens=max_tokens, stream=True,
-    )
-    for chunk in stream:
-        delta = chunk.choices[0].delta.content if chunk.choices else None
-        if delta:
-            ttft = ttft or time.perf_counter() - start
-            parts.append(delta)
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"chat completion failed: HTTP {r.status_code}: {r.read().decode()[:500]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            delta = choices[0].get("delta", {}).get("content")
+            if delta:
+                ttft = ttft or time.perf_counter() - start
+                parts.append(delta)
     if ttft is None:
         raise RuntimeError("the server streamed no tokens")
     return ttft, "".join(parts)
@@ -163,7 +172,7 @@ class DemoResult:
 
 def run_demo(workdir: Path, prompt_tokens: int = 8000, chunk_size: int = 256, dtype: str = "auto") -> DemoResult:
     if dtype == "auto":
-        choice = cpu_model_dtype()
+        choice = model_dtype()
         dtype = choice.dtype
         print(choice.line(), flush=True)
     else:

@@ -42,7 +42,7 @@ from kvtier.store import CPU, TieredStore
 from kvtier.tiers.cpu import CpuTier, StoredChunk
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.remote import RemoteTier
-from kvtier.transfer import LayerHandle, LayerSaver, PagedKV, Quant, make_transfer
+from kvtier.transfer import LayerHandle, LayerSaver, PagedKV, Quant, Upload, make_transfer
 
 log = get_logger(__name__)
 
@@ -79,6 +79,20 @@ class Hit:
 
     tokens: int  # stored in some tier
     in_cpu: int  # of those, the leading ones whose chunks are all in CPU RAM
+
+
+@dataclass
+class _Ahead:
+    """A hit's chunks on their way to the device since its lookup (`upload_ahead`)."""
+
+    request_id: str
+    held: list[tuple[ChunkSpan, StoredChunk]]  # retained until the load ends, or the ahead is dropped
+    upload: Upload
+    layerwise: bool
+
+    def drop(self) -> None:
+        self.upload.wait()  # the copies read the host blocks until they end
+        _release_held(self.held)
 
 
 class CacheEngine:
@@ -135,7 +149,8 @@ class CacheEngine:
         if self._events is not None:
             cpu.on_evict = lambda key: self._events.append(ChunkEvent(False, key.digest))
         self._prefetches: dict[str, Future] = {}
-        self._lock = threading.Lock()  # prefetches
+        self._ahead: _Ahead | None = None  # one hit uploading ahead of its load (upload_ahead)
+        self._lock = threading.Lock()  # prefetches, the ahead
         self._transfer_lock = threading.Lock()  # one gather/scatter at a time (loads may run in a thread)
         # Where a finished layerwise load reads its digest sums back: not the caller's stream,
         # which holds the whole forward that read the layers (it need not be over yet).
@@ -166,14 +181,16 @@ class CacheEngine:
             with self._transfer_lock:
                 self.transfer.gather(nothing, [view], digests=self._digest_sums(1))
                 self.transfer.scatter(nothing, [view])()
+                self.transfer.scatter(nothing, [view], upload=self.transfer.upload([view]))()
                 saver = self.transfer.gather_layerwise(nothing, [view], digests=self._digest_sums(1))
                 for layer in range(self.kv.num_layers):
                     saver.save(layer)
                 saver.finish()
-                loading = self.transfer.scatter_layerwise(nothing, [view])
-                for layer in range(self.kv.num_layers):
-                    loading.wait(layer)
-                loading.finish()
+                for upload in (None, self.transfer.upload([view], layer_major=True)):
+                    loading = self.transfer.scatter_layerwise(nothing, [view], upload=upload)
+                    for layer in range(self.kv.num_layers):
+                        loading.wait(layer)
+                    loading.finish()
             torch.cuda.synchronize(self.kv.device)
         finally:
             block.release()
@@ -202,6 +219,75 @@ class CacheEngine:
     def release_lease(self, request_id: str) -> None:
         """The request will not load what it looked up (finished, aborted)."""
         self.leases.release(request_id)
+        self._drop_ahead(request_id)
+
+    # -- a load's copies started at its lookup ---------------------------------------------
+
+    def upload_ahead(self, tokens: Tokens, request_id: str, *, start: int = 0, layerwise: bool = False) -> bool:
+        """Start the copies of a hit all in CPU RAM (its chunks that end after `start`, the
+        tokens the engine has already) toward the device now, at the scheduler's lookup:
+        the slots come with the request's `start_retrieve`, which then queues only the
+        kernels. One request at a time (its staging is device memory the size of its hit).
+        True if its copies are queued (now or by an earlier call)."""
+        spans = [s for s in self.spans(tokens, request_id) if s.end > start]
+        keys = [s.key for s in spans]
+        with self._lock:
+            ahead = self._ahead
+            if ahead is not None and ahead.request_id != request_id:
+                return False  # another request's load is ahead
+            if ahead is not None and [s.key for s, _ in ahead.held] == keys and ahead.layerwise == layerwise:
+                return True  # looked up again (it waited for blocks): the same chunks
+            self._ahead = None
+        if ahead is not None:
+            ahead.drop()
+        where = self.tiers.locate(keys)
+        if not where or any(w != CPU for w in where):
+            return False
+        batches = self.tiers.fetch(spans[: len(where)], where)
+        try:
+            held = next(batches, [])
+        finally:
+            batches.close()
+        try:
+            with self._transfer_lock:
+                upload = self.transfer.upload([self.chunk_view(c.block.data, s.num_tokens) for s, c in held],
+                                              layer_major=layerwise) if held else None
+        except BaseException:
+            _release_held(held)
+            raise
+        if upload is None:
+            _release_held(held)
+            return False
+        with self._lock:
+            if self._ahead is None:
+                self._ahead = _Ahead(request_id, held, upload, layerwise)
+                return True
+        _Ahead(request_id, held, upload, layerwise).drop()  # raced with another lookup: it went first
+        return False
+
+    def _take_ahead(self, request_id: str, keys: list, layerwise: bool) -> _Ahead | None:
+        """The request's ahead if its chunks hold `keys` in a row (the load's may be fewer:
+        the tokens the engine found it had by the time it loads); else None (and it is dropped)."""
+        with self._lock:
+            ahead = self._ahead
+            if ahead is None or ahead.request_id != request_id:
+                return None
+            self._ahead = None
+        have = [s.key for s, _ in ahead.held]
+        i = have.index(keys[0]) if keys and keys[0] in have else -1
+        if i >= 0 and have[i : i + len(keys)] == keys and ahead.layerwise == layerwise:
+            return ahead
+        ahead.drop()
+        return None
+
+    def _drop_ahead(self, request_id: str | None = None) -> None:
+        """Drop the ahead (of `request_id` only, if given)."""
+        with self._lock:
+            ahead = self._ahead
+            if ahead is None or (request_id is not None and ahead.request_id != request_id):
+                return
+            self._ahead = None
+        ahead.drop()
 
     def prefetch(self, tokens: Tokens, *, request_id: str = "") -> int:
         """Bring the stored prefix's disk and remote chunks up into CPU RAM ahead of a load;
@@ -419,7 +505,7 @@ class CacheEngine:
         if prefetch is not None:
             prefetch.result()  # its chunks are in CPU RAM (and in the lease) now
         spans = [s for s in self.spans(tokens, request_id) if s.start < end]
-        handle, held, loaded, batches = None, [], 0, None
+        handle, held, loaded, batches, upload = None, [], 0, None, None
         try:
             if layerwise:  # lent whole by the store server of this host (CPU tier off), found by the lease
                 held = self.tiers.lend_whole([s for s in spans if s.end > start])
@@ -429,18 +515,22 @@ class CacheEngine:
                 where = self.tiers.locate([s.key for s in spans])
                 todo = [(s, w) for s, w in zip(spans, where) if s.end > start]
                 all_cpu = all(w == CPU for _, w in todo)
-                batches = self.tiers.fetch([s for s, _ in todo], [w for _, w in todo], ahead=not all_cpu)
-                if all_cpu:  # from CPU RAM: one batch, pinned until finish()
-                    held = next(batches, [])
+                ahead = self._take_ahead(request_id, [s.key for s, _ in todo], layerwise) if all_cpu else None
+                if ahead is not None:  # on their way up since the lookup
+                    held, upload = ahead.held, ahead.upload
                 else:
-                    loaded = self._load_batches(slots, batches, start, end)
+                    batches = self.tiers.fetch([s for s, _ in todo], [w for _, w in todo], ahead=not all_cpu)
+                    if all_cpu:  # from CPU RAM: one batch, pinned until finish()
+                        held = next(batches, [])
+                    else:
+                        loaded = self._load_batches(slots, batches, start, end)
             if held:
-                handle = (self._scatter(slots, held, start, end, layerwise=True) if layerwise else
-                          _Queued(self._scatter(slots, held, start, end, layerwise=False, wait=False)))
-                loaded = len(held)
+                handle = (self._scatter(slots, held, start, end, layerwise=True, upload=upload) if layerwise else
+                          _Queued(self._scatter(slots, held, start, end, layerwise=False, wait=False,
+                                                upload=upload)))
+                loaded = min(len(held), len(todo))
         except BaseException:
-            for _, chunk in held:
-                chunk.block.release()
+            _release_held(held)
             self.release_lease(request_id)
             raise
         finally:
@@ -496,13 +586,14 @@ class CacheEngine:
             torch.cuda.synchronize(self.kv.device)
 
     def _scatter(self, slots: torch.Tensor, found: list[tuple[ChunkSpan, StoredChunk]], start: int, end: int,
-                 layerwise: bool, wait: bool = True):
+                 layerwise: bool, wait: bool = True, upload: Upload | None = None):
         """The chunks in one transfer (a layerwise handle, or what waits for the
         copies out of the chunks), whole. A chunk cut by `start` or `end`
         writes only its tokens inside [start, end): the others get slot -1,
         which the transfers skip (the slots before `start` may be prefix-cache
         blocks the engine shares; after `end` there are no slots)."""
-        views = [self.chunk_view(c.block.data, s.num_tokens) for s, c in found]
+        views = upload.chunks() if upload is not None else [self.chunk_view(c.block.data, s.num_tokens)
+                                                             for s, c in found]
         digests = found[0][1].block.device_check(len(found), self.kv.device)  # lent, checked on the GPU
         first, last = found[0][0].start, found[-1][0].end
         a, b = max(start, first), min(end, last)
@@ -510,13 +601,14 @@ class CacheEngine:
         targets[a - first : b - first] = slots[a:b]  # slicing only: this runs before any byte moves
         with self._transfer_lock:
             if layerwise:
-                return self.transfer.scatter_layerwise(targets, views, digests=digests)
-            return self.transfer.scatter(targets, views, wait=wait, digests=digests)
+                return self.transfer.scatter_layerwise(targets, views, digests=digests, upload=upload)
+            return self.transfer.scatter(targets, views, wait=wait, digests=digests, upload=upload)
 
     # -- housekeeping ------------------------------------------------------------
 
     def clear(self) -> None:
         """Drop every chunk of CPU RAM and disk (blocks in use are freed when released)."""
+        self._drop_ahead()
         self.tiers.clear()
         log.info("cleared the local tiers (CPU RAM%s)", " and disk" if self.tiers.disk is not None else "")
 
@@ -527,6 +619,7 @@ class CacheEngine:
     def close(self) -> None:
         """Write what is still queued for disk and remote, then let go of them."""
         self._prefetcher.shutdown(wait=True)
+        self._drop_ahead()
         self.leases.release_all()
         self.tiers.close(timeout=self.config.blocking_timeout_secs)
 
@@ -583,8 +676,7 @@ class Retrieval:
             with torch.cuda.stream(engine._readback) if engine._readback is not None else contextlib.nullcontext():
                 good = _verified(held)
         finally:
-            for _, chunk in held:
-                chunk.block.release()
+            _release_held(held)
             engine.release_lease(self._request_id)
         if good < len(held):
             self.mask[max(self._start, held[good][0].start) :] = False
@@ -636,8 +728,7 @@ def _settle(batch: list[tuple[ChunkSpan, StoredChunk]], copied: Callable[[], Non
     try:
         copied()
     finally:
-        for _, chunk in batch:
-            chunk.block.release()
+        _release_held(batch)
 
 
 class Storing:
@@ -713,6 +804,11 @@ def _tokens(chunks: list[tuple[ChunkSpan, MemoryBlock]]) -> int:
 def _release(chunks: list[tuple[ChunkSpan, MemoryBlock]]) -> None:
     for _, block in chunks:
         block.release()
+
+
+def _release_held(chunks: list[tuple[ChunkSpan, StoredChunk]]) -> None:
+    for _, chunk in chunks:
+        chunk.block.release()
 
 
 def _disk_tier(config: KvtierConfig, bytes_per_token: int, fmt: KVFormat) -> DiskTier | None:

@@ -3,15 +3,20 @@
 # (../shared/gpu-vllm copied to .gpu-vllm and carried):
 #   device run:  bash scripts/gpu_vllm.sh                 (results in $OUT, or results/gpu-vllm)
 #   STEPS="tests bench" SETUPS="plain kvtier" LENGTHS="16384" PAIRS=7 bash scripts/gpu_vllm.sh
-# Steps: tests (GPU tests), bench (query twice per setup: kvtier.bench.vllm).
+#   TAG=b STEPS=bench SETUPS=lmcache bash scripts/gpu_vllm.sh    (a second archive in the same call)
+# Steps: tests (GPU tests), guides (the guides' server workflows through real vLLM on the GPU:
+# the InfiniStore guide's `vllm bench serve` twice, two instances sharing a store, 1P1D over
+# cuda_ipc through `kvtier proxy`), bench (query twice per setup: kvtier.bench.vllm).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Everything is written to $work and comes back as one archive in $OUT (the device returns at most 8 files).
 out=${OUT:-results/gpu-vllm}
-work=/tmp/gpu-vllm-results
-steps=${STEPS:-tests bench}
+tag=${TAG:-a}
+work=/tmp/gpu-vllm-results-$tag
+steps=${STEPS:-tests guides bench}
 rm -rf "$work"; mkdir -p "$out" "$work"
-trap 'tar czf "$out/gpu-vllm.tgz" -C "$work" .' EXIT
+pkill -f vllm.entrypoints.openai.api_server; pkill -f "kvtier.server|kvtier.cli proxy"  # an earlier call's, cut short
+trap 'tar czf "$out/gpu-vllm-$tag.tgz" -C "$work" .' EXIT
 if [ ! -d /tmp/site/vllm ]; then
     bash .gpu-vllm/install.sh .gpu-vllm /tmp/site >/dev/null || exit 1
 fi
@@ -27,6 +32,14 @@ case " $steps " in *" tests "*)
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_transfer_cuda.py tests/test_vllm_layout.py tests/test_engine.py \
     tests/test_digest.py tests/test_hf_integration.py "tests/test_remote_tier.py::test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv" 2>&1 \
     > "$work/pytest.txt"; tail -5 "$work/pytest.txt" ;;
+esac
+case " $steps " in *" guides "*)
+timeout ${GUIDES_TIMEOUT:-540} python3 -m pytest -q -s -rfE --tb=short --timeout 300 -p no:cacheprovider \
+    tests/test_vllm_pd.py tests/test_vllm_remote.py ${GUIDES_K:+-k "$GUIDES_K"} \
+    > "$work/guides.txt" 2>&1; echo "guides exit $?"
+# A step cut by its time limit leaves its servers (their own sessions) holding GPU memory.
+pkill -f vllm.entrypoints.openai.api_server; pkill -f "kvtier.server|kvtier.cli proxy"; sleep 3
+grep -E "passed|failed|error|bench serve twice|Median TTFT" "$work/guides.txt" | tail -12 ;;
 esac
 case " $steps " in *" bench "*)
 timeout ${BENCH_TIMEOUT:-480} python3 -m kvtier.bench.vllm --setups ${SETUPS:-plain kvtier kvtier-layerwise} --lengths ${LENGTHS:-4096 16384 32768} \

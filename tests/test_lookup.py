@@ -12,7 +12,8 @@ from kvtier.integrations.lookup import Handlers, LookupClient, LookupServer, Op,
 @pytest.fixture
 def served(tmp_path):
     calls = []
-    handlers = Handlers(lookup=lambda tokens, rid: calls.append(("lookup", rid, list(tokens))) or (len(tokens), 3),
+    handlers = Handlers(lookup=lambda tokens, rid, computed: calls.append(("lookup", rid, list(tokens), computed))
+                        or (len(tokens), 3),
                         release=lambda rid: calls.append(("release", rid)),
                         reset=lambda: calls.append(("reset",)))
     address = f"ipc://{tmp_path}/w0.sock"
@@ -25,10 +26,10 @@ def served(tmp_path):
 
 def test_lookup_release_and_reset_reach_the_worker(served):
     client, calls, _ = served
-    assert client.lookup([5, 6, 7, 8], "req-1") == (4, 3)
+    assert client.lookup([5, 6, 7, 8], "req-1", computed=2) == (4, 3)
     client.release("req-1")
     assert client.reset() is True
-    assert calls == [("lookup", "req-1", [5, 6, 7, 8]), ("release", "req-1"), ("reset",)]
+    assert calls == [("lookup", "req-1", [5, 6, 7, 8], 2), ("release", "req-1"), ("reset",)]
 
 
 def test_a_malformed_request_is_answered_as_no_hit(served):
@@ -36,7 +37,8 @@ def test_a_malformed_request_is_answered_as_no_hit(served):
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.RCVTIMEO, 2000)
     sock.connect(address)
-    for bad in (b"\x01", bytes([9, Op.LOOKUP, 0, 0]) + b"\0" * 4, encode(Op.LOOKUP, "r", b"\0" * 4)[:-1]):
+    for bad in (b"\x01", bytes([9, Op.LOOKUP, 0, 0]) + b"\0" * 4, encode(Op.LOOKUP, "r", b"\0" * 4)[:-1],
+                encode(Op.LOOKUP, "r")):
         sock.send(bad)
         assert sock.recv() == b"\0" * 16
     sock.close(0)
@@ -46,8 +48,8 @@ def test_a_malformed_request_is_answered_as_no_hit(served):
 def test_messages_carry_version_request_id_and_tokens():
     op, rid, payload = decode(encode(Op.LOOKUP, "ré-1", np.array([1, 2**32 - 1], "<u4").tobytes()))
     assert (op, rid, np.frombuffer(payload, "<u4").tolist()) == (Op.LOOKUP, "ré-1", [1, 2**32 - 1])
-    with pytest.raises(ValueError, match="version 2"):
-        decode(bytes([2, Op.RESET, 0, 0]))
+    with pytest.raises(ValueError, match="version 1"):
+        decode(bytes([1, Op.RESET, 0, 0]))
 
 
 def test_a_silent_worker_is_a_miss_within_the_timeout(tmp_path):

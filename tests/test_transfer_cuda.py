@@ -125,6 +125,71 @@ def test_staged_runs_and_layerwise_paths_match_the_reference(layout, order):
     assert torch.equal(reference(kv, dst), reference(kv, src))
 
 
+@pytest.mark.parametrize("layer_major", [False, True], ids=["whole", "layerwise"])
+def test_an_upload_queued_before_its_slots_are_known_loads_what_a_scatter_does(layer_major):
+    """The copies start first (a lookup); the slots come later, while a long copy of
+    other chunks still holds the copy engine (the slot table must not wait for it)."""
+    torch.manual_seed(2)
+    layers, kv = make_kv("packed-nhd")
+    perm = torch.randperm(kv.num_slots)
+    sizes = [64, 64, 64, 64, 40]
+    src, dst = perm[:296], perm[296:592]
+    transfer = make_transfer(kv, "triton")
+    chunks = _pool_chunks(kv, sizes, ORDERS["gaps"])
+    transfer.gather(src, chunks)
+    busy = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    upload = transfer.upload(chunks, layer_major=layer_major)
+    busy_dev = busy.to("cuda", non_blocking=True)  # queued behind the upload's copies
+    if layer_major:
+        handle = transfer.scatter_layerwise(dst, chunks, upload=upload)
+        for layer in range(L):
+            handle.wait(layer)
+        handle.finish()
+    else:
+        transfer.scatter(dst, chunks, upload=upload, wait=False)()
+    torch.cuda.synchronize()
+    assert torch.equal(reference(kv, dst), reference(kv, src))
+    with pytest.raises(ValueError, match="upload is for"):
+        (transfer.scatter if layer_major else transfer.scatter_layerwise)(dst, chunks, upload=upload)
+    del busy, busy_dev
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_hit_uploaded_at_its_lookup_is_what_its_retrieve_loads(layerwise):
+    layers = [torch.randn(SHAPES["packed"], device="cuda").to(torch.bfloat16) for _ in range(L)]
+    kv = PagedKV.wrap(layers, "packed")
+    eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), kv, KVFormat("m", "packed", "bf16"))
+    perm = torch.randperm(kv.num_slots)
+    toks = list(range(256))
+    eng.store(toks, perm[:256])
+    used = eng.pool.used_bytes
+    assert eng.find(toks, lease_for="r").tokens == 256
+    assert eng.upload_ahead(toks, "r", layerwise=layerwise)
+    assert eng.upload_ahead(toks, "r", layerwise=layerwise)  # looked up again: the same copies
+    assert not eng.upload_ahead(toks, "other", layerwise=layerwise)  # one at a time
+    # By the load, the engine has the first 70 tokens itself (its prefix cache grew).
+    load = eng.start_retrieve(toks, perm[256:511], start=70, request_id="r", layerwise=layerwise)
+    assert eng._ahead is None  # taken by the load
+    for i in range(L):
+        load.wait(i)
+    assert int(load.finish().sum()) == 255 - 70
+    torch.cuda.synchronize()
+    assert torch.equal(reference(kv, perm[70:255]), reference(kv, perm[326:511]))
+    # Looked up, uploaded, then the request ends without loading: everything is given back.
+    eng.find(toks, lease_for="s")
+    assert eng.upload_ahead(toks, "s", layerwise=layerwise)
+    eng.release_lease("s")
+    assert eng._ahead is None and eng.pool.used_bytes == used
+    assert not any(c.block.pinned for c in eng.tiers.cpu._chunks.values())
+    # Uploaded for one mode, loaded in the other: dropped, and loaded the usual way.
+    eng.find(toks, lease_for="t")
+    eng.upload_ahead(toks, "t", layerwise=not layerwise)
+    load = eng.start_retrieve(toks, perm[600:856], request_id="t", layerwise=layerwise)
+    assert int(load.finish().sum()) == 256
+    torch.cuda.synchronize()
+    assert torch.equal(reference(kv, perm[:256]), reference(kv, perm[600:856]))
+
+
 def test_layerwise_store_on_gpu_overlaps_nothing_it_should_not():
     """Each layer is saved right after a kernel rewrites it on the current
     stream: the store must see the new values, never the old ones."""

@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from test_pd import channels
 
 from kvtier.demo import vllm_server
@@ -20,7 +21,12 @@ from kvtier.localservers import free_port, wait_for_port
 from kvtier.tinymodel import corpus_text
 
 pytestmark = pytest.mark.vllm
-DTYPE = "float32"
+# On a GPU (scripts/gpu_vllm.sh): both servers share it, the decoder's buffer is GPU
+# memory the prefiller writes over CUDA IPC. On CPU: float32 (vLLM's CPU attention kernel
+# then keeps tokens one by one: hits need not end on a block boundary), CPU buffers.
+ON_GPU = torch.cuda.is_available()
+DTYPE = "bfloat16" if ON_GPU else "float32"
+BUFFER_DEVICE = "cuda" if ON_GPU else "cpu"
 SENT_LINE = re.compile(r"PD: sent KV of (\d+) tokens")
 
 
@@ -34,20 +40,20 @@ class Cluster:
         self.prefiller, self.decoder, self.url, self.proxy = prefiller, decoder, proxy_url, proxy_proc
 
 
-@pytest.fixture(scope="module", params=channels())
+@pytest.fixture(scope="module", params=["cuda_ipc"] if ON_GPU else channels())
 def cluster(request, tiny_model, tmp_path_factory):
     channel = request.param
     tmp = tmp_path_factory.mktemp(f"pd-{channel}")
     init, alloc, notify, port = free_port(), free_port(), free_port(), free_port()
-    # The guide's two config files, with the buffer in CPU RAM (no GPU here).
+    # The guide's two config files (on CPU: the buffer in CPU RAM).
     (tmp / "prefiller.yaml").write_text(
         f'local_cpu: False\nenable_pd: True\ntransfer_channel: "{channel}"\npd_role: "sender"\n'
-        f'pd_proxy_host: "127.0.0.1"\npd_proxy_port: {notify}\npd_buffer_size: 67108864\npd_buffer_device: "cpu"\n'
+        f'pd_proxy_host: "127.0.0.1"\npd_proxy_port: {notify}\npd_buffer_size: 67108864\npd_buffer_device: "{BUFFER_DEVICE}"\n'
         "chunk_size: 256\nmax_local_cpu_size: 0.05\n")
     (tmp / "decoder.yaml").write_text(
         f'local_cpu: False\nenable_pd: True\ntransfer_channel: "{channel}"\npd_role: "receiver"\n'
         f'pd_peer_host: "127.0.0.1"\npd_peer_init_port: {init}\npd_peer_alloc_port: {alloc}\n'
-        'pd_buffer_size: 67108864\npd_buffer_device: "cpu"\nchunk_size: 256\nmax_local_cpu_size: 0.05\n')
+        f'pd_buffer_size: 67108864\npd_buffer_device: "{BUFFER_DEVICE}"\nchunk_size: 256\nmax_local_cpu_size: 0.05\n')
     env = {"UCX_TLS": "tcp,self,sm", "VLLM_CPU_KVCACHE_SPACE": "1"}
     with vllm_server(tiny_model, tmp / "decoder", env={**env, "LMCACHE_CONFIG_FILE": str(tmp / "decoder.yaml")},
                      kv_connector=connector("kv_consumer", "consumer1"), dtype=DTYPE, max_model_len=4096) as dec, \

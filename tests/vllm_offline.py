@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvtier.cpu_dtype import cpu_model_dtype
+from kvtier.cpu_dtype import cpu_model_dtype, model_dtype
 
 
 def main() -> None:
@@ -66,11 +66,11 @@ def run_vllm(model: Path, prompts: list[list[int]], tmp: Path, kv_role: str = ""
              ) -> tuple[list[dict], str]:
     """Run this file in a subprocess; returns the per-request results and vLLM's log.
 
-    dtype "auto": the one this CPU runs models in (kvtier.cpu_dtype)."""
+    dtype "auto": the one models run in here (kvtier.cpu_dtype.model_dtype)."""
     pfile = tmp / f"prompts-{name or kv_role or 'plain'}.json"
     pfile.write_text(json.dumps(prompts))
     cmd = [sys.executable, __file__, "--model", str(model), "--prompts", str(pfile), "--kv-role", kv_role,
-           "--dtype", cpu_model_dtype().dtype if dtype == "auto" else dtype, "--max-tokens", str(max_tokens)]
+           "--dtype", model_dtype().dtype if dtype == "auto" else dtype, "--max-tokens", str(max_tokens)]
     cmd += ["--by-name"] if by_name else []
     # Defaults under LMCACHE_ names: a test's own LMCACHE_ or KVTIER_ setting replaces or overrides them.
     full_env = {**os.environ, "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25", **(env or {})}

@@ -52,12 +52,15 @@ SETUPS: dict[str, dict] = {
     "kvtier": {"connector": "KvtierConnector", "env": {}},
     "kvtier-layerwise": {"connector": "KvtierConnector", "env": {"LMCACHE_USE_LAYERWISE": "true"}},
     # The disk tier: a CPU pool smaller than one prompt (staging only), the chunks from files.
-    "kvtier-disk": {"connector": "KvtierConnector", "env": {
+    # Its writes are flushed before each warm run ("flush"): the warm run reads the tier, whole.
+    "kvtier-disk": {"connector": "KvtierConnector", "flush": True, "env": {
         "LMCACHE_MAX_LOCAL_CPU_SIZE": "1", "LMCACHE_LOCAL_DISK": "file:///tmp/kvtier-bench-disk/",
         "LMCACHE_MAX_LOCAL_DISK_SIZE": "60"}},
     # `kvtier server` on this host, CPU tier off: lent from its shared memory, or over TCP.
-    "kvtier-server": {"connector": "KvtierConnector", "server": "", "env": {"LMCACHE_LOCAL_CPU": "false"}},
-    "kvtier-server-tcp": {"connector": "KvtierConnector", "server": "?shm=0", "env": {"LMCACHE_LOCAL_CPU": "false"}},
+    "kvtier-server": {"connector": "KvtierConnector", "server": "", "flush": True,
+                      "env": {"LMCACHE_LOCAL_CPU": "false"}},
+    "kvtier-server-tcp": {"connector": "KvtierConnector", "server": "?shm=0", "flush": True,
+                          "env": {"LMCACHE_LOCAL_CPU": "false"}},
     "lmcache": {"connector": "LMCacheConnectorV1", "env": {"LMCACHE_LOCAL_CPU": "true"}},
     "native": {"native": True},
 }
@@ -125,6 +128,70 @@ class ForwardTimer:
         self.events.clear()
 
 
+# What the warm path's timeline shows (host time, from generate()'s call): vLLM's steps and
+# kvtier's calls on the way. "module:Class.method" -> label.
+TIMED = {
+    "vllm.v1.core.sched.scheduler:Scheduler.schedule": "vllm schedule",
+    "vllm.v1.executor.uniproc_executor:UniProcExecutor.execute_model": "vllm execute_model",
+    "vllm.v1.executor.uniproc_executor:UniProcExecutor.sample_tokens": "vllm sample_tokens",
+    "kvtier.integrations.vllm:KvtierConnector.get_num_new_matched_tokens": "kvtier lookup (scheduler)",
+    "kvtier.engine:CacheEngine.find": "kvtier find+lease (worker)",
+    "kvtier.engine:CacheEngine.upload_ahead": "kvtier upload_ahead (worker)",
+    "kvtier.integrations.vllm:KvtierConnector.build_connector_meta": "kvtier metadata",
+    "kvtier.integrations.vllm:KvtierConnector.start_load_kv": "kvtier start_load_kv",
+    "kvtier.integrations.vllm:KvtierConnector.wait_for_save": "kvtier wait_for_save",
+}
+
+
+class Timeline:
+    """Host time stamps of the TIMED calls during one generate() (bench instrumentation:
+    methods wrapped at class level, in this process where vLLM's engine runs)."""
+
+    def __init__(self) -> None:
+        self.t0 = 0.0
+        self.spans: list[tuple[str, float, float]] = []
+        self.on = False
+
+    def install(self) -> None:
+        import functools
+        import importlib
+
+        for where, label in TIMED.items():
+            module, attr = where.split(":")
+            cls_name, method = attr.split(".")
+            try:
+                cls = getattr(importlib.import_module(module), cls_name)
+                fn = getattr(cls, method)
+            except (ImportError, AttributeError):
+                continue  # another vLLM: that step is not shown
+
+            def timed(*a, _fn=fn, _label=label, **k):
+                if not self.on:
+                    return _fn(*a, **k)
+                t = time.perf_counter()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    self.spans.append((_label, round((t - self.t0) * 1e3, 2),
+                                       round((time.perf_counter() - self.t0) * 1e3, 2)))
+
+            setattr(cls, method, functools.wraps(fn)(timed))
+
+    def start(self) -> None:
+        self.spans, self.on, self.t0 = [], True, time.perf_counter()
+
+    def stop(self) -> list[tuple[str, float, float]]:
+        self.on = False
+        return sorted(self.spans, key=lambda x: x[1])
+
+
+def flush_kvtier(model) -> bool:
+    """(apply_model) The worker's kvtier writes to disk and remote, landed."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().engine.flush(120)
+
+
 def h2d_bandwidth(nbytes: int) -> float:
     """Pinned host -> GPU copy bandwidth (bytes/s): the best of 3 copies of `nbytes`."""
     import torch
@@ -180,6 +247,8 @@ def _run_setup(args: argparse.Namespace, setup: dict) -> None:
     if setup.get("native"):
         kw.update(kv_offloading_size=args.cpu_gb, kv_offloading_backend="native")
     model = make_model(Path(args.model))
+    timeline = Timeline()
+    timeline.install()
     t0 = time.perf_counter()
     llm = LLM(model=str(model), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, seed=0,
               max_model_len=max(args.lengths) + 64, enable_prefix_caching=True, enforce_eager=args.eager,
@@ -193,10 +262,19 @@ def _run_setup(args: argparse.Namespace, setup: dict) -> None:
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     check = SamplingParams(temperature=0, max_tokens=args.check_tokens, ignore_eos=True, logprobs=0)
 
-    def gen(ids: list[int], sp=one):
+    def gen(ids: list[int], sp=one, timed: bool = False):
+        if timed:
+            timeline.start()
         t = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0]
-        return time.perf_counter() - t, out
+        took = time.perf_counter() - t
+        if timed:
+            timelines.append(timeline.stop())
+        return took, out
+
+    def flush() -> None:
+        if setup.get("flush") and not all(llm.apply_model(flush_kvtier)):
+            print(f"[{args.setup}] kvtier's writes did not land in 120 s", flush=True)
 
     for length in args.lengths:
         bw = h2d_bandwidth(length * KV_BYTES_PER_TOKEN)
@@ -205,9 +283,11 @@ def _run_setup(args: argparse.Namespace, setup: dict) -> None:
         # computation a warm load must reproduce); warm from the offloader; and a control
         # prompt (variant 1: another first chunk) cold.
         base = prompt(length, 0)
+        timelines: list = []
         _, cold_out = gen(base, check)
         _, gpu_out = gen(base, check)
         llm.reset_prefix_cache()
+        flush()
         _, warm_out = gen(base, check)
         llm.reset_prefix_cache()
         _, ctrl_out = gen(prompt(length, 1), check)
@@ -220,15 +300,17 @@ def _run_setup(args: argparse.Namespace, setup: dict) -> None:
             ids = prompt(length, 100 + i)
             cold, _ = gen(ids)
             timer.clear()
-            gpu_hit, _ = gen(ids)  # vLLM's own prefix cache: what a zero-cost load would give
+            last = i == args.pairs
+            gpu_hit, _ = gen(ids, timed=last)  # vLLM's own prefix cache: what a zero-cost load would give
             gpu_hit_fwd = timer.last_ms()
             llm.reset_prefix_cache()
+            flush()
             timer.clear()
-            profiled = args.profile and i == args.pairs
+            profiled = args.profile and last
             prof = cProfile.Profile() if profiled else None
             if prof is not None:
                 prof.enable()
-            warm, _ = gen(ids)
+            warm, _ = gen(ids, timed=last and not profiled)
             if prof is not None:
                 prof.disable()
                 with open(f"{args.out}/{args.setup}.prof.txt", "a") as f:
@@ -246,6 +328,7 @@ def _run_setup(args: argparse.Namespace, setup: dict) -> None:
         alone = [f / 1e3 for f in runs["gpu_hit_fwd_ms"]]
         rec.lengths[str(length)] = {
             **runs, "h2d_GBps": bw / 1e9, "copy_ms": copy_s * 1e3, "tokens": tokens,
+            "timeline": dict(zip(("gpu_hit", "warm"), timelines)),
             "cold_median": statistics.median(runs["cold"]), "warm_median": statistics.median(runs["warm"]),
             "gpu_hit_median": statistics.median(runs["gpu_hit"]),
             "fwd_median_ms": statistics.median(runs["gpu_hit_fwd_ms"]),
@@ -259,6 +342,9 @@ def _run_setup(args: argparse.Namespace, setup: dict) -> None:
               f"copy {r['copy_ms']:.1f} ms ({r['h2d_GBps']:.1f} GB/s) + fwd {r['fwd_median_ms']:.1f} ms, "
               f"warm/floor {r['warm_over_floor_paired']:.3f}, warm/max(load,fwd) "
               f"{r['warm_over_max_load_fwd_paired']:.3f}", flush=True)
+        for name, spans in r["timeline"].items():
+            print(f"[{args.setup}] {length} {name} timeline (ms from generate()): "
+                  + "; ".join(f"{label} {a:.1f}-{b:.1f}" for label, a, b in spans), flush=True)
     Path(args.out, f"{args.setup}.json").write_text(json.dumps(rec.__dict__, indent=1))
 
 
@@ -281,7 +367,9 @@ def compare(out: Path) -> int:
     for name, rec in recs.items():
         for length, r in rec["lengths"].items():
             t = r["tokens"]
-            same_warm = t["warm"] == t["gpu_hit"]  # loaded KV computes what vLLM's own cached KV does
+            # Loaded KV computes what vLLM's own cached KV does; plain vLLM recomputes "warm" (a
+            # prefix-cache hit and a whole prefill may differ in the last bits of bf16).
+            same_warm = t["warm"] == (t["cold"] if name == "plain" else t["gpu_hit"])
             same_plain = plain is None or plain["lengths"].get(length, {}).get("tokens", {}).get("cold") == t["cold"]
             control_differs = t["control"] != t["cold"]
             ok = same_warm and same_plain and control_differs

@@ -4,9 +4,10 @@ vLLM's scheduler and its workers live in different processes (the CPU
 platform always uses the multiprocess executor), while the tiers live in
 the worker. Each worker rank serves the scheduler on a ZMQ IPC socket:
 
-    request:  version u8 (1) | op u8 | request-id length u16 | request id (utf-8) | payload
-        LOOKUP   payload: token ids as little-endian u32; the worker leases the hit
-                 for that request (protected until its load)
+    request:  version u8 (2) | op u8 | request-id length u16 | request id (utf-8) | payload
+        LOOKUP   payload: the tokens the engine has already (its own prefix cache), then
+                 the token ids, all little-endian u32; the worker leases the hit for
+                 that request (protected until its load), and may start moving it
         RELEASE  the request will not load what it looked up
         RESET    drop the worker's local tiers (vLLM's reset_prefix_cache)
     reply:    two little-endian u64: LOOKUP (hit tokens, of them in CPU RAM);
@@ -34,7 +35,7 @@ from kvtier.logs import get_logger
 
 log = get_logger(__name__)
 
-VERSION = 1
+VERSION = 2
 HEAD = struct.Struct("<BBH")
 REPLY = struct.Struct("<QQ")
 
@@ -49,7 +50,7 @@ class Op(enum.IntEnum):
 class Handlers:
     """What a worker does for each op."""
 
-    lookup: Callable[[np.ndarray, str], tuple[int, int]]  # (tokens, request id) -> (hit, in CPU)
+    lookup: Callable[[np.ndarray, str, int], tuple[int, int]]  # (tokens, request id, computed) -> (hit, in CPU)
     release: Callable[[str], None]
     reset: Callable[[], None]
 
@@ -106,7 +107,10 @@ class LookupServer:
 
     def _answer(self, op: Op, request_id: str, payload: bytes) -> tuple[int, int]:
         if op == Op.LOOKUP:
-            return self._handlers.lookup(np.frombuffer(payload, dtype="<u4"), request_id)
+            if not payload:
+                raise ValueError("a lookup without its count of computed tokens")
+            words = np.frombuffer(payload, dtype="<u4")
+            return self._handlers.lookup(words[1:], request_id, int(words[0]))
         if op == Op.RELEASE:
             self._handlers.release(request_id)
         else:
@@ -139,9 +143,10 @@ class LookupClient:
         sock.connect(address)
         return sock
 
-    def lookup(self, tokens: list[int] | np.ndarray, request_id: str = "") -> tuple[int, int]:
-        """(hit tokens, of them in CPU RAM), the minimum over ranks; (0, 0) if a rank is silent."""
-        replies = self._ask(encode(Op.LOOKUP, request_id, token_bytes(tokens)))
+    def lookup(self, tokens: list[int] | np.ndarray, request_id: str = "", computed: int = 0) -> tuple[int, int]:
+        """(hit tokens, of them in CPU RAM), the minimum over ranks; (0, 0) if a rank is silent.
+        `computed`: the leading tokens the engine has already (not to be loaded)."""
+        replies = self._ask(encode(Op.LOOKUP, request_id, struct.pack("<I", computed) + token_bytes(tokens)))
         if replies is None:
             return 0, 0
         return min(r[0] for r in replies), min(r[1] for r in replies)

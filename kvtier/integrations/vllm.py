@@ -10,7 +10,9 @@ and the worker's (owns the CacheEngine and moves the bytes). Per step:
     scheduler                                worker
     ---------                                ------
     get_num_new_matched_tokens ── lookup ──▶ LookupServer → engine.find (leases the hit;
-                                               disk/remote chunks start coming up: prefetch)
+                                               disk/remote chunks start coming up: prefetch;
+                                               a hit in CPU RAM starts crossing to the
+                                               GPU: upload_ahead)
     update_state_after_alloc   (plan load)
     build_connector_meta  ── KvtierMetadata ─▶ start_load_kv  → engine.retrieve
                                                (forward pass)   (or, async, in a thread)
@@ -18,8 +20,10 @@ and the worker's (owns the CacheEngine and moves the bytes). Per step:
                                                get_finished   → async loads that are done
     request_finished      (forget request; release an unused lease)
 
-A hit that is all in CPU RAM loads synchronously, before the forward (a
-memcpy). A hit with chunks on disk or remote loads asynchronously (vLLM's
+A hit that is all in CPU RAM loads before the forward: its copies to the
+GPU start at the lookup (into kvtier's staging; the slots are not known
+yet), and `start_load_kv` queues the kernels that put it in vLLM's pages,
+ahead of the forward on its stream. A hit with chunks on disk or remote loads asynchronously (vLLM's
 WAITING_FOR_REMOTE_KVS): the request waits while other requests' steps go
 on, and `get_finished` reports it loaded.
 
@@ -267,9 +271,8 @@ class KvtierConnector(KVConnectorBase_V1):
         if not self.can_load or not prompt:
             return 0, False
         rid = request.request_id
-        stored, in_cpu = self._lookup.lookup(prompt, rid)
-        hit = usable_hit(stored, len(prompt), self.block_size if self.whole_blocks else 1,
-                         self.config.min_retrieve_tokens)
+        stored, in_cpu = self._lookup.lookup(prompt, rid, num_computed_tokens)
+        hit = self._usable(stored, len(prompt))
         need = max(0, hit - num_computed_tokens)
         if self.config.enable_pd and self.config.pd_role == "receiver":
             pd_id = str((request.kv_transfer_params or {}).get("pd_req_id", ""))
@@ -287,6 +290,11 @@ class KvtierConnector(KVConnectorBase_V1):
         elif stored:  # leased by the lookup, not used
             self._lookup.release(rid)
         return need, background
+
+    def _usable(self, stored: int, prompt_len: int) -> int:
+        """The tokens of a stored prefix vLLM is told of (the same rule on both sides)."""
+        return usable_hit(stored, prompt_len, self.block_size if self.whole_blocks else 1,
+                          self.config.min_retrieve_tokens)
 
     def _fixed_peer(self, request_id: str) -> Target | None:
         c = self.config
@@ -415,12 +423,18 @@ class KvtierConnector(KVConnectorBase_V1):
         self._server = LookupServer(socket_path(self.engine_id, rank), Handlers(
             lookup=self._find, release=self.engine.release_lease, reset=self.engine.clear))
 
-    def _find(self, tokens: np.ndarray, request_id: str) -> tuple[int, int]:
-        """A scheduler lookup: lease the hit; chunks below CPU RAM start coming up now."""
+    def _find(self, tokens: np.ndarray, request_id: str, computed: int) -> tuple[int, int]:
+        """A scheduler lookup: lease the hit. Chunks below CPU RAM start coming up into it
+        now; a hit all in CPU RAM that the scheduler will load (the same rule as there)
+        starts its copies to the GPU now, before vLLM's step that loads it."""
         assert self.engine is not None
         hit = self.engine.find(tokens, lease_for=request_id)
-        if hit.in_cpu < hit.tokens and self.can_load:
+        if not self.can_load or self._usable(hit.tokens, len(tokens)) <= computed:
+            return hit.tokens, hit.in_cpu
+        if hit.in_cpu < hit.tokens:
             self.engine.start_prefetch(tokens, request_id)
+        else:
+            self.engine.upload_ahead(tokens, request_id, start=computed, layerwise=self.config.use_layerwise)
         return hit.tokens, hit.in_cpu
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

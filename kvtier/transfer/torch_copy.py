@@ -42,8 +42,12 @@ class TorchTransfer:
                     chunk[layer_idx].copy_(tokens[:, start : start + n], non_blocking=True)
                 start += n
 
+    def upload(self, chunks: Sequence[torch.Tensor], layer_major: bool = False, digests: bool = False) -> None:
+        """Nothing to queue ahead: the copies happen in `scatter`."""
+        return None
+
     def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
-                wait: bool = True, digests: None = None) -> Callable[[], None]:
+                wait: bool = True, digests: None = None, upload: None = None) -> Callable[[], None]:
         """Copy `chunks` back into the KV pages at `slots` (all layers, or `layers`); slot -1 is skipped.
         The copies are synchronous here, whatever `wait` says."""
         _no_digests(digests)
@@ -60,7 +64,7 @@ class TorchTransfer:
         return _done
 
     def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
-                          digests: None = None) -> LazyLayers:
+                          digests: None = None, upload: None = None) -> LazyLayers:
         _no_digests(digests)
         return LazyLayers(self, slots, chunks)
 

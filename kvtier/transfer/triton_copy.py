@@ -17,6 +17,11 @@ crosses PCIe in one copy per run and has its own kernel:
     chunk-major  | c0: L0 L1 .. | c1: L0 L1 .. |       (store, retrieve)
     layer-major  | L0: c0 c1 .. | L1: c0 c1 .. |       (layerwise)
 
+A load's copies into staging can be queued before its slots are known
+(`upload`, at the scheduler's lookup); its `scatter` then queues only the
+kernels, and reads the slot table from pinned memory in a kernel of its
+own (a copy-engine copy would wait behind the chunks).
+
 In staging, chunks sit in the order of their host addresses (within a
 group), so blocks that are neighbours in the pool are neighbours there too,
 whatever tokens they hold: a run of them is one strided copy.
@@ -173,6 +178,15 @@ def _digest_kernel(
         tl.atomic_add(out + c % n, tl.sum(tl.where(mask, (w + 1) * weight, 0), axis=0))
 
 
+@triton.jit
+def _host_words_kernel(src, dst, n, BLOCK: tl.constexpr):
+    """dst[i] = src[i], int64 words, `src` the address of pinned host memory: the kernel
+    reads it over PCIe, where a copy-engine copy would queue behind chunks already crossing."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    tl.store(dst + i, tl.load(src.to(tl.pointer_type(tl.int64)) + i, mask=mask), mask=mask)
+
+
 class _Staging:
     """Device memory for the chunks of one transfer, and the copies between it and them.
 
@@ -233,6 +247,24 @@ class _Staging:
                 cudart.memcpy2d(host, pitch, dev, width, width, count, stream)
             else:
                 cudart.memcpy2d(dev, width, host, pitch, width, count, stream)
+
+
+class Upload:
+    """Host chunks on their way into device staging: their copies queued on the copy
+    stream, before the slots they go to are known (a hit, at the scheduler's lookup). A
+    scatter given it queues only its kernels; the staging lives as long as this does."""
+
+    def __init__(self, staging: _Staging, ptrs: torch.Tensor, sums: _DigestTables | None,
+                 landed: list[torch.cuda.Event], layer_major: bool) -> None:
+        self.staging, self.ptrs, self.sums, self.landed, self.layer_major = staging, ptrs, sums, landed, layer_major
+
+    def chunks(self) -> list[torch.Tensor]:
+        return self.staging.chunks
+
+    def wait(self) -> None:
+        """Return once the host chunks are no longer read (they may be released)."""
+        if self.landed:
+            self.landed[-1].synchronize()  # one copy stream: the last copy queued ends last
 
 
 def _whole_table(starts: torch.Tensor, nbytes: Sequence[int]) -> torch.Tensor:
@@ -297,20 +329,27 @@ def _runs(chunks: Sequence[torch.Tensor], order: Sequence[int], sizes: Sequence[
     return runs
 
 
-def _waiter(stream: torch.cuda.Stream | None, now: bool) -> Callable[[], None]:
-    """Waits for the work queued on `stream` so far: now, or when called."""
+def _waiter(stream: torch.cuda.Stream | None, now: bool, keep: object = None) -> Callable[[], None]:
+    """Waits for the work queued on `stream` so far: now, or when called (`keep` lives until then)."""
     if stream is None or now:
         if stream is not None:
             stream.synchronize()
         return lambda: None
     done = torch.cuda.Event()
     done.record(stream)
-    return done.synchronize
+
+    def wait() -> None:
+        nonlocal keep
+        done.synchronize()
+        keep = None
+
+    return wait
 
 
 GROUPS = 4  # whole transfers: kernel of group g+1 runs while group g crosses PCIe
 DIGEST_BLOCK = 4096  # words per program of _digest_kernel
 DIGEST_LAYERS = 8  # layers summed per digest launch of a layerwise scatter
+SLOT_BLOCK = 1024  # slot-table words per program of _host_words_kernel
 
 
 class TritonTransfer:
@@ -432,44 +471,81 @@ class TritonTransfer:
                 staging.copy(to_host=True, stream=self._copies, group=g)
         self._copies.synchronize()
 
+    def upload(self, chunks: Sequence[torch.Tensor], layer_major: bool = False, digests: bool = False
+               ) -> Upload | None:
+        """Queue the copies of host chunks into device staging now, chunk-major in groups (for
+        `scatter`) or layer by layer (for `scatter_layerwise`); None where the kernels read
+        the chunks where they are. The caller's stream is not waited for: staging is this
+        transfer's own memory. `digests`: their tables go up too (for a scatter's `digests`)."""
+        if not self._staged(chunks):
+            return None
+        with torch.cuda.device(self.kv.device):  # the caller may be a thread whose current device is another
+            self._copies.wait_stream(self._stream)  # staging memory may still be read by earlier kernels
+            with torch.cuda.stream(self._stream):
+                staging = _Staging(chunks, self.kv.device, layer_major=layer_major,
+                                   groups=1 if layer_major else GROUPS)
+                # The tables go up first: the copy engine takes host-to-device copies in the
+                # order they are queued, so tables queued behind the chunks would hold every
+                # kernel until all chunks had crossed (the slots: _slots_up).
+                layers = range(self.kv.num_layers)
+                table = staging.ptrs(layers) if layer_major else staging.ptrs(range(1))[0]
+                ptrs = table.pin_memory().to(self.kv.device, non_blocking=True)
+                sums = self._digest_tables(staging.digest_tables(by_layer=layer_major)) if digests else None
+                landed = []
+                for part in (layers if layer_major else range(len(staging.groups))):
+                    if layer_major:
+                        staging.copy(to_host=False, stream=self._copies, layer=part)
+                    else:
+                        staging.copy(to_host=False, stream=self._copies, group=part)
+                    landed.append(torch.cuda.Event())
+                    landed[-1].record(self._copies)
+        return Upload(staging, ptrs, sums, landed, layer_major)
+
+    def _slots_up(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot table on the device, on the current stream, read from pinned memory by a
+        kernel (an Upload's chunks may be crossing on the copy engine); and the pinned
+        table, to keep until that kernel has run."""
+        host = slots.to(torch.int64).contiguous().pin_memory()
+        dev = torch.empty(host.shape, dtype=torch.int64, device=self.kv.device)
+        if host.numel():
+            _host_words_kernel[(triton.cdiv(host.numel(), SLOT_BLOCK),)](host.data_ptr(), dev, host.numel(),
+                                                                         BLOCK=SLOT_BLOCK)
+        return dev, host
+
     def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
-                wait: bool = True, digests: torch.Tensor | None = None) -> Callable[[], None]:
+                wait: bool = True, digests: torch.Tensor | None = None, upload: Upload | None = None
+                ) -> Callable[[], None]:
         """Write `chunks` into the KV pages; the current stream is ordered after it.
 
         `layers` (device-resident or interpreter chunks only) limits the write to those layers.
         `digests` (int64 zeros on the device, one per chunk): the KV digests of the
         bytes as they arrived are added there (readable on the current stream).
+        `upload`: these chunks' `upload()`, queued earlier (then only the kernels are queued).
         Returns what waits for the copies out of the host chunks (done already with `wait`)."""
         layers = layers or range(self.kv.num_layers)
         if not self._staged(chunks):
             return self._unstaged(lambda: self._in_place(slots, chunks, False, layers, digests), chunks, wait)
         if len(layers) != self.kv.num_layers:
             raise ValueError("a layer range is for device-resident chunks; use scatter_layerwise")
+        if upload is None:
+            upload = self.upload(chunks, digests=digests is not None)
+        elif upload.layer_major:
+            raise ValueError("a layer-major upload is for scatter_layerwise")
         current = torch.cuda.current_stream(self.kv.device)
         self._stream.wait_stream(current)
-        self._copies.wait_stream(self._stream)  # staging memory may still be read by earlier kernels
         with torch.cuda.stream(self._stream):
-            staging = _Staging(chunks, self.kv.device, layer_major=False, groups=GROUPS)
-            # The tables go up first: the copy engine takes host-to-device copies in
-            # the order they are queued, so tables queued behind the chunks would
-            # hold every kernel until all chunks had crossed.
-            dev_slots, ptrs = self._upload(slots, staging.ptrs(range(1))[0])
-            sums = self._digest_tables(staging.digest_tables(by_layer=False)) if digests is not None else None
-            landed = []
-            for g in range(len(staging.groups)):
-                staging.copy(to_host=False, stream=self._copies, group=g)
-                landed.append(torch.cuda.Event())
-                landed[-1].record(self._copies)
+            dev_slots, host_slots = self._slots_up(slots)
             size = chunks[0].shape[2]
-            for group, event in zip(staging.groups, landed):
+            for group, event in zip(upload.staging.groups, upload.landed):
                 self._stream.wait_event(event)
-                if sums is not None:
-                    sums.add(digests, chunks=group)
+                if upload.sums is not None:
+                    upload.sums.add(digests, chunks=group)
                 a, b = group.start * size, min(group.stop * size, slots.numel())
-                self._kernel(dev_slots[a:b], ptrs[group.start : group.stop], size, False, layers)
+                self._kernel(dev_slots[a:b], upload.ptrs[group.start : group.stop], size, False, layers)
         current.wait_stream(self._stream)
-        # The caller releases the host blocks once the copies out of them are done.
-        return _waiter(self._copies, wait)
+        # The caller releases the host blocks once the copies out of them are done (the kernels
+        # waited for them); staging and the pinned slot table live until then.
+        return _waiter(self._stream, wait, keep=(upload, host_slots))
 
     def _unstaged(self, work, chunks: Sequence[torch.Tensor], wait: bool = True) -> Callable[[], None]:
         """Device chunks (and the interpreter's): on the current stream.
@@ -488,7 +564,7 @@ class TritonTransfer:
     # -- layer by layer ------------------------------------------------------------------
 
     def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
-                          digests: torch.Tensor | None = None) -> LayerHandle:
+                          digests: torch.Tensor | None = None, upload: Upload | None = None) -> LayerHandle:
         """Start writing `chunks` layer by layer; wait(l) orders the caller after layer l.
 
         Every layer's work is queued at once: layer l of every chunk crosses
@@ -496,7 +572,8 @@ class TritonTransfer:
         the kernel stream, while layer l+1 crosses. The caller's stream waits
         only for the layer it is about to use. Direct: one kernel per layer
         reads the pinned chunks. `digests`: as in `scatter`, layer by layer
-        (complete once `finish()` returns).
+        (complete once `finish()` returns). `upload`: these chunks'
+        `upload(layer_major=True)`, queued earlier.
         """
         if self._stream is None:
             if digests is not None:
@@ -504,23 +581,24 @@ class TritonTransfer:
             from kvtier.transfer.torch_copy import LazyLayers
 
             return LazyLayers(self, slots, chunks)
+        if upload is None:
+            upload = self.upload(chunks, layer_major=True, digests=digests is not None)
+        elif not upload.layer_major:
+            raise ValueError("a chunk-major upload is for scatter")
         self._stream.wait_stream(torch.cuda.current_stream(self.kv.device))
-        self._copies.wait_stream(self._stream)  # staging memory may still be read by earlier kernels
         layers = range(self.kv.num_layers)
-        events, landed = [], []
+        events, keep = [], None
         with torch.cuda.stream(self._stream):
-            # Tables first (see scatter): behind the layers they would hold layer 0's kernel to the end.
-            staging, dev_slots, ptrs = self._layerwise_tables(slots, chunks)
-            sums = None if digests is None else self._digest_tables(
-                staging.digest_tables(by_layer=True) if staging else _host_tables(chunks, by_layer=True))
-            for layer in layers if staging else ():
-                staging.copy(to_host=False, stream=self._copies, layer=layer)
-                landed.append(torch.cuda.Event())
-                landed[-1].record(self._copies)
+            if upload is not None:
+                dev_slots, keep = self._slots_up(slots)
+                ptrs, sums = upload.ptrs, upload.sums
+            else:  # the kernels read the chunks where they are
+                _, dev_slots, ptrs = self._layerwise_tables(slots, chunks)
+                sums = None if digests is None else self._digest_tables(_host_tables(chunks, by_layer=True))
             summed = 0  # layers whose digests are queued
             for layer, row in zip(layers, ptrs.unbind(0)):
-                if staging:
-                    self._stream.wait_event(landed[layer])
+                if upload is not None:
+                    self._stream.wait_event(upload.landed[layer])
                 self._kernel(dev_slots, row, chunks[0].shape[2], False, range(layer, layer + 1))
                 events.append(torch.cuda.Event())
                 events[-1].record(self._stream)
@@ -530,7 +608,7 @@ class TritonTransfer:
                     # (what runs after the last layer lands, `finish()` waits for).
                     sums.add(digests, rows=range(summed, layer + 1))
                     summed = layer + 1
-        return LayerEvents(events, self._stream, self._copies, staging)
+        return LayerEvents(events, self._stream, self._copies, (upload, keep))
 
     def gather_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
                          digests: torch.Tensor | None = None) -> LayerSaves:
@@ -544,7 +622,7 @@ class TritonTransfer:
 class LayerEvents:
     """A layerwise scatter in flight: one CUDA event per layer."""
 
-    def __init__(self, events: list, stream, copies, keepalive: _Staging | None) -> None:
+    def __init__(self, events: list, stream, copies, keepalive: object) -> None:
         self._events, self._stream, self._copies, self._keepalive = events, stream, copies, keepalive
 
     def wait(self, layer: int) -> None:
