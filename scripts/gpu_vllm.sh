@@ -15,7 +15,8 @@ tag=${TAG:-a}
 work=/tmp/gpu-vllm-results-$tag
 steps=${STEPS:-tests guides bench}
 rm -rf "$work"; mkdir -p "$out" "$work"
-pkill -f vllm.entrypoints.openai.api_server; pkill -f "kvtier.server|kvtier.cli proxy"  # an earlier call's, cut short
+servers='^[^ ]*python[0-9.]* -m (vllm\.entrypoints\.openai\.api_server|kvtier\.server|kvtier\.cli proxy)'
+pkill -f "$servers"  # an earlier call's, cut short
 trap 'tar czf "$out/gpu-vllm-$tag.tgz" -C "$work" .' EXIT
 if [ ! -d /tmp/site/vllm ]; then
     bash .gpu-vllm/install.sh .gpu-vllm /tmp/site >/dev/null || exit 1
@@ -38,7 +39,7 @@ timeout ${GUIDES_TIMEOUT:-540} python3 -m pytest -q -s -rfE --tb=short --timeout
     tests/test_vllm_pd.py tests/test_vllm_remote.py ${GUIDES_K:+-k "$GUIDES_K"} \
     > "$work/guides.txt" 2>&1; echo "guides exit $?"
 # A step cut by its time limit leaves its servers (their own sessions) holding GPU memory.
-pkill -f vllm.entrypoints.openai.api_server; pkill -f "kvtier.server|kvtier.cli proxy"; sleep 3
+pkill -f "$servers"; sleep 3
 grep -E "passed|failed|error|bench serve twice|Median TTFT" "$work/guides.txt" | tail -12 ;;
 esac
 case " $steps " in *" bench "*)
