@@ -20,7 +20,7 @@ init = engine.CacheEngine.__init__
 
 def without_digests(self, *args, **kwargs):
     init(self, *args, **kwargs)
-    self._digests = False
+    self.mover.digests = False
     if self.tiers.remote is not None:
         self.tiers.remote.digests_on_device = False
 

@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import kvtier.engine as engine_mod  # noqa: E402
+from kvtier.engine.mover import Mover  # noqa: E402
+from kvtier.engine.storing import StorePath  # noqa: E402
 import kvtier.transfer.triton_copy as tc  # noqa: E402
 from kvtier.bench.offload import timed  # noqa: E402
 from kvtier.bench.ttft import BesideACopy, _ServerSession, build_model  # noqa: E402
@@ -44,19 +46,19 @@ WHOLE_BEFORE = bool(int(os.environ.get("WHOLE_BEFORE", "0")))
 TIMED = [
     (TieredStore, "locate", "locate"), (TieredStore, "lend_whole", "lend_whole"),
     (RemoteTier, "max_held", "max_held"), (KVClient, "borrow", "borrow_rpc"), (KVClient, "exists", "exists_rpc"),
-    (RemoteTier, "borrow", "borrow_all"), (engine_mod.CacheEngine, "_scatter", "engine_scatter"),
-    (engine_mod.CacheEngine, "chunk_view", "chunk_views"), (tc._Staging, "__init__", "staging_init"),
+    (RemoteTier, "borrow", "borrow_all"), (Mover, "scatter", "engine_scatter"),
+    (Mover, "view", "chunk_views"), (tc._Staging, "__init__", "staging_init"),
     (tc._Staging, "copy", "staging_copies"), (tc.TritonTransfer, "_upload", "tables_upload"),
     (tc.TritonTransfer, "_kernel", "kernel_launches"), (tc._DigestTables, "__init__", "digest_tables"),
     (tc._DigestTables, "add", "digest_launches"), (engine_mod.CacheEngine, "start_store", "start_store"),
-    (engine_mod.CacheEngine, "_stream_store", "stream_store"),
+    (StorePath, "stream", "stream_store"),
 ]
 marks: dict[str, float] = {}  # phase boundaries of the current prefill (perf_counter)
 spent: dict[str, float] = {}  # seconds per TIMED name in the current prefill
 landed_events: list = []  # per layerwise scatter: an event behind its last layer's kernel
 runs: list[int] = []  # per layerwise scatter: strided copies per layer (-1: chunks read in place)
 
-start_retrieve, finish, scatter_layerwise = (engine_mod.CacheEngine.start_retrieve, engine_mod.Retrieval.finish,
+start_retrieve, finish, scatter_layerwise = (engine_mod.CacheEngine.start_retrieve, engine_mod.Loading.finish,
                                              tc.TritonTransfer.scatter_layerwise)
 
 
@@ -100,7 +102,7 @@ def accumulate(owner, attr: str, name: str) -> None:
 for owner, attr, name in TIMED:
     accumulate(owner, attr, name)
 engine_mod.CacheEngine.start_retrieve = timed_start
-engine_mod.Retrieval.finish = timed_finish
+engine_mod.Loading.finish = timed_finish
 tc.TritonTransfer.scatter_layerwise = kept_scatter
 
 

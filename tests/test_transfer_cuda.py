@@ -169,7 +169,7 @@ def test_a_hit_uploaded_at_its_lookup_is_what_its_retrieve_loads(layerwise):
     assert not eng.upload_ahead(toks, "other", layerwise=layerwise)  # one at a time
     # By the load, the engine has the first 70 tokens itself (its prefix cache grew).
     load = eng.start_retrieve(toks, perm[256:511], start=70, request_id="r", layerwise=layerwise)
-    assert eng._ahead is None  # taken by the load
+    assert eng.ahead.request_id is None  # taken by the load
     for i in range(L):
         load.wait(i)
     assert int(load.finish().sum()) == 255 - 70
@@ -179,7 +179,7 @@ def test_a_hit_uploaded_at_its_lookup_is_what_its_retrieve_loads(layerwise):
     eng.find(toks, lease_for="s")
     assert eng.upload_ahead(toks, "s", layerwise=layerwise)
     eng.release_lease("s")
-    assert eng._ahead is None and eng.pool.used_bytes == used
+    assert eng.ahead.request_id is None and eng.pool.used_bytes == used
     assert not any(c.block.pinned for c in eng.tiers.cpu._chunks.values())
     # Uploaded for one mode, loaded in the other: dropped, and loaded the usual way.
     eng.find(toks, lease_for="t")

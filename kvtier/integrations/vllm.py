@@ -68,7 +68,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.config import KvtierConfig, load_config
-from kvtier.engine import CacheEngine, Retrieval, Storing
+from kvtier.engine import CacheEngine, Loading, Storing
 from kvtier.errors import ConfigError, UnsupportedKVLayout
 from kvtier.integrations.lookup import Handlers, LookupClient, LookupServer, socket_path
 from kvtier.integrations.vllm_events import KvtierKVEvents, to_vllm
@@ -248,7 +248,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._server: LookupServer | None = None
             self._load_errors: set[int] = set()
             self._layer_index: dict[str, int] = {}
-            self._loads: list[tuple[Retrieval, TransferSpec]] = []  # loads of this step, finished at wait_for_save
+            self._loads: list[tuple[Loading, TransferSpec]] = []  # loads of this step, finished at wait_for_save
             self._stores: list[Storing] | None = None  # layerwise stores of this step, once begun
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load")
             self._background: dict[str, tuple[TransferSpec, Future]] = {}

@@ -15,7 +15,7 @@ Backends import their libraries only when their scheme is opened, so
 from __future__ import annotations
 
 import importlib
-from typing import Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 from urllib.parse import urlsplit
 
 from kvtier.buffers import Value
@@ -53,6 +53,20 @@ class KVStore(Protocol):
     def match_prefix(self, keys: Sequence[bytes]) -> int: ...
     def delete(self, keys: Sequence[bytes]) -> int: ...
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class LendingStore(KVStore, Protocol):
+    """A store that also lends values in place, out of a pool mapped into this
+    process: the store server, reached from its own host (server/client.py).
+    `on_map`/`on_unmap` are called with each mapping of the pool (to register it
+    with CUDA; on_map returning False: no lending from it)."""
+
+    on_map: Callable[[Any], bool] | None
+    on_unmap: Callable[[Any], None] | None
+
+    def borrow(self, keys: Sequence[bytes]) -> Any: ...  # a lease on the values' places, or None
+    def server_info(self) -> dict: ...
 
 
 TOKEN_SCHEMES = ("kvtier", "kvtiers", "infinistore")  # the stores that take remote_auth_token

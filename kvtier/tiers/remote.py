@@ -34,7 +34,7 @@ from kvtier.errors import CorruptPayload, RemoteRefused, RemoteUnavailable
 from kvtier.keys import ChunkKey
 from kvtier.logs import get_logger
 from kvtier.memory import front_view
-from kvtier.remote import KVStore
+from kvtier.remote import KVStore, LendingStore
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -198,7 +198,7 @@ class RemoteTier:
         return out
 
     def can_borrow(self) -> bool:
-        return self.codec.in_place and hasattr(self.store, "borrow")
+        return self.codec.in_place and isinstance(self.store, LendingStore)
 
     def max_held(self) -> float:
         """Bytes the server lets one connection hold (leases included); 0 while it is down."""

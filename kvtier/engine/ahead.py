@@ -1,0 +1,111 @@
+"""A hit's copies started at its lookup (`CacheEngine.upload_ahead`).
+
+vLLM's scheduler asks for a hit some milliseconds before the worker's
+`start_load_kv` knows the request's slots. A hit all in CPU RAM starts
+crossing PCIe into the transfer's device staging then; the load queues only
+the kernels that scatter it. One request at a time: its staging is device
+memory the size of its hit.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from kvtier.engine.mover import Mover, release_held
+from kvtier.keys import ChunkKey, ChunkSpan
+from kvtier.store import CPU, TieredStore
+from kvtier.tiers.cpu import StoredChunk
+from kvtier.transfer import Upload
+
+
+@dataclass
+class Ahead:
+    request_id: str
+    held: list[tuple[ChunkSpan, StoredChunk]]  # retained until the load ends, or the ahead is dropped
+    upload: Upload
+    layerwise: bool
+
+    def keys(self) -> list[ChunkKey]:
+        return [s.key for s, _ in self.held]
+
+    def drop(self) -> None:
+        self.upload.wait()  # the copies read the host blocks until they end
+        release_held(self.held)
+
+
+class AheadSlot:
+    def __init__(self, tiers: TieredStore, mover: Mover) -> None:
+        self.tiers, self.mover = tiers, mover
+        self._ahead: Ahead | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def request_id(self) -> str | None:
+        ahead = self._ahead
+        return None if ahead is None else ahead.request_id
+
+    def start(self, spans: list[ChunkSpan], request_id: str, layerwise: bool) -> bool:
+        """Queue the copies of `spans` if they are all in CPU RAM; True if queued (now or before)."""
+        keys = [s.key for s in spans]
+        with self._lock:
+            ahead = self._ahead
+            if ahead is not None and ahead.request_id != request_id:
+                return False  # another request's load is ahead
+            if ahead is not None and ahead.keys() == keys and ahead.layerwise == layerwise:
+                return True  # looked up again (it waited for blocks): the same chunks
+            self._ahead = None
+        if ahead is not None:
+            ahead.drop()
+        ahead = self._upload(spans, request_id, layerwise)
+        if ahead is None:
+            return False
+        with self._lock:
+            if self._ahead is None:
+                self._ahead = ahead
+                return True
+        ahead.drop()  # raced with another lookup: it went first
+        return False
+
+    def _upload(self, spans: list[ChunkSpan], request_id: str, layerwise: bool) -> Ahead | None:
+        where = self.tiers.locate([s.key for s in spans])
+        if not where or any(w != CPU for w in where):
+            return None
+        batches = self.tiers.fetch(spans[: len(where)], where)
+        try:
+            held = next(batches, [])
+        finally:
+            batches.close()
+        try:
+            upload = self.mover.upload(held, layer_major=layerwise) if held else None
+        except BaseException:
+            release_held(held)
+            raise
+        if upload is None:
+            release_held(held)
+            return None
+        return Ahead(request_id, held, upload, layerwise)
+
+    def take(self, request_id: str, keys: list[ChunkKey], layerwise: bool) -> Ahead | None:
+        """The request's ahead if its chunks hold `keys` in a row (the load's may be fewer:
+        the tokens the engine found it had by the time it loads); else None (and it is dropped)."""
+        with self._lock:
+            ahead = self._ahead
+            if ahead is None or ahead.request_id != request_id:
+                return None
+            self._ahead = None
+        have = ahead.keys()
+        i = have.index(keys[0]) if keys and keys[0] in have else -1
+        if i >= 0 and have[i : i + len(keys)] == keys and ahead.layerwise == layerwise:
+            return ahead
+        ahead.drop()
+        return None
+
+    def drop(self, request_id: str | None = None) -> None:
+        """Drop the ahead (of `request_id` only, if given)."""
+        with self._lock:
+            ahead = self._ahead
+            if ahead is None or (request_id is not None and ahead.request_id != request_id):
+                return
+            self._ahead = None
+        ahead.drop()

@@ -1,0 +1,129 @@
+"""An engine's parts, built from its config: codec, pool, tiers, transfer, leases.
+
+The store server's pool, when it lends chunks on this host, is registered with
+CUDA here, so that a GPU copies lent chunks out of it by DMA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtier.codec import HEADER, KV_CODECS, Codec
+from kvtier.config import KvtierConfig
+from kvtier.engine.mover import Mover
+from kvtier.engine.records import EngineStats, EventLog
+from kvtier.errors import ConfigError
+from kvtier.keys import KVFormat, SpanMemo
+from kvtier.leases import Leases
+from kvtier.logs import get_logger
+from kvtier.memory import HostPool
+from kvtier.remote import LendingStore, open_store
+from kvtier.store import TieredStore
+from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.remote import RemoteTier
+from kvtier.transfer import PagedKV, Quant, make_transfer
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Parts:
+    quant: Quant | None  # a lossy codec (remote_serde int8 | fp8)
+    fmt: KVFormat  # what a chunk's key names: the KV's format (and the lossy codec)
+    spans: SpanMemo
+    mover: Mover
+    tiers: TieredStore
+    leases: Leases
+    events: EventLog
+    stats: EngineStats
+
+
+def build(config: KvtierConfig, kv: PagedKV, fmt: KVFormat, transfer: str, cpu: CpuTier | None) -> Parts:
+    """`cpu`: a CPU tier to use instead of a new pool of `max_local_cpu_size` (a PD
+    receiver's buffer: the chunks senders commit there are this engine's hits)."""
+    # A lossy codec decides the bytes of every chunk, in every tier: the key names it,
+    # so its chunks and lossless ones never meet.
+    quant = Quant(config.remote_serde, kv.heads, kv.head_size) if config.remote_serde in KV_CODECS else None
+    fmt = fmt if quant is None else dataclasses.replace(fmt, dtype=f"{fmt.dtype}+{quant.name}")
+    mover = Mover(kv, make_transfer(kv, transfer, quant), quant)
+    shared_tier = cpu is not None
+    if cpu is None:
+        cpu = CpuTier(HostPool(config.cpu_pool_bytes, config.chunk_size * mover.bytes_per_token,
+                               hugepages=config.local_cpu_use_hugepages), config.cache_policy)
+    remote = _remote_tier(config, kv, quant)
+    if remote is not None:
+        remote.digests_on_device = mover.digests
+    tiers = TieredStore(cpu, keep_cpu=config.local_cpu or shared_tier, bytes_per_token=mover.bytes_per_token,
+                        disk=_disk_tier(config, mover.bytes_per_token, fmt), remote=remote,
+                        disk_min_stores=config.local_disk_min_stores, wait_s=config.blocking_timeout_secs)
+    return Parts(quant, fmt, SpanMemo(fmt, config.chunk_size, config.save_unfull_chunk), mover, tiers,
+                 Leases(tiers, config.pin_timeout_sec), EventLog(cpu, config.enable_kv_events), EngineStats())
+
+
+def _disk_tier(config: KvtierConfig, bytes_per_token: int, fmt: KVFormat) -> DiskTier | None:
+    root = config.disk_path
+    if root is None:
+        return None
+    chunk_file = HEADER.size + config.chunk_size * bytes_per_token
+    if config.disk_bytes < chunk_file:
+        raise ConfigError("max_local_disk_size", config.max_local_disk_size,
+                          f"room for at least one chunk file ({chunk_file / 1e6:.2f} MB)")
+    if fmt.tp_size > 1:  # one directory (and one lock) per rank
+        root = root / f"tp{fmt.tp_rank}of{fmt.tp_size}"
+    return DiskTier(root, config.disk_bytes, Codec("naive"), config.cache_policy)
+
+
+def _remote_tier(config: KvtierConfig, kv: PagedKV, quant: Quant | None) -> RemoteTier | None:
+    if config.remote_url is None:
+        return None
+    # Quantized chunks (kvtier/transfer/quant.py) are stored as their bytes are.
+    codec = Codec("naive") if quant is not None else Codec(config.remote_serde, itemsize=kv.dtype.itemsize)
+    log.info("remote tier: %s (serde %s)", config.remote_url, config.remote_serde)
+    store = open_store(config.remote_url, config.blocking_timeout_secs, config.remote_auth_token)
+    if kv.device.type == "cuda" and isinstance(store, LendingStore):
+        # The server's pool, mapped here, is what the GPU copies lent chunks from:
+        # page-locked, the copy is a DMA; unregistered it could not be lent.
+        store.on_map, store.on_unmap = _register_pool, functools.partial(_unregister_pool, device=kv.device)
+    return RemoteTier(store, codec, config.remote_url)
+
+
+def _pool_address(mapping) -> int:
+    view = np.frombuffer(mapping, np.uint8)
+    try:
+        return view.ctypes.data
+    finally:
+        del view
+
+
+def _register_pool(mapping) -> bool:
+    from kvtier.transfer import cudart
+
+    t0 = time.perf_counter()
+    try:
+        cudart.host_register(_pool_address(mapping), len(mapping))
+    except RuntimeError as e:  # locked-memory limits, permissions, an old driver
+        log.warning("store server pool not registered with CUDA (%s): its chunks are copied through the "
+                    "CPU pool instead", e)
+        return False
+    log.info("store server pool (%.2f GB) registered with CUDA in %.2f s: chunks go from it to the GPU by DMA",
+             len(mapping) / 1e9, time.perf_counter() - t0)
+    return True
+
+
+def _unregister_pool(mapping, device: torch.device) -> None:
+    """Before the pool's mapping goes (its connection closed, maybe under a load
+    on another thread): no copy out of it may still be in flight on the GPU."""
+    from kvtier.transfer import cudart
+
+    torch.cuda.synchronize(device)
+    try:
+        cudart.host_unregister(_pool_address(mapping))
+    except RuntimeError as e:
+        log.warning("store server pool: cudaHostUnregister failed (%s)", e)

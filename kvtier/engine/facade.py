@@ -1,0 +1,233 @@
+"""CacheEngine: the one entry point engines call to store, look up and load KV.
+
+    store(tokens, slots)     keys → allocate blocks → gather KV → put in the tiers (storing.py),
+                             in batches when the pool is smaller than the store
+    start_store(..., layerwise=True)   the same, one layer at a time as the engine computes it
+    find(tokens, lease_for)  keys → longest prefix stored in any tier; optionally leased
+                             (protected) until the request's retrieve (kvtier/leases.py)
+    upload_ahead(tokens, rid)  a hit all in CPU RAM starts crossing to the device (ahead.py)
+    prefetch(tokens)         disk and remote chunks of that prefix up into CPU RAM (prefetch.py)
+    retrieve(tokens, slots)  keys → pinned, lent or fetched chunks → scatter KV → verify →
+                             release, batch by batch (loading.py)
+
+`tokens` are a prompt's token ids from its first token; `slots` are the
+paged-cache slot of each of those tokens (block_id * block_size + offset).
+Only whole chunks move (plus the partial last chunk when
+`save_unfull_chunk`), so callers pass the prefix they want considered.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvtier.config import KvtierConfig
+from kvtier.engine.ahead import AheadSlot
+from kvtier.engine.build import build
+from kvtier.engine.loading import Loading, LoadPath
+from kvtier.engine.mover import Tokens, as_numpy
+from kvtier.engine.prefetch import Prefetcher
+from kvtier.engine.records import ChunkEvent
+from kvtier.engine.storing import Storing, StorePath
+from kvtier.keys import ChunkSpan, KVFormat
+from kvtier.logs import get_logger
+from kvtier.memory import MemoryBlock
+from kvtier.store import CPU
+from kvtier.tiers.cpu import CpuTier
+from kvtier.transfer import PagedKV
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A lookup's answer, in tokens from the prompt's start (chunk boundaries)."""
+
+    tokens: int  # stored in some tier
+    in_cpu: int  # of those, the leading ones whose chunks are all in CPU RAM
+
+
+class CacheEngine:
+    def __init__(self, config: KvtierConfig, kv: PagedKV, fmt: KVFormat, *, transfer: str = "auto",
+                 cpu: CpuTier | None = None) -> None:
+        """`cpu`: a CPU tier to use instead of a new pool of `max_local_cpu_size` (a PD
+        receiver's buffer: the chunks senders commit there are this engine's hits)."""
+        parts = build(config, kv, fmt, transfer, cpu)
+        self.config, self.kv, self.chunk_size = config, kv, config.chunk_size
+        self.quant, self.fmt, self.mover = parts.quant, parts.fmt, parts.mover
+        self.tiers, self.leases, self.stats, self.events = parts.tiers, parts.leases, parts.stats, parts.events
+        self.pool, self.transfer = self.tiers.cpu.pool, self.mover.transfer
+        self.chunk_bytes_per_token = self.mover.bytes_per_token
+        self._spans = parts.spans
+        self.ahead = AheadSlot(self.tiers, self.mover)
+        self.prefetcher = Prefetcher(self.tiers, self.leases, self.stats,
+                                     enabled=config.local_cpu and bool(self.tiers.lower))
+        self.storing = StorePath(self.tiers, self.mover, self.stats, self.events, self._spans.spans,
+                                 enabled=config.local_cpu or bool(self.tiers.lower))
+        self.loading = LoadPath(self.tiers, self.mover, self.leases, self.ahead, self.prefetcher, self.stats,
+                                self._spans.spans)
+        if kv.device.type == "cuda" and self.pool.device.type == "cpu":  # host chunks, staged over PCIe
+            self.mover.warm_up(self.pool, self.chunk_size)
+        if not self.tiers.keep_cpu and not self.tiers.lower and not config.enable_pd:
+            log.warning("local_cpu is false and no other tier is configured: kvtier stores nothing")
+        log.info("CacheEngine: %s, %d layers, chunk %d tokens = %.2f MB, CPU pool %d chunks (%.2f GB), "
+                 "transfer %s%s", self.fmt.tag(), kv.num_layers, self.chunk_size, self.pool.block_bytes / 1e6,
+                 self.pool.num_blocks, self.pool.capacity / 1e9, self.transfer.name,
+                 "" if self.quant is None else f", lossy KV codec {self.quant.name} (chunks "
+                 f"{self.chunk_bytes_per_token / kv.bytes_per_token():.3f} of the KV's bytes)")
+
+    # -- queries ---------------------------------------------------------------
+
+    def spans(self, tokens: Tokens, request_id: str = "") -> list[ChunkSpan]:
+        """The chunks of `tokens`; hashed once per request where `request_id` is given."""
+        return self._spans.spans(as_numpy(tokens), request_id)
+
+    def lookup(self, tokens: Tokens) -> int:
+        """Number of leading tokens whose KV is stored in some tier (a chunk boundary)."""
+        return self.find(tokens).tokens
+
+    def find(self, tokens: Tokens, *, lease_for: str = "") -> Hit:
+        """The longest stored prefix. With `lease_for` (a request id) its chunks are
+        held for that request until its retrieve (kvtier/leases.py)."""
+        spans = self.spans(tokens, lease_for)
+        keys = [s.key for s in spans]
+        where = self.tiers.locate(keys)
+        in_cpu = next((i for i, w in enumerate(where) if w != CPU), len(where))
+        if lease_for:
+            self.leases.take(lease_for, keys[: len(where)], where)
+        return Hit(spans[len(where) - 1].end if where else 0, spans[in_cpu - 1].end if in_cpu else 0)
+
+    def release_lease(self, request_id: str) -> None:
+        """The request will not load what it looked up (finished, aborted)."""
+        self.loading.release(request_id)
+
+    def upload_ahead(self, tokens: Tokens, request_id: str, *, start: int = 0, layerwise: bool = False) -> bool:
+        """Start the copies of a hit all in CPU RAM (its chunks that end after `start`, the
+        tokens the engine has already) toward the device now, at the scheduler's lookup:
+        the slots come with the request's `start_retrieve`, which then queues only the
+        kernels. True if its copies are queued (now or by an earlier call)."""
+        spans = [s for s in self.spans(tokens, request_id) if s.end > start]
+        return self.ahead.start(spans, request_id, layerwise)
+
+    def prefetch(self, tokens: Tokens, *, request_id: str = "") -> int:
+        """Bring the stored prefix's disk and remote chunks up into CPU RAM ahead of a load;
+        with `request_id`, into that request's lease. Returns the tokens brought up."""
+        return self.prefetcher.run(self.spans(tokens, request_id), request_id)
+
+    def start_prefetch(self, tokens: Tokens, request_id: str) -> Future:
+        """`prefetch` in the background; that request's retrieve waits for it first."""
+        return self.prefetcher.start(self.spans(tokens, request_id), request_id)
+
+    # -- store -----------------------------------------------------------------
+
+    def store(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "") -> int:
+        """Store the chunks of `tokens` that end after `start` and are not stored yet.
+
+        Returns the number of tokens stored. A store larger than the pool
+        streams through it in batches (waiting, bounded, for the writers);
+        it is cut short only when every block is held by readers (logged
+        once per request, counted in `stats.skipped_store_tokens`).
+        """
+        return self.start_store(tokens, slots, start=start, request_id=request_id).finish()
+
+    def start_store(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "",
+                    layerwise: bool = False) -> Storing:
+        """`store`, split in two: what to store is decided now.
+
+        Without `layerwise` the KV is copied out at `finish()`. With it,
+        blocks for as many chunks as the pool has free now are allocated
+        here; the caller calls `save(layer)` as each layer's KV is written,
+        so layer i moves to the host while later layers compute, and
+        `finish()` at the end, which puts those chunks in the tiers and
+        streams the rest (chunks that got no block) through the pool.
+        """
+        slots = self._check(tokens, slots)
+        return self.storing.start(as_numpy(tokens), slots, start, request_id, layerwise)
+
+    def chunk_view(self, data: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """The chunk at the front of the byte buffer `data`, as the transfers take it:
+        [L, K, T, NH, HS] of the KV's dtype, or the codec's rows [L, K, T, R] uint8."""
+        return self.mover.view(data, num_tokens)
+
+    def allocate_staging(self, spans: Sequence[ChunkSpan]) -> list[tuple[ChunkSpan, MemoryBlock]]:
+        """Pool blocks for the first of `spans` (as many as free now; the first may wait),
+        owned by the caller: a PD sender's staging."""
+        return self.storing.allocate(spans, wait=True)
+
+    def gather_into(self, slots: torch.Tensor, spans: Sequence[ChunkSpan], buffers: Sequence[torch.Tensor]) -> None:
+        """Copy the KV of `spans` into byte buffers of the caller (a PD sender's staging
+        blocks, or a decoder's GPU buffer mapped over CUDA IPC)."""
+        self.mover.gather_into(slots, spans, buffers)
+
+    def take_events(self) -> list[ChunkEvent]:
+        """The chunk events recorded since the last call (with `enable_kv_events`)."""
+        return self.events.take()
+
+    # -- retrieve --------------------------------------------------------------
+
+    def retrieve(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "") -> torch.Tensor:
+        """Load stored KV for tokens [start, len(slots)) into the paged KV.
+
+        `tokens` may run past `slots`: the extra tokens only make the keys
+        (so the first tokens of a stored chunk can be loaded alone, e.g. all
+        but the last prompt token). Returns a bool mask over `slots`: True
+        where KV was loaded. Loading stops at the first chunk not stored.
+        """
+        return self.start_retrieve(tokens, slots, start=start, request_id=request_id).finish()
+
+    def start_retrieve(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "",
+                       layerwise: bool = False) -> Loading:
+        """`retrieve`, split in two: what to load is decided (and pinned) now.
+
+        With every chunk in CPU RAM, the copies are queued and this returns
+        at once: the caller's stream is ordered after them (so the forward's
+        launches overlap the copies), and the chunks stay pinned until
+        `finish()`. With `layerwise` too (or every chunk lent whole by the
+        store server of this host, CPU tier off), layers load in order; the
+        caller calls `wait(layer)` before it uses a layer. `finish()` at the
+        end gives the mask to trust. Otherwise (chunks from disk or remote,
+        batch by batch) everything is loaded before this returns. Either way
+        the request's lease ends at `finish()`.
+        """
+        slots = self._check(tokens, slots, exact=False)
+        return self.loading.start(as_numpy(tokens), slots, start, request_id, layerwise)
+
+    # -- housekeeping ------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Drop every chunk of CPU RAM and disk (blocks in use are freed when released)."""
+        self.ahead.drop()
+        self.tiers.clear()
+        log.info("cleared the local tiers (CPU RAM%s)", " and disk" if self.tiers.disk is not None else "")
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until stored chunks have been written to disk and remote; False on timeout."""
+        return self.tiers.flush(timeout)
+
+    def close(self) -> None:
+        """Write what is still queued for disk and remote, then let go of them."""
+        self.prefetcher.close()
+        self.ahead.drop()
+        self.leases.release_all()
+        self.tiers.close(timeout=self.config.blocking_timeout_secs)
+
+    def _check(self, tokens: Tokens, slots: torch.Tensor, exact: bool = True) -> torch.Tensor:
+        """Validate engine input at the boundary; returns slots as int64 on CPU."""
+        if not isinstance(slots, torch.Tensor) or slots.dim() != 1:
+            raise ValueError("slot_mapping must be a 1-D tensor of slot indices")
+        if slots.dtype.is_floating_point or slots.dtype == torch.bool:
+            raise ValueError(f"slot_mapping must hold integers, got {slots.dtype}")
+        if len(tokens) != slots.numel() if exact else len(tokens) < slots.numel():
+            raise ValueError(f"{len(tokens)} tokens but {slots.numel()} slots: every token needs one slot"
+                             + (" and every slot one token" if exact else ""))
+        slots = slots.to("cpu", torch.int64)
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.kv.num_slots):
+            raise ValueError(
+                f"slot_mapping out of range: values in [{int(slots.min())}, {int(slots.max())}], "
+                f"the KV cache has {self.kv.num_slots} slots"
+            )
+        return slots

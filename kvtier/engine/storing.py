@@ -1,0 +1,172 @@
+"""The store path: a prompt's chunks not stored yet → pool blocks → gather → the tiers.
+
+    StorePath.start(tokens, slots)   decides what to store (and, layerwise, takes blocks
+                                     for as many chunks as the pool has free now)
+    Storing.save(layer)              layerwise: layer `layer` is computed, move it
+    Storing.finish()                 waits for the copies, puts the chunks in the tiers,
+                                     streams the rest through the pool batch by batch
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from kvtier.engine.mover import Mover, num_tokens, release_blocks, stamp
+from kvtier.engine.records import EngineStats, EventLog, SkipWarnings, log_transfer
+from kvtier.keys import ChunkSpan
+from kvtier.logs import get_logger
+from kvtier.memory import MemoryBlock
+from kvtier.store import TieredStore
+from kvtier.transfer import LayerSaver
+
+log = get_logger(__name__)
+
+
+class StorePath:
+    def __init__(self, tiers: TieredStore, mover: Mover, stats: EngineStats, events: EventLog,
+                 spans: Callable[[np.ndarray, str], list[ChunkSpan]], enabled: bool) -> None:
+        self.tiers, self.mover, self.stats, self.events = tiers, mover, stats, events
+        self._spans, self._enabled = spans, enabled  # enabled: some tier keeps chunks
+        self._skips = SkipWarnings()
+
+    def start(self, tokens: np.ndarray, slots: torch.Tensor, start: int, request_id: str,
+              layerwise: bool) -> Storing:
+        t0 = time.perf_counter()
+        todo: list[ChunkSpan] = []
+        if self._enabled:
+            todo = [s for s in self._spans(tokens, request_id) if s.end > start]
+            todo = [s for s, new in zip(todo, self.tiers.to_gather([s.key for s in todo])) if new]
+        owned: list[tuple[ChunkSpan, MemoryBlock]] = []
+        handle = sums = None
+        if layerwise and todo:
+            owned = self.allocate(todo, wait=False)
+            sums = self.mover.digest_sums(len(owned))
+            try:
+                handle = self.mover.gather(slots, owned, layerwise=True, digests=sums) if owned else None
+            except BaseException:
+                release_blocks(owned)
+                raise
+        return Storing(self, owned, todo[len(owned):], slots, handle, t0, request_id, tokens, sums)
+
+    def allocate(self, spans: Sequence[ChunkSpan], wait: bool) -> list[tuple[ChunkSpan, MemoryBlock]]:
+        """Blocks for the first spans, as many as the pool gives now (the first may wait for writers)."""
+        owned = []
+        for span in spans:
+            block = self.tiers.allocate(wait=wait and not owned)
+            if block is None:
+                break
+            owned.append((span, block))
+        return owned
+
+    def stream(self, slots: torch.Tensor, spans: Sequence[ChunkSpan], request_id: str) -> int:
+        """Gather `spans` batch by batch through the pool into the tiers; the tokens stored.
+
+        With a tier below CPU RAM, a batch's blocks are reused once written
+        there. Without one, this store's chunks stay held until it ends, so it
+        never evicts its own prefix (which would leave its later chunks
+        unreachable): it stores what fits.
+        """
+        stored, i, held = 0, 0, []
+        try:
+            while i < len(spans):
+                owned = self.allocate(spans[i:], wait=True)
+                if not owned:
+                    self._skip(sum(s.num_tokens for s in spans[i:]), request_id)
+                    break
+                try:
+                    self.mover.gather(slots, owned, digests=self.mover.digest_sums(len(owned)))
+                except BaseException:
+                    release_blocks(owned)
+                    raise
+                held += [block.retain() for _, block in owned] if not self.tiers.lower else []
+                self.put(owned)
+                stored += num_tokens(owned)
+                i += len(owned)
+        finally:
+            for block in held:
+                block.release()
+        return stored
+
+    def put(self, owned: Sequence[tuple[ChunkSpan, MemoryBlock]]) -> None:
+        for span, block in owned:
+            self.tiers.put(span.key, block, span.num_tokens)
+
+    def _skip(self, skipped: int, request_id: str) -> None:
+        self.stats.skipped_store_tokens += skipped
+        self._skips.warn(skipped, request_id)
+
+    def stored(self, spans: list[ChunkSpan], tokens: np.ndarray, count: int, t0: float, slots: int,
+               request_id: str, layerwise: bool) -> None:
+        """A store is over: its events, stats and log line."""
+        if self.events.on and self.tiers.keep_cpu:
+            self.events.stored(spans, tokens, self._spans(tokens, ""))
+        self.stats.stored_tokens += count
+        self.stats.store_seconds += time.perf_counter() - t0
+        if count:
+            log_transfer("Storing KV cache for", count, slots, request_id,
+                         count * self.mover.kv.bytes_per_token(), time.perf_counter() - t0,
+                         ", layer by layer" if layerwise else "")
+
+
+class Storing:
+    """A store in flight. Chunks that got a block at the start (layerwise) belong
+    to it until `finish()` puts them in the tiers (or `cancel()` frees them);
+    the rest are gathered at `finish()`, batch by batch through the pool."""
+
+    def __init__(self, path: StorePath, owned: list[tuple[ChunkSpan, MemoryBlock]], rest: list[ChunkSpan],
+                 slots: torch.Tensor, handle: LayerSaver | None, t0: float, request_id: str,
+                 tokens: np.ndarray, digests: torch.Tensor | None = None) -> None:
+        self._path, self._chunks, self._rest, self._slots, self._handle = path, owned, rest, slots, handle
+        self._t0, self._request_id, self._tokens, self._digests = t0, request_id, tokens, digests
+
+    @property
+    def num_tokens(self) -> int:
+        return num_tokens(self._chunks) + sum(s.num_tokens for s in self._rest)
+
+    def save(self, layer: int) -> None:
+        """Layer `layer`'s KV is computed: start moving it (layerwise stores only)."""
+        if self._handle is not None:
+            self._handle.save(layer)
+
+    def finish(self) -> int:
+        """Wait for the copies, put the chunks in the tiers; the tokens stored.
+
+        A layerwise store some layer of which was never saved (the forward
+        stopped early) is dropped, not stored: that layer was not computed.
+        """
+        chunks, self._chunks = self._chunks, []
+        rest, self._rest = self._rest, []
+        if not chunks and not rest:
+            return 0
+        try:
+            if self._handle is not None:
+                self._handle.finish()
+        except BaseException:
+            release_blocks(chunks)
+            raise
+        unsaved = self._handle.unsaved() if self._handle is not None else []
+        if unsaved:
+            log.warning("request %s: layers %s were never saved; its store of %d tokens is dropped",
+                        self._request_id or "-", unsaved, num_tokens(chunks) + sum(s.num_tokens for s in rest))
+            release_blocks(chunks)
+            return 0
+        path = self._path
+        stamp(chunks, self._digests)
+        path.put(chunks)
+        stored = num_tokens(chunks) + path.stream(self._slots, rest, self._request_id)
+        path.stored([s for s, _ in chunks] + rest, self._tokens, stored, self._t0, len(self._slots),
+                    self._request_id, self._handle is not None)
+        return stored
+
+    def cancel(self) -> None:
+        """Drop the store (e.g. the forward failed): its blocks go back to the pool."""
+        chunks, self._chunks, self._rest = self._chunks, [], []
+        try:
+            if self._handle is not None and chunks:
+                self._handle.finish()  # no copy may still write into a block being freed
+        finally:
+            release_blocks(chunks)
