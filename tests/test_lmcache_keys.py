@@ -127,7 +127,7 @@ def test_a_key_neither_has_is_still_unknown_with_a_suggestion():
 ])
 def test_usable_hit(hit, prompt, granularity, minimum, usable):
     pytest.importorskip("vllm")
-    from kvtier.integrations.vllm import usable_hit
+    from kvtier.integrations.vllm.spec import usable_hit
 
     assert usable_hit(hit, prompt, granularity, minimum) == usable
 

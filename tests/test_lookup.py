@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import zmq
 
-from kvtier.integrations.lookup import Handlers, LookupClient, LookupServer, Op, decode, encode, socket_path
+from kvtier.integrations.vllm.lookup import Handlers, LookupClient, LookupServer, Op, decode, encode, socket_path
 
 
 @pytest.fixture

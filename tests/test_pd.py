@@ -310,7 +310,7 @@ def test_the_guides_configs_parse(tmp_path):
 ])
 def test_a_pd_role_that_contradicts_vllms_kv_role_fails_naming_both(role, kv_role, ok):
     pytest.importorskip("vllm")
-    from kvtier.integrations.vllm import _check_pd_role
+    from kvtier.integrations.vllm.spec import check_pd_role as _check_pd_role
 
     extra = ({"pd_buffer_size": 1, "pd_peer_host": "h", "pd_peer_init_port": 1, "pd_peer_alloc_port": 2}
              if role == "receiver" else {"pd_proxy_host": "h", "pd_proxy_port": 1})

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvtier.errors import UnsupportedKVLayout
-from kvtier.integrations.vllm_layout import LayerSpec, map_layout
+from kvtier.integrations.vllm.layout import LayerSpec, map_layout
 from kvtier.transfer.torch_copy import TorchTransfer
 
 NB, BS, NH, HS, L = 6, 16, 4, 8, 3

@@ -196,6 +196,28 @@ class CacheEngine:
         slots = self._check(tokens, slots, exact=False)
         return self.loading.start(as_numpy(tokens), slots, start, request_id, layerwise)
 
+    def metrics(self) -> dict[str, float]:
+        """A snapshot of the engine's counters (cumulative) and gauges; a per-tier
+        one is `name:tier` (the names of integrations/vllm/metrics.py)."""
+        stats, tiers, bpt = self.stats, self.tiers, self.chunk_bytes_per_token  # bytes the tiers hold
+        out: dict[str, float] = {
+            "store_seconds": stats.store_seconds, "load_seconds": stats.retrieve_seconds,
+            "skipped_store_tokens": stats.skipped_store_tokens, "evictions:cpu": tiers.cpu.stats.evictions,
+            "pool_used_bytes": self.pool.used_bytes, "pool_capacity_bytes": self.pool.capacity,
+            "write_queue_depth": sum(w.pending for w in tiers.writers.values()),
+        }
+        if tiers.keep_cpu:
+            out["stored_tokens:cpu"], out["stored_bytes:cpu"] = stats.stored_tokens, stats.stored_tokens * bpt
+        for name, writer in tiers.writers.items():
+            out[f"stored_tokens:{name}"] = writer.stats.written_tokens
+            out[f"stored_bytes:{name}"] = writer.stats.written_tokens * bpt
+            out[f"dropped_writes:{name}"] = writer.stats.dropped
+        if tiers.disk is not None:
+            out["evictions:disk"] = tiers.disk.stats.evictions
+        for tier, tokens in stats.loaded_by_tier.items():
+            out[f"loaded_tokens:{tier}"], out[f"loaded_bytes:{tier}"] = tokens, tokens * bpt
+        return out
+
     # -- housekeeping ------------------------------------------------------------
 
     def clear(self) -> None:

@@ -1,0 +1,176 @@
+"""The connector's scheduler side: request state, the lookup with its lease, load and save planning.
+
+    get_num_new_matched_tokens ── lookup ──▶ the workers (lookup.py): find and lease the hit
+    update_state_after_alloc      the load is planned for the blocks vLLM gave
+    build_connector_meta          this step's loads and saves (whole chunks as prefill goes)
+    request_finished              forget the request; release a lease it never used
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable
+
+from kvtier.config import KvtierConfig
+from kvtier.integrations.vllm.events import KvtierKVEvents
+from kvtier.integrations.vllm.lookup import LookupClient, socket_path
+from kvtier.integrations.vllm.metrics import KvtierStats
+from kvtier.integrations.vllm.pd import SchedulerPd
+from kvtier.integrations.vllm.spec import KvtierMetadata, Shape, TransferSpec
+from kvtier.logs import get_logger
+from kvtier.pd.sender import Target
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = get_logger(__name__)
+
+
+@dataclass
+class RequestState:
+    """Scheduler-side state of one request."""
+
+    prompt: list[int]
+    block_ids: list[int] = field(default_factory=list)
+    saved_upto: int = 0
+    load: tuple[int, int, bool] | None = None  # tokens [start, end) to load next step, in the background?
+    pd_target: Target | None = None  # PD sender: where this request's KV goes
+    pd_req_id: str = ""  # PD receiver: the proxy's id of this request
+
+
+class SchedulerSide:
+    def __init__(self, config: KvtierConfig, shape: Shape, engine_id: str, tp_size: int,
+                 can_load: bool, can_save: bool) -> None:
+        self.config, self.shape, self.can_load, self.can_save = config, shape, can_load, can_save
+        addresses = [socket_path(engine_id, r) for r in range(tp_size)]
+        self.lookup = LookupClient(addresses, config.lookup_timeout_ms / 1000)
+        self.pd = SchedulerPd(config)
+        self._requests: dict[str, RequestState] = {}
+        self._pending: dict[str, tuple[int, bool]] = {}  # req_id -> (hit end, async), between the two calls
+        self._leased: set[str] = set()  # looked up with a hit, load not planned yet
+        self._async_loads: list[str] = []  # async loads planned, to send with the next metadata
+        self._counts = {"lookups": 0, "lookup_tokens": 0, "hit_tokens": 0}  # since the last stats
+        self._kv_events: list[KVCacheEvent] = []  # from the workers, until vLLM publishes them
+        self._live: dict[str, Request] = {}  # save_decode_cache: requests whose decoded tokens are stored too
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        prompt, rid = request.prompt_token_ids, request.request_id
+        self.pd.looked_up(rid, request.kv_transfer_params)
+        if not self.can_load or not prompt:
+            return 0, False
+        stored, in_cpu = self.lookup.lookup(prompt, rid, num_computed_tokens)
+        hit = self.shape.usable(stored, len(prompt))
+        need = max(0, hit - num_computed_tokens)
+        background = need > 0 and in_cpu < hit
+        self._counts["lookups"] += 1
+        self._counts["lookup_tokens"] += len(prompt)
+        self._counts["hit_tokens"] += hit
+        log.info("Reqid: %s, Total tokens %d, hit tokens %d, need to load %d%s", rid, len(prompt), hit, need,
+                 " (not all in CPU RAM: loading from disk/remote in the background)" if background else "")
+        if need:
+            self._pending[rid] = (num_computed_tokens + need, background)
+            self._leased.add(rid)
+        elif stored:  # leased by the lookup, not used
+            self.lookup.release(rid)
+        return need, background
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        rid = request.request_id
+        if self.config.save_decode_cache and self.can_save:
+            self._live[rid] = request  # its all_token_ids grow as it decodes
+        end, background = self._pending.pop(rid, (0, False))
+        if num_external_tokens > 0 and request.prompt_token_ids:
+            state = self._requests.setdefault(rid, RequestState(list(request.prompt_token_ids)))
+            state.load = (end - num_external_tokens, end, background)
+            state.pd_req_id = self.pd.proxy_id(rid)
+            if background:  # not scheduled this step: the blocks to load into are known only here
+                state.block_ids = list(blocks.get_block_ids()[0])
+                self._async_loads.append(rid)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
+        meta = KvtierMetadata()
+        for rid in self._async_loads:
+            state = self._requests.get(rid)
+            if state is not None and state.load is not None:
+                self._plan_load(meta, rid, state)
+        self._async_loads = []
+        sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            if not new.prompt_token_ids:
+                continue
+            state = self._requests.setdefault(new.req_id, RequestState(list(new.prompt_token_ids)))
+            state.block_ids = list(new.block_ids[0])
+            if state.pd_target is None:
+                state.pd_target = self.pd.target(new.req_id)
+            self._plan(meta, new.req_id, state, new.num_computed_tokens + sched.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                # Preempted and resumed: its blocks are new, and its KV must be recomputed.
+                state.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                state.block_ids.extend(new_blocks[0])
+            self._plan(meta, req_id, state, cached.num_computed_tokens[i] + sched.get(req_id, 0))
+        return meta
+
+    def _plan_load(self, meta: KvtierMetadata, req_id: str, state: RequestState) -> None:
+        start, end, background = state.load
+        meta.loads.append(TransferSpec(req_id, state.prompt, list(state.block_ids), start, end, background,
+                                       pd_req_id=state.pd_req_id))
+        state.load = None
+        self._leased.discard(req_id)  # the worker's retrieve ends the lease
+
+    def _plan(self, meta: KvtierMetadata, req_id: str, state: RequestState, computed_after_step: int) -> None:
+        if state.load is not None:
+            self._plan_load(meta, req_id, state)
+        if not self.can_save:
+            return
+        tokens = state.prompt
+        live = self._live.get(req_id)
+        if live is not None and computed_after_step > len(tokens):  # save_decode_cache: the output too
+            tokens = list(live.all_token_ids)
+        if state.saved_upto >= len(tokens):
+            return
+        end = min(computed_after_step, len(tokens))
+        if end != len(state.prompt):
+            end -= end % self.shape.chunk_size  # mid-prompt or decoding: whole chunks only
+        if end > state.saved_upto:
+            meta.saves.append(TransferSpec(req_id, tokens[:end], state.block_ids, state.saved_upto, end,
+                                           pd_target=state.pd_target, last=end == len(state.prompt)))
+            state.saved_upto = end
+
+    def request_finished(self, request: Request) -> None:
+        rid = request.request_id
+        self._requests.pop(rid, None)
+        self._pending.pop(rid, None)
+        self.pd.forget(rid)
+        self._live.pop(rid, None)
+        if rid in self._leased:  # looked up, never loaded (aborted, or finished without it)
+            self._leased.discard(rid)
+            self.lookup.release(rid)
+
+    def reset_cache(self) -> bool:
+        """vLLM's /reset_prefix_cache: the workers drop kvtier's CPU RAM and disk tiers too."""
+        return self.lookup.reset()
+
+    def stats(self) -> KvtierStats | None:
+        counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)
+        return KvtierStats(counts) if any(counts.values()) else None
+
+    def add_events(self, events: object) -> None:
+        if isinstance(events, KvtierKVEvents):
+            self._kv_events.extend(events.get_all_events())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events, self._kv_events = self._kv_events, []
+        return events
+
+    def close(self) -> None:
+        self.lookup.close()

@@ -1,0 +1,133 @@
+"""What the two sides of the connector share: the config read from vLLM's, the
+metadata the scheduler sends the workers each step, and the rule for a usable hit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvtier.config import KvtierConfig, load_config
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.layout import cpu_kernel_layout
+from kvtier.pd.sender import Target
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# kv_connector_extra_config keys of LMCache's connector that kvtier honours.
+# lmcache_rpc_port names LMCache's scheduler-worker socket; kvtier's are named by
+# the engine id, so it is accepted and has no effect.
+EXTRA_KEYS = {"discard_partial_chunks", "lmcache_rpc_port"}
+
+
+@dataclass
+class TransferSpec:
+    """Tokens [start, end) of a request to load or save, worker-side."""
+
+    req_id: str
+    token_ids: list[int]  # the prompt up to `end` or beyond (for keys)
+    block_ids: list[int]
+    start: int
+    end: int
+    background: bool = False  # load asynchronously (chunks below CPU RAM)
+    pd_target: Target | None = None  # save: push these chunks to a decoder (PD sender)
+    last: bool = False  # save: the prompt's last chunk is in this one
+    pd_req_id: str = ""  # load: the proxy's id of this request; its PD chunks are freed once loaded
+
+    def slots(self, block_size: int) -> torch.Tensor:
+        n = self.end
+        blocks = torch.tensor(self.block_ids[: -(-n // block_size)], dtype=torch.int64)
+        offsets = torch.arange(block_size, dtype=torch.int64)
+        return (blocks[:, None] * block_size + offsets[None, :]).flatten()[:n]
+
+
+@dataclass
+class KvtierMetadata(KVConnectorMetadata):
+    loads: list[TransferSpec] = field(default_factory=list)
+    saves: list[TransferSpec] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What both sides know of vLLM's KV before any tensor exists."""
+
+    block_size: int
+    chunk_size: int
+    # vLLM's CPU kernels other than "vec" lay out tokens inside a block their own way:
+    # kvtier then moves whole blocks, and a hit must end on a block boundary.
+    whole_blocks: bool
+    min_retrieve_tokens: int
+
+    def usable(self, stored: int, prompt_len: int) -> int:
+        """The tokens of a stored prefix vLLM is told of (the same rule on both sides)."""
+        return usable_hit(stored, prompt_len, self.block_size if self.whole_blocks else 1, self.min_retrieve_tokens)
+
+
+def shape_of(config: KvtierConfig, vllm_config: VllmConfig) -> Shape:
+    shape = Shape(vllm_config.cache_config.block_size, config.chunk_size, _cpu_whole_blocks(vllm_config),
+                  config.min_retrieve_tokens)
+    if shape.whole_blocks and shape.chunk_size % shape.block_size:
+        raise ConfigError("chunk_size", shape.chunk_size,
+                          f"a multiple of vLLM's block size {shape.block_size}: this CPU's attention kernel "
+                          "stores tokens inside a block its own way, so kvtier moves whole blocks")
+    return shape
+
+
+def connector_config(vllm_config: VllmConfig) -> KvtierConfig:
+    """kvtier config from file/env, plus LMCache-style extra config from vLLM."""
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    overrides: dict[str, Any] = {}
+    for key in extra:
+        if key not in EXTRA_KEYS:
+            raise ValueError(
+                f"kv_connector_extra_config: unknown key {key!r}; kvtier reads "
+                f"{sorted(EXTRA_KEYS)} there, and everything else from its config file or env"
+            )
+    if "discard_partial_chunks" in extra:
+        overrides["save_unfull_chunk"] = not _as_bool(extra["discard_partial_chunks"])
+    config = load_config(overrides=overrides)
+    check_pd_role(config, vllm_config.kv_transfer_config.kv_role)
+    return config
+
+
+def check_pd_role(config: KvtierConfig, kv_role: str) -> None:
+    """A PD sender computes and saves (kv_producer); a receiver loads (kv_consumer)."""
+    if not config.enable_pd:
+        return
+    wanted = {"sender": "kv_producer", "receiver": "kv_consumer"}[config.pd_role or ""]
+    if kv_role not in (wanted, "kv_both"):
+        raise ConfigError("pd_role", config.pd_role,
+                          f"a role matching vLLM's kv_role {kv_role!r}: pd_role {config.pd_role} "
+                          f"runs with kv_role {wanted}")
+
+
+def _cpu_whole_blocks(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM's KV moves in whole blocks here: on a CPU whose attention kernel is not
+    "vec" (layout.py). Known to the scheduler, which has no KV tensors to look at."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or vllm_config.model_config.use_mla:
+        return current_platform.is_cpu()
+    return cpu_kernel_layout(vllm_config) == "vllm"
+
+
+def usable_hit(hit: int, prompt_len: int, granularity: int, min_tokens: int) -> int:
+    """The tokens of a stored prefix vLLM can be told of: at most all but the last prompt
+    token (vLLM computes at least one to get logits), whole blocks where the KV layout
+    needs them (`granularity`), and none below `min_retrieve_tokens`."""
+    hit = min(hit, prompt_len - 1)
+    hit -= hit % granularity
+    return hit if hit >= max(min_tokens, 1) else 0
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).strip().lower() in {"true", "1", "yes"}:
+        return True
+    if str(value).strip().lower() in {"false", "0", "no"}:
+        return False
+    raise ValueError(f"discard_partial_chunks = {value!r}: expected true or false")

@@ -1,0 +1,217 @@
+"""The connector's worker side: the engine, loads (before the forward, layer by layer,
+or in the background), stores, and the load failures vLLM recomputes.
+
+    register_kv_caches   the engine over vLLM's KV (layout.py), the lookup server
+    start_load_kv        this step's loads: queued ahead of the forward, or in a thread
+    wait_for_layer_load  layerwise: the forward waits for that layer
+    save_kv_layer        layerwise: that layer starts moving to the host
+    wait_for_save        loads finished and checked; stores finished (or made); PD sends
+    get_finished         background loads that are done
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import torch
+
+from kvtier.config import KvtierConfig
+from kvtier.engine import CacheEngine, Loading, Storing
+from kvtier.errors import UnsupportedKVLayout
+from kvtier.integrations.vllm.events import KvtierKVEvents, to_vllm
+from kvtier.integrations.vllm.layout import vllm_kv
+from kvtier.integrations.vllm.lookup import Handlers, LookupServer, socket_path
+from kvtier.integrations.vllm.metrics import KvtierStats, deltas
+from kvtier.integrations.vllm.pd import WorkerPd
+from kvtier.integrations.vllm.spec import KvtierMetadata, Shape, TransferSpec
+from kvtier.keys import KVFormat
+from kvtier.logs import get_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = get_logger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, config: KvtierConfig, shape: Shape, engine_id: str, can_load: bool) -> None:
+        self.config, self.shape, self.engine_id, self.can_load = config, shape, engine_id, can_load
+        self.engine: CacheEngine | None = None
+        self.pd = WorkerPd(config)
+        self._server: LookupServer | None = None
+        self._load_errors: set[int] = set()
+        self._layer_index: dict[str, int] = {}
+        self._loads: list[tuple[Loading, TransferSpec]] = []  # loads of this step, finished at wait_for_save
+        self._stores: list[Storing] | None = None  # layerwise stores of this step, once begun
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load")
+        self._background: dict[str, tuple[TransferSpec, Future]] = {}
+        self._failed_tokens = 0  # promised tokens that could not be loaded
+        self._reported: dict[str, float] = {}  # counters as last reported to vLLM
+
+    def register_kv_caches(self, vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        self._layer_index = {name: i for i, name in enumerate(names)}
+        vkv = vllm_kv(vllm_config, kv_caches, names)
+        if vkv.whole_blocks != self.shape.whole_blocks:  # the scheduler rounded hits by what it expected
+            raise UnsupportedKVLayout(vkv.backend, f"layout {vkv.kv.layout}", "what the scheduler expected")
+        rank = get_tensor_model_parallel_rank()
+        fmt = KVFormat(model=vllm_config.model_config.model, layout=vkv.chunk_layout,
+                       dtype=str(vkv.kv.dtype).removeprefix("torch."), tp_rank=rank,
+                       tp_size=get_tensor_model_parallel_world_size())
+        self.engine = self.pd.make_engine(vkv.kv, fmt, rank)
+        self._server = LookupServer(socket_path(self.engine_id, rank), Handlers(
+            lookup=self._find, release=self.engine.release_lease, reset=self.engine.clear))
+
+    def _find(self, tokens: np.ndarray, request_id: str, computed: int) -> tuple[int, int]:
+        """A scheduler lookup: lease the hit. Chunks below CPU RAM start coming up into it
+        now; a hit all in CPU RAM that the scheduler will load (the same rule as there)
+        starts its copies to the GPU now, before vLLM's step that loads it."""
+        assert self.engine is not None
+        hit = self.engine.find(tokens, lease_for=request_id)
+        if not self.can_load or self.shape.usable(hit.tokens, len(tokens)) <= computed:
+            return hit.tokens, hit.in_cpu
+        if hit.in_cpu < hit.tokens:
+            self.engine.start_prefetch(tokens, request_id)
+        else:
+            self.engine.upload_ahead(tokens, request_id, start=computed, layerwise=self.config.use_layerwise)
+        return hit.tokens, hit.in_cpu
+
+    def start_load_kv(self, meta: KvtierMetadata) -> None:
+        assert self.engine is not None
+        for spec in meta.loads:
+            if spec.background:
+                log.info("request %s: loading %d tokens from disk/remote in the background",
+                         spec.req_id, spec.end - spec.start)
+                self._background[spec.req_id] = (spec, self._loader.submit(self._load, spec))
+                continue
+            # From CPU RAM the copies are queued ahead of the forward (layer by layer with
+            # use_layerwise); finished, and checked, at wait_for_save.
+            load = self.engine.start_retrieve(spec.token_ids, spec.slots(self.shape.block_size), start=spec.start,
+                                              request_id=spec.req_id, layerwise=self.config.use_layerwise)
+            self._loads.append((load, spec))
+
+    def _load(self, spec: TransferSpec) -> int:
+        assert self.engine is not None
+        try:
+            return int(self.engine.retrieve(spec.token_ids, spec.slots(self.shape.block_size), start=spec.start,
+                                            request_id=spec.req_id).sum())
+        finally:
+            self.pd.loaded(spec.pd_req_id)
+
+    def _check_loaded(self, spec: TransferSpec, loaded: int) -> None:
+        """Blocks a load did not fill are reported: vLLM recomputes them."""
+        loaded_end = spec.start + loaded
+        if loaded_end < spec.end:
+            self._failed_tokens += spec.end - loaded_end
+            first, last = loaded_end // self.shape.block_size, (spec.end - 1) // self.shape.block_size
+            self._load_errors.update(spec.block_ids[first : last + 1])
+            log.warning("request %s: %d of %d tokens could not be loaded (evicted, corrupt or unreachable); "
+                        "vLLM recomputes them", spec.req_id, spec.end - loaded_end, spec.end - spec.start)
+
+    def get_finished(self) -> set[str] | None:
+        self.pd.expire()
+        done = set()
+        for rid, (spec, future) in list(self._background.items()):
+            if not future.done():
+                continue
+            del self._background[rid]
+            try:
+                loaded = future.result()
+            except Exception:  # noqa: BLE001 - any failure of a background load: report it, vLLM recomputes
+                log.exception("request %s: background load failed", rid)
+                loaded = 0
+            self._check_loaded(spec, loaded)
+            done.add(rid)
+        return done or None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        index = self._layer_index.get(layer_name)
+        if index is not None:
+            for load, _ in self._loads:
+                load.wait(index)
+
+    def save_kv_layer(self, meta: Callable[[], KvtierMetadata], layer_name: str) -> None:
+        index = self._layer_index.get(layer_name)
+        if not self.config.use_layerwise or index is None:
+            return
+        if self._stores is None:  # the step's first layer: decide what to store, allocate its blocks
+            assert self.engine is not None
+            self._stores = [self.engine.start_store(spec.token_ids, spec.slots(self.shape.block_size),
+                                                    start=spec.start, request_id=spec.req_id, layerwise=True)
+                            for spec in meta().saves]
+        for store in self._stores:
+            store.save(index)
+
+    def wait_for_save(self, meta: KvtierMetadata) -> None:
+        # vLLM calls this after every step's forward, also one that raised: a
+        # layerwise store that missed a layer is dropped then (Storing.finish).
+        assert self.engine is not None
+        loads, self._loads = self._loads, []
+        for load, spec in loads:
+            load.finish()  # its mask is final now (a lent chunk may fail its check after its layers were read)
+            self.pd.loaded(spec.pd_req_id)
+            self._check_loaded(spec, load.num_tokens)
+        stores, self._stores = self._stores, None
+        if stores is not None:
+            for store in stores:
+                store.finish()
+        else:
+            for spec in meta.saves:
+                self.engine.store(spec.token_ids, spec.slots(self.shape.block_size),
+                                  start=spec.start, request_id=spec.req_id)
+        for spec in meta.saves:
+            self.pd.send(spec, self.shape.block_size)
+
+    def stats(self) -> KvtierStats | None:
+        if self.engine is None:
+            return None
+        now = self._counters()
+        changed = deltas(now, self._reported)
+        self._reported = now
+        stats = KvtierStats(changed)
+        return None if stats.is_empty() else stats
+
+    def _counters(self) -> dict[str, float]:
+        """This worker's cumulative counters and current gauges (metrics.py names)."""
+        assert self.engine is not None
+        here = "pd" if self.pd.buffer is not None else "cpu"  # a PD receiver's CPU tier is its buffer
+        out = {_tier_named(k, here): v for k, v in self.engine.metrics().items()}
+        out["load_failure_tokens"] = self._failed_tokens
+        if self.pd.sender is not None:
+            out["stored_tokens:pd"] = self.pd.sender.stats.sent_tokens
+            out["stored_bytes:pd"] = self.pd.sender.stats.sent_bytes
+        return out
+
+    def events(self) -> KvtierKVEvents | None:
+        if self.engine is None or not self.config.enable_kv_events:
+            return None
+        events = self.engine.take_events()
+        return KvtierKVEvents(to_vllm(events, self.shape.chunk_size)) if events else None
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=True)
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        self.pd.close()
+        if self.engine is not None:
+            self.engine.close()  # sends what is still queued for the remote tier
+
+
+def _tier_named(key: str, here: str) -> str:
+    name, _, tier = key.partition(":")
+    return f"{name}:{here}" if tier == "cpu" else key
+
+
