@@ -31,6 +31,7 @@ import torch  # noqa: E402
 import kvtier.engine as engine_mod  # noqa: E402
 from kvtier.engine.mover import Mover  # noqa: E402
 from kvtier.engine.storing import StorePath  # noqa: E402
+import kvtier.transfer.staging as staging  # noqa: E402
 import kvtier.transfer.triton_copy as tc  # noqa: E402
 from kvtier.bench.offload import timed  # noqa: E402
 from kvtier.bench.ttft import BesideACopy, _ServerSession, build_model  # noqa: E402
@@ -47,10 +48,10 @@ TIMED = [
     (TieredStore, "locate", "locate"), (TieredStore, "lend_whole", "lend_whole"),
     (RemoteTier, "max_held", "max_held"), (KVClient, "borrow", "borrow_rpc"), (KVClient, "exists", "exists_rpc"),
     (RemoteTier, "borrow", "borrow_all"), (Mover, "scatter", "engine_scatter"),
-    (Mover, "view", "chunk_views"), (tc._Staging, "__init__", "staging_init"),
-    (tc._Staging, "copy", "staging_copies"), (tc.TritonTransfer, "_upload", "tables_upload"),
-    (tc.TritonTransfer, "_kernel", "kernel_launches"), (tc._DigestTables, "__init__", "digest_tables"),
-    (tc._DigestTables, "add", "digest_launches"), (engine_mod.CacheEngine, "start_store", "start_store"),
+    (Mover, "view", "chunk_views"), (staging.Staging, "__init__", "staging_init"),
+    (staging.Staging, "copy", "staging_copies"), (tc.TritonTransfer, "_upload", "tables_upload"),
+    (tc.TritonTransfer, "_kernel", "kernel_launches"), (staging.DigestTables, "__init__", "digest_tables"),
+    (staging.DigestTables, "add", "digest_launches"), (engine_mod.CacheEngine, "start_store", "start_store"),
     (StorePath, "stream", "stream_store"),
 ]
 marks: dict[str, float] = {}  # phase boundaries of the current prefill (perf_counter)

@@ -17,7 +17,7 @@ from kvtier.localservers import free_port, kvtier_server, redis_cluster, redis_s
 from kvtier.remote import open_store
 from kvtier.tiers.remote import wire_key
 from kvtier.transfer import PagedKV
-from kvtier.transfer.triton_copy import _runs
+from kvtier.transfer.staging import runs as _runs
 
 L, NB, BS, H, D = 2, 64, 16, 2, 32
 FMT = KVFormat("m", "flash_attn", "bfloat16")

@@ -22,7 +22,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from kvtier.config import KvtierConfig

@@ -3,75 +3,14 @@
 from __future__ import annotations
 
 import os
-from typing import Callable, Protocol, Sequence
 
 import torch
 
+from kvtier.transfer.base import LayerHandle, LayerSaver, Transfer, Upload
 from kvtier.transfer.layout import LAYOUTS, PagedKV
 from kvtier.transfer.quant import Quant
 
 __all__ = ["LAYOUTS", "LayerHandle", "LayerSaver", "PagedKV", "Quant", "Transfer", "Upload", "make_transfer"]
-
-
-class LayerHandle(Protocol):
-    """A layerwise load in flight."""
-
-    def wait(self, layer: int) -> None:
-        """Order the caller's work after layer `layer` is in the KV pages."""
-
-    def finish(self) -> None:
-        """Return once the host chunks are no longer read (they may be released)."""
-
-
-class LayerSaver(Protocol):
-    """A layerwise store in flight."""
-
-    def save(self, layer: int) -> None:
-        """Layer `layer`'s KV is written (on the caller's stream): move it out behind that."""
-
-    def finish(self) -> None:
-        """Return once every saved layer is in the host chunks."""
-
-    def unsaved(self) -> list[int]:
-        """The layers `save` was never called for."""
-
-
-class Upload(Protocol):
-    """Host chunks on their way to the device, queued before their slots are known."""
-
-    def chunks(self) -> list[torch.Tensor]:
-        """The chunks it carries, in order."""
-
-    def wait(self) -> None:
-        """Return once the host chunks are no longer read (they may be released)."""
-
-
-class Transfer(Protocol):
-    name: str
-
-    def upload(self, chunks: Sequence[torch.Tensor], layer_major: bool = False, digests: bool = False
-               ) -> Upload | None:
-        """Queue the copies of `chunks` toward the device now, for a later `scatter`
-        (`scatter_layerwise` with `layer_major`) that passes it as `upload`, once the
-        slots are known; None where there is nothing to do ahead."""
-
-    def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], digests: torch.Tensor | None = None
-               ) -> None: ...
-
-    def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
-                wait: bool = True, digests: torch.Tensor | None = None, upload: Upload | None = None
-                ) -> Callable[[], None]:
-        """... `digests` (Triton on a GPU only: int64 zeros, one per chunk): each chunk's KV
-        digest (codec.kv_digest) is added there as its bytes arrive (gather: as they leave).
-        Returns a function that waits until the host chunks are no longer read; that is
-        already so with `wait`, otherwise the next batch's copies can be queued
-        behind these before the caller waits (no idle gap between batches)."""
-
-    def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
-                          digests: torch.Tensor | None = None, upload: Upload | None = None) -> LayerHandle: ...
-
-    def gather_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
-                         digests: torch.Tensor | None = None) -> LayerSaver: ...
 
 
 def make_transfer(kv: PagedKV, backend: str = "auto", quant: Quant | None = None) -> Transfer:

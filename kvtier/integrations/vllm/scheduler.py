@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from kvtier.config import KvtierConfig
 from kvtier.integrations.vllm.events import KvtierKVEvents

@@ -1,0 +1,142 @@
+"""The Triton kernels of the GPU transfer (triton_copy.py): one program per
+token and layer-and-K/V moves a token's values between a KV page and a chunk,
+reached through tables of base addresses; a digest kernel sums KV digests as
+chunks cross (codec.kv_digest); a kernel reads the slot table out of pinned
+memory (a copy-engine copy would queue behind the chunks)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+DIGEST_BLOCK = 4096  # words per program of digest_kernel
+SLOT_BLOCK = 1024  # slot-table words per program of host_words_kernel
+
+
+@triton.jit
+def token_addresses(layer0_ptr, layer_ptrs, chunk_ptrs, slots, T, C, s_k, s_b, s_n, BS, K: tl.constexpr):
+    """Program (t, l*K + k) of the copy kernels: the page of token t's K-or-V k in layer l,
+    its chunk's base address (int64), its row in the chunk (layer l, k, its place in the
+    chunk), and whether the token moves at all (slot -1: a token of a cut chunk that stays)."""
+    t = tl.program_id(0).to(tl.int64)
+    lk = tl.program_id(1).to(tl.int64)
+    layer = lk // K
+    k = lk % K
+    slot = tl.load(slots + t).to(tl.int64)
+    here = slot >= 0
+    slot = tl.maximum(slot, 0)
+    c = t // C
+    tt = t - c * C
+    n_c = tl.minimum(C, T - c * C)
+    page = tl.load(layer_ptrs + layer).to(tl.pointer_type(layer0_ptr.dtype.element_ty))
+    page += k * s_k + (slot // BS) * s_b + (slot % BS) * s_n
+    return page, tl.load(chunk_ptrs + c), lk * n_c + tt, here
+
+
+@triton.jit
+def kv_copy_kernel(
+    layer0_ptr,  # typed pointer to layer 0: gives the element type
+    layer_ptrs,  # int64[L]: base address of each layer's canonical view
+    chunk_ptrs,  # int64[num_chunks]: base address of each chunk [L, K, n_c, H, D]
+    slots,  # int64[T]; -1: skip this token
+    T,
+    C,  # full chunk size in tokens
+    s_k,
+    s_b,
+    s_n,
+    s_h,  # element strides of the canonical view
+    BS,
+    W: tl.constexpr,  # H * D
+    D: tl.constexpr,
+    K: tl.constexpr,
+    TO_CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    page, chunk, row, here = token_addresses(layer0_ptr, layer_ptrs, chunk_ptrs, slots, T, C, s_k, s_b, s_n, BS, K)
+    width = tl.where(here, W, 0)
+    chunk = chunk.to(tl.pointer_type(layer0_ptr.dtype.element_ty)) + row * W
+    for w0 in range(0, W, BLOCK):
+        w = w0 + tl.arange(0, BLOCK)
+        mask = w < width
+        src_off = (w // D) * s_h + (w % D)
+        if TO_CHUNK:
+            tl.store(chunk + w, tl.load(page + src_off, mask=mask), mask=mask)
+        else:
+            tl.store(page + src_off, tl.load(chunk + w, mask=mask), mask=mask)
+
+
+@triton.jit
+def kv_quant_copy_kernel(
+    layer0_ptr, layer_ptrs, chunk_ptrs, slots, T, C, s_k, s_b, s_n, s_h, BS,  # as in kv_copy_kernel
+    NH: tl.constexpr,
+    D: tl.constexpr,
+    NHP: tl.constexpr,  # NH and D rounded up to powers of two: the tile of one token's heads
+    DP: tl.constexpr,
+    K: tl.constexpr,
+    TO_CHUNK: tl.constexpr,  # True: quantize page -> chunk row; False: dequantize chunk row -> page
+    FP8: tl.constexpr,
+    QMAX: tl.constexpr,
+):
+    """Program (t, l*K + k): token t's row of layer l, K-or-V k, in a quantized
+    chunk (quant.py): NH*D one-byte values, then NH float32 scales."""
+    page, chunk, r, here = token_addresses(layer0_ptr, layer_ptrs, chunk_ptrs, slots, T, C, s_k, s_b, s_n, BS, K)
+    heads_here = tl.where(here, NH, 0)
+    elem_ty = layer0_ptr.dtype.element_ty
+    row = chunk.to(tl.pointer_type(tl.uint8)) + r * (NH * D + 4 * NH)
+    scales = (row + NH * D).to(tl.pointer_type(tl.float32))
+    heads = tl.arange(0, NHP)
+    h = heads[:, None]
+    d = tl.arange(0, DP)[None, :]
+    mask = (h < heads_here) & (d < D)
+    head_mask = heads < heads_here
+    if TO_CHUNK:
+        x = tl.load(page + h * s_h + d, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        inv = tl.where(amax > 0, QMAX / amax, 0.0)
+        y = tl.minimum(tl.maximum(x * inv[:, None], -QMAX), QMAX)
+        if FP8:
+            q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            q = tl.floor(y + 0.5).to(tl.int8).to(tl.uint8, bitcast=True)
+        tl.store(row + h * D + d, q, mask=mask)
+        tl.store(scales + heads, amax / QMAX, mask=head_mask)
+    else:
+        q = tl.load(row + h * D + d, mask=mask, other=0)
+        if FP8:
+            v = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            v = q.to(tl.int8, bitcast=True).to(tl.float32)
+        s = tl.load(scales + heads, mask=head_mask, other=0.0)
+        tl.store(page + h * s_h + d, (v * s[:, None]).to(elem_ty), mask=mask)
+
+
+@triton.jit
+def digest_kernel(
+    table,  # int64[rows, 3]: per slice its address, its bytes, and the index of its first word in its chunk
+    out,  # int64[n]: slice c's share of its chunk's digest is added to out[c % n] (mod 2^64)
+    n,  # chunks: the table holds one slice of each, or of each for several layers in turn
+    A: tl.constexpr,
+    B: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """codec.kv_digest of slices: program (c, b) sums words [b*BLOCK, (b+1)*BLOCK) of slice c."""
+    c = tl.program_id(0).to(tl.int64)
+    start = tl.program_id(1).to(tl.int64) * BLOCK
+    words = tl.load(table + c * 3 + 1) // 4
+    if start < words:
+        base = tl.load(table + c * 3).to(tl.pointer_type(tl.uint32))
+        first = tl.load(table + c * 3 + 2)
+        idx = start + tl.arange(0, BLOCK).to(tl.int64)
+        mask = idx < words
+        w = tl.load(base + idx, mask=mask, other=0).to(tl.int64)  # zero-extended
+        weight = ((first + idx) * A + B) | 1  # int64 arithmetic wraps: the same bits as the u64 sum
+        tl.atomic_add(out + c % n, tl.sum(tl.where(mask, (w + 1) * weight, 0), axis=0))
+
+
+@triton.jit
+def host_words_kernel(src, dst, n, BLOCK: tl.constexpr):
+    """dst[i] = src[i], int64 words, `src` the address of pinned host memory: the kernel
+    reads it over PCIe, where a copy-engine copy would queue behind chunks already crossing."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    tl.store(dst + i, tl.load(src.to(tl.pointer_type(tl.int64)) + i, mask=mask), mask=mask)

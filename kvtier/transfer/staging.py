@@ -1,0 +1,172 @@
+"""Device staging for the GPU transfer: the chunks of one transfer side by side in
+device memory, the copies between it and the host chunks (one per run of
+neighbouring blocks), the address tables the kernels read, and digest tables."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from kvtier.codec import DIGEST_A, DIGEST_B
+from kvtier.transfer import cudart
+from kvtier.transfer.kernels import DIGEST_BLOCK, digest_kernel
+
+
+class Staging:
+    """Device memory for the chunks of one transfer, and the copies between it and them.
+
+    Chunks are split into `groups` by token order; within a group they are
+    laid out in the order of their host addresses, and `runs` of them
+    (equal sizes, equal distances apart in one host allocation: adjacent
+    pool blocks) cross PCIe in one strided copy, whole or one layer at a time.
+    """
+
+    def __init__(self, chunks: Sequence[torch.Tensor], device: torch.device, layer_major: bool,
+                 groups: int = 1) -> None:
+        self.chunks = list(chunks)
+        n = len(self.chunks)
+        self.chunk_bytes = [c.numel() * c.element_size() for c in chunks]
+        self.layer_bytes = [b // c.shape[0] for b, c in zip(self.chunk_bytes, chunks)]
+        self.flat = torch.empty(sum(self.chunk_bytes), dtype=torch.uint8, device=device)
+        size = (-(-n // groups)) if groups > 1 else n
+        self.groups = [range(a, min(a + size, n)) for a in range(0, n, size)]
+        order = [c for g in self.groups for c in sorted(g, key=lambda c: self.chunks[c].data_ptr())]
+        self.runs = [runs(self.chunks, [c for c in order if c in g], self.chunk_bytes) for g in self.groups]
+        # Byte offset of each chunk's slot, in staging order.
+        unit = self.layer_bytes if layer_major else self.chunk_bytes
+        start = [0] * n
+        total = 0
+        for c in order:
+            start[c] = total
+            total += unit[c]
+        base = self.flat.data_ptr()
+        self._start = base + torch.tensor(start, dtype=torch.int64)
+        # Layer-major: layer l of every chunk follows layer l-1 of every chunk.
+        # Chunk-major: layer l of a chunk follows its layer l-1.
+        self._layer_step = torch.tensor(self.layer_bytes, dtype=torch.int64)
+        if layer_major:
+            self._layer_step = torch.full_like(self._layer_step, total)
+
+    def _at(self, layer: int, chunk: int) -> int:
+        return int(self._start[chunk] + layer * self._layer_step[chunk])
+
+    def ptrs(self, layers: range) -> torch.Tensor:
+        """[len(layers), chunks] device addresses of each layer of each chunk."""
+        return self._start[None, :] + torch.arange(layers.start, layers.stop)[:, None] * self._layer_step[None, :]
+
+    def digest_tables(self, by_layer: bool) -> torch.Tensor:
+        """(address, bytes, first word) of each chunk in staging: [1, chunks, 3] whole,
+        or [L, chunks, 3] layer by layer (layer-major staging), for DigestTables."""
+        if not by_layer:
+            return whole_table(self._start, self.chunk_bytes)
+        return layer_tables(self._start, self._layer_step, self.layer_bytes, self.chunks[0].shape[0])
+
+    def copy(self, to_host: bool, stream: torch.cuda.Stream, layer: int | None = None, group: int = 0) -> None:
+        """Whole chunks of a group (chunk-major) or one layer (layer-major), between staging and host."""
+        for first, count, pitch in self.runs[group]:
+            width = self.chunk_bytes[first] if layer is None else self.layer_bytes[first]
+            host = self.chunks[first].data_ptr() + (0 if layer is None else layer * width)
+            dev = self._at(0 if layer is None else layer, first)
+            # A run's chunks are neighbours in staging: its device-side rows are `width` apart.
+            if to_host:
+                cudart.memcpy2d(host, pitch, dev, width, width, count, stream)
+            else:
+                cudart.memcpy2d(dev, width, host, pitch, width, count, stream)
+
+
+class Upload:
+    """Host chunks on their way into device staging: their copies queued on the copy
+    stream, before the slots they go to are known (a hit, at the scheduler's lookup). A
+    scatter given it queues only its kernels; the staging lives as long as this does."""
+
+    def __init__(self, staging: Staging, ptrs: torch.Tensor, sums: DigestTables | None,
+                 landed: list[torch.cuda.Event], layer_major: bool) -> None:
+        self.staging, self.ptrs, self.sums, self.landed, self.layer_major = staging, ptrs, sums, landed, layer_major
+
+    def chunks(self) -> list[torch.Tensor]:
+        return self.staging.chunks
+
+    def wait(self) -> None:
+        """Return once the host chunks are no longer read (they may be released)."""
+        if self.landed:
+            self.landed[-1].synchronize()  # one copy stream: the last copy queued ends last
+
+
+def whole_table(starts: torch.Tensor, nbytes: Sequence[int]) -> torch.Tensor:
+    return torch.stack([starts, torch.tensor(nbytes, dtype=torch.int64), torch.zeros_like(starts)], 1)[None]
+
+
+def layer_tables(starts: torch.Tensor, layer_step: torch.Tensor, layer_bytes: Sequence[int], layers: int
+                  ) -> torch.Tensor:
+    layer = torch.arange(layers, dtype=torch.int64)[:, None]
+    size = torch.tensor(layer_bytes, dtype=torch.int64)[None, :].expand(layers, -1)
+    return torch.stack([starts[None, :] + layer * layer_step[None, :], size, layer * size // 4], 2)
+
+
+def host_tables(chunks: Sequence[torch.Tensor], by_layer: bool) -> torch.Tensor:
+    """Staging.digest_tables for chunks the kernels reach where they are."""
+    starts = torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64)
+    whole = [c.numel() * c.element_size() for c in chunks]
+    if not by_layer:
+        return whole_table(starts, whole)
+    layer = [b // c.shape[0] for b, c in zip(whole, chunks)]
+    return layer_tables(starts, torch.tensor(layer, dtype=torch.int64), layer, chunks[0].shape[0])
+
+
+class DigestTables:
+    """Where the digest kernel reads, [rows, chunks, 3] (address, bytes, first word), gone
+    up to the device in one copy (on the current stream: queue it before the chunks)."""
+
+    def __init__(self, tables: torch.Tensor, device: torch.device, upload: bool) -> None:
+        self.blocks = -(-int(tables[..., 1].max()) // 4 // DIGEST_BLOCK) if tables.numel() else 0
+        tables = tables.contiguous()
+        self.dev = tables.pin_memory().to(device, non_blocking=True) if upload else tables
+
+    def add(self, out: torch.Tensor, rows: range = range(1), chunks: range | None = None) -> None:
+        """Add the shares of `rows` (layers, or row 0: whole) of `chunks` to `out` (int64, per chunk),
+        in one launch."""
+        pick = slice(chunks.start, chunks.stop) if chunks is not None else slice(None)
+        table = self.dev[rows.start : rows.stop, pick]
+        n = table.shape[1]
+        if table.numel() and self.blocks:
+            digest_kernel[(len(rows) * n, self.blocks)](table.reshape(-1, 3), out[pick], n,
+                                                         A=DIGEST_A, B=DIGEST_B, BLOCK=DIGEST_BLOCK)
+
+
+def runs(chunks: Sequence[torch.Tensor], order: Sequence[int], sizes: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first chunk, count, pitch) of runs, walking `order` (chunks by host address),
+    of equal-sized chunks at equal distances in one allocation (a strided copy may
+    not cross from one allocation into another, even where their addresses touch)."""
+    runs: list[tuple[int, int, int]] = []
+    prev = None
+    for c in order:
+        chunk = chunks[c]
+        if runs:
+            first, count, pitch = runs[-1]
+            step = chunk.data_ptr() - chunks[prev].data_ptr()
+            same = chunk.untyped_storage().data_ptr() == chunks[prev].untyped_storage().data_ptr()
+            if same and sizes[c] == sizes[first] and step >= sizes[first] and (count == 1 or step == pitch):
+                runs[-1] = (first, count + 1, step)
+                prev = c
+                continue
+        runs.append((c, 1, sizes[c]))
+        prev = c
+    return runs
+
+
+def waiter(stream: torch.cuda.Stream | None, now: bool, keep: object = None) -> Callable[[], None]:
+    """Waits for the work queued on `stream` so far: now, or when called (`keep` lives until then)."""
+    if stream is None or now:
+        if stream is not None:
+            stream.synchronize()
+        return lambda: None
+    done = torch.cuda.Event()
+    done.record(stream)
+
+    def wait() -> None:
+        nonlocal keep
+        done.synchronize()
+        keep = None
+
+    return wait
