@@ -96,7 +96,8 @@ def _server(args: argparse.Namespace) -> int:
     import logging
     import os
 
-    from kvtier.server.app import AUTH_TOKEN_ENV, ServerOptions, ServerState, run
+    from kvtier.server.app import run
+    from kvtier.server.state import AUTH_TOKEN_ENV, ServerOptions, ServerState
 
     logging.getLogger("kvtier").setLevel(args.log_level.upper())
     try:

@@ -270,7 +270,7 @@ def test_tls_with_a_token(tmp_path, monkeypatch):
 
 
 def test_off_loopback_without_a_token_the_server_refuses_to_start():
-    from kvtier.server.app import ServerOptions
+    from kvtier.server.state import ServerOptions
 
     with pytest.raises(ValueError, match="the KV port and the management API need a token"):
         ServerOptions(host="0.0.0.0")

@@ -57,7 +57,7 @@ from kvtier.server import protocol as p
 from kvtier.server.index import Entry, PoolFull, TooLarge
 
 if TYPE_CHECKING:
-    from kvtier.server.app import ServerState
+    from kvtier.server.state import ServerState
 
 log = get_logger("kvtier.server")
 

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
-    from kvtier.server.app import ServerState
+    from kvtier.server.state import ServerState
 
 _GAUGES = {
     "keys": "values stored",
