@@ -25,9 +25,9 @@ not paused: uvloop's TLS layer stops writing while reading is paused.
 
 Anything that is not the protocol (bad magic or version, an absurd length,
 truncated meta) closes this connection with the reason logged; other
-connections are not affected.
+connections are not affected. The request-reply operations are in ops.py.
 
-Access and bounds (app.py, auth.py): with tokens, only HELLO and AUTH
+Access and bounds (auth.py, bounds.py): with tokens, only HELLO and AUTH
 (with small meta) are read until AUTH succeeds, and the tenant's prefix is
 put in front of every key. A connection counts the bytes it holds (leases,
 reservations, replies still pinned in the transport) against
@@ -41,20 +41,20 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import itertools
 import os
 import platform
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from kvtier.buffers import IOV_MAX, as_parts, unsent
 from kvtier.logs import get_logger
 from kvtier.server import auth
 from kvtier.server import protocol as p
-from kvtier.server.index import Entry, PoolFull, TooLarge
+from kvtier.server.bounds import Holdings, PendingPut
+from kvtier.server.index import Entry
+from kvtier.server.ops import Handler, Ops
 
 if TYPE_CHECKING:
     from kvtier.server.state import ServerState
@@ -84,27 +84,6 @@ class _Read(enum.Enum):
 _PRE_AUTH_META = 4096  # the most meta a connection may send before AUTH succeeds
 
 
-@dataclass
-class _PendingPut:
-    keys: list[bytes]
-    sizes: list[int]
-    pages: list[list[int]]
-    since: float = field(default_factory=time.monotonic)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.sizes)
-
-
-@dataclass
-class _Ticket:
-    """A same-host put's reservation (until PUT_COMMIT) or a GET_SHM lease (until RELEASE)."""
-
-    held: _PendingPut | list[Entry]
-    nbytes: int
-    since: float = field(default_factory=time.monotonic)
-
-
 class Connection(asyncio.BufferedProtocol):
     def __init__(self, state: ServerState, on_lost: Callable[[], None] = lambda: None) -> None:
         self.state, self.index, self.pool = state, state.index, state.pool
@@ -116,31 +95,24 @@ class Connection(asyncio.BufferedProtocol):
         self._buf = memoryview(self._hdr)  # what the current read state fills
         self._got = 0
         self._header: p.Header | None = None
-        self._put: _PendingPut | None = None  # a PUT whose values are arriving
+        self._put: PendingPut | None = None  # a PUT whose values are arriving
         self._targets: list[memoryview] = []
         self._target = 0
         self._discard_left = 0
         self._left = 0  # payload bytes still to come
         self._lowat = 1  # the socket's SO_RCVLOWAT
         self._refusal: tuple[p.Status, str] | None = None
-        self._held: list[Entry] = []  # pinned by replies still in the transport
-        self._held_since = 0.0
+        self.holdings = Holdings(state)  # what it holds against its bounds (bounds.py)
         self._sock: socket.socket | None = None  # the transport's socket, for `_send_now`
-        self._tickets: dict[int, _Ticket] = {}  # shared-memory puts and leases
-        self._ticket_ids = itertools.count(1)
-        self._holding = 0  # bytes leased or reserved by this connection (--max-held-per-conn)
         self._authed = state.tokens is None
         self._challenge: bytes | None = None
         self._host_id: str | None = None
         self._prefix = b""  # the tenant's namespace
         self._last_rx = time.monotonic()
         self._timer: asyncio.TimerHandle | None = None
-        self._handlers: dict[int, Callable[[p.Header, memoryview], None]] = {
-            p.Op.HELLO: self._hello, p.Op.AUTH: self._auth, p.Op.GET: self._get, p.Op.EXISTS: self._exists,
-            p.Op.MATCH_PREFIX: self._match_prefix, p.Op.DELETE: self._delete, p.Op.STATS: self._stats,
-            p.Op.PUT_ALLOC: self._put_alloc, p.Op.PUT_COMMIT: self._put_commit,
-            p.Op.GET_SHM: self._get_shm, p.Op.RELEASE: self._release,
-        }
+        self._handlers: dict[int, Handler] = {
+            p.Op.HELLO: self._hello, p.Op.AUTH: self._auth,
+            **Ops(state, self.holdings, self._keys, self._reply).handlers()}
 
     # -- transport events ------------------------------------------------------------
 
@@ -155,6 +127,7 @@ class Connection(asyncio.BufferedProtocol):
                 self._sock.setblocking(False)
         peer = transport.get_extra_info("peername") or ("?", "?")
         self.peer, self.peer_host = "%s:%s" % tuple(peer)[:2], str(peer[0])
+        self.holdings.peer_host = self.peer_host
         self.index.count(connections=1, accepted_connections=1)
         self._timer = asyncio.get_running_loop().call_later(self.state.tick, self._tick)
         log.debug("connection from %s", self.peer)
@@ -166,12 +139,10 @@ class Connection(asyncio.BufferedProtocol):
             self._timer.cancel()
         if self._sock is not None:
             self._sock.close()
-        if self._put is not None:  # a put cut off mid-value is never seen
-            self.index.abort(self._put.pages)
+        if self._put is not None:
+            self.holdings.abort(self._put)
             self._put = None
-        for ticket in list(self._tickets):
-            self._drop_ticket(ticket)
-        self._release_held()
+        self.holdings.release_all()
         self._read = _Read.CLOSED
         log.debug("connection from %s closed", self.peer)
 
@@ -182,7 +153,7 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        self._release_held()
+        self.holdings.unpin()
         if self.state.tls is None and not self.transport.is_closing():
             self.transport.resume_reading()
 
@@ -318,51 +289,23 @@ class Connection(asyncio.BufferedProtocol):
             keys = [self._prefix + k for k in keys]
         return keys, sizes
 
-    # -- bounds ------------------------------------------------------------------------
-
-    def _over(self, nbytes: int) -> str | None:
-        """Why holding `nbytes` more would pass --max-held-per-conn, or None."""
-        if self._holding + nbytes <= self.state.max_held:
-            return None
-        message = (f"a request for {nbytes} bytes while holding {self._holding} passes --max-held-per-conn "
-                   f"({self.state.max_held} bytes): release leases first or use smaller batches")
-        self.index.count(over_limit=1)
-        self.state.note(self.peer_host, "max-held", message)
-        return message
+    # -- bounds (bounds.py) ---------------------------------------------------------------
 
     def _tick(self) -> None:
         """Expire what outlived its bound; runs every `state.tick` seconds."""
         if self._read is _Read.CLOSED:
             return
-        opts, now = self.state.opts, time.monotonic()
-        if self._put is not None and now - self._put.since > opts.put_deadline:
-            self._expire("put-deadline", f"a put's values did not arrive within --put-deadline "
-                                         f"{opts.put_deadline:g} s: reservation freed, connection closed")
-            return
-        for ticket_id, ticket in list(self._tickets.items()):
-            if isinstance(ticket.held, _PendingPut) and now - ticket.since > opts.put_deadline:
-                self._expire("put-deadline", f"a shared-memory put was not committed within --put-deadline "
-                                             f"{opts.put_deadline:g} s: reservation freed, connection closed")
-                return
-            if not isinstance(ticket.held, _PendingPut) and now - ticket.since > opts.lease_timeout:
-                self._drop_ticket(ticket_id)
-                self.index.count(lease_timeouts=1)
-                self.state.note(self.peer_host, "lease-timeout", f"a lease held past --lease-timeout "
-                                f"{opts.lease_timeout:g} s was dropped")
-        if self._held and now - self._held_since > opts.lease_timeout:
-            self._expire("lease-timeout", f"replies not read within --lease-timeout {opts.lease_timeout:g} s: "
-                                          "connection closed, their values unpinned")
-            return
-        if now - self._last_rx > opts.idle_timeout and self._put is None and not self._held:
+        expiry = self.holdings.check(self._put, self._last_rx)
+        if expiry is not None and expiry.bound == "idle-timeout":
             self.index.count(idle_closed=1)
             self._read = _Read.CLOSED
             self.transport.close()
             return
+        if expiry is not None:
+            self.state.note(self.peer_host, expiry.bound, expiry.message)
+            self._close(expiry.message, "put_deadlines" if expiry.bound == "put-deadline" else "lease_timeouts")
+            return
         self._timer = asyncio.get_running_loop().call_later(self.state.tick, self._tick)
-
-    def _expire(self, bound: str, message: str) -> None:
-        self.state.note(self.peer_host, bound, message)
-        self._close(message, "put_deadlines" if bound == "put-deadline" else "lease_timeouts")
 
     # -- PUT over the byte stream ----------------------------------------------------
 
@@ -370,7 +313,7 @@ class Connection(asyncio.BufferedProtocol):
         keys, sizes = self._keys(meta, with_sizes=True)
         if sum(sizes) != h.payload_len:
             raise p.ProtocolError(f"PUT sizes add up to {sum(sizes)}, payload is {h.payload_len} bytes")
-        put = self._reserve(keys, sizes)
+        put = self.holdings.reserve(keys, sizes)
         if isinstance(put, tuple):  # refused: read the values into nothing, then say why
             self._refusal = put
             self._read, self._discard_left = _Read.DISCARD, h.payload_len
@@ -393,23 +336,9 @@ class Connection(asyncio.BufferedProtocol):
         self._lowat = max(nbytes, 1)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, self._lowat)
 
-    def _reserve(self, keys: list[bytes], sizes: list[int]) -> _PendingPut | tuple[p.Status, str]:
-        # (a value larger than the whole pool is refused as that, below)
-        if max(sizes, default=0) <= self.pool.capacity and (over := self._over(sum(sizes))) is not None:
-            return p.Status.OVER_LIMIT, over
-        try:
-            put = _PendingPut(keys, sizes, self.index.reserve(sizes))
-        except TooLarge as e:
-            return p.Status.TOO_LARGE, str(e)
-        except PoolFull as e:
-            return p.Status.POOL_FULL, str(e)
-        self._holding += put.nbytes
-        return put
-
     def _finish_put(self) -> None:
         put, self._put, self._targets = self._put, None, []
-        self._holding -= put.nbytes
-        self.index.commit(put.keys, put.pages, put.sizes)
+        self.holdings.commit(put)
         self._next_frame()
         self._reply(self._header)
 
@@ -419,89 +348,6 @@ class Connection(asyncio.BufferedProtocol):
         self._next_frame()
         self._reply(self._header, meta=message.encode(), status=status)
 
-    # -- the other operations -------------------------------------------------------------
-
-    def _lease(self, h: p.Header, keys: list[bytes]) -> list[Entry | None] | None:
-        """Pin each key's value, counted as held; None (and the refusal sent)
-        when that would pass --max-held-per-conn."""
-        entries = self.index.lease(keys)
-        present = [e for e in entries if e is not None]
-        if (over := self._over(sum(e.size for e in present))) is not None:
-            self.index.release(present)
-            self._reply(h, meta=over.encode(), status=p.Status.OVER_LIMIT)
-            return None
-        self._holding += sum(e.size for e in present)
-        return entries
-
-    def _get(self, h: p.Header, meta: memoryview) -> None:
-        keys, _ = self._keys(meta)
-        if (entries := self._lease(h, keys)) is None:
-            return
-        present = [e for e in entries if e is not None]
-        views = [v for e in present for v in self.pool.views(e.pages, e.size)]
-        nbytes = sum(e.size for e in present)
-        self._reply(h, meta=p.encode_sizes([p.MISSING if e is None else e.size for e in entries]),
-                    payload=views, payload_len=nbytes, pins=present)
-
-    def _exists(self, h: p.Header, meta: memoryview) -> None:
-        keys, _ = self._keys(meta)
-        self._reply(h, meta=bytes(self.index.exists(keys)))
-
-    def _match_prefix(self, h: p.Header, meta: memoryview) -> None:
-        keys, _ = self._keys(meta)
-        self._reply(h, meta=p.encode_u32(self.index.match_prefix(keys)))
-
-    def _delete(self, h: p.Header, meta: memoryview) -> None:
-        keys, _ = self._keys(meta)
-        self._reply(h, meta=p.encode_u32(self.index.delete(keys)))
-
-    def _stats(self, h: p.Header, meta: memoryview) -> None:
-        self._reply(h, meta=p.encode_json(self.state.stats()))
-
-    def _put_alloc(self, h: p.Header, meta: memoryview) -> None:
-        keys, sizes = self._keys(meta, with_sizes=True)
-        put = self._reserve(keys, sizes)
-        if isinstance(put, tuple):
-            self._reply(h, meta=put[1].encode(), status=put[0])
-            return
-        ticket = next(self._ticket_ids)
-        self._tickets[ticket] = _Ticket(put, put.nbytes)
-        self._reply(h, meta=p.encode_extents(
-            ticket, [(s, self.pool.extents(pages, s)) for pages, s in zip(put.pages, sizes)]))
-
-    def _put_commit(self, h: p.Header, meta: memoryview) -> None:
-        # No reply: the client goes on at once. Its later requests on this
-        # connection are read after this one, so it always sees its own put.
-        ticket = self._tickets.pop(p.decode_u32(meta), None)
-        if ticket is None or not isinstance(ticket.held, _PendingPut):
-            raise p.ProtocolError("PUT_COMMIT of a ticket that is not a pending put")
-        self._holding -= ticket.nbytes
-        put = ticket.held
-        self.index.commit(put.keys, put.pages, put.sizes)
-
-    def _get_shm(self, h: p.Header, meta: memoryview) -> None:
-        keys, _ = self._keys(meta)
-        if (entries := self._lease(h, keys)) is None:
-            return
-        lease = [e for e in entries if e is not None]
-        ticket = next(self._ticket_ids)
-        self._tickets[ticket] = _Ticket(lease, sum(e.size for e in lease))
-        self._reply(h, meta=p.encode_extents(ticket, [
-            (p.MISSING, []) if e is None else (e.size, self.pool.extents(e.pages, e.size)) for e in entries]))
-
-    def _release(self, h: p.Header, meta: memoryview) -> None:
-        self._drop_ticket(p.decode_u32(meta))  # no reply: the client does not wait for it
-
-    def _drop_ticket(self, ticket_id: int) -> None:
-        ticket = self._tickets.pop(ticket_id, None)
-        if ticket is None:  # already expired (or never was): nothing to give back
-            return
-        self._holding -= ticket.nbytes
-        if isinstance(ticket.held, _PendingPut):
-            self.index.abort(ticket.held.pages)
-        else:
-            self.index.release(ticket.held)
-
     # -- writing -------------------------------------------------------------------------------
 
     def _reply(self, h: p.Header, *, meta: bytes = b"", status: p.Status = p.Status.OK,
@@ -510,11 +356,9 @@ class Connection(asyncio.BufferedProtocol):
         rest = self._send_now([head, *payload]) if self._sock is not None else [head, *payload]
         if rest:
             self.transport.writelines(rest)
-        if pins and not self._held:
-            self._held_since = time.monotonic()
-        self._held.extend(pins)
+        self.holdings.pin(list(pins))
         if self.transport.get_write_buffer_size() == 0:
-            self._release_held()
+            self.holdings.unpin()
 
     def _send_now(self, parts: list) -> list[memoryview]:
         """Send what the kernel takes at once, through our own socket object
@@ -530,9 +374,3 @@ class Connection(asyncio.BufferedProtocol):
         except OSError:
             return views  # the transport meets the same error and closes the connection
         return unsent(views, sent)
-
-    def _release_held(self) -> None:
-        held, self._held = self._held, []
-        if held:
-            self._holding -= sum(e.size for e in held)
-            self.index.release(held)
