@@ -54,6 +54,11 @@ class ChunkKey:
         return f"{self.fmt.tag()}:{self.digest.hex()}"
 
 
+def wire_key(key: ChunkKey) -> bytes:
+    """A chunk key as the disk tier names its file and a remote store its entry."""
+    return str(key).encode()
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkSpan:
     """Token range [start, end) of a prompt that one chunk key covers."""

@@ -39,7 +39,7 @@ from kvtier.config import KvtierConfig  # noqa: E402
 from kvtier.integrations.hf import HFSession, KvtierCache  # noqa: E402
 from kvtier.localservers import kvtier_server  # noqa: E402
 from kvtier.server.client import KVClient  # noqa: E402
-from kvtier.store import TieredStore  # noqa: E402
+from kvtier.tiers.store import TieredStore  # noqa: E402
 from kvtier.tiers.remote import RemoteTier  # noqa: E402
 
 WHOLE_BEFORE = bool(int(os.environ.get("WHOLE_BEFORE", "0")))

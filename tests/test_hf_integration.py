@@ -105,7 +105,7 @@ def test_layerwise_from_the_store_server_and_a_chunk_that_fails_its_check_is_com
     # prompt is computed again, so the logits are still the cold ones.
     from kvtier.localservers import kvtier_server
     from kvtier.remote import open_store
-    from kvtier.tiers.remote import wire_key
+    from kvtier.keys import wire_key
 
     ids = torch.randint(0, 1000, (1, 300), generator=torch.Generator().manual_seed(5))
     with kvtier_server(0.0625) as srv:

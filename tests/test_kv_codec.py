@@ -17,7 +17,7 @@ from kvtier.errors import ConfigError
 from kvtier.keys import KVFormat
 from kvtier.localservers import kvtier_server
 from kvtier.remote import open_store
-from kvtier.tiers.remote import wire_key
+from kvtier.keys import wire_key
 from kvtier.transfer import PagedKV, Quant
 
 L, NB, BS, H, D = 2, 64, 16, 2, 32

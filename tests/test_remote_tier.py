@@ -15,7 +15,7 @@ from kvtier.errors import CorruptPayload
 from kvtier.keys import KVFormat
 from kvtier.localservers import free_port, kvtier_server, redis_cluster, redis_server
 from kvtier.remote import open_store
-from kvtier.tiers.remote import wire_key
+from kvtier.keys import wire_key
 from kvtier.transfer import PagedKV
 from kvtier.transfer.staging import runs as _runs
 

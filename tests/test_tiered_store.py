@@ -14,7 +14,7 @@ from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError
 from kvtier.keys import KVFormat
 from kvtier.localservers import kvtier_server
-from kvtier.store import CPU
+from kvtier.tiers.base import CPU
 from kvtier.transfer import PagedKV
 
 L, NB, BS, H, D = 2, 64, 16, 2, 32
@@ -86,14 +86,14 @@ def test_disk_write_filter_waits_for_the_nth_store(tmp_path):
 def test_a_leased_hit_survives_stores_that_evict_everything_else():
     eng, layers = engine(chunks=8)
     eng.store(TOKENS[:32], SRC[:32])
-    assert eng.find(TOKENS[:32], lease_for="r").tokens == 32
+    assert eng.find(TOKENS[:32], hold_for="r").tokens == 32
     other = [t + 100_000 for t in TOKENS]
     for shift in range(0, 400, 50):  # many stores of other prompts, 10 chunks each
         eng.store([t + shift for t in other], SRC)
     assert eng.lookup(TOKENS[:32]) == 32
     assert eng.retrieve(TOKENS[:32], DST[:32], request_id="r").all()
     assert torch.equal(kv_at(layers, DST[:32]), kv_at(layers, SRC[:32]))
-    assert not len(eng.leases)  # the retrieve ended the lease
+    assert not len(eng.holds)  # the retrieve ended the lease
     for shift in range(400, 800, 50):  # unprotected now: evicted like any other chunk
         eng.store([t + shift for t in other], SRC)
     assert eng.lookup(TOKENS[:32]) == 0
@@ -102,14 +102,14 @@ def test_a_leased_hit_survives_stores_that_evict_everything_else():
 def test_leases_hold_at_most_half_the_pool_and_expire(caplog):
     eng, _ = engine(chunks=8, pin_timeout_sec=1)
     eng.store(TOKENS[:96], SRC[:96])  # 6 chunks
-    eng.find(TOKENS[:96], lease_for="a")
+    eng.find(TOKENS[:96], hold_for="a")
     assert sum(c.block.pinned for c in eng.tiers.cpu._chunks.values()) == 4  # half of 8
     time.sleep(1.1)
     with caplog.at_level(logging.WARNING, logger="kvtier"):
-        eng.find(TOKENS[:16], lease_for="b")
-    assert eng.leases.expired == 1 and "pin_timeout_sec" in caplog.text
+        eng.find(TOKENS[:16], hold_for="b")
+    assert eng.holds.expired == 1 and "pin_timeout_sec" in caplog.text
     assert sum(c.block.pinned for c in eng.tiers.cpu._chunks.values()) == 1  # b's only
-    eng.release_lease("b")
+    eng.release_hold("b")
     assert not any(c.block.pinned for c in eng.tiers.cpu._chunks.values())
 
 
@@ -119,13 +119,13 @@ def test_prefetch_brings_disk_chunks_up_and_a_retrieve_waits_for_it(tmp_path):
     eng.flush(timeout=10)
     eng.tiers.cpu.clear()
     assert where(eng, TOKENS) == ["disk"] * 10
-    hit = eng.find(TOKENS, lease_for="r")
+    hit = eng.find(TOKENS, hold_for="r")
     assert (hit.tokens, hit.in_cpu) == (160, 0)
     eng.start_prefetch(TOKENS, "r")
     assert eng.retrieve(TOKENS, DST, request_id="r").all()
     assert torch.equal(kv_at(layers, DST), kv_at(layers, SRC))
     assert eng.stats.prefetched_tokens == 4 * 16  # the lease budget: half the pool
-    assert not len(eng.leases) and not any(c.block.pinned for c in eng.tiers.cpu._chunks.values())
+    assert not len(eng.holds) and not any(c.block.pinned for c in eng.tiers.cpu._chunks.values())
     eng.close()
 
 

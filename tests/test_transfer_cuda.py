@@ -163,7 +163,7 @@ def test_a_hit_uploaded_at_its_lookup_is_what_its_retrieve_loads(layerwise):
     toks = list(range(256))
     eng.store(toks, perm[:256])
     used = eng.pool.used_bytes
-    assert eng.find(toks, lease_for="r").tokens == 256
+    assert eng.find(toks, hold_for="r").tokens == 256
     assert eng.upload_ahead(toks, "r", layerwise=layerwise)
     assert eng.upload_ahead(toks, "r", layerwise=layerwise)  # looked up again: the same copies
     assert not eng.upload_ahead(toks, "other", layerwise=layerwise)  # one at a time
@@ -176,13 +176,13 @@ def test_a_hit_uploaded_at_its_lookup_is_what_its_retrieve_loads(layerwise):
     torch.cuda.synchronize()
     assert torch.equal(reference(kv, perm[70:255]), reference(kv, perm[326:511]))
     # Looked up, uploaded, then the request ends without loading: everything is given back.
-    eng.find(toks, lease_for="s")
+    eng.find(toks, hold_for="s")
     assert eng.upload_ahead(toks, "s", layerwise=layerwise)
-    eng.release_lease("s")
+    eng.release_hold("s")
     assert eng.ahead.request_id is None and eng.pool.used_bytes == used
     assert not any(c.block.pinned for c in eng.tiers.cpu._chunks.values())
     # Uploaded for one mode, loaded in the other: dropped, and loaded the usual way.
-    eng.find(toks, lease_for="t")
+    eng.find(toks, hold_for="t")
     eng.upload_ahead(toks, "t", layerwise=not layerwise)
     load = eng.start_retrieve(toks, perm[600:856], request_id="t", layerwise=layerwise)
     assert int(load.finish().sum()) == 256

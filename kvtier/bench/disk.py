@@ -164,7 +164,7 @@ def _step_pass(root: Path, shape: OffloadShape, engine: CacheEngine, tokens: tor
         raise AssertionError(f"sync load got {loaded} of {shape.tokens} tokens")
     cold()
     t0 = time.perf_counter()
-    engine.find(tokens, lease_for="bench")  # the scheduler's lookup: lease, and prefetch starts
+    engine.find(tokens, hold_for="bench")  # the scheduler's lookup: lease, and prefetch starts
     engine.start_prefetch(tokens, "bench")
     t1 = time.perf_counter()
     future = loader.submit(engine.retrieve, tokens, load_slots, request_id="bench")  # what start_load_kv does

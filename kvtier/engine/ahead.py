@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from kvtier.engine.mover import Mover, release_held
 from kvtier.keys import ChunkKey, ChunkSpan
-from kvtier.store import CPU, TieredStore
+from kvtier.tiers.base import CPU
+from kvtier.tiers.store import TieredStore
 from kvtier.tiers.cpu import StoredChunk
 from kvtier.transfer import Upload
 

@@ -1,4 +1,4 @@
-"""An engine's parts, built from its config: codec, pool, tiers, transfer, leases.
+"""An engine's parts, built from its config: codec, pool, tiers, transfer, holds.
 
 The store server's pool, when it lends chunks on this host, is registered with
 CUDA here, so that a GPU copies lent chunks out of it by DMA.
@@ -20,11 +20,11 @@ from kvtier.engine.mover import Mover
 from kvtier.engine.records import EngineStats, EventLog
 from kvtier.errors import ConfigError
 from kvtier.keys import KVFormat, SpanMemo
-from kvtier.leases import Leases
+from kvtier.tiers.holds import Holds
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool
 from kvtier.remote import LendingStore, open_store
-from kvtier.store import TieredStore
+from kvtier.tiers.store import TieredStore
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.remote import RemoteTier
@@ -40,7 +40,7 @@ class Parts:
     spans: SpanMemo
     mover: Mover
     tiers: TieredStore
-    leases: Leases
+    holds: Holds
     events: EventLog
     stats: EngineStats
 
@@ -64,7 +64,7 @@ def build(config: KvtierConfig, kv: PagedKV, fmt: KVFormat, transfer: str, cpu: 
                         disk=_disk_tier(config, mover.bytes_per_token, fmt), remote=remote,
                         disk_min_stores=config.local_disk_min_stores, wait_s=config.blocking_timeout_secs)
     return Parts(quant, fmt, SpanMemo(fmt, config.chunk_size, config.save_unfull_chunk), mover, tiers,
-                 Leases(tiers, config.pin_timeout_sec), EventLog(cpu, config.enable_kv_events), EngineStats())
+                 Holds(tiers, config.pin_timeout_sec), EventLog(cpu, config.enable_kv_events), EngineStats())
 
 
 def _disk_tier(config: KvtierConfig, bytes_per_token: int, fmt: KVFormat) -> DiskTier | None:

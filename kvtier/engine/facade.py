@@ -3,8 +3,8 @@
     store(tokens, slots)     keys → allocate blocks → gather KV → put in the tiers (storing.py),
                              in batches when the pool is smaller than the store
     start_store(..., layerwise=True)   the same, one layer at a time as the engine computes it
-    find(tokens, lease_for)  keys → longest prefix stored in any tier; optionally leased
-                             (protected) until the request's retrieve (kvtier/leases.py)
+    find(tokens, hold_for)  keys → longest prefix stored in any tier; optionally held
+                             (protected) until the request's retrieve (kvtier/tiers/holds.py)
     upload_ahead(tokens, rid)  a hit all in CPU RAM starts crossing to the device (ahead.py)
     prefetch(tokens)         disk and remote chunks of that prefix up into CPU RAM (prefetch.py)
     retrieve(tokens, slots)  keys → pinned, lent or fetched chunks → scatter KV → verify →
@@ -35,7 +35,7 @@ from kvtier.engine.storing import Storing, StorePath
 from kvtier.keys import ChunkSpan, KVFormat
 from kvtier.logs import get_logger
 from kvtier.memory import MemoryBlock
-from kvtier.store import CPU
+from kvtier.tiers.base import CPU
 from kvtier.tiers.cpu import CpuTier
 from kvtier.transfer import PagedKV
 
@@ -58,16 +58,16 @@ class CacheEngine:
         parts = build(config, kv, fmt, transfer, cpu)
         self.config, self.kv, self.chunk_size = config, kv, config.chunk_size
         self.quant, self.fmt, self.mover = parts.quant, parts.fmt, parts.mover
-        self.tiers, self.leases, self.stats, self.events = parts.tiers, parts.leases, parts.stats, parts.events
+        self.tiers, self.holds, self.stats, self.events = parts.tiers, parts.holds, parts.stats, parts.events
         self.pool, self.transfer = self.tiers.cpu.pool, self.mover.transfer
         self.chunk_bytes_per_token = self.mover.bytes_per_token
         self._spans = parts.spans
         self.ahead = AheadSlot(self.tiers, self.mover)
-        self.prefetcher = Prefetcher(self.tiers, self.leases, self.stats,
+        self.prefetcher = Prefetcher(self.tiers, self.holds, self.stats,
                                      enabled=config.local_cpu and bool(self.tiers.lower))
         self.storing = StorePath(self.tiers, self.mover, self.stats, self.events, self._spans.spans,
                                  enabled=config.local_cpu or bool(self.tiers.lower))
-        self.loading = LoadPath(self.tiers, self.mover, self.leases, self.ahead, self.prefetcher, self.stats,
+        self.loading = LoadPath(self.tiers, self.mover, self.holds, self.ahead, self.prefetcher, self.stats,
                                 self._spans.spans)
         if kv.device.type == "cuda" and self.pool.device.type == "cpu":  # host chunks, staged over PCIe
             self.mover.warm_up(self.pool, self.chunk_size)
@@ -89,18 +89,18 @@ class CacheEngine:
         """Number of leading tokens whose KV is stored in some tier (a chunk boundary)."""
         return self.find(tokens).tokens
 
-    def find(self, tokens: Tokens, *, lease_for: str = "") -> Hit:
-        """The longest stored prefix. With `lease_for` (a request id) its chunks are
-        held for that request until its retrieve (kvtier/leases.py)."""
-        spans = self.spans(tokens, lease_for)
+    def find(self, tokens: Tokens, *, hold_for: str = "") -> Hit:
+        """The longest stored prefix. With `hold_for` (a request id) its chunks are
+        held for that request until its retrieve (kvtier/tiers/holds.py)."""
+        spans = self.spans(tokens, hold_for)
         keys = [s.key for s in spans]
         where = self.tiers.locate(keys)
         in_cpu = next((i for i, w in enumerate(where) if w != CPU), len(where))
-        if lease_for:
-            self.leases.take(lease_for, keys[: len(where)], where)
+        if hold_for:
+            self.holds.take(hold_for, keys[: len(where)], where)
         return Hit(spans[len(where) - 1].end if where else 0, spans[in_cpu - 1].end if in_cpu else 0)
 
-    def release_lease(self, request_id: str) -> None:
+    def release_hold(self, request_id: str) -> None:
         """The request will not load what it looked up (finished, aborted)."""
         self.loading.release(request_id)
 
@@ -114,7 +114,7 @@ class CacheEngine:
 
     def prefetch(self, tokens: Tokens, *, request_id: str = "") -> int:
         """Bring the stored prefix's disk and remote chunks up into CPU RAM ahead of a load;
-        with `request_id`, into that request's lease. Returns the tokens brought up."""
+        with `request_id`, into that request's hold. Returns the tokens brought up."""
         return self.prefetcher.run(self.spans(tokens, request_id), request_id)
 
     def start_prefetch(self, tokens: Tokens, request_id: str) -> Future:
@@ -190,7 +190,7 @@ class CacheEngine:
         caller calls `wait(layer)` before it uses a layer. `finish()` at the
         end gives the mask to trust. Otherwise (chunks from disk or remote,
         batch by batch) everything is loaded before this returns. Either way
-        the request's lease ends at `finish()`.
+        the request's hold ends at `finish()`.
         """
         slots = self._check(tokens, slots, exact=False)
         return self.loading.start(as_numpy(tokens), slots, start, request_id, layerwise)
@@ -233,7 +233,7 @@ class CacheEngine:
         """Write what is still queued for disk and remote, then let go of them."""
         self.prefetcher.close()
         self.ahead.drop()
-        self.leases.release_all()
+        self.holds.release_all()
         self.tiers.close(timeout=self.config.blocking_timeout_secs)
 
     def _check(self, tokens: Tokens, slots: torch.Tensor, exact: bool = True) -> torch.Tensor:

@@ -22,9 +22,10 @@ from kvtier.engine.mover import Mover, release_held
 from kvtier.engine.prefetch import Prefetcher
 from kvtier.engine.records import EngineStats, log_transfer
 from kvtier.keys import ChunkSpan
-from kvtier.leases import Leases
+from kvtier.tiers.holds import Holds
 from kvtier.logs import get_logger
-from kvtier.store import CPU, TieredStore
+from kvtier.tiers.base import CPU
+from kvtier.tiers.store import TieredStore
 from kvtier.tiers.cpu import StoredChunk
 from kvtier.transfer import LayerHandle, Upload
 
@@ -35,15 +36,15 @@ Batches = Iterator[Held]
 
 
 class LoadPath:
-    def __init__(self, tiers: TieredStore, mover: Mover, leases: Leases, ahead: AheadSlot,
+    def __init__(self, tiers: TieredStore, mover: Mover, holds: Holds, ahead: AheadSlot,
                  prefetcher: Prefetcher, stats: EngineStats,
                  spans: Callable[[np.ndarray, str], list[ChunkSpan]]) -> None:
-        self.tiers, self.mover, self.leases, self.ahead = tiers, mover, leases, ahead
+        self.tiers, self.mover, self.holds, self.ahead = tiers, mover, holds, ahead
         self.prefetcher, self.stats, self._spans = prefetcher, stats, spans
 
     def release(self, request_id: str) -> None:
-        """The request will not load (more of) what it looked up: its lease and its ahead go."""
-        self.leases.release(request_id)
+        """The request will not load (more of) what it looked up: its hold and its ahead go."""
+        self.holds.release(request_id)
         self.ahead.drop(request_id)
 
     def start(self, tokens: np.ndarray, slots: torch.Tensor, start: int, request_id: str,

@@ -7,13 +7,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvtier.engine.records import EngineStats
 from kvtier.keys import ChunkSpan
-from kvtier.leases import Leases
-from kvtier.store import CPU, TieredStore
+from kvtier.tiers.holds import Holds
+from kvtier.tiers.base import CPU
+from kvtier.tiers.store import TieredStore
 
 
 class Prefetcher:
-    def __init__(self, tiers: TieredStore, leases: Leases, stats: EngineStats, enabled: bool) -> None:
-        self.tiers, self.leases, self.stats = tiers, leases, stats
+    def __init__(self, tiers: TieredStore, holds: Holds, stats: EngineStats, enabled: bool) -> None:
+        self.tiers, self.holds, self.stats = tiers, holds, stats
         self._enabled = enabled  # a CPU tier and a tier below it
         self._futures: dict[str, Future] = {}
         self._lock = threading.Lock()
@@ -21,15 +22,15 @@ class Prefetcher:
 
     def run(self, spans: list[ChunkSpan], request_id: str) -> int:
         """Bring the disk and remote chunks among `spans` up; with `request_id`, into that
-        request's lease (within the lease budget), else at most half the pool. The tokens brought up."""
+        request's hold (within the holds' budget), else at most half the pool. The tokens brought up."""
         if not self._enabled:
             return 0
         where = self.tiers.locate([s.key for s in spans])
         below = [(s, w) for s, w in zip(spans, where) if w != CPU]
-        below = below[: self.leases.budget() if request_id else self.tiers.cpu.pool.num_blocks // 2]
+        below = below[: self.holds.budget() if request_id else self.tiers.cpu.pool.num_blocks // 2]
         brought = 0
         for batch in self.tiers.fetch([s for s, _ in below], [w for _, w in below]):
-            if not self.leases.add(request_id, [chunk.block for _, chunk in batch]):
+            if not self.holds.add(request_id, [chunk.block for _, chunk in batch]):
                 for _, chunk in batch:
                     chunk.block.release()
             brought += sum(span.num_tokens for span, _ in batch)
@@ -45,7 +46,7 @@ class Prefetcher:
         return future
 
     def wait(self, request_id: str) -> None:
-        """Until the request's prefetch (if any) is over: its chunks are in CPU RAM and its lease."""
+        """Until the request's prefetch (if any) is over: its chunks are in CPU RAM and its hold."""
         with self._lock:
             future = self._futures.get(request_id) if request_id else None
         if future is not None:

@@ -20,7 +20,7 @@ from kvtier.engine.records import EngineStats, EventLog, SkipWarnings, log_trans
 from kvtier.keys import ChunkSpan
 from kvtier.logs import get_logger
 from kvtier.memory import MemoryBlock
-from kvtier.store import TieredStore
+from kvtier.tiers.store import TieredStore
 from kvtier.transfer import LayerSaver
 
 log = get_logger(__name__)

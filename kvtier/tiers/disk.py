@@ -46,10 +46,10 @@ import xxhash
 
 from kvtier.codec import HEADER, Codec
 from kvtier.errors import CorruptPayload, DiskTierInUse
-from kvtier.keys import ChunkKey
+from kvtier.keys import ChunkKey, wire_key
 from kvtier.logs import get_logger
+from kvtier.tiers.base import Tier
 from kvtier.tiers.policy import EvictionOrder
-from kvtier.tiers.remote import wire_key
 
 log = get_logger(__name__)
 
@@ -82,7 +82,7 @@ def file_name(key: ChunkKey) -> str:
 
 
 class DiskTier:
-    name = "disk"
+    name = Tier.DISK
 
     def __init__(self, root: Path, capacity: int, codec: Codec, policy: str = "LRU") -> None:
         self.root, self.capacity, self.codec = Path(root), capacity, codec

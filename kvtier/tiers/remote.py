@@ -31,10 +31,11 @@ import torch
 from kvtier.buffers import parallel, start_parallel
 from kvtier.codec import HEADER, U64, Codec, checksum
 from kvtier.errors import CorruptPayload, RemoteRefused, RemoteUnavailable
-from kvtier.keys import ChunkKey
+from kvtier.keys import ChunkKey, wire_key
 from kvtier.logs import get_logger
 from kvtier.memory import front_view
 from kvtier.remote import KVStore, LendingStore
+from kvtier.tiers.base import Tier
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -52,10 +53,6 @@ class RemoteStats:
     corrupt: int = 0  # payloads that failed their checks
     refused: int = 0  # puts (full, too large) and reads (over a server bound) the store refused
     lent: int = 0  # hits read in place from the store server's pool (no staging copy)
-
-
-def wire_key(key: ChunkKey) -> bytes:
-    return str(key).encode()
 
 
 class _LentBatch:
@@ -140,7 +137,7 @@ class BorrowedBlock:
 
 
 class RemoteTier:
-    name = "remote"
+    name = Tier.REMOTE
 
     def __init__(self, store: KVStore, codec: Codec, url: str) -> None:
         self.store, self.codec, self.url = store, codec, url

@@ -1,9 +1,9 @@
-"""The connector's scheduler side: request state, the lookup with its lease, load and save planning.
+"""The connector's scheduler side: request state, the lookup with its hold, load and save planning.
 
-    get_num_new_matched_tokens ── lookup ──▶ the workers (lookup.py): find and lease the hit
+    get_num_new_matched_tokens ── lookup ──▶ the workers (lookup.py): find and hold the hit
     update_state_after_alloc      the load is planned for the blocks vLLM gave
     build_connector_meta          this step's loads and saves (whole chunks as prefill goes)
-    request_finished              forget the request; release a lease it never used
+    request_finished              forget the request; release a hold it never used
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class SchedulerSide:
         self.pd = SchedulerPd(config)
         self._requests: dict[str, RequestState] = {}
         self._pending: dict[str, tuple[int, bool]] = {}  # req_id -> (hit end, async), between the two calls
-        self._leased: set[str] = set()  # looked up with a hit, load not planned yet
+        self._held: set[str] = set()  # looked up with a hit, load not planned yet
         self._async_loads: list[str] = []  # async loads planned, to send with the next metadata
         self._counts = {"lookups": 0, "lookup_tokens": 0, "hit_tokens": 0}  # since the last stats
         self._kv_events: list[KVCacheEvent] = []  # from the workers, until vLLM publishes them
@@ -72,8 +72,8 @@ class SchedulerSide:
                  " (not all in CPU RAM: loading from disk/remote in the background)" if background else "")
         if need:
             self._pending[rid] = (num_computed_tokens + need, background)
-            self._leased.add(rid)
-        elif stored:  # leased by the lookup, not used
+            self._held.add(rid)
+        elif stored:  # held by the lookup, not used
             self.lookup.release(rid)
         return need, background
 
@@ -125,7 +125,7 @@ class SchedulerSide:
         meta.loads.append(TransferSpec(req_id, state.prompt, list(state.block_ids), start, end, background,
                                        pd_req_id=state.pd_req_id))
         state.load = None
-        self._leased.discard(req_id)  # the worker's retrieve ends the lease
+        self._held.discard(req_id)  # the worker's retrieve ends the hold
 
     def _plan(self, meta: KvtierMetadata, req_id: str, state: RequestState, computed_after_step: int) -> None:
         if state.load is not None:
@@ -152,8 +152,8 @@ class SchedulerSide:
         self._pending.pop(rid, None)
         self.pd.forget(rid)
         self._live.pop(rid, None)
-        if rid in self._leased:  # looked up, never loaded (aborted, or finished without it)
-            self._leased.discard(rid)
+        if rid in self._held:  # looked up, never loaded (aborted, or finished without it)
+            self._held.discard(rid)
             self.lookup.release(rid)
 
     def reset_cache(self) -> bool:

@@ -28,6 +28,7 @@ from kvtier.integrations.vllm.pd import WorkerPd
 from kvtier.integrations.vllm.spec import KvtierMetadata, Shape, TransferSpec
 from kvtier.keys import KVFormat
 from kvtier.logs import get_logger
+from kvtier.tiers.base import Tier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -68,14 +69,14 @@ class WorkerSide:
                        tp_size=get_tensor_model_parallel_world_size())
         self.engine = self.pd.make_engine(vkv.kv, fmt, rank)
         self._server = LookupServer(socket_path(self.engine_id, rank), Handlers(
-            lookup=self._find, release=self.engine.release_lease, reset=self.engine.clear))
+            lookup=self._find, release=self.engine.release_hold, reset=self.engine.clear))
 
     def _find(self, tokens: np.ndarray, request_id: str, computed: int) -> tuple[int, int]:
-        """A scheduler lookup: lease the hit. Chunks below CPU RAM start coming up into it
+        """A scheduler lookup: hold the hit. Chunks below CPU RAM start coming up into it
         now; a hit all in CPU RAM that the scheduler will load (the same rule as there)
         starts its copies to the GPU now, before vLLM's step that loads it."""
         assert self.engine is not None
-        hit = self.engine.find(tokens, lease_for=request_id)
+        hit = self.engine.find(tokens, hold_for=request_id)
         if not self.can_load or self.shape.usable(hit.tokens, len(tokens)) <= computed:
             return hit.tokens, hit.in_cpu
         if hit.in_cpu < hit.tokens:
@@ -212,6 +213,6 @@ class WorkerSide:
 
 def _tier_named(key: str, here: str) -> str:
     name, _, tier = key.partition(":")
-    return f"{name}:{here}" if tier == "cpu" else key
+    return f"{name}:{here}" if tier == Tier.CPU else key
 
 

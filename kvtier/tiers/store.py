@@ -32,41 +32,29 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Iterator, Protocol, Sequence
+from typing import Iterator, Sequence
 
 from kvtier.keys import ChunkKey, ChunkSpan
 from kvtier.logs import get_logger
 from kvtier.memory import MemoryBlock
 from kvtier.tiers.cpu import CpuTier, StoredChunk
+from kvtier.tiers.base import CPU, LendingTier, LowerTier
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.writers import Writer
 
 log = get_logger(__name__)
 
-CPU = "cpu"
-WRITE_BATCH = 8  # chunks per call into a lower tier
 WAIT_STEP = 0.05  # s between checks for a block freed by someone other than the writers
 BORROW_BYTES = 512 << 20  # chunks lent in place per lease: well under a server's per-connection cap
 LEND_WHOLE_SHARE = 0.9  # of the server's per-connection cap, for one layerwise lease
 AHEAD_BYTES = 256 << 20  # a batch when the next is read ahead: small enough that reading and loading overlap
 
 
-class LowerTier(Protocol):
-    """A tier below CPU RAM (DiskTier, RemoteTier): chunk bytes in and out of pool blocks."""
-
-    name: str
-
-    def exists(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
-    def get_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[int | None]: ...
-    def put(self, keys: Sequence[ChunkKey], chunks: Sequence[tuple[memoryview, int, int]]) -> bool:
-        """Each chunk as (its bytes, num_tokens, its KV digest or 0: MemoryBlock.digest)."""
-
-
 class TieredStore:
     def __init__(self, cpu: CpuTier, *, keep_cpu: bool, bytes_per_token: int, disk: DiskTier | None = None,
-                 remote: LowerTier | None = None, disk_min_stores: int = 1, wait_s: float = 10.0) -> None:
+                 remote: LendingTier | None = None, disk_min_stores: int = 1, wait_s: float = 10.0) -> None:
         self.cpu, self.disk, self.remote, self.keep_cpu = cpu, disk, remote, keep_cpu
         self.bytes_per_token, self.disk_min_stores, self.wait_s = bytes_per_token, disk_min_stores, wait_s
         self.lower: list[LowerTier] = [t for t in (disk, remote) if t is not None]
@@ -76,7 +64,7 @@ class TieredStore:
         # without it the pool is only staging and may all wait.
         blocks = cpu.pool.num_blocks
         pending = max(1, blocks // 2 if keep_cpu else blocks)
-        self.writers = {t.name: _Writer(t, pending, wait_s, self._progress) for t in self.lower}
+        self.writers = {t.name: Writer(t, pending, wait_s, self._progress) for t in self.lower}
         self._stores: OrderedDict[ChunkKey, int] = OrderedDict()  # times each key was stored (write filter)
         self._ahead = ThreadPoolExecutor(1, thread_name_prefix="kvtier-fetch-ahead")  # fetch(ahead=True)
 
@@ -319,99 +307,3 @@ class TieredStore:
             self.disk.close()
         if self.remote is not None:
             self.remote.close()
-
-
-@dataclass
-class WriterStats:
-    written: int = 0  # chunks handed to the tier
-    written_tokens: int = 0
-    waits: int = 0  # stores that found the queue full and waited
-    dropped: int = 0  # chunks not written: the queue stayed full for wait_s
-
-
-class _Writer:
-    """One thread that copies queued chunks into one lower tier, in batches, in order."""
-
-    def __init__(self, tier: LowerTier, max_pending: int, wait_s: float, progress: threading.Condition) -> None:
-        self.tier, self.max_pending, self.wait_s, self._progress = tier, max_pending, wait_s, progress
-        self.stats = WriterStats()
-        self._queue: deque[tuple[ChunkKey, MemoryBlock, int, int]] = deque()
-        self._busy = 0
-        self._cond = threading.Condition()
-        self._closed = False
-        self._stalled = False  # a wait for room timed out; cleared when a batch is done
-        self._last_drop_log = 0.0
-        self._thread = threading.Thread(target=self._run, name=f"kvtier-{tier.name}-writer", daemon=True)
-        self._thread.start()
-
-    @property
-    def pending(self) -> int:
-        return len(self._queue) + self._busy
-
-    def submit(self, key: ChunkKey, block: MemoryBlock, nbytes: int, num_tokens: int) -> None:
-        """Takes over the caller's reference to `block`.
-
-        A full queue (queued plus in flight) is waited on for up to `wait_s`;
-        if it is still full the chunk is dropped, and until the tier makes
-        progress again later chunks are dropped without waiting, so a stalled
-        tier costs one wait, not one per chunk.
-        """
-        with self._cond:
-            if self.pending >= self.max_pending and not self._closed and not self._stalled:
-                self.stats.waits += 1
-                self._cond.wait_for(lambda: self.pending < self.max_pending or self._closed, self.wait_s)
-            if self.pending >= self.max_pending or self._closed:
-                self._stalled = True
-                self.stats.dropped += 1
-                self._log_drop()
-                block.release()
-                return
-            self._queue.append((key, block, nbytes, num_tokens))
-            self._cond.notify_all()
-
-    def _log_drop(self) -> None:
-        now = time.monotonic()
-        if now - self._last_drop_log > 10:
-            self._last_drop_log = now
-            log.warning("%s writer: queue full for %.0f s; chunks not written to %s (%d so far)",
-                        self.tier.name, self.wait_s, self.tier.name, self.stats.dropped)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                batch = [self._queue.popleft() for _ in range(min(WRITE_BATCH, len(self._queue)))]
-                self._busy = len(batch)
-                self._cond.notify_all()
-            try:
-                self.tier.put([k for k, *_ in batch], [(b.data[:n].numpy().data, t, b.digest) for _, b, n, t in batch])
-                self.stats.written += len(batch)
-                self.stats.written_tokens += sum(t for *_, t in batch)
-            finally:
-                for _, block, _, _ in batch:
-                    block.release()
-                with self._cond:
-                    self._busy = 0
-                    self._stalled = False
-                    self._cond.notify_all()
-                with self._progress:
-                    self._progress.notify_all()
-
-    def flush(self, timeout: float | None = None) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
-
-    def close(self, timeout: float) -> None:
-        if not self.flush(timeout):
-            log.warning("%s writer: %d chunks not written after %.0f s; dropping them",
-                        self.tier.name, len(self._queue), timeout)
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join(timeout)
-        with self._cond:
-            while self._queue:
-                self._queue.popleft()[1].release()
