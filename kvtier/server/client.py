@@ -41,95 +41,24 @@ from __future__ import annotations
 import itertools
 import mmap
 from concurrent.futures import ThreadPoolExecutor, wait
-import os
 import socket
-import ssl
-import struct
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 
-from kvtier.buffers import IOV_MAX, Value, as_parts, from_extents, into_extents, run_copy, unsent
+from kvtier.buffers import Value, as_parts, from_extents, into_extents, run_copy
 from kvtier.errors import RemoteAuthFailed, RemoteRefused, RemoteUnavailable, ValueTooLarge
 from kvtier.logs import get_logger
 from kvtier.server import auth
 from kvtier.server import protocol as p
+from kvtier.server.link import Link, ShmLease, dial, map_server_pool, scratch_parts
 
 log = get_logger(__name__)
 
 READERS = 4  # connections one large TCP get_into is spread over
 READER_BYTES = 32 << 20  # at least this much for each connection beyond the first
-
-
-@dataclass
-class _Link:
-    sock: socket.socket
-    info: dict
-    shm: np.ndarray | None  # the server's pool, mapped, on the same host
-    shm_map: mmap.mmap | None
-    tls: bool = False
-    used: float = field(default_factory=time.monotonic)
-    on_unmap: Callable[[mmap.mmap], None] | None = None
-    borrowable: bool = True  # values may be lent out in place (see KVClient.borrow)
-
-    def send(self, parts: list) -> None:
-        if self.tls:  # an SSL socket has no sendmsg
-            for part in as_parts(parts):
-                self.sock.sendall(part)
-        else:
-            _send_all(self.sock, parts)
-
-    def recv_into(self, view: memoryview) -> None:
-        if self.tls:  # nor recv flags
-            while len(view):
-                n = self.sock.recv_into(view)
-                if n == 0:
-                    raise ConnectionError("server closed the connection")
-                view = view[n:]
-        else:
-            _recv_exactly(self.sock, view)
-
-    def bound(self, name: str) -> float:
-        """A bound the server enforces (seconds), from its HELLO reply; inf if it has none."""
-        return float(self.info.get("bounds", {}).get(name) or "inf")
-
-    def close(self) -> None:
-        self.sock.close()
-        self.shm = None
-        if self.shm_map is not None:
-            if self.on_unmap is not None:
-                self.on_unmap(self.shm_map)
-            try:
-                self.shm_map.close()
-            except BufferError:  # a borrowed view is still alive: the map goes with it
-                pass
-
-
-@dataclass
-class ShmLease:
-    """Values borrowed from the server's pool: `places[i]` is (offset, bytes) of
-    key i's value in `pool` (None: absent, or not one contiguous range);
-    `leading`: how many keys, from the first, the server holds. Valid until
-    `release()`, and only if the server did not drop the lease first:
-    `in_time()` says so."""
-
-    places: list[tuple[int, int] | None]
-    leading: int
-    pool: np.ndarray  # the whole mapped pool
-    _release: Callable[[], None]
-    _deadline: float
-    _released: bool = False
-
-    def in_time(self) -> bool:
-        return time.monotonic() < self._deadline
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._release()
 
 
 class KVClient:
@@ -141,7 +70,7 @@ class KVClient:
         # (e.g. to register it with CUDA); on_map returning False: no borrowing.
         self.on_map: Callable[[mmap.mmap], bool] | None = None
         self.on_unmap: Callable[[mmap.mmap], None] | None = None
-        self._link: _Link | None = None
+        self._link: Link | None = None
         self._lock = threading.Lock()
         self._req_ids = itertools.count(1)
         self._readers: list[KVClient] | None = None  # the extra connections of large TCP gets
@@ -304,36 +233,20 @@ class KVClient:
         with self._lock:
             return self._call(self._connect(), op, meta)[1]
 
-    def _connect(self) -> _Link:
+    def _connect(self) -> Link:
         if self._link is not None:
             if time.monotonic() - self._link.used < self._link.bound("idle_timeout") / 2:
                 self._link.used = time.monotonic()
                 return self._link
             self._drop()  # the server may be closing it as idle: take a fresh one
-        try:
-            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
-            if self.tls:
-                ctx = ssl.create_default_context(cafile=self.tls_ca)
-                sock = ctx.wrap_socket(sock, server_hostname=self.host)
-        except (OSError, ssl.SSLError) as e:
-            raise RemoteUnavailable(f"kvtier server {self.host}:{self.port} unreachable"
-                                    f"{' over TLS' if self.tls else ''}: {e}") from e
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if not self.tls:
-            # Blocking, with the timeout kept by the kernel: Python's own timeout
-            # polls before every call, and a blocking recv can wait for a whole value.
-            # (An SSL socket keeps Python's: a kernel timeout there reads as "want read".)
-            sock.settimeout(None)
-            limit = struct.pack("ll", int(self.timeout), int(self.timeout % 1 * 1e6))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
-        link = _Link(sock, {}, None, None, tls=self.tls)
+        sock = dial(self.host, self.port, self.timeout, self.tls, self.tls_ca)
+        link = Link(sock, {}, None, None, tls=self.tls)
         _, meta = self._call(link, p.Op.HELLO, p.encode_json({"host_id": p.host_id() if self.use_shm else ""}))
         link.info = p.decode_json(meta)
         if link.info.get("auth"):
             self._authenticate(link)
         if link.info.get("shm"):
-            link.shm_map = _map_server_pool(link.info["shm"])
+            link.shm_map = map_server_pool(link.info["shm"])
             link.shm = None if link.shm_map is None else np.frombuffer(link.shm_map, np.uint8)
             if link.shm_map is not None and self.on_map is not None:
                 link.borrowable = bool(self.on_map(link.shm_map))
@@ -341,7 +254,7 @@ class KVClient:
         self._link = link
         return link
 
-    def _authenticate(self, link: _Link) -> None:
+    def _authenticate(self, link: Link) -> None:
         if link.info["auth"] != auth.SCHEME:
             link.close()
             raise RemoteAuthFailed(f"kvtier server {self.host}:{self.port} wants {link.info['auth']!r} "
@@ -354,7 +267,7 @@ class KVClient:
         _, meta = self._call(link, p.Op.AUTH, p.encode_json({"proof": proof.hex()}))
         link.info.update(p.decode_json(meta))
 
-    def _in_time(self, link: _Link, t0: float, bound: str, what: str) -> None:
+    def _in_time(self, link: Link, t0: float, bound: str, what: str) -> None:
         """Fail a same-host copy that took more than half of the server's `bound`
         (after which it frees what the copy used)."""
         took = time.monotonic() - t0
@@ -367,7 +280,7 @@ class KVClient:
             self._link.close()
             self._link = None
 
-    def _send(self, link: _Link, op: p.Op, meta: bytes, parts: Sequence[memoryview] = (), payload_len: int = 0) -> int:
+    def _send(self, link: Link, op: p.Op, meta: bytes, parts: Sequence[memoryview] = (), payload_len: int = 0) -> int:
         req_id = next(self._req_ids) & 0xFFFFFFFF or next(self._req_ids)  # 0 is the server's own
         try:
             link.send([p.pack_header(op, req_id, len(meta), payload_len) + meta, *parts])
@@ -375,7 +288,7 @@ class KVClient:
             self._fail(link, e)
         return req_id
 
-    def _call(self, link: _Link, op: p.Op, meta: bytes, parts: Sequence[memoryview] = (),
+    def _call(self, link: Link, op: p.Op, meta: bytes, parts: Sequence[memoryview] = (),
               payload_len: int = 0) -> tuple[p.Header, memoryview]:
         """Send a request and read its reply's header and meta; the reply's
         payload (a GET's values) is left for the caller to read."""
@@ -435,12 +348,12 @@ class KVClient:
                     if size == p.MISSING:
                         continue
                     parts = dest(i, size)
-                    for part in parts if parts is not None else _scratch_parts(size):
+                    for part in parts if parts is not None else scratch_parts(size):
                         link.recv_into(part)
             except (OSError, p.ProtocolError) as e:
                 self._fail(link, e)
 
-    def _fail(self, link: _Link, e: Exception) -> None:
+    def _fail(self, link: Link, e: Exception) -> None:
         if isinstance(e, (BlockingIOError, socket.timeout)):  # SO_RCVTIMEO / SO_SNDTIMEO (or TLS's) ran out
             e = TimeoutError(f"no progress within {self.timeout} s")
         if link is self._link:
@@ -463,41 +376,3 @@ def _shares(sizes: Sequence[int], most: int, least_bytes: int) -> list[tuple[int
             a = i + 1
     shares.append((a, len(sizes)))
     return shares
-
-
-def _send_all(sock: socket.socket, parts: list) -> None:
-    """One gathered send for header, meta and values (no extra segment and
-    wakeup for the header alone), resumed where the kernel stopped taking."""
-    views = [v for v in as_parts(parts) if len(v)]
-    while views:
-        views = unsent(views, sock.sendmsg(views[:IOV_MAX]))
-
-
-def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    while len(view):
-        n = sock.recv_into(view, 0, socket.MSG_WAITALL)
-        if n == 0:
-            raise ConnectionError("server closed the connection")
-        view = view[n:]
-
-
-_SCRATCH = memoryview(bytearray(1 << 20))
-
-
-def _scratch_parts(size: int) -> list[memoryview]:
-    """Where an unwanted value's bytes are read to, to keep the stream in step."""
-    return [_SCRATCH[: min(len(_SCRATCH), size - off)] for off in range(0, size, len(_SCRATCH))]
-
-
-def _map_server_pool(shm: dict) -> mmap.mmap | None:
-    """Map the server's pool memfd, or None (then values go over TCP)."""
-    path = f"/proc/{shm['pid']}/fd/{shm['fd']}"
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError as e:  # another PID namespace or no permission: the byte stream still works
-        log.info("kvtier server pool not mappable (%s): values go over TCP", e)
-        return None
-    try:
-        return mmap.mmap(fd, shm["size"], mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    finally:
-        os.close(fd)

@@ -1,0 +1,150 @@
+"""One connection of the store server's client: its socket (plain or TLS), what the
+server said in HELLO, and, on the server's host, its pool mapped here; and the
+values borrowed from that pool in place (`ShmLease`)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import ssl
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from kvtier.buffers import IOV_MAX, as_parts, unsent
+from kvtier.errors import RemoteUnavailable
+from kvtier.logs import get_logger
+
+log = get_logger(__name__)
+
+
+def dial(host: str, port: int, timeout: float, tls: bool, tls_ca: str | None) -> socket.socket:
+    """A connected socket, with the timeout kept by the kernel where it can be."""
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+        if tls:
+            ctx = ssl.create_default_context(cafile=tls_ca)
+            sock = ctx.wrap_socket(sock, server_hostname=host)
+    except (OSError, ssl.SSLError) as e:
+        raise RemoteUnavailable(f"kvtier server {host}:{port} unreachable"
+                                f"{' over TLS' if tls else ''}: {e}") from e
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if not tls:
+        # Blocking, with the timeout kept by the kernel: Python's own timeout
+        # polls before every call, and a blocking recv can wait for a whole value.
+        # (An SSL socket keeps Python's: a kernel timeout there reads as "want read".)
+        sock.settimeout(None)
+        limit = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+    return sock
+
+
+@dataclass
+class Link:
+    sock: socket.socket
+    info: dict
+    shm: np.ndarray | None  # the server's pool, mapped, on the same host
+    shm_map: mmap.mmap | None
+    tls: bool = False
+    used: float = field(default_factory=time.monotonic)
+    on_unmap: Callable[[mmap.mmap], None] | None = None
+    borrowable: bool = True  # values may be lent out in place (see KVClient.borrow)
+
+    def send(self, parts: list) -> None:
+        if self.tls:  # an SSL socket has no sendmsg
+            for part in as_parts(parts):
+                self.sock.sendall(part)
+        else:
+            send_all(self.sock, parts)
+
+    def recv_into(self, view: memoryview) -> None:
+        if self.tls:  # nor recv flags
+            while len(view):
+                n = self.sock.recv_into(view)
+                if n == 0:
+                    raise ConnectionError("server closed the connection")
+                view = view[n:]
+        else:
+            recv_exactly(self.sock, view)
+
+    def bound(self, name: str) -> float:
+        """A bound the server enforces (seconds), from its HELLO reply; inf if it has none."""
+        return float(self.info.get("bounds", {}).get(name) or "inf")
+
+    def close(self) -> None:
+        self.sock.close()
+        self.shm = None
+        if self.shm_map is not None:
+            if self.on_unmap is not None:
+                self.on_unmap(self.shm_map)
+            try:
+                self.shm_map.close()
+            except BufferError:  # a borrowed view is still alive: the map goes with it
+                pass
+
+
+@dataclass
+class ShmLease:
+    """Values borrowed from the server's pool: `places[i]` is (offset, bytes) of
+    key i's value in `pool` (None: absent, or not one contiguous range);
+    `leading`: how many keys, from the first, the server holds. Valid until
+    `release()`, and only if the server did not drop the lease first:
+    `in_time()` says so."""
+
+    places: list[tuple[int, int] | None]
+    leading: int
+    pool: np.ndarray  # the whole mapped pool
+    _release: Callable[[], None]
+    _deadline: float
+    _released: bool = False
+
+    def in_time(self) -> bool:
+        return time.monotonic() < self._deadline
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._release()
+
+
+def send_all(sock: socket.socket, parts: list) -> None:
+    """One gathered send for header, meta and values (no extra segment and
+    wakeup for the header alone), resumed where the kernel stopped taking."""
+    views = [v for v in as_parts(parts) if len(v)]
+    while views:
+        views = unsent(views, sock.sendmsg(views[:IOV_MAX]))
+
+
+def recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    while len(view):
+        n = sock.recv_into(view, 0, socket.MSG_WAITALL)
+        if n == 0:
+            raise ConnectionError("server closed the connection")
+        view = view[n:]
+
+
+_SCRATCH = memoryview(bytearray(1 << 20))
+
+
+def scratch_parts(size: int) -> list[memoryview]:
+    """Where an unwanted value's bytes are read to, to keep the stream in step."""
+    return [_SCRATCH[: min(len(_SCRATCH), size - off)] for off in range(0, size, len(_SCRATCH))]
+
+
+def map_server_pool(shm: dict) -> mmap.mmap | None:
+    """Map the server's pool memfd, or None (then values go over TCP)."""
+    path = f"/proc/{shm['pid']}/fd/{shm['fd']}"
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as e:  # another PID namespace or no permission: the byte stream still works
+        log.info("kvtier server pool not mappable (%s): values go over TCP", e)
+        return None
+    try:
+        return mmap.mmap(fd, shm["size"], mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
