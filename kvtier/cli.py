@@ -127,7 +127,8 @@ def _proxy(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from kvtier.proxy import serve, settings_from_args
+    from kvtier.pd.proxy import serve
+    from kvtier.pd.proxy_settings import settings_from_args
 
     logging.getLogger("kvtier").setLevel(args.log_level.upper())
     try:
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     sb.add_argument("--output", help="write the results to this JSON file")
     sb.set_defaults(fn=_bench_server)
 
-    from kvtier.proxy import add_arguments as proxy_arguments
+    from kvtier.pd.proxy_settings import add_arguments as proxy_arguments
 
     prx = sub.add_parser("proxy", help="disaggregated prefill: route requests prefiller -> decoder "
                          "(LMCache's disagg_proxy_server.py flags)")

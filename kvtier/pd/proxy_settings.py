@@ -1,0 +1,121 @@
+"""The PD proxy's settings (LMCache's proxy flags), its prefill-time statistics
+and its Prometheus metrics."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+@dataclass(frozen=True)
+class Decoder:
+    url: str
+    host: str
+    init_ports: list[int]  # per TP rank
+    alloc_ports: list[int]
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    host: str
+    port: int
+    prefillers: list[str]  # base URLs
+    decoders: list[Decoder]
+    proxy_host: str
+    proxy_port: int
+    prefill_timeout: float = 300.0  # s for the whole prefill request
+    decode_timeout: float = 300.0  # s of silence from the decoder (before and between chunks)
+    kv_ready_timeout: float = 30.0  # s to wait for PrefillDone after the prefill answered
+    connect_timeout: float = 5.0
+    stats_interval: float = 5.0
+
+
+def settings_from_args(args: argparse.Namespace) -> ProxySettings:
+    """LMCache's proxy flags: node i of each kind listens on base port + i."""
+    pre_ports = _ports(args.prefiller_port, args.num_prefillers)
+    dec_ports = _ports(args.decoder_port, args.num_decoders)
+    init, alloc = _csv_ints(args.decoder_init_port), _csv_ints(args.decoder_alloc_port)
+    decoders = [Decoder(f"http://{args.decoder_host}:{p}", args.decoder_host, [x + i for x in init],
+                        [x + i for x in alloc]) for i, p in enumerate(dec_ports)]
+    return ProxySettings(args.host, args.port, [f"http://{args.prefiller_host}:{p}" for p in pre_ports], decoders,
+                         args.proxy_host, args.proxy_port, args.prefill_timeout, args.decode_timeout,
+                         args.kv_ready_timeout)
+
+
+def _ports(value: str, count: int) -> list[int]:
+    ports = _csv_ints(value)
+    if len(ports) == 1:
+        return [ports[0] + i for i in range(count)]
+    if len(ports) != count:
+        raise ValueError(f"{len(ports)} ports given for {count} nodes")
+    return ports
+
+
+def _csv_ints(value: str | int) -> list[int]:
+    return [int(x) for x in str(value).split(",") if x.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--host", default="localhost", help="address the proxy's HTTP API listens on")
+    a("--port", type=int, default=9000)
+    a("--prefiller-host", default="localhost")
+    a("--prefiller-port", default="8100", help="first prefiller's port (prefiller i: + i), or a comma list")
+    a("--num-prefillers", type=int, default=1)
+    a("--decoder-host", default="localhost")
+    a("--decoder-port", default="8200", help="first decoder's port (decoder i: + i), or a comma list")
+    a("--decoder-init-port", default="8300", help="decoder's pd_peer_init_port (comma list: one per TP rank)")
+    a("--decoder-alloc-port", default="8400", help="decoder's pd_peer_alloc_port (comma list: one per TP rank)")
+    a("--num-decoders", type=int, default=1)
+    a("--proxy-host", default="localhost", help="where senders' PrefillDone arrive (their pd_proxy_host)")
+    a("--proxy-port", type=int, default=8500, help="their pd_proxy_port")
+    a("--prefill-timeout", type=float, default=300.0, help="s for a prefill request")
+    a("--decode-timeout", type=float, default=300.0, help="s of silence from a decoder")
+    a("--kv-ready-timeout", type=float, default=30.0, help="s to wait for a sender's PrefillDone")
+
+
+class TtftStats:
+    """Prefill times, printed every `interval` s as LMCache's proxy prints them."""
+
+    def __init__(self, interval: float) -> None:
+        self.values: list[float] = []
+        self.interval, self._last = interval, time.monotonic()
+
+    def add(self, ms: float) -> None:
+        self.values.append(ms)
+        if time.monotonic() - self._last > self.interval:
+            self.report()
+
+    def report(self) -> None:
+        self._last = time.monotonic()
+        v = sorted(self.values[-100_000:])
+        if not v:
+            return
+        p99 = v[min(len(v) - 1, int(round(0.99 * (len(v) - 1))))]
+        print("===============================\n"
+              f"Num requests: {len(self.values)}\nPrefill node TTFT stats:\n"
+              f" - Average (ms): {statistics.fmean(v)}\n - Median (ms): {statistics.median(v)}\n"
+              f" - 99th Percentile (ms): {p99}\n===============================", flush=True)
+
+
+@dataclass
+class ProxyMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter("kvtier_proxy_requests", "requests by endpoint and outcome",
+                                ["endpoint", "outcome"], registry=r)
+        self.upstream_errors = Counter("kvtier_proxy_upstream_errors", "failed calls to a node",
+                                       ["node", "kind"], registry=r)
+        self.prefill = Histogram("kvtier_proxy_prefill_seconds", "prefill request time (prefill TTFT)",
+                                 registry=r, buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+        self.kv_wait = Histogram("kvtier_proxy_kv_ready_wait_seconds", "wait for PrefillDone after the prefill",
+                                 registry=r, buckets=(.0001, .001, .01, .1, 1, 10, 30))
+        self.kv_not_ready = Counter("kvtier_proxy_kv_not_ready", "requests decoded without their KV sent "
+                                    "(the sender failed or said nothing in time)", registry=r)
+        self.inflight = Gauge("kvtier_proxy_inflight_requests", "requests in progress", registry=r)
