@@ -6,6 +6,7 @@ import argparse
 import shlex
 import sys
 from pathlib import Path
+from typing import Callable
 
 from kvtier.errors import KvtierError
 
@@ -161,127 +162,154 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
-    parser.add_argument("--debug", action="store_true", help="show the traceback of a configuration error")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _shape_args(p: argparse.ArgumentParser, chunk: bool = True) -> None:
+    """The model shape a synthetic benchmark moves (Llama-3.1-8B's by default)."""
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    if chunk:
+        p.add_argument("--chunk-size", type=int, default=256)
 
-    demo = sub.add_parser("demo", help="vLLM + kvtier: one long prompt twice, cold vs warm TTFT")
-    demo.add_argument("--workdir", default=".kvtier/demo")
-    demo.add_argument("--prompt-tokens", type=int, default=8000)
-    demo.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                      help="model dtype; auto: bfloat16 if a probe shows this CPU runs it, else float32")
-    demo.set_defaults(fn=_demo)
 
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workdir", default=".kvtier/demo")
+    p.add_argument("--prompt-tokens", type=int, default=8000)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="model dtype; auto: bfloat16 if a probe shows this CPU runs it, else float32")
+
+
+def _offload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=16384)
+    _shape_args(p)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layout", default="flash_attn", choices=["flash_attn", "flashinfer", "mla", "vllm"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--transfer", default="auto", choices=["auto", "torch", "triton", "triton-direct", "all"])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--output", help="append results to this JSON file")
+
+
+def _disk_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=16384)
+    _shape_args(p)
+    p.add_argument("--dir", default=".kvtier/bench-disk", help="a directory on the disk to measure")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--output", help="append results to this JSON file")
+
+
+def _ttft_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--layers", type=int, help="fewer layers than 32, for a quick look")
+    p.add_argument("--output", default="results/ttft", help="folder for ttft.json and ttft.png")
+    p.add_argument("--transfer", default="auto", choices=["auto", "triton", "triton-direct", "torch"])
+    p.add_argument("--server", action="store_true", help="also warm from a kvtier server on this host")
+    p.add_argument("--server-tcp", action="store_true", help="with --server: also over TCP (?shm=0), "
+                   "against raw loopback TCP")
+    p.add_argument("--codecs", nargs="*", default=[], choices=["int8", "fp8"],
+                   help="with --server-tcp: also over TCP with these lossy KV codecs (remote_serde)")
+    p.add_argument("--disk", help="also warm from the disk tier in this directory")
+
+
+def _pd_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
+    p.add_argument("--channels", nargs="+", default=["cuda_ipc"], choices=["tcp", "nixl", "cuda_ipc"])
+    p.add_argument("--sender-device", default="cuda:0")
+    p.add_argument("--receiver-device", default="cuda:0", help="cuda:1 for two GPUs")
+    _shape_args(p, chunk=False)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--output", help="write the results to this JSON file")
+
+
+def _server_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8], help="value sizes, MiB")
+    p.add_argument("--conns", type=int, nargs="+", default=[1, 2, 8], help="client connections")
+    p.add_argument("--duration", type=float, default=1.0, help="seconds per measurement")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--targets", nargs="+", help="what to measure: raw raw-ring kvtier kvtier-shm redis redis-unix")
+    p.add_argument("--throughput-only", action="store_true", help="skip latency, shared memory and serdes")
+    p.add_argument("--output", help="write the results to this JSON file")
+
+
+def _server_args(p: argparse.ArgumentParser) -> None:
+    from kvtier.server.state import ServerOptions as D  # the flags' defaults are the options'
+
+    a = p.add_argument
+    a("--host", default=D.host, help="address to bind (non-loopback needs --auth-token)")
+    a("--service-port", type=int, default=D.service_port, help="KV protocol port")
+    a("--manage-port", type=int, default=D.manage_port, help="management HTTP port")
+    a("--prealloc-size", type=float, default=D.prealloc_bytes / 1024**3, help="value pool, GiB, allocated at start")
+    a("--page-size-kb", type=int, default=D.page_size >> 10, help="pool page, KiB")
+    a("--evict-min-threshold", type=float, default=D.evict_low, help="evict down to this pool fraction")
+    a("--evict-max-threshold", type=float, default=D.evict_high, help="evict when above this fraction")
+    a("--auth-token", help="token for the KV port (HMAC handshake) and the management API "
+      "(bearer); or $KVTIER_SERVER_TOKEN")
+    a("--tenants", help="YAML/JSON file: tenant name -> token; each tenant has its own keys")
+    a("--tls-cert", help="PEM certificate: the KV port speaks TLS (clients: kvtiers://)")
+    a("--tls-key", help="PEM private key of --tls-cert")
+    a("--max-connections", type=int, default=D.max_connections, help="client connections at once")
+    a("--max-held-per-conn", type=float, help="GiB one connection may hold leased or reserved "
+      "(default: half the pool)")
+    a("--lease-timeout", type=float, default=D.lease_timeout,
+      help="s after which a lease is dropped, even on a live connection")
+    a("--put-deadline", type=float, default=D.put_deadline,
+      help="s for a put's values to arrive after its header (or PUT_ALLOC to its commit)")
+    a("--idle-timeout", type=float, default=D.idle_timeout, help="s a connection may stay silent")
+    a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    a("--dev-name", help="RDMA device, e.g. mlx5_0 (TCP is served when it is absent)")
+    a("--link-type", default=D.link_type, choices=["IB", "Ethernet"], help="RDMA link type")
+    a("--hint-gid-index", type=int, help="RDMA GID index (RoCE in Kubernetes)")
+    a("--no-shm", action="store_true", help="no same-host shared-memory path")
+    a("--io-threads", type=int, help="event loops (one thread each) serving client connections; "
+      "default: CPUs, at most 4")
+
+
+def _proxy_args(p: argparse.ArgumentParser) -> None:
+    from kvtier.pd.proxy_settings import add_arguments
+
+    add_arguments(p)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--keys", action="store_true", help="print every key with its default")
+    p.add_argument("--lmcache", action="store_true", help="with --keys: every LMCache key and what kvtier does with it")
+
+
+Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+COMMANDS: list[Command] = [
+    ("demo", "vLLM + kvtier: one long prompt twice, cold vs warm TTFT", _demo_args, _demo),
+    ("server", "the store server (InfiniStore's role): a KV pool for the cluster", _server_args, _server),
+    ("proxy", "disaggregated prefill: route requests prefiller -> decoder (LMCache's disagg_proxy_server.py "
+     "flags)", _proxy_args, _proxy),
+    ("config", "print the effective config (file + env)", _config_args, _config),
+]
+BENCHMARKS: list[Command] = [
+    ("offload", "store/retrieve GB/s vs plain copy bandwidth", _offload_args, _bench_offload),
+    ("disk", "disk tier vs sequential file I/O; engine step wait on a disk hit", _disk_args, _bench_disk),
+    ("ttft", "cold vs warm TTFT of a Llama-3.1-8B-shaped model (GPU)", _ttft_args, _bench_ttft),
+    ("pd", "disaggregated prefill: sender process -> receiver's buffer -> its pages, vs a plain device copy",
+     _pd_args, _bench_pd),
+    ("server", "store server vs raw loopback TCP and redis-server", _server_bench_args, _bench_server),
+]
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="kvtier", description=__doc__)
+    top.add_argument("--debug", action="store_true", help="show the traceback of a configuration error")
+    sub = top.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    off = bench.add_parser("offload", help="store/retrieve GB/s vs plain copy bandwidth")
-    off.add_argument("--tokens", type=int, default=16384)
-    off.add_argument("--layers", type=int, default=32)
-    off.add_argument("--kv-heads", type=int, default=8)
-    off.add_argument("--head-dim", type=int, default=128)
-    off.add_argument("--dtype", default="bfloat16")
-    off.add_argument("--block-size", type=int, default=16)
-    off.add_argument("--layout", default="flash_attn", choices=["flash_attn", "flashinfer", "mla", "vllm"])
-    off.add_argument("--chunk-size", type=int, default=256)
-    off.add_argument("--device", default="auto")
-    off.add_argument("--transfer", default="auto", choices=["auto", "torch", "triton", "triton-direct", "all"])
-    off.add_argument("--repeats", type=int, default=5)
-    off.add_argument("--output", help="append results to this JSON file")
-    off.set_defaults(fn=_bench_offload)
+    for group, commands in ((sub, COMMANDS), (bench, BENCHMARKS)):
+        for name, help_, add_args, run in commands:
+            p = group.add_parser(name, help=help_)
+            add_args(p)
+            p.set_defaults(fn=run)
+    return top
 
-    disk = bench.add_parser("disk", help="disk tier vs sequential file I/O; engine step wait on a disk hit")
-    disk.add_argument("--tokens", type=int, default=16384)
-    disk.add_argument("--layers", type=int, default=32)
-    disk.add_argument("--kv-heads", type=int, default=8)
-    disk.add_argument("--head-dim", type=int, default=128)
-    disk.add_argument("--chunk-size", type=int, default=256)
-    disk.add_argument("--dir", default=".kvtier/bench-disk", help="a directory on the disk to measure")
-    disk.add_argument("--repeats", type=int, default=3)
-    disk.add_argument("--output", help="append results to this JSON file")
-    disk.set_defaults(fn=_bench_disk)
 
-    ttft = bench.add_parser("ttft", help="cold vs warm TTFT of a Llama-3.1-8B-shaped model (GPU)")
-    ttft.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
-    ttft.add_argument("--repeats", type=int, default=3)
-    ttft.add_argument("--layers", type=int, help="fewer layers than 32, for a quick look")
-    ttft.add_argument("--output", default="results/ttft", help="folder for ttft.json and ttft.png")
-    ttft.add_argument("--transfer", default="auto", choices=["auto", "triton", "triton-direct", "torch"])
-    ttft.add_argument("--server", action="store_true", help="also warm from a kvtier server on this host")
-    ttft.add_argument("--server-tcp", action="store_true", help="with --server: also over TCP (?shm=0), "
-                      "against raw loopback TCP")
-    ttft.add_argument("--codecs", nargs="*", default=[], choices=["int8", "fp8"],
-                      help="with --server-tcp: also over TCP with these lossy KV codecs (remote_serde)")
-    ttft.add_argument("--disk", help="also warm from the disk tier in this directory")
-    ttft.set_defaults(fn=_bench_ttft)
-
-    pdb = bench.add_parser("pd", help="disaggregated prefill: sender process -> receiver's buffer -> its pages, "
-                           "vs a plain device copy")
-    pdb.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
-    pdb.add_argument("--channels", nargs="+", default=["cuda_ipc"], choices=["tcp", "nixl", "cuda_ipc"])
-    pdb.add_argument("--sender-device", default="cuda:0")
-    pdb.add_argument("--receiver-device", default="cuda:0", help="cuda:1 for two GPUs")
-    pdb.add_argument("--layers", type=int, default=32)
-    pdb.add_argument("--kv-heads", type=int, default=8)
-    pdb.add_argument("--head-dim", type=int, default=128)
-    pdb.add_argument("--repeats", type=int, default=5)
-    pdb.add_argument("--output", help="write the results to this JSON file")
-    pdb.set_defaults(fn=_bench_pd)
-
-    srv = sub.add_parser("server", help="the store server (InfiniStore's role): a KV pool for the cluster")
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs --auth-token)")
-    srv.add_argument("--service-port", type=int, default=12345, help="KV protocol port")
-    srv.add_argument("--manage-port", type=int, default=18080, help="management HTTP port")
-    srv.add_argument("--prealloc-size", type=float, default=1.0, help="value pool, GiB, allocated at start")
-    srv.add_argument("--page-size-kb", type=int, default=256, help="pool page, KiB")
-    srv.add_argument("--evict-min-threshold", type=float, default=0.8, help="evict down to this pool fraction")
-    srv.add_argument("--evict-max-threshold", type=float, default=0.95, help="evict when above this fraction")
-    srv.add_argument("--auth-token", help="token for the KV port (HMAC handshake) and the management API "
-                     "(bearer); or $KVTIER_SERVER_TOKEN")
-    srv.add_argument("--tenants", help="YAML/JSON file: tenant name -> token; each tenant has its own keys")
-    srv.add_argument("--tls-cert", help="PEM certificate: the KV port speaks TLS (clients: kvtiers://)")
-    srv.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    srv.add_argument("--max-connections", type=int, default=1024, help="client connections at once")
-    srv.add_argument("--max-held-per-conn", type=float,
-                     help="GiB one connection may hold leased or reserved (default: half the pool)")
-    srv.add_argument("--lease-timeout", type=float, default=30.0,
-                     help="s after which a lease is dropped, even on a live connection")
-    srv.add_argument("--put-deadline", type=float, default=30.0,
-                     help="s for a put's values to arrive after its header (or PUT_ALLOC to its commit)")
-    srv.add_argument("--idle-timeout", type=float, default=300.0, help="s a connection may stay silent")
-    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    srv.add_argument("--dev-name", help="RDMA device, e.g. mlx5_0 (TCP is served when it is absent)")
-    srv.add_argument("--link-type", default="IB", choices=["IB", "Ethernet"], help="RDMA link type")
-    srv.add_argument("--hint-gid-index", type=int, help="RDMA GID index (RoCE in Kubernetes)")
-    srv.add_argument("--no-shm", action="store_true", help="no same-host shared-memory path")
-    srv.add_argument("--io-threads", type=int,
-                     help="event loops (one thread each) serving client connections; default: CPUs, at most 4")
-    srv.set_defaults(fn=_server)
-
-    sb = bench.add_parser("server", help="store server vs raw loopback TCP and redis-server")
-    sb.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8], help="value sizes, MiB")
-    sb.add_argument("--conns", type=int, nargs="+", default=[1, 2, 8], help="client connections")
-    sb.add_argument("--duration", type=float, default=1.0, help="seconds per measurement")
-    sb.add_argument("--repeats", type=int, default=3)
-    sb.add_argument("--targets", nargs="+", help="what to measure: raw raw-ring kvtier kvtier-shm redis redis-unix")
-    sb.add_argument("--throughput-only", action="store_true", help="skip latency, shared memory and serdes")
-    sb.add_argument("--output", help="write the results to this JSON file")
-    sb.set_defaults(fn=_bench_server)
-
-    from kvtier.pd.proxy_settings import add_arguments as proxy_arguments
-
-    prx = sub.add_parser("proxy", help="disaggregated prefill: route requests prefiller -> decoder "
-                         "(LMCache's disagg_proxy_server.py flags)")
-    proxy_arguments(prx)
-    prx.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    prx.set_defaults(fn=_proxy)
-
-    cfg = sub.add_parser("config", help="print the effective config (file + env)")
-    cfg.add_argument("--keys", action="store_true", help="print every key with its default")
-    cfg.add_argument("--lmcache", action="store_true",
-                     help="with --keys: every LMCache key and what kvtier does with it")
-    cfg.set_defaults(fn=_config)
-
-    args = parser.parse_args(argv)
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     try:
         return args.fn(args)
     except KvtierError as e:  # a configuration or usage error: one line that names it, no traceback
