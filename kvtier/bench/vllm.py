@@ -37,13 +37,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-LLAMA_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "bos_token_id": 1, "eos_token_id": 2,
-}
+from kvtier.bench.vllm_parts import (
+    ForwardTimer,
+    Timeline,
+    flush_kvtier,
+    h2d_bandwidth,
+    make_model,
+    prompt,
+    seed_weights,
+)
+
 KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2  # layers, K/V, KV heads, head_dim, bf16
 
 # Offloader setups: the connector and the environment of each.
@@ -73,152 +76,6 @@ class Record:
     machine: dict = field(default_factory=dict)
 
 
-def make_model(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(LLAMA_8B))
-    return path
-
-
-def seed_weights(model) -> int:
-    """vLLM's dummy weights replaced, on the GPU, by N(0, 0.02) linear weights and unit norms."""
-    import torch
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    n = 0
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if p.dim() == 1:
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * 0.02)
-            n += p.numel()
-    return n
-
-
-class ForwardTimer:
-    """CUDA events around each forward of the model (installed by hooks)."""
-
-    def __init__(self) -> None:
-        self.events: list = []
-
-    def install(self, model) -> None:
-        import torch
-
-        def pre(module, args, kwargs=None):
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            self.events.append([start, None])
-
-        def post(module, args, output):
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.events[-1][1] = end
-
-        model.register_forward_pre_hook(pre)
-        model.register_forward_hook(post)
-
-    def last_ms(self) -> float:
-        import torch
-
-        torch.cuda.synchronize()
-        start, end = self.events[-1]
-        return start.elapsed_time(end)
-
-    def clear(self) -> None:
-        self.events.clear()
-
-
-# What the warm path's timeline shows (host time, from generate()'s call): vLLM's steps and
-# kvtier's calls on the way. "module:Class.method" -> label.
-TIMED = {
-    "vllm.v1.core.sched.scheduler:Scheduler.schedule": "vllm schedule",
-    "vllm.v1.executor.uniproc_executor:UniProcExecutor.execute_model": "vllm execute_model",
-    "vllm.v1.executor.uniproc_executor:UniProcExecutor.sample_tokens": "vllm sample_tokens",
-    "kvtier.integrations.vllm:KvtierConnector.get_num_new_matched_tokens": "kvtier lookup (scheduler)",
-    "kvtier.engine:CacheEngine.find": "kvtier find+lease (worker)",
-    "kvtier.engine:CacheEngine.upload_ahead": "kvtier upload_ahead (worker)",
-    "kvtier.integrations.vllm:KvtierConnector.build_connector_meta": "kvtier metadata",
-    "kvtier.integrations.vllm:KvtierConnector.start_load_kv": "kvtier start_load_kv",
-    "kvtier.integrations.vllm:KvtierConnector.wait_for_save": "kvtier wait_for_save",
-}
-
-
-class Timeline:
-    """Host time stamps of the TIMED calls during one generate() (bench instrumentation:
-    methods wrapped at class level, in this process where vLLM's engine runs)."""
-
-    def __init__(self) -> None:
-        self.t0 = 0.0
-        self.spans: list[tuple[str, float, float]] = []
-        self.on = False
-
-    def install(self) -> None:
-        import functools
-        import importlib
-
-        for where, label in TIMED.items():
-            module, attr = where.split(":")
-            cls_name, method = attr.split(".")
-            try:
-                cls = getattr(importlib.import_module(module), cls_name)
-                fn = getattr(cls, method)
-            except (ImportError, AttributeError):
-                continue  # another vLLM: that step is not shown
-
-            def timed(*a, _fn=fn, _label=label, **k):
-                if not self.on:
-                    return _fn(*a, **k)
-                t = time.perf_counter()
-                try:
-                    return _fn(*a, **k)
-                finally:
-                    self.spans.append((_label, round((t - self.t0) * 1e3, 2),
-                                       round((time.perf_counter() - self.t0) * 1e3, 2)))
-
-            setattr(cls, method, functools.wraps(fn)(timed))
-
-    def start(self) -> None:
-        self.spans, self.on, self.t0 = [], True, time.perf_counter()
-
-    def stop(self) -> list[tuple[str, float, float]]:
-        self.on = False
-        return sorted(self.spans, key=lambda x: x[1])
-
-
-def flush_kvtier(model) -> bool:
-    """(apply_model) The worker's kvtier writes to disk and remote, landed."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    return get_kv_transfer_group().engine.flush(120)
-
-
-def h2d_bandwidth(nbytes: int) -> float:
-    """Pinned host -> GPU copy bandwidth (bytes/s): the best of 3 copies of `nbytes`."""
-    import torch
-
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    best = float("inf")
-    for _ in range(4):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dev.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    del host, dev
-    return nbytes / best
-
-
-def prompt(length: int, variant: int, vocab: int = 128000) -> list[int]:
-    """A deterministic prompt; `variant` changes its first 256 tokens only (so variants share
-    everything after the first chunk, which still changes every key)."""
-    import random
-
-    body = random.Random(length).choices(range(100, vocab), k=length)
-    head = random.Random(1_000_003 * (variant + 1) + length).choices(range(100, vocab), k=256)
-    return head + body[256:]
-
-
 def run_setup(args: argparse.Namespace) -> None:
     setup = SETUPS[args.setup]
     os.environ.update(setup.get("env", {}))
@@ -232,10 +89,103 @@ def run_setup(args: argparse.Namespace) -> None:
         _run_setup(args, setup)
 
 
-def _run_setup(args: argparse.Namespace, setup: dict) -> None:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    import torch
-    from vllm import LLM, SamplingParams
+class _Run:
+    """One setup's vLLM in this process: `gen` times a generate(), `flush` lands kvtier's writes."""
+
+    def __init__(self, args: argparse.Namespace, setup: dict) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import torch
+        from vllm import LLM, SamplingParams
+
+        self.args, self.setup = args, setup
+        self.timeline = Timeline()
+        self.timeline.install()
+        t0 = time.perf_counter()
+        self.llm = LLM(model=str(make_model(Path(args.model))), load_format="dummy", dtype="bfloat16",
+                       skip_tokenizer_init=True, seed=0, max_model_len=max(args.lengths) + 64,
+                       enable_prefix_caching=True, enforce_eager=args.eager, gpu_memory_utilization=args.gpu_util,
+                       max_num_batched_tokens=args.batched, **_offloader(args, setup))
+        start_s = time.perf_counter() - t0
+        self.timer = ForwardTimer()
+        self.llm.apply_model(seed_weights)
+        self.llm.apply_model(self.timer.install)
+        self.record = Record(args.setup, machine={"gpu": torch.cuda.get_device_name(), "start_s": round(start_s, 1),
+                                                  "date": time.strftime("%Y-%m-%d"), "eager": args.eager})
+        self.one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        self.check = SamplingParams(temperature=0, max_tokens=args.check_tokens, ignore_eos=True, logprobs=0)
+        self.timelines: list = []
+
+    def gen(self, ids: list[int], sp=None, timed: bool = False):
+        if timed:
+            self.timeline.start()
+        t = time.perf_counter()
+        out = self.llm.generate([{"prompt_token_ids": ids}], sp or self.one, use_tqdm=False)[0].outputs[0]
+        took = time.perf_counter() - t
+        if timed:
+            self.timelines.append(self.timeline.stop())
+        return took, out
+
+    def flush(self) -> None:
+        if self.setup.get("flush") and not all(self.llm.apply_model(flush_kvtier)):
+            print(f"[{self.args.setup}] kvtier's writes did not land in 120 s", flush=True)
+
+    def tokens(self, length: int) -> dict:
+        """Tokens of variant 0: cold; again at once (a hit in vLLM's own GPU prefix cache: the
+        computation a warm load must reproduce); warm from the offloader; and a control
+        prompt (variant 1: another first chunk) cold."""
+        base, reset = prompt(length, 0), self.llm.reset_prefix_cache
+        _, cold = self.gen(base, self.check)
+        _, gpu = self.gen(base, self.check)
+        reset()
+        self.flush()
+        _, warm = self.gen(base, self.check)
+        reset()
+        _, ctrl = self.gen(prompt(length, 1), self.check)
+        reset()
+        return {"cold": list(cold.token_ids), "gpu_hit": list(gpu.token_ids), "warm": list(warm.token_ids),
+                "control": list(ctrl.token_ids), "warm_logprob_err": _logprob_err(warm, gpu),
+                "cold_vs_gpu_hit_logprob_err": _logprob_err(cold, gpu)}
+
+    def pair(self, ids: list[int], last: bool) -> dict:
+        """Cold, vLLM's own GPU hit (what a zero-cost load would give), then warm from the offloader."""
+        cold, _ = self.gen(ids)
+        self.timer.clear()
+        gpu_hit, _ = self.gen(ids, timed=last)
+        gpu_hit_fwd = self.timer.last_ms()
+        self.llm.reset_prefix_cache()
+        self.flush()
+        self.timer.clear()
+        profiled = self.args.profile and last
+        prof = cProfile.Profile() if profiled else None
+        if prof is not None:
+            prof.enable()
+        warm, _ = self.gen(ids, timed=last and not profiled)
+        if prof is not None:
+            prof.disable()
+            self._write_profile(prof, len(ids))
+        fwd = self.timer.last_ms()
+        self.llm.reset_prefix_cache()
+        return {"cold": cold, "gpu_hit": gpu_hit, "warm": warm, "fwd_ms": fwd, "gpu_hit_fwd_ms": gpu_hit_fwd}
+
+    def _write_profile(self, prof: cProfile.Profile, length: int) -> None:
+        with open(f"{self.args.out}/{self.args.setup}.prof.txt", "a") as f:
+            f.write(f"==== {self.args.setup} {length} tokens: the last warm run\n")
+            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(70)
+
+    def length(self, length: int) -> dict:
+        bw = h2d_bandwidth(length * KV_BYTES_PER_TOKEN)
+        self.timelines = []
+        tokens = self.tokens(length)
+        runs: dict[str, list] = {"cold": [], "gpu_hit": [], "warm": [], "fwd_ms": [], "gpu_hit_fwd_ms": []}
+        for i in range(self.args.pairs + 1):  # the first pair warms up
+            pair = self.pair(prompt(length, 100 + i), last=i == self.args.pairs)
+            for key, value in pair.items() if i else ():
+                runs[key].append(value)
+        return _summary(runs, length, bw, tokens, self.timelines)
+
+
+def _offloader(args: argparse.Namespace, setup: dict) -> dict:
+    """vLLM's arguments for the setup's offloader."""
     from vllm.config import KVTransferConfig
 
     kw: dict = {}
@@ -246,106 +196,42 @@ def _run_setup(args: argparse.Namespace, setup: dict) -> None:
         kw["kv_transfer_config"] = KVTransferConfig(**kv)
     if setup.get("native"):
         kw.update(kv_offloading_size=args.cpu_gb, kv_offloading_backend="native")
-    model = make_model(Path(args.model))
-    timeline = Timeline()
-    timeline.install()
-    t0 = time.perf_counter()
-    llm = LLM(model=str(model), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, seed=0,
-              max_model_len=max(args.lengths) + 64, enable_prefix_caching=True, enforce_eager=args.eager,
-              gpu_memory_utilization=args.gpu_util, max_num_batched_tokens=args.batched, **kw)
-    start_s = time.perf_counter() - t0
-    timer = ForwardTimer()
-    llm.apply_model(seed_weights)
-    llm.apply_model(timer.install)
-    rec = Record(args.setup, machine={"gpu": torch.cuda.get_device_name(), "start_s": round(start_s, 1),
-                                       "date": time.strftime("%Y-%m-%d"), "eager": args.eager})
-    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    check = SamplingParams(temperature=0, max_tokens=args.check_tokens, ignore_eos=True, logprobs=0)
+    return kw
 
-    def gen(ids: list[int], sp=one, timed: bool = False):
-        if timed:
-            timeline.start()
-        t = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0]
-        took = time.perf_counter() - t
-        if timed:
-            timelines.append(timeline.stop())
-        return took, out
 
-    def flush() -> None:
-        if setup.get("flush") and not all(llm.apply_model(flush_kvtier)):
-            print(f"[{args.setup}] kvtier's writes did not land in 120 s", flush=True)
+def _summary(runs: dict, length: int, bw: float, tokens: dict, timelines: list) -> dict:
+    copy_s = length * KV_BYTES_PER_TOKEN / bw
+    # The forward timed alone: the GPU-hit step's (its own launches paced it, as a
+    # forward that waits for nothing runs); the warm step's ran behind its copies.
+    alone = [f / 1e3 for f in runs["gpu_hit_fwd_ms"]]
+    return {
+        **runs, "h2d_GBps": bw / 1e9, "copy_ms": copy_s * 1e3, "tokens": tokens,
+        "timeline": dict(zip(("gpu_hit", "warm"), timelines)),
+        "cold_median": statistics.median(runs["cold"]), "warm_median": statistics.median(runs["warm"]),
+        "gpu_hit_median": statistics.median(runs["gpu_hit"]),
+        "fwd_median_ms": statistics.median(runs["gpu_hit_fwd_ms"]),
+        "warm_over_floor_paired": statistics.median(w / (copy_s + f) for w, f in zip(runs["warm"], alone)),
+        "warm_over_max_load_fwd_paired": statistics.median(w / max(copy_s, f) for w, f in zip(runs["warm"], alone)),
+    }
 
+
+def _print(setup: str, length: int, r: dict) -> None:
+    print(f"[{setup}] {length}: cold {r['cold_median']*1e3:.1f} ms, warm {r['warm_median']*1e3:.1f} ms, "
+          f"vLLM's own GPU prefix hit {r['gpu_hit_median']*1e3:.1f} ms, "
+          f"copy {r['copy_ms']:.1f} ms ({r['h2d_GBps']:.1f} GB/s) + fwd {r['fwd_median_ms']:.1f} ms, "
+          f"warm/floor {r['warm_over_floor_paired']:.3f}, warm/max(load,fwd) "
+          f"{r['warm_over_max_load_fwd_paired']:.3f}", flush=True)
+    for name, spans in r["timeline"].items():  # the record keeps them all; here the longer ones
+        print(f"[{setup}] {length} {name} timeline (ms from generate(), calls over 0.5 ms): "
+              + "; ".join(f"{label} {a:.1f}-{b:.1f}" for label, a, b in spans if b - a > 0.5), flush=True)
+
+
+def _run_setup(args: argparse.Namespace, setup: dict) -> None:
+    run = _Run(args, setup)
     for length in args.lengths:
-        bw = h2d_bandwidth(length * KV_BYTES_PER_TOKEN)
-        runs = {"cold": [], "gpu_hit": [], "warm": [], "fwd_ms": [], "gpu_hit_fwd_ms": []}
-        # Tokens of variant 0: cold; again at once (a hit in vLLM's own GPU prefix cache: the
-        # computation a warm load must reproduce); warm from the offloader; and a control
-        # prompt (variant 1: another first chunk) cold.
-        base = prompt(length, 0)
-        timelines: list = []
-        _, cold_out = gen(base, check)
-        _, gpu_out = gen(base, check)
-        llm.reset_prefix_cache()
-        flush()
-        _, warm_out = gen(base, check)
-        llm.reset_prefix_cache()
-        _, ctrl_out = gen(prompt(length, 1), check)
-        llm.reset_prefix_cache()
-        tokens = {"cold": list(cold_out.token_ids), "gpu_hit": list(gpu_out.token_ids),
-                  "warm": list(warm_out.token_ids), "control": list(ctrl_out.token_ids),
-                  "warm_logprob_err": _logprob_err(warm_out, gpu_out),
-                  "cold_vs_gpu_hit_logprob_err": _logprob_err(cold_out, gpu_out)}
-        for i in range(args.pairs + 1):  # the first pair warms up
-            ids = prompt(length, 100 + i)
-            cold, _ = gen(ids)
-            timer.clear()
-            last = i == args.pairs
-            gpu_hit, _ = gen(ids, timed=last)  # vLLM's own prefix cache: what a zero-cost load would give
-            gpu_hit_fwd = timer.last_ms()
-            llm.reset_prefix_cache()
-            flush()
-            timer.clear()
-            profiled = args.profile and last
-            prof = cProfile.Profile() if profiled else None
-            if prof is not None:
-                prof.enable()
-            warm, _ = gen(ids, timed=last and not profiled)
-            if prof is not None:
-                prof.disable()
-                with open(f"{args.out}/{args.setup}.prof.txt", "a") as f:
-                    f.write(f"==== {args.setup} {length} tokens: the last warm run\n")
-                    pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(70)
-            fwd = timer.last_ms()
-            llm.reset_prefix_cache()
-            if i:
-                for key, value in (("cold", cold), ("gpu_hit", gpu_hit), ("warm", warm), ("fwd_ms", fwd),
-                                   ("gpu_hit_fwd_ms", gpu_hit_fwd)):
-                    runs[key].append(value)
-        copy_s = length * KV_BYTES_PER_TOKEN / bw
-        # The forward timed alone: the GPU-hit step's (its own launches paced it, as a
-        # forward that waits for nothing runs); the warm step's ran behind its copies.
-        alone = [f / 1e3 for f in runs["gpu_hit_fwd_ms"]]
-        rec.lengths[str(length)] = {
-            **runs, "h2d_GBps": bw / 1e9, "copy_ms": copy_s * 1e3, "tokens": tokens,
-            "timeline": dict(zip(("gpu_hit", "warm"), timelines)),
-            "cold_median": statistics.median(runs["cold"]), "warm_median": statistics.median(runs["warm"]),
-            "gpu_hit_median": statistics.median(runs["gpu_hit"]),
-            "fwd_median_ms": statistics.median(runs["gpu_hit_fwd_ms"]),
-            "warm_over_floor_paired": statistics.median(w / (copy_s + f) for w, f in zip(runs["warm"], alone)),
-            "warm_over_max_load_fwd_paired": statistics.median(
-                w / max(copy_s, f) for w, f in zip(runs["warm"], alone)),
-        }
-        r = rec.lengths[str(length)]
-        print(f"[{args.setup}] {length}: cold {r['cold_median']*1e3:.1f} ms, warm {r['warm_median']*1e3:.1f} ms, "
-              f"vLLM's own GPU prefix hit {r['gpu_hit_median']*1e3:.1f} ms, "
-              f"copy {r['copy_ms']:.1f} ms ({r['h2d_GBps']:.1f} GB/s) + fwd {r['fwd_median_ms']:.1f} ms, "
-              f"warm/floor {r['warm_over_floor_paired']:.3f}, warm/max(load,fwd) "
-              f"{r['warm_over_max_load_fwd_paired']:.3f}", flush=True)
-        for name, spans in r["timeline"].items():  # the record keeps them all; here the longer ones
-            print(f"[{args.setup}] {length} {name} timeline (ms from generate(), calls over 0.5 ms): "
-                  + "; ".join(f"{label} {a:.1f}-{b:.1f}" for label, a, b in spans if b - a > 0.5), flush=True)
-    Path(args.out, f"{args.setup}.json").write_text(json.dumps(rec.__dict__, indent=1))
+        run.record.lengths[str(length)] = r = run.length(length)
+        _print(args.setup, length, r)
+    Path(args.out, f"{args.setup}.json").write_text(json.dumps(run.record.__dict__, indent=1))
 
 
 def _logprob_err(a, b) -> float:
