@@ -33,7 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvtier.bench.offload import machine_name, timed  # noqa: E402
-from kvtier.bench.ttft import LLAMA_8B, _kv_bytes_per_token, build_model  # noqa: E402
+from kvtier.bench.ttft import LLAMA_8B, build_model  # noqa: E402
+from kvtier.bench.ttft_sources import kv_bytes_per_token as _kv_bytes_per_token  # noqa: E402
 from kvtier.config import KvtierConfig  # noqa: E402
 from kvtier.integrations.hf import HFSession  # noqa: E402
 

@@ -34,7 +34,8 @@ from kvtier.engine.storing import StorePath  # noqa: E402
 import kvtier.transfer.staging as staging  # noqa: E402
 import kvtier.transfer.triton_copy as tc  # noqa: E402
 from kvtier.bench.offload import timed  # noqa: E402
-from kvtier.bench.ttft import BesideACopy, _ServerSession, build_model  # noqa: E402
+from kvtier.bench.ttft import build_model  # noqa: E402
+from kvtier.bench.ttft_sources import BesideACopy, ServerSession as _ServerSession  # noqa: E402
 from kvtier.config import KvtierConfig  # noqa: E402
 from kvtier.integrations.hf import HFSession, KvtierCache  # noqa: E402
 from kvtier.localservers import kvtier_server  # noqa: E402

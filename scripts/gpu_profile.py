@@ -82,7 +82,8 @@ def offload(tokens: int, out: Path) -> None:
 
 
 def warm(tokens: int, out: Path) -> None:
-    from kvtier.bench.ttft import _kv_bytes_per_token, build_model
+    from kvtier.bench.ttft import build_model
+    from kvtier.bench.ttft_sources import kv_bytes_per_token as _kv_bytes_per_token
     from kvtier.integrations.hf import HFSession
 
     model = build_model()

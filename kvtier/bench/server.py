@@ -39,216 +39,15 @@ import multiprocessing as mp
 import os
 import platform
 import secrets
-import socket
 import tempfile
 import statistics
-import struct
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-MiB = 1 << 20
-_LEN = struct.Struct("<q")
-TOKEN_ENV = "BENCH_SERVER_TOKEN"  # the kvtier-auth target's token, for the client processes
-
-
-# -- the raw TCP limit --------------------------------------------------------------------
-
-
-def raw_server(port: int, ring: int) -> None:
-    """Request/ack over plain sockets: +n = client sends n bytes, -n = server sends n bytes.
-
-    Each connection's bytes go to (come from) successive n-byte slots of a
-    `ring`-byte buffer: ring = 0 means one slot, which stays in the CPU
-    cache; a ring far larger than the cache is what a store does, whose
-    values land in memory that was not just touched.
-    """
-    listener = socket.create_server(("127.0.0.1", port))
-    while True:
-        conn, _ = listener.accept()
-        threading.Thread(target=_raw_serve, args=(conn, ring), daemon=True).start()
-
-
-def _raw_serve(conn: socket.socket, ring: int) -> None:
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = memoryview(np.ones(max(ring, 16 * MiB), np.uint8))  # written once: no first-touch faults later
-    head = memoryview(bytearray(8))
-    i = 0
-    while _recv_exactly(conn, head):
-        (n,) = _LEN.unpack(head)
-        off = (i % (len(buf) // abs(n))) * abs(n) if ring and n else 0
-        i += 1
-        if n >= 0:
-            if not _recv_exactly(conn, buf[off : off + n]):
-                return
-            conn.sendall(b"k")
-        else:
-            conn.sendall(buf[off : off - n])
-
-
-def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
-    while len(view):
-        n = sock.recv_into(view)
-        if n == 0:
-            return False
-        view = view[n:]
-    return True
-
-
-def tcp_bandwidth(size: int = 16 * MiB, seconds: float = 1.0, repeats: int = 3, ring: int = 0,
-                  connections: int = 1) -> float:
-    """GB/s of raw loopback TCP gets of `size`-byte values (median of runs), over
-    `connections` connections at once (a thread each, their bytes summed): the
-    limit a store server's gets over TCP are held to. With `ring`, each value
-    leaves from and lands in the next slot of a `ring`-byte buffer at both ends
-    (per connection), as KV moves from a store's pool into a cache's pool (out of
-    the CPU cache); 0: one slot each, which stays in the CPU cache."""
-    from kvtier.localservers import free_port, wait_for_port
-
-    port = free_port()
-    proc = mp.get_context("spawn").Process(target=raw_server, args=(port, ring), daemon=True)
-    proc.start()
-    try:
-        wait_for_port(port)
-        clients = [_RawClient(port, ring) for _ in range(connections)]
-        runs = []
-        for _ in range(repeats):
-            moved = [0] * connections
-            t0 = time.perf_counter()
-
-            def pull(k: int) -> None:
-                while time.perf_counter() - t0 < seconds:
-                    clients[k].get([b"k"], size)
-                    moved[k] += size
-
-            threads = [threading.Thread(target=pull, args=(k,)) for k in range(connections)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            runs.append(sum(moved) / (time.perf_counter() - t0) / 1e9)
-        for client in clients:
-            client.sock.close()
-        return statistics.median(runs)
-    finally:
-        proc.terminate()
-
-
-class _RawClient:
-    def __init__(self, port: int, ring: int = 0) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.buf = memoryview(np.ones(max(ring, 16 * MiB), np.uint8))  # written once: no first-touch faults
-        self.ring, self.gets = ring, 0
-        self.ack = memoryview(bytearray(1))
-
-    def put(self, keys: list[bytes], value: memoryview) -> None:
-        assert len(keys) == 1, "raw TCP moves one value per request"
-        self.sock.sendall(_LEN.pack(len(value)))
-        self.sock.sendall(value)
-        _recv_exactly(self.sock, self.ack)
-
-    def get(self, keys: list[bytes], size: int) -> None:
-        assert len(keys) == 1, "raw TCP moves one value per request"
-        self.sock.sendall(_LEN.pack(-size))
-        off = (self.gets % (len(self.buf) // size)) * size if self.ring else 0
-        self.gets += 1
-        _recv_exactly(self.sock, self.buf[off : off + size])
-
-
-class _StoreClient:
-    """A remote store as the cache engine uses it: values read straight into
-    the caller's buffer (a pool block there, a reused buffer here)."""
-
-    def __init__(self, store) -> None:
-        self.store = store
-        self.buf = memoryview(bytearray(64 * MiB))
-
-    def put(self, keys: list[bytes], value: memoryview) -> None:
-        self.store.put(keys, [value] * len(keys))
-
-    def get(self, keys: list[bytes], size: int) -> None:
-        found = self.store.get_into(keys, [self.buf[i * size : (i + 1) * size] for i in range(len(keys))])
-        assert all(found)
-
-
-def _client(target: str, address: str):
-    if target in ("raw", "raw-ring"):
-        return _RawClient(int(address))
-    if target.startswith("kvtier"):
-        from kvtier.remote.kvserver import open_kvserver
-
-        return _StoreClient(open_kvserver(address, 30))
-    if target == "redis-unix":
-        import redis
-
-        from kvtier.remote.redis import RedisStore, _packer
-
-        return _StoreClient(RedisStore(lambda: redis.Redis.from_url(f"unix://{address}", command_packer=_packer()),
-                                       f"unix://{address}"))
-    from kvtier.remote import open_store
-
-    return _StoreClient(open_store(address, 30))
-
-
-# -- client processes -----------------------------------------------------------------------
-
-
-def _worker(conn, index: int) -> None:
-    clients: dict[tuple[str, str], object] = {}
-    value = memoryview(np.random.default_rng(index).integers(0, 255, 16 * MiB, dtype=np.uint8))
-    while (cmd := conn.recv()) is not None:
-        key_of = (cmd["target"], cmd["address"])
-        if key_of not in clients:
-            clients[key_of] = _client(*key_of)
-        client, size, batch = clients[key_of], cmd["size"], cmd.get("batch", 1)
-        keys = [b"bench-%d-%d-%d" % (index, size, i) for i in range(4 * batch)]
-        groups = [keys[i : i + batch] for i in range(0, len(keys), batch)]
-        if cmd["op"] == "get":
-            for group in groups:
-                client.put(group, value[:size])
-        while time.time() < cmd["start"]:
-            time.sleep(0.001)
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < cmd["duration"]:
-            if cmd["op"] == "put":
-                client.put(groups[n % 4], value[:size])
-            else:
-                client.get(groups[n % 4], size)
-            n += 1
-        conn.send((n * size * batch, time.perf_counter() - t0))
-
-
-class _Clients:
-    def __init__(self, count: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.pipes, self.procs = [], []
-        for i in range(count):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(child, i), daemon=True)
-            proc.start()
-            self.pipes.append(parent)
-            self.procs.append(proc)
-
-    def run(self, conns: int, **cmd) -> float:
-        """GB/s of `conns` clients running `cmd` at the same time."""
-        start = time.time() + 0.5
-        for pipe in self.pipes[:conns]:
-            pipe.send({**cmd, "start": start})
-        results = [pipe.recv() for pipe in self.pipes[:conns]]
-        return sum(b for b, _ in results) / max(s for _, s in results) / 1e9
-
-    def close(self) -> None:
-        for pipe in self.pipes:
-            pipe.send(None)
-        for proc in self.procs:
-            proc.join(10)
-
-
-# -- the run ----------------------------------------------------------------------------------
+from kvtier.bench.server_clients import MiB, TOKEN_ENV, Clients, raw_server
 
 
 TARGETS = ("raw", "raw-ring", "kvtier", "kvtier-shm", "kvtier-auth", "kvtier-tls", "redis", "redis-unix")
@@ -282,7 +81,7 @@ def run_server_bench(cfg: ServerBenchConfig, progress=print) -> dict:
         proc.start()
         wait_for_port(port)
     os.environ.setdefault(TOKEN_ENV, secrets.token_hex(32))  # before the client processes start
-    clients = _Clients(max(cfg.conns))
+    clients = Clients(max(cfg.conns))
     result: dict = {"machine": _machine(), "date": time.strftime("%Y-%m-%d"), "config": cfg.__dict__,
                     "throughput": [], "latency": {}, "shm": {}, "serde": {}}
     try:
@@ -340,7 +139,7 @@ def _servers(targets: tuple[str, ...]):
         yield out
 
 
-def _cell(clients: _Clients, targets: dict[str, str], cfg: ServerBenchConfig, size: int, conns: int,
+def _cell(clients: Clients, targets: dict[str, str], cfg: ServerBenchConfig, size: int, conns: int,
           op: str) -> dict:
     """One (size, connections, op) cell: every target, repeats interleaved so
     that a noisy second hits all of them alike, the order rotated each repeat
@@ -409,7 +208,7 @@ def _memcpy(size: int, ring: int, cfg: ServerBenchConfig) -> float:
     return statistics.median(runs)
 
 
-def _shm(clients: _Clients, kv_addr: str, cfg: ServerBenchConfig) -> dict:
+def _shm(clients: Clients, kv_addr: str, cfg: ServerBenchConfig) -> dict:
     """The same-host path against memcpy of the same values: into one buffer
     that stays in cache (hot), and into a 256 MiB ring, as values land in a
     pool far larger than the cache (cold)."""

@@ -48,17 +48,23 @@ import contextlib
 import datetime as dt
 import json
 import logging
-import shutil
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvtier.bench.offload import copy_bandwidth, machine_name, timed
+from kvtier.bench.offload import copy_bandwidth, machine_name
 from kvtier.config import KvtierConfig
 from kvtier.integrations.hf import HFSession, KvtierCache
+from kvtier.bench.ttft_sources import (
+    BesideACopy,
+    ServerSession,
+    cuda_timed,
+    kv_bytes_per_token,
+    warm_from_disk,
+    warm_from_server,
+)
 from kvtier.server.client import READERS
 
 CUDA = torch.device("cuda")
@@ -160,38 +166,6 @@ class TTFTPoint:
                 "samples_ms": {k: [round(x * 1e3, 1) for x in v] for k, v in self.samples.items()}}
 
 
-class BesideACopy:
-    """Times work while `nbytes` cross PCIe host→device on another stream (as a
-    layerwise load's bytes do beside its forward); owns the two buffers."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        self.dev = torch.empty_like(self.host, device=CUDA)
-        self.side = torch.cuda.Stream(CUDA)
-
-    def timed(self, fn) -> float:
-        """Seconds of `fn` and its device work on the current stream, the copy running beside."""
-        torch.cuda.synchronize(CUDA)
-        with torch.cuda.stream(self.side):
-            self.dev.copy_(self.host, non_blocking=True)
-        t = time.perf_counter()
-        fn()
-        torch.cuda.current_stream(CUDA).synchronize()
-        seconds = time.perf_counter() - t
-        torch.cuda.synchronize(CUDA)
-        return seconds
-
-
-def _kv_bytes_per_token(model) -> int:
-    cfg = model.config
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2  # bf16
-
-
-def _timed(fn) -> float:
-    return timed(fn, CUDA)
-
-
 def build_model(layers: int | None = None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -212,19 +186,52 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
             server_url: str | None = None, disk_dir: Path | None = None,
             server_tcp: bool = False, codecs: tuple[str, ...] = ()) -> TTFTPoint:
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens))
-    kv_per_token = _kv_bytes_per_token(model)
+    kv_per_token = kv_bytes_per_token(model)
     pool_gib = (tokens + chunk_size) * kv_per_token * 1.05 / 1024**3
     session = HFSession(model, KvtierConfig(chunk_size=chunk_size, max_local_cpu_size=pool_gib), max_len=tokens,
                         transfer=transfer)
-    cold = [_timed(lambda: session.prefill(ids, use_cache=False)) for _ in range(repeats)]
-    cold_store, cold_store_layerwise = [], []
-    for _ in range(repeats):  # a miss with kvtier on: the forward, and every chunk stored
-        session.engine.clear()
-        cold_store.append(_timed(lambda: session.prefill(ids, layerwise=False)))
-        session.engine.clear()
-        cold_store_layerwise.append(_timed(lambda: session.prefill(ids, layerwise=True)))
+    samples = _cold(session, ids, repeats)
     assert session.engine.lookup(ids[0]) == tokens - tokens % chunk_size  # stored, for the warm runs
     hit = session.prefill(ids).hit_tokens
+    remote = ServerSession(model, ids, chunk_size, pool_gib, server_url, transfer) if server_url else None
+    samples.update(_warm(model, session, ids, hit, kv_per_token, repeats, remote))
+    _, h2d = copy_bandwidth(hit * kv_per_token, torch.device("cuda"))
+    med = statistics.median
+    point = TTFTPoint(tokens, hit, med(samples["cold"]), med(samples["warm"]), med(samples["warm_layerwise"]),
+                      hit * kv_per_token / (h2d * 1e9), med(samples["forward_1"]), med(samples["cold_store"]),
+                      med(samples["cold_store_layerwise"]), samples, kv_bytes=hit * kv_per_token)
+    del session
+    if remote is not None:
+        remote.close()
+        point.warm_server_s = med(samples["warm_server"])
+        point.warm_server_layerwise_s = med(samples["warm_server_layerwise"])
+    torch.cuda.empty_cache()
+    if server_url and server_tcp:
+        _over_tcp(point, model, ids, chunk_size, pool_gib, server_url, repeats, transfer, codecs)
+    if disk_dir is not None:
+        point.samples["warm_disk"], read_gbps = warm_from_disk(model, ids, chunk_size, disk_dir, repeats, transfer)
+        point.warm_disk_s = med(point.samples["warm_disk"])
+        point.disk_floor_s = point.kv_bytes / (read_gbps * 1e9) + point.forward_1_s
+    return point
+
+
+def _cold(session: HFSession, ids: torch.Tensor, repeats: int) -> dict[str, list[float]]:
+    """Prefills with nothing stored: without kvtier, and a miss with kvtier on (the
+    forward, and every chunk stored), whole and layer by layer."""
+    out: dict[str, list[float]] = {"cold": [cuda_timed(lambda: session.prefill(ids, use_cache=False))
+                                            for _ in range(repeats)], "cold_store": [], "cold_store_layerwise": []}
+    for _ in range(repeats):
+        for name, layerwise in (("cold_store", False), ("cold_store_layerwise", True)):
+            session.engine.clear()
+            out[name].append(cuda_timed(lambda: session.prefill(ids, layerwise=layerwise)))
+    return out
+
+
+def _warm(model, session: HFSession, ids: torch.Tensor, hit: int, kv_per_token: int, repeats: int,
+          remote: ServerSession | None) -> dict[str, list[float]]:
+    """Warm prefills, interleaved with the one-token forward alone and beside a copy, so that
+    the host-bound forward (it varies by several ms from one minute to the next) is timed in
+    the same conditions; so are the loads from the store server of this host (a second session)."""
     last = ids[:, -1:].cuda()
 
     def forward_one() -> None:
@@ -232,116 +239,37 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
             model(input_ids=last, past_key_values=KvtierCache(session.buffers, hit), use_cache=True,
                   logits_to_keep=1)
 
-    # Interleaved, so that the host-bound one-token forward (it varies by
-    # several ms from one minute to the next) is timed in the same conditions;
-    # so are the loads from the store server of this host (a second session).
-    remote = _ServerSession(model, ids, chunk_size, pool_gib, server_url, transfer) if server_url else None
     beside_a_copy = BesideACopy(hit * kv_per_token)
-    warm, layered, fwd, fwd_copy, warm_server, server_layered = [], [], [], [], [], []
+    names = ["warm", "warm_layerwise", "forward_1", "forward_1_beside_a_copy"]
+    out: dict[str, list[float]] = {n: [] for n in names + (["warm_server", "warm_server_layerwise"] if remote else [])}
     for _ in range(repeats):
-        warm.append(_timed(lambda: session.prefill(ids, layerwise=False)))
-        layered.append(_timed(lambda: session.prefill(ids, layerwise=True)))
-        fwd.append(_timed(forward_one))
-        fwd_copy.append(beside_a_copy.timed(forward_one))
+        out["warm"].append(cuda_timed(lambda: session.prefill(ids, layerwise=False)))
+        out["warm_layerwise"].append(cuda_timed(lambda: session.prefill(ids, layerwise=True)))
+        out["forward_1"].append(cuda_timed(forward_one))
+        out["forward_1_beside_a_copy"].append(beside_a_copy.timed(forward_one))
         if remote is not None:
-            warm_server.append(remote.timed(layerwise=False))
-            server_layered.append(remote.timed(layerwise=True))
-    _, h2d = copy_bandwidth(hit * kv_per_token, torch.device("cuda"))
-    med = statistics.median
-    point = TTFTPoint(tokens, hit, med(cold), med(warm), med(layered), hit * kv_per_token / (h2d * 1e9), med(fwd),
-                      med(cold_store), med(cold_store_layerwise),
-                      {"cold": cold, "cold_store": cold_store, "cold_store_layerwise": cold_store_layerwise,
-                       "warm": warm, "warm_layerwise": layered, "forward_1": fwd,
-                       "forward_1_beside_a_copy": fwd_copy}, kv_bytes=hit * kv_per_token)
-    del session, beside_a_copy
-    if remote is not None:
-        remote.close()
-        point.samples["warm_server"], point.samples["warm_server_layerwise"] = warm_server, server_layered
-        point.warm_server_s = med(warm_server)
-        point.warm_server_layerwise_s = med(server_layered)
-    torch.cuda.empty_cache()
-    if server_url and server_tcp:
-        from kvtier.bench.server import tcp_bandwidth
-
-        point.samples["warm_server_tcp"] = _warm_from_server(model, ids, chunk_size, pool_gib,
-                                                             server_url + "/?shm=0", repeats, transfer)
-        point.warm_server_tcp_s = med(point.samples["warm_server_tcp"])
-        for name in codecs:  # the lossy KV codecs: about half the bytes on the wire
-            point.samples[f"warm_server_tcp_{name}"] = _warm_from_server(
-                model, ids, chunk_size, pool_gib, server_url + "/?shm=0", repeats, transfer, serde=name)
-        # Measured now, beside the runs it bounds: values out of and into 256 MiB rings (a store's
-        # pool, a cache's pool), and the cache-resident figure of one 16 MiB buffer at each end.
-        point.tcp_gbps = (tcp_bandwidth(ring=256 << 20), tcp_bandwidth())
-        point.tcp_multi_gbps = tcp_bandwidth(ring=256 << 20, connections=READERS)
-        point.tcp_floor_s, point.tcp_cached_floor_s = (hit * kv_per_token / (gbps * 1e9) + point.forward_1_s
-                                                       for gbps in point.tcp_gbps)
-    if disk_dir is not None:
-        point.samples["warm_disk"], read_gbps = _warm_from_disk(model, ids, chunk_size, disk_dir, repeats, transfer)
-        point.warm_disk_s = med(point.samples["warm_disk"])
-        point.disk_floor_s = hit * kv_per_token / (read_gbps * 1e9) + point.forward_1_s
-    return point
+            out["warm_server"].append(remote.timed(layerwise=False))
+            out["warm_server_layerwise"].append(remote.timed(layerwise=True))
+    return out
 
 
-def _warm_from_disk(model, ids, chunk_size: int, directory: Path, repeats: int,
-                    transfer: str) -> tuple[list[float], float]:
-    """Warm TTFTs from the disk tier, and the file read GB/s of `directory` (its limit)."""
-    from kvtier.bench.disk import drop_cache, file_read_bandwidth
+def _over_tcp(point: TTFTPoint, model, ids, chunk_size: int, pool_gib: float, server_url: str, repeats: int,
+              transfer: str, codecs: tuple[str, ...]) -> None:
+    """Warm from the store server over TCP (and with lossy codecs), against loopback TCP measured now."""
+    from kvtier.bench.server_clients import tcp_bandwidth
 
-    shutil.rmtree(directory, ignore_errors=True)
-    kv_bytes = ids.shape[1] * _kv_bytes_per_token(model)
-    cfg = KvtierConfig(chunk_size=chunk_size, local_disk=str(directory), max_local_disk_size=2 * kv_bytes / 1024**3,
-                       max_local_cpu_size=16 * chunk_size * _kv_bytes_per_token(model) * 1.001 / 1024**3)
-    session = HFSession(model, cfg, max_len=ids.shape[1], transfer=transfer)
-    session.prefill(ids)  # stores the prompt's chunks: through the pool, onto disk
-    assert session.engine.flush(timeout=600)
-    times, hits = [], []
-    for _ in range(repeats):
-        session.engine.tiers.cpu.clear()
-        for path in directory.glob("*.kvc"):
-            drop_cache(path)
-        times.append(_timed(lambda: hits.append(session.prefill(ids).hit_tokens)))
-    assert hits[-1] > 0, "nothing loaded from the disk tier"
-    session.engine.close()
-    del session
-    torch.cuda.empty_cache()
-    read_gbps = file_read_bandwidth(directory, kv_bytes)
-    shutil.rmtree(directory, ignore_errors=True)
-    return times, read_gbps
-
-
-class _ServerSession:
-    """A session whose only tier is the store server at `url` (CPU tier off),
-    with the prompt stored there."""
-
-    def __init__(self, model, ids, chunk_size: int, pool_gib: float, url: str, transfer: str,
-                 serde: str = "naive") -> None:
-        cfg = KvtierConfig(chunk_size=chunk_size, max_local_cpu_size=pool_gib, local_cpu=False, remote_url=url,
-                           remote_serde=serde)
-        self.session = HFSession(model, cfg, max_len=ids.shape[1], transfer=transfer)
-        self.ids = ids
-        self.session.prefill(ids)  # stores the prompt's chunks in the server
-        assert self.session.engine.flush(timeout=600)
-
-    def timed(self, layerwise: bool) -> float:
-        """Seconds of one warm prefill."""
-        hits = []
-        seconds = _timed(lambda: hits.append(self.session.prefill(self.ids, layerwise=layerwise).hit_tokens))
-        assert hits[0] > 0, "nothing loaded from the store server"
-        return seconds
-
-    def close(self) -> None:
-        self.session.engine.close()
-        del self.session
-
-
-def _warm_from_server(model, ids, chunk_size: int, pool_gib: float, url: str, repeats: int,
-                      transfer: str, serde: str = "naive") -> list[float]:
-    """Warm TTFTs from the store server at `url`."""
-    remote = _ServerSession(model, ids, chunk_size, pool_gib, url, transfer, serde)
-    times = [remote.timed(layerwise=False) for _ in range(repeats)]
-    remote.close()
-    torch.cuda.empty_cache()
-    return times
+    url = server_url + "/?shm=0"
+    point.samples["warm_server_tcp"] = warm_from_server(model, ids, chunk_size, pool_gib, url, repeats, transfer)
+    point.warm_server_tcp_s = statistics.median(point.samples["warm_server_tcp"])
+    for name in codecs:  # the lossy KV codecs: about half the bytes on the wire
+        point.samples[f"warm_server_tcp_{name}"] = warm_from_server(model, ids, chunk_size, pool_gib, url, repeats,
+                                                                    transfer, serde=name)
+    # Measured now, beside the runs it bounds: values out of and into 256 MiB rings (a store's
+    # pool, a cache's pool), and the cache-resident figure of one 16 MiB buffer at each end.
+    point.tcp_gbps = (tcp_bandwidth(ring=256 << 20), tcp_bandwidth())
+    point.tcp_multi_gbps = tcp_bandwidth(ring=256 << 20, connections=READERS)
+    point.tcp_floor_s, point.tcp_cached_floor_s = (point.kv_bytes / (gbps * 1e9) + point.forward_1_s
+                                                   for gbps in point.tcp_gbps)
 
 
 def run_ttft(lengths: list[int], repeats: int, out_dir: Path, layers: int | None = None,
@@ -357,7 +285,7 @@ def run_ttft(lengths: list[int], repeats: int, out_dir: Path, layers: int | None
         if server:
             from kvtier.localservers import kvtier_server
 
-            kv_bytes = max(lengths) * _kv_bytes_per_token(model)
+            kv_bytes = max(lengths) * kv_bytes_per_token(model)
             url = stack.enter_context(kvtier_server(2.5 * kv_bytes / 1024**3)).url
         for n in lengths:
             p = measure(model, n, repeats, transfer=transfer, server_url=url, disk_dir=disk_dir,

@@ -1,5 +1,5 @@
 """Plain Python epoll servers speaking the raw benchmark's request/ack protocol
-(kvtier.bench.server.raw_server): `serve` on one thread, `serve_multi` on N
+(kvtier.bench.server_clients.raw_server): `serve` on one thread, `serve_multi` on N
 selector loops in N threads. No kvtier code: the limit of one thread vs a few."""
 import selectors
 import socket
