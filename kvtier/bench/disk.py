@@ -185,10 +185,17 @@ def run_disk(shape: OffloadShape, directory: Path, repeats: int = 3, pool_chunks
     layers = [torch.randn(shape.layer_shape(2 * n_blocks), generator=gen).to(shape.torch_dtype)
               for _ in range(shape.layers)]
     kv = PagedKV.wrap(layers, shape.layout)
-    bpt = kv.bytes_per_token()
-    kv_bytes = shape.tokens * bpt
-    result = DiskResult(shape, str(directory), machine_name(torch.device("cpu")), dt.date.today().isoformat(), kv_bytes)
-    chunks = _chunks(shape, bpt)
+    result = DiskResult(shape, str(directory), machine_name(torch.device("cpu")), dt.date.today().isoformat(),
+                        shape.tokens * kv.bytes_per_token())
+    _bandwidths(result, directory, kv, repeats, progress)
+    _step_waits(result, directory, kv, gen, repeats, pool_chunks, progress)
+    return result
+
+
+def _bandwidths(result: DiskResult, directory: Path, kv: PagedKV, repeats: int, progress: bool) -> None:
+    """The tier's write and read GB/s against plain sequential files, in alternating order."""
+    shape = result.shape
+    chunks = _chunks(shape, kv.bytes_per_token())
     _tier_pass(directory, shape, chunks, kv.dtype.itemsize)  # warm-up, no figures: the first pass of a
     _file_pass(directory, chunks)  # process is the slowest (0.3 GB/s where later ones reach 1 GB/s)
     for i in range(repeats):
@@ -200,13 +207,19 @@ def run_disk(shape: OffloadShape, directory: Path, repeats: int = 3, pool_chunks
             getattr(result, f"{name}_read_gbps").append(read)
             if progress:
                 print(f"repeat {i}: {name} write {write:.2f} GB/s, read {read:.2f} GB/s", flush=True)
-    del chunks
 
+
+def _step_waits(result: DiskResult, directory: Path, kv: PagedKV, gen: torch.Generator, repeats: int,
+                pool_chunks: int, progress: bool) -> None:
+    """What an engine step waits for a disk hit, loaded in the step or in the background;
+    and that what was loaded is what was stored."""
+    shape, bpt = result.shape, kv.bytes_per_token()
+    n_blocks = -(-shape.tokens // shape.block_size)
     engine_dir = directory / "engine"
     shutil.rmtree(engine_dir, ignore_errors=True)
     config = KvtierConfig(chunk_size=shape.chunk_size, local_disk=str(engine_dir),
                           max_local_cpu_size=pool_chunks * shape.chunk_size * bpt * 1.001 / 1024**3,
-                          max_local_disk_size=2 * kv_bytes / 1024**3)
+                          max_local_disk_size=2 * result.kv_bytes / 1024**3)
     engine = CacheEngine(config, kv, KVFormat("bench", shape.layout, shape.dtype))
     perm = torch.randperm(2 * n_blocks, generator=gen)
     slots = (perm[:, None] * shape.block_size + torch.arange(shape.block_size)).flatten()
@@ -229,4 +242,3 @@ def run_disk(shape: OffloadShape, directory: Path, repeats: int = 3, pool_chunks
             raise AssertionError("KV loaded from disk differs from the KV stored")
     engine.close()
     shutil.rmtree(engine_dir)
-    return result

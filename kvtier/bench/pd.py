@@ -139,84 +139,117 @@ def _sync(device: str) -> None:
 
 def run_pd(shape: OffloadShape, token_counts: list[int], channels: list[str], sender_device: str, receiver_device: str,
            repeats: int) -> dict:
-    from kvtier.engine import CacheEngine
-    from kvtier.keys import KVFormat
-    from kvtier.pd.sender import PdSender, Target
-
     max_tokens = max(token_counts)
-    buffer_bytes = (max_tokens // shape.chunk_size + 2) * shape.chunk_size * per_token(shape)
     if sender_device.startswith("cuda"):
         torch.cuda.set_device(torch.device(sender_device))
     kv, layers = _paged(shape, max_tokens, sender_device, fill=True)
-    fmt = KVFormat(FMT_MODEL, "flash_attn", shape.dtype)
     runs: list[PdRun] = []
     for channel in channels:
-        init, alloc = free_port(), free_port()
-        cmd = [sys.executable, "-m", "kvtier.bench.pd", "--serve-receiver", "--device", receiver_device,
-               "--channel", channel, "--buffer-bytes", str(buffer_bytes), "--init-port", str(init),
-               "--alloc-port", str(alloc), "--max-tokens", str(max_tokens), "--shape", json.dumps(asdict(shape))]
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
-        try:
-            assert proc.stdout is not None and proc.stdin is not None
-            if _read_line(proc, "READY") is None:
-                raise RuntimeError(f"the {channel} receiver did not start")
-            # The sender's staging (tcp, nixl) sits where its KV is, as in the guide's config.
-            config = _config(shape, "sender", channel, sender_device, 1 << 30 if channel != "cuda_ipc" else 0,
-                             init, alloc)
-            engine = CacheEngine(config, kv, fmt)
-            sender = PdSender(engine, config, 0)
-            for n in token_counts:
-                run = PdRun(channel, n)
-                nbytes = n * per_token(shape)
-                src = torch.empty(nbytes, dtype=torch.uint8, device=sender_device)
-                dst = torch.empty(nbytes, dtype=torch.uint8, device=receiver_device)
-                for r in range(repeats + 1):  # the first is a warm-up (connection, IPC mapping, kernels)
-                    seed = 1000 * n + r
-                    tokens, slots = _tokens(n, seed), _slots(kv.num_blocks, shape.block_size, n, seed + 1)
-                    want = checksum(layers, slots, shape.block_size)
-                    _sync(sender_device)
-                    t0 = time.perf_counter()
-                    sent = sender.send(Target("127.0.0.1", init, alloc, f"r{seed}"), tokens, slots, start=0, last=True)
-                    _sync(sender_device)
-                    t1 = time.perf_counter()
-                    proc.stdin.write(json.dumps({"tokens": n, "seed": seed, "req_id": f"r{seed}"}) + "\n")
-                    proc.stdin.flush()
-                    reply = json.loads(_read_line(proc, "RESULT ") or "{}")
-                    t2 = time.perf_counter()
-                    if sent != n or reply["loaded"] != n or reply["checksum"] != want:
-                        raise RuntimeError(f"{channel}, {n} tokens: sent {sent}, loaded {reply['loaded']}, "
-                                           f"checksum {reply['checksum']} != {want}: the data did not arrive intact")
-                    _sync(sender_device)
-                    c0 = time.perf_counter()
-                    dst.copy_(src)
-                    _sync(sender_device)
-                    _sync(receiver_device)
-                    c1 = time.perf_counter()
-                    if r:
-                        run.send_ms.append((t1 - t0) * 1e3)
-                        run.load_ms.append(reply["load_ms"])
-                        run.done_to_loaded_ms.append((t2 - t0) * 1e3)
-                        run.copy_ms.append((c1 - c0) * 1e3)
-                        run.phases_ms.append(sender.stats.last_ms)
-                del src, dst
-                runs.append(run)
-                s = run.summary(per_token(shape))
-                print(f"{channel:9s} {n:6d} tokens {s['GB']:.2f} GB | send {s['send_ms']} ms = {s['send_GBps']} GB/s "
-                      f"({s['ratio_to_copy']} of copy {s['copy_GBps']} GB/s) | load {s['load_ms']} ms | "
-                      f"done->loaded {s['done_to_loaded_ms']} ms | alloc/write/commit {s['alloc_write_commit_ms']} ms",
-                      flush=True)
-            sender.close()
-            engine.close()
-        finally:
-            if proc.stdin:
-                proc.stdin.close()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        with _Receiver(shape, channel, receiver_device, max_tokens) as receiver:
+            runs += _channel_runs(shape, kv, layers, channel, receiver, token_counts, sender_device, receiver_device,
+                                  repeats)
     return {"shape": asdict(shape), "sender_device": sender_device, "receiver_device": receiver_device,
             "machine": _machine(sender_device, receiver_device), "date": time.strftime("%Y-%m-%d"),
             "repeats": repeats, "runs": [r.summary(per_token(shape)) | {"raw": asdict(r)} for r in runs]}
+
+
+class _Receiver:
+    """The receiving process (`--serve-receiver`): its buffer, its ports, and the requests it loads."""
+
+    def __init__(self, shape: OffloadShape, channel: str, device: str, max_tokens: int) -> None:
+        self.init, self.alloc = free_port(), free_port()
+        buffer_bytes = (max_tokens // shape.chunk_size + 2) * shape.chunk_size * per_token(shape)
+        cmd = [sys.executable, "-m", "kvtier.bench.pd", "--serve-receiver", "--device", device,
+               "--channel", channel, "--buffer-bytes", str(buffer_bytes), "--init-port", str(self.init),
+               "--alloc-port", str(self.alloc), "--max-tokens", str(max_tokens), "--shape", json.dumps(asdict(shape))]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=os.environ.copy())
+        self.channel = channel
+
+    def __enter__(self) -> _Receiver:
+        if _read_line(self.proc, "READY") is None:
+            self.__exit__()
+            raise RuntimeError(f"the {self.channel} receiver did not start")
+        return self
+
+    def load(self, n: int, seed: int) -> dict:
+        """The receiver loads request `r{seed}` into its pages; its load time and checksum."""
+        self.proc.stdin.write(json.dumps({"tokens": n, "seed": seed, "req_id": f"r{seed}"}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(_read_line(self.proc, "RESULT ") or "{}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _channel_runs(shape: OffloadShape, kv, layers, channel: str, receiver: _Receiver, token_counts: list[int],
+                  sender_device: str, receiver_device: str, repeats: int) -> list[PdRun]:
+    from kvtier.engine import CacheEngine
+    from kvtier.keys import KVFormat
+    from kvtier.pd.sender import PdSender
+
+    # The sender's staging (tcp, nixl) sits where its KV is, as in the guide's config.
+    config = _config(shape, "sender", channel, sender_device, 1 << 30 if channel != "cuda_ipc" else 0,
+                     receiver.init, receiver.alloc)
+    engine = CacheEngine(config, kv, KVFormat(FMT_MODEL, "flash_attn", shape.dtype))
+    sender = PdSender(engine, config, 0)
+    runs = []
+    for n in token_counts:
+        run = PdRun(channel, n)
+        src = torch.empty(n * per_token(shape), dtype=torch.uint8, device=sender_device)
+        dst = torch.empty(n * per_token(shape), dtype=torch.uint8, device=receiver_device)
+        for r in range(repeats + 1):  # the first is a warm-up (connection, IPC mapping, kernels)
+            times = _one_send(shape, kv, layers, sender, receiver, n, 1000 * n + r, sender_device)
+            copy_ms = _copy_ms(src, dst, sender_device, receiver_device)
+            if r:
+                for name, value in (*times.items(), ("copy_ms", copy_ms), ("phases_ms", sender.stats.last_ms)):
+                    getattr(run, name).append(value)
+        del src, dst
+        runs.append(run)
+        s = run.summary(per_token(shape))
+        print(f"{channel:9s} {n:6d} tokens {s['GB']:.2f} GB | send {s['send_ms']} ms = {s['send_GBps']} GB/s "
+              f"({s['ratio_to_copy']} of copy {s['copy_GBps']} GB/s) | load {s['load_ms']} ms | "
+              f"done->loaded {s['done_to_loaded_ms']} ms | alloc/write/commit {s['alloc_write_commit_ms']} ms",
+              flush=True)
+    sender.close()
+    engine.close()
+    return runs
+
+
+def _one_send(shape: OffloadShape, kv, layers, sender, receiver: _Receiver, n: int, seed: int,
+              sender_device: str) -> dict[str, float]:
+    """One request sent and loaded on the other side, checked: its send, load and end-to-end times."""
+    from kvtier.pd.sender import Target
+
+    tokens, slots = _tokens(n, seed), _slots(kv.num_blocks, shape.block_size, n, seed + 1)
+    want = checksum(layers, slots, shape.block_size)
+    _sync(sender_device)
+    t0 = time.perf_counter()
+    sent = sender.send(Target("127.0.0.1", receiver.init, receiver.alloc, f"r{seed}"), tokens, slots, start=0,
+                       last=True)
+    _sync(sender_device)
+    t1 = time.perf_counter()
+    reply = receiver.load(n, seed)
+    t2 = time.perf_counter()
+    if sent != n or reply["loaded"] != n or reply["checksum"] != want:
+        raise RuntimeError(f"{receiver.channel}, {n} tokens: sent {sent}, loaded {reply['loaded']}, "
+                           f"checksum {reply['checksum']} != {want}: the data did not arrive intact")
+    return {"send_ms": (t1 - t0) * 1e3, "load_ms": reply["load_ms"], "done_to_loaded_ms": (t2 - t0) * 1e3}
+
+
+def _copy_ms(src: torch.Tensor, dst: torch.Tensor, sender_device: str, receiver_device: str) -> float:
+    """A plain device copy of the same bytes: the limit."""
+    _sync(sender_device)
+    c0 = time.perf_counter()
+    dst.copy_(src)
+    _sync(sender_device)
+    _sync(receiver_device)
+    return (time.perf_counter() - c0) * 1e3
 
 
 def _read_line(proc: subprocess.Popen, prefix: str) -> str | None:
