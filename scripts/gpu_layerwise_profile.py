@@ -38,7 +38,7 @@ from kvtier.bench.ttft import build_model  # noqa: E402
 from kvtier.bench.ttft_sources import BesideACopy, ServerSession as _ServerSession  # noqa: E402
 from kvtier.config import KvtierConfig  # noqa: E402
 from kvtier.integrations.hf import HFSession, KvtierCache  # noqa: E402
-from kvtier.localservers import kvtier_server  # noqa: E402
+from kvtier.dev.localservers import kvtier_server  # noqa: E402
 from kvtier.server.client import KVClient  # noqa: E402
 from kvtier.tiers.store import TieredStore  # noqa: E402
 from kvtier.tiers.remote import RemoteTier  # noqa: E402

@@ -104,7 +104,7 @@ def server(tokens: int) -> None:
     import numpy as np
 
     import kvtier.buffers as buffers
-    from kvtier.localservers import kvtier_server
+    from kvtier.dev.localservers import kvtier_server
     from kvtier.server.client import KVClient
 
     chunk = 256 * 32 * 2 * 8 * 128 * 2  # 33.5 MB

@@ -22,7 +22,7 @@ from kvtier.bench.offload import copy_bandwidth
 from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
 from kvtier.keys import KVFormat
-from kvtier.localservers import kvtier_server
+from kvtier.dev.localservers import kvtier_server
 from kvtier.transfer import PagedKV
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.tinymodel import make_tiny_llama
+from kvtier.dev.tinymodel import make_tiny_llama
 
 
 @pytest.fixture(scope="session")

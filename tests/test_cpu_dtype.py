@@ -2,7 +2,7 @@
 
 import re
 
-from kvtier.cpu_dtype import PROBE, probe_bf16
+from kvtier.dev.cpu_dtype import PROBE, probe_bf16
 
 SIGILL = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
 

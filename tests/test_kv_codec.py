@@ -15,7 +15,7 @@ from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError
 from kvtier.keys import KVFormat
-from kvtier.localservers import kvtier_server
+from kvtier.dev.localservers import kvtier_server
 from kvtier.remote import open_store
 from kvtier.keys import wire_key
 from kvtier.transfer import PagedKV, Quant

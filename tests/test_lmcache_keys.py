@@ -7,7 +7,7 @@ import pytest
 
 from kvtier.config import FIELDS, load_config
 from kvtier.errors import ConfigError, UnknownConfigKey
-from kvtier.lmcache_keys import CLASSES, LMCACHE_VERSION, RULES
+from kvtier.config.lmcache_keys import CLASSES, LMCACHE_VERSION, RULES
 
 DATA = Path(__file__).parent / "data" / f"lmcache-{LMCACHE_VERSION}-keys.txt"
 
@@ -63,7 +63,7 @@ enable_blending: false
 
 
 def test_an_lmcache_yaml_with_common_keys_starts_kvtier_with_the_right_warnings(tmp_path, caplog):
-    import kvtier.lmcache_keys as lk
+    import kvtier.config.lmcache_keys as lk
 
     lk._told.clear()
     f = tmp_path / "lmcache.yaml"
@@ -104,7 +104,7 @@ def test_lmcaches_cache_policies_are_taken_and_others_refused():
 def test_lmcaches_own_environment_variables_start_kvtier_with_a_line_each(caplog):
     """LMCACHE_TRACK_USAGE and the like are LMCache's switches, not config keys:
     an LMCache user's environment starts kvtier, and each says what kvtier does."""
-    import kvtier.lmcache_keys as lk
+    import kvtier.config.lmcache_keys as lk
 
     lk._told.clear()
     env = {name: "false" for name in lk.ENV_VARS} | {"LMCACHE_EC_FOO": "1", "LMCACHE_CHUNK_SIZE": "512"}

@@ -16,7 +16,7 @@ from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError
 from kvtier.keys import KVFormat
-from kvtier.localservers import free_port
+from kvtier.dev.localservers import free_port
 from kvtier.pd import make_buffer, protocol as proto, start_receiver
 from kvtier.pd.sender import PdSender, Target
 from kvtier.transfer import PagedKV

@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_pd import Pair
 
-from kvtier.localservers import free_port, wait_for_port
+from kvtier.dev.localservers import free_port, wait_for_port
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from kvtier.errors import RemoteUnavailable
-from kvtier.localservers import free_port, kvtier_server, redis_cluster, redis_server
+from kvtier.dev.localservers import free_port, kvtier_server, redis_cluster, redis_server
 from kvtier.remote import open_store
 from kvtier.remote.redis import RedisStore
 from kvtier.server.client import KVClient

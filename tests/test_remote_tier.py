@@ -13,7 +13,7 @@ from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
 from kvtier.errors import CorruptPayload
 from kvtier.keys import KVFormat
-from kvtier.localservers import free_port, kvtier_server, redis_cluster, redis_server
+from kvtier.dev.localservers import free_port, kvtier_server, redis_cluster, redis_server
 from kvtier.remote import open_store
 from kvtier.keys import wire_key
 from kvtier.transfer import PagedKV

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from kvtier.errors import RemoteUnavailable, ValueTooLarge
-from kvtier.localservers import free_port, kvtier_server
+from kvtier.dev.localservers import free_port, kvtier_server
 from kvtier.server import protocol as p
 from kvtier.server.client import KVClient
 

@@ -16,7 +16,7 @@ from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError, RemoteAuthFailed, RemoteRefused, RemoteUnavailable
 from kvtier.keys import KVFormat
-from kvtier.localservers import kvtier_server, self_signed_cert
+from kvtier.dev.localservers import kvtier_server, self_signed_cert
 from kvtier.remote import open_store
 from kvtier.server import protocol as p
 from kvtier.server.client import KVClient

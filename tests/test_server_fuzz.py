@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from kvtier.errors import RemoteRefused
-from kvtier.localservers import kvtier_server
+from kvtier.dev.localservers import kvtier_server
 from kvtier.server import auth
 from kvtier.server import protocol as p
 from kvtier.server.client import KVClient

@@ -13,7 +13,7 @@ from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError
 from kvtier.keys import KVFormat
-from kvtier.localservers import kvtier_server
+from kvtier.dev.localservers import kvtier_server
 from kvtier.tiers.base import CPU
 from kvtier.transfer import PagedKV
 

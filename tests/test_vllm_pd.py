@@ -16,9 +16,9 @@ import pytest
 import torch
 from test_pd import channels
 
-from kvtier.demo import vllm_server
-from kvtier.localservers import free_port, wait_for_port
-from kvtier.tinymodel import corpus_text
+from kvtier.dev.demo import vllm_server
+from kvtier.dev.localservers import free_port, wait_for_port
+from kvtier.dev.tinymodel import corpus_text
 
 pytestmark = pytest.mark.vllm
 # On a GPU (scripts/gpu_vllm.sh): both servers share it, the decoder's buffer is GPU
@@ -143,7 +143,7 @@ def test_proxy_health_metrics_and_ttft_stats(cluster):
 
 
 def test_vllm_bench_serve_through_the_proxy_completes_every_request(cluster, tiny_model):
-    cmd = [sys.executable, "-m", "kvtier.vllm_cli", "bench", "serve", "--base-url", cluster.url,
+    cmd = [sys.executable, "-m", "kvtier.cli", "vllm", "bench", "serve", "--base-url", cluster.url,
            "--model", str(tiny_model), "--dataset-name", "random", "--random-input-len", "300",
            "--random-output-len", "8", "--num-prompts", "8", "--request-rate", "4", "--burstiness", "100",
            "--seed", "1"]

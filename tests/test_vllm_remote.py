@@ -12,9 +12,9 @@ import pytest
 import torch
 from vllm_offline import run_vllm
 
-from kvtier.demo import HIT_LINE, query_ttft, vllm_server
-from kvtier.localservers import kvtier_server, redis_server
-from kvtier.tinymodel import corpus_text
+from kvtier.dev.demo import HIT_LINE, query_ttft, vllm_server
+from kvtier.dev.localservers import kvtier_server, redis_server
+from kvtier.dev.tinymodel import corpus_text
 
 ON_GPU = torch.cuda.is_available()  # scripts/gpu_vllm.sh: real vLLM on a GPU (no redis-server there)
 
@@ -100,7 +100,7 @@ BENCH = {"num_prompts": 50, "input_len": 8192, "output_len": 128} if ON_GPU else
 
 def bench_serve(url: str, model: str) -> dict[str, float]:
     port = url.rsplit(":", 1)[1]
-    cmd = [sys.executable, "-m", "kvtier.vllm_cli", "bench", "serve", "--backend", "vllm", "--model", model,
+    cmd = [sys.executable, "-m", "kvtier.cli", "vllm", "bench", "serve", "--backend", "vllm", "--model", model,
            "--num-prompts", str(BENCH["num_prompts"]), "--port", port, "--host", "127.0.0.1",
            "--dataset-name", "random", "--random-input-len", str(BENCH["input_len"]),
            "--random-output-len", str(BENCH["output_len"]), "--seed", "42"]

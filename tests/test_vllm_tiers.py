@@ -1,7 +1,7 @@
 """Real vLLM (CPU build) with a CPU pool smaller than the prompt: disk and remote tiers behind it.
 
 The model runs in float32 here, the dtype CPU hosts with AMX fall back to
-(kvtier.cpu_dtype), so every machine runs vLLM + kvtier in it at least here.
+(kvtier.dev.cpu_dtype), so every machine runs vLLM + kvtier in it at least here.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import re
 import pytest
 from vllm_offline import run_vllm
 
-from kvtier.demo import HIT_LINE
+from kvtier.dev.demo import HIT_LINE
 from kvtier.keys import KVFormat, chunk_spans
-from kvtier.localservers import kvtier_server
+from kvtier.dev.localservers import kvtier_server
 from kvtier.tiers.disk import file_name
-from kvtier.tinymodel import corpus_text
+from kvtier.dev.tinymodel import corpus_text
 
 pytestmark = pytest.mark.vllm
 DTYPE = "float32"

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvtier.cpu_dtype import cpu_model_dtype, model_dtype
+from kvtier.dev.cpu_dtype import cpu_model_dtype, model_dtype
 
 
 def main() -> None:
@@ -21,7 +21,7 @@ def main() -> None:
     p.add_argument("--kv-role", default="", help="kv_both | kv_producer | kv_consumer; empty: no kvtier")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--max-batched", type=int, default=1024)
-    p.add_argument("--dtype", required=True, help="bfloat16 | float32 (see kvtier.cpu_dtype)")
+    p.add_argument("--dtype", required=True, help="bfloat16 | float32 (see kvtier.dev.cpu_dtype)")
     p.add_argument("--by-name", action="store_true", help="no kv_connector_module_path: vLLM's plugin finds it")
     args = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -66,7 +66,7 @@ def run_vllm(model: Path, prompts: list[list[int]], tmp: Path, kv_role: str = ""
              ) -> tuple[list[dict], str]:
     """Run this file in a subprocess; returns the per-request results and vLLM's log.
 
-    dtype "auto": the one models run in here (kvtier.cpu_dtype.model_dtype)."""
+    dtype "auto": the one models run in here (kvtier.dev.cpu_dtype.model_dtype)."""
     pfile = tmp / f"prompts-{name or kv_role or 'plain'}.json"
     pfile.write_text(json.dumps(prompts))
     cmd = [sys.executable, __file__, "--model", str(model), "--prompts", str(pfile), "--kv-role", kv_role,

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvtier.bench.offload import OffloadShape
-from kvtier.localservers import free_port
+from kvtier.dev.localservers import free_port
 
 FMT_MODEL = "llama-3.1-8b-shape"
 

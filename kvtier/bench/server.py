@@ -72,7 +72,7 @@ class ServerBenchConfig:
 
 
 def run_server_bench(cfg: ServerBenchConfig, progress=print) -> dict:
-    from kvtier.localservers import free_port, wait_for_port
+    from kvtier.dev.localservers import free_port, wait_for_port
 
     raw_port, ring_port = free_port(), free_port()
     raws = [mp.get_context("spawn").Process(target=raw_server, args=(port, ring), daemon=True)
@@ -118,7 +118,7 @@ def run_server_bench(cfg: ServerBenchConfig, progress=print) -> dict:
 @contextlib.contextmanager
 def _servers(targets: tuple[str, ...]):
     """The servers `targets` need, each on its own ports: target -> address for the clients."""
-    from kvtier.localservers import kvtier_server, redis_server, self_signed_cert
+    from kvtier.dev.localservers import kvtier_server, redis_server, self_signed_cert
 
     with contextlib.ExitStack() as stack:
         out = {}

@@ -68,7 +68,7 @@ def tcp_bandwidth(size: int = 16 * MiB, seconds: float = 1.0, repeats: int = 3, 
     leaves from and lands in the next slot of a `ring`-byte buffer at both ends
     (per connection), as KV moves from a store's pool into a cache's pool (out of
     the CPU cache); 0: one slot each, which stays in the CPU cache."""
-    from kvtier.localservers import free_port, wait_for_port
+    from kvtier.dev.localservers import free_port, wait_for_port
 
     port = free_port()
     proc = mp.get_context("spawn").Process(target=raw_server, args=(port, ring), daemon=True)

@@ -283,7 +283,7 @@ def run_ttft(lengths: list[int], repeats: int, out_dir: Path, layers: int | None
     with contextlib.ExitStack() as stack:
         url = None
         if server:
-            from kvtier.localservers import kvtier_server
+            from kvtier.dev.localservers import kvtier_server
 
             kv_bytes = max(lengths) * kv_bytes_per_token(model)
             url = stack.enter_context(kvtier_server(2.5 * kv_bytes / 1024**3)).url

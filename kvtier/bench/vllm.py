@@ -82,7 +82,7 @@ def run_setup(args: argparse.Namespace) -> None:
     if "server" not in setup:
         _run_setup(args, setup)
         return
-    from kvtier.localservers import kvtier_server
+    from kvtier.dev.localservers import kvtier_server
 
     with kvtier_server(args.cpu_gb) as server:
         os.environ["LMCACHE_REMOTE_URL"] = server.url + "/" + setup["server"]

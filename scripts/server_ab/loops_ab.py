@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import epoll_servers  # noqa: E402
 
 from kvtier.bench import server as b  # noqa: E402
-from kvtier.localservers import free_port, kvtier_server, wait_for_port  # noqa: E402
+from kvtier.dev.localservers import free_port, kvtier_server, wait_for_port  # noqa: E402
 
 if __name__ == "__main__":
     size, conns, reps = int(sys.argv[1]), [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3])

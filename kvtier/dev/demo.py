@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from kvtier.cpu_dtype import model_dtype
-from kvtier.localservers import free_port
-from kvtier.tinymodel import corpus_text, make_tiny_llama
+from kvtier.dev.cpu_dtype import model_dtype
+from kvtier.dev.localservers import free_port
+from kvtier.dev.tinymodel import corpus_text, make_tiny_llama
 
 HIT_LINE = re.compile(r"Reqid: \S+, Total tokens (\d+), hit tokens (\d+), need to load (\d+)")
 CONNECTOR = {
@@ -61,7 +61,7 @@ def vllm_server(
 ) -> Iterator[Server]:
     """Run vLLM's OpenAI server on a free loopback port until the block exits.
 
-    `dtype` "auto" is the one models run in here (kvtier.cpu_dtype.model_dtype). On a
+    `dtype` "auto" is the one models run in here (kvtier.dev.cpu_dtype.model_dtype). On a
     GPU the server takes `gpu_memory_utilization` of it (two may share one) and runs
     eager (no graphs to capture at start).
     """

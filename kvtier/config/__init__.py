@@ -29,7 +29,7 @@ import yaml
 
 from kvtier.codec import KV_CODECS, SERDES
 from kvtier.errors import ConfigError, UnknownConfigKey
-from kvtier.lmcache_keys import RULES, env_var_note, resolve
+from kvtier.config.lmcache_keys import RULES, env_var_note, resolve
 from kvtier.remote import TOKEN_SCHEMES, check_url
 from kvtier.tiers.policy import POLICIES
 
