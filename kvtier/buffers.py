@@ -85,8 +85,7 @@ def _pairs(dst: Sequence[Buffer], src: Sequence[Buffer]) -> Copy:
 # Large copies (a batch of chunks through the same-host shared pool) and
 # checksums are split over threads: one thread's memcpy or xxh3 is far below
 # what a server's memory system moves (numpy and codec.checksum release the
-# GIL). Measured on a 16-core H100 host (scripts/gpu_checksum_threads.py):
-# xxh3 at 6.8 GB/s on one thread, 37 on 8, 59 on 16 beside a 52 GB/s DMA.
+# GIL): docs/benchmarks.md, "Figures behind constants" (scripts/gpu_checksum_threads.py).
 COPY_THREADS = max(1, min(16, os.cpu_count() or 1))
 PARALLEL_FROM = 64 << 20
 _PIECE = 8 << 20

@@ -5,9 +5,8 @@ one per I/O thread (`--io-threads`, default: the CPUs, at most 4); the main
 loop accepts, hands each new connection to the loop serving the fewest, and also
 runs the management HTTP API (manage.py). A connection stays on its loop;
 there is no thread per client. More than one loop because one thread moves
-bytes on one core: on a 2-core VM, one loop (or a plain epoll server) got
-4.4 GB/s of loopback puts from two clients, two loops 7.8, a thread per
-connection 5.5-9 (docs/benchmarks.md). The value pool is allocated once at
+bytes on one core (docs/benchmarks.md, "Figures behind constants in the
+code"). The value pool is allocated once at
 start (pool.py) and indexed with LRU eviction between watermarks
 (index.py), one lock for all loops.
 

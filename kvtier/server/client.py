@@ -24,7 +24,7 @@ bytes the server may have handed to someone else.
 
 Over TCP a large `get_into` is spread over up to READERS connections
 (each a contiguous share of the keys, received on its own thread): one
-loopback TCP stream moves ~3 GB/s, several move more, and the server
+loopback TCP stream moves less than several do, and the server
 serves them on its I/O threads. The extra connections open on the first
 such get and are left alone if the server refuses them (a bound).
 

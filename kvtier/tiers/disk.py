@@ -54,13 +54,9 @@ from kvtier.tiers.policy import EvictionOrder
 log = get_logger(__name__)
 
 SUFFIX = ".kvc"
-# Reads in flight at once. Measured on a 2-core VM's virtual disk, 64 files of
-# 32 MiB from a cold cache: 1 reader 0.7-1.1 GB/s, 4-8 readers 1.5-2.3 GB/s,
-# one sequential file 1.2-2.0 GB/s. Reads wait on the device, not on a core.
+# Reads and writes in flight at once: they wait on the device, not on a core
+# (the measurements that chose them: docs/benchmarks.md, "Figures behind constants").
 READ_THREADS = 4
-# Writes in flight at once, for the same reason. Same VM, 64 chunks of 32 MiB
-# then sync(): 1 writer 0.5-0.9 GB/s, 2 writers 1.3-1.4, 4 writers 1.1-1.7,
-# one sequential file 1.1-1.8.
 WRITE_THREADS = 2
 
 

@@ -29,8 +29,7 @@ whatever tokens they hold: a run of them is one strided copy.
 Kernels run on one side stream and PCIe copies on another, ordered by
 events; both are ordered after the caller's stream, and the caller's stream
 waits for them. Direct needs every chunk pinned; a call with a pageable
-chunk is staged. Figures (docs/benchmarks.md): staged store/retrieve at
-0.89-0.93 of pinned copy bandwidth, direct 0.84/0.75.
+chunk is staged. Figures: docs/benchmarks.md.
 
 With a lossy codec (quant.py) the kernels quantize the KV into the chunk
 rows as they gather, and dequantize as they scatter: staging, copies and
