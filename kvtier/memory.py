@@ -24,6 +24,7 @@ import mmap
 import re
 import threading
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -34,6 +35,21 @@ log = get_logger(__name__)
 
 HUGE_PAGE = 2 * 1024 * 1024
 _MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)
+
+
+class ChunkBytes(Protocol):
+    """A chunk's bytes as a load reads them: a block of the engine's pool
+    (MemoryBlock), or a chunk the store server lends in place (tiers/remote.py's
+    BorrowedBlock, whose `pool` is None)."""
+
+    data: torch.Tensor
+    pool: HostPool | None
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor: ...
+    def verified(self) -> bool: ...
+    def device_check(self, count: int, device: torch.device) -> torch.Tensor | None: ...
+    def retain(self) -> ChunkBytes: ...
+    def release(self) -> None: ...
 
 
 class MemoryBlock:

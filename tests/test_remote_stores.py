@@ -1,4 +1,4 @@
-"""The tier contract suite: one set of behaviours, every remote store.
+"""The remote-store contract suite: one set of behaviours, every remote store (KVStore).
 
 Runs against real servers on free loopback ports: kvtier server (over TCP
 and over the same-host shared-memory path), redis-server, a 3-master Redis

@@ -33,7 +33,7 @@ SCHEMES = {
 
 
 class KVStore(Protocol):
-    """A byte store shared by a cluster. Contract (tests/tier_contract.py):
+    """A byte store shared by a cluster. Contract (tests/test_remote_stores.py):
 
     - `get` returns one entry per key, None for a miss; a value is seen
       whole or not at all.

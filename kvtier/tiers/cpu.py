@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from kvtier.keys import ChunkKey
-from kvtier.memory import HostPool, MemoryBlock
+from kvtier.memory import ChunkBytes, HostPool, MemoryBlock
 from kvtier.tiers.policy import EvictionOrder
 
 
@@ -28,7 +28,7 @@ class TierStats:
 
 @dataclass(frozen=True, slots=True)
 class StoredChunk:
-    block: MemoryBlock
+    block: ChunkBytes  # a pool block; a chunk lent by the store server when it comes from there
     num_tokens: int
 
 

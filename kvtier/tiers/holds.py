@@ -27,7 +27,6 @@ from typing import Sequence
 from kvtier.keys import ChunkKey
 from kvtier.logs import get_logger
 from kvtier.memory import MemoryBlock
-from kvtier.tiers.base import CPU
 from kvtier.tiers.store import TieredStore
 
 log = get_logger(__name__)
@@ -61,15 +60,7 @@ class Holds:
         self.expire()
         self.release(request_id)
         hold = Hold(time.monotonic() + self.timeout)
-        budget = self.budget()
-        for key, tier in zip(keys, where):
-            if tier == CPU and len(hold.blocks) < budget:
-                chunk = self.tiers.cpu.get(key)
-                if chunk is not None:
-                    hold.blocks.append(chunk.block)
-        disk = self.tiers.disk
-        if disk is not None:
-            hold.disk_names = disk.pin([k for k, t in zip(keys, where) if t == disk.name])
+        hold.blocks, hold.disk_names = self.tiers.hold(keys, where, self.budget())
         with self._lock:
             self._holds[request_id] = hold
 
@@ -106,7 +97,4 @@ class Holds:
             self._end(hold)
 
     def _end(self, hold: Hold) -> None:
-        for block in hold.blocks:
-            block.release()
-        if hold.disk_names and self.tiers.disk is not None:
-            self.tiers.disk.unpin(hold.disk_names)
+        self.tiers.unhold(hold.blocks, hold.disk_names)

@@ -250,6 +250,25 @@ class TieredStore:
 
     # -- writes -------------------------------------------------------------------------
 
+    def hold(self, keys: Sequence[ChunkKey], where: Sequence[str], most_blocks: int
+             ) -> tuple[list[MemoryBlock], list[str]]:
+        """Keep the chunks of `keys` (found by `locate` in `where`) from eviction: a reference
+        on each CPU block (at most `most_blocks`), a pin on each disk file; both to `unhold`."""
+        blocks = []
+        for key, tier in zip(keys, where):
+            if tier == CPU and len(blocks) < most_blocks:
+                chunk = self.cpu.get(key)
+                if chunk is not None:
+                    blocks.append(chunk.block)
+        names = self.disk.pin([k for k, t in zip(keys, where) if t == self.disk.name]) if self.disk is not None else []
+        return blocks, names
+
+    def unhold(self, blocks: Sequence[MemoryBlock], disk_names: Sequence[str]) -> None:
+        for block in blocks:
+            block.release()
+        if disk_names and self.disk is not None:
+            self.disk.unpin(list(disk_names))
+
     def allocate(self, wait: bool = True) -> MemoryBlock | None:
         """A CPU block (evicting LRU chunks). When only writers hold the others and
         `wait`, wait for them, up to `wait_s`; None when every block is held by readers."""
