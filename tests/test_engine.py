@@ -1,3 +1,4 @@
+import gc
 import logging
 import os
 
@@ -148,6 +149,7 @@ def test_mismatched_kv_shapes_are_refused():
 
 def test_memory_stays_flat_over_10000_cycles_with_eviction():
     """10,000 store/retrieve cycles through a 64 MiB pool that keeps evicting."""
+    gc.collect()  # earlier tests' engines (their pools) go now, not during the measurement
     layers = [torch.randn(2, 256, 16, 4, 64) for _ in range(4)]  # 32 KiB per token
     cfg = KvtierConfig(chunk_size=16, max_local_cpu_size=64 / 1024)
     eng = CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), FMT)
