@@ -3,12 +3,32 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.dev.localservers import kvtier_server, redis_cluster, redis_server
 from kvtier.dev.tinymodel import make_tiny_llama
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def kvserver():
+    """A `kvtier server` with a 64 MiB pool (small enough to overflow in a test)."""
+    with kvtier_server(0.0625) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def redis_srv():
+    with redis_server() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def redis_cluster_srv():
+    with redis_cluster(3) as srv:
+        yield srv
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,30 +13,14 @@ import time
 import pytest
 
 from kvtier.errors import RemoteUnavailable
-from kvtier.dev.localservers import free_port, kvtier_server, redis_cluster, redis_server
+from kvtier.dev.localservers import free_port
 from kvtier.remote import open_store
 from kvtier.remote.redis import RedisStore
 from kvtier.server.client import KVClient
 
-POOL_GB = 0.0625  # 64 MiB: small enough to overflow in a test
 
 
-@pytest.fixture(scope="module")
-def kvserver():
-    with kvtier_server(POOL_GB) as srv:
-        yield srv
 
-
-@pytest.fixture(scope="module")
-def redis_srv():
-    with redis_server() as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with redis_cluster(3) as srv:
-        yield srv
 
 
 @pytest.fixture(params=["kvtier-tcp", "kvtier-shm", "redis", "redis-cluster", "fs"])
@@ -52,7 +36,7 @@ def store(request, tmp_path):
         st = open_store(request.getfixturevalue("redis_srv").url, 5)
         st.max_value, too_large = 16 << 20, (16 << 20) + 1
     elif kind == "redis-cluster":
-        st = open_store(request.getfixturevalue("cluster").url, 5)
+        st = open_store(request.getfixturevalue("redis_cluster_srv").url, 5)
         st.max_value, too_large = 16 << 20, (16 << 20) + 1
     else:
         st, too_large = open_store(f"fs://{tmp_path}/kv", 5), None

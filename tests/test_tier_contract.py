@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from kvtier.config import KvtierConfig
-from kvtier.dev.localservers import kvtier_server, redis_cluster, redis_server
 from kvtier.engine import CacheEngine
 from kvtier.keys import KVFormat, wire_key
 from kvtier.remote import open_store
@@ -28,22 +27,7 @@ SRC, DST = torch.arange(0, 160), torch.arange(400, 560)
 TIERS = ["cpu", "disk", "kvtier-tcp", "kvtier-shm", "redis", "redis-cluster", "fs"]
 
 
-@pytest.fixture(scope="module")
-def kvserver():
-    with kvtier_server(0.0625) as srv:
-        yield srv
 
-
-@pytest.fixture(scope="module")
-def redis_srv():
-    with redis_server() as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with redis_cluster(3) as srv:
-        yield srv
 
 
 @pytest.fixture(params=TIERS)
@@ -62,7 +46,7 @@ def tier(request, tmp_path):
     elif kind == "redis":
         cfg["remote_url"] = request.getfixturevalue("redis_srv").url
     elif kind == "redis-cluster":
-        cfg["remote_url"] = request.getfixturevalue("cluster").url
+        cfg["remote_url"] = request.getfixturevalue("redis_cluster_srv").url
     elif kind == "fs":
         cfg["remote_url"] = f"fs://{tmp_path}/fs"
     found = {"cpu": Tier.CPU, "disk": Tier.DISK}.get(kind, Tier.REMOTE)
@@ -79,15 +63,15 @@ def kv_at(layers, slots):
     return torch.stack([x[:, slots // BS, slots % BS] for x in layers])
 
 
-def tokens_of(base: int) -> list[int]:
-    """A prompt of its own per test: the remote stores outlive one test."""
-    return [t + base for t in TOKENS]
+def setup(config: KvtierConfig, request) -> tuple[CacheEngine, list[torch.Tensor], list[int]]:
+    """An engine, its KV, and a prompt of the test's own (the remote stores outlive one test)."""
+    eng, layers = engine(config)
+    return eng, layers, [t + hash(request.node.name) % 10**6 * 1000 for t in TOKENS]
 
 
 def test_a_stored_prompt_is_found_in_the_tier_and_loads_the_same_kv(tier, request):
     kind, config, found = tier
-    eng, layers = engine(config)
-    tokens = tokens_of(hash(request.node.name) % 10**6 * 1000)
+    eng, layers, tokens = setup(config, request)
     try:
         assert eng.store(tokens, SRC) == 160 and eng.flush(timeout=30)
         assert eng.tiers.locate([s.key for s in eng.spans(tokens)]) == [found] * 10
@@ -101,8 +85,7 @@ def test_a_stored_prompt_is_found_in_the_tier_and_loads_the_same_kv(tier, reques
 
 def test_a_prompt_is_found_up_to_its_first_chunk_the_tier_does_not_hold(tier, request):
     _, config, _ = tier
-    eng, _ = engine(config)
-    tokens = tokens_of(hash(request.node.name) % 10**6 * 1000)
+    eng, _, tokens = setup(config, request)
     try:
         assert eng.store(tokens[:96], SRC[:96]) == 96 and eng.flush(timeout=30)
         assert eng.lookup(tokens) == 96  # six chunks of ten
@@ -119,8 +102,7 @@ def test_damaged_bytes_are_a_miss_not_wrong_kv(tier, request, tmp_path):
     kind, config, _ = tier
     if kind == "cpu":
         pytest.skip("CPU RAM holds the gathered bytes themselves: nothing between them and the load")
-    eng, layers = engine(config)
-    tokens = tokens_of(hash(request.node.name) % 10**6 * 1000)
+    eng, layers, tokens = setup(config, request)
     try:
         assert eng.store(tokens, SRC) == 160 and eng.flush(timeout=30)
         third = eng.spans(tokens)[3].key
@@ -146,8 +128,7 @@ def test_damaged_bytes_are_a_miss_not_wrong_kv(tier, request, tmp_path):
 
 def test_what_the_tier_keeps_outlives_the_engine_where_it_should(tier, request):
     kind, config, _ = tier
-    eng, _ = engine(config)
-    tokens = tokens_of(hash(request.node.name) % 10**6 * 1000)
+    eng, _, tokens = setup(config, request)
     assert eng.store(tokens, SRC) == 160 and eng.flush(timeout=30)
     eng.close()
     again, _ = engine(config, seed=1)
