@@ -19,10 +19,6 @@ from kvtier.remote.redis import RedisStore
 from kvtier.server.client import KVClient
 
 
-
-
-
-
 @pytest.fixture(params=["kvtier-tcp", "kvtier-shm", "redis", "redis-cluster", "fs"])
 def store(request, tmp_path):
     """(store, size of a value it must refuse as too large, or None)."""
