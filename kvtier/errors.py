@@ -49,10 +49,6 @@ class HugePagesUnavailable(KvtierError, MemoryError):
         )
 
 
-class PoolExhausted(KvtierError):
-    """No block can be allocated: the pool is full and nothing is evictable."""
-
-
 class RemoteUnavailable(KvtierError, ConnectionError):
     """A remote store could not be reached or stopped answering in time.
 

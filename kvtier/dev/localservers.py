@@ -76,10 +76,6 @@ class LocalServer:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
 
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
     def stop(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:

@@ -147,11 +147,6 @@ class CacheEngine:
         slots = self._check(tokens, slots)
         return self.storing.start(as_numpy(tokens), slots, start, request_id, layerwise)
 
-    def chunk_view(self, data: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """The chunk at the front of the byte buffer `data`, as the transfers take it:
-        [L, K, T, NH, HS] of the KV's dtype, or the codec's rows [L, K, T, R] uint8."""
-        return self.mover.view(data, num_tokens)
-
     def allocate_staging(self, spans: Sequence[ChunkSpan]) -> list[tuple[ChunkSpan, MemoryBlock]]:
         """Pool blocks for the first of `spans` (as many as free now; the first may wait),
         owned by the caller: a PD sender's staging."""
