@@ -1,6 +1,9 @@
 """The scheduler ⇄ worker lookup protocol over real ZMQ IPC sockets."""
 
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,3 +61,19 @@ def test_a_silent_worker_is_a_miss_within_the_timeout(tmp_path):
     assert client.lookup([1, 2, 3], "r") == (0, 0) and client.reset() is False
     assert time.monotonic() - t0 < 2
     client.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="abstract sockets are Linux's")
+def test_a_worker_that_dies_without_closing_leaves_no_socket_file():
+    """vLLM's workers are often killed, not shut down: their lookup socket is abstract."""
+    address = socket_path("abstract-check", 0)
+    server = LookupServer(address, Handlers(lookup=lambda tokens, rid, computed: (len(tokens), 0),
+                                            release=lambda rid: None, reset=lambda: None))
+    client = LookupClient([address], timeout_s=2)
+    try:
+        assert address.startswith("ipc://@")
+        assert client.lookup([1, 2, 3], "r") == (3, 0)
+        assert not list(Path(tempfile.gettempdir()).glob("kvtier-abstract-check*"))
+    finally:
+        client.close()
+        server.close()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import os
 import struct
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -56,8 +57,11 @@ class Handlers:
 
 
 def socket_path(engine_id: str, rank: int) -> str:
-    # ipc paths are limited to ~100 bytes, so keep them short.
-    return f"ipc://{tempfile.gettempdir()}/kvtier-{engine_id[:24]}-{rank}.sock"
+    """Where rank `rank`'s worker answers. On Linux an abstract socket (`@name`): no
+    file is left behind by a process that is killed; elsewhere a file in the temp
+    directory. ipc paths are limited to ~100 bytes, so keep them short."""
+    name = f"kvtier-{engine_id[:24]}-{rank}"
+    return f"ipc://@{name}" if sys.platform == "linux" else f"ipc://{tempfile.gettempdir()}/{name}.sock"
 
 
 def encode(op: Op, request_id: str = "", payload: bytes = b"") -> bytes:
@@ -122,7 +126,7 @@ class LookupServer:
         self._thread.join(timeout=2)
         self._sock.close(0)
         path = self.address.removeprefix("ipc://")
-        if os.path.exists(path):
+        if not path.startswith("@") and os.path.exists(path):
             os.unlink(path)
 
 
