@@ -1,10 +1,18 @@
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 
 from kvtier.dev.localservers import kvtier_server, redis_cluster, redis_server
 from kvtier.dev.tinymodel import make_tiny_llama
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_sockets_in_a_temp_dir(tmp_path_factory):
+    """vLLM's IPC sockets (a file each, left behind by a vLLM a test kills) go to a
+    folder pytest cleans, not /tmp; the vLLM processes tests start inherit it."""
+    os.environ["VLLM_RPC_BASE_PATH"] = str(tmp_path_factory.mktemp("vllm-rpc"))
 
 
 @pytest.fixture(scope="session")
