@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -143,14 +144,26 @@ def run_pd(shape: OffloadShape, token_counts: list[int], channels: list[str], se
     if sender_device.startswith("cuda"):
         torch.cuda.set_device(torch.device(sender_device))
     kv, layers = _paged(shape, max_tokens, sender_device, fill=True)
+    bench = _PdBench(shape, kv, layers, sender_device, receiver_device, repeats)
     runs: list[PdRun] = []
     for channel in channels:
         with _Receiver(shape, channel, receiver_device, max_tokens) as receiver:
-            runs += _channel_runs(shape, kv, layers, channel, receiver, token_counts, sender_device, receiver_device,
-                                  repeats)
+            runs += _channel_runs(bench, receiver, token_counts)
     return {"shape": asdict(shape), "sender_device": sender_device, "receiver_device": receiver_device,
             "machine": _machine(sender_device, receiver_device), "date": time.strftime("%Y-%m-%d"),
             "repeats": repeats, "runs": [r.summary(per_token(shape)) | {"raw": asdict(r)} for r in runs]}
+
+
+@dataclass(frozen=True)
+class _PdBench:
+    """The sender's side of the benchmark: its paged KV and where the bytes go."""
+
+    shape: OffloadShape
+    kv: Any  # PagedKV
+    layers: list
+    sender_device: str
+    receiver_device: str
+    repeats: int
 
 
 class _Receiver:
@@ -187,24 +200,25 @@ class _Receiver:
             self.proc.kill()
 
 
-def _channel_runs(shape: OffloadShape, kv, layers, channel: str, receiver: _Receiver, token_counts: list[int],
-                  sender_device: str, receiver_device: str, repeats: int) -> list[PdRun]:
+def _channel_runs(bench: _PdBench, receiver: _Receiver, token_counts: list[int]) -> list[PdRun]:
     from kvtier.engine import CacheEngine
     from kvtier.keys import KVFormat
     from kvtier.pd.sender import PdSender
 
+    shape, channel, sender_device, receiver_device = bench.shape, receiver.channel, bench.sender_device, \
+        bench.receiver_device
     # The sender's staging (tcp, nixl) sits where its KV is, as in the guide's config.
     config = _config(shape, "sender", channel, sender_device, 1 << 30 if channel != "cuda_ipc" else 0,
                      receiver.init, receiver.alloc)
-    engine = CacheEngine(config, kv, KVFormat(FMT_MODEL, "flash_attn", shape.dtype))
+    engine = CacheEngine(config, bench.kv, KVFormat(FMT_MODEL, "flash_attn", shape.dtype))
     sender = PdSender(engine, config, 0)
     runs = []
     for n in token_counts:
         run = PdRun(channel, n)
         src = torch.empty(n * per_token(shape), dtype=torch.uint8, device=sender_device)
         dst = torch.empty(n * per_token(shape), dtype=torch.uint8, device=receiver_device)
-        for r in range(repeats + 1):  # the first is a warm-up (connection, IPC mapping, kernels)
-            times = _one_send(shape, kv, layers, sender, receiver, n, 1000 * n + r, sender_device)
+        for r in range(bench.repeats + 1):  # the first is a warm-up (connection, IPC mapping, kernels)
+            times = _one_send(bench, sender, receiver, n, 1000 * n + r)
             copy_ms = _copy_ms(src, dst, sender_device, receiver_device)
             if r:
                 for name, value in (*times.items(), ("copy_ms", copy_ms), ("phases_ms", sender.stats.last_ms)):
@@ -221,13 +235,13 @@ def _channel_runs(shape: OffloadShape, kv, layers, channel: str, receiver: _Rece
     return runs
 
 
-def _one_send(shape: OffloadShape, kv, layers, sender, receiver: _Receiver, n: int, seed: int,
-              sender_device: str) -> dict[str, float]:
+def _one_send(bench: _PdBench, sender, receiver: _Receiver, n: int, seed: int) -> dict[str, float]:
     """One request sent and loaded on the other side, checked: its send, load and end-to-end times."""
     from kvtier.pd.sender import Target
 
-    tokens, slots = _tokens(n, seed), _slots(kv.num_blocks, shape.block_size, n, seed + 1)
-    want = checksum(layers, slots, shape.block_size)
+    shape, sender_device = bench.shape, bench.sender_device
+    tokens, slots = _tokens(n, seed), _slots(bench.kv.num_blocks, shape.block_size, n, seed + 1)
+    want = checksum(bench.layers, slots, shape.block_size)
     _sync(sender_device)
     t0 = time.perf_counter()
     sent = sender.send(Target("127.0.0.1", receiver.init, receiver.alloc, f"r{seed}"), tokens, slots, start=0,

@@ -51,12 +51,11 @@ import logging
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kvtier.bench.offload import copy_bandwidth, machine_name
-from kvtier.config import KvtierConfig
-from kvtier.integrations.hf import HFSession, KvtierCache
 from kvtier.bench.ttft_sources import (
     BesideACopy,
     ServerSession,
@@ -65,6 +64,8 @@ from kvtier.bench.ttft_sources import (
     warm_from_disk,
     warm_from_server,
 )
+from kvtier.config import KvtierConfig
+from kvtier.integrations.hf import HFSession, KvtierCache
 from kvtier.server.client import READERS
 
 CUDA = torch.device("cuda")
@@ -194,7 +195,8 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
     assert session.engine.lookup(ids[0]) == tokens - tokens % chunk_size  # stored, for the warm runs
     hit = session.prefill(ids).hit_tokens
     remote = ServerSession(model, ids, chunk_size, pool_gib, server_url, transfer) if server_url else None
-    samples.update(_warm(model, session, ids, hit, kv_per_token, repeats, remote))
+    setup = _Setup(model, ids, chunk_size, pool_gib, repeats, transfer)
+    samples.update(_warm(setup, session, hit, kv_per_token, remote))
     _, h2d = copy_bandwidth(hit * kv_per_token, torch.device("cuda"))
     med = statistics.median
     point = TTFTPoint(tokens, hit, med(samples["cold"]), med(samples["warm"]), med(samples["warm_layerwise"]),
@@ -207,12 +209,24 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
         point.warm_server_layerwise_s = med(samples["warm_server_layerwise"])
     torch.cuda.empty_cache()
     if server_url and server_tcp:
-        _over_tcp(point, model, ids, chunk_size, pool_gib, server_url, repeats, transfer, codecs)
+        _over_tcp(point, setup, server_url, codecs)
     if disk_dir is not None:
         point.samples["warm_disk"], read_gbps = warm_from_disk(model, ids, chunk_size, disk_dir, repeats, transfer)
         point.warm_disk_s = med(point.samples["warm_disk"])
         point.disk_floor_s = point.kv_bytes / (read_gbps * 1e9) + point.forward_1_s
     return point
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """One prompt length's measurement: the model, its prompt, and how to run it."""
+
+    model: Any
+    ids: torch.Tensor
+    chunk_size: int
+    pool_gib: float
+    repeats: int
+    transfer: str
 
 
 def _cold(session: HFSession, ids: torch.Tensor, repeats: int) -> dict[str, list[float]]:
@@ -227,11 +241,12 @@ def _cold(session: HFSession, ids: torch.Tensor, repeats: int) -> dict[str, list
     return out
 
 
-def _warm(model, session: HFSession, ids: torch.Tensor, hit: int, kv_per_token: int, repeats: int,
+def _warm(setup: _Setup, session: HFSession, hit: int, kv_per_token: int,
           remote: ServerSession | None) -> dict[str, list[float]]:
     """Warm prefills, interleaved with the one-token forward alone and beside a copy, so that
     the host-bound forward (it varies by several ms from one minute to the next) is timed in
     the same conditions; so are the loads from the store server of this host (a second session)."""
+    model, ids, repeats = setup.model, setup.ids, setup.repeats
     last = ids[:, -1:].cuda()
 
     def forward_one() -> None:
@@ -253,17 +268,18 @@ def _warm(model, session: HFSession, ids: torch.Tensor, hit: int, kv_per_token: 
     return out
 
 
-def _over_tcp(point: TTFTPoint, model, ids, chunk_size: int, pool_gib: float, server_url: str, repeats: int,
-              transfer: str, codecs: tuple[str, ...]) -> None:
+def _over_tcp(point: TTFTPoint, setup: _Setup, server_url: str, codecs: tuple[str, ...]) -> None:
     """Warm from the store server over TCP (and with lossy codecs), against loopback TCP measured now."""
     from kvtier.bench.server_clients import tcp_bandwidth
 
     url = server_url + "/?shm=0"
-    point.samples["warm_server_tcp"] = warm_from_server(model, ids, chunk_size, pool_gib, url, repeats, transfer)
+    s = setup
+    point.samples["warm_server_tcp"] = warm_from_server(s.model, s.ids, s.chunk_size, s.pool_gib, url, s.repeats,
+                                                        s.transfer)
     point.warm_server_tcp_s = statistics.median(point.samples["warm_server_tcp"])
     for name in codecs:  # the lossy KV codecs: about half the bytes on the wire
-        point.samples[f"warm_server_tcp_{name}"] = warm_from_server(model, ids, chunk_size, pool_gib, url, repeats,
-                                                                    transfer, serde=name)
+        point.samples[f"warm_server_tcp_{name}"] = warm_from_server(s.model, s.ids, s.chunk_size, s.pool_gib, url,
+                                                                    s.repeats, s.transfer, serde=name)
     # Measured now, beside the runs it bounds: values out of and into 256 MiB rings (a store's
     # pool, a cache's pool), and the cache-resident figure of one 16 MiB buffer at each end.
     point.tcp_gbps = (tcp_bandwidth(ring=256 << 20), tcp_bandwidth())

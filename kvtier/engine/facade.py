@@ -27,6 +27,7 @@ import torch
 from kvtier.config import KvtierConfig
 from kvtier.engine.ahead import AheadSlot
 from kvtier.engine.build import build
+from kvtier.engine.job import Job
 from kvtier.engine.loading import Loading, LoadPath
 from kvtier.engine.mover import Tokens, as_numpy
 from kvtier.engine.prefetch import Prefetcher
@@ -145,7 +146,7 @@ class CacheEngine:
         streams the rest (chunks that got no block) through the pool.
         """
         slots = self._check(tokens, slots)
-        return self.storing.start(as_numpy(tokens), slots, start, request_id, layerwise)
+        return self.storing.start(Job(as_numpy(tokens), slots, start, request_id), layerwise)
 
     def allocate_staging(self, spans: Sequence[ChunkSpan]) -> list[tuple[ChunkSpan, MemoryBlock]]:
         """Pool blocks for the first of `spans` (as many as free now; the first may wait),
@@ -188,7 +189,7 @@ class CacheEngine:
         the request's hold ends at `finish()`.
         """
         slots = self._check(tokens, slots, exact=False)
-        return self.loading.start(as_numpy(tokens), slots, start, request_id, layerwise)
+        return self.loading.start(Job(as_numpy(tokens), slots, start, request_id), layerwise)
 
     def metrics(self) -> dict[str, float]:
         """A snapshot of the engine's counters (cumulative) and gauges; a per-tier

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import time
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
 from kvtier.engine.ahead import AheadSlot
+from kvtier.engine.job import Job
 from kvtier.engine.mover import Mover, release_held
 from kvtier.engine.prefetch import Prefetcher
 from kvtier.engine.records import EngineStats, log_transfer
@@ -47,13 +47,11 @@ class LoadPath:
         self.holds.release(request_id)
         self.ahead.drop(request_id)
 
-    def start(self, tokens: np.ndarray, slots: torch.Tensor, start: int, request_id: str,
-              layerwise: bool) -> Loading:
-        end = len(slots)
+    def start(self, job: Job, layerwise: bool) -> Loading:
+        slots, start, request_id, end = job.slots, job.start, job.request_id, len(job.slots)
         mask = torch.zeros(end, dtype=torch.bool)
-        t0 = time.perf_counter()
         self.prefetcher.wait(request_id)
-        spans = [s for s in self._spans(tokens, request_id) if s.start < end]
+        spans = [s for s in self._spans(job.tokens, request_id) if s.start < end]
         held: Held = []
         handle, loaded = None, 0
         try:
@@ -75,7 +73,7 @@ class LoadPath:
         if loaded:
             first, last = todo[0][0], todo[loaded - 1][0]
             mask[max(start, first.start) : min(end, last.end)] = True
-        return Loading(self, mask, held, handle, t0, request_id, todo[:loaded], start)
+        return Loading(self, job, mask, held, handle, todo[:loaded])
 
     def _sources(self, spans: list[ChunkSpan], start: int, request_id: str, layerwise: bool
                  ) -> tuple[list[tuple[ChunkSpan, str]], Held, Upload | None, Batches | None]:
@@ -127,17 +125,16 @@ class LoadPath:
                 _settle(*entry)
         return loaded
 
-    def loaded(self, count: int, total: int, by_tier: list[tuple[ChunkSpan, str]], start: int, t0: float,
-               request_id: str) -> None:
+    def loaded(self, job: Job, count: int, by_tier: list[tuple[ChunkSpan, str]]) -> None:
         """A load is over: its stats and log line."""
-        tiers = self.stats.loaded_by_tier
+        tiers, total = self.stats.loaded_by_tier, len(job.slots)
         for span, tier in by_tier:
-            tiers[tier] = tiers.get(tier, 0) + min(total, span.end) - max(start, span.start)
+            tiers[tier] = tiers.get(tier, 0) + min(total, span.end) - max(job.start, span.start)
         if count:
             self.stats.retrieved_tokens += count
-            self.stats.retrieve_seconds += time.perf_counter() - t0
-            log_transfer("Retrieved KV cache for", count, total, request_id,
-                         count * self.mover.kv.bytes_per_token(), time.perf_counter() - t0)
+            self.stats.retrieve_seconds += job.seconds()
+            log_transfer("Retrieved KV cache for", count, total, job.request_id,
+                         count * self.mover.kv.bytes_per_token(), job.seconds())
 
 
 class Loading:
@@ -148,12 +145,10 @@ class Loading:
     mask cut before it, and the caller recomputes the rest (a forward that
     already read those layers is to be thrown away)."""
 
-    def __init__(self, path: LoadPath, mask: torch.Tensor, held: Held, handle: LayerHandle | None, t0: float,
-                 request_id: str, loaded: list[tuple[ChunkSpan, str]], start: int) -> None:
+    def __init__(self, path: LoadPath, job: Job, mask: torch.Tensor, held: Held, handle: LayerHandle | None,
+                 loaded: list[tuple[ChunkSpan, str]]) -> None:
         self.mask = mask
-        self._path, self._held, self._handle = path, held, handle
-        self._t0, self._request_id = t0, request_id
-        self._loaded, self._start = loaded, start
+        self._path, self._job, self._held, self._handle, self._loaded = path, job, held, handle, loaded
 
     @property
     def num_tokens(self) -> int:
@@ -176,14 +171,14 @@ class Loading:
                 good = _verified(held)
         finally:
             release_held(held)
-            path.release(self._request_id)
+            path.release(self._job.request_id)
         if good < len(held):
-            self.mask[max(self._start, held[good][0].start) :] = False
+            self.mask[max(self._job.start, held[good][0].start) :] = False
             self._loaded = self._loaded[:good]
             log.warning("%d chunks loaded layer by layer from the store server failed their checksum or "
                         "outlived their lease: the tokens from %d on are to be recomputed",
                         len(held) - good, held[good][0].start)
-        path.loaded(self.num_tokens, len(self.mask), self._loaded, self._start, self._t0, self._request_id)
+        path.loaded(self._job, self.num_tokens, self._loaded)
         return self.mask
 
 

@@ -9,12 +9,12 @@
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
+from kvtier.engine.job import Job
 from kvtier.engine.mover import Mover, num_tokens, release_blocks, stamp
 from kvtier.engine.records import EngineStats, EventLog, SkipWarnings, log_transfer
 from kvtier.keys import ChunkSpan
@@ -33,12 +33,10 @@ class StorePath:
         self._spans, self._enabled = spans, enabled  # enabled: some tier keeps chunks
         self._skips = SkipWarnings()
 
-    def start(self, tokens: np.ndarray, slots: torch.Tensor, start: int, request_id: str,
-              layerwise: bool) -> Storing:
-        t0 = time.perf_counter()
+    def start(self, job: Job, layerwise: bool) -> Storing:
         todo: list[ChunkSpan] = []
         if self._enabled:
-            todo = [s for s in self._spans(tokens, request_id) if s.end > start]
+            todo = [s for s in self._spans(job.tokens, job.request_id) if s.end > job.start]
             todo = [s for s, new in zip(todo, self.tiers.to_gather([s.key for s in todo])) if new]
         owned: list[tuple[ChunkSpan, MemoryBlock]] = []
         handle = sums = None
@@ -46,11 +44,11 @@ class StorePath:
             owned = self.allocate(todo, wait=False)
             sums = self.mover.digest_sums(len(owned))
             try:
-                handle = self.mover.gather(slots, owned, layerwise=True, digests=sums) if owned else None
+                handle = self.mover.gather(job.slots, owned, layerwise=True, digests=sums) if owned else None
             except BaseException:
                 release_blocks(owned)
                 raise
-        return Storing(self, owned, todo[len(owned):], slots, handle, t0, request_id, tokens, sums)
+        return Storing(self, job, owned, todo[len(owned):], handle, sums)
 
     def allocate(self, spans: Sequence[ChunkSpan], wait: bool) -> list[tuple[ChunkSpan, MemoryBlock]]:
         """Blocks for the first spans, as many as the pool gives now (the first may wait for writers)."""
@@ -99,16 +97,15 @@ class StorePath:
         self.stats.skipped_store_tokens += skipped
         self._skips.warn(skipped, request_id)
 
-    def stored(self, spans: list[ChunkSpan], tokens: np.ndarray, count: int, t0: float, slots: int,
-               request_id: str, layerwise: bool) -> None:
+    def stored(self, job: Job, spans: list[ChunkSpan], count: int, layerwise: bool) -> None:
         """A store is over: its events, stats and log line."""
         if self.events.on and self.tiers.keep_cpu:
-            self.events.stored(spans, tokens, self._spans(tokens, ""))
+            self.events.stored(spans, job.tokens, self._spans(job.tokens, ""))
         self.stats.stored_tokens += count
-        self.stats.store_seconds += time.perf_counter() - t0
+        self.stats.store_seconds += job.seconds()
         if count:
-            log_transfer("Storing KV cache for", count, slots, request_id,
-                         count * self.mover.kv.bytes_per_token(), time.perf_counter() - t0,
+            log_transfer("Storing KV cache for", count, len(job.slots), job.request_id,
+                         count * self.mover.kv.bytes_per_token(), job.seconds(),
                          ", layer by layer" if layerwise else "")
 
 
@@ -117,11 +114,10 @@ class Storing:
     to it until `finish()` puts them in the tiers (or `cancel()` frees them);
     the rest are gathered at `finish()`, batch by batch through the pool."""
 
-    def __init__(self, path: StorePath, owned: list[tuple[ChunkSpan, MemoryBlock]], rest: list[ChunkSpan],
-                 slots: torch.Tensor, handle: LayerSaver | None, t0: float, request_id: str,
-                 tokens: np.ndarray, digests: torch.Tensor | None = None) -> None:
-        self._path, self._chunks, self._rest, self._slots, self._handle = path, owned, rest, slots, handle
-        self._t0, self._request_id, self._tokens, self._digests = t0, request_id, tokens, digests
+    def __init__(self, path: StorePath, job: Job, owned: list[tuple[ChunkSpan, MemoryBlock]], rest: list[ChunkSpan],
+                 handle: LayerSaver | None, digests: torch.Tensor | None = None) -> None:
+        self._path, self._job, self._chunks, self._rest = path, job, owned, rest
+        self._handle, self._digests = handle, digests
 
     @property
     def num_tokens(self) -> int:
@@ -151,15 +147,14 @@ class Storing:
         unsaved = self._handle.unsaved() if self._handle is not None else []
         if unsaved:
             log.warning("request %s: layers %s were never saved; its store of %d tokens is dropped",
-                        self._request_id or "-", unsaved, num_tokens(chunks) + sum(s.num_tokens for s in rest))
+                        self._job.request_id or "-", unsaved, num_tokens(chunks) + sum(s.num_tokens for s in rest))
             release_blocks(chunks)
             return 0
         path = self._path
         stamp(chunks, self._digests)
         path.put(chunks)
-        stored = num_tokens(chunks) + path.stream(self._slots, rest, self._request_id)
-        path.stored([s for s, _ in chunks] + rest, self._tokens, stored, self._t0, len(self._slots),
-                    self._request_id, self._handle is not None)
+        stored = num_tokens(chunks) + path.stream(self._job.slots, rest, self._job.request_id)
+        path.stored(self._job, [s for s, _ in chunks] + rest, stored, self._handle is not None)
         return stored
 
     def cancel(self) -> None:

@@ -1,0 +1,25 @@
+"""What one store or load is for."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Job:
+    """A request's tokens (from the prompt's first) and their slots in the paged KV
+    (int64 on the CPU, checked at the facade); the tokens before `start` the engine
+    has already."""
+
+    tokens: np.ndarray
+    slots: torch.Tensor
+    start: int = 0
+    request_id: str = ""
+    t0: float = field(default_factory=time.perf_counter)
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.t0
