@@ -30,6 +30,14 @@ def make_kv(layout: str, scale: float = 1.0) -> tuple[list[torch.Tensor], PagedK
     return layers, PagedKV.wrap(layers, layout)
 
 
+def make_engine(layout: str, transfer: str = "auto") -> tuple[list[torch.Tensor], PagedKV, CacheEngine, torch.Tensor]:
+    """An engine over `make_kv(layout)` (64-token chunks, a 0.05 GiB CPU pool), and the slots in a random order."""
+    layers, kv = make_kv(layout)
+    eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), kv, KVFormat("m", layout, "bf16"),
+                      transfer=transfer)
+    return layers, kv, eng, torch.randperm(kv.num_slots)
+
+
 def reference(kv: PagedKV, slots: torch.Tensor) -> torch.Tensor:
     """[L, K, T, H, D] by plain torch indexing on the GPU."""
     s = slots.cuda()
@@ -56,11 +64,7 @@ def test_gather_scatter_match_torch_reference(layout, backend):
 @pytest.mark.parametrize("backend", ["triton", "triton-direct"])
 def test_engine_roundtrip_on_gpu(backend):
     """Includes chunks cut by `start`, which are pageable copies: direct must stage them."""
-    layers = [torch.randn(SHAPES["flash_attn"], device="cuda").to(torch.bfloat16) for _ in range(L)]
-    kv = PagedKV.wrap(layers, "flash_attn")
-    eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), kv, KVFormat("m", "flash_attn", "bf16"),
-                      transfer=backend)
-    perm = torch.randperm(kv.num_slots)
+    _, kv, eng, perm = make_engine("flash_attn", transfer=backend)
     toks = list(range(200))
     assert eng.store(toks, perm[:200]) == 192
     mask = eng.retrieve(toks, perm[200:400], start=10)
@@ -70,10 +74,7 @@ def test_engine_roundtrip_on_gpu(backend):
 
 
 def test_layerwise_retrieve_on_gpu_waits_per_layer():
-    layers = [torch.randn(SHAPES["flash_attn"], device="cuda").to(torch.bfloat16) for _ in range(L)]
-    kv = PagedKV.wrap(layers, "flash_attn")
-    eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), kv, KVFormat("m", "flash_attn", "bf16"))
-    perm = torch.randperm(kv.num_slots)
+    layers, kv, eng, perm = make_engine("flash_attn")
     toks = list(range(256))
     eng.store(toks, perm[:256])
     load = eng.start_retrieve(toks, perm[256:511], layerwise=True)  # 255: the last chunk is cut
@@ -156,10 +157,7 @@ def test_an_upload_queued_before_its_slots_are_known_loads_what_a_scatter_does(l
 
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_a_hit_uploaded_at_its_lookup_is_what_its_retrieve_loads(layerwise):
-    layers = [torch.randn(SHAPES["packed"], device="cuda").to(torch.bfloat16) for _ in range(L)]
-    kv = PagedKV.wrap(layers, "packed")
-    eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), kv, KVFormat("m", "packed", "bf16"))
-    perm = torch.randperm(kv.num_slots)
+    _, kv, eng, perm = make_engine("packed")
     toks = list(range(256))
     eng.store(toks, perm[:256])
     used = eng.pool.used_bytes

@@ -35,10 +35,10 @@ from kvtier.engine.records import ChunkEvent
 from kvtier.engine.storing import Storing, StorePath
 from kvtier.keys import ChunkSpan, KVFormat
 from kvtier.logs import get_logger
-from kvtier.memory import MemoryBlock
+from kvtier.memory import HostPool, MemoryBlock
 from kvtier.tiers.base import CPU
 from kvtier.tiers.cpu import CpuTier
-from kvtier.transfer import PagedKV
+from kvtier.transfer import PagedKV, Transfer
 
 log = get_logger(__name__)
 
@@ -60,8 +60,6 @@ class CacheEngine:
         self.config, self.kv, self.chunk_size = config, kv, config.chunk_size
         self.quant, self.fmt, self.mover = parts.quant, parts.fmt, parts.mover
         self.tiers, self.holds, self.stats, self.events = parts.tiers, parts.holds, parts.stats, parts.events
-        self.pool, self.transfer = self.tiers.cpu.pool, self.mover.transfer
-        self.chunk_bytes_per_token = self.mover.bytes_per_token
         self._spans = parts.spans
         self.ahead = AheadSlot(self.tiers, self.mover)
         self.prefetcher = Prefetcher(self.tiers, self.holds, self.stats,
@@ -79,6 +77,19 @@ class CacheEngine:
                  self.pool.num_blocks, self.pool.capacity / 1e9, self.transfer.name,
                  "" if self.quant is None else f", lossy KV codec {self.quant.name} (chunks "
                  f"{self.chunk_bytes_per_token / kv.bytes_per_token():.3f} of the KV's bytes)")
+
+    @property
+    def pool(self) -> HostPool:
+        return self.tiers.cpu.pool
+
+    @property
+    def transfer(self) -> Transfer:
+        return self.mover.transfer
+
+    @property
+    def chunk_bytes_per_token(self) -> int:
+        """Bytes of one token in a chunk: the KV's, or the lossy codec's."""
+        return self.mover.bytes_per_token
 
     # -- queries ---------------------------------------------------------------
 
