@@ -92,3 +92,24 @@ def test_layerwise_loading_and_storing_give_the_same_output(tiny_model, prompts,
     assert [tuple(map(int, m)) for m in stores] == [(1024, 1024), (1024, 2048), (768, 3000)]
     assert results[1]["token_ids"] == with_kv[1]["token_ids"]
     assert max(abs(x - y) for x, y in zip(results[1]["logprobs"], with_kv[1]["logprobs"])) < 0.05
+
+
+def test_lmcache_prefixed_extra_config_keys_set_the_config_and_layerwise_asks_for_piecewise_graphs(monkeypatch):
+    """LMCache users set config keys in kv_connector_extra_config as "lmcache.<key>"; with
+    use_layerwise on, vLLM must capture CUDA graphs piecewise (a full graph would replay
+    the forward without the layers' waits): requires_piecewise_for_cudagraph says so."""
+    from kvtier.integrations.vllm import KvtierConnector
+    from kvtier.integrations.vllm.spec import config_with_extra
+
+    monkeypatch.delenv("LMCACHE_USE_LAYERWISE", raising=False)
+    config = config_with_extra({"lmcache.chunk_size": 512, "lmcache.use_layerwise": True,
+                                "discard_partial_chunks": True, "lmcache_rpc_port": 7})
+    assert (config.chunk_size, config.use_layerwise, config.save_unfull_chunk) == (512, True, False)
+    assert KvtierConnector.requires_piecewise_for_cudagraph({"lmcache.use_layerwise": "true"})
+    assert not KvtierConnector.requires_piecewise_for_cudagraph({})
+    monkeypatch.setenv("LMCACHE_USE_LAYERWISE", "true")
+    assert KvtierConnector.requires_piecewise_for_cudagraph({})
+    with pytest.raises(ValueError, match="unknown key 'use_layerwis'"):
+        config_with_extra({"use_layerwis": True})
+    with pytest.raises(Exception, match="chunk_sise"):
+        config_with_extra({"lmcache.chunk_sise": 512})

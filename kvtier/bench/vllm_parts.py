@@ -4,6 +4,7 @@ host timeline of the warm path, the copy bandwidth, the prompts."""
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from pathlib import Path
@@ -82,6 +83,11 @@ TIMED = {
     "kvtier.integrations.vllm:KvtierConnector.build_connector_meta": "kvtier metadata",
     "kvtier.integrations.vllm:KvtierConnector.start_load_kv": "kvtier start_load_kv",
     "kvtier.integrations.vllm:KvtierConnector.wait_for_save": "kvtier wait_for_save",
+    "kvtier.integrations.vllm:KvtierConnector.get_finished": "kvtier get_finished",
+    "kvtier.integrations.vllm:KvtierConnector.request_finished": "kvtier request_finished",
+    "vllm.v1.worker.gpu.async_utils:AsyncOutput.get_output": "vllm sampled tokens to host",
+    "vllm.v1.core.sched.scheduler:Scheduler.update_from_output": "vllm update_from_output",
+    "vllm.v1.engine.output_processor:OutputProcessor.process_outputs": "vllm process_outputs",
 }
 
 
@@ -93,6 +99,7 @@ class Timeline:
         self.t0 = 0.0
         self.spans: list[tuple[str, float, float]] = []
         self.on = False
+        self._gc_start = 0.0
 
     def install(self) -> None:
         import functools
@@ -118,6 +125,17 @@ class Timeline:
                                        round((time.perf_counter() - self.t0) * 1e3, 2)))
 
             setattr(cls, method, functools.wraps(fn)(timed))
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info: dict) -> None:
+        """Python's garbage collections, as spans too (one can stall a step)."""
+        if not self.on:
+            return
+        now = round((time.perf_counter() - self.t0) * 1e3, 2)
+        if phase == "start":
+            self._gc_start = now
+        else:
+            self.spans.append((f"python gc gen{info['generation']}", self._gc_start, now))
 
     def start(self) -> None:
         self.spans, self.on, self.t0 = [], True, time.perf_counter()

@@ -53,7 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvtier.integrations.vllm.metrics import KvtierPromMetrics, KvtierStats
 from kvtier.integrations.vllm.scheduler import SchedulerSide
-from kvtier.integrations.vllm.spec import KvtierMetadata, connector_config, shape_of
+from kvtier.integrations.vllm.spec import KvtierMetadata, config_with_extra, connector_config, shape_of
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.logs import get_logger
 
@@ -89,6 +89,12 @@ class KvtierConnector(KVConnectorBase_V1):
                 kv_cfg.kv_load_failure_policy = "recompute"
         else:
             self.worker = WorkerSide(config, shape, kv_cfg.engine_id, can_load)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layerwise loads and saves run in Python between the layers' graphs: vLLM then
+        captures CUDA graphs piecewise (a full graph would replay without them)."""
+        return config_with_extra(extra_config).use_layerwise
 
     def _meta(self) -> KvtierMetadata:
         meta = self._get_connector_metadata()

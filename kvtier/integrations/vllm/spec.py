@@ -19,8 +19,10 @@ if TYPE_CHECKING:
 
 # kv_connector_extra_config keys of LMCache's connector that kvtier honours.
 # lmcache_rpc_port names LMCache's scheduler-worker socket; kvtier's are named by
-# the engine id, so it is accepted and has no effect.
+# the engine id, so it is accepted and has no effect. Besides these, any config key
+# with LMCache's "lmcache." prefix (or "kvtier.") sets that key, over file and env.
 EXTRA_KEYS = {"discard_partial_chunks", "lmcache_rpc_port"}
+CONFIG_PREFIXES = ("lmcache.", "kvtier.")
 
 
 @dataclass
@@ -78,19 +80,28 @@ def shape_of(config: KvtierConfig, vllm_config: VllmConfig) -> Shape:
 
 def connector_config(vllm_config: VllmConfig) -> KvtierConfig:
     """kvtier config from file/env, plus LMCache-style extra config from vLLM."""
-    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    config = config_with_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    check_pd_role(config, vllm_config.kv_transfer_config.kv_role)
+    return config
+
+
+def config_with_extra(extra: dict[str, Any] | None) -> KvtierConfig:
+    """The config from file and env, with kv_connector_extra_config's keys over them."""
+    extra = extra or {}
     overrides: dict[str, Any] = {}
-    for key in extra:
-        if key not in EXTRA_KEYS:
+    for key, value in extra.items():
+        prefix = next((p for p in CONFIG_PREFIXES if key.startswith(p)), None)
+        if prefix is not None:
+            overrides[key[len(prefix):]] = value
+        elif key not in EXTRA_KEYS:
             raise ValueError(
-                f"kv_connector_extra_config: unknown key {key!r}; kvtier reads "
-                f"{sorted(EXTRA_KEYS)} there, and everything else from its config file or env"
+                f"kv_connector_extra_config: unknown key {key!r}; kvtier reads {sorted(EXTRA_KEYS)} and "
+                f"config keys prefixed {' or '.join(map(repr, CONFIG_PREFIXES))} there, and everything "
+                "else from its config file or env"
             )
     if "discard_partial_chunks" in extra:
         overrides["save_unfull_chunk"] = not _as_bool(extra["discard_partial_chunks"])
-    config = load_config(overrides=overrides)
-    check_pd_role(config, vllm_config.kv_transfer_config.kv_role)
-    return config
+    return load_config(overrides=overrides)
 
 
 def check_pd_role(config: KvtierConfig, kv_role: str) -> None:
