@@ -45,6 +45,7 @@ from kvtier.bench.vllm_parts import (
     make_model,
     prompt,
     seed_weights,
+    traced,
 )
 
 KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2  # layers, K/V, KV heads, head_dim, bf16
@@ -107,8 +108,8 @@ class _Run:
                        max_num_batched_tokens=args.batched, **_offloader(args, setup))
         start_s = time.perf_counter() - t0
         self.timer = ForwardTimer()
+        self.timer.install()
         self.llm.apply_model(seed_weights)
-        self.llm.apply_model(self.timer.install)
         self.record = Record(args.setup, machine={"gpu": torch.cuda.get_device_name(), "start_s": round(start_s, 1),
                                                   "date": time.strftime("%Y-%m-%d"), "eager": args.eager})
         self.one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -181,7 +182,23 @@ class _Run:
             pair = self.pair(prompt(length, 100 + i), last=i == self.args.pairs)
             for key, value in pair.items() if i else ():
                 runs[key].append(value)
-        return _summary(runs, length, bw, tokens, self.timelines)
+        summary = _summary(runs, length, bw, tokens, self.timelines)
+        if self.args.trace:
+            summary["gpu_timeline"] = self._trace(length)
+        return summary
+
+    def _trace(self, length: int) -> list[str]:
+        """One more pair, its warm run under torch's profiler: the GPU's side of the timeline."""
+        ids = prompt(length, 99)
+        self.gen(ids)
+        self.llm.reset_prefix_cache()
+        self.flush()
+        path = Path(self.args.out, f"{self.args.setup}-{length}.trace.json.gz")
+        _, lines = traced(lambda: self.gen(ids), path)
+        self.llm.reset_prefix_cache()
+        for line in lines:
+            print(f"[{self.args.setup}] {length} warm GPU: {line}", flush=True)
+        return lines
 
 
 def _offloader(args: argparse.Namespace, setup: dict) -> dict:
@@ -284,6 +301,8 @@ def main() -> None:
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--setup-timeout", type=float, default=300, help="seconds a setup may take")
     p.add_argument("--profile", action="store_true", help="cProfile the last warm run of each length")
+    p.add_argument("--trace", action="store_true",
+                   help="one more warm run per length under torch's profiler: its GPU timeline and trace")
     p.add_argument("--module-path", action=argparse.BooleanOptionalAction, default=False,
                    help="name kvtier's module in the config (default: by name, through vLLM's plugin)")
     args = p.parse_args()
@@ -309,6 +328,7 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
            "--gpu-util", str(args.gpu_util), "--batched", str(args.batched)]
     out.append("--eager" if args.eager else "--no-eager")
     out += ["--profile"] if args.profile else []
+    out += ["--trace"] if args.trace else []
     out += ["--module-path"] if args.module_path else []
     return out
 

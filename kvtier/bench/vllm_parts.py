@@ -39,44 +39,76 @@ def seed_weights(model) -> int:
 
 
 class ForwardTimer:
-    """CUDA events around each forward of the model (installed by hooks)."""
+    """CUDA events around each model step, from vLLM's execute_model to the end of its
+    sample_tokens (wrapped at class level: with CUDA graphs the model's own module
+    hooks do not run). A GPU-hit step waits for nothing: its time is the forward's."""
 
     def __init__(self) -> None:
         self.events: list = []
 
-    def install(self, model) -> None:
+    def install(self) -> None:
         import torch
 
-        def pre(module, args, kwargs=None):
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            self.events.append([start, None])
+        def start(*_):
+            self.events.append([torch.cuda.Event(enable_timing=True), None])
+            self.events[-1][0].record()
 
-        def post(module, args, output):
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.events[-1][1] = end
+        def end(*_):
+            if self.events and self.events[-1][1] is None:
+                self.events[-1][1] = torch.cuda.Event(enable_timing=True)
+                self.events[-1][1].record()
 
-        model.register_forward_pre_hook(pre)
-        model.register_forward_hook(post)
+        wrap_method(EXECUTOR + ".execute_model", before=start)
+        wrap_method(EXECUTOR + ".sample_tokens", after=end)
 
     def last_ms(self) -> float:
         import torch
 
         torch.cuda.synchronize()
-        start, end = self.events[-1]
+        start, end = next(e for e in reversed(self.events) if e[1] is not None)
         return start.elapsed_time(end)
 
     def clear(self) -> None:
         self.events.clear()
 
 
+EXECUTOR = "vllm.v1.executor.uniproc_executor:UniProcExecutor"
+
+
+def wrap_method(where: str, before=None, after=None) -> bool:
+    """Wrap "module:Class.method" at class level: before(t) and after(t), t the call's
+    start (perf_counter), around each call. False where this vLLM has no such method."""
+    import functools
+    import importlib
+
+    module, attr = where.split(":")
+    cls_name, method = attr.split(".")
+    try:
+        cls = getattr(importlib.import_module(module), cls_name)
+        fn = getattr(cls, method)
+    except (ImportError, AttributeError):
+        return False
+
+    def wrapped(*a, **k):
+        t = time.perf_counter()
+        if before is not None:
+            before(t)
+        try:
+            return fn(*a, **k)
+        finally:
+            if after is not None:
+                after(t)
+
+    setattr(cls, method, functools.wraps(fn)(wrapped))
+    return True
+
+
 # What the warm path's timeline shows (host time, from generate()'s call): vLLM's steps and
 # kvtier's calls on the way. "module:Class.method" -> label.
 TIMED = {
     "vllm.v1.core.sched.scheduler:Scheduler.schedule": "vllm schedule",
-    "vllm.v1.executor.uniproc_executor:UniProcExecutor.execute_model": "vllm execute_model",
-    "vllm.v1.executor.uniproc_executor:UniProcExecutor.sample_tokens": "vllm sample_tokens",
+    EXECUTOR + ".execute_model": "vllm execute_model",
+    EXECUTOR + ".sample_tokens": "vllm sample_tokens",
     "kvtier.integrations.vllm:KvtierConnector.get_num_new_matched_tokens": "kvtier lookup (scheduler)",
     "kvtier.engine:CacheEngine.find": "kvtier find+hold (worker)",
     "kvtier.engine:CacheEngine.upload_ahead": "kvtier upload_ahead (worker)",
@@ -102,30 +134,14 @@ class Timeline:
         self._gc_start = 0.0
 
     def install(self) -> None:
-        import functools
-        import importlib
-
         for where, label in TIMED.items():
-            module, attr = where.split(":")
-            cls_name, method = attr.split(".")
-            try:
-                cls = getattr(importlib.import_module(module), cls_name)
-                fn = getattr(cls, method)
-            except (ImportError, AttributeError):
-                continue  # another vLLM: that step is not shown
-
-            def timed(*a, _fn=fn, _label=label, **k):
-                if not self.on:
-                    return _fn(*a, **k)
-                t = time.perf_counter()
-                try:
-                    return _fn(*a, **k)
-                finally:
-                    self.spans.append((_label, round((t - self.t0) * 1e3, 2),
-                                       round((time.perf_counter() - self.t0) * 1e3, 2)))
-
-            setattr(cls, method, functools.wraps(fn)(timed))
+            wrap_method(where, after=lambda t, _label=label: self._span(_label, t))
         gc.callbacks.append(self._gc)
+
+    def _span(self, label: str, t: float) -> None:
+        if self.on:
+            self.spans.append((label, round((t - self.t0) * 1e3, 2),
+                               round((time.perf_counter() - self.t0) * 1e3, 2)))
 
     def _gc(self, phase: str, info: dict) -> None:
         """Python's garbage collections, as spans too (one can stall a step)."""
@@ -143,6 +159,48 @@ class Timeline:
     def stop(self) -> list[tuple[str, float, float]]:
         self.on = False
         return sorted(self.spans, key=lambda x: x[1])
+
+
+def traced(call, path: Path):
+    """`call()` under torch's profiler (host and CUDA), its trace written to `path`
+    (gzipped chrome trace); returns call's result and the GPU's timeline in lines."""
+    import gzip
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.record_function("generate"):
+            out = call()
+    raw = path.with_suffix("")
+    prof.export_chrome_trace(str(raw))
+    trace = json.loads(raw.read_text())
+    with gzip.open(path, "wt") as f:
+        json.dump(trace, f)
+    raw.unlink()
+    return out, gpu_timeline(trace["traceEvents"])
+
+
+def gpu_timeline(events: list[dict]) -> list[str]:
+    """Per CUDA stream and kind of work (copies by direction, kvtier's kernels, attention,
+    the rest of the model): count, first start and last end in ms from generate()'s
+    start, and busy ms."""
+    t0 = next(e["ts"] for e in events if e.get("name") == "generate" and e.get("ph") == "X")
+    groups: dict[tuple, list] = {}
+    for e in events:
+        cat = e.get("cat", "")
+        if cat not in ("kernel", "gpu_memcpy", "gpu_memset") or e.get("ph") != "X":
+            continue
+        name = e["name"]
+        kind = (name.split(" (")[0] if cat != "kernel" else
+                "kvtier kernels" if any(k in name for k in ("kv_copy", "kv_quant", "digest", "host_words"))
+                else "attention" if "flash" in name.lower() else "model kernels")
+        g = groups.setdefault((e.get("args", {}).get("stream", "?"), kind), [0, float("inf"), 0.0, 0.0])
+        start, end = (e["ts"] - t0) / 1e3, (e["ts"] + e.get("dur", 0) - t0) / 1e3
+        g[0] += 1
+        g[1], g[2], g[3] = min(g[1], start), max(g[2], end), g[3] + e.get("dur", 0) / 1e3
+    return [f"stream {stream} {kind}: {n} ops, {first:.1f}-{last:.1f} ms, busy {busy:.1f} ms"
+            for (stream, kind), (n, first, last, busy) in sorted(groups.items(), key=lambda kv: kv[1][1])]
 
 
 def flush_kvtier(model) -> bool:

@@ -140,3 +140,20 @@ def host_words_kernel(src, dst, n, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     tl.store(dst + i, tl.load(src.to(tl.pointer_type(tl.int64)) + i, mask=mask), mask=mask)
+
+
+@triton.jit
+def host_rows_kernel(table, BLOCK: tl.constexpr):
+    """Program (r, b) copies int64 words [b*BLOCK, (b+1)*BLOCK) of row r, table[r] =
+    (source address, destination address, words): pinned host rows to the device over
+    PCIe by the SMs' own loads, with no copy engine (whose queue vLLM's small input
+    copies would wait behind, one step of every request stalled by a bulk upload)."""
+    r = tl.program_id(0).to(tl.int64)
+    start = tl.program_id(1).to(tl.int64) * BLOCK
+    words = tl.load(table + r * 3 + 2)
+    if start < words:
+        src = tl.load(table + r * 3).to(tl.pointer_type(tl.int64))
+        dst = tl.load(table + r * 3 + 1).to(tl.pointer_type(tl.int64))
+        i = start + tl.arange(0, BLOCK).to(tl.int64)
+        mask = i < words
+        tl.store(dst + i, tl.load(src + i, mask=mask), mask=mask)
