@@ -39,9 +39,10 @@ def by_engine(host, out, table_host, stream) -> None:
         cudart.memcpy2d(dst, words * 8, src, words * 8, words * 8, 1, stream)
 
 
-def by_kernel(table, stream, row_words: int) -> None:
+def by_kernel(table, stream, row_words: int, block: int = BLOCK, warps: int = 4) -> None:
     with torch.cuda.stream(stream):
-        host_rows_kernel[(table.shape[0], triton.cdiv(row_words, BLOCK))](table, BLOCK=BLOCK)
+        host_rows_kernel[(table.shape[0], triton.cdiv(row_words, block))](table.data_ptr(), BLOCK=block,
+                                                                           num_warps=warps)
 
 
 def run(args) -> dict:
@@ -53,6 +54,9 @@ def run(args) -> dict:
     small_d = torch.empty_like(small_h, device=dev)
     ways = {"copy engine": lambda: by_engine(host, out, table_host, bulk),
             "kernel": lambda: by_kernel(table, bulk, table_host[0, 2].item())}
+    for block, warps in args.variants:
+        ways[f"kernel {block * 8 // 1024} KB/{warps}w"] = (
+            lambda b=block, w=warps: by_kernel(table, bulk, table_host[0, 2].item(), b, w))
     result: dict = {"bytes": host.numel(), "row_bytes": args.row_mb * 2**20, "gpu": torch.cuda.get_device_name()}
     for name, go in ways.items():
         alone, behind, small_wait = [], [], []
@@ -93,6 +97,8 @@ def main() -> None:
     p.add_argument("--row-mb", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="")
+    p.add_argument("--variants", type=lambda v: tuple(map(int, v.split("/"))), nargs="*", default=[],
+                   help="more kernel shapes, as words-per-program/warps (e.g. 8192/8)")
     args = p.parse_args()
     result = run(args)
     if args.out:

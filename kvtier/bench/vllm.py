@@ -55,6 +55,10 @@ SETUPS: dict[str, dict] = {
     "plain": {},
     "kvtier": {"connector": "KvtierConnector", "env": {}},
     "kvtier-layerwise": {"connector": "KvtierConnector", "env": {"LMCACHE_USE_LAYERWISE": "true"}},
+    # Loads copied up by the copy engine (DMA) instead of a kernel (gpu_upload).
+    "kvtier-dma": {"connector": "KvtierConnector", "env": {"KVTIER_GPU_UPLOAD": "copy_engine"}},
+    "kvtier-layerwise-dma": {"connector": "KvtierConnector",
+                             "env": {"LMCACHE_USE_LAYERWISE": "true", "KVTIER_GPU_UPLOAD": "copy_engine"}},
     # The disk tier: a CPU pool smaller than one prompt (staging only), the chunks from files.
     # Its writes are flushed before each warm run ("flush"): the warm run reads the tier, whole.
     "kvtier-disk": {"connector": "KvtierConnector", "flush": True, "env": {

@@ -34,6 +34,7 @@ from kvtier.remote import TOKEN_SCHEMES, check_url
 from kvtier.tiers.policy import POLICIES
 
 ENV_PREFIXES = ("LMCACHE_", "KVTIER_")
+GPU_UPLOADS = ("kernel", "copy_engine")
 CONFIG_FILE_VARS = ("LMCACHE_CONFIG_FILE", "KVTIER_CONFIG_FILE")
 # LMCache env vars that carry no meaning here (they select LMCache code paths
 # that kvtier has only one of). Accepted so that old launch scripts still run.
@@ -73,6 +74,10 @@ class KvtierConfig:
         "chunk codec: naive | lz4 (lossless, remote only) | int8 | fp8 (lossy, on the GPU, every tier)",
         default="naive")
     blocking_timeout_secs: float = _doc("longest wait on a tier before a miss, s", default=10.0)
+    gpu_upload: str = _doc(
+        "what copies loads from CPU RAM into GPU memory: kernel (the GPU's SMs read pinned memory; "
+        "vLLM's own small copies never wait) | copy_engine (DMA; its queue holds vLLM's next-step "
+        "inputs behind a whole load)", default="kernel")
     enable_pd: bool = _doc("disaggregated prefill: this instance sends (prefiller) or receives (decoder) KV",
                            default=False)
     pd_role: str | None = _doc("sender (vLLM kv_producer) | receiver (vLLM kv_consumer)", default=None)
@@ -157,6 +162,8 @@ def _check_ranges(cfg: KvtierConfig) -> None:
                           + "); Redis takes its password in the URL")
     if cfg.remote_serde not in (*SERDES, *KV_CODECS):
         raise ConfigError("remote_serde", cfg.remote_serde, " | ".join((*SERDES, *KV_CODECS)))
+    if cfg.gpu_upload not in GPU_UPLOADS:
+        raise ConfigError("gpu_upload", cfg.gpu_upload, " | ".join(GPU_UPLOADS))
     if cfg.blocking_timeout_secs <= 0:
         raise ConfigError("blocking_timeout_secs", cfg.blocking_timeout_secs, "seconds > 0")
     if cfg.local_disk is not None:

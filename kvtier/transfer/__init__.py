@@ -13,9 +13,11 @@ from kvtier.transfer.quant import Quant
 __all__ = ["LAYOUTS", "LayerHandle", "LayerSaver", "PagedKV", "Quant", "Transfer", "Upload", "make_transfer"]
 
 
-def make_transfer(kv: PagedKV, backend: str = "auto", quant: Quant | None = None) -> Transfer:
+def make_transfer(kv: PagedKV, backend: str = "auto", quant: Quant | None = None,
+                  upload_by_kernel: bool = True) -> Transfer:
     """Triton kernels for GPU caches, torch indexing for host caches; with `quant`,
-    chunks hold that codec's quantized rows (quant.py)."""
+    chunks hold that codec's quantized rows (quant.py). `upload_by_kernel`: staged
+    loads cross PCIe by a kernel's reads, not the copy engine (triton_copy.py)."""
     if backend == "auto":
         backend = "triton" if kv.device.type == "cuda" and not kv.split else "torch"
     if quant is not None and quant.name == "fp8" and kv.device.type == "cuda" \
@@ -36,5 +38,5 @@ def make_transfer(kv: PagedKV, backend: str = "auto", quant: Quant | None = None
             )
         from kvtier.transfer.triton_copy import TritonTransfer
 
-        return TritonTransfer(kv, direct=backend == "triton-direct", quant=quant)
+        return TritonTransfer(kv, direct=backend == "triton-direct", quant=quant, upload_by_kernel=upload_by_kernel)
     raise ValueError(f"unknown transfer backend {backend!r}: auto, torch, triton, triton-direct")

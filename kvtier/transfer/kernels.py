@@ -143,11 +143,13 @@ def host_words_kernel(src, dst, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def host_rows_kernel(table, BLOCK: tl.constexpr):
+def host_rows_kernel(table_addr, BLOCK: tl.constexpr):
     """Program (r, b) copies int64 words [b*BLOCK, (b+1)*BLOCK) of row r, table[r] =
-    (source address, destination address, words): pinned host rows to the device over
+    (source address, destination address, words), the table itself at `table_addr`
+    (pinned host memory, read in place): pinned host rows to the device over
     PCIe by the SMs' own loads, with no copy engine (whose queue vLLM's small input
     copies would wait behind, one step of every request stalled by a bulk upload)."""
+    table = table_addr.to(tl.pointer_type(tl.int64))
     r = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1).to(tl.int64) * BLOCK
     words = tl.load(table + r * 3 + 2)

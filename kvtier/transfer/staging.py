@@ -75,14 +75,26 @@ class Staging:
                 cudart.memcpy2d(dev, width, host, pitch, width, count, stream)
 
 
+    def rows(self, layer: int | None = None, group: int = 0) -> list[tuple[int, int, int]]:
+        """What `copy(to_host=False, ...)` moves, as (host address, device address, bytes) rows."""
+        out = []
+        for first, count, pitch in self.runs[group]:
+            width = self.chunk_bytes[first] if layer is None else self.layer_bytes[first]
+            host = self.chunks[first].data_ptr() + (0 if layer is None else layer * width)
+            dev = self._at(0 if layer is None else layer, first)
+            out += [(host + i * pitch, dev + i * width, width) for i in range(count)]
+        return out
+
+
 class Upload:
     """Host chunks on their way into device staging: their copies queued on the copy
     stream, before the slots they go to are known (a hit, at the scheduler's lookup). A
     scatter given it queues only its kernels; the staging lives as long as this does."""
 
     def __init__(self, staging: Staging, ptrs: torch.Tensor, sums: DigestTables | None,
-                 landed: list[torch.cuda.Event], layer_major: bool) -> None:
+                 landed: list[torch.cuda.Event], layer_major: bool, keep: object = None) -> None:
         self.staging, self.ptrs, self.sums, self.landed, self.layer_major = staging, ptrs, sums, landed, layer_major
+        self._keep = keep  # what the copies read besides the chunks (a kernel's pinned row table)
 
     def chunks(self) -> list[torch.Tensor]:
         return self.staging.chunks

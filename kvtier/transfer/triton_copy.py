@@ -49,7 +49,7 @@ import triton
 
 from kvtier.transfer import cudart
 from kvtier.transfer.base import LayerHandle
-from kvtier.transfer.kernels import SLOT_BLOCK, host_words_kernel, kv_copy_kernel, kv_quant_copy_kernel
+from kvtier.transfer.kernels import SLOT_BLOCK, host_rows_kernel, host_words_kernel, kv_copy_kernel, kv_quant_copy_kernel
 from kvtier.transfer.layout import PagedKV
 from kvtier.transfer.quant import Quant
 from kvtier.transfer.staging import DigestTables, Staging, Upload, host_tables, waiter
@@ -62,9 +62,11 @@ class TritonTransfer:
 
     name = "triton"
 
-    def __init__(self, kv: PagedKV, *, direct: bool = False, quant: Quant | None = None) -> None:
+    def __init__(self, kv: PagedKV, *, direct: bool = False, quant: Quant | None = None,
+                 upload_by_kernel: bool = True) -> None:
         self.kv = kv
         self.direct = direct
+        self.upload_by_kernel = upload_by_kernel
         self.quant = quant
         first = kv.layers[0]
         self._strides = first.stride()[:4]
@@ -196,15 +198,21 @@ class TritonTransfer:
                 table = staging.ptrs(layers) if layer_major else staging.ptrs(range(1))[0]
                 ptrs = table.pin_memory().to(self.kv.device, non_blocking=True)
                 sums = self._digest_tables(staging.digest_tables(by_layer=layer_major)) if digests else None
+                parts = layers if layer_major else range(len(staging.groups))
+                rows = [staging.rows(layer=p) if layer_major else staging.rows(group=p) for p in parts]
+                table = _row_table(rows) if self.upload_by_kernel else None
                 landed = []
-                for part in (layers if layer_major else range(len(staging.groups))):
-                    if layer_major:
+                for k, part in enumerate(parts):
+                    if table is not None:
+                        with torch.cuda.stream(self._copies):
+                            _rows_up(*table[k])
+                    elif layer_major:
                         staging.copy(to_host=False, stream=self._copies, layer=part)
                     else:
                         staging.copy(to_host=False, stream=self._copies, group=part)
                     landed.append(torch.cuda.Event())
                     landed[-1].record(self._copies)
-        return Upload(staging, ptrs, sums, landed, layer_major)
+        return Upload(staging, ptrs, sums, landed, layer_major, keep=table)
 
     def _slots_up(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot table on the device, on the current stream, read from pinned memory by a
@@ -383,3 +391,28 @@ class LayerSaves:
 
     def unsaved(self) -> list[int]:
         return [layer for layer, saved in enumerate(self._saved) if not saved]
+
+
+ROW_BLOCK = 8192  # int64 words (64 KB) per program of host_rows_kernel
+
+
+def _row_table(parts: list[list[tuple[int, int, int]]]) -> list[tuple[torch.Tensor, int, int]] | None:
+    """Each part's rows (host, device, bytes) in one pinned table that `host_rows_kernel`
+    reads over PCIe: per part its (table, first row, rows, most words in a row). None
+    where a row is not in whole, aligned int64 words (the copy engine moves those)."""
+    if any(x % 8 for part in parts for row in part for x in row):
+        return None
+    flat = [(h, d, n // 8) for part in parts for h, d, n in part]
+    table = torch.tensor(flat, dtype=torch.int64).pin_memory()
+    out, first = [], 0
+    for part in parts:
+        out.append((table, first, len(part), max((n for _, _, n in part), default=0) // 8))
+        first += len(part)
+    return out
+
+
+def _rows_up(table: torch.Tensor, first: int, count: int, words: int) -> None:
+    """host_rows_kernel over rows [first, first + count) of `table`, on the current stream."""
+    if count and words:
+        host_rows_kernel[(count, triton.cdiv(words, ROW_BLOCK))](table.data_ptr() + first * 24, BLOCK=ROW_BLOCK,
+                                                                num_warps=8)
