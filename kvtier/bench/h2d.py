@@ -1,10 +1,13 @@
-"""`python -m kvtier.bench.h2d`: pinned host → GPU, by the copy engine or by a kernel,
-and what each does to a small copy queued behind it (vLLM's inputs for its next step).
+"""`python -m kvtier.bench.h2d`: a load's copies from pinned host memory into GPU
+staging, by the copy engine or by a kernel, and what each does to the GPU's other work.
 
-Both move the same rows (a prompt's chunks, one row per chunk and layer, as a
-layerwise upload does); the row copies are timed alone, then again with a 128 KB
-host-to-device copy queued on another stream 1 ms into them: how long that copy
-waits is what the next forward of every request waits.
+The geometry is a layerwise upload's: a pool of adjacent chunks [L, K, T, H, D];
+per layer, layer l of every chunk (one strided run) into layer-major staging: one
+cudaMemcpy2DAsync per layer, or one launch of host_runs_kernel per layer with
+`programs` programs. Timed alone, then twice more with other work queued 1 ms into
+it on another stream: a 128 KB host-to-device copy (vLLM's inputs for its next
+step: how long it waits), and bf16 matmuls (a forward beside the load: how much
+longer they take than alone). Staged bytes are checked against the pool.
 """
 
 from __future__ import annotations
@@ -15,92 +18,109 @@ import statistics
 import time
 
 import torch
-import triton
 
 from kvtier.transfer import cudart
-from kvtier.transfer.kernels import host_rows_kernel
+from kvtier.transfer.kernels import host_runs_kernel
 
-BLOCK = 2048  # int64 words per program: 16 KB
-
-
-def rows(total: int, row_bytes: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-    host.view(torch.int64).copy_(torch.arange(total // 8))
-    out = torch.empty(total, dtype=torch.uint8, device=dev)
-    n = total // row_bytes
-    offs = torch.arange(n, dtype=torch.int64) * row_bytes
-    table = torch.stack([host.data_ptr() + offs, out.data_ptr() + offs.flip(0),
-                         torch.full((n,), row_bytes // 8, dtype=torch.int64)], 1)
-    return host, out, table.to(dev)
+BLOCK = 8192
 
 
-def by_engine(host, out, table_host, stream) -> None:
-    for src, dst, words in table_host.tolist():
-        cudart.memcpy2d(dst, words * 8, src, words * 8, words * 8, 1, stream)
+class Load:
+    def __init__(self, chunks: int, layers: int, layer_mb: float, dev: torch.device) -> None:
+        self.layers = layers
+        self.layer_bytes = int(layer_mb * 2**20) // 8 * 8
+        self.chunk_bytes = self.layer_bytes * layers
+        self.chunks = chunks
+        self.pool = torch.empty(chunks * self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
+        self.pool.view(torch.int64).copy_(torch.arange(self.pool.numel() // 8))
+        self.staging = torch.empty_like(self.pool, device=dev)
+        self.table = torch.tensor([[self.pool.data_ptr() + l * self.layer_bytes,
+                                    self.staging.data_ptr() + l * chunks * self.layer_bytes,
+                                    self.chunk_bytes, self.layer_bytes, self.layer_bytes // 8, chunks]
+                                   for l in range(layers)], dtype=torch.int64).pin_memory()
+
+    def by_engine(self, stream) -> None:
+        for src, dst, sp, dp, words, rows in self.table.tolist():
+            cudart.memcpy2d(dst, dp, src, sp, words * 8, rows, stream)
+
+    def by_kernel(self, stream, programs: int) -> None:
+        with torch.cuda.stream(stream):
+            for layer in range(self.layers):
+                host_runs_kernel[(programs,)](self.table.data_ptr() + layer * 48, 1, BLOCK=BLOCK, num_warps=8)
+
+    def check(self) -> None:
+        staged = self.staging.view(self.layers, self.chunks, self.layer_bytes).transpose(0, 1).reshape(-1)
+        assert torch.equal(staged[-4096:].cpu(), self.pool[-4096:]) and torch.equal(staged[:4096].cpu(), self.pool[:4096])
 
 
-def by_kernel(table, stream, row_words: int, block: int = BLOCK, warps: int = 4) -> None:
-    with torch.cuda.stream(stream):
-        host_rows_kernel[(table.shape[0], triton.cdiv(row_words, block))](table.data_ptr(), BLOCK=block,
-                                                                           num_warps=warps)
+def _median_ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e3
 
 
-def run(args) -> dict:
-    dev = torch.device("cuda")
-    host, out, table = rows(args.gb * 2**30 // args.row_mb // 2**20 * args.row_mb * 2**20, args.row_mb * 2**20, dev)
-    table_host = table.cpu()
-    bulk, side = torch.cuda.Stream(), torch.cuda.Stream()
+def measure(load: Load, go, repeats: int, dev: torch.device) -> dict:
+    bulk = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
     small_h = torch.ones(128 * 1024, dtype=torch.uint8, pin_memory=True)
     small_d = torch.empty_like(small_h, device=dev)
-    ways = {"copy engine": lambda: by_engine(host, out, table_host, bulk),
-            "kernel": lambda: by_kernel(table, bulk, table_host[0, 2].item())}
-    for block, warps in args.variants:
-        ways[f"kernel {block * 8 // 1024} KB/{warps}w"] = (
-            lambda b=block, w=warps: by_kernel(table, bulk, table_host[0, 2].item(), b, w))
-    result: dict = {"bytes": host.numel(), "row_bytes": args.row_mb * 2**20, "gpu": torch.cuda.get_device_name()}
-    for name, go in ways.items():
-        alone, behind, small_wait = [], [], []
-        for _ in range(args.repeats + 1):
-            out.zero_()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            go()
-            torch.cuda.synchronize()
-            alone.append(time.perf_counter() - t)
-            assert torch.equal(out.view(torch.int64).view(-1, table_host[0, 2].item()).flip(0).reshape(-1)[:1000],
-                               host.view(torch.int64)[:1000].to(dev)), name
-            t = time.perf_counter()
-            go()
-            time.sleep(0.001)
-            t_small = time.perf_counter()
-            with torch.cuda.stream(side):
-                small_d.copy_(small_h, non_blocking=True)
-            side.synchronize()
-            small_wait.append(time.perf_counter() - t_small)
-            torch.cuda.synchronize()
-            behind.append(time.perf_counter() - t)
-        alone, behind, small_wait = alone[1:], behind[1:], small_wait[1:]
-        result[name] = {"GBps": host.numel() / statistics.median(alone) / 1e9,
-                        "ms": statistics.median(alone) * 1e3,
-                        "small_copy_wait_ms": statistics.median(small_wait) * 1e3,
-                        "ms_with_small_copy": statistics.median(behind) * 1e3}
-        print(f"{name:12s} {result[name]['GBps']:.1f} GB/s ({result[name]['ms']:.1f} ms for "
-              f"{host.numel() / 1e9:.2f} GB); a 128 KB copy queued 1 ms in waits "
-              f"{result[name]['small_copy_wait_ms']:.2f} ms", flush=True)
-    result["kernel_over_engine"] = result["kernel"]["GBps"] / result["copy engine"]["GBps"]
-    return result
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+
+    def matmuls():
+        for _ in range(20):
+            a @ a
+
+    def timed(fn) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(side):
+            start.record()
+            fn()
+            end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    matmul_alone = [timed(matmuls) for _ in range(repeats + 1)][1:]
+    alone, small, beside = [], [], []
+    for _ in range(repeats + 1):
+        load.staging.zero_()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        go()
+        torch.cuda.synchronize()
+        alone.append(time.perf_counter() - t)
+        load.check()
+        go()
+        time.sleep(0.001)
+        small.append(timed(lambda: small_d.copy_(small_h, non_blocking=True)))
+        torch.cuda.synchronize()
+        go()
+        time.sleep(0.001)
+        beside.append(timed(matmuls))
+        torch.cuda.synchronize()
+    alone, small, beside = alone[1:], small[1:], beside[1:]
+    return {"GBps": load.pool.numel() / statistics.median(alone) / 1e9, "ms": _median_ms(alone),
+            "small_copy_wait_ms": _median_ms(small), "matmuls_beside_ms": _median_ms(beside),
+            "matmuls_alone_ms": _median_ms(matmul_alone)}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--gb", type=int, default=2)
-    p.add_argument("--row-mb", type=int, default=1)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--chunks", type=int, default=64, help="chunks of 256 tokens (64: 16k tokens)")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--layer-mb", type=float, default=1.0, help="MB of one layer of one chunk (8B model: 1)")
+    p.add_argument("--programs", type=int, nargs="+", default=[16, 32, 64, 132])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="")
-    p.add_argument("--variants", type=lambda v: tuple(map(int, v.split("/"))), nargs="*", default=[],
-                   help="more kernel shapes, as words-per-program/warps (e.g. 8192/8)")
     args = p.parse_args()
-    result = run(args)
+    dev = torch.device("cuda")
+    load = Load(args.chunks, args.layers, args.layer_mb, dev)
+    stream = torch.cuda.current_stream()
+    ways = {"copy engine": lambda: load.by_engine(stream)}
+    ways.update({f"kernel x{n}": (lambda n=n: load.by_kernel(stream, n)) for n in args.programs})
+    result: dict = {"bytes": load.pool.numel(), "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
+    for name, go in ways.items():
+        r = result[name] = measure(load, go, args.repeats, dev)
+        print(f"{name:14s} {r['GBps']:5.1f} GB/s ({r['ms']:.1f} ms for {load.pool.numel() / 1e9:.2f} GB); "
+              f"a 128 KB copy queued 1 ms in waits {r['small_copy_wait_ms']:.2f} ms; 20 matmuls beside "
+              f"{r['matmuls_beside_ms']:.1f} ms (alone {r['matmuls_alone_ms']:.1f})", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

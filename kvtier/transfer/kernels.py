@@ -143,19 +143,29 @@ def host_words_kernel(src, dst, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def host_rows_kernel(table_addr, BLOCK: tl.constexpr):
-    """Program (r, b) copies int64 words [b*BLOCK, (b+1)*BLOCK) of row r, table[r] =
-    (source address, destination address, words), the table itself at `table_addr`
-    (pinned host memory, read in place): pinned host rows to the device over
-    PCIe by the SMs' own loads, with no copy engine (whose queue vLLM's small input
-    copies would wait behind, one step of every request stalled by a bulk upload)."""
+def host_runs_kernel(table_addr, runs, BLOCK: tl.constexpr):
+    """Copy `runs` runs of rows, pinned host -> device, by the SMs' own loads over PCIe,
+    with no copy engine (whose queue vLLM's small input copies would wait behind: every
+    request's next step stalled by a bulk load). table[r] = (source, destination, source
+    pitch, destination pitch, int64 words per row, rows), addresses and pitches in bytes;
+    the table itself at `table_addr`, pinned host memory read in place. Persistent: the
+    grid's few programs stride over every (run, row, block), leaving the other SMs to
+    the forward that runs beside the copy."""
     table = table_addr.to(tl.pointer_type(tl.int64))
-    r = tl.program_id(0).to(tl.int64)
-    start = tl.program_id(1).to(tl.int64) * BLOCK
-    words = tl.load(table + r * 3 + 2)
-    if start < words:
-        src = tl.load(table + r * 3).to(tl.pointer_type(tl.int64))
-        dst = tl.load(table + r * 3 + 1).to(tl.pointer_type(tl.int64))
-        i = start + tl.arange(0, BLOCK).to(tl.int64)
-        mask = i < words
-        tl.store(dst + i, tl.load(src + i, mask=mask), mask=mask)
+    pid = tl.program_id(0).to(tl.int64)
+    programs = tl.num_programs(0).to(tl.int64)
+    for r in range(runs):
+        src0 = tl.load(table + r * 6)
+        dst0 = tl.load(table + r * 6 + 1)
+        src_pitch = tl.load(table + r * 6 + 2)
+        dst_pitch = tl.load(table + r * 6 + 3)
+        words = tl.load(table + r * 6 + 4)
+        rows = tl.load(table + r * 6 + 5)
+        blocks = (words + BLOCK - 1) // BLOCK
+        for w in range(pid, rows * blocks, programs):
+            row = w // blocks
+            off = (w - row * blocks) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+            mask = off < words
+            src = (src0 + row * src_pitch).to(tl.pointer_type(tl.int64))
+            dst = (dst0 + row * dst_pitch).to(tl.pointer_type(tl.int64))
+            tl.store(dst + off, tl.load(src + off, mask=mask), mask=mask)

@@ -75,14 +75,14 @@ class Staging:
                 cudart.memcpy2d(dev, width, host, pitch, width, count, stream)
 
 
-    def rows(self, layer: int | None = None, group: int = 0) -> list[tuple[int, int, int]]:
-        """What `copy(to_host=False, ...)` moves, as (host address, device address, bytes) rows."""
+    def run_table(self, layer: int | None = None, group: int = 0) -> list[tuple[int, ...]]:
+        """What `copy(to_host=False, ...)` moves, per run: (host address, device address,
+        host pitch, device pitch, bytes per row, rows), for host_runs_kernel."""
         out = []
         for first, count, pitch in self.runs[group]:
             width = self.chunk_bytes[first] if layer is None else self.layer_bytes[first]
             host = self.chunks[first].data_ptr() + (0 if layer is None else layer * width)
-            dev = self._at(0 if layer is None else layer, first)
-            out += [(host + i * pitch, dev + i * width, width) for i in range(count)]
+            out.append((host, self._at(0 if layer is None else layer, first), pitch, width, width, count))
         return out
 
 

@@ -49,7 +49,7 @@ import triton
 
 from kvtier.transfer import cudart
 from kvtier.transfer.base import LayerHandle
-from kvtier.transfer.kernels import SLOT_BLOCK, host_rows_kernel, host_words_kernel, kv_copy_kernel, kv_quant_copy_kernel
+from kvtier.transfer.kernels import SLOT_BLOCK, host_runs_kernel, host_words_kernel, kv_copy_kernel, kv_quant_copy_kernel
 from kvtier.transfer.layout import PagedKV
 from kvtier.transfer.quant import Quant
 from kvtier.transfer.staging import DigestTables, Staging, Upload, host_tables, waiter
@@ -199,13 +199,13 @@ class TritonTransfer:
                 ptrs = table.pin_memory().to(self.kv.device, non_blocking=True)
                 sums = self._digest_tables(staging.digest_tables(by_layer=layer_major)) if digests else None
                 parts = layers if layer_major else range(len(staging.groups))
-                rows = [staging.rows(layer=p) if layer_major else staging.rows(group=p) for p in parts]
-                table = _row_table(rows) if self.upload_by_kernel else None
+                runs = [staging.run_table(layer=p) if layer_major else staging.run_table(group=p) for p in parts]
+                table = _run_table(runs) if self.upload_by_kernel else None
                 landed = []
                 for k, part in enumerate(parts):
                     if table is not None:
                         with torch.cuda.stream(self._copies):
-                            _rows_up(*table[k])
+                            _runs_up(*table[k])
                     elif layer_major:
                         staging.copy(to_host=False, stream=self._copies, layer=part)
                     else:
@@ -393,26 +393,26 @@ class LayerSaves:
         return [layer for layer, saved in enumerate(self._saved) if not saved]
 
 
-ROW_BLOCK = 8192  # int64 words (64 KB) per program of host_rows_kernel
+RUN_BLOCK = 8192  # int64 words (64 KB) a program of host_runs_kernel moves at a time
+RUN_PROGRAMS = 32  # its programs: enough loads in flight for PCIe, most SMs left to the forward
 
 
-def _row_table(parts: list[list[tuple[int, int, int]]]) -> list[tuple[torch.Tensor, int, int]] | None:
-    """Each part's rows (host, device, bytes) in one pinned table that `host_rows_kernel`
-    reads over PCIe: per part its (table, first row, rows, most words in a row). None
-    where a row is not in whole, aligned int64 words (the copy engine moves those)."""
-    if any(x % 8 for part in parts for row in part for x in row):
+def _run_table(parts: list[list[tuple[int, ...]]]) -> list[tuple[torch.Tensor, int, int]] | None:
+    """Each part's runs in one pinned table that `host_runs_kernel` reads over PCIe: per part
+    (table, first run, runs). None where a row is not in whole, aligned int64 words (the copy
+    engine moves those)."""
+    if any(x % 8 for part in parts for run in part for x in run[:5]):
         return None
-    flat = [(h, d, n // 8) for part in parts for h, d, n in part]
-    table = torch.tensor(flat, dtype=torch.int64).pin_memory()
+    table = torch.tensor([(*run[:4], run[4] // 8, run[5]) for part in parts for run in part],
+                         dtype=torch.int64).pin_memory()
     out, first = [], 0
     for part in parts:
-        out.append((table, first, len(part), max((n for _, _, n in part), default=0) // 8))
+        out.append((table, first, len(part)))
         first += len(part)
     return out
 
 
-def _rows_up(table: torch.Tensor, first: int, count: int, words: int) -> None:
-    """host_rows_kernel over rows [first, first + count) of `table`, on the current stream."""
-    if count and words:
-        host_rows_kernel[(count, triton.cdiv(words, ROW_BLOCK))](table.data_ptr() + first * 24, BLOCK=ROW_BLOCK,
-                                                                num_warps=8)
+def _runs_up(table: torch.Tensor, first: int, runs: int) -> None:
+    """host_runs_kernel over runs [first, first + runs) of `table`, on the current stream."""
+    if runs:
+        host_runs_kernel[(RUN_PROGRAMS,)](table.data_ptr() + first * 48, runs, BLOCK=RUN_BLOCK, num_warps=8)
