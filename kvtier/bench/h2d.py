@@ -58,7 +58,6 @@ def _median_ms(xs: list[float]) -> float:
 
 
 def measure(load: Load, go, repeats: int, dev: torch.device) -> dict:
-    bulk = torch.cuda.current_stream()
     side = torch.cuda.Stream()
     small_h = torch.ones(128 * 1024, dtype=torch.uint8, pin_memory=True)
     small_d = torch.empty_like(small_h, device=dev)
