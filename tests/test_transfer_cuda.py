@@ -102,16 +102,16 @@ def _pool_chunks(kv: PagedKV, sizes: list[int], order: list[int]) -> list[torch.
 ORDERS = {"adjacent": [0, 1, 2, 3, 4], "gaps": [0, 2, 4, 5, 6], "reversed": [4, 3, 2, 1, 0]}
 
 
-@pytest.mark.parametrize("by_kernel", [True, False], ids=["kernel-upload", "copy-engine-upload"])
+@pytest.mark.parametrize("upload_by", ["kernel", "copy_engine", "auto"])
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("layout", ["flash_attn", "vllm", "packed-nhd"])
-def test_staged_runs_and_layerwise_paths_match_the_reference(layout, order, by_kernel):
+def test_staged_runs_and_layerwise_paths_match_the_reference(layout, order, upload_by):
     torch.manual_seed(1)
     layers, kv = make_kv(layout)
     perm = torch.randperm(kv.num_slots)
     sizes = [64, 64, 64, 64, 40]
     src, dst = perm[:296], perm[296:592]
-    transfer = make_transfer(kv, "triton", upload_by_kernel=by_kernel)
+    transfer = make_transfer(kv, "triton", upload=upload_by)
     chunks = _pool_chunks(kv, sizes, ORDERS[order])
     transfer.gather(src, chunks)
     assert torch.equal(torch.cat(chunks, dim=2), reference(kv, src))
@@ -127,9 +127,9 @@ def test_staged_runs_and_layerwise_paths_match_the_reference(layout, order, by_k
     assert torch.equal(reference(kv, dst), reference(kv, src))
 
 
-@pytest.mark.parametrize("by_kernel", [True, False], ids=["kernel-upload", "copy-engine-upload"])
+@pytest.mark.parametrize("upload_by", ["kernel", "copy_engine", "auto"])
 @pytest.mark.parametrize("layer_major", [False, True], ids=["whole", "layerwise"])
-def test_an_upload_queued_before_its_slots_are_known_loads_what_a_scatter_does(layer_major, by_kernel):
+def test_an_upload_queued_before_its_slots_are_known_loads_what_a_scatter_does(layer_major, upload_by):
     """The copies start first (a lookup); the slots come later, while a long copy of
     other chunks still holds the copy engine (the slot table must not wait for it)."""
     torch.manual_seed(2)
@@ -137,7 +137,7 @@ def test_an_upload_queued_before_its_slots_are_known_loads_what_a_scatter_does(l
     perm = torch.randperm(kv.num_slots)
     sizes = [64, 64, 64, 64, 40]
     src, dst = perm[:296], perm[296:592]
-    transfer = make_transfer(kv, "triton", upload_by_kernel=by_kernel)
+    transfer = make_transfer(kv, "triton", upload=upload_by)
     chunks = _pool_chunks(kv, sizes, ORDERS["gaps"])
     transfer.gather(src, chunks)
     busy = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)

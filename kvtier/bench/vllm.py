@@ -55,8 +55,8 @@ SETUPS: dict[str, dict] = {
     "plain": {},
     "kvtier": {"connector": "KvtierConnector", "env": {}},
     "kvtier-layerwise": {"connector": "KvtierConnector", "env": {"LMCACHE_USE_LAYERWISE": "true"}},
-    # Loads copied up by the copy engine (DMA) instead of a kernel (gpu_upload).
-    "kvtier-dma": {"connector": "KvtierConnector", "env": {"KVTIER_GPU_UPLOAD": "copy_engine"}},
+    # gpu_upload other than its default (auto: kernel for layerwise loads, copy engine for whole ones).
+    "kvtier-kernel": {"connector": "KvtierConnector", "env": {"KVTIER_GPU_UPLOAD": "kernel"}},
     "kvtier-layerwise-dma": {"connector": "KvtierConnector",
                              "env": {"LMCACHE_USE_LAYERWISE": "true", "KVTIER_GPU_UPLOAD": "copy_engine"}},
     # The disk tier: a CPU pool smaller than one prompt (staging only), the chunks from files.

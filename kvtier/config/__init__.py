@@ -34,7 +34,7 @@ from kvtier.remote import TOKEN_SCHEMES, check_url
 from kvtier.tiers.policy import POLICIES
 
 ENV_PREFIXES = ("LMCACHE_", "KVTIER_")
-GPU_UPLOADS = ("kernel", "copy_engine")
+GPU_UPLOADS = ("auto", "kernel", "copy_engine")
 CONFIG_FILE_VARS = ("LMCACHE_CONFIG_FILE", "KVTIER_CONFIG_FILE")
 # LMCache env vars that carry no meaning here (they select LMCache code paths
 # that kvtier has only one of). Accepted so that old launch scripts still run.
@@ -75,9 +75,11 @@ class KvtierConfig:
         default="naive")
     blocking_timeout_secs: float = _doc("longest wait on a tier before a miss, s", default=10.0)
     gpu_upload: str = _doc(
-        "what copies loads from CPU RAM into GPU memory: kernel (the GPU's SMs read pinned memory; "
-        "vLLM's own small copies never wait) | copy_engine (DMA; its queue holds vLLM's next-step "
-        "inputs behind a whole load)", default="kernel")
+        "what copies loads from CPU RAM into GPU memory: kernel (the GPU's SMs read the pinned pool; "
+        "vLLM's own small copies never wait behind a load) | copy_engine (DMA, a few % faster; its "
+        "queue holds vLLM's next-step inputs until the whole load has crossed) | auto (kernel for "
+        "layerwise loads, whose overlap needs vLLM's inputs through; copy engine for whole ones)",
+        default="auto")
     enable_pd: bool = _doc("disaggregated prefill: this instance sends (prefiller) or receives (decoder) KV",
                            default=False)
     pd_role: str | None = _doc("sender (vLLM kv_producer) | receiver (vLLM kv_consumer)", default=None)

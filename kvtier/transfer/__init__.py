@@ -14,10 +14,10 @@ __all__ = ["LAYOUTS", "LayerHandle", "LayerSaver", "PagedKV", "Quant", "Transfer
 
 
 def make_transfer(kv: PagedKV, backend: str = "auto", quant: Quant | None = None,
-                  upload_by_kernel: bool = True) -> Transfer:
+                  upload: str = "auto") -> Transfer:
     """Triton kernels for GPU caches, torch indexing for host caches; with `quant`,
-    chunks hold that codec's quantized rows (quant.py). `upload_by_kernel`: staged
-    loads cross PCIe by a kernel's reads, not the copy engine (triton_copy.py)."""
+    chunks hold that codec's quantized rows (quant.py). `upload`: how staged loads
+    cross PCIe, kernel | copy_engine | auto (triton_copy.py)."""
     if backend == "auto":
         backend = "triton" if kv.device.type == "cuda" and not kv.split else "torch"
     if quant is not None and quant.name == "fp8" and kv.device.type == "cuda" \
@@ -38,5 +38,5 @@ def make_transfer(kv: PagedKV, backend: str = "auto", quant: Quant | None = None
             )
         from kvtier.transfer.triton_copy import TritonTransfer
 
-        return TritonTransfer(kv, direct=backend == "triton-direct", quant=quant, upload_by_kernel=upload_by_kernel)
+        return TritonTransfer(kv, direct=backend == "triton-direct", quant=quant, upload=upload)
     raise ValueError(f"unknown transfer backend {backend!r}: auto, torch, triton, triton-direct")

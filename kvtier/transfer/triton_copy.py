@@ -26,6 +26,16 @@ In staging, chunks sit in the order of their host addresses (within a
 group), so blocks that are neighbours in the pool are neighbours there too,
 whatever tokens they hold: a run of them is one strided copy.
 
+Host-to-device copies into staging are made by a kernel (host_runs_kernel: a
+few programs read the pinned pool over PCIe) or by the copy engine
+(cudaMemcpy2DAsync), `upload` = kernel | copy_engine | auto (kernel for
+layer-major uploads). The copy engine takes host-to-device copies in the
+order they are queued, from every stream: behind a bulk upload, vLLM's own
+small input copies for its next step wait until the whole load has crossed
+(profiled inside vLLM: a layerwise load's forward then started only after
+its last layer had landed). The kernel leaves the copy engine free, at
+0.96-0.97 of its bandwidth (`kvtier bench h2d`).
+
 Kernels run on one side stream and PCIe copies on another, ordered by
 events; both are ordered after the caller's stream, and the caller's stream
 waits for them. Direct needs every chunk pinned; a call with a pageable
@@ -63,10 +73,10 @@ class TritonTransfer:
     name = "triton"
 
     def __init__(self, kv: PagedKV, *, direct: bool = False, quant: Quant | None = None,
-                 upload_by_kernel: bool = True) -> None:
+                 upload: str = "auto") -> None:
         self.kv = kv
         self.direct = direct
-        self.upload_by_kernel = upload_by_kernel
+        self.upload_mode = upload
         self.quant = quant
         first = kv.layers[0]
         self._strides = first.stride()[:4]
@@ -200,7 +210,8 @@ class TritonTransfer:
                 sums = self._digest_tables(staging.digest_tables(by_layer=layer_major)) if digests else None
                 parts = layers if layer_major else range(len(staging.groups))
                 runs = [staging.run_table(layer=p) if layer_major else staging.run_table(group=p) for p in parts]
-                table = _run_table(runs) if self.upload_by_kernel else None
+                by_kernel = self.upload_mode == "kernel" or (self.upload_mode == "auto" and layer_major)
+                table = _run_table(runs) if by_kernel else None
                 landed = []
                 for k, part in enumerate(parts):
                     if table is not None:
