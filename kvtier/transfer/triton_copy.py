@@ -26,15 +26,10 @@ In staging, chunks sit in the order of their host addresses (within a
 group), so blocks that are neighbours in the pool are neighbours there too,
 whatever tokens they hold: a run of them is one strided copy.
 
-Host-to-device copies into staging are made by a kernel (host_runs_kernel: a
-few programs read the pinned pool over PCIe) or by the copy engine
-(cudaMemcpy2DAsync), `upload` = kernel | copy_engine | auto (kernel for
-layer-major uploads). The copy engine takes host-to-device copies in the
-order they are queued, from every stream: behind a bulk upload, vLLM's own
-small input copies for its next step wait until the whole load has crossed
-(profiled inside vLLM: a layerwise load's forward then started only after
-its last layer had landed). The kernel leaves the copy engine free, at
-0.96-0.97 of its bandwidth (`kvtier bench h2d`).
+Uploads into staging go by a kernel (host_runs_kernel) or the copy engine:
+`upload` kernel | copy_engine | auto (kernel for layer-major ones). The copy
+engine serves host-to-device copies in queue order from every stream, so
+vLLM's next-step inputs wait behind a bulk upload (staging.py).
 
 Kernels run on one side stream and PCIe copies on another, ordered by
 events; both are ordered after the caller's stream, and the caller's stream
@@ -59,10 +54,10 @@ import triton
 
 from kvtier.transfer import cudart
 from kvtier.transfer.base import LayerHandle
-from kvtier.transfer.kernels import SLOT_BLOCK, host_runs_kernel, host_words_kernel, kv_copy_kernel, kv_quant_copy_kernel
+from kvtier.transfer.kernels import SLOT_BLOCK, host_words_kernel, kv_copy_kernel, kv_quant_copy_kernel
 from kvtier.transfer.layout import PagedKV
 from kvtier.transfer.quant import Quant
-from kvtier.transfer.staging import DigestTables, Staging, Upload, host_tables, waiter
+from kvtier.transfer.staging import DigestTables, Staging, Upload, host_tables, run_table, runs_up, waiter
 
 GROUPS = 4  # whole transfers: kernel of group g+1 runs while group g crosses PCIe
 DIGEST_LAYERS = 8  # layers summed per digest launch of a layerwise scatter
@@ -211,12 +206,12 @@ class TritonTransfer:
                 parts = layers if layer_major else range(len(staging.groups))
                 runs = [staging.run_table(layer=p) if layer_major else staging.run_table(group=p) for p in parts]
                 by_kernel = self.upload_mode == "kernel" or (self.upload_mode == "auto" and layer_major)
-                table = _run_table(runs) if by_kernel else None
+                table = run_table(runs) if by_kernel else None
                 landed = []
                 for k, part in enumerate(parts):
                     if table is not None:
                         with torch.cuda.stream(self._copies):
-                            _runs_up(*table[k])
+                            runs_up(*table[k])
                     elif layer_major:
                         staging.copy(to_host=False, stream=self._copies, layer=part)
                     else:
@@ -402,28 +397,3 @@ class LayerSaves:
 
     def unsaved(self) -> list[int]:
         return [layer for layer, saved in enumerate(self._saved) if not saved]
-
-
-RUN_BLOCK = 8192  # int64 words (64 KB) a program of host_runs_kernel moves at a time
-RUN_PROGRAMS = 32  # its programs: enough loads in flight for PCIe, most SMs left to the forward
-
-
-def _run_table(parts: list[list[tuple[int, ...]]]) -> list[tuple[torch.Tensor, int, int]] | None:
-    """Each part's runs in one pinned table that `host_runs_kernel` reads over PCIe: per part
-    (table, first run, runs). None where a row is not in whole, aligned int64 words (the copy
-    engine moves those)."""
-    if any(x % 8 for part in parts for run in part for x in run[:5]):
-        return None
-    table = torch.tensor([(*run[:4], run[4] // 8, run[5]) for part in parts for run in part],
-                         dtype=torch.int64).pin_memory()
-    out, first = [], 0
-    for part in parts:
-        out.append((table, first, len(part)))
-        first += len(part)
-    return out
-
-
-def _runs_up(table: torch.Tensor, first: int, runs: int) -> None:
-    """host_runs_kernel over runs [first, first + runs) of `table`, on the current stream."""
-    if runs:
-        host_runs_kernel[(RUN_PROGRAMS,)](table.data_ptr() + first * 48, runs, BLOCK=RUN_BLOCK, num_warps=8)
