@@ -219,3 +219,43 @@ def test_triton_kernels_in_interpreter_match_torch():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "ok"
+
+
+UPLOAD_CHECK = """
+import torch
+from kvtier.transfer.kernels import host_runs_kernel
+from kvtier.transfer.staging import Staging
+
+pool = torch.arange(7 * 4 * 2 * 24 * 2 * 16 // 4, dtype=torch.int64).view(torch.bfloat16)
+per = pool.numel() // 7
+blocks = [pool[i * per : (i + 1) * per].view(4, 2, 24, 2, 16) for i in range(7)]
+for order in ([0, 1, 2, 3], [0, 2, 4, 5, 6], [6, 5, 3, 1]):  # adjacent, gaps, reversed
+    chunks = [blocks[i] for i in order]
+    for layer_major in (True, False):
+        staging = Staging(chunks, torch.device("cpu"), layer_major=layer_major,
+                          groups=1 if layer_major else 2)
+        staging.flat.zero_()
+        parts = ([staging.run_table(layer=l) for l in range(4)] if layer_major
+                 else [staging.run_table(group=g) for g in range(len(staging.groups))])
+        for runs in parts:
+            table = torch.tensor([(*r[:4], r[4] // 8, r[5]) for r in runs], dtype=torch.int64)
+            host_runs_kernel[(3,)](table.data_ptr(), len(runs), BLOCK=64)  # few programs, many blocks each
+        ptrs = staging.ptrs(range(4))
+        base = staging.flat.data_ptr()
+        for c, chunk in enumerate(chunks):
+            for l in range(4):
+                at = (int(ptrs[l, c]) - base) // 2
+                got = staging.flat.view(torch.bfloat16)[at : at + chunk[l].numel()]
+                assert torch.equal(got.view(torch.int16), chunk[l].reshape(-1).view(torch.int16)), (order, layer_major, c, l)
+print("ok")
+"""
+
+
+def test_the_upload_kernel_stages_what_the_copy_engine_would():
+    """host_runs_kernel (loads from CPU RAM without the copy engine), by Triton's interpreter,
+    over Staging.run_table: every layer of every chunk lands where the scatter reads it."""
+    pytest.importorskip("triton")
+    out = subprocess.run([sys.executable, "-c", UPLOAD_CHECK], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "ok"
