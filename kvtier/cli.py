@@ -66,6 +66,18 @@ def _bench_ttft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chat_args(p: argparse.ArgumentParser) -> None:
+    from kvtier.bench.chat import add_args
+
+    add_args(p)
+
+
+def _bench_chat(args: argparse.Namespace) -> int:
+    from kvtier.bench.chat import main
+
+    return main(args)
+
+
 def _bench_pd(args: argparse.Namespace) -> int:
     import json
 
@@ -304,6 +316,8 @@ BENCHMARKS: list[Command] = [
     ("pd", "disaggregated prefill: sender process -> receiver's buffer -> its pages, vs a plain device copy",
      _pd_args, _bench_pd),
     ("server", "store server vs raw loopback TCP and redis-server", _server_bench_args, _bench_server),
+    ("chat", "multi-turn conversations at a steady rate against a vLLM server: TTFT, throughput, hit rate",
+     _chat_args, _bench_chat),
 ]
 
 

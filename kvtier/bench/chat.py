@@ -1,0 +1,244 @@
+"""`kvtier bench chat`: multi-turn conversations at a steady request rate against an
+OpenAI-compatible server (vLLM with any KV offloader, or none), the serving
+workload offloaders are chosen by.
+
+    conversations   each opens with one of a few long system prompts and goes
+                    turn by turn: a turn's prompt is the conversation so far (the
+                    previous prompt, an answer, a new user message), so every
+                    turn after the first shares its previous prompt as a prefix
+    arrivals        one request every 1/rate s; each is the next turn of a
+                    conversation with none in flight, up to `concurrency` in
+                    flight (a turn waits while every conversation is busy)
+    a request       POST /v1/completions, the prompt as token ids, greedy,
+                    streamed: TTFT is the first streamed token's arrival
+
+Prompts are token ids made from a seed (no tokenizer needed), and the answer
+that goes into the history is a fixed synthetic one, so two runs against two
+servers send the same prompts in the same order, and their greedy outputs
+can be compared request by request (`outputs` in the record). The hit rate is
+vLLM's own: its Prometheus counters of prompt tokens found by the KV connector
+(`vllm:external_prefix_cache_hits` / `_queries`) and in its GPU prefix cache,
+read before and after the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Workload:
+    conversations: int = 16
+    system_prompts: int = 4
+    system_tokens: int = 2048
+    turns: int = 4
+    user_tokens: int = 128
+    answer_tokens: int = 64  # the synthetic answer kept in the history
+    max_tokens: int = 16  # generated per request
+    rate: float = 2.0  # requests per second
+    concurrency: int = 8
+    vocab: int = 30000
+    seed: int = 0
+
+    def prompts(self) -> list[list[list[int]]]:
+        """prompts[c][t]: conversation c's prompt at turn t (token ids)."""
+        rng = random.Random(self.seed)
+        ids = lambda n: [rng.randrange(100, self.vocab) for _ in range(n)]  # noqa: E731
+        systems = [ids(self.system_tokens) for _ in range(self.system_prompts)]
+        out = []
+        for c in range(self.conversations):
+            history, turns = list(systems[c % self.system_prompts]), []
+            for _ in range(self.turns):
+                history += ids(self.user_tokens)
+                turns.append(list(history))
+                history += ids(self.answer_tokens)
+            out.append(turns)
+        return out
+
+
+@dataclass
+class Result:
+    conversation: int
+    turn: int
+    prompt_tokens: int
+    sent_s: float  # from the run's start
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    output: str = ""
+    output_tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class Record:
+    workload: dict
+    url: str
+    results: list[dict] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+
+
+async def _request(session, url: str, model: str, prompt: list[int], w: Workload, r: Result, t0: float) -> None:
+    import aiohttp
+
+    body = {"model": model, "prompt": prompt, "max_tokens": w.max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    r.sent_s = start - t0
+    try:
+        async with session.post(f"{url}/v1/completions", json=body,
+                                timeout=aiohttp.ClientTimeout(total=600)) as resp:
+            if resp.status != 200:
+                r.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return
+            async for line in resp.content:
+                text = line.decode().strip()
+                if not text.startswith("data: ") or text == "data: [DONE]":
+                    continue
+                chunk = json.loads(text[6:])
+                if chunk.get("choices"):
+                    if r.ttft_s is None:
+                        r.ttft_s = time.perf_counter() - start
+                    r.output += chunk["choices"][0].get("text", "")
+                if chunk.get("usage"):
+                    r.output_tokens = chunk["usage"]["completion_tokens"]
+        r.latency_s = time.perf_counter() - start
+        if r.ttft_s is None:
+            r.error = "no token streamed"
+    except Exception as exc:  # noqa: BLE001 - any failure of a request is the figure
+        r.error = f"{type(exc).__name__}: {exc}"
+
+
+async def drive(url: str, model: str, w: Workload) -> list[Result]:
+    """Send every turn of every conversation at the workload's rate; one Result each."""
+    import aiohttp
+
+    prompts = w.prompts()
+    next_turn = [0] * w.conversations
+    busy: set[int] = set()
+    slots = asyncio.Semaphore(w.concurrency)
+    results: list[Result] = []
+    tasks = []
+    t0 = time.perf_counter()
+
+    async def one(c: int, t: int) -> None:
+        r = Result(c, t, len(prompts[c][t]), 0.0)
+        results.append(r)
+        try:
+            await _request(session, url, model, prompts[c][t], w, r, t0)
+        finally:
+            busy.discard(c)
+            slots.release()
+
+    async with aiohttp.ClientSession() as session:
+        for k in range(w.conversations * w.turns):
+            await asyncio.sleep(max(0.0, t0 + k / w.rate - time.perf_counter()))
+            await slots.acquire()
+            while True:  # the next turn of a conversation with nothing in flight, oldest turn first
+                ready = [c for c in range(w.conversations) if c not in busy and next_turn[c] < w.turns]
+                if ready:
+                    break
+                await asyncio.sleep(0.005)
+            c = min(ready, key=lambda c: (next_turn[c], c))
+            busy.add(c)
+            tasks.append(asyncio.create_task(one(c, next_turn[c])))
+            next_turn[c] += 1
+        await asyncio.gather(*tasks)
+    return sorted(results, key=lambda r: (r.conversation, r.turn))
+
+
+def scrape(url: str) -> dict[str, float]:
+    """vLLM's prefix-cache counters (tokens): GPU cache and KV connector, queries and hits."""
+    import httpx
+
+    names = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+             "vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits")
+    out = dict.fromkeys(names, 0.0)
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        name = line.split("{")[0].split(" ")[0].removesuffix("_total")
+        if name in out and not line.startswith("#"):
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def summarize(results: list[Result], wall_s: float, before: dict, after: dict) -> dict:
+    ok = [r for r in results if not r.error]
+    ttft = sorted(r.ttft_s for r in ok)
+    d = {k: after[k] - before[k] for k in after}
+    q = d["vllm:prefix_cache_queries"] or 1.0
+    ext_q = d["vllm:external_prefix_cache_queries"] or 1.0
+    return {
+        "requests": len(results), "succeeded": len(ok), "failed": len(results) - len(ok),
+        "ttft_mean_ms": statistics.fmean(ttft) * 1e3 if ttft else None,
+        "ttft_p50_ms": ttft[len(ttft) // 2] * 1e3 if ttft else None,
+        "ttft_p99_ms": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] * 1e3 if ttft else None,
+        "wall_s": wall_s, "requests_per_s": len(ok) / wall_s,
+        "output_tokens_per_s": sum(r.output_tokens for r in ok) / wall_s,
+        "gpu_prefix_hit_rate": d["vllm:prefix_cache_hits"] / q,
+        "connector_hit_rate": d["vllm:external_prefix_cache_hits"] / ext_q,
+        "connector_hit_tokens": d["vllm:external_prefix_cache_hits"],
+    }
+
+
+def run(url: str, model: str, w: Workload) -> Record:
+    before = scrape(url)
+    t = time.perf_counter()
+    results = asyncio.run(drive(url, model, w))
+    wall = time.perf_counter() - t
+    rec = Record(asdict(w), url, [asdict(r) for r in results])
+    rec.summary = summarize(results, wall, before, scrape(url))
+    return rec
+
+
+def same_outputs(a: Record, b: Record) -> tuple[int, int]:
+    """(requests both answered with equal greedy text, requests both answered)."""
+    pairs = [(x, y) for x, y in zip(a.results, b.results) if not x["error"] and not y["error"]]
+    return sum(x["output"] == y["output"] for x, y in pairs), len(pairs)
+
+
+def plot(records: dict[str, dict]) -> str:
+    """SVG: each request's TTFT against when it was sent, one series per record (e.g.
+    per offloader, same workload); failed requests as their own series at 0."""
+    from kvtier.bench.plot import scatter
+
+    series: dict[str, list[tuple[float, float]]] = {}
+    for name, rec in records.items():
+        series[name] = [(r["sent_s"], r["ttft_s"] * 1e3) for r in rec["results"] if not r["error"]]
+        failed = [(r["sent_s"], 0.0) for r in rec["results"] if r["error"]]
+        if failed:
+            series[f"{name}: failed"] = failed
+    w = next(iter(records.values()))["workload"] if records else {}
+    title = (f"{w.get('conversations')} conversations x {w.get('turns')} turns, {w.get('rate')} req/s, "
+             f"up to {w.get('concurrency')} in flight")
+    return scatter(series, title, "sent at (s)", "TTFT (ms)")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", required=True, help="the OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", required=True, help="the model name the server serves")
+    for f, default in asdict(Workload()).items():
+        p.add_argument(f"--{f.replace('_', '-')}", type=type(default), default=default)
+    p.add_argument("--output", default="", help="write the JSON record here")
+    p.add_argument("--name", default="this run", help="the run's name in the plot")
+    p.add_argument("--plot", default="", help="write an SVG of TTFT over the run here (with --compare: of all)")
+    p.add_argument("--compare", nargs="*", default=[], help="earlier records (JSON) to plot beside this run")
+
+
+def main(args: argparse.Namespace) -> int:
+    w = Workload(**{f: getattr(args, f) for f in asdict(Workload())})
+    rec = run(args.url, args.model, w)
+    print(json.dumps(rec.summary, indent=1))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(asdict(rec), f, indent=1)
+    if args.plot:
+        records = {path: json.load(open(path)) for path in args.compare}
+        records[args.name] = asdict(rec)
+        with open(args.plot, "w") as f:
+            f.write(plot(records))
+    return 1 if rec.summary["failed"] else 0
