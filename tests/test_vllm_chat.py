@@ -29,6 +29,6 @@ def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tm
     assert 0 < s["connector_hit_rate"] < 1
     assert s["ttft_p99_ms"] >= s["ttft_p50_ms"] > 0 and s["output_tokens_per_s"] > 0
     equal, both = same_outputs(with_kv, plain)
-    assert both == 18 and equal == both, [(a["output"], b["output"]) for a, b in zip(with_kv.results, plain.results)]
+    assert both == 18 and equal == both, [(a["output_ids"], b["output_ids"]) for a, b in zip(with_kv.results, plain.results)]
     svg = ET.fromstring(plot({"kvtier": asdict(with_kv), "plain": asdict(plain)}))
     assert len([e for e in svg.iter() if e.tag.endswith("circle")]) == 2 * 18 + 2  # the points, the legend

@@ -15,7 +15,7 @@ workload offloaders are chosen by.
 Prompts are token ids made from a seed (no tokenizer needed), and the answer
 that goes into the history is a fixed synthetic one, so two runs against two
 servers send the same prompts in the same order, and their greedy outputs
-can be compared request by request (`outputs` in the record). The hit rate is
+can be compared request by request (`output_ids` in the record). The hit rate is
 vLLM's own: its Prometheus counters of prompt tokens found by the KV connector
 (`vllm:external_prefix_cache_hits` / `_queries`) and in its GPU prefix cache,
 read before and after the run.
@@ -70,7 +70,7 @@ class Result:
     sent_s: float  # from the run's start
     ttft_s: float | None = None
     latency_s: float | None = None
-    output: str = ""
+    output_ids: list[int] = field(default_factory=list)  # the greedy tokens
     output_tokens: int = 0
     error: str = ""
 
@@ -87,7 +87,8 @@ async def _request(session, url: str, model: str, prompt: list[int], w: Workload
     import aiohttp
 
     body = {"model": model, "prompt": prompt, "max_tokens": w.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}  # vLLM's: the ids, also where it has no tokenizer
     start = time.perf_counter()
     r.sent_s = start - t0
     try:
@@ -104,7 +105,7 @@ async def _request(session, url: str, model: str, prompt: list[int], w: Workload
                 if chunk.get("choices"):
                     if r.ttft_s is None:
                         r.ttft_s = time.perf_counter() - start
-                    r.output += chunk["choices"][0].get("text", "")
+                    r.output_ids += chunk["choices"][0].get("token_ids") or []
                 if chunk.get("usage"):
                     r.output_tokens = chunk["usage"]["completion_tokens"]
         r.latency_s = time.perf_counter() - start
@@ -196,9 +197,9 @@ def run(url: str, model: str, w: Workload) -> Record:
 
 
 def same_outputs(a: Record, b: Record) -> tuple[int, int]:
-    """(requests both answered with equal greedy text, requests both answered)."""
+    """(requests both answered with equal greedy tokens, requests both answered)."""
     pairs = [(x, y) for x, y in zip(a.results, b.results) if not x["error"] and not y["error"]]
-    return sum(x["output"] == y["output"] for x, y in pairs), len(pairs)
+    return sum(x["output_ids"] == y["output_ids"] and x["output_ids"] for x, y in pairs), len(pairs)
 
 
 def plot(records: dict[str, dict]) -> str:
