@@ -199,7 +199,7 @@ def run(url: str, model: str, w: Workload) -> Record:
 def same_outputs(a: Record, b: Record) -> tuple[int, int]:
     """(requests both answered with equal greedy tokens, requests both answered)."""
     pairs = [(x, y) for x, y in zip(a.results, b.results) if not x["error"] and not y["error"]]
-    return sum(x["output_ids"] == y["output_ids"] and x["output_ids"] for x, y in pairs), len(pairs)
+    return sum(bool(x["output_ids"]) and x["output_ids"] == y["output_ids"] for x, y in pairs), len(pairs)
 
 
 def plot(records: dict[str, dict]) -> str:
