@@ -78,6 +78,18 @@ def _bench_chat(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _h2d_args(p: argparse.ArgumentParser) -> None:
+    from kvtier.bench.h2d import add_args
+
+    add_args(p)
+
+
+def _bench_h2d(args: argparse.Namespace) -> int:
+    from kvtier.bench.h2d import run
+
+    return run(args)
+
+
 def _bench_pd(args: argparse.Namespace) -> int:
     import json
 
@@ -316,6 +328,8 @@ BENCHMARKS: list[Command] = [
     ("pd", "disaggregated prefill: sender process -> receiver's buffer -> its pages, vs a plain device copy",
      _pd_args, _bench_pd),
     ("server", "store server vs raw loopback TCP and redis-server", _server_bench_args, _bench_server),
+    ("h2d", "a load's host-to-GPU copies by the copy engine or by a kernel, and what waits behind each (GPU)",
+     _h2d_args, _bench_h2d),
     ("chat", "multi-turn conversations at a steady rate against a vLLM server: TTFT, throughput, hit rate",
      _chat_args, _bench_chat),
 ]

@@ -1,4 +1,4 @@
-"""`python -m kvtier.bench.h2d`: a load's copies from pinned host memory into GPU
+"""`kvtier bench h2d`: a load's copies from pinned host memory into GPU
 staging, by the copy engine or by a kernel, and what each does to the GPU's other work.
 
 The geometry is a layerwise upload's: a pool of adjacent chunks [L, K, T, H, D];
@@ -100,15 +100,16 @@ def measure(load: Load, go, repeats: int, dev: torch.device) -> dict:
             "matmuls_alone_ms": _median_ms(matmul_alone)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=int, default=64, help="chunks of 256 tokens (64: 16k tokens)")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--layer-mb", type=float, default=1.0, help="MB of one layer of one chunk (8B model: 1)")
     p.add_argument("--programs", type=int, nargs="+", default=[16, 32, 64, 132])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", default="")
-    args = p.parse_args()
+    p.add_argument("--output", default="", help="write the JSON record here")
+
+
+def run(args: argparse.Namespace) -> int:
     dev = torch.device("cuda")
     load = Load(args.chunks, args.layers, args.layer_mb, dev)
     stream = torch.cuda.current_stream()
@@ -120,10 +121,13 @@ def main() -> None:
         print(f"{name:14s} {r['GBps']:5.1f} GB/s ({r['ms']:.1f} ms for {load.pool.numel() / 1e9:.2f} GB); "
               f"a 128 KB copy queued 1 ms in waits {r['small_copy_wait_ms']:.2f} ms; 20 matmuls beside "
               f"{r['matmuls_beside_ms']:.1f} ms (alone {r['matmuls_alone_ms']:.1f})", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
+    if args.output:
+        with open(args.output, "w") as f:
             json.dump(result, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(parser)
+    raise SystemExit(run(parser.parse_args()))
