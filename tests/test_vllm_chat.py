@@ -1,5 +1,6 @@
 """`kvtier bench chat` against vLLM's OpenAI server (CPU build): multi-turn conversations
-at a steady rate, several in flight, with kvtier and without."""
+at a steady rate, several in flight, with kvtier (through the serving comparison's
+driver) and without."""
 
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, replace
@@ -7,6 +8,7 @@ from dataclasses import asdict, replace
 import pytest
 
 from kvtier.bench.chat import Workload, plot, run, same_outputs
+from kvtier.bench.serving import compare, table
 from kvtier.dev.demo import vllm_server
 
 pytestmark = pytest.mark.vllm
@@ -15,20 +17,24 @@ WORKLOAD = Workload(conversations=6, system_prompts=2, system_tokens=768, turns=
                     answer_tokens=32, max_tokens=4, rate=3.0, concurrency=4, vocab=4000)
 
 
-def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tmp_path):
-    with vllm_server(tiny_model, tmp_path / "kvtier", env={"LMCACHE_CHUNK_SIZE": "256"}) as srv:
-        with_kv = run(srv.url, str(tiny_model), WORKLOAD)
-    with vllm_server(tiny_model, tmp_path / "plain", kv_connector=None) as srv:
-        plain = run(srv.url, str(tiny_model), replace(WORKLOAD, concurrency=1, rate=100.0))
+def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("LMCACHE_MAX_LOCAL_CPU_SIZE", "0.5")
+    records = compare(tiny_model, ["kvtier"], WORKLOAD, tmp_path / "serving", cpu_gb=0.5, gpu_util=0.4,
+                      eager=True, prefix_caching=False, max_model_len=4096)
+    with_kv = records["kvtier"]
+    with vllm_server(tiny_model, tmp_path / "plain", kv_connector=None, max_model_len=4096) as srv:
+        plain = run(srv.url, str(tiny_model), replace(WORKLOAD, concurrency=1, rate=100.0))  # one at a time
     s = with_kv.summary
     assert s["requests"] == 18 and s["failed"] == 0 and plain.summary["failed"] == 0
     # Every turn after a conversation's first starts with its previous prompt (3 whole chunks at
-    # least), and 4 of the 6 first turns with a system prompt stored before: kvtier's hits, as vLLM
-    # counts them (its own prefix cache is off).
+    # least): kvtier's hits, as vLLM counts them (its own prefix cache is off).
     assert s["connector_hit_tokens"] >= 12 * 768 and s["gpu_prefix_hit_rate"] == 0
     assert 0 < s["connector_hit_rate"] < 1
     assert s["ttft_p99_ms"] >= s["ttft_p50_ms"] > 0 and s["output_tokens_per_s"] > 0
     equal, both = same_outputs(with_kv, plain)
-    assert both == 18 and equal == both, [(a["output_ids"], b["output_ids"]) for a, b in zip(with_kv.results, plain.results)]
+    assert both == 18 and equal == both, [(a["output_ids"], b["output_ids"])
+                                          for a, b in zip(with_kv.results, plain.results)]
     svg = ET.fromstring(plot({"kvtier": asdict(with_kv), "plain": asdict(plain)}))
     assert len([e for e in svg.iter() if e.tag.endswith("circle")]) == 2 * 18 + 2  # the points, the legend
+    assert (tmp_path / "serving" / "kvtier.json").exists() and (tmp_path / "serving" / "serving.svg").exists()
+    assert table(records)[2].startswith("| kvtier |") and "| 0 | 18/18 |" in table(records)[2]

@@ -58,12 +58,15 @@ def vllm_server(
     startup_timeout: float = 900,
     extra_args: Sequence[str] = (),
     gpu_memory_utilization: float = 0.4,
+    prefix_caching: bool = False,
+    eager: bool = True,
 ) -> Iterator[Server]:
     """Run vLLM's OpenAI server on a free loopback port until the block exits.
 
     `dtype` "auto" is the one models run in here (kvtier.dev.cpu_dtype.model_dtype). On a
-    GPU the server takes `gpu_memory_utilization` of it (two may share one) and runs
-    eager (no graphs to capture at start).
+    GPU the server takes `gpu_memory_utilization` of it (two may share one) and, with
+    `eager`, runs eager (no graphs to capture at start). vLLM's own prefix cache is off
+    unless `prefix_caching` (so that a fast second query is the offloader's doing).
     """
     if dtype == "auto":
         dtype = model_dtype().dtype
@@ -74,12 +77,13 @@ def vllm_server(
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--seed", "0",
         "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", str(max_model_len), "--no-enable-prefix-caching", "--dtype", dtype,
+        "--max-model-len", str(max_model_len), "--dtype", dtype,
+        "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
     ]
     if kv_connector:
         cmd += ["--kv-transfer-config", json.dumps(kv_connector)]
     if model_dtype().device == "cuda":
-        cmd += ["--enforce-eager", "--gpu-memory-utilization", str(gpu_memory_utilization)]
+        cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)] + (["--enforce-eager"] if eager else [])
     cmd += list(extra_args)
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", **(env or {})}
     with open(log_path, "wb") as log:

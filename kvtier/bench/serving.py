@@ -1,0 +1,93 @@
+"""`python -m kvtier.bench.serving`: the chat workload (chat.py) against vLLM's OpenAI
+server with each KV offloader in turn: same vLLM, model, prompts and CPU memory, one
+server at a time on this machine.
+
+    plain          no offloader (vLLM's own prefix cache only, if on)
+    kvtier         KvtierConnector, gpu_upload auto
+    kvtier-kernel  KvtierConnector, gpu_upload kernel (no load holds the copy engine)
+    lmcache        LMCacheConnectorV1, CPU RAM
+    native         vLLM's OffloadingConnector (--kv-offloading-size, backend native)
+
+One JSON record per setup (`<out>/<setup>.json`), `<out>/serving.svg` (TTFT over the
+run, every setup) and a table on stdout: mean / p99 TTFT, throughput, hit rates,
+failed requests, and how many greedy outputs equal the first setup's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from kvtier.bench.chat import Record, Workload, plot, run, same_outputs
+from kvtier.dev.demo import vllm_server
+from kvtier.dev.tinymodel import TinyLlama, make_tiny_llama
+
+KVTIER = {"kv_connector": "KvtierConnector", "kv_role": "kv_both"}
+
+
+def setup(name: str, cpu_gb: float) -> tuple[dict | None, dict, list[str]]:
+    """(kv-transfer-config, environment, more server arguments) of a setup."""
+    size = {"LMCACHE_MAX_LOCAL_CPU_SIZE": str(cpu_gb), "LMCACHE_CHUNK_SIZE": "256"}
+    return {
+        "plain": (None, {}, []),
+        "kvtier": (KVTIER, size, []),
+        "kvtier-kernel": (KVTIER, {**size, "KVTIER_GPU_UPLOAD": "kernel"}, []),
+        "lmcache": ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
+                    {**size, "LMCACHE_LOCAL_CPU": "true"}, []),
+        "native": (None, {}, ["--kv-offloading-size", str(cpu_gb), "--kv-offloading-backend", "native"]),
+    }[name]
+
+
+def compare(model: Path, names: list[str], w: Workload, out: Path, cpu_gb: float, gpu_util: float,
+            eager: bool, prefix_caching: bool, max_model_len: int) -> dict[str, Record]:
+    out.mkdir(parents=True, exist_ok=True)
+    records: dict[str, Record] = {}
+    for name in names:
+        connector, env, extra = setup(name, cpu_gb)
+        with vllm_server(model, out / name, env=env, kv_connector=connector, extra_args=extra,
+                         gpu_memory_utilization=gpu_util, eager=eager, prefix_caching=prefix_caching,
+                         max_model_len=max_model_len) as srv:
+            run(srv.url, str(model), replace(w, rate=100.0, conversations=1, turns=1))  # warm-up
+            records[name] = rec = run(srv.url, str(model), w)
+        (out / f"{name}.json").write_text(json.dumps(asdict(rec), indent=1))
+        print(f"[{name}] {json.dumps(rec.summary)}", flush=True)
+    (out / "serving.svg").write_text(plot({n: asdict(r) for n, r in records.items()}))
+    return records
+
+
+def table(records: dict[str, Record]) -> list[str]:
+    first = next(iter(records.values()))
+    lines = ["| setup | TTFT mean ms | TTFT p99 ms | req/s | output tok/s | connector hit rate | "
+             "GPU prefix hit rate | failed | outputs equal to the first |", "|---" * 9 + "|"]
+    for name, rec in records.items():
+        s = rec.summary
+        equal, both = same_outputs(rec, first)
+        lines.append(f"| {name} | {s['ttft_mean_ms']:.1f} | {s['ttft_p99_ms']:.1f} | {s['requests_per_s']:.2f} | "
+                     f"{s['output_tokens_per_s']:.1f} | {s['connector_hit_rate']:.2f} | "
+                     f"{s['gpu_prefix_hit_rate']:.2f} | {s['failed']} | {equal}/{both} |")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--setups", nargs="+", default=["plain", "kvtier", "kvtier-kernel", "lmcache", "native"])
+    p.add_argument("--model-dir", default="/tmp/kvtier-serving-model")
+    p.add_argument("--model", type=json.loads, default={}, help="TinyLlama fields of the model made there (JSON)")
+    p.add_argument("--out", default="results/serving")
+    p.add_argument("--cpu-gb", type=float, default=20.0, help="CPU memory each offloader gets (GB)")
+    p.add_argument("--gpu-util", type=float, default=0.2, help="small, so that vLLM's own KV cache holds a part")
+    p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--workload", type=json.loads, default={}, help="Workload fields (JSON)")
+    args = p.parse_args()
+    model = make_tiny_llama(args.model_dir, TinyLlama(**args.model))
+    records = compare(model, args.setups, Workload(**args.workload), Path(args.out), args.cpu_gb, args.gpu_util,
+                      args.eager, args.prefix_caching, args.max_model_len)
+    print("\n".join(table(records)))
+
+
+if __name__ == "__main__":
+    main()
