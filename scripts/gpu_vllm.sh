@@ -6,7 +6,9 @@
 #   TAG=b STEPS=bench SETUPS=lmcache bash scripts/gpu_vllm.sh    (a second archive in the same call)
 # Steps: tests (GPU tests), guides (the guides' server workflows through real vLLM on the GPU:
 # the InfiniStore guide's `vllm bench serve` twice, two instances sharing a store, 1P1D over
-# cuda_ipc through `kvtier proxy`), bench (query twice per setup: kvtier.bench.vllm).
+# cuda_ipc through `kvtier proxy`), bench (query twice per setup: kvtier.bench.vllm), serving (the
+# multi-turn chat workload against vLLM's OpenAI server per offloader: kvtier.bench.serving; about
+# 2 minutes a setup, so at most 4 setups a call: SETUPS="plain kvtier" then "kvtier-kernel lmcache native").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Everything is written to $work and comes back as one archive in $OUT (the device returns at most 8 files).
@@ -41,6 +43,17 @@ timeout ${GUIDES_TIMEOUT:-540} python3 -m pytest -q -s -rfE --tb=short --timeout
 # A step cut by its time limit leaves its servers (their own sessions) holding GPU memory.
 pkill -f "$servers"; sleep 3
 grep -E "passed|failed|error|bench serve twice|Median TTFT" "$work/guides.txt" | tail -12 ;;
+esac
+case " $steps " in *" serving "*)
+# A 16-layer Llama shape (64 KB of KV a token), seeded weights; vLLM's own KV cache a fraction of
+# the live conversations (--gpu-util), every offloader the same CPU memory.
+timeout ${SERVING_TIMEOUT:-540} python3 -m kvtier.bench.serving --setups ${SETUPS:-plain kvtier} --out "$work/serving" \
+    --gpu-util ${GPU_UTIL:-0.12} --cpu-gb 20 --model '{"hidden_size": 2048, "intermediate_size": 5632,
+    "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 32768}' --workload "${WORKLOAD:-{\"conversations\": 32, \"system_tokens\": 4096,
+    \"turns\": 6, \"user_tokens\": 256, \"answer_tokens\": 128, \"max_tokens\": 32, \"rate\": 4.0,
+    \"concurrency\": 12}}" ${SERVING_ARGS:-} > "$work/serving.log" 2>&1
+echo "serving exit $?"; pkill -f "$servers"; grep -E "^\||^\[|Traceback|Error" "$work/serving.log" | tail -20 ;;
 esac
 case " $steps " in *" bench "*)
 timeout ${BENCH_TIMEOUT:-480} python3 -m kvtier.bench.vllm --setups ${SETUPS:-plain kvtier kvtier-layerwise} --lengths ${LENGTHS:-4096 16384 32768} \

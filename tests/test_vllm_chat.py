@@ -17,8 +17,7 @@ WORKLOAD = Workload(conversations=6, system_prompts=2, system_tokens=768, turns=
                     answer_tokens=32, max_tokens=4, rate=3.0, concurrency=4, vocab=4000)
 
 
-def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setenv("LMCACHE_MAX_LOCAL_CPU_SIZE", "0.5")
+def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tmp_path):
     records = compare(tiny_model, ["kvtier"], WORKLOAD, tmp_path / "serving", cpu_gb=0.5, gpu_util=0.4,
                       eager=True, prefix_caching=False, max_model_len=4096)
     with_kv = records["kvtier"]
