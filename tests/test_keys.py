@@ -68,3 +68,18 @@ def test_span_memo_gives_the_spans_of_the_tokens_it_is_given():
     assert memo.spans(other, "r") == chunk_spans(other, fmt, 4, False)  # other tokens: hashed anew
     longer = np.arange(30)
     assert memo.spans(longer, "r") == chunk_spans(longer, fmt, 4, False)
+
+
+def test_token_bytes_of_a_list_and_of_an_array_agree():
+    import numpy as np
+    import pytest
+
+    from kvtier.keys import token_bytes
+
+    toks = [0, 1, 2**32 - 1, 128000, 7]
+    assert token_bytes(toks) == np.asarray(toks, dtype="<u4").tobytes() == token_bytes(np.asarray(toks))
+    for bad in ([-1], [2**32]):
+        with pytest.raises(ValueError, match="token ids"):
+            token_bytes(bad)
+        with pytest.raises(ValueError, match="token ids"):
+            token_bytes(np.asarray(bad, dtype=np.int64))
