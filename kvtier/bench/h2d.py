@@ -20,9 +20,7 @@ import time
 import torch
 
 from kvtier.transfer import cudart
-from kvtier.transfer.kernels import host_runs_kernel
-
-BLOCK = 8192
+from kvtier.transfer.staging import run_table, runs_up
 
 
 class Load:
@@ -34,19 +32,20 @@ class Load:
         self.pool = torch.empty(chunks * self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
         self.pool.view(torch.int64).copy_(torch.arange(self.pool.numel() // 8))
         self.staging = torch.empty_like(self.pool, device=dev)
-        self.table = torch.tensor([[self.pool.data_ptr() + l * self.layer_bytes,
-                                    self.staging.data_ptr() + l * chunks * self.layer_bytes,
-                                    self.chunk_bytes, self.layer_bytes, self.layer_bytes // 8, chunks]
-                                   for l in range(layers)], dtype=torch.int64).pin_memory()
+        # Per layer one run, as Staging.run_table has it: (host, device, host pitch, device pitch, bytes, rows).
+        self.runs = [[(self.pool.data_ptr() + l * self.layer_bytes,
+                       self.staging.data_ptr() + l * chunks * self.layer_bytes,
+                       self.chunk_bytes, self.layer_bytes, self.layer_bytes, chunks)] for l in range(layers)]
+        self.table = run_table(self.runs)
 
     def by_engine(self, stream) -> None:
-        for src, dst, sp, dp, words, rows in self.table.tolist():
-            cudart.memcpy2d(dst, dp, src, sp, words * 8, rows, stream)
+        for [(src, dst, sp, dp, width, rows)] in self.runs:
+            cudart.memcpy2d(dst, dp, src, sp, width, rows, stream)
 
     def by_kernel(self, stream, programs: int) -> None:
         with torch.cuda.stream(stream):
-            for layer in range(self.layers):
-                host_runs_kernel[(programs,)](self.table.data_ptr() + layer * 48, 1, BLOCK=BLOCK, num_warps=8)
+            for part in self.table:
+                runs_up(*part, programs=programs)
 
     def check(self) -> None:
         staged = self.staging.view(self.layers, self.chunks, self.layer_bytes).transpose(0, 1).reshape(-1)

@@ -16,8 +16,8 @@ can be timed by CUDA events and the warm path profiled in one process):
     them with plain vLLM's (`compare`)
     the floor of a warm TTFT: KV bytes / pinned H2D copy bandwidth (the best
     of 3 copies of those bytes, timed in the same process) + the one-token
-    forward timed alone (CUDA events around the model's forward in the GPU
-    hit's step, paired with each warm run); layerwise: the larger of the two
+    forward timed alone (CUDA events around vLLM's GPU-hit step, execute_model
+    to sampled tokens, paired with each warm run); layerwise: the larger of the two
 
 Each setup writes one JSON record. `compare` reads them all and prints the
 table and the token checks.

@@ -62,28 +62,24 @@ class Staging:
             return whole_table(self._start, self.chunk_bytes)
         return layer_tables(self._start, self._layer_step, self.layer_bytes, self.chunks[0].shape[0])
 
-    def copy(self, to_host: bool, stream: torch.cuda.Stream, layer: int | None = None, group: int = 0) -> None:
-        """Whole chunks of a group (chunk-major) or one layer (layer-major), between staging and host."""
-        for first, count, pitch in self.runs[group]:
-            width = self.chunk_bytes[first] if layer is None else self.layer_bytes[first]
-            host = self.chunks[first].data_ptr() + (0 if layer is None else layer * width)
-            dev = self._at(0 if layer is None else layer, first)
-            # A run's chunks are neighbours in staging: its device-side rows are `width` apart.
-            if to_host:
-                cudart.memcpy2d(host, pitch, dev, width, width, count, stream)
-            else:
-                cudart.memcpy2d(dev, width, host, pitch, width, count, stream)
-
-
     def run_table(self, layer: int | None = None, group: int = 0) -> list[tuple[int, ...]]:
-        """What `copy(to_host=False, ...)` moves, per run: (host address, device address,
-        host pitch, device pitch, bytes per row, rows), for host_runs_kernel."""
+        """The runs of a group (chunk-major, whole chunks) or of one layer (layer-major):
+        (host address, device address, host pitch, device pitch, bytes per row, rows). A
+        run's chunks are neighbours in staging: its device-side rows are a row apart."""
         out = []
         for first, count, pitch in self.runs[group]:
             width = self.chunk_bytes[first] if layer is None else self.layer_bytes[first]
             host = self.chunks[first].data_ptr() + (0 if layer is None else layer * width)
             out.append((host, self._at(0 if layer is None else layer, first), pitch, width, width, count))
         return out
+
+    def copy(self, to_host: bool, stream: torch.cuda.Stream, layer: int | None = None, group: int = 0) -> None:
+        """The runs of `run_table(layer, group)` between staging and host, by the copy engine."""
+        for host, dev, host_pitch, dev_pitch, width, rows in self.run_table(layer, group):
+            if to_host:
+                cudart.memcpy2d(host, host_pitch, dev, dev_pitch, width, rows, stream)
+            else:
+                cudart.memcpy2d(dev, dev_pitch, host, host_pitch, width, rows, stream)
 
 
 class Upload:
@@ -94,7 +90,7 @@ class Upload:
     def __init__(self, staging: Staging, ptrs: torch.Tensor, sums: DigestTables | None,
                  landed: list[torch.cuda.Event], layer_major: bool, keep: object = None) -> None:
         self.staging, self.ptrs, self.sums, self.landed, self.layer_major = staging, ptrs, sums, landed, layer_major
-        self._keep = keep  # what the copies read besides the chunks (a kernel's pinned row table)
+        self._keep = keep  # what the copies read besides the chunks (a kernel's pinned run table)
 
     def chunks(self) -> list[torch.Tensor]:
         return self.staging.chunks
@@ -208,7 +204,7 @@ def run_table(parts: list[list[tuple[int, ...]]]) -> list[tuple[torch.Tensor, in
     return out
 
 
-def runs_up(table: torch.Tensor, first: int, runs: int) -> None:
+def runs_up(table: torch.Tensor, first: int, runs: int, programs: int = RUN_PROGRAMS) -> None:
     """host_runs_kernel over runs [first, first + runs) of `table`, on the current stream."""
     if runs:
-        host_runs_kernel[(RUN_PROGRAMS,)](table.data_ptr() + first * 48, runs, BLOCK=RUN_BLOCK, num_warps=8)
+        host_runs_kernel[(programs,)](table.data_ptr() + first * 48, runs, BLOCK=RUN_BLOCK, num_warps=8)

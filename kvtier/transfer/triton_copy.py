@@ -203,22 +203,21 @@ class TritonTransfer:
                 table = staging.ptrs(layers) if layer_major else staging.ptrs(range(1))[0]
                 ptrs = table.pin_memory().to(self.kv.device, non_blocking=True)
                 sums = self._digest_tables(staging.digest_tables(by_layer=layer_major)) if digests else None
-                parts = layers if layer_major else range(len(staging.groups))
-                runs = [staging.run_table(layer=p) if layer_major else staging.run_table(group=p) for p in parts]
+                # What each part (a layer of every chunk, or a group of whole chunks) moves.
+                parts = ([{"layer": layer} for layer in layers] if layer_major
+                         else [{"group": g} for g in range(len(staging.groups))])
                 by_kernel = self.upload_mode == "kernel" or (self.upload_mode == "auto" and layer_major)
-                table = run_table(runs) if by_kernel else None
+                runs = run_table([staging.run_table(**part) for part in parts]) if by_kernel else None
                 landed = []
                 for k, part in enumerate(parts):
-                    if table is not None:
+                    if runs is not None:
                         with torch.cuda.stream(self._copies):
-                            runs_up(*table[k])
-                    elif layer_major:
-                        staging.copy(to_host=False, stream=self._copies, layer=part)
+                            runs_up(*runs[k])
                     else:
-                        staging.copy(to_host=False, stream=self._copies, group=part)
+                        staging.copy(to_host=False, stream=self._copies, **part)
                     landed.append(torch.cuda.Event())
                     landed[-1].record(self._copies)
-        return Upload(staging, ptrs, sums, landed, layer_major, keep=table)
+        return Upload(staging, ptrs, sums, landed, layer_major, keep=runs)
 
     def _slots_up(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot table on the device, on the current stream, read from pinned memory by a
