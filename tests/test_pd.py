@@ -79,6 +79,21 @@ def kv_at(layers, slots):
     return torch.stack([x[:, slots // BS, slots % BS] for x in layers])
 
 
+@pytest.mark.skipif("nixl" not in channels(), reason="nixl is not installed")
+def test_nixl_agent_exits_cleanly():
+    """With Debian's libibverbs1 installed and no RDMA device, a process that made
+    a NIXL UCX agent died with SIGSEGV at exit (the nixl wheel's libnl), and CI
+    failed after its last test. kvtier's channel sets UCX_MODULES=^ib there."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    code = "from kvtier.pd.channels import _nixl_agent; _nixl_agent('exit-test')"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
 @pytest.mark.parametrize("channel", channels())
 def test_sent_kv_is_a_hit_on_the_receiver_and_loads_bit_exact(channel, monkeypatch):
     monkeypatch.setenv("UCX_TLS", "tcp,self,sm")

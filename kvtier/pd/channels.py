@@ -155,7 +155,29 @@ class SenderChannel:
             agent.release_xfer_handle(handle)
 
 
+def _ucx_skip_ib_without_rdma() -> None:
+    """UCX_MODULES=^ib on a host without an RDMA device, unless the user set UCX_MODULES.
+
+    With Debian's libibverbs1 installed (Mooncake's wheel needs it) and no RDMA
+    device, UCX's ib module pulls in the libnl that the nixl wheel bundles, and
+    the process dies with SIGSEGV at exit (tests/test_pd.py::test_nixl_agent_exits_cleanly).
+    With no device there is nothing for that module to drive; where one
+    exists, UCX's IB transport is left as it is."""
+    if "UCX_MODULES" in os.environ or _rdma_devices():
+        return
+    os.environ["UCX_MODULES"] = "^ib"
+    log.info("no RDMA device here: UCX_MODULES=^ib for NIXL (UCX's ib module would crash the process at exit)")
+
+
+def _rdma_devices() -> list[str]:
+    try:
+        return os.listdir("/sys/class/infiniband")
+    except OSError:
+        return []
+
+
 def _nixl_agent(role: str) -> Any:
+    _ucx_skip_ib_without_rdma()
     try:
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as exc:
