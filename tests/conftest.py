@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.dev.localservers import kvtier_server, redis_cluster, redis_server
+from kvtier.dev.localservers import kvtier_server, mooncake_store, redis_cluster, redis_server
 from kvtier.dev.tinymodel import make_tiny_llama
 
 
@@ -36,6 +36,13 @@ def redis_srv():
 @pytest.fixture(scope="module")
 def redis_cluster_srv():
     with redis_cluster(3) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def mooncake_srv():
+    """mooncake_master and two mooncake_client processes giving the pool 256 MiB each."""
+    with mooncake_store(segments=2, segment_mb=256) as srv:
         yield srv
 
 

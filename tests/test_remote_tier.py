@@ -13,7 +13,7 @@ from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
 from kvtier.errors import CorruptPayload
 from kvtier.keys import KVFormat
-from kvtier.dev.localservers import free_port, kvtier_server, redis_cluster, redis_server
+from kvtier.dev.localservers import free_port, kvtier_server, mooncake_store, redis_cluster, redis_server
 from kvtier.remote import open_store
 from kvtier.keys import wire_key
 from kvtier.transfer import PagedKV
@@ -22,12 +22,13 @@ from kvtier.transfer.staging import runs as _runs
 L, NB, BS, H, D = 2, 64, 16, 2, 32
 FMT = KVFormat("m", "flash_attn", "bfloat16")
 TOKENS = list(range(1000, 1100))  # 6 whole chunks of 16, then 4 tokens
+JOIN: dict[str, dict] = {}  # url -> the extra_config a client of that local store needs
 
 
 def node(url: str, serde: str = "naive", local_cpu: bool = True, timeout: float = 2.0):
     layers = [torch.randn(2, NB, BS, H, D).to(torch.bfloat16) for _ in range(L)]
     cfg = KvtierConfig(chunk_size=16, max_local_cpu_size=1 / 1024, remote_url=url, remote_serde=serde,
-                       local_cpu=local_cpu, blocking_timeout_secs=timeout)
+                       local_cpu=local_cpu, blocking_timeout_secs=timeout, extra_config=JOIN.get(url, {}))
     return CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), FMT), layers
 
 
@@ -46,14 +47,15 @@ def stored_by_one_lent_to_another(url: str, tokens: list[int]):
     return (a, a_kv, src), (b, b_kv, dst)
 
 
-@pytest.fixture(scope="module", params=["kvtier", "redis", "redis-cluster", "fs"])
+@pytest.fixture(scope="module", params=["kvtier", "redis", "redis-cluster", "fs", "mooncake"])
 def url(request, tmp_path_factory):
     if request.param == "fs":
         yield f"fs://{tmp_path_factory.mktemp('shared')}"
         return
     start = {"kvtier": lambda: kvtier_server(0.0625), "redis": redis_server,
-             "redis-cluster": lambda: redis_cluster(3)}[request.param]
+             "redis-cluster": lambda: redis_cluster(3), "mooncake": lambda: mooncake_store(2, 64)}[request.param]
     with start() as srv:
+        JOIN[srv.url] = srv.extra_config
         yield srv.url
 
 
@@ -81,9 +83,10 @@ def test_a_corrupt_remote_chunk_is_a_miss_not_wrong_kv(url):
     a.store(tokens, src)
     a.flush(timeout=10)
     key = wire_key(b.spans(tokens)[2].key)  # the third chunk: flip one payload byte
-    store = open_store(url, 5)
+    store = open_store(url, 5, extra=JOIN.get(url))
     value = bytearray(store.get([key])[0])
     value[-1] ^= 0x40
+    store.delete([key])  # Mooncake keeps a key's first value
     store.put([key], [bytes(value)])
     before = kv_at(b_kv, dst[32:]).clone()
     mask = b.retrieve(tokens, dst)
@@ -91,6 +94,7 @@ def test_a_corrupt_remote_chunk_is_a_miss_not_wrong_kv(url):
     assert torch.equal(kv_at(b_kv, dst[32:]), before)
     assert torch.equal(kv_at(b_kv, dst[:32]), kv_at(a_kv, src[:32]))
     assert b.tiers.remote.stats.corrupt == 1
+    assert store.exists([key]) == [False]  # removed, so that the next store of it lands
     a.close(), b.close(), store.close()
 
 

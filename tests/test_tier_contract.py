@@ -2,7 +2,8 @@
 
 Each case is an engine whose only keeping tier is the one under test: CPU RAM,
 the disk tier, or the remote tier on each remote store (kvtier server over TCP
-and over same-host shared memory, redis-server, a Redis Cluster, a directory).
+and over same-host shared memory, redis-server, a Redis Cluster, a directory,
+Mooncake Store).
 The store-level contract of the remote stores is tests/test_remote_stores.py.
 """
 
@@ -24,7 +25,7 @@ FMT = KVFormat("contract", "flash_attn", "float32")
 CHUNK_BYTES = 16 * L * 2 * H * D * 4
 TOKENS = list(range(7000, 7160))  # 10 chunks of 16
 SRC, DST = torch.arange(0, 160), torch.arange(400, 560)
-TIERS = ["cpu", "disk", "kvtier-tcp", "kvtier-shm", "redis", "redis-cluster", "fs"]
+TIERS = ["cpu", "disk", "kvtier-tcp", "kvtier-shm", "redis", "redis-cluster", "fs", "mooncake"]
 
 
 
@@ -49,6 +50,9 @@ def tier(request, tmp_path):
         cfg["remote_url"] = request.getfixturevalue("redis_cluster_srv").url
     elif kind == "fs":
         cfg["remote_url"] = f"fs://{tmp_path}/fs"
+    elif kind == "mooncake":
+        srv = request.getfixturevalue("mooncake_srv")
+        cfg.update(remote_url=srv.url, extra_config=srv.extra_config)
     found = {"cpu": Tier.CPU, "disk": Tier.DISK}.get(kind, Tier.REMOTE)
     yield kind, KvtierConfig(**cfg), found
 
@@ -112,9 +116,10 @@ def test_damaged_bytes_are_a_miss_not_wrong_kv(tier, request, tmp_path):
             data[-100] ^= 0xFF  # one byte of KV
             path.write_bytes(bytes(data))
         else:
-            store = open_store(config.remote_url, 5)
+            store = open_store(config.remote_url, 5, extra=config.extra_config)
             value = bytearray(store.get([wire_key(third)])[0])
             value[-100] ^= 0xFF
+            store.delete([wire_key(third)])  # Mooncake keeps a key's first value
             store.put([wire_key(third)], [bytes(value)])
             store.close()
         mask = eng.retrieve(tokens, DST)

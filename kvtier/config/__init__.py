@@ -66,7 +66,7 @@ class KvtierConfig:
     pin_timeout_sec: int = _doc(
         "longest a looked-up hit stays protected (pinned) waiting for its load, s", default=300)
     remote_url: str | None = _doc(
-        "remote store: kvtier:// infinistore:// redis:// rediss:// redis-cluster:// fs://", default=None)
+        "remote store: kvtier:// infinistore:// redis:// rediss:// redis-cluster:// fs:// mooncakestore://", default=None)
     remote_auth_token: str | None = _doc(
         "token for a kvtier store server that wants one (or ?token_env=VAR in remote_url)", default=None,
         repr=False)

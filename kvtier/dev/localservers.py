@@ -4,6 +4,7 @@
     with redis_server() as srv:                     srv.url == "redis://127.0.0.1:<port>",
                                                     also on srv.unix_socket
     with redis_cluster(masters=3) as srv:           srv.url == "redis-cluster://127.0.0.1:<p1>,..."
+    with mooncake_store(segments=2) as srv:         srv.url == "mooncakestore://127.0.0.1:<master port>"
     cert, key = self_signed_cert(directory)         for --tls-cert/--tls-key (and the client's tls_ca)
 
 Each yields a `LocalServer` whose processes are stopped (SIGTERM, then
@@ -63,6 +64,7 @@ class LocalServer:
     log_path: Path | None = None
     manage_port: int | None = None
     unix_socket: str | None = None  # redis-server's, besides its TCP port
+    extra_config: dict = field(default_factory=dict)  # what a client needs besides the URL to join it
 
     def start(self) -> None:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
@@ -171,3 +173,35 @@ def _wait_cluster_ok(port: int, timeout: float = 30.0) -> None:
             return
         time.sleep(0.1)
     raise TimeoutError(f"Redis cluster on port {port} not ok after {timeout} s")
+
+
+def mooncake_binary(name: str) -> str:
+    """A program of Mooncake's wheel (beside this Python's, or on PATH)."""
+    beside = Path(sys.executable).parent / name
+    path = str(beside) if beside.exists() else shutil.which(name)
+    if path is None:
+        raise FileNotFoundError(f"{name} not found: pip install mooncake-transfer-engine-non-cuda "
+                                "(scripts/setup.sh does)")
+    return path
+
+
+@contextlib.contextmanager
+def mooncake_store(segments: int = 2, segment_mb: int = 256, client_ttl: int = 10) -> Iterator[LocalServer]:
+    """mooncake_master, and `segments` mooncake_client processes that each give the
+    pool `segment_mb` MiB of RAM (P2PHANDSHAKE metadata: no metadata server).
+    `client_ttl`: seconds the master keeps a silent client's segments."""
+    rpc, metrics = free_port(), free_port()
+    clients = [free_port() for _ in range(segments)]
+    master = [mooncake_binary("mooncake_master"), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+              f"--metrics_port={metrics}", f"--client_ttl={client_ttl}", "--logtostderr=true"]
+    cmds = [master] + [[mooncake_binary("mooncake_client"), f"--master_server_address=127.0.0.1:{rpc}",
+                        "--metadata_server=P2PHANDSHAKE", "--host=127.0.0.1", f"--port={port}",
+                        f"--global_segment_size={segment_mb} MB", "--protocol=tcp", "--logtostderr=true"]
+                       for port in clients]
+    with tempfile.TemporaryDirectory(prefix="kvtier-mooncake-") as tmp:
+        # A kvtier client on this host joins over loopback and gives the pool no RAM of
+        # its own (the segments above hold the values), so each engine costs none.
+        joins = {"local_hostname": "127.0.0.1", "global_segment_size": 0, "local_buffer_size": 16 << 20}
+        with _running(LocalServer(f"mooncakestore://127.0.0.1:{rpc}", [rpc, *clients], cmds,
+                                  log_path=Path(tmp) / "mooncake.log", extra_config=joins)) as srv:
+            yield srv

@@ -23,7 +23,7 @@ from kvtier.keys import KVFormat, SpanMemo
 from kvtier.tiers.holds import Holds
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool
-from kvtier.remote import LendingStore, open_store
+from kvtier.remote import LendingStore, RegisteringStore, open_store
 from kvtier.tiers.store import TieredStore
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.disk import DiskTier
@@ -60,6 +60,8 @@ def build(config: KvtierConfig, kv: PagedKV, fmt: KVFormat, transfer: str, cpu: 
     remote = _remote_tier(config, kv, quant)
     if remote is not None:
         remote.digests_on_device = mover.digests
+        if isinstance(remote.store, RegisteringStore) and cpu.pool.device.type == "cpu":
+            remote.store.register_memory(cpu.pool.arena.data_ptr(), cpu.pool.capacity)
     tiers = TieredStore(cpu, keep_cpu=config.local_cpu or shared_tier, bytes_per_token=mover.bytes_per_token,
                         disk=_disk_tier(config, mover.bytes_per_token, fmt), remote=remote,
                         disk_min_stores=config.local_disk_min_stores, wait_s=config.blocking_timeout_secs)
@@ -86,7 +88,7 @@ def _remote_tier(config: KvtierConfig, kv: PagedKV, quant: Quant | None) -> Remo
     # Quantized chunks (kvtier/transfer/quant.py) are stored as their bytes are.
     codec = Codec("naive") if quant is not None else Codec(config.remote_serde, itemsize=kv.dtype.itemsize)
     log.info("remote tier: %s (serde %s)", config.remote_url, config.remote_serde)
-    store = open_store(config.remote_url, config.blocking_timeout_secs, config.remote_auth_token)
+    store = open_store(config.remote_url, config.blocking_timeout_secs, config.remote_auth_token, config.extra_config)
     if kv.device.type == "cuda" and isinstance(store, LendingStore):
         # The server's pool, mapped here, is what the GPU copies lent chunks from:
         # page-locked, the copy is a DMA; unregistered it could not be lent.

@@ -7,6 +7,8 @@
     rediss://...                           the same over TLS
     redis-cluster://host:port[,host:port]  a Redis Cluster, from any seed nodes
     fs:///shared/dir                       files in a directory shared by the nodes
+    mooncakestore://host:port              Mooncake Store's pool, its master at host:port
+                                           (settings: remote/mooncake_settings.py)
 
 Backends import their libraries only when their scheme is opened, so
 `import kvtier` never imports redis.
@@ -15,7 +17,7 @@ Backends import their libraries only when their scheme is opened, so
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 from urllib.parse import urlsplit
 
 from kvtier.buffers import Value
@@ -29,6 +31,7 @@ SCHEMES = {
     "rediss": "kvtier.remote.redis:open_redis",
     "redis-cluster": "kvtier.remote.redis:open_redis_cluster",
     "fs": "kvtier.remote.fs:open_fs",
+    "mooncakestore": "kvtier.remote.mooncake:open_mooncake",
 }
 
 
@@ -69,17 +72,29 @@ class LendingStore(KVStore, Protocol):
     def server_info(self) -> dict: ...
 
 
+@runtime_checkable
+class RegisteringStore(KVStore, Protocol):
+    """A store whose transport moves registered memory in place (Mooncake's):
+    the engine registers its CPU pool, which values are put from and got into."""
+
+    def register_memory(self, address: int, size: int) -> None: ...
+
+
 TOKEN_SCHEMES = ("kvtier", "kvtiers", "infinistore")  # the stores that take remote_auth_token
+EXTRA_SCHEMES = ("mooncakestore",)  # the stores configured by extra_config
 
 
-def open_store(url: str, timeout: float, auth_token: str | None = None) -> KVStore:
+def open_store(url: str, timeout: float, auth_token: str | None = None,
+               extra: Mapping[str, Any] | None = None) -> KVStore:
     scheme = urlsplit(url).scheme
     if scheme not in SCHEMES:
         raise ValueError(f"remote_url {url!r}: unknown scheme {scheme!r}; expected one of "
                          + ", ".join(f"{s}://" for s in SCHEMES))
     module, func = SCHEMES[scheme].split(":")
     opener = getattr(importlib.import_module(module), func)
-    return opener(url, timeout, auth_token) if scheme in TOKEN_SCHEMES else opener(url, timeout)
+    if scheme in TOKEN_SCHEMES:
+        return opener(url, timeout, auth_token)
+    return opener(url, timeout, extra or {}) if scheme in EXTRA_SCHEMES else opener(url, timeout)
 
 
 def check_url(url: str) -> str | None:
@@ -89,6 +104,8 @@ def check_url(url: str) -> str | None:
         return "a URL with scheme " + " | ".join(f"{s}://" for s in SCHEMES)
     if parts.scheme == "fs":
         return None if parts.path else "fs:///path/to/shared/dir"
+    if parts.scheme == "mooncakestore" and not parts.netloc:  # the master named in extra_config
+        return None
     try:
         hosts = parts.netloc.rsplit("@", 1)[-1].split(",")
         if not all(h.rsplit(":", 1)[0] and int(h.rsplit(":", 1)[1]) for h in hosts):

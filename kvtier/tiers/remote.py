@@ -14,8 +14,8 @@ cross; otherwise their xxh3 checksums run on the copy threads meanwhile. A
 chunk that fails, or whose lease ran out, reads as not loaded
 (`BorrowedBlock.verified`), and the engine recomputes it.
 
-A payload that fails its checksum or header checks is a miss as well,
-and so is a read the store refuses (a bound of the server). A wrong or
+A payload that fails its checksum or header checks is a miss as well (and
+is removed from the store, which may keep a key's first value), and so is a read the store refuses (a bound of the server). A wrong or
 missing token (RemoteAuthFailed) is a fault: logged, with the back-off.
 """
 
@@ -182,16 +182,21 @@ class RemoteTier:
 
         # Checksums (and lz4) read every byte once more: over the copy threads for a large batch.
         out: list[int | None] = []
+        corrupt: list[bytes] = []
         for key, result in zip(keys, parallel(check, range(len(keys)), sum(len(o) for o in outs))):
             if isinstance(result, CorruptPayload):
                 self.stats.corrupt += 1
-                log.warning("remote %s: chunk %s is corrupt (%s); treated as a miss", self.url, key, result)
+                corrupt.append(wire_key(key))
+                log.warning("remote %s: chunk %s is corrupt (%s); treated as a miss and removed", self.url, key,
+                            result)
                 result = None
             elif result is None:
                 self.stats.misses += 1
             else:
                 self.stats.hits += 1
             out.append(result)
+        if corrupt:  # so that the next store of these chunks lands (a store may keep a key's first value)
+            self._guard("delete", lambda: self.store.delete(corrupt), 0)
         return out
 
     def can_borrow(self) -> bool:
