@@ -38,4 +38,14 @@ if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; th
     SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
     $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
 fi
+# Mooncake Store (remote_url mooncakestore://; its tests start a real mooncake_master).
+# Its wheel links Debian's libibverbs1. With that library and no RDMA device, a NIXL
+# UCX agent would crash at exit: kvtier's NIXL channel sets UCX_MODULES=^ib there.
+if ! "$VENV"/bin/python -c "import mooncake.store" 2>/dev/null; then
+    if ! dpkg -s libibverbs1 >/dev/null 2>&1; then
+        SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+        $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+    fi
+    pip install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+fi
 "$VENV"/bin/python -c "import torch, vllm, kvtier; print('kvtier env ready: torch', torch.__version__, '| vllm', vllm.__version__)"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -13,7 +15,7 @@ import torch
 from vllm_offline import run_vllm
 
 from kvtier.dev.demo import HIT_LINE, query_ttft, vllm_server
-from kvtier.dev.localservers import kvtier_server, redis_server
+from kvtier.dev.localservers import kvtier_server, mooncake_store, redis_server
 from kvtier.dev.tinymodel import corpus_text
 
 ON_GPU = torch.cuda.is_available()  # scripts/gpu_vllm.sh: real vLLM on a GPU (no redis-server there)
@@ -41,10 +43,13 @@ def hits(log: str) -> list[tuple[int, int, int]]:
     lambda: kvtier_server(0.25),
     pytest.param(redis_server, marks=pytest.mark.skipif(ON_GPU and not shutil.which("redis-server"),
                                                         reason="no redis-server on the GPU machine")),
-], ids=["kvtier", "redis"])
+    pytest.param(lambda: mooncake_store(2, 256), marks=pytest.mark.skipif(
+        importlib.util.find_spec("mooncake") is None, reason="Mooncake's wheel is not installed")),
+], ids=["kvtier", "redis", "mooncake"])
 def test_a_prompt_prefilled_on_instance_a_is_a_hit_on_instance_b(tiny_model, prompt, plain, tmp_path, start_store):
     with start_store() as store:
-        env = {"LMCACHE_REMOTE_URL": store.url, "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.05"}
+        env = {"LMCACHE_REMOTE_URL": store.url, "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.05",
+               "LMCACHE_EXTRA_CONFIG": json.dumps(store.extra_config)}
         (a,), log_a = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", env, name="a")
         (b,), log_b = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", env, name="b")
     assert hits(log_a) == [(3000, 0, 0)]
