@@ -258,7 +258,8 @@ def _server_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conns", type=int, nargs="+", default=[1, 2, 8], help="client connections")
     p.add_argument("--duration", type=float, default=1.0, help="seconds per measurement")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--targets", nargs="+", help="what to measure: raw raw-ring kvtier kvtier-shm redis redis-unix")
+    p.add_argument("--targets", nargs="+", help="what to measure: raw raw-ring kvtier kvtier-shm kvtier-auth kvtier-tls redis redis-unix "
+                   "mooncake mooncake-py")
     p.add_argument("--throughput-only", action="store_true", help="skip latency, shared memory and serdes")
     p.add_argument("--output", help="write the results to this JSON file")
 
@@ -327,7 +328,8 @@ BENCHMARKS: list[Command] = [
     ("ttft", "cold vs warm TTFT of a Llama-3.1-8B-shaped model (GPU)", _ttft_args, _bench_ttft),
     ("pd", "disaggregated prefill: sender process -> receiver's buffer -> its pages, vs a plain device copy",
      _pd_args, _bench_pd),
-    ("server", "store server vs raw loopback TCP and redis-server", _server_bench_args, _bench_server),
+    ("server", "store server vs raw loopback TCP, redis-server and Mooncake Store", _server_bench_args,
+     _bench_server),
     ("h2d", "a load's host-to-GPU copies by the copy engine or by a kernel, and what waits behind each (GPU)",
      _h2d_args, _bench_h2d),
     ("chat", "multi-turn conversations at a steady rate against a vLLM server: TTFT, throughput, hit rate",

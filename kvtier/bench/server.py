@@ -19,9 +19,16 @@ One run measures, on this machine:
                 (redis-py + hiredis);
     redis-unix  the same redis-server over its unix socket (its own
                 same-host fast path);
+    mooncake    Mooncake Store (mooncake_master and two mooncake_client
+                processes holding the segments, TCP transport) through
+                kvtier's store (remote/mooncake.py);
+    mooncake-py the same pool through Mooncake's own Python API
+                (batch_put_from / batch_get_into, buffers registered): what
+                kvtier's store must not fall short of (mooncake_vs_own);
   every get lands in the caller's buffer (as a pool block in the engine);
   reported as tcp_vs_raw (kvtier/raw), tcp_vs_raw_ring, tcp_vs_redis (kvtier/redis) and
-  same_host_vs_redis (kvtier-shm / the faster of the two redis paths), each
+  same_host_vs_redis (kvtier-shm / the faster of the two redis paths),
+  mooncake_vs_own, and every store against raw TCP (<target>_vs_raw), each
   as a ratio of medians and as the median of per-repeat ratios (`_paired`);
 - p50/p99 latency of exists and match-prefix over 64 keys;
 - the same-host shared-memory path (put and get of 4 MiB values, one and
@@ -50,7 +57,11 @@ import numpy as np
 from kvtier.bench.server_clients import MiB, TOKEN_ENV, Clients, raw_server
 
 
-TARGETS = ("raw", "raw-ring", "kvtier", "kvtier-shm", "kvtier-auth", "kvtier-tls", "redis", "redis-unix")
+TARGETS = ("raw", "raw-ring", "kvtier", "kvtier-shm", "kvtier-auth", "kvtier-tls", "redis", "redis-unix",
+           "mooncake", "mooncake-py")
+
+
+MOONCAKE_SEGMENT_MB = 384  # each of the pool's two segments: small enough to touch all of it before measuring
 
 
 @dataclass
@@ -92,6 +103,10 @@ def run_server_bench(cfg: ServerBenchConfig, progress=print) -> dict:
             targets = {"raw": str(raw_port), "raw-ring": str(ring_port), **addresses}
             targets = {t: a for t, a in targets.items() if t in cfg.targets}
             kv_addr = targets.get("kvtier")
+            if "mooncake-py" in addresses:  # the segments' first touch, so that no target's puts pay it
+                filled = clients.run(1, target="mooncake-py", address=addresses["mooncake-py"], op="put",
+                                     size=8 * MiB, duration=2 * 2 * MOONCAKE_SEGMENT_MB * MiB / 1e9 / 0.3)
+                progress(f"Mooncake pool touched: {filled:.2f} GB/s of puts")
             for size in cfg.sizes_mib:
                 for conns in cfg.conns:
                     for op in ("put", "get"):
@@ -118,7 +133,7 @@ def run_server_bench(cfg: ServerBenchConfig, progress=print) -> dict:
 @contextlib.contextmanager
 def _servers(targets: tuple[str, ...]):
     """The servers `targets` need, each on its own ports: target -> address for the clients."""
-    from kvtier.dev.localservers import kvtier_server, redis_server, self_signed_cert
+    from kvtier.dev.localservers import kvtier_server, mooncake_store, redis_server, self_signed_cert
 
     with contextlib.ExitStack() as stack:
         out = {}
@@ -136,6 +151,9 @@ def _servers(targets: tuple[str, ...]):
         if {"redis", "redis-unix"} & set(targets):
             rd = stack.enter_context(redis_server())
             out.update({"redis": rd.url, "redis-unix": rd.unix_socket})
+        if {"mooncake", "mooncake-py"} & set(targets):  # one pool for both: the same segments
+            url = stack.enter_context(mooncake_store(segments=2, segment_mb=MOONCAKE_SEGMENT_MB)).url  # evicts at 90 %
+            out.update({"mooncake": url, "mooncake-py": url})
         yield out
 
 
@@ -156,7 +174,9 @@ def _cell(clients: Clients, targets: dict[str, str], cfg: ServerBenchConfig, siz
         cell[f"{target}_runs"] = [round(x, 3) for x in gbps]
     ratios = {"tcp_vs_raw": ("kvtier", "raw"), "tcp_vs_raw_ring": ("kvtier", "raw-ring"),
               "tcp_vs_redis": ("kvtier", "redis"), "same_host_vs_redis": ("kvtier-shm", "redis*"),
-              "auth_vs_plain": ("kvtier-auth", "kvtier"), "tls_vs_plain": ("kvtier-tls", "kvtier")}
+              "auth_vs_plain": ("kvtier-auth", "kvtier"), "tls_vs_plain": ("kvtier-tls", "kvtier"),
+              "mooncake_vs_own": ("mooncake", "mooncake-py"), "kvtier_vs_mooncake": ("kvtier", "mooncake"),
+              **{f"{t}_vs_raw": (t, "raw") for t in ("kvtier-shm", "redis", "mooncake", "mooncake-py")}}
     for name, (a, b) in ratios.items():
         if b == "redis*":  # the faster of redis-server's two paths
             b_runs = [max(pair) for pair in zip(*(runs[t] for t in ("redis", "redis-unix") if t in targets))]

@@ -123,11 +123,17 @@ class _RawClient:
 
 class _StoreClient:
     """A remote store as the cache engine uses it: values read straight into
-    the caller's buffer (a pool block there, a reused buffer here)."""
+    the caller's buffer (a pool block there, a reused buffer here, registered
+    with a store that moves registered memory in place, as the engine's pool is)."""
 
     def __init__(self, store) -> None:
+        from kvtier.remote import RegisteringStore
+
         self.store = store
-        self.buf = memoryview(bytearray(64 * MiB))
+        self._buf = np.ones(64 * MiB, np.uint8)
+        self.buf = memoryview(self._buf)
+        if isinstance(store, RegisteringStore):
+            store.register_memory(self._buf.ctypes.data, self._buf.nbytes)
 
     def put(self, keys: list[bytes], value: memoryview) -> None:
         self.store.put(keys, [value] * len(keys))
@@ -137,9 +143,50 @@ class _StoreClient:
         assert all(found)
 
 
-def _client(target: str, address: str):
+class _MooncakeOwnClient:
+    """Mooncake's own Python API as its docs use it: one setup, buffers registered,
+    batch_put_from / batch_get_into of whole values (the limit for kvtier's store)."""
+
+    def __init__(self, url: str, value: np.ndarray) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        from kvtier.remote.mooncake_settings import mooncake_settings
+
+        s = mooncake_settings(url, MOONCAKE_JOIN, env={})
+        self.store = MooncakeDistributedStore()
+        code = self.store.setup(s.local_hostname, s.metadata_server, s.global_segment_size, s.local_buffer_size,
+                                s.protocol, s.device_name, s.master)
+        assert code == 0, f"Mooncake setup returned {code}"
+        self.value, self.buf = value, np.ones(64 * MiB, np.uint8)
+        for array in (self.value, self.buf):
+            self.store.register_buffer(array.ctypes.data, array.nbytes)
+
+    def put(self, keys: list[bytes], value: memoryview) -> None:
+        codes = self.store.batch_put_from([k.decode() for k in keys], [self.value.ctypes.data] * len(keys),
+                                          [len(value)] * len(keys))
+        assert all(c == 0 for c in codes), codes
+
+    def get(self, keys: list[bytes], size: int) -> None:
+        base = self.buf.ctypes.data
+        got = self.store.batch_get_into([k.decode() for k in keys], [base + i * size for i in range(len(keys))],
+                                        [size] * len(keys))
+        assert got == [size] * len(keys), got
+
+
+# What a bench client process gives the Mooncake pool: nothing (its mooncake_client
+# segments hold the values), as kvtier's clients on this host join it in the tests.
+MOONCAKE_JOIN = {"local_hostname": "127.0.0.1", "global_segment_size": 0, "local_buffer_size": 16 * MiB}
+
+
+def _client(target: str, address: str, value: np.ndarray):
     if target in ("raw", "raw-ring"):
         return _RawClient(int(address))
+    if target == "mooncake-py":
+        return _MooncakeOwnClient(address, value)
+    if target == "mooncake":
+        from kvtier.remote import open_store
+
+        return _StoreClient(open_store(address, 30, extra=MOONCAKE_JOIN))
     if target.startswith("kvtier"):
         from kvtier.remote.kvserver import open_kvserver
 
@@ -161,11 +208,12 @@ def _client(target: str, address: str):
 
 def _worker(conn, index: int) -> None:
     clients: dict[tuple[str, str], object] = {}
-    value = memoryview(np.random.default_rng(index).integers(0, 255, 16 * MiB, dtype=np.uint8))
+    array = np.random.default_rng(index).integers(0, 255, 16 * MiB, dtype=np.uint8)
+    value = memoryview(array)
     while (cmd := conn.recv()) is not None:
         key_of = (cmd["target"], cmd["address"])
         if key_of not in clients:
-            clients[key_of] = _client(*key_of)
+            clients[key_of] = _client(*key_of, array)
         client, size, batch = clients[key_of], cmd["size"], cmd.get("batch", 1)
         keys = [b"bench-%d-%d-%d" % (index, size, i) for i in range(4 * batch)]
         groups = [keys[i : i + batch] for i in range(0, len(keys), batch)]
@@ -174,9 +222,12 @@ def _worker(conn, index: int) -> None:
                 client.put(group, value[:size])
         while time.time() < cmd["start"]:
             time.sleep(0.001)
+        fresh = cmd["op"] == "put" and cmd["target"].startswith("mooncake")
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < cmd["duration"]:
-            if cmd["op"] == "put":
+            if fresh:  # Mooncake's put of a key it holds moves nothing: a new key each time
+                client.put([b"%s-%d-%d" % (k, cmd["start"] * 1000, n) for k in groups[n % 4]], value[:size])
+            elif cmd["op"] == "put":
                 client.put(groups[n % 4], value[:size])
             else:
                 client.get(groups[n % 4], size)
