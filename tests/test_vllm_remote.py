@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 from vllm_offline import run_vllm
 
+from kvtier.bench.stores_vllm import Workload, bench_serve
 from kvtier.dev.demo import HIT_LINE, query_ttft, vllm_server
 from kvtier.dev.localservers import kvtier_server, mooncake_store, redis_server
 from kvtier.dev.tinymodel import corpus_text
@@ -69,7 +67,15 @@ def query_until_hit(vllm, model: str, prompt: str, min_hit: int, tries: int = 10
     return ""
 
 
-def test_a_store_killed_while_vllm_serves_means_misses_then_reuse_once_it_is_back(tiny_model, tmp_path):
+@pytest.mark.parametrize("start_store", [
+    lambda: kvtier_server(0.25),
+    # The master and its segment clients killed and restarted on the same ports. A call
+    # into a dead master waits Mooncake's own RPC timeout (about 4 s), not kvtier's.
+    pytest.param(lambda: mooncake_store(2, 128), marks=pytest.mark.skipif(
+        importlib.util.find_spec("mooncake") is None, reason="Mooncake's wheel is not installed")),
+], ids=["kvtier", "mooncake"])
+def test_a_store_killed_while_vllm_serves_means_misses_then_reuse_once_it_is_back(tiny_model, tmp_path,
+                                                                                   start_store):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
@@ -78,9 +84,10 @@ def test_a_store_killed_while_vllm_serves_means_misses_then_reuse_once_it_is_bac
     other = tok.decode(tok.encode(text)[4000:5500])
     model = str(tiny_model)
     timeout = 2.0
-    with kvtier_server(0.25) as store:
+    with start_store() as store:
         env = {"LMCACHE_REMOTE_URL": store.url, "LMCACHE_LOCAL_CPU": "false",
-               "LMCACHE_BLOCKING_TIMEOUT_SECS": str(timeout), "VLLM_CPU_KVCACHE_SPACE": "1"}
+               "LMCACHE_BLOCKING_TIMEOUT_SECS": str(timeout), "VLLM_CPU_KVCACHE_SPACE": "1",
+               "LMCACHE_EXTRA_CONFIG": json.dumps(store.extra_config)}
         with vllm_server(tiny_model, tmp_path, env=env, max_model_len=4096) as vllm:
             query_ttft(vllm.url, model, prompt, max_tokens=4)  # stored remotely
             assert query_until_hit(vllm, model, prompt, 1000)  # loaded back from the store
@@ -99,23 +106,8 @@ def test_a_store_killed_while_vllm_serves_means_misses_then_reuse_once_it_is_bac
 # LMCache's InfiniStore guide: the store server started with InfiniStore's flags, vLLM
 # with the guide's config file, `vllm bench serve` twice with the guide's arguments (on
 # CPU: fewer and shorter prompts). The second run's prompts must all come from the store.
-BENCH = {"num_prompts": 50, "input_len": 8192, "output_len": 128} if ON_GPU else \
-    {"num_prompts": 6, "input_len": 1024, "output_len": 8}
-
-
-def bench_serve(url: str, model: str) -> dict[str, float]:
-    port = url.rsplit(":", 1)[1]
-    cmd = [sys.executable, "-m", "kvtier.cli", "vllm", "bench", "serve", "--backend", "vllm", "--model", model,
-           "--num-prompts", str(BENCH["num_prompts"]), "--port", port, "--host", "127.0.0.1",
-           "--dataset-name", "random", "--random-input-len", str(BENCH["input_len"]),
-           "--random-output-len", str(BENCH["output_len"]), "--seed", "42"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    figures = {k: float(v) for k, v in re.findall(r"^(Successful requests|Failed requests|Median TTFT \(ms\)|"
-                                                   r"Mean TTFT \(ms\)|Benchmark duration \(s\)):\s+([\d.]+)",
-                                                   out.stdout, re.M)}
-    print(out.stdout[out.stdout.find("====="):], flush=True)
-    return figures
+BENCH = Workload(num_prompts=50, input_len=8192, output_len=128) if ON_GPU else \
+    Workload(num_prompts=6, input_len=1024, output_len=8)
 
 
 def test_the_infinistore_guide_vllm_bench_serve_twice(tiny_model, tmp_path):
@@ -126,10 +118,10 @@ def test_the_infinistore_guide_vllm_bench_serve_twice(tiny_model, tmp_path):
         config.write_text(f'chunk_size: 256\nremote_url: "infinistore://127.0.0.1:{port}/?device=mlx5_1"\n'
                           'remote_serde: "naive"\nlocal_cpu: False\nmax_local_cpu_size: 0.5\n')
         with vllm_server(tiny_model, tmp_path, env={"LMCACHE_CONFIG_FILE": str(config)},
-                         max_model_len=max(4096, BENCH["input_len"] + BENCH["output_len"] + 64)) as vllm:
-            first = bench_serve(vllm.url, model)
+                         max_model_len=max(4096, BENCH.input_len + BENCH.output_len + 64)) as vllm:
+            first = bench_serve(vllm.url, model, BENCH)
             stored = len(vllm.hit_lines())
-            second = bench_serve(vllm.url, model)
+            second = bench_serve(vllm.url, model, BENCH)
             served = len(vllm.hit_lines())
             # One prompt cold, again warm (from the store), and a control with another first chunk.
             text = corpus_text()
@@ -137,7 +129,7 @@ def test_the_infinistore_guide_vllm_bench_serve_twice(tiny_model, tmp_path):
             warm = query_until_hit(vllm, model, text[:6000], 1000)
             _, control = query_ttft(vllm.url, model, "A different opening. " + text[400:6000], max_tokens=16)
             hits = vllm.hit_lines()
-    n = BENCH["num_prompts"]
+    n = BENCH.num_prompts
     for run in (first, second):
         assert run["Successful requests"] == n and run.get("Failed requests", 0) == 0
     # vllm bench serve sends one warm-up request first: the second run's prompts, every one
@@ -145,6 +137,6 @@ def test_the_infinistore_guide_vllm_bench_serve_twice(tiny_model, tmp_path):
     again = hits[stored:served][-n:]
     assert len(again) == n and all(hit >= total - 256 for total, hit, _ in again), hits[stored:served]
     assert warm == cold and control != cold
-    print(f"bench serve twice through infinistore:// ({n} prompts of {BENCH['input_len']} tokens): "
+    print(f"bench serve twice through infinistore:// ({n} prompts of {BENCH.input_len} tokens): "
           f"median TTFT {first['Median TTFT (ms)']:.1f} -> {second['Median TTFT (ms)']:.1f} ms, "
           f"mean {first['Mean TTFT (ms)']:.1f} -> {second['Mean TTFT (ms)']:.1f} ms", flush=True)

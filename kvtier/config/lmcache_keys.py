@@ -71,7 +71,7 @@ RULES: dict[str, KeyRule] = {
     "local_cpu_use_hugepages": _b(False),
     "local_disk": _b(None),
     "max_local_disk_size": _b(0.0),
-    "remote_url": _b(None, "kvtier:// infinistore:// redis:// rediss:// redis-cluster:// fs://"),
+    "remote_url": _b(None, "kvtier:// infinistore:// redis:// rediss:// redis-cluster:// fs:// mooncakestore://"),
     "remote_serde": _b("naive", "naive or lz4; int8 or fp8: a lossy codec on the GPU (not CacheGen's)"),
     "use_layerwise": _b(False),
     "save_unfull_chunk": _b(False),

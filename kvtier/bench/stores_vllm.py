@@ -1,0 +1,150 @@
+"""`python -m kvtier.bench.stores_vllm`: two vLLM instances sharing KV through each remote store.
+
+For each store (`kvtier server`, Mooncake Store, redis-server), on free
+loopback ports, with vLLM's OpenAI server (the CPU build here) and the tiny
+Llama of kvtier/dev/tinymodel.py (seeded N(0, 0.02) weights: its output
+follows the context), vLLM's prefix caching off, kvtier's CPU tier off (every
+hit comes from the store):
+
+    instance A: `vllm bench serve` (random prompts, a fixed seed): every
+                prompt cold, its KV stored in the store; then one prompt of
+                text greedy (the token check), and a control prompt whose
+                first chunk differs
+    instance B: a new vLLM process, the same `vllm bench serve` (the same
+                prompts): each a hit from the store; the same two prompts
+
+It is the InfiniStore guide's `vllm bench serve` run twice, with the second
+run on another instance, as a cluster shares a store. Reported per store:
+B's median and mean TTFT against A's (`warm_vs_cold`, A's cold prefill
+being the limit the store is measured against), failed requests, hit tokens
+from kvtier's log lines, and whether B's greedy text equals A's (and the
+control's differs). One JSON record per run, and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+STORES = ("kvtier", "mooncake", "redis")
+FIGURES = re.compile(r"^(Successful requests|Failed requests|Median TTFT \(ms\)|Mean TTFT \(ms\)|"
+                     r"P99 TTFT \(ms\)|Benchmark duration \(s\)):\s+([\d.]+)", re.M)
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_prompts: int = 8
+    input_len: int = 2048
+    output_len: int = 4
+    seed: int = 42
+
+
+def bench_serve(url: str, model: str, work: Workload) -> dict[str, float]:
+    """`vllm bench serve` against the server at `url`: its summary figures."""
+    port = url.rsplit(":", 1)[1]
+    cmd = [sys.executable, "-m", "kvtier.cli", "vllm", "bench", "serve", "--backend", "vllm", "--model", model,
+           "--num-prompts", str(work.num_prompts), "--port", port, "--host", "127.0.0.1",
+           "--dataset-name", "random", "--random-input-len", str(work.input_len),
+           "--random-output-len", str(work.output_len), "--seed", str(work.seed)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
+    return {k: float(v) for k, v in FIGURES.findall(out.stdout)}
+
+
+@contextlib.contextmanager
+def _store(name: str):
+    from kvtier.dev.localservers import kvtier_server, mooncake_store, redis_server
+
+    start = {"kvtier": lambda: kvtier_server(1.0), "mooncake": lambda: mooncake_store(2, 512),
+             "redis": redis_server}[name]
+    with start() as srv:
+        yield srv
+
+
+def _instance(model_dir: Path, workdir: Path, srv, work: Workload, text: str) -> dict:
+    from kvtier.dev.demo import query_ttft, vllm_server
+
+    env = {"LMCACHE_REMOTE_URL": srv.url, "LMCACHE_LOCAL_CPU": "false", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25",
+           "LMCACHE_EXTRA_CONFIG": json.dumps(srv.extra_config), "VLLM_CPU_KVCACHE_SPACE": "2"}
+    with vllm_server(model_dir, workdir, env=env, max_model_len=max(4096, work.input_len + 512)) as vllm:
+        model = str(model_dir)
+        figures = bench_serve(vllm.url, model, work)
+        served = vllm.hit_lines()
+        _, greedy = query_ttft(vllm.url, model, text, max_tokens=16)
+        _, control = query_ttft(vllm.url, model, "Another opening entirely. " + text[200:], max_tokens=16)
+        time.sleep(1.0)  # the last stores land before the instance goes
+    return {"bench": figures, "hits": served[-work.num_prompts:], "greedy": greedy, "control": control}
+
+
+def run(stores: tuple[str, ...], work: Workload, progress=print) -> dict:
+    from kvtier.dev.tinymodel import corpus_text, make_tiny_llama
+
+    record: dict = {"date": time.strftime("%Y-%m-%d"), "machine": _machine(), "workload": work.__dict__,
+                    "stores": {}}
+    text = corpus_text()[:6000]
+    with tempfile.TemporaryDirectory(prefix="kvtier-stores-vllm-") as tmp:
+        model_dir = make_tiny_llama(Path(tmp) / "tiny-llama")
+        for name in stores:
+            with _store(name) as srv:
+                a = _instance(model_dir, Path(tmp) / f"{name}-a", srv, work, text)
+                b = _instance(model_dir, Path(tmp) / f"{name}-b", srv, work, text)
+            row = {"a": a, "b": b,
+                   "warm_vs_cold_median": round(b["bench"]["Median TTFT (ms)"] / a["bench"]["Median TTFT (ms)"], 3),
+                   "warm_vs_cold_mean": round(b["bench"]["Mean TTFT (ms)"] / a["bench"]["Mean TTFT (ms)"], 3),
+                   "failed": a["bench"].get("Failed requests", 0) + b["bench"].get("Failed requests", 0),
+                   "same_tokens": a["greedy"] == b["greedy"], "control_differs": a["control"] != a["greedy"],
+                   "b_hit_tokens": sum(hit for _, hit, _ in b["hits"]),
+                   "b_prompt_tokens": sum(total for total, _, _ in b["hits"])}
+            record["stores"][name] = row
+            progress(f"{name}: median TTFT A {a['bench']['Median TTFT (ms)']:.1f} ms (cold) -> "
+                     f"B {b['bench']['Median TTFT (ms)']:.1f} ms (from the store): {row['warm_vs_cold_median']:.2f}; "
+                     f"hits {row['b_hit_tokens']}/{row['b_prompt_tokens']}, failed {row['failed']:.0f}, "
+                     f"same tokens {row['same_tokens']}, control differs {row['control_differs']}")
+    return record
+
+
+def table(record: dict) -> str:
+    rows = ["| store | A cold median / mean TTFT | B from the store median / mean | B / A (median) | "
+            "B's hit tokens | failed | B's tokens = A's |", "|---|---|---|---|---|---|---|"]
+    for name, r in record["stores"].items():
+        a, b = r["a"]["bench"], r["b"]["bench"]
+        rows.append(f"| {name} | {a['Median TTFT (ms)']:.1f} / {a['Mean TTFT (ms)']:.1f} ms | "
+                    f"{b['Median TTFT (ms)']:.1f} / {b['Mean TTFT (ms)']:.1f} ms | {r['warm_vs_cold_median']:.2f} | "
+                    f"{r['b_hit_tokens']} of {r['b_prompt_tokens']} | {r['failed']:.0f} | {r['same_tokens']} |")
+    return "\n".join(rows)
+
+
+def _machine() -> str:
+    import os
+    import platform
+
+    return f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.node()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvtier.bench.stores_vllm", description=__doc__.split("\n")[0])
+    p.add_argument("--stores", nargs="+", default=list(STORES), choices=STORES)
+    p.add_argument("--num-prompts", type=int, default=Workload.num_prompts)
+    p.add_argument("--input-len", type=int, default=Workload.input_len)
+    p.add_argument("--output", help="write the JSON record here")
+    args = p.parse_args(argv)
+    record = run(tuple(args.stores), Workload(args.num_prompts, args.input_len))
+    record["command"] = "python -m kvtier.bench.stores_vllm " + " ".join(argv or sys.argv[1:])
+    print(table(record))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
