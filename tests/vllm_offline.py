@@ -23,8 +23,12 @@ def main() -> None:
     p.add_argument("--max-batched", type=int, default=1024)
     p.add_argument("--dtype", required=True, help="bfloat16 | float32 (see kvtier.dev.cpu_dtype)")
     p.add_argument("--by-name", action="store_true", help="no kv_connector_module_path: vLLM's plugin finds it")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size (a worker process per rank)")
     args = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.tp > 1:  # one core per rank
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1))
+                                                                    for r in range(args.tp)))
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -35,7 +39,8 @@ def main() -> None:
                               kv_connector_module_path=None if args.by_name else "kvtier.integrations.vllm")
     llm = LLM(model=args.model, seed=0, max_model_len=8192, dtype=args.dtype,
               enable_prefix_caching=False, max_num_batched_tokens=args.max_batched,
-              enforce_eager=True, kv_transfer_config=kv)
+              enforce_eager=True, kv_transfer_config=kv, tensor_parallel_size=args.tp,
+              distributed_executor_backend="mp" if args.tp > 1 else None)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=0, ignore_eos=True)
     with open(args.prompts) as f:
         prompts = json.load(f)
@@ -62,7 +67,7 @@ def hit_granularity() -> int:
 
 
 def run_vllm(model: Path, prompts: list[list[int]], tmp: Path, kv_role: str = "", env: dict | None = None,
-             name: str = "", dtype: str = "auto", max_tokens: int = 8, by_name: bool = False
+             name: str = "", dtype: str = "auto", max_tokens: int = 8, by_name: bool = False, tp: int = 1
              ) -> tuple[list[dict], str]:
     """Run this file in a subprocess; returns the per-request results and vLLM's log.
 
@@ -71,7 +76,7 @@ def run_vllm(model: Path, prompts: list[list[int]], tmp: Path, kv_role: str = ""
     pfile.write_text(json.dumps(prompts))
     cmd = [sys.executable, __file__, "--model", str(model), "--prompts", str(pfile), "--kv-role", kv_role,
            "--dtype", model_dtype().dtype if dtype == "auto" else dtype, "--max-tokens", str(max_tokens)]
-    cmd += ["--by-name"] if by_name else []
+    cmd += (["--by-name"] if by_name else []) + ["--tp", str(tp)]
     # Defaults under LMCACHE_ names: a test's own LMCACHE_ or KVTIER_ setting replaces or overrides them.
     full_env = {**os.environ, "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25", **(env or {})}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=full_env)

