@@ -62,7 +62,6 @@ def test_every_rank_stores_and_loads_its_shard_with_tp2(tiny_model, prompt, plai
     assert hits(log_a) == [(3000, 0, 0)]
     for rank in (0, 1):
         assert all(p.exists() for p in rank_files(tiny_model, prompt, disk, rank))  # 11 whole chunks each
-    assert log_a.count("Storing KV cache for 2816 out of 3000 tokens") == 2  # one line per rank
     # A new instance: the prompt's KV from both ranks' disk tiers.
     (warm,), log_b = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", disk_env(disk), name="b", dtype=DTYPE,
                               tp=2)
