@@ -17,11 +17,17 @@ WORKLOAD = Workload(conversations=6, system_prompts=2, system_tokens=768, turns=
                     answer_tokens=32, max_tokens=4, rate=3.0, concurrency=4, vocab=4000)
 
 
+# float32: with several requests in flight, vLLM batches them differently from one run to
+# the next, and in bf16 the rounding of a batched forward flipped a near-tied greedy token
+# (1 of 18, CI 2026-11-25); in float32 the KV loaded and the KV recomputed agree.
+DTYPE = "float32"
+
+
 def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tmp_path):
     records = compare(tiny_model, ["kvtier"], WORKLOAD, tmp_path / "serving", cpu_gb=0.5, gpu_util=0.4,
-                      eager=True, prefix_caching=False, max_model_len=4096)
+                      eager=True, prefix_caching=False, max_model_len=4096, dtype=DTYPE)
     with_kv = records["kvtier"]
-    with vllm_server(tiny_model, tmp_path / "plain", kv_connector=None, max_model_len=4096) as srv:
+    with vllm_server(tiny_model, tmp_path / "plain", kv_connector=None, max_model_len=4096, dtype=DTYPE) as srv:
         plain = run(srv.url, str(tiny_model), replace(WORKLOAD, concurrency=1, rate=100.0))  # one at a time
     s = with_kv.summary
     assert s["requests"] == 18 and s["failed"] == 0 and plain.summary["failed"] == 0

