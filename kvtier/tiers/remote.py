@@ -15,8 +15,9 @@ chunk that fails, or whose lease ran out, reads as not loaded
 (`BorrowedBlock.verified`), and the engine recomputes it.
 
 A payload that fails its checksum or header checks is a miss as well (and
-is removed from the store, which may keep a key's first value), and so is a read the store refuses (a bound of the server). A wrong or
-missing token (RemoteAuthFailed) is a fault: logged, with the back-off.
+is removed from the store, which may keep a key's first value), and so is
+a read the store refuses (a bound of the server). A wrong or missing token
+(RemoteAuthFailed) is a fault: logged, with the back-off.
 """
 
 from __future__ import annotations
