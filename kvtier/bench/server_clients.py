@@ -153,6 +153,7 @@ class _MooncakeOwnClient:
     def __init__(self, url: str, value: np.ndarray) -> None:
         from mooncake.store import MooncakeDistributedStore
 
+        from kvtier.dev.localservers import MOONCAKE_JOIN
         from kvtier.remote.mooncake_settings import mooncake_settings
 
         s = mooncake_settings(url, MOONCAKE_JOIN, env={})
@@ -179,17 +180,13 @@ class _MooncakeOwnClient:
         assert got == [size] * len(keys), got
 
 
-# What a bench client process gives the Mooncake pool: nothing (its mooncake_client
-# segments hold the values), as kvtier's clients on this host join it in the tests.
-MOONCAKE_JOIN = {"local_hostname": "127.0.0.1", "global_segment_size": 0, "local_buffer_size": 16 * MiB}
-
-
 def _client(target: str, address: str, value: np.ndarray):
     if target in ("raw", "raw-ring"):
         return _RawClient(int(address))
     if target == "mooncake-py":
         return _MooncakeOwnClient(address, value)
     if target == "mooncake":
+        from kvtier.dev.localservers import MOONCAKE_JOIN
         from kvtier.remote import open_store
 
         return _StoreClient(open_store(address, 30, extra=MOONCAKE_JOIN))

@@ -175,6 +175,11 @@ def _wait_cluster_ok(port: int, timeout: float = 30.0) -> None:
     raise TimeoutError(f"Redis cluster on port {port} not ok after {timeout} s")
 
 
+# How a kvtier client on this host joins a local pool: over loopback, giving it no RAM
+# of its own (the pool's mooncake_client segments hold the values), so each costs none.
+MOONCAKE_JOIN = {"local_hostname": "127.0.0.1", "global_segment_size": 0, "local_buffer_size": 16 << 20}
+
+
 def mooncake_binary(name: str) -> str:
     """A program of Mooncake's wheel (beside this Python's, or on PATH)."""
     beside = Path(sys.executable).parent / name
@@ -199,9 +204,6 @@ def mooncake_store(segments: int = 2, segment_mb: int = 256, client_ttl: int = 1
                         f"--global_segment_size={segment_mb} MB", "--protocol=tcp", "--logtostderr=true"]
                        for port in clients]
     with tempfile.TemporaryDirectory(prefix="kvtier-mooncake-") as tmp:
-        # A kvtier client on this host joins over loopback and gives the pool no RAM of
-        # its own (the segments above hold the values), so each engine costs none.
-        joins = {"local_hostname": "127.0.0.1", "global_segment_size": 0, "local_buffer_size": 16 << 20}
         with _running(LocalServer(f"mooncakestore://127.0.0.1:{rpc}", [rpc, *clients], cmds,
-                                  log_path=Path(tmp) / "mooncake.log", extra_config=joins)) as srv:
+                                  log_path=Path(tmp) / "mooncake.log", extra_config=MOONCAKE_JOIN)) as srv:
             yield srv
