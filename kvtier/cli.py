@@ -72,6 +72,18 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     add_args(p)
 
 
+def _chaos_args(p: argparse.ArgumentParser) -> None:
+    from kvtier.bench.chaos import add_args
+
+    add_args(p)
+
+
+def _bench_chaos(args: argparse.Namespace) -> int:
+    from kvtier.bench.chaos import main
+
+    return main(args)
+
+
 def _bench_chat(args: argparse.Namespace) -> int:
     from kvtier.bench.chat import main
 
@@ -334,6 +346,8 @@ BENCHMARKS: list[Command] = [
      _h2d_args, _bench_h2d),
     ("chat", "multi-turn conversations at a steady rate against a vLLM server: TTFT, throughput, hit rate",
      _chat_args, _bench_chat),
+    ("chaos", "faults under load (store server, disk, PD) with real vLLM: no request lost, outputs equal",
+     _chaos_args, _bench_chaos),
 ]
 
 

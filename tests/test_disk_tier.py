@@ -160,31 +160,39 @@ def _crasher_keys():
 
 
 FAULTS = textwrap.dedent("""
-    import logging, subprocess, sys, numpy as np
+    import logging, subprocess, sys, time, numpy as np
     from kvtier.codec import Codec
     from kvtier.keys import KVFormat, chunk_spans
     from kvtier.tiers.disk import DiskTier
-    logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     root, mode = sys.argv[1], sys.argv[2]
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", root], check=True)
     fmt = KVFormat("m", "flash_attn", "bfloat16")
     ks = [s.key for s in chunk_spans(np.arange(16 * 40), fmt, 16, False)]
     data = memoryview(np.full(300_000, 3, np.uint8))
-    t = DiskTier(root, 1 << 30, Codec())  # believes it has 1 GiB; the file system has 1 MiB
+    # It believes it has 1 GiB; the file system has 1 MiB.
+    t = DiskTier(root, 1 << 30, Codec(), retry_s=0.5)
     assert t.put(ks[:2], [(data, 16)] * 2)
     if mode == "readonly":
         t.close()
         subprocess.run(["mount", "-o", "remount,ro", root], check=True)
-        t = DiskTier(root, 1 << 30, Codec())
+        t = DiskTier(root, 1 << 30, Codec(), retry_s=0.5)
     ok = t.put(ks[2:], [(data, 16)] * 38)
     out = memoryview(bytearray(len(data)))
     got = t.get_into(ks[:2], [out, memoryview(bytearray(len(data)))])
     print("RESULT", ok, t.writable, t.stats.write_errors >= 1, got, bytes(out[:3]), len(t) >= 2)
+    # Room again (a chunk deleted; remounted writable): within retry_s the tier writes again.
+    t.delete(ks[0] if mode == "full" else ks[39])
+    if mode == "readonly":
+        subprocess.run(["mount", "-o", "remount,rw", root], check=True)
+    before = t.put(ks[38:39], [(data, 16)])  # within retry_s of the last failure: not tried
+    time.sleep(0.6)
+    print("AGAIN", before, t.put(ks[39:40], [(data, 16)]), t.writable)
 """)
 
 
 @pytest.mark.parametrize("mode, cause", [("full", "the disk is full"), ("readonly", "read-only")])
-def test_a_full_or_read_only_disk_stops_writing_with_one_error_and_keeps_serving(tmp_path, mode, cause):
+def test_a_full_or_read_only_disk_stops_writing_with_one_error_keeps_serving_and_writes_again_after(tmp_path, mode, cause):
     if shutil.which("unshare") is None or shutil.which("mount") is None:
         pytest.skip("needs unshare and mount (util-linux)")
     root = tmp_path / "disk"
@@ -201,6 +209,8 @@ def test_a_full_or_read_only_disk_stops_writing_with_one_error_and_keeps_serving
     assert result == "RESULT False False True [16, 16] b'\\x03\\x03\\x03' True"
     errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and cause in errors[0] and "stops writing" in errors[0], done.stderr
+    assert next(line for line in done.stdout.splitlines() if line.startswith("AGAIN")) == "AGAIN False True True"
+    assert "writes again" in done.stderr
 
 
 def test_the_disk_benchmark_runs_and_checks_what_it_loads(tmp_path, capsys):

@@ -80,27 +80,75 @@ def completion(url, timeout=30):
     return httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4}, timeout=timeout)
 
 
-def test_a_prefiller_that_is_down_is_a_502_at_once():
+class Decoder:
+    """An HTTP node that answers every completion with 200 and keeps the bodies it got."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        bodies = self.bodies = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                answer = json.dumps({"choices": [{"text": "ok"}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_prefiller_that_is_down_costs_the_disaggregation_not_the_request():
+    decoder = Decoder()
+    try:
+        with proxy(free_port(), decoder.port, free_port(), free_port()) as url:
+            t0 = time.monotonic()
+            r = completion(url)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
+            assert time.monotonic() - t0 < 10
+            # The decoder got the client's request as it was: no KV to wait for.
+            assert decoder.bodies == [{"model": "m", "prompt": "hi", "max_tokens": 4}]
+            metrics = httpx.get(url + "/metrics").text
+            assert 'kvtier_proxy_upstream_errors_total{kind="unreachable",node="prefiller"} 1.0' in metrics
+            assert "kvtier_proxy_prefill_fallbacks_total 1.0" in metrics
+            assert httpx.get(url + "/health").status_code == 200
+    finally:
+        decoder.close()
+
+
+def test_prefiller_and_decoder_down_is_a_502_at_once():
     with proxy(free_port(), free_port(), free_port(), free_port()) as url:
         t0 = time.monotonic()
         r = completion(url)
-        assert r.status_code == 502 and "prefiller" in r.json()["error"]["message"]
+        assert r.status_code == 502 and "decoder" in r.json()["error"]["message"]
         assert time.monotonic() - t0 < 10
-        metrics = httpx.get(url + "/metrics").text
-        assert 'kvtier_proxy_upstream_errors_total{kind="unreachable",node="prefiller"} 1.0' in metrics
-        assert httpx.get(url + "/health").status_code == 200
 
 
-def test_a_prefiller_that_never_answers_is_a_504_after_the_timeout():
-    hung = HungPrefiller()
+def test_a_prefiller_that_never_answers_is_left_after_the_timeout():
+    hung, decoder = HungPrefiller(), Decoder()
     try:
-        with proxy(hung.port, free_port(), free_port(), free_port(), "--prefill-timeout", "1") as url:
+        with proxy(hung.port, decoder.port, free_port(), free_port(), "--prefill-timeout", "1") as url:
             t0 = time.monotonic()
             r = completion(url)
-            assert r.status_code == 504 and "--prefill-timeout" in r.json()["error"]["message"]
+            assert r.status_code == 200 and decoder.bodies[0].get("kv_transfer_params") is None
             assert 1 <= time.monotonic() - t0 < 10
+            assert 'kvtier_proxy_upstream_errors_total{kind="timeout",node="prefiller"} 1.0' in \
+                httpx.get(url + "/metrics").text
     finally:
         hung.close()
+        decoder.close()
 
 
 @pytest.mark.parametrize("how", ["client gives up", "prefill times out"])

@@ -4,10 +4,8 @@ on loopback. Once per transfer channel (tcp, and nixl where installed)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -17,71 +15,13 @@ import pytest
 import torch
 from test_pd import channels
 
-from kvtier.dev.demo import vllm_server
-from kvtier.dev.localservers import free_port, wait_for_port
+from kvtier.dev.pdcluster import on_gpu, pd_cluster, pd_dtype
 from kvtier.dev.tinymodel import corpus_text
 
 pytestmark = pytest.mark.vllm
-# On a GPU (scripts/gpu_vllm.sh): both servers share it, the decoder's buffer is GPU
-# memory the prefiller writes over CUDA IPC. On CPU: float32 (vLLM's CPU attention kernel
-# then keeps tokens one by one: hits need not end on a block boundary), CPU buffers.
-ON_GPU = torch.cuda.is_available()
-DTYPE = "bfloat16" if ON_GPU else "float32"
-BUFFER_DEVICE = "cuda" if ON_GPU else "cpu"
+ON_GPU = on_gpu()
+DTYPE = pd_dtype()
 SENT_LINE = re.compile(r"PD: sent KV of (\d+) tokens")
-
-
-def connector(role: str, rpc: str) -> dict:
-    return {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-            "kv_role": role, "kv_connector_extra_config": {"discard_partial_chunks": False, "lmcache_rpc_port": rpc}}
-
-
-class Cluster:
-    def __init__(self, prefiller, decoder, proxy_url, proxy_proc):
-        self.prefiller, self.decoder, self.url, self.proxy = prefiller, decoder, proxy_url, proxy_proc
-
-
-@contextlib.contextmanager
-def pd_cluster(tiny_model, tmp, channel: str, tp: int = 1):
-    """The guide's 1P1D on loopback: decoder, prefiller (each with `tp` ranks) and `kvtier proxy`."""
-    init, alloc, notify, port = free_port(), free_port(), free_port(), free_port()
-    # The guide's two config files (on CPU: the buffer in CPU RAM).
-    (tmp / "prefiller.yaml").write_text(
-        f'local_cpu: False\nenable_pd: True\ntransfer_channel: "{channel}"\npd_role: "sender"\n'
-        f'pd_proxy_host: "127.0.0.1"\npd_proxy_port: {notify}\npd_buffer_size: 67108864\npd_buffer_device: "{BUFFER_DEVICE}"\n'
-        "chunk_size: 256\nmax_local_cpu_size: 0.05\n")
-    (tmp / "decoder.yaml").write_text(
-        f'local_cpu: False\nenable_pd: True\ntransfer_channel: "{channel}"\npd_role: "receiver"\n'
-        f'pd_peer_host: "127.0.0.1"\npd_peer_init_port: {init}\npd_peer_alloc_port: {alloc}\n'
-        f'pd_buffer_size: 67108864\npd_buffer_device: "{BUFFER_DEVICE}"\nchunk_size: 256\nmax_local_cpu_size: 0.05\n')
-    env = {"UCX_TLS": "tcp,self,sm", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    args: list[str] = []
-    if tp > 1:  # decoder rank r listens on the init and alloc ports + r; the sender's rank r finds it there
-        args = ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % 2) for r in range(tp))
-    with vllm_server(tiny_model, tmp / "decoder", env={**env, "LMCACHE_CONFIG_FILE": str(tmp / "decoder.yaml")},
-                     kv_connector=connector("kv_consumer", "consumer1"), dtype=DTYPE, max_model_len=4096,
-                     extra_args=args) as dec, \
-         vllm_server(tiny_model, tmp / "prefiller", env={**env, "LMCACHE_CONFIG_FILE": str(tmp / "prefiller.yaml")},
-                     kv_connector=connector("kv_producer", "producer1"), dtype=DTYPE, max_model_len=4096,
-                     extra_args=args) as pre:
-        cmd = [sys.executable, "-m", "kvtier.cli", "proxy", "--host", "127.0.0.1", "--port", str(port),
-               "--prefiller-host", "127.0.0.1", "--prefiller-port", pre.url.rsplit(":", 1)[1],
-               "--num-prefillers", "1", "--decoder-host", "127.0.0.1", "--decoder-port", dec.url.rsplit(":", 1)[1],
-               "--decoder-init-port", str(init), "--decoder-alloc-port", str(alloc), "--proxy-host", "127.0.0.1",
-               "--proxy-port", str(notify), "--num-decoders", "1"]
-        log = open(tmp / "proxy.log", "wb")
-        proxy = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_for_port(port, 60, proxy)
-            yield Cluster(pre, dec, f"http://127.0.0.1:{port}", proxy)
-        finally:
-            proxy.send_signal(signal.SIGINT)
-            try:
-                proxy.wait(10)
-            except subprocess.TimeoutExpired:
-                proxy.kill()
-            log.close()
 
 
 @pytest.fixture(scope="module", params=["cuda_ipc"] if ON_GPU else channels())
@@ -167,11 +107,7 @@ def test_vllm_bench_serve_through_the_proxy_completes_every_request(cluster, tin
 
 def test_a_dead_decoder_is_a_clear_error_within_a_bound_and_the_prefiller_frees_its_side(cluster, tiny_model,
                                                                                           prompt):
-    if cluster.decoder.proc.poll() is None:
-        import os
-
-        os.killpg(cluster.decoder.proc.pid, signal.SIGKILL)
-        cluster.decoder.proc.wait(30)
+    cluster.decoder.kill()
     t0 = time.monotonic()
     r = httpx.post(cluster.url + "/v1/completions", timeout=120,
                    json={"model": str(tiny_model), "prompt": prompt[:800], "max_tokens": 4, "temperature": 0})

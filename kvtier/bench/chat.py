@@ -83,17 +83,19 @@ class Record:
     summary: dict = field(default_factory=dict)
 
 
-async def _request(session, url: str, model: str, prompt: list[int], w: Workload, r: Result, t0: float) -> None:
+async def request(session, url: str, model: str, prompt: list[int], max_tokens: int, r: Result, t0: float,
+                  timeout: float = 600) -> None:
+    """One streamed greedy completion; its figures (or its error) into `r`."""
     import aiohttp
 
-    body = {"model": model, "prompt": prompt, "max_tokens": w.max_tokens, "temperature": 0,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
             "return_token_ids": True}  # vLLM's: the ids, also where it has no tokenizer
     start = time.perf_counter()
     r.sent_s = start - t0
     try:
         async with session.post(f"{url}/v1/completions", json=body,
-                                timeout=aiohttp.ClientTimeout(total=600)) as resp:
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             if resp.status != 200:
                 r.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return
@@ -131,7 +133,7 @@ async def drive(url: str, model: str, w: Workload) -> list[Result]:
         r = Result(c, t, len(prompts[c][t]), 0.0)
         results.append(r)
         try:
-            await _request(session, url, model, prompts[c][t], w, r, t0)
+            await request(session, url, model, prompts[c][t], w.max_tokens, r, t0)
         finally:
             busy.discard(c)
             slots.release()

@@ -1,12 +1,15 @@
 """Plots as plain SVG (no plotting library on the GPU machine): points per series on
-linear axes, with ticks and a legend."""
+linear axes, with ticks and a legend; several panels may share one x axis, with
+shaded spans across all of them (faults in a timeline)."""
 
 from __future__ import annotations
 
 from html import escape
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
-W, H, LEFT, RIGHT, TOP, BOTTOM = 760, 420, 70, 170, 40, 50
+W, PANEL_H, LEFT, RIGHT, TOP, BOTTOM, GAP = 760, 330, 70, 170, 40, 50, 30
+
+Series = dict[str, list[tuple[float, float]]]
 
 
 def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
@@ -17,38 +20,59 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     return [first + k * step for k in range(int((hi - first) // step) + 1)]
 
 
-def scatter(series: dict[str, list[tuple[float, float]]], title: str, xlabel: str, ylabel: str) -> str:
+def scatter(series: Series, title: str, xlabel: str, ylabel: str) -> str:
     """An SVG document: each series' (x, y) points as dots, its own colour."""
-    pts = [p for s in series.values() for p in s] or [(0.0, 0.0)]
-    x0, x1 = min(0.0, min(x for x, _ in pts)), max(x for x, _ in pts) or 1.0
-    y0, y1 = 0.0, max(y for _, y in pts) * 1.05 or 1.0
-    pw, ph = W - LEFT - RIGHT, H - TOP - BOTTOM
+    return panels([(ylabel, series)], title, xlabel)
+
+
+def panels(stack: list[tuple[str, Series]], title: str, xlabel: str,
+           spans: list[tuple[float, float, str]] = ()) -> str:
+    """An SVG document of panels stacked over one x axis, each (y label, series); each
+    span (x0, x1, label) shaded across every panel and labelled above the first."""
+    pts = [p for _, series in stack for s in series.values() for p in s] or [(0.0, 0.0)]
+    xs = [x for x, _ in pts] + [x for s in spans for x in s[:2]]
+    x0, x1 = min(0.0, min(xs)), max(xs) or 1.0
+    ph = PANEL_H - TOP - BOTTOM
+    height = TOP + len(stack) * (ph + GAP) + BOTTOM
+    pw = W - LEFT - RIGHT
 
     def sx(x: float) -> float:
         return LEFT + (x - x0) / ((x1 - x0) or 1.0) * pw
 
-    def sy(y: float) -> float:
-        return TOP + ph - (y - y0) / ((y1 - y0) or 1.0) * ph
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" font-family="sans-serif" '
+           f'font-size="12"><rect width="{W}" height="{height}" fill="white"/>',
+           f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="15">{escape(title)}</text>']
+    bottom = TOP + len(stack) * (ph + GAP) - GAP
+    for a, b, label in spans:
+        out.append(f'<rect x="{sx(a):.1f}" y="{TOP}" width="{max(1.0, sx(b) - sx(a)):.1f}" height="{bottom - TOP}" '
+                   f'fill="#d62728" fill-opacity="0.08"/><text x="{sx(a) + 2:.1f}" y="{TOP - 4}" font-size="9" '
+                   f'transform="rotate(-20 {sx(a) + 2:.1f} {TOP - 4})">{escape(label)}</text>')
+    legend = 0
+    for i, (ylabel, series) in enumerate(stack):
+        top = TOP + i * (ph + GAP)
+        ys = [y for s in series.values() for _, y in s]
+        y1 = (max(ys) * 1.05 if ys else 0.0) or 1.0
 
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
-           f'font-size="12"><rect width="{W}" height="{H}" fill="white"/>',
-           f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="15">{escape(title)}</text>',
-           f'<rect x="{LEFT}" y="{TOP}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>']
+        def sy(y: float, top: float = top, y1: float = y1) -> float:
+            return top + ph - y / y1 * ph
+
+        out.append(f'<rect x="{LEFT}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
+        for t in _ticks(0.0, y1):
+            out.append(f'<line x1="{LEFT}" y1="{sy(t):.1f}" x2="{LEFT + pw}" y2="{sy(t):.1f}" stroke="#ddd"/>'
+                       f'<text x="{LEFT - 6}" y="{sy(t) + 4:.1f}" text-anchor="end">{t:g}</text>')
+        out.append(f'<text x="16" y="{top + ph / 2}" text-anchor="middle" '
+                   f'transform="rotate(-90 16 {top + ph / 2})">{escape(ylabel)}</text>')
+        for name, points in series.items():
+            color = COLORS[legend % len(COLORS)]
+            out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{color}" fill-opacity="0.75"/>'
+                    for x, y in points]
+            ly = TOP + 16 + 18 * legend
+            out.append(f'<circle cx="{W - RIGHT + 16}" cy="{ly - 4}" r="4" fill="{color}"/>'
+                       f'<text x="{W - RIGHT + 26}" y="{ly}">{escape(name)}</text>')
+            legend += 1
     for t in _ticks(x0, x1):
-        out.append(f'<line x1="{sx(t):.1f}" y1="{TOP + ph}" x2="{sx(t):.1f}" y2="{TOP + ph + 5}" stroke="#444"/>'
-                   f'<text x="{sx(t):.1f}" y="{TOP + ph + 18}" text-anchor="middle">{t:g}</text>')
-    for t in _ticks(y0, y1):
-        out.append(f'<line x1="{LEFT}" y1="{sy(t):.1f}" x2="{LEFT + pw}" y2="{sy(t):.1f}" stroke="#ddd"/>'
-                   f'<text x="{LEFT - 6}" y="{sy(t) + 4:.1f}" text-anchor="end">{t:g}</text>')
-    out.append(f'<text x="{LEFT + pw / 2}" y="{H - 10}" text-anchor="middle">{escape(xlabel)}</text>'
-               f'<text x="16" y="{TOP + ph / 2}" text-anchor="middle" '
-               f'transform="rotate(-90 16 {TOP + ph / 2})">{escape(ylabel)}</text>')
-    for k, (name, points) in enumerate(series.items()):
-        color = COLORS[k % len(COLORS)]
-        out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{color}" fill-opacity="0.75"/>'
-                for x, y in points]
-        ly = TOP + 16 + 18 * k
-        out.append(f'<circle cx="{W - RIGHT + 16}" cy="{ly - 4}" r="4" fill="{color}"/>'
-                   f'<text x="{W - RIGHT + 26}" y="{ly}">{escape(name)}</text>')
+        out.append(f'<line x1="{sx(t):.1f}" y1="{bottom}" x2="{sx(t):.1f}" y2="{bottom + 5}" stroke="#444"/>'
+                   f'<text x="{sx(t):.1f}" y="{bottom + 18}" text-anchor="middle">{t:g}</text>')
+    out.append(f'<text x="{LEFT + pw / 2}" y="{height - 10}" text-anchor="middle">{escape(xlabel)}</text>')
     out.append("</svg>")
     return "\n".join(out)

@@ -93,7 +93,7 @@ def run_server_bench(cfg: ServerBenchConfig, progress=print) -> dict:
         wait_for_port(port)
     os.environ.setdefault(TOKEN_ENV, secrets.token_hex(32))  # before the client processes start
     clients = Clients(max(cfg.conns))
-    result: dict = {"machine": _machine(), "date": time.strftime("%Y-%m-%d"), "config": cfg.__dict__,
+    result: dict = {"machine": host(), "date": time.strftime("%Y-%m-%d"), "config": cfg.__dict__,
                     "throughput": [], "latency": {}, "shm": {}, "serde": {}}
     try:
         # One kvtier server per kvtier target, as a node reaches its server by one
@@ -274,7 +274,8 @@ def _serde() -> dict:
     return out
 
 
-def _machine() -> str:
+def host() -> str:
+    """This machine in a record: architecture, CPUs, host name."""
     return f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.node()}"
 
 

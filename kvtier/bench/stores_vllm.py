@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.bench.server import host
+
 STORES = ("kvtier", "mooncake", "redis")
 FIGURES = re.compile(r"^(Successful requests|Failed requests|Median TTFT \(ms\)|Mean TTFT \(ms\)|"
                      r"P99 TTFT \(ms\)|Benchmark duration \(s\)):\s+([\d.]+)", re.M)
@@ -88,7 +90,7 @@ def _instance(model_dir: Path, workdir: Path, srv, work: Workload, text: str) ->
 def run(stores: tuple[str, ...], work: Workload, progress=print) -> dict:
     from kvtier.dev.tinymodel import corpus_text, make_tiny_llama
 
-    record: dict = {"date": time.strftime("%Y-%m-%d"), "machine": _machine(), "workload": work.__dict__,
+    record: dict = {"date": time.strftime("%Y-%m-%d"), "machine": host(), "workload": work.__dict__,
                     "stores": {}}
     text = corpus_text()[:6000]
     with tempfile.TemporaryDirectory(prefix="kvtier-stores-vllm-") as tmp:
@@ -121,13 +123,6 @@ def table(record: dict) -> str:
                     f"{b['Median TTFT (ms)']:.1f} / {b['Mean TTFT (ms)']:.1f} ms | {r['warm_vs_cold_median']:.2f} | "
                     f"{r['b_hit_tokens']} of {r['b_prompt_tokens']} | {r['failed']:.0f} | {r['same_tokens']} |")
     return "\n".join(rows)
-
-
-def _machine() -> str:
-    import os
-    import platform
-
-    return f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.node()}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,9 +35,29 @@ CONNECTOR = {
 
 @dataclass
 class Server:
+    """vLLM's OpenAI server as a process group; `kill` and `start` keep its port (fault runs)."""
+
     url: str
     log_path: Path
-    proc: subprocess.Popen
+    cmd: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 900) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        _wait_healthy(self, timeout)
+
+    def kill(self) -> None:
+        """SIGKILL to the API server and its engine core: no goodbye."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop(self.proc)
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -86,21 +106,20 @@ def vllm_server(
         cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)] + (["--enforce-eager"] if eager else [])
     cmd += list(extra_args)
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", **(env or {})}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                start_new_session=True)
-    server = Server(f"http://127.0.0.1:{port}", log_path, proc)
+    log_path.write_bytes(b"")
+    server = Server(f"http://127.0.0.1:{port}", log_path, cmd, full_env)
     try:
-        _wait_healthy(server, startup_timeout)
+        server.start(startup_timeout)
         yield server
     finally:
-        _stop(proc)
+        server.stop()
 
 
 def _wait_healthy(server: Server, timeout: float) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout
+    assert server.proc is not None
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
             raise RuntimeError(

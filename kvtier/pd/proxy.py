@@ -11,9 +11,11 @@ Per request (/v1/completions or /v1/chat/completions, streaming or not):
        its kvtier finds the prompt's KV as a hit; stream or return its answer
     5. Release the request's chunks on the decoder (done, failed or cancelled)
 
-Every wait is bounded: a node that is down answers 502 at once, one that is
-slow 504 after its timeout, and a missing PrefillDone only costs the decoder
-a recompute. Prefill TTFT statistics are printed every few seconds, as
+Every wait is bounded. A prefiller that is down, fails (5xx) or is slower
+than --prefill-timeout costs the request its disaggregation, not its answer:
+the decoder prefills it itself (counted in kvtier_proxy_prefill_fallbacks).
+A decoder that is down answers 502 at once, one that is slow 504 after its
+timeout, and a missing PrefillDone only costs the decoder a recompute. Prefill TTFT statistics are printed every few seconds, as
 LMCache's proxy does; /health and Prometheus /metrics are served.
 """
 
@@ -150,12 +152,20 @@ class Proxy:
         outcome = "error"
         try:
             t0 = time.perf_counter()
-            await self._prefill(prefiller, endpoint, body, req_id, decoder)
-            seconds = time.perf_counter() - t0
-            self.stats.add(seconds * 1e3)
-            self.metrics.prefill.observe(seconds)
-            await self._wait_kv(waiter, req_id)
             decode_body = dict(body, kv_transfer_params={"pd_req_id": req_id})
+            try:
+                await self._prefill(prefiller, endpoint, body, req_id, decoder)
+            except UpstreamError as exc:
+                if exc.status < 500:  # the request itself was refused: the decoder would refuse it too
+                    raise
+                self.metrics.prefill_fallbacks.inc()
+                log.warning("proxy: request %s: %s; the decoder prefills it itself", req_id, exc.message)
+                decode_body = body
+            else:
+                seconds = time.perf_counter() - t0
+                self.stats.add(seconds * 1e3)
+                self.metrics.prefill.observe(seconds)
+                await self._wait_kv(waiter, req_id)
             response = await self._decode(request, decoder, endpoint, decode_body)
             outcome = "ok"
             return response

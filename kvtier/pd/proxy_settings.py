@@ -118,4 +118,6 @@ class ProxyMetrics:
                                  registry=r, buckets=(.0001, .001, .01, .1, 1, 10, 30))
         self.kv_not_ready = Counter("kvtier_proxy_kv_not_ready", "requests decoded without their KV sent "
                                     "(the sender failed or said nothing in time)", registry=r)
+        self.prefill_fallbacks = Counter("kvtier_proxy_prefill_fallbacks", "requests the decoder prefilled "
+                                         "itself: the prefiller was down, broken or too slow", registry=r)
         self.inflight = Gauge("kvtier_proxy_inflight_requests", "requests in progress", registry=r)

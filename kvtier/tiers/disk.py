@@ -27,7 +27,9 @@ would disagree). A chunk leased by a lookup (`pin`) is never evicted.
 Faults: a file that fails its checks is a logged, counted miss and is
 removed. A write that fails (disk full, read-only, I/O error) is logged
 once with its cause; the tier then stops writing and keeps serving what it
-has, and kvtier goes on from CPU RAM and the remote tier.
+has, and kvtier goes on from CPU RAM and the remote tier. Every
+`retry_s` (WRITE_RETRY_S) one write is tried again: once one succeeds
+(room again, remounted writable) the tier writes again and says so.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import errno
 import fcntl
 import os
 import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -58,6 +61,7 @@ SUFFIX = ".kvc"
 # (the measurements that chose them: docs/benchmarks.md, "Figures behind constants").
 READ_THREADS = 4
 WRITE_THREADS = 2
+WRITE_RETRY_S = 10.0  # after a failed write, how long the tier writes nothing before it tries one
 
 
 @dataclass
@@ -80,10 +84,12 @@ def file_name(key: ChunkKey) -> str:
 class DiskTier:
     name = Tier.DISK
 
-    def __init__(self, root: Path, capacity: int, codec: Codec, policy: str = "LRU") -> None:
-        self.root, self.capacity, self.codec = Path(root), capacity, codec
+    def __init__(self, root: Path, capacity: int, codec: Codec, policy: str = "LRU",
+                 retry_s: float = WRITE_RETRY_S) -> None:
+        self.root, self.capacity, self.codec, self.retry_s = Path(root), capacity, codec, retry_s
         self.stats = DiskStats()
         self.writable = True
+        self._retry_at = 0.0  # while not writable: when one write is tried again
         self._lock = threading.Lock()
         self._index: dict[str, int] = {}  # file name -> bytes
         self._order: EvictionOrder[str] = EvictionOrder(policy)  # cache_policy (a restart keeps mtime order)
@@ -210,7 +216,7 @@ class DiskTier:
         return all(list(self._writers.map(self._write, keys, chunks)))
 
     def _write(self, key: ChunkKey, chunk: tuple[memoryview, int, int]) -> bool:
-        if not self.writable:
+        if not self._may_write():
             return False
         name = file_name(key)
         parts = self.codec.encode(*chunk)
@@ -232,7 +238,21 @@ class DiskTier:
             self._order.add(name)
             self.stats.puts += 1
             self.stats.bytes_written += size
+            again, self.writable = not self.writable, True
+        if again:
+            log.warning("disk tier: writing to %s works again; the disk tier writes again", self.root)
         return True
+
+    def _may_write(self) -> bool:
+        """Writable, or, once every `retry_s` while not, this write is the one that tries again."""
+        with self._lock:
+            if self.writable:
+                return True
+            now = time.monotonic()
+            if now < self._retry_at:
+                return False
+            self._retry_at = now + self.retry_s
+            return True
 
     def _reserve(self, name: str, size: int) -> bool:
         """Room for `size` bytes, evicting in `cache_policy` order; False if the chunk is there or can never fit."""
@@ -268,17 +288,19 @@ class DiskTier:
         return fits
 
     def _stop_writing(self, e: OSError) -> None:
-        """Logged once: later writes are not tried."""
+        """Logged once per outage; writes are tried again after `retry_s`."""
         with self._lock:
             self.stats.write_errors += 1
-            first = self.stats.write_errors == 1
+            first = self.writable or self.stats.write_errors == 1  # a read-only start is not writable yet
             self.writable = False
+            self._retry_at = max(self._retry_at, time.monotonic() + self.retry_s)
         if not first:
             return
         why = {errno.ENOSPC: "the disk is full", errno.EROFS: "the file system is read-only",
                errno.EACCES: "no permission", errno.EDQUOT: "the disk quota is used up"}.get(e.errno, e.strerror)
         log.error("disk tier: writing to %s failed: %s (%s). The disk tier stops writing; it keeps serving the "
-                  "%d chunks it has, and kvtier goes on from CPU RAM", self.root, why, e, len(self._index))
+                  "%d chunks it has, and kvtier goes on from CPU RAM; it tries again in %g s", self.root, why, e,
+                  len(self._index), self.retry_s)
 
     # -- leases and housekeeping -------------------------------------------------------
 
@@ -303,7 +325,7 @@ class DiskTier:
             self._order.discard(name)
             if size is not None:
                 self._used -= size
-        if unlink and size is not None and self.writable:
+        if unlink and size is not None:  # also while not writable: a full disk gets room back
             _unlink(self.root / name)
         return size is not None
 

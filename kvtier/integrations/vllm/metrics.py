@@ -10,7 +10,7 @@ deltas, gauges as current values); vLLM aggregates them and hands the dict to
     kvtier_store_seconds_total, kvtier_load_seconds_total, kvtier_store_gbps, kvtier_load_gbps
     kvtier_evictions_total{tier}, kvtier_dropped_writes_total{tier}, kvtier_skipped_store_tokens_total,
     kvtier_load_failure_tokens_total, kvtier_pool_used_bytes, kvtier_pool_capacity_bytes,
-    kvtier_write_queue_depth
+    kvtier_write_queue_depth, kvtier_longest_{lookup,step_wait,background_load}_seconds
 
 Keys of the data dict are the metric names without `kvtier_` and `_total`;
 a per-tier one is `name:tier`.
@@ -47,6 +47,11 @@ GAUGES = {
     "pool_used_bytes": "bytes of the CPU pool holding chunks",
     "pool_capacity_bytes": "bytes of the CPU pool",
     "write_queue_depth": "chunks waiting for the disk and remote writers",
+    # the longest waits on kvtier since the start (bounded by its timeouts: docs/configuration.md)
+    "longest_lookup_seconds": "the longest scheduler lookup (a request waits on it before it is scheduled)",
+    "longest_step_wait_seconds": "the longest time one engine step spent in kvtier (loads, stores) "
+                                 "besides its forward",
+    "longest_background_load_seconds": "the longest load from disk/remote a request waited on",
 }
 
 

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable
 
@@ -53,6 +54,7 @@ class SchedulerSide:
         self._held: set[str] = set()  # looked up with a hit, load not planned yet
         self._async_loads: list[str] = []  # async loads planned, to send with the next metadata
         self._counts = {"lookups": 0, "lookup_tokens": 0, "hit_tokens": 0}  # since the last stats
+        self._longest_lookup = 0.0  # s, since the start
         self._kv_events: list[KVCacheEvent] = []  # from the workers, until vLLM publishes them
         self._live: dict[str, Request] = {}  # save_decode_cache: requests whose decoded tokens are stored too
 
@@ -61,7 +63,9 @@ class SchedulerSide:
         self.pd.looked_up(rid, request.kv_transfer_params)
         if not self.can_load or not prompt:
             return 0, False
+        t0 = time.perf_counter()
         stored, in_cpu = self.lookup.lookup(prompt, rid, num_computed_tokens)
+        self._longest_lookup = max(self._longest_lookup, time.perf_counter() - t0)
         hit = self.shape.usable(stored, len(prompt))
         need = max(0, hit - num_computed_tokens)
         background = need > 0 and in_cpu < hit
@@ -162,7 +166,9 @@ class SchedulerSide:
 
     def stats(self) -> KvtierStats | None:
         counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)
-        return KvtierStats(counts) if any(counts.values()) else None
+        if not any(counts.values()):
+            return None
+        return KvtierStats({**counts, "longest_lookup_seconds": self._longest_lookup})
 
     def add_events(self, events: object) -> None:
         if isinstance(events, KvtierKVEvents):

@@ -11,6 +11,7 @@ or in the background), stores, and the load failures vLLM recomputes.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
 
@@ -50,6 +51,8 @@ class WorkerSide:
         self._background: dict[str, tuple[TransferSpec, Future]] = {}
         self._failed_tokens = 0  # promised tokens that could not be loaded
         self._reported: dict[str, float] = {}  # counters as last reported to vLLM
+        self._step_wait = 0.0  # s this step has spent in kvtier so far (besides the forward)
+        self._longest = {"longest_step_wait_seconds": 0.0, "longest_background_load_seconds": 0.0}
 
     def register_kv_caches(self, vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import (
@@ -87,6 +90,7 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KvtierMetadata) -> None:
         assert self.engine is not None
+        t0 = time.perf_counter()
         for spec in meta.loads:
             if spec.background:
                 log.info("request %s: loading %d tokens from disk/remote in the background",
@@ -98,14 +102,20 @@ class WorkerSide:
             load = self.engine.start_retrieve(spec.token_ids, spec.slots(self.shape.block_size), start=spec.start,
                                               request_id=spec.req_id, layerwise=self.config.use_layerwise)
             self._loads.append((load, spec))
+        self._step_wait += time.perf_counter() - t0
 
     def _load(self, spec: TransferSpec) -> int:
         assert self.engine is not None
+        t0 = time.perf_counter()
         try:
             return int(self.engine.retrieve(spec.token_ids, spec.slots(self.shape.block_size), start=spec.start,
                                             request_id=spec.req_id).sum())
         finally:
             self.pd.loaded(spec.pd_req_id)
+            self._note_longest("longest_background_load_seconds", time.perf_counter() - t0)
+
+    def _note_longest(self, name: str, seconds: float) -> None:
+        self._longest[name] = max(self._longest[name], seconds)
 
     def _check_loaded(self, spec: TransferSpec, loaded: int) -> None:
         """Blocks a load did not fill are reported: vLLM recomputes them."""
@@ -135,14 +145,17 @@ class WorkerSide:
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self._layer_index.get(layer_name)
-        if index is not None:
+        if index is not None and self._loads:
+            t0 = time.perf_counter()
             for load, _ in self._loads:
                 load.wait(index)
+            self._step_wait += time.perf_counter() - t0
 
     def save_kv_layer(self, meta: Callable[[], KvtierMetadata], layer_name: str) -> None:
         index = self._layer_index.get(layer_name)
         if not self.config.use_layerwise or index is None:
             return
+        t0 = time.perf_counter()
         if self._stores is None:  # the step's first layer: decide what to store, allocate its blocks
             assert self.engine is not None
             self._stores = [self.engine.start_store(spec.token_ids, spec.slots(self.shape.block_size),
@@ -150,11 +163,13 @@ class WorkerSide:
                             for spec in meta().saves]
         for store in self._stores:
             store.save(index)
+        self._step_wait += time.perf_counter() - t0
 
     def wait_for_save(self, meta: KvtierMetadata) -> None:
         # vLLM calls this after every step's forward, also one that raised: a
         # layerwise store that missed a layer is dropped then (Storing.finish).
         assert self.engine is not None
+        t0 = time.perf_counter()
         loads, self._loads = self._loads, []
         for load, spec in loads:
             load.finish()  # its mask is final now (a lent chunk may fail its check after its layers were read)
@@ -170,6 +185,8 @@ class WorkerSide:
                                   start=spec.start, request_id=spec.req_id)
         for spec in meta.saves:
             self.pd.send(spec, self.shape.block_size)
+        self._note_longest("longest_step_wait_seconds", self._step_wait + time.perf_counter() - t0)
+        self._step_wait = 0.0
 
     def stats(self) -> KvtierStats | None:
         if self.engine is None:
@@ -186,6 +203,7 @@ class WorkerSide:
         here = "pd" if self.pd.buffer is not None else "cpu"  # a PD receiver's CPU tier is its buffer
         out = {_tier_named(k, here): v for k, v in self.engine.metrics().items()}
         out["load_failure_tokens"] = self._failed_tokens
+        out.update(self._longest)
         if self.pd.sender is not None:
             out["stored_tokens:pd"] = self.pd.sender.stats.sent_tokens
             out["stored_bytes:pd"] = self.pd.sender.stats.sent_bytes

@@ -1,0 +1,94 @@
+"""LMCache's disaggregated-prefill guide (1P1D) on loopback: a decoder and a prefiller
+(vLLM's OpenAI server with kvtier, as the guide configures them) and `kvtier proxy`.
+
+    with pd_cluster(model_dir, workdir, "tcp") as c:
+        c.url          the proxy: send requests here
+        c.prefiller    demo.Server (kill/start keep its port)
+        c.decoder      demo.Server; its init and alloc ports are in its config, so a
+                       restarted decoder is found where it was
+
+On a GPU both servers share it and the decoder's buffer is GPU memory; on CPU
+the model runs in float32 (vLLM's CPU attention then keeps tokens one by one,
+so hits need not end on a block boundary) with CPU buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from kvtier.dev.cpu_dtype import model_dtype
+from kvtier.dev.demo import Server, vllm_server
+from kvtier.dev.localservers import free_port, wait_for_port
+
+
+def on_gpu() -> bool:
+    return model_dtype().device == "cuda"
+
+
+def pd_dtype() -> str:
+    return "bfloat16" if on_gpu() else "float32"
+
+
+def connector(role: str, rpc: str) -> dict:
+    return {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": role, "kv_connector_extra_config": {"discard_partial_chunks": False, "lmcache_rpc_port": rpc}}
+
+
+@dataclass
+class Cluster:
+    prefiller: Server
+    decoder: Server
+    url: str  # the proxy's
+    proxy: subprocess.Popen
+
+
+@contextlib.contextmanager
+def pd_cluster(model_dir: Path, tmp: Path, channel: str, tp: int = 1, env: dict[str, str] | None = None
+               ) -> Iterator[Cluster]:
+    """The guide's 1P1D: decoder, prefiller (each with `tp` ranks) and `kvtier proxy`."""
+    init, alloc, notify, port = free_port(), free_port(), free_port(), free_port()
+    device = "cuda" if on_gpu() else "cpu"
+    tmp.mkdir(parents=True, exist_ok=True)
+    # The guide's two config files (on CPU: the buffer in CPU RAM).
+    (tmp / "prefiller.yaml").write_text(
+        f'local_cpu: False\nenable_pd: True\ntransfer_channel: "{channel}"\npd_role: "sender"\n'
+        f'pd_proxy_host: "127.0.0.1"\npd_proxy_port: {notify}\npd_buffer_size: 67108864\npd_buffer_device: "{device}"\n'
+        "chunk_size: 256\nmax_local_cpu_size: 0.05\n")
+    (tmp / "decoder.yaml").write_text(
+        f'local_cpu: False\nenable_pd: True\ntransfer_channel: "{channel}"\npd_role: "receiver"\n'
+        f'pd_peer_host: "127.0.0.1"\npd_peer_init_port: {init}\npd_peer_alloc_port: {alloc}\n'
+        f'pd_buffer_size: 67108864\npd_buffer_device: "{device}"\nchunk_size: 256\nmax_local_cpu_size: 0.05\n')
+    env = {"UCX_TLS": "tcp,self,sm", "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    args: list[str] = []
+    if tp > 1:  # decoder rank r listens on the init and alloc ports + r; the sender's rank r finds it there
+        args = ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % 2) for r in range(tp))
+    with vllm_server(model_dir, tmp / "decoder", env={**env, "LMCACHE_CONFIG_FILE": str(tmp / "decoder.yaml")},
+                     kv_connector=connector("kv_consumer", "consumer1"), dtype=pd_dtype(), max_model_len=4096,
+                     extra_args=args) as dec, \
+         vllm_server(model_dir, tmp / "prefiller", env={**env, "LMCACHE_CONFIG_FILE": str(tmp / "prefiller.yaml")},
+                     kv_connector=connector("kv_producer", "producer1"), dtype=pd_dtype(), max_model_len=4096,
+                     extra_args=args) as pre:
+        cmd = [sys.executable, "-m", "kvtier.cli", "proxy", "--host", "127.0.0.1", "--port", str(port),
+               "--prefiller-host", "127.0.0.1", "--prefiller-port", pre.url.rsplit(":", 1)[1],
+               "--num-prefillers", "1", "--decoder-host", "127.0.0.1", "--decoder-port", dec.url.rsplit(":", 1)[1],
+               "--decoder-init-port", str(init), "--decoder-alloc-port", str(alloc), "--proxy-host", "127.0.0.1",
+               "--proxy-port", str(notify), "--num-decoders", "1"]
+        with open(tmp / "proxy.log", "wb") as log:
+            proxy = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_for_port(port, 60, proxy)
+            yield Cluster(pre, dec, f"http://127.0.0.1:{port}", proxy)
+        finally:
+            proxy.send_signal(signal.SIGINT)
+            try:
+                proxy.wait(10)
+            except subprocess.TimeoutExpired:
+                proxy.kill()
+                proxy.wait()

@@ -1,0 +1,46 @@
+"""`kvtier bench chaos --short` in CI: real vLLM (CPU build) with kvtier on CPU, disk and
+a `kvtier server`, then a PD cluster with `kvtier proxy`, under a steady load while
+every fault passes once (kvtier/bench/chaos_faults.py). The promise: no request lost
+(but the proxy's 502 while the decoder is dead), greedy outputs equal to plain
+vLLM's, memory and open files flat, no wait on kvtier past its timeouts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.bench.chaos_faults import DISK_FAULTS, PD_FAULTS, STORE_FAULTS, private_mounts_available
+
+pytestmark = pytest.mark.vllm
+
+
+def test_every_fault_under_load_costs_no_request_and_no_wrong_token(tmp_path):
+    why = private_mounts_available()
+    if why:
+        pytest.skip(why)
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "chaos", "--short", "--out", str(out),
+                           "--model-dir", str(tmp_path / "model"), "--work", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=1500)
+    record = json.loads((out / "chaos.json").read_text()) if (out / "chaos.json").exists() else None
+    assert record is not None, done.stdout[-3000:] + done.stderr[-5000:]
+    assert record["violations"] == [] and done.returncode == 0, (record["violations"], done.stdout[-4000:])
+    phases = {ph["phase"]: ph for part in record["parts"].values() for ph in part["phases"]}
+    for fault in (*STORE_FAULTS, *DISK_FAULTS, *PD_FAULTS):
+        assert fault in phases and f"after {fault}" in phases
+    for name, ph in phases.items():  # the load ran through every phase, and answers came in each
+        assert ph["sent"] >= 3 and ph["succeeded"] >= (0 if name == "decoder-killed" else 3), (name, ph)
+    # While the decoder was dead the proxy answered (502 at once); the prefiller's death cost nothing.
+    assert phases["decoder-killed"]["failed"] >= 1
+    assert phases["prefiller-killed"]["failed"] == 0 and phases["prefiller-killed"]["succeeded"] >= 3
+    for part in record["parts"].values():
+        outputs = part["outputs"]
+        assert outputs["compared"] >= len(part["phases"]) and outputs["equal"] == outputs["compared"]
+        assert all(n >= 1 for n in outputs["per_phase"].values()), outputs["per_phase"]
+    tiers = record["parts"]["tiers"]
+    assert tiers["phases"][0]["hit_rate"] > 0.5  # the workload reuses: most prompt tokens are kvtier hits
+    assert tiers["recovery"]["store-killed"]["stores_remotely_again_s"] is not None
+    assert (out / "chaos-tiers.svg").read_text().startswith("<svg")
