@@ -5,7 +5,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
-.venv/bin/python -m pytest -p no:cacheprovider -ra "$@" tests
+.venv/bin/python -m pytest -p no:cacheprovider -ra --durations=40 "$@" tests
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
 [ "$rc" -ne 0 ] || [ "${SMOKE:-1}" = 0 ] && exit "$rc"

@@ -53,6 +53,9 @@ from kvtier.bench.server import host
 DTYPE = "float32"
 DISK_MB = 256  # the tmpfs; kvtier's disk tier is told it has 150 MB of it
 WINDOW_S = 5.0  # of the timeline's rates
+# vLLM's CPU build compiles its forward at start (about 30 s here); the faults do not
+# depend on it, and five vLLM starts (two of them restarts under load) do.
+EAGER = ["--enforce-eager"]
 
 
 def tiers_part(cfg: ChaosConfig, model_dir: Path, work: Path, names: list[str]) -> Run:
@@ -66,7 +69,8 @@ def tiers_part(cfg: ChaosConfig, model_dir: Path, work: Path, names: list[str]) 
                "LMCACHE_LOCAL_DISK": f"file://{disk}", "LMCACHE_MAX_LOCAL_DISK_SIZE": "0.15",
                "LMCACHE_REMOTE_URL": store.url, "LMCACHE_BLOCKING_TIMEOUT_SECS": str(cfg.blocking_timeout_secs),
                "KVTIER_LOOKUP_TIMEOUT_MS": str(LOOKUP_TIMEOUT_MS)}
-        with vllm_server(model_dir, work / "vllm", env=env, dtype=DTYPE, max_model_len=4096) as srv:
+        with vllm_server(model_dir, work / "vllm", env=env, dtype=DTYPE, max_model_len=4096,
+                         extra_args=EAGER) as srv:
             faults: dict[str, cf.Fault] = {
                 "store-killed": cf.StoreKilled(store), "store-stopped": cf.StoreStopped(store),
                 "disk-full": cf.DiskFull(disk), "chunks-corrupted": cf.ChunksCorrupted(disk, cfg.seed),
@@ -81,13 +85,14 @@ def tiers_part(cfg: ChaosConfig, model_dir: Path, work: Path, names: list[str]) 
 def pd_part(cfg: ChaosConfig, model_dir: Path, work: Path, names: list[str]) -> Run:
     from kvtier.dev.pdcluster import pd_cluster
 
-    with pd_cluster(model_dir, work, "tcp") as c:
+    with pd_cluster(model_dir, work, "tcp", split_cores=True, extra_args=EAGER) as c:
         faults: dict[str, cf.Fault] = {"decoder-killed": cf.NodeKilled(c.decoder, "decoder-killed"),
                                        "prefiller-killed": cf.NodeKilled(c.prefiller, "prefiller-killed",
                                                                      lambda: cf.proxy_busy(c.url))}
         watched = cf.Watched({"prefiller": lambda: c.prefiller.proc.pid, "decoder": lambda: c.decoder.proc.pid,
                               "proxy": lambda: c.proxy.pid, "harness": os.getpid})
         run = Run(cfg, c.url, str(model_dir), [c.url, c.decoder.url], watched)
+        run.rate = cfg.pd_rate
         asyncio.run(run.go([faults[n] for n in names]))
     return run
 
@@ -122,7 +127,8 @@ def replay(cfg: ChaosConfig, model_dir: Path, work: Path, runs: dict[str, Run]) 
                                   cfg.max_tokens, p, time.perf_counter(), cfg.request_timeout_s)
                     plain[name].append(p)
 
-    with vllm_server(model_dir, work / "plain", kv_connector=None, dtype=DTYPE, max_model_len=4096) as srv:
+    with vllm_server(model_dir, work / "plain", kv_connector=None, dtype=DTYPE, max_model_len=4096,
+                     extra_args=EAGER) as srv:
         asyncio.run(go(srv.url))
     out = {}
     for name, rs in samples.items():
@@ -134,12 +140,13 @@ def replay(cfg: ChaosConfig, model_dir: Path, work: Path, runs: dict[str, Run]) 
 
 
 def part_record(name: str, run: Run, outputs: dict) -> dict:
-    base = [r.ttft_s * 1e3 for r in run.results if r.phase == run.phases[0].name and r.ttft_s and not r.error]
+    base = [r.ttft_s * 1e3 for r in run.results if r.phase == "no fault" and r.ttft_s and not r.error]
     phases = [phase_figures(run, ph, base) for ph in run.phases]
+    no_fault = next(p for p in phases if p["phase"] == "no fault")
     roles = list(run.watched.pids)
     rec = {"name": name, "phases": phases, "outputs": outputs,
            "growth": growth(run.phases[0].usage_end, run.phases[-1].usage_end, roles),
-           "recovery": {f: recovery(run, f, phases[0]["hit_rate"]) for f in ("store-killed", "store-stopped")
+           "recovery": {f: recovery(run, f, no_fault["hit_rate"]) for f in ("store-killed", "store-stopped")
                         if any(p.fault == f for p in run.phases)},
            "requests": [{"i": r.index, "phase": r.phase, "sent_s": round(r.sent_s, 3),
                          "ttft_s": r.ttft_s and round(r.ttft_s, 4), "latency_s": r.latency_s and round(r.latency_s, 4),

@@ -99,7 +99,15 @@ class DiskReadOnly:
     name: str = "disk-read-only"
 
     def inject(self) -> None:
-        subprocess.run(["mount", "-o", "remount,ro", str(self.root)], check=True)
+        """Remounted read-only between two writes (a write in flight makes the mount busy)."""
+        deadline = time.monotonic() + 30
+        while True:
+            done = subprocess.run(["mount", "-o", "remount,ro", str(self.root)], capture_output=True, text=True)
+            if done.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cannot remount {self.root} read-only: {done.stderr.strip()}")
+            time.sleep(0.005)
 
     def clear(self) -> None:
         subprocess.run(["mount", "-o", "remount,rw", str(self.root)], check=True)

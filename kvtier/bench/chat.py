@@ -104,17 +104,21 @@ async def request(session, url: str, model: str, prompt: list[int], max_tokens: 
                 if not text.startswith("data: ") or text == "data: [DONE]":
                     continue
                 chunk = json.loads(text[6:])
+                if chunk.get("error"):  # a failure after the stream began (a proxy's upstream died)
+                    r.error = f"in the stream: {json.dumps(chunk['error'])[:200]}"
+                    return
                 if chunk.get("choices"):
                     if r.ttft_s is None:
                         r.ttft_s = time.perf_counter() - start
                     r.output_ids += chunk["choices"][0].get("token_ids") or []
                 if chunk.get("usage"):
                     r.output_tokens = chunk["usage"]["completion_tokens"]
-        r.latency_s = time.perf_counter() - start
         if r.ttft_s is None:
             r.error = "no token streamed"
     except Exception as exc:  # noqa: BLE001 - any failure of a request is the figure
         r.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        r.latency_s = time.perf_counter() - start  # also of a failure: how long it took to fail
 
 
 async def drive(url: str, model: str, w: Workload) -> list[Result]:

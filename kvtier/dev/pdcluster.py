@@ -20,7 +20,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from kvtier.dev.cpu_dtype import model_dtype
 from kvtier.dev.demo import Server, vllm_server
@@ -49,9 +49,11 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def pd_cluster(model_dir: Path, tmp: Path, channel: str, tp: int = 1, env: dict[str, str] | None = None
-               ) -> Iterator[Cluster]:
-    """The guide's 1P1D: decoder, prefiller (each with `tp` ranks) and `kvtier proxy`."""
+def pd_cluster(model_dir: Path, tmp: Path, channel: str, tp: int = 1, env: dict[str, str] | None = None,
+               split_cores: bool = False, extra_args: Sequence[str] = ()) -> Iterator[Cluster]:
+    """The guide's 1P1D: decoder, prefiller (each with `tp` ranks) and `kvtier proxy`.
+    `split_cores` (CPU, tp 1): the decoder's OpenMP threads on core 0, the prefiller's on
+    core 1, so that one starting up is not starved by the other's spinning threads."""
     init, alloc, notify, port = free_port(), free_port(), free_port(), free_port()
     device = "cuda" if on_gpu() else "cpu"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -65,14 +67,19 @@ def pd_cluster(model_dir: Path, tmp: Path, channel: str, tp: int = 1, env: dict[
         f'pd_peer_host: "127.0.0.1"\npd_peer_init_port: {init}\npd_peer_alloc_port: {alloc}\n'
         f'pd_buffer_size: 67108864\npd_buffer_device: "{device}"\nchunk_size: 256\nmax_local_cpu_size: 0.05\n')
     env = {"UCX_TLS": "tcp,self,sm", "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
-    args: list[str] = []
+    args = list(extra_args)
     if tp > 1:  # decoder rank r listens on the init and alloc ports + r; the sender's rank r finds it there
-        args = ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
+        args += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % 2) for r in range(tp))
-    with vllm_server(model_dir, tmp / "decoder", env={**env, "LMCACHE_CONFIG_FILE": str(tmp / "decoder.yaml")},
+    cores = {"decoder": {}, "prefiller": {}}
+    if split_cores and tp == 1 and not on_gpu():
+        cores = {"decoder": {"VLLM_CPU_OMP_THREADS_BIND": "0"}, "prefiller": {"VLLM_CPU_OMP_THREADS_BIND": "1"}}
+    with vllm_server(model_dir, tmp / "decoder", env={**env, **cores["decoder"],
+                                                      "LMCACHE_CONFIG_FILE": str(tmp / "decoder.yaml")},
                      kv_connector=connector("kv_consumer", "consumer1"), dtype=pd_dtype(), max_model_len=4096,
                      extra_args=args) as dec, \
-         vllm_server(model_dir, tmp / "prefiller", env={**env, "LMCACHE_CONFIG_FILE": str(tmp / "prefiller.yaml")},
+         vllm_server(model_dir, tmp / "prefiller", env={**env, **cores["prefiller"],
+                                                        "LMCACHE_CONFIG_FILE": str(tmp / "prefiller.yaml")},
                      kv_connector=connector("kv_producer", "producer1"), dtype=pd_dtype(), max_model_len=4096,
                      extra_args=args) as pre:
         cmd = [sys.executable, "-m", "kvtier.cli", "proxy", "--host", "127.0.0.1", "--port", str(port),

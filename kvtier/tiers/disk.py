@@ -111,11 +111,13 @@ class DiskTier:
     # -- start -------------------------------------------------------------------------
 
     def _take_lock(self) -> tuple[int, OSError | None]:
-        """The directory's flock, and why it cannot be written (None if it can)."""
+        """The directory's flock, and why it cannot be written (None if it can). The lock is
+        held on a read-only descriptor: no file stays open for writing between writes, so
+        an administrator can remount the file system read-only under a running tier."""
         path = self.root / ".lock"
         cause = None
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
         except OSError as e:  # read-only directory: serve what is there, write nothing
             fd = os.open(path, os.O_RDONLY) if path.exists() else os.open(self.root, os.O_RDONLY)
             cause, self.writable = e, False
@@ -126,8 +128,10 @@ class DiskTier:
             os.close(fd)
             raise DiskTierInUse(self.root, holder) from None
         if cause is None:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            try:
+                path.write_text(f"{os.getpid()}\n")  # who holds it, for the next one's error
+            except OSError as e:
+                cause, self.writable = e, False
         return fd, cause
 
     def _rebuild(self) -> None:
