@@ -32,10 +32,10 @@ def test_every_fault_under_load_costs_no_request_and_no_wrong_token(tmp_path):
     for fault in (*STORE_FAULTS, *DISK_FAULTS, *PD_FAULTS):
         assert fault in phases and f"after {fault}" in phases
     for name, ph in phases.items():  # the load ran through every phase, and answers came in each
-        assert ph["sent"] >= 3 and ph["succeeded"] >= (0 if name == "decoder-killed" else 3), (name, ph)
+        assert ph["sent"] >= 2 and ph["succeeded"] >= (0 if name == "decoder-killed" else 2), (name, ph)
     # While the decoder was dead the proxy answered (502 at once); the prefiller's death cost nothing.
     assert phases["decoder-killed"]["failed"] >= 1
-    assert phases["prefiller-killed"]["failed"] == 0 and phases["prefiller-killed"]["succeeded"] >= 3
+    assert phases["prefiller-killed"]["failed"] == 0 and phases["prefiller-killed"]["succeeded"] >= 2
     for part in record["parts"].values():
         outputs = part["outputs"]
         assert outputs["compared"] >= len(part["phases"]) and outputs["equal"] == outputs["compared"]

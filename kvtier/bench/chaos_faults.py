@@ -99,7 +99,9 @@ class DiskReadOnly:
     name: str = "disk-read-only"
 
     def inject(self) -> None:
-        """Remounted read-only between two writes (a write in flight makes the mount busy)."""
+        """Remounted read-only between two writes (a write in flight makes the mount busy).
+        Tried every 50 ms: a tighter loop of `mount` processes takes a core from vLLM, whose
+        OpenMP threads then crawl, writes last longer and the mount stays busy."""
         deadline = time.monotonic() + 30
         while True:
             done = subprocess.run(["mount", "-o", "remount,ro", str(self.root)], capture_output=True, text=True)
@@ -107,7 +109,7 @@ class DiskReadOnly:
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"cannot remount {self.root} read-only: {done.stderr.strip()}")
-            time.sleep(0.005)
+            time.sleep(0.05)
 
     def clear(self) -> None:
         subprocess.run(["mount", "-o", "remount,rw", str(self.root)], check=True)

@@ -62,7 +62,7 @@ class ChaosConfig:
         return max(LOOKUP_TIMEOUT_MS / 1000, 2 * self.blocking_timeout_secs) + 1.0
 
 
-SHORT = dict(phase_s=12.0, sample_per_phase=4)
+SHORT = dict(phase_s=8.0, sample_per_phase=4)
 
 
 # -- the prompts -----------------------------------------------------------------------------
@@ -118,6 +118,7 @@ class Phase:
     name: str
     fault: str | None
     start_s: float = 0.0
+    injected_s: float = 0.0  # the fault in place
     cleared_s: float = 0.0  # the fault's clearing done (the phase's end)
     usage_start: dict = field(default_factory=dict)
     usage_end: dict = field(default_factory=dict)
@@ -162,6 +163,7 @@ class Run:
         phase.usage_start = await asyncio.to_thread(self.watched.snapshot)
         if fault is not None:
             await asyncio.to_thread(fault.inject)
+        phase.injected_s = self.now()
         await asyncio.sleep(max(0.0, phase.start_s + (seconds or self.cfg.phase_s) - self.now()))
         if fault is not None:
             await asyncio.to_thread(fault.clear)
@@ -271,6 +273,7 @@ def phase_figures(run: Run, phase: Phase, base_ttft: list[float]) -> dict:
     return {
         "phase": phase.name, "fault": phase.fault, "start_s": round(phase.start_s, 2),
         "seconds": round(phase.cleared_s - phase.start_s, 2),
+        "inject_s": round(phase.injected_s - phase.start_s, 2),
         "sent": len(rs), "succeeded": len(ok), "failed": sum(bool(r.error) for r in ended), "errors": errors,
         "slowest_failure_s": max((r.latency_s or r.ttft_s or 0.0 for r in ended if r.error), default=None),
         "ttft_p50_ms": p50, "ttft_p99_ms": p99,
