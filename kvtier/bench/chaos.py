@@ -13,11 +13,12 @@ Each part runs its phases under load (chaos_load.py: the client, the
 figures, the promise) with its faults (chaos_faults.py). Then a plain vLLM
 (no kvtier) replays a sample of each phase's requests, and their greedy
 outputs are compared. Written: `<out>/chaos.json` (the record, its
-`violations` empty when the promise held), `<out>/chaos-<part>.svg` (the
+`violations` empty when the promise held), `<out>/chaos-requests.jsonl` (every
+request: phase, sent at, TTFT, latency, error), `<out>/chaos-<part>.svg` (the
 timelines), a table on stdout. The exit status is 1 if a violation was found.
 
-    kvtier bench chaos --short          every fault once, 12 s phases (CI)
-    kvtier bench chaos --phase-s 90     about 30 minutes
+    kvtier bench chaos --short          every fault once, 8 s phases (CI)
+    kvtier bench chaos --phase-s 75     about 30 minutes
 """
 
 from __future__ import annotations
@@ -207,7 +208,12 @@ def run_chaos(cfg: ChaosConfig, out: Path, model_dir: Path, work: Path) -> dict:
               "parts": {name: part_record(name, run, outputs[name]) for name, run in runs.items()}}
     record["violations"] = violations(record, cfg)
     out.mkdir(parents=True, exist_ok=True)
+    requests = {name: part.pop("requests") for name, part in record["parts"].items()}
     (out / "chaos.json").write_text(json.dumps(record, indent=1) + "\n")
+    with open(out / "chaos-requests.jsonl", "w") as f:  # one line per request: the record stays readable
+        for name, rs in requests.items():
+            for r in rs:
+                f.write(json.dumps({"part": name, **r}) + "\n")
     for name, run in runs.items():
         (out / f"chaos-{name}.svg").write_text(timeline(run, f"kvtier bench chaos: {name}, {host()}, "
                                                              f"{record['date']}"))

@@ -25,6 +25,33 @@ def scatter(series: Series, title: str, xlabel: str, ylabel: str) -> str:
     return panels([(ylabel, series)], title, xlabel)
 
 
+def _panel(out: list[str], series: Series, ylabel: str, top: float, ph: float, sx, legend: int) -> int:
+    """One panel's frame, y ticks and points into `out`; its series' legend entries from
+    number `legend` on; returns the next legend number."""
+    pw = W - LEFT - RIGHT
+    ys = [y for s in series.values() for _, y in s]
+    y1 = (max(ys) * 1.05 if ys else 0.0) or 1.0
+
+    def sy(y: float) -> float:
+        return top + ph - y / y1 * ph
+
+    out.append(f'<rect x="{LEFT}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
+    for t in _ticks(0.0, y1):
+        out.append(f'<line x1="{LEFT}" y1="{sy(t):.1f}" x2="{LEFT + pw}" y2="{sy(t):.1f}" stroke="#ddd"/>'
+                   f'<text x="{LEFT - 6}" y="{sy(t) + 4:.1f}" text-anchor="end">{t:g}</text>')
+    out.append(f'<text x="16" y="{top + ph / 2}" text-anchor="middle" '
+               f'transform="rotate(-90 16 {top + ph / 2})">{escape(ylabel)}</text>')
+    for name, points in series.items():
+        color = COLORS[legend % len(COLORS)]
+        out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{color}" fill-opacity="0.75"/>'
+                for x, y in points]
+        ly = TOP + 16 + 18 * legend
+        out.append(f'<circle cx="{W - RIGHT + 16}" cy="{ly - 4}" r="4" fill="{color}"/>'
+                   f'<text x="{W - RIGHT + 26}" y="{ly}">{escape(name)}</text>')
+        legend += 1
+    return legend
+
+
 def panels(stack: list[tuple[str, Series]], title: str, xlabel: str,
            spans: list[tuple[float, float, str]] = ()) -> str:
     """An SVG document of panels stacked over one x axis, each (y label, series); each
@@ -49,27 +76,7 @@ def panels(stack: list[tuple[str, Series]], title: str, xlabel: str,
                    f'transform="rotate(-20 {sx(a) + 2:.1f} {TOP - 4})">{escape(label)}</text>')
     legend = 0
     for i, (ylabel, series) in enumerate(stack):
-        top = TOP + i * (ph + GAP)
-        ys = [y for s in series.values() for _, y in s]
-        y1 = (max(ys) * 1.05 if ys else 0.0) or 1.0
-
-        def sy(y: float, top: float = top, y1: float = y1) -> float:
-            return top + ph - y / y1 * ph
-
-        out.append(f'<rect x="{LEFT}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
-        for t in _ticks(0.0, y1):
-            out.append(f'<line x1="{LEFT}" y1="{sy(t):.1f}" x2="{LEFT + pw}" y2="{sy(t):.1f}" stroke="#ddd"/>'
-                       f'<text x="{LEFT - 6}" y="{sy(t) + 4:.1f}" text-anchor="end">{t:g}</text>')
-        out.append(f'<text x="16" y="{top + ph / 2}" text-anchor="middle" '
-                   f'transform="rotate(-90 16 {top + ph / 2})">{escape(ylabel)}</text>')
-        for name, points in series.items():
-            color = COLORS[legend % len(COLORS)]
-            out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{color}" fill-opacity="0.75"/>'
-                    for x, y in points]
-            ly = TOP + 16 + 18 * legend
-            out.append(f'<circle cx="{W - RIGHT + 16}" cy="{ly - 4}" r="4" fill="{color}"/>'
-                       f'<text x="{W - RIGHT + 26}" y="{ly}">{escape(name)}</text>')
-            legend += 1
+        legend = _panel(out, series, ylabel, TOP + i * (ph + GAP), ph, sx, legend)
     for t in _ticks(x0, x1):
         out.append(f'<line x1="{sx(t):.1f}" y1="{bottom}" x2="{sx(t):.1f}" y2="{bottom + 5}" stroke="#444"/>'
                    f'<text x="{sx(t):.1f}" y="{bottom + 18}" text-anchor="middle">{t:g}</text>')
