@@ -117,6 +117,19 @@ def test_a_damaged_chunk_file_is_a_miss_and_is_removed(tmp_path, damage):
     assert read(t, ks[1]) == (16, bytes(chunk(1)))
 
 
+def test_a_chunk_that_cannot_be_read_is_a_miss_and_is_not_promised_again(tmp_path):
+    # A lookup that finds a chunk its load then cannot read makes vLLM recompute and look
+    # up again: were the chunk still in the index, the same failing load would come back.
+    t, ks = tier(tmp_path), keys(2)
+    t.put(ks, [(chunk(i), 16) for i in range(2)])
+    path = tmp_path / file_name(ks[0])
+    path.unlink()
+    path.mkdir()  # reading it fails with an OSError that is no corruption (IsADirectoryError)
+    assert t.exists(ks) == [True, True]
+    assert read(t, ks[0])[0] is None
+    assert t.exists(ks) == [False, True] and read(t, ks[1]) == (16, bytes(chunk(1)))
+
+
 CRASHER = textwrap.dedent("""
     import sys, numpy as np
     from kvtier.codec import Codec
@@ -179,6 +192,8 @@ FAULTS = textwrap.dedent("""
         t = DiskTier(root, 1 << 30, Codec(), retry_s=0.5)
     if mode == "readonly-live":  # under the running tier: it holds no file open for writing
         subprocess.run(["mount", "-o", "remount,ro", root], check=True)
+        # A hit read before any write fails is still a hit (its mtime cannot be touched).
+        assert t.get_into(ks[:1], [memoryview(bytearray(len(data)))]) == [16]
     ok = t.put(ks[2:], [(data, 16)] * 38)
     out = memoryview(bytearray(len(data)))
     got = t.get_into(ks[:2], [out, memoryview(bytearray(len(data)))])

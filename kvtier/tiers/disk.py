@@ -186,8 +186,6 @@ class DiskTier:
                     raise CorruptPayload(f"file of {size} bytes, the chunk needs {HEADER.size + len(out)}")
                 _read_exactly(f, [memoryview(header), memoryview(out).cast("B")])
                 num_tokens = self.codec.check_in_place(header, out)
-            if self.writable:
-                os.utime(path)  # LRU order that survives a restart
         except FileNotFoundError:  # removed behind our back
             self._forget(name)
             self._count(misses=1)
@@ -197,12 +195,26 @@ class DiskTier:
             log.warning("disk tier: %s is corrupt (%s); removed, treated as a miss", path, e)
             self._forget(name, unlink=True)
             return None
-        except OSError as e:  # an I/O error reading: this chunk is a miss
+        except OSError as e:  # an I/O error reading: a miss, and not promised again
             self._count(misses=1)
-            log.warning("disk tier: reading %s failed (%s); treated as a miss", path, e)
+            log.warning("disk tier: reading %s failed (%s); treated as a miss and forgotten", path, e)
+            self._forget(name)
             return None
+        self._touch(path)
         self._count(hits=1, bytes_read=size)
         return num_tokens
+
+    def _touch(self, path: Path) -> None:
+        """The file's mtime: LRU order that survives a restart. A read-only file system
+        stops the writes (a read it served stays a hit)."""
+        if not self.writable:
+            return
+        try:
+            os.utime(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self._stop_writing(e)
 
     def _count(self, **deltas: int) -> None:
         """Stats from the reader threads."""
