@@ -243,11 +243,11 @@ class Usage:
     processes: int
 
 
-def usage(pid: int) -> Usage | None:
-    """RSS and open file descriptors of a process and its descendants; None if it is gone."""
+def usage(pid: int, tree: bool = True) -> Usage | None:
+    """RSS and open file descriptors of a process (and its descendants); None if it is gone."""
     rss, fds, n = 0, 0, 0
     page = os.sysconf("SC_PAGE_SIZE")
-    for p in _tree(pid):
+    for p in _tree(pid) if tree else [pid]:
         try:
             rss += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * page
             fds += len(os.listdir(f"/proc/{p}/fd"))
@@ -262,12 +262,13 @@ class Watched:
     """The processes of a run by role; a role's pid changes when it is restarted."""
 
     pids: dict[str, Callable[[], int]] = field(default_factory=dict)  # role -> its current pid
+    alone: tuple[str, ...] = ("harness",)  # roles counted without their children (the servers it started)
 
     def snapshot(self) -> dict[str, dict]:
         out = {}
         for role, pid_of in self.pids.items():
             pid = pid_of()
-            u = usage(pid) if pid else None
+            u = usage(pid, tree=role not in self.alone) if pid else None
             out[role] = u.__dict__ if u else None
         return out
 
