@@ -44,3 +44,27 @@ def test_every_fault_under_load_costs_no_request_and_no_wrong_token(tmp_path):
     assert tiers["phases"][0]["hit_rate"] > 0.5  # the workload reuses: most prompt tokens are kvtier hits
     assert tiers["recovery"]["store-killed"]["stores_remotely_again_s"] is not None
     assert (out / "chaos-tiers.svg").read_text().startswith("<svg")
+
+
+def test_the_promise_check_names_each_way_a_run_can_break_it():
+    from kvtier.bench.chaos_load import ChaosConfig, violations
+
+    def phase(name, fault=None, **figures):
+        return {"phase": name, "fault": fault, "failed": 0, "errors": {}, "slowest_failure_s": None,
+                "slowest_ttft_s": 0.2, "longest_waits_s": {"lookup_seconds": 0.1}, **figures}
+
+    part = {"name": "tiers", "outputs": {"equal": 3, "compared": 3, "differing": []}, "growth": {},
+            "phases": [phase("no fault"),
+                       phase("decoder-killed", "decoder-killed", failed=2, slowest_failure_s=0.1,
+                             errors={'HTTP 502: {"error": {"message": "decoder x unreachable"': 2})]}
+    record = {"parts": {"tiers": part}}
+    assert violations(record, ChaosConfig()) == []
+    part["phases"][0].update(failed=1, errors={"TimeoutError": 1}, slowest_ttft_s=75.0,
+                             longest_waits_s={"lookup_seconds": 9.0})
+    part["phases"][1]["errors"]["HTTP 500: engine dead"] = 1
+    part["outputs"] = {"equal": 2, "compared": 3, "differing": [{"index": 7}]}
+    part["growth"] = {"vllm": {"rss": 0.2, "fds": 40}}
+    found = "\n".join(violations(record, ChaosConfig()))
+    for what in ("1 failed requests", "a stall", "a wait on kvtier of 9.00 s", "other than the proxy's 502",
+                 "1 of 3 outputs differ", "RSS grew 20.0%", "40 more open files"):
+        assert what in found, (what, found)

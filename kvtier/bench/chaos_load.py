@@ -52,6 +52,7 @@ class ChaosConfig:
     sample_per_phase: int = 8  # requests per phase whose outputs are compared with plain vLLM's
     blocking_timeout_secs: float = 2.0
     request_timeout_s: float = 180.0  # a request past it counts as failed (a hang)
+    stall_s: float = 30.0  # an answered request whose first token took longer is a violation (a stall)
     faults: tuple[str, ...] = (*TIERS_FAULTS, *cf.PD_FAULTS)
     vocab: int = 4000
     seed: int = 0
@@ -280,6 +281,7 @@ def phase_figures(run: Run, phase: Phase, base_ttft: list[float]) -> dict:
         "ttft_p50_vs_no_fault": p50 / base50 if p50 and base50 else None,
         "ttft_p99_vs_no_fault": p99 / base99 if p99 and base99 else None,
         "longest_request_s": max((r.latency_s or 0.0 for r in ok), default=None),
+        "slowest_ttft_s": max(ttft, default=0.0) / 1e3 if ttft else None,
         "hit_rate": hit_rate(a, b),
         "longest_waits_s": {k.removeprefix("kvtier_longest_"): v for k, v in b.items() if k.startswith("kvtier_longest_")},
         "usage_start": phase.usage_start, "usage_end": phase.usage_end,
@@ -320,6 +322,9 @@ def violations(record: dict, cfg: ChaosConfig) -> list[str]:
                     out.append(f"{where}: a dead decoder's 502 took {ph['slowest_failure_s']:.1f} s")
             elif ph["failed"]:
                 out.append(f"{where}: {ph['failed']} failed requests: {ph['errors']}")
+            if (ph.get("slowest_ttft_s") or 0.0) > cfg.stall_s:
+                out.append(f"{where}: a request waited {ph['slowest_ttft_s']:.1f} s for its first token "
+                           f"(> {cfg.stall_s:g} s: a stall)")
             waits = ph["longest_waits_s"]
             if waits and max(waits.values()) > cfg.bound_s():
                 out.append(f"{where}: a wait on kvtier of {max(waits.values()):.2f} s > {cfg.bound_s():.1f} s")
