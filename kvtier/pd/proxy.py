@@ -15,8 +15,9 @@ Every wait is bounded. A prefiller that is down, fails (5xx) or is slower
 than --prefill-timeout costs the request its disaggregation, not its answer:
 the decoder prefills it itself (counted in kvtier_proxy_prefill_fallbacks).
 A decoder that is down answers 502 at once, one that is slow 504 after its
-timeout, and a missing PrefillDone only costs the decoder a recompute. Prefill TTFT statistics are printed every few seconds, as
-LMCache's proxy does; /health and Prometheus /metrics are served.
+timeout, and a missing PrefillDone only costs the decoder a recompute.
+Prefill TTFT statistics are printed every few seconds, as LMCache's proxy
+does; /health and Prometheus /metrics are served.
 """
 
 from __future__ import annotations
