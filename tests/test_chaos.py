@@ -17,6 +17,7 @@ from kvtier.bench.chaos_faults import DISK_FAULTS, PD_FAULTS, STORE_FAULTS, priv
 pytestmark = pytest.mark.vllm
 
 
+@pytest.mark.timeout(1500)  # about 10 minutes: five vLLM starts, two of them restarts under load
 def test_every_fault_under_load_costs_no_request_and_no_wrong_token(tmp_path):
     why = private_mounts_available()
     if why:
