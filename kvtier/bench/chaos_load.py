@@ -207,7 +207,7 @@ class Run:
                 for url in self.metrics_urls:
                     async with session.get(url + "/metrics", timeout=5) as resp:
                         for k, v in parse_metrics(await resp.text()).items():
-                            values[k] = max(values.get(k, 0.0), v) if k.startswith(GAUGES) else values.get(k, 0.0) + v
+                            _add(values, k, v)
                 self.samples.append(Sample(t, values))
             except Exception:  # noqa: BLE001 - a node being restarted answers nothing: no sample then
                 pass
@@ -217,7 +217,7 @@ class Run:
 
 GAUGES = "kvtier_longest_"
 KEEP = ("vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_queries", "kvtier_loaded_tokens",
-        "kvtier_stored_tokens", "kvtier_longest_", "kvtier_load_failure_tokens", "kvtier_proxy_prefill_fallbacks",
+        "kvtier_stored_tokens", GAUGES, "kvtier_load_failure_tokens", "kvtier_proxy_prefill_fallbacks",
         "kvtier_proxy_kv_not_ready")
 
 
@@ -231,9 +231,13 @@ def parse_metrics(text: str) -> dict[str, float]:
         name = head.split("{")[0].removesuffix("_total")
         if 'tier="' in head:
             name += ":" + head.split('tier="')[1].split('"')[0]
-        gauge = name.startswith(GAUGES)
-        out[name] = max(out.get(name, 0.0), float(value)) if gauge else out.get(name, 0.0) + float(value)
+        _add(out, name, float(value))
     return out
+
+
+def _add(figures: dict[str, float], name: str, value: float) -> None:
+    """One more series of `name` (another label, another node): counters add up, gauges keep the larger."""
+    figures[name] = max(figures.get(name, 0.0), value) if name.startswith(GAUGES) else figures.get(name, 0.0) + value
 
 
 # -- the figures -----------------------------------------------------------------------------
