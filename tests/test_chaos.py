@@ -46,7 +46,8 @@ def check(record: dict) -> None:
     for part in record["parts"].values():
         outputs = part["outputs"]
         assert outputs["compared"] >= len(part["phases"]) and outputs["equal"] == outputs["compared"]
-        assert all(n >= 1 for n in outputs["per_phase"].values()), outputs["per_phase"]
+        # outputs compared in each phase (none need succeed while the decoder is dead)
+        assert all(n >= 1 for ph, n in outputs["per_phase"].items() if ph != "decoder-killed"), outputs["per_phase"]
     tiers = record["parts"]["tiers"]
     no_fault = next(ph for ph in tiers["phases"] if ph["phase"] == "no fault")
     assert no_fault["hit_rate"] > 0.5  # the workload reuses: most prompt tokens are kvtier hits

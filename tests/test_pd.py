@@ -4,6 +4,7 @@ receiver's engine loads it. Faults: no room, a dead decoder, malformed frames,
 releases and expiry."""
 
 import json
+import os
 import socket
 import struct
 import threading
@@ -337,14 +338,38 @@ def test_a_pd_role_that_contradicts_vllms_kv_role_fails_naming_both(role, kv_rol
             _check_pd_role(config, kv_role)
 
 
-def test_bench_pd_runs_on_cpu_and_checks_the_data(tmp_path):
+@pytest.mark.parametrize("channel", channels())
+def test_bench_pd_runs_on_cpu_and_checks_the_data(tmp_path, channel):
+    # nixl: sender and receiver in two processes (NIXL's own progress thread had writes
+    # between two processes on CPU time out here)
     import subprocess
     import sys
 
     out = tmp_path / "pd.json"
-    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "pd", "--tokens", "300", "--channels", "tcp",
+    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "pd", "--tokens", "300", "--channels", channel,
                           "--sender-device", "cpu", "--receiver-device", "cpu", "--layers", "2", "--repeats", "1",
-                          "--output", str(out)], capture_output=True, text=True, timeout=300)
+                          "--output", str(out)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "UCX_TLS": "tcp,self,sm"})
     assert run.returncode == 0, run.stderr[-2000:]
     (row,) = json.loads(out.read_text())["runs"]
     assert row["tokens"] == 300 and row["ratio_to_copy"] > 0 and len(row["alloc_write_commit_ms"]) == 3
+
+
+@pytest.mark.skipif("nixl" not in channels(), reason="nixl is not installed")
+def test_idle_nixl_agents_cost_no_cpu(monkeypatch):
+    """NIXL's own progress thread polls without a pause: an idle decoder burnt a core. The
+    receiver's agent is driven only while a reservation is open, the sender's while it writes."""
+    import resource
+
+    monkeypatch.setenv("UCX_TLS", "tcp,self,sm")
+    p = Pair(channel="nixl")
+    try:
+        toks = list(range(2000, 2040))
+        assert p.sender.send(p.target("r1"), toks, torch.arange(40), start=0, last=True) == 40  # agents connected
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        time.sleep(2.0)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        busy = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        assert busy < 0.3, f"{busy:.2f} s of CPU in 2 s idle"
+    finally:
+        p.close()

@@ -54,9 +54,6 @@ from kvtier.bench.server import host
 DTYPE = "float32"
 DISK_MB = 256  # the tmpfs; kvtier's disk tier is told it has 150 MB of it
 WINDOW_S = 5.0  # of the timeline's rates
-# vLLM's CPU build compiles its forward at start (about 30 s here); the faults do not
-# depend on it, and five vLLM starts (two of them restarts under load) do.
-EAGER = ["--enforce-eager"]
 
 
 def tiers_part(cfg: ChaosConfig, model_dir: Path, work: Path, names: list[str]) -> Run:
@@ -70,8 +67,7 @@ def tiers_part(cfg: ChaosConfig, model_dir: Path, work: Path, names: list[str]) 
                "LMCACHE_LOCAL_DISK": f"file://{disk}", "LMCACHE_MAX_LOCAL_DISK_SIZE": "0.15",
                "LMCACHE_REMOTE_URL": store.url, "LMCACHE_BLOCKING_TIMEOUT_SECS": str(cfg.blocking_timeout_secs),
                "KVTIER_LOOKUP_TIMEOUT_MS": str(LOOKUP_TIMEOUT_MS)}
-        with vllm_server(model_dir, work / "vllm", env=env, dtype=DTYPE, max_model_len=4096,
-                         extra_args=EAGER) as srv:
+        with vllm_server(model_dir, work / "vllm", env=env, dtype=DTYPE, max_model_len=4096) as srv:
             faults: dict[str, cf.Fault] = {
                 "store-killed": cf.StoreKilled(store), "store-stopped": cf.StoreStopped(store),
                 "disk-full": cf.DiskFull(disk), "chunks-corrupted": cf.ChunksCorrupted(disk, cfg.seed),
@@ -86,7 +82,7 @@ def tiers_part(cfg: ChaosConfig, model_dir: Path, work: Path, names: list[str]) 
 def pd_part(cfg: ChaosConfig, model_dir: Path, work: Path, names: list[str]) -> Run:
     from kvtier.dev.pdcluster import pd_cluster
 
-    with pd_cluster(model_dir, work, "tcp", split_cores=True, extra_args=EAGER) as c:
+    with pd_cluster(model_dir, work, "tcp", split_cores=True) as c:
         faults: dict[str, cf.Fault] = {"decoder-killed": cf.NodeKilled(c.decoder, "decoder-killed"),
                                        "prefiller-killed": cf.NodeKilled(c.prefiller, "prefiller-killed",
                                                                      lambda: cf.proxy_busy(c.url))}
@@ -128,8 +124,7 @@ def replay(cfg: ChaosConfig, model_dir: Path, work: Path, runs: dict[str, Run]) 
                                   cfg.max_tokens, p, time.perf_counter(), cfg.request_timeout_s)
                     plain[name].append(p)
 
-    with vllm_server(model_dir, work / "plain", kv_connector=None, dtype=DTYPE, max_model_len=4096,
-                     extra_args=EAGER) as srv:
+    with vllm_server(model_dir, work / "plain", kv_connector=None, dtype=DTYPE, max_model_len=4096) as srv:
         asyncio.run(go(srv.url))
     out = {}
     for name, rs in samples.items():

@@ -84,8 +84,9 @@ def vllm_server(
     """Run vLLM's OpenAI server on a free loopback port until the block exits.
 
     `dtype` "auto" is the one models run in here (kvtier.dev.cpu_dtype.model_dtype). On a
-    GPU the server takes `gpu_memory_utilization` of it (two may share one) and, with
-    `eager`, runs eager (no graphs to capture at start). vLLM's own prefix cache is off
+    GPU the server takes `gpu_memory_utilization` of it (two may share one). With `eager`
+    it runs eager: no graphs to capture on a GPU, and on CPU no torch.compile at start
+    (half a minute of a 2-core host's start for each server). vLLM's own prefix cache is off
     unless `prefix_caching` (so that a fast second query is the offloader's doing).
     """
     if dtype == "auto":
@@ -103,7 +104,9 @@ def vllm_server(
     if kv_connector:
         cmd += ["--kv-transfer-config", json.dumps(kv_connector)]
     if model_dtype().device == "cuda":
-        cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)] + (["--enforce-eager"] if eager else [])
+        cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    if eager:
+        cmd += ["--enforce-eager"]
     cmd += list(extra_args)
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", **(env or {})}
     log_path.write_bytes(b"")

@@ -14,15 +14,23 @@
               KV from the paged cache straight into the reserved blocks: one
               pass, no staging (over NVLink when the GPUs differ).
 
-Each channel has a receiver half (`registration()`: the Welcome payload)
-and a sender half (`connect()` per peer, then `push()` staged blocks or
-`views()` of remote blocks).
+Each channel has a receiver half (`registration()`: the Welcome payload;
+`expect_writes()`/`writes_ended()` around each reservation) and a sender
+half (`connect()` per peer, then `push()` staged blocks or `views()` of
+remote blocks).
+
+NIXL agents run without NIXL's progress thread, which polls UCX without a
+pause: an idle decoder or prefiller burnt a whole core (on a 2-core host, a
+vLLM starting beside one took minutes longer). The sender drives its side
+while it waits for a write; the receiver's side is driven by `_Progress`
+only while a reservation is open (UCX over TCP needs the target to progress).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -57,11 +65,26 @@ class ReceiverChannel:
     def __init__(self, name: str, pool: HostPool) -> None:
         self.name, self.pool = name, pool
         self._agent: Any = None
+        self._progress: _Progress | None = None
         if name == "nixl":
             self._agent = _nixl_agent("kvtier-receiver")
             _nixl_register(self._agent, pool.arena)
+            self._progress = _Progress(self._agent)
         elif name == "cuda_ipc" and pool.device.type != "cuda":
             raise ChannelUnavailable("transfer_channel cuda_ipc needs pd_buffer_device: cuda")
+
+    def expect_writes(self) -> None:
+        """A reservation was made: its sender may write into it until `writes_ended`."""
+        if self._progress is not None:
+            self._progress.hold()
+
+    def writes_ended(self) -> None:
+        if self._progress is not None:
+            self._progress.release()
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
 
     def registration(self) -> bytes:
         """What the sender needs to write into the buffer (Welcome's payload)."""
@@ -185,7 +208,44 @@ def _nixl_agent(role: str) -> Any:
             "transfer_channel nixl needs the NIXL package: pip install nixl (after torch; "
             f"on a machine without GPU, UCX_TLS=tcp,self,sm) — {exc}") from None
     name = f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+
+
+class _Progress:
+    """Drives a receiving NIXL agent's UCX worker while writes are expected (see the module
+    docstring); idle, it waits on a condition and costs nothing."""
+
+    PAUSE_S = 0.0001  # between progress calls: lets the GIL go to the process's other threads
+
+    def __init__(self, agent: Any) -> None:
+        self._agent, self._open, self._closed = agent, 0, False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kvtier-nixl-progress")
+        self._thread.start()
+
+    def hold(self) -> None:
+        with self._cond:
+            self._open += 1
+            self._cond.notify()
+
+    def release(self) -> None:
+        with self._cond:
+            self._open = max(0, self._open - 1)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._open > 0 or self._closed)
+                if self._closed:
+                    return
+            self._agent.get_new_notifs()  # with no progress thread, this progresses the UCX worker
+            time.sleep(self.PAUSE_S)
 
 
 def _nixl_register(agent: Any, arena: torch.Tensor) -> None:

@@ -324,6 +324,7 @@ class PdReceiver:
                     reply = buffer.alloc(msg)
                     if isinstance(reply, proto.Allocated):
                         open_reservations.add(msg.req_id)
+                        self.channel.expect_writes()
                     proto.send(conn, reply)
                 elif isinstance(msg, proto.Write):
                     target = buffer.write_target(msg.req_id, msg.block, payload_len)
@@ -338,11 +339,11 @@ class PdReceiver:
                     if buffer.pool.device.type == "cuda":
                         torch.cuda.synchronize(buffer.pool.device)
                     chunks = buffer.commit(msg.req_id)
-                    open_reservations.discard(msg.req_id)
+                    self._end_writes(open_reservations, msg.req_id)
                     proto.send(conn, proto.Ok(msg.req_id, chunks))
                 elif isinstance(msg, proto.Abort):
                     buffer.abort(msg.req_id)
-                    open_reservations.discard(msg.req_id)
+                    self._end_writes(open_reservations, msg.req_id)
                     proto.send(conn, proto.Ok(msg.req_id, 0))
                 elif isinstance(msg, proto.Release):
                     buffer.release(msg.req_id)
@@ -350,11 +351,18 @@ class PdReceiver:
                 else:
                     raise proto.ProtocolError(f"the alloc port does not take {type(msg).__name__}")
         finally:
-            for rid in open_reservations:  # the sender is gone mid-request
+            for rid in list(open_reservations):  # the sender is gone mid-request
                 buffer.abort(rid)
+                self._end_writes(open_reservations, rid)
+
+    def _end_writes(self, open_reservations: set[str], req_id: str) -> None:
+        if req_id in open_reservations:
+            open_reservations.discard(req_id)
+            self.channel.writes_ended()
 
     def close(self) -> None:
         self._closed.set()
+        self.channel.close()
         for sock in self._listeners:
             try:
                 sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not)
