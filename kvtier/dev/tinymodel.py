@@ -1,4 +1,5 @@
-"""A small Llama-shaped model directory made locally, for tests and the demo.
+"""Small model directories made locally, for tests and the demo: a Llama, and a
+Gemma-3-style model whose layers mostly attend within a sliding window.
 
 Nothing is downloaded: the tokenizer is a byte-level BPE trained here on
 text from Python's own standard library, and the weights are random,
@@ -104,6 +105,88 @@ def _write_weights(path: Path, spec: TinyLlama, seed: int = 0) -> None:
             pre + "mlp.down_proj.weight": normal(h, inter),
             pre + "input_layernorm.weight": torch.ones(h, dtype=dtype),
             pre + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
+        })
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+@dataclass(frozen=True)
+class TinyGemma3:
+    """Gemma 3's text model, small: five sliding-window layers to one full-attention layer."""
+
+    hidden_size: int = 512
+    intermediate_size: int = 1408
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    vocab_size: int = 4096
+    max_position_embeddings: int = 16384
+    sliding_window: int = 128
+    full_every: int = 6  # layer i is full attention where (i + 1) % full_every == 0
+
+
+def make_tiny_gemma3(path: str | Path, spec: TinyGemma3 = TinyGemma3()) -> Path:
+    """Config, tokenizer and seeded weights of a Gemma3ForCausalLM (idempotent)."""
+    path = Path(path)
+    if all((path / f).exists() for f in ("config.json", "tokenizer.json", "model.safetensors")):
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer(path, spec.vocab_size)
+    vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
+    layer_types = ["full_attention" if (i + 1) % spec.full_every == 0 else "sliding_attention"
+                   for i in range(spec.num_hidden_layers)]
+    fields = {k: v for k, v in asdict(spec).items() if k != "full_every"}
+    config = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        **fields,
+        "layer_types": layer_types,
+        "query_pre_attn_scalar": spec.head_dim,
+        "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": vocab["<s>"],
+        "eos_token_id": vocab["</s>"],
+        "pad_token_id": vocab["<unk>"],
+    }
+    _write_gemma3_weights(path, spec)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def _write_gemma3_weights(path: Path, spec: TinyGemma3, seed: int = 0) -> None:
+    """N(0, 0.02) linear weights; Gemma's norms scale by (1 + w), so w = 0 is a fresh norm."""
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    h, inter, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    q, kv = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
+
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    def norm(n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.bfloat16)
+
+    weights = {"model.embed_tokens.weight": normal(spec.vocab_size, h), "model.norm.weight": norm(h)}
+    for i in range(spec.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        weights.update({
+            pre + "self_attn.q_proj.weight": normal(q, h),
+            pre + "self_attn.k_proj.weight": normal(kv, h),
+            pre + "self_attn.v_proj.weight": normal(kv, h),
+            pre + "self_attn.o_proj.weight": normal(h, q),
+            pre + "self_attn.q_norm.weight": norm(hd),
+            pre + "self_attn.k_norm.weight": norm(hd),
+            pre + "mlp.gate_proj.weight": normal(inter, h),
+            pre + "mlp.up_proj.weight": normal(inter, h),
+            pre + "mlp.down_proj.weight": normal(h, inter),
+            **{pre + f"{n}.weight": norm(h) for n in ("input_layernorm", "post_attention_layernorm",
+                                                        "pre_feedforward_layernorm", "post_feedforward_layernorm")},
         })
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
 
