@@ -54,14 +54,11 @@ def corpus_text(min_chars: int = 0) -> str:
 
 
 def make_tiny_llama(path: str | Path, spec: TinyLlama = TinyLlama()) -> Path:
-    """Write config.json and tokenizer files to `path` (idempotent)."""
+    """Write config.json, tokenizer files and seeded weights to `path` (idempotent)."""
     path = Path(path)
-    if all((path / f).exists() for f in ("config.json", "tokenizer.json", "model.safetensors")):
+    vocab = _new_model_dir(path, spec.vocab_size)
+    if vocab is None:
         return path
-    path.mkdir(parents=True, exist_ok=True)
-    _write_tokenizer(path, spec.vocab_size)
-    tok = json.loads((path / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -73,26 +70,42 @@ def make_tiny_llama(path: str | Path, spec: TinyLlama = TinyLlama()) -> Path:
         "bos_token_id": vocab["<s>"],
         "eos_token_id": vocab["</s>"],
     }
-    _write_weights(path, spec)
+    _write_weights(path, spec, spec.torch_dtype, lm_head=True, norm=1.0,
+                   layer_norms=("input_layernorm", "post_attention_layernorm"))
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
 
-def _write_weights(path: Path, spec: TinyLlama, seed: int = 0) -> None:
+def _new_model_dir(path: Path, vocab_size: int) -> dict[str, int] | None:
+    """None where `path` holds a model already; else the directory with a tokenizer, and its vocab."""
+    if all((path / f).exists() for f in ("config.json", "tokenizer.json", "model.safetensors")):
+        return None
+    path.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer(path, vocab_size)
+    return json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
+
+
+def _write_weights(path: Path, spec: TinyLlama | TinyGemma3, dtype_name: str, *, lm_head: bool, norm: float,
+                   layer_norms: tuple[str, ...], head_norms: bool = False, seed: int = 0) -> None:
+    """N(0, 0.02) linear weights, seeded; every norm's weight is `norm` (1 for Llama's x*w,
+    0 for Gemma's x*(1+w): a fresh norm either way)."""
     import torch
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(seed)
-    dtype = getattr(torch, spec.torch_dtype)
+    dtype = getattr(torch, dtype_name)
     h, inter, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
     q, kv = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
 
     def normal(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * 0.02).to(dtype)
 
-    weights = {"model.embed_tokens.weight": normal(spec.vocab_size, h),
-               "model.norm.weight": torch.ones(h, dtype=dtype),
-               "lm_head.weight": normal(spec.vocab_size, h)}
+    def fill(n: int) -> torch.Tensor:
+        return torch.full((n,), norm, dtype=dtype)
+
+    weights = {"model.embed_tokens.weight": normal(spec.vocab_size, h), "model.norm.weight": fill(h)}
+    if lm_head:
+        weights["lm_head.weight"] = normal(spec.vocab_size, h)
     for i in range(spec.num_hidden_layers):
         pre = f"model.layers.{i}."
         weights.update({
@@ -103,9 +116,10 @@ def _write_weights(path: Path, spec: TinyLlama, seed: int = 0) -> None:
             pre + "mlp.gate_proj.weight": normal(inter, h),
             pre + "mlp.up_proj.weight": normal(inter, h),
             pre + "mlp.down_proj.weight": normal(h, inter),
-            pre + "input_layernorm.weight": torch.ones(h, dtype=dtype),
-            pre + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
+            **{pre + f"{n}.weight": fill(h) for n in layer_norms},
         })
+        if head_norms:
+            weights.update({pre + "self_attn.q_norm.weight": fill(hd), pre + "self_attn.k_norm.weight": fill(hd)})
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -128,11 +142,9 @@ class TinyGemma3:
 def make_tiny_gemma3(path: str | Path, spec: TinyGemma3 = TinyGemma3()) -> Path:
     """Config, tokenizer and seeded weights of a Gemma3ForCausalLM (idempotent)."""
     path = Path(path)
-    if all((path / f).exists() for f in ("config.json", "tokenizer.json", "model.safetensors")):
+    vocab = _new_model_dir(path, spec.vocab_size)
+    if vocab is None:
         return path
-    path.mkdir(parents=True, exist_ok=True)
-    _write_tokenizer(path, spec.vocab_size)
-    vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
     layer_types = ["full_attention" if (i + 1) % spec.full_every == 0 else "sliding_attention"
                    for i in range(spec.num_hidden_layers)]
     fields = {k: v for k, v in asdict(spec).items() if k != "full_every"}
@@ -152,43 +164,11 @@ def make_tiny_gemma3(path: str | Path, spec: TinyGemma3 = TinyGemma3()) -> Path:
         "eos_token_id": vocab["</s>"],
         "pad_token_id": vocab["<unk>"],
     }
-    _write_gemma3_weights(path, spec)
+    _write_weights(path, spec, "bfloat16", lm_head=False, norm=0.0, head_norms=True,
+                   layer_norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                                "post_feedforward_layernorm"))
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
-
-
-def _write_gemma3_weights(path: Path, spec: TinyGemma3, seed: int = 0) -> None:
-    """N(0, 0.02) linear weights; Gemma's norms scale by (1 + w), so w = 0 is a fresh norm."""
-    import torch
-    from safetensors.torch import save_file
-
-    gen = torch.Generator().manual_seed(seed)
-    h, inter, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
-    q, kv = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
-
-    def normal(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
-
-    def norm(n: int) -> torch.Tensor:
-        return torch.zeros(n, dtype=torch.bfloat16)
-
-    weights = {"model.embed_tokens.weight": normal(spec.vocab_size, h), "model.norm.weight": norm(h)}
-    for i in range(spec.num_hidden_layers):
-        pre = f"model.layers.{i}."
-        weights.update({
-            pre + "self_attn.q_proj.weight": normal(q, h),
-            pre + "self_attn.k_proj.weight": normal(kv, h),
-            pre + "self_attn.v_proj.weight": normal(kv, h),
-            pre + "self_attn.o_proj.weight": normal(h, q),
-            pre + "self_attn.q_norm.weight": norm(hd),
-            pre + "self_attn.k_norm.weight": norm(hd),
-            pre + "mlp.gate_proj.weight": normal(inter, h),
-            pre + "mlp.up_proj.weight": normal(inter, h),
-            pre + "mlp.down_proj.weight": normal(h, inter),
-            **{pre + f"{n}.weight": norm(h) for n in ("input_layernorm", "post_attention_layernorm",
-                                                        "pre_feedforward_layernorm", "post_feedforward_layernorm")},
-        })
-    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _write_tokenizer(path: Path, vocab_size: int) -> None:
