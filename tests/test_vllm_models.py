@@ -62,4 +62,3 @@ def test_a_sliding_window_model_loads_every_layers_kv_and_gives_plain_vllms_toke
     assert hits(log_b) == [(1000, 768, 768)]
     assert first["token_ids"] == warm["token_ids"] == plain["token_ids"]
     assert max(abs(x - y) for x, y in zip(warm["logprobs"], plain["logprobs"])) < 0.05
-
