@@ -57,10 +57,18 @@ def rank_files(model, prompt, disk, rank: int) -> list:
     raise AssertionError(f"no chunk file of rank {rank} in {disk}")
 
 
-def test_every_rank_stores_and_loads_its_shard_with_tp2(tiny_model, prompt, plain_tp2, tmp_path):
-    disk = tmp_path / "disk"
-    (first,), log_a = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", disk_env(disk), name="a", dtype=DTYPE,
-                               tp=2)
+@pytest.fixture(scope="module")
+def stored_tp2(tiny_model, prompt, tmp_path_factory):
+    """A TP=2 instance that stored the prompt through both ranks' disk tiers: (its disk,
+    its result, its log). Tests that change the disk change a copy."""
+    tmp = tmp_path_factory.mktemp("stored-tp2")
+    (first,), log = run_vllm(tiny_model, [prompt], tmp, "kv_both", disk_env(tmp / "disk"), name="a", dtype=DTYPE,
+                             tp=2)
+    return tmp / "disk", first, log
+
+
+def test_every_rank_stores_and_loads_its_shard_with_tp2(tiny_model, prompt, plain_tp2, stored_tp2, tmp_path):
+    disk, first, log_a = stored_tp2
     assert hits(log_a) == [(3000, 0, 0)]
     for rank in (0, 1):
         assert all(p.exists() for p in rank_files(tiny_model, prompt, disk, rank))  # 11 whole chunks each
@@ -73,9 +81,9 @@ def test_every_rank_stores_and_loads_its_shard_with_tp2(tiny_model, prompt, plai
     assert max(abs(x - y) for x, y in zip(warm["logprobs"], plain_tp2["logprobs"])) < 0.05
 
 
-def test_a_hit_counts_only_chunks_every_rank_holds(tiny_model, prompt, plain_tp2, tmp_path):
+def test_a_hit_counts_only_chunks_every_rank_holds(tiny_model, prompt, plain_tp2, stored_tp2, tmp_path):
     disk = tmp_path / "disk"
-    run_vllm(tiny_model, [prompt], tmp_path, "kv_both", disk_env(disk), name="store", dtype=DTYPE, tp=2)
+    shutil.copytree(stored_tp2[0], disk)
     rank_files(tiny_model, prompt, disk, 1)[4].unlink()  # rank 1 lost its fifth chunk; rank 0 holds all 11
     (warm,), log = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", disk_env(disk), name="partial", dtype=DTYPE,
                             tp=2)

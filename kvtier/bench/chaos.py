@@ -60,9 +60,7 @@ def tiers_part(cfg: ChaosConfig, model_dir: Path, work: Path, names: list[str]) 
     from kvtier.dev.demo import vllm_server
     from kvtier.dev.localservers import kvtier_server
 
-    disk = work / "disk"
-    cf.mount_tmpfs(disk, DISK_MB)
-    with kvtier_server(0.5, log_dir=work) as store:
+    with cf.tmpfs(work / "disk", DISK_MB) as disk, kvtier_server(0.5, log_dir=work) as store:
         env = {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "true", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.02",
                "LMCACHE_LOCAL_DISK": f"file://{disk}", "LMCACHE_MAX_LOCAL_DISK_SIZE": "0.15",
                "LMCACHE_REMOTE_URL": store.url, "LMCACHE_BLOCKING_TIMEOUT_SECS": str(cfg.blocking_timeout_secs),

@@ -21,6 +21,7 @@ a tmpfs is mounted and vanishes with the run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -30,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 from kvtier.dev.demo import Server
 from kvtier.dev.localservers import LocalServer
@@ -296,9 +297,16 @@ def in_private_mounts(argv: list[str]) -> int | None:
     return subprocess.run(["unshare", "-m", "--propagation", "private", *argv], env=env).returncode
 
 
-def mount_tmpfs(root: Path, size_mb: int) -> None:
+@contextlib.contextmanager
+def tmpfs(root: Path, size_mb: int) -> Iterator[Path]:
+    """A tmpfs at `root` for the block; unmounted after it (a temporary folder holding a
+    mount point cannot be removed: the 30-minute run failed at its very end)."""
     root.mkdir(parents=True, exist_ok=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(root)], check=True)
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", "-l", str(root)], capture_output=True)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["hog"]:
