@@ -259,3 +259,33 @@ def test_the_upload_kernel_stages_what_the_copy_engine_would():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "ok"
+
+
+def test_a_request_of_any_size_runs_the_kernels_compiled_at_start():
+    """Triton compiles a kernel again for each new specialization of its arguments (a count
+    of 1, one divisible by 16, a 16-byte-aligned address). The values that change with the
+    request (token and chunk counts, slot tables, host addresses) must not change the key:
+    the engine's warm-up compiles each kernel once, and a request's first store of two
+    chunks or first partial load must not compile (249 and 134 ms inside vLLM on an H100)."""
+    pytest.importorskip("triton")
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    from kvtier.transfer import kernels
+
+    counts = [1, 2, 15, 16, 256, 400]
+    base = torch.zeros(64, dtype=torch.int64)
+    tensors = [base, base[1:], base[2:]]  # aligned to 16 bytes, 8, 16
+    addresses = [base.data_ptr() + 8 * i for i in range(4)]
+    samples = {"T": counts, "n": counts, "runs": counts, "slots": tensors, "chunk_ptrs": tensors,
+               "table": tensors, "out": tensors, "dst": tensors, "src": addresses, "table_addr": addresses}
+    checked = 0
+    for kernel in (kernels.kv_copy_kernel, kernels.kv_quant_copy_kernel, kernels.digest_kernel,
+                   kernels.host_words_kernel, kernels.host_runs_kernel):
+        for p in kernel.params:
+            if p.name in samples:
+                keys = {native_specialize_impl(BaseBackend, v, False, not p.do_not_specialize,
+                                               not p.do_not_specialize_on_alignment) for v in samples[p.name]}
+                assert len(keys) == 1, f"{kernel.fn.__name__}({p.name}) specializes: {keys}"
+                checked += 1
+    assert checked == 14

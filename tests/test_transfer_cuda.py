@@ -281,3 +281,34 @@ def test_engine_with_the_int8_codec_through_the_store_server_on_gpu():
             assert ((got - want).abs() <= a.quant.error_bound(want) + want.abs() / 128).all()
         assert b.tiers.remote.stats.lent >= 4
         a.close(), b.close()
+
+
+def _compiled_variants() -> int:
+    from kvtier.transfer import kernels
+    return sum(len(cache[0]) for k in (kernels.kv_copy_kernel, kernels.digest_kernel, kernels.host_words_kernel,
+                                       kernels.host_runs_kernel) for cache in k.device_caches.values())
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_requests_of_any_size_compile_nothing_after_the_engines_start(layerwise):
+    """The engine's warm-up compiles each copy path; stores and loads of 1, 2 and 3 chunks,
+    cut or partial, uploaded at the lookup or not, must reuse those kernels (a compile in a
+    request's path cost 134-249 ms of TTFT inside vLLM)."""
+    _, kv, eng, perm = make_engine("packed")
+    compiled = _compiled_variants()
+    toks = list(range(3 * 64 + 17))
+    for n in (64, 128, 3 * 64 + 17):  # one, two, three chunks (the last cut)
+        eng.store(toks[:n], perm[:n])
+    free = perm[256:]
+    for start, n, ahead in ((0, 64, False), (10, 128, True), (70, 3 * 64, True), (5, 15 + 64, False)):
+        rid = f"r{start}"
+        if ahead:
+            eng.find(toks[:n], hold_for=rid)
+            eng.upload_ahead(toks[:n], rid, start=start, layerwise=layerwise)
+        load = eng.start_retrieve(toks[:n], free[:n], start=start, request_id=rid if ahead else "",
+                                  layerwise=layerwise)
+        for i in range(L):
+            load.wait(i)
+        load.finish()
+    torch.cuda.synchronize()
+    assert _compiled_variants() == compiled

@@ -64,10 +64,14 @@ def table(records: dict[str, Record]) -> list[str]:
     for name, rec in records.items():
         s = rec.summary
         equal, both = same_outputs(rec, first)
-        lines.append(f"| {name} | {s['ttft_mean_ms']:.1f} | {s['ttft_p99_ms']:.1f} | {s['requests_per_s']:.2f} | "
+        lines.append(f"| {name} | {_ms(s['ttft_mean_ms'])} | {_ms(s['ttft_p99_ms'])} | {s['requests_per_s']:.2f} | "
                      f"{s['output_tokens_per_s']:.1f} | {s['connector_hit_rate']:.2f} | "
                      f"{s['gpu_prefix_hit_rate']:.2f} | {s['failed']} | {equal}/{both} |")
     return lines
+
+
+def _ms(v: float | None) -> str:
+    return "—" if v is None else f"{v:.1f}"  # None: no request succeeded
 
 
 def main() -> None:
@@ -83,8 +87,11 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--workload", type=json.loads, default={}, help="Workload fields (JSON)")
     args = p.parse_args()
-    model = make_tiny_llama(args.model_dir, TinyLlama(**args.model))
-    records = compare(model, args.setups, Workload(**args.workload), Path(args.out), args.cpu_gb, args.gpu_util,
+    spec = TinyLlama(**args.model)
+    model = make_tiny_llama(args.model_dir, spec)
+    # Token ids within the model's vocabulary (vLLM refuses others with a 400).
+    workload = Workload(**{"vocab": spec.vocab_size, **args.workload})
+    records = compare(model, args.setups, workload, Path(args.out), args.cpu_gb, args.gpu_util,
                       args.eager, args.prefix_caching, args.max_model_len)
     print("\n".join(table(records)))
 

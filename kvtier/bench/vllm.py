@@ -266,6 +266,20 @@ def _logprob_err(a, b) -> float:
     return err
 
 
+def agrees(cold: list[int], plain: dict) -> bool:
+    """A setup's cold tokens against plain vLLM's: equal, or parting from them first where
+    plain vLLM's own two paths (its cold prefill, its GPU prefix hit) part, with the token
+    one of them gave. That is a near-tie in bf16: a setup that runs another CUDA graph
+    mode (layerwise needs PIECEWISE) may fall on either side of it."""
+    if not plain:
+        return False
+    if cold == plain["cold"]:
+        return True
+    at = next(i for i, (a, b) in enumerate(zip(cold, plain["cold"])) if a != b)
+    split = next((i for i, (a, b) in enumerate(zip(plain["cold"], plain["gpu_hit"])) if a != b), None)
+    return at == split and cold[:at + 1] == plain["gpu_hit"][:at + 1]
+
+
 def compare(out: Path) -> int:
     """The table of every setup's record, and the token checks against plain vLLM."""
     recs = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
@@ -277,7 +291,7 @@ def compare(out: Path) -> int:
             # Loaded KV computes what vLLM's own cached KV does; plain vLLM recomputes "warm" (a
             # prefix-cache hit and a whole prefill may differ in the last bits of bf16).
             same_warm = t["warm"] == (t["cold"] if name == "plain" else t["gpu_hit"])
-            same_plain = plain is None or plain["lengths"].get(length, {}).get("tokens", {}).get("cold") == t["cold"]
+            same_plain = plain is None or agrees(t["cold"], plain["lengths"].get(length, {}).get("tokens", {}))
             control_differs = t["control"] != t["cold"]
             ok = same_warm and same_plain and control_differs
             bad += not ok

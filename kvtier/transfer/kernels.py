@@ -12,6 +12,20 @@ import triton.language as tl
 DIGEST_BLOCK = 4096  # words per program of digest_kernel
 SLOT_BLOCK = 1024  # slot-table words per program of host_words_kernel
 
+# Triton compiles a kernel again for each new "specialization" of its integer and pointer
+# arguments (a value of 1, one divisible by 16, a 16-byte-aligned address). Arguments that
+# change with the request (token and chunk counts, slot tables, host addresses) are left
+# unspecialized, so that the kernels compiled at the engine's start serve every request:
+# on an H100 inside vLLM a request's first store of two chunks took 249 ms, its first
+# partial load 134 ms, each compiling a variant (2026-11-26, serving workload).
+PER_REQUEST = ("slots", "chunk_ptrs", "T", "table", "out", "n", "src", "dst", "table_addr", "runs")
+
+
+def _jit(fn):
+    """triton.jit with the kernel's per-request arguments unspecialized."""
+    args = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+    return triton.jit(do_not_specialize=[a for a in args if a in PER_REQUEST])(fn)
+
 
 @triton.jit
 def token_addresses(layer0_ptr, layer_ptrs, chunk_ptrs, slots, T, C, s_k, s_b, s_n, BS, K: tl.constexpr):
@@ -33,7 +47,7 @@ def token_addresses(layer0_ptr, layer_ptrs, chunk_ptrs, slots, T, C, s_k, s_b, s
     return page, tl.load(chunk_ptrs + c), lk * n_c + tt, here
 
 
-@triton.jit
+@_jit
 def kv_copy_kernel(
     layer0_ptr,  # typed pointer to layer 0: gives the element type
     layer_ptrs,  # int64[L]: base address of each layer's canonical view
@@ -65,7 +79,7 @@ def kv_copy_kernel(
             tl.store(page + src_off, tl.load(chunk + w, mask=mask), mask=mask)
 
 
-@triton.jit
+@_jit
 def kv_quant_copy_kernel(
     layer0_ptr, layer_ptrs, chunk_ptrs, slots, T, C, s_k, s_b, s_n, s_h, BS,  # as in kv_copy_kernel
     NH: tl.constexpr,
@@ -110,7 +124,7 @@ def kv_quant_copy_kernel(
         tl.store(page + h * s_h + d, (v * s[:, None]).to(elem_ty), mask=mask)
 
 
-@triton.jit
+@_jit
 def digest_kernel(
     table,  # int64[rows, 3]: per slice its address, its bytes, and the index of its first word in its chunk
     out,  # int64[n]: slice c's share of its chunk's digest is added to out[c % n] (mod 2^64)
@@ -133,7 +147,7 @@ def digest_kernel(
         tl.atomic_add(out + c % n, tl.sum(tl.where(mask, (w + 1) * weight, 0), axis=0))
 
 
-@triton.jit
+@_jit
 def host_words_kernel(src, dst, n, BLOCK: tl.constexpr):
     """dst[i] = src[i], int64 words, `src` the address of pinned host memory: the kernel
     reads it over PCIe, where a copy-engine copy would queue behind chunks already crossing."""
@@ -142,7 +156,7 @@ def host_words_kernel(src, dst, n, BLOCK: tl.constexpr):
     tl.store(dst + i, tl.load(src.to(tl.pointer_type(tl.int64)) + i, mask=mask), mask=mask)
 
 
-@triton.jit
+@_jit
 def host_runs_kernel(table_addr, runs, BLOCK: tl.constexpr):
     """Copy `runs` runs of rows, pinned host -> device, by the SMs' own loads over PCIe,
     with no copy engine (whose queue vLLM's small input copies would wait behind: every
