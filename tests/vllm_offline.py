@@ -67,18 +67,23 @@ def hit_granularity() -> int:
 
 
 def run_vllm(model: Path, prompts: list[list[int]], tmp: Path, kv_role: str = "", env: dict | None = None,
-             name: str = "", dtype: str = "auto", max_tokens: int = 8, by_name: bool = False, tp: int = 1
-             ) -> tuple[list[dict], str]:
+             name: str = "", dtype: str = "auto", max_tokens: int = 8, by_name: bool = False, tp: int = 1,
+             engine_process: bool = False) -> tuple[list[dict], str]:
     """Run this file in a subprocess; returns the per-request results and vLLM's log.
 
-    dtype "auto": the one models run in here (kvtier.dev.cpu_dtype.model_dtype)."""
+    dtype "auto": the one models run in here (kvtier.dev.cpu_dtype.model_dtype). vLLM's
+    engine core runs in that process (VLLM_ENABLE_V1_MULTIPROCESSING=0: a run takes 34 s
+    instead of 66 s on a 2-core host, vLLM imported once), with the scheduler's and the
+    worker's connector side by side; `engine_process` runs it in a process of its own, as
+    `LLM` does by default (the connector suite's main runs, and every OpenAI server)."""
     pfile = tmp / f"prompts-{name or kv_role or 'plain'}.json"
     pfile.write_text(json.dumps(prompts))
     cmd = [sys.executable, __file__, "--model", str(model), "--prompts", str(pfile), "--kv-role", kv_role,
            "--dtype", model_dtype().dtype if dtype == "auto" else dtype, "--max-tokens", str(max_tokens)]
     cmd += (["--by-name"] if by_name else []) + ["--tp", str(tp)]
     # Defaults under LMCACHE_ names: a test's own LMCACHE_ or KVTIER_ setting replaces or overrides them.
-    full_env = {**os.environ, "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25", **(env or {})}
+    full_env = {**os.environ, "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if engine_process else "0", **(env or {})}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=full_env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     results = [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
