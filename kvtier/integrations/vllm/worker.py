@@ -47,6 +47,7 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}
         self._loads: list[tuple[Loading, TransferSpec]] = []  # loads of this step, finished at wait_for_save
         self._stores: list[Storing] | None = None  # layerwise stores of this step, once begun
+        self._store_layerwise = config.use_layerwise  # and on a GPU always: see register_kv_caches
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load")
         self._background: dict[str, tuple[TransferSpec, Future]] = {}
         self._failed_tokens = 0  # promised tokens that could not be loaded
@@ -71,6 +72,12 @@ class WorkerSide:
                        dtype=str(vkv.kv.dtype).removeprefix("torch."), tp_rank=rank,
                        tp_size=get_tensor_model_parallel_world_size())
         self.engine = self.pd.make_engine(vkv.kv, fmt, rank)
+        # On a GPU a step's KV goes to the host layer by layer as the forward writes it, also
+        # where loads are whole: a whole store's copy after the forward made cold TTFT +5.3 %
+        # (16k) and +6.2 % (32k) over plain vLLM, storing layer by layer -0.6 % and +2.1 %
+        # (H100, vLLM 0.26, default mode, 7 pairs, results/gpu-h100-vllm-2026-11-26/run1). A
+        # step whose layers vLLM runs in one CUDA graph calls no save_kv_layer: it stores whole.
+        self._store_layerwise = self.config.use_layerwise or vkv.kv.device.type == "cuda"
         self._server = LookupServer(socket_path(self.engine_id, rank), Handlers(
             lookup=self._find, release=self.engine.release_hold, reset=self.engine.clear))
 
@@ -153,7 +160,7 @@ class WorkerSide:
 
     def save_kv_layer(self, meta: Callable[[], KvtierMetadata], layer_name: str) -> None:
         index = self._layer_index.get(layer_name)
-        if not self.config.use_layerwise or index is None:
+        if not self._store_layerwise or index is None:
             return
         t0 = time.perf_counter()
         if self._stores is None:  # the step's first layer: decide what to store, allocate its blocks
