@@ -80,6 +80,10 @@ class KvtierConfig:
         "queue holds vLLM's next-step inputs until the whole load has crossed) | auto (kernel for "
         "layerwise loads, whose overlap needs vLLM's inputs through; copy engine for whole ones)",
         default="auto")
+    share_across_tp: bool = _doc(
+        "also read chunks that instances of another tensor-parallel size stored (disk and remote tiers), "
+        "cut or joined to this rank's KV heads; a miss then asks the tiers for each other size too",
+        default=False)
     enable_pd: bool = _doc("disaggregated prefill: this instance sends (prefiller) or receives (decoder) KV",
                            default=False)
     pd_role: str | None = _doc("sender (vLLM kv_producer) | receiver (vLLM kv_consumer)", default=None)
@@ -164,6 +168,9 @@ def _check_ranges(cfg: KvtierConfig) -> None:
                           + "); Redis takes its password in the URL")
     if cfg.remote_serde not in (*SERDES, *KV_CODECS):
         raise ConfigError("remote_serde", cfg.remote_serde, " | ".join((*SERDES, *KV_CODECS)))
+    if cfg.share_across_tp and cfg.remote_serde in KV_CODECS:
+        raise ConfigError("share_across_tp", cfg.share_across_tp,
+                          f"false with the lossy codec {cfg.remote_serde} (its rows carry per-head scales)")
     if cfg.gpu_upload not in GPU_UPLOADS:
         raise ConfigError("gpu_upload", cfg.gpu_upload, " | ".join(GPU_UPLOADS))
     if cfg.blocking_timeout_secs <= 0:

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from kvtier.remote import LendingStore, RegisteringStore, open_store
 from kvtier.tiers.store import TieredStore
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.reshard import DiskFiles, HeadGeometry, ReshardedSource, share_sizes
 from kvtier.tiers.remote import RemoteTier
 from kvtier.transfer import PagedKV, Quant, make_transfer
 
@@ -62,9 +64,11 @@ def build(config: KvtierConfig, kv: PagedKV, fmt: KVFormat, transfer: str, cpu: 
         remote.digests_on_device = mover.digests
         if isinstance(remote.store, RegisteringStore) and cpu.pool.device.type == "cpu":
             remote.store.register_memory(cpu.pool.arena.data_ptr(), cpu.pool.capacity)
+    disk = _disk_tier(config, mover.bytes_per_token, fmt)
+    readers = _other_tp_sizes(config, kv, fmt, disk, remote) if config.share_across_tp else []
     tiers = TieredStore(cpu, keep_cpu=config.local_cpu or shared_tier, bytes_per_token=mover.bytes_per_token,
-                        disk=_disk_tier(config, mover.bytes_per_token, fmt), remote=remote,
-                        disk_min_stores=config.local_disk_min_stores, wait_s=config.blocking_timeout_secs)
+                        disk=disk, remote=remote, disk_min_stores=config.local_disk_min_stores,
+                        wait_s=config.blocking_timeout_secs, readers=readers)
     return Parts(quant, fmt, SpanMemo(fmt, config.chunk_size, config.save_unfull_chunk), mover, tiers,
                  Holds(tiers, config.pin_timeout_sec), EventLog(cpu, config.enable_kv_events), EngineStats())
 
@@ -77,9 +81,32 @@ def _disk_tier(config: KvtierConfig, bytes_per_token: int, fmt: KVFormat) -> Dis
     if config.disk_bytes < chunk_file:
         raise ConfigError("max_local_disk_size", config.max_local_disk_size,
                           f"room for at least one chunk file ({chunk_file / 1e6:.2f} MB)")
-    if fmt.tp_size > 1:  # one directory (and one lock) per rank
-        root = root / f"tp{fmt.tp_rank}of{fmt.tp_size}"
-    return DiskTier(root, config.disk_bytes, Codec("naive"), config.cache_policy)
+    return DiskTier(_rank_dir(root, fmt.tp_rank, fmt.tp_size), config.disk_bytes, Codec("naive"),
+                    config.cache_policy)
+
+
+def _rank_dir(root: Path, rank: int, size: int) -> Path:
+    return root / f"tp{rank}of{size}" if size > 1 else root  # one directory (and one lock) per rank
+
+
+def _other_tp_sizes(config: KvtierConfig, kv: PagedKV, fmt: KVFormat, disk: DiskTier | None,
+                    remote: RemoteTier | None) -> list[ReshardedSource]:
+    """share_across_tp: per other tensor-parallel size, the chunks its ranks left in the remote
+    store and in their disk directories, as this rank's (kvtier/tiers/reshard.py)."""
+    geo = HeadGeometry(kv.num_layers, kv.kv, kv.heads, kv.head_size * kv.dtype.itemsize,
+                       mla=kv.kv == 1)  # one latent per token (no K and V): MLA
+    out: list[ReshardedSource] = []
+    for size in share_sizes(fmt, geo):
+        if remote is not None:
+            out.append(ReshardedSource(fmt, size, geo, lambda r: remote, f"remote tp{size}"))
+        if disk is not None:
+            root = config.disk_path
+            assert root is not None
+            out.append(ReshardedSource(fmt, size, geo, lambda r, size=size: DiskFiles(_rank_dir(root, r, size),
+                                                                                   Codec("naive")),
+                                       f"disk tp{size}"))
+    log.info("share_across_tp: also reading chunks of tensor-parallel sizes %s", share_sizes(fmt, geo))
+    return out
 
 
 def _remote_tier(config: KvtierConfig, kv: PagedKV, quant: Quant | None) -> RemoteTier | None:

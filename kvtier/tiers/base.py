@@ -19,13 +19,20 @@ class Tier(enum.StrEnum):
 CPU = Tier.CPU
 
 
-class LowerTier(Protocol):
-    """A tier below CPU RAM (DiskTier, RemoteTier): chunk bytes in and out of pool blocks."""
+class ChunkSource(Protocol):
+    """Where chunks are read from below CPU RAM: a tier, or a read-only view (another tensor-
+    parallel size's chunks, kvtier/tiers/reshard.py). `name` is what `locate` reports."""
 
     name: str
 
     def exists(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
-    def get_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[int | None]: ...
+    def get_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[int | None]:
+        """Each chunk's bytes into outs[i] (exactly its size): its num_tokens, or None (a miss)."""
+
+
+class LowerTier(ChunkSource, Protocol):
+    """A tier below CPU RAM (DiskTier, RemoteTier): chunk bytes in and out of pool blocks."""
+
     def put(self, keys: Sequence[ChunkKey], chunks: Sequence[tuple[memoryview, int, int]]) -> bool:
         """Each chunk as (its bytes, num_tokens, its KV digest or 0: MemoryBlock.digest)."""
 

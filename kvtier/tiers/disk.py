@@ -178,14 +178,8 @@ class DiskTier:
                 return None
             self._order.touch(name)
         path = self.root / name
-        header = bytearray(HEADER.size)
         try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                if size != HEADER.size + len(out):
-                    raise CorruptPayload(f"file of {size} bytes, the chunk needs {HEADER.size + len(out)}")
-                _read_exactly(f, [memoryview(header), memoryview(out).cast("B")])
-                num_tokens = self.codec.check_in_place(header, out)
+            num_tokens = read_chunk_file(path, out, self.codec)
         except FileNotFoundError:  # removed behind our back
             self._forget(name)
             self._count(misses=1)
@@ -201,7 +195,7 @@ class DiskTier:
             self._forget(name)
             return None
         self._touch(path)
-        self._count(hits=1, bytes_read=size)
+        self._count(hits=1, bytes_read=HEADER.size + len(out))
         return num_tokens
 
     def _touch(self, path: Path) -> None:
@@ -361,6 +355,16 @@ class DiskTier:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = -1
+
+
+def read_chunk_file(path: Path, out: memoryview, codec: Codec) -> int:
+    """A chunk file checked into `out` (the chunk's size): num_tokens; or OSError, CorruptPayload."""
+    header = bytearray(HEADER.size)
+    with open(path, "rb", buffering=0) as f:
+        if (size := os.fstat(f.fileno()).st_size) != HEADER.size + len(out):
+            raise CorruptPayload(f"file of {size} bytes, the chunk needs {HEADER.size + len(out)}")
+        _read_exactly(f, [memoryview(header), memoryview(out).cast("B")])
+        return codec.check_in_place(header, out)
 
 
 def _write_file(path: Path, parts: Sequence[memoryview | bytes]) -> None:

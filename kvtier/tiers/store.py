@@ -40,7 +40,7 @@ from kvtier.keys import ChunkKey, ChunkSpan
 from kvtier.logs import get_logger
 from kvtier.memory import MemoryBlock
 from kvtier.tiers.cpu import CpuTier, StoredChunk
-from kvtier.tiers.base import CPU, LendingTier, LowerTier
+from kvtier.tiers.base import CPU, ChunkSource, LendingTier, LowerTier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.writers import Writer
 
@@ -54,10 +54,15 @@ AHEAD_BYTES = 256 << 20  # a batch when the next is read ahead: small enough tha
 
 class TieredStore:
     def __init__(self, cpu: CpuTier, *, keep_cpu: bool, bytes_per_token: int, disk: DiskTier | None = None,
-                 remote: LendingTier | None = None, disk_min_stores: int = 1, wait_s: float = 10.0) -> None:
+                 remote: LendingTier | None = None, disk_min_stores: int = 1, wait_s: float = 10.0,
+                 readers: Sequence[ChunkSource] = ()) -> None:
         self.cpu, self.disk, self.remote, self.keep_cpu = cpu, disk, remote, keep_cpu
         self.bytes_per_token, self.disk_min_stores, self.wait_s = bytes_per_token, disk_min_stores, wait_s
         self.lower: list[LowerTier] = [t for t in (disk, remote) if t is not None]
+        # Where chunks are read from, in order: the lower tiers, then read-only views (other
+        # tensor-parallel sizes' chunks, kvtier/tiers/reshard.py), asked only for what the
+        # tiers miss.
+        self.sources: list[ChunkSource] = [*self.lower, *readers]
         self._progress = threading.Condition()  # notified when a writer frees blocks
         # Queued and in-flight chunks hold their blocks. With the CPU tier on, at
         # most half the pool waits per writer, so the CPU tier keeps room to evict;
@@ -73,7 +78,7 @@ class TieredStore:
     def locate(self, keys: Sequence[ChunkKey]) -> list[str]:
         """Per key of the longest stored prefix of `keys`, the name of the tier holding it."""
         where: list[str | None] = [CPU if self.keep_cpu and self.cpu.contains(k) else None for k in keys]
-        for tier in self.lower:
+        for tier in self.sources:
             todo = [i for i, w in enumerate(where) if w is None]
             if not todo:
                 break
@@ -169,7 +174,7 @@ class TieredStore:
             span, tier = spans[i + len(batch)], where[i + len(batch)]
             chunk = self.cpu.get(span.key) if tier == CPU else None
             if tier == CPU and chunk is None:  # evicted since `locate` (maybe by this fetch): a copy below?
-                tier = next((t.name for t in self.lower if t.exists([span.key])[0]), None)
+                tier = next((t.name for t in self.sources if t.exists([span.key])[0]), None)
                 ended = tier is None
             if tier is not None and tier != CPU:
                 # The first block of a batch may wait for the writers; later ones
@@ -183,7 +188,7 @@ class TieredStore:
                 break
             batch.append((span, chunk))
         good = len(batch)
-        for tier in self.lower:
+        for tier in self.sources:
             pos = reads.get(tier.name, [])
             got = tier.get_into([batch[p][0].key for p in pos], [self._bytes(*batch[p]) for p in pos]) if pos else []
             good = min([good] + [p for p, n in zip(pos, got) if n != batch[p][0].num_tokens])
