@@ -6,6 +6,7 @@ rank keeps the chunks of its own KV heads under its own key space
 (`tp0of2`, `tp1of2`) and its own disk subdirectory, and the scheduler's
 lookup asks every rank and takes the shortest hit. Disaggregated prefill
 with TP=2 on both sides: sender rank r writes into decoder rank r's buffer.
+With share_across_tp, KV stored at TP=2 is a hit at TP=1 and the reverse.
 """
 
 from __future__ import annotations
@@ -94,6 +95,31 @@ def test_a_hit_counts_only_chunks_every_rank_holds(tiny_model, prompt, plain_tp2
                             tp=2)
     assert hits(log)[0][1] == 0
     assert cold["token_ids"] == plain_tp2["token_ids"]
+
+
+def test_kv_stored_at_tp2_is_a_hit_at_tp1_and_the_reverse(tiny_model, prompt, plain_tp2, stored_tp2, tmp_path):
+    """share_across_tp: a TP=1 instance joins both TP=2 ranks' chunks (each half of the KV
+    heads) from the same disk root; each rank of a TP=2 instance cuts its heads out of the
+    chunks a TP=1 instance stored. Warm tokens equal what vLLM computes at that size."""
+    share = {"KVTIER_SHARE_ACROSS_TP": "true"}
+    from_tp1 = tmp_path / "from-tp1"
+    # TP=1, cold: vLLM's own computation at TP=1 (nothing loaded), stored to its disk tier.
+    (plain_tp1,), log = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", disk_env(from_tp1), name="tp1-store",
+                                 dtype=DTYPE)
+    assert hits(log) == [(3000, 0, 0)] and any(from_tp1.glob("*.kvc"))
+    (warm2,), log = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", {**disk_env(from_tp1), **share},
+                             name="tp2-load", dtype=DTYPE, tp=2)
+    assert hits(log) == [(3000, 2816, 2816)]
+    assert log.count("Retrieved KV cache for 2816 out of 2816 tokens") == 2  # each rank its half
+    assert warm2["token_ids"] == plain_tp2["token_ids"]
+    assert max(abs(x - y) for x, y in zip(warm2["logprobs"], plain_tp2["logprobs"])) < 0.05
+    from_tp2 = tmp_path / "from-tp2"
+    shutil.copytree(stored_tp2[0], from_tp2)
+    (warm1,), log = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", {**disk_env(from_tp2), **share},
+                             name="tp1-load", dtype=DTYPE)
+    assert hits(log) == [(3000, 2816, 2816)]
+    assert warm1["token_ids"] == plain_tp1["token_ids"]
+    assert max(abs(x - y) for x, y in zip(warm1["logprobs"], plain_tp1["logprobs"])) < 0.05
 
 
 def test_disaggregated_prefill_with_tp2_on_both_sides(tiny_model, tmp_path):
