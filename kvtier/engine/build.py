@@ -98,13 +98,13 @@ def _other_tp_sizes(config: KvtierConfig, kv: PagedKV, fmt: KVFormat, disk: Disk
     out: list[ReshardedSource] = []
     for size in share_sizes(fmt, geo):
         if remote is not None:
-            out.append(ReshardedSource(fmt, size, geo, lambda r: remote, f"remote tp{size}"))
+            out.append(ReshardedSource(fmt, size, geo, lambda r: remote, f"remote-tp{size}"))
         if disk is not None:
             root = config.disk_path
             assert root is not None
             out.append(ReshardedSource(fmt, size, geo, lambda r, size=size: DiskFiles(_rank_dir(root, r, size),
                                                                                    Codec("naive")),
-                                       f"disk tp{size}"))
+                                       f"disk-tp{size}"))
     log.info("share_across_tp: also reading chunks of tensor-parallel sizes %s", share_sizes(fmt, geo))
     return out
 

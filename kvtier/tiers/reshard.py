@@ -117,7 +117,7 @@ class DiskFiles:
     instance owns them): the chunks a tensor-parallel rank of another size wrote there."""
 
     def __init__(self, root: Path, codec: Codec) -> None:
-        self.name, self.root, self.codec = f"disk {root.name}", root, codec
+        self.name, self.root, self.codec = f"disk-{root.name}", root, codec
 
     def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
         return [(self.root / file_name(k)).is_file() for k in keys]
