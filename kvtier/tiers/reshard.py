@@ -12,9 +12,10 @@ A `ReshardedSource` is a read-only `ChunkSource` in front of a lower tier (the
 remote store, or the disk directories of the other size's ranks): `locate` asks it
 for the chunks this rank's own keys miss, and `fetch` reads them into pool blocks
 under this rank's keys, where they are promoted to the CPU tier as any disk or
-remote hit. A size kvtier cannot map (H not divisible, KV heads replicated when
-n > H) is not offered. Lossless chunks only: a lossy codec's rows carry per-head
-scales (the config refuses the two together).
+remote hit. A size whose shards do not divide H is not offered; where vLLM
+replicates KV heads (more ranks than H) the vLLM connector refuses the key at
+start. Lossless chunks only: a lossy codec's rows carry per-head scales (the
+config refuses the two together).
 """
 
 from __future__ import annotations
@@ -75,14 +76,14 @@ class ReshardedSource:
         self.source_heads = geometry.heads if geometry.mla else geometry.heads * m // size
         self._sources = {r: source_of_rank(r) for r in self.ranks}
 
-    def _keys(self, key: ChunkKey) -> list[ChunkKey]:
-        return [ChunkKey(dataclasses.replace(self.fmt, tp_rank=r, tp_size=self.size), key.digest)
-                for r in self.ranks]
+    def _key(self, key: ChunkKey, rank: int) -> ChunkKey:
+        """Rank `rank` of the other size's key for the tokens of `key`."""
+        return ChunkKey(dataclasses.replace(self.fmt, tp_rank=rank, tp_size=self.size), key.digest)
 
     def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
         found = [True] * len(keys)
-        for j, r in enumerate(self.ranks):
-            got = self._sources[r].exists([self._keys(k)[j] for k in keys])
+        for r in self.ranks:
+            got = self._sources[r].exists([self._key(k, r) for k in keys])
             found = [a and b for a, b in zip(found, got)]
         return found
 
@@ -92,9 +93,8 @@ class ReshardedSource:
         tokens = [len(out) // g.bytes_per_token for out in outs]
         parts = {r: [bytearray(t * src_token) for t in tokens] for r in self.ranks}
         got: list[int | None] = list(tokens)
-        for j, r in enumerate(self.ranks):
-            read = self._sources[r].get_into([self._keys(k)[j] for k in keys],
-                                             [memoryview(b) for b in parts[r]])
+        for r in self.ranks:
+            read = self._sources[r].get_into([self._key(k, r) for k in keys], [memoryview(b) for b in parts[r]])
             got = [None if a is None or b != a else a for a, b in zip(got, read)]
         for i, out in enumerate(outs):
             if got[i] is None:

@@ -20,7 +20,7 @@ import torch
 
 from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine, Loading, Storing
-from kvtier.errors import UnsupportedKVLayout
+from kvtier.errors import ConfigError, UnsupportedKVLayout
 from kvtier.integrations.vllm.events import KvtierKVEvents, to_vllm
 from kvtier.integrations.vllm.layout import vllm_kv
 from kvtier.integrations.vllm.lookup import Handlers, LookupServer, socket_path
@@ -68,9 +68,12 @@ class WorkerSide:
         if vkv.whole_blocks != self.shape.whole_blocks:  # the scheduler rounded hits by what it expected
             raise UnsupportedKVLayout(vkv.backend, f"layout {vkv.kv.layout}", "what the scheduler expected")
         rank = get_tensor_model_parallel_rank()
+        size, heads = get_tensor_model_parallel_world_size(), vllm_config.model_config.get_total_num_kv_heads()
+        if self.config.share_across_tp and not vllm_config.model_config.use_mla and size > heads:
+            raise ConfigError("share_across_tp", True, f"false here: {size} ranks share {heads} KV heads, "
+                              "so vLLM replicates them and no rank holds a slice of the heads")
         fmt = KVFormat(model=vllm_config.model_config.model, layout=vkv.chunk_layout,
-                       dtype=str(vkv.kv.dtype).removeprefix("torch."), tp_rank=rank,
-                       tp_size=get_tensor_model_parallel_world_size())
+                       dtype=str(vkv.kv.dtype).removeprefix("torch."), tp_rank=rank, tp_size=size)
         self.engine = self.pd.make_engine(vkv.kv, fmt, rank)
         # On a GPU a step's KV goes to the host layer by layer as the forward writes it, also
         # where loads are whole: a whole store's copy after the forward made cold TTFT +5.3 %
