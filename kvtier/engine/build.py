@@ -95,17 +95,18 @@ def _other_tp_sizes(config: KvtierConfig, kv: PagedKV, fmt: KVFormat, disk: Disk
     store and in their disk directories, as this rank's (kvtier/tiers/reshard.py)."""
     geo = HeadGeometry(kv.num_layers, kv.kv, kv.heads, kv.head_size * kv.dtype.itemsize,
                        mla=kv.kv == 1)  # one latent per token (no K and V): MLA
+    root, sizes = config.disk_path, share_sizes(fmt, geo)
     out: list[ReshardedSource] = []
-    for size in share_sizes(fmt, geo):
-        if remote is not None:
-            out.append(ReshardedSource(fmt, size, geo, lambda r: remote, f"remote-tp{size}"))
-        if disk is not None:
-            root = config.disk_path
-            assert root is not None
-            out.append(ReshardedSource(fmt, size, geo, lambda r, size=size: DiskFiles(_rank_dir(root, r, size),
-                                                                                   Codec("naive")),
-                                       f"disk-tp{size}"))
-    log.info("share_across_tp: also reading chunks of tensor-parallel sizes %s", share_sizes(fmt, geo))
+    for size in sizes:
+        if remote is not None:  # one store: every size's keys are in it
+            out.append(ReshardedSource(fmt, size, geo, lambda rank: remote, f"remote-tp{size}"))
+        if disk is not None and root is not None:  # each rank of that size: its directory under the root
+
+            def rank_files(rank: int, size: int = size) -> DiskFiles:
+                return DiskFiles(_rank_dir(root, rank, size), Codec("naive"))
+
+            out.append(ReshardedSource(fmt, size, geo, rank_files, f"disk-tp{size}"))
+    log.info("share_across_tp: also reading chunks of tensor-parallel sizes %s", sizes)
     return out
 
 
