@@ -275,7 +275,7 @@ def agrees(cold: list[int], plain: dict) -> bool:
         return False
     if cold == plain["cold"]:
         return True
-    at = next(i for i, (a, b) in enumerate(zip(cold, plain["cold"])) if a != b)
+    at = next((i for i, (a, b) in enumerate(zip(cold, plain["cold"])) if a != b), min(len(cold), len(plain["cold"])))
     split = next((i for i, (a, b) in enumerate(zip(plain["cold"], plain["gpu_hit"])) if a != b), None)
     return at == split and cold[:at + 1] == plain["gpu_hit"][:at + 1]
 

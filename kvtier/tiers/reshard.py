@@ -54,26 +54,29 @@ class HeadGeometry:
 def share_sizes(fmt: KVFormat, geometry: HeadGeometry, most: int = 8) -> list[int]:
     """The other tensor-parallel sizes (powers of two up to `most`) whose chunks map
     onto this rank's exactly."""
-    if geometry.mla:
-        return [n for n in (1, 2, 4, 8) if n <= most and n != fmt.tp_size]
+    sizes = [n for n in (1, 2, 4, 8) if n <= most and n != fmt.tp_size]
     total = geometry.heads * fmt.tp_size
-    return [n for n in (1, 2, 4, 8) if n <= most and n != fmt.tp_size and n <= total and total % n == 0]
+    return sizes if geometry.mla else [n for n in sizes if total % n == 0]
 
 
 class ReshardedSource:
     def __init__(self, fmt: KVFormat, size: int, geometry: HeadGeometry,
                  source_of_rank: Callable[[int], ChunkSource], name: str) -> None:
         self.fmt, self.size, self.geo, self.name = fmt, size, geometry, name
-        m, s = fmt.tp_size, fmt.tp_rank
+        m, s, h = fmt.tp_size, fmt.tp_rank, geometry.heads
+        # Per source rank: which of its heads are this rank's [lo, hi), and where they go (at).
         if geometry.mla:
-            self.ranks, self.first_head = [0], 0
+            self.source_heads, pieces = h, [(0, 0, h, 0)]
         elif size > m:  # smaller shards: join size/m of them
             per = size // m
-            self.ranks, self.first_head = list(range(s * per, (s + 1) * per)), 0
+            self.source_heads = h // per
+            pieces = [(s * per + j, 0, h // per, j * (h // per)) for j in range(per)]
         else:  # a larger shard: cut this rank's heads out of it
             per = m // size
-            self.ranks, self.first_head = [s // per], (s % per) * geometry.heads
-        self.source_heads = geometry.heads if geometry.mla else geometry.heads * m // size
+            self.source_heads, pieces = h * per, [(s // per, (s % per) * h, (s % per + 1) * h, 0)]
+        b = geometry.head_bytes
+        self._pieces = [(r, lo * b, hi * b, at * b) for r, lo, hi, at in pieces]  # in bytes of a token's row
+        self.ranks = [r for r, *_ in pieces]
         self._sources = {r: source_of_rank(r) for r in self.ranks}
 
     def _key(self, key: ChunkKey, rank: int) -> ChunkKey:
@@ -89,9 +92,9 @@ class ReshardedSource:
 
     def get_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[int | None]:
         g = self.geo
-        src_token = g.layers * g.kv * self.source_heads * g.head_bytes
+        src_row = self.source_heads * g.head_bytes  # one source rank's heads of one (layer, K|V, token)
         tokens = [len(out) // g.bytes_per_token for out in outs]
-        parts = {r: [bytearray(t * src_token) for t in tokens] for r in self.ranks}
+        parts = {r: [bytearray(g.layers * g.kv * t * src_row) for t in tokens] for r in self.ranks}
         got: list[int | None] = list(tokens)
         for r in self.ranks:
             read = self._sources[r].get_into([self._key(k, r) for k in keys], [memoryview(b) for b in parts[r]])
@@ -100,15 +103,9 @@ class ReshardedSource:
             if got[i] is None:
                 continue
             dst = np.frombuffer(out, np.uint8).reshape(g.layers, g.kv, tokens[i], g.heads * g.head_bytes)
-            for j, r in enumerate(self.ranks):
-                src = np.frombuffer(parts[r][i], np.uint8).reshape(g.layers, g.kv, tokens[i],
-                                                                   self.source_heads * g.head_bytes)
-                if len(self.ranks) > 1:  # joined: source j is heads [j*hs, (j+1)*hs) of this rank's
-                    w = self.source_heads * g.head_bytes
-                    dst[..., j * w:(j + 1) * w] = src
-                else:
-                    a = self.first_head * g.head_bytes
-                    dst[...] = src[..., a:a + g.heads * g.head_bytes]
+            for r, lo, hi, at in self._pieces:
+                src = np.frombuffer(parts[r][i], np.uint8).reshape(g.layers, g.kv, tokens[i], src_row)
+                dst[..., at:at + hi - lo] = src[..., lo:hi]
         return got
 
 
