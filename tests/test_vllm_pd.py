@@ -1,6 +1,6 @@
 """LMCache's disaggregated-prefill guide (1P1D) with kvtier, on CPU: a prefiller and a
 decoder (real vLLM, CPU build) and `kvtier proxy`, started as the guide starts them,
-on loopback. Once per transfer channel (tcp, and nixl where installed)."""
+on loopback. Over the guide's channel (nixl where installed, else tcp; cuda_ipc on a GPU)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,10 @@ DTYPE = pd_dtype()
 SENT_LINE = re.compile(r"PD: sent KV of (\d+) tokens")
 
 
-@pytest.fixture(scope="module", params=["cuda_ipc"] if ON_GPU else channels())
+# One cluster per run: the guide's channel (cuda_ipc on a GPU, nixl on a CPU where it is
+# installed). The tcp channel runs the same proxy flow, a dead decoder included, in
+# test_chaos.py's PD part (kvtier bench chaos), and at engine level in test_pd.py.
+@pytest.fixture(scope="module", params=["cuda_ipc"] if ON_GPU else channels()[-1:])
 def cluster(request, tiny_model, tmp_path_factory):
     with pd_cluster(tiny_model, tmp_path_factory.mktemp(f"pd-{request.param}"), request.param) as c:
         yield c
