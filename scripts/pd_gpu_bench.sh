@@ -31,30 +31,6 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
         --sender-device cuda:0 --receiver-device cuda:1 --repeats 5 --output "$out/pd-2gpu.json" 2>&1 \
         | grep -v " INFO " | tee "$out/pd-2gpu.txt"
 fi
-# Where a cuda_ipc send's time goes: the gather kernel alone, into local device chunks, 16k tokens.
-python3 - <<'PY' 2>&1 | tee "$out/pd-profile.txt"
-import time, torch
-from kvtier.bench.offload import OffloadShape
-from kvtier.bench.pd import _paged, _slots, per_token
-from kvtier.keys import KVFormat, chunk_spans
-from kvtier.transfer import make_transfer
-shape, n = OffloadShape(), 16384
-kv, _ = _paged(shape, n, "cuda:0", fill=True)
-slots = _slots(kv.num_blocks, shape.block_size, n, 7)
-chunks = [torch.empty(kv.chunk_shape(shape.chunk_size), dtype=kv.dtype, device="cuda:0") for _ in range(n // shape.chunk_size)]
-nbytes = n * per_token(shape)
-src, dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0"), torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-for name in ("triton", "torch"):
-    t = make_transfer(kv, name)
-    times = []
-    for _ in range(6):
-        torch.cuda.synchronize(); t0 = time.perf_counter(); t.gather(slots, chunks); torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    ms = sorted(times[1:])[2] * 1e3
-    print(f"gather kernel only ({name}), 16384 tokens into device chunks: {ms:.2f} ms = {nbytes / ms / 1e6:.0f} GB/s")
-times = []
-for _ in range(6):
-    torch.cuda.synchronize(); t0 = time.perf_counter(); dst.copy_(src); torch.cuda.synchronize(); times.append(time.perf_counter() - t0)
-ms = sorted(times[1:])[2] * 1e3
-print(f"device-to-device copy of the same bytes: {ms:.2f} ms = {nbytes / ms / 1e6:.0f} GB/s")
-PY
+# Where a cuda_ipc send's time goes: the gather kernel into local and peer memory, kvtier's
+# ring (kernel, then the copy engine), and the plain copy, each alone.
+python3 scripts/pd_write_profile.py 2>&1 | tee "$out/pd-profile.txt"

@@ -28,6 +28,11 @@ FMT = KVFormat("m", "flash_attn", "float32")
 BPT = L * 2 * H * D * 4  # bytes per token
 
 
+def digests(*ids: int) -> bytes:
+    """Alloc's payload: one 16-byte chunk-key digest per id."""
+    return b"".join(i.to_bytes(proto.DIGEST_BYTES, "big") for i in ids)
+
+
 def channels():
     out = ["tcp"]
     try:
@@ -102,8 +107,10 @@ def test_sent_kv_is_a_hit_on_the_receiver_and_loads_bit_exact(channel, monkeypat
     try:
         toks = list(range(1000, 1100))  # 6 whole chunks and a partial one of 4
         src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
-        # chunked prefill: two steps, the second ends the prompt
+        # chunked prefill: two steps, the second ends the prompt; one Commit makes both hits
         assert p.sender.send(p.target("r1"), toks[:64], src[:64], start=0, last=False) == 64
+        assert p.receiver_engine.lookup(toks) == 0  # reserved and written, not committed
+        assert p.buffer.stats.reserved_chunks == 4
         assert p.sender.send(p.target("r1"), toks, src, start=64, last=True) == 36
         assert p.receiver_engine.lookup(toks) == 100
         mask = p.receiver_engine.retrieve(toks, dst[:99])  # all but the last token, as vLLM asks
@@ -128,6 +135,18 @@ def test_a_shared_prefix_is_sent_once_and_freed_with_its_last_owner(pair):
     assert pair.receiver_engine.lookup(toks) == 64  # b still owns it
     pair.buffer.release("b")
     assert pair.receiver_engine.lookup(toks) == 0
+
+
+@pytest.mark.parametrize("pair", [{"buffer_chunks": 6, "alloc_timeout": 0.2}], indirect=True)
+def test_a_later_step_that_finds_no_room_frees_what_the_earlier_steps_reserved(pair):
+    toks, slots = list(range(160)), torch.arange(160)
+    assert pair.sender.send(pair.target("a"), toks[:64], slots[:64], start=0, last=False) == 64
+    assert pair.buffer.pool.free_blocks == 2
+    assert pair.sender.send(pair.target("a"), toks, slots, start=64, last=False) == 0  # 6 more chunks: no room
+    assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks and pair.buffer.held_requests() == 0
+    assert pair.sender.send(pair.target("a"), toks, slots, start=160, last=True) == 0  # its last step sends nothing
+    assert pair.sender.send(pair.target("b"), toks[:64], slots[:64], start=0, last=True) == 64  # the link still works
+    assert pair.receiver_engine.lookup(toks[:64]) == 64
 
 
 @pytest.mark.parametrize("pair", [{"buffer_chunks": 4, "alloc_timeout": 0.3}], indirect=True)
@@ -187,8 +206,7 @@ def test_a_dead_decoder_fails_the_send_quickly_and_frees_the_sender(pair, caplog
 
 def test_a_sender_that_dies_mid_transfer_frees_its_reservation(pair):
     conn = socket.create_connection(("127.0.0.1", pair.alloc_port))
-    digests = [f"{i:032x}" for i in range(3)]
-    proto.send(conn, proto.Alloc("x", digests, [CHUNK] * 3))
+    proto.send(conn, proto.Alloc("x", [CHUNK] * 3), digests(0, 1, 2))
     reply = proto.recv(conn)[0]
     assert isinstance(reply, proto.Allocated) and len(reply.blocks) == 3
     assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks - 3
@@ -202,7 +220,7 @@ def test_a_sender_that_dies_mid_transfer_frees_its_reservation(pair):
 
 def test_a_release_before_commit_frees_the_chunks_at_commit(pair):
     conn = socket.create_connection(("127.0.0.1", pair.alloc_port))
-    proto.send(conn, proto.Alloc("x", [f"{1:032x}"], [CHUNK]))
+    proto.send(conn, proto.Alloc("x", [CHUNK]), digests(1))
     block = proto.recv(conn)[0].blocks[0]
     pair.buffer.release("x")  # the client cancelled while the prefill was running
     proto.send(conn, proto.Write("x", block), b"\1" * (CHUNK * BPT))
@@ -224,17 +242,17 @@ def test_kv_whose_request_never_comes_expires(pair):
 MALFORMED = [
     b"GARBAGE" * 10,
     struct.pack("<2sBBIQ", b"KP", 9, 3, 2, 0) + b"{}",  # another version
-    struct.pack("<2sBBIQ", b"KP", 1, 99, 2, 0) + b"{}",  # unknown type
-    struct.pack("<2sBBIQ", b"KP", 1, 3, 1 << 30, 0),  # header too large
-    proto.FRAME.pack(b"KP", 1, 3, 5, 0) + b"nope!",  # not JSON
-    proto.FRAME.pack(b"KP", 1, 3, 2, 0) + b"[]",  # not an object
+    struct.pack("<2sBBIQ", b"KP", proto.VERSION, 99, 2, 0) + b"{}",  # unknown type
+    struct.pack("<2sBBIQ", b"KP", proto.VERSION, 3, 1 << 30, 0),  # header too large
+    proto.FRAME.pack(b"KP", proto.VERSION, 3, 5, 0) + b"nope!",  # not JSON
+    proto.FRAME.pack(b"KP", proto.VERSION, 3, 2, 0) + b"[]",  # not an object
     proto.encode(proto.Commit("never-reserved")),
     proto.encode(proto.Write("x", 0), 10) + b"0123456789",  # a block not reserved
-    proto.encode(proto.Alloc("x", ["zz"], [CHUNK])),  # a digest that is not hex
-    proto.encode(proto.Alloc("x", [f"{1:032x}"], [CHUNK * 99])),  # more tokens than a chunk
-    proto.encode(proto.Alloc("x", [f"{1:032x}", f"{2:032x}"], [CHUNK])),  # lengths differ
+    proto.encode(proto.Alloc("x", [CHUNK]), 3) + b"zzz",  # a digest of 3 bytes
+    proto.encode(proto.Alloc("x", [CHUNK * 99]), 16) + bytes(16),  # more tokens than a chunk
+    proto.encode(proto.Alloc("x", [CHUNK]), 32) + bytes(32),  # more digests than chunks
     proto.encode(proto.Hello("s", "f", 1, 1, "tcp")),  # Hello on the alloc port
-    proto.FRAME.pack(b"KP", 1, 10, 0, 0),  # Ok with no header
+    proto.FRAME.pack(b"KP", proto.VERSION, 10, 0, 0),  # Ok with no header
     proto.encode(proto.Release("x"), 1 << 40),  # a payload where none belongs
 ]
 
@@ -263,7 +281,7 @@ def test_a_sender_with_another_kv_format_is_refused_by_name(pair):
 
 def test_random_frames_never_crash_the_receiver(pair):
     gen = torch.Generator().manual_seed(7)
-    valid = [proto.encode(proto.Alloc("f", [f"{9:032x}"], [CHUNK])), proto.encode(proto.Release("f")),
+    valid = [proto.encode(proto.Alloc("f", [CHUNK]), 16) + digests(9), proto.encode(proto.Release("f")),
              proto.encode(proto.Commit("f"))]
     for i in range(200):
         frame = bytearray(valid[i % len(valid)])
@@ -353,6 +371,22 @@ def test_bench_pd_runs_on_cpu_and_checks_the_data(tmp_path, channel):
     assert run.returncode == 0, run.stderr[-2000:]
     (row,) = json.loads(out.read_text())["runs"]
     assert row["tokens"] == 300 and row["ratio_to_copy"] > 0 and len(row["alloc_write_commit_ms"]) == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_ipc_writes_land_intact_across_processes_and_gpus(tmp_path):
+    """The sender's ring (gather kernel, then the copy engine) into another process's
+    buffer, on the second GPU where there is one; the receiver's checksum of what it
+    loaded must equal the sender's (a chunk count that is not a multiple of a group)."""
+    import subprocess
+    import sys
+
+    out, receiver = tmp_path / "pd.json", f"cuda:{min(torch.cuda.device_count(), 2) - 1}"
+    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "pd", "--tokens", "300", "4000",
+                          "--channels", "cuda_ipc", "--sender-device", "cuda:0", "--receiver-device", receiver,
+                          "--repeats", "2", "--output", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [r["tokens"] for r in json.loads(out.read_text())["runs"]] == [300, 4000]
 
 
 @pytest.mark.skipif("nixl" not in channels(), reason="nixl is not installed")

@@ -10,9 +10,14 @@
               staging pool and WRITEs staged blocks into the reserved blocks.
     cuda_ipc  built in, GPUs of one host. The receiver's buffer is cudaMalloc'd
               GPU memory and Welcome carries its CUDA IPC handle; the sender
-              maps it into its own GPU's context and its gather kernel writes
-              KV from the paged cache straight into the reserved blocks: one
-              pass, no staging (over NVLink when the GPUs differ).
+              maps it into its own GPU's context. Its gather kernel collects a
+              group of chunks from the paged cache into a small ring of
+              buffers in its own GPU memory, and the copy engine moves each
+              group into the reserved blocks (over NVLink when the GPUs
+              differ) while the kernel gathers the next: `IpcWriter`. All of
+              it is queued on the sender's streams behind the forward that
+              wrote the KV; nothing waits on the CPU until the request's
+              Commit.
 
 Each channel has a receiver half (`registration()`: the Welcome payload;
 `expect_writes()`/`writes_ended()` around each reservation) and a sender
@@ -34,7 +39,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -102,6 +107,63 @@ class ReceiverChannel:
 
 # -- sender half ---------------------------------------------------------------------------
 
+class IpcWriter:
+    """cuda_ipc's writes: gather kernel into a local ring, copy engine into the peer.
+
+    A kernel writing into another GPU's memory reached 0.76 of a plain copy over
+    NVLink (2026-11-23, two H200s: 14.9 ms against 11.2 ms for 32k tokens); the
+    copy engine moves contiguous bytes at the link's rate, and gathering into
+    local memory costs a fraction of that (HBM, not the link). The two run on
+    two streams of their own, `SLOTS` groups in flight, so the link never waits
+    for the kernel."""
+
+    SLOTS = 3
+    GROUP_BYTES = 64 << 20
+
+    def __init__(self, device: torch.device, chunk_bytes: int) -> None:
+        self.device = device
+        self.slot_bytes = max(self.GROUP_BYTES, chunk_bytes)
+        self.ring = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(self.SLOTS)]
+        self._free: list[torch.cuda.Event | None] = [None] * self.SLOTS  # a slot's last copy out of it
+        self._next = 0
+        self.gather_stream = torch.cuda.Stream(device)
+        self.copy_stream = torch.cuda.Stream(device)
+
+    def write(self, gather: Callable[[Sequence[Any], Sequence[torch.Tensor]], None], items: Sequence[Any],
+              nbytes: Sequence[int], views: Sequence[torch.Tensor]) -> torch.cuda.Event:
+        """Queue `gather(items[i:j], buffers)` group by group and the copies of each
+        group into `views`; the event that completes with the last copy."""
+        kv_written = torch.cuda.Event()
+        kv_written.record(torch.cuda.current_stream(self.device))
+        self.gather_stream.wait_event(kv_written)
+        i, done = 0, kv_written
+        while i < len(items):
+            j, size = i, 0
+            while j < len(items) and size + nbytes[j] <= self.slot_bytes:
+                size += nbytes[j]
+                j += 1
+            slot, self._next = self._next, (self._next + 1) % self.SLOTS
+            if self._free[slot] is not None:
+                self.gather_stream.wait_event(self._free[slot])
+            offsets = [0]
+            for n in nbytes[i:j]:
+                offsets.append(offsets[-1] + n)
+            parts = [self.ring[slot][a:b] for a, b in zip(offsets, offsets[1:])]
+            with torch.cuda.stream(self.gather_stream):
+                gather(items[i:j], parts)
+            gathered = torch.cuda.Event()
+            gathered.record(self.gather_stream)
+            self.copy_stream.wait_event(gathered)
+            with torch.cuda.stream(self.copy_stream):
+                for part, view in zip(parts, views[i:j]):
+                    view.copy_(part, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+            self._free[slot] = done
+            i = j
+        return done
+
+
 @dataclass
 class Peer:
     """A receiver as the sender's channel sees it, from its Welcome."""
@@ -117,6 +179,7 @@ class SenderChannel:
     def __init__(self, name: str, staging: HostPool) -> None:
         self.name, self.staging = name, staging
         self.staged = name != "cuda_ipc"
+        self.ipc: IpcWriter | None = None  # cuda_ipc: made at the first peer (its chunk size)
         self._agent: Any = None
         if name == "nixl":
             self._agent = _nixl_agent("kvtier-sender")
@@ -132,6 +195,8 @@ class SenderChannel:
             from kvtier.transfer.cudart import map_ipc_buffer
 
             peer.remote = map_ipc_buffer(registration, welcome.num_blocks * welcome.block_bytes)
+            if self.ipc is None:
+                self.ipc = IpcWriter(torch.device("cuda", torch.cuda.current_device()), welcome.block_bytes)
         return peer
 
     def views(self, peer: Peer, blocks: Sequence[int], nbytes: Sequence[int]) -> list[torch.Tensor]:

@@ -4,14 +4,19 @@ One frame:
 
     magic "KP" | version u8 | type u8 | header length u32 | payload length u64
     header: a JSON object whose keys are exactly the message's fields
-    payload: raw bytes (only Write, Hello and Welcome carry any)
+    payload: raw bytes (only Alloc, Write, Hello and Welcome carry any)
+
+A request's KV may be reserved by several Allocs (one per prefill step, the
+sender writing one step's chunks while the next is computed); one Commit at
+the end makes all of them hits. Alloc's digests travel as a binary payload,
+DIGEST_BYTES each in prompt order, not as JSON text.
 
 Who sends what:
 
     sender ──▶ receiver init port    Hello(format, channel)       ◀── Welcome(buffer) | Error
-    sender ──▶ receiver alloc port   Alloc(req, chunk digests)    ◀── Allocated(blocks) | NoRoom | Error
-                                     Write(req, block) + bytes    (tcp channel; no reply)
-                                     Commit(req)                  ◀── Ok | Error
+    sender ──▶ receiver alloc port   Alloc(req, tokens) + digests     ◀── Allocated(blocks) | NoRoom | Error
+                                     Write(req, block) + bytes        (tcp channel; no reply)
+                                     Commit(req)                      ◀── Ok | Error
                                      Abort(req)                   ◀── Ok
     proxy  ──▶ receiver alloc port   Release(req)                 ◀── Ok
     sender ──▶ proxy notify port     PrefillDone(req, ok, tokens)  (no reply)
@@ -34,11 +39,13 @@ from typing import Any, ClassVar
 
 from kvtier.errors import KvtierError
 
-VERSION = 1
+VERSION = 2
 MAGIC = b"KP"
 FRAME = struct.Struct("<2sBBIQ")
-MAX_HEADER = 1 << 20  # bytes of JSON: room for ~30k chunk digests
+MAX_HEADER = 1 << 20  # bytes of JSON
 MAX_LIST = 1 << 16
+DIGEST_BYTES = 16  # a chunk key's digest (kvtier.keys.ChunkKey)
+SMALL_PAYLOAD = 1 << 16  # sent in one call with its frame head
 MAX_STR = 4096
 
 
@@ -82,12 +89,16 @@ class Welcome(Message):
 
 @dataclass(frozen=True)
 class Alloc(Message):
-    """Reserve blocks for chunks of one request, all or none."""
+    """Reserve blocks for chunks of one request, all or none; the payload is their
+    chunk-key digests (`DIGEST_BYTES` each, in prompt order). A request's later Allocs
+    add to its reservation."""
 
     TYPE: ClassVar[int] = 3
     req_id: str
-    digests: list[str]  # hex chunk-key digests, in prompt order
     tokens: list[int]  # tokens of each chunk
+
+    def payload_limit(self) -> int:
+        return DIGEST_BYTES * len(self.tokens)
 
 
 @dataclass(frozen=True)
@@ -117,7 +128,8 @@ class Write(Message):
 
 @dataclass(frozen=True)
 class Commit(Message):
-    """Every reserved block is written: the chunks become hits on the receiver."""
+    """Every block reserved for the request (by all its Allocs) is written: the chunks
+    become hits on the receiver."""
 
     TYPE: ClassVar[int] = 7
     req_id: str
@@ -227,11 +239,11 @@ def _matches(value: Any, hint: Any) -> bool:
 
 def send(sock: socket.socket, msg: Message, payload: bytes | memoryview = b"") -> None:
     head = encode(msg, len(payload))
-    if payload:
+    if len(payload) > SMALL_PAYLOAD:
         sock.sendall(head)
         sock.sendall(payload)
-    else:
-        sock.sendall(head)
+    else:  # one segment: an Alloc's digests must not wait behind its head
+        sock.sendall(head + bytes(payload))
 
 
 def recv(sock: socket.socket, max_payload: int = 0) -> tuple[Message, int]:

@@ -81,18 +81,20 @@ class PdBuffer:
 
     # -- sender operations ---------------------------------------------------------------
 
-    def alloc(self, msg: proto.Alloc) -> proto.Allocated | proto.NoRoom:
-        """Blocks for the chunks of `msg` the buffer does not hold; all of them or none."""
-        if len(msg.digests) != len(msg.tokens):
-            raise proto.ProtocolError("Alloc: digests and tokens differ in length")
-        keys = [self._key(d) for d in msg.digests]
+    def alloc(self, msg: proto.Alloc, digests: bytes) -> proto.Allocated | proto.NoRoom:
+        """Blocks for the chunks of `msg` (their key digests, `DIGEST_BYTES` each) the
+        buffer does not hold; all of them or none. A request's reservation grows with
+        each Alloc until its Commit."""
+        n = proto.DIGEST_BYTES
+        if len(digests) != n * len(msg.tokens):
+            raise proto.ProtocolError(f"Alloc: {len(digests)} bytes of digests for {len(msg.tokens)} chunks")
+        keys = [ChunkKey(self.fmt, digests[i : i + n]) for i in range(0, len(digests), n)]
         chunk_tokens = self.pool.block_bytes // self.bytes_per_token
-        if any(not 0 < n <= chunk_tokens for n in msg.tokens):
+        if any(not 0 < t <= chunk_tokens for t in msg.tokens):
             raise proto.ProtocolError(f"Alloc: chunk token counts must lie in [1, {chunk_tokens}]")
         self.expire()
         with self._lock:
-            if msg.req_id in self._reserved:
-                raise proto.ProtocolError(f"Alloc: request {msg.req_id} has a reservation not committed yet")
+            earlier = self._reserved.get(msg.req_id)
             new = [i for i, k in enumerate(keys) if not self.tier.contains(k)]
             blocks: list[MemoryBlock] = []
             for _ in new:
@@ -107,9 +109,10 @@ class PdBuffer:
             shared = [k for i, k in enumerate(keys) if i not in fresh]
             for key in shared:  # owned now, so another request's release cannot free it
                 self._own(msg.req_id, key)
-            self._reserved[msg.req_id] = _Reservation(
-                {b.index: (keys[i], msg.tokens[i], b) for i, b in zip(new, blocks)}, shared,
-                time.monotonic() + self.ttl)
+            res = earlier or _Reservation({}, [], time.monotonic() + self.ttl)
+            res.blocks.update({b.index: (keys[i], msg.tokens[i], b) for i, b in zip(new, blocks)})
+            res.shared += shared
+            self._reserved[msg.req_id] = res
             self.stats.reserved_chunks += len(blocks)
             out = [-1] * len(keys)
             for i, b in zip(new, blocks):
@@ -188,15 +191,6 @@ class PdBuffer:
             return len(self._owned) + len(self._reserved)
 
     # -- internals (under the lock) ------------------------------------------------------
-
-    def _key(self, digest: str) -> ChunkKey:
-        try:
-            raw = bytes.fromhex(digest)
-        except ValueError:
-            raw = b""
-        if len(raw) != 16:
-            raise proto.ProtocolError(f"Alloc: chunk digest {digest[:40]!r} is not 32 hex digits")
-        return ChunkKey(self.fmt, raw)
 
     def _own(self, req_id: str, key: ChunkKey) -> None:
         self._owned.setdefault(req_id, _Owned()).keys.add(key)
@@ -285,9 +279,9 @@ class PdReceiver:
         conn.settimeout(FRAME_TIMEOUT)
         cls, header_len, payload_len = proto.parse_head(head)
         msg = proto.parse_header(cls, proto.recv_exact(conn, header_len))
-        if payload_len > (max_payload if cls is proto.Write else 0):
-            raise proto.ProtocolError(f"{cls.__name__} carries {payload_len} bytes (at most "
-                                      f"{max_payload if cls is proto.Write else 0})")
+        limit = max_payload if cls is proto.Write else msg.payload_limit() if isinstance(msg, proto.Alloc) else 0
+        if payload_len > limit:
+            raise proto.ProtocolError(f"{cls.__name__} carries {payload_len} bytes (at most {limit})")
         return msg, payload_len
 
     def _serve_init(self, conn: socket.socket) -> None:
@@ -316,28 +310,27 @@ class PdReceiver:
 
     def _serve_alloc(self, conn: socket.socket) -> None:
         buffer, open_reservations = self.buffer, set()
-        bounce: torch.Tensor | None = None
+        bounce = _Bounce(buffer.pool) if buffer.pool.device.type == "cuda" else None  # tcp into a GPU buffer
         try:
             while True:
                 msg, payload_len = self._next(conn, max_payload=buffer.pool.block_bytes)
                 if isinstance(msg, proto.Alloc):
-                    reply = buffer.alloc(msg)
-                    if isinstance(reply, proto.Allocated):
+                    reply = buffer.alloc(msg, proto.recv_exact(conn, payload_len))
+                    if isinstance(reply, proto.Allocated) and msg.req_id not in open_reservations:
                         open_reservations.add(msg.req_id)
                         self.channel.expect_writes()
                     proto.send(conn, reply)
                 elif isinstance(msg, proto.Write):
                     target = buffer.write_target(msg.req_id, msg.block, payload_len)
-                    if target.device.type == "cpu":
+                    if bounce is None:
                         proto.recv_into(conn, target.numpy().data)
                     else:
-                        if bounce is None:
-                            bounce = torch.empty(buffer.pool.block_bytes, dtype=torch.uint8)
-                        proto.recv_into(conn, bounce[:payload_len].numpy().data)
-                        target.copy_(bounce[:payload_len])
+                        bounce.receive(conn, target)
                 elif isinstance(msg, proto.Commit):
-                    if buffer.pool.device.type == "cuda":
-                        torch.cuda.synchronize(buffer.pool.device)
+                    # cuda_ipc and nixl writes are complete when the sender commits; tcp's
+                    # copies into a GPU buffer ran on this connection's stream.
+                    if bounce is not None:
+                        bounce.wait()
                     chunks = buffer.commit(msg.req_id)
                     self._end_writes(open_reservations, msg.req_id)
                     proto.send(conn, proto.Ok(msg.req_id, chunks))
@@ -376,6 +369,26 @@ class PdReceiver:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+class _Bounce:
+    """tcp into a GPU buffer: a Write's bytes land in pinned host memory, then are
+    copied on this connection's own stream (a Commit waits for that stream only,
+    never for the decoder's forward passes on its GPU)."""
+
+    def __init__(self, pool: HostPool) -> None:
+        self.host = torch.empty(pool.block_bytes, dtype=torch.uint8, pin_memory=True)
+        self.stream = torch.cuda.Stream(pool.device)
+
+    def receive(self, conn: socket.socket, target: torch.Tensor) -> None:
+        self.stream.synchronize()  # the last copy out of the host block is done
+        view = self.host[: target.numel()]
+        proto.recv_into(conn, view.numpy().data)
+        with torch.cuda.stream(self.stream):
+            target.copy_(view, non_blocking=True)
+
+    def wait(self) -> None:
+        self.stream.synchronize()
 
 
 def _peer_name(conn: socket.socket) -> str:

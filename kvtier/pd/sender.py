@@ -1,18 +1,21 @@
 """The prefiller's side of disaggregated prefill: push a request's KV into a decoder.
 
-    send(target, tokens, slots, start, last)
+    send(target, tokens, slots, start, last)     after each prefill step of a request
         keys of the chunks ending after `start`
-        → Alloc on the decoder's alloc port (retried until `pd_allocation_timeout_sec`)
+        → Alloc on the decoder's alloc port (retried until `pd_allocation_timeout_sec`),
+          digests in binary; a request's later steps add to its reservation
         → the channel writes them: staged (tcp, nixl) batch by batch through the
-          CPU pool, or gathered straight into the decoder's GPU buffer (cuda_ipc)
-        → Commit: the decoder now finds them as a hit
-        and, once the prompt's last chunk is in (`last`), PrefillDone to the proxy.
+          staging pool, or (cuda_ipc) queued on the GPU behind the forward that
+          wrote them, gathered and copied into the decoder's GPU buffer while vLLM
+          computes the next step (`IpcWriter`): the step does not wait for them
+        and at the prompt's last step (`last`): wait for this request's writes,
+        → Commit: the decoder now finds every chunk of the request as a hit
+        → PrefillDone to the proxy.
 
-vLLM prefills a long prompt over several steps; each step's new chunks are
-sent after that step, so the transfer overlaps the rest of the prefill. A
-failure (no room in time, the decoder gone) frees what this request holds
-on both sides, tells the proxy `ok=False` and never fails the prefill: the
-decoder then recomputes what is missing.
+A failure (no room in time, the decoder gone) frees what this request holds
+on both sides (after its queued writes are done: a block is never handed on
+while a copy may still land in it), tells the proxy `ok=False` and never
+fails the prefill: the decoder then recomputes what is missing.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -56,7 +59,24 @@ class SendStats:
     sent_bytes: int = 0
     failed: int = 0
     waited_for_room: int = 0
-    last_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the last transfer's Alloc, write, Commit
+    last_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the last request's Alloc, write, Commit
+
+
+@dataclass
+class _Open:
+    """A request whose KV is on its way: what its steps reserved and queued until its Commit."""
+
+    conn: "_Connection"
+    sent: int = 0  # tokens of the request's chunks handed to the decoder so far
+    moved: int = 0  # of those, tokens whose bytes moved (the decoder lacked them)
+    writes: list[torch.cuda.Event] = field(default_factory=list)  # queued cuda_ipc writes
+    alloc_ms: float = 0.0
+    write_ms: float = 0.0
+
+    def wait_writes(self) -> None:
+        for event in self.writes:
+            event.synchronize()
+        self.writes.clear()
 
 
 class _Connection:
@@ -76,8 +96,8 @@ class _Connection:
         self.sock.settimeout(timeout)
         self.name = f"{host}:{alloc_port}"
 
-    def call(self, msg: proto.Message) -> proto.Message:
-        proto.send(self.sock, msg)
+    def call(self, msg: proto.Message, payload: bytes = b"") -> proto.Message:
+        proto.send(self.sock, msg, payload)
         return proto.recv(self.sock)[0]
 
     def close(self) -> None:
@@ -106,12 +126,12 @@ class PdSender:
         self._proxy_warned = False
         self._lock = threading.Lock()
         self._failed: set[str] = set()  # requests whose transfer broke: later steps are not sent
-        self._sent: dict[str, int] = {}  # tokens sent so far per request, for the last log line
-        self._moved = 0  # tokens whose bytes the last transfer moved
+        self._open: dict[str, _Open] = {}  # requests sent in part, until their last step
         log.info("PD sender: channel %s, proxy %s:%s", config.pd_channel, config.pd_proxy_host, config.pd_proxy_port)
 
     def send(self, target: Target, tokens: Sequence[int], slots: torch.Tensor, *, start: int, last: bool) -> int:
-        """Push the chunks of `tokens` that end after `start`; the tokens sent (0 on failure)."""
+        """Push the chunks of `tokens` that end after `start`; the tokens sent (0 on failure).
+        At `last`, the request's Commit: its KV is a hit on the decoder when this returns."""
         rid = target.req_id
         if rid in self._failed:
             if last:
@@ -119,71 +139,90 @@ class PdSender:
             return 0
         t0 = time.perf_counter()
         spans = [s for s in self.engine.spans(tokens) if s.end > start]
-        sent = self._moved = 0
+        sent = 0
         try:
-            if spans:
-                conn = self._connection(target)
-                sent = self._transfer(conn, rid, spans, slots)
+            if spans or rid in self._open:
+                req = self._open.get(rid) or self._open.setdefault(rid, _Open(self._connection(target)))
+                if spans:
+                    sent = self._write(req, rid, spans, slots)
+                if last:
+                    self._commit(req, rid)
         except (proto.PdPeerError, proto.ProtocolError, OSError) as exc:
             self.stats.failed += 1
             log.warning("PD: request %s: KV not sent to %s:%d (%s); the decoder will recompute it",
                         rid, target.host, target.alloc_port, exc)
+            self._abandon(rid)
             self._drop_connection(target)
-            self._sent.pop(rid, None)
             if not last:
                 self._failed.add(rid)
             self._notify(proto.PrefillDone(rid, False, 0, str(exc)[:200]))
             return 0
-        seconds = time.perf_counter() - t0
-        nbytes = self._moved * self.engine.kv.bytes_per_token()  # chunks the decoder held already did not move
-        self.stats.sent_tokens += self._moved
-        self.stats.sent_bytes += nbytes
-        total = self._sent.pop(rid, 0) + sent
         if sent:
-            log.info("PD: sent KV of %d tokens (%d..%d) for request %s to %s:%d in %.1f ms, %.2f GB/s, over %s%s",
-                     sent, spans[0].start, spans[-1].end, rid, target.host, target.alloc_port, seconds * 1e3,
-                     nbytes / seconds / 1e9 if seconds > 0 else 0.0, self.config.pd_channel,
-                     f" ({sent - self._moved} tokens were on the decoder already)" if self._moved < sent else "")
+            seconds = time.perf_counter() - t0
+            log.info("PD: %s KV of %d tokens (%d..%d) for request %s to %s:%d in %.1f ms over %s",
+                     "sent" if last else "queued", sent, spans[0].start, spans[-1].end, rid, target.host,
+                     target.alloc_port, seconds * 1e3, self.config.pd_channel)
         if last:
+            req = self._open.pop(rid, None)
+            total, moved = (req.sent, req.moved) if req is not None else (0, 0)
             self.stats.requests += 1
+            self.stats.sent_tokens += moved
+            self.stats.sent_bytes += moved * self.engine.kv.bytes_per_token()
+            if total:
+                log.info("PD: request %s: KV of %d tokens in the decoder's buffer%s", rid, total,
+                         f" ({total - moved} tokens were there already)" if moved < total else "")
             self._notify(proto.PrefillDone(rid, True, total, ""))
-        else:
-            self._sent[rid] = total
         return sent
 
-    def _transfer(self, conn: _Connection, rid: str, spans: list[ChunkSpan], slots: torch.Tensor) -> int:
+    def _write(self, req: _Open, rid: str, spans: list[ChunkSpan], slots: torch.Tensor) -> int:
+        """Reserve `spans` on the decoder and write (or queue) their bytes into it."""
         t0 = time.perf_counter()
-        blocks = self._alloc(conn, rid, spans)
+        blocks = self._alloc(req.conn, rid, spans)
         t1 = time.perf_counter()
+        todo = [(s, b) for s, b in zip(spans, blocks) if b >= 0]
+        per_token = self.engine.kv.bytes_per_token()
+        if todo and not self.channel.staged:
+            assert self.channel.ipc is not None
+            nbytes = [s.num_tokens * per_token for s, _ in todo]
+            views = self.channel.views(req.conn.peer, [b for _, b in todo], nbytes)
+            gather = lambda part, buffers: self.engine.gather_into(slots, part, buffers)  # noqa: E731
+            req.writes.append(self.channel.ipc.write(gather, [s for s, _ in todo], nbytes, views))
+        elif todo:
+            self._push_staged(req.conn, rid, todo, slots, time.monotonic() + self.config.blocking_timeout_secs)
+        req.alloc_ms += (t1 - t0) * 1e3
+        req.write_ms += (time.perf_counter() - t1) * 1e3
+        sent = sum(s.num_tokens for s in spans)
+        req.sent += sent
+        req.moved += sum(s.num_tokens for s, _ in todo)
+        return sent
+
+    def _commit(self, req: _Open, rid: str) -> None:
+        t0 = time.perf_counter()
+        req.wait_writes()
+        t1 = time.perf_counter()
+        proto.expect(req.conn.call(proto.Commit(rid)), proto.Ok)
+        self.stats.last_ms = (req.alloc_ms, req.write_ms + (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
+
+    def _abandon(self, rid: str) -> None:
+        """Free the request's reservation on the decoder once no queued write can land in it."""
+        req = self._open.pop(rid, None)
+        if req is None:
+            return
         try:
-            todo = [(s, b) for s, b in zip(spans, blocks) if b >= 0]
-            self._moved = sum(s.num_tokens for s, _ in todo)
-            deadline = time.monotonic() + self.config.blocking_timeout_secs
-            if not self.channel.staged:
-                views = self.channel.views(conn.peer, [b for _, b in todo],
-                                           [s.num_tokens * self.engine.kv.bytes_per_token() for s, _ in todo])
-                self.engine.gather_into(slots, [s for s, _ in todo], views)  # into the decoder's GPU buffer
-                torch.cuda.synchronize()
-            else:
-                self._push_staged(conn, rid, todo, slots, deadline)
-            t2 = time.perf_counter()
-            reply = proto.expect(conn.call(proto.Commit(rid)), proto.Ok)
-            self.stats.last_ms = ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3)
-        except BaseException:
+            req.wait_writes()
+        finally:
             try:
-                conn.call(proto.Abort(rid))
-            except (OSError, proto.ProtocolError):
+                req.conn.call(proto.Abort(rid))
+            except (OSError, proto.ProtocolError, proto.PdPeerError):
                 pass
-            raise
-        assert isinstance(reply, proto.Ok)
-        return sum(s.num_tokens for s in spans)
 
     def _alloc(self, conn: _Connection, rid: str, spans: list[ChunkSpan]) -> list[int]:
-        msg = proto.Alloc(rid, [s.key.digest.hex() for s in spans], [s.num_tokens for s in spans])
+        msg = proto.Alloc(rid, [s.num_tokens for s in spans])
+        digests = b"".join(s.key.digest for s in spans)
         deadline = time.monotonic() + self.config.pd_allocation_timeout_sec
         waited = False
         while True:
-            reply = conn.call(msg)
+            reply = conn.call(msg, digests)
             if isinstance(reply, proto.Allocated):
                 if len(reply.blocks) != len(spans):
                     raise proto.ProtocolError("Allocated: wrong number of blocks")

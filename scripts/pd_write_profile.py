@@ -1,0 +1,76 @@
+"""Where a cuda_ipc send's time goes, each part timed alone (CUDA events, median of 5
+after a warm-up), 16k and 32k tokens of Llama-3.1-8B-shaped KV:
+
+    gather -> local    the gather kernel into chunks on the sender's own GPU
+    gather -> peer     the same kernel writing straight into the other GPU (the old path)
+    ring + copy        kvtier's IpcWriter: kernel into a local ring, copy engine into the peer
+    copy               a plain torch copy of the same bytes, sender GPU -> receiver GPU (the limit)
+
+    python3 scripts/pd_write_profile.py [--peer cuda:1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from kvtier.bench.offload import OffloadShape
+from kvtier.bench.pd import _config, _paged, _slots, per_token
+from kvtier.engine import CacheEngine
+from kvtier.keys import KVFormat
+from kvtier.pd.channels import IpcWriter
+
+
+def timed(fn, device: str) -> float:
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--peer", default="cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
+    args = p.parse_args()
+    shape, dev = OffloadShape(), "cuda:0"
+    torch.cuda.set_device(dev)
+    for n in (16384, 32768):
+        kv, _ = _paged(shape, n, dev, fill=True)
+        engine = CacheEngine(_config(shape, "sender", "cuda_ipc", dev, 0, 1, 2), kv, KVFormat("m", "flash_attn", shape.dtype))
+        slots = _slots(kv.num_blocks, shape.block_size, n, 7)
+        spans = engine.spans(list(range(n)))
+        per_chunk = shape.chunk_size * per_token(shape)
+        nbytes = n * per_token(shape)
+        local = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        peer = torch.empty(nbytes, dtype=torch.uint8, device=args.peer)
+        peer.copy_(local)  # enables peer access (the kernel below writes through it)
+        local_views = [local[i * per_chunk : (i + 1) * per_chunk] for i in range(len(spans))]
+        views = [peer[i * per_chunk : (i + 1) * per_chunk] for i in range(len(spans))]
+        ring = IpcWriter(torch.device(dev), per_chunk)
+
+        def gather(part, buffers):
+            engine.gather_into(slots, part, buffers)
+
+        figures = {
+            "gather -> local": timed(lambda: gather(spans, local_views), dev),
+            "gather -> peer": timed(lambda: gather(spans, views), dev),
+            "ring + copy": timed(lambda: ring.write(gather, spans, [per_chunk] * len(spans), views).synchronize(), dev),
+            "copy": timed(lambda: peer.copy_(local), dev),
+        }
+        copy = figures["copy"]
+        for name, ms in figures.items():
+            print(f"{n:6d} tokens {nbytes / 1e9:.2f} GB {dev}->{args.peer}  {name:16s} {ms:7.2f} ms "
+                  f"{nbytes / ms / 1e6:6.0f} GB/s  {copy / ms:.2f} of the copy", flush=True)
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()
