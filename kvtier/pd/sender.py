@@ -159,9 +159,9 @@ class PdSender:
             return 0
         if sent:
             seconds = time.perf_counter() - t0
-            log.info("PD: %s KV of %d tokens (%d..%d) for request %s to %s:%d in %.1f ms over %s",
-                     "sent" if last else "queued", sent, spans[0].start, spans[-1].end, rid, target.host,
-                     target.alloc_port, seconds * 1e3, self.config.pd_channel)
+            log.info("PD: sent KV of %d tokens (%d..%d) for request %s to %s:%d in %.1f ms over %s%s",
+                     sent, spans[0].start, spans[-1].end, rid, target.host, target.alloc_port, seconds * 1e3,
+                     self.config.pd_channel, "" if last or self.channel.staged else " (its writes queued on the GPU)")
         if last:
             req = self._open.pop(rid, None)
             total, moved = (req.sent, req.moved) if req is not None else (0, 0)
@@ -169,7 +169,8 @@ class PdSender:
             self.stats.sent_tokens += moved
             self.stats.sent_bytes += moved * self.engine.kv.bytes_per_token()
             if total:
-                log.info("PD: request %s: KV of %d tokens in the decoder's buffer%s", rid, total,
+                log.info("PD: request %s: KV of %d tokens in the decoder's buffer, %.1f ms after its last step's "
+                         "forward%s", rid, total, (time.perf_counter() - t0) * 1e3,
                          f" ({total - moved} tokens were there already)" if moved < total else "")
             self._notify(proto.PrefillDone(rid, True, total, ""))
         return sent

@@ -1,0 +1,122 @@
+"""`python -m kvtier.bench.pd_vllm`: LMCache's 1P1D guide inside real vLLM, on two GPUs.
+
+    a prefiller on GPU 0 and a decoder on GPU 1 (vLLM's OpenAI server each, kvtier
+    as its connector, transfer_channel cuda_ipc) and `kvtier proxy` (kvtier.dev.pdcluster)
+    a model with Llama-3.1-8B's KV shape (32 layers, 8 KV heads of 128, bf16) and a
+    thin MLP, seeded N(0, 0.02) weights written to disk (the output follows the prompt)
+    per length: `pairs` new prompts, each through the proxy (prefill on GPU 0, its KV
+    into the decoder's buffer, the decoder loads it and decodes), then the same prompt
+    straight to the decoder, which prefills it alone (its buffer holds nothing for
+    it; vLLM's prefix caches are off): TTFT of each (streamed), greedy tokens equal;
+    a control prompt (another first token) must give other tokens
+
+    python -m kvtier.bench.pd_vllm --lengths 4096 16384 32768 --pairs 5 --out results/gpu2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from kvtier.bench.chat import Result, request
+from kvtier.dev.pdcluster import pd_cluster
+from kvtier.dev.tinymodel import TinyLlama, make_tiny_llama
+
+# Llama-3.1-8B's attention and KV (128 KiB of KV a token), a thin MLP and vocabulary.
+MODEL = TinyLlama(hidden_size=4096, intermediate_size=1024, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=40960)
+KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
+SENT = re.compile(r"PD: request \S+: KV of (\d+) tokens in the decoder's buffer, ([\d.]+) ms after")
+
+
+async def _one(url: str, model: str, prompt: list[int], max_tokens: int) -> Result:
+    import aiohttp
+
+    r = Result(0, 0, len(prompt), 0.0)
+    async with aiohttp.ClientSession() as session:
+        await request(session, url, model, prompt, max_tokens, r, time.perf_counter())
+    return r
+
+
+def one(url: str, model: str, prompt: list[int], max_tokens: int) -> Result:
+    return asyncio.run(_one(url, model, prompt, max_tokens))
+
+
+def run(args: argparse.Namespace) -> dict:
+    model = make_tiny_llama(Path(args.model_dir), MODEL)
+    name, rng = str(model), random.Random(0)
+    out = Path(args.out)
+    runs = []
+    with pd_cluster(model, out / "cluster", "cuda_ipc", two_gpus=True, buffer_bytes=int(args.buffer_gb * 2**30),
+                    max_model_len=max(args.lengths) + 64, gpu_util=0.85, eager=args.eager) as c:
+        warm = [rng.randrange(10, MODEL.vocab_size) for _ in range(1024)]
+        for url in (c.url, c.decoder.url):  # the first request of each path: kernels, IPC mapping
+            one(url, name, warm, args.max_tokens)
+        for n in args.lengths:
+            row: dict = {"tokens": n, "pd_ttft_ms": [], "alone_ttft_ms": [], "equal": 0, "failed": 0,
+                         "differing": []}
+            for i in range(args.pairs):
+                prompt = [rng.randrange(10, MODEL.vocab_size) for _ in range(n)]
+                pd, alone = one(c.url, name, prompt, args.max_tokens), one(c.decoder.url, name, prompt,
+                                                                            args.max_tokens)
+                for r in (pd, alone):
+                    row["failed"] += bool(r.error)
+                if pd.error or alone.error:
+                    row["differing"].append({"pair": i, "errors": [pd.error, alone.error]})
+                    continue
+                row["pd_ttft_ms"].append(pd.ttft_s * 1e3)
+                row["alone_ttft_ms"].append(alone.ttft_s * 1e3)
+                if pd.output_ids == alone.output_ids:
+                    row["equal"] += 1
+                else:
+                    row["differing"].append({"pair": i, "pd": pd.output_ids, "alone": alone.output_ids})
+                if i == 0:
+                    control = one(c.decoder.url, name, [(prompt[0] + 1) % MODEL.vocab_size] + prompt[1:],
+                                  args.max_tokens)
+                    row["control_differs"] = control.output_ids != alone.output_ids
+            # how long the prefiller's last step waited for its writes and the Commit
+            sends = [(int(a), float(b)) for a, b in SENT.findall(c.prefiller.log_text()) if int(a) == n]
+            row["sender_ms"] = [ms for _, ms in sends[-args.pairs:]]
+            pd_med = statistics.median(row["pd_ttft_ms"]) if row["pd_ttft_ms"] else None
+            alone_med = statistics.median(row["alone_ttft_ms"]) if row["alone_ttft_ms"] else None
+            row |= {"pd_median_ms": pd_med, "alone_median_ms": alone_med,
+                    "alone_over_pd": alone_med / pd_med if pd_med and alone_med else None,
+                    "sender_median_ms": statistics.median(row["sender_ms"]) if row["sender_ms"] else None}
+            runs.append(row)
+            print(f"{n:6d} tokens: through the proxy (P on GPU0, D on GPU1) {pd_med:.1f} ms, decoder alone "
+                  f"{alone_med:.1f} ms ({row['alone_over_pd']:.2f}x); sender {row['sender_median_ms']} ms for "
+                  f"{n * KV_BYTES_PER_TOKEN / 1e9:.2f} GB; tokens equal {row['equal']}/{args.pairs}, control "
+                  f"differs {row.get('control_differs')}, failed {row['failed']}", flush=True)
+    return {"command": "python -m kvtier.bench.pd_vllm " + " ".join(args.argv), "date": time.strftime("%Y-%m-%d"),
+            "model": asdict(MODEL), "eager": args.eager, "runs": runs}
+
+
+def main() -> None:
+    import sys
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
+    p.add_argument("--pairs", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--buffer-gb", type=float, default=12.0, help="the decoder's pd_buffer_size")
+    p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--model-dir", default="/tmp/kvtier-pd-model")
+    p.add_argument("--out", default="results/gpu2-pd-vllm")
+    args = p.parse_args()
+    args.argv = sys.argv[1:]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    record = run(args)
+    (Path(args.out) / "pd-vllm.json").write_text(json.dumps(record, indent=1))
+    bad = [r for r in record["runs"] if r["failed"] or r["equal"] != args.pairs or not r.get("control_differs")]
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
