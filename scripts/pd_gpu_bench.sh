@@ -14,7 +14,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 if [ -d .wheels-pd ]; then
     python3 -m pip install -q --no-index --no-deps --target .pydeps .wheels-pd/*.whl 2>&1 | tail -2
 fi
-export PYTHONPATH=$PWD:$PWD/.pydeps PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/.pydeps${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 {
   date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -22,7 +22,7 @@ export PYTHONPATH=$PWD:$PWD/.pydeps PYTHONUNBUFFERED=1
 channels="cuda_ipc tcp"
 if python3 -c "import nixl._api" 2>/dev/null; then channels="cuda_ipc nixl tcp"; fi
 echo "channels: $channels" | tee -a "$out/machine.txt"
-python3 -m pytest -q -p no:cacheprovider tests/test_pd.py tests/test_transfer_cuda.py tests/test_transfer.py 2>&1 | tail -3 | tee "$out/pytest.txt"
+[ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/test_pd.py tests/test_transfer_cuda.py tests/test_transfer.py 2>&1 | tail -3 | tee "$out/pytest.txt"
 [ -n "${SKIP_1GPU:-}" ] || timeout 280 python3 -m kvtier.cli bench pd --tokens 4096 16384 32768 --channels $channels \
     --sender-device cuda:0 --receiver-device cuda:0 --repeats 5 --output "$out/pd-1gpu.json" 2>&1 \
     | grep -v " INFO " | tee "$out/pd-1gpu.txt"

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Two GPUs of one host (device kind nvidia-h100-x2 / nvidia-h200-x2), from the offline
+# bundle (../shared/gpu-vllm copied to .gpu-vllm and carried), in one or two calls:
+#   STEPS="tests pd pdvllm" bash scripts/gpu2_bench.sh     (about 9 minutes)
+#   STEPS="tp" bash scripts/gpu2_bench.sh                  (about 6 minutes)
+# Steps: tests (the GPU tests of the transfers and of PD, cuda_ipc across the two GPUs),
+# pd (kvtier bench pd GPU0 -> GPU1 against a plain copy, and each part of a cuda_ipc
+# write timed alone: scripts/pd_gpu_bench.sh), pdvllm (1P1D inside real vLLM, prefiller on
+# GPU 0, decoder on GPU 1: kvtier.bench.pd_vllm), tp (tests/test_vllm_tp.py with one rank
+# per GPU: every rank its shard, hits only where both ranks hold them, TP=2 <-> TP=1 reuse,
+# PD with TP=2 on both sides). Results come back as one archive in $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-results/gpu2}
+work=/tmp/gpu2-results
+steps=${STEPS:-tests pd pdvllm}
+rm -rf "$work"; mkdir -p "$out" "$work"
+servers='^[^ ]*python[0-9.]* -m (vllm\.entrypoints\.openai\.api_server|kvtier\.server|kvtier\.cli proxy)'
+pkill -f "$servers"
+trap 'tar czf "$out/gpu2-$(echo $steps | tr " " -).tgz" -C "$work" .' EXIT
+# NVLink multicast stays off (KINDS.md), in every process started from here.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ ! -d /tmp/site/vllm ]; then
+    bash .gpu-vllm/install.sh .gpu-vllm /tmp/site >/dev/null || exit 1
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kvtier-dist . 2>&1 | tail -2
+export PYTHONPATH=$PWD:/tmp/site:/tmp/kvtier-dist PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
+    VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 LMCACHE_TRACK_USAGE=false
+{
+  date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m
+  python3 -c "import torch, triton, vllm; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__)"
+} 2>&1 | tee "$work/machine.txt"
+case " $steps " in *" tests "*)
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_pd.py tests/test_transfer_cuda.py \
+    tests/test_transfer.py > "$work/pytest.txt" 2>&1; tail -4 "$work/pytest.txt" ;;
+esac
+case " $steps " in *" pd "*)
+SKIP_TESTS=1 SKIP_1GPU=1 CHANNELS_2GPU="cuda_ipc tcp" OUT="$work/pd" timeout 200 bash scripts/pd_gpu_bench.sh 2>&1 | grep -v "^ *$" \
+    | tail -12 ;;
+esac
+case " $steps " in *" pdvllm "*)
+timeout ${PDVLLM_TIMEOUT:-330} python3 -m kvtier.bench.pd_vllm --lengths ${LENGTHS:-4096 16384 32768} \
+    --pairs ${PAIRS:-5} --out "$work/pd-vllm" > "$work/pd-vllm.log" 2>&1
+echo "pd_vllm exit $?"; pkill -f "$servers"
+grep -E "tokens:|Traceback|Error" "$work/pd-vllm.log" | tail -12
+cp "$work"/pd-vllm/cluster/*/vllm-*.log "$work/pd-vllm/" 2>/dev/null ;;
+esac
+case " $steps " in *" tp "*)
+timeout ${TP_TIMEOUT:-560} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_vllm_tp.py \
+    > "$work/tp.txt" 2>&1; echo "tp exit $?"; pkill -f "$servers"; tail -15 "$work/tp.txt" ;;
+esac
