@@ -21,6 +21,7 @@ from kvtier.bench.pd import _config, _paged, _slots, per_token
 from kvtier.engine import CacheEngine
 from kvtier.keys import KVFormat
 from kvtier.pd.channels import IpcWriter
+from kvtier.transfer.cudart import DeviceBytes
 
 
 def timed(fn, device: str) -> float:
@@ -52,8 +53,10 @@ def main() -> None:
         local = torch.empty(nbytes, dtype=torch.uint8, device=dev)
         peer = torch.empty(nbytes, dtype=torch.uint8, device=args.peer)
         peer.copy_(local)  # enables peer access (the kernel below writes through it)
+        # The peer's memory as the sender sees a CUDA IPC mapping: an address on its own device.
+        mapped = torch.as_tensor(DeviceBytes(peer.data_ptr(), nbytes), device=dev)
         local_views = [local[i * per_chunk : (i + 1) * per_chunk] for i in range(len(spans))]
-        views = [peer[i * per_chunk : (i + 1) * per_chunk] for i in range(len(spans))]
+        views = [mapped[i * per_chunk : (i + 1) * per_chunk] for i in range(len(spans))]
         ring = IpcWriter(torch.device(dev), per_chunk)
 
         def gather(part, buffers):
@@ -63,7 +66,7 @@ def main() -> None:
             "gather -> local": timed(lambda: gather(spans, local_views), dev),
             "gather -> peer": timed(lambda: gather(spans, views), dev),
             "ring + copy": timed(lambda: ring.write(gather, spans, [per_chunk] * len(spans), views).synchronize(), dev),
-            "copy": timed(lambda: peer.copy_(local), dev),
+            "copy": timed(lambda: mapped.copy_(local), dev),
         }
         copy = figures["copy"]
         for name, ms in figures.items():
