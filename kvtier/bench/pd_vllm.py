@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     runs = []
     with pd_cluster(model, out / "cluster", "cuda_ipc", two_gpus=True, buffer_bytes=int(args.buffer_gb * 2**30),
-                    max_model_len=max(args.lengths) + 64, gpu_util=0.85, eager=args.eager) as c:
+                    max_model_len=max(args.lengths) + 64, gpu_util=0.6, eager=args.eager) as c:
         warm = [rng.randrange(10, MODEL.vocab_size) for _ in range(1024)]
         for url in (c.url, c.decoder.url):  # the first request of each path: kernels, IPC mapping
             one(url, name, warm, args.max_tokens)

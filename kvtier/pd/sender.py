@@ -138,7 +138,7 @@ class PdSender:
                 self._failed.discard(rid)
             return 0
         t0 = time.perf_counter()
-        spans = [s for s in self.engine.spans(tokens) if s.end > start]
+        spans = [s for s in self.engine.spans(tokens, rid) if s.end > start]  # hashed once per request
         sent = 0
         try:
             if spans or rid in self._open:
