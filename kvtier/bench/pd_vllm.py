@@ -5,10 +5,14 @@
     a model with Llama-3.1-8B's KV shape (32 layers, 8 KV heads of 128, bf16) and a
     thin MLP, seeded N(0, 0.02) weights written to disk (the output follows the prompt)
     per length: `pairs` new prompts, each through the proxy (prefill on GPU 0, its KV
-    into the decoder's buffer, the decoder loads it and decodes), then the same prompt
-    straight to the decoder, which prefills it alone (its buffer holds nothing for
-    it; vLLM's prefix caches are off): TTFT of each (streamed), greedy tokens equal;
-    a control prompt (another first token) must give other tokens
+    into the decoder's buffer, the decoder loads it and decodes); the decoder's prefix
+    cache reset; the same prompt straight to the decoder, which prefills it alone (its
+    buffer holds nothing for it); once more straight to the decoder, a hit in its own
+    GPU prefix cache: TTFT of each (streamed). Tokens: the PD answer must equal the
+    decoder's own prefix hit's, both computing the last prompt token alone on the
+    same KV (the alone prefill computes it inside a larger step: bf16 may part from it
+    at a near-tie after some tokens, counted apart); a control prompt (another first
+    token) must give other tokens
 
     python -m kvtier.bench.pd_vllm --lengths 4096 16384 32768 --pairs 5 --out results/gpu2
 """
@@ -33,7 +37,7 @@ from kvtier.dev.tinymodel import TinyLlama, make_tiny_llama
 MODEL = TinyLlama(hidden_size=4096, intermediate_size=1024, num_hidden_layers=32, num_attention_heads=32,
                   num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=40960)
 KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
-SENT = re.compile(r"PD: request \S+: KV of (\d+) tokens in the decoder's buffer, ([\d.]+) ms after")
+SENT = re.compile(r"PD: request \S+: KV of (\d+) tokens in the decoder's buffer, its last writes ([\d.]+) ms")
 
 
 async def _one(url: str, model: str, prompt: list[int], max_tokens: int) -> Result:
@@ -49,39 +53,53 @@ def one(url: str, model: str, prompt: list[int], max_tokens: int) -> Result:
     return asyncio.run(_one(url, model, prompt, max_tokens))
 
 
+def reset_prefix_cache(url: str) -> None:
+    """vLLM's dev endpoint (VLLM_SERVER_DEV_MODE=1): its GPU prefix cache emptied."""
+    import urllib.request
+
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/reset_prefix_cache", method="POST"), timeout=30):
+        pass
+
+
 def run(args: argparse.Namespace) -> dict:
     model = make_tiny_llama(Path(args.model_dir), MODEL)
     name, rng = str(model), random.Random(0)
     out = Path(args.out)
     runs = []
     with pd_cluster(model, out / "cluster", "cuda_ipc", two_gpus=True, buffer_bytes=int(args.buffer_gb * 2**30),
-                    max_model_len=max(args.lengths) + 64, gpu_util=0.6, eager=args.eager) as c:
+                    max_model_len=max(args.lengths) + 64, gpu_util=0.6, eager=args.eager,
+                    decoder_prefix_cache=True) as c:
         warm = [rng.randrange(10, MODEL.vocab_size) for _ in range(1024)]
         for url in (c.url, c.decoder.url):  # the first request of each path: kernels, IPC mapping
             one(url, name, warm, args.max_tokens)
         for n in args.lengths:
-            row: dict = {"tokens": n, "pd_ttft_ms": [], "alone_ttft_ms": [], "equal": 0, "failed": 0,
-                         "differing": []}
+            row: dict = {"tokens": n, "pd_ttft_ms": [], "alone_ttft_ms": [], "hit_ttft_ms": [], "equal": 0,
+                         "equal_to_alone": 0, "failed": 0, "differing": []}
             for i in range(args.pairs):
                 prompt = [rng.randrange(10, MODEL.vocab_size) for _ in range(n)]
-                pd, alone = one(c.url, name, prompt, args.max_tokens), one(c.decoder.url, name, prompt,
-                                                                            args.max_tokens)
-                for r in (pd, alone):
+                pd = one(c.url, name, prompt, args.max_tokens)
+                reset_prefix_cache(c.decoder.url)
+                alone = one(c.decoder.url, name, prompt, args.max_tokens)
+                hit = one(c.decoder.url, name, prompt, args.max_tokens)
+                reset_prefix_cache(c.decoder.url)
+                for r in (pd, alone, hit):
                     row["failed"] += bool(r.error)
-                if pd.error or alone.error:
-                    row["differing"].append({"pair": i, "errors": [pd.error, alone.error]})
+                if pd.error or alone.error or hit.error:
+                    row["differing"].append({"pair": i, "errors": [pd.error, alone.error, hit.error]})
                     continue
                 row["pd_ttft_ms"].append(pd.ttft_s * 1e3)
                 row["alone_ttft_ms"].append(alone.ttft_s * 1e3)
-                if pd.output_ids == alone.output_ids:
+                row["hit_ttft_ms"].append(hit.ttft_s * 1e3)
+                row["equal_to_alone"] += pd.output_ids == alone.output_ids
+                if pd.output_ids == hit.output_ids:
                     row["equal"] += 1
                 else:
-                    row["differing"].append({"pair": i, "pd": pd.output_ids, "alone": alone.output_ids})
+                    row["differing"].append({"pair": i, "pd": pd.output_ids, "hit": hit.output_ids})
                 if i == 0:
                     control = one(c.decoder.url, name, [(prompt[0] + 1) % MODEL.vocab_size] + prompt[1:],
                                   args.max_tokens)
                     row["control_differs"] = control.output_ids != alone.output_ids
-            # how long the prefiller's last step waited for its writes and the Commit
+            # the GPU time of the prefiller's last writes after its last forward (what PD adds there)
             sends = [(int(a), float(b)) for a, b in SENT.findall(c.prefiller.log_text()) if int(a) == n]
             row["sender_ms"] = [ms for _, ms in sends[-args.pairs:]]
             pd_med = statistics.median(row["pd_ttft_ms"]) if row["pd_ttft_ms"] else None
@@ -91,9 +109,11 @@ def run(args: argparse.Namespace) -> dict:
                     "sender_median_ms": statistics.median(row["sender_ms"]) if row["sender_ms"] else None}
             runs.append(row)
             print(f"{n:6d} tokens: through the proxy (P on GPU0, D on GPU1) {pd_med:.1f} ms, decoder alone "
-                  f"{alone_med:.1f} ms ({row['alone_over_pd']:.2f}x); sender {row['sender_median_ms']} ms for "
-                  f"{n * KV_BYTES_PER_TOKEN / 1e9:.2f} GB; tokens equal {row['equal']}/{args.pairs}, control "
-                  f"differs {row.get('control_differs')}, failed {row['failed']}", flush=True)
+                  f"{alone_med:.1f} ms ({row['alone_over_pd']:.2f}x), decoder's own prefix hit "
+                  f"{statistics.median(row['hit_ttft_ms']):.1f} ms; last writes after the last forward "
+                  f"{row['sender_median_ms']} ms ({n * KV_BYTES_PER_TOKEN / 1e9:.2f} GB in all); tokens equal to "
+                  f"the decoder's hit {row['equal']}/{args.pairs} (to its prefill alone {row['equal_to_alone']}), "
+                  f"control differs {row.get('control_differs')}, failed {row['failed']}", flush=True)
     return {"command": "python -m kvtier.bench.pd_vllm " + " ".join(args.argv), "date": time.strftime("%Y-%m-%d"),
             "model": asdict(MODEL), "eager": args.eager, "runs": runs}
 

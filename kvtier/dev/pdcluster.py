@@ -52,13 +52,14 @@ class Cluster:
 def pd_cluster(model_dir: Path, tmp: Path, channel: str, tp: int = 1, env: dict[str, str] | None = None,
                split_cores: bool = False, extra_args: Sequence[str] = (), two_gpus: bool = False,
                buffer_bytes: int = 64 << 20, max_model_len: int = 4096, gpu_util: float = 0.4,
-               eager: bool = True) -> Iterator[Cluster]:
+               eager: bool = True, decoder_prefix_cache: bool = False) -> Iterator[Cluster]:
     """The guide's 1P1D: decoder, prefiller (each with `tp` ranks) and `kvtier proxy`.
     `split_cores` (CPU, tp 1): the decoder's OpenMP threads on core 0, the prefiller's on
     core 1, so that one starting up is not starved by the other's spinning threads.
     `two_gpus` (tp 1): the prefiller computes on GPU 0, the decoder on GPU 1; each process
     sees both (CUDA_VISIBLE_DEVICES 0,1 and 1,0), so the prefiller can map the decoder's
-    buffer over CUDA IPC. `buffer_bytes`: the decoder's pd_buffer_size."""
+    buffer over CUDA IPC. `buffer_bytes`: the decoder's pd_buffer_size. `decoder_prefix_cache`:
+    vLLM's prefix cache on in the decoder, with its dev endpoints (POST /reset_prefix_cache)."""
     init, alloc, notify, port = free_port(), free_port(), free_port(), free_port()
     device = "cuda" if on_gpu() else "cpu"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -83,9 +84,11 @@ def pd_cluster(model_dir: Path, tmp: Path, channel: str, tp: int = 1, env: dict[
         cores = {"decoder": {"CUDA_VISIBLE_DEVICES": "1,0"}, "prefiller": {"CUDA_VISIBLE_DEVICES": "0,1"}}
     server = {"dtype": pd_dtype(), "max_model_len": max_model_len, "extra_args": args, "eager": eager,
               "gpu_memory_utilization": gpu_util}
-    with vllm_server(model_dir, tmp / "decoder", env={**env, **cores["decoder"],
+    dev_mode = {"VLLM_SERVER_DEV_MODE": "1"} if decoder_prefix_cache else {}
+    with vllm_server(model_dir, tmp / "decoder", env={**env, **cores["decoder"], **dev_mode,
                                                       "LMCACHE_CONFIG_FILE": str(tmp / "decoder.yaml")},
-                     kv_connector=connector("kv_consumer", "consumer1"), **server) as dec, \
+                     kv_connector=connector("kv_consumer", "consumer1"), prefix_caching=decoder_prefix_cache,
+                     **server) as dec, \
          vllm_server(model_dir, tmp / "prefiller", env={**env, **cores["prefiller"],
                                                         "LMCACHE_CONFIG_FILE": str(tmp / "prefiller.yaml")},
                      kv_connector=connector("kv_producer", "producer1"), **server) as pre:

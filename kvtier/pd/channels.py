@@ -130,10 +130,11 @@ class IpcWriter:
         self.copy_stream = torch.cuda.Stream(device)
 
     def write(self, gather: Callable[[Sequence[Any], Sequence[torch.Tensor]], None], items: Sequence[Any],
-              nbytes: Sequence[int], views: Sequence[torch.Tensor]) -> torch.cuda.Event:
+              nbytes: Sequence[int], views: Sequence[torch.Tensor]) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         """Queue `gather(items[i:j], buffers)` group by group and the copies of each
-        group into `views`; the event that completes with the last copy."""
-        kv_written = torch.cuda.Event()
+        group into `views`; the events at which the forward had written the KV and at
+        which the last copy completes (timed: their distance is what the writes add)."""
+        kv_written = torch.cuda.Event(enable_timing=True)
         kv_written.record(torch.cuda.current_stream(self.device))
         self.gather_stream.wait_event(kv_written)
         i, done = 0, kv_written
@@ -157,11 +158,11 @@ class IpcWriter:
             with torch.cuda.stream(self.copy_stream):
                 for part, view in zip(parts, views[i:j]):
                     view.copy_(part, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record(self.copy_stream)
             self._free[slot] = done
             i = j
-        return done
+        return kv_written, done
 
 
 @dataclass

@@ -69,13 +69,17 @@ class _Open:
     conn: "_Connection"
     sent: int = 0  # tokens of the request's chunks handed to the decoder so far
     moved: int = 0  # of those, tokens whose bytes moved (the decoder lacked them)
-    writes: list[torch.cuda.Event] = field(default_factory=list)  # queued cuda_ipc writes
-    alloc_ms: float = 0.0
+    writes: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)  # queued cuda_ipc
+    alloc_ms: float = 0.0  # writes: per step, (its KV written by the forward, its last copy done)
     write_ms: float = 0.0
+    tail_ms: float = 0.0  # GPU time from the last step's forward to its last copy
 
     def wait_writes(self) -> None:
-        for event in self.writes:
-            event.synchronize()
+        for _, done in self.writes:
+            done.synchronize()
+        if self.writes:
+            kv_written, done = self.writes[-1]
+            self.tail_ms = kv_written.elapsed_time(done)
         self.writes.clear()
 
 
@@ -169,8 +173,8 @@ class PdSender:
             self.stats.sent_tokens += moved
             self.stats.sent_bytes += moved * self.engine.kv.bytes_per_token()
             if total:
-                log.info("PD: request %s: KV of %d tokens in the decoder's buffer, %.1f ms after its last step's "
-                         "forward%s", rid, total, (time.perf_counter() - t0) * 1e3,
+                tail = f", its last writes {req.tail_ms:.1f} ms on the GPU after its last forward" if req.tail_ms else ""
+                log.info("PD: request %s: KV of %d tokens in the decoder's buffer%s%s", rid, total, tail,
                          f" ({total - moved} tokens were there already)" if moved < total else "")
             self._notify(proto.PrefillDone(rid, True, total, ""))
         return sent
