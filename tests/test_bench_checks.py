@@ -19,3 +19,22 @@ def test_cold_tokens_that_part_from_plain_elsewhere_or_otherwise_disagree():
     assert not agrees([124956, 86041, 56463, 7, 47691, 48236], PLAIN)  # at it, neither side
     assert not agrees([124956, 86041, 56463, 53607, 47691, 5], PLAIN)  # after it, plain's cold side
     assert not agrees(PLAIN["cold"], {})
+
+
+def test_pd_tokens_may_part_from_the_decoders_hit_only_at_a_near_tie():
+    from kvtier.bench.chat import Result
+    from kvtier.bench.pd_vllm import verdict
+
+    def res(ids, tops):
+        r = Result(0, 0, 1, 0.0)
+        r.output_ids, r.top_logprobs = ids, tops
+        return r
+
+    hit = res([5, 6, 7], [{5: -0.1, 9: -3.0}, {6: -0.70, 8: -0.71}, {7: -0.2, 1: -2.0}])
+    assert verdict(res([5, 6, 7], hit.top_logprobs), hit) == "equal"
+    near = res([5, 8, 2], [{5: -0.105, 9: -3.0}, {8: -0.69, 6: -0.70}, {2: -0.1}])
+    assert verdict(near, hit) == "near-tie"
+    far = res([5, 9, 7], [{5: -0.1}, {9: -0.2}, {7: -0.2}])  # a token the hit gave no weight
+    assert verdict(far, hit) == "differ"
+    moved = res([5, 8, 2], [{5: -0.9, 9: -3.0}, {8: -0.69}, {2: -0.1}])  # the logprob before moved
+    assert verdict(moved, hit) == "differ"

@@ -71,6 +71,7 @@ class Result:
     ttft_s: float | None = None
     latency_s: float | None = None
     output_ids: list[int] = field(default_factory=list)  # the greedy tokens
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per token (when asked for)
     output_tokens: int = 0
     error: str = ""
 
@@ -84,13 +85,16 @@ class Record:
 
 
 async def request(session, url: str, model: str, prompt: list[int], max_tokens: int, r: Result, t0: float,
-                  timeout: float = 600) -> None:
-    """One streamed greedy completion; its figures (or its error) into `r`."""
+                  timeout: float = 600, logprobs: int = 0) -> None:
+    """One streamed greedy completion; its figures (or its error) into `r`; with
+    `logprobs`, each token's top ones by token id."""
     import aiohttp
 
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
             "return_token_ids": True}  # vLLM's: the ids, also where it has no tokenizer
+    if logprobs:
+        body |= {"logprobs": logprobs, "return_tokens_as_token_ids": True}  # keys "token_id:N"
     start = time.perf_counter()
     r.sent_s = start - t0
     try:
@@ -111,6 +115,8 @@ async def request(session, url: str, model: str, prompt: list[int], max_tokens: 
                     if r.ttft_s is None:
                         r.ttft_s = time.perf_counter() - start
                     r.output_ids += chunk["choices"][0].get("token_ids") or []
+                    for top in (chunk["choices"][0].get("logprobs") or {}).get("top_logprobs") or []:
+                        r.top_logprobs.append({int(k.rsplit(":", 1)[1]): v for k, v in top.items()})
                 if chunk.get("usage"):
                     r.output_tokens = chunk["usage"]["completion_tokens"]
         if r.ttft_s is None:
