@@ -149,6 +149,19 @@ def test_a_later_step_that_finds_no_room_frees_what_the_earlier_steps_reserved(p
     assert pair.receiver_engine.lookup(toks[:64]) == 64
 
 
+def test_a_request_whose_pages_vllm_freed_mid_prefill_gives_up_its_reservation_and_can_send_anew(pair):
+    toks, slots = list(range(100)), torch.arange(100)
+    assert pair.sender.send(pair.target("p"), toks[:64], slots[:64], start=0, last=False) == 64
+    assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks - 4
+    pair.sender.drop("p")  # preempted: vLLM freed its pages
+    assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks and pair.buffer.held_requests() == 0
+    pair.sender.drop("p")  # a second notice (it finished later) is a no-op
+    # resumed: its prefill runs again from the start and is sent whole
+    assert pair.sender.send(pair.target("p"), toks[:64], slots[:64], start=0, last=False) == 64
+    assert pair.sender.send(pair.target("p"), toks, slots, start=64, last=True) == 36
+    assert pair.receiver_engine.lookup(toks) == 100
+
+
 @pytest.mark.parametrize("pair", [{"buffer_chunks": 4, "alloc_timeout": 0.3}], indirect=True)
 def test_a_full_buffer_makes_the_sender_wait_bounded_then_give_up(pair, caplog):
     assert pair.sender.send(pair.target("a"), list(range(64)), torch.arange(64), start=0, last=True) == 64

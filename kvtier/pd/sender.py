@@ -8,6 +8,8 @@
           staging pool, or (cuda_ipc) queued on the GPU behind the forward that
           wrote them, gathered and copied into the decoder's GPU buffer while vLLM
           computes the next step (`IpcWriter`): the step does not wait for them
+          (where vLLM frees a request's pages before its last step, `drop` makes
+          the next forward wait for its queued writes first)
         and at the prompt's last step (`last`): wait for this request's writes,
         → Commit: the decoder now finds every chunk of the request as a hit
         → PrefillDone to the proxy.
@@ -207,6 +209,25 @@ class PdSender:
         t1 = time.perf_counter()
         proto.expect(req.conn.call(proto.Commit(rid)), proto.Ok)
         self.stats.last_ms = (req.alloc_ms, req.write_ms + (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
+
+    def drop(self, rid: str) -> None:
+        """vLLM freed the request's pages before its last step (preempted, or finished
+        early) and its next forward may write other KV into them: that forward waits, on
+        the GPU, for the writes still queued from them; the decoder's reservation is given
+        up. A preempted request that runs again sends anew; nothing is told to the proxy
+        here (its prefill request ends only when the request does)."""
+        self._failed.discard(rid)
+        req = self._open.get(rid)
+        if req is None:
+            return
+        if req.writes:
+            assert self.channel.ipc is not None
+            forward = torch.cuda.current_stream(self.channel.ipc.device)
+            for _, done in req.writes:
+                forward.wait_event(done)
+        log.info("PD: request %s: its pages were freed before its last step; its reservation on the decoder "
+                 "is given up", rid)
+        self._abandon(rid)
 
     def _abandon(self, rid: str) -> None:
         """Free the request's reservation on the decoder once no queued write can land in it."""

@@ -114,6 +114,12 @@ class WorkerPd:
             self.sender.send(spec.pd_target, spec.token_ids, spec.slots(block_size), start=spec.start,
                              last=spec.last)
 
+    def dropped(self, pd_req_ids: list[str]) -> None:
+        """Sender: vLLM freed these requests' pages before their last step."""
+        if self.sender is not None:
+            for rid in pd_req_ids:
+                self.sender.drop(rid)
+
     def close(self) -> None:
         if self._receiver is not None:
             self._receiver.close()

@@ -57,6 +57,7 @@ class SchedulerSide:
         self._longest_lookup = 0.0  # s, since the start
         self._kv_events: list[KVCacheEvent] = []  # from the workers, until vLLM publishes them
         self._live: dict[str, Request] = {}  # save_decode_cache: requests whose decoded tokens are stored too
+        self._pd_dropped: list[str] = []  # PD sends of finished requests, for the next metadata
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         prompt, rid = request.prompt_token_ids, request.request_id
@@ -122,6 +123,12 @@ class SchedulerSide:
             elif new_blocks:
                 state.block_ids.extend(new_blocks[0])
             self._plan(meta, req_id, state, cached.num_computed_tokens[i] + sched.get(req_id, 0))
+        for req_id in scheduler_output.preempted_req_ids or ():  # their pages are free now
+            state = self._requests.get(req_id)
+            if state is not None and state.pd_target is not None:
+                meta.pd_dropped.append(state.pd_target.req_id)
+        meta.pd_dropped += self._pd_dropped
+        self._pd_dropped = []
         return meta
 
     def _plan_load(self, meta: KvtierMetadata, req_id: str, state: RequestState) -> None:
@@ -152,7 +159,9 @@ class SchedulerSide:
 
     def request_finished(self, request: Request) -> None:
         rid = request.request_id
-        self._requests.pop(rid, None)
+        state = self._requests.pop(rid, None)
+        if state is not None and state.pd_target is not None:
+            self._pd_dropped.append(state.pd_target.req_id)  # a no-op on the worker once its last step sent
         self._pending.pop(rid, None)
         self.pd.forget(rid)
         self._live.pop(rid, None)

@@ -50,6 +50,9 @@ class TransferSpec:
 class KvtierMetadata(KVConnectorMetadata):
     loads: list[TransferSpec] = field(default_factory=list)
     saves: list[TransferSpec] = field(default_factory=list)
+    # PD sender: proxy ids of requests whose pages vLLM freed before their last step
+    # (preempted, or finished early): their queued writes must read them before the next forward
+    pd_dropped: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,7 @@ class WorkerSide:
     def start_load_kv(self, meta: KvtierMetadata) -> None:
         assert self.engine is not None
         t0 = time.perf_counter()
+        self.pd.dropped(meta.pd_dropped)  # before this step's forward is queued
         for spec in meta.loads:
             if spec.background:
                 log.info("request %s: loading %d tokens from disk/remote in the background",
