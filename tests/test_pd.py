@@ -47,7 +47,8 @@ def channels():
 class Pair:
     """A sender engine and a receiver (buffer, ports, engine) on loopback."""
 
-    def __init__(self, channel="tcp", buffer_chunks=16, alloc_timeout=0.5, ttl=300, proxy_port=None):
+    def __init__(self, channel="tcp", buffer_chunks=16, alloc_timeout=0.5, ttl=300, proxy_port=None,
+                 staging_chunks=0):
         self.init_port, self.alloc_port = free_port(), free_port()
         common = dict(chunk_size=CHUNK, save_unfull_chunk=True, enable_pd=True, transfer_channel=channel,
                       local_cpu=False, max_local_cpu_size=1 / 1024)
@@ -56,7 +57,7 @@ class Pair:
                                  pd_peer_alloc_port=self.alloc_port, pin_timeout_sec=ttl)
         self.scfg = KvtierConfig(**common, pd_role="sender", pd_proxy_host="127.0.0.1",
                                  pd_proxy_port=proxy_port or free_port(), pd_allocation_timeout_sec=alloc_timeout,
-                                 blocking_timeout_secs=2.0)
+                                 blocking_timeout_secs=2.0, pd_buffer_size=staging_chunks * CHUNK * BPT)
         self.src_layers = [torch.randn(2, NB, BS, H, D) for _ in range(L)]
         self.dst_layers = [torch.zeros(2, NB, BS, H, D) for _ in range(L)]
         self.sender_engine = CacheEngine(self.scfg, PagedKV.wrap(self.src_layers, "flash_attn"), FMT)
@@ -120,6 +121,40 @@ def test_sent_kv_is_a_hit_on_the_receiver_and_loads_bit_exact(channel, monkeypat
         assert p.receiver_engine.lookup(toks) == 0
         assert p.buffer.pool.free_blocks == p.buffer.pool.num_blocks
         assert p.sender_engine.pool.free_blocks == p.sender_engine.pool.num_blocks  # staging given back
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("channel", channels())
+def test_a_request_larger_than_the_senders_staging_goes_batch_by_batch_intact(channel, monkeypatch):
+    """Two batches in flight: one gathered while the channel writes the other."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self,sm")
+    p = Pair(channel=channel, staging_chunks=4)  # 2 chunks a batch, the prompt 7
+    try:
+        toks, src, dst = list(range(500, 612)), torch.randperm(NB * BS)[:112], torch.randperm(NB * BS)[:112]
+        assert p.sender.staging.num_blocks == 4
+        channel, in_flight, most = p.sender.channel, {}, [0]
+        push, finish = channel.push, channel.finish
+
+        def watched_push(peer, sock, rid, items, deadline):
+            blocks = {it.staged.index for it in items}
+            assert not blocks & set().union(*in_flight.values()), "a staging block reused while a write reads it"
+            token = (push(peer, sock, rid, items, deadline),)
+            in_flight[id(token)] = blocks
+            most[0] = max(most[0], len(in_flight))
+            return token
+
+        def watched_finish(token, deadline):
+            finish(token[0], deadline)
+            del in_flight[id(token)]
+
+        monkeypatch.setattr(channel, "push", watched_push)
+        monkeypatch.setattr(channel, "finish", watched_finish)
+        assert p.sender.send(p.target("b"), toks, src, start=0, last=True) == 112
+        assert most[0] == 2 and not in_flight  # a batch gathered while the one before was written
+        assert p.receiver_engine.retrieve(toks, dst).all()
+        assert torch.equal(kv_at(p.src_layers, src), kv_at(p.dst_layers, dst))
+        assert p.sender.staging.free_blocks == 4
     finally:
         p.close()
 

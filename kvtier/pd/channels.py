@@ -207,8 +207,9 @@ class SenderChannel:
         return [peer.remote[b * size : b * size + n] for b, n in zip(blocks, nbytes)]
 
     def push(self, peer: Peer, sock: socket.socket, req_id: str, items: Sequence[Placement],
-             deadline: float) -> None:
-        """Write staged blocks into the peer's reserved blocks (done when this returns)."""
+             deadline: float) -> Any:
+        """Start writing staged blocks into the peer's reserved blocks; `finish` waits for
+        them (tcp has sent them when this returns; a NIXL write is under way)."""
         if self.name == "tcp":
             for item in items:
                 assert item.staged is not None
@@ -216,13 +217,29 @@ class SenderChannel:
                 if data.device.type != "cpu":
                     data = data.cpu()
                 proto.send(sock, proto.Write(req_id, item.remote_block), data.numpy().data)
-            return
+            return None
         if self.name == "nixl":
-            self._nixl_write(peer, items, deadline)
-            return
+            return self._nixl_start(peer, items)
         raise ValueError(f"{self.name} writes in place (views), not by push")
 
-    def _nixl_write(self, peer: Peer, items: Sequence[Placement], deadline: float) -> None:
+    def finish(self, pending: Any, deadline: float) -> None:
+        """Wait for a `push` (its staged blocks may be reused after this)."""
+        if pending is None:
+            return
+        agent = self._agent
+        try:
+            state = agent.check_xfer_state(pending)
+            while state not in ("DONE", "ERR"):
+                if time.monotonic() > deadline:
+                    raise proto.PdPeerError("NIXL write did not complete in time")
+                time.sleep(0.0002)
+                state = agent.check_xfer_state(pending)
+            if state == "ERR":
+                raise proto.PdPeerError("NIXL write failed")
+        finally:
+            agent.release_xfer_handle(pending)
+
+    def _nixl_start(self, peer: Peer, items: Sequence[Placement]) -> Any:
         agent, w = self._agent, peer.welcome
         local_dev = 0 if self.staging.device.type == "cpu" else self.staging.device.index or 0
         remote_dev = 0 if w.device == "cpu" else int(w.device.split(":")[1])
@@ -231,17 +248,10 @@ class SenderChannel:
         dst = agent.get_xfer_descs([(w.base_ptr + it.remote_block * w.block_bytes, it.nbytes, remote_dev)
                                     for it in items], _mem_type(w.device))
         handle = agent.initialize_xfer("WRITE", src, dst, peer.nixl_name)
-        try:
-            state = agent.transfer(handle)
-            while state not in ("DONE", "ERR"):
-                if time.monotonic() > deadline:
-                    raise proto.PdPeerError("NIXL write did not complete in time")
-                time.sleep(0.0002)
-                state = agent.check_xfer_state(handle)
-            if state == "ERR":
-                raise proto.PdPeerError("NIXL write failed")
-        finally:
+        if agent.transfer(handle) == "ERR":
             agent.release_xfer_handle(handle)
+            raise proto.PdPeerError("NIXL write failed")
+        return handle
 
 
 def _ucx_skip_ib_without_rdma() -> None:

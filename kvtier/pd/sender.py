@@ -268,27 +268,62 @@ class PdSender:
 
     def _push_staged(self, conn: _Connection, rid: str, todo: list[tuple[ChunkSpan, int]], slots: torch.Tensor,
                      deadline: float) -> None:
+        """Batch by batch through the staging pool, each batch gathered while the channel
+        writes the one before (NIXL moves it without this thread; tcp has sent it)."""
         engine, per_token, i = self.engine, self.engine.kv.bytes_per_token(), 0
-        while i < len(todo):
-            owned = self._staging_blocks([s for s, _ in todo[i:]])
-            if not owned:
-                raise proto.PdPeerError("no staging block free in the CPU pool")
-            try:
-                engine.gather_into(slots, [s for s, _ in owned], [b.data[: s.num_tokens * per_token] for s, b in owned])
-                if self.staging.device.type == "cuda":  # the channel's DMA reads what the kernel wrote
-                    torch.cuda.synchronize(self.staging.device)
-                items = [Placement(todo[i + j][1], s.num_tokens * per_token, b) for j, (s, b) in enumerate(owned)]
-                self.channel.push(conn.peer, conn.sock, rid, items, deadline)
-            finally:
-                for _, block in owned:
+        batch = max(1, self.staging.num_blocks // 2)  # two batches in flight
+        pending: tuple[object, list[MemoryBlock]] | None = None
+        try:
+            while i < len(todo):
+                owned = self._staging_blocks([s for s, _ in todo[i : i + batch]])
+                if not owned:
+                    if pending is None:
+                        raise proto.PdPeerError("no staging block free in the CPU pool")
+                    done, pending = pending, None
+                    self._finish(done, deadline)
+                    continue
+                blocks = [b for _, b in owned]
+                try:
+                    engine.gather_into(slots, [s for s, _ in owned],
+                                       [b.data[: s.num_tokens * per_token] for s, b in owned])
+                    if self.staging.device.type == "cuda":  # the channel's DMA reads what the kernel wrote
+                        torch.cuda.synchronize(self.staging.device)
+                    items = [Placement(todo[i + j][1], s.num_tokens * per_token, b) for j, (s, b) in enumerate(owned)]
+                    started = self.channel.push(conn.peer, conn.sock, rid, items, deadline)
+                except BaseException:
+                    for block in blocks:
+                        block.release()
+                    raise
+                done, pending = pending, (started, blocks)
+                if done is not None:
+                    self._finish(done, deadline)
+                i += len(owned)
+            done, pending = pending, None
+            if done is not None:
+                self._finish(done, deadline)
+        finally:
+            if pending is not None:  # a failure with a write under way: it is waited for before its blocks go
+                try:
+                    self.channel.finish(pending[0], time.monotonic() + 5.0)
+                except proto.PdPeerError:
+                    pass
+                for block in pending[1]:
                     block.release()
-            i += len(owned)
+
+    def _finish(self, pending: tuple[object, list[MemoryBlock]], deadline: float) -> None:
+        """Wait for a batch's write and free its staging blocks."""
+        started, blocks = pending
+        try:
+            self.channel.finish(started, deadline)
+        finally:
+            for block in blocks:
+                block.release()
 
     def _staging_blocks(self, spans: list[ChunkSpan]) -> list[tuple[ChunkSpan, MemoryBlock]]:
         if self.staging is self.engine.pool:
             return self.engine.allocate_staging(spans)
         owned = []
-        for span in spans:  # a pool of the sender's own: every block is free between batches
+        for span in spans:  # a pool of the sender's own: what the batch in flight leaves
             block = self.staging.allocate()
             if block is None:
                 break
