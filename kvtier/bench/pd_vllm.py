@@ -87,54 +87,18 @@ def reset_prefix_cache(url: str) -> None:
 def run(args: argparse.Namespace) -> dict:
     model = make_tiny_llama(Path(args.model_dir), MODEL)
     name, rng = str(model), random.Random(0)
-    out = Path(args.out)
     runs = []
-    with pd_cluster(model, out / "cluster", "cuda_ipc", two_gpus=True, buffer_bytes=int(args.buffer_gb * 2**30),
-                    max_model_len=max(args.lengths) + 64, gpu_util=0.6, eager=args.eager,
-                    decoder_prefix_cache=True) as c:
+    with pd_cluster(model, Path(args.out) / "cluster", "cuda_ipc", two_gpus=True,
+                    buffer_bytes=int(args.buffer_gb * 2**30), max_model_len=max(args.lengths) + 64, gpu_util=0.6,
+                    eager=args.eager, decoder_prefix_cache=True) as c:
         warm = [rng.randrange(10, MODEL.vocab_size) for _ in range(1024)]
         for url in (c.url, c.decoder.url):  # the first request of each path: kernels, IPC mapping
             one(url, name, warm, args.max_tokens)
         for n in args.lengths:
-            row: dict = {"tokens": n, "pd_ttft_ms": [], "alone_ttft_ms": [], "hit_ttft_ms": [], "equal": 0,
-                         "near_tie": 0, "equal_to_alone": 0, "failed": 0, "differing": []}
-            for i in range(args.pairs):
-                prompt = [rng.randrange(10, MODEL.vocab_size) for _ in range(n)]
-                pd = one(c.url, name, prompt, args.max_tokens)
-                reset_prefix_cache(c.decoder.url)
-                alone = one(c.decoder.url, name, prompt, args.max_tokens)
-                hit = one(c.decoder.url, name, prompt, args.max_tokens)
-                reset_prefix_cache(c.decoder.url)
-                for r in (pd, alone, hit):
-                    row["failed"] += bool(r.error)
-                if pd.error or alone.error or hit.error:
-                    row["differing"].append({"pair": i, "errors": [pd.error, alone.error, hit.error]})
-                    continue
-                row["pd_ttft_ms"].append(pd.ttft_s * 1e3)
-                row["alone_ttft_ms"].append(alone.ttft_s * 1e3)
-                row["hit_ttft_ms"].append(hit.ttft_s * 1e3)
-                row["equal_to_alone"] += pd.output_ids == alone.output_ids
-                v = verdict(pd, hit)
-                row["equal"] += v == "equal"
-                row["near_tie"] += v == "near-tie"
-                if v != "equal":
-                    row["differing"].append({"pair": i, "verdict": v, "pd": pd.output_ids, "hit": hit.output_ids,
-                                             "pd_top": pd.top_logprobs, "hit_top": hit.top_logprobs})
-                if i == 0:
-                    control = one(c.decoder.url, name, [(prompt[0] + 1) % MODEL.vocab_size] + prompt[1:],
-                                  args.max_tokens)
-                    row["control_differs"] = control.output_ids != alone.output_ids
-            # the GPU time of the prefiller's last writes after its last forward (what PD adds there)
-            sends = [(int(a), float(b)) for a, b in SENT.findall(c.prefiller.log_text()) if int(a) == n]
-            row["sender_ms"] = [ms for _, ms in sends[-args.pairs:]]
-            pd_med = statistics.median(row["pd_ttft_ms"]) if row["pd_ttft_ms"] else None
-            alone_med = statistics.median(row["alone_ttft_ms"]) if row["alone_ttft_ms"] else None
-            row |= {"pd_median_ms": pd_med, "alone_median_ms": alone_med,
-                    "alone_over_pd": alone_med / pd_med if pd_med and alone_med else None,
-                    "sender_median_ms": statistics.median(row["sender_ms"]) if row["sender_ms"] else None}
+            row = _length(c, name, n, rng, args)
             runs.append(row)
-            print(f"{n:6d} tokens: through the proxy (P on GPU0, D on GPU1) {pd_med:.1f} ms, decoder alone "
-                  f"{alone_med:.1f} ms ({row['alone_over_pd']:.2f}x), decoder's own prefix hit "
+            print(f"{n:6d} tokens: through the proxy (P on GPU0, D on GPU1) {row['pd_median_ms']:.1f} ms, decoder "
+                  f"alone {row['alone_median_ms']:.1f} ms ({row['alone_over_pd']:.2f}x), decoder's own prefix hit "
                   f"{statistics.median(row['hit_ttft_ms']):.1f} ms; last writes after the last forward "
                   f"{row['sender_median_ms']} ms ({n * KV_BYTES_PER_TOKEN / 1e9:.2f} GB in all); tokens equal to "
                   f"the decoder's hit {row['equal']}/{args.pairs}, parting at a near-tie {row['near_tie']} (equal to "
@@ -142,6 +106,42 @@ def run(args: argparse.Namespace) -> dict:
                   f"control differs {row.get('control_differs')}, failed {row['failed']}", flush=True)
     return {"command": "python -m kvtier.bench.pd_vllm " + " ".join(args.argv), "date": time.strftime("%Y-%m-%d"),
             "model": asdict(MODEL), "eager": args.eager, "runs": runs}
+
+
+def _length(c, name: str, n: int, rng: random.Random, args: argparse.Namespace) -> dict:
+    """`args.pairs` prompts of `n` tokens: through the proxy, the decoder alone, its own hit."""
+    row: dict = {"tokens": n, "pd_ttft_ms": [], "alone_ttft_ms": [], "hit_ttft_ms": [], "equal": 0,
+                 "near_tie": 0, "equal_to_alone": 0, "failed": 0, "differing": []}
+    for i in range(args.pairs):
+        prompt = [rng.randrange(10, MODEL.vocab_size) for _ in range(n)]
+        pd = one(c.url, name, prompt, args.max_tokens)
+        reset_prefix_cache(c.decoder.url)
+        alone = one(c.decoder.url, name, prompt, args.max_tokens)
+        hit = one(c.decoder.url, name, prompt, args.max_tokens)
+        reset_prefix_cache(c.decoder.url)
+        row["failed"] += sum(bool(r.error) for r in (pd, alone, hit))
+        if pd.error or alone.error or hit.error:
+            row["differing"].append({"pair": i, "errors": [pd.error, alone.error, hit.error]})
+            continue
+        for key, r in (("pd_ttft_ms", pd), ("alone_ttft_ms", alone), ("hit_ttft_ms", hit)):
+            row[key].append(r.ttft_s * 1e3)
+        row["equal_to_alone"] += pd.output_ids == alone.output_ids
+        v = verdict(pd, hit)
+        row["equal"] += v == "equal"
+        row["near_tie"] += v == "near-tie"
+        if v != "equal":
+            row["differing"].append({"pair": i, "verdict": v, "pd": pd.output_ids, "hit": hit.output_ids,
+                                     "pd_top": pd.top_logprobs, "hit_top": hit.top_logprobs})
+        if i == 0:
+            control = one(c.decoder.url, name, [(prompt[0] + 1) % MODEL.vocab_size] + prompt[1:], args.max_tokens)
+            row["control_differs"] = control.output_ids != alone.output_ids
+    # the GPU time of the prefiller's last writes after its last forward (what PD adds there)
+    row["sender_ms"] = [float(ms) for t, ms in SENT.findall(c.prefiller.log_text()) if int(t) == n][-args.pairs:]
+    pd_med = statistics.median(row["pd_ttft_ms"]) if row["pd_ttft_ms"] else None
+    alone_med = statistics.median(row["alone_ttft_ms"]) if row["alone_ttft_ms"] else None
+    return row | {"pd_median_ms": pd_med, "alone_median_ms": alone_med,
+                  "alone_over_pd": alone_med / pd_med if pd_med and alone_med else None,
+                  "sender_median_ms": statistics.median(row["sender_ms"]) if row["sender_ms"] else None}
 
 
 def recheck(path: Path) -> dict:

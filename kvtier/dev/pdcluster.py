@@ -40,6 +40,29 @@ def connector(role: str, rpc: str) -> dict:
             "kv_role": role, "kv_connector_extra_config": {"discard_partial_chunks": False, "lmcache_rpc_port": rpc}}
 
 
+def _write_configs(tmp: Path, channel: str, init: int, alloc: int, notify: int, buffer_bytes: int) -> None:
+    """The guide's two config files (on CPU: the buffer in CPU RAM)."""
+    device = "cuda" if on_gpu() else "cpu"
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "prefiller.yaml").write_text(
+        f'local_cpu: False\nenable_pd: True\ntransfer_channel: "{channel}"\npd_role: "sender"\n'
+        f'pd_proxy_host: "127.0.0.1"\npd_proxy_port: {notify}\npd_buffer_size: 67108864\npd_buffer_device: "{device}"\n'
+        "chunk_size: 256\nmax_local_cpu_size: 0.05\n")
+    (tmp / "decoder.yaml").write_text(
+        f'local_cpu: False\nenable_pd: True\ntransfer_channel: "{channel}"\npd_role: "receiver"\n'
+        f'pd_peer_host: "127.0.0.1"\npd_peer_init_port: {init}\npd_peer_alloc_port: {alloc}\n'
+        f'pd_buffer_size: {buffer_bytes}\npd_buffer_device: "{device}"\nchunk_size: 256\nmax_local_cpu_size: 0.05\n')
+
+
+def _placement(tp: int, split_cores: bool, two_gpus: bool) -> dict[str, dict[str, str]]:
+    """Each server's own environment: its cores (CPU) or its GPU."""
+    if two_gpus:
+        return {"decoder": {"CUDA_VISIBLE_DEVICES": "1,0"}, "prefiller": {"CUDA_VISIBLE_DEVICES": "0,1"}}
+    if split_cores and tp == 1 and not on_gpu():
+        return {"decoder": {"VLLM_CPU_OMP_THREADS_BIND": "0"}, "prefiller": {"VLLM_CPU_OMP_THREADS_BIND": "1"}}
+    return {"decoder": {}, "prefiller": {}}
+
+
 @dataclass
 class Cluster:
     prefiller: Server
@@ -61,27 +84,13 @@ def pd_cluster(model_dir: Path, tmp: Path, channel: str, tp: int = 1, env: dict[
     buffer over CUDA IPC. `buffer_bytes`: the decoder's pd_buffer_size. `decoder_prefix_cache`:
     vLLM's prefix cache on in the decoder, with its dev endpoints (POST /reset_prefix_cache)."""
     init, alloc, notify, port = free_port(), free_port(), free_port(), free_port()
-    device = "cuda" if on_gpu() else "cpu"
-    tmp.mkdir(parents=True, exist_ok=True)
-    # The guide's two config files (on CPU: the buffer in CPU RAM).
-    (tmp / "prefiller.yaml").write_text(
-        f'local_cpu: False\nenable_pd: True\ntransfer_channel: "{channel}"\npd_role: "sender"\n'
-        f'pd_proxy_host: "127.0.0.1"\npd_proxy_port: {notify}\npd_buffer_size: 67108864\npd_buffer_device: "{device}"\n'
-        "chunk_size: 256\nmax_local_cpu_size: 0.05\n")
-    (tmp / "decoder.yaml").write_text(
-        f'local_cpu: False\nenable_pd: True\ntransfer_channel: "{channel}"\npd_role: "receiver"\n'
-        f'pd_peer_host: "127.0.0.1"\npd_peer_init_port: {init}\npd_peer_alloc_port: {alloc}\n'
-        f'pd_buffer_size: {buffer_bytes}\npd_buffer_device: "{device}"\nchunk_size: 256\nmax_local_cpu_size: 0.05\n')
+    _write_configs(tmp, channel, init, alloc, notify, buffer_bytes)
     env = {"UCX_TLS": "tcp,self,sm", "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     args = list(extra_args)
     if tp > 1:  # decoder rank r listens on the init and alloc ports + r; the sender's rank r finds it there
         args += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % 2) for r in range(tp))
-    cores = {"decoder": {}, "prefiller": {}}
-    if split_cores and tp == 1 and not on_gpu():
-        cores = {"decoder": {"VLLM_CPU_OMP_THREADS_BIND": "0"}, "prefiller": {"VLLM_CPU_OMP_THREADS_BIND": "1"}}
-    if two_gpus:
-        cores = {"decoder": {"CUDA_VISIBLE_DEVICES": "1,0"}, "prefiller": {"CUDA_VISIBLE_DEVICES": "0,1"}}
+    cores = _placement(tp, split_cores, two_gpus)
     server = {"dtype": pd_dtype(), "max_model_len": max_model_len, "extra_args": args, "eager": eager,
               "gpu_memory_utilization": gpu_util}
     dev_mode = {"VLLM_SERVER_DEV_MODE": "1"} if decoder_prefix_cache else {}
