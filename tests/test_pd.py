@@ -136,10 +136,10 @@ def test_a_request_larger_than_the_senders_staging_goes_batch_by_batch_intact(ch
         channel, in_flight, most = p.sender.channel, {}, [0]
         push, finish = channel.push, channel.finish
 
-        def watched_push(peer, sock, rid, items, deadline):
+        def watched_push(peer, sock, rid, items):
             blocks = {it.staged.index for it in items}
             assert not blocks & set().union(*in_flight.values()), "a staging block reused while a write reads it"
-            token = (push(peer, sock, rid, items, deadline),)
+            token = (push(peer, sock, rid, items),)
             in_flight[id(token)] = blocks
             most[0] = max(most[0], len(in_flight))
             return token

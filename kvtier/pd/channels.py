@@ -110,12 +110,11 @@ class ReceiverChannel:
 class IpcWriter:
     """cuda_ipc's writes: gather kernel into a local ring, copy engine into the peer.
 
-    A kernel writing into another GPU's memory reached 0.76 of a plain copy over
-    NVLink (2026-11-23, two H200s: 14.9 ms against 11.2 ms for 32k tokens); the
-    copy engine moves contiguous bytes at the link's rate, and gathering into
-    local memory costs a fraction of that (HBM, not the link). The two run on
-    two streams of their own, `SLOTS` groups in flight, so the link never waits
-    for the kernel."""
+    A kernel writing into another GPU's memory moves 0.81-0.82 of a plain copy over
+    NVLink; the copy engine moves contiguous bytes at the link's rate, and gathering
+    into local memory takes 0.4 of the copy's time (HBM, not the link). The two run
+    on streams of their own, `SLOTS` groups in flight: 0.88-0.91 of the copy at 16k-32k
+    tokens (two H100s, 2026-11-26, scripts/pd_write_profile.py)."""
 
     SLOTS = 2
     GROUP_BYTES = 256 << 20  # few launches: each group costs ~0.25 ms of host time to queue
@@ -206,8 +205,7 @@ class SenderChannel:
         size = peer.welcome.block_bytes
         return [peer.remote[b * size : b * size + n] for b, n in zip(blocks, nbytes)]
 
-    def push(self, peer: Peer, sock: socket.socket, req_id: str, items: Sequence[Placement],
-             deadline: float) -> Any:
+    def push(self, peer: Peer, sock: socket.socket, req_id: str, items: Sequence[Placement]) -> Any:
         """Start writing staged blocks into the peer's reserved blocks; `finish` waits for
         them (tcp has sent them when this returns; a NIXL write is under way)."""
         if self.name == "tcp":

@@ -289,7 +289,7 @@ class PdSender:
                     if self.staging.device.type == "cuda":  # the channel's DMA reads what the kernel wrote
                         torch.cuda.synchronize(self.staging.device)
                     items = [Placement(todo[i + j][1], s.num_tokens * per_token, b) for j, (s, b) in enumerate(owned)]
-                    started = self.channel.push(conn.peer, conn.sock, rid, items, deadline)
+                    started = self.channel.push(conn.peer, conn.sock, rid, items)
                 except BaseException:
                     for block in blocks:
                         block.release()
