@@ -310,7 +310,7 @@ class PdReceiver:
 
     def _serve_alloc(self, conn: socket.socket) -> None:
         buffer, open_reservations = self.buffer, set()
-        bounce = _Bounce(buffer.pool) if buffer.pool.device.type == "cuda" else None  # tcp into a GPU buffer
+        bounce: _Bounce | None = None  # tcp into a GPU buffer: made at this connection's first Write
         try:
             while True:
                 msg, payload_len = self._next(conn, max_payload=buffer.pool.block_bytes)
@@ -322,9 +322,10 @@ class PdReceiver:
                     proto.send(conn, reply)
                 elif isinstance(msg, proto.Write):
                     target = buffer.write_target(msg.req_id, msg.block, payload_len)
-                    if bounce is None:
+                    if target.device.type == "cpu":
                         proto.recv_into(conn, target.numpy().data)
                     else:
+                        bounce = bounce or _Bounce(buffer.pool)
                         bounce.receive(conn, target)
                 elif isinstance(msg, proto.Commit):
                     # cuda_ipc and nixl writes are complete when the sender commits; tcp's
