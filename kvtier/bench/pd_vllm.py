@@ -37,7 +37,7 @@ from kvtier.dev.tinymodel import TinyLlama, make_tiny_llama
 MODEL = TinyLlama(hidden_size=4096, intermediate_size=1024, num_hidden_layers=32, num_attention_heads=32,
                   num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=40960)
 KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
-SENT = re.compile(r"PD: request \S+: KV of (\d+) tokens in the decoder's buffer, its last writes ([\d.]+) ms")
+LAST_WRITES = re.compile(r"PD: request \S+: KV of (\d+) tokens in the decoder's buffer, its last writes ([\d.]+) ms")
 
 
 async def _one(url: str, model: str, prompt: list[int], max_tokens: int) -> Result:
@@ -136,7 +136,7 @@ def _length(c, name: str, n: int, rng: random.Random, args: argparse.Namespace) 
             control = one(c.decoder.url, name, [(prompt[0] + 1) % MODEL.vocab_size] + prompt[1:], args.max_tokens)
             row["control_differs"] = control.output_ids != alone.output_ids
     # the GPU time of the prefiller's last writes after its last forward (what PD adds there)
-    row["sender_ms"] = [float(ms) for t, ms in SENT.findall(c.prefiller.log_text()) if int(t) == n][-args.pairs:]
+    row["sender_ms"] = [float(ms) for t, ms in LAST_WRITES.findall(c.prefiller.log_text()) if int(t) == n][-args.pairs:]
     pd_med = statistics.median(row["pd_ttft_ms"]) if row["pd_ttft_ms"] else None
     alone_med = statistics.median(row["alone_ttft_ms"]) if row["alone_ttft_ms"] else None
     return row | {"pd_median_ms": pd_med, "alone_median_ms": alone_med,

@@ -13,13 +13,13 @@ DIGEST_BYTES each in prompt order, not as JSON text.
 
 Who sends what:
 
-    sender ──▶ receiver init port    Hello(format, channel)       ◀── Welcome(buffer) | Error
+    sender ──▶ receiver init port    Hello(format, channel)           ◀── Welcome(buffer) | Error
     sender ──▶ receiver alloc port   Alloc(req, tokens) + digests     ◀── Allocated(blocks) | NoRoom | Error
                                      Write(req, block) + bytes        (tcp channel; no reply)
                                      Commit(req)                      ◀── Ok | Error
-                                     Abort(req)                   ◀── Ok
-    proxy  ──▶ receiver alloc port   Release(req)                 ◀── Ok
-    sender ──▶ proxy notify port     PrefillDone(req, ok, tokens)  (no reply)
+                                     Abort(req)                       ◀── Ok
+    proxy  ──▶ receiver alloc port   Release(req)                     ◀── Ok
+    sender ──▶ proxy notify port     PrefillDone(req, ok, tokens)     (no reply)
 
 Anything else (a bad magic, another version, an unknown type, a header
 that is not the message's fields with their types, a payload larger than

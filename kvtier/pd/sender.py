@@ -71,8 +71,9 @@ class _Open:
     conn: "_Connection"
     sent: int = 0  # tokens of the request's chunks handed to the decoder so far
     moved: int = 0  # of those, tokens whose bytes moved (the decoder lacked them)
-    writes: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)  # queued cuda_ipc
-    alloc_ms: float = 0.0  # writes: per step, (its KV written by the forward, its last copy done)
+    # queued cuda_ipc writes, per step: (its KV written by the forward, its last copy done)
+    writes: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    alloc_ms: float = 0.0
     write_ms: float = 0.0
     tail_ms: float = 0.0  # GPU time from the last step's forward to its last copy
 
@@ -148,7 +149,9 @@ class PdSender:
         sent = 0
         try:
             if spans or rid in self._open:
-                req = self._open.get(rid) or self._open.setdefault(rid, _Open(self._connection(target)))
+                req = self._open.get(rid)
+                if req is None:
+                    req = self._open[rid] = _Open(self._connection(target))
                 if spans:
                     sent = self._write(req, rid, spans, slots)
                 if last:
@@ -304,11 +307,9 @@ class PdSender:
         finally:
             if pending is not None:  # a failure with a write under way: it is waited for before its blocks go
                 try:
-                    self.channel.finish(pending[0], time.monotonic() + 5.0)
+                    self._finish(pending, time.monotonic() + 5.0)
                 except proto.PdPeerError:
                     pass
-                for block in pending[1]:
-                    block.release()
 
     def _finish(self, pending: tuple[object, list[MemoryBlock]], deadline: float) -> None:
         """Wait for a batch's write and free its staging blocks."""
