@@ -81,16 +81,22 @@ class ChunkSpan:
         return self.end - self.start
 
 
-def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
-    """The tokens as little-endian u32. A list (vLLM's prompt) goes through array.array,
-    4x faster than numpy's conversion of a list (0.15 against 0.6 ms at 32k tokens)."""
+def token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """The tokens as a numpy array. A list (vLLM's prompt) goes through array.array as
+    u32, 7x faster than numpy's conversion of a list (0.15 against 1.0 ms at 16k tokens
+    on a 2-core VM): every store, load and lookup of a request converts its prompt."""
     if isinstance(tokens, list) and _ARRAY_U32:
         try:
-            return array.array("I", tokens).tobytes()
+            return np.frombuffer(array.array("I", tokens), dtype=np.uint32)
         except OverflowError:
             raise ValueError("token ids must lie in [0, 2**32)") from None
-    arr = np.asarray(tokens)
-    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
+    return np.asarray(tokens)
+
+
+def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """The tokens as little-endian u32."""
+    arr = token_array(tokens)
+    if arr.dtype != np.uint32 and arr.size and (arr.min() < 0 or arr.max() >= 2**32):
         raise ValueError("token ids must lie in [0, 2**32)")
     return arr.astype("<u4", copy=False).tobytes()
 

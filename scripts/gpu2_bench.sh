@@ -3,12 +3,14 @@
 # bundle (../shared/gpu-vllm copied to .gpu-vllm and carried), in one or two calls:
 #   STEPS="tests pd pdvllm" bash scripts/gpu2_bench.sh     (about 9 minutes)
 #   STEPS="tp" bash scripts/gpu2_bench.sh                  (about 6 minutes)
+#   STEPS="tpttft" bash scripts/gpu2_bench.sh              (about 5 minutes)
 # Steps: tests (the GPU tests of the transfers and of PD, cuda_ipc across the two GPUs),
 # pd (kvtier bench pd GPU0 -> GPU1 against a plain copy, and each part of a cuda_ipc
 # write timed alone: scripts/pd_gpu_bench.sh), pdvllm (1P1D inside real vLLM, prefiller on
 # GPU 0, decoder on GPU 1: kvtier.bench.pd_vllm), tp (tests/test_vllm_tp.py with one rank
 # per GPU: every rank its shard, hits only where both ranks hold them, TP=2 <-> TP=1 reuse,
-# PD with TP=2 on both sides). Results come back as one archive in $OUT.
+# PD with TP=2 on both sides, the store server's path at TP=2), tpttft (warm TTFT at 16k
+# tokens, kvtier inside vLLM at TP=1 and at TP=2: kvtier.bench.vllm --tp). Results come back as one archive in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-results/gpu2}
@@ -44,6 +46,14 @@ timeout ${PDVLLM_TIMEOUT:-330} python3 -m kvtier.bench.pd_vllm --lengths ${LENGT
 echo "pd_vllm exit $?"; pkill -f "$servers"
 grep -E "tokens:|Traceback|Error" "$work/pd-vllm.log" | tail -12
 cp "$work"/pd-vllm/cluster/*/vllm-*.log "$work/pd-vllm/" 2>/dev/null ;;
+esac
+case " $steps " in *" tpttft "*)
+for tp in 1 2; do  # warm TTFT at 16k, kvtier's CPU tier: one GPU, then one rank on each
+    timeout ${TPTTFT_TIMEOUT:-280} python3 -m kvtier.bench.vllm --setups kvtier --lengths ${TTFT_LENGTHS:-16384} \
+        --pairs ${PAIRS:-7} --tp $tp --cpu-gb 40 --setup-timeout 270 --out "$work/ttft-tp$tp" \
+        > "$work/ttft-tp$tp.log" 2>&1
+    echo "ttft tp=$tp exit $?"; pkill -f "$servers"; grep -E "^\[kvtier\] [0-9]+: |tokens (OK|DIFFER)" "$work/ttft-tp$tp.log"
+done ;;
 esac
 case " $steps " in *" tp "*)
 timeout ${TP_TIMEOUT:-560} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_vllm_tp.py \

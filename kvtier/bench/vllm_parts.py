@@ -65,8 +65,8 @@ class ForwardTimer:
         import torch
 
         torch.cuda.synchronize()
-        start, end = next(e for e in reversed(self.events) if e[1] is not None)
-        return start.elapsed_time(end)
+        start, end = next((e for e in reversed(self.events) if e[1] is not None), (None, None))
+        return start.elapsed_time(end) if start is not None else float("nan")  # TP > 1: steps in the workers
 
     def clear(self) -> None:
         self.events.clear()

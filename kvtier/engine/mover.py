@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvtier.codec import U64
-from kvtier.keys import ChunkSpan
+from kvtier.keys import ChunkSpan, token_array
 from kvtier.memory import HostPool, MemoryBlock, front_view
 from kvtier.tiers.cpu import StoredChunk
 from kvtier.transfer import LayerHandle, LayerSaver, PagedKV, Quant, Transfer, Upload
@@ -143,7 +143,7 @@ def stamp(owned: list[tuple[ChunkSpan, MemoryBlock]], digests: torch.Tensor | No
 def as_numpy(tokens: Tokens) -> np.ndarray:
     if isinstance(tokens, torch.Tensor):
         return tokens.detach().cpu().numpy()
-    return np.asarray(tokens)
+    return token_array(tokens)
 
 
 def concat_slots(slots: torch.Tensor, spans: Sequence[ChunkSpan]) -> torch.Tensor:

@@ -129,12 +129,15 @@ class IpcWriter:
         self.copy_stream = torch.cuda.Stream(device)
 
     def write(self, gather: Callable[[Sequence[Any], Sequence[torch.Tensor]], None], items: Sequence[Any],
-              nbytes: Sequence[int], views: Sequence[torch.Tensor]) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+              nbytes: Sequence[int], views: Sequence[torch.Tensor],
+              kv_written: torch.cuda.Event | None = None) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         """Queue `gather(items[i:j], buffers)` group by group and the copies of each
-        group into `views`; the events at which the forward had written the KV and at
-        which the last copy completes (timed: their distance is what the writes add)."""
-        kv_written = torch.cuda.Event(enable_timing=True)
-        kv_written.record(torch.cuda.current_stream(self.device))
+        group into `views`; the events at which the forward had written the KV (recorded
+        here unless an earlier piece of the step did) and at which the last copy
+        completes (timed: their distance is what the writes add)."""
+        if kv_written is None:
+            kv_written = torch.cuda.Event(enable_timing=True)
+            kv_written.record(torch.cuda.current_stream(self.device))
         self.gather_stream.wait_event(kv_written)
         i, done = 0, kv_written
         while i < len(items):

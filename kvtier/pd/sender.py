@@ -3,7 +3,9 @@
     send(target, tokens, slots, start, last)     after each prefill step of a request
         keys of the chunks ending after `start`
         → Alloc on the decoder's alloc port (retried until `pd_allocation_timeout_sec`),
-          digests in binary; a request's later steps add to its reservation
+          digests in binary; a request's later steps add to its reservation;
+          cuda_ipc reserves a step in pieces of 2, 4, 8 chunks, one Alloc ahead, so
+          its first writes start after a small Alloc (`_reserve`)
         → the channel writes them: staged (tcp, nixl) batch by batch through the
           staging pool, or (cuda_ipc) queued on the GPU behind the forward that
           wrote them, gathered and copied into the decoder's GPU buffer while vLLM
@@ -26,8 +28,9 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -42,6 +45,7 @@ log = get_logger(__name__)
 
 CONNECT_TIMEOUT = 5.0
 RETRY_STEP = 0.05  # s between Allocs while the decoder's buffer is full
+FIRST_PIECE, MOST_PIECE = 2, 8  # chunks in a piece of a step's reservation (`_pieces`)
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,8 @@ class _Open:
     conn: "_Connection"
     sent: int = 0  # tokens of the request's chunks handed to the decoder so far
     moved: int = 0  # of those, tokens whose bytes moved (the decoder lacked them)
-    # queued cuda_ipc writes, per step: (its KV written by the forward, its last copy done)
+    chunks: int = 0  # chunks of the request the decoder holds for it
+    # queued cuda_ipc writes, per piece of a step: (the step's KV written by the forward, its last copy done)
     writes: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
     alloc_ms: float = 0.0
     write_ms: float = 0.0
@@ -126,6 +131,9 @@ class PdSender:
             self.staging = HostPool(config.pd_buffer_size, engine.pool.block_bytes, device=device)
         self.channel = SenderChannel(config.pd_channel, self.staging)
         self.stats = SendStats()
+        # chunks in a step's first and largest Alloc piece (`_reserve`); staged channels
+        # pipeline their own batches (`_push_staged`) and reserve a step at once
+        self.pieces: tuple[int, int] | None = None if self.channel.staged else (FIRST_PIECE, MOST_PIECE)
         self._hello = proto.Hello(f"{socket.gethostname()}:{os.getpid()}", engine.fmt.tag(), config.chunk_size,
                                   engine.kv.bytes_per_token(), config.pd_channel)
         self._conns: dict[tuple[str, int, int], _Connection] = {}
@@ -185,26 +193,74 @@ class PdSender:
         return sent
 
     def _write(self, req: _Open, rid: str, spans: list[ChunkSpan], slots: torch.Tensor) -> int:
-        """Reserve `spans` on the decoder and write (or queue) their bytes into it."""
+        """Reserve `spans` on the decoder piece by piece and write (or queue) each piece's
+        bytes into it as its reservation comes back (`_reserve`)."""
         t0 = time.perf_counter()
-        blocks = self._alloc(req.conn, rid, spans)
-        t1 = time.perf_counter()
-        todo = [(s, b) for s, b in zip(spans, blocks) if b >= 0]
-        per_token = self.engine.kv.bytes_per_token()
-        if todo and not self.channel.staged:
-            assert self.channel.ipc is not None
-            nbytes = [s.num_tokens * per_token for s, _ in todo]
-            views = self.channel.views(req.conn.peer, [b for _, b in todo], nbytes)
-            gather = lambda part, buffers: self.engine.gather_into(slots, part, buffers)  # noqa: E731
-            req.writes.append(self.channel.ipc.write(gather, [s for s, _ in todo], nbytes, views))
-        elif todo:
-            self._push_staged(req.conn, rid, todo, slots, time.monotonic() + self.config.blocking_timeout_secs)
-        req.alloc_ms += (t1 - t0) * 1e3
-        req.write_ms += (time.perf_counter() - t1) * 1e3
+        per_token, alloc_s = self.engine.kv.bytes_per_token(), 0.0
+        pieces = self._reserve(req.conn, rid, spans, req.chunks)
+        kv_written = None  # the step's forward done: its pieces' writes start after it
+        while True:
+            a0 = time.perf_counter()
+            got = next(pieces, None)
+            alloc_s += time.perf_counter() - a0
+            if got is None:
+                break
+            todo = [(s, b) for s, b in zip(*got) if b >= 0]
+            if todo and not self.channel.staged:
+                assert self.channel.ipc is not None
+                nbytes = [s.num_tokens * per_token for s, _ in todo]
+                views = self.channel.views(req.conn.peer, [b for _, b in todo], nbytes)
+                gather = lambda part, buffers: self.engine.gather_into(slots, part, buffers)  # noqa: E731
+                kv_written, done = self.channel.ipc.write(gather, [s for s, _ in todo], nbytes, views, kv_written)
+                req.writes.append((kv_written, done))
+            elif todo:
+                self._push_staged(req.conn, rid, todo, slots, time.monotonic() + self.config.blocking_timeout_secs)
+            req.moved += sum(s.num_tokens for s, _ in todo)
+        req.alloc_ms += alloc_s * 1e3
+        req.write_ms += (time.perf_counter() - t0 - alloc_s) * 1e3
         sent = sum(s.num_tokens for s in spans)
         req.sent += sent
-        req.moved += sum(s.num_tokens for s, _ in todo)
+        req.chunks += len(spans)
         return sent
+
+    def _reserve(self, conn: _Connection, rid: str, spans: list[ChunkSpan],
+                 held: int) -> Iterator[tuple[list[ChunkSpan], list[int]]]:
+        """The decoder's blocks for `spans` (the request holds `held` already), piece by
+        piece (`_pieces`), one Alloc ahead: piece k+1's Alloc is on its way before piece k is handed out, so the decoder
+        reserves it while the caller queues piece k's writes, and the first write
+        starts after a small piece's Alloc instead of the whole prompt's. A piece
+        that finds no room waits for it after the others (`_alloc`), holding what
+        the others reserved, as a step does with its request's earlier steps (bounded
+        by `pd_allocation_timeout_sec`, then all of it is freed)."""
+        room = conn.peer.welcome.num_blocks
+        if held + len(spans) > room:  # the pieces would each fit, the request never
+            raise proto.PdPeerError(f"{held + len(spans)} chunks do not fit the decoder's buffer of {room} "
+                                    "(raise pd_buffer_size there)")
+        ahead: deque[tuple[list[ChunkSpan], proto.Alloc]] = deque()
+        no_room: list[list[ChunkSpan]] = []
+        for piece in _pieces(spans, *self.pieces) if self.pieces else [spans]:
+            msg = proto.Alloc(rid, [s.num_tokens for s in piece])
+            proto.send(conn.sock, msg, b"".join(s.key.digest for s in piece))
+            ahead.append((piece, msg))
+            if len(ahead) > 1:
+                yield from self._allocated(conn, *ahead.popleft(), no_room)
+        while ahead:
+            yield from self._allocated(conn, *ahead.popleft(), no_room)
+        for piece in no_room:
+            yield piece, self._alloc(conn, rid, piece)
+
+    @staticmethod
+    def _allocated(conn: _Connection, piece: list[ChunkSpan], msg: proto.Alloc,
+                   no_room: list[list[ChunkSpan]]) -> Iterator[tuple[list[ChunkSpan], list[int]]]:
+        """The reply to an Alloc sent ahead: its blocks, or the piece kept for later."""
+        reply = proto.recv(conn.sock)[0]
+        if isinstance(reply, proto.Allocated):
+            if len(reply.blocks) != len(piece):
+                raise proto.ProtocolError("Allocated: wrong number of blocks")
+            yield piece, reply.blocks
+            return
+        _check_room(proto.expect(reply, proto.NoRoom))
+        no_room.append(piece)
 
     def _commit(self, req: _Open, rid: str) -> None:
         t0 = time.perf_counter()
@@ -246,6 +302,7 @@ class PdSender:
                 pass
 
     def _alloc(self, conn: _Connection, rid: str, spans: list[ChunkSpan]) -> list[int]:
+        """Blocks for `spans`, retried until `pd_allocation_timeout_sec` while the buffer is full."""
         msg = proto.Alloc(rid, [s.num_tokens for s in spans])
         digests = b"".join(s.key.digest for s in spans)
         deadline = time.monotonic() + self.config.pd_allocation_timeout_sec
@@ -256,13 +313,9 @@ class PdSender:
                 if len(reply.blocks) != len(spans):
                     raise proto.ProtocolError("Allocated: wrong number of blocks")
                 return reply.blocks
-            reply = proto.expect(reply, proto.NoRoom)
-            assert isinstance(reply, proto.NoRoom)
-            if reply.needed_blocks > reply.num_blocks:
-                raise proto.PdPeerError(f"{reply.needed_blocks} chunks do not fit the decoder's buffer of "
-                                        f"{reply.num_blocks} (raise pd_buffer_size there)")
+            room = _check_room(proto.expect(reply, proto.NoRoom))
             if time.monotonic() > deadline:
-                raise proto.PdPeerError(f"no room for {reply.needed_blocks} chunks in the decoder's buffer "
+                raise proto.PdPeerError(f"no room for {room.needed_blocks} chunks in the decoder's buffer "
                                         f"within pd_allocation_timeout_sec={self.config.pd_allocation_timeout_sec}")
             if not waited:
                 self.stats.waited_for_room += 1
@@ -376,3 +429,21 @@ class PdSender:
             conn.close()
         if self._proxy is not None:
             self._proxy.close()
+
+
+def _check_room(reply: proto.Message) -> proto.NoRoom:
+    """A NoRoom that waiting may cure; a request larger than the whole buffer fails now."""
+    assert isinstance(reply, proto.NoRoom)
+    if reply.needed_blocks > reply.num_blocks:
+        raise proto.PdPeerError(f"{reply.needed_blocks} chunks do not fit the decoder's buffer of "
+                                f"{reply.num_blocks} (raise pd_buffer_size there)")
+    return reply
+
+
+def _pieces(spans: list[ChunkSpan], first: int, most: int) -> Iterator[list[ChunkSpan]]:
+    """`spans` in pieces of `first`, twice that, ... up to `most` chunks: a small first
+    piece starts the writes early, larger ones cost fewer round trips and launches."""
+    i, n = 0, first
+    while i < len(spans):
+        yield spans[i : i + n]
+        i, n = i + n, min(2 * n, most)
