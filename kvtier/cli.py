@@ -109,7 +109,8 @@ def _bench_pd(args: argparse.Namespace) -> int:
     from kvtier.bench.pd import run_pd
 
     shape = OffloadShape(tokens=max(args.tokens), layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim)
-    result = run_pd(shape, args.tokens, args.channels, args.sender_device, args.receiver_device, args.repeats)
+    result = run_pd(shape, args.tokens, args.channels, args.sender_device, args.receiver_device, args.repeats,
+                    tuple(args.pieces))
     if args.output:
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -262,6 +263,9 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--receiver-device", default="cuda:0", help="cuda:1 for two GPUs")
     _shape_args(p, chunk=False)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--pieces", nargs="+", default=["default"],
+                   help="cuda_ipc, each in turn: how a step is reserved: default, F,M (first piece F chunks, "
+                        "doubling up to M), step (one Alloc)")
     p.add_argument("--output", help="write the results to this JSON file")
 
 

@@ -3,6 +3,7 @@
 #   one GPU:  sender and receiver processes both on cuda:0 (ratio to a device-to-device copy)
 #   two GPUs: sender on cuda:0, receiver on cuda:1 (ratio to a plain GPU0->GPU1 torch copy)
 # Channels: cuda_ipc (built in), nixl (when .wheels-pd carries it), tcp (reference).
+# PIECES="default 4,16 step": cuda_ipc's reservation of a step, each way in the same run.
 # The machine reaches no package index: scripts/gpu_wheels.sh pd puts xxhash, nixl and
 # nixl-cu13 into .wheels-pd/ for the device tool to carry.
 set -uo pipefail
@@ -28,7 +29,8 @@ echo "channels: $channels" | tee -a "$out/machine.txt"
     | grep -v " INFO " | tee "$out/pd-1gpu.txt"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     timeout 280 python3 -m kvtier.cli bench pd --tokens 4096 16384 32768 --channels ${CHANNELS_2GPU:-$channels} \
-        --sender-device cuda:0 --receiver-device cuda:1 --repeats 5 --output "$out/pd-2gpu.json" 2>&1 \
+        --sender-device cuda:0 --receiver-device cuda:1 --repeats ${REPEATS:-5} --pieces ${PIECES:-default} \
+        --output "$out/pd-2gpu.json" 2>&1 \
         | grep -v " INFO " | tee "$out/pd-2gpu.txt"
 fi
 # Where a cuda_ipc send's time goes: the gather kernel into local and peer memory, kvtier's

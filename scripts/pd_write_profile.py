@@ -65,7 +65,7 @@ def main() -> None:
         figures = {
             "gather -> local": timed(lambda: gather(spans, local_views), dev),
             "gather -> peer": timed(lambda: gather(spans, views), dev),
-            "ring + copy": timed(lambda: ring.write(gather, spans, [per_chunk] * len(spans), views).synchronize(), dev),
+            "ring + copy": timed(lambda: ring.write(gather, spans, [per_chunk] * len(spans), views)[1].synchronize(), dev),
             "copy": timed(lambda: mapped.copy_(local), dev),
         }
         copy = figures["copy"]

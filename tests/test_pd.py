@@ -212,7 +212,7 @@ def test_a_full_buffer_makes_the_sender_wait_bounded_then_give_up(pair, caplog):
 
 @pytest.mark.parametrize("pair", [{"buffer_chunks": 8, "alloc_timeout": 5.0}], indirect=True)
 def test_a_piece_that_finds_no_room_waits_for_it_after_the_others_and_lands_intact(pair):
-    """A step's Allocs go in pieces of 2, 4, 8... chunks, one ahead of the writes: with 5
+    """A step's Allocs go in pieces (here 2, 4, 8... chunks), one ahead of the writes: with 5
     blocks free, a 7-chunk prompt gets its first (2) and third (1) pieces at once, its
     second (4) once another request frees its 3 blocks. (cuda_ipc reserves in pieces; the
     reservation is the same for every channel, so tcp runs it here.)"""
@@ -479,3 +479,21 @@ def test_idle_nixl_agents_cost_no_cpu(monkeypatch):
         assert busy < 0.3, f"{busy:.2f} s of CPU in 2 s idle"
     finally:
         p.close()
+
+
+def test_ipc_writes_copy_adjacent_blocks_as_one_run():
+    """cuda_ipc's copy engine moves a run of adjacent reserved blocks in one copy; each
+    chunk still lands in its own block (run on CPU tensors: the grouping is the same)."""
+    from kvtier.pd.channels import contiguous_runs
+
+    remote, ring = torch.zeros(100, dtype=torch.uint8), torch.arange(1, 46, dtype=torch.uint8)
+    sizes = [10, 10, 10, 5, 10]
+    views = [remote[0:10], remote[10:20], remote[30:40], remote[40:45], remote[60:70]]
+    offsets = [0, 10, 20, 30, 35, 45]
+    runs = contiguous_runs(views)
+    assert [(v.numel(), a, b) for v, a, b in runs] == [(20, 0, 2), (15, 2, 4), (10, 4, 5)]
+    for dst, a, b in runs:
+        dst.copy_(ring[offsets[a] : offsets[b]])
+    for view, n, off in zip(views, sizes, offsets):
+        assert torch.equal(view, ring[off : off + n])
+    assert remote[20:30].eq(0).all() and remote[45:60].eq(0).all() and remote[70:].eq(0).all()

@@ -42,6 +42,7 @@ def per_token(shape: OffloadShape) -> int:
 class PdRun:
     channel: str
     tokens: int
+    pieces: str = "default"  # cuda_ipc: chunks in a step's first and largest Alloc ("2,8"), or "step"
     send_ms: list[float] = field(default_factory=list)
     load_ms: list[float] = field(default_factory=list)
     done_to_loaded_ms: list[float] = field(default_factory=list)
@@ -51,7 +52,7 @@ class PdRun:
     def summary(self, bytes_per_token: int) -> dict:
         nbytes = self.tokens * bytes_per_token
         send, copy = statistics.median(self.send_ms), statistics.median(self.copy_ms)
-        return {"channel": self.channel, "tokens": self.tokens, "GB": round(nbytes / 1e9, 3),
+        return {"channel": self.channel, "tokens": self.tokens, "pieces": self.pieces, "GB": round(nbytes / 1e9, 3),
                 "send_ms": round(send, 2), "send_GBps": round(nbytes / send / 1e6, 1),
                 "copy_ms": round(copy, 2), "copy_GBps": round(nbytes / copy / 1e6, 1),
                 "ratio_to_copy": round(copy / send, 3),
@@ -139,7 +140,9 @@ def _sync(device: str) -> None:
 
 
 def run_pd(shape: OffloadShape, token_counts: list[int], channels: list[str], sender_device: str, receiver_device: str,
-           repeats: int) -> dict:
+           repeats: int, pieces: tuple[str, ...] = ("default",)) -> dict:
+    """`pieces` (cuda_ipc): A/B of how a step is reserved, each in the same run: "default"
+    (the sender's), "F,M" (first piece F chunks, doubling up to M), "step" (one Alloc)."""
     max_tokens = max(token_counts)
     if sender_device.startswith("cuda"):
         torch.cuda.set_device(torch.device(sender_device))
@@ -147,8 +150,9 @@ def run_pd(shape: OffloadShape, token_counts: list[int], channels: list[str], se
     bench = _PdBench(shape, kv, layers, sender_device, receiver_device, repeats)
     runs: list[PdRun] = []
     for channel in channels:
-        with _Receiver(shape, channel, receiver_device, max_tokens) as receiver:
-            runs += _channel_runs(bench, receiver, token_counts)
+        for variant in pieces if channel == "cuda_ipc" else ("default",):
+            with _Receiver(shape, channel, receiver_device, max_tokens) as receiver:
+                runs += _channel_runs(bench, receiver, token_counts, variant)
     return {"shape": asdict(shape), "sender_device": sender_device, "receiver_device": receiver_device,
             "machine": _machine(sender_device, receiver_device), "date": time.strftime("%Y-%m-%d"),
             "repeats": repeats, "runs": [r.summary(per_token(shape)) | {"raw": asdict(r)} for r in runs]}
@@ -200,7 +204,7 @@ class _Receiver:
             self.proc.kill()
 
 
-def _channel_runs(bench: _PdBench, receiver: _Receiver, token_counts: list[int]) -> list[PdRun]:
+def _channel_runs(bench: _PdBench, receiver: _Receiver, token_counts: list[int], pieces: str) -> list[PdRun]:
     from kvtier.engine import CacheEngine
     from kvtier.keys import KVFormat
     from kvtier.pd.sender import PdSender
@@ -212,9 +216,11 @@ def _channel_runs(bench: _PdBench, receiver: _Receiver, token_counts: list[int])
                      receiver.init, receiver.alloc)
     engine = CacheEngine(config, bench.kv, KVFormat(FMT_MODEL, "flash_attn", shape.dtype))
     sender = PdSender(engine, config, 0)
+    if pieces != "default":
+        sender.pieces = None if pieces == "step" else tuple(int(x) for x in pieces.split(","))  # type: ignore[assignment]
     runs = []
     for n in token_counts:
-        run = PdRun(channel, n)
+        run = PdRun(channel, n, pieces)
         src = torch.empty(n * per_token(shape), dtype=torch.uint8, device=sender_device)
         dst = torch.empty(n * per_token(shape), dtype=torch.uint8, device=receiver_device)
         for r in range(bench.repeats + 1):  # the first is a warm-up (connection, IPC mapping, kernels)
@@ -226,7 +232,7 @@ def _channel_runs(bench: _PdBench, receiver: _Receiver, token_counts: list[int])
         del src, dst
         runs.append(run)
         s = run.summary(per_token(shape))
-        print(f"{channel:9s} {n:6d} tokens {s['GB']:.2f} GB | send {s['send_ms']} ms = {s['send_GBps']} GB/s "
+        print(f"{channel:9s} {pieces:>7s} {n:6d} tokens {s['GB']:.2f} GB | send {s['send_ms']} ms = {s['send_GBps']} GB/s "
               f"({s['ratio_to_copy']} of copy {s['copy_GBps']} GB/s) | load {s['load_ms']} ms | "
               f"done->loaded {s['done_to_loaded_ms']} ms | alloc/write/commit {s['alloc_write_commit_ms']} ms",
               flush=True)

@@ -7,8 +7,9 @@
               ─3─▶ decoder vLLM: its lookup finds the chunks as a hit and loads them;
                    the proxy streams its answer back and Releases the request's chunks
 
-protocol.py holds every message, channels.py how bytes cross (tcp, nixl,
-cuda_ipc). This module builds the receiver's pieces from the config.
+protocol.py holds every message, link.py a sender's connection to one decoder
+(its reservations), channels.py how bytes cross (tcp, nixl, cuda_ipc). This
+module builds the receiver's pieces from the config.
 """
 
 from __future__ import annotations

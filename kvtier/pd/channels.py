@@ -158,13 +158,29 @@ class IpcWriter:
             gathered.record(self.gather_stream)
             self.copy_stream.wait_event(gathered)
             with torch.cuda.stream(self.copy_stream):
-                for part, view in zip(parts, views[i:j]):
-                    view.copy_(part, non_blocking=True)
+                for dst, a, b in contiguous_runs(views[i:j]):  # one copy per run of adjacent blocks
+                    dst.copy_(self.ring[slot][offsets[a] : offsets[b]], non_blocking=True)
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.copy_stream)
             self._free[slot] = done
             i = j
         return kv_written, done
+
+
+def contiguous_runs(views: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int, int]]:
+    """`views` (uint8, one device) grouped into runs that lie end to end in memory: each
+    run as one view over them and its [first, last + 1) indices. The decoder's buffer
+    hands out adjacent blocks for a fresh reservation: one copy then moves many chunks."""
+    runs: list[tuple[torch.Tensor, int, int]] = []
+    start = 0
+    for k in range(1, len(views) + 1):
+        if k < len(views) and views[k].data_ptr() == views[k - 1].data_ptr() + views[k - 1].numel():
+            continue
+        first = views[start]
+        n = views[k - 1].data_ptr() + views[k - 1].numel() - first.data_ptr()
+        runs.append((first.as_strided((n,), (1,), first.storage_offset()), start, k))  # within its storage
+        start = k
+    return runs
 
 
 @dataclass

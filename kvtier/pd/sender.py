@@ -4,8 +4,8 @@
         keys of the chunks ending after `start`
         → Alloc on the decoder's alloc port (retried until `pd_allocation_timeout_sec`),
           digests in binary; a request's later steps add to its reservation;
-          cuda_ipc reserves a step in pieces of 2, 4, 8 chunks, one Alloc ahead, so
-          its first writes start after a small Alloc (`_reserve`)
+          cuda_ipc reserves a step in pieces of 4, 8, 16 chunks, one Alloc ahead, so
+          its first writes start after a small Alloc (`DecoderLink.reserve`)
         → the channel writes them: staged (tcp, nixl) batch by batch through the
           staging pool, or (cuda_ipc) queued on the GPU behind the forward that
           wrote them, gathered and copied into the decoder's GPU buffer while vLLM
@@ -28,9 +28,8 @@ import os
 import socket
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
@@ -39,13 +38,11 @@ from kvtier.keys import ChunkSpan
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
 from kvtier.pd import protocol as proto
-from kvtier.pd.channels import Peer, Placement, SenderChannel
+from kvtier.pd.channels import Placement, SenderChannel
+from kvtier.pd.link import CONNECT_TIMEOUT, FIRST_PIECE, MOST_PIECE, DecoderLink
 
 log = get_logger(__name__)
 
-CONNECT_TIMEOUT = 5.0
-RETRY_STEP = 0.05  # s between Allocs while the decoder's buffer is full
-FIRST_PIECE, MOST_PIECE = 2, 8  # chunks in a piece of a step's reservation (`_pieces`)
 
 
 @dataclass(frozen=True)
@@ -72,7 +69,7 @@ class SendStats:
 class _Open:
     """A request whose KV is on its way: what its steps reserved and queued until its Commit."""
 
-    conn: "_Connection"
+    conn: DecoderLink
     sent: int = 0  # tokens of the request's chunks handed to the decoder so far
     moved: int = 0  # of those, tokens whose bytes moved (the decoder lacked them)
     chunks: int = 0  # chunks of the request the decoder holds for it
@@ -91,31 +88,6 @@ class _Open:
         self.writes.clear()
 
 
-class _Connection:
-    """One decoder, as seen from this sender: its Welcome, and the alloc connection."""
-
-    def __init__(self, host: str, init_port: int, alloc_port: int, hello: proto.Hello,
-                 channel: SenderChannel, timeout: float) -> None:
-        with socket.create_connection((host, init_port), timeout=CONNECT_TIMEOUT) as init:
-            init.settimeout(timeout)
-            proto.send(init, hello)
-            msg, n = proto.recv(init, max_payload=1 << 24)
-            welcome = proto.expect(msg, proto.Welcome)
-            registration = proto.recv_exact(init, n)
-        self.peer: Peer = channel.connect(welcome, registration)  # type: ignore[arg-type]
-        self.sock = socket.create_connection((host, alloc_port), timeout=CONNECT_TIMEOUT)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.settimeout(timeout)
-        self.name = f"{host}:{alloc_port}"
-
-    def call(self, msg: proto.Message, payload: bytes = b"") -> proto.Message:
-        proto.send(self.sock, msg, payload)
-        return proto.recv(self.sock)[0]
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 class PdSender:
     def __init__(self, engine: object, config: KvtierConfig, tp_rank: int) -> None:
         from kvtier.engine import CacheEngine
@@ -131,12 +103,12 @@ class PdSender:
             self.staging = HostPool(config.pd_buffer_size, engine.pool.block_bytes, device=device)
         self.channel = SenderChannel(config.pd_channel, self.staging)
         self.stats = SendStats()
-        # chunks in a step's first and largest Alloc piece (`_reserve`); staged channels
+        # chunks in a step's first and largest Alloc piece (`DecoderLink.reserve`); staged channels
         # pipeline their own batches (`_push_staged`) and reserve a step at once
         self.pieces: tuple[int, int] | None = None if self.channel.staged else (FIRST_PIECE, MOST_PIECE)
         self._hello = proto.Hello(f"{socket.gethostname()}:{os.getpid()}", engine.fmt.tag(), config.chunk_size,
                                   engine.kv.bytes_per_token(), config.pd_channel)
-        self._conns: dict[tuple[str, int, int], _Connection] = {}
+        self._conns: dict[tuple[str, int, int], DecoderLink] = {}
         self._proxy: socket.socket | None = None
         self._proxy_warned = False
         self._lock = threading.Lock()
@@ -194,10 +166,11 @@ class PdSender:
 
     def _write(self, req: _Open, rid: str, spans: list[ChunkSpan], slots: torch.Tensor) -> int:
         """Reserve `spans` on the decoder piece by piece and write (or queue) each piece's
-        bytes into it as its reservation comes back (`_reserve`)."""
+        bytes into it as its reservation comes back (`DecoderLink.reserve`)."""
         t0 = time.perf_counter()
         per_token, alloc_s = self.engine.kv.bytes_per_token(), 0.0
-        pieces = self._reserve(req.conn, rid, spans, req.chunks)
+        pieces = req.conn.reserve(rid, spans, req.chunks, self.pieces, self.config.pd_allocation_timeout_sec,
+                                  self._waited_for_room)
         kv_written = None  # the step's forward done: its pieces' writes start after it
         while True:
             a0 = time.perf_counter()
@@ -222,45 +195,6 @@ class PdSender:
         req.sent += sent
         req.chunks += len(spans)
         return sent
-
-    def _reserve(self, conn: _Connection, rid: str, spans: list[ChunkSpan],
-                 held: int) -> Iterator[tuple[list[ChunkSpan], list[int]]]:
-        """The decoder's blocks for `spans` (the request holds `held` already), piece by
-        piece (`_pieces`), one Alloc ahead: piece k+1's Alloc is on its way before piece k is handed out, so the decoder
-        reserves it while the caller queues piece k's writes, and the first write
-        starts after a small piece's Alloc instead of the whole prompt's. A piece
-        that finds no room waits for it after the others (`_alloc`), holding what
-        the others reserved, as a step does with its request's earlier steps (bounded
-        by `pd_allocation_timeout_sec`, then all of it is freed)."""
-        room = conn.peer.welcome.num_blocks
-        if held + len(spans) > room:  # the pieces would each fit, the request never
-            raise proto.PdPeerError(f"{held + len(spans)} chunks do not fit the decoder's buffer of {room} "
-                                    "(raise pd_buffer_size there)")
-        ahead: deque[tuple[list[ChunkSpan], proto.Alloc]] = deque()
-        no_room: list[list[ChunkSpan]] = []
-        for piece in _pieces(spans, *self.pieces) if self.pieces else [spans]:
-            msg = proto.Alloc(rid, [s.num_tokens for s in piece])
-            proto.send(conn.sock, msg, b"".join(s.key.digest for s in piece))
-            ahead.append((piece, msg))
-            if len(ahead) > 1:
-                yield from self._allocated(conn, *ahead.popleft(), no_room)
-        while ahead:
-            yield from self._allocated(conn, *ahead.popleft(), no_room)
-        for piece in no_room:
-            yield piece, self._alloc(conn, rid, piece)
-
-    @staticmethod
-    def _allocated(conn: _Connection, piece: list[ChunkSpan], msg: proto.Alloc,
-                   no_room: list[list[ChunkSpan]]) -> Iterator[tuple[list[ChunkSpan], list[int]]]:
-        """The reply to an Alloc sent ahead: its blocks, or the piece kept for later."""
-        reply = proto.recv(conn.sock)[0]
-        if isinstance(reply, proto.Allocated):
-            if len(reply.blocks) != len(piece):
-                raise proto.ProtocolError("Allocated: wrong number of blocks")
-            yield piece, reply.blocks
-            return
-        _check_room(proto.expect(reply, proto.NoRoom))
-        no_room.append(piece)
 
     def _commit(self, req: _Open, rid: str) -> None:
         t0 = time.perf_counter()
@@ -301,28 +235,10 @@ class PdSender:
             except (OSError, proto.ProtocolError, proto.PdPeerError):
                 pass
 
-    def _alloc(self, conn: _Connection, rid: str, spans: list[ChunkSpan]) -> list[int]:
-        """Blocks for `spans`, retried until `pd_allocation_timeout_sec` while the buffer is full."""
-        msg = proto.Alloc(rid, [s.num_tokens for s in spans])
-        digests = b"".join(s.key.digest for s in spans)
-        deadline = time.monotonic() + self.config.pd_allocation_timeout_sec
-        waited = False
-        while True:
-            reply = conn.call(msg, digests)
-            if isinstance(reply, proto.Allocated):
-                if len(reply.blocks) != len(spans):
-                    raise proto.ProtocolError("Allocated: wrong number of blocks")
-                return reply.blocks
-            room = _check_room(proto.expect(reply, proto.NoRoom))
-            if time.monotonic() > deadline:
-                raise proto.PdPeerError(f"no room for {room.needed_blocks} chunks in the decoder's buffer "
-                                        f"within pd_allocation_timeout_sec={self.config.pd_allocation_timeout_sec}")
-            if not waited:
-                self.stats.waited_for_room += 1
-                waited = True
-            time.sleep(RETRY_STEP)
+    def _waited_for_room(self) -> None:
+        self.stats.waited_for_room += 1
 
-    def _push_staged(self, conn: _Connection, rid: str, todo: list[tuple[ChunkSpan, int]], slots: torch.Tensor,
+    def _push_staged(self, conn: DecoderLink, rid: str, todo: list[tuple[ChunkSpan, int]], slots: torch.Tensor,
                      deadline: float) -> None:
         """Batch by batch through the staging pool, each batch gathered while the channel
         writes the one before (NIXL moves it without this thread; tcp has sent it)."""
@@ -384,13 +300,13 @@ class PdSender:
             owned.append((span, block))
         return owned
 
-    def _connection(self, target: Target) -> _Connection:
+    def _connection(self, target: Target) -> DecoderLink:
         rank = self.tp_rank
         key = (target.host, target.init_port + rank, target.alloc_port + rank)
         with self._lock:
             conn = self._conns.get(key)
             if conn is None:
-                conn = _Connection(*key, self._hello, self.channel, self.config.blocking_timeout_secs)
+                conn = DecoderLink(*key, self._hello, self.channel, self.config.blocking_timeout_secs)
                 self._conns[key] = conn
                 log.info("PD: connected to decoder %s:%d (init port %d)", key[0], key[2], key[1])
             return conn
@@ -430,20 +346,3 @@ class PdSender:
         if self._proxy is not None:
             self._proxy.close()
 
-
-def _check_room(reply: proto.Message) -> proto.NoRoom:
-    """A NoRoom that waiting may cure; a request larger than the whole buffer fails now."""
-    assert isinstance(reply, proto.NoRoom)
-    if reply.needed_blocks > reply.num_blocks:
-        raise proto.PdPeerError(f"{reply.needed_blocks} chunks do not fit the decoder's buffer of "
-                                f"{reply.num_blocks} (raise pd_buffer_size there)")
-    return reply
-
-
-def _pieces(spans: list[ChunkSpan], first: int, most: int) -> Iterator[list[ChunkSpan]]:
-    """`spans` in pieces of `first`, twice that, ... up to `most` chunks: a small first
-    piece starts the writes early, larger ones cost fewer round trips and launches."""
-    i, n = 0, first
-    while i < len(spans):
-        yield spans[i : i + n]
-        i, n = i + n, min(2 * n, most)

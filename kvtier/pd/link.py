@@ -1,0 +1,130 @@
+"""One decoder as a PD sender sees it: the handshake, the alloc connection, and the
+reservations a request's chunks get there (Alloc, in pieces, one ahead of the writes).
+
+    DecoderLink(host, init_port, alloc_port, hello, channel, timeout)
+        init port: Hello → Welcome (+ the channel's registration), then the alloc
+        connection that carries Alloc/Write/Commit/Abort in order
+    reserve(rid, spans, held, pieces, ...)   the blocks of `spans`, piece by piece
+    call(msg)                                one request, its reply (Commit, Abort)
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections import deque
+from typing import Callable, Iterator
+
+from kvtier.keys import ChunkSpan
+from kvtier.pd import protocol as proto
+from kvtier.pd.channels import Peer, SenderChannel
+
+CONNECT_TIMEOUT = 5.0
+RETRY_STEP = 0.05  # s between Allocs while the decoder's buffer is full
+# chunks in a step's first and largest Alloc piece (cuda_ipc): 4, 8, 16 measured best against
+# 2, 4, 8 and one Alloc a step (docs/benchmarks.md, two H100s, 2026-11-26)
+FIRST_PIECE, MOST_PIECE = 4, 16
+
+
+class DecoderLink:
+    """One decoder, as seen from this sender: its Welcome, and the alloc connection."""
+
+    def __init__(self, host: str, init_port: int, alloc_port: int, hello: proto.Hello,
+                 channel: SenderChannel, timeout: float) -> None:
+        with socket.create_connection((host, init_port), timeout=CONNECT_TIMEOUT) as init:
+            init.settimeout(timeout)
+            proto.send(init, hello)
+            msg, n = proto.recv(init, max_payload=1 << 24)
+            welcome = proto.expect(msg, proto.Welcome)
+            registration = proto.recv_exact(init, n)
+        self.peer: Peer = channel.connect(welcome, registration)  # type: ignore[arg-type]
+        self.sock = socket.create_connection((host, alloc_port), timeout=CONNECT_TIMEOUT)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.settimeout(timeout)
+        self.name = f"{host}:{alloc_port}"
+
+    def call(self, msg: proto.Message, payload: bytes = b"") -> proto.Message:
+        proto.send(self.sock, msg, payload)
+        return proto.recv(self.sock)[0]
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def reserve(self, rid: str, spans: list[ChunkSpan], held: int, pieces: tuple[int, int] | None, timeout: float,
+                on_wait: Callable[[], None]) -> Iterator[tuple[list[ChunkSpan], list[int]]]:
+        """The decoder's blocks for `spans` (the request holds `held` already), piece by
+        piece (`_pieces`; None: all at once), one Alloc ahead: piece k+1's Alloc is on its
+        way before piece k is handed out, so the decoder reserves it while the caller
+        queues piece k's writes, and the first write
+        starts after a small piece's Alloc instead of the whole prompt's. A piece
+        that finds no room waits for it after the others (`alloc`), holding what
+        the others reserved, as a step does with its request's earlier steps (bounded
+        by `timeout`, pd_allocation_timeout_sec, then all of it is freed)."""
+        room = self.peer.welcome.num_blocks
+        if held + len(spans) > room:  # the pieces would each fit, the request never
+            raise proto.PdPeerError(f"{held + len(spans)} chunks do not fit the decoder's buffer of {room} "
+                                    "(raise pd_buffer_size there)")
+        ahead: deque[tuple[list[ChunkSpan], proto.Alloc]] = deque()
+        no_room: list[list[ChunkSpan]] = []
+        for piece in _pieces(spans, *pieces) if pieces else [spans]:
+            msg = proto.Alloc(rid, [s.num_tokens for s in piece])
+            proto.send(self.sock, msg, b"".join(s.key.digest for s in piece))
+            ahead.append((piece, msg))
+            if len(ahead) > 1:
+                yield from self._allocated(*ahead.popleft(), no_room)
+        while ahead:
+            yield from self._allocated(*ahead.popleft(), no_room)
+        for piece in no_room:
+            yield piece, self.alloc(rid, piece, timeout, on_wait)
+
+    def _allocated(self, piece: list[ChunkSpan], msg: proto.Alloc,
+                   no_room: list[list[ChunkSpan]]) -> Iterator[tuple[list[ChunkSpan], list[int]]]:
+        """The reply to an Alloc sent ahead: its blocks, or the piece kept for later."""
+        reply = proto.recv(self.sock)[0]
+        if isinstance(reply, proto.Allocated):
+            if len(reply.blocks) != len(piece):
+                raise proto.ProtocolError("Allocated: wrong number of blocks")
+            yield piece, reply.blocks
+            return
+        _check_room(proto.expect(reply, proto.NoRoom))
+        no_room.append(piece)
+
+    def alloc(self, rid: str, spans: list[ChunkSpan], timeout: float, on_wait: Callable[[], None]) -> list[int]:
+        """Blocks for `spans`, retried for `timeout` s while the buffer is full (`on_wait`
+        once, at the first wait)."""
+        msg = proto.Alloc(rid, [s.num_tokens for s in spans])
+        digests = b"".join(s.key.digest for s in spans)
+        deadline = time.monotonic() + timeout
+        waited = False
+        while True:
+            reply = self.call(msg, digests)
+            if isinstance(reply, proto.Allocated):
+                if len(reply.blocks) != len(spans):
+                    raise proto.ProtocolError("Allocated: wrong number of blocks")
+                return reply.blocks
+            room = _check_room(proto.expect(reply, proto.NoRoom))
+            if time.monotonic() > deadline:
+                raise proto.PdPeerError(f"no room for {room.needed_blocks} chunks in the decoder's buffer "
+                                        f"within pd_allocation_timeout_sec={timeout}")
+            if not waited:
+                on_wait()
+                waited = True
+            time.sleep(RETRY_STEP)
+
+
+def _check_room(reply: proto.Message) -> proto.NoRoom:
+    """A NoRoom that waiting may cure; a request larger than the whole buffer fails now."""
+    assert isinstance(reply, proto.NoRoom)
+    if reply.needed_blocks > reply.num_blocks:
+        raise proto.PdPeerError(f"{reply.needed_blocks} chunks do not fit the decoder's buffer of "
+                                f"{reply.num_blocks} (raise pd_buffer_size there)")
+    return reply
+
+
+def _pieces(spans: list[ChunkSpan], first: int, most: int) -> Iterator[list[ChunkSpan]]:
+    """`spans` in pieces of `first`, twice that, ... up to `most` chunks: a small first
+    piece starts the writes early, larger ones cost fewer round trips and launches."""
+    i, n = 0, first
+    while i < len(spans):
+        yield spans[i : i + n]
+        i, n = i + n, min(2 * n, most)
