@@ -23,6 +23,9 @@ from kvtier.pd.sender import PdSender, Target
 from kvtier.transfer import PagedKV
 
 L, NB, BS, H, D = 2, 64, 16, 2, 32
+# UCX over TCP where there is no GPU; a GPU host's UCX picks its own transports (on the
+# two-H100 machine, UCX_TLS=tcp,self,sm made NIXL's UCX backend fail: NIXL_ERR_BACKEND)
+UCX_ENV = {} if torch.cuda.is_available() else {"UCX_TLS": "tcp,self,sm"}
 CHUNK = 16
 FMT = KVFormat("m", "flash_attn", "float32")
 BPT = L * 2 * H * D * 4  # bytes per token
@@ -103,7 +106,8 @@ def test_nixl_agent_exits_cleanly():
 
 @pytest.mark.parametrize("channel", channels())
 def test_sent_kv_is_a_hit_on_the_receiver_and_loads_bit_exact(channel, monkeypatch):
-    monkeypatch.setenv("UCX_TLS", "tcp,self,sm")
+    for name, value in UCX_ENV.items():
+        monkeypatch.setenv(name, value)
     p = Pair(channel=channel)
     try:
         toks = list(range(1000, 1100))  # 6 whole chunks and a partial one of 4
@@ -128,7 +132,8 @@ def test_sent_kv_is_a_hit_on_the_receiver_and_loads_bit_exact(channel, monkeypat
 @pytest.mark.parametrize("channel", channels())
 def test_a_request_larger_than_the_senders_staging_goes_batch_by_batch_intact(channel, monkeypatch):
     """Two batches in flight: one gathered while the channel writes the other."""
-    monkeypatch.setenv("UCX_TLS", "tcp,self,sm")
+    for name, value in UCX_ENV.items():
+        monkeypatch.setenv(name, value)
     p = Pair(channel=channel, staging_chunks=4)  # 2 chunks a batch, the prompt 7
     try:
         toks, src, dst = list(range(500, 612)), torch.randperm(NB * BS)[:112], torch.randperm(NB * BS)[:112]
@@ -439,7 +444,7 @@ def test_bench_pd_runs_on_cpu_and_checks_the_data(tmp_path, channel):
     run = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "pd", "--tokens", "300", "--channels", channel,
                           "--sender-device", "cpu", "--receiver-device", "cpu", "--layers", "2", "--repeats", "1",
                           "--output", str(out)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "UCX_TLS": "tcp,self,sm"})
+                         env={**os.environ, **UCX_ENV})
     assert run.returncode == 0, run.stderr[-2000:]
     (row,) = json.loads(out.read_text())["runs"]
     assert row["tokens"] == 300 and row["ratio_to_copy"] > 0 and len(row["alloc_write_commit_ms"]) == 3
@@ -467,7 +472,8 @@ def test_idle_nixl_agents_cost_no_cpu(monkeypatch):
     receiver's agent is driven only while a reservation is open, the sender's while it writes."""
     import resource
 
-    monkeypatch.setenv("UCX_TLS", "tcp,self,sm")
+    for name, value in UCX_ENV.items():
+        monkeypatch.setenv(name, value)
     p = Pair(channel="nixl")
     try:
         toks = list(range(2000, 2040))
