@@ -55,29 +55,30 @@ class DecoderLink:
         """The decoder's blocks for `spans` (the request holds `held` already), piece by
         piece (`_pieces`; None: all at once), one Alloc ahead: piece k+1's Alloc is on its
         way before piece k is handed out, so the decoder reserves it while the caller
-        queues piece k's writes, and the first write
-        starts after a small piece's Alloc instead of the whole prompt's. A piece
-        that finds no room waits for it after the others (`alloc`), holding what
-        the others reserved, as a step does with its request's earlier steps (bounded
-        by `timeout`, pd_allocation_timeout_sec, then all of it is freed)."""
+        queues piece k's writes, and the first write starts after a small piece's Alloc
+        instead of the whole prompt's. A piece that finds no room waits for it after the
+        others (`alloc`), holding what the others reserved, as a step does with its
+        request's earlier steps (bounded by `timeout`, pd_allocation_timeout_sec, then all
+        of it is freed). After a failure a reply may be left unread: the caller closes
+        this link (PdSender drops it on every failure)."""
         room = self.peer.welcome.num_blocks
         if held + len(spans) > room:  # the pieces would each fit, the request never
             raise proto.PdPeerError(f"{held + len(spans)} chunks do not fit the decoder's buffer of {room} "
                                     "(raise pd_buffer_size there)")
-        ahead: deque[tuple[list[ChunkSpan], proto.Alloc]] = deque()
+        ahead: deque[list[ChunkSpan]] = deque()
         no_room: list[list[ChunkSpan]] = []
         for piece in _pieces(spans, *pieces) if pieces else [spans]:
-            msg = proto.Alloc(rid, [s.num_tokens for s in piece])
-            proto.send(self.sock, msg, b"".join(s.key.digest for s in piece))
-            ahead.append((piece, msg))
+            digests = b"".join(s.key.digest for s in piece)
+            proto.send(self.sock, proto.Alloc(rid, [s.num_tokens for s in piece]), digests)
+            ahead.append(piece)
             if len(ahead) > 1:
-                yield from self._allocated(*ahead.popleft(), no_room)
+                yield from self._allocated(ahead.popleft(), no_room)
         while ahead:
-            yield from self._allocated(*ahead.popleft(), no_room)
+            yield from self._allocated(ahead.popleft(), no_room)
         for piece in no_room:
             yield piece, self.alloc(rid, piece, timeout, on_wait)
 
-    def _allocated(self, piece: list[ChunkSpan], msg: proto.Alloc,
+    def _allocated(self, piece: list[ChunkSpan],
                    no_room: list[list[ChunkSpan]]) -> Iterator[tuple[list[ChunkSpan], list[int]]]:
         """The reply to an Alloc sent ahead: its blocks, or the piece kept for later."""
         reply = proto.recv(self.sock)[0]
