@@ -113,8 +113,9 @@ class IpcWriter:
     A kernel writing into another GPU's memory moves 0.81-0.82 of a plain copy over
     NVLink; the copy engine moves contiguous bytes at the link's rate, and gathering
     into local memory takes 0.4 of the copy's time (HBM, not the link). The two run
-    on streams of their own, `SLOTS` groups in flight: 0.88-0.91 of the copy at 16k-32k
-    tokens (two H100s, 2026-11-26, scripts/pd_write_profile.py)."""
+    on streams of their own, `SLOTS` groups in flight, a run of adjacent blocks of the
+    peer's buffer in one copy: 0.91-0.93 of the copy at 16k-32k tokens (0.87-0.91 with a
+    copy per chunk; two H100s, 2026-11-26, scripts/pd_write_profile.py)."""
 
     SLOTS = 2
     GROUP_BYTES = 256 << 20  # few launches: each group costs ~0.25 ms of host time to queue
