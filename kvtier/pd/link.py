@@ -61,15 +61,12 @@ class DecoderLink:
         request's earlier steps (bounded by `timeout`, pd_allocation_timeout_sec, then all
         of it is freed). After a failure a reply may be left unread: the caller closes
         this link (PdSender drops it on every failure)."""
-        room = self.peer.welcome.num_blocks
-        if held + len(spans) > room:  # the pieces would each fit, the request never
-            raise proto.PdPeerError(f"{held + len(spans)} chunks do not fit the decoder's buffer of {room} "
-                                    "(raise pd_buffer_size there)")
+        if held + len(spans) > self.peer.welcome.num_blocks:  # the pieces would each fit, the request never
+            raise _too_big(held + len(spans), self.peer.welcome.num_blocks)
         ahead: deque[list[ChunkSpan]] = deque()
         no_room: list[list[ChunkSpan]] = []
         for piece in _pieces(spans, *pieces) if pieces else [spans]:
-            digests = b"".join(s.key.digest for s in piece)
-            proto.send(self.sock, proto.Alloc(rid, [s.num_tokens for s in piece]), digests)
+            proto.send(self.sock, *_alloc_msg(rid, piece))
             ahead.append(piece)
             if len(ahead) > 1:
                 yield from self._allocated(ahead.popleft(), no_room)
@@ -83,9 +80,7 @@ class DecoderLink:
         """The reply to an Alloc sent ahead: its blocks, or the piece kept for later."""
         reply = proto.recv(self.sock)[0]
         if isinstance(reply, proto.Allocated):
-            if len(reply.blocks) != len(piece):
-                raise proto.ProtocolError("Allocated: wrong number of blocks")
-            yield piece, reply.blocks
+            yield piece, _blocks(reply, piece)
             return
         _check_room(proto.expect(reply, proto.NoRoom))
         no_room.append(piece)
@@ -93,16 +88,13 @@ class DecoderLink:
     def alloc(self, rid: str, spans: list[ChunkSpan], timeout: float, on_wait: Callable[[], None]) -> list[int]:
         """Blocks for `spans`, retried for `timeout` s while the buffer is full (`on_wait`
         once, at the first wait)."""
-        msg = proto.Alloc(rid, [s.num_tokens for s in spans])
-        digests = b"".join(s.key.digest for s in spans)
+        msg, digests = _alloc_msg(rid, spans)
         deadline = time.monotonic() + timeout
         waited = False
         while True:
             reply = self.call(msg, digests)
             if isinstance(reply, proto.Allocated):
-                if len(reply.blocks) != len(spans):
-                    raise proto.ProtocolError("Allocated: wrong number of blocks")
-                return reply.blocks
+                return _blocks(reply, spans)
             room = _check_room(proto.expect(reply, proto.NoRoom))
             if time.monotonic() > deadline:
                 raise proto.PdPeerError(f"no room for {room.needed_blocks} chunks in the decoder's buffer "
@@ -117,9 +109,24 @@ def _check_room(reply: proto.Message) -> proto.NoRoom:
     """A NoRoom that waiting may cure; a request larger than the whole buffer fails now."""
     assert isinstance(reply, proto.NoRoom)
     if reply.needed_blocks > reply.num_blocks:
-        raise proto.PdPeerError(f"{reply.needed_blocks} chunks do not fit the decoder's buffer of "
-                                f"{reply.num_blocks} (raise pd_buffer_size there)")
+        raise _too_big(reply.needed_blocks, reply.num_blocks)
     return reply
+
+
+def _too_big(chunks: int, num_blocks: int) -> proto.PdPeerError:
+    return proto.PdPeerError(f"{chunks} chunks do not fit the decoder's buffer of {num_blocks} "
+                             "(raise pd_buffer_size there)")
+
+
+def _alloc_msg(rid: str, spans: list[ChunkSpan]) -> tuple[proto.Alloc, bytes]:
+    """Alloc for `spans` and its payload, their key digests in order."""
+    return proto.Alloc(rid, [s.num_tokens for s in spans]), b"".join(s.key.digest for s in spans)
+
+
+def _blocks(reply: proto.Allocated, spans: list[ChunkSpan]) -> list[int]:
+    if len(reply.blocks) != len(spans):
+        raise proto.ProtocolError("Allocated: wrong number of blocks")
+    return reply.blocks
 
 
 def _pieces(spans: list[ChunkSpan], first: int, most: int) -> Iterator[list[ChunkSpan]]:
