@@ -301,7 +301,7 @@ def test_a_release_before_commit_frees_the_chunks_at_commit(pair):
     block = proto.recv(conn)[0].blocks[0]
     pair.buffer.release("x")  # the client cancelled while the prefill was running
     proto.send(conn, proto.Write("x", block), b"\1" * (CHUNK * BPT))
-    proto.send(conn, proto.Commit("x"))
+    proto.send(conn, proto.Commit("x", ""))
     assert proto.recv(conn)[0] == proto.Ok("x", 0)
     assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks
     conn.close()
@@ -323,12 +323,13 @@ MALFORMED = [
     struct.pack("<2sBBIQ", b"KP", proto.VERSION, 3, 1 << 30, 0),  # header too large
     proto.FRAME.pack(b"KP", proto.VERSION, 3, 5, 0) + b"nope!",  # not JSON
     proto.FRAME.pack(b"KP", proto.VERSION, 3, 2, 0) + b"[]",  # not an object
-    proto.encode(proto.Commit("never-reserved")),
+    proto.encode(proto.Commit("never-reserved", "")),
+    proto.encode(proto.Commit("x", "ab" * 64)),  # an event no Hello opened here
     proto.encode(proto.Write("x", 0), 10) + b"0123456789",  # a block not reserved
     proto.encode(proto.Alloc("x", [CHUNK]), 3) + b"zzz",  # a digest of 3 bytes
     proto.encode(proto.Alloc("x", [CHUNK * 99]), 16) + bytes(16),  # more tokens than a chunk
     proto.encode(proto.Alloc("x", [CHUNK]), 32) + bytes(32),  # more digests than chunks
-    proto.encode(proto.Hello("s", "f", 1, 1, "tcp")),  # Hello on the alloc port
+    proto.encode(proto.Hello("s", "f", 1, 1, "tcp", "")),  # Hello on the alloc port
     proto.FRAME.pack(b"KP", proto.VERSION, 10, 0, 0),  # Ok with no header
     proto.encode(proto.Release("x"), 1 << 40),  # a payload where none belongs
 ]
@@ -351,15 +352,60 @@ def test_malformed_messages_are_rejected_and_the_receiver_keeps_serving(pair, fr
 
 def test_a_sender_with_another_kv_format_is_refused_by_name(pair):
     with socket.create_connection(("127.0.0.1", pair.init_port), timeout=5) as conn:
-        proto.send(conn, proto.Hello("s", KVFormat("other", "flash_attn", "float32").tag(), CHUNK, BPT, "tcp"))
+        proto.send(conn, proto.Hello("s", KVFormat("other", "flash_attn", "float32").tag(), CHUNK, BPT, "tcp", ""))
         reply = proto.recv(conn)[0]
     assert isinstance(reply, proto.Error) and "KV format differs" in reply.message
+
+
+def test_a_receiver_without_a_gpu_buffer_refuses_a_commit_event_and_the_sender_commits_after_its_writes(pair):
+    with socket.create_connection(("127.0.0.1", pair.init_port), timeout=5) as conn:
+        hello = proto.Hello("s", pair.sender.engine.fmt.tag(), CHUNK, BPT, pair.sender.config.pd_channel, "ab" * 64)
+        proto.send(conn, hello)
+        welcome = proto.recv(conn, max_payload=1 << 24)[0]
+    assert isinstance(welcome, proto.Welcome) and welcome.commit_event is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_receiver_waits_for_the_commit_event_of_a_sender_in_another_process():
+    """cuda_ipc's early Commit: the decoder's wait on the event a sender names returns only
+    once the work the sender queued before recording it is done (another process, and
+    another GPU where there are two)."""
+    import subprocess
+    import sys
+
+    from kvtier.pd.commit_events import commit_event
+
+    device = f"cuda:{torch.cuda.device_count() - 1}"
+    event, handle = commit_event()
+    code = ("import sys, time, torch\n"
+            "from kvtier.pd.commit_events import CommitEvents\n"
+            "events = CommitEvents(torch.device(sys.argv[2]))\n"
+            "print('OPEN', events.open(sys.argv[1]), flush=True)\n"
+            "sys.stdin.readline(); t0 = time.perf_counter(); events.wait(sys.argv[1])\n"
+            "print('WAITED', (time.perf_counter() - t0) * 1e3, flush=True)\n")
+    child = subprocess.Popen([sys.executable, "-c", code, handle, device], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().split() == ["OPEN", "True"]
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(2_000_000_000)  # about a second of GPU clock cycles
+        event.record(stream)
+        t0 = time.perf_counter()
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        waited = float(child.stdout.readline().split()[1])
+        stream.synchronize()
+        sleep_left = (time.perf_counter() - t0) * 1e3
+    finally:
+        child.kill()
+    assert waited > 200 and waited > 0.5 * sleep_left, (waited, sleep_left)
 
 
 def test_random_frames_never_crash_the_receiver(pair):
     gen = torch.Generator().manual_seed(7)
     valid = [proto.encode(proto.Alloc("f", [CHUNK]), 16) + digests(9), proto.encode(proto.Release("f")),
-             proto.encode(proto.Commit("f"))]
+             proto.encode(proto.Commit("f", ""))]
     for i in range(200):
         frame = bytearray(valid[i % len(valid)])
         for _ in range(int(torch.randint(1, 4, (1,), generator=gen))):

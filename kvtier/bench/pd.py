@@ -42,7 +42,7 @@ def per_token(shape: OffloadShape) -> int:
 class PdRun:
     channel: str
     tokens: int
-    pieces: str = "default"  # cuda_ipc: chunks in a step's first and largest Alloc ("2,8"), or "step"
+    pieces: str = "default"  # cuda_ipc: chunks in a step's first and largest Alloc ("2,8"), "step", "sync-commit"
     send_ms: list[float] = field(default_factory=list)
     load_ms: list[float] = field(default_factory=list)
     done_to_loaded_ms: list[float] = field(default_factory=list)
@@ -141,8 +141,9 @@ def _sync(device: str) -> None:
 
 def run_pd(shape: OffloadShape, token_counts: list[int], channels: list[str], sender_device: str, receiver_device: str,
            repeats: int, pieces: tuple[str, ...] = ("default",)) -> dict:
-    """`pieces` (cuda_ipc): A/B of how a step is reserved, each in the same run: "default"
-    (the sender's), "F,M" (first piece F chunks, doubling up to M), "step" (one Alloc)."""
+    """`pieces` (cuda_ipc): A/B of how a step is reserved and committed, each in the same
+    run: "default" (the sender's), "F,M" (first piece F chunks, doubling up to M), "step"
+    (one Alloc), "sync-commit" (the Commit sent after the writes are done)."""
     max_tokens = max(token_counts)
     if sender_device.startswith("cuda"):
         torch.cuda.set_device(torch.device(sender_device))
@@ -216,7 +217,9 @@ def _channel_runs(bench: _PdBench, receiver: _Receiver, token_counts: list[int],
                      receiver.init, receiver.alloc)
     engine = CacheEngine(config, bench.kv, KVFormat(FMT_MODEL, "flash_attn", shape.dtype))
     sender = PdSender(engine, config, 0)
-    if pieces != "default":
+    if pieces == "sync-commit":  # the default pieces, the Commit after the writes are done (before 2026-11-26)
+        sender.early_commit = False
+    elif pieces != "default":
         sender.pieces = None if pieces == "step" else tuple(int(x) for x in pieces.split(","))  # type: ignore[assignment]
     runs = []
     for n in token_counts:

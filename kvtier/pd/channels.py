@@ -168,6 +168,26 @@ class IpcWriter:
         return kv_written, done
 
 
+class TcpBounce:
+    """tcp into a GPU buffer: a Write's bytes land in pinned host memory, then are
+    copied on this connection's own stream (a Commit waits for that stream only,
+    never for the decoder's forward passes on its GPU)."""
+
+    def __init__(self, pool: HostPool) -> None:
+        self.host = torch.empty(pool.block_bytes, dtype=torch.uint8, pin_memory=True)
+        self.stream = torch.cuda.Stream(pool.device)
+
+    def receive(self, conn: socket.socket, target: torch.Tensor) -> None:
+        self.stream.synchronize()  # the last copy out of the host block is done
+        view = self.host[: target.numel()]
+        proto.recv_into(conn, view.numpy().data)
+        with torch.cuda.stream(self.stream):
+            target.copy_(view, non_blocking=True)
+
+    def wait(self) -> None:
+        self.stream.synchronize()
+
+
 def contiguous_runs(views: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int, int]]:
     """`views` (uint8, one device) grouped into runs that lie end to end in memory: each
     run as one view over them and its [first, last + 1) indices. The decoder's buffer

@@ -5,19 +5,25 @@ reservations a request's chunks get there (Alloc, in pieces, one ahead of the wr
         init port: Hello → Welcome (+ the channel's registration), then the alloc
         connection that carries Alloc/Write/Commit/Abort in order
     reserve(rid, spans, held, pieces, ...)   the blocks of `spans`, piece by piece
-    call(msg)                                one request, its reply (Commit, Abort)
+    commit(rid, stream, wait_writes)         Commit; over cuda_ipc sent before the writes
+                                             are done, naming an event the decoder waits for
+    call(msg)                                one request, its reply (Abort)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 from collections import deque
 from typing import Callable, Iterator
 
+import torch
+
 from kvtier.keys import ChunkSpan
 from kvtier.pd import protocol as proto
 from kvtier.pd.channels import Peer, SenderChannel
+from kvtier.pd.commit_events import commit_event
 
 CONNECT_TIMEOUT = 5.0
 RETRY_STEP = 0.05  # s between Allocs while the decoder's buffer is full
@@ -31,13 +37,17 @@ class DecoderLink:
 
     def __init__(self, host: str, init_port: int, alloc_port: int, hello: proto.Hello,
                  channel: SenderChannel, timeout: float) -> None:
+        event, handle = commit_event() if not channel.staged else (None, "")
         with socket.create_connection((host, init_port), timeout=CONNECT_TIMEOUT) as init:
             init.settimeout(timeout)
-            proto.send(init, hello)
+            proto.send(init, dataclasses.replace(hello, commit_event=handle))
             msg, n = proto.recv(init, max_payload=1 << 24)
             welcome = proto.expect(msg, proto.Welcome)
             registration = proto.recv_exact(init, n)
         self.peer: Peer = channel.connect(welcome, registration)  # type: ignore[arg-type]
+        # the decoder opened it: a Commit goes out right behind the writes and names it
+        self.commit_event: torch.cuda.Event | None = event if welcome.commit_event else None
+        self._event_handle = handle
         self.sock = socket.create_connection((host, alloc_port), timeout=CONNECT_TIMEOUT)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.settimeout(timeout)
@@ -46,6 +56,23 @@ class DecoderLink:
     def call(self, msg: proto.Message, payload: bytes = b"") -> proto.Message:
         proto.send(self.sock, msg, payload)
         return proto.recv(self.sock)[0]
+
+    def commit(self, rid: str, stream: torch.cuda.Stream | None, wait_writes: Callable[[], None]) -> float:
+        """Commit the request; returns the ms spent in `wait_writes` (the request's queued
+        writes, on `stream`). With the decoder's consent (`commit_event`) the Commit leaves
+        before they are done, naming an event recorded behind them that the decoder waits
+        for: its round trip runs beside the copies' tail instead of after it."""
+        event = self.commit_event if stream is not None else None
+        if event is not None:
+            event.record(stream)
+            proto.send(self.sock, proto.Commit(rid, self._event_handle))
+        t0 = time.perf_counter()
+        wait_writes()
+        waited = (time.perf_counter() - t0) * 1e3
+        if event is None:
+            proto.send(self.sock, proto.Commit(rid, ""))
+        proto.expect(proto.recv(self.sock)[0], proto.Ok)
+        return waited
 
     def close(self) -> None:
         self.sock.close()

@@ -13,10 +13,10 @@ DIGEST_BYTES each in prompt order, not as JSON text.
 
 Who sends what:
 
-    sender ──▶ receiver init port    Hello(format, channel)           ◀── Welcome(buffer) | Error
+    sender ──▶ receiver init port    Hello(format, channel, event)    ◀── Welcome(buffer, event) | Error
     sender ──▶ receiver alloc port   Alloc(req, tokens) + digests     ◀── Allocated(blocks) | NoRoom | Error
                                      Write(req, block) + bytes        (tcp channel; no reply)
-                                     Commit(req)                      ◀── Ok | Error
+                                     Commit(req, event)               ◀── Ok | Error
                                      Abort(req)                       ◀── Ok
     proxy  ──▶ receiver alloc port   Release(req)                     ◀── Ok
     sender ──▶ proxy notify port     PrefillDone(req, ok, tokens)     (no reply)
@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 
 from kvtier.errors import KvtierError
 
-VERSION = 2
+VERSION = 3
 MAGIC = b"KP"
 FRAME = struct.Struct("<2sBBIQ")
 MAX_HEADER = 1 << 20  # bytes of JSON
@@ -72,6 +72,7 @@ class Hello(Message):
     chunk_size: int
     bytes_per_token: int
     channel: str
+    commit_event: str  # cuda_ipc: hex of the CUDA IPC event its Commits may point at; "" none
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class Welcome(Message):
     num_blocks: int
     device: str  # "cpu" or "cuda:N"
     base_ptr: int  # address of block 0 in the receiver (NIXL descriptors)
+    commit_event: bool  # the receiver opened the Hello's event: a Commit may name it
 
 
 @dataclass(frozen=True)
@@ -128,11 +130,14 @@ class Write(Message):
 
 @dataclass(frozen=True)
 class Commit(Message):
-    """Every block reserved for the request (by all its Allocs) is written: the chunks
-    become hits on the receiver."""
+    """Every block reserved for the request (by all its Allocs) is written, or (`event`,
+    the Hello's commit_event) will be once that CUDA event completes: the receiver waits
+    for it, then the chunks become hits. The sender need not wait for its own copies
+    before sending: the Commit's round trip runs beside their tail."""
 
     TYPE: ClassVar[int] = 7
     req_id: str
+    event: str  # "" or the sender's commit_event
 
 
 @dataclass(frozen=True)

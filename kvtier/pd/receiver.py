@@ -34,7 +34,8 @@ from kvtier.keys import ChunkKey, KVFormat
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
 from kvtier.pd import protocol as proto
-from kvtier.pd.channels import ReceiverChannel
+from kvtier.pd.channels import ReceiverChannel, TcpBounce
+from kvtier.pd.commit_events import CommitEvents
 from kvtier.tiers.cpu import CpuTier
 
 log = get_logger(__name__)
@@ -226,6 +227,7 @@ class PdReceiver:
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
+        self._events = CommitEvents(buffer.pool.device if channel.name == "cuda_ipc" else None)
         self._listeners = [self._listen(host, init_port, self._serve_init),
                            self._listen(host, alloc_port, self._serve_alloc)]
         self.init_port = self._listeners[0].getsockname()[1]
@@ -294,8 +296,9 @@ class PdReceiver:
                 proto.send(conn, proto.Error(problem))
                 return
             pool = self.buffer.pool
+            opened = self._events.open(hello.commit_event)
             proto.send(conn, proto.Welcome(self.channel.agent_name() or socket.gethostname(), pool.block_bytes,
-                                           pool.num_blocks, str(pool.device), pool.arena.data_ptr()),
+                                           pool.num_blocks, str(pool.device), pool.arena.data_ptr(), opened),
                        self._registration)
             log.info("PD receiver: sender %s connected (channel %s)", hello.sender, hello.channel)
 
@@ -310,7 +313,7 @@ class PdReceiver:
 
     def _serve_alloc(self, conn: socket.socket) -> None:
         buffer, open_reservations = self.buffer, set()
-        bounce: _Bounce | None = None  # tcp into a GPU buffer: made at this connection's first Write
+        bounce: TcpBounce | None = None  # tcp into a GPU buffer: made at this connection's first Write
         try:
             while True:
                 msg, payload_len = self._next(conn, max_payload=buffer.pool.block_bytes)
@@ -325,11 +328,13 @@ class PdReceiver:
                     if target.device.type == "cpu":
                         proto.recv_into(conn, target.numpy().data)
                     else:
-                        bounce = bounce or _Bounce(buffer.pool)
+                        bounce = bounce or TcpBounce(buffer.pool)
                         bounce.receive(conn, target)
                 elif isinstance(msg, proto.Commit):
-                    # cuda_ipc and nixl writes are complete when the sender commits; tcp's
-                    # copies into a GPU buffer ran on this connection's stream.
+                    # nixl writes are complete when the sender commits, cuda_ipc's then or at
+                    # the event it names; tcp's copies into a GPU buffer ran on this
+                    # connection's stream.
+                    self._events.wait(msg.event)
                     if bounce is not None:
                         bounce.wait()
                     chunks = buffer.commit(msg.req_id)
@@ -370,26 +375,6 @@ class PdReceiver:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-
-
-class _Bounce:
-    """tcp into a GPU buffer: a Write's bytes land in pinned host memory, then are
-    copied on this connection's own stream (a Commit waits for that stream only,
-    never for the decoder's forward passes on its GPU)."""
-
-    def __init__(self, pool: HostPool) -> None:
-        self.host = torch.empty(pool.block_bytes, dtype=torch.uint8, pin_memory=True)
-        self.stream = torch.cuda.Stream(pool.device)
-
-    def receive(self, conn: socket.socket, target: torch.Tensor) -> None:
-        self.stream.synchronize()  # the last copy out of the host block is done
-        view = self.host[: target.numel()]
-        proto.recv_into(conn, view.numpy().data)
-        with torch.cuda.stream(self.stream):
-            target.copy_(view, non_blocking=True)
-
-    def wait(self) -> None:
-        self.stream.synchronize()
 
 
 def _peer_name(conn: socket.socket) -> str:

@@ -12,8 +12,10 @@
           computes the next step (`IpcWriter`): the step does not wait for them
           (where vLLM frees a request's pages before its last step, `drop` makes
           the next forward wait for its queued writes first)
-        and at the prompt's last step (`last`): wait for this request's writes,
-        → Commit: the decoder now finds every chunk of the request as a hit
+        and at the prompt's last step (`last`):
+        → Commit: the decoder now finds every chunk of the request as a hit (cuda_ipc
+          sends it right behind the writes, naming a CUDA event recorded after them that
+          the decoder waits for; the others after the writes are done)
         → PrefillDone to the proxy.
 
 A failure (no room in time, the decoder gone) frees what this request holds
@@ -106,8 +108,9 @@ class PdSender:
         # chunks in a step's first and largest Alloc piece (`DecoderLink.reserve`); staged channels
         # pipeline their own batches (`_push_staged`) and reserve a step at once
         self.pieces: tuple[int, int] | None = None if self.channel.staged else (FIRST_PIECE, MOST_PIECE)
+        self.early_commit = True  # cuda_ipc: Commit before the writes are done (`DecoderLink.commit`)
         self._hello = proto.Hello(f"{socket.gethostname()}:{os.getpid()}", engine.fmt.tag(), config.chunk_size,
-                                  engine.kv.bytes_per_token(), config.pd_channel)
+                                  engine.kv.bytes_per_token(), config.pd_channel, "")
         self._conns: dict[tuple[str, int, int], DecoderLink] = {}
         self._proxy: socket.socket | None = None
         self._proxy_warned = False
@@ -198,10 +201,11 @@ class PdSender:
 
     def _commit(self, req: _Open, rid: str) -> None:
         t0 = time.perf_counter()
-        req.wait_writes()
-        t1 = time.perf_counter()
-        proto.expect(req.conn.call(proto.Commit(rid)), proto.Ok)
-        self.stats.last_ms = (req.alloc_ms, req.write_ms + (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
+        early = self.early_commit and req.writes and self.channel.ipc is not None
+        stream = self.channel.ipc.copy_stream if early else None
+        waited = req.conn.commit(rid, stream, req.wait_writes)
+        total = (time.perf_counter() - t0) * 1e3
+        self.stats.last_ms = (req.alloc_ms, req.write_ms + waited, total - waited)
 
     def drop(self, rid: str) -> None:
         """vLLM freed the request's pages before its last step (preempted, or finished
