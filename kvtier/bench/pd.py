@@ -141,9 +141,10 @@ def _sync(device: str) -> None:
 
 def run_pd(shape: OffloadShape, token_counts: list[int], channels: list[str], sender_device: str, receiver_device: str,
            repeats: int, pieces: tuple[str, ...] = ("default",)) -> dict:
-    """`pieces` (cuda_ipc): A/B of how a step is reserved and committed, each in the same
-    run: "default" (the sender's), "F,M" (first piece F chunks, doubling up to M), "step"
-    (one Alloc), "sync-commit" (the Commit sent after the writes are done)."""
+    """`pieces` (cuda_ipc): A/B of how a step is reserved and committed, paired: each
+    repeat sends once each way in turn, to one receiver: "default" (the sender's), "F,M"
+    (first piece F chunks, doubling up to M), "step" (one Alloc), "sync-commit" (the Commit
+    sent after the writes are done)."""
     max_tokens = max(token_counts)
     if sender_device.startswith("cuda"):
         torch.cuda.set_device(torch.device(sender_device))
@@ -151,9 +152,8 @@ def run_pd(shape: OffloadShape, token_counts: list[int], channels: list[str], se
     bench = _PdBench(shape, kv, layers, sender_device, receiver_device, repeats)
     runs: list[PdRun] = []
     for channel in channels:
-        for variant in pieces if channel == "cuda_ipc" else ("default",):
-            with _Receiver(shape, channel, receiver_device, max_tokens) as receiver:
-                runs += _channel_runs(bench, receiver, token_counts, variant)
+        with _Receiver(shape, channel, receiver_device, max_tokens) as receiver:
+            runs += _channel_runs(bench, receiver, token_counts, pieces if channel == "cuda_ipc" else ("default",))
     return {"shape": asdict(shape), "sender_device": sender_device, "receiver_device": receiver_device,
             "machine": _machine(sender_device, receiver_device), "date": time.strftime("%Y-%m-%d"),
             "repeats": repeats, "runs": [r.summary(per_token(shape)) | {"raw": asdict(r)} for r in runs]}
@@ -205,7 +205,8 @@ class _Receiver:
             self.proc.kill()
 
 
-def _channel_runs(bench: _PdBench, receiver: _Receiver, token_counts: list[int], pieces: str) -> list[PdRun]:
+def _channel_runs(bench: _PdBench, receiver: _Receiver, token_counts: list[int],
+                  variants: tuple[str, ...]) -> list[PdRun]:
     from kvtier.engine import CacheEngine
     from kvtier.keys import KVFormat
     from kvtier.pd.sender import PdSender
@@ -217,31 +218,41 @@ def _channel_runs(bench: _PdBench, receiver: _Receiver, token_counts: list[int],
                      receiver.init, receiver.alloc)
     engine = CacheEngine(config, bench.kv, KVFormat(FMT_MODEL, "flash_attn", shape.dtype))
     sender = PdSender(engine, config, 0)
-    if pieces == "sync-commit":  # the default pieces, the Commit after the writes are done (before 2026-11-26)
-        sender.early_commit = False
-    elif pieces != "default":
-        sender.pieces = None if pieces == "step" else tuple(int(x) for x in pieces.split(","))  # type: ignore[assignment]
+    default = (sender.pieces, sender.early_commit)
     runs = []
     for n in token_counts:
-        run = PdRun(channel, n, pieces)
+        pairs = {v: PdRun(channel, n, v) for v in variants}
         src = torch.empty(n * per_token(shape), dtype=torch.uint8, device=sender_device)
         dst = torch.empty(n * per_token(shape), dtype=torch.uint8, device=receiver_device)
         for r in range(bench.repeats + 1):  # the first is a warm-up (connection, IPC mapping, kernels)
-            times = _one_send(bench, sender, receiver, n, 1000 * n + r)
-            copy_ms = _copy_ms(src, dst, sender_device, receiver_device)
-            if r:
-                for name, value in (*times.items(), ("copy_ms", copy_ms), ("phases_ms", sender.stats.last_ms)):
-                    getattr(run, name).append(value)
+            for k, (variant, run) in enumerate(pairs.items()):
+                _set_variant(sender, variant, default)
+                times = _one_send(bench, sender, receiver, n, 1000 * n + 10 * r + k)
+                copy_ms = _copy_ms(src, dst, sender_device, receiver_device)
+                if r:
+                    for name, value in (*times.items(), ("copy_ms", copy_ms), ("phases_ms", sender.stats.last_ms)):
+                        getattr(run, name).append(value)
         del src, dst
-        runs.append(run)
-        s = run.summary(per_token(shape))
-        print(f"{channel:9s} {pieces:>7s} {n:6d} tokens {s['GB']:.2f} GB | send {s['send_ms']} ms = {s['send_GBps']} GB/s "
-              f"({s['ratio_to_copy']} of copy {s['copy_GBps']} GB/s) | load {s['load_ms']} ms | "
-              f"done->loaded {s['done_to_loaded_ms']} ms | alloc/write/commit {s['alloc_write_commit_ms']} ms",
-              flush=True)
+        for run in pairs.values():
+            runs.append(run)
+            s = run.summary(per_token(shape))
+            print(f"{channel:9s} {run.pieces:>11s} {n:6d} tokens {s['GB']:.2f} GB | send {s['send_ms']} ms = "
+                  f"{s['send_GBps']} GB/s ({s['ratio_to_copy']} of copy {s['copy_GBps']} GB/s) | load {s['load_ms']} "
+                  f"ms | done->loaded {s['done_to_loaded_ms']} ms | alloc/write/commit {s['alloc_write_commit_ms']} ms",
+                  flush=True)
     sender.close()
     engine.close()
     return runs
+
+
+def _set_variant(sender, variant: str, default: tuple) -> None:
+    """The sender's way of reserving and committing for `variant` (see `run_pd`);
+    `default`: its own (pieces, early_commit)."""
+    sender.pieces, sender.early_commit = default
+    if variant == "sync-commit":
+        sender.early_commit = False
+    elif variant != "default":
+        sender.pieces = None if variant == "step" else tuple(int(x) for x in variant.split(","))
 
 
 def _one_send(bench: _PdBench, sender, receiver: _Receiver, n: int, seed: int) -> dict[str, float]:
