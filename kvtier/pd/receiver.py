@@ -300,7 +300,8 @@ class PdReceiver:
             proto.send(conn, proto.Welcome(self.channel.agent_name() or socket.gethostname(), pool.block_bytes,
                                            pool.num_blocks, str(pool.device), pool.arena.data_ptr(), opened),
                        self._registration)
-            log.info("PD receiver: sender %s connected (channel %s)", hello.sender, hello.channel)
+            log.info("PD receiver: sender %s connected (channel %s%s)", hello.sender, hello.channel,
+                     ", its Commits may come before its writes are done: they name a CUDA event" if opened else "")
 
     def _check_hello(self, hello: proto.Hello) -> str:
         ours = (self.buffer.fmt.tag(), self.chunk_size, self.buffer.bytes_per_token, self.channel.name)
