@@ -42,7 +42,7 @@ def per_token(shape: OffloadShape) -> int:
 class PdRun:
     channel: str
     tokens: int
-    pieces: str = "default"  # cuda_ipc: chunks in a step's first and largest Alloc ("2,8"), "step", "sync-commit"
+    pieces: str = "default"  # cuda_ipc: chunks in a step's first and largest Alloc ("4,16"), "step", "sync-commit"
     send_ms: list[float] = field(default_factory=list)
     load_ms: list[float] = field(default_factory=list)
     done_to_loaded_ms: list[float] = field(default_factory=list)

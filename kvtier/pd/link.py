@@ -27,9 +27,6 @@ from kvtier.pd.commit_events import commit_event
 
 CONNECT_TIMEOUT = 5.0
 RETRY_STEP = 0.05  # s between Allocs while the decoder's buffer is full
-# chunks in a step's first and largest Alloc piece (cuda_ipc): 4, 8, 16 measured best against
-# 2, 4, 8 and one Alloc a step (docs/benchmarks.md, two H100s, 2026-11-26)
-FIRST_PIECE, MOST_PIECE = 4, 16
 
 
 class DecoderLink:

@@ -3,9 +3,8 @@
     send(target, tokens, slots, start, last)     after each prefill step of a request
         keys of the chunks ending after `start`
         → Alloc on the decoder's alloc port (retried until `pd_allocation_timeout_sec`),
-          digests in binary; a request's later steps add to its reservation;
-          cuda_ipc reserves a step in pieces of 4, 8, 16 chunks, one Alloc ahead, so
-          its first writes start after a small Alloc (`DecoderLink.reserve`)
+          digests in binary; a request's later steps add to its reservation
+          (`pieces`: a step in pieces, one Alloc ahead of the writes: `DecoderLink.reserve`)
         → the channel writes them: staged (tcp, nixl) batch by batch through the
           staging pool, or (cuda_ipc) queued on the GPU behind the forward that
           wrote them, gathered and copied into the decoder's GPU buffer while vLLM
@@ -41,7 +40,7 @@ from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
 from kvtier.pd import protocol as proto
 from kvtier.pd.channels import Placement, SenderChannel
-from kvtier.pd.link import CONNECT_TIMEOUT, FIRST_PIECE, MOST_PIECE, DecoderLink
+from kvtier.pd.link import CONNECT_TIMEOUT, DecoderLink
 
 log = get_logger(__name__)
 
@@ -105,9 +104,11 @@ class PdSender:
             self.staging = HostPool(config.pd_buffer_size, engine.pool.block_bytes, device=device)
         self.channel = SenderChannel(config.pd_channel, self.staging)
         self.stats = SendStats()
-        # chunks in a step's first and largest Alloc piece (`DecoderLink.reserve`); staged channels
-        # pipeline their own batches (`_push_staged`) and reserve a step at once
-        self.pieces: tuple[int, int] | None = None if self.channel.staged else (FIRST_PIECE, MOST_PIECE)
+        # chunks in a step's first and largest Alloc piece (`DecoderLink.reserve`), or None: a step
+        # at once. cuda_ipc, paired on two H100s (2026-11-26, docs/benchmarks.md): one Alloc a step
+        # was faster than pieces of 4, 8, 16 at 4k and 16k tokens, 4-5 %; staged channels pipeline
+        # their own batches (`_push_staged`)
+        self.pieces: tuple[int, int] | None = None
         self.early_commit = True  # cuda_ipc: Commit before the writes are done (`DecoderLink.commit`)
         self._hello = proto.Hello(f"{socket.gethostname()}:{os.getpid()}", engine.fmt.tag(), config.chunk_size,
                                   engine.kv.bytes_per_token(), config.pd_channel, "")
