@@ -75,6 +75,34 @@ def test_a_prefix_stored_by_one_node_loads_on_another(url, serde, local_cpu):
     a.close(), b.close()
 
 
+def test_a_corrupt_disk_chunk_is_read_from_the_remote_store_instead(url, tmp_path):
+    """A chunk on both the disk tier and the remote store whose file turns out damaged is
+    loaded from the store: the hit is whole, not cut at that chunk (and recomputed)."""
+    from kvtier.tiers.disk import file_name
+
+    tokens = [t + 13 for t in TOKENS]
+    layers = [torch.randn(2, NB, BS, H, D).to(torch.bfloat16) for _ in range(L)]
+    cfg = KvtierConfig(chunk_size=16, max_local_cpu_size=1 / 1024, remote_url=url, local_cpu=False,
+                       local_disk=str(tmp_path / "disk"), max_local_disk_size=0.01, blocking_timeout_secs=2.0,
+                       extra_config=JOIN.get(url, {}))
+    e = CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), FMT)
+    perm = torch.randperm(NB * BS)
+    src, dst = perm[:100], perm[100:200]  # one engine: its loads land beside what it stored
+    want = kv_at(layers, src[:96]).clone()
+    assert e.store(tokens, src) == 96 and e.flush(timeout=10)
+    key = e.spans(tokens)[2].key
+    assert e.tiers.disk.exists([key]) == [True] and e.tiers.remote.exists([key]) == [True]
+    path = tmp_path / "disk" / file_name(key)
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01
+    path.write_bytes(bytes(data))
+    mask = e.retrieve(tokens, dst)
+    assert mask[:96].all() and not mask[96:].any()
+    assert torch.equal(kv_at(layers, dst[:96]), want)
+    assert e.tiers.disk.stats.corrupt == 1 and e.tiers.disk.exists([key]) == [False]
+    e.close()
+
+
 def test_a_corrupt_remote_chunk_is_a_miss_not_wrong_kv(url):
     tokens = [t + 11 for t in TOKENS]
     a, a_kv = node(url)

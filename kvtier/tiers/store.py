@@ -187,21 +187,36 @@ class TieredStore:
             if chunk is None:
                 break
             batch.append((span, chunk))
-        good = len(batch)
-        for tier in self.sources:
-            pos = reads.get(tier.name, [])
-            got = tier.get_into([batch[p][0].key for p in pos], [self._bytes(*batch[p]) for p in pos]) if pos else []
-            good = min([good] + [p for p, n in zip(pos, got) if n != batch[p][0].num_tokens])
+        good = self._read(batch, reads)
         if good < len(batch):  # a miss, a fault or a corrupt chunk ends the prefix
             ended = True
             for _, chunk in batch[good:]:
                 chunk.block.release()
             batch = batch[:good]
         if self.keep_cpu:  # promote what came from below
-            for p in (p for pos in reads.values() for p in pos if p < good):
+            for p in sorted({p for pos in reads.values() for p in pos if p < good}):
                 span, chunk = batch[p]
                 self.cpu.put(span.key, chunk.block.retain(), span.num_tokens)
         return batch, ended
+
+    def _read(self, batch: list[tuple[ChunkSpan, StoredChunk]], reads: dict[str, list[int]]) -> int:
+        """Read each tier's positions of `batch` (`reads`: tier name -> positions) into their
+        blocks. A chunk one tier cannot deliver (a corrupt file, a fault) is read from the
+        next tier down that holds it (a disk chunk from the remote store); the position of
+        the first chunk no tier delivered, or len(batch)."""
+        good = len(batch)
+        for k, tier in enumerate(self.sources):
+            pos = reads.get(tier.name, [])
+            got = tier.get_into([batch[p][0].key for p in pos], [self._bytes(*batch[p]) for p in pos]) if pos else []
+            for p in (p for p, n in zip(pos, got) if n != batch[p][0].num_tokens):
+                key = batch[p][0].key
+                below = next((t for t in self.sources[k + 1 :] if t.exists([key])[0]), None)
+                if below is None:
+                    good = min(good, p)
+                else:
+                    log.info("chunk %s: %s could not deliver it, reading it from %s", key, tier.name, below.name)
+                    reads.setdefault(below.name, []).append(p)
+        return good
 
     def _borrow(self, spans: Sequence[ChunkSpan], where: list[str], i: int
                 ) -> tuple[list[tuple[ChunkSpan, StoredChunk]], bool] | None:
