@@ -19,6 +19,7 @@ that named it, so the receiver never waits on a later request's record.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 
 import torch
 
@@ -28,6 +29,7 @@ from kvtier.pd import protocol as proto
 log = get_logger(__name__)
 
 HANDLE_HEX = 128  # a cudaIpcEventHandle_t (64 bytes) as hex
+MAX_OPEN = 256  # senders' events kept open; a Commit naming one dropped since fails (its sender reconnects)
 
 
 def commit_event() -> tuple[torch.cuda.Event, str]:
@@ -41,7 +43,7 @@ class CommitEvents:
 
     def __init__(self, device: torch.device | None) -> None:
         self.device = device if device is not None and device.type == "cuda" else None
-        self._events: dict[str, torch.cuda.Event] = {}
+        self._events: OrderedDict[str, torch.cuda.Event] = OrderedDict()
         self._lock = threading.Lock()
 
     def open(self, handle: str) -> bool:
@@ -59,6 +61,8 @@ class CommitEvents:
             return False
         with self._lock:
             self._events.setdefault(handle, event)
+            while len(self._events) > MAX_OPEN:
+                self._events.popitem(last=False)
         return True
 
     def wait(self, handle: str) -> None:
@@ -69,4 +73,7 @@ class CommitEvents:
             event = self._events.get(handle)
         if event is None:
             raise proto.ProtocolError("Commit names an event its sender's Hello did not open here")
-        event.synchronize()
+        try:
+            event.synchronize()
+        except RuntimeError as exc:  # the sender's context is gone (it died): its writes cannot be trusted
+            raise ConnectionError(f"the sender's commit event failed: {exc}") from None
