@@ -144,7 +144,7 @@ def run_pd(shape: OffloadShape, token_counts: list[int], channels: list[str], se
     """`pieces` (cuda_ipc): A/B of how a step is reserved and committed, paired: each
     repeat sends once each way in turn, to one receiver: "default" (the sender's), "F,M"
     (first piece F chunks, doubling up to M), "step" (one Alloc), "sync-commit" (the Commit
-    sent after the writes are done)."""
+    sent after the writes are done), "group=MiB" (the writes' ring slots of that size)."""
     max_tokens = max(token_counts)
     if sender_device.startswith("cuda"):
         torch.cuda.set_device(torch.device(sender_device))
@@ -218,7 +218,7 @@ def _channel_runs(bench: _PdBench, receiver: _Receiver, token_counts: list[int],
                      receiver.init, receiver.alloc)
     engine = CacheEngine(config, bench.kv, KVFormat(FMT_MODEL, "flash_attn", shape.dtype))
     sender = PdSender(engine, config, 0)
-    default = (sender.pieces, sender.early_commit)
+    default, rings = (sender.pieces, sender.early_commit), {}
     runs = []
     for n in token_counts:
         pairs = {v: PdRun(channel, n, v) for v in variants}
@@ -226,7 +226,7 @@ def _channel_runs(bench: _PdBench, receiver: _Receiver, token_counts: list[int],
         dst = torch.empty(n * per_token(shape), dtype=torch.uint8, device=receiver_device)
         for r in range(bench.repeats + 1):  # the first is a warm-up (connection, IPC mapping, kernels)
             for k, (variant, run) in enumerate(pairs.items()):
-                _set_variant(sender, variant, default)
+                _set_variant(sender, variant, default, rings)
                 times = _one_send(bench, sender, receiver, n, 1000 * n + 10 * r + k)
                 copy_ms = _copy_ms(src, dst, sender_device, receiver_device)
                 if r:
@@ -245,13 +245,25 @@ def _channel_runs(bench: _PdBench, receiver: _Receiver, token_counts: list[int],
     return runs
 
 
-def _set_variant(sender, variant: str, default: tuple) -> None:
-    """The sender's way of reserving and committing for `variant` (see `run_pd`);
-    `default`: its own (pieces, early_commit)."""
+def _set_variant(sender, variant: str, default: tuple, rings: dict) -> None:
+    """The sender's way of reserving, writing and committing for `variant` (see `run_pd`);
+    `default`: its own (pieces, early_commit); `rings`: cuda_ipc's writers by group size
+    ("default": the sender's own, once it has connected)."""
+    from kvtier.pd.channels import IpcWriter
+
     sender.pieces, sender.early_commit = default
+    channel = sender.channel
+    if channel.ipc is not None:
+        rings.setdefault("default", channel.ipc)
+        channel.ipc = rings["default"]
     if variant == "sync-commit":
         sender.early_commit = False
-    elif variant != "default":
+    elif variant.startswith("group=") and channel.ipc is not None:
+        if variant not in rings:
+            mib = int(variant.removeprefix("group="))
+            rings[variant] = IpcWriter(channel.ipc.device, sender.engine.pool.block_bytes, mib << 20)
+        channel.ipc = rings[variant]
+    elif variant != "default" and not variant.startswith("group="):
         sender.pieces = None if variant == "step" else tuple(int(x) for x in variant.split(","))
 
 

@@ -120,9 +120,9 @@ class IpcWriter:
     SLOTS = 2
     GROUP_BYTES = 256 << 20  # few launches: each group costs ~0.25 ms of host time to queue
 
-    def __init__(self, device: torch.device, chunk_bytes: int) -> None:
+    def __init__(self, device: torch.device, chunk_bytes: int, group_bytes: int = GROUP_BYTES) -> None:
         self.device = device
-        self.slot_bytes = max(self.GROUP_BYTES, chunk_bytes)
+        self.slot_bytes = max(group_bytes, chunk_bytes)
         self.ring = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(self.SLOTS)]
         self._free: list[torch.cuda.Event | None] = [None] * self.SLOTS  # a slot's last copy out of it
         self._next = 0
