@@ -533,6 +533,20 @@ def test_idle_nixl_agents_cost_no_cpu(monkeypatch):
         p.close()
 
 
+def test_a_reservation_gets_its_free_blocks_in_address_order(pair):
+    """Chunks that follow each other land in adjacent blocks where the free blocks allow,
+    also after releases in any order: cuda_ipc then moves each run in one copy."""
+    conn = socket.create_connection(("127.0.0.1", pair.alloc_port))
+    for rid, salt in (("a", 0), ("b", 100)):
+        proto.send(conn, proto.Alloc(rid, [CHUNK] * 6), digests(*range(salt, salt + 6)))
+        blocks = proto.recv(conn)[0].blocks
+        assert blocks == sorted(blocks) and blocks[-1] - blocks[0] == 5, blocks
+        proto.send(conn, proto.Commit(rid, ""))
+        assert proto.recv(conn)[0] == proto.Ok(rid, 6)
+        pair.buffer.release(rid)  # its chunks go back in the order of a set
+    conn.close()
+
+
 def test_ipc_writes_copy_adjacent_blocks_as_one_run():
     """cuda_ipc's copy engine moves a run of adjacent reserved blocks in one copy; each
     chunk still lands in its own block (run on CPU tensors: the grouping is the same)."""

@@ -106,6 +106,9 @@ class PdBuffer:
                     self.stats.no_room += 1
                     return proto.NoRoom(msg.req_id, self.pool.free_blocks, len(new), self.pool.num_blocks)
                 blocks.append(block)
+            # in address order: chunks that follow each other land in adjacent blocks wherever the
+            # free blocks allow, and the sender moves each run in one copy (`contiguous_runs`)
+            blocks.sort(key=lambda b: b.index)
             fresh = set(new)
             shared = [k for i, k in enumerate(keys) if i not in fresh]
             for key in shared:  # owned now, so another request's release cannot free it
