@@ -20,7 +20,7 @@ from kvtier.bench.offload import OffloadShape
 from kvtier.bench.pd import _config, _paged, _slots, per_token
 from kvtier.engine import CacheEngine
 from kvtier.keys import KVFormat
-from kvtier.pd.ipc_writes import IpcWriter
+from kvtier.pd.channels import IpcWriter
 from kvtier.transfer.cudart import DeviceBytes
 
 

@@ -144,8 +144,7 @@ def run_pd(shape: OffloadShape, token_counts: list[int], channels: list[str], se
     """`pieces` (cuda_ipc): A/B of how a step is reserved and committed, paired: each
     repeat sends once each way in turn, to one receiver: "default" (the sender's), "F,M"
     (first piece F chunks, doubling up to M), "step" (one Alloc), "sync-commit" (the Commit
-    sent after the writes are done), "group=MiB" (the writes' ring slots of that size),
-    "gather-after-alloc" (no gathering into the ring while the Alloc travels)."""
+    sent after the writes are done), "group=MiB" (the writes' ring slots of that size)."""
     max_tokens = max(token_counts)
     if sender_device.startswith("cuda"):
         torch.cuda.set_device(torch.device(sender_device))
@@ -250,10 +249,9 @@ def _set_variant(sender, variant: str, default: tuple, rings: dict) -> None:
     """The sender's way of reserving, writing and committing for `variant` (see `run_pd`);
     `default`: its own (pieces, early_commit); `rings`: cuda_ipc's writers by group size
     ("default": the sender's own, once it has connected)."""
-    from kvtier.pd.ipc_writes import IpcWriter
+    from kvtier.pd.channels import IpcWriter
 
     sender.pieces, sender.early_commit = default
-    sender.gather_early = variant != "gather-after-alloc"
     channel = sender.channel
     if channel.ipc is not None:
         rings.setdefault("default", channel.ipc)
@@ -265,7 +263,7 @@ def _set_variant(sender, variant: str, default: tuple, rings: dict) -> None:
             mib = int(variant.removeprefix("group="))
             rings[variant] = IpcWriter(channel.ipc.device, sender.engine.pool.block_bytes, mib << 20)
         channel.ipc = rings[variant]
-    elif variant not in ("default", "gather-after-alloc") and not variant.startswith("group="):
+    elif variant != "default" and not variant.startswith("group="):
         sender.pieces = None if variant == "step" else tuple(int(x) for x in variant.split(","))
 
 

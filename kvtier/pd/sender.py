@@ -40,7 +40,6 @@ from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
 from kvtier.pd import protocol as proto
 from kvtier.pd.channels import Placement, SenderChannel
-from kvtier.pd.ipc_writes import Gathered
 from kvtier.pd.link import CONNECT_TIMEOUT, DecoderLink
 
 log = get_logger(__name__)
@@ -111,7 +110,6 @@ class PdSender:
         # their own batches (`_push_staged`)
         self.pieces: tuple[int, int] | None = None
         self.early_commit = True  # cuda_ipc: Commit before the writes are done (`DecoderLink.commit`)
-        self.gather_early = True  # cuda_ipc: gather into the ring while the Alloc travels (`_write`)
         self._hello = proto.Hello(f"{socket.gethostname()}:{os.getpid()}", engine.fmt.tag(), config.chunk_size,
                                   engine.kv.bytes_per_token(), config.pd_channel, "")
         self._conns: dict[tuple[str, int, int], DecoderLink] = {}
@@ -172,19 +170,11 @@ class PdSender:
 
     def _write(self, req: _Open, rid: str, spans: list[ChunkSpan], slots: torch.Tensor) -> int:
         """Reserve `spans` on the decoder piece by piece and write (or queue) each piece's
-        bytes into it as its reservation comes back (`DecoderLink.reserve`); cuda_ipc
-        gathers the first piece's first groups into its ring while that Alloc travels."""
+        bytes into it as its reservation comes back (`DecoderLink.reserve`)."""
         t0 = time.perf_counter()
-        per_token, alloc_s, ipc = self.engine.kv.bytes_per_token(), 0.0, self.channel.ipc
-        gather = lambda part, buffers: self.engine.gather_into(slots, part, buffers)  # noqa: E731
-        early: list[Gathered] = []  # the first piece's groups gathered ahead (consumed by its write, or dropped)
-
-        def gather_ahead(piece: list[ChunkSpan]) -> None:
-            if ipc is not None and self.gather_early:
-                early.append(ipc.gather_ahead(gather, piece, [s.num_tokens * per_token for s in piece]))
-
+        per_token, alloc_s = self.engine.kv.bytes_per_token(), 0.0
         pieces = req.conn.reserve(rid, spans, req.chunks, self.pieces, self.config.pd_allocation_timeout_sec,
-                                  self._waited_for_room, gather_ahead)
+                                  self._waited_for_room)
         kv_written = None  # the step's forward done: its pieces' writes start after it
         while True:
             a0 = time.perf_counter()
@@ -192,21 +182,17 @@ class PdSender:
             alloc_s += time.perf_counter() - a0
             if got is None:
                 break
-            # only the first reply may use the ring as gathered ahead (a piece that waited for room
-            # comes after others, whose gathers have reused the ring)
-            ahead = early.pop() if early else None
-            kv_written = kv_written or (ahead.kv_written if ahead is not None else None)
-            piece, blocks = got
-            moved = sum(s.num_tokens for s, b in zip(piece, blocks) if b >= 0)
-            if moved and ipc is not None:
-                nbytes = [s.num_tokens * per_token for s in piece]
-                views = self.channel.views(req.conn.peer, blocks, nbytes)
-                kv_written, done = ipc.write(gather, piece, nbytes, views, kv_written, ahead)
+            todo = [(s, b) for s, b in zip(*got) if b >= 0]
+            if todo and not self.channel.staged:
+                assert self.channel.ipc is not None
+                nbytes = [s.num_tokens * per_token for s, _ in todo]
+                views = self.channel.views(req.conn.peer, [b for _, b in todo], nbytes)
+                gather = lambda part, buffers: self.engine.gather_into(slots, part, buffers)  # noqa: E731
+                kv_written, done = self.channel.ipc.write(gather, [s for s, _ in todo], nbytes, views, kv_written)
                 req.writes.append((kv_written, done))
-            elif moved:
-                todo = [(s, b) for s, b in zip(piece, blocks) if b >= 0]
+            elif todo:
                 self._push_staged(req.conn, rid, todo, slots, time.monotonic() + self.config.blocking_timeout_secs)
-            req.moved += moved
+            req.moved += sum(s.num_tokens for s, _ in todo)
         req.alloc_ms += alloc_s * 1e3
         req.write_ms += (time.perf_counter() - t0 - alloc_s) * 1e3
         sent = sum(s.num_tokens for s in spans)
