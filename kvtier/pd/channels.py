@@ -118,7 +118,7 @@ class IpcWriter:
     copy per chunk; two H100s, 2026-11-26, scripts/pd_write_profile.py)."""
 
     SLOTS = 2
-    GROUP_BYTES = 256 << 20  # few launches: each group costs ~0.25 ms of host time to queue
+    GROUP_BYTES = 256 << 20  # few launches: each group costs 0.25-0.5 ms of host time to queue (pd_send_profile.py)
 
     def __init__(self, device: torch.device, chunk_bytes: int, group_bytes: int = GROUP_BYTES) -> None:
         self.device = device
