@@ -265,7 +265,8 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--pieces", nargs="+", default=["default"],
                    help="cuda_ipc, each in turn: how a step is reserved and committed: default, F,M (first "
-                        "piece F chunks, doubling up to M), step (one Alloc), sync-commit (Commit after the writes), group=MiB (the writes' ring slots)")
+                        "piece F chunks, doubling up to M), step (one Alloc), sync-commit (Commit after the writes), "
+                        "gather-after-alloc (no gather while the Alloc travels), group=MiB (the writes' ring slots)")
     p.add_argument("--output", help="write the results to this JSON file")
 
 

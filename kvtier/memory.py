@@ -183,6 +183,23 @@ class HostPool:
             block.digest = 0
             return block
 
+    def allocate_many(self, count: int) -> list[MemoryBlock] | None:
+        """The `count` free blocks of lowest address, in address order, each with one
+        reference, or None (and none taken) when fewer are free: chunks that follow each
+        other then sit in adjacent blocks wherever the free blocks allow, also after
+        releases in any order."""
+        with self.lock:
+            if count > len(self._free):
+                return None
+            self._free.sort(reverse=True)  # nearly sorted already: a linear pass
+            taken = self._free[len(self._free) - count :][::-1]
+            del self._free[len(self._free) - count :]
+            blocks = [self._blocks[i] for i in taken]
+            for block in blocks:
+                block._refs = 1
+                block.digest = 0
+            return blocks
+
     def _release(self, block: MemoryBlock) -> None:
         with self.lock:
             if block._refs <= 0:

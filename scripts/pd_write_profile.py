@@ -20,7 +20,7 @@ from kvtier.bench.offload import OffloadShape
 from kvtier.bench.pd import _config, _paged, _slots, per_token
 from kvtier.engine import CacheEngine
 from kvtier.keys import KVFormat
-from kvtier.pd.channels import IpcWriter
+from kvtier.pd.ipc_writes import IpcWriter
 from kvtier.transfer.cudart import DeviceBytes
 
 
@@ -65,7 +65,9 @@ def main() -> None:
         figures = {
             "gather -> local": timed(lambda: gather(spans, local_views), dev),
             "gather -> peer": timed(lambda: gather(spans, views), dev),
-            "ring + copy": timed(lambda: ring.write(gather, spans, [per_chunk] * len(spans), views)[1].synchronize(), dev),
+            "ring + copy": timed(lambda: ring.write(ring.start(lambda places: engine.gather_addressed(slots, spans, places),
+                                                               spans, [per_chunk] * len(spans)), views)[1].synchronize(),
+                                 dev),
             "copy": timed(lambda: mapped.copy_(local), dev),
         }
         copy = figures["copy"]

@@ -550,7 +550,7 @@ def test_a_reservation_gets_its_free_blocks_in_address_order(pair):
 def test_ipc_writes_copy_adjacent_blocks_as_one_run():
     """cuda_ipc's copy engine moves a run of adjacent reserved blocks in one copy; each
     chunk still lands in its own block (run on CPU tensors: the grouping is the same)."""
-    from kvtier.pd.channels import contiguous_runs
+    from kvtier.pd.ipc_writes import contiguous_runs
 
     remote, ring = torch.zeros(100, dtype=torch.uint8), torch.arange(1, 46, dtype=torch.uint8)
     sizes = [10, 10, 10, 5, 10]
@@ -563,3 +563,7 @@ def test_ipc_writes_copy_adjacent_blocks_as_one_run():
     for view, n, off in zip(views, sizes, offsets):
         assert torch.equal(view, ring[off : off + n])
     assert remote[20:30].eq(0).all() and remote[45:60].eq(0).all() and remote[70:].eq(0).all()
+    # None: a chunk the decoder holds already (Allocated's -1) breaks a run and is not copied
+    held = [views[0], None, views[2], views[3], None]
+    assert [(v.numel(), a, b) for v, a, b in contiguous_runs(held)] == [(10, 0, 1), (15, 2, 4)]
+    assert contiguous_runs([None, None]) == []

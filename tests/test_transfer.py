@@ -174,6 +174,18 @@ for layout, shape in shapes.items():
         TorchTransfer(kv).gather(slots, ref)
         TritonTransfer(kv).gather(slots, got)
         assert all(torch.equal(a, b) for a, b in zip(ref, got)), (layout, dtype, "gather")
+        # addressed (a PD sender's ring): each chunk's bytes where its address says, out of order,
+        # launched a group at a time from tables that went up once
+        nbytes = [r.numel() * r.element_size() for r in ref]
+        at = [nbytes[2], nbytes[2] + nbytes[0], 0]
+        buf = torch.zeros(sum(nbytes) + 8, dtype=torch.uint8)
+        launch = TritonTransfer(kv).gather_addressed(slots, [buf.data_ptr() + a for a in at], sizes[0]).launch
+        launch(2, 3)
+        assert buf[: nbytes[2]].any() and not buf[nbytes[2] :].any(), (layout, "one group, its chunk only")
+        launch(0, 2)
+        for a, n, r in zip(at, nbytes, ref):
+            assert torch.equal(buf[a : a + n].view(dtype).view(r.shape), r), (layout, dtype, "addressed gather")
+        assert not buf[-8:].any()
         dst = [torch.zeros_like(t) for t in layers]
         kv2 = PagedKV.wrap(dst, layout)
         TritonTransfer(kv2).scatter(slots, got)

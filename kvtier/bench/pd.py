@@ -143,7 +143,8 @@ def run_pd(shape: OffloadShape, token_counts: list[int], channels: list[str], se
            repeats: int, pieces: tuple[str, ...] = ("default",)) -> dict:
     """`pieces` (cuda_ipc): A/B of how a step is reserved and committed, paired: each
     repeat sends once each way in turn, to one receiver: "default" (the sender's), "F,M"
-    (first piece F chunks, doubling up to M), "step" (one Alloc), "sync-commit" (the Commit
+    (first piece F chunks, doubling up to M), "step" (one Alloc), "gather-after-alloc" (no
+    gather into the ring while the Alloc travels), "sync-commit" (the Commit
     sent after the writes are done), "group=MiB" (the writes' ring slots of that size)."""
     max_tokens = max(token_counts)
     if sender_device.startswith("cuda"):
@@ -218,7 +219,7 @@ def _channel_runs(bench: _PdBench, receiver: _Receiver, token_counts: list[int],
                      receiver.init, receiver.alloc)
     engine = CacheEngine(config, bench.kv, KVFormat(FMT_MODEL, "flash_attn", shape.dtype))
     sender = PdSender(engine, config, 0)
-    default, rings = (sender.pieces, sender.early_commit), {}
+    default, rings = (sender.pieces, sender.early_commit, sender.gather_early), {}
     runs = []
     for n in token_counts:
         pairs = {v: PdRun(channel, n, v) for v in variants}
@@ -247,23 +248,25 @@ def _channel_runs(bench: _PdBench, receiver: _Receiver, token_counts: list[int],
 
 def _set_variant(sender, variant: str, default: tuple, rings: dict) -> None:
     """The sender's way of reserving, writing and committing for `variant` (see `run_pd`);
-    `default`: its own (pieces, early_commit); `rings`: cuda_ipc's writers by group size
+    `default`: its own (pieces, early_commit, gather_early); `rings`: cuda_ipc's writers by group size
     ("default": the sender's own, once it has connected)."""
-    from kvtier.pd.channels import IpcWriter
+    from kvtier.pd.ipc_writes import IpcWriter
 
-    sender.pieces, sender.early_commit = default
+    sender.pieces, sender.early_commit, sender.gather_early = default
     channel = sender.channel
     if channel.ipc is not None:
         rings.setdefault("default", channel.ipc)
         channel.ipc = rings["default"]
     if variant == "sync-commit":
         sender.early_commit = False
+    elif variant == "gather-after-alloc":
+        sender.gather_early = False
     elif variant.startswith("group=") and channel.ipc is not None:
         if variant not in rings:
             mib = int(variant.removeprefix("group="))
             rings[variant] = IpcWriter(channel.ipc.device, sender.engine.pool.block_bytes, mib << 20)
         channel.ipc = rings[variant]
-    elif variant != "default" and not variant.startswith("group="):
+    elif variant not in ("default", "gather-after-alloc") and not variant.startswith("group="):
         sender.pieces = None if variant == "step" else tuple(int(x) for x in variant.split(","))
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -168,6 +168,12 @@ class CacheEngine:
         """Copy the KV of `spans` into byte buffers of the caller (a PD sender's staging
         blocks, or a decoder's GPU buffer mapped over CUDA IPC)."""
         self.mover.gather_into(slots, spans, buffers)
+
+    def gather_addressed(self, slots: torch.Tensor, spans: Sequence[ChunkSpan],
+                         places: Sequence[tuple[torch.Tensor, int]]) -> Callable[[int, int], None]:
+        """`gather_into` for device buffers (a PD sender's ring), queued a group of chunks at
+        a time by the returned `launch(first, end)`; the tables of every chunk go up once."""
+        return self.mover.gather_addressed(slots, spans, places)
 
     def take_events(self) -> list[ChunkEvent]:
         """The chunk events recorded since the last call (with `enable_kv_events`)."""

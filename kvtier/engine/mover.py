@@ -73,6 +73,23 @@ class Mover:
         with self._lock:
             self.transfer.gather(concat_slots(slots, spans), chunks)
 
+    def gather_addressed(self, slots: torch.Tensor, spans: Sequence[ChunkSpan],
+                         places: Sequence[tuple[torch.Tensor, int]]) -> Callable[[int, int], None]:
+        """The KV of `spans` into device byte buffers, chunk i at `places[i]` (a buffer and a
+        byte offset in it), queued chunks [first, end) at a time by the returned
+        `launch(first, end)` on the current stream; the tables go up now, on it."""
+        with self._lock:
+            addressed = self.transfer.gather_addressed(concat_slots(slots, spans),
+                                                       [buf.data_ptr() + at for buf, at in places], spans[0].num_tokens)
+        if addressed is not None:
+            return addressed.launch
+
+        def launch(first: int, end: int) -> None:  # a transfer that takes tensors: a view per chunk
+            views = [buf[at : at + s.num_tokens * self.bytes_per_token]
+                     for (buf, at), s in zip(places[first:end], spans[first:end])]
+            self.gather_into(slots, spans[first:end], views)
+        return launch
+
     # -- chunks → paged KV ---------------------------------------------------------------
 
     def upload(self, held: list[tuple[ChunkSpan, StoredChunk]], layer_major: bool) -> Upload | None:

@@ -39,7 +39,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -47,6 +47,7 @@ from kvtier.errors import KvtierError
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
 from kvtier.pd import protocol as proto
+from kvtier.pd.ipc_writes import IpcWriter
 
 log = get_logger(__name__)
 
@@ -107,67 +108,6 @@ class ReceiverChannel:
 
 # -- sender half ---------------------------------------------------------------------------
 
-class IpcWriter:
-    """cuda_ipc's writes: gather kernel into a local ring, copy engine into the peer.
-
-    A kernel writing into another GPU's memory moves 0.81-0.82 of a plain copy over
-    NVLink; the copy engine moves contiguous bytes at the link's rate, and gathering
-    into local memory takes 0.4 of the copy's time (HBM, not the link). The two run
-    on streams of their own, `SLOTS` groups in flight, a run of adjacent blocks of the
-    peer's buffer in one copy: 0.91-0.93 of the copy at 16k-32k tokens (0.87-0.91 with a
-    copy per chunk; two H100s, 2026-11-26, scripts/pd_write_profile.py)."""
-
-    SLOTS = 2
-    GROUP_BYTES = 256 << 20  # few launches: each group costs 0.25-0.5 ms of host time to queue (pd_send_profile.py)
-
-    def __init__(self, device: torch.device, chunk_bytes: int, group_bytes: int = GROUP_BYTES) -> None:
-        self.device = device
-        self.slot_bytes = max(group_bytes, chunk_bytes)
-        self.ring = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(self.SLOTS)]
-        self._free: list[torch.cuda.Event | None] = [None] * self.SLOTS  # a slot's last copy out of it
-        self._next = 0
-        self.gather_stream = torch.cuda.Stream(device)
-        self.copy_stream = torch.cuda.Stream(device)
-
-    def write(self, gather: Callable[[Sequence[Any], Sequence[torch.Tensor]], None], items: Sequence[Any],
-              nbytes: Sequence[int], views: Sequence[torch.Tensor],
-              kv_written: torch.cuda.Event | None = None) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        """Queue `gather(items[i:j], buffers)` group by group and the copies of each
-        group into `views`; the events at which the forward had written the KV (recorded
-        here unless an earlier piece of the step did) and at which the last copy
-        completes (timed: their distance is what the writes add)."""
-        if kv_written is None:
-            kv_written = torch.cuda.Event(enable_timing=True)
-            kv_written.record(torch.cuda.current_stream(self.device))
-        self.gather_stream.wait_event(kv_written)
-        i, done = 0, kv_written
-        while i < len(items):
-            j, size = i, 0
-            while j < len(items) and size + nbytes[j] <= self.slot_bytes:
-                size += nbytes[j]
-                j += 1
-            slot, self._next = self._next, (self._next + 1) % self.SLOTS
-            if self._free[slot] is not None:
-                self.gather_stream.wait_event(self._free[slot])
-            offsets = [0]
-            for n in nbytes[i:j]:
-                offsets.append(offsets[-1] + n)
-            parts = [self.ring[slot][a:b] for a, b in zip(offsets, offsets[1:])]
-            with torch.cuda.stream(self.gather_stream):
-                gather(items[i:j], parts)
-            gathered = torch.cuda.Event()
-            gathered.record(self.gather_stream)
-            self.copy_stream.wait_event(gathered)
-            with torch.cuda.stream(self.copy_stream):
-                for dst, a, b in contiguous_runs(views[i:j]):  # one copy per run of adjacent blocks
-                    dst.copy_(self.ring[slot][offsets[a] : offsets[b]], non_blocking=True)
-            done = torch.cuda.Event(enable_timing=True)
-            done.record(self.copy_stream)
-            self._free[slot] = done
-            i = j
-        return kv_written, done
-
-
 class TcpBounce:
     """tcp into a GPU buffer: a Write's bytes land in pinned host memory, then are
     copied on this connection's own stream (a Commit waits for that stream only,
@@ -186,22 +126,6 @@ class TcpBounce:
 
     def wait(self) -> None:
         self.stream.synchronize()
-
-
-def contiguous_runs(views: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int, int]]:
-    """`views` (uint8, one device) grouped into runs that lie end to end in memory: each
-    run as one view over them and its [first, last + 1) indices. The decoder's buffer
-    hands out adjacent blocks for a fresh reservation: one copy then moves many chunks."""
-    runs: list[tuple[torch.Tensor, int, int]] = []
-    start = 0
-    for k in range(1, len(views) + 1):
-        if k < len(views) and views[k].data_ptr() == views[k - 1].data_ptr() + views[k - 1].numel():
-            continue
-        first = views[start]
-        n = views[k - 1].data_ptr() + views[k - 1].numel() - first.data_ptr()
-        runs.append((first.as_strided((n,), (1,), first.storage_offset()), start, k))  # within its storage
-        start = k
-    return runs
 
 
 @dataclass
@@ -239,11 +163,12 @@ class SenderChannel:
                 self.ipc = IpcWriter(torch.device("cuda", torch.cuda.current_device()), welcome.block_bytes)
         return peer
 
-    def views(self, peer: Peer, blocks: Sequence[int], nbytes: Sequence[int]) -> list[torch.Tensor]:
-        """cuda_ipc: the remote blocks as local uint8 tensors to gather into."""
+    def views(self, peer: Peer, blocks: Sequence[int], nbytes: Sequence[int]) -> list[torch.Tensor | None]:
+        """cuda_ipc: the remote blocks as local uint8 tensors to copy into (None for block
+        -1: the decoder holds that chunk already)."""
         assert peer.remote is not None
         size = peer.welcome.block_bytes
-        return [peer.remote[b * size : b * size + n] for b, n in zip(blocks, nbytes)]
+        return [peer.remote[b * size : b * size + n] if b >= 0 else None for b, n in zip(blocks, nbytes)]
 
     def push(self, peer: Peer, sock: socket.socket, req_id: str, items: Sequence[Placement]) -> Any:
         """Start writing staged blocks into the peer's reserved blocks; `finish` waits for

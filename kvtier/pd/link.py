@@ -75,7 +75,8 @@ class DecoderLink:
         self.sock.close()
 
     def reserve(self, rid: str, spans: list[ChunkSpan], held: int, pieces: tuple[int, int] | None, timeout: float,
-                on_wait: Callable[[], None]) -> Iterator[tuple[list[ChunkSpan], list[int]]]:
+                on_wait: Callable[[], None], on_first: Callable[[list[ChunkSpan]], None] | None = None
+                ) -> Iterator[tuple[list[ChunkSpan], list[int]]]:
         """The decoder's blocks for `spans` (the request holds `held` already), piece by
         piece (`_pieces`; None: all at once), one Alloc ahead: piece k+1's Alloc is on its
         way before piece k is handed out, so the decoder reserves it while the caller
@@ -83,14 +84,18 @@ class DecoderLink:
         instead of the whole prompt's. A piece that finds no room waits for it after the
         others (`alloc`), holding what the others reserved, as a step does with its
         request's earlier steps (bounded by `timeout`, pd_allocation_timeout_sec, then all
-        of it is freed). After a failure a reply may be left unread: the caller closes
-        this link (PdSender drops it on every failure)."""
+        of it is freed). `on_first(piece)` runs once the first piece's Alloc is on the wire
+        (the caller's work that needs no block of the decoder's). After a failure a reply
+        may be left unread: the caller closes this link (PdSender drops it on every failure)."""
         if held + len(spans) > self.peer.welcome.num_blocks:  # the pieces would each fit, the request never
             raise _too_big(held + len(spans), self.peer.welcome.num_blocks)
         ahead: deque[list[ChunkSpan]] = deque()
         no_room: list[list[ChunkSpan]] = []
         for piece in _pieces(spans, *pieces) if pieces else [spans]:
             proto.send(self.sock, *_alloc_msg(rid, piece))
+            if on_first is not None:
+                on_first(piece)
+                on_first = None
             ahead.append(piece)
             if len(ahead) > 1:
                 yield from self._allocated(ahead.popleft(), no_room)

@@ -192,7 +192,8 @@ _FIELDS = {cls: {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses
 
 def encode(msg: Message, payload_len: int = 0) -> bytes:
     """The frame head and header of `msg`; the caller sends `payload_len` bytes after it."""
-    header = json.dumps(dataclasses.asdict(msg), separators=(",", ":")).encode()
+    # the fields as they are (messages are flat: no deep copy, as `dataclasses.asdict` makes)
+    header = json.dumps({name: getattr(msg, name) for name in _FIELDS[type(msg)]}, separators=(",", ":")).encode()
     return FRAME.pack(MAGIC, VERSION, msg.TYPE, len(header), payload_len) + header
 
 
@@ -236,7 +237,11 @@ def _matches(value: Any, hint: Any) -> bool:
         return isinstance(value, str) and len(value) <= MAX_STR
     if typing.get_origin(hint) is list:
         (item,) = typing.get_args(hint)
-        return isinstance(value, list) and len(value) <= MAX_LIST and all(_matches(v, item) for v in value)
+        if not isinstance(value, list) or len(value) > MAX_LIST:
+            return False
+        if item is int:  # an Alloc's or Allocated's one per chunk: checked at once, not value by value
+            return all(type(v) is int for v in value) and (not value or (-(2**63) <= min(value) and max(value) < 2**64))
+        return all(_matches(v, item) for v in value)
     return False
 
 

@@ -97,18 +97,12 @@ class PdBuffer:
         with self._lock:
             earlier = self._reserved.get(msg.req_id)
             new = [i for i, k in enumerate(keys) if not self.tier.contains(k)]
-            blocks: list[MemoryBlock] = []
-            for _ in new:
-                block = self.pool.allocate()
-                if block is None:
-                    for b in blocks:
-                        b.release()
-                    self.stats.no_room += 1
-                    return proto.NoRoom(msg.req_id, self.pool.free_blocks, len(new), self.pool.num_blocks)
-                blocks.append(block)
             # in address order: chunks that follow each other land in adjacent blocks wherever the
             # free blocks allow, and the sender moves each run in one copy (`contiguous_runs`)
-            blocks.sort(key=lambda b: b.index)
+            blocks = self.pool.allocate_many(len(new))
+            if blocks is None:
+                self.stats.no_room += 1
+                return proto.NoRoom(msg.req_id, self.pool.free_blocks, len(new), self.pool.num_blocks)
             fresh = set(new)
             shared = [k for i, k in enumerate(keys) if i not in fresh]
             for key in shared:  # owned now, so another request's release cannot free it

@@ -40,6 +40,7 @@ from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
 from kvtier.pd import protocol as proto
 from kvtier.pd.channels import Placement, SenderChannel
+from kvtier.pd.ipc_writes import IpcWriter, Step
 from kvtier.pd.link import CONNECT_TIMEOUT, DecoderLink
 
 log = get_logger(__name__)
@@ -110,6 +111,7 @@ class PdSender:
         # their own batches (`_push_staged`)
         self.pieces: tuple[int, int] | None = None
         self.early_commit = True  # cuda_ipc: Commit before the writes are done (`DecoderLink.commit`)
+        self.gather_early = True  # cuda_ipc: gather into the ring while the Alloc travels (`_write`)
         self._hello = proto.Hello(f"{socket.gethostname()}:{os.getpid()}", engine.fmt.tag(), config.chunk_size,
                                   engine.kv.bytes_per_token(), config.pd_channel, "")
         self._conns: dict[tuple[str, int, int], DecoderLink] = {}
@@ -170,11 +172,19 @@ class PdSender:
 
     def _write(self, req: _Open, rid: str, spans: list[ChunkSpan], slots: torch.Tensor) -> int:
         """Reserve `spans` on the decoder piece by piece and write (or queue) each piece's
-        bytes into it as its reservation comes back (`DecoderLink.reserve`)."""
+        bytes into it as its reservation comes back (`DecoderLink.reserve`); cuda_ipc
+        gathers the first piece's first groups into its ring while that Alloc travels."""
         t0 = time.perf_counter()
-        per_token, alloc_s = self.engine.kv.bytes_per_token(), 0.0
+        per_token, alloc_s, ipc = self.engine.kv.bytes_per_token(), 0.0, self.channel.ipc
+        ahead: list[Step] = []  # the first piece's, gathered while its Alloc travels
+
+        def gather_ahead(piece: list[ChunkSpan]) -> None:
+            if ipc is not None and self.gather_early:
+                ahead.append(self._ipc_step(ipc, slots, piece, None))
+                ipc.gather(ahead[0], ipc.SLOTS)
+
         pieces = req.conn.reserve(rid, spans, req.chunks, self.pieces, self.config.pd_allocation_timeout_sec,
-                                  self._waited_for_room)
+                                  self._waited_for_room, gather_ahead)
         kv_written = None  # the step's forward done: its pieces' writes start after it
         while True:
             a0 = time.perf_counter()
@@ -182,16 +192,19 @@ class PdSender:
             alloc_s += time.perf_counter() - a0
             if got is None:
                 break
-            todo = [(s, b) for s, b in zip(*got) if b >= 0]
-            if todo and not self.channel.staged:
-                assert self.channel.ipc is not None
-                nbytes = [s.num_tokens * per_token for s, _ in todo]
-                views = self.channel.views(req.conn.peer, [b for _, b in todo], nbytes)
-                gather = lambda part, buffers: self.engine.gather_into(slots, part, buffers)  # noqa: E731
-                kv_written, done = self.channel.ipc.write(gather, [s for s, _ in todo], nbytes, views, kv_written)
+            piece, blocks = got
+            todo = [(s, b) for s, b in zip(piece, blocks) if b >= 0]
+            if todo and ipc is not None:
+                step = ahead.pop() if ahead and ahead[0].items is piece and ipc.current(ahead[0]) else None
+                if step is None:  # not gathered ahead: only the chunks the decoder lacks
+                    piece, blocks = [s for s, _ in todo], [b for _, b in todo]
+                    step = self._ipc_step(ipc, slots, piece, kv_written or (ahead[0].kv_written if ahead else None))
+                views = self.channel.views(req.conn.peer, blocks, [s.num_tokens * per_token for s in piece])
+                kv_written, done = ipc.write(step, views)
                 req.writes.append((kv_written, done))
             elif todo:
                 self._push_staged(req.conn, rid, todo, slots, time.monotonic() + self.config.blocking_timeout_secs)
+            ahead.clear()  # only the first reply may find the ring as gathered ahead
             req.moved += sum(s.num_tokens for s, _ in todo)
         req.alloc_ms += alloc_s * 1e3
         req.write_ms += (time.perf_counter() - t0 - alloc_s) * 1e3
@@ -199,6 +212,12 @@ class PdSender:
         req.sent += sent
         req.chunks += len(spans)
         return sent
+
+    def _ipc_step(self, ipc: IpcWriter, slots: torch.Tensor, piece: list[ChunkSpan],
+                  kv_written: torch.cuda.Event | None) -> Step:
+        per_token = self.engine.kv.bytes_per_token()
+        return ipc.start(lambda places: self.engine.gather_addressed(slots, piece, places), piece,
+                         [s.num_tokens * per_token for s in piece], kv_written)
 
     def _commit(self, req: _Open, rid: str) -> None:
         t0 = time.perf_counter()

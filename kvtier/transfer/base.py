@@ -6,6 +6,8 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from kvtier.transfer.addressed import AddressedGather
+
 
 class LayerHandle(Protocol):
     """A layerwise load in flight."""
@@ -51,6 +53,12 @@ class Transfer(Protocol):
 
     def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], digests: torch.Tensor | None = None
                ) -> None: ...
+
+    def gather_addressed(self, slots: torch.Tensor, addresses: Sequence[int], chunk_tokens: int
+                         ) -> AddressedGather | None:
+        """A gather of the chunks of `slots` into device memory at `addresses` (one per
+        chunk of `chunk_tokens`, the last may be shorter), queued group by group by its
+        `launch`; None where this transfer takes chunk tensors only (`gather`)."""
 
     def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
                 wait: bool = True, digests: torch.Tensor | None = None, upload: Upload | None = None

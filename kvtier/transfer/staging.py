@@ -208,3 +208,19 @@ def runs_up(table: torch.Tensor, first: int, runs: int, programs: int = RUN_PROG
     """host_runs_kernel over runs [first, first + runs) of `table`, on the current stream."""
     if runs:
         host_runs_kernel[(programs,)](table.data_ptr() + first * 48, runs, BLOCK=RUN_BLOCK, num_warps=8)
+
+
+class LayerEvents:
+    """A layerwise scatter in flight: one CUDA event per layer."""
+
+    def __init__(self, events: list, stream, copies, keepalive: object) -> None:
+        self._events, self._stream, self._copies, self._keepalive = events, stream, copies, keepalive
+
+    def wait(self, layer: int) -> None:
+        torch.cuda.current_stream(self._stream.device).wait_event(self._events[layer])
+
+    def finish(self) -> None:
+        """Returns once every copy out of the host chunks is done."""
+        self._copies.synchronize()
+        self._stream.synchronize()
+        self._keepalive = None

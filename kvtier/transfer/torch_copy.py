@@ -42,6 +42,10 @@ class TorchTransfer:
                     chunk[layer_idx].copy_(tokens[:, start : start + n], non_blocking=True)
                 start += n
 
+    def gather_addressed(self, slots: torch.Tensor, addresses: Sequence[int], chunk_tokens: int) -> None:
+        """Indexing takes tensors, not addresses: the caller gathers into views (`gather`)."""
+        return None
+
     def upload(self, chunks: Sequence[torch.Tensor], layer_major: bool = False, digests: bool = False) -> None:
         """Nothing to queue ahead: the copies happen in `scatter`."""
         return None

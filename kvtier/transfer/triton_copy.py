@@ -53,11 +53,12 @@ import torch
 import triton
 
 from kvtier.transfer import cudart
+from kvtier.transfer.addressed import AddressedGather
 from kvtier.transfer.base import LayerHandle
 from kvtier.transfer.kernels import SLOT_BLOCK, host_words_kernel, kv_copy_kernel, kv_quant_copy_kernel
 from kvtier.transfer.layout import PagedKV
 from kvtier.transfer.quant import Quant
-from kvtier.transfer.staging import DigestTables, Staging, Upload, host_tables, run_table, runs_up, waiter
+from kvtier.transfer.staging import DigestTables, LayerEvents, Staging, Upload, host_tables, run_table, runs_up, waiter
 
 GROUPS = 4  # whole transfers: kernel of group g+1 runs while group g crosses PCIe
 DIGEST_LAYERS = 8  # layers summed per digest launch of a layerwise scatter
@@ -182,6 +183,13 @@ class TritonTransfer:
                 self._copies.wait_stream(self._stream)
                 staging.copy(to_host=True, stream=self._copies, group=g)
         self._copies.synchronize()
+
+    def gather_addressed(self, slots: torch.Tensor, addresses: Sequence[int], chunk_tokens: int) -> AddressedGather:
+        """Both tables go up now, on the current stream; each `launch` is one kernel."""
+        dev_slots, ptrs = self._upload(slots, torch.tensor(addresses, dtype=torch.int64))
+        layers = range(self.kv.num_layers)
+        return AddressedGather(lambda s, p: self._kernel(s, p, chunk_tokens, True, layers), dev_slots, ptrs,
+                               chunk_tokens)
 
     def upload(self, chunks: Sequence[torch.Tensor], layer_major: bool = False, digests: bool = False
                ) -> Upload | None:
@@ -335,22 +343,6 @@ class TritonTransfer:
         the host behind it; `finish()` returns once the saved layers have landed.
         `digests`: as in `gather`, complete (if every layer was saved) after `finish()`."""
         return LayerSaves(self, slots, chunks, digests)
-
-
-class LayerEvents:
-    """A layerwise scatter in flight: one CUDA event per layer."""
-
-    def __init__(self, events: list, stream, copies, keepalive: object) -> None:
-        self._events, self._stream, self._copies, self._keepalive = events, stream, copies, keepalive
-
-    def wait(self, layer: int) -> None:
-        torch.cuda.current_stream(self._stream.device).wait_event(self._events[layer])
-
-    def finish(self) -> None:
-        """Returns once every copy out of the host chunks is done."""
-        self._copies.synchronize()
-        self._stream.synchronize()
-        self._keepalive = None
 
 
 class LayerSaves:
