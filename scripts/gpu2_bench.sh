@@ -34,7 +34,7 @@ export PYTHONPATH=$PWD:/tmp/site:/tmp/kvtier-dist PYTHONUNBUFFERED=1 VLLM_USE_FL
   python3 -c "import torch, triton, vllm; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__)"
 } 2>&1 | tee "$work/machine.txt"
 case " $steps " in *" tests "*)
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_pd.py tests/test_transfer_cuda.py \
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_pd.py tests/test_pd_ring.py tests/test_transfer_cuda.py \
     > "$work/pytest.txt" 2>&1; tail -4 "$work/pytest.txt" ;;
 esac
 case " $steps " in *" pd "*)
