@@ -7,7 +7,7 @@
 # Steps: tests (the GPU tests of the transfers and of PD, cuda_ipc across the two GPUs),
 # pd (kvtier bench pd GPU0 -> GPU1 against a plain copy, and each part of a cuda_ipc
 # write timed alone: scripts/pd_gpu_bench.sh), pdprof (the sender's host time per function:
-# scripts/pd_send_profile.py), pdvllm (1P1D inside real vLLM, prefiller on
+# scripts/pd_send_profile.py, and an Alloc's round trip in parts: scripts/pd_rtt_profile.py), pdvllm (1P1D inside real vLLM, prefiller on
 # GPU 0, decoder on GPU 1: kvtier.bench.pd_vllm), tp (tests/test_vllm_tp.py with one rank
 # per GPU: every rank its shard, hits only where both ranks hold them, TP=2 <-> TP=1 reuse,
 # PD with TP=2 on both sides, the store server's path at TP=2), tpttft (warm TTFT at 16k
@@ -43,7 +43,8 @@ SKIP_TESTS=1 SKIP_1GPU=1 CHANNELS_2GPU="${CHANNELS:-cuda_ipc}" OUT="$work/pd" ti
 esac
 case " $steps " in *" pdprof "*)  # the sender's host time per function (cProfile), 16k tokens
 timeout 200 python3 scripts/pd_send_profile.py > "$work/pd-send-profile.txt" 2>&1
-echo "pdprof exit $?"; grep -E "^send |^-- by" "$work/pd-send-profile.txt" | head -14 ;;
+echo "pdprof exit $?"; grep -E "^send |^-- by" "$work/pd-send-profile.txt" | head -14
+timeout 100 python3 scripts/pd_rtt_profile.py > "$work/pd-rtt.txt" 2>&1; grep -v INFO "$work/pd-rtt.txt" ;;
 esac
 case " $steps " in *" pdvllm "*)
 timeout ${PDVLLM_TIMEOUT:-330} python3 -m kvtier.bench.pd_vllm --lengths ${LENGTHS:-4096 16384 32768} \
