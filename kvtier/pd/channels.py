@@ -14,10 +14,11 @@
               group of chunks from the paged cache into a small ring of
               buffers in its own GPU memory, and the copy engine moves each
               group into the reserved blocks (over NVLink when the GPUs
-              differ) while the kernel gathers the next: `IpcWriter`. All of
-              it is queued on the sender's streams behind the forward that
-              wrote the KV; nothing waits on the CPU until the request's
-              Commit.
+              differ) while the kernel gathers the next: `IpcWriter`
+              (ipc_writes.py; its first groups are gathered while the Alloc
+              is on the wire). All of it is queued on the sender's streams
+              behind the forward that wrote the KV; nothing waits on the CPU
+              until the request's Commit.
 
 Each channel has a receiver half (`registration()`: the Welcome payload;
 `expect_writes()`/`writes_ended()` around each reservation) and a sender

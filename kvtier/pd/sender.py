@@ -7,7 +7,8 @@
           (`pieces`: a step in pieces, one Alloc ahead of the writes: `DecoderLink.reserve`)
         → the channel writes them: staged (tcp, nixl) batch by batch through the
           staging pool, or (cuda_ipc) queued on the GPU behind the forward that
-          wrote them, gathered and copied into the decoder's GPU buffer while vLLM
+          wrote them (the first groups gathered into the sender's ring while the
+          Alloc travels), copied into the decoder's GPU buffer while vLLM
           computes the next step (`IpcWriter`): the step does not wait for them
           (where vLLM frees a request's pages before its last step, `drop` makes
           the next forward wait for its queued writes first)
