@@ -203,3 +203,30 @@ def test_layerwise_retrieve_loads_layers_in_order_and_unpins_at_finish():
     load.finish()  # idempotent
     assert not any(c.block.pinned for c in eng.tiers.cpu._chunks.values())
     assert torch.equal(tokens_at(layers, dst[5:]), tokens_at(layers, torch.arange(5, 64)))
+
+
+def test_grouped_kv_moves_each_layer_at_its_own_groups_slots():
+    """vLLM's hybrid allocator gives each KV cache group its own pages: layer 1 here (a
+    sliding-window group) keeps its tokens at other slots than layers 0 and 2, and no
+    longer keeps the first 20 (-1). A store reads each layer at its group's slots; a load
+    writes each layer at the loader's slots of that group and skips its -1 tokens."""
+    layers = [torch.randn(2, NB, BS, H, D) for _ in range(3)]
+    cfg = KvtierConfig(chunk_size=16, max_local_cpu_size=1 / 1024, save_unfull_chunk=False)
+    eng = CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn").grouped([0, 1, 0]), FMT)
+    toks, perm = list(range(64)), torch.randperm(NB * BS)
+    src = torch.stack([perm[:64], perm[64:128]])
+    src[1, :20] = -1
+    assert eng.store(toks, src) == 64
+    dst = torch.stack([perm[200:264], perm[300:364]])
+    dst[1, :40] = -1  # the loader's window is shorter: tokens 20..39 are not written either
+    before = layers[1].clone()
+    assert eng.retrieve(toks, dst).all()
+    for layer, row in ((0, 0), (1, 1), (2, 0)):
+        keep = dst[row] >= 0
+        assert torch.equal(tokens_at([layers[layer]], dst[row][keep]), tokens_at([layers[layer]], src[row][keep]))
+    untouched = torch.ones(NB * BS, dtype=torch.bool)
+    untouched[dst[1][40:]] = False
+    assert torch.equal(tokens_at([layers[1]], untouched.nonzero().flatten()),
+                       tokens_at([before], untouched.nonzero().flatten()))
+    with pytest.raises(ValueError, match=r"\[2, T\] tensor"):
+        eng.store(toks, src[0])

@@ -236,6 +236,55 @@ def test_triton_kernels_in_interpreter_match_torch():
     assert out.stdout.strip() == "ok"
 
 
+GROUPED_CHECK = """
+import torch
+from kvtier.transfer import PagedKV
+from kvtier.transfer.torch_copy import TorchTransfer
+from kvtier.transfer.triton_copy import TritonTransfer
+torch.manual_seed(0)
+layers = [torch.randn(2, 8, 4, 2, 16) for _ in range(3)]
+kv = PagedKV.wrap(layers, "flash_attn").grouped([0, 1, 0])
+slots = torch.stack([torch.randperm(32)[:11], torch.randperm(32)[:11]])
+slots[1, :3] = -1  # pages the second group (layer 1) no longer keeps
+sizes = (4, 4, 3)
+def at(layer, s):  # [K, T, H, D]
+    return layers[layer][:, s // 4, s % 4]
+for T in (TorchTransfer, TritonTransfer):
+    got = [torch.zeros(kv.chunk_shape(n)) for n in sizes]
+    T(kv).gather(slots, got)
+    whole = torch.cat(got, dim=2)  # [L, K, 11, H, D]
+    assert torch.equal(whole[0], at(0, slots[0])) and torch.equal(whole[2], at(2, slots[0])), T.__name__
+    assert torch.equal(whole[1][:, 3:], at(1, slots[1, 3:])), T.__name__  # its -1 tokens: anything
+    if T is TritonTransfer:  # addressed, a group of chunks a launch, over a slice of the table
+        buf = torch.zeros(sum(c.numel() for c in got))
+        per = [c.numel() for c in got]
+        launch = T(kv).gather_addressed(slots, [buf.data_ptr() + 4 * sum(per[:i]) for i in range(3)], 4).launch
+        launch(1, 3), launch(0, 1)
+        back = torch.cat([buf[sum(per[:i]) : sum(per[: i + 1])].view(c.shape) for i, c in enumerate(got)], dim=2)
+        assert torch.equal(back[0], whole[0]) and torch.equal(back[1][:, 3:], whole[1][:, 3:]), "addressed"
+    dst = [torch.zeros_like(t) for t in layers]
+    kv2 = PagedKV.wrap(dst, "flash_attn").grouped([0, 1, 0])
+    T(kv2).scatter(slots, got)()
+    for layer, row in ((0, 0), (1, 1), (2, 0)):
+        keep = slots[row] >= 0
+        assert torch.equal(dst[layer][:, slots[row][keep] // 4, slots[row][keep] % 4], whole[layer][:, keep]), T.__name__
+    written = sum(int(d.abs().sum(dim=(0, 3, 4)).ne(0).sum()) for d in dst)
+    assert written == 11 + 8 + 11, (T.__name__, written)  # nothing at layer 1's -1 tokens, nothing elsewhere
+print("ok")
+"""
+
+
+def test_grouped_kv_kernels_use_each_layers_own_slots():
+    """vLLM's KV cache groups (hybrid allocator): each layer's tokens at its group's row of
+    a [G, T] slot table, -1 skipped; the Triton kernels in the interpreter and the torch
+    transfer against the layers indexed by hand."""
+    pytest.importorskip("triton")
+    out = subprocess.run([sys.executable, "-c", GROUPED_CHECK], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "ok"
+
+
 UPLOAD_CHECK = """
 import torch
 from kvtier.transfer.kernels import host_runs_kernel

@@ -250,16 +250,23 @@ class CacheEngine:
         self.tiers.close(timeout=self.config.blocking_timeout_secs)
 
     def _check(self, tokens: Tokens, slots: torch.Tensor, exact: bool = True) -> torch.Tensor:
-        """Validate engine input at the boundary; returns slots as int64 on CPU."""
-        if not isinstance(slots, torch.Tensor) or slots.dim() != 1:
-            raise ValueError("slot_mapping must be a 1-D tensor of slot indices")
+        """Validate engine input at the boundary; returns slots as int64 on CPU. Grouped KV
+        (`PagedKV.grouped`) takes one row of slots per group, [G, T], where -1 marks a token
+        whose page that group no longer keeps (a sliding window's): it is not moved there."""
+        groups = self.kv.groups
+        if not isinstance(slots, torch.Tensor) or slots.dim() != (1 if groups == 1 else 2) \
+                or (groups > 1 and slots.shape[0] != groups):
+            raise ValueError("slot_mapping must be a 1-D tensor of slot indices" if groups == 1 else
+                             f"slot_mapping must be a [{groups}, T] tensor: a row of slots per KV cache group")
         if slots.dtype.is_floating_point or slots.dtype == torch.bool:
             raise ValueError(f"slot_mapping must hold integers, got {slots.dtype}")
-        if len(tokens) != slots.numel() if exact else len(tokens) < slots.numel():
-            raise ValueError(f"{len(tokens)} tokens but {slots.numel()} slots: every token needs one slot"
+        n = slots.shape[-1]
+        if len(tokens) != n if exact else len(tokens) < n:
+            raise ValueError(f"{len(tokens)} tokens but {n} slots: every token needs one slot"
                              + (" and every slot one token" if exact else ""))
         slots = slots.to("cpu", torch.int64)
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.kv.num_slots):
+        lowest = 0 if groups == 1 else -1
+        if slots.numel() and (int(slots.min()) < lowest or int(slots.max()) >= self.kv.num_slots):
             raise ValueError(
                 f"slot_mapping out of range: values in [{int(slots.min())}, {int(slots.max())}], "
                 f"the KV cache has {self.kv.num_slots} slots"

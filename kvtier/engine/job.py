@@ -21,5 +21,10 @@ class Job:
     request_id: str = ""
     t0: float = field(default_factory=time.perf_counter)
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens with slots (a grouped KV's table has a row of them per group)."""
+        return self.slots.shape[-1]
+
     def seconds(self) -> float:
         return time.perf_counter() - self.t0

@@ -48,7 +48,7 @@ class LoadPath:
         self.ahead.drop(request_id)
 
     def start(self, job: Job, layerwise: bool) -> Loading:
-        slots, start, request_id, end = job.slots, job.start, job.request_id, len(job.slots)
+        slots, start, request_id, end = job.slots, job.start, job.request_id, job.num_tokens
         mask = torch.zeros(end, dtype=torch.bool)
         self.prefetcher.wait(request_id)
         spans = [s for s in self._spans(job.tokens, request_id) if s.start < end]
@@ -127,7 +127,7 @@ class LoadPath:
 
     def loaded(self, job: Job, count: int, by_tier: list[tuple[ChunkSpan, str]]) -> None:
         """A load is over: its stats and log line."""
-        tiers, total = self.stats.loaded_by_tier, len(job.slots)
+        tiers, total = self.stats.loaded_by_tier, job.num_tokens
         for span, tier in by_tier:
             tiers[tier] = tiers.get(tier, 0) + min(total, span.end) - max(job.start, span.start)
         if count:

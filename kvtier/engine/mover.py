@@ -110,8 +110,8 @@ class Mover:
         digests = found[0][1].block.device_check(len(found), self.kv.device)  # lent, checked on the GPU
         first, last = found[0][0].start, found[-1][0].end
         a, b = max(start, first), min(end, last)
-        targets = torch.full((last - first,), -1, dtype=torch.int64)
-        targets[a - first : b - first] = slots[a:b]  # slicing only: this runs before any byte moves
+        targets = torch.full((*slots.shape[:-1], last - first), -1, dtype=torch.int64)
+        targets[..., a - first : b - first] = slots[..., a:b]  # slicing only: this runs before any byte moves
         with self._lock:
             if layerwise:
                 return self.transfer.scatter_layerwise(targets, views, digests=digests, upload=upload)
@@ -165,8 +165,8 @@ def as_numpy(tokens: Tokens) -> np.ndarray:
 
 def concat_slots(slots: torch.Tensor, spans: Sequence[ChunkSpan]) -> torch.Tensor:
     if len(spans) == 1 or all(a.end == b.start for a, b in zip(spans, spans[1:])):
-        return slots[spans[0].start : spans[-1].end]
-    return torch.cat([slots[s.start : s.end] for s in spans])
+        return slots[..., spans[0].start : spans[-1].end]
+    return torch.cat([slots[..., s.start : s.end] for s in spans], dim=-1)
 
 
 def num_tokens(chunks: Sequence[tuple[ChunkSpan, object]]) -> int:

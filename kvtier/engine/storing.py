@@ -104,7 +104,7 @@ class StorePath:
         self.stats.stored_tokens += count
         self.stats.store_seconds += job.seconds()
         if count:
-            log_transfer("Storing KV cache for", count, len(job.slots), job.request_id,
+            log_transfer("Storing KV cache for", count, job.num_tokens, job.request_id,
                          count * self.mover.kv.bytes_per_token(), job.seconds(),
                          ", layer by layer" if layerwise else "")
 

@@ -18,7 +18,7 @@ Launch = Callable[[torch.Tensor, torch.Tensor], None]  # (slots, chunk addresses
 
 
 class AddressedGather:
-    """Chunk c holds tokens [c * chunk_tokens, ...) of `slots` (only the last may be
+    """Chunk c holds tokens [c * chunk_tokens, ...) of `slots` ([T] or [G, T]; only the last may be
     short); its bytes go to addresses[c]. `launch(first, end)` queues chunks
     [first, end) on the current stream."""
 
@@ -28,4 +28,4 @@ class AddressedGather:
 
     def launch(self, first: int, end: int) -> None:
         c = self.chunk_tokens
-        self._kernel(self._slots[first * c : end * c], self._addresses[first:end])
+        self._kernel(self._slots[..., first * c : end * c], self._addresses[first:end])

@@ -18,7 +18,7 @@ SLOT_BLOCK = 1024  # slot-table words per program of host_words_kernel
 # unspecialized, so that the kernels compiled at the engine's start serve every request:
 # on an H100 inside vLLM a request's first store of two chunks took 249 ms, its first
 # partial load 134 ms, each compiling a variant (2026-11-26, serving workload).
-PER_REQUEST = ("slots", "chunk_ptrs", "T", "table", "out", "n", "src", "dst", "table_addr", "runs")
+PER_REQUEST = ("slots", "S", "chunk_ptrs", "T", "table", "out", "n", "src", "dst", "table_addr", "runs")
 
 
 def _jit(fn):
@@ -28,15 +28,19 @@ def _jit(fn):
 
 
 @triton.jit
-def token_addresses(layer0_ptr, layer_ptrs, chunk_ptrs, slots, T, C, s_k, s_b, s_n, BS, K: tl.constexpr):
+def token_addresses(layer0_ptr, layer_ptrs, slot_rows, chunk_ptrs, slots, S, T, C, s_k, s_b, s_n, BS,
+                    K: tl.constexpr):
     """Program (t, l*K + k) of the copy kernels: the page of token t's K-or-V k in layer l,
     its chunk's base address (int64), its row in the chunk (layer l, k, its place in the
-    chunk), and whether the token moves at all (slot -1: a token of a cut chunk that stays)."""
+    chunk), and whether the token moves at all (slot -1: a token of a cut chunk that stays,
+    or one whose page a sliding-window layer no longer keeps). Layer l's slots are row
+    slot_rows[l] of the slot table (vLLM's KV cache groups: each its own blocks), rows S
+    apart (0: one row for all layers)."""
     t = tl.program_id(0).to(tl.int64)
     lk = tl.program_id(1).to(tl.int64)
     layer = lk // K
     k = lk % K
-    slot = tl.load(slots + t).to(tl.int64)
+    slot = tl.load(slots + tl.load(slot_rows + layer).to(tl.int64) * S + t).to(tl.int64)
     here = slot >= 0
     slot = tl.maximum(slot, 0)
     c = t // C
@@ -51,8 +55,10 @@ def token_addresses(layer0_ptr, layer_ptrs, chunk_ptrs, slots, T, C, s_k, s_b, s
 def kv_copy_kernel(
     layer0_ptr,  # typed pointer to layer 0: gives the element type
     layer_ptrs,  # int64[L]: base address of each layer's canonical view
+    slot_rows,  # int32[L]: each layer's row of the slot table
     chunk_ptrs,  # int64[num_chunks]: base address of each chunk [L, K, n_c, H, D]
-    slots,  # int64[T]; -1: skip this token
+    slots,  # int64[rows, >= T]; -1: skip this token (in that row's layers)
+    S,  # elements between rows of `slots` (0: one row)
     T,
     C,  # full chunk size in tokens
     s_k,
@@ -66,7 +72,8 @@ def kv_copy_kernel(
     TO_CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    page, chunk, row, here = token_addresses(layer0_ptr, layer_ptrs, chunk_ptrs, slots, T, C, s_k, s_b, s_n, BS, K)
+    page, chunk, row, here = token_addresses(layer0_ptr, layer_ptrs, slot_rows, chunk_ptrs, slots, S, T, C, s_k, s_b,
+                                             s_n, BS, K)
     width = tl.where(here, W, 0)
     chunk = chunk.to(tl.pointer_type(layer0_ptr.dtype.element_ty)) + row * W
     for w0 in range(0, W, BLOCK):
@@ -81,7 +88,7 @@ def kv_copy_kernel(
 
 @_jit
 def kv_quant_copy_kernel(
-    layer0_ptr, layer_ptrs, chunk_ptrs, slots, T, C, s_k, s_b, s_n, s_h, BS,  # as in kv_copy_kernel
+    layer0_ptr, layer_ptrs, slot_rows, chunk_ptrs, slots, S, T, C, s_k, s_b, s_n, s_h, BS,  # as in kv_copy_kernel
     NH: tl.constexpr,
     D: tl.constexpr,
     NHP: tl.constexpr,  # NH and D rounded up to powers of two: the tile of one token's heads
@@ -93,7 +100,8 @@ def kv_quant_copy_kernel(
 ):
     """Program (t, l*K + k): token t's row of layer l, K-or-V k, in a quantized
     chunk (quant.py): NH*D one-byte values, then NH float32 scales."""
-    page, chunk, r, here = token_addresses(layer0_ptr, layer_ptrs, chunk_ptrs, slots, T, C, s_k, s_b, s_n, BS, K)
+    page, chunk, r, here = token_addresses(layer0_ptr, layer_ptrs, slot_rows, chunk_ptrs, slots, S, T, C, s_k, s_b,
+                                           s_n, BS, K)
     heads_here = tl.where(here, NH, 0)
     elem_ty = layer0_ptr.dtype.element_ty
     row = chunk.to(tl.pointer_type(tl.uint8)) + r * (NH * D + 4 * NH)

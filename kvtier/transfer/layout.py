@@ -34,6 +34,7 @@ A chunk in host memory is the contiguous tensor
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -132,6 +133,22 @@ class PagedKV:
 
     layout: str
     layers: tuple[Layer, ...]
+    # Layer i's row of a slot table: an engine whose layers keep their tokens in pages of
+    # their own (vLLM's KV cache groups with its hybrid allocator: sliding-window layers
+    # beside full-attention ones) hands the transfers one row of slots per group, [G, T].
+    # Empty: one group, slots [T].
+    slot_rows: tuple[int, ...] = ()
+
+    def grouped(self, rows: Sequence[int]) -> PagedKV:
+        """These layers with layer i's slots in row rows[i] of a [G, T] slot table."""
+        if len(rows) != self.num_layers or min(rows, default=0) < 0:
+            raise ValueError(f"{len(rows)} slot rows for {self.num_layers} layers")
+        return dataclasses.replace(self, slot_rows=tuple(int(r) for r in rows))
+
+    @property
+    def groups(self) -> int:
+        """Rows of a slot table: 1 unless `grouped`."""
+        return max(self.slot_rows, default=0) + 1
 
     @classmethod
     def wrap(cls, tensors: Sequence[torch.Tensor], layout: str, mla: bool = False) -> PagedKV:

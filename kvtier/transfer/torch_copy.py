@@ -25,13 +25,27 @@ class TorchTransfer:
         slots = slots.to(self.kv.device, non_blocking=True)
         return slots // self.kv.block_size, slots % self.kv.block_size
 
+    def _row(self, slots: torch.Tensor, layer: int) -> tuple[int, torch.Tensor]:
+        """Layer `layer`'s slots and their row: `slots` itself (row 0), or its row of a
+        grouped KV's [G, T] table."""
+        if slots.dim() == 1:
+            return 0, slots
+        row = self.kv.slot_rows[layer]
+        return row, slots[row]
+
     def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
                digests: None = None) -> None:
         """Copy the KV of `slots` into `chunks` ([L, K, T_i, H, D], in order), all layers or `layers`.
-        (KV digests are the Triton transfer's: `digests` must be None here.)"""
+        A token at slot -1 (grouped KV: a page its group no longer keeps) gets whatever
+        slot 0 holds: nothing reads it back there. (KV digests are the Triton transfer's:
+        `digests` must be None here.)"""
         _no_digests(digests)
-        block, offset = self._index(slots)
+        index = {}  # per row of a grouped KV's table
         for layer_idx in layers or range(self.kv.num_layers):
+            r, row = self._row(slots, layer_idx)
+            if r not in index:
+                index[r] = self._index(row.clamp(min=0))
+            block, offset = index[r]
             tokens = self.kv.read(layer_idx, block, offset)  # [K, T, H, D]
             start = 0
             for chunk in chunks:
@@ -55,9 +69,13 @@ class TorchTransfer:
         """Copy `chunks` back into the KV pages at `slots` (all layers, or `layers`); slot -1 is skipped.
         The copies are synchronous here, whatever `wait` says."""
         _no_digests(digests)
-        keep = None if bool((slots >= 0).all()) else (slots >= 0).nonzero().flatten()
-        block, offset = self._index(slots if keep is None else slots[keep])
+        index = {}  # per row of a grouped KV's table
         for layer_idx in layers or range(self.kv.num_layers):
+            r, row = self._row(slots, layer_idx)
+            if r not in index:
+                keep = None if bool((row >= 0).all()) else (row >= 0).nonzero().flatten()
+                index[r] = (keep, self._index(row if keep is None else row[keep]))
+            keep, (block, offset) = index[r]
             parts = [chunk[layer_idx] for chunk in chunks]
             tokens = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             if keep is not None:

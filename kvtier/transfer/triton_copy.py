@@ -79,9 +79,11 @@ class TritonTransfer:
         self._layer_ptrs = torch.tensor(
             [t.data_ptr() for t in kv.layers], dtype=torch.int64, device=kv.device
         )
+        # each layer's row of a [G, T] slot table (PagedKV.grouped; all 0 for one group)
+        self._slot_rows = torch.tensor(kv.slot_rows or [0] * kv.num_layers, dtype=torch.int32, device=kv.device)
         # Per-layer launches pass one of these; slicing anew per launch is host time
         # in front of a forward pass that is itself host-bound.
-        self._one_layer = [self._layer_ptrs[i : i + 1] for i in range(kv.num_layers)]
+        self._one_layer = [(self._layer_ptrs[i : i + 1], self._slot_rows[i : i + 1]) for i in range(kv.num_layers)]
         w = kv.heads * kv.head_size
         self._block = min(triton.next_power_of_2(w), 4096)
         on_cuda = kv.device.type == "cuda"
@@ -97,29 +99,33 @@ class TritonTransfer:
         """Device copies of the slot and address tables. On a GPU they go up
         from pinned memory: an upload from pageable memory would make the
         host wait for everything queued on the stream before it."""
-        slots = slots.to(torch.int64)
+        slots = slots.to(torch.int64).contiguous()  # [G, T]: a slice of a wider table is not
         if self.kv.device.type == "cuda":
             slots, ptrs = slots.pin_memory(), ptrs.pin_memory()
         return slots.to(self.kv.device, non_blocking=True), ptrs.to(self.kv.device, non_blocking=True)
 
     def _kernel(self, slots: torch.Tensor, ptrs: torch.Tensor, chunk_size: int, to_chunk: bool, layers: range) -> None:
-        """One launch over `layers`; ptrs[c] is where chunk c's first layer of `layers` is."""
+        """One launch over `layers`; ptrs[c] is where chunk c's first layer of `layers` is.
+        `slots`: [T], or [G, T] for grouped KV (any row stride: a slice of a wider table)."""
         kv = self.kv
-        total = slots.numel()
+        total = slots.shape[-1]
+        row_stride = slots.stride(0) if slots.dim() == 2 else 0
         s_k, s_b, s_n, s_h = self._strides
         grid = (total, len(layers) * kv.kv)
-        tables = self._one_layer[layers.start] if len(layers) == 1 else self._layer_ptrs[layers.start : layers.stop]
+        tables, rows = (self._one_layer[layers.start] if len(layers) == 1 else
+                        (self._layer_ptrs[layers.start : layers.stop], self._slot_rows[layers.start : layers.stop]))
         if self.quant is not None:
             q = self.quant
             kv_quant_copy_kernel[grid](
-                kv.layers[0], tables, ptrs, slots, total, chunk_size, s_k, s_b, s_n, s_h, kv.block_size,
+                kv.layers[0], tables, rows, ptrs, slots, row_stride, total, chunk_size, s_k, s_b, s_n, s_h,
+                kv.block_size,
                 NH=kv.heads, D=kv.head_size, NHP=triton.next_power_of_2(kv.heads),
                 DP=triton.next_power_of_2(kv.head_size), K=kv.kv, TO_CHUNK=to_chunk, FP8=q.name == "fp8",
                 QMAX=q.qmax,
             )
             return
         kv_copy_kernel[grid](
-            kv.layers[0], tables, ptrs, slots, total, chunk_size,
+            kv.layers[0], tables, rows, ptrs, slots, row_stride, total, chunk_size,
             s_k, s_b, s_n, s_h, kv.block_size, kv.heads * kv.head_size, kv.head_size,
             K=kv.kv, TO_CHUNK=to_chunk, BLOCK=self._block,
         )
@@ -176,8 +182,8 @@ class TritonTransfer:
             sums = self._digest_tables(staging.digest_tables(by_layer=False)) if digests is not None else None
             size = chunks[0].shape[2]
             for g, group in enumerate(staging.groups):
-                a, b = group.start * size, min(group.stop * size, slots.numel())
-                self._kernel(dev_slots[a:b], ptrs[group.start : group.stop], size, True, layers)
+                a, b = group.start * size, min(group.stop * size, slots.shape[-1])
+                self._kernel(dev_slots[..., a:b], ptrs[group.start : group.stop], size, True, layers)
                 if sums is not None:
                     sums.add(digests, chunks=group)
                 self._copies.wait_stream(self._stream)
@@ -266,8 +272,8 @@ class TritonTransfer:
                 self._stream.wait_event(event)
                 if upload.sums is not None:
                     upload.sums.add(digests, chunks=group)
-                a, b = group.start * size, min(group.stop * size, slots.numel())
-                self._kernel(dev_slots[a:b], upload.ptrs[group.start : group.stop], size, False, layers)
+                a, b = group.start * size, min(group.stop * size, slots.shape[-1])
+                self._kernel(dev_slots[..., a:b], upload.ptrs[group.start : group.stop], size, False, layers)
         current.wait_stream(self._stream)
         # The caller releases the host blocks once the copies out of them are done (the kernels
         # waited for them); staging and the pinned slot table live until then.
