@@ -36,6 +36,11 @@ class UnsupportedKVLayout(KvtierError, ValueError):
                          f"it maps {expected}")
 
 
+class UnsupportedModel(KvtierError, ValueError):
+    """A model whose cached state kvtier cannot store whole (e.g. Mamba layers' recurrent
+    state): it refuses at start rather than give a hit that is not the model's."""
+
+
 class HugePagesUnavailable(KvtierError, MemoryError):
     """The system has too few free 2 MiB huge pages for the CPU pool."""
 

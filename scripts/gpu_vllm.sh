@@ -4,7 +4,8 @@
 #   device run:  bash scripts/gpu_vllm.sh                 (results in $OUT, or results/gpu-vllm)
 #   STEPS="tests bench" SETUPS="plain kvtier" LENGTHS="16384" PAIRS=7 bash scripts/gpu_vllm.sh
 #   TAG=b STEPS=bench SETUPS=lmcache bash scripts/gpu_vllm.sh    (a second archive in the same call)
-# Steps: tests (GPU tests), guides (the guides' server workflows through real vLLM on the GPU:
+# Steps: tests (GPU tests), hma (a sliding-window model with vLLM's hybrid allocator: its test, and
+# cold/warm TTFT at 16k of an 8B-sized Gemma-3-style model), guides (the guides' server workflows through real vLLM on the GPU:
 # the InfiniStore guide's `vllm bench serve` twice, two instances sharing a store, 1P1D over
 # cuda_ipc through `kvtier proxy`), bench (query twice per setup: kvtier.bench.vllm), serving (the
 # multi-turn chat workload against vLLM's OpenAI server per offloader: kvtier.bench.serving; about
@@ -35,6 +36,15 @@ case " $steps " in *" tests "*)
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_transfer_cuda.py tests/test_vllm_layout.py tests/test_engine.py \
     tests/test_digest.py tests/test_hf_integration.py "tests/test_remote_tier.py::test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv" 2>&1 \
     > "$work/pytest.txt"; tail -5 "$work/pytest.txt" ;;
+esac
+case " $steps " in *" hma "*)
+# Hybrid models through vLLM's hybrid allocator: a tiny Gemma-3-style model's hit gives plain
+# vLLM's tokens; then an 8B-sized Gemma-3-style model (Llama-3.1-8B's KV a token) cold and warm.
+timeout ${HMA_TIMEOUT:-200} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_vllm_hma.py \
+    > "$work/hma-test.txt" 2>&1; echo "hma test exit $?"; tail -4 "$work/hma-test.txt"
+timeout ${HMA_BENCH_TIMEOUT:-300} python3 -m kvtier.bench.vllm --family gemma3 --setups ${SETUPS:-plain kvtier} \
+    --lengths ${LENGTHS:-16384} --pairs ${PAIRS:-5} --out "$work/hma-bench" --setup-timeout 280 > "$work/hma-bench.log" 2>&1
+echo "hma bench exit $?"; grep -E "^\[|tokens|hybrid KV cache|Traceback|Error" "$work/hma-bench.log" | tail -20 ;;
 esac
 case " $steps " in *" guides "*)
 timeout ${GUIDES_TIMEOUT:-540} python3 -m pytest -q -s -rfE --tb=short --timeout 300 -p no:cacheprovider \

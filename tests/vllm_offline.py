@@ -68,7 +68,7 @@ def hit_granularity() -> int:
 
 def run_vllm(model: Path, prompts: list[list[int]], tmp: Path, kv_role: str = "", env: dict | None = None,
              name: str = "", dtype: str = "auto", max_tokens: int = 8, by_name: bool = False, tp: int = 1,
-             engine_process: bool = False) -> tuple[list[dict], str]:
+             engine_process: bool = False, max_batched: int = 1024) -> tuple[list[dict], str]:
     """Run this file in a subprocess; returns the per-request results and vLLM's log.
 
     dtype "auto": the one models run in here (kvtier.dev.cpu_dtype.model_dtype). vLLM's
@@ -80,7 +80,7 @@ def run_vllm(model: Path, prompts: list[list[int]], tmp: Path, kv_role: str = ""
     pfile.write_text(json.dumps(prompts))
     cmd = [sys.executable, __file__, "--model", str(model), "--prompts", str(pfile), "--kv-role", kv_role,
            "--dtype", model_dtype().dtype if dtype == "auto" else dtype, "--max-tokens", str(max_tokens)]
-    cmd += (["--by-name"] if by_name else []) + ["--tp", str(tp)]
+    cmd += (["--by-name"] if by_name else []) + ["--tp", str(tp), "--max-batched", str(max_batched)]
     # Defaults under LMCACHE_ names: a test's own LMCACHE_ or KVTIER_ setting replaces or overrides them.
     full_env = {**os.environ, "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25",
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if engine_process else "0", **(env or {})}

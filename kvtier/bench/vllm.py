@@ -108,7 +108,7 @@ class _Run:
         self.timeline = Timeline()
         self.timeline.install()
         t0 = time.perf_counter()
-        self.llm = LLM(model=str(make_model(Path(args.model))), load_format="dummy", dtype="bfloat16",
+        self.llm = LLM(model=str(make_model(Path(args.model), args.family)), load_format="dummy", dtype="bfloat16",
                        skip_tokenizer_init=True, seed=0, max_model_len=max(args.lengths) + 64,
                        enable_prefix_caching=True, enforce_eager=args.eager, gpu_memory_utilization=args.gpu_util,
                        max_num_batched_tokens=args.batched, tensor_parallel_size=args.tp,
@@ -316,7 +316,9 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     p.add_argument("--pairs", type=int, default=7)
     p.add_argument("--check-tokens", type=int, default=16)
-    p.add_argument("--model", default="/tmp/kvtier-llama8b")
+    p.add_argument("--model", default="", help="the model's folder (made here; default /tmp/kvtier-<family>-8b)")
+    p.add_argument("--family", choices=("llama", "gemma3"), default="llama",
+                   help="llama: Llama-3.1-8B's shape; gemma3: the same KV, five of six layers sliding-window")
     p.add_argument("--out", default="results/gpu-vllm")
     p.add_argument("--cpu-gb", type=float, default=20.0, help="CPU memory each offloader gets (GB)")
     p.add_argument("--gpu-util", type=float, default=0.85)
@@ -331,6 +333,7 @@ def main() -> None:
     p.add_argument("--module-path", action=argparse.BooleanOptionalAction, default=False,
                    help="name kvtier's module in the config (default: by name, through vLLM's plugin)")
     args = p.parse_args()
+    args.model = args.model or f"/tmp/kvtier-{args.family}-8b"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.setup:
         run_setup(args)
@@ -349,7 +352,8 @@ def main() -> None:
 
 def _passthrough(args: argparse.Namespace) -> list[str]:
     out = ["--lengths", *map(str, args.lengths), "--pairs", str(args.pairs), "--check-tokens",
-           str(args.check_tokens), "--model", args.model, "--out", args.out, "--cpu-gb", str(args.cpu_gb),
+           str(args.check_tokens), "--model", args.model, "--family", args.family, "--out", args.out,
+           "--cpu-gb", str(args.cpu_gb),
            "--gpu-util", str(args.gpu_util), "--batched", str(args.batched), "--tp", str(args.tp)]
     out.append("--eager" if args.eager else "--no-eager")
     out += ["--profile"] if args.profile else []

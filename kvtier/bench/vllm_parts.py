@@ -16,9 +16,26 @@ LLAMA_8B = {
     "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "bos_token_id": 1, "eos_token_id": 2,
 }
-def make_model(path: Path) -> Path:
+# A Gemma-3-style model with the same KV per token as LLAMA_8B (32 layers, 8 KV heads of
+# 128): five of six layers attend to the last 1024 tokens only. With kvtier (SupportsHMA)
+# vLLM's hybrid allocator keeps those layers' tokens in blocks of their own.
+GEMMA3_8B = {
+    **{k: LLAMA_8B[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+                                "torch_dtype", "bos_token_id", "eos_token_id")},
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "sliding_window": 1024,
+    "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(32)],
+    "query_pre_attn_scalar": 128, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+    "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+    "tie_word_embeddings": True, "pad_token_id": 0,
+}
+MODELS = {"llama": LLAMA_8B, "gemma3": GEMMA3_8B}
+
+
+def make_model(path: Path, family: str = "llama") -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(LLAMA_8B))
+    (path / "config.json").write_text(json.dumps(MODELS[family]))
     return path
 
 

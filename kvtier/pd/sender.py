@@ -207,6 +207,10 @@ class PdSender:
                 self._push_staged(req.conn, rid, todo, slots, time.monotonic() + self.config.blocking_timeout_secs)
             ahead.clear()  # only the first reply may find the ring as gathered ahead
             req.moved += sum(s.num_tokens for s, _ in todo)
+        if ipc is not None and slots.dim() == 2:
+            # Grouped KV (vLLM's hybrid allocator): a sliding window's blocks may be handed to another
+            # request at the next step, whose forward would write them before queued gathers read them.
+            torch.cuda.current_stream(ipc.device).wait_stream(ipc.gather_stream)
         req.alloc_ms += alloc_s * 1e3
         req.write_ms += (time.perf_counter() - t0 - alloc_s) * 1e3
         sent = sum(s.num_tokens for s in spans)

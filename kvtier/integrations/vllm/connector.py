@@ -42,6 +42,15 @@ With `use_layerwise`, loads run layer by layer behind the forward
 (`wait_for_layer_load(layer)` waits only for that layer), and saves too:
 `save_kv_layer(layer)` starts moving the layer to the host while later
 layers compute. Disaggregated prefill: pd.py.
+
+Hybrid models (`SupportsHMA`): vLLM's hybrid allocator gives sliding-window
+layers blocks of their own (a KV cache group), freed as the window passes. A
+chunk still holds every layer's KV for its tokens; each layer moves at its
+group's slots, and tokens whose page a group no longer keeps (vLLM's null
+block) are skipped there. What a sliding layer's stored chunk lacks (tokens
+its window had passed before the chunk was saved) no hit at or after the
+chunk's end reads. Groups that hold no attention KV (Mamba) are refused at
+start (layout.py's `group_rows`).
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
 
 from kvtier.integrations.vllm.metrics import KvtierPromMetrics, KvtierStats
 from kvtier.integrations.vllm.scheduler import SchedulerSide
@@ -69,7 +78,7 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
-class KvtierConnector(KVConnectorBase_V1):
+class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = config = connector_config(vllm_config)
@@ -116,6 +125,12 @@ class KvtierConnector(KVConnectorBase_V1):
         self.scheduler.request_finished(request)
         return False, None
 
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid allocator (SupportsHMA): the same, its blocks given per KV cache group."""
+        self.scheduler.request_finished(request)
+        return False, None
+
     def reset_cache(self) -> bool:
         return self.scheduler.reset_cache()
 
@@ -128,7 +143,7 @@ class KvtierConnector(KVConnectorBase_V1):
     # -- worker side (worker.py) -----------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker.register_kv_caches(self._vllm_config, kv_caches)
+        self.worker.register_kv_caches(self._vllm_config, kv_caches, self._kv_cache_config)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._meta())

@@ -35,7 +35,7 @@ class RequestState:
     """Scheduler-side state of one request."""
 
     prompt: list[int]
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved_upto: int = 0
     load: tuple[int, int, bool] | None = None  # tokens [start, end) to load next step, in the background?
     pd_target: Target | None = None  # PD sender: where this request's KV goes
@@ -92,7 +92,7 @@ class SchedulerSide:
             state.load = (end - num_external_tokens, end, background)
             state.pd_req_id = self.pd.proxy_id(rid)
             if background:  # not scheduled this step: the blocks to load into are known only here
-                state.block_ids = list(blocks.get_block_ids()[0])
+                state.block_ids = [list(ids) for ids in blocks.get_block_ids()]
                 self._async_loads.append(rid)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
@@ -107,7 +107,7 @@ class SchedulerSide:
             if not new.prompt_token_ids:
                 continue
             state = self._requests.setdefault(new.req_id, RequestState(list(new.prompt_token_ids)))
-            state.block_ids = list(new.block_ids[0])
+            state.block_ids = [list(ids) for ids in new.block_ids]
             if state.pd_target is None:
                 state.pd_target = self.pd.target(new.req_id)
             self._plan(meta, new.req_id, state, new.num_computed_tokens + sched.get(new.req_id, 0))
@@ -119,9 +119,13 @@ class SchedulerSide:
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 # Preempted and resumed: its blocks are new, and its KV must be recomputed.
-                state.block_ids = list(new_blocks[0]) if new_blocks else []
+                state.block_ids = [list(ids) for ids in new_blocks] if new_blocks else []
             elif new_blocks:
-                state.block_ids.extend(new_blocks[0])
+                # A sliding window's group does not say which of its blocks it freed since: their
+                # ids stay here. A later save reads them only for tokens no hit ever needs from that
+                # group (before the step's window; spec.py's TransferSpec.slots).
+                for ids, more in zip(state.block_ids, new_blocks):
+                    ids.extend(more)
             self._plan(meta, req_id, state, cached.num_computed_tokens[i] + sched.get(req_id, 0))
         for req_id in scheduler_output.preempted_req_ids or ():  # their pages are free now
             state = self._requests.get(req_id)
@@ -133,7 +137,8 @@ class SchedulerSide:
 
     def _plan_load(self, meta: KvtierMetadata, req_id: str, state: RequestState) -> None:
         start, end, background = state.load
-        meta.loads.append(TransferSpec(req_id, state.prompt, list(state.block_ids), start, end, background,
+        meta.loads.append(TransferSpec(req_id, state.prompt, [list(ids) for ids in state.block_ids], start, end,
+                                       background,
                                        pd_req_id=state.pd_req_id))
         state.load = None
         self._held.discard(req_id)  # the worker's retrieve ends the hold

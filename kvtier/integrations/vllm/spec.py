@@ -31,7 +31,7 @@ class TransferSpec:
 
     req_id: str
     token_ids: list[int]  # the prompt up to `end` or beyond (for keys)
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group (one unless vLLM's hybrid allocator makes several)
     start: int
     end: int
     background: bool = False  # load asynchronously (chunks below CPU RAM)
@@ -40,10 +40,21 @@ class TransferSpec:
     pd_req_id: str = ""  # load: the proxy's id of this request; its PD chunks are freed once loaded
 
     def slots(self, block_size: int) -> torch.Tensor:
-        n = self.end
-        blocks = torch.tensor(self.block_ids[: -(-n // block_size)], dtype=torch.int64)
-        offsets = torch.arange(block_size, dtype=torch.int64)
-        return (blocks[:, None] * block_size + offsets[None, :]).flatten()[:n]
+        """The slots of tokens [0, end): [T] for one KV cache group, else [G, T], a row per
+        group, -1 where the group holds vLLM's null block (block 0: a sliding window's
+        tokens it no longer keeps; kvtier neither reads nor writes them there)."""
+        n, offsets = self.end, torch.arange(block_size, dtype=torch.int64)
+        rows = [(torch.tensor(ids[: -(-n // block_size)], dtype=torch.int64)[:, None] * block_size
+                 + offsets[None, :]).flatten()[:n] for ids in self.block_ids]
+        if len(rows) <= 1:
+            return rows[0] if rows else torch.empty(0, dtype=torch.int64)
+        table = torch.stack(rows)
+        table[table < block_size] = -1
+        return table
+
+    def blocks_of(self, first: int, last: int) -> set[int]:
+        """Every group's blocks [first, last] (vLLM's null block left out)."""
+        return {b for ids in self.block_ids for b in ids[first : last + 1] if b or len(self.block_ids) == 1}
 
 
 @dataclass

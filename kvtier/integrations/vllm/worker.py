@@ -22,7 +22,7 @@ from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine, Loading, Storing
 from kvtier.errors import ConfigError, UnsupportedKVLayout
 from kvtier.integrations.vllm.events import KvtierKVEvents, to_vllm
-from kvtier.integrations.vllm.layout import vllm_kv
+from kvtier.integrations.vllm.layout import group_rows, vllm_kv
 from kvtier.integrations.vllm.lookup import Handlers, LookupServer, socket_path
 from kvtier.integrations.vllm.metrics import KvtierStats, deltas
 from kvtier.integrations.vllm.pd import WorkerPd
@@ -55,7 +55,8 @@ class WorkerSide:
         self._step_wait = 0.0  # s this step has spent in kvtier so far (besides the forward)
         self._longest = {"longest_step_wait_seconds": 0.0, "longest_background_load_seconds": 0.0}
 
-    def register_kv_caches(self, vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor],
+                           kv_cache_config: object = None) -> None:
         from vllm.distributed.parallel_state import (
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
@@ -67,6 +68,11 @@ class WorkerSide:
         vkv = vllm_kv(vllm_config, kv_caches, names)
         if vkv.whole_blocks != self.shape.whole_blocks:  # the scheduler rounded hits by what it expected
             raise UnsupportedKVLayout(vkv.backend, f"layout {vkv.kv.layout}", "what the scheduler expected")
+        kv, rows = vkv.kv, group_rows(kv_cache_config, names)
+        if rows is not None:  # vLLM's hybrid allocator: each group's layers keep tokens in blocks of their own
+            kv = kv.grouped(rows)
+            log.info("vLLM's hybrid KV cache manager: %d KV cache groups (%s); each layer's KV moves at its "
+                     "group's blocks", kv.groups, ", ".join(f"{rows.count(g)} layers" for g in range(kv.groups)))
         rank = get_tensor_model_parallel_rank()
         size, heads = get_tensor_model_parallel_world_size(), vllm_config.model_config.get_total_num_kv_heads()
         if self.config.share_across_tp and not vllm_config.model_config.use_mla and size > heads:
@@ -74,7 +80,7 @@ class WorkerSide:
                               "so vLLM replicates them and no rank holds a slice of the heads")
         fmt = KVFormat(model=vllm_config.model_config.model, layout=vkv.chunk_layout,
                        dtype=str(vkv.kv.dtype).removeprefix("torch."), tp_rank=rank, tp_size=size)
-        self.engine = self.pd.make_engine(vkv.kv, fmt, rank)
+        self.engine = self.pd.make_engine(kv, fmt, rank)
         # On a GPU a step's KV goes to the host layer by layer as the forward writes it, also
         # where loads are whole: a whole store's copy after the forward made cold TTFT +5.3 %
         # (16k) and +6.2 % (32k) over plain vLLM, storing layer by layer -0.6 % and +2.1 %
@@ -134,7 +140,7 @@ class WorkerSide:
         if loaded_end < spec.end:
             self._failed_tokens += spec.end - loaded_end
             first, last = loaded_end // self.shape.block_size, (spec.end - 1) // self.shape.block_size
-            self._load_errors.update(spec.block_ids[first : last + 1])
+            self._load_errors.update(spec.blocks_of(first, last))
             log.warning("request %s: %d of %d tokens could not be loaded (evicted, corrupt or unreachable); "
                         "vLLM recomputes them", spec.req_id, spec.end - loaded_end, spec.end - spec.start)
 

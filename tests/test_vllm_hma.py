@@ -1,0 +1,52 @@
+"""Hybrid models through vLLM's hybrid KV cache manager, on a GPU (vLLM's CPU build has
+none): kvtier says `SupportsHMA`, so vLLM keeps the sliding-window layers' tokens in blocks
+of their own, freed as the window passes, and hands kvtier one block table per group.
+
+A tiny Gemma-3-style model (five of six layers attend to the last 128 tokens, less than a
+chunk), its prompt prefilled 192 tokens a step so that windows pass between steps: a hit
+loaded from kvtier's CPU tier must give plain vLLM's tokens, and a control prompt whose
+last loaded chunk differs must not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm_offline import run_vllm
+
+from kvtier.dev.demo import HIT_LINE
+from kvtier.dev.tinymodel import TinyGemma3, corpus_text, make_tiny_gemma3
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's hybrid allocator runs on a GPU")]
+DTYPE = "bfloat16"
+BATCHED = 192  # tokens a prefill step: the sliding window (128) passes between steps
+GROUPS_LINE = "vLLM's hybrid KV cache manager: "
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    return make_tiny_gemma3(tmp_path_factory.mktemp("model") / "tiny-gemma3")
+
+
+@pytest.fixture(scope="module")
+def prompt(gemma3):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gemma3)).encode(corpus_text())[10000:11000]
+
+
+def test_a_sliding_window_model_with_the_hybrid_allocator_loads_hits_and_gives_plain_vllms_tokens(
+        gemma3, prompt, tmp_path):
+    spec = TinyGemma3()
+    other = prompt[:640] + [(t * 7 + 3) % spec.vocab_size for t in prompt[640:768]] + prompt[768:]
+    (plain, control), _ = run_vllm(gemma3, [prompt, other], tmp_path, dtype=DTYPE, name="plain",
+                                   max_batched=BATCHED)
+    assert plain["token_ids"] != control["token_ids"]  # the last loaded chunk matters
+    env = {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": "1"}
+    (cold, warm), log = run_vllm(gemma3, [prompt, prompt], tmp_path, "kv_both", env, name="hma", dtype=DTYPE,
+                                 max_batched=BATCHED)
+    groups = [line for line in log.splitlines() if GROUPS_LINE in line]
+    assert groups and "KV cache groups" in groups[0], log[-3000:]
+    assert [tuple(map(int, m.groups())) for m in HIT_LINE.finditer(log)] == [(1000, 0, 0), (1000, 768, 768)]
+    assert cold["token_ids"] == warm["token_ids"] == plain["token_ids"]
+    assert max(abs(x - y) for x, y in zip(warm["logprobs"], plain["logprobs"])) < 0.05
