@@ -341,7 +341,7 @@ def test_a_request_of_any_size_runs_the_kernels_compiled_at_start():
     base = torch.zeros(64, dtype=torch.int64)
     tensors = [base, base[1:], base[2:]]  # aligned to 16 bytes, 8, 16
     addresses = [base.data_ptr() + 8 * i for i in range(4)]
-    samples = {"T": counts, "n": counts, "runs": counts, "slots": tensors, "chunk_ptrs": tensors,
+    samples = {"T": counts, "S": [0, *counts], "n": counts, "runs": counts, "slots": tensors, "chunk_ptrs": tensors,
                "table": tensors, "out": tensors, "dst": tensors, "src": addresses, "table_addr": addresses}
     checked = 0
     for kernel in (kernels.kv_copy_kernel, kernels.kv_quant_copy_kernel, kernels.digest_kernel,
@@ -352,4 +352,4 @@ def test_a_request_of_any_size_runs_the_kernels_compiled_at_start():
                                                not p.do_not_specialize_on_alignment) for v in samples[p.name]}
                 assert len(keys) == 1, f"{kernel.fn.__name__}({p.name}) specializes: {keys}"
                 checked += 1
-    assert checked == 14
+    assert checked == 16

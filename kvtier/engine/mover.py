@@ -130,7 +130,8 @@ class Mover:
             return
         try:
             view = self.view(block.data, chunk_size)
-            nothing = torch.full((chunk_size,), -1, dtype=torch.int64)
+            groups = self.kv.groups  # a grouped KV's kernels are their own variant
+            nothing = torch.full((groups, chunk_size) if groups > 1 else (chunk_size,), -1, dtype=torch.int64)
             with self._lock:
                 t = self.transfer
                 t.gather(nothing, [view], digests=self.digest_sums(1))

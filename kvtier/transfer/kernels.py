@@ -29,18 +29,22 @@ def _jit(fn):
 
 @triton.jit
 def token_addresses(layer0_ptr, layer_ptrs, slot_rows, chunk_ptrs, slots, S, T, C, s_k, s_b, s_n, BS,
-                    K: tl.constexpr):
+                    K: tl.constexpr, GROUPED: tl.constexpr):
     """Program (t, l*K + k) of the copy kernels: the page of token t's K-or-V k in layer l,
     its chunk's base address (int64), its row in the chunk (layer l, k, its place in the
     chunk), and whether the token moves at all (slot -1: a token of a cut chunk that stays,
     or one whose page a sliding-window layer no longer keeps). Layer l's slots are row
     slot_rows[l] of the slot table (vLLM's KV cache groups: each its own blocks), rows S
-    apart (0: one row for all layers)."""
+    apart. Without GROUPED (one row) the row is not read: a load that waits on another
+    load costs every program its latency."""
     t = tl.program_id(0).to(tl.int64)
     lk = tl.program_id(1).to(tl.int64)
     layer = lk // K
     k = lk % K
-    slot = tl.load(slots + tl.load(slot_rows + layer).to(tl.int64) * S + t).to(tl.int64)
+    if GROUPED:
+        slot = tl.load(slots + tl.load(slot_rows + layer).to(tl.int64) * S + t).to(tl.int64)
+    else:
+        slot = tl.load(slots + t).to(tl.int64)
     here = slot >= 0
     slot = tl.maximum(slot, 0)
     c = t // C
@@ -71,9 +75,10 @@ def kv_copy_kernel(
     K: tl.constexpr,
     TO_CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
+    GROUPED: tl.constexpr,  # slots has a row per KV cache group (slot_rows read); else one row
 ):
     page, chunk, row, here = token_addresses(layer0_ptr, layer_ptrs, slot_rows, chunk_ptrs, slots, S, T, C, s_k, s_b,
-                                             s_n, BS, K)
+                                             s_n, BS, K, GROUPED)
     width = tl.where(here, W, 0)
     chunk = chunk.to(tl.pointer_type(layer0_ptr.dtype.element_ty)) + row * W
     for w0 in range(0, W, BLOCK):
@@ -97,11 +102,12 @@ def kv_quant_copy_kernel(
     TO_CHUNK: tl.constexpr,  # True: quantize page -> chunk row; False: dequantize chunk row -> page
     FP8: tl.constexpr,
     QMAX: tl.constexpr,
+    GROUPED: tl.constexpr,
 ):
     """Program (t, l*K + k): token t's row of layer l, K-or-V k, in a quantized
     chunk (quant.py): NH*D one-byte values, then NH float32 scales."""
     page, chunk, r, here = token_addresses(layer0_ptr, layer_ptrs, slot_rows, chunk_ptrs, slots, S, T, C, s_k, s_b,
-                                           s_n, BS, K)
+                                           s_n, BS, K, GROUPED)
     heads_here = tl.where(here, NH, 0)
     elem_ty = layer0_ptr.dtype.element_ty
     row = chunk.to(tl.pointer_type(tl.uint8)) + r * (NH * D + 4 * NH)

@@ -121,13 +121,13 @@ class TritonTransfer:
                 kv.block_size,
                 NH=kv.heads, D=kv.head_size, NHP=triton.next_power_of_2(kv.heads),
                 DP=triton.next_power_of_2(kv.head_size), K=kv.kv, TO_CHUNK=to_chunk, FP8=q.name == "fp8",
-                QMAX=q.qmax,
+                QMAX=q.qmax, GROUPED=slots.dim() == 2,
             )
             return
         kv_copy_kernel[grid](
             kv.layers[0], tables, rows, ptrs, slots, row_stride, total, chunk_size,
             s_k, s_b, s_n, s_h, kv.block_size, kv.heads * kv.head_size, kv.head_size,
-            K=kv.kv, TO_CHUNK=to_chunk, BLOCK=self._block,
+            K=kv.kv, TO_CHUNK=to_chunk, BLOCK=self._block, GROUPED=slots.dim() == 2,
         )
 
     def _host_ptrs(self, chunks: Sequence[torch.Tensor], layers: range) -> torch.Tensor:
