@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.dev.localservers import kvtier_server, mooncake_store, redis_cluster, redis_server
-from kvtier.dev.tinymodel import make_tiny_llama
+from kvtier.dev.tinymodel import corpus_text, make_tiny_gemma3, make_tiny_llama
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -18,6 +18,20 @@ def vllm_sockets_in_a_temp_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def gemma3(tmp_path_factory) -> Path:
+    """A tiny Gemma-3-style model: five of six layers attend to the last 128 tokens."""
+    return make_tiny_gemma3(tmp_path_factory.mktemp("model") / "tiny-gemma3")
+
+
+@pytest.fixture(scope="session")
+def gemma3_prompt(gemma3) -> list[int]:
+    """1000 tokens of the local corpus, in the tiny Gemma-3's tokens."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gemma3)).encode(corpus_text())[10000:11000]
 
 
 @pytest.fixture(scope="module")

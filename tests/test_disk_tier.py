@@ -179,17 +179,20 @@ FAULTS = textwrap.dedent("""
     from kvtier.tiers.disk import DiskTier
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     root, mode = sys.argv[1], sys.argv[2]
+    RETRY = 3.0
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", root], check=True)
     fmt = KVFormat("m", "flash_attn", "bfloat16")
     ks = [s.key for s in chunk_spans(np.arange(16 * 40), fmt, 16, False)]
     data = memoryview(np.full(300_000, 3, np.uint8))
     # It believes it has 1 GiB; the file system has 1 MiB.
-    t = DiskTier(root, 1 << 30, Codec(), retry_s=0.5)
+    # retry_s: long enough that the 38 writes below end before one is tried again, also on a
+    # loaded 2-core host (0.5 s was not: a retry came within them and CI saw the tier writable)
+    t = DiskTier(root, 1 << 30, Codec(), retry_s=RETRY)
     assert t.put(ks[:2], [(data, 16)] * 2)
     if mode == "readonly":
         t.close()
         subprocess.run(["mount", "-o", "remount,ro", root], check=True)
-        t = DiskTier(root, 1 << 30, Codec(), retry_s=0.5)
+        t = DiskTier(root, 1 << 30, Codec(), retry_s=RETRY)
     if mode == "readonly-live":  # under the running tier: it holds no file open for writing
         subprocess.run(["mount", "-o", "remount,ro", root], check=True)
         # A hit read before any write fails is still a hit (its mtime cannot be touched).
@@ -203,7 +206,7 @@ FAULTS = textwrap.dedent("""
     if mode != "full":
         subprocess.run(["mount", "-o", "remount,rw", root], check=True)
     before = t.put(ks[38:39], [(data, 16)])  # within retry_s of the last failure: not tried
-    time.sleep(0.6)
+    time.sleep(RETRY + 0.1)
     print("AGAIN", before, t.put(ks[39:40], [(data, 16)]), t.writable)
 """)
 

@@ -14,7 +14,7 @@ import torch
 from vllm_offline import run_vllm
 
 from kvtier.dev.demo import HIT_LINE
-from kvtier.dev.tinymodel import TinyGemma3, corpus_text, make_tiny_gemma3
+from kvtier.dev.tinymodel import TinyGemma3
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's hybrid allocator runs on a GPU")]
@@ -23,21 +23,9 @@ BATCHED = 192  # tokens a prefill step: the sliding window (128) passes between 
 GROUPS_LINE = "vLLM's hybrid KV cache manager: "
 
 
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory):
-    return make_tiny_gemma3(tmp_path_factory.mktemp("model") / "tiny-gemma3")
-
-
-@pytest.fixture(scope="module")
-def prompt(gemma3):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(gemma3)).encode(corpus_text())[10000:11000]
-
-
 def test_a_sliding_window_model_with_the_hybrid_allocator_loads_hits_and_gives_plain_vllms_tokens(
-        gemma3, prompt, tmp_path):
-    spec = TinyGemma3()
+        gemma3, gemma3_prompt, tmp_path):
+    spec, prompt = TinyGemma3(), gemma3_prompt
     other = prompt[:640] + [(t * 7 + 3) % spec.vocab_size for t in prompt[640:768]] + prompt[768:]
     (plain, control), _ = run_vllm(gemma3, [prompt, other], tmp_path, dtype=DTYPE, name="plain",
                                    max_batched=BATCHED)

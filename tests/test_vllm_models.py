@@ -14,7 +14,7 @@ import pytest
 from vllm_offline import run_vllm
 
 from kvtier.dev.demo import HIT_LINE
-from kvtier.dev.tinymodel import TinyGemma3, corpus_text, make_tiny_gemma3
+from kvtier.dev.tinymodel import TinyGemma3
 from kvtier.keys import KVFormat, chunk_spans
 from kvtier.tiers.disk import file_name
 
@@ -22,24 +22,13 @@ pytestmark = pytest.mark.vllm
 DTYPE = "float32"
 
 
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory):
-    return make_tiny_gemma3(tmp_path_factory.mktemp("model") / "tiny-gemma3")
-
-
-@pytest.fixture(scope="module")
-def prompt(gemma3):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(gemma3)).encode(corpus_text())[10000:11000]
-
-
 def hits(log: str) -> list[tuple[int, int, int]]:
     return [tuple(map(int, m.groups())) for m in HIT_LINE.finditer(log)]
 
 
-def test_a_sliding_window_model_loads_every_layers_kv_and_gives_plain_vllms_tokens(gemma3, prompt, tmp_path):
-    spec = TinyGemma3()
+def test_a_sliding_window_model_loads_every_layers_kv_and_gives_plain_vllms_tokens(gemma3, gemma3_prompt,
+                                                                                   tmp_path):
+    spec, prompt = TinyGemma3(), gemma3_prompt
     assert len(prompt) == 1000 > 4 * spec.sliding_window
     # The control: other tokens in the last chunk a hit loads (640..767) change the output.
     other = prompt[:640] + [(t * 7 + 3) % spec.vocab_size for t in prompt[640:768]] + prompt[768:]
