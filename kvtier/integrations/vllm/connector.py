@@ -127,9 +127,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM's hybrid allocator (SupportsHMA): the same, its blocks given per KV cache group."""
-        self.scheduler.request_finished(request)
-        return False, None
+        """vLLM's hybrid allocator (SupportsHMA): `request_finished`, its blocks given per KV cache group."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def reset_cache(self) -> bool:
         return self.scheduler.reset_cache()

@@ -37,6 +37,7 @@ from kvtier.transfer.layout import BLOCKS, HEAD, HEADS, KV, KV_HEAD, TOKENS, Dim
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = get_logger(__name__)
 
@@ -236,14 +237,14 @@ def _describe(dims: Dims) -> str:
     return "[" + ", ".join(short.get(d, d) for d in dims) + "]"
 
 
-def group_rows(kv_cache_config: Any, names: list[str]) -> list[int] | None:
+def group_rows(kv_cache_config: KVCacheConfig | None, names: list[str]) -> list[int] | None:
     """The KV cache group of each of `names` (its row of the [G, T] slot tables,
     `PagedKV.grouped`), or None for one group. vLLM's hybrid allocator (on, since the
     connector says `SupportsHMA`) gives sliding-window layers blocks of their own beside
     the full-attention layers'. Groups that hold no attention KV (Mamba, linear
     attention: a recurrent state) are refused: kvtier does not store that state, and a
     hit without it would not be the model's."""
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
     if len(groups) <= 1:
         return None
     from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs

@@ -33,6 +33,7 @@ from kvtier.tiers.base import Tier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = get_logger(__name__)
 
@@ -56,7 +57,7 @@ class WorkerSide:
         self._longest = {"longest_step_wait_seconds": 0.0, "longest_background_load_seconds": 0.0}
 
     def register_kv_caches(self, vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor],
-                           kv_cache_config: object = None) -> None:
+                           kv_cache_config: KVCacheConfig | None = None) -> None:
         from vllm.distributed.parallel_state import (
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
