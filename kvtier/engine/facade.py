@@ -9,6 +9,8 @@
     prefetch(tokens)         disk and remote chunks of that prefix up into CPU RAM (prefetch.py)
     retrieve(tokens, slots)  keys → pinned, lent or fetched chunks → scatter KV → verify →
                              release, batch by batch (loading.py)
+    save_state / load_state  a hybrid model's recurrent state at a chunk's end (states.py);
+                             with it, `find` ends a hit only where such a snapshot is
 
 `tokens` are a prompt's token ids from its first token; `slots` are the
 paged-cache slot of each of those tokens (block_id * block_size + offset).
@@ -32,8 +34,9 @@ from kvtier.engine.loading import Loading, LoadPath
 from kvtier.engine.mover import Tokens, as_numpy
 from kvtier.engine.prefetch import Prefetcher
 from kvtier.engine.records import ChunkEvent
+from kvtier.engine.states import StateLayers, StateLoad, StatePath
 from kvtier.engine.storing import Storing, StorePath
-from kvtier.keys import ChunkSpan, KVFormat
+from kvtier.keys import ChunkKey, ChunkSpan, KVFormat
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
 from kvtier.tiers.base import CPU
@@ -53,9 +56,11 @@ class Hit:
 
 class CacheEngine:
     def __init__(self, config: KvtierConfig, kv: PagedKV, fmt: KVFormat, *, transfer: str = "auto",
-                 cpu: CpuTier | None = None) -> None:
+                 cpu: CpuTier | None = None, states: StateLayers | None = None) -> None:
         """`cpu`: a CPU tier to use instead of a new pool of `max_local_cpu_size` (a PD
-        receiver's buffer: the chunks senders commit there are this engine's hits)."""
+        receiver's buffer: the chunks senders commit there are this engine's hits).
+        `states`: the recurrent layers of a hybrid model (Mamba), whose state at a hit's
+        end must load with its KV (states.py)."""
         parts = build(config, kv, fmt, transfer, cpu)
         self.config, self.kv, self.chunk_size = config, kv, config.chunk_size
         self.quant, self.fmt, self.mover = parts.quant, parts.fmt, parts.mover
@@ -68,6 +73,7 @@ class CacheEngine:
                                  enabled=config.local_cpu or bool(self.tiers.lower))
         self.loading = LoadPath(self.tiers, self.mover, self.holds, self.ahead, self.prefetcher, self.stats,
                                 self._spans.spans)
+        self.states = None if states is None else StatePath(states, self.tiers, self.pool.block_bytes)
         if kv.device.type == "cuda" and self.pool.device.type == "cpu":  # host chunks, staged over PCIe
             self.mover.warm_up(self.pool, self.chunk_size)
         if not self.tiers.keep_cpu and not self.tiers.lower and not config.enable_pd:
@@ -101,16 +107,28 @@ class CacheEngine:
         """Number of leading tokens whose KV is stored in some tier (a chunk boundary)."""
         return self.find(tokens).tokens
 
-    def find(self, tokens: Tokens, *, hold_for: str = "") -> Hit:
-        """The longest stored prefix. With `hold_for` (a request id) its chunks are
-        held for that request until its retrieve (kvtier/tiers/holds.py)."""
+    def find(self, tokens: Tokens, *, hold_for: str = "", limit: int | None = None) -> Hit:
+        """The longest stored prefix (of at most `limit` tokens where a recurrent state must
+        come with it). With `hold_for` (a request id) its chunks are held for that request
+        until its retrieve (kvtier/tiers/holds.py)."""
         spans = self.spans(tokens, hold_for)
         keys = [s.key for s in spans]
         where = self.tiers.locate(keys)
         in_cpu = next((i for i, w in enumerate(where) if w != CPU), len(where))
+        n, state_keys, state_where = len(where), [], []
+        if self.states is not None:  # the hit ends at the last chunk whose end has a snapshot
+            cap = len(tokens) if limit is None else limit
+            n = next((i + 1 for i in range(len(where) - 1, -1, -1) if spans[i].end <= cap
+                      and spans[i].num_tokens == self.chunk_size and self.states.present([keys[i]])[0]), 0)
+            if n:
+                state_keys = self.states.keys(keys[n - 1])
+                state_where = self.tiers.locate(state_keys)
+                if any(w != CPU for w in state_where):
+                    in_cpu = 0  # the snapshot comes from below: load in the background
+            in_cpu = min(in_cpu, n)
         if hold_for:
-            self.holds.take(hold_for, keys[: len(where)], where)
-        return Hit(spans[len(where) - 1].end if where else 0, spans[in_cpu - 1].end if in_cpu else 0)
+            self.holds.take(hold_for, keys[:n] + state_keys, where[:n] + state_where)
+        return Hit(spans[n - 1].end if n else 0, spans[in_cpu - 1].end if in_cpu else 0)
 
     def release_hold(self, request_id: str) -> None:
         """The request will not load what it looked up (finished, aborted)."""
@@ -207,6 +225,31 @@ class CacheEngine:
         """
         slots = self._check(tokens, slots, exact=False)
         return self.loading.start(Job(as_numpy(tokens), slots, start, request_id), layerwise)
+
+    def save_state(self, tokens: Tokens, blocks: list[int], *, request_id: str = "") -> bool:
+        """Snapshot each recurrent layer's state block `blocks[l]`, the state after the last of
+        `tokens` (a whole chunk's end), queued after the caller's stream. False: not stored."""
+        key = self._key_ending(tokens, request_id)
+        return key is not None and self._states().save(key, blocks)
+
+    def load_state(self, tokens: Tokens, blocks: list[int], *, request_id: str = "") -> StateLoad | None:
+        """The snapshot taken after the last of `tokens` into each recurrent layer's block
+        `blocks[l]`, queued on the caller's stream; `finish()` the result once the forward
+        that reads it is queued. None: not stored (or unreadable), nothing written."""
+        key = self._key_ending(tokens, request_id)
+        return None if key is None else self._states().load(key, blocks)
+
+    def _states(self) -> StatePath:
+        if self.states is None:
+            raise RuntimeError("this engine was built without recurrent layers (CacheEngine(states=...))")
+        return self.states
+
+    def _key_ending(self, tokens: Tokens, request_id: str) -> ChunkKey | None:
+        """The key of the whole chunk that ends with the last of `tokens`, or None."""
+        spans = self.spans(tokens, request_id)
+        last = spans[-1] if spans else None
+        ok = last is not None and last.end == len(tokens) and last.num_tokens == self.chunk_size
+        return last.key if ok else None
 
     def metrics(self) -> dict[str, float]:
         """A snapshot of the engine's counters (cumulative) and gauges; a per-tier
