@@ -5,7 +5,8 @@
 #   STEPS="tests bench" SETUPS="plain kvtier" LENGTHS="16384" PAIRS=7 bash scripts/gpu_vllm.sh
 #   TAG=b STEPS=bench SETUPS=lmcache bash scripts/gpu_vllm.sh    (a second archive in the same call)
 # Steps: tests (GPU tests), hma (a sliding-window model with vLLM's hybrid allocator: its test, and
-# cold/warm TTFT at 16k of an 8B-sized Gemma-3-style model), guides (the guides' server workflows through real vLLM on the GPU:
+# cold/warm TTFT at 16k of an 8B-sized Gemma-3-style model), mamba (the same for a Mamba hybrid,
+# Nemotron-H-style, and a mutant of the state load the test must catch), guides (the guides' server workflows through real vLLM on the GPU:
 # the InfiniStore guide's `vllm bench serve` twice, two instances sharing a store, 1P1D over
 # cuda_ipc through `kvtier proxy`), bench (query twice per setup: kvtier.bench.vllm), serving (the
 # multi-turn chat workload against vLLM's OpenAI server per offloader: kvtier.bench.serving; about
@@ -45,6 +46,22 @@ timeout ${HMA_TIMEOUT:-200} python3 -m pytest -q -rfE --tb=short -p no:cacheprov
 timeout ${HMA_BENCH_TIMEOUT:-300} python3 -m kvtier.bench.vllm --family gemma3 --setups ${SETUPS:-plain kvtier} \
     --lengths ${LENGTHS:-16384} --pairs ${PAIRS:-5} --out "$work/hma-bench" --setup-timeout 280 > "$work/hma-bench.log" 2>&1
 echo "hma bench exit $?"; grep -E "^\[|tokens|hybrid KV cache|Traceback|Error" "$work/hma-bench.log" | tail -20 ;;
+esac
+case " $steps " in *" mamba "*)
+# A Mamba hybrid (vLLM's --mamba-cache-mode align): a tiny Nemotron-H's hits, with the Mamba state
+# kvtier stored, give plain vLLM's tokens; the same test on a copy of the tree whose state load
+# writes nothing must fail (the test sees a wrong state); then an 8B-sized Nemotron-H cold and warm.
+timeout ${MAMBA_TIMEOUT:-240} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_vllm_mamba.py \
+    tests/test_vllm_groups.py tests/test_states.py > "$work/mamba-test.txt" 2>&1; echo "mamba test exit $?"
+tail -4 "$work/mamba-test.txt"
+rm -rf /tmp/mutant && mkdir /tmp/mutant && cp -r kvtier tests /tmp/mutant/
+sed -i 's/        _copy(self._runs, src, dst, into_pieces=False)/        pass/' /tmp/mutant/kvtier/engine/states.py
+(cd /tmp/mutant && PYTHONPATH=/tmp/mutant:/tmp/site:/tmp/kvtier-dist timeout ${MAMBA_TIMEOUT:-240} python3 -m pytest -q \
+    --tb=line -p no:cacheprovider tests/test_vllm_mamba.py > "$work/mamba-mutant.txt" 2>&1
+ echo "mamba mutant exit $? (1: the test caught it)"); tail -3 "$work/mamba-mutant.txt"
+timeout ${MAMBA_BENCH_TIMEOUT:-300} python3 -m kvtier.bench.vllm --family nemotron_h --setups ${SETUPS:-plain kvtier} \
+    --lengths ${LENGTHS:-16384} --pairs ${PAIRS:-5} --out "$work/mamba-bench" --setup-timeout 280 > "$work/mamba-bench.log" 2>&1
+echo "mamba bench exit $?"; grep -E "^\[|tokens|hybrid KV cache|chunk_size|Traceback|Error" "$work/mamba-bench.log" | tail -20 ;;
 esac
 case " $steps " in *" guides "*)
 timeout ${GUIDES_TIMEOUT:-540} python3 -m pytest -q -s -rfE --tb=short --timeout 300 -p no:cacheprovider \

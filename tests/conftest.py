@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.dev.localservers import kvtier_server, mooncake_store, redis_cluster, redis_server
-from kvtier.dev.tinymodel import corpus_text, make_tiny_gemma3, make_tiny_llama
+from kvtier.dev.tinymodel import corpus_text, make_tiny_gemma3, make_tiny_llama, make_tiny_nemotron_h
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -32,6 +32,12 @@ def gemma3_prompt(gemma3) -> list[int]:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(gemma3)).encode(corpus_text())[10000:11000]
+
+
+@pytest.fixture(scope="session")
+def nemotron_h(tmp_path_factory) -> Path:
+    """A tiny Nemotron-H-style hybrid: four Mamba-2 layers, two attention layers, four MLPs."""
+    return make_tiny_nemotron_h(tmp_path_factory.mktemp("model") / "tiny-nemotron-h")
 
 
 @pytest.fixture(scope="module")

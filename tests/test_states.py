@@ -85,3 +85,18 @@ def test_states_go_to_disk_and_come_back_from_it(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(state(raw, 9), want))
     eng.release_hold("r")
     eng.close()
+
+
+def test_a_cpu_only_hit_needs_its_snapshot_in_cpu_ram_and_a_prefetch_brings_it_up(tmp_path):
+    """vLLM's hybrid allocator cannot take a failed load back (it would recompute): such a
+    hit is promised only from CPU RAM, and what lies below comes up for the next request."""
+    eng, _, raw = make(tmp_path)
+    toks = list(range(48))
+    eng.store(toks, torch.arange(48))
+    eng.save_state(toks[:32], [5, 5])
+    assert eng.flush(10)
+    eng.tiers.cpu.clear()
+    assert eng.find(toks).tokens == 32 and eng.find(toks, cpu_only=True).tokens == 0
+    eng.start_prefetch(toks, "").result()
+    assert eng.find(toks, cpu_only=True).tokens == 32
+    eng.close()

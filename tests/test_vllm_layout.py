@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 import torch
 
-from kvtier.errors import UnsupportedKVLayout, UnsupportedModel
+from kvtier.errors import UnsupportedKVLayout
 from kvtier.integrations.vllm.layout import LayerSpec, map_layout
 from kvtier.transfer.torch_copy import TorchTransfer
 
@@ -157,47 +157,6 @@ def test_mla_one_latent_vector_per_token():
     kv = map_layout(mla, spec, "auto", layers)
     assert (kv.kv, kv.heads, kv.head_size) == (1, 1, 576)
     assert torch.equal(kv.layers[1][0, 2, 5, 0], layers[1][2, 5])
-
-
-def kv_cache_config(*groups):
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
-
-    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in groups])
-
-
-def attention(window=None, block_size=16):
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-
-    if window is None:
-        return FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    return SlidingWindowSpec(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
-                             sliding_window=window)
-
-
-def test_vllms_kv_cache_groups_give_each_layer_its_row_of_the_slot_table():
-    """vLLM's hybrid allocator (kvtier says SupportsHMA): a Gemma-3-style model's sliding
-    layers in groups of their own; each layer's row is its group's."""
-    from kvtier.integrations.vllm.layout import group_rows
-
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
-    assert group_rows(kv_cache_config((names, attention())), names) is None  # one group: slots [T]
-    two = kv_cache_config(([names[3]], attention()), (names[:3], attention(128)))
-    assert group_rows(two, names) == [1, 1, 1, 0]
-    with pytest.raises(UnsupportedModel, match="block sizes"):
-        group_rows(kv_cache_config(([names[3]], attention()), (names[:3], attention(128, 32))), names)
-
-
-def test_a_model_with_mamba_layers_is_refused_at_start_naming_the_reason():
-    """kvtier stores attention KV, not a Mamba layer's recurrent state: a hit without it would
-    not be the model's, so such a model is refused where vLLM's hybrid allocator shows it."""
-    from vllm.v1.kv_cache_interface import MambaSpec
-
-    from kvtier.integrations.vllm.layout import group_rows
-
-    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
-    with pytest.raises(UnsupportedModel, match="Mamba or linear-attention state"):
-        group_rows(kv_cache_config((["a"], attention()), (["m"], mamba)), ["a"])
 
 
 def test_a_sliding_window_groups_null_blocks_are_slots_kvtier_skips():

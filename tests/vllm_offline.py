@@ -24,6 +24,9 @@ def main() -> None:
     p.add_argument("--dtype", required=True, help="bfloat16 | float32 (see kvtier.dev.cpu_dtype)")
     p.add_argument("--by-name", action="store_true", help="no kv_connector_module_path: vLLM's plugin finds it")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (a worker process per rank)")
+    p.add_argument("--mamba-align", action="store_true",
+                   help="vLLM's prefix caching on, Mamba state kept at block ends (a hybrid model's only mode "
+                        "kvtier serves); a FORGET between prompts clears vLLM's own cache")
     args = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.tp > 1:  # one core per rank
@@ -37,16 +40,20 @@ def main() -> None:
     if args.kv_role:
         kv = KVTransferConfig(kv_connector="KvtierConnector", kv_role=args.kv_role,
                               kv_connector_module_path=None if args.by_name else "kvtier.integrations.vllm")
+    mamba = {"mamba_cache_mode": "align"} if args.mamba_align else {}
     llm = LLM(model=args.model, seed=0, max_model_len=8192, dtype=args.dtype,
-              enable_prefix_caching=False, max_num_batched_tokens=args.max_batched,
+              enable_prefix_caching=args.mamba_align, max_num_batched_tokens=args.max_batched,
               enforce_eager=True, kv_transfer_config=kv, tensor_parallel_size=args.tp,
-              distributed_executor_backend="mp" if args.tp > 1 else None)
+              distributed_executor_backend="mp" if args.tp > 1 else None, **mamba)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=0, ignore_eos=True)
     with open(args.prompts) as f:
         prompts = json.load(f)
     for ids in prompts:  # one at a time: the second sees the first's stored KV
         if ids == "RESET":  # vLLM's reset_prefix_cache, the connector's caches included
             print("RESULT " + json.dumps({"reset": llm.reset_prefix_cache(reset_connector=True)}), flush=True)
+            continue
+        if ids == "FORGET":  # vLLM's own prefix cache only: a hit after it comes from the connector
+            print("RESULT " + json.dumps({"reset": llm.reset_prefix_cache()}), flush=True)
             continue
         out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0]
         logprobs = [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
@@ -68,7 +75,8 @@ def hit_granularity() -> int:
 
 def run_vllm(model: Path, prompts: list[list[int]], tmp: Path, kv_role: str = "", env: dict | None = None,
              name: str = "", dtype: str = "auto", max_tokens: int = 8, by_name: bool = False, tp: int = 1,
-             engine_process: bool = False, max_batched: int = 1024) -> tuple[list[dict], str]:
+             engine_process: bool = False, max_batched: int = 1024, mamba_align: bool = False
+             ) -> tuple[list[dict], str]:
     """Run this file in a subprocess; returns the per-request results and vLLM's log.
 
     dtype "auto": the one models run in here (kvtier.dev.cpu_dtype.model_dtype). vLLM's
@@ -81,6 +89,7 @@ def run_vllm(model: Path, prompts: list[list[int]], tmp: Path, kv_role: str = ""
     cmd = [sys.executable, __file__, "--model", str(model), "--prompts", str(pfile), "--kv-role", kv_role,
            "--dtype", model_dtype().dtype if dtype == "auto" else dtype, "--max-tokens", str(max_tokens)]
     cmd += (["--by-name"] if by_name else []) + ["--tp", str(tp), "--max-batched", str(max_batched)]
+    cmd += ["--mamba-align"] if mamba_align else []
     # Defaults under LMCACHE_ names: a test's own LMCACHE_ or KVTIER_ setting replaces or overrides them.
     full_env = {**os.environ, "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25",
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if engine_process else "0", **(env or {})}

@@ -112,6 +112,7 @@ class _Run:
                        skip_tokenizer_init=True, seed=0, max_model_len=max(args.lengths) + 64,
                        enable_prefix_caching=True, enforce_eager=args.eager, gpu_memory_utilization=args.gpu_util,
                        max_num_batched_tokens=args.batched, tensor_parallel_size=args.tp,
+                       **({"mamba_cache_mode": "align"} if args.family == "nemotron_h" else {}),
                        **_offloader(args, setup))
         start_s = time.perf_counter() - t0
         self.timer = ForwardTimer()
@@ -317,8 +318,9 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=7)
     p.add_argument("--check-tokens", type=int, default=16)
     p.add_argument("--model", default="", help="the model's folder (made here; default /tmp/kvtier-<family>-8b)")
-    p.add_argument("--family", choices=("llama", "gemma3"), default="llama",
-                   help="llama: Llama-3.1-8B's shape; gemma3: the same KV, five of six layers sliding-window")
+    p.add_argument("--family", choices=("llama", "gemma3", "nemotron_h"), default="llama",
+                   help="llama: Llama-3.1-8B's shape; gemma3: the same KV, five of six layers sliding-window; "
+                        "nemotron_h: Nemotron-H-8B's, Mamba-2 layers and four attention layers")
     p.add_argument("--out", default="results/gpu-vllm")
     p.add_argument("--cpu-gb", type=float, default=20.0, help="CPU memory each offloader gets (GB)")
     p.add_argument("--gpu-util", type=float, default=0.85)

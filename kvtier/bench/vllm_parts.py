@@ -30,7 +30,19 @@ GEMMA3_8B = {
                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
     "tie_word_embeddings": True, "pad_token_id": 0,
 }
-MODELS = {"llama": LLAMA_8B, "gemma3": GEMMA3_8B}
+# Nemotron-H-8B's shape: 24 Mamba-2 layers, 4 attention layers (KV 16 KiB a token), 24 MLPs.
+# With kvtier (SupportsHMA, --mamba-cache-mode align) vLLM keeps each Mamba layer's state
+# at prefill steps' block ends, and kvtier stores it beside the chunk ending there.
+NEMOTRON_H_8B = {
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 4096,
+    "intermediate_size": 21504, "num_hidden_layers": 52,
+    "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "mamba_num_heads": 128,
+    "mamba_head_dim": 64, "mamba_n_groups": 8, "ssm_state_size": 128, "mamba_d_conv": 4, "mamba_chunk_size": 128,
+    "vocab_size": 131072, "max_position_embeddings": 131072, "mlp_hidden_act": "relu2", "layer_norm_epsilon": 1e-5,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}
+MODELS = {"llama": LLAMA_8B, "gemma3": GEMMA3_8B, "nemotron_h": NEMOTRON_H_8B}
 
 
 def make_model(path: Path, family: str = "llama") -> Path:
@@ -40,14 +52,20 @@ def make_model(path: Path, family: str = "llama") -> Path:
 
 
 def seed_weights(model) -> int:
-    """vLLM's dummy weights replaced, on the GPU, by N(0, 0.02) linear weights and unit norms."""
+    """vLLM's dummy weights replaced, on the GPU, by N(0, 0.02) linear weights and unit norms;
+    a Mamba layer's decay A = -(1..heads) and its step dt = 0.01 (a unit A would grow its state
+    without bound)."""
     import torch
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     n = 0
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
-            if p.dim() == 1:
+            if name.endswith(".A"):
+                p.copy_(-torch.arange(1, p.numel() + 1, device=p.device, dtype=torch.float32).view(p.shape))
+            elif name.endswith(".dt_bias"):
+                p.fill_(-4.6)  # softplus(-4.6) = 0.01
+            elif p.dim() == 1:
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * 0.02)

@@ -1,5 +1,6 @@
-"""Small model directories made locally, for tests and the demo: a Llama, and a
-Gemma-3-style model whose layers mostly attend within a sliding window.
+"""Small model directories made locally, for tests and the demo: a Llama, a
+Gemma-3-style model whose layers mostly attend within a sliding window, and a
+Nemotron-H-style hybrid whose layers are mostly Mamba-2.
 
 Nothing is downloaded: the tokenizer is a byte-level BPE trained here on
 text from Python's own standard library, and the weights are random,
@@ -167,6 +168,92 @@ def make_tiny_gemma3(path: str | Path, spec: TinyGemma3 = TinyGemma3()) -> Path:
     _write_weights(path, spec, "bfloat16", lm_head=False, norm=0.0, head_norms=True,
                    layer_norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                                 "post_feedforward_layernorm"))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+@dataclass(frozen=True)
+class TinyNemotronH:
+    """Nemotron-H, small: Mamba-2 layers (M), attention (*) and MLPs (-) in `pattern`."""
+
+    hidden_size: int = 512
+    intermediate_size: int = 1408
+    pattern: str = "M-M*-M-M*-"
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    mamba_num_heads: int = 16
+    mamba_head_dim: int = 32
+    mamba_n_groups: int = 1
+    ssm_state_size: int = 64
+    mamba_d_conv: int = 4
+    vocab_size: int = 4096
+    max_position_embeddings: int = 16384
+
+
+def make_tiny_nemotron_h(path: str | Path, spec: TinyNemotronH = TinyNemotronH()) -> Path:
+    """Config, tokenizer and seeded weights of a NemotronHForCausalLM (idempotent). Linear
+    weights N(0, 0.02), norms 1; the Mamba layers as Mamba-2 initialises them (A = 1..heads,
+    D = 1, dt in [1e-3, 0.1], the convolution U(-1/sqrt(width), 1/sqrt(width)))."""
+    import math
+
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    vocab = _new_model_dir(path, spec.vocab_size)
+    if vocab is None:
+        return path
+    gen = torch.Generator().manual_seed(0)
+    h, hd, heads = spec.hidden_size, spec.head_dim, spec.mamba_num_heads
+    inner = heads * spec.mamba_head_dim
+    conv_dim = inner + 2 * spec.mamba_n_groups * spec.ssm_state_size
+
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    def uniform(lo: float, hi: float, *shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=gen) * (hi - lo) + lo
+
+    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
+    weights = {"backbone.embeddings.weight": normal(spec.vocab_size, h), "backbone.norm_f.weight": ones(h),
+               "lm_head.weight": normal(spec.vocab_size, h)}
+    for i, kind in enumerate(spec.pattern):
+        pre = f"backbone.layers.{i}."
+        weights[pre + "norm.weight"] = ones(h)
+        if kind == "M":
+            dt = torch.exp(uniform(math.log(1e-3), math.log(0.1), heads))
+            bound = 1 / math.sqrt(spec.mamba_d_conv)
+            weights.update({
+                pre + "mixer.in_proj.weight": normal(inner + conv_dim + heads, h),
+                pre + "mixer.conv1d.weight": uniform(-bound, bound, conv_dim, 1, spec.mamba_d_conv).to(torch.bfloat16),
+                pre + "mixer.conv1d.bias": uniform(-bound, bound, conv_dim).to(torch.bfloat16),
+                pre + "mixer.A_log": torch.log(torch.arange(1, heads + 1, dtype=torch.float32)),
+                pre + "mixer.D": torch.ones(heads),
+                pre + "mixer.dt_bias": dt + torch.log(-torch.expm1(-dt)),  # softplus(dt_bias) = dt
+                pre + "mixer.norm.weight": ones(inner),
+                pre + "mixer.out_proj.weight": normal(h, inner),
+            })
+        elif kind == "*":
+            q, kv = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
+            weights.update({pre + "mixer.q_proj.weight": normal(q, h), pre + "mixer.k_proj.weight": normal(kv, h),
+                            pre + "mixer.v_proj.weight": normal(kv, h), pre + "mixer.o_proj.weight": normal(h, q)})
+        else:
+            weights.update({pre + "mixer.up_proj.weight": normal(spec.intermediate_size, h),
+                            pre + "mixer.down_proj.weight": normal(h, spec.intermediate_size)})
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+        "hidden_size": h, "intermediate_size": spec.intermediate_size, "num_hidden_layers": len(spec.pattern),
+        "hybrid_override_pattern": spec.pattern, "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads, "head_dim": hd, "mamba_num_heads": heads,
+        "mamba_head_dim": spec.mamba_head_dim, "mamba_n_groups": spec.mamba_n_groups,
+        "ssm_state_size": spec.ssm_state_size, "mamba_d_conv": spec.mamba_d_conv, "mamba_chunk_size": 128,
+        "vocab_size": spec.vocab_size, "max_position_embeddings": spec.max_position_embeddings,
+        "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "bos_token_id": vocab["<s>"], "eos_token_id": vocab["</s>"], "pad_token_id": vocab["<unk>"],
+    }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 

@@ -107,28 +107,39 @@ class CacheEngine:
         """Number of leading tokens whose KV is stored in some tier (a chunk boundary)."""
         return self.find(tokens).tokens
 
-    def find(self, tokens: Tokens, *, hold_for: str = "", limit: int | None = None) -> Hit:
-        """The longest stored prefix (of at most `limit` tokens where a recurrent state must
-        come with it). With `hold_for` (a request id) its chunks are held for that request
-        until its retrieve (kvtier/tiers/holds.py)."""
+    def find(self, tokens: Tokens, *, hold_for: str = "", limit: int | None = None, cpu_only: bool = False) -> Hit:
+        """The longest stored prefix; with `cpu_only`, the longest all in CPU RAM (where a
+        load must not fail). With recurrent layers (states.py), the longest of at most `limit`
+        tokens that ends where a state snapshot is. With `hold_for` (a request id) its chunks
+        are held for that request until its retrieve (kvtier/tiers/holds.py)."""
         spans = self.spans(tokens, hold_for)
         keys = [s.key for s in spans]
         where = self.tiers.locate(keys)
         in_cpu = next((i for i, w in enumerate(where) if w != CPU), len(where))
+        if cpu_only:
+            where = where[:in_cpu]
         n, state_keys, state_where = len(where), [], []
-        if self.states is not None:  # the hit ends at the last chunk whose end has a snapshot
-            cap = len(tokens) if limit is None else limit
-            n = next((i + 1 for i in range(len(where) - 1, -1, -1) if spans[i].end <= cap
-                      and spans[i].num_tokens == self.chunk_size and self.states.present([keys[i]])[0]), 0)
-            if n:
-                state_keys = self.states.keys(keys[n - 1])
-                state_where = self.tiers.locate(state_keys)
-                if any(w != CPU for w in state_where):
-                    in_cpu = 0  # the snapshot comes from below: load in the background
-            in_cpu = min(in_cpu, n)
+        if self.states is not None:
+            n, state_keys, state_where = self._state_point(spans, where, len(tokens) if limit is None else limit,
+                                                           cpu_only)
+            in_cpu = 0 if any(w != CPU for w in state_where) else min(in_cpu, n)  # a snapshot below: in the background
         if hold_for:
             self.holds.take(hold_for, keys[:n] + state_keys, where[:n] + state_where)
         return Hit(spans[n - 1].end if n else 0, spans[in_cpu - 1].end if in_cpu else 0)
+
+    def _state_point(self, spans: list[ChunkSpan], where: list[str], limit: int, cpu_only: bool
+                     ) -> tuple[int, list[ChunkKey], list[str]]:
+        """The chunks of the longest stored prefix of at most `limit` tokens whose end has a
+        snapshot (every piece in some tier, or in CPU RAM), with its pieces' keys and tiers."""
+        assert self.states is not None
+        for i in range(len(where) - 1, -1, -1):
+            if spans[i].end > limit or spans[i].num_tokens != self.chunk_size:
+                continue
+            keys = self.states.keys(spans[i].key)
+            found = self.tiers.locate(keys)
+            if len(found) == len(keys) and not (cpu_only and any(w != CPU for w in found)):
+                return i + 1, keys, found
+        return 0, [], []
 
     def release_hold(self, request_id: str) -> None:
         """The request will not load what it looked up (finished, aborted)."""
@@ -148,8 +159,13 @@ class CacheEngine:
         return self.prefetcher.run(self.spans(tokens, request_id), request_id)
 
     def start_prefetch(self, tokens: Tokens, request_id: str) -> Future:
-        """`prefetch` in the background; that request's retrieve waits for it first."""
-        return self.prefetcher.start(self.spans(tokens, request_id), request_id)
+        """`prefetch` in the background; that request's retrieve waits for it first. With
+        recurrent layers, the pieces of the longest prefix's state snapshot come up too."""
+        spans = self.spans(tokens, request_id)
+        if self.states is not None:
+            n, keys, _ = self._state_point(spans, self.tiers.locate([s.key for s in spans]), len(tokens), False)
+            spans = spans[:n] + [ChunkSpan(k, 0, self.states.piece_tokens) for k in keys]
+        return self.prefetcher.start(spans, request_id)
 
     # -- store -----------------------------------------------------------------
 

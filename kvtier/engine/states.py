@@ -8,7 +8,6 @@ state after token e-1 too, so on such a model a hit ends where a snapshot is.
 
     save(chunk_key, blocks)  each layer's state block, device -> pool blocks ("pieces",
                              keyed from the key of the chunk ending there) -> the tiers
-    present(chunk_keys)      which of those chunk ends have every piece in some tier
     load(chunk_key, blocks)  the pieces from whichever tier holds them -> the layers' blocks
 
 The pieces are pool blocks like chunks: they go to disk and the remote store,
@@ -89,10 +88,6 @@ class StatePath:
         return [ChunkKey(chunk_key.fmt, hashlib.blake2b(b"kvtier-state/%d/" % i + chunk_key.digest,
                                                          digest_size=16).digest())
                 for i in range(self.num_pieces)]
-
-    def present(self, chunk_keys: Sequence[ChunkKey]) -> list[bool]:
-        """Per chunk key: whether its snapshot has every piece in some tier."""
-        return [len(self.tiers.locate(ks)) == len(ks) for ks in map(self.keys, chunk_keys)]
 
     def save(self, chunk_key: ChunkKey, blocks: Sequence[int]) -> bool:
         """Store each layer's state block `blocks[l]` as the snapshot of `chunk_key`'s end.

@@ -43,14 +43,20 @@ With `use_layerwise`, loads run layer by layer behind the forward
 `save_kv_layer(layer)` starts moving the layer to the host while later
 layers compute. Disaggregated prefill: pd.py.
 
-Hybrid models (`SupportsHMA`): vLLM's hybrid allocator gives sliding-window
-layers blocks of their own (a KV cache group), freed as the window passes. A
-chunk still holds every layer's KV for its tokens; each layer moves at its
-group's slots, and tokens whose page a group no longer keeps (vLLM's null
-block) are skipped there. What a sliding layer's stored chunk lacks (tokens
-its window had passed before the chunk was saved) no hit at or after the
-chunk's end reads. Groups that hold no attention KV (Mamba) are refused at
-start (layout.py's `group_rows`).
+Hybrid models (`SupportsHMA`, groups.py): vLLM's hybrid allocator gives
+sliding-window layers blocks of their own (a KV cache group), freed as the
+window passes. A chunk still holds every layer's KV for its tokens; each
+layer moves at its group's slots, and tokens whose page a group no longer
+keeps (vLLM's null block) are skipped there. What a sliding layer's stored
+chunk lacks (tokens its window had passed before the chunk was saved) no hit
+at or after the chunk's end reads. Mamba layers (vLLM's
+`--mamba-cache-mode align`) keep a state at each prefill step's end, on a
+block end: where a save ends there, the state is stored beside the chunk
+(engine/states.py), and a hit ends only where one is. vLLM (0.26 to 0.32)
+cannot take a failed load back on a model with several groups (its
+recompute path reads one block table), so there a hit is promised only from
+CPU RAM, where its blocks are held; what lies below comes up for the next
+request.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
 
+from kvtier.integrations.vllm.groups import kv_groups
 from kvtier.integrations.vllm.metrics import KvtierPromMetrics, KvtierStats
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.spec import KvtierMetadata, config_with_extra, connector_config, shape_of
@@ -81,7 +88,9 @@ log = get_logger(__name__)
 class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self.config = config = connector_config(vllm_config)
+        groups = kv_groups(kv_cache_config)
+        config = connector_config(vllm_config)
+        self.config = config = config if groups is None else groups.chunk_size(config)
         kv_cfg = vllm_config.kv_transfer_config
         can_load = kv_cfg.kv_role in ("kv_both", "kv_consumer")
         shape = shape_of(config, vllm_config)
@@ -90,14 +99,14 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(config, shape, kv_cfg.engine_id,
                                            vllm_config.parallel_config.tensor_parallel_size,
-                                           can_load, kv_cfg.kv_role in ("kv_both", "kv_producer"))
+                                           can_load, kv_cfg.kv_role in ("kv_both", "kv_producer"), groups)
             if kv_cfg.kv_load_failure_policy != "recompute":
                 # Read by vLLM's scheduler right after it builds this connector.
                 log.info("kvtier sets kv_load_failure_policy %r -> 'recompute': KV that cannot be loaded "
                          "is recomputed; a cache miss never fails a request", kv_cfg.kv_load_failure_policy)
                 kv_cfg.kv_load_failure_policy = "recompute"
         else:
-            self.worker = WorkerSide(config, shape, kv_cfg.engine_id, can_load)
+            self.worker = WorkerSide(config, shape, kv_cfg.engine_id, can_load, groups)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -142,7 +151,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side (worker.py) -----------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker.register_kv_caches(self._vllm_config, kv_caches, self._kv_cache_config)
+        self.worker.register_kv_caches(self._vllm_config, kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._meta())

@@ -31,13 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.errors import UnsupportedKVLayout, UnsupportedModel
+from kvtier.errors import UnsupportedKVLayout
 from kvtier.logs import get_logger
 from kvtier.transfer.layout import BLOCKS, HEAD, HEADS, KV, KV_HEAD, TOKENS, Dims, PagedKV
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = get_logger(__name__)
 
@@ -235,36 +234,3 @@ def _layer_spec(vllm_config: VllmConfig, layer: Any) -> LayerSpec:
 def _describe(dims: Dims) -> str:
     short = {BLOCKS: "NB", TOKENS: "BS", HEADS: "NH", HEAD: "HS", KV: "2", KV_HEAD: "2*HS"}
     return "[" + ", ".join(short.get(d, d) for d in dims) + "]"
-
-
-def group_rows(kv_cache_config: KVCacheConfig | None, names: list[str]) -> list[int] | None:
-    """The KV cache group of each of `names` (its row of the [G, T] slot tables,
-    `PagedKV.grouped`), or None for one group. vLLM's hybrid allocator (on, since the
-    connector says `SupportsHMA`) gives sliding-window layers blocks of their own beside
-    the full-attention layers'. Groups that hold no attention KV (Mamba, linear
-    attention: a recurrent state) are refused: kvtier does not store that state, and a
-    hit without it would not be the model's."""
-    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
-    if len(groups) <= 1:
-        return None
-    from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
-
-    of: dict[str, int] = {}
-    sizes = set()
-    for g, group in enumerate(groups):
-        spec = group.kv_cache_spec
-        specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
-        if not all(isinstance(s, AttentionSpec) for s in specs):
-            raise UnsupportedModel(
-                f"KV cache group {g} ({type(spec).__name__}, layers {', '.join(group.layer_names[:3])}"
-                f"{'...' if len(group.layer_names) > 3 else ''}) holds no attention KV: kvtier stores attention KV "
-                "only, not Mamba or linear-attention state, so it cannot serve this model; run it without "
-                "kvtier's connector")
-        sizes.add(spec.block_size)
-        of.update(dict.fromkeys(group.layer_names, g))
-    missing = [n for n in names if n not in of]
-    if missing or len(sizes) > 1:
-        found = f"layers {', '.join(missing[:3])} in none" if missing else f"block sizes {sorted(sizes)} differ"
-        raise UnsupportedModel(f"vLLM's KV cache groups: {found}; kvtier needs every KV layer in a group, "
-                               "all of one block size")
-    return [of[n] for n in names]

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
+from kvtier.engine.states import StateLayers
 from kvtier.integrations.vllm.spec import TransferSpec
 from kvtier.keys import KVFormat
 from kvtier.logs import get_logger
@@ -86,15 +87,16 @@ class WorkerPd:
         self._receiver: PdReceiver | None = None
         self.sender: PdSender | None = None
 
-    def make_engine(self, kv: PagedKV, fmt: KVFormat, rank: int) -> CacheEngine:
-        """The worker's engine; a receiver's CPU tier is its PD buffer."""
+    def make_engine(self, kv: PagedKV, fmt: KVFormat, rank: int, states: StateLayers | None = None) -> CacheEngine:
+        """The worker's engine (with a hybrid model's Mamba layers, `states`); a receiver's
+        CPU tier is its PD buffer."""
         c = self.config
         if c.enable_pd and c.pd_role == "receiver":
             self.buffer = make_buffer(c, kv, fmt)
             engine = CacheEngine(c, kv, fmt, cpu=self.buffer.tier)
             self._receiver = start_receiver(c, self.buffer, rank)
         else:
-            engine = CacheEngine(c, kv, fmt)
+            engine = CacheEngine(c, kv, fmt, states=states)
         if c.enable_pd and c.pd_role == "sender":
             self.sender = PdSender(engine, c, rank)
         return engine

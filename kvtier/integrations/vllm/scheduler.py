@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from kvtier.config import KvtierConfig
 from kvtier.integrations.vllm.events import KvtierKVEvents
+from kvtier.integrations.vllm.groups import KvGroups
 from kvtier.integrations.vllm.lookup import LookupClient, socket_path
 from kvtier.integrations.vllm.metrics import KvtierStats
 from kvtier.integrations.vllm.pd import SchedulerPd
@@ -44,8 +45,9 @@ class RequestState:
 
 class SchedulerSide:
     def __init__(self, config: KvtierConfig, shape: Shape, engine_id: str, tp_size: int,
-                 can_load: bool, can_save: bool) -> None:
+                 can_load: bool, can_save: bool, groups: KvGroups | None = None) -> None:
         self.config, self.shape, self.can_load, self.can_save = config, shape, can_load, can_save
+        self.state_every = groups.block_size if groups is not None and groups.has_state else 0
         addresses = [socket_path(engine_id, r) for r in range(tp_size)]
         self.lookup = LookupClient(addresses, config.lookup_timeout_ms / 1000)
         self.pd = SchedulerPd(config)
@@ -158,8 +160,12 @@ class SchedulerSide:
         if end != len(state.prompt):
             end -= end % self.shape.chunk_size  # mid-prompt or decoding: whole chunks only
         if end > state.saved_upto:
+            # A Mamba state is kept where a prefill step ends on a block end (vLLM's align mode).
+            keeps_state = self.state_every and end == computed_after_step and end % self.state_every == 0 \
+                and end <= len(state.prompt)
             meta.saves.append(TransferSpec(req_id, tokens[:end], state.block_ids, state.saved_upto, end,
-                                           pd_target=state.pd_target, last=end == len(state.prompt)))
+                                           pd_target=state.pd_target, last=end == len(state.prompt),
+                                           state=bool(keeps_state)))
             state.saved_upto = end
 
     def request_finished(self, request: Request) -> None:

@@ -4,7 +4,7 @@ metadata the scheduler sends the workers each step, and the rule for a usable hi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -37,15 +37,18 @@ class TransferSpec:
     background: bool = False  # load asynchronously (chunks below CPU RAM)
     pd_target: Target | None = None  # save: push these chunks to a decoder (PD sender)
     last: bool = False  # save: the prompt's last chunk is in this one
+    state: bool = False  # save: the step ended at `end`, on a block end: a hybrid model's Mamba state is kept there
     pd_req_id: str = ""  # load: the proxy's id of this request; its PD chunks are freed once loaded
 
-    def slots(self, block_size: int) -> torch.Tensor:
-        """The slots of tokens [0, end): [T] for one KV cache group, else [G, T], a row per
-        group, -1 where the group holds vLLM's null block (block 0: a sliding window's
-        tokens it no longer keeps; kvtier neither reads nor writes them there)."""
+    def slots(self, block_size: int, groups: Sequence[int] | None = None) -> torch.Tensor:
+        """The slots of tokens [0, end) in the attention groups `groups` (default: every
+        group): [T] for one, else [G, T], a row per group, -1 where the group holds vLLM's
+        null block (block 0: a sliding window's tokens it no longer keeps; kvtier neither
+        reads nor writes them there)."""
         n, offsets = self.end, torch.arange(block_size, dtype=torch.int64)
+        tables = self.block_ids if groups is None else [self.block_ids[g] for g in groups]
         rows = [(torch.tensor(ids[: -(-n // block_size)], dtype=torch.int64)[:, None] * block_size
-                 + offsets[None, :]).flatten()[:n] for ids in self.block_ids]
+                 + offsets[None, :]).flatten()[:n] for ids in tables]
         if len(rows) <= 1:
             return rows[0] if rows else torch.empty(0, dtype=torch.int64)
         table = torch.stack(rows)

@@ -20,9 +20,11 @@ import torch
 
 from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine, Loading, Storing
-from kvtier.errors import ConfigError, UnsupportedKVLayout
+from kvtier.engine.states import StateLoad
+from kvtier.errors import ConfigError, UnsupportedKVLayout, UnsupportedModel
 from kvtier.integrations.vllm.events import KvtierKVEvents, to_vllm
-from kvtier.integrations.vllm.layout import group_rows, vllm_kv
+from kvtier.integrations.vllm.groups import KvGroups, state_layers
+from kvtier.integrations.vllm.layout import vllm_kv
 from kvtier.integrations.vllm.lookup import Handlers, LookupServer, socket_path
 from kvtier.integrations.vllm.metrics import KvtierStats, deltas
 from kvtier.integrations.vllm.pd import WorkerPd
@@ -33,20 +35,24 @@ from kvtier.tiers.base import Tier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = get_logger(__name__)
 
 
 class WorkerSide:
-    def __init__(self, config: KvtierConfig, shape: Shape, engine_id: str, can_load: bool) -> None:
+    def __init__(self, config: KvtierConfig, shape: Shape, engine_id: str, can_load: bool,
+                 groups: KvGroups | None = None) -> None:
         self.config, self.shape, self.engine_id, self.can_load = config, shape, engine_id, can_load
+        self.groups = groups  # vLLM's hybrid allocator: several KV cache groups
+        self._slot_groups: tuple[int, ...] | None = None  # the groups holding attention KV, if several
+        self._state_names: list[str] = []  # Mamba layers, whose state is stored at chunk ends
         self.engine: CacheEngine | None = None
         self.pd = WorkerPd(config)
         self._server: LookupServer | None = None
         self._load_errors: set[int] = set()
         self._layer_index: dict[str, int] = {}
-        self._loads: list[tuple[Loading, TransferSpec]] = []  # loads of this step, finished at wait_for_save
+        # loads of this step, finished at wait_for_save (with a hybrid model's Mamba state, if it loaded)
+        self._loads: list[tuple[Loading, TransferSpec, StateLoad | None]] = []
         self._stores: list[Storing] | None = None  # layerwise stores of this step, once begun
         self._store_layerwise = config.use_layerwise  # and on a GPU always: see register_kv_caches
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load")
@@ -56,24 +62,33 @@ class WorkerSide:
         self._step_wait = 0.0  # s this step has spent in kvtier so far (besides the forward)
         self._longest = {"longest_step_wait_seconds": 0.0, "longest_background_load_seconds": 0.0}
 
-    def register_kv_caches(self, vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor],
-                           kv_cache_config: KVCacheConfig | None = None) -> None:
+    def register_kv_caches(self, vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor | list[torch.Tensor]]
+                           ) -> None:
         from vllm.distributed.parallel_state import (
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
         )
         from vllm.model_executor.models.utils import extract_layer_index
 
-        names = sorted(kv_caches, key=extract_layer_index)
+        everything = sorted(kv_caches, key=extract_layer_index)
+        names = [n for n in everything if isinstance(kv_caches[n], torch.Tensor)]  # attention KV
+        self._state_names = [n for n in everything if n not in names]  # Mamba: a list of state tensors
+        if self._state_names and (self.groups is None or not self.groups.has_state):
+            raise UnsupportedModel(f"layers {', '.join(self._state_names[:3])} keep a Mamba state, but vLLM's "
+                                   "KV cache config has no Mamba group (its hybrid KV cache manager is off?)")
         self._layer_index = {name: i for i, name in enumerate(names)}
         vkv = vllm_kv(vllm_config, kv_caches, names)
         if vkv.whole_blocks != self.shape.whole_blocks:  # the scheduler rounded hits by what it expected
             raise UnsupportedKVLayout(vkv.backend, f"layout {vkv.kv.layout}", "what the scheduler expected")
-        kv, rows = vkv.kv, group_rows(kv_cache_config, names)
-        if rows is not None:  # vLLM's hybrid allocator: each group's layers keep tokens in blocks of their own
+        kv, rows = vkv.kv, None if self.groups is None else self.groups.rows(names)
+        if self.groups is not None:
+            self._slot_groups = self.groups.attention
+            log.info("vLLM's hybrid KV cache manager: %d KV cache groups; %d attention layers move at their "
+                     "group's blocks%s", len(self.groups.attention) + len(self.groups.recurrent), len(names),
+                     f", {len(self._state_names)} Mamba layers' state is stored at chunk ends"
+                     if self._state_names else "")
+        if rows is not None:  # several attention groups: each layer's tokens in blocks of its group
             kv = kv.grouped(rows)
-            log.info("vLLM's hybrid KV cache manager: %d KV cache groups (%s); each layer's KV moves at its "
-                     "group's blocks", kv.groups, ", ".join(f"{rows.count(g)} layers" for g in range(kv.groups)))
         rank = get_tensor_model_parallel_rank()
         size, heads = get_tensor_model_parallel_world_size(), vllm_config.model_config.get_total_num_kv_heads()
         if self.config.share_across_tp and not vllm_config.model_config.use_mla and size > heads:
@@ -81,7 +96,11 @@ class WorkerSide:
                               "so vLLM replicates them and no rank holds a slice of the heads")
         fmt = KVFormat(model=vllm_config.model_config.model, layout=vkv.chunk_layout,
                        dtype=str(vkv.kv.dtype).removeprefix("torch."), tp_rank=rank, tp_size=size)
-        self.engine = self.pd.make_engine(kv, fmt, rank)
+        states = state_layers(kv_caches, self._state_names) if self._state_names else None
+        if states is not None and self.config.enable_pd:
+            raise UnsupportedModel("disaggregated prefill of a model with Mamba layers: kvtier's PD moves "
+                                   "attention KV only")
+        self.engine = self.pd.make_engine(kv, fmt, rank, states)
         # On a GPU a step's KV goes to the host layer by layer as the forward writes it, also
         # where loads are whole: a whole store's copy after the forward made cold TTFT +5.3 %
         # (16k) and +6.2 % (32k) over plain vLLM, storing layer by layer -0.6 % and +2.1 %
@@ -96,13 +115,19 @@ class WorkerSide:
         now; a hit all in CPU RAM that the scheduler will load (the same rule as there)
         starts its copies to the GPU now, before vLLM's step that loads it."""
         assert self.engine is not None
-        hit = self.engine.find(tokens, hold_for=request_id)
+        # With several KV cache groups vLLM cannot recompute what a load failed to deliver
+        # (connector.py): the hit is the part held in CPU RAM, and the rest comes up for later.
+        several = self.groups is not None
+        hit = self.engine.find(tokens, hold_for=request_id, limit=len(tokens) - 1, cpu_only=several)
+        if several and self.can_load and self.engine.find(tokens, limit=len(tokens) - 1).tokens > hit.tokens:
+            self.engine.start_prefetch(tokens, "")
         if not self.can_load or self.shape.usable(hit.tokens, len(tokens)) <= computed:
             return hit.tokens, hit.in_cpu
         if hit.in_cpu < hit.tokens:
             self.engine.start_prefetch(tokens, request_id)
         else:
-            self.engine.upload_ahead(tokens, request_id, start=computed, layerwise=self.config.use_layerwise)
+            self.engine.upload_ahead(tokens[: hit.tokens], request_id, start=computed,
+                                     layerwise=self.config.use_layerwise)
         return hit.tokens, hit.in_cpu
 
     def start_load_kv(self, meta: KvtierMetadata) -> None:
@@ -117,17 +142,36 @@ class WorkerSide:
                 continue
             # From CPU RAM the copies are queued ahead of the forward (layer by layer with
             # use_layerwise); finished, and checked, at wait_for_save.
-            load = self.engine.start_retrieve(spec.token_ids, spec.slots(self.shape.block_size), start=spec.start,
+            load = self.engine.start_retrieve(spec.token_ids, self._slots(spec), start=spec.start,
                                               request_id=spec.req_id, layerwise=self.config.use_layerwise)
-            self._loads.append((load, spec))
+            state = self._load_state(spec) if self._state_names else None
+            self._loads.append((load, spec, state))
         self._step_wait += time.perf_counter() - t0
+
+    def _slots(self, spec: TransferSpec) -> torch.Tensor:
+        return spec.slots(self.shape.block_size, self._slot_groups)
+
+    def _load_state(self, spec: TransferSpec) -> StateLoad | None:
+        """A hybrid model's Mamba state at the load's end into its blocks, queued on this
+        thread's stream. None where it could not be (nothing written then)."""
+        assert self.engine is not None and self.groups is not None
+        blocks = self.groups.state_blocks(spec.block_ids, spec.end, self._state_names)
+        return None if blocks is None else self.engine.load_state(spec.token_ids[: spec.end], blocks,
+                                                                    request_id=spec.req_id)
 
     def _load(self, spec: TransferSpec) -> int:
         assert self.engine is not None
         t0 = time.perf_counter()
         try:
-            return int(self.engine.retrieve(spec.token_ids, spec.slots(self.shape.block_size), start=spec.start,
-                                            request_id=spec.req_id).sum())
+            loaded = int(self.engine.retrieve(spec.token_ids, self._slots(spec), start=spec.start,
+                                              request_id=spec.req_id).sum())
+            if not self._state_names:
+                return loaded
+            state = self._load_state(spec) if loaded == spec.end - spec.start else None
+            if state is None:
+                return 0  # KV without its Mamba state is not the model's: all of it is recomputed
+            state.finish()
+            return loaded
         finally:
             self.pd.loaded(spec.pd_req_id)
             self._note_longest("longest_background_load_seconds", time.perf_counter() - t0)
@@ -165,7 +209,7 @@ class WorkerSide:
         index = self._layer_index.get(layer_name)
         if index is not None and self._loads:
             t0 = time.perf_counter()
-            for load, _ in self._loads:
+            for load, _, _ in self._loads:
                 load.wait(index)
             self._step_wait += time.perf_counter() - t0
 
@@ -176,7 +220,7 @@ class WorkerSide:
         t0 = time.perf_counter()
         if self._stores is None:  # the step's first layer: decide what to store, allocate its blocks
             assert self.engine is not None
-            self._stores = [self.engine.start_store(spec.token_ids, spec.slots(self.shape.block_size),
+            self._stores = [self.engine.start_store(spec.token_ids, self._slots(spec),
                                                     start=spec.start, request_id=spec.req_id, layerwise=True)
                             for spec in meta().saves]
         for store in self._stores:
@@ -189,22 +233,37 @@ class WorkerSide:
         assert self.engine is not None
         t0 = time.perf_counter()
         loads, self._loads = self._loads, []
-        for load, spec in loads:
+        for load, spec, state in loads:
             load.finish()  # its mask is final now (a lent chunk may fail its check after its layers were read)
             self.pd.loaded(spec.pd_req_id)
-            self._check_loaded(spec, load.num_tokens)
+            loaded = load.num_tokens
+            if self._state_names:  # KV without its Mamba state is not the model's: all of it is recomputed
+                if state is None or loaded < spec.end - spec.start:
+                    loaded = 0
+                if state is not None:
+                    state.finish()
+            self._check_loaded(spec, loaded)
         stores, self._stores = self._stores, None
         if stores is not None:
             for store in stores:
                 store.finish()
         else:
             for spec in meta.saves:
-                self.engine.store(spec.token_ids, spec.slots(self.shape.block_size),
-                                  start=spec.start, request_id=spec.req_id)
+                self.engine.store(spec.token_ids, self._slots(spec), start=spec.start, request_id=spec.req_id)
         for spec in meta.saves:
+            if spec.state and self._state_names:
+                self._save_state(spec)
             self.pd.send(spec, self.shape.block_size)
         self._note_longest("longest_step_wait_seconds", self._step_wait + time.perf_counter() - t0)
         self._step_wait = 0.0
+
+    def _save_state(self, spec: TransferSpec) -> None:
+        """The Mamba state this step ended with (at `spec.end`, a block end), beside its chunk."""
+        assert self.engine is not None and self.groups is not None
+        blocks = self.groups.state_blocks(spec.block_ids, spec.end, self._state_names)
+        if blocks is None or not self.engine.save_state(spec.token_ids[: spec.end], blocks, request_id=spec.req_id):
+            log.warning("request %s: the Mamba state after %d tokens was not stored (%s)", spec.req_id, spec.end,
+                        "vLLM kept no block for it" if blocks is None else "no room, or not a chunk's end")
 
     def stats(self) -> KvtierStats | None:
         if self.engine is None:

@@ -1,0 +1,100 @@
+"""vLLM's KV cache groups as kvtier moves them (kvtier/integrations/vllm/groups.py): attention
+groups are rows of the slot tables, Mamba groups (align mode) a state stored at chunk ends."""
+
+import pytest
+import torch
+
+from kvtier.config import KvtierConfig
+from kvtier.errors import UnsupportedModel
+from kvtier.integrations.vllm.groups import kv_groups, state_layers
+from kvtier.integrations.vllm.spec import TransferSpec
+
+pytestmark = pytest.mark.vllm
+
+
+def kv_cache_config(*groups):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in groups])
+
+
+def attention(window=None, block_size=16):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    if window is None:
+        return FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    return SlidingWindowSpec(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+                             sliding_window=window)
+
+
+def mamba(block_size=16, mode="align"):
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return MambaSpec(block_size=block_size, shapes=((3, 40), (4, 8, 16)), dtypes=(torch.bfloat16, torch.float32),
+                     mamba_cache_mode=mode)
+
+
+def test_vllms_kv_cache_groups_give_each_layer_its_row_of_the_slot_table():
+    """vLLM's hybrid allocator (kvtier says SupportsHMA): a Gemma-3-style model's sliding
+    layers in groups of their own; each layer's row is its group's."""
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    assert kv_groups(kv_cache_config((names, attention()))) is None  # one group: slots [T]
+    two = kv_groups(kv_cache_config(([names[3]], attention()), (names[:3], attention(128))))
+    assert two.rows(names) == [1, 1, 1, 0] and not two.has_state
+    with pytest.raises(UnsupportedModel, match="block sizes"):
+        kv_groups(kv_cache_config(([names[3]], attention()), (names[:3], attention(128, 32))))
+
+
+def test_mamba_groups_are_state_kept_at_block_ends_and_other_modes_are_refused_naming_the_fix():
+    groups = kv_groups(kv_cache_config((["a0", "a1"], attention(block_size=144)), (["m0", "m1"], mamba(144)),
+                                       (["m2", "m3"], mamba(144))))
+    assert groups.attention == (0,) and groups.recurrent == (1, 2) and groups.rows(["a0", "a1"]) is None
+    # Chunks must end on the block ends where vLLM keeps a state: 256 does not divide 144.
+    assert groups.chunk_size(KvtierConfig(chunk_size=256)).chunk_size == 144
+    assert groups.chunk_size(KvtierConfig(chunk_size=48)).chunk_size == 48
+    for mode in ("none", "all"):
+        with pytest.raises(UnsupportedModel, match="--mamba-cache-mode align"):
+            kv_groups(kv_cache_config((["a"], attention()), (["m"], mamba(mode=mode))))
+
+
+def test_the_state_after_a_block_end_is_in_that_blocks_place_of_the_mamba_table():
+    groups = kv_groups(kv_cache_config((["a"], attention()), (["m0"], mamba()), (["m1"], mamba())))
+    ids = [[1, 2, 3, 4], [0, 0, 7, 8], [0, 5, 6, 0]]
+    assert groups.state_blocks(ids, 48, ["m0", "m1"]) == [7, 6]
+    assert groups.state_blocks(ids, 32, ["m0", "m1"]) is None  # vLLM kept no state there (null block)
+    assert groups.state_blocks(ids, 64, ["m0", "m1"]) is None
+    spec = TransferSpec("r", list(range(40)), ids, 0, 40)
+    assert spec.slots(16, groups.attention).tolist() == list(range(16, 56))  # attention only: [T]
+
+
+def vllm_mamba_layer(num_blocks, page_bytes, shapes, dtypes):
+    """A Mamba layer's state tensors as vLLM's GPU model runner makes them (0.26,
+    `_reshape_kv_cache_tensors`): views of one raw buffer, a page per block."""
+    raw = torch.randint(-128, 127, (num_blocks * page_bytes,), dtype=torch.int8)
+    out, offset = [], 0
+    for shape, dtype in zip(shapes, dtypes):
+        size = torch.tensor([], dtype=dtype).element_size()
+        target = (num_blocks, *shape)
+        stride = torch.empty(target).stride()
+        out.append(torch.as_strided(raw.view(dtype), target, (page_bytes // size, *stride[1:]), offset // size))
+        offset += stride[0] * size
+    return out
+
+
+def test_a_mamba_layers_block_is_its_states_one_after_another_at_the_front_of_its_page():
+    shapes, dtypes = ((3, 40), (4, 8, 16)), (torch.bfloat16, torch.float32)
+    states = vllm_mamba_layer(6, 4096, shapes, dtypes)
+    layers = state_layers({"m": states}, ["m"])
+    assert layers.nbytes == 3 * 40 * 2 + 4 * 8 * 16 * 4
+    block = layers.pages[0][4]
+    want = torch.cat([s[4].contiguous().view(torch.uint8).flatten() for s in states])
+    assert torch.equal(block, want)
+    block.fill_(0)  # a load writes the states vLLM reads
+    assert not states[0][4].any() and not states[1][4].any() and states[1][3].any()
+
+
+def test_mamba_state_tensors_laid_out_otherwise_are_refused():
+    states = vllm_mamba_layer(6, 4096, ((3, 40), (4, 8, 16)), (torch.bfloat16, torch.float32))
+    with pytest.raises(UnsupportedModel, match="one after another"):
+        state_layers({"m": [states[1], states[0]]}, ["m"])
