@@ -50,16 +50,16 @@ esac
 case " $steps " in *" mamba "*)
 # A Mamba hybrid (vLLM's --mamba-cache-mode align): a tiny Nemotron-H's hits, with the Mamba state
 # kvtier stored, give plain vLLM's tokens; the same test on a copy of the tree whose state load
-# writes nothing must fail (the test sees a wrong state); then an 8B-sized Nemotron-H cold and warm.
+# writes zeros must fail (the test sees a wrong state); then an 8B-sized Nemotron-H cold and warm.
 timeout ${MAMBA_TIMEOUT:-240} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_vllm_mamba.py \
     tests/test_vllm_groups.py tests/test_states.py > "$work/mamba-test.txt" 2>&1; echo "mamba test exit $?"
 tail -4 "$work/mamba-test.txt"
 rm -rf /tmp/mutant && mkdir /tmp/mutant && cp -r kvtier tests /tmp/mutant/
-sed -i 's/        _copy(self._runs, src, dst, into_pieces=False)/        pass/' /tmp/mutant/kvtier/engine/states.py
+sed -i 's/        _copy(self._runs, src, dst, into_pieces=False)/        [d.zero_() for d in dst]/' /tmp/mutant/kvtier/engine/states.py
 (cd /tmp/mutant && PYTHONPATH=/tmp/mutant:/tmp/site:/tmp/kvtier-dist timeout ${MAMBA_TIMEOUT:-240} python3 -m pytest -q \
     --tb=line -p no:cacheprovider tests/test_vllm_mamba.py > "$work/mamba-mutant.txt" 2>&1
  echo "mamba mutant exit $? (1: the test caught it)"); tail -3 "$work/mamba-mutant.txt"
-timeout ${MAMBA_BENCH_TIMEOUT:-300} python3 -m kvtier.bench.vllm --family nemotron_h --setups ${SETUPS:-plain kvtier} \
+[ "${MAMBA_BENCH:-1}" = 1 ] && timeout ${MAMBA_BENCH_TIMEOUT:-300} python3 -m kvtier.bench.vllm --family nemotron_h --setups ${SETUPS:-plain kvtier} \
     --lengths ${LENGTHS:-16384} --pairs ${PAIRS:-5} --out "$work/mamba-bench" --setup-timeout 280 > "$work/mamba-bench.log" 2>&1
 echo "mamba bench exit $?"; grep -E "^\[|tokens|hybrid KV cache|chunk_size|Traceback|Error" "$work/mamba-bench.log" | tail -20 ;;
 esac

@@ -193,8 +193,10 @@ class TinyNemotronH:
 
 def make_tiny_nemotron_h(path: str | Path, spec: TinyNemotronH = TinyNemotronH()) -> Path:
     """Config, tokenizer and seeded weights of a NemotronHForCausalLM (idempotent). Linear
-    weights N(0, 0.02), norms 1; the Mamba layers as Mamba-2 initialises them (A = 1..heads,
-    D = 1, dt in [1e-3, 0.1], the convolution U(-1/sqrt(width), 1/sqrt(width)))."""
+    weights N(0, 0.02), norms 1, the convolution U(-1/sqrt(width), 1/sqrt(width)). The Mamba
+    layers remember: decay A in [-4, -1], step dt in [0.005, 0.05] (a memory of 5 to 200
+    tokens) and no skip (D = 0), so that their output is their state's, not the token's;
+    with Mamba-2's own init (D = 1, dt from 0.001) a random model's output ignores the context."""
     import math
 
     import torch
@@ -222,14 +224,14 @@ def make_tiny_nemotron_h(path: str | Path, spec: TinyNemotronH = TinyNemotronH()
         pre = f"backbone.layers.{i}."
         weights[pre + "norm.weight"] = ones(h)
         if kind == "M":
-            dt = torch.exp(uniform(math.log(1e-3), math.log(0.1), heads))
+            dt = torch.exp(uniform(math.log(0.005), math.log(0.05), heads))
             bound = 1 / math.sqrt(spec.mamba_d_conv)
             weights.update({
                 pre + "mixer.in_proj.weight": normal(inner + conv_dim + heads, h),
                 pre + "mixer.conv1d.weight": uniform(-bound, bound, conv_dim, 1, spec.mamba_d_conv).to(torch.bfloat16),
                 pre + "mixer.conv1d.bias": uniform(-bound, bound, conv_dim).to(torch.bfloat16),
-                pre + "mixer.A_log": torch.log(torch.arange(1, heads + 1, dtype=torch.float32)),
-                pre + "mixer.D": torch.ones(heads),
+                pre + "mixer.A_log": torch.log(uniform(1.0, 4.0, heads)),
+                pre + "mixer.D": torch.zeros(heads),
                 pre + "mixer.dt_bias": dt + torch.log(-torch.expm1(-dt)),  # softplus(dt_bias) = dt
                 pre + "mixer.norm.weight": ones(inner),
                 pre + "mixer.out_proj.weight": normal(h, inner),

@@ -48,6 +48,9 @@ class SchedulerSide:
                  can_load: bool, can_save: bool, groups: KvGroups | None = None) -> None:
         self.config, self.shape, self.can_load, self.can_save = config, shape, can_load, can_save
         self.state_every = groups.block_size if groups is not None and groups.has_state else 0
+        # Several KV cache groups: vLLM cannot recompute a failed load, so a hit is promised
+        # only once it is in CPU RAM; until then the request waits (the workers bring it up).
+        self.promise_from_cpu = groups is not None
         addresses = [socket_path(engine_id, r) for r in range(tp_size)]
         self.lookup = LookupClient(addresses, config.lookup_timeout_ms / 1000)
         self.pd = SchedulerPd(config)
@@ -61,7 +64,7 @@ class SchedulerSide:
         self._live: dict[str, Request] = {}  # save_decode_cache: requests whose decoded tokens are stored too
         self._pd_dropped: list[str] = []  # PD sends of finished requests, for the next metadata
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt, rid = request.prompt_token_ids, request.request_id
         self.pd.looked_up(rid, request.kv_transfer_params)
         if not self.can_load or not prompt:
@@ -69,6 +72,9 @@ class SchedulerSide:
         t0 = time.perf_counter()
         stored, in_cpu = self.lookup.lookup(prompt, rid, num_computed_tokens)
         self._longest_lookup = max(self._longest_lookup, time.perf_counter() - t0)
+        if self.promise_from_cpu and in_cpu < stored and self.shape.usable(stored, len(prompt)) > num_computed_tokens:
+            self._held.add(rid)  # coming up into CPU RAM: vLLM asks again next step
+            return None, False
         hit = self.shape.usable(stored, len(prompt))
         need = max(0, hit - num_computed_tokens)
         background = need > 0 and in_cpu < hit

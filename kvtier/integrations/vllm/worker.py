@@ -46,6 +46,7 @@ class WorkerSide:
         self.groups = groups  # vLLM's hybrid allocator: several KV cache groups
         self._slot_groups: tuple[int, ...] | None = None  # the groups holding attention KV, if several
         self._state_names: list[str] = []  # Mamba layers, whose state is stored at chunk ends
+        self._coming_up: dict[str, Future] = {}  # several groups: hits coming up into CPU RAM before promised
         self.engine: CacheEngine | None = None
         self.pd = WorkerPd(config)
         self._server: LookupServer | None = None
@@ -108,19 +109,31 @@ class WorkerSide:
         # step whose layers vLLM runs in one CUDA graph calls no save_kv_layer: it stores whole.
         self._store_layerwise = self.config.use_layerwise or vkv.kv.device.type == "cuda"
         self._server = LookupServer(socket_path(self.engine_id, rank), Handlers(
-            lookup=self._find, release=self.engine.release_hold, reset=self.engine.clear))
+            lookup=self._find, release=self._release, reset=self.engine.clear))
+
+    def _release(self, request_id: str) -> None:
+        assert self.engine is not None
+        self._coming_up.pop(request_id, None)
+        self.engine.release_hold(request_id)
 
     def _find(self, tokens: np.ndarray, request_id: str, computed: int) -> tuple[int, int]:
         """A scheduler lookup: hold the hit. Chunks below CPU RAM start coming up into it
         now; a hit all in CPU RAM that the scheduler will load (the same rule as there)
         starts its copies to the GPU now, before vLLM's step that loads it."""
         assert self.engine is not None
-        # With several KV cache groups vLLM cannot recompute what a load failed to deliver
-        # (connector.py): the hit is the part held in CPU RAM, and the rest comes up for later.
-        several = self.groups is not None
-        hit = self.engine.find(tokens, hold_for=request_id, limit=len(tokens) - 1, cpu_only=several)
-        if several and self.can_load and self.engine.find(tokens, limit=len(tokens) - 1).tokens > hit.tokens:
-            self.engine.start_prefetch(tokens, "")
+        hit = self.engine.find(tokens, hold_for=request_id, limit=len(tokens) - 1)
+        if self.groups is not None and self.can_load and hit.in_cpu < hit.tokens:
+            # Several KV cache groups: vLLM cannot recompute what a load failed to deliver
+            # (connector.py), so the hit is promised from CPU RAM only. The scheduler asks
+            # again while the rest comes up (SchedulerSide.get_num_new_matched_tokens);
+            # once that is over, the part that made it is the hit.
+            pending = self._coming_up.get(request_id)
+            if pending is None:
+                self._coming_up[request_id] = self.engine.start_prefetch(tokens, request_id)
+                return hit.tokens, hit.in_cpu
+            if not pending.done():
+                return hit.tokens, hit.in_cpu
+            hit = self.engine.find(tokens, hold_for=request_id, limit=len(tokens) - 1, cpu_only=True)
         if not self.can_load or self.shape.usable(hit.tokens, len(tokens)) <= computed:
             return hit.tokens, hit.in_cpu
         if hit.in_cpu < hit.tokens:
@@ -135,6 +148,7 @@ class WorkerSide:
         t0 = time.perf_counter()
         self.pd.dropped(meta.pd_dropped)  # before this step's forward is queued
         for spec in meta.loads:
+            self._coming_up.pop(spec.req_id, None)
             if spec.background:
                 log.info("request %s: loading %d tokens from disk/remote in the background",
                          spec.req_id, spec.end - spec.start)
