@@ -98,3 +98,42 @@ def test_mamba_state_tensors_laid_out_otherwise_are_refused():
     states = vllm_mamba_layer(6, 4096, ((3, 40), (4, 8, 16)), (torch.bfloat16, torch.float32))
     with pytest.raises(UnsupportedModel, match="one after another"):
         state_layers({"m": [states[1], states[0]]}, ["m"])
+
+
+def test_with_several_groups_a_disk_hit_is_promised_once_it_is_in_cpu_ram(tmp_path):
+    """vLLM cannot recompute a failed load with several KV cache groups: the scheduler answers
+    "not yet" (None) while the worker brings the hit up from disk, then promises it from CPU RAM."""
+    from types import SimpleNamespace
+
+    from kvtier.engine import CacheEngine
+    from kvtier.integrations.vllm.groups import KvGroups
+    from kvtier.integrations.vllm.lookup import Handlers, LookupServer, socket_path
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+    from kvtier.integrations.vllm.spec import Shape
+    from kvtier.integrations.vllm.worker import WorkerSide
+    from kvtier.keys import KVFormat
+    from kvtier.transfer import PagedKV
+
+    config = KvtierConfig(chunk_size=16, max_local_cpu_size=1 / 1024, local_disk=str(tmp_path / "disk"),
+                          max_local_disk_size=0.01, blocking_timeout_secs=5)
+    layers = [torch.randn(2, 64, 16, 2, 32) for _ in range(2)]
+    engine = CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), KVFormat("m", "flash_attn", "float32"))
+    toks = list(range(50))
+    engine.store(toks, torch.arange(50))
+    assert engine.flush(10)
+    engine.tiers.cpu.clear()
+    shape, groups = Shape(16, 16, False, 0), KvGroups((0, 1), (), {}, 16)
+    worker = WorkerSide(config, shape, "several-groups", True, groups)
+    worker.engine = engine  # what register_kv_caches builds from vLLM's tensors
+    server = LookupServer(socket_path("several-groups", 0), Handlers(worker._find, worker._release, engine.clear))
+    scheduler = SchedulerSide(config, shape, "several-groups", 1, True, True, groups)
+    try:
+        request = SimpleNamespace(prompt_token_ids=toks, request_id="r", kv_transfer_params=None)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+        worker._coming_up["r"].result(timeout=10)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (48, False)  # from CPU RAM, loaded at once
+        assert engine.find(toks, cpu_only=True).tokens == 48
+    finally:
+        scheduler.close()
+        server.close()
+        worker.close()

@@ -38,3 +38,22 @@ def test_a_sliding_window_model_with_the_hybrid_allocator_loads_hits_and_gives_p
     assert [tuple(map(int, m.groups())) for m in HIT_LINE.finditer(log)] == [(1000, 0, 0), (1000, 768, 768)]
     assert cold["token_ids"] == warm["token_ids"] == plain["token_ids"]
     assert max(abs(x - y) for x, y in zip(warm["logprobs"], plain["logprobs"])) < 0.05
+
+
+def test_with_several_groups_a_hit_on_disk_comes_up_into_cpu_ram_before_it_is_promised(
+        gemma3, gemma3_prompt, tmp_path):
+    """vLLM (0.26 to 0.32) cannot recompute a failed load on a model with several KV cache
+    groups, so kvtier promises such a hit only from CPU RAM: a new instance finds the prompt
+    on disk, answers "not yet" while it comes up, then loads it, with plain vLLM's tokens."""
+    prompt = gemma3_prompt
+    (plain,), _ = run_vllm(gemma3, [prompt], tmp_path, dtype=DTYPE, name="plain-disk", max_batched=BATCHED)
+    env = {"LMCACHE_LOCAL_DISK": f"file://{tmp_path / 'disk'}", "LMCACHE_MAX_LOCAL_DISK_SIZE": "1",
+           "LMCACHE_MAX_LOCAL_CPU_SIZE": "1"}
+    _, log_a = run_vllm(gemma3, [prompt], tmp_path, "kv_both", env, name="store", dtype=DTYPE, max_batched=BATCHED)
+    assert [tuple(map(int, m.groups())) for m in HIT_LINE.finditer(log_a)] == [(1000, 0, 0)]
+    (warm,), log_b = run_vllm(gemma3, [prompt], tmp_path, "kv_both", env, name="load", dtype=DTYPE,
+                              max_batched=BATCHED)
+    # One answer, a number: the lookups before it said "not yet" (None) and printed nothing.
+    assert [tuple(map(int, m.groups())) for m in HIT_LINE.finditer(log_b)] == [(1000, 768, 768)], log_b[-3000:]
+    assert warm["token_ids"] == plain["token_ids"]
+    assert max(abs(x - y) for x, y in zip(warm["logprobs"], plain["logprobs"])) < 0.05

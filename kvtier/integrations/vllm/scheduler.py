@@ -77,12 +77,15 @@ class SchedulerSide:
             return None, False
         hit = self.shape.usable(stored, len(prompt))
         need = max(0, hit - num_computed_tokens)
-        background = need > 0 and in_cpu < hit
+        # A Mamba state loads before the request's first step: vLLM copies the state at the hit
+        # into the step's running block ahead of its forward (and ahead of start_load_kv).
+        background = need > 0 and (in_cpu < hit or bool(self.state_every))
         self._counts["lookups"] += 1
         self._counts["lookup_tokens"] += len(prompt)
         self._counts["hit_tokens"] += hit
         log.info("Reqid: %s, Total tokens %d, hit tokens %d, need to load %d%s", rid, len(prompt), hit, need,
-                 " (not all in CPU RAM: loading from disk/remote in the background)" if background else "")
+                 "" if not background else " (not all in CPU RAM: loading from disk/remote in the background)"
+                 if in_cpu < hit else " (with a Mamba state: loading before its first step)")
         if need:
             self._pending[rid] = (num_computed_tokens + need, background)
             self._held.add(rid)

@@ -150,7 +150,7 @@ class WorkerSide:
         for spec in meta.loads:
             self._coming_up.pop(spec.req_id, None)
             if spec.background:
-                log.info("request %s: loading %d tokens from disk/remote in the background",
+                log.info("request %s: loading %d tokens in the background, before its first step",
                          spec.req_id, spec.end - spec.start)
                 self._background[spec.req_id] = (spec, self._loader.submit(self._load, spec))
                 continue
