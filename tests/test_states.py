@@ -53,6 +53,10 @@ def test_a_hit_ends_at_the_last_chunk_end_with_a_state_and_loads_it():
     load.finish()
     assert torch.equal(state(raw, 10)[0], want[0]) and torch.equal(state(raw, 11)[1], want[1])
     assert eng.load_state(toks[:16], [12, 13]) is None  # none stored there: nothing written
+    load = eng.load_state(toks[:48], [14, 15], also=[16, 17])  # into two blocks a layer
+    load.finish()
+    assert torch.equal(state(raw, 16)[0], want[0]) and torch.equal(state(raw, 17)[1], want[1])
+    assert torch.equal(state(raw, 14)[0], want[0])
 
 
 def test_a_state_missing_a_piece_is_no_hit_and_never_loads():

@@ -248,12 +248,13 @@ class CacheEngine:
         key = self._key_ending(tokens, request_id)
         return key is not None and self._states().save(key, blocks)
 
-    def load_state(self, tokens: Tokens, blocks: list[int], *, request_id: str = "") -> StateLoad | None:
+    def load_state(self, tokens: Tokens, blocks: list[int], *, request_id: str = "",
+                   also: list[int] | None = None) -> StateLoad | None:
         """The snapshot taken after the last of `tokens` into each recurrent layer's block
-        `blocks[l]`, queued on the caller's stream; `finish()` the result once the forward
-        that reads it is queued. None: not stored (or unreadable), nothing written."""
+        `blocks[l]` (and `also[l]`), queued on the caller's stream; `finish()` the result once
+        the forward that reads it is queued. None: not stored (or unreadable), nothing written."""
         key = self._key_ending(tokens, request_id)
-        return None if key is None else self._states().load(key, blocks)
+        return None if key is None else self._states().load(key, blocks, also)
 
     def _states(self) -> StatePath:
         if self.states is None:

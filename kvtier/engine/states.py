@@ -122,10 +122,11 @@ class StatePath:
             self.tiers.put(key, block, self.piece_tokens)
         return True
 
-    def load(self, chunk_key: ChunkKey, blocks: Sequence[int]) -> StateLoad | None:
-        """Copy the snapshot of `chunk_key`'s end into each layer's state block `blocks[l]`,
-        queued on the caller's stream (so its forward reads them after). None where a
-        piece could not be read (evicted, corrupt, a fault): nothing was written."""
+    def load(self, chunk_key: ChunkKey, blocks: Sequence[int], also: Sequence[int] | None = None
+             ) -> StateLoad | None:
+        """Copy the snapshot of `chunk_key`'s end into each layer's state block `blocks[l]`
+        (and `also[l]`), queued on the caller's stream (so its forward reads them after).
+        None where a piece could not be read (evicted, corrupt, a fault): nothing was written."""
         keys = self.keys(chunk_key)
         where = self.tiers.locate(keys)
         if len(where) < len(keys):
@@ -139,8 +140,10 @@ class StatePath:
             load.finish()
             return None
         src = [c.block.view(torch.uint8, (self.piece_bytes,)) for c in got]
-        dst = [page[b] for page, b in zip(self.layers.pages, blocks)]
-        _copy(self._runs, src, dst, into_pieces=False)
+        for targets in (blocks, also or ()):
+            if targets:
+                dst = [page[b] for page, b in zip(self.layers.pages, targets)]
+                _copy(self._runs, src, dst, into_pieces=False)
         if self._stream is not None:
             load.done = torch.cuda.current_stream(self.layers.device).record_event()
         return load

@@ -77,15 +77,12 @@ class SchedulerSide:
             return None, False
         hit = self.shape.usable(stored, len(prompt))
         need = max(0, hit - num_computed_tokens)
-        # A Mamba state loads before the request's first step: vLLM copies the state at the hit
-        # into the step's running block ahead of its forward (and ahead of start_load_kv).
-        background = need > 0 and (in_cpu < hit or bool(self.state_every))
+        background = need > 0 and in_cpu < hit
         self._counts["lookups"] += 1
         self._counts["lookup_tokens"] += len(prompt)
         self._counts["hit_tokens"] += hit
         log.info("Reqid: %s, Total tokens %d, hit tokens %d, need to load %d%s", rid, len(prompt), hit, need,
-                 "" if not background else " (not all in CPU RAM: loading from disk/remote in the background)"
-                 if in_cpu < hit else " (with a Mamba state: loading before its first step)")
+                 " (not all in CPU RAM: loading from disk/remote in the background)" if background else "")
         if need:
             self._pending[rid] = (num_computed_tokens + need, background)
             self._held.add(rid)
@@ -146,17 +143,16 @@ class SchedulerSide:
         self._pd_dropped = []
         return meta
 
-    def _plan_load(self, meta: KvtierMetadata, req_id: str, state: RequestState) -> None:
+    def _plan_load(self, meta: KvtierMetadata, req_id: str, state: RequestState, step_end: int = 0) -> None:
         start, end, background = state.load
         meta.loads.append(TransferSpec(req_id, state.prompt, [list(ids) for ids in state.block_ids], start, end,
-                                       background,
-                                       pd_req_id=state.pd_req_id))
+                                       background, pd_req_id=state.pd_req_id, step_end=step_end))
         state.load = None
         self._held.discard(req_id)  # the worker's retrieve ends the hold
 
     def _plan(self, meta: KvtierMetadata, req_id: str, state: RequestState, computed_after_step: int) -> None:
         if state.load is not None:
-            self._plan_load(meta, req_id, state)
+            self._plan_load(meta, req_id, state, computed_after_step)
         if not self.can_save:
             return
         tokens = state.prompt

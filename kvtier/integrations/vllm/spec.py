@@ -39,6 +39,7 @@ class TransferSpec:
     last: bool = False  # save: the prompt's last chunk is in this one
     state: bool = False  # save: the step ended at `end`, on a block end: a hybrid model's Mamba state is kept there
     pd_req_id: str = ""  # load: the proxy's id of this request; its PD chunks are freed once loaded
+    step_end: int = 0  # load in the request's first step: its tokens computed after it (0: a background load)
 
     def slots(self, block_size: int, groups: Sequence[int] | None = None) -> torch.Tensor:
         """The slots of tokens [0, end) in the attention groups `groups` (default: every

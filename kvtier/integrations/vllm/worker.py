@@ -167,11 +167,19 @@ class WorkerSide:
 
     def _load_state(self, spec: TransferSpec) -> StateLoad | None:
         """A hybrid model's Mamba state at the load's end into its blocks, queued on this
-        thread's stream. None where it could not be (nothing written then)."""
+        thread's stream. None where it could not be (nothing written then).
+
+        Loaded in the request's first step, it goes to that step's running block too:
+        vLLM copied the state at the hit into it before this step's start_load_kv
+        (preprocess_mamba, before the forward's context), from a block kvtier writes only now."""
         assert self.engine is not None and self.groups is not None
+        size = self.groups.block_size
         blocks = self.groups.state_blocks(spec.block_ids, spec.end, self._state_names)
-        return None if blocks is None else self.engine.load_state(spec.token_ids[: spec.end], blocks,
-                                                                    request_id=spec.req_id)
+        running = self.groups.state_blocks(spec.block_ids, -(-spec.step_end // size) * size, self._state_names) \
+            if spec.step_end else None
+        if blocks is None or (spec.step_end and running is None):
+            return None
+        return self.engine.load_state(spec.token_ids[: spec.end], blocks, request_id=spec.req_id, also=running)
 
     def _load(self, spec: TransferSpec) -> int:
         assert self.engine is not None
