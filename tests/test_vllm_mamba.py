@@ -33,7 +33,7 @@ def test_a_mamba_hybrid_loads_hits_with_their_state_and_gives_plain_vllms_tokens
     vocab = TinyNemotronH().vocab_size
     prompt = AutoTokenizer.from_pretrained(str(nemotron_h)).encode(corpus_text())[10000:11000]
     shared = prompt[:600] + [(t * 5 + 1) % vocab for t in prompt[600:]]
-    control = prompt[:700] + [(t * 7 + 3) % vocab for t in prompt[700:860]] + prompt[860:]
+    control = prompt[:600] + [(t * 7 + 3) % vocab for t in prompt[600:816]] + prompt[816:]
     (plain, _, plain_shared, _, plain_control), _ = run_vllm(
         nemotron_h, [prompt, "FORGET", shared, "FORGET", control], tmp_path, dtype=DTYPE, name="plain",
         max_batched=BATCHED, mamba_align=True)
