@@ -193,26 +193,47 @@ class TinyNemotronH:
 
 def make_tiny_nemotron_h(path: str | Path, spec: TinyNemotronH = TinyNemotronH()) -> Path:
     """Config, tokenizer and seeded weights of a NemotronHForCausalLM (idempotent). Linear
-    weights N(0, 0.02) (the head's N(0, 0.25)), norms 1, the convolution U(-1/sqrt(width), 1/sqrt(width)). The Mamba
-    layers remember: decay A in [-4, -1], step dt in [0.005, 0.05] (a memory of 5 to 200
-    tokens) and no skip (D = 0), so that their output is their state's, not the token's;
-    with Mamba-2's own init (D = 1, dt from 0.001) a random model's output ignores the context."""
-    import math
-
-    import torch
+    weights N(0, 0.02) (the head's N(0, 0.25)), norms 1, the convolution U(-1/sqrt(width),
+    1/sqrt(width)). The Mamba layers remember: decay A in [-4, -1], step dt in [0.005, 0.05]
+    (a memory of 5 to 200 tokens) and no skip (D = 0), so that their output is their state's,
+    not the token's; with Mamba-2's own init (D = 1, dt from 0.001) a random model's output
+    ignores the context."""
     from safetensors.torch import save_file
 
     path = Path(path)
     vocab = _new_model_dir(path, spec.vocab_size)
     if vocab is None:
         return path
+    save_file(_nemotron_h_weights(spec), str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+        "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": len(spec.pattern), "hybrid_override_pattern": spec.pattern,
+        "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim, "mamba_num_heads": spec.mamba_num_heads, "mamba_head_dim": spec.mamba_head_dim,
+        "mamba_n_groups": spec.mamba_n_groups, "ssm_state_size": spec.ssm_state_size,
+        "mamba_d_conv": spec.mamba_d_conv, "mamba_chunk_size": 128, "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings, "mlp_hidden_act": "relu2",
+        "mamba_hidden_act": "silu", "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "bos_token_id": vocab["<s>"], "eos_token_id": vocab["</s>"],
+        "pad_token_id": vocab["<unk>"],
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def _nemotron_h_weights(spec: TinyNemotronH) -> dict:
+    import math
+
+    import torch
+
     gen = torch.Generator().manual_seed(0)
     h, hd, heads = spec.hidden_size, spec.head_dim, spec.mamba_num_heads
     inner = heads * spec.mamba_head_dim
     conv_dim = inner + 2 * spec.mamba_n_groups * spec.ssm_state_size
 
-    def normal(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+    def normal(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
 
     def uniform(lo: float, hi: float, *shape: int) -> torch.Tensor:
         return torch.rand(*shape, generator=gen) * (hi - lo) + lo
@@ -221,7 +242,7 @@ def make_tiny_nemotron_h(path: str | Path, spec: TinyNemotronH = TinyNemotronH()
     # A peaked output (the head N(0, 0.25): logits of std ~5, as a trained model's): with N(0, 0.02)
     # its distribution is near uniform, and greedy tokens flip on near-ties from run to run.
     weights = {"backbone.embeddings.weight": normal(spec.vocab_size, h), "backbone.norm_f.weight": ones(h),
-               "lm_head.weight": (torch.randn(spec.vocab_size, h, generator=gen) * 0.25).to(torch.bfloat16)}
+               "lm_head.weight": normal(spec.vocab_size, h, std=0.25)}
     for i, kind in enumerate(spec.pattern):
         pre = f"backbone.layers.{i}."
         weights[pre + "norm.weight"] = ones(h)
@@ -245,21 +266,7 @@ def make_tiny_nemotron_h(path: str | Path, spec: TinyNemotronH = TinyNemotronH()
         else:
             weights.update({pre + "mixer.up_proj.weight": normal(spec.intermediate_size, h),
                             pre + "mixer.down_proj.weight": normal(h, spec.intermediate_size)})
-    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-    config = {
-        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
-        "hidden_size": h, "intermediate_size": spec.intermediate_size, "num_hidden_layers": len(spec.pattern),
-        "hybrid_override_pattern": spec.pattern, "num_attention_heads": spec.num_attention_heads,
-        "num_key_value_heads": spec.num_key_value_heads, "head_dim": hd, "mamba_num_heads": heads,
-        "mamba_head_dim": spec.mamba_head_dim, "mamba_n_groups": spec.mamba_n_groups,
-        "ssm_state_size": spec.ssm_state_size, "mamba_d_conv": spec.mamba_d_conv, "mamba_chunk_size": 128,
-        "vocab_size": spec.vocab_size, "max_position_embeddings": spec.max_position_embeddings,
-        "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "layer_norm_epsilon": 1e-5,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "bos_token_id": vocab["<s>"], "eos_token_id": vocab["</s>"], "pad_token_id": vocab["<unk>"],
-    }
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
+    return weights
 
 
 def _write_tokenizer(path: Path, vocab_size: int) -> None:
