@@ -84,6 +84,9 @@ class WorkerSide:
         kv, rows = vkv.kv, None if self.groups is None else self.groups.rows(names)
         if self.groups is not None:
             self._slot_groups = self.groups.attention
+            if not self.config.local_cpu and self.can_load:
+                log.warning("several KV cache groups: kvtier promises a hit only from CPU RAM (vLLM cannot "
+                            "recompute a failed load here), and local_cpu is false: no hit will load")
             log.info("vLLM's hybrid KV cache manager: %d KV cache groups; %d attention layers move at their "
                      "group's blocks%s", len(self.groups.attention) + len(self.groups.recurrent), len(names),
                      f", {len(self._state_names)} Mamba layers' state is stored at chunk ends"
