@@ -116,6 +116,8 @@ class CacheEngine:
         keys = [s.key for s in spans]
         where = self.tiers.locate(keys)
         in_cpu = next((i for i, w in enumerate(where) if w != CPU), len(where))
+        if self.states is not None:
+            self.states.settle()  # snapshots whose copies have ended can be found
         if cpu_only:
             where = where[:in_cpu]
         n, state_keys, state_where = len(where), [], []
@@ -295,17 +297,23 @@ class CacheEngine:
     def clear(self) -> None:
         """Drop every chunk of CPU RAM and disk (blocks in use are freed when released)."""
         self.ahead.drop()
+        if self.states is not None:
+            self.states.settle(wait=True)
         self.tiers.clear()
         log.info("cleared the local tiers (CPU RAM%s)", " and disk" if self.tiers.disk is not None else "")
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until stored chunks have been written to disk and remote; False on timeout."""
+        if self.states is not None:
+            self.states.settle(wait=True)
         return self.tiers.flush(timeout)
 
     def close(self) -> None:
         """Write what is still queued for disk and remote, then let go of them."""
         self.prefetcher.close()
         self.ahead.drop()
+        if self.states is not None:
+            self.states.settle(wait=True)
         self.holds.release_all()
         self.tiers.close(timeout=self.config.blocking_timeout_secs)
 

@@ -18,6 +18,7 @@ piece is a missing snapshot (the hit ends earlier), never a wrong state.
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -82,6 +83,10 @@ class StatePath:
         # (layer, from byte, piece, to byte, length): where each layer's state lies in the pieces
         self._runs = _runs([p.shape[1] for p in layers.pages], self.piece_bytes)
         self._stream = torch.cuda.Stream(layers.device) if layers.device.type == "cuda" else None
+        # Snapshots copying to the host: put in the tiers once their copy has ended (`settle`),
+        # so that a step's save does not wait on the host for that step's forward.
+        self._copying: list[tuple[torch.cuda.Event, list[ChunkKey], list[MemoryBlock]]] = []
+        self._lock = threading.Lock()  # saves on vLLM's thread, lookups on the lookup server's
 
     def keys(self, chunk_key: ChunkKey) -> list[ChunkKey]:
         """The keys of the pieces of the snapshot taken where `chunk_key`'s chunk ends."""
@@ -92,10 +97,15 @@ class StatePath:
     def save(self, chunk_key: ChunkKey, blocks: Sequence[int]) -> bool:
         """Store each layer's state block `blocks[l]` as the snapshot of `chunk_key`'s end.
         The copies follow the caller's stream (the forward that wrote the states), and the
-        caller's later work follows them (a later step may reuse those blocks). False where
+        caller's later work follows them (a later step may reuse those blocks); the snapshot
+        goes into the tiers once they have ended (`settle`, at the next save, load or lookup:
+        the host does not wait for the forward here). False where
         the pool had no blocks for it (every block held by readers): nothing is stored."""
+        self.settle()
         keys = self.keys(chunk_key)
-        if len(self.tiers.locate(keys)) == len(keys):
+        with self._lock:
+            copying = any(ks[0] == keys[0] for _, ks, _ in self._copying)
+        if copying or len(self.tiers.locate(keys)) == len(keys):
             return True
         pieces: list[MemoryBlock] = []
         for _ in keys:
@@ -110,23 +120,38 @@ class StatePath:
         src = [page[b] for page, b in zip(self.layers.pages, blocks)]
         if self._stream is None:
             _copy(self._runs, src, dst)
-        else:
-            main = torch.cuda.current_stream(self.layers.device)
-            self._stream.wait_stream(main)
-            with torch.cuda.stream(self._stream):
-                _copy(self._runs, src, dst)
-            done = self._stream.record_event()
-            main.wait_event(done)  # the blocks are read before anything later writes them
+            self._put(keys, pieces)
+            return True
+        main = torch.cuda.current_stream(self.layers.device)
+        self._stream.wait_stream(main)
+        with torch.cuda.stream(self._stream):
+            _copy(self._runs, src, dst)
+        done = self._stream.record_event()
+        main.wait_event(done)  # the blocks are read before anything later writes them
+        with self._lock:
+            self._copying.append((done, keys, pieces))
+        return True
+
+    def settle(self, wait: bool = False) -> None:
+        """Put the snapshots whose copies to the host have ended in the tiers (with `wait`,
+        every one, waiting for its copy)."""
+        with self._lock:
+            ready = [c for c in self._copying if wait or c[0].query()]
+            self._copying = [c for c in self._copying if not any(c is r for r in ready)]
+        for done, keys, pieces in ready:
             done.synchronize()
+            self._put(keys, pieces)
+
+    def _put(self, keys: Sequence[ChunkKey], pieces: Sequence[MemoryBlock]) -> None:
         for key, block in zip(keys, pieces):
             self.tiers.put(key, block, self.piece_tokens)
-        return True
 
     def load(self, chunk_key: ChunkKey, blocks: Sequence[int], also: Sequence[int] | None = None
              ) -> StateLoad | None:
         """Copy the snapshot of `chunk_key`'s end into each layer's state block `blocks[l]`
         (and `also[l]`), queued on the caller's stream (so its forward reads them after).
         None where a piece could not be read (evicted, corrupt, a fault): nothing was written."""
+        self.settle()
         keys = self.keys(chunk_key)
         where = self.tiers.locate(keys)
         if len(where) < len(keys):
