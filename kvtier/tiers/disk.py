@@ -28,9 +28,8 @@ Faults: a file that fails its checks is a logged, counted miss and is
 removed. A write that fails (disk full, read-only, I/O error) is logged
 once with its cause; the tier then stops writing and keeps serving what it
 has, and kvtier goes on from CPU RAM and the remote tier. Every
-`retry_s` (WRITE_RETRY_S) one write is tried again: once one succeeds
-(room again, remounted writable) the tier writes again and says so.
-"""
+`retry_s` (WRITE_RETRY_S) one write is tried again: once one succeeds (not
+one in flight before the stop) the tier writes again and says so."""
 
 from __future__ import annotations
 
@@ -89,7 +88,7 @@ class DiskTier:
         self.root, self.capacity, self.codec, self.retry_s = Path(root), capacity, codec, retry_s
         self.stats = DiskStats()
         self.writable = True
-        self._retry_at = 0.0  # while not writable: when one write is tried again
+        self._retry_at, self._outages = 0.0, 0  # while not writable: when one write is tried again; stops so far
         self._lock = threading.Lock()
         self._index: dict[str, int] = {}  # file name -> bytes
         self._order: EvictionOrder[str] = EvictionOrder(policy)  # cache_policy (a restart keeps mtime order)
@@ -226,7 +225,8 @@ class DiskTier:
         return all(list(self._writers.map(self._write, keys, chunks)))
 
     def _write(self, key: ChunkKey, chunk: tuple[memoryview, int, int]) -> bool:
-        if not self._may_write():
+        admitted = self._may_write()  # the stops so far when it was let through, or None
+        if admitted is None:
             return False
         name = file_name(key)
         parts = self.codec.encode(*chunk)
@@ -248,21 +248,21 @@ class DiskTier:
             self._order.add(name)
             self.stats.puts += 1
             self.stats.bytes_written += size
-            again, self.writable = not self.writable, True
+            again = not self.writable and admitted == self._outages  # not one in flight before the stop
+            self.writable = self.writable or again
         if again:
             log.warning("disk tier: writing to %s works again; the disk tier writes again", self.root)
         return True
 
-    def _may_write(self) -> bool:
-        """Writable, or, once every `retry_s` while not, this write is the one that tries again."""
+    def _may_write(self) -> int | None:
+        """The stops so far where writable or (every `retry_s`) for the write that tries again; else None."""
         with self._lock:
-            if self.writable:
-                return True
             now = time.monotonic()
-            if now < self._retry_at:
-                return False
-            self._retry_at = now + self.retry_s
-            return True
+            if not self.writable:
+                if now < self._retry_at:
+                    return None
+                self._retry_at = now + self.retry_s
+            return self._outages
 
     def _reserve(self, name: str, size: int) -> bool:
         """Room for `size` bytes, evicting in `cache_policy` order; False if the chunk is there or can never fit."""
@@ -302,7 +302,7 @@ class DiskTier:
         with self._lock:
             self.stats.write_errors += 1
             first = self.writable or self.stats.write_errors == 1  # a read-only start is not writable yet
-            self.writable = False
+            self.writable, self._outages = False, self._outages + (1 if self.writable else 0)
             self._retry_at = max(self._retry_at, time.monotonic() + self.retry_s)
         if not first:
             return
