@@ -135,9 +135,11 @@ class StatePath:
     def settle(self, wait: bool = False) -> None:
         """Put the snapshots whose copies to the host have ended in the tiers (with `wait`,
         every one, waiting for its copy)."""
+        ready, copying = [], []
         with self._lock:
-            ready = [c for c in self._copying if wait or c[0].query()]
-            self._copying = [c for c in self._copying if not any(c is r for r in ready)]
+            for c in self._copying:
+                (ready if wait or c[0].query() else copying).append(c)
+            self._copying = copying
         for done, keys, pieces in ready:
             done.synchronize()
             self._put(keys, pieces)

@@ -44,7 +44,6 @@ class WorkerSide:
                  groups: KvGroups | None = None) -> None:
         self.config, self.shape, self.engine_id, self.can_load = config, shape, engine_id, can_load
         self.groups = groups  # vLLM's hybrid allocator: several KV cache groups
-        self._slot_groups: tuple[int, ...] | None = None  # the groups holding attention KV, if several
         self._state_names: list[str] = []  # Mamba layers, whose state is stored at chunk ends
         self._coming_up: dict[str, Future] = {}  # several groups: hits coming up into CPU RAM before promised
         self.engine: CacheEngine | None = None
@@ -83,7 +82,6 @@ class WorkerSide:
             raise UnsupportedKVLayout(vkv.backend, f"layout {vkv.kv.layout}", "what the scheduler expected")
         kv, rows = vkv.kv, None if self.groups is None else self.groups.rows(names)
         if self.groups is not None:
-            self._slot_groups = self.groups.attention
             if not self.config.local_cpu and self.can_load:
                 log.warning("several KV cache groups: kvtier promises a hit only from CPU RAM (vLLM cannot "
                             "recompute a failed load here), and local_cpu is false: no hit will load")
@@ -166,7 +164,7 @@ class WorkerSide:
         self._step_wait += time.perf_counter() - t0
 
     def _slots(self, spec: TransferSpec) -> torch.Tensor:
-        return spec.slots(self.shape.block_size, self._slot_groups)
+        return spec.slots(self.shape.block_size, None if self.groups is None else self.groups.attention)
 
     def _load_state(self, spec: TransferSpec) -> StateLoad | None:
         """A hybrid model's Mamba state at the load's end into its blocks, queued on this
