@@ -5,7 +5,7 @@
 #   STEPS="tests bench" SETUPS="plain kvtier" LENGTHS="16384" PAIRS=7 bash scripts/gpu_vllm.sh
 #   TAG=b STEPS=bench SETUPS=lmcache bash scripts/gpu_vllm.sh    (a second archive in the same call)
 # Steps: tests (GPU tests), hma (a sliding-window model with vLLM's hybrid allocator: its test, and
-# cold/warm TTFT at 16k of an 8B-sized Gemma-3-style model), mamba (the same for a Mamba hybrid,
+# cold/warm TTFT at 16k of an 8B-sized Gemma-3-style model, or HMA_FAMILY=gptoss_dense), mamba (the same for a Mamba hybrid,
 # Nemotron-H-style, and a mutant of the state load the test must catch), guides (the guides' server workflows through real vLLM on the GPU:
 # the InfiniStore guide's `vllm bench serve` twice, two instances sharing a store, 1P1D over
 # cuda_ipc through `kvtier proxy`), bench (query twice per setup: kvtier.bench.vllm), serving (the
@@ -43,7 +43,7 @@ case " $steps " in *" hma "*)
 # vLLM's tokens; then an 8B-sized Gemma-3-style model (Llama-3.1-8B's KV a token) cold and warm.
 timeout ${HMA_TIMEOUT:-330} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_vllm_hma.py \
     > "$work/hma-test.txt" 2>&1; echo "hma test exit $?"; tail -4 "$work/hma-test.txt"
-timeout ${HMA_BENCH_TIMEOUT:-300} python3 -m kvtier.bench.vllm --family gemma3 --setups ${SETUPS:-plain kvtier} \
+timeout ${HMA_BENCH_TIMEOUT:-300} python3 -m kvtier.bench.vllm --family ${HMA_FAMILY:-gemma3} --setups ${SETUPS:-plain kvtier} \
     --lengths ${LENGTHS:-16384} --pairs ${PAIRS:-5} --out "$work/hma-bench" --setup-timeout 280 > "$work/hma-bench.log" 2>&1
 echo "hma bench exit $?"; grep -E "^\[|tokens|hybrid KV cache|Traceback|Error" "$work/hma-bench.log" | tail -20 ;;
 esac

@@ -46,6 +46,21 @@ def test_vllms_kv_cache_groups_give_each_layer_its_row_of_the_slot_table():
         kv_groups(kv_cache_config(([names[3]], attention()), (names[:3], attention(128, 32))))
 
 
+def test_a_sliding_window_shorter_than_a_chunk_makes_the_chunk_fit_in_it():
+    """A hit ends on a chunk end and reads a sliding layer's last window before it: a chunk
+    no longer than the window holds no sliding token that no hit reads (gpt-oss: 128)."""
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    groups = kv_groups(kv_cache_config(([names[3]], attention()), (names[:3], attention(128))))
+    assert groups.window == 128
+    assert groups.chunk_size(KvtierConfig(chunk_size=256)).chunk_size == 128
+    assert groups.chunk_size(KvtierConfig(chunk_size=96)).chunk_size == 96  # within the window: kept
+    odd = kv_groups(kv_cache_config(([names[3]], attention()), (names[:2], attention(100)),
+                                    ([names[2]], attention(1024))))
+    assert odd.window == 100 and odd.chunk_size(KvtierConfig(chunk_size=256)).chunk_size == 64
+    wide = kv_groups(kv_cache_config(([names[3]], attention()), (names[:3], attention(1024))))
+    assert wide.chunk_size(KvtierConfig(chunk_size=256)).chunk_size == 256
+
+
 def test_mamba_groups_are_state_kept_at_block_ends_and_other_modes_are_refused_naming_the_fix():
     groups = kv_groups(kv_cache_config((["a0", "a1"], attention(block_size=144)), (["m0", "m1"], mamba(144)),
                                        (["m2", "m3"], mamba(144))))

@@ -38,10 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.bench.vllm_parts import (
+    MODELS,
     ForwardTimer,
     Timeline,
     flush_kvtier,
     h2d_bandwidth,
+    kvtier_chunking,
     make_model,
     prompt,
     seed_weights,
@@ -121,6 +123,8 @@ class _Run:
         self.record = Record(args.setup, machine={"gpu": torch.cuda.get_device_name(), "start_s": round(start_s, 1),
                                                   "date": time.strftime("%Y-%m-%d"), "eager": args.eager,
                                                   "tp": args.tp})
+        if setup.get("connector") == "KvtierConnector":
+            self.record.machine["kvtier"] = self.llm.apply_model(kvtier_chunking)[0]
         self.one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         self.check = SamplingParams(temperature=0, max_tokens=args.check_tokens, ignore_eos=True, logprobs=0)
         self.timelines: list = []
@@ -318,8 +322,9 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=7)
     p.add_argument("--check-tokens", type=int, default=16)
     p.add_argument("--model", default="", help="the model's folder (made here; default /tmp/kvtier-<family>-8b)")
-    p.add_argument("--family", choices=("llama", "gemma3", "nemotron_h"), default="llama",
+    p.add_argument("--family", choices=tuple(MODELS), default="llama",
                    help="llama: Llama-3.1-8B's shape; gemma3: the same KV, five of six layers sliding-window; "
+                        "gptoss_dense: the same, every other layer a window of 128 (gpt-oss's); "
                         "nemotron_h: Nemotron-H-8B's, Mamba-2 layers and four attention layers")
     p.add_argument("--out", default="results/gpu-vllm")
     p.add_argument("--cpu-gb", type=float, default=20.0, help="CPU memory each offloader gets (GB)")

@@ -30,6 +30,11 @@ GEMMA3_8B = {
                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
     "tie_word_embeddings": True, "pad_token_id": 0,
 }
+# gpt-oss's attention pattern (every other layer attends to the last 128 tokens, less than
+# kvtier's chunk of 256: kvtier's chunk becomes 128) on the dense GEMMA3_8B, which the GPU
+# bundle runs (gpt-oss's MoE kernels are not in it).
+GPTOSS_DENSE_8B = {**GEMMA3_8B, "sliding_window": 128,
+                   "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(32)]}
 # Nemotron-H-8B's shape: 24 Mamba-2 layers, 4 attention layers (KV 16 KiB a token), 24 MLPs.
 # With kvtier (SupportsHMA, --mamba-cache-mode align) vLLM keeps each Mamba layer's state
 # at prefill steps' block ends, and kvtier stores it beside the chunk ending there.
@@ -42,7 +47,7 @@ NEMOTRON_H_8B = {
     "vocab_size": 131072, "max_position_embeddings": 131072, "mlp_hidden_act": "relu2", "layer_norm_epsilon": 1e-5,
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
 }
-MODELS = {"llama": LLAMA_8B, "gemma3": GEMMA3_8B, "nemotron_h": NEMOTRON_H_8B}
+MODELS = {"llama": LLAMA_8B, "gemma3": GEMMA3_8B, "gptoss_dense": GPTOSS_DENSE_8B, "nemotron_h": NEMOTRON_H_8B}
 
 
 def make_model(path: Path, family: str = "llama") -> Path:
@@ -243,6 +248,15 @@ def flush_kvtier(model) -> bool:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     return get_kv_transfer_group().worker.engine.flush(120)
+
+
+def kvtier_chunking(model) -> dict:
+    """(apply_model) The worker's kvtier chunk: its size in tokens (after the model's rules,
+    integrations/vllm/groups.py) and the bytes it stores a token."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    engine = get_kv_transfer_group().worker.engine
+    return {"chunk_size": engine.chunk_size, "stored_bytes_per_token": engine.mover.bytes_per_token}
 
 
 def h2d_bandwidth(nbytes: int) -> float:

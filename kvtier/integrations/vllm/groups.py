@@ -15,6 +15,12 @@ In align mode the block with the state after token e-1 is block e/B - 1 of the
 request's Mamba table, and vLLM makes prefill steps end on block boundaries, so
 kvtier's chunks must end on them too: the chunk size is a divisor of the block
 size, or the block size.
+
+A sliding layer's token is read by a hit ending less than a window after it. A hit
+ends on a chunk end, so a chunk no longer than the smallest window holds no sliding
+token that no hit reads: where the window is shorter than the configured chunk
+(gpt-oss: 128 tokens), the chunk size becomes the largest divisor of the configured
+one within the window. Every byte stored is then read by a hit at some chunk end.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class KvGroups:
     recurrent: tuple[int, ...]
     layer_group: dict[str, int]
     block_size: int  # every group's
+    window: int | None = None  # the smallest sliding window of the attention groups, in tokens
 
     @property
     def has_state(self) -> bool:
@@ -74,13 +81,21 @@ class KvGroups:
         return out
 
     def chunk_size(self, config: KvtierConfig) -> KvtierConfig:
-        """`config` with a chunk size whose chunk ends include every block end, where a
-        recurrent state can be kept: the block size where the configured one does not divide it."""
-        if not self.has_state or self.block_size % config.chunk_size == 0:
-            return config
-        log.info("a hybrid model's Mamba state is kept only at vLLM's block ends (%d tokens): kvtier's "
-                 "chunk_size %d -> %d so that chunks end there", self.block_size, config.chunk_size, self.block_size)
-        return replace(config, chunk_size=self.block_size)
+        """`config` with the chunk size these groups need: no longer than the smallest sliding
+        window (the largest divisor of the configured one within it), and with chunk ends on
+        every block end where a recurrent state can be kept (the block size where the chunk
+        does not divide it). Logged where it changes."""
+        size = config.chunk_size
+        if self.window is not None and self.window < size:
+            size = max(d for d in range(1, self.window + 1) if config.chunk_size % d == 0)
+            log.info("a sliding-window layer reads only the last %d tokens before a hit: kvtier's chunk_size "
+                     "%d -> %d so that a chunk holds no sliding token that no hit reads",
+                     self.window, config.chunk_size, size)
+        if self.has_state and self.block_size % size:
+            log.info("a hybrid model's Mamba state is kept only at vLLM's block ends (%d tokens): kvtier's "
+                     "chunk_size %d -> %d so that chunks end there", self.block_size, size, self.block_size)
+            size = self.block_size
+        return config if size == config.chunk_size else replace(config, chunk_size=size)
 
 
 def kv_groups(kv_cache_config: KVCacheConfig | None) -> KvGroups | None:
@@ -88,9 +103,9 @@ def kv_groups(kv_cache_config: KVCacheConfig | None) -> KvGroups | None:
     Refused, naming the reason: a group that is neither attention nor a Mamba state vLLM
     keeps at block ends (`--mamba-cache-mode align`), or groups of differing block sizes."""
     groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
-    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
 
-    attention, recurrent, of, sizes = [], [], {}, set()
+    attention, recurrent, of, sizes, windows = [], [], {}, set(), set()
     for g, group in enumerate(groups):
         spec = group.kv_cache_spec
         specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
@@ -98,6 +113,7 @@ def kv_groups(kv_cache_config: KVCacheConfig | None) -> KvGroups | None:
                f"{'...' if len(group.layer_names) > 3 else ''})"
         if all(isinstance(s, AttentionSpec) for s in specs):
             attention.append(g)
+            windows.update(s.sliding_window for s in specs if isinstance(s, SlidingWindowSpec))
         elif isinstance(spec, MambaSpec):
             if spec.mamba_cache_mode != "align" or spec.num_speculative_blocks:
                 raise UnsupportedModel(
@@ -116,7 +132,7 @@ def kv_groups(kv_cache_config: KVCacheConfig | None) -> KvGroups | None:
     if len(sizes) > 1:
         raise UnsupportedModel(f"vLLM's KV cache groups: block sizes {sorted(sizes)} differ; kvtier needs "
                                "all of one block size")
-    return KvGroups(tuple(attention), tuple(recurrent), of, sizes.pop())
+    return KvGroups(tuple(attention), tuple(recurrent), of, sizes.pop(), min(windows, default=None))
 
 
 def state_layers(kv_caches: dict[str, torch.Tensor | list[torch.Tensor]], names: Sequence[str]) -> StateLayers:
