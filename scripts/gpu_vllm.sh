@@ -41,7 +41,7 @@ esac
 case " $steps " in *" hma "*)
 # Hybrid models through vLLM's hybrid allocator: a tiny Gemma-3-style model's hit gives plain
 # vLLM's tokens; then an 8B-sized Gemma-3-style model (Llama-3.1-8B's KV a token) cold and warm.
-timeout ${HMA_TIMEOUT:-330} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_vllm_hma.py \
+timeout ${HMA_TIMEOUT:-450} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_vllm_hma.py \
     > "$work/hma-test.txt" 2>&1; echo "hma test exit $?"; tail -4 "$work/hma-test.txt"
 timeout ${HMA_BENCH_TIMEOUT:-300} python3 -m kvtier.bench.vllm --family ${HMA_FAMILY:-gemma3} --setups ${SETUPS:-plain kvtier} \
     --lengths ${LENGTHS:-16384} --pairs ${PAIRS:-5} --out "$work/hma-bench" --setup-timeout 280 > "$work/hma-bench.log" 2>&1
