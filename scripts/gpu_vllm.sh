@@ -22,6 +22,10 @@ rm -rf "$work"; mkdir -p "$out" "$work"
 servers='^[^ ]*python[0-9.]* -m (vllm\.entrypoints\.openai\.api_server|kvtier\.server|kvtier\.cli proxy)'
 pkill -f "$servers"  # an earlier call's, cut short
 trap 'tar czf "$out/gpu-vllm-$tag.tgz" -C "$work" .' EXIT
+if ls .tools/py_spy-*.whl >/dev/null 2>&1 && [ ! -x /tmp/pyspy/bin/py-spy ]; then
+    python3 -m pip install -q --no-deps --no-index --target /tmp/pyspy .tools/py_spy-*.whl
+fi
+export PATH=$PATH:/tmp/pyspy/bin
 if [ ! -d /tmp/site/vllm ]; then
     bash .gpu-vllm/install.sh .gpu-vllm /tmp/site >/dev/null || exit 1
 fi
@@ -80,7 +84,11 @@ timeout ${SERVING_TIMEOUT:-540} python3 -m kvtier.bench.serving --setups ${SETUP
     "max_position_embeddings": 32768}' --workload "${WORKLOAD:-{\"conversations\": 32, \"system_tokens\": 4096,
     \"turns\": 6, \"user_tokens\": 256, \"answer_tokens\": 128, \"max_tokens\": 32, \"rate\": 4.0,
     \"concurrency\": 12}}" ${SERVING_ARGS:-} > "$work/serving.log" 2>&1
-echo "serving exit $?"; pkill -f "$servers"; grep -E "^\||^\[|Traceback|Error" "$work/serving.log" | tail -20 ;;
+echo "serving exit $?"; pkill -f "$servers"; grep -E "^\||^\[|Traceback|Error" "$work/serving.log" | tail -20
+# With SERVING_ARGS=--profile (py-spy on PATH, e.g. its wheel carried in .tools/): where each
+# server's threads spent the workload.
+ls "$work"/serving/*-pyspy.txt >/dev/null 2>&1 && python3 -m kvtier.bench.stacks "$work"/serving/*-pyspy.txt \
+    --min-samples 200 > "$work/stacks.txt" 2>&1 && head -60 "$work/stacks.txt" ;;
 esac
 case " $steps " in *" bench "*)
 timeout ${BENCH_TIMEOUT:-480} python3 -m kvtier.bench.vllm --setups ${SETUPS:-plain kvtier kvtier-layerwise} --lengths ${LENGTHS:-4096 16384 32768} \

@@ -10,15 +10,22 @@ server at a time on this machine.
 
 One JSON record per setup (`<out>/<setup>.json`), `<out>/serving.svg` (TTFT over the
 run, every setup) and a table on stdout: mean / p99 TTFT, throughput, hit rates,
-failed requests, and how many greedy outputs equal the first setup's.
+failed requests, and how many greedy outputs equal the first setup's. With
+`--profile`, py-spy samples the server and its engine core during the workload
+(`<out>/<setup>-pyspy.txt`, collapsed stacks; `kvtier.bench.stacks` sums them).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shutil
+import signal
+import subprocess
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Iterator
 
 from kvtier.bench.chat import Record, Workload, plot, run, same_outputs
 from kvtier.dev.demo import vllm_server
@@ -40,8 +47,29 @@ def setup(name: str, cpu_gb: float) -> tuple[dict | None, dict, list[str]]:
     }[name]
 
 
+@contextlib.contextmanager
+def sampled(pid: int, path: Path | None) -> Iterator[None]:
+    """py-spy sampling process `pid` and its children (vLLM's engine core) into `path`, as
+    collapsed stacks, while the block runs (nothing where `path` is None)."""
+    if path is None:
+        yield
+        return
+    spy = shutil.which("py-spy")
+    if spy is None:
+        raise RuntimeError("--profile needs py-spy on PATH (pip install py-spy)")
+    proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--subprocesses", "--rate", "200", "--format",
+                             "raw", "--threads", "--idle", "--nonblocking", "-o", str(path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
+        proc.wait(timeout=60)
+
+
 def compare(model: Path, names: list[str], w: Workload, out: Path, cpu_gb: float, gpu_util: float,
-            eager: bool, prefix_caching: bool, max_model_len: int, dtype: str = "auto") -> dict[str, Record]:
+            eager: bool, prefix_caching: bool, max_model_len: int, dtype: str = "auto",
+            profile: bool = False) -> dict[str, Record]:
     out.mkdir(parents=True, exist_ok=True)
     records: dict[str, Record] = {}
     for name in names:
@@ -50,7 +78,9 @@ def compare(model: Path, names: list[str], w: Workload, out: Path, cpu_gb: float
                          gpu_memory_utilization=gpu_util, eager=eager, prefix_caching=prefix_caching,
                          max_model_len=max_model_len, dtype=dtype) as srv:
             run(srv.url, str(model), replace(w, rate=100.0, conversations=1, turns=1))  # warm-up
-            records[name] = rec = run(srv.url, str(model), w)
+            assert srv.proc is not None
+            with sampled(srv.proc.pid, out / f"{name}-pyspy.txt" if profile else None):
+                records[name] = rec = run(srv.url, str(model), w)
         (out / f"{name}.json").write_text(json.dumps(asdict(rec), indent=1))
         print(f"[{name}] {json.dumps(rec.summary)}", flush=True)
     (out / "serving.svg").write_text(plot({n: asdict(r) for n, r in records.items()}))
@@ -86,13 +116,14 @@ def main() -> None:
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--workload", type=json.loads, default={}, help="Workload fields (JSON)")
+    p.add_argument("--profile", action="store_true", help="py-spy the server during each workload")
     args = p.parse_args()
     spec = TinyLlama(**args.model)
     model = make_tiny_llama(args.model_dir, spec)
     # Token ids within the model's vocabulary (vLLM refuses others with a 400).
     workload = Workload(**{"vocab": spec.vocab_size, **args.workload})
     records = compare(model, args.setups, workload, Path(args.out), args.cpu_gb, args.gpu_util,
-                      args.eager, args.prefix_caching, args.max_model_len)
+                      args.eager, args.prefix_caching, args.max_model_len, profile=args.profile)
     print("\n".join(table(records)))
 
 
