@@ -214,6 +214,34 @@ def test_layerwise_store_on_gpu_overlaps_nothing_it_should_not():
         assert torch.equal(layers[i][:, slots.cuda() // BS, slots.cuda() % BS], expect[i])
 
 
+def test_a_layerwise_store_not_waited_for_lands_before_its_pages_change_and_its_lookup():
+    """`finish(wait=False)` (the vLLM worker's): the host does not wait for the copies, yet
+    the next work on the caller's stream (a forward writing the pages again) runs after the
+    gathers read them, and a lookup of the prefix sees the chunks (it waits for them)."""
+    layers = [torch.zeros(SHAPES["flash_attn"], device="cuda", dtype=torch.bfloat16) for _ in range(L)]
+    kv = PagedKV.wrap(layers, "flash_attn")
+    eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), kv, KVFormat("m", "flash_attn", "bf16"))
+    slots = torch.randperm(kv.num_slots)[:256]
+    toks = list(range(256))
+    storing = eng.start_store(toks, slots, layerwise=True)
+    expect = []
+    for i in range(L):
+        layers[i].normal_()
+        expect.append(layers[i][:, slots.cuda() // BS, slots.cuda() % BS].clone())
+        torch.cuda._sleep(2_000_000)  # the gathers queue behind a slow forward
+        storing.save(i)
+    assert storing.finish(wait=False) == 256
+    assert eng.storing._landing  # not landed: the copies are still queued behind the sleeps
+    for x in layers:
+        x.zero_()  # the next forward, on the same stream: after the gathers' reads
+    assert eng.lookup(toks) == 256 and not eng.storing._landing
+    assert int(eng.retrieve(toks, slots).sum()) == 256
+    torch.cuda.synchronize()
+    for i in range(L):
+        assert torch.equal(layers[i][:, slots.cuda() // BS, slots.cuda() % BS], expect[i])
+    eng.close()
+
+
 @pytest.mark.parametrize("codec", ["int8", "fp8"])
 @pytest.mark.parametrize("backend", ["triton", "triton-direct", "torch"])
 @pytest.mark.parametrize("layout", SHAPES)

@@ -39,15 +39,19 @@ def is_kvtier(path: str) -> bool:
 def read(path: Path) -> dict[tuple[str, str], Thread]:
     """(process, thread) -> its samples and kvtier frames."""
     threads: dict[tuple[str, str], Thread] = defaultdict(Thread)
+    held = ""  # a process's command line may hold a newline: its stack goes on in the next line
     for line in path.read_text(errors="replace").splitlines():
-        stack, _, count = line.rpartition(" ")
+        stack, _, count = (held + line).rpartition(" ")
         if not stack or not count.isdigit():
+            held += line
             continue
+        held = ""
         frames = stack.split(";")
-        process = "process"
-        while frames and frames[0].startswith("process "):  # a child's stacks name its parents first
-            process = frames.pop(0)
-        thread = frames.pop(0) if frames and frames[0].startswith("thread ") else "thread"
+        # A child's stacks name its parents first; a command line may hold ";" too.
+        at = next((i for i, f in enumerate(frames) if f.startswith("thread (")), -1)
+        head, thread = (frames[:at], frames[at]) if at >= 0 else ([], "thread")
+        frames = frames[at + 1:]
+        process = next((f for f in reversed(head) if f.startswith("process ")), "process")
         t = threads[(process[:60], thread)]
         n = int(count)
         t.samples += n

@@ -12,6 +12,9 @@
     save_state / load_state  a hybrid model's recurrent state at a chunk's end (states.py);
                              with it, `find` ends a hit only where such a snapshot is
 
+Copies to the host that a caller did not wait for (a layerwise store's `finish(wait=False)`,
+a state snapshot) land in the tiers at the next store, lookup, flush, clear or close.
+
 `tokens` are a prompt's token ids from its first token; `slots` are the
 paged-cache slot of each of those tokens (block_id * block_size + offset).
 Only whole chunks move (plus the partial last chunk when
@@ -114,10 +117,9 @@ class CacheEngine:
         are held for that request until its retrieve (kvtier/tiers/holds.py)."""
         spans = self.spans(tokens, hold_for)
         keys = [s.key for s in spans]
+        self._settle(keys=keys)  # stores still copying this prefix land first; snapshots that have ended
         where = self.tiers.locate(keys)
         in_cpu = next((i for i, w in enumerate(where) if w != CPU), len(where))
-        if self.states is not None:
-            self.states.settle()  # snapshots whose copies have ended can be found
         if cpu_only:
             where = where[:in_cpu]
         n, state_keys, state_where = len(where), [], []
@@ -193,6 +195,7 @@ class CacheEngine:
         streams the rest (chunks that got no block) through the pool.
         """
         slots = self._check(tokens, slots)
+        self._settle()  # landed stores are in the tiers: not stored twice
         return self.storing.start(Job(as_numpy(tokens), slots, start, request_id), layerwise)
 
     def allocate_staging(self, spans: Sequence[ChunkSpan]) -> list[tuple[ChunkSpan, MemoryBlock]]:
@@ -297,25 +300,29 @@ class CacheEngine:
     def clear(self) -> None:
         """Drop every chunk of CPU RAM and disk (blocks in use are freed when released)."""
         self.ahead.drop()
-        if self.states is not None:
-            self.states.settle(wait=True)
+        self._settle(wait=True)
         self.tiers.clear()
         log.info("cleared the local tiers (CPU RAM%s)", " and disk" if self.tiers.disk is not None else "")
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until stored chunks have been written to disk and remote; False on timeout."""
-        if self.states is not None:
-            self.states.settle(wait=True)
+        self._settle(wait=True)
         return self.tiers.flush(timeout)
 
     def close(self) -> None:
         """Write what is still queued for disk and remote, then let go of them."""
         self.prefetcher.close()
         self.ahead.drop()
-        if self.states is not None:
-            self.states.settle(wait=True)
+        self._settle(wait=True)
         self.holds.release_all()
         self.tiers.close(timeout=self.config.blocking_timeout_secs)
+
+    def _settle(self, wait: bool = False, keys: Sequence[ChunkKey] = ()) -> None:
+        """Stores and state snapshots whose copies to the host have ended go into the tiers
+        (with `wait`, every one; with `keys`, the stores holding any of them)."""
+        self.storing.settle(wait, keys)
+        if self.states is not None:
+            self.states.settle(wait)
 
     def _check(self, tokens: Tokens, slots: torch.Tensor, exact: bool = True) -> torch.Tensor:
         """Validate engine input at the boundary; returns slots as int64 on CPU. Grouped KV

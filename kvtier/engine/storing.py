@@ -5,11 +5,15 @@
     Storing.save(layer)              layerwise: layer `layer` is computed, move it
     Storing.finish()                 waits for the copies, puts the chunks in the tiers,
                                      streams the rest through the pool batch by batch
+    Storing.finish(wait=False)       the same without waiting for a layerwise store's copies
+                                     on a GPU: its chunks go into the tiers at a later
+                                     `StorePath.settle`, once the copies have landed
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import threading
+from typing import Callable, Collection, Sequence
 
 import numpy as np
 import torch
@@ -17,7 +21,7 @@ import torch
 from kvtier.engine.job import Job
 from kvtier.engine.mover import Mover, num_tokens, release_blocks, stamp
 from kvtier.engine.records import EngineStats, EventLog, SkipWarnings, log_transfer
-from kvtier.keys import ChunkSpan
+from kvtier.keys import ChunkKey, ChunkSpan
 from kvtier.logs import get_logger
 from kvtier.memory import MemoryBlock
 from kvtier.tiers.store import TieredStore
@@ -32,6 +36,11 @@ class StorePath:
         self.tiers, self.mover, self.stats, self.events = tiers, mover, stats, events
         self._spans, self._enabled = spans, enabled  # enabled: some tier keeps chunks
         self._skips = SkipWarnings()
+        # Layerwise stores whose copies to the host are in flight (Storing.finish(wait=False)):
+        # (their copies' event, the keys of their chunks, what puts them in the tiers). The
+        # lookup thread settles them too.
+        self._landing: list[tuple[torch.cuda.Event, frozenset[ChunkKey], Callable[[], None]]] = []
+        self._lock = threading.Lock()
 
     def start(self, job: Job, layerwise: bool) -> Storing:
         todo: list[ChunkSpan] = []
@@ -89,6 +98,25 @@ class StorePath:
                 block.release()
         return stored
 
+    def later(self, done: torch.cuda.Event, keys: frozenset[ChunkKey], land: Callable[[], None]) -> None:
+        with self._lock:
+            self._landing.append((done, keys, land))
+
+    def settle(self, wait: bool = False, keys: Collection[ChunkKey] = ()) -> None:
+        """Put the chunks of stores whose copies have landed in the tiers; with `wait`, of every
+        store, and with `keys`, of every store holding one of them (waiting for its copies)."""
+        if not self._landing:
+            return
+        ready, flying = [], []
+        with self._lock:
+            for entry in self._landing:
+                done, theirs, _ = entry
+                (ready if wait or done.query() or not theirs.isdisjoint(keys) else flying).append(entry)
+            self._landing = flying
+        for done, _, land in ready:
+            done.synchronize()
+            land()
+
     def put(self, owned: Sequence[tuple[ChunkSpan, MemoryBlock]]) -> None:
         for span, block in owned:
             self.tiers.put(span.key, block, span.num_tokens)
@@ -128,8 +156,10 @@ class Storing:
         if self._handle is not None:
             self._handle.save(layer)
 
-    def finish(self) -> int:
-        """Wait for the copies, put the chunks in the tiers; the tokens stored.
+    def finish(self, wait: bool = True) -> int:
+        """Wait for the copies, put the chunks in the tiers; the tokens stored. Without `wait`,
+        a layerwise store on a GPU does not wait: its chunks go into the tiers at a later
+        `StorePath.settle` (the caller's stream is ordered after its reads of the KV).
 
         A layerwise store some layer of which was never saved (the forward
         stopped early) is dropped, not stored: that layer was not computed.
@@ -138,23 +168,33 @@ class Storing:
         rest, self._rest = self._rest, []
         if not chunks and not rest:
             return 0
+        handle, done = self._handle, None
         try:
-            if self._handle is not None:
-                self._handle.finish()
+            if handle is not None:
+                done = handle.finish() if wait else handle.finish_later()
         except BaseException:
             release_blocks(chunks)
             raise
-        unsaved = self._handle.unsaved() if self._handle is not None else []
-        if unsaved:
+        if handle is not None and handle.unsaved():
+            if done is not None:
+                done.synchronize()  # no copy may still write into a block being freed
             log.warning("request %s: layers %s were never saved; its store of %d tokens is dropped",
-                        self._job.request_id or "-", unsaved, num_tokens(chunks) + sum(s.num_tokens for s in rest))
+                        self._job.request_id or "-", handle.unsaved(),
+                        num_tokens(chunks) + sum(s.num_tokens for s in rest))
             release_blocks(chunks)
             return 0
-        path = self._path
-        stamp(chunks, self._digests)
-        path.put(chunks)
-        stored = num_tokens(chunks) + path.stream(self._job.slots, rest, self._job.request_id)
-        path.stored(self._job, [s for s, _ in chunks] + rest, stored, self._handle is not None)
+        path, job, digests = self._path, self._job, self._digests
+        stored = num_tokens(chunks) + path.stream(job.slots, rest, job.request_id)
+
+        def land() -> None:
+            stamp(chunks, digests)
+            path.put(chunks)
+            path.stored(job, [s for s, _ in chunks] + rest, stored, handle is not None)
+
+        if done is None:
+            land()
+        else:
+            path.later(done, frozenset(s.key for s, _ in chunks), land)  # `land` keeps the saver alive
         return stored
 
     def cancel(self) -> None:

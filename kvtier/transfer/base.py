@@ -28,6 +28,12 @@ class LayerSaver(Protocol):
     def finish(self) -> None:
         """Return once every saved layer is in the host chunks."""
 
+    def finish_later(self) -> torch.cuda.Event | None:
+        """`finish` without waiting: the caller's stream is ordered after every read of the
+        KV (its pages may be written again), and the returned event completes once every
+        saved layer is in the host chunks (which, and this saver, must live until then).
+        None: they are there already."""
+
     def unsaved(self) -> list[int]:
         """The layers `save` was never called for."""
 

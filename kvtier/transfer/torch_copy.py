@@ -121,6 +121,9 @@ class EagerSaves:
     def finish(self) -> None:
         self._chunks = []
 
+    def finish_later(self) -> None:
+        self.finish()  # each layer was copied when saved
+
     def unsaved(self) -> list[int]:
         return [layer for layer, saved in enumerate(self._saved) if not saved]
 

@@ -1,45 +1,40 @@
 """Gather/scatter in one Triton launch for all layers of a batch of chunks.
 
-Program (t, l*K + k) moves the H*D values of token t, layer l, K-or-V k
-between the engine's KV page and chunk t // C. Layer and chunk buffers are
-reached through tables of base addresses, so chunks can live anywhere the
-GPU can address:
+Program (t, l*K + k) moves the H*D values of token t, layer l, K-or-V k between the engine's
+KV page and chunk t // C. Layer and chunk buffers are reached through tables of base
+addresses, so chunks can live anywhere the GPU can address:
 
     staged (default)  kernel ⇄ one device staging buffer ⇄ pinned host
                       blocks, one strided copy per run of adjacent blocks
     direct            kernel ⇄ pinned host blocks (PCIe inside the kernel)
 
-Whole transfers stage chunk by chunk, in a few groups of chunks, so the
-kernel of one group runs while another group crosses PCIe; layerwise ones
-stage layer by layer (layer l of every chunk side by side), so each layer
-crosses PCIe in one copy per run and has its own kernel:
+Whole transfers stage chunk by chunk, in a few groups of chunks, so the kernel of one group
+runs while another group crosses PCIe; layerwise ones stage layer by layer (layer l of every
+chunk side by side), so each layer crosses PCIe in one copy per run and has its own kernel:
 
     chunk-major  | c0: L0 L1 .. | c1: L0 L1 .. |       (store, retrieve)
     layer-major  | L0: c0 c1 .. | L1: c0 c1 .. |       (layerwise)
 
-A load's copies into staging can be queued before its slots are known
-(`upload`, at the scheduler's lookup); its `scatter` then queues only the
-kernels, and reads the slot table from pinned memory in a kernel of its
-own (a copy-engine copy would wait behind the chunks).
+A load's copies into staging can be queued before its slots are known (`upload`, at the
+scheduler's lookup); its `scatter` then queues only the kernels, and reads the slot table
+from pinned memory in a kernel of its own (a copy-engine copy would wait behind the chunks).
 
-In staging, chunks sit in the order of their host addresses (within a
-group), so blocks that are neighbours in the pool are neighbours there too,
-whatever tokens they hold: a run of them is one strided copy.
+In staging, chunks sit in the order of their host addresses (within a group), so blocks that
+are neighbours in the pool are neighbours there too, whatever tokens they hold: a run of
+them is one strided copy.
 
-Uploads into staging go by a kernel (host_runs_kernel) or the copy engine:
-`upload` kernel | copy_engine | auto (kernel for layer-major ones). The copy
-engine serves host-to-device copies in queue order from every stream, so
-vLLM's next-step inputs wait behind a bulk upload (staging.py).
+Uploads into staging go by a kernel (host_runs_kernel) or the copy engine: `upload` kernel |
+copy_engine | auto (kernel for layer-major ones). The copy engine serves host-to-device
+copies in queue order from every stream, so vLLM's next-step inputs wait behind a bulk
+upload (staging.py).
 
-Kernels run on one side stream and PCIe copies on another, ordered by
-events; both are ordered after the caller's stream, and the caller's stream
-waits for them. Direct needs every chunk pinned; a call with a pageable
-chunk is staged. Figures: docs/benchmarks.md.
+Kernels run on one side stream and PCIe copies on another, ordered by events; both are
+ordered after the caller's stream, and the caller's stream waits for them. Direct needs
+every chunk pinned; a call with a pageable chunk is staged. Figures: docs/benchmarks.md.
 
-With a lossy codec (quant.py) the kernels quantize the KV into the chunk
-rows as they gather, and dequantize as they scatter: staging, copies and
-host chunks then hold the quantized bytes (about half), nothing else
-changes.
+With a lossy codec (quant.py) the kernels quantize the KV into the chunk rows as they
+gather, and dequantize as they scatter: staging, copies and host chunks then hold the
+quantized bytes (about half), nothing else changes.
 
 Correctness is also checked on CPU with TRITON_INTERPRET=1.
 """
@@ -387,10 +382,18 @@ class LayerSaves:
 
     def finish(self) -> None:
         """Every saved layer in the host chunks."""
-        if self._stream is not None:
-            self._stream.synchronize()
-            self._t._copies.synchronize()
-        self._staging = None
+        done = self.finish_later()
+        if done is not None:
+            done.synchronize()
+
+    def finish_later(self) -> torch.cuda.Event | None:
+        if self._stream is None:
+            return None
+        torch.cuda.current_stream(self._t.kv.device).wait_stream(self._stream)  # the gathers read the pages
+        done, last = torch.cuda.Event(), self._t._copies if self._staging else self._stream  # staging lives on
+        last.wait_stream(self._stream)
+        done.record(last)
+        return done
 
     def unsaved(self) -> list[int]:
         return [layer for layer, saved in enumerate(self._saved) if not saved]

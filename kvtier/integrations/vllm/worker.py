@@ -268,8 +268,12 @@ class WorkerSide:
             self._check_loaded(spec, loaded)
         stores, self._stores = self._stores, None
         if stores is not None:
+            # Not waited for: the next step's forward is ordered after the gathers' reads of the
+            # pages, and the chunks land in the tiers at the engine's next store or lookup. A
+            # host waiting here for the step's copies left the GPU idle until vLLM queued the
+            # next step (a step of vLLM's batch queue is queued before the last one ends).
             for store in stores:
-                store.finish()
+                store.finish(wait=False)
         else:
             for spec in meta.saves:
                 self.engine.store(spec.token_ids, self._slots(spec), start=spec.start, request_id=spec.req_id)
