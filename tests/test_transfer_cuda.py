@@ -231,10 +231,10 @@ def test_a_layerwise_store_not_waited_for_lands_before_its_pages_change_and_its_
         torch.cuda._sleep(2_000_000)  # the gathers queue behind a slow forward
         storing.save(i)
     assert storing.finish(wait=False) == 256
-    assert eng.storing._landing  # not landed: the copies are still queued behind the sleeps
+    assert len(eng.storing.landing) == 1  # not landed: the copies are still queued behind the sleeps
     for x in layers:
         x.zero_()  # the next forward, on the same stream: after the gathers' reads
-    assert eng.lookup(toks) == 256 and not eng.storing._landing
+    assert eng.lookup(toks) == 256 and not len(eng.storing.landing)
     assert int(eng.retrieve(toks, slots).sum()) == 256
     torch.cuda.synchronize()
     for i in range(L):

@@ -320,7 +320,7 @@ class CacheEngine:
     def _settle(self, wait: bool = False, keys: Sequence[ChunkKey] = ()) -> None:
         """Stores and state snapshots whose copies to the host have ended go into the tiers
         (with `wait`, every one; with `keys`, the stores holding any of them)."""
-        self.storing.settle(wait, keys)
+        self.storing.landing.settle(wait, keys)
         if self.states is not None:
             self.states.settle(wait)
 

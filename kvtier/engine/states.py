@@ -18,12 +18,12 @@ piece is a missing snapshot (the hit ends earlier), never a wrong state.
 from __future__ import annotations
 
 import hashlib
-import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
+from kvtier.engine.landing import Landing
 from kvtier.keys import ChunkKey, ChunkSpan
 from kvtier.logs import get_logger
 from kvtier.memory import MemoryBlock
@@ -85,8 +85,7 @@ class StatePath:
         self._stream = torch.cuda.Stream(layers.device) if layers.device.type == "cuda" else None
         # Snapshots copying to the host: put in the tiers once their copy has ended (`settle`),
         # so that a step's save does not wait on the host for that step's forward.
-        self._copying: list[tuple[torch.cuda.Event, list[ChunkKey], list[MemoryBlock]]] = []
-        self._lock = threading.Lock()  # saves on vLLM's thread, lookups on the lookup server's
+        self.landing = Landing()
 
     def keys(self, chunk_key: ChunkKey) -> list[ChunkKey]:
         """The keys of the pieces of the snapshot taken where `chunk_key`'s chunk ends."""
@@ -103,9 +102,7 @@ class StatePath:
         the pool had no blocks for it (every block held by readers): nothing is stored."""
         self.settle()
         keys = self.keys(chunk_key)
-        with self._lock:
-            copying = any(ks[0] == keys[0] for _, ks, _ in self._copying)
-        if copying or len(self.tiers.locate(keys)) == len(keys):
+        if self.landing.holds(keys[0]) or len(self.tiers.locate(keys)) == len(keys):
             return True
         pieces: list[MemoryBlock] = []
         for _ in keys:
@@ -128,21 +125,13 @@ class StatePath:
             _copy(self._runs, src, dst)
         done = self._stream.record_event()
         main.wait_event(done)  # the blocks are read before anything later writes them
-        with self._lock:
-            self._copying.append((done, keys, pieces))
+        self.landing.add(done, keys, lambda: self._put(keys, pieces))
         return True
 
     def settle(self, wait: bool = False) -> None:
         """Put the snapshots whose copies to the host have ended in the tiers (with `wait`,
         every one, waiting for its copy)."""
-        ready, copying = [], []
-        with self._lock:
-            for c in self._copying:
-                (ready if wait or c[0].query() else copying).append(c)
-            self._copying = copying
-        for done, keys, pieces in ready:
-            done.synchronize()
-            self._put(keys, pieces)
+        self.landing.settle(wait)
 
     def _put(self, keys: Sequence[ChunkKey], pieces: Sequence[MemoryBlock]) -> None:
         for key, block in zip(keys, pieces):

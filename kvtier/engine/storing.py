@@ -7,21 +7,21 @@
                                      streams the rest through the pool batch by batch
     Storing.finish(wait=False)       the same without waiting for a layerwise store's copies
                                      on a GPU: its chunks go into the tiers at a later
-                                     `StorePath.settle`, once the copies have landed
+                                     `StorePath.landing.settle`, once the copies have landed
 """
 
 from __future__ import annotations
 
-import threading
-from typing import Callable, Collection, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from kvtier.engine.job import Job
+from kvtier.engine.landing import Landing
 from kvtier.engine.mover import Mover, num_tokens, release_blocks, stamp
 from kvtier.engine.records import EngineStats, EventLog, SkipWarnings, log_transfer
-from kvtier.keys import ChunkKey, ChunkSpan
+from kvtier.keys import ChunkSpan
 from kvtier.logs import get_logger
 from kvtier.memory import MemoryBlock
 from kvtier.tiers.store import TieredStore
@@ -36,11 +36,7 @@ class StorePath:
         self.tiers, self.mover, self.stats, self.events = tiers, mover, stats, events
         self._spans, self._enabled = spans, enabled  # enabled: some tier keeps chunks
         self._skips = SkipWarnings()
-        # Layerwise stores whose copies to the host are in flight (Storing.finish(wait=False)):
-        # (their copies' event, the keys of their chunks, what puts them in the tiers). The
-        # lookup thread settles them too.
-        self._landing: list[tuple[torch.cuda.Event, frozenset[ChunkKey], Callable[[], None]]] = []
-        self._lock = threading.Lock()
+        self.landing = Landing()  # layerwise stores whose copies to the host are in flight
 
     def start(self, job: Job, layerwise: bool) -> Storing:
         todo: list[ChunkSpan] = []
@@ -98,25 +94,6 @@ class StorePath:
                 block.release()
         return stored
 
-    def later(self, done: torch.cuda.Event, keys: frozenset[ChunkKey], land: Callable[[], None]) -> None:
-        with self._lock:
-            self._landing.append((done, keys, land))
-
-    def settle(self, wait: bool = False, keys: Collection[ChunkKey] = ()) -> None:
-        """Put the chunks of stores whose copies have landed in the tiers; with `wait`, of every
-        store, and with `keys`, of every store holding one of them (waiting for its copies)."""
-        if not self._landing:
-            return
-        ready, flying = [], []
-        with self._lock:
-            for entry in self._landing:
-                done, theirs, _ = entry
-                (ready if wait or done.query() or not theirs.isdisjoint(keys) else flying).append(entry)
-            self._landing = flying
-        for done, _, land in ready:
-            done.synchronize()
-            land()
-
     def put(self, owned: Sequence[tuple[ChunkSpan, MemoryBlock]]) -> None:
         for span, block in owned:
             self.tiers.put(span.key, block, span.num_tokens)
@@ -125,16 +102,16 @@ class StorePath:
         self.stats.skipped_store_tokens += skipped
         self._skips.warn(skipped, request_id)
 
-    def stored(self, job: Job, spans: list[ChunkSpan], count: int, layerwise: bool) -> None:
-        """A store is over: its events, stats and log line."""
+    def stored(self, job: Job, spans: list[ChunkSpan], count: int, layerwise: bool, seconds: float) -> None:
+        """A store is over (`seconds` after its start: its copies are queued): its events,
+        stats and log line."""
         if self.events.on and self.tiers.keep_cpu:
             self.events.stored(spans, job.tokens, self._spans(job.tokens, ""))
         self.stats.stored_tokens += count
-        self.stats.store_seconds += job.seconds()
+        self.stats.store_seconds += seconds
         if count:
             log_transfer("Storing KV cache for", count, job.num_tokens, job.request_id,
-                         count * self.mover.kv.bytes_per_token(), job.seconds(),
-                         ", layer by layer" if layerwise else "")
+                         count * self.mover.kv.bytes_per_token(), seconds, ", layer by layer" if layerwise else "")
 
 
 class Storing:
@@ -159,7 +136,7 @@ class Storing:
     def finish(self, wait: bool = True) -> int:
         """Wait for the copies, put the chunks in the tiers; the tokens stored. Without `wait`,
         a layerwise store on a GPU does not wait: its chunks go into the tiers at a later
-        `StorePath.settle` (the caller's stream is ordered after its reads of the KV).
+        `StorePath.landing.settle` (the caller's stream is ordered after its reads of the KV).
 
         A layerwise store some layer of which was never saved (the forward
         stopped early) is dropped, not stored: that layer was not computed.
@@ -185,16 +162,17 @@ class Storing:
             return 0
         path, job, digests = self._path, self._job, self._digests
         stored = num_tokens(chunks) + path.stream(job.slots, rest, job.request_id)
+        seconds = job.seconds()
 
         def land() -> None:
             stamp(chunks, digests)
             path.put(chunks)
-            path.stored(job, [s for s, _ in chunks] + rest, stored, handle is not None)
+            path.stored(job, [s for s, _ in chunks] + rest, stored, handle is not None, seconds)
 
         if done is None:
             land()
         else:
-            path.later(done, frozenset(s.key for s, _ in chunks), land)  # `land` keeps the saver alive
+            path.landing.add(done, [s.key for s, _ in chunks], land)  # `land` keeps the saver alive
         return stored
 
     def cancel(self) -> None:

@@ -1,0 +1,46 @@
+"""Copies to the host that the caller did not wait for: what puts each in the tiers once
+its CUDA event has completed. A layerwise store's chunks (storing.py) and a recurrent
+state's snapshot (states.py) land so, at the engine's next store, load or lookup, or at
+once where a lookup asks for their keys."""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Collection
+
+import torch
+
+from kvtier.keys import ChunkKey
+
+
+class Landing:
+    def __init__(self) -> None:
+        self._flying: list[tuple[torch.cuda.Event, frozenset[ChunkKey], Callable[[], None]]] = []
+        self._lock = threading.Lock()  # stores on vLLM's thread, lookups on the lookup server's
+
+    def add(self, done: torch.cuda.Event, keys: Collection[ChunkKey], land: Callable[[], None]) -> None:
+        with self._lock:
+            self._flying.append((done, frozenset(keys), land))
+
+    def holds(self, key: ChunkKey) -> bool:
+        """Whether `key` is on its way."""
+        with self._lock:
+            return any(key in keys for _, keys, _ in self._flying)
+
+    def settle(self, wait: bool = False, keys: Collection[ChunkKey] = ()) -> None:
+        """Land what has arrived; with `wait`, everything, and with `keys`, whatever holds one
+        of them (waiting for its copies)."""
+        if not self._flying:
+            return
+        ready, flying = [], []
+        with self._lock:
+            for entry in self._flying:
+                done, theirs, _ = entry
+                (ready if wait or done.query() or not theirs.isdisjoint(keys) else flying).append(entry)
+            self._flying = flying
+        for done, _, land in ready:
+            done.synchronize()
+            land()
+
+    def __len__(self) -> int:
+        return len(self._flying)

@@ -1,0 +1,40 @@
+"""Copies not waited for (engine/landing.py) land in the tiers once their event has completed,
+all of them with `wait`, and those holding a looked-up key at once (waiting for them). CUDA
+events need a GPU; `Arrival` is an event whose completion the test decides (the GPU test of a
+store not waited for is tests/test_transfer_cuda.py)."""
+
+from kvtier.engine.landing import Landing
+from kvtier.keys import ChunkKey, KVFormat
+
+
+class Arrival:
+    def __init__(self) -> None:
+        self.arrived, self.waited = False, False
+
+    def query(self) -> bool:
+        return self.arrived
+
+    def synchronize(self) -> None:
+        self.waited |= not self.arrived  # waited: it had not arrived
+        self.arrived = True
+
+
+def key(i: int) -> ChunkKey:
+    return ChunkKey(KVFormat("m", "flash_attn", "bf16"), bytes([i]) * 16)
+
+
+def test_copies_land_when_arrived_when_waited_for_or_when_their_keys_are_looked_up():
+    landing, landed = Landing(), []
+    events = [Arrival() for _ in range(3)]
+    for i, done in enumerate(events):
+        landing.add(done, [key(i), key(10 + i)], lambda i=i: landed.append(i))
+    assert landing.holds(key(11)) and not landing.holds(key(20))
+    landing.settle()
+    assert landed == [] and len(landing) == 3  # nothing has arrived: nothing waits
+    events[1].arrived = True
+    landing.settle(keys=[key(5)])
+    assert landed == [1] and not events[1].waited
+    landing.settle(keys=[key(12)])  # looked up: waited for
+    assert landed == [1, 2] and events[2].waited and not events[0].waited
+    landing.settle(wait=True)
+    assert landed == [1, 2, 0] and len(landing) == 0 and not landing.holds(key(10))
