@@ -178,10 +178,7 @@ class HostPool:
         with self.lock:
             if not self._free:
                 return None
-            block = self._blocks[self._free.pop()]
-            block._refs = 1
-            block.digest = 0
-            return block
+            return self._taken(self._free.pop())
 
     def allocate_many(self, count: int) -> list[MemoryBlock] | None:
         """The `count` free blocks of lowest address, in address order, each with one
@@ -194,11 +191,14 @@ class HostPool:
             self._free.sort(reverse=True)  # nearly sorted already: a linear pass
             taken = self._free[len(self._free) - count :][::-1]
             del self._free[len(self._free) - count :]
-            blocks = [self._blocks[i] for i in taken]
-            for block in blocks:
-                block._refs = 1
-                block.digest = 0
-            return blocks
+            return [self._taken(i) for i in taken]
+
+    def _taken(self, index: int) -> MemoryBlock:
+        """Block `index`, just taken off the free list: one reference (the caller's), no digest."""
+        block = self._blocks[index]
+        block._refs = 1
+        block.digest = 0
+        return block
 
     def _release(self, block: MemoryBlock) -> None:
         with self.lock:

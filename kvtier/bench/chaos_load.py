@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvtier.bench import chaos_faults as cf
-from kvtier.bench.chat import Result, request
+from kvtier.bench.chat import Result, request, series
 
 TIERS_FAULTS = (*cf.STORE_FAULTS[:2], *cf.DISK_FAULTS, cf.STORE_FAULTS[2])
 LOOKUP_TIMEOUT_MS = 3000
@@ -224,14 +224,12 @@ KEEP = ("vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_queries",
 def parse_metrics(text: str) -> dict[str, float]:
     """The figures the run follows, summed over labels but `tier`."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(KEEP):
+    for name, head, value in series(text):
+        if not head.startswith(KEEP):
             continue
-        head, value = line.rsplit(" ", 1)
-        name = head.split("{")[0].removesuffix("_total")
         if 'tier="' in head:
             name += ":" + head.split('tier="')[1].split('"')[0]
-        _add(out, name, float(value))
+        _add(out, name, value)
     return out
 
 

@@ -30,6 +30,7 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Iterator
 
 
 @dataclass(frozen=True)
@@ -172,11 +173,19 @@ def scrape(url: str) -> dict[str, float]:
     names = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
              "vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits")
     out = dict.fromkeys(names, 0.0)
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        name = line.split("{")[0].split(" ")[0].removesuffix("_total")
-        if name in out and not line.startswith("#"):
-            out[name] += float(line.rsplit(" ", 1)[1])
+    for name, _, value in series(httpx.get(f"{url}/metrics", timeout=30).text):
+        if name in out:
+            out[name] += value
     return out
+
+
+def series(text: str) -> Iterator[tuple[str, str, float]]:
+    """Prometheus' text format: each sample's name (less `_total`), its name with its labels,
+    and its value."""
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            head, value = line.rsplit(" ", 1)
+            yield head.split("{")[0].removesuffix("_total"), head, float(value)
 
 
 def summarize(results: list[Result], wall_s: float, before: dict, after: dict) -> dict:

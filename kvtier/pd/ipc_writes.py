@@ -69,7 +69,7 @@ class IpcWriter:
         with torch.cuda.stream(self.gather_stream):
             launch = make_launch(places)
         self._steps += 1
-        return Step(items, kv_written, launch, groups, self._steps)
+        return Step(items, nbytes, kv_written, launch, groups, self._steps)
 
     def gather(self, step: Step, most: int) -> None:
         """Queue the gathers of up to `most` more groups of `step`, each into its ring
@@ -126,6 +126,7 @@ class Step:
     """A step's writes as planned by `IpcWriter.start`; `gathered` groups are queued."""
 
     items: Sequence[Any]
+    nbytes: Sequence[int]  # each item's
     kv_written: torch.cuda.Event
     launch: Callable[[int, int], None]
     groups: list[_Group]

@@ -176,7 +176,7 @@ class PdSender:
         bytes into it as its reservation comes back (`DecoderLink.reserve`); cuda_ipc
         gathers the first piece's first groups into its ring while that Alloc travels."""
         t0 = time.perf_counter()
-        per_token, alloc_s, ipc = self.engine.kv.bytes_per_token(), 0.0, self.channel.ipc
+        alloc_s, ipc = 0.0, self.channel.ipc
         ahead: list[Step] = []  # the first piece's, gathered while its Alloc travels
 
         def gather_ahead(piece: list[ChunkSpan]) -> None:
@@ -200,7 +200,7 @@ class PdSender:
                 if step is None:  # not gathered ahead: only the chunks the decoder lacks
                     piece, blocks = [s for s, _ in todo], [b for _, b in todo]
                     step = self._ipc_step(ipc, slots, piece, kv_written or (ahead[0].kv_written if ahead else None))
-                views = self.channel.views(req.conn.peer, blocks, [s.num_tokens * per_token for s in piece])
+                views = self.channel.views(req.conn.peer, blocks, step.nbytes)
                 kv_written, done = ipc.write(step, views)
                 req.writes.append((kv_written, done))
             elif todo:
