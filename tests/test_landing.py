@@ -33,8 +33,10 @@ def test_copies_land_when_arrived_when_waited_for_or_when_their_keys_are_looked_
     assert landed == [] and len(landing) == 3  # nothing has arrived: nothing waits
     events[1].arrived = True
     landing.settle(keys=[key(5)])
-    assert landed == [1] and not events[1].waited
+    assert landed == []  # a lookup lands only what holds its keys (the storing thread the rest)
     landing.settle(keys=[key(12)])  # looked up: waited for
-    assert landed == [1, 2] and events[2].waited and not events[0].waited
+    assert landed == [2] and events[2].waited and not events[0].waited
+    landing.settle()
+    assert landed == [2, 1] and not events[1].waited
     landing.settle(wait=True)
-    assert landed == [1, 2, 0] and len(landing) == 0 and not landing.holds(key(10))
+    assert landed == [2, 1, 0] and len(landing) == 0 and not landing.holds(key(10))

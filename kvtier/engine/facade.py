@@ -117,7 +117,7 @@ class CacheEngine:
         are held for that request until its retrieve (kvtier/tiers/holds.py)."""
         spans = self.spans(tokens, hold_for)
         keys = [s.key for s in spans]
-        self._settle(keys=keys)  # stores still copying this prefix land first; snapshots that have ended
+        self._settle(keys=keys)  # stores of this prefix land first (waited for); snapshots that have ended
         where = self.tiers.locate(keys)
         in_cpu = next((i for i, w in enumerate(where) if w != CPU), len(where))
         if cpu_only:
@@ -317,9 +317,9 @@ class CacheEngine:
         self.holds.release_all()
         self.tiers.close(timeout=self.config.blocking_timeout_secs)
 
-    def _settle(self, wait: bool = False, keys: Sequence[ChunkKey] = ()) -> None:
+    def _settle(self, wait: bool = False, keys: Sequence[ChunkKey] | None = None) -> None:
         """Stores and state snapshots whose copies to the host have ended go into the tiers
-        (with `wait`, every one; with `keys`, the stores holding any of them)."""
+        (with `wait`, every one; with `keys`, a lookup's, only the stores holding any of them)."""
         self.storing.landing.settle(wait, keys)
         if self.states is not None:
             self.states.settle(wait)

@@ -27,16 +27,21 @@ class Landing:
         with self._lock:
             return any(key in keys for _, keys, _ in self._flying)
 
-    def settle(self, wait: bool = False, keys: Collection[ChunkKey] = ()) -> None:
-        """Land what has arrived; with `wait`, everything, and with `keys`, whatever holds one
-        of them (waiting for its copies)."""
+    def settle(self, wait: bool = False, keys: Collection[ChunkKey] | None = None) -> None:
+        """Land what has arrived; with `wait`, everything. With `keys` (a lookup's), only what
+        holds one of them, waiting for its copies: the rest lands on the thread that stores
+        (a lower tier's full queue may make a landing wait, never a lookup that needs none)."""
         if not self._flying:
             return
         ready, flying = [], []
         with self._lock:
             for entry in self._flying:
                 done, theirs, _ = entry
-                (ready if wait or done.query() or not theirs.isdisjoint(keys) else flying).append(entry)
+                if keys is not None:
+                    due = not theirs.isdisjoint(keys)
+                else:
+                    due = wait or done.query()
+                (ready if due else flying).append(entry)
             self._flying = flying
         for done, _, land in ready:
             done.synchronize()
