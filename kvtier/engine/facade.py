@@ -13,7 +13,8 @@
                              with it, `find` ends a hit only where such a snapshot is
 
 Copies to the host that a caller did not wait for (a layerwise store's `finish(wait=False)`,
-a state snapshot) land in the tiers at the next store, lookup, flush, clear or close.
+a state snapshot) land in the tiers at the next store, flush, clear or close, and at a lookup
+of their keys.
 
 `tokens` are a prompt's token ids from its first token; `slots` are the
 paged-cache slot of each of those tokens (block_id * block_size + offset).

@@ -1,7 +1,7 @@
 """Copies to the host that the caller did not wait for: what puts each in the tiers once
-its CUDA event has completed. A layerwise store's chunks (storing.py) and a recurrent
-state's snapshot (states.py) land so, at the engine's next store, load or lookup, or at
-once where a lookup asks for their keys."""
+its CUDA event has completed. A layerwise store's chunks (storing.py) land so at the
+engine's next store, flush, clear or close, or at once where a lookup asks for their keys;
+a recurrent state's snapshot (states.py) at the next save, load or lookup."""
 
 from __future__ import annotations
 
