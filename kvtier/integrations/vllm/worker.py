@@ -122,19 +122,17 @@ class WorkerSide:
         now; a hit all in CPU RAM that the scheduler will load (the same rule as there)
         starts its copies to the GPU now, before vLLM's step that loads it."""
         assert self.engine is not None
-        hit = self.engine.find(tokens, hold_for=request_id, limit=len(tokens) - 1)
-        if self.groups is not None and self.can_load and hit.in_cpu < hit.tokens:
-            # Several KV cache groups: vLLM cannot recompute what a load failed to deliver
-            # (connector.py), so the hit is promised from CPU RAM only. The scheduler asks
-            # again while the rest comes up (SchedulerSide.get_num_new_matched_tokens);
-            # once that is over, the part that made it is the hit.
-            pending = self._coming_up.get(request_id)
+        # Several KV cache groups: vLLM cannot recompute what a load failed to deliver
+        # (connector.py), so the hit is promised from CPU RAM only. The scheduler asks again
+        # while the rest comes up (SchedulerSide.get_num_new_matched_tokens); once that is
+        # over, the part that made it is the hit.
+        pending = self._coming_up.get(request_id)
+        came_up = pending is not None and pending.done()
+        hit = self.engine.find(tokens, hold_for=request_id, limit=len(tokens) - 1, cpu_only=came_up)
+        if self.groups is not None and self.can_load and hit.in_cpu < hit.tokens and not came_up:
             if pending is None:
                 self._coming_up[request_id] = self.engine.start_prefetch(tokens, request_id)
-                return hit.tokens, hit.in_cpu
-            if not pending.done():
-                return hit.tokens, hit.in_cpu
-            hit = self.engine.find(tokens, hold_for=request_id, limit=len(tokens) - 1, cpu_only=True)
+            return hit.tokens, hit.in_cpu
         if not self.can_load or self.shape.usable(hit.tokens, len(tokens)) <= computed:
             return hit.tokens, hit.in_cpu
         if hit.in_cpu < hit.tokens:
