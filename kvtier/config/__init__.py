@@ -53,7 +53,8 @@ def _doc(text: str, **kw: Any) -> Any:
 class KvtierConfig:
     """All of kvtier's settings. Field names are LMCache's config keys."""
 
-    chunk_size: int = _doc("tokens per KV chunk", default=256)
+    chunk_size: int = _doc("tokens per KV chunk (a hybrid model in vLLM: within its smallest sliding window, "
+                            "a divisor of its Mamba block size; logged where changed)", default=256)
     local_cpu: bool = _doc("keep KV chunks in the CPU RAM tier", default=True)
     max_local_cpu_size: float = _doc("CPU RAM pool size, GiB", default=5.0)
     local_cpu_use_hugepages: bool = _doc("back the CPU pool with 2 MiB huge pages", default=False)
