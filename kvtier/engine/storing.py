@@ -160,19 +160,22 @@ class Storing:
                         num_tokens(chunks) + sum(s.num_tokens for s in rest))
             release_blocks(chunks)
             return 0
-        path, job, digests = self._path, self._job, self._digests
+        path, job, digests, spans = self._path, self._job, self._digests, [s for s, _ in chunks] + rest
+        if done is None:  # the chunks are in: into the tiers before the rest streams through the pool
+            stamp(chunks, digests)
+            path.put(chunks)
+            stored = num_tokens(chunks) + path.stream(job.slots, rest, job.request_id)
+            path.stored(job, spans, stored, handle is not None, job.seconds())
+            return stored
         stored = num_tokens(chunks) + path.stream(job.slots, rest, job.request_id)
         seconds = job.seconds()
 
-        def land() -> None:
+        def land() -> None:  # keeps the saver, and its staging, alive until then
             stamp(chunks, digests)
             path.put(chunks)
-            path.stored(job, [s for s, _ in chunks] + rest, stored, handle is not None, seconds)
+            path.stored(job, spans, stored, True, seconds)
 
-        if done is None:
-            land()
-        else:
-            path.landing.add(done, [s.key for s, _ in chunks], land)  # `land` keeps the saver alive
+        path.landing.add(done, [s.key for s, _ in chunks], land)
         return stored
 
     def cancel(self) -> None:
