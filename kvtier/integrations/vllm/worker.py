@@ -266,10 +266,11 @@ class WorkerSide:
             self._check_loaded(spec, loaded)
         stores, self._stores = self._stores, None
         if stores is not None:
-            # Not waited for: the next step's forward is ordered after the gathers' reads of the
-            # pages, and the chunks land in the tiers at the engine's next store (or a lookup of them). A
-            # host waiting here for the step's copies left the GPU idle until vLLM queued the
-            # next step (a step of vLLM's batch queue is queued before the last one ends).
+            # Not waited for: the next step's forward is ordered after the gathers' reads of
+            # the pages, and the chunks land in the tiers at the engine's next store (or a
+            # lookup of them). A host waiting here for the step's copies left the GPU idle
+            # until vLLM queued the next step (its batch queue queues a step before the last
+            # one ends).
             for store in stores:
                 store.finish(wait=False)
         else:
