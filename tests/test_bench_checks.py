@@ -38,3 +38,24 @@ def test_pd_tokens_may_part_from_the_decoders_hit_only_at_a_near_tie():
     assert verdict(far, hit) == "differ"
     moved = res([5, 8, 2], [{5: -0.9, 9: -3.0}, {8: -0.69}, {2: -0.1}])  # the logprob before moved
     assert verdict(moved, hit) == "differ"
+
+
+def test_py_spy_stacks_are_summed_by_thread_and_kvtier_frame(tmp_path):
+    """py-spy's raw stacks as `kvtier.bench.serving --profile` writes them: a child's stacks
+    name its parents first, and a command line may hold ";" and a newline."""
+    from kvtier.bench.stacks import read, report
+
+    parents = 'process 1:"python -m vllm.entrypoints.openai.api_server";process 2:"python -c from x import y;'
+    engine = parents + '\n y(fd=4)";thread (2): MainThread;run_busy_loop (vllm/v1/engine/core.py:9)'
+    raw = tmp_path / "stacks.txt"
+    raw.write_text(
+        f"{engine};wait_for_save (kvtier/integrations/vllm/connector.py:3);finish (kvtier/transfer/x.py:5) 3\n"
+        f"{engine};save_kv_layer (kvtier/integrations/vllm/connector.py:4) 1\n"
+        f"{engine};schedule (vllm/v1/core/sched/scheduler.py:7) 6\n"
+        'process 1:"python -m vllm";thread (1): MainThread;serve (uvicorn/main.py:1) 10\n')
+    threads = read(raw)
+    (main,) = [t for (process, thread), t in threads.items() if process.startswith("process 2:")]
+    assert main.samples == 10 and sum(main.outer.values()) == 4
+    assert main.outer["wait_for_save (connector.py)"] == 3 and main.inner["finish (x.py)"] == 3
+    lines = report(threads, min_samples=1)
+    assert any("10 samples, 4 (40.0%) in kvtier" in line for line in lines)
