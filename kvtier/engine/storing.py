@@ -152,11 +152,12 @@ class Storing:
         except BaseException:
             release_blocks(chunks)
             raise
-        if handle is not None and handle.unsaved():
+        unsaved = handle.unsaved() if handle is not None else []
+        if unsaved:
             if done is not None:
                 done.synchronize()  # no copy may still write into a block being freed
             log.warning("request %s: layers %s were never saved; its store of %d tokens is dropped",
-                        self._job.request_id or "-", handle.unsaved(),
+                        self._job.request_id or "-", unsaved,
                         num_tokens(chunks) + sum(s.num_tokens for s in rest))
             release_blocks(chunks)
             return 0
