@@ -5,6 +5,7 @@ store not waited for is tests/test_transfer_cuda.py)."""
 
 from kvtier.engine.landing import Landing
 from kvtier.keys import ChunkKey, KVFormat
+from kvtier.transfer import InFlight
 
 
 class Arrival:
@@ -27,7 +28,7 @@ def test_copies_land_when_arrived_when_waited_for_or_when_their_keys_are_looked_
     landing, landed = Landing(), []
     events = [Arrival() for _ in range(3)]
     for i, done in enumerate(events):
-        landing.add(done, [key(i), key(10 + i)], lambda i=i: landed.append(i))
+        landing.add(InFlight(done), [key(i), key(10 + i)], lambda i=i: landed.append(i))
     assert landing.holds(key(11)) and not landing.holds(key(20))
     landing.settle()
     assert landed == [] and len(landing) == 3  # nothing has arrived: nothing waits

@@ -132,6 +132,18 @@ def test_usable_hit(hit, prompt, granularity, minimum, usable):
     assert usable_hit(hit, prompt, granularity, minimum) == usable
 
 
+@pytest.mark.parametrize("stored, prompt, computed, load", [
+    (4352, 4352, 4336, 0),  # 15 tokens past vLLM's GPU hit: computed with the last one, not loaded
+    (4608, 4736, 4352, 256), (4352, 4352, 0, 4351), (10, 100, 0, 10), (4352, 4352, 4320, 31),
+    (4352, 4352, 4352, 0),
+])
+def test_fewer_tokens_than_a_block_past_vllms_own_hit_are_not_loaded(stored, prompt, computed, load):
+    pytest.importorskip("vllm")
+    from kvtier.integrations.vllm.spec import Shape
+
+    assert Shape(16, 256, False, 0).to_load(stored, prompt, computed) == load
+
+
 def test_the_readme_carries_the_table_the_code_prints():
     import subprocess
     import sys

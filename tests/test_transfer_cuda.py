@@ -221,6 +221,38 @@ def test_layerwise_store_on_gpu_overlaps_nothing_it_should_not(wait):
     eng.close()
 
 
+def test_a_whole_store_not_waited_for_reads_the_pages_after_the_forward_and_before_the_next():
+    """The vLLM worker's store on a GPU: after the step's forward, gathered whole, its copies
+    to the host not waited for (`finish(wait=False)`). Its gathers read what the forward
+    (behind a slow kernel) wrote, the next forward's writes come after those reads, its
+    staging lives until its copies land though the next store allocates its own right behind
+    it, and a lookup of its prefix waits for them."""
+    layers = [torch.zeros(SHAPES["flash_attn"], device="cuda", dtype=torch.bfloat16) for _ in range(L)]
+    kv = PagedKV.wrap(layers, "flash_attn")
+    eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), kv, KVFormat("m", "flash_attn", "bf16"))
+    perm = torch.randperm(kv.num_slots)
+    steps = [(list(range(256)), perm[:256]), (list(range(1000, 1256)), perm[256:512])]
+    expect = []
+    for toks, slots in steps:
+        torch.cuda._sleep(20_000_000)  # a slow forward on the current stream, then its writes
+        for x in layers:
+            x.normal_()
+        expect.append([x[:, slots.cuda() // BS, slots.cuda() % BS].clone() for x in layers])  # no host sync
+        assert eng.start_store(toks, slots).finish(wait=False) == 256
+    assert len(eng.storing.landing) == 2  # both behind the sleeps: nothing waited
+    for x in layers:
+        x.zero_()  # the next forward
+    for (toks, slots), want in zip(steps, expect):
+        assert eng.lookup(toks) == 256
+        assert int(eng.retrieve(toks, slots).sum()) == 256
+    torch.cuda.synchronize()
+    assert not len(eng.storing.landing)
+    for (_, slots), want in zip(steps, expect):
+        for x, w in zip(layers, want):
+            assert torch.equal(x[:, slots.cuda() // BS, slots.cuda() % BS], w)
+    eng.close()
+
+
 @pytest.mark.parametrize("codec", ["int8", "fp8"])
 @pytest.mark.parametrize("backend", ["triton", "triton-direct", "torch"])
 @pytest.mark.parametrize("layout", SHAPES)

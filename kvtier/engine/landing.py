@@ -1,5 +1,5 @@
 """Copies to the host that the caller did not wait for: what puts each in the tiers once
-its CUDA event has completed. A layerwise store's chunks (storing.py) land so at the
+they have landed. A layerwise store's chunks (storing.py) land so at the
 engine's next store, flush, clear or close, or at once where a lookup asks for their keys;
 a recurrent state's snapshot (states.py) at the next save, load or lookup."""
 
@@ -8,19 +8,19 @@ from __future__ import annotations
 import threading
 from typing import Callable, Collection
 
-import torch
-
 from kvtier.keys import ChunkKey
+from kvtier.transfer import InFlight
 
 
 class Landing:
     def __init__(self) -> None:
-        self._flying: list[tuple[torch.cuda.Event, frozenset[ChunkKey], Callable[[], None]]] = []
+        # each copy's InFlight lives here until it lands: what it reads (staging) with it
+        self._flying: list[tuple[InFlight, frozenset[ChunkKey], Callable[[], None]]] = []
         self._lock = threading.Lock()  # stores on vLLM's thread, lookups on the lookup server's
 
-    def add(self, done: torch.cuda.Event, keys: Collection[ChunkKey], land: Callable[[], None]) -> None:
+    def add(self, flight: InFlight, keys: Collection[ChunkKey], land: Callable[[], None]) -> None:
         with self._lock:
-            self._flying.append((done, frozenset(keys), land))
+            self._flying.append((flight, frozenset(keys), land))
 
     def holds(self, key: ChunkKey) -> bool:
         """Whether `key` is on its way."""
@@ -36,15 +36,15 @@ class Landing:
         ready, flying = [], []
         with self._lock:
             for entry in self._flying:
-                done, theirs, _ = entry
+                flight, theirs, _ = entry
                 if keys is not None:
                     due = not theirs.isdisjoint(keys)
                 else:
-                    due = wait or done.query()
+                    due = wait or flight.done.query()
                 (ready if due else flying).append(entry)
             self._flying = flying
-        for done, _, land in ready:
-            done.synchronize()
+        for flight, _, land in ready:
+            flight.done.synchronize()
             land()
 
     def __len__(self) -> int:

@@ -19,7 +19,7 @@ from kvtier.codec import U64
 from kvtier.keys import ChunkSpan, token_array
 from kvtier.memory import HostPool, MemoryBlock, front_view
 from kvtier.tiers.cpu import StoredChunk
-from kvtier.transfer import LayerHandle, LayerSaver, PagedKV, Quant, Transfer, Upload
+from kvtier.transfer import InFlight, LayerHandle, LayerSaver, PagedKV, Quant, Transfer, Upload
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -56,16 +56,24 @@ class Mover:
     # -- paged KV → chunks ---------------------------------------------------------------
 
     def gather(self, slots: torch.Tensor, owned: list[tuple[ChunkSpan, MemoryBlock]],
-               layerwise: bool = False, digests: torch.Tensor | None = None) -> LayerSaver | None:
-        """The KV into the blocks, now (whole: with their digests stamped) or as layers are saved."""
+               digests: torch.Tensor | None = None, wait: bool = True) -> InFlight | None:
+        """The KV into the blocks: landed, their digests stamped (None), or, without `wait` on a
+        GPU, in flight (stamp them once it has landed)."""
         spans = [s for s, _ in owned]
         chunks = [self.view(b.data, s.num_tokens) for s, b in owned]
         with self._lock:
-            if layerwise:
-                return self.transfer.gather_layerwise(concat_slots(slots, spans), chunks, digests=digests)
-            self.transfer.gather(concat_slots(slots, spans), chunks, digests=digests)
-        stamp(owned, digests)
-        return None
+            flight = self.transfer.gather(concat_slots(slots, spans), chunks, digests=digests, wait=wait)
+        if flight is None:
+            stamp(owned, digests)
+        return flight
+
+    def gather_layerwise(self, slots: torch.Tensor, owned: list[tuple[ChunkSpan, MemoryBlock]],
+                         digests: torch.Tensor | None = None) -> LayerSaver:
+        """The KV into the blocks as the caller saves each layer."""
+        spans = [s for s, _ in owned]
+        chunks = [self.view(b.data, s.num_tokens) for s, b in owned]
+        with self._lock:
+            return self.transfer.gather_layerwise(concat_slots(slots, spans), chunks, digests=digests)
 
     def gather_into(self, slots: torch.Tensor, spans: Sequence[ChunkSpan], buffers: Sequence[torch.Tensor]) -> None:
         """The KV of `spans` into byte buffers of the caller."""

@@ -29,6 +29,7 @@ from kvtier.logs import get_logger
 from kvtier.memory import MemoryBlock
 from kvtier.tiers.cpu import StoredChunk
 from kvtier.tiers.store import TieredStore
+from kvtier.transfer import InFlight
 
 log = get_logger(__name__)
 
@@ -125,7 +126,7 @@ class StatePath:
             _copy(self._runs, src, dst)
         done = self._stream.record_event()
         main.wait_event(done)  # the blocks are read before anything later writes them
-        self.landing.add(done, keys, lambda: self._put(keys, pieces))
+        self.landing.add(InFlight(done), keys, lambda: self._put(keys, pieces))
         return True
 
     def settle(self, wait: bool = False) -> None:

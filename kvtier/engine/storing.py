@@ -5,9 +5,10 @@
     Storing.save(layer)              layerwise: layer `layer` is computed, move it
     Storing.finish()                 waits for the copies, puts the chunks in the tiers,
                                      streams the rest through the pool batch by batch
-    Storing.finish(wait=False)       the same without waiting for a layerwise store's copies
-                                     on a GPU: its chunks go into the tiers at a later
-                                     `StorePath.landing.settle`, once the copies have landed
+    Storing.finish(wait=False)       the same without waiting for the copies on a GPU (a
+                                     layerwise store's, or a whole store's as far as the pool
+                                     has free blocks): those chunks go into the tiers at a
+                                     later `StorePath.landing.settle`, once they have landed
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kvtier.keys import ChunkSpan
 from kvtier.logs import get_logger
 from kvtier.memory import MemoryBlock
 from kvtier.tiers.store import TieredStore
-from kvtier.transfer import LayerSaver
+from kvtier.transfer import InFlight, LayerSaver
 
 log = get_logger(__name__)
 
@@ -49,7 +50,7 @@ class StorePath:
             owned = self.allocate(todo, wait=False)
             sums = self.mover.digest_sums(len(owned))
             try:
-                handle = self.mover.gather(job.slots, owned, layerwise=True, digests=sums) if owned else None
+                handle = self.mover.gather_layerwise(job.slots, owned, digests=sums) if owned else None
             except BaseException:
                 release_blocks(owned)
                 raise
@@ -134,9 +135,11 @@ class Storing:
             self._handle.save(layer)
 
     def finish(self, wait: bool = True) -> int:
-        """Wait for the copies, put the chunks in the tiers; the tokens stored. Without `wait`,
-        a layerwise store on a GPU does not wait: its chunks go into the tiers at a later
-        `StorePath.landing.settle` (the caller's stream is ordered after its reads of the KV).
+        """Put the chunks in the tiers; the tokens stored. With `wait` their copies have
+        landed on return. Without it, on a GPU, the chunks that have a block (a layerwise
+        store's; a whole store's, as many as the pool has free now) go into the tiers at a
+        later `StorePath.landing.settle`, once their copies have landed (the caller's stream
+        is ordered after their reads of the KV); the rest streams through the pool now.
 
         A layerwise store some layer of which was never saved (the forward
         stopped early) is dropped, not stored: that layer was not computed.
@@ -145,39 +148,67 @@ class Storing:
         rest, self._rest = self._rest, []
         if not chunks and not rest:
             return 0
-        handle, done = self._handle, None
-        try:
-            if handle is not None:
-                done = handle.finish() if wait else handle.finish_later()
-        except BaseException:
-            release_blocks(chunks)
-            raise
-        unsaved = handle.unsaved() if handle is not None else []
-        if unsaved:
-            if done is not None:
-                done.synchronize()  # no copy may still write into a block being freed
-            log.warning("request %s: layers %s were never saved; its store of %d tokens is dropped",
-                        self._job.request_id or "-", unsaved,
-                        num_tokens(chunks) + sum(s.num_tokens for s in rest))
-            release_blocks(chunks)
-            return 0
-        path, job, digests, spans = self._path, self._job, self._digests, [s for s, _ in chunks] + rest
-        if done is None:  # the chunks are in: into the tiers before the rest streams through the pool
+        flight = self._end_saves(chunks, wait)
+        if self._handle is not None and self._handle.unsaved():
+            return self._drop(chunks, rest, flight)
+        if self._handle is None and not wait:  # a whole store: the copies of what fits now not waited for
+            chunks, flight = self._gather_later(rest)
+            rest = rest[len(chunks):]
+        path, job, digests, layerwise = self._path, self._job, self._digests, self._handle is not None
+        spans = [s for s, _ in chunks] + rest
+        if flight is None:  # the chunks are in: into the tiers before the rest streams through the pool
             stamp(chunks, digests)
             path.put(chunks)
             stored = num_tokens(chunks) + path.stream(job.slots, rest, job.request_id)
-            path.stored(job, spans, stored, handle is not None, job.seconds())
+            path.stored(job, spans, stored, layerwise, job.seconds())
             return stored
         stored = num_tokens(chunks) + path.stream(job.slots, rest, job.request_id)
         seconds = job.seconds()
 
-        def land() -> None:  # keeps the saver, and its staging, alive until then
+        def land() -> None:
             stamp(chunks, digests)
             path.put(chunks)
-            path.stored(job, spans, stored, True, seconds)
+            path.stored(job, spans, stored, layerwise, seconds)
 
-        path.landing.add(done, [s.key for s, _ in chunks], land)
+        path.landing.add(flight, [s.key for s, _ in chunks], land)  # it holds the staging until then
         return stored
+
+    def _end_saves(self, chunks: list[tuple[ChunkSpan, MemoryBlock]], wait: bool) -> InFlight | None:
+        """A layerwise store's copies: waited for (None), or in flight."""
+        if self._handle is None:
+            return None
+        try:
+            if wait:
+                self._handle.finish()
+                return None
+            return self._handle.finish_later()
+        except BaseException:
+            release_blocks(chunks)
+            raise
+
+    def _drop(self, chunks: list[tuple[ChunkSpan, MemoryBlock]], rest: list[ChunkSpan], flight: InFlight | None
+              ) -> int:
+        if flight is not None:
+            flight.done.synchronize()  # no copy may still write into a block being freed
+        log.warning("request %s: layers %s were never saved; its store of %d tokens is dropped",
+                    self._job.request_id or "-", self._handle.unsaved() if self._handle is not None else [],
+                    num_tokens(chunks) + sum(s.num_tokens for s in rest))
+        release_blocks(chunks)
+        return 0
+
+    def _gather_later(self, spans: list[ChunkSpan]) -> tuple[list[tuple[ChunkSpan, MemoryBlock]], InFlight | None]:
+        """The first `spans`, as many as the pool has free blocks for now, gathered and their
+        copies to the host queued (in flight, or landed already where nothing runs beside)."""
+        path = self._path
+        owned = path.allocate(spans, wait=False)
+        if not owned:
+            return [], None
+        self._digests = path.mover.digest_sums(len(owned))
+        try:
+            return owned, path.mover.gather(self._job.slots, owned, digests=self._digests, wait=False)
+        except BaseException:
+            release_blocks(owned)
+            raise
 
     def cancel(self) -> None:
         """Drop the store (e.g. the forward failed): its blocks go back to the pool."""

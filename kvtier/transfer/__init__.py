@@ -6,11 +6,11 @@ import os
 
 import torch
 
-from kvtier.transfer.base import LayerHandle, LayerSaver, Transfer, Upload
+from kvtier.transfer.base import InFlight, LayerHandle, LayerSaver, Transfer, Upload
 from kvtier.transfer.layout import LAYOUTS, PagedKV
 from kvtier.transfer.quant import Quant
 
-__all__ = ["LAYOUTS", "LayerHandle", "LayerSaver", "PagedKV", "Quant", "Transfer", "Upload", "make_transfer"]
+__all__ = ["LAYOUTS", "InFlight", "LayerHandle", "LayerSaver", "PagedKV", "Quant", "Transfer", "Upload", "make_transfer"]
 
 
 def make_transfer(kv: PagedKV, backend: str = "auto", quant: Quant | None = None,

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import torch
 
 from kvtier.transfer.addressed import AddressedGather
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """Copies to host chunks that were queued, not waited for: `done` completes once they
+    have landed; `keep` (their device staging and tables) lives until then."""
+
+    done: torch.cuda.Event
+    keep: object = None
 
 
 class LayerHandle(Protocol):
@@ -28,11 +38,10 @@ class LayerSaver(Protocol):
     def finish(self) -> None:
         """Return once every saved layer is in the host chunks."""
 
-    def finish_later(self) -> torch.cuda.Event | None:
+    def finish_later(self) -> InFlight | None:
         """`finish` without waiting: the caller's stream is ordered after every read of the
-        KV (its pages may be written again), and the returned event completes once every
-        saved layer is in the host chunks (which, and this saver, must live until then).
-        None: they are there already."""
+        KV (its pages may be written again); the host chunks must live until the returned
+        copies have landed. None: every saved layer is there already."""
 
     def unsaved(self) -> list[int]:
         """The layers `save` was never called for."""
@@ -57,8 +66,11 @@ class Transfer(Protocol):
         (`scatter_layerwise` with `layer_major`) that passes it as `upload`, once the
         slots are known; None where there is nothing to do ahead."""
 
-    def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], digests: torch.Tensor | None = None
-               ) -> None: ...
+    def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], digests: torch.Tensor | None = None,
+               wait: bool = True) -> InFlight | None:
+        """Fill `chunks` with the KV of `slots`. With `wait` (or where nothing runs beside
+        the caller) the bytes have landed on return (None). Without it, on a GPU, the caller's
+        stream is ordered after the reads of the KV, and the copies to the chunks are in flight."""
 
     def gather_addressed(self, slots: torch.Tensor, addresses: Sequence[int], chunk_tokens: int
                          ) -> AddressedGather | None:

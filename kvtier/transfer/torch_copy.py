@@ -34,8 +34,9 @@ class TorchTransfer:
         return row, slots[row]
 
     def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
-               digests: None = None) -> None:
-        """Copy the KV of `slots` into `chunks` ([L, K, T_i, H, D], in order), all layers or `layers`.
+               digests: None = None, wait: bool = True) -> None:
+        """Copy the KV of `slots` into `chunks` ([L, K, T_i, H, D], in order), all layers or
+        `layers`, whatever `wait` says (nothing runs beside the caller).
         A token at slot -1 (grouped KV: a page its group no longer keeps) gets whatever
         slot 0 holds: nothing reads it back there. (KV digests are the Triton transfer's:
         `digests` must be None here.)"""
@@ -55,6 +56,8 @@ class TorchTransfer:
                 else:
                     chunk[layer_idx].copy_(tokens[:, start : start + n], non_blocking=True)
                 start += n
+        if self.kv.device.type == "cuda":  # (the fallback where Triton is absent) the chunks are read next
+            torch.cuda.current_stream(self.kv.device).synchronize()
 
     def gather_addressed(self, slots: torch.Tensor, addresses: Sequence[int], chunk_tokens: int) -> None:
         """Indexing takes tensors, not addresses: the caller gathers into views (`gather`)."""

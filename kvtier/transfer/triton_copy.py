@@ -29,14 +29,11 @@ copies in queue order from every stream, so vLLM's next-step inputs wait behind 
 upload (staging.py).
 
 Kernels run on one side stream and PCIe copies on another, ordered by events; both are
-ordered after the caller's stream, and the caller's stream waits for them. Direct needs
-every chunk pinned; a call with a pageable chunk is staged. Figures: docs/benchmarks.md.
-
-With a lossy codec (quant.py) the kernels quantize the KV into the chunk rows as they
-gather, and dequantize as they scatter: staging, copies and host chunks then hold the
-quantized bytes (about half), nothing else changes.
-
-Correctness is also checked on CPU with TRITON_INTERPRET=1.
+ordered after the caller's stream, and the caller's stream waits for them (for a gather not
+waited for, for its kernels only). Direct needs every chunk pinned; a call with a pageable
+chunk is staged. Figures: docs/benchmarks.md. With a lossy codec (quant.py) the kernels
+quantize as they gather and dequantize as they scatter: staging, copies and host chunks hold
+the quantized bytes. Correctness is also checked on CPU with TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -49,7 +46,7 @@ import triton
 
 from kvtier.transfer import cudart
 from kvtier.transfer.addressed import AddressedGather
-from kvtier.transfer.base import LayerHandle
+from kvtier.transfer.base import InFlight, LayerHandle
 from kvtier.transfer.kernels import SLOT_BLOCK, host_words_kernel, kv_copy_kernel, kv_quant_copy_kernel
 from kvtier.transfer.layout import PagedKV
 from kvtier.transfer.quant import Quant
@@ -163,14 +160,17 @@ class TritonTransfer:
 
     # -- whole transfers -------------------------------------------------------------
 
-    def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], digests: torch.Tensor | None = None) -> None:
-        """Fill `chunks` with the KV of `slots`; returns once the bytes have landed.
-        `digests` (int64 zeros on the device, one per chunk): their KV digests are added there."""
+    def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], digests: torch.Tensor | None = None,
+               wait: bool = True) -> InFlight | None:
+        """Fill `chunks` with the KV of `slots` (base.Transfer.gather); a kernel per group of
+        chunks, each group's copy to the host behind it. `digests` (int64 zeros on the device,
+        one per chunk): their KV digests are added there."""
         layers = range(self.kv.num_layers)
         if not self._staged(chunks):
             self._unstaged(lambda: self._in_place(slots, chunks, True, layers, digests), chunks)
-            return
-        self._stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+            return None
+        current = torch.cuda.current_stream(self.kv.device)
+        self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
             staging = Staging(chunks, self.kv.device, layer_major=False, groups=GROUPS)
             dev_slots, ptrs = self._upload(slots, staging.ptrs(range(1))[0])
@@ -183,7 +183,10 @@ class TritonTransfer:
                     sums.add(digests, chunks=group)
                 self._copies.wait_stream(self._stream)
                 staging.copy(to_host=True, stream=self._copies, group=g)
-        self._copies.synchronize()
+        if wait:
+            return self._copies.synchronize()
+        current.wait_stream(self._stream)  # the kernels read the pages before anything later writes them
+        return InFlight(self._copies.record_event(), keep=(staging, dev_slots, ptrs, sums))
 
     def gather_addressed(self, slots: torch.Tensor, addresses: Sequence[int], chunk_tokens: int) -> AddressedGather:
         """Both tables go up now, on the current stream; each `launch` is one kernel."""
@@ -382,18 +385,16 @@ class LayerSaves:
 
     def finish(self) -> None:
         """Every saved layer in the host chunks."""
-        done = self.finish_later()
-        if done is not None:
-            done.synchronize()
+        if (flight := self.finish_later()) is not None:
+            flight.done.synchronize()
 
-    def finish_later(self) -> torch.cuda.Event | None:
+    def finish_later(self) -> InFlight | None:
         if self._stream is None:
             return None
         torch.cuda.current_stream(self._t.kv.device).wait_stream(self._stream)  # the gathers read the pages
-        done, last = torch.cuda.Event(), self._t._copies if self._staging else self._stream  # staging lives on
+        last = self._t._copies if self._staging else self._stream
         last.wait_stream(self._stream)
-        done.record(last)
-        return done
+        return InFlight(last.record_event(), keep=self)  # this saver holds the staging the copies read
 
     def unsaved(self) -> list[int]:
         return [layer for layer, saved in enumerate(self._saved) if not saved]

@@ -72,11 +72,11 @@ class SchedulerSide:
         t0 = time.perf_counter()
         stored, in_cpu = self.lookup.lookup(prompt, rid, num_computed_tokens)
         self._longest_lookup = max(self._longest_lookup, time.perf_counter() - t0)
-        if self.promise_from_cpu and in_cpu < stored and self.shape.usable(stored, len(prompt)) > num_computed_tokens:
+        need = self.shape.to_load(stored, len(prompt), num_computed_tokens)
+        if self.promise_from_cpu and in_cpu < stored and need:
             self._held.add(rid)  # coming up into CPU RAM: vLLM asks again next step
             return None, False
         hit = self.shape.usable(stored, len(prompt))
-        need = max(0, hit - num_computed_tokens)
         background = need > 0 and in_cpu < hit
         self._counts["lookups"] += 1
         self._counts["lookup_tokens"] += len(prompt)

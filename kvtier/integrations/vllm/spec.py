@@ -82,8 +82,16 @@ class Shape:
     min_retrieve_tokens: int
 
     def usable(self, stored: int, prompt_len: int) -> int:
-        """The tokens of a stored prefix vLLM is told of (the same rule on both sides)."""
+        """The tokens of a stored prefix vLLM is told of."""
         return usable_hit(stored, prompt_len, self.block_size if self.whole_blocks else 1, self.min_retrieve_tokens)
+
+    def to_load(self, stored: int, prompt_len: int, computed: int) -> int:
+        """The tokens to load past the `computed` that vLLM has (the same rule on both sides):
+        none where that is less than a block. The step computes the prompt's last token
+        anyway, and a few more cost it nothing, less than a load's own launches and wait
+        (on an H100, inside vLLM, the 15 tokens past a GPU hit of 4,336 took 2.4 ms to load)."""
+        need = max(0, self.usable(stored, prompt_len) - computed)
+        return need if need >= self.block_size or computed == 0 else 0
 
 
 def shape_of(config: KvtierConfig, vllm_config: VllmConfig) -> Shape:

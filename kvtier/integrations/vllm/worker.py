@@ -11,6 +11,7 @@ or in the background), stores, and the load failures vLLM recomputes.
 
 from __future__ import annotations
 
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
@@ -54,7 +55,8 @@ class WorkerSide:
         # loads of this step, finished at wait_for_save (with a hybrid model's Mamba state, if it loaded)
         self._loads: list[tuple[Loading, TransferSpec, StateLoad | None]] = []
         self._stores: list[Storing] | None = None  # layerwise stores of this step, once begun
-        self._store_layerwise = config.use_layerwise  # and on a GPU always: see register_kv_caches
+        self._store_layerwise = config.use_layerwise  # but not on a GPU: see register_kv_caches
+        self._layers_written = 0  # of this step's forward, where it stores whole
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load")
         self._background: dict[str, tuple[TransferSpec, Future]] = {}
         self._failed_tokens = 0  # promised tokens that could not be loaded
@@ -103,12 +105,12 @@ class WorkerSide:
             raise UnsupportedModel("disaggregated prefill of a model with Mamba layers: kvtier's PD moves "
                                    "attention KV only")
         self.engine = self.pd.make_engine(kv, fmt, rank, states)
-        # On a GPU a step's KV goes to the host layer by layer as the forward writes it, also
-        # where loads are whole: a whole store's copy after the forward made cold TTFT +5.3 %
-        # (16k) and +6.2 % (32k) over plain vLLM, storing layer by layer -0.6 % and +2.1 %
-        # (H100, vLLM 0.26, default mode, 7 pairs, results/gpu-h100-vllm-2026-11-26/run1). A
-        # step whose layers vLLM runs in one CUDA graph calls no save_kv_layer: it stores whole.
-        self._store_layerwise = self.config.use_layerwise or vkv.kv.device.type == "cuda"
+        # On a GPU a step's KV is gathered whole after its forward, its copies to the host not
+        # waited for (the next forward waits for the gathers only). Saved layer by layer, each
+        # layer's launches cost the forward ~0.2 ms of host time, which a step of a few hundred
+        # tokens does not hide; whole and waited for, the copy made cold TTFT +5.3 % (16k;
+        # docs/benchmarks.md, "Inside real vLLM on a GPU").
+        self._store_layerwise = self.config.use_layerwise and vkv.kv.device.type != "cuda"
         self._server = LookupServer(socket_path(self.engine_id, rank), Handlers(
             lookup=self._find, release=self._release, reset=self.engine.clear))
 
@@ -133,7 +135,7 @@ class WorkerSide:
             if pending is None:
                 self._coming_up[request_id] = self.engine.start_prefetch(tokens, request_id)
             return hit.tokens, hit.in_cpu
-        if not self.can_load or self.shape.usable(hit.tokens, len(tokens)) <= computed:
+        if not self.can_load or not self.shape.to_load(hit.tokens, len(tokens), computed):
             return hit.tokens, hit.in_cpu
         if hit.in_cpu < hit.tokens:
             self.engine.start_prefetch(tokens, request_id)
@@ -236,7 +238,10 @@ class WorkerSide:
 
     def save_kv_layer(self, meta: Callable[[], KvtierMetadata], layer_name: str) -> None:
         index = self._layer_index.get(layer_name)
-        if not self._store_layerwise or index is None:
+        if index is None:
+            return
+        if not self._store_layerwise:  # stored whole at wait_for_save, if the forward wrote every layer
+            self._layers_written += 1
             return
         t0 = time.perf_counter()
         if self._stores is None:  # the step's first layer: decide what to store, allocate its blocks
@@ -265,23 +270,36 @@ class WorkerSide:
                     state.finish()
             self._check_loaded(spec, loaded)
         stores, self._stores = self._stores, None
+        # Copies to the host not waited for: the next step's forward is ordered after the
+        # gathers' reads of the pages, and the chunks land in the tiers at the engine's next
+        # store (or a lookup of them). A host waiting here for the step's copies left the GPU
+        # idle until vLLM queued the next step (its batch queue queues a step before the last
+        # one ends).
         if stores is not None:
-            # Not waited for: the next step's forward is ordered after the gathers' reads of
-            # the pages, and the chunks land in the tiers at the engine's next store (or a
-            # lookup of them). A host waiting here for the step's copies left the GPU idle
-            # until vLLM queued the next step (its batch queue queues a step before the last
-            # one ends).
             for store in stores:
                 store.finish(wait=False)
-        else:
+        elif meta.saves and self._forward_wrote_every_layer():
             for spec in meta.saves:
-                self.engine.store(spec.token_ids, self._slots(spec), start=spec.start, request_id=spec.req_id)
+                self.engine.start_store(spec.token_ids, self._slots(spec), start=spec.start,
+                                        request_id=spec.req_id).finish(wait=False)
+        self._layers_written = 0
         for spec in meta.saves:
             if spec.state and self._state_names:
                 self._save_state(spec)
             self.pd.send(spec, self.shape.block_size)
         self._note_longest("longest_step_wait_seconds", self._step_wait + time.perf_counter() - t0)
         self._step_wait = 0.0
+
+    def _forward_wrote_every_layer(self) -> bool:
+        """Whether this step's forward ran to its end: vLLM calls wait_for_save also after a
+        forward that raised (then its KV is not the model's, and is not stored). A step that
+        vLLM ran as one CUDA graph called no save_kv_layer."""
+        raised = sys.exc_info()[1] is not None
+        partial = 0 < self._layers_written < len(self._layer_index)
+        if raised or partial:
+            log.warning("this step's forward %s: its KV is not stored",
+                        "raised" if raised else f"wrote {self._layers_written} of {len(self._layer_index)} layers")
+        return not (raised or partial)
 
     def _save_state(self, spec: TransferSpec) -> None:
         """The Mamba state this step ended with (at `spec.end`, a block end), beside its chunk."""

@@ -1,0 +1,67 @@
+"""The connector's worker side stores a step's KV whole at wait_for_save (kvtier's default),
+and only where the step's forward ran to its end: vLLM calls wait_for_save also after a
+forward that raised, and KV of layers it never wrote is not the model's."""
+
+import pytest
+import torch
+
+from kvtier.config import KvtierConfig
+from kvtier.engine import CacheEngine
+from kvtier.keys import KVFormat
+from kvtier.transfer import PagedKV
+
+pytestmark = pytest.mark.vllm
+
+LAYERS = 3
+
+
+def worker_and_step():
+    """A worker over a CPU engine, as register_kv_caches makes it, and a step's metadata
+    that saves the first 32 tokens of a request (blocks 0 and 1 of 16 tokens)."""
+    from kvtier.integrations.vllm.spec import KvtierMetadata, Shape, TransferSpec
+    from kvtier.integrations.vllm.worker import WorkerSide
+
+    config = KvtierConfig(chunk_size=16, max_local_cpu_size=1 / 1024)
+    layers = [torch.randn(2, 8, 16, 2, 32) for _ in range(LAYERS)]
+    worker = WorkerSide(config, Shape(16, 16, False, 0), "worker-test", True)
+    worker.engine = CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), KVFormat("m", "flash_attn", "float32"))
+    worker._layer_index = {f"model.layers.{i}.self_attn.attn": i for i in range(LAYERS)}
+    meta = KvtierMetadata(saves=[TransferSpec("r", list(range(32)), [[0, 1]], 0, 32)])
+    return worker, meta
+
+
+def forward(worker, meta, layers: int) -> None:
+    for name in list(worker._layer_index)[:layers]:
+        worker.save_kv_layer(lambda: meta, name)
+
+
+@pytest.mark.parametrize("layers", [LAYERS, 0])
+def test_a_step_that_wrote_every_layer_or_ran_as_one_graph_is_stored_whole(layers):
+    worker, meta = worker_and_step()
+    try:
+        forward(worker, meta, layers)  # 0: a full CUDA graph calls no save_kv_layer
+        worker.wait_for_save(meta)
+        assert worker.engine.lookup(list(range(32))) == 32
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("raised", [True, False])
+def test_a_forward_that_raised_or_stopped_early_stores_nothing(raised):
+    worker, meta = worker_and_step()
+    try:
+        with pytest.raises(RuntimeError):
+            try:
+                forward(worker, meta, 1 if not raised else LAYERS)
+                raise RuntimeError("the forward failed")
+            finally:  # where vLLM calls it (kv_connector_model_runner_mixin)
+                if raised:
+                    worker.wait_for_save(meta)
+        if not raised:
+            worker.wait_for_save(meta)  # a forward that wrote one layer of three, no exception in flight
+        assert worker.engine.lookup(list(range(32))) == 0
+        forward(worker, meta, LAYERS)  # the next step is whole again
+        worker.wait_for_save(meta)
+        assert worker.engine.lookup(list(range(32))) == 32
+    finally:
+        worker.close()
