@@ -4,7 +4,7 @@
 #   device run:  bash scripts/gpu_vllm.sh                 (results in $OUT, or results/gpu-vllm)
 #   STEPS="tests bench" SETUPS="plain kvtier" LENGTHS="16384" PAIRS=7 bash scripts/gpu_vllm.sh
 #   TAG=b STEPS=bench SETUPS=lmcache bash scripts/gpu_vllm.sh    (a second archive in the same call)
-# Steps: tests (GPU tests), hma (a sliding-window model with vLLM's hybrid allocator: its test, and
+# Steps: tests (GPU tests; GPU_TESTS= a subset), hma (a sliding-window model with vLLM's hybrid allocator: its test, and
 # cold/warm TTFT at 16k of an 8B-sized Gemma-3-style model, or HMA_FAMILY=gptoss_dense), mamba (the same for a Mamba hybrid,
 # Nemotron-H-style, and a mutant of the state load the test must catch), guides (the guides' server workflows through real vLLM on the GPU:
 # the InfiniStore guide's `vllm bench serve` twice, two instances sharing a store, 1P1D over
@@ -38,8 +38,8 @@ export PYTHONPATH=$PWD:/tmp/site:/tmp/kvtier-dist PYTHONUNBUFFERED=1 VLLM_USE_FL
   python3 -c "import torch, triton, vllm; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__)"
 } 2>&1 | tee "$work/machine.txt"
 case " $steps " in *" tests "*)
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_transfer_cuda.py tests/test_vllm_layout.py tests/test_engine.py \
-    tests/test_digest.py tests/test_hf_integration.py "tests/test_remote_tier.py::test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv" 2>&1 \
+timeout 240 python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/test_transfer_cuda.py tests/test_vllm_layout.py tests/test_engine.py \
+    tests/test_digest.py tests/test_hf_integration.py "tests/test_remote_tier.py::test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv"} 2>&1 \
     > "$work/pytest.txt"; tail -5 "$work/pytest.txt" ;;
 esac
 case " $steps " in *" hma "*)

@@ -232,12 +232,13 @@ def test_a_whole_store_not_waited_for_reads_the_pages_after_the_forward_and_befo
     eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), kv, KVFormat("m", "flash_attn", "bf16"))
     perm = torch.randperm(kv.num_slots)
     steps = [(list(range(256)), perm[:256]), (list(range(1000, 1256)), perm[256:512])]
+    pages = [(s.cuda() // BS, s.cuda() % BS) for _, s in steps]  # before the sleeps (an upload waits for them)
     expect = []
-    for toks, slots in steps:
+    for (toks, slots), (block, offset) in zip(steps, pages):
         torch.cuda._sleep(20_000_000)  # a slow forward on the current stream, then its writes
         for x in layers:
             x.normal_()
-        expect.append([x[:, slots.cuda() // BS, slots.cuda() % BS].clone() for x in layers])  # no host sync
+        expect.append([x[:, block, offset].clone() for x in layers])  # no host sync
         assert eng.start_store(toks, slots).finish(wait=False) == 256
     assert len(eng.storing.landing) == 2  # both behind the sleeps: nothing waited
     for x in layers:
@@ -247,9 +248,9 @@ def test_a_whole_store_not_waited_for_reads_the_pages_after_the_forward_and_befo
         assert int(eng.retrieve(toks, slots).sum()) == 256
     torch.cuda.synchronize()
     assert not len(eng.storing.landing)
-    for (_, slots), want in zip(steps, expect):
+    for (block, offset), want in zip(pages, expect):
         for x, w in zip(layers, want):
-            assert torch.equal(x[:, slots.cuda() // BS, slots.cuda() % BS], w)
+            assert torch.equal(x[:, block, offset], w)
     eng.close()
 
 
