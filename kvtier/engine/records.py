@@ -89,7 +89,12 @@ class SkipWarnings:
 
 
 def log_transfer(what: str, n: int, total: int, request_id: str, nbytes: int, seconds: float,
-                 how: str = "") -> None:
+                 how: str = "", queued: bool = False) -> None:
+    """`queued`: `seconds` is the time to queue copies that were not waited for (no rate)."""
+    if queued:
+        log.info("%s %d out of %d tokens for request %s (%.1f MB; copies queued in %.1f ms, not waited for%s)",
+                 what, n, total, request_id or "-", nbytes / 1e6, seconds * 1e3, how)
+        return
     log.info(
         "%s %d out of %d tokens for request %s (%.1f MB in %.1f ms, %.2f GB/s%s)",
         what, n, total, request_id or "-", nbytes / 1e6, seconds * 1e3,

@@ -103,16 +103,18 @@ class StorePath:
         self.stats.skipped_store_tokens += skipped
         self._skips.warn(skipped, request_id)
 
-    def stored(self, job: Job, spans: list[ChunkSpan], count: int, layerwise: bool, seconds: float) -> None:
-        """A store is over (`seconds` after its start: its copies are queued): its events,
-        stats and log line."""
+    def stored(self, job: Job, spans: list[ChunkSpan], count: int, layerwise: bool, seconds: float,
+               queued: bool = False) -> None:
+        """A store is over (`seconds` after its start; `queued`: its copies were queued then,
+        not waited for): its events, stats and log line."""
         if self.events.on and self.tiers.keep_cpu:
             self.events.stored(spans, job.tokens, self._spans(job.tokens, ""))
         self.stats.stored_tokens += count
         self.stats.store_seconds += seconds
         if count:
             log_transfer("Storing KV cache for", count, job.num_tokens, job.request_id,
-                         count * self.mover.kv.bytes_per_token(), seconds, ", layer by layer" if layerwise else "")
+                         count * self.mover.kv.bytes_per_token(), seconds, ", layer by layer" if layerwise else "",
+                         queued)
 
 
 class Storing:
@@ -168,7 +170,7 @@ class Storing:
         def land() -> None:
             stamp(chunks, digests)
             path.put(chunks)
-            path.stored(job, spans, stored, layerwise, seconds)
+            path.stored(job, spans, stored, layerwise, seconds, queued=True)
 
         path.landing.add(flight, [s.key for s, _ in chunks], land)  # it holds the staging until then
         return stored
