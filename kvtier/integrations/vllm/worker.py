@@ -4,8 +4,8 @@ or in the background), stores, and the load failures vLLM recomputes.
     register_kv_caches   the engine over vLLM's KV (layout.py), the lookup server
     start_load_kv        this step's loads: queued ahead of the forward, or in a thread
     wait_for_layer_load  layerwise: the forward waits for that layer
-    save_kv_layer        layerwise: that layer starts moving to the host
-    wait_for_save        loads finished and checked; stores finished (or made); PD sends
+    save_kv_layer        layerwise on a CPU: that layer moves to the host; else counted
+    wait_for_save        loads finished and checked; stores made (a GPU's not waited for); PD sends
     get_finished         background loads that are done
 """
 
