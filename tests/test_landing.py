@@ -41,3 +41,26 @@ def test_copies_land_when_arrived_when_waited_for_or_when_their_keys_are_looked_
     assert landed == [2, 1] and not events[1].waited
     landing.settle(wait=True)
     assert landed == [2, 1, 0] and len(landing) == 0 and not landing.holds(key(10))
+
+
+def test_a_store_does_not_gather_again_a_chunk_an_earlier_store_has_in_flight():
+    """Two requests with one prefix in consecutive steps: the second's store leaves the
+    chunks the first has on their way to the host (on a GPU, not waited for) to it."""
+    import torch
+
+    from kvtier.config import KvtierConfig
+    from kvtier.engine import CacheEngine
+    from kvtier.transfer import PagedKV
+
+    layers = [torch.randn(2, 16, 16, 2, 32) for _ in range(2)]
+    eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=1 / 1024), PagedKV.wrap(layers, "flash_attn"),
+                      KVFormat("m", "flash_attn", "float32"))
+    toks, slots = list(range(192)), torch.arange(192)
+    first = eng.spans(toks)[0].key
+    arrival, landed = Arrival(), []
+    eng.storing.landing.add(InFlight(arrival), [first], lambda: landed.append(first))
+    assert eng.start_store(toks, slots).finish() == 128  # chunks 2 and 3; chunk 1 is in flight
+    arrival.arrived = True
+    assert eng.lookup(toks) == 0 and landed == [first]  # (this stand-in's landing put nothing)
+    assert eng.store(toks, slots) == 64 and eng.lookup(toks) == 192  # now it is gathered
+    eng.close()

@@ -241,6 +241,7 @@ def test_a_whole_store_not_waited_for_reads_the_pages_after_the_forward_and_befo
         expect.append([x[:, block, offset].clone() for x in layers])  # no host sync
         assert eng.start_store(toks, slots).finish(wait=False) == 256
     assert len(eng.storing.landing) == 2  # both behind the sleeps: nothing waited
+    assert eng.start_store(*steps[0]).finish(wait=False) == 0  # in flight: not gathered again (from new pages)
     for x in layers:
         x.zero_()  # the next forward
     for (toks, slots), want in zip(steps, expect):

@@ -43,7 +43,8 @@ class StorePath:
         todo: list[ChunkSpan] = []
         if self._enabled:
             todo = [s for s in self._spans(job.tokens, job.request_id) if s.end > job.start]
-            todo = [s for s, new in zip(todo, self.tiers.to_gather([s.key for s in todo])) if new]
+            todo = [s for s, new in zip(todo, self.tiers.to_gather([s.key for s in todo]))
+                    if new and not self.landing.holds(s.key)]  # (in flight: an earlier store's)
         owned: list[tuple[ChunkSpan, MemoryBlock]] = []
         handle = sums = None
         if layerwise and todo:
