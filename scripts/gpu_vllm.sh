@@ -10,7 +10,9 @@
 # the InfiniStore guide's `vllm bench serve` twice, two instances sharing a store, 1P1D over
 # cuda_ipc through `kvtier proxy`), bench (query twice per setup: kvtier.bench.vllm), serving (the
 # multi-turn chat workload against vLLM's OpenAI server per offloader: kvtier.bench.serving; about
-# 2 minutes a setup, so at most 4 setups a call: SETUPS="plain kvtier" then "kvtier-kernel lmcache native").
+# 2 minutes a setup, so at most 4 setups a call: SETUPS="plain kvtier" then "kvtier-kernel lmcache native";
+# with the 8B shape ~135 s a setup and ~90 s to make the model once a machine; SERVING_ARGS="--rounds 2"
+# runs the setups twice over in turn, paired by round).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Everything is written to $work and comes back as one archive in $OUT (the device returns at most 8 files).

@@ -59,3 +59,16 @@ def test_py_spy_stacks_are_summed_by_thread_and_kvtier_frame(tmp_path):
     assert main.outer["wait_for_save (connector.py)"] == 3 and main.inner["finish (x.py)"] == 3
     lines = report(threads, min_samples=1)
     assert any("10 samples, 4 (40.0%) in kvtier" in line for line in lines)
+
+
+def test_serving_rounds_give_each_setups_median_and_its_ratio_to_the_first_in_the_same_round():
+    from kvtier.bench.chat import Record
+    from kvtier.bench.serving import by_round
+
+    means = [("plain", 1, 50.0), ("kvtier", 1, 40.0), ("plain", 2, 60.0), ("kvtier", 2, 45.0),
+             ("plain", 3, 55.0), ("kvtier", 3, 55.0)]
+    records = {f"{n}#{r}": Record({}, "", summary={"ttft_mean_ms": m}) for n, r, m in means}
+    lines = by_round(records)
+    assert lines[2] == "| plain | 50.0 60.0 55.0 | 55.0 | 1.000 |"
+    assert lines[3] == "| kvtier | 40.0 45.0 55.0 | 45.0 | 0.800 |"  # 0.8, 0.75, 1.0: paired, not 45 / 55
+    assert by_round({"plain": Record({}, "", summary={"ttft_mean_ms": 50.0})}) == []  # one round: no table

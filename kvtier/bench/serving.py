@@ -10,7 +10,9 @@ server at a time on this machine.
 
 One JSON record per setup (`<out>/<setup>.json`), `<out>/serving.svg` (TTFT over the
 run, every setup) and a table on stdout: mean / p99 TTFT, throughput, hit rates,
-failed requests, and how many greedy outputs equal the first setup's. With
+failed requests, and how many greedy outputs equal the first setup's. With `--rounds N`
+the setups run N times over in turn (`<setup>#<k>`), and a second table gives each one's
+mean TTFT by round and its median ratio to the first setup's in the same round. With
 `--profile`, py-spy samples the server and its engine core during the workload
 (`<out>/<setup>-pyspy.txt`, collapsed stacks; `kvtier.bench.stacks` sums them).
 """
@@ -22,6 +24,7 @@ import contextlib
 import json
 import shutil
 import signal
+import statistics
 import subprocess
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -69,22 +72,45 @@ def sampled(pid: int, path: Path | None) -> Iterator[None]:
 
 def compare(model: Path, names: list[str], w: Workload, out: Path, cpu_gb: float, gpu_util: float,
             eager: bool, prefix_caching: bool, max_model_len: int, dtype: str = "auto",
-            profile: bool = False) -> dict[str, Record]:
+            profile: bool = False, rounds: int = 1) -> dict[str, Record]:
+    """Each setup in turn, `rounds` times over (setup "x" of round 2 is "x#2"): a machine's
+    drift then falls on every setup alike, and each round compares setups side by side."""
     out.mkdir(parents=True, exist_ok=True)
     records: dict[str, Record] = {}
-    for name in names:
-        connector, env, extra = setup(name, cpu_gb)
-        with vllm_server(model, out / name, env=env, kv_connector=connector, extra_args=extra,
-                         gpu_memory_utilization=gpu_util, eager=eager, prefix_caching=prefix_caching,
-                         max_model_len=max_model_len, dtype=dtype) as srv:
-            run(srv.url, str(model), replace(w, rate=100.0, conversations=1, turns=1))  # warm-up
-            assert srv.proc is not None
-            with sampled(srv.proc.pid, out / f"{name}-pyspy.txt" if profile else None):
-                records[name] = rec = run(srv.url, str(model), w)
-        (out / f"{name}.json").write_text(json.dumps(asdict(rec), indent=1))
-        print(f"[{name}] {json.dumps(rec.summary)}", flush=True)
+    for r in range(rounds):
+        for name in names:
+            key = name if rounds == 1 else f"{name}#{r + 1}"
+            connector, env, extra = setup(name, cpu_gb)
+            with vllm_server(model, out / key, env=env, kv_connector=connector, extra_args=extra,
+                             gpu_memory_utilization=gpu_util, eager=eager, prefix_caching=prefix_caching,
+                             max_model_len=max_model_len, dtype=dtype) as srv:
+                run(srv.url, str(model), replace(w, rate=100.0, conversations=1, turns=1))  # warm-up
+                assert srv.proc is not None
+                with sampled(srv.proc.pid, out / f"{key}-pyspy.txt" if profile else None):
+                    records[key] = rec = run(srv.url, str(model), w)
+            (out / f"{key}.json").write_text(json.dumps(asdict(rec), indent=1))
+            print(f"[{key}] {json.dumps(rec.summary)}", flush=True)
     (out / "serving.svg").write_text(plot({n: asdict(r) for n, r in records.items()}))
     return records
+
+
+def by_round(records: dict[str, Record]) -> list[str]:
+    """Each setup's mean TTFT per round ("x#k"), their median, and its ratio to the first
+    setup's in the same round (median over rounds): what a setup costs beside another."""
+    rounds: dict[str, dict[str, float]] = {}
+    for key, rec in records.items():
+        name, _, r = key.partition("#")
+        if r and rec.summary.get("ttft_mean_ms") is not None:
+            rounds.setdefault(name, {})[r] = rec.summary["ttft_mean_ms"]
+    if not rounds:
+        return []
+    first = next(iter(rounds.values()))
+    lines = ["| setup | mean TTFT ms by round | median | / first setup, same round (median) |", "|---" * 4 + "|"]
+    for name, means in rounds.items():
+        ratios = [m / first[r] for r, m in means.items() if r in first]
+        lines.append(f"| {name} | {' '.join(f'{m:.1f}' for m in means.values())} | "
+                     f"{statistics.median(means.values()):.1f} | {statistics.median(ratios):.3f} |")
+    return lines
 
 
 def table(records: dict[str, Record]) -> list[str]:
@@ -117,14 +143,16 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--workload", type=json.loads, default={}, help="Workload fields (JSON)")
     p.add_argument("--profile", action="store_true", help="py-spy the server during each workload")
+    p.add_argument("--rounds", type=int, default=1, help="run the setups this many times over, in turn")
     args = p.parse_args()
     spec = TinyLlama(**args.model)
     model = make_tiny_llama(args.model_dir, spec)
     # Token ids within the model's vocabulary (vLLM refuses others with a 400).
     workload = Workload(**{"vocab": spec.vocab_size, **args.workload})
     records = compare(model, args.setups, workload, Path(args.out), args.cpu_gb, args.gpu_util,
-                      args.eager, args.prefix_caching, args.max_model_len, profile=args.profile)
-    print("\n".join(table(records)))
+                      args.eager, args.prefix_caching, args.max_model_len, profile=args.profile,
+                      rounds=args.rounds)
+    print("\n".join(table(records) + [""] + by_round(records)))
 
 
 if __name__ == "__main__":
