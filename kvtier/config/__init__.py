@@ -59,8 +59,8 @@ class KvtierConfig:
     max_local_cpu_size: float = _doc("CPU RAM pool size, GiB", default=5.0)
     local_cpu_use_hugepages: bool = _doc("back the CPU pool with 2 MiB huge pages", default=False)
     save_unfull_chunk: bool = _doc("also store the partial last chunk of a prompt", default=False)
-    use_layerwise: bool = _doc("load KV layer by layer, overlapped with compute (stores too, but inside vLLM on a "
-                               "GPU: there after the forward, not waited for)", default=False)
+    use_layerwise: bool = _doc("load KV layer by layer, overlapped with compute (the transformers integration "
+                               "stores so too; inside vLLM a step's store follows its forward)", default=False)
     local_disk: str | None = _doc("directory of the disk tier: file:///path (or a plain path)", default=None)
     max_local_disk_size: float = _doc("disk tier size, GiB (needed with local_disk)", default=0.0)
     local_disk_min_stores: int = _doc(

@@ -39,10 +39,9 @@ Saves follow chunked prefill: after each step, the whole chunks computed so
 far are stored ("Storing KV cache for 2048 out of 12288 tokens"), and the
 partial last chunk once the prompt is done (if `save_unfull_chunk`).
 With `use_layerwise`, loads run layer by layer behind the forward
-(`wait_for_layer_load(layer)` waits only for that layer); on vLLM's CPU build
-saves too (`save_kv_layer`). On a GPU a step's saves are gathered after the
-forward, at `wait_for_save`, their copies to the host not waited for
-(worker.py). Disaggregated prefill: pd.py.
+(`wait_for_layer_load(layer)` waits only for that layer). A step's saves are
+gathered after its forward, at `wait_for_save` (on a GPU their copies to the
+host not waited for; worker.py). Disaggregated prefill: pd.py.
 
 Hybrid models (`SupportsHMA`, groups.py): vLLM's hybrid allocator gives
 sliding-window layers blocks of their own (a KV cache group), freed as the

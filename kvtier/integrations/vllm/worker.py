@@ -4,8 +4,8 @@ or in the background), stores, and the load failures vLLM recomputes.
     register_kv_caches   the engine over vLLM's KV (layout.py), the lookup server
     start_load_kv        this step's loads: queued ahead of the forward, or in a thread
     wait_for_layer_load  layerwise: the forward waits for that layer
-    save_kv_layer        layerwise on a CPU: that layer moves to the host; else counted
-    wait_for_save        loads finished and checked; stores made (a GPU's not waited for); PD sends
+    save_kv_layer        counted (the store waits for a forward that wrote every layer)
+    wait_for_save        loads finished and checked; the step's stores (a GPU's not waited for); PD sends
     get_finished         background loads that are done
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvtier.config import KvtierConfig
-from kvtier.engine import CacheEngine, Loading, Storing
+from kvtier.engine import CacheEngine, Loading
 from kvtier.engine.states import StateLoad
 from kvtier.errors import ConfigError, UnsupportedKVLayout, UnsupportedModel
 from kvtier.integrations.vllm.events import KvtierKVEvents, to_vllm
@@ -54,9 +54,7 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}
         # loads of this step, finished at wait_for_save (with a hybrid model's Mamba state, if it loaded)
         self._loads: list[tuple[Loading, TransferSpec, StateLoad | None]] = []
-        self._stores: list[Storing] | None = None  # layerwise stores of this step, once begun
-        self._store_layerwise = config.use_layerwise  # but not on a GPU: see register_kv_caches
-        self._layers_written = 0  # of this step's forward, where it stores whole
+        self._layers_written = 0  # by this step's forward (save_kv_layer calls)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load")
         self._background: dict[str, tuple[TransferSpec, Future]] = {}
         self._failed_tokens = 0  # promised tokens that could not be loaded
@@ -105,12 +103,6 @@ class WorkerSide:
             raise UnsupportedModel("disaggregated prefill of a model with Mamba layers: kvtier's PD moves "
                                    "attention KV only")
         self.engine = self.pd.make_engine(kv, fmt, rank, states)
-        # On a GPU a step's KV is gathered whole after its forward, its copies to the host not
-        # waited for (the next forward waits for the gathers only). Saved layer by layer, each
-        # layer's launches cost the forward ~0.2 ms of host time, which a step of a few hundred
-        # tokens does not hide; whole and waited for, the copy made cold TTFT +5.3 % (16k;
-        # docs/benchmarks.md, "Inside real vLLM on a GPU").
-        self._store_layerwise = self.config.use_layerwise and vkv.kv.device.type != "cuda"
         self._server = LookupServer(socket_path(self.engine_id, rank), Handlers(
             lookup=self._find, release=self._release, reset=self.engine.clear))
 
@@ -237,25 +229,18 @@ class WorkerSide:
             self._step_wait += time.perf_counter() - t0
 
     def save_kv_layer(self, meta: Callable[[], KvtierMetadata], layer_name: str) -> None:
-        index = self._layer_index.get(layer_name)
-        if index is None:
-            return
-        if not self._store_layerwise:  # stored whole at wait_for_save, if the forward wrote every layer
+        """Counted only: a step's KV is stored whole at wait_for_save, once the forward has
+        written every layer. On a GPU its copies to the host are not waited for there, and
+        the next forward waits for the gathers only. Saved layer by layer inside the forward,
+        each layer's launches cost ~0.2 ms of host time, which a step of a few hundred tokens
+        does not hide (the chat workload's TTFT +10 ms; docs/benchmarks.md); whole and waited
+        for, the copy made cold TTFT +5.3 % at 16k."""
+        if layer_name in self._layer_index:
             self._layers_written += 1
-            return
-        t0 = time.perf_counter()
-        if self._stores is None:  # the step's first layer: decide what to store, allocate its blocks
-            assert self.engine is not None
-            self._stores = [self.engine.start_store(spec.token_ids, self._slots(spec),
-                                                    start=spec.start, request_id=spec.req_id, layerwise=True)
-                            for spec in meta().saves]
-        for store in self._stores:
-            store.save(index)
-        self._step_wait += time.perf_counter() - t0
 
     def wait_for_save(self, meta: KvtierMetadata) -> None:
-        # vLLM calls this after every step's forward, also one that raised: a
-        # layerwise store that missed a layer is dropped then (Storing.finish).
+        # vLLM calls this after every step's forward, also one that raised: its KV is then
+        # not stored (_forward_wrote_every_layer).
         assert self.engine is not None
         t0 = time.perf_counter()
         loads, self._loads = self._loads, []
@@ -269,24 +254,19 @@ class WorkerSide:
                 if state is not None:
                     state.finish()
             self._check_loaded(spec, loaded)
-        stores, self._stores = self._stores, None
-        # Copies to the host not waited for: the next step's forward is ordered after the
-        # gathers' reads of the pages, and the chunks land in the tiers at the engine's next
+        # Copies to the host not waited for: the chunks land in the tiers at the engine's next
         # store (or a lookup of them). A host waiting here for the step's copies left the GPU
         # idle until vLLM queued the next step (its batch queue queues a step before the last
         # one ends).
-        if stores is not None:
-            for store in stores:
-                store.finish(wait=False)
-        elif meta.saves and self._forward_wrote_every_layer():
+        if meta.saves and self._forward_wrote_every_layer():  # nor its states, nor a PD send
             for spec in meta.saves:
                 self.engine.start_store(spec.token_ids, self._slots(spec), start=spec.start,
                                         request_id=spec.req_id).finish(wait=False)
+            for spec in meta.saves:
+                if spec.state and self._state_names:
+                    self._save_state(spec)
+                self.pd.send(spec, self.shape.block_size)
         self._layers_written = 0
-        for spec in meta.saves:
-            if spec.state and self._state_names:
-                self._save_state(spec)
-            self.pd.send(spec, self.shape.block_size)
         self._note_longest("longest_step_wait_seconds", self._step_wait + time.perf_counter() - t0)
         self._step_wait = 0.0
 
