@@ -30,16 +30,16 @@ def worker_and_step():
     return worker, meta
 
 
-def forward(worker, meta, layers: int) -> None:
+def forward(worker, layers: int) -> None:
     for name in list(worker._layer_index)[:layers]:
-        worker.save_kv_layer(lambda: meta, name)
+        worker.save_kv_layer(name)
 
 
 @pytest.mark.parametrize("layers", [LAYERS, 0])
 def test_a_step_that_wrote_every_layer_or_ran_as_one_graph_is_stored_whole(layers):
     worker, meta = worker_and_step()
     try:
-        forward(worker, meta, layers)  # 0: a full CUDA graph calls no save_kv_layer
+        forward(worker, layers)  # 0: a full CUDA graph calls no save_kv_layer
         worker.wait_for_save(meta)
         assert worker.engine.lookup(list(range(32))) == 32
     finally:
@@ -52,7 +52,7 @@ def test_a_forward_that_raised_or_stopped_early_stores_nothing(raised):
     try:
         with pytest.raises(RuntimeError):
             try:
-                forward(worker, meta, 1 if not raised else LAYERS)
+                forward(worker, 1 if not raised else LAYERS)
                 raise RuntimeError("the forward failed")
             finally:  # where vLLM calls it (kv_connector_model_runner_mixin)
                 if raised:
@@ -60,7 +60,7 @@ def test_a_forward_that_raised_or_stopped_early_stores_nothing(raised):
         if not raised:
             worker.wait_for_save(meta)  # a forward that wrote one layer of three, no exception in flight
         assert worker.engine.lookup(list(range(32))) == 0
-        forward(worker, meta, LAYERS)  # the next step is whole again
+        forward(worker, LAYERS)  # the next step is whole again
         worker.wait_for_save(meta)
         assert worker.engine.lookup(list(range(32))) == 32
     finally:

@@ -163,7 +163,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        self.worker.save_kv_layer(self._meta, layer_name)
+        self.worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         self.worker.wait_for_save(self._meta())

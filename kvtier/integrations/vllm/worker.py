@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -228,7 +228,7 @@ class WorkerSide:
                 load.wait(index)
             self._step_wait += time.perf_counter() - t0
 
-    def save_kv_layer(self, meta: Callable[[], KvtierMetadata], layer_name: str) -> None:
+    def save_kv_layer(self, layer_name: str) -> None:
         """Counted only: a step's KV is stored whole at wait_for_save, once the forward has
         written every layer. On a GPU its copies to the host are not waited for there, and
         the next forward waits for the gathers only. Saved layer by layer inside the forward,
