@@ -59,8 +59,7 @@ class Mover:
                digests: torch.Tensor | None = None, wait: bool = True) -> InFlight | None:
         """The KV into the blocks: landed, their digests stamped (None), or, without `wait` on a
         GPU, in flight (stamp them once it has landed)."""
-        spans = [s for s, _ in owned]
-        chunks = [self.view(b.data, s.num_tokens) for s, b in owned]
+        spans, chunks = self._chunks(owned)
         with self._lock:
             flight = self.transfer.gather(concat_slots(slots, spans), chunks, digests=digests, wait=wait)
         if flight is None:
@@ -70,10 +69,13 @@ class Mover:
     def gather_layerwise(self, slots: torch.Tensor, owned: list[tuple[ChunkSpan, MemoryBlock]],
                          digests: torch.Tensor | None = None) -> LayerSaver:
         """The KV into the blocks as the caller saves each layer."""
-        spans = [s for s, _ in owned]
-        chunks = [self.view(b.data, s.num_tokens) for s, b in owned]
+        spans, chunks = self._chunks(owned)
         with self._lock:
             return self.transfer.gather_layerwise(concat_slots(slots, spans), chunks, digests=digests)
+
+    def _chunks(self, owned: list[tuple[ChunkSpan, MemoryBlock]]) -> tuple[list[ChunkSpan], list[torch.Tensor]]:
+        """The spans, and the chunk in each block."""
+        return [s for s, _ in owned], [self.view(b.data, s.num_tokens) for s, b in owned]
 
     def gather_into(self, slots: torch.Tensor, spans: Sequence[ChunkSpan], buffers: Sequence[torch.Tensor]) -> None:
         """The KV of `spans` into byte buffers of the caller."""
