@@ -72,6 +72,8 @@ SETUPS: dict[str, dict] = {
     "kvtier-server-tcp": {"connector": "KvtierConnector", "server": "?shm=0", "flush": True,
                           "env": {"LMCACHE_LOCAL_CPU": "false"}},
     "lmcache": {"connector": "LMCacheConnectorV1", "env": {"LMCACHE_LOCAL_CPU": "true"}},
+    "lmcache-layerwise": {"connector": "LMCacheConnectorV1",
+                          "env": {"LMCACHE_LOCAL_CPU": "true", "LMCACHE_USE_LAYERWISE": "true"}},
     "native": {"native": True},
 }
 
