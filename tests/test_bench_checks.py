@@ -2,7 +2,7 @@
 (H100, vLLM 0.26, 32k tokens, 2026-11-26): plain vLLM's own cold prefill and GPU prefix hit
 part at the 4th token, a near-tie in bf16."""
 
-from kvtier.bench.vllm import agrees
+from kvtier.bench.vllm import agrees, under_the_copy
 
 PLAIN = {"cold": [124956, 86041, 56463, 53607, 47691, 48236],
          "gpu_hit": [124956, 86041, 56463, 91666, 19827, 39878]}
@@ -72,3 +72,10 @@ def test_serving_rounds_give_each_setups_median_and_its_ratio_to_the_first_in_th
     assert lines[2] == "| plain | 50.0 60.0 55.0 | 55.0 | 1.000 |"
     assert lines[3] == "| kvtier | 40.0 45.0 55.0 | 45.0 | 0.800 |"  # 0.8, 0.75, 1.0: paired, not 45 / 55
     assert by_round({"plain": Record({}, "", summary={"ttft_mean_ms": 50.0})}) == []  # one round: no table
+
+
+def test_a_warm_run_faster_than_the_copy_of_its_kv_is_not_a_load():
+    # LMCache 0.5.6 under vLLM 0.26's V2 model runner, 2026-11-27: 19.2 ms warm with a 39.2 ms copy
+    assert under_the_copy("lmcache", {"warm_median": 0.0192, "copy_ms": 39.2})
+    assert not under_the_copy("kvtier", {"warm_median": 0.0552, "copy_ms": 39.0})
+    assert not under_the_copy("plain", {"warm_median": 0.0192, "copy_ms": 39.2})  # plain loads nothing
