@@ -65,3 +65,34 @@ def test_a_forward_that_raised_or_stopped_early_stores_nothing(raised):
         assert worker.engine.lookup(list(range(32))) == 32
     finally:
         worker.close()
+
+
+def test_the_scheduler_asks_no_worker_when_vllm_has_all_but_less_than_a_block():
+    """A prompt again at once is vLLM's own hit but for its last block: nothing kvtier holds
+    would be loaded, and a worker's lookup would wait for that prefix's stores in flight."""
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm.lookup import Handlers, LookupServer, socket_path
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+
+    worker, _ = worker_and_step()
+    toks = list(range(50))
+    worker.engine.store(toks, torch.arange(50))
+    asked = []
+
+    def find(tokens, request_id, computed):
+        asked.append(computed)
+        return worker._find(tokens, request_id, computed)
+
+    server = LookupServer(socket_path("worker-test", 0), Handlers(find, worker._release, worker.engine.clear))
+    scheduler = SchedulerSide(worker.config, worker.shape, "worker-test", 1, True, True)
+    try:
+        request = SimpleNamespace(prompt_token_ids=toks, request_id="r", kv_transfer_params=None)
+        assert scheduler.get_num_new_matched_tokens(request, 48) == (0, False)  # 1 token past vLLM's
+        assert asked == []
+        assert scheduler.get_num_new_matched_tokens(request, 16) == (32, False)  # 2 chunks past it: loaded
+        assert asked == [16]
+    finally:
+        scheduler.close()
+        server.close()
+        worker.close()

@@ -69,6 +69,10 @@ class SchedulerSide:
         self.pd.looked_up(rid, request.kv_transfer_params)
         if not self.can_load or not prompt:
             return 0, False
+        if num_computed_tokens and not self.shape.to_load(len(prompt), len(prompt), num_computed_tokens):
+            # vLLM has all but less than a block: nothing kvtier holds would be loaded, so no
+            # lookup (the workers' would wait for this prefix's stores still in flight).
+            return 0, False
         t0 = time.perf_counter()
         stored, in_cpu = self.lookup.lookup(prompt, rid, num_computed_tokens)
         self._longest_lookup = max(self._longest_lookup, time.perf_counter() - t0)
