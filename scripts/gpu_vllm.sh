@@ -12,7 +12,8 @@
 # multi-turn chat workload against vLLM's OpenAI server per offloader: kvtier.bench.serving; about
 # 2 minutes a setup, so at most 4 setups a call: SETUPS="plain kvtier" then "kvtier-kernel lmcache native";
 # with the 8B shape ~135 s a setup and ~90 s to make the model once a machine; SERVING_ARGS="--rounds 2"
-# runs the setups twice over in turn, paired by round).
+# runs the setups twice over in turn, paired by round), benchserve (`vllm bench serve` twice per offloader,
+# prefix-sharing prompts: kvtier.bench.serving --bench-serve).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Everything is written to $work and comes back as one archive in $OUT (the device returns at most 8 files).
@@ -91,6 +92,17 @@ echo "serving exit $?"; pkill -f "$servers"; grep -E "^\||^\[|Traceback|Error" "
 # server's threads spent the workload.
 ls "$work"/serving/*-pyspy.txt >/dev/null 2>&1 && python3 -m kvtier.bench.stacks "$work"/serving/*-pyspy.txt \
     --min-samples 200 > "$work/stacks.txt" 2>&1 && head -60 "$work/stacks.txt" ;;
+esac
+case " $steps " in *" benchserve "*)
+# `vllm bench serve` twice per offloader with vLLM's prefix-sharing dataset (the InfiniStore
+# guide's flow): the serving step's model and memory, BENCH_SERVE the workload (JSON).
+timeout ${BENCHSERVE_TIMEOUT:-540} python3 -m kvtier.bench.serving --setups ${SETUPS:-plain kvtier lmcache native} \
+    --out "$work/bench-serve" --gpu-util ${GPU_UTIL:-0.12} --cpu-gb 20 --max-model-len 16384 --model '{"hidden_size": 2048,
+    "intermediate_size": 5632, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 32768}' --bench-serve "${BENCH_SERVE:-{\"num_prompts\": 64, \"input_len\": 8192,
+    \"prefix_len\": 6144, \"num_prefixes\": 8, \"output_len\": 16, \"max_concurrency\": 16}}" ${SERVING_ARGS:-} \
+    > "$work/bench-serve.log" 2>&1
+echo "bench serve exit $?"; pkill -f "$servers"; grep -E "^\||Traceback|Error" "$work/bench-serve.log" | tail -12 ;;
 esac
 case " $steps " in *" bench "*)
 timeout ${BENCH_TIMEOUT:-480} python3 -m kvtier.bench.vllm --setups ${SETUPS:-plain kvtier kvtier-layerwise} --lengths ${LENGTHS:-4096 16384 32768} \

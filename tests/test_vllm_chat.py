@@ -2,6 +2,8 @@
 at a steady rate, several in flight, with kvtier (through the serving comparison's
 driver) and without."""
 
+import json
+import re
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, replace
 
@@ -43,3 +45,25 @@ def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tm
     assert len([e for e in svg.iter() if e.tag.endswith("circle")]) == 2 * 18 + 2  # the points, the legend
     assert (tmp_path / "serving" / "kvtier.json").exists() and (tmp_path / "serving" / "serving.svg").exists()
     assert table(records)[2].startswith("| kvtier |") and "| 0 | 18/18 |" in table(records)[2]
+
+
+def test_vllm_bench_serve_twice_per_setup_with_shared_prefixes(tiny_model, tmp_path):
+    """The InfiniStore guide's flow per offloader (`--bench-serve`): the second run's prompts
+    are the first's, so kvtier's server loads them; plain vLLM (its prefix cache off) does not."""
+    from kvtier.bench.serving import serve_twice, serve_twice_table
+    from kvtier.bench.stores_vllm import Workload as BenchServe
+
+    work = BenchServe(num_prompts=6, input_len=768, output_len=4, num_prefixes=2, prefix_len=512)
+    rows = serve_twice(tiny_model, ["plain", "kvtier"], work, tmp_path, cpu_gb=0.5, gpu_util=0.4, eager=True,
+                       prefix_caching=False, max_model_len=2048, dtype=DTYPE)
+    for name in ("plain", "kvtier"):
+        assert "error" not in rows[name], rows[name]
+        for run_ in ("first", "second"):
+            assert rows[name][run_]["Successful requests"] == 6 and rows[name][run_].get("Failed requests", 0) == 0
+    log = next((tmp_path / "kvtier").glob("vllm-*.log")).read_text()
+    loads = [int(n) for n in re.findall(r"need to load (\d+)", log)]
+    assert sum(n >= 512 for n in loads) >= 6, loads  # every prompt of the second run, at least
+    assert not re.findall(r"need to load (\d+)", next((tmp_path / "plain").glob("vllm-*.log")).read_text())
+    assert json.loads((tmp_path / "kvtier-bench-serve.json").read_text())["workload"]["num_prefixes"] == 2
+    table = serve_twice_table(rows)
+    assert table[2].startswith("| plain |") and table[3].startswith("| kvtier |") and table[3].endswith("| 0 |")

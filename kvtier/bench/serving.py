@@ -15,6 +15,12 @@ the setups run N times over in turn (`<setup>#<k>`), and a second table gives ea
 mean TTFT by round and its median ratio to the first setup's in the same round. With
 `--profile`, py-spy samples the server and its engine core during the workload
 (`<out>/<setup>-pyspy.txt`, collapsed stacks; `kvtier.bench.stacks` sums them).
+
+With `--bench-serve JSON` it runs the InfiniStore guide's flow instead: per setup,
+`vllm bench serve` twice against one server (by default with a prefix-sharing dataset,
+vLLM's prefix_repetition, when the JSON sets num_prefixes), and a table of each run's
+median / mean / p99 TTFT, the second's ratio to the first, throughput and failed
+requests (`<out>/<setup>-bench-serve.json`).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from pathlib import Path
 from typing import Iterator
 
 from kvtier.bench.chat import Record, Workload, plot, run, same_outputs
+from kvtier.bench.stores_vllm import Workload as BenchServe
+from kvtier.bench.stores_vllm import bench_serve
 from kvtier.dev.demo import vllm_server
 from kvtier.dev.tinymodel import TinyLlama, make_tiny_llama
 
@@ -94,6 +102,48 @@ def compare(model: Path, names: list[str], w: Workload, out: Path, cpu_gb: float
     return records
 
 
+def serve_twice(model: Path, names: list[str], work: BenchServe, out: Path, cpu_gb: float, gpu_util: float,
+                eager: bool, prefix_caching: bool, max_model_len: int, dtype: str = "auto") -> dict[str, dict]:
+    """The InfiniStore guide's flow per setup: `vllm bench serve` twice against one server,
+    the second run sending the first's prompts (a prefix-sharing dataset where `work` says
+    so). A setup whose run fails is recorded with its error; the others still run."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, dict] = {}
+    for name in names:
+        connector, env, extra = setup(name, cpu_gb)
+        try:
+            with vllm_server(model, out / name, env=env, kv_connector=connector, extra_args=extra,
+                             gpu_memory_utilization=gpu_util, eager=eager, prefix_caching=prefix_caching,
+                             max_model_len=max_model_len, dtype=dtype) as srv:
+                first = bench_serve(srv.url, str(model), work)
+                second = bench_serve(srv.url, str(model), work)
+            rows[name] = {"first": first, "second": second,
+                          "second_vs_first_median": second["Median TTFT (ms)"] / first["Median TTFT (ms)"]}
+        except (RuntimeError, subprocess.SubprocessError) as exc:
+            rows[name] = {"error": str(exc)[-2000:]}
+        (out / f"{name}-bench-serve.json").write_text(json.dumps({"workload": asdict(work), **rows[name]}, indent=1))
+        print(f"[{name}] {json.dumps(rows[name])[:400]}", flush=True)
+    return rows
+
+
+def serve_twice_table(rows: dict[str, dict]) -> list[str]:
+    lines = ["| setup | first: median / mean / p99 TTFT ms | second | second / first (median) | "
+             "req/s first, second | failed |", "|---" * 6 + "|"]
+    for name, r in rows.items():
+        if "error" in r:
+            lines.append(f"| {name} | failed to run: {r['error'].splitlines()[-1][:120] if r['error'] else '?'} |||||")
+            continue
+        a, b = r["first"], r["second"]
+        lines.append(f"| {name} | {_three(a)} | {_three(b)} | {r['second_vs_first_median']:.3f} | "
+                     f"{a.get('Request throughput (req/s)', 0):.2f}, {b.get('Request throughput (req/s)', 0):.2f} | "
+                     f"{a.get('Failed requests', 0) + b.get('Failed requests', 0):.0f} |")
+    return lines
+
+
+def _three(f: dict[str, float]) -> str:
+    return f"{f['Median TTFT (ms)']:.1f} / {f['Mean TTFT (ms)']:.1f} / {f['P99 TTFT (ms)']:.1f}"
+
+
 def by_round(records: dict[str, Record]) -> list[str]:
     """Each setup's mean TTFT per round ("x#k"), their median, and its ratio to the first
     setup's in the same round (median over rounds): what a setup costs beside another."""
@@ -144,9 +194,17 @@ def main() -> None:
     p.add_argument("--workload", type=json.loads, default={}, help="Workload fields (JSON)")
     p.add_argument("--profile", action="store_true", help="py-spy the server during each workload")
     p.add_argument("--rounds", type=int, default=1, help="run the setups this many times over, in turn")
+    p.add_argument("--bench-serve", type=json.loads, default=None, metavar="JSON",
+                   help="instead of the chat workload, `vllm bench serve` twice per setup: fields of "
+                        "kvtier.bench.stores_vllm.Workload (num_prefixes > 0: the prefix_repetition dataset)")
     args = p.parse_args()
     spec = TinyLlama(**args.model)
     model = make_tiny_llama(args.model_dir, spec)
+    if args.bench_serve is not None:
+        rows = serve_twice(model, args.setups, BenchServe(**args.bench_serve), Path(args.out), args.cpu_gb,
+                           args.gpu_util, args.eager, args.prefix_caching, args.max_model_len)
+        print("\n".join(serve_twice_table(rows)))
+        return
     # Token ids within the model's vocabulary (vLLM refuses others with a 400).
     workload = Workload(**{"vocab": spec.vocab_size, **args.workload})
     records = compare(model, args.setups, workload, Path(args.out), args.cpu_gb, args.gpu_util,

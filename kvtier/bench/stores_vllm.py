@@ -38,15 +38,31 @@ from kvtier.bench.server import host
 
 STORES = ("kvtier", "mooncake", "redis")
 FIGURES = re.compile(r"^(Successful requests|Failed requests|Median TTFT \(ms\)|Mean TTFT \(ms\)|"
-                     r"P99 TTFT \(ms\)|Benchmark duration \(s\)):\s+([\d.]+)", re.M)
+                     r"P99 TTFT \(ms\)|Benchmark duration \(s\)|Request throughput \(req/s\)):\s+([\d.]+)", re.M)
 
 
 @dataclass(frozen=True)
 class Workload:
+    """`vllm bench serve`'s prompts: random ones of `input_len` tokens, or with `num_prefixes`
+    its prefix_repetition dataset (each prompt one of `num_prefixes` shared prefixes of
+    `prefix_len` tokens, then its own tokens up to `input_len`). `max_concurrency` 0: every
+    request at once (vLLM's default)."""
     num_prompts: int = 8
     input_len: int = 2048
     output_len: int = 4
     seed: int = 42
+    num_prefixes: int = 0
+    prefix_len: int = 0
+    max_concurrency: int = 0
+
+    def dataset_args(self) -> list[str]:
+        if not self.num_prefixes:
+            return ["--dataset-name", "random", "--random-input-len", str(self.input_len),
+                    "--random-output-len", str(self.output_len)]
+        return ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(self.prefix_len),
+                "--prefix-repetition-suffix-len", str(self.input_len - self.prefix_len),
+                "--prefix-repetition-num-prefixes", str(self.num_prefixes),
+                "--prefix-repetition-output-len", str(self.output_len)]
 
 
 def bench_serve(url: str, model: str, work: Workload) -> dict[str, float]:
@@ -54,8 +70,8 @@ def bench_serve(url: str, model: str, work: Workload) -> dict[str, float]:
     port = url.rsplit(":", 1)[1]
     cmd = [sys.executable, "-m", "kvtier.cli", "vllm", "bench", "serve", "--backend", "vllm", "--model", model,
            "--num-prompts", str(work.num_prompts), "--port", port, "--host", "127.0.0.1",
-           "--dataset-name", "random", "--random-input-len", str(work.input_len),
-           "--random-output-len", str(work.output_len), "--seed", str(work.seed)]
+           *work.dataset_args(), "--seed", str(work.seed),
+           *(["--max-concurrency", str(work.max_concurrency)] if work.max_concurrency else [])]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
