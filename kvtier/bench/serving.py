@@ -119,7 +119,7 @@ def serve_twice(model: Path, names: list[str], work: BenchServe, out: Path, cpu_
                 second = bench_serve(srv.url, str(model), work)
             rows[name] = {"first": first, "second": second,
                           "second_vs_first_median": second["Median TTFT (ms)"] / first["Median TTFT (ms)"]}
-        except (RuntimeError, subprocess.SubprocessError) as exc:
+        except (RuntimeError, TimeoutError, subprocess.SubprocessError) as exc:  # a start or a run that failed
             rows[name] = {"error": str(exc)[-2000:]}
         (out / f"{name}-bench-serve.json").write_text(json.dumps({"workload": asdict(work), **rows[name]}, indent=1))
         print(f"[{name}] {json.dumps(rows[name])[:400]}", flush=True)
