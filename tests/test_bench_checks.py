@@ -1,6 +1,8 @@
 """The token checks of the GPU harness (kvtier.bench.vllm), on the tokens of a real run
 (H100, vLLM 0.26, 32k tokens, 2026-11-26): plain vLLM's own cold prefill and GPU prefix hit
-part at the 4th token, a near-tie in bf16."""
+part at the 4th token, a near-tie in bf16. And the prompts `vllm bench serve` is given."""
+
+import pytest
 
 from kvtier.bench.vllm import agrees, under_the_copy
 
@@ -79,3 +81,13 @@ def test_a_warm_run_faster_than_the_copy_of_its_kv_is_not_a_load():
     assert under_the_copy("lmcache", {"warm_median": 0.0192, "copy_ms": 39.2})
     assert not under_the_copy("kvtier", {"warm_median": 0.0552, "copy_ms": 39.0})
     assert not under_the_copy("plain", {"warm_median": 0.0192, "copy_ms": 39.2})  # plain loads nothing
+
+
+def test_bench_serve_prompts_random_or_over_shared_prefixes():
+    from kvtier.bench.stores_vllm import Workload
+
+    assert Workload(input_len=512).dataset_args()[:2] == ["--dataset-name", "random"]
+    args = Workload(input_len=768, num_prefixes=2, prefix_len=512).dataset_args()
+    assert args[args.index("--prefix-repetition-suffix-len") + 1] == "256"
+    with pytest.raises(ValueError, match="prefix_len"):
+        Workload(input_len=512, num_prefixes=2, prefix_len=512)

@@ -55,6 +55,10 @@ class Workload:
     prefix_len: int = 0
     max_concurrency: int = 0
 
+    def __post_init__(self) -> None:
+        if self.num_prefixes and not 0 < self.prefix_len < self.input_len:
+            raise ValueError(f"prefix_len {self.prefix_len} must be above 0 and under input_len {self.input_len}")
+
     def dataset_args(self) -> list[str]:
         if not self.num_prefixes:
             return ["--dataset-name", "random", "--random-input-len", str(self.input_len),
