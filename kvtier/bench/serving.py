@@ -58,6 +58,15 @@ def setup(name: str, cpu_gb: float) -> tuple[dict | None, dict, list[str]]:
     }[name]
 
 
+def served(model: Path, name: str, workdir: Path, cpu_gb: float, gpu_util: float, eager: bool,
+           prefix_caching: bool, max_model_len: int, dtype: str):
+    """vLLM's OpenAI server with setup `name`'s offloader (a context manager)."""
+    connector, env, extra = setup(name, cpu_gb)
+    return vllm_server(model, workdir, env=env, kv_connector=connector, extra_args=extra,
+                       gpu_memory_utilization=gpu_util, eager=eager, prefix_caching=prefix_caching,
+                       max_model_len=max_model_len, dtype=dtype)
+
+
 @contextlib.contextmanager
 def sampled(pid: int, path: Path | None) -> Iterator[None]:
     """py-spy sampling process `pid` and its children (vLLM's engine core) into `path`, as
@@ -88,10 +97,8 @@ def compare(model: Path, names: list[str], w: Workload, out: Path, cpu_gb: float
     for r in range(rounds):
         for name in names:
             key = name if rounds == 1 else f"{name}#{r + 1}"
-            connector, env, extra = setup(name, cpu_gb)
-            with vllm_server(model, out / key, env=env, kv_connector=connector, extra_args=extra,
-                             gpu_memory_utilization=gpu_util, eager=eager, prefix_caching=prefix_caching,
-                             max_model_len=max_model_len, dtype=dtype) as srv:
+            with served(model, name, out / key, cpu_gb, gpu_util, eager, prefix_caching, max_model_len,
+                        dtype) as srv:
                 run(srv.url, str(model), replace(w, rate=100.0, conversations=1, turns=1))  # warm-up
                 assert srv.proc is not None
                 with sampled(srv.proc.pid, out / f"{key}-pyspy.txt" if profile else None):
@@ -110,11 +117,9 @@ def serve_twice(model: Path, names: list[str], work: BenchServe, out: Path, cpu_
     out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict] = {}
     for name in names:
-        connector, env, extra = setup(name, cpu_gb)
         try:
-            with vllm_server(model, out / name, env=env, kv_connector=connector, extra_args=extra,
-                             gpu_memory_utilization=gpu_util, eager=eager, prefix_caching=prefix_caching,
-                             max_model_len=max_model_len, dtype=dtype) as srv:
+            with served(model, name, out / name, cpu_gb, gpu_util, eager, prefix_caching, max_model_len,
+                        dtype) as srv:
                 first = bench_serve(srv.url, str(model), work)
                 second = bench_serve(srv.url, str(model), work)
             rows[name] = {"first": first, "second": second,
