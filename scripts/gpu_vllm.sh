@@ -78,13 +78,14 @@ timeout ${GUIDES_TIMEOUT:-540} python3 -m pytest -q -s -rfE --tb=short --timeout
 pkill -f "$servers"; sleep 3
 grep -E "passed|failed|error|bench serve twice|Median TTFT" "$work/guides.txt" | tail -12 ;;
 esac
+# The serving steps' model (TinyLlama fields; SERVING_ARGS="--model {...}" replaces it): 16 Llama layers.
+serving_model='{"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16, "num_attention_heads": 16,
+    "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 32768}'
 case " $steps " in *" serving "*)
 # A 16-layer Llama shape (64 KB of KV a token), seeded weights; vLLM's own KV cache a fraction of
 # the live conversations (--gpu-util), every offloader the same CPU memory.
 timeout ${SERVING_TIMEOUT:-540} python3 -m kvtier.bench.serving --setups ${SETUPS:-plain kvtier} --out "$work/serving" \
-    --gpu-util ${GPU_UTIL:-0.12} --cpu-gb 20 --model '{"hidden_size": 2048, "intermediate_size": 5632,
-    "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-    "max_position_embeddings": 32768}' --workload "${WORKLOAD:-{\"conversations\": 32, \"system_tokens\": 4096,
+    --gpu-util ${GPU_UTIL:-0.12} --cpu-gb 20 --model "$serving_model" --workload "${WORKLOAD:-{\"conversations\": 32, \"system_tokens\": 4096,
     \"turns\": 6, \"user_tokens\": 256, \"answer_tokens\": 128, \"max_tokens\": 32, \"rate\": 4.0,
     \"concurrency\": 12}}" ${SERVING_ARGS:-} > "$work/serving.log" 2>&1
 echo "serving exit $?"; pkill -f "$servers"; grep -E "^\||^\[|Traceback|Error" "$work/serving.log" | tail -20
@@ -97,9 +98,8 @@ case " $steps " in *" benchserve "*)
 # `vllm bench serve` twice per offloader with vLLM's prefix-sharing dataset (the InfiniStore
 # guide's flow): the serving step's model and memory, BENCH_SERVE the workload (JSON).
 timeout ${BENCHSERVE_TIMEOUT:-540} python3 -m kvtier.bench.serving --setups ${SETUPS:-plain kvtier lmcache native} \
-    --out "$work/bench-serve" --gpu-util ${GPU_UTIL:-0.12} --cpu-gb 20 --max-model-len 16384 --model '{"hidden_size": 2048,
-    "intermediate_size": 5632, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-    "max_position_embeddings": 32768}' --bench-serve "${BENCH_SERVE:-{\"num_prompts\": 64, \"input_len\": 8192,
+    --out "$work/bench-serve" --gpu-util ${GPU_UTIL:-0.12} --cpu-gb 20 --max-model-len 16384 --model "$serving_model" \
+    --bench-serve "${BENCH_SERVE:-{\"num_prompts\": 64, \"input_len\": 8192,
     \"prefix_len\": 6144, \"num_prefixes\": 8, \"output_len\": 16, \"max_concurrency\": 16}}" ${SERVING_ARGS:-} \
     > "$work/bench-serve.log" 2>&1
 echo "bench serve exit $?"; pkill -f "$servers"; grep -E "^\||Traceback|Error" "$work/bench-serve.log" | tail -12 ;;
