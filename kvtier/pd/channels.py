@@ -183,7 +183,10 @@ class SenderChannel:
                 proto.send(sock, proto.Write(req_id, item.remote_block), data.numpy().data)
             return None
         if self.name == "nixl":
-            return self._nixl_start(peer, items)
+            try:
+                return self._nixl_start(peer, items)
+            except _nixl_errors() as exc:  # the decoder gone (NIXL_ERR_REMOTE_DISCONNECT), ...
+                raise proto.PdPeerError(f"NIXL write failed: {exc}") from exc
         raise ValueError(f"{self.name} writes in place (views), not by push")
 
     def finish(self, pending: Any, deadline: float) -> None:
@@ -200,6 +203,8 @@ class SenderChannel:
                 state = agent.check_xfer_state(pending)
             if state == "ERR":
                 raise proto.PdPeerError("NIXL write failed")
+        except _nixl_errors() as exc:
+            raise proto.PdPeerError(f"NIXL write failed: {exc}") from exc
         finally:
             agent.release_xfer_handle(pending)
 
@@ -216,6 +221,14 @@ class SenderChannel:
             agent.release_xfer_handle(handle)
             raise proto.PdPeerError("NIXL write failed")
         return handle
+
+
+def _nixl_errors() -> tuple[type[Exception], ...]:
+    """NIXL's exceptions (nixlRemoteDisconnectError, nixlBackendError, ...; they share no base
+    class but Exception): a write that meets one fails the request's transfer, not vLLM's step."""
+    import nixl._bindings as bindings
+
+    return tuple(v for k, v in vars(bindings).items() if k.startswith("nixl") and k.endswith("Error"))
 
 
 def _ucx_skip_ib_without_rdma() -> None:
