@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Two GPUs of one host (device kind nvidia-h100-x2 / nvidia-h200-x2), from the offline
 # bundle (../shared/gpu-vllm copied to .gpu-vllm and carried), in one or two calls:
-#   STEPS="tests pd pdvllm" bash scripts/gpu2_bench.sh     (about 9 minutes; PIECES="default unlent":
-#                                                          the step in lent blocks or after its Alloc, paired)
+#   STEPS="tests pd pdvllm" bash scripts/gpu2_bench.sh     (about 9 minutes)
 #   STEPS="tp" bash scripts/gpu2_bench.sh                  (about 6 minutes)
 #   STEPS="tpttft" bash scripts/gpu2_bench.sh              (about 5 minutes)
 # Steps: tests (the GPU tests of the transfers and of PD, cuda_ipc across the two GPUs),

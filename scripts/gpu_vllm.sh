@@ -102,7 +102,12 @@ timeout ${BENCHSERVE_TIMEOUT:-540} python3 -m kvtier.bench.serving --setups ${SE
     --bench-serve "${BENCH_SERVE:-{\"num_prompts\": 64, \"input_len\": 8192,
     \"prefix_len\": 6144, \"num_prefixes\": 8, \"output_len\": 16, \"max_concurrency\": 16}}" ${SERVING_ARGS:-} \
     > "$work/bench-serve.log" 2>&1
-echo "bench serve exit $?"; pkill -f "$servers"; grep -E "^\||Traceback|Error" "$work/bench-serve.log" | tail -12 ;;
+echo "bench serve exit $?"; pkill -f "$servers"; grep -E "^\||Traceback|Error" "$work/bench-serve.log" | tail -12
+# With SERVING_ARGS=--profile: where each server's threads spent its first run.
+for f in "$work"/bench-serve/*-pyspy.txt; do
+    [ -f "$f" ] && python3 -m kvtier.bench.stacks "$f" --min-samples 100 > "${f%.txt}-stacks.txt" 2>&1 \
+        && head -40 "${f%.txt}-stacks.txt"
+done ;;
 esac
 case " $steps " in *" bench "*)
 timeout ${BENCH_TIMEOUT:-480} python3 -m kvtier.bench.vllm --setups ${SETUPS:-plain kvtier kvtier-layerwise} --lengths ${LENGTHS:-4096 16384 32768} \

@@ -144,8 +144,7 @@ def run_pd(shape: OffloadShape, token_counts: list[int], channels: list[str], se
     """`pieces` (cuda_ipc): A/B of how a step is reserved and committed, paired: each
     repeat sends once each way in turn, to one receiver: "default" (the sender's), "F,M"
     (first piece F chunks, doubling up to M), "step" (one Alloc), "gather-after-alloc" (no
-    gather into the ring while the Alloc travels), "unlent" (no step written into blocks
-    the decoder lent ahead: each waits for its Alloc's reply), "sync-commit" (the Commit
+    gather into the ring while the Alloc travels), "sync-commit" (the Commit
     sent after the writes are done), "group=MiB" (the writes' ring slots of that size)."""
     max_tokens = max(token_counts)
     if sender_device.startswith("cuda"):
@@ -178,8 +177,7 @@ class _Receiver:
 
     def __init__(self, shape: OffloadShape, channel: str, device: str, max_tokens: int) -> None:
         self.init, self.alloc = free_port(), free_port()
-        # room for a request reserved and as many blocks lent ahead (at most half the buffer)
-        buffer_bytes = 2 * (max_tokens // shape.chunk_size + 2) * shape.chunk_size * per_token(shape)
+        buffer_bytes = (max_tokens // shape.chunk_size + 2) * shape.chunk_size * per_token(shape)
         cmd = [sys.executable, "-m", "kvtier.bench.pd", "--serve-receiver", "--device", device,
                "--channel", channel, "--buffer-bytes", str(buffer_bytes), "--init-port", str(self.init),
                "--alloc-port", str(self.alloc), "--max-tokens", str(max_tokens), "--shape", json.dumps(asdict(shape))]
@@ -255,7 +253,6 @@ def _set_variant(sender, variant: str, default: tuple, rings: dict) -> None:
     from kvtier.pd.ipc_writes import IpcWriter
 
     sender.pieces, sender.early_commit, sender.gather_early = default
-    sender.lent_ahead = True
     channel = sender.channel
     if channel.ipc is not None:
         rings.setdefault("default", channel.ipc)
@@ -264,14 +261,12 @@ def _set_variant(sender, variant: str, default: tuple, rings: dict) -> None:
         sender.early_commit = False
     elif variant == "gather-after-alloc":
         sender.gather_early = False
-    elif variant == "unlent":
-        sender.lent_ahead = False
     elif variant.startswith("group=") and channel.ipc is not None:
         if variant not in rings:
             mib = int(variant.removeprefix("group="))
             rings[variant] = IpcWriter(channel.ipc.device, sender.engine.pool.block_bytes, mib << 20)
         channel.ipc = rings[variant]
-    elif variant not in ("default", "gather-after-alloc", "unlent") and not variant.startswith("group="):
+    elif variant not in ("default", "gather-after-alloc") and not variant.startswith("group="):
         sender.pieces = None if variant == "step" else tuple(int(x) for x in variant.split(","))
 
 

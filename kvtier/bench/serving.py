@@ -110,17 +110,21 @@ def compare(model: Path, names: list[str], w: Workload, out: Path, cpu_gb: float
 
 
 def serve_twice(model: Path, names: list[str], work: BenchServe, out: Path, cpu_gb: float, gpu_util: float,
-                eager: bool, prefix_caching: bool, max_model_len: int, dtype: str = "auto") -> dict[str, dict]:
+                eager: bool, prefix_caching: bool, max_model_len: int, dtype: str = "auto",
+                profile: bool = False) -> dict[str, dict]:
     """The InfiniStore guide's flow per setup: `vllm bench serve` twice against one server,
     the second run sending the first's prompts (a prefix-sharing dataset where `work` says
-    so). A setup whose run fails is recorded with its error; the others still run."""
+    so); `profile`: py-spy on the server during the first (`<out>/<setup>-pyspy.txt`). A
+    setup whose run fails is recorded with its error; the others still run."""
     out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict] = {}
     for name in names:
         try:
             with served(model, name, out / name, cpu_gb, gpu_util, eager, prefix_caching, max_model_len,
                         dtype) as srv:
-                first = bench_serve(srv.url, str(model), work)
+                assert srv.proc is not None
+                with sampled(srv.proc.pid, out / f"{name}-pyspy.txt" if profile else None):
+                    first = bench_serve(srv.url, str(model), work)
                 second = bench_serve(srv.url, str(model), work)
             rows[name] = {"first": first, "second": second,
                           "second_vs_first_median": second["Median TTFT (ms)"] / first["Median TTFT (ms)"]}
@@ -207,7 +211,7 @@ def main() -> None:
     model = make_tiny_llama(args.model_dir, spec)
     if args.bench_serve is not None:
         rows = serve_twice(model, args.setups, BenchServe(**args.bench_serve), Path(args.out), args.cpu_gb,
-                           args.gpu_util, args.eager, args.prefix_caching, args.max_model_len)
+                           args.gpu_util, args.eager, args.prefix_caching, args.max_model_len, profile=args.profile)
         print("\n".join(serve_twice_table(rows)))
         return
     # Token ids within the model's vocabulary (vLLM refuses others with a 400).

@@ -5,18 +5,13 @@
                  the sender, then committed: from then on they are in
                  `tier`, a CpuTier the decoder's CacheEngine uses as its CPU
                  tier, so its lookups and loads find them like any hit.
-    Lease        blocks lent to one sender's connection ahead of its Allocs
-                 (protocol.py): a step the lease covers is written before its
-                 Alloc's reply. Every connection's lease together stays within
-                 half the buffer; an Alloc that names lent blocks needs no free
-                 block for them, so it never finds no room.
 
 Lifetime of a chunk in the buffer: reserved → committed → freed when every
 request that owns it is released (the decoder loaded it, or the proxy says
 the request ended), or `ttl` seconds after it was committed (its request
 never came). The buffer never evicts a committed chunk to make room: a
 sender that finds no room waits (bounded, `pd_allocation_timeout_sec`) and
-then gives up, and the decoder recomputes. A reserved or lent block is freed
+then gives up, and the decoder recomputes. A reserved block is freed
 only by its sender (Commit, Abort, or its connection closing) or after `ttl`,
 so no block is ever handed to a second request while a sender may still be
 writing into it.
@@ -41,14 +36,6 @@ log = get_logger(__name__)
 
 
 @dataclass
-class Lease:
-    """Blocks lent to one sender's alloc connection, each holding the lease's reference."""
-
-    blocks: dict[int, MemoryBlock] = field(default_factory=dict)
-    target: int = 0  # the largest Alloc the connection sent: what the lease is topped up to
-
-
-@dataclass
 class _Reservation:
     blocks: dict[int, tuple[ChunkKey, int, MemoryBlock]]  # block index -> (key, tokens, block)
     shared: list[ChunkKey]  # keys the buffer held already (owned from the Alloc on)
@@ -69,8 +56,6 @@ class BufferStats:
     released: int = 0
     expired: int = 0
     rejected_messages: int = 0
-    lent_chunks: int = 0  # blocks lent to connections ahead of their Allocs
-    lent_used: int = 0  # chunks an Alloc placed in blocks lent to its connection
 
 
 class PdBuffer:
@@ -85,15 +70,13 @@ class PdBuffer:
         self._owned: dict[str, _Owned] = {}
         self._owners: dict[ChunkKey, set[str]] = {}
         self._released: OrderedDict[str, None] = OrderedDict()  # released while still reserved
-        self._lent = 0  # blocks in every connection's lease
 
     # -- sender operations ---------------------------------------------------------------
 
-    def alloc(self, msg: proto.Alloc, digests: bytes, lease: Lease | None = None) -> proto.Allocated | proto.NoRoom:
+    def alloc(self, msg: proto.Alloc, digests: bytes) -> proto.Allocated | proto.NoRoom:
         """Blocks for the chunks of `msg` (their key digests, `DIGEST_BYTES` each) the
-        buffer does not hold; all of them or none. The first `len(msg.lent)` chunks take
-        the blocks of `lease` the Alloc names; the reply lends the connection more
-        (`_lend`). A request's reservation grows with each Alloc until its Commit."""
+        buffer does not hold; all of them or none. A request's reservation grows with
+        each Alloc until its Commit."""
         n = proto.DIGEST_BYTES
         if len(digests) != n * len(msg.tokens):
             raise proto.ProtocolError(f"Alloc: {len(digests)} bytes of digests for {len(msg.tokens)} chunks")
@@ -103,69 +86,27 @@ class PdBuffer:
             raise proto.ProtocolError(f"Alloc: chunk token counts must lie in [1, {chunk_tokens}]")
         self.expire()
         with self._lock:
-            lent = self._check_lent(msg, lease)
             earlier = self._reserved.get(msg.req_id)
             new = [i for i, k in enumerate(keys) if not self.tier.contains(k)]
             # in address order: chunks that follow each other land in adjacent blocks wherever the
             # free blocks allow, and the sender moves each run in one copy (`contiguous_runs`)
-            unlent = [i for i in new if i >= len(lent)]
-            blocks = self.pool.allocate_many(len(unlent))
+            blocks = self.pool.allocate_many(len(new))
             if blocks is None:
                 self.stats.no_room += 1
-                return proto.NoRoom(msg.req_id, self.pool.free_blocks, len(unlent), self.pool.num_blocks)
-            placed = {i: lease.blocks.pop(lent[i]) for i in new if i < len(lent)} if lease else {}
-            self._lent -= len(placed)
-            self.stats.lent_used += len(placed)
-            placed.update(zip(unlent, blocks))
+                return proto.NoRoom(msg.req_id, self.pool.free_blocks, len(new), self.pool.num_blocks)
             fresh = set(new)
             shared = [k for i, k in enumerate(keys) if i not in fresh]
             for key in shared:  # owned now, so another request's release cannot free it
                 self._own(msg.req_id, key)
             res = earlier or _Reservation({}, [], time.monotonic() + self.ttl)
-            res.blocks.update({b.index: (keys[i], msg.tokens[i], b) for i, b in placed.items()})
+            res.blocks.update({b.index: (keys[i], msg.tokens[i], b) for i, b in zip(new, blocks)})
             res.shared += shared
             self._reserved[msg.req_id] = res
-            self.stats.reserved_chunks += len(placed)
+            self.stats.reserved_chunks += len(blocks)
             out = [-1] * len(keys)
-            for i, b in placed.items():
+            for i, b in zip(new, blocks):
                 out[i] = b.index
-            again = [lent[i] for i in range(len(lent)) if i not in fresh]  # still the connection's
-            return proto.Allocated(msg.req_id, out, again + self._lend(lease, len(keys)))
-
-    def _check_lent(self, msg: proto.Alloc, lease: Lease | None) -> list[int]:
-        """The blocks `msg` names from the connection's lease, checked (under the lock)."""
-        lent = msg.lent
-        if not lent:
-            return lent
-        if lease is None:
-            raise proto.ProtocolError("Alloc names lent blocks, but this connection has none")
-        if len(lent) > len(msg.tokens) or len(set(lent)) != len(lent) or any(b not in lease.blocks for b in lent):
-            raise proto.ProtocolError("Alloc names blocks not lent to this connection")
-        return lent
-
-    def _lend(self, lease: Lease | None, wanted: int) -> list[int]:
-        """Top `lease` up towards the largest Alloc its connection sent, every lease
-        together within half the buffer, from the free blocks of lowest address."""
-        if lease is None:
-            return []
-        lease.target = max(lease.target, wanted)
-        room = self.pool.num_blocks // 2 - self._lent
-        count = min(lease.target - len(lease.blocks), room, self.pool.free_blocks)
-        blocks = self.pool.allocate_many(count) if count > 0 else None
-        if not blocks:
-            return []
-        lease.blocks.update((b.index, b) for b in blocks)
-        self._lent += len(blocks)
-        self.stats.lent_chunks += len(blocks)
-        return [b.index for b in blocks]
-
-    def end_lease(self, lease: Lease) -> None:
-        """The connection closed: its lent blocks go back to the pool."""
-        with self._lock:
-            for block in lease.blocks.values():
-                block.release()
-            self._lent -= len(lease.blocks)
-            lease.blocks.clear()
+            return proto.Allocated(msg.req_id, out)
 
     def write_target(self, req_id: str, index: int, nbytes: int) -> torch.Tensor:
         """The bytes of reserved block `index` a Write of `nbytes` fills."""

@@ -4,8 +4,7 @@ reservations a request's chunks get there (Alloc, in pieces, one ahead of the wr
     DecoderLink(host, init_port, alloc_port, hello, channel, timeout)
         init port: Hello → Welcome (+ the channel's registration), then the alloc
         connection that carries Alloc/Write/Commit/Abort in order
-    reserve(rid, spans, held, pieces, ...)   the blocks of `spans`, piece by piece (a piece
-                                             its lent blocks cover: at once)
+    reserve(rid, spans, held, pieces, ...)   the blocks of `spans`, piece by piece
     commit(rid, stream, wait_writes)         Commit; over cuda_ipc sent before the writes
                                              are done, naming an event the decoder waits for
     call(msg)                                one request, its reply (Abort)
@@ -50,7 +49,6 @@ class DecoderLink:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.settimeout(timeout)
         self.name = f"{host}:{alloc_port}"
-        self.lease: list[int] = []  # blocks the decoder lent this connection, in address order (protocol.py)
 
     def call(self, msg: proto.Message, payload: bytes = b"") -> proto.Message:
         proto.send(self.sock, msg, payload)
@@ -77,67 +75,55 @@ class DecoderLink:
         self.sock.close()
 
     def reserve(self, rid: str, spans: list[ChunkSpan], held: int, pieces: tuple[int, int] | None, timeout: float,
-                on_wait: Callable[[], None], on_first: Callable[[list[ChunkSpan]], None] | None = None,
-                lent_ahead: bool = True) -> Iterator[tuple[list[ChunkSpan], list[int]]]:
+                on_wait: Callable[[], None], on_first: Callable[[list[ChunkSpan]], None] | None = None
+                ) -> Iterator[tuple[list[ChunkSpan], list[int]]]:
         """The decoder's blocks for `spans` (the request holds `held` already), piece by
         piece (`_pieces`; None: all at once), one Alloc ahead: piece k+1's Alloc is on its
         way before piece k is handed out, so the decoder reserves it while the caller
         queues piece k's writes, and the first write starts after a small piece's Alloc
-        instead of the whole prompt's. A piece the blocks lent to this link cover
-        (`lease`) is handed out as soon as its Alloc is on the wire, its reply read after
-        the caller queued its writes. A piece that finds no room waits for it after the
+        instead of the whole prompt's. A piece that finds no room waits for it after the
         others (`alloc`), holding what the others reserved, as a step does with its
         request's earlier steps (bounded by `timeout`, pd_allocation_timeout_sec, then all
         of it is freed). `on_first(piece)` runs once the first piece's Alloc is on the wire
-        (the caller's work that needs no block of the decoder's); `lent_ahead=False` names
-        no lent block (the bench's A/B). After a failure a reply
+        (the caller's work that needs no block of the decoder's). After a failure a reply
         may be left unread: the caller closes this link (PdSender drops it on every failure)."""
         if held + len(spans) > self.peer.welcome.num_blocks:  # the pieces would each fit, the request never
             raise _too_big(held + len(spans), self.peer.welcome.num_blocks)
-        ahead: deque[tuple[list[ChunkSpan], list[int]]] = deque()  # (piece, the lent blocks its Alloc names)
+        ahead: deque[list[ChunkSpan]] = deque()
         no_room: list[list[ChunkSpan]] = []
         for piece in _pieces(spans, *pieces) if pieces else [spans]:
-            msg, digests, lent = self._alloc_msg(rid, piece, lent_ahead)
-            proto.send(self.sock, msg, digests)
-            if len(lent) == len(piece):
-                yield piece, lent
-            elif on_first is not None:
+            proto.send(self.sock, *_alloc_msg(rid, piece))
+            if on_first is not None:
                 on_first(piece)
-            on_first = None
-            ahead.append((piece, lent))
+                on_first = None
+            ahead.append(piece)
             if len(ahead) > 1:
-                yield from self._allocated(*ahead.popleft(), no_room)
+                yield from self._allocated(ahead.popleft(), no_room)
         while ahead:
-            yield from self._allocated(*ahead.popleft(), no_room)
+            yield from self._allocated(ahead.popleft(), no_room)
         for piece in no_room:
-            yield piece, self.alloc(rid, piece, timeout, on_wait, lent_ahead)
+            yield piece, self.alloc(rid, piece, timeout, on_wait)
 
-    def _allocated(self, piece: list[ChunkSpan], lent: list[int],
+    def _allocated(self, piece: list[ChunkSpan],
                    no_room: list[list[ChunkSpan]]) -> Iterator[tuple[list[ChunkSpan], list[int]]]:
-        """The reply to an Alloc sent ahead: its blocks (none to hand out for a piece
-        handed out in lent blocks already), or the piece kept for later."""
+        """The reply to an Alloc sent ahead: its blocks, or the piece kept for later."""
         reply = proto.recv(self.sock)[0]
         if isinstance(reply, proto.Allocated):
-            blocks = self._allocated_blocks(reply, piece, lent)
-            if len(lent) < len(piece):
-                yield piece, blocks
+            yield piece, _blocks(reply, piece)
             return
-        self._lend(lent)  # not taken: still this link's
         _check_room(proto.expect(reply, proto.NoRoom))
         no_room.append(piece)
 
-    def alloc(self, rid: str, spans: list[ChunkSpan], timeout: float, on_wait: Callable[[], None],
-              lent_ahead: bool = True) -> list[int]:
+    def alloc(self, rid: str, spans: list[ChunkSpan], timeout: float, on_wait: Callable[[], None]) -> list[int]:
         """Blocks for `spans`, retried for `timeout` s while the buffer is full (`on_wait`
         once, at the first wait)."""
+        msg, digests = _alloc_msg(rid, spans)
         deadline = time.monotonic() + timeout
         waited = False
         while True:
-            msg, digests, lent = self._alloc_msg(rid, spans, lent_ahead)
             reply = self.call(msg, digests)
             if isinstance(reply, proto.Allocated):
-                return self._allocated_blocks(reply, spans, lent)
-            self._lend(lent)
+                return _blocks(reply, spans)
             room = _check_room(proto.expect(reply, proto.NoRoom))
             if time.monotonic() > deadline:
                 raise proto.PdPeerError(f"no room for {room.needed_blocks} chunks in the decoder's buffer "
@@ -146,27 +132,6 @@ class DecoderLink:
                 on_wait()
                 waited = True
             time.sleep(RETRY_STEP)
-
-    def _alloc_msg(self, rid: str, spans: list[ChunkSpan], lent_ahead: bool) -> tuple[proto.Alloc, bytes, list[int]]:
-        """Alloc for `spans`, its payload (their key digests in order), and the lent blocks
-        it names for its first chunks (the lowest of the lease: adjacent runs copy as one)."""
-        n = len(spans) if lent_ahead else 0
-        lent, self.lease[:n] = self.lease[:n], []
-        msg = proto.Alloc(rid, [s.num_tokens for s in spans], lent)
-        return msg, b"".join(s.key.digest for s in spans), lent
-
-    def _allocated_blocks(self, reply: proto.Allocated, spans: list[ChunkSpan], lent: list[int]) -> list[int]:
-        """The reply's block per chunk, checked; the blocks it lends taken into the lease."""
-        if len(reply.blocks) != len(spans):
-            raise proto.ProtocolError("Allocated: wrong number of blocks")
-        if any(b not in (mine, -1) for b, mine in zip(reply.blocks, lent)):
-            raise proto.ProtocolError("Allocated: a chunk written into a lent block was placed elsewhere")
-        self._lend(reply.lent)
-        return reply.blocks
-
-    def _lend(self, blocks: list[int]) -> None:
-        if blocks:
-            self.lease = sorted(self.lease + blocks)
 
 
 def _check_room(reply: proto.Message) -> proto.NoRoom:
@@ -180,6 +145,17 @@ def _check_room(reply: proto.Message) -> proto.NoRoom:
 def _too_big(chunks: int, num_blocks: int) -> proto.PdPeerError:
     return proto.PdPeerError(f"{chunks} chunks do not fit the decoder's buffer of {num_blocks} "
                              "(raise pd_buffer_size there)")
+
+
+def _alloc_msg(rid: str, spans: list[ChunkSpan]) -> tuple[proto.Alloc, bytes]:
+    """Alloc for `spans` and its payload, their key digests in order."""
+    return proto.Alloc(rid, [s.num_tokens for s in spans]), b"".join(s.key.digest for s in spans)
+
+
+def _blocks(reply: proto.Allocated, spans: list[ChunkSpan]) -> list[int]:
+    if len(reply.blocks) != len(spans):
+        raise proto.ProtocolError("Allocated: wrong number of blocks")
+    return reply.blocks
 
 
 def _pieces(spans: list[ChunkSpan], first: int, most: int) -> Iterator[list[ChunkSpan]]:

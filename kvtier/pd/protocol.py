@@ -11,19 +11,10 @@ sender writing one step's chunks while the next is computed); one Commit at
 the end makes all of them hits. Alloc's digests travel as a binary payload,
 DIGEST_BYTES each in prompt order, not as JSON text.
 
-Lent blocks (cuda_ipc, nixl): every Allocated may lend the sender's connection
-free blocks ahead (`lent`), up to the largest Alloc it has sent, all
-connections together at most half the buffer. A step whose chunks the lent
-blocks cover is written into them at once, its Alloc naming them (`lent`)
-and its reply read behind the writes: the Alloc's round trip leaves the
-critical path. A lent block is the connection's until an Alloc names it (or
-the connection closes); a chunk the decoder holds already leaves its lent
-block lent, and the reply lends it again.
-
 Who sends what:
 
     sender ──▶ receiver init port    Hello(format, channel, event)    ◀── Welcome(buffer, event) | Error
-    sender ──▶ receiver alloc port   Alloc(req, tokens, lent) + digests  ◀── Allocated(blocks, lent) | NoRoom | Error
+    sender ──▶ receiver alloc port   Alloc(req, tokens) + digests     ◀── Allocated(blocks) | NoRoom | Error
                                      Write(req, block) + bytes        (tcp channel; no reply)
                                      Commit(req, event)               ◀── Ok | Error
                                      Abort(req)                       ◀── Ok
@@ -48,7 +39,7 @@ from typing import Any, ClassVar
 
 from kvtier.errors import KvtierError
 
-VERSION = 4
+VERSION = 3
 MAGIC = b"KP"
 FRAME = struct.Struct("<2sBBIQ")
 MAX_HEADER = 1 << 20  # bytes of JSON
@@ -107,7 +98,6 @@ class Alloc(Message):
     TYPE: ClassVar[int] = 3
     req_id: str
     tokens: list[int]  # tokens of each chunk
-    lent: list[int]  # blocks lent to this connection for the first len(lent) chunks, in order
 
     def payload_limit(self) -> int:
         return DIGEST_BYTES * len(self.tokens)
@@ -118,7 +108,6 @@ class Allocated(Message):
     TYPE: ClassVar[int] = 4
     req_id: str
     blocks: list[int]  # block index per chunk; -1: the receiver holds that chunk already
-    lent: list[int]  # blocks lent to the connection from now on (new, or named by the Alloc and not used)
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,7 @@
 
     PdReceiver   serves the init port (handshake) and the alloc port
                  (Alloc/Write/Commit/Abort/Release), a thread per connection,
-                 on a `PdBuffer` (buffer.py). Each alloc connection of a
-                 sender whose writes bypass it (cuda_ipc, nixl) has a `Lease`:
-                 blocks lent ahead, freed when the connection closes.
+                 on a `PdBuffer` (buffer.py).
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from typing import Callable
 
 from kvtier.logs import get_logger
 from kvtier.pd import protocol as proto
-from kvtier.pd.buffer import Lease, PdBuffer
+from kvtier.pd.buffer import PdBuffer
 from kvtier.pd.channels import ReceiverChannel, TcpBounce
 from kvtier.pd.commit_events import CommitEvents
 
@@ -123,14 +121,11 @@ class PdReceiver:
     def _serve_alloc(self, conn: socket.socket) -> None:
         buffer, open_reservations = self.buffer, set()
         bounce: TcpBounce | None = None  # tcp into a GPU buffer: made at this connection's first Write
-        # lent blocks for the channels whose writes bypass this connection (a tcp Write is checked
-        # against its request's reservation, and a lent block the decoder did not need is in none)
-        lease = Lease() if self.channel.name != "tcp" else None
         try:
             while True:
                 msg, payload_len = self._next(conn, max_payload=buffer.pool.block_bytes)
                 if isinstance(msg, proto.Alloc):
-                    reply = buffer.alloc(msg, proto.recv_exact(conn, payload_len), lease)
+                    reply = buffer.alloc(msg, proto.recv_exact(conn, payload_len))
                     if isinstance(reply, proto.Allocated) and msg.req_id not in open_reservations:
                         open_reservations.add(msg.req_id)
                         self.channel.expect_writes()
@@ -165,8 +160,7 @@ class PdReceiver:
             for rid in list(open_reservations):  # the sender is gone mid-request
                 buffer.abort(rid)
                 self._end_writes(open_reservations, rid)
-            if lease is not None:
-                buffer.end_lease(lease)
+
 
     def _end_writes(self, open_reservations: set[str], req_id: str) -> None:
         if req_id in open_reservations:

@@ -3,9 +3,7 @@
     send(target, tokens, slots, start, last)     after each prefill step of a request
         keys of the chunks ending after `start`
         → Alloc on the decoder's alloc port (retried until `pd_allocation_timeout_sec`),
-          digests in binary; a request's later steps add to its reservation; a step
-          that the blocks the decoder lent ahead cover is written into them at once,
-          its Alloc's reply read behind its writes (protocol.py, "Lent blocks")
+          digests in binary; a request's later steps add to its reservation
           (`pieces`: a step in pieces, one Alloc ahead of the writes: `DecoderLink.reserve`)
         → the channel writes them: staged (tcp, nixl) batch by batch through the
           staging pool, or (cuda_ipc) queued on the GPU behind the forward that
@@ -115,7 +113,6 @@ class PdSender:
         self.pieces: tuple[int, int] | None = None
         self.early_commit = True  # cuda_ipc: Commit before the writes are done (`DecoderLink.commit`)
         self.gather_early = True  # cuda_ipc: gather into the ring while the Alloc travels (`_write`)
-        self.lent_ahead = True  # write a step into blocks the decoder lent ahead where they cover it
         self._hello = proto.Hello(f"{socket.gethostname()}:{os.getpid()}", engine.fmt.tag(), config.chunk_size,
                                   engine.kv.bytes_per_token(), config.pd_channel, "")
         self._conns: dict[tuple[str, int, int], DecoderLink] = {}
@@ -188,7 +185,7 @@ class PdSender:
                 ipc.gather(ahead[0], ipc.SLOTS)
 
         pieces = req.conn.reserve(rid, spans, req.chunks, self.pieces, self.config.pd_allocation_timeout_sec,
-                                  self._waited_for_room, gather_ahead, self.lent_ahead)
+                                  self._waited_for_room, gather_ahead)
         kv_written = None  # the step's forward done: its pieces' writes start after it
         while True:
             a0 = time.perf_counter()
