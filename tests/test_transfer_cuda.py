@@ -353,3 +353,31 @@ def test_requests_of_any_size_compile_nothing_after_the_engines_start(layerwise)
         load.finish()
     torch.cuda.synchronize()
     assert _compiled_variants() == compiled
+
+
+def test_landing_a_done_store_does_not_make_the_host_wait_for_the_forward_queued_since():
+    """vLLM's worker: step N's store is queued and not waited for; step N+1's forward is
+    queued behind it; its `wait_for_save` starts the next store, which first lands step N's
+    (its copies done). Landing reads step N's KV digests: on the current stream that read
+    waited for step N+1's whole forward, so vLLM could not prepare its next step meanwhile
+    (`vllm bench serve`, H100, 2026-11-27). Now the host goes on at once, and the digests
+    are stamped as the gather computed them."""
+    import time
+
+    layers, kv, eng, perm = make_engine("flash_attn", transfer="triton")
+    assert eng.mover.digests
+    first, second = list(range(256)), list(range(1000, 1256))
+    assert eng.start_store(first, perm[:256]).finish(wait=False) == 256
+    torch.cuda.synchronize()  # step N's copies are done; its flight waits to be landed
+    torch.cuda._sleep(1_000_000_000)  # step N+1's forward on the current stream: about a second
+    t0 = time.perf_counter()
+    storing = eng.start_store(second, perm[256:512])  # lands step N's store first
+    waited = time.perf_counter() - t0
+    storing.finish(wait=False)
+    assert waited < 0.2, f"the host waited {waited:.2f} s for the forward queued after the store it landed"
+    torch.cuda.synchronize()
+    chunks = [eng.tiers.cpu.get(s.key) for s in eng.spans(first)]
+    assert all(c is not None and c.block.digest != 0 for c in chunks)
+    for c in chunks:
+        c.block.release()
+    eng.close()

@@ -9,6 +9,8 @@ nothing on the CPU.
 
 from __future__ import annotations
 
+import functools
+
 import threading
 from typing import Callable, Sequence
 
@@ -161,11 +163,26 @@ class Mover:
             block.release()
 
 
-def stamp(owned: list[tuple[ChunkSpan, MemoryBlock]], digests: torch.Tensor | None) -> None:
-    """Each block's KV digest, once its gather is done (codec.kv_digest; 0: none)."""
-    if digests is not None:
-        for (_, block), digest in zip(owned, digests.tolist()):
-            block.digest = digest & U64
+def stamp(owned: list[tuple[ChunkSpan, MemoryBlock]], digests: torch.Tensor | None, *, landed: bool = False) -> None:
+    """Each block's KV digest, once its gather is done (codec.kv_digest; 0: none). `landed`:
+    the flight that computed them is known done (its event), so they are read on a stream
+    of their own: on the current stream the read waits for all vLLM queued there since, and
+    a store landed in `wait_for_save` made the host wait for that step's forward, so vLLM
+    could not prepare its next step while the GPU ran this one (async scheduling)."""
+    if digests is None:
+        return
+    if landed and digests.is_cuda:
+        with torch.cuda.stream(_readback_stream(digests.device)):
+            values = digests.tolist()
+    else:
+        values = digests.tolist()
+    for (_, block), digest in zip(owned, values):
+        block.digest = digest & U64
+
+
+@functools.lru_cache(maxsize=None)
+def _readback_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 def as_numpy(tokens: Tokens) -> np.ndarray:

@@ -169,7 +169,7 @@ class Storing:
         seconds = job.seconds()
 
         def land() -> None:
-            stamp(chunks, digests)
+            stamp(chunks, digests, landed=True)
             path.put(chunks)
             path.stored(job, spans, stored, layerwise, seconds, queued=True)
 
