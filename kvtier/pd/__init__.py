@@ -3,7 +3,7 @@
     client ─▶ kvtier proxy (proxy.py) ─1─▶ prefiller vLLM (max_tokens=1, disagg_spec)
                    ▲                          │ KvtierConnector, pd_role: sender
                    │ 2: PrefillDone           ▼ sender.py: Alloc → write → Commit
-                   └───────────────────── decoder's buffer (receiver.py, pd_role: receiver)
+                   └───────────────────── decoder's buffer (buffer.py; its ports: receiver.py)
               ─3─▶ decoder vLLM: its lookup finds the chunks as a hit and loads them;
                    the proxy streams its answer back and Releases the request's chunks
 
@@ -17,7 +17,8 @@ from __future__ import annotations
 from kvtier.config import KvtierConfig
 from kvtier.keys import KVFormat
 from kvtier.pd.channels import ReceiverChannel
-from kvtier.pd.receiver import PdBuffer, PdReceiver
+from kvtier.pd.buffer import PdBuffer
+from kvtier.pd.receiver import PdReceiver
 from kvtier.transfer import PagedKV
 
 

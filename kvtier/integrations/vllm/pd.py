@@ -20,7 +20,8 @@ from kvtier.integrations.vllm.spec import TransferSpec
 from kvtier.keys import KVFormat
 from kvtier.logs import get_logger
 from kvtier.pd import make_buffer, start_receiver
-from kvtier.pd.receiver import PdBuffer, PdReceiver
+from kvtier.pd.buffer import PdBuffer
+from kvtier.pd.receiver import PdReceiver
 from kvtier.pd.sender import PdSender, Target
 from kvtier.transfer import PagedKV
 
