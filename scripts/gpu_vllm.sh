@@ -13,7 +13,9 @@
 # 2 minutes a setup, so at most 4 setups a call: SETUPS="plain kvtier" then "kvtier-kernel lmcache native";
 # with the 8B shape ~135 s a setup and ~90 s to make the model once a machine; SERVING_ARGS="--rounds 2"
 # runs the setups twice over in turn, paired by round), benchserve (`vllm bench serve` twice per offloader,
-# prefix-sharing prompts: kvtier.bench.serving --bench-serve).
+# prefix-sharing prompts: kvtier.bench.serving --bench-serve), sharedstore (two vLLM instances one after
+# the other sharing KV through each project's own store server on this host: `kvtier server` and LMCache's
+# lm:// server, kvtier.bench.stores_vllm; STORES= which).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Everything is written to $work and comes back as one archive in $OUT (the device returns at most 8 files).
@@ -108,6 +110,16 @@ for f in "$work"/bench-serve/*-pyspy.txt; do
     [ -f "$f" ] && python3 -m kvtier.bench.stacks "$f" --min-samples 100 > "${f%.txt}-stacks.txt" 2>&1 \
         && head -40 "${f%.txt}-stacks.txt"
 done ;;
+esac
+case " $steps " in *" sharedstore "*)
+# The remote path: instance A serves the prompts cold (its KV into the store), instance B, a new
+# process, serves them again (hits from the store); vLLM's prefix cache and the connector's CPU tier off.
+timeout ${SHAREDSTORE_TIMEOUT:-540} python3 -m kvtier.bench.stores_vllm --stores ${STORES:-kvtier lmcache} \
+    --model "$serving_model" --gpu-util ${GPU_UTIL:-0.2} --no-eager --cpu-gb 8 --store-gb 24 --max-model-len 16384 \
+    --workload "${SHARED_WORKLOAD:-{\"num_prompts\": 32, \"input_len\": 8192, \"output_len\": 16, \"max_concurrency\": 8}}" \
+    --output "$work/shared-store.json" > "$work/shared-store.log" 2>&1
+echo "shared store exit $?"; pkill -f "$servers"; pkill -f "lmcache.v1.server"
+grep -E "^\||Traceback|Error" "$work/shared-store.log" | tail -12 ;;
 esac
 case " $steps " in *" bench "*)
 timeout ${BENCH_TIMEOUT:-480} python3 -m kvtier.bench.vllm --setups ${SETUPS:-plain kvtier kvtier-layerwise} --lengths ${LENGTHS:-4096 16384 32768} \

@@ -140,3 +140,19 @@ def test_the_infinistore_guide_vllm_bench_serve_twice(tiny_model, tmp_path):
     print(f"bench serve twice through infinistore:// ({n} prompts of {BENCH.input_len} tokens): "
           f"median TTFT {first['Median TTFT (ms)']:.1f} -> {second['Median TTFT (ms)']:.1f} ms, "
           f"mean {first['Mean TTFT (ms)']:.1f} -> {second['Mean TTFT (ms)']:.1f} ms", flush=True)
+
+
+@pytest.mark.parametrize("store", ["kvtier", pytest.param("lmcache", marks=pytest.mark.skipif(
+    importlib.util.find_spec("lmcache") is None, reason="LMCache is installed on the GPU machine only"))])
+def test_the_shared_store_bench_serves_instance_bs_prompts_from_the_store(store):
+    """`python -m kvtier.bench.stores_vllm` (issue 27's remote path): instance A serves the
+    prompts cold, instance B, a new process, serves them again from the project's own store
+    server (`kvtier server`; LMCache's lm:// server where LMCache is installed): B hits the
+    prompts, its greedy tokens equal A's, a control prompt's differ, nothing fails."""
+    from kvtier.bench.stores_vllm import Instances, run
+
+    how = Instances(gpu_util=0.2, cpu_gb=1.0, store_gb=2.0) if ON_GPU else Instances()
+    record = run((store,), Workload(num_prompts=4, input_len=1024, output_len=4), progress=print, how=how)
+    row = record["stores"][store]
+    assert row["failed"] == 0 and row["same_tokens"] and row["control_differs"], row
+    assert row["b_hit_tokens"] >= 0.75 * row["b_prompt_tokens"] > 0, row

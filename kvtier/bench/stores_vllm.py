@@ -1,10 +1,12 @@
 """`python -m kvtier.bench.stores_vllm`: two vLLM instances sharing KV through each remote store.
 
-For each store (`kvtier server`, Mooncake Store, redis-server), on free
-loopback ports, with vLLM's OpenAI server (the CPU build here) and the tiny
-Llama of kvtier/dev/tinymodel.py (seeded N(0, 0.02) weights: its output
-follows the context), vLLM's prefix caching off, kvtier's CPU tier off (every
-hit comes from the store):
+For each store (`kvtier server`, Mooncake Store, redis-server; and `lmcache`:
+LMCache's own `lm://` server with LMCache's connector, where LMCache is
+installed, as on the GPU machine), on free loopback ports, with vLLM's OpenAI
+server and the tiny Llama of kvtier/dev/tinymodel.py (seeded N(0, 0.02)
+weights: its output follows the context; `--model` another shape), vLLM's
+prefix caching off, the connector's local CPU tier off (every hit comes from
+the store):
 
     instance A: `vllm bench serve` (random prompts, a fixed seed): every
                 prompt cold, its KV stored in the store; then one prompt of
@@ -31,12 +33,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvtier.bench.server import host
+from kvtier.dev.tinymodel import TinyLlama
 
-STORES = ("kvtier", "mooncake", "redis")
+STORES = ("kvtier", "mooncake", "redis", "lmcache")
+LMCACHE_HIT = re.compile(r"Reqid: \S+, Total tokens (\d+), Inference Engine computed tokens: \d+, "
+                         r"LMCache hit tokens: (\d+), need to load: (\d+)")
 FIGURES = re.compile(r"^(Successful requests|Failed requests|Median TTFT \(ms\)|Mean TTFT \(ms\)|"
                      r"P99 TTFT \(ms\)|Benchmark duration \(s\)|Request throughput \(req/s\)):\s+([\d.]+)", re.M)
 
@@ -82,43 +87,67 @@ def bench_serve(url: str, model: str, work: Workload) -> dict[str, float]:
     return {k: float(v) for k, v in FIGURES.findall(out.stdout)}
 
 
-@contextlib.contextmanager
-def _store(name: str):
-    from kvtier.dev.localservers import kvtier_server, mooncake_store, redis_server
+@dataclass(frozen=True)
+class Instances:
+    """How each vLLM instance runs: its share of a GPU, eager or with CUDA graphs, the CPU
+    memory its connector stages through (GB), its context length (0: the workload's); and
+    the memory `kvtier server` preallocates (GB; LMCache's server allocates as it goes)."""
+    gpu_util: float = 0.4
+    eager: bool = True
+    cpu_gb: float = 0.25
+    max_model_len: int = 0
+    store_gb: float = 1.0
 
-    start = {"kvtier": lambda: kvtier_server(1.0), "mooncake": lambda: mooncake_store(2, 512),
-             "redis": redis_server}[name]
+
+@contextlib.contextmanager
+def _store(name: str, how: Instances):
+    from kvtier.dev.localservers import kvtier_server, lmcache_server, mooncake_store, redis_server
+
+    start = {"kvtier": lambda: kvtier_server(how.store_gb), "mooncake": lambda: mooncake_store(2, 512),
+             "redis": redis_server, "lmcache": lmcache_server}[name]
     with start() as srv:
         yield srv
 
 
-def _instance(model_dir: Path, workdir: Path, srv, work: Workload, text: str) -> dict:
-    from kvtier.dev.demo import query_ttft, vllm_server
+def _instance(model_dir: Path, workdir: Path, store: str, srv, work: Workload, text: str, how: Instances) -> dict:
+    """One instance's run. kvtier reads LMCache's variables, so every store but LMCache's own
+    server is reached by kvtier's connector; LMCache's by LMCache's (its `naive` serde)."""
+    from kvtier.dev.demo import CONNECTOR, query_ttft, vllm_server
 
-    env = {"LMCACHE_REMOTE_URL": srv.url, "LMCACHE_LOCAL_CPU": "false", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25",
-           "LMCACHE_EXTRA_CONFIG": json.dumps(srv.extra_config), "VLLM_CPU_KVCACHE_SPACE": "2"}
-    with vllm_server(model_dir, workdir, env=env, max_model_len=max(4096, work.input_len + 512)) as vllm:
+    env = {"LMCACHE_REMOTE_URL": srv.url, "LMCACHE_LOCAL_CPU": "false", "LMCACHE_MAX_LOCAL_CPU_SIZE": str(how.cpu_gb),
+           "LMCACHE_CHUNK_SIZE": "256", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    connector = CONNECTOR
+    if store == "lmcache":
+        env["LMCACHE_REMOTE_SERDE"] = "naive"
+        connector = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    else:
+        env["LMCACHE_EXTRA_CONFIG"] = json.dumps(srv.extra_config)
+    with vllm_server(model_dir, workdir, env=env, kv_connector=connector,
+                     max_model_len=how.max_model_len or max(4096, work.input_len + 512),
+                     gpu_memory_utilization=how.gpu_util, eager=how.eager) as vllm:
         model = str(model_dir)
         figures = bench_serve(vllm.url, model, work)
-        served = vllm.hit_lines()
+        hits = vllm.hit_lines() if store != "lmcache" else \
+            [tuple(map(int, m.groups())) for m in LMCACHE_HIT.finditer(vllm.log_text())]
         _, greedy = query_ttft(vllm.url, model, text, max_tokens=16)
         _, control = query_ttft(vllm.url, model, "Another opening entirely. " + text[200:], max_tokens=16)
         time.sleep(1.0)  # the last stores land before the instance goes
-    return {"bench": figures, "hits": served[-work.num_prompts:], "greedy": greedy, "control": control}
+    return {"bench": figures, "hits": hits[-work.num_prompts:], "greedy": greedy, "control": control}
 
 
-def run(stores: tuple[str, ...], work: Workload, progress=print) -> dict:
+def run(stores: tuple[str, ...], work: Workload, progress=print, *, spec: TinyLlama = TinyLlama(),
+        how: Instances = Instances()) -> dict:
     from kvtier.dev.tinymodel import corpus_text, make_tiny_llama
 
     record: dict = {"date": time.strftime("%Y-%m-%d"), "machine": host(), "workload": work.__dict__,
-                    "stores": {}}
+                    "model": asdict(spec), "instances": asdict(how), "stores": {}}
     text = corpus_text()[:6000]
     with tempfile.TemporaryDirectory(prefix="kvtier-stores-vllm-") as tmp:
-        model_dir = make_tiny_llama(Path(tmp) / "tiny-llama")
+        model_dir = make_tiny_llama(Path(tmp) / "tiny-llama", spec)
         for name in stores:
-            with _store(name) as srv:
-                a = _instance(model_dir, Path(tmp) / f"{name}-a", srv, work, text)
-                b = _instance(model_dir, Path(tmp) / f"{name}-b", srv, work, text)
+            with _store(name, how) as srv:
+                a = _instance(model_dir, Path(tmp) / f"{name}-a", name, srv, work, text, how)
+                b = _instance(model_dir, Path(tmp) / f"{name}-b", name, srv, work, text, how)
             row = {"a": a, "b": b,
                    "warm_vs_cold_median": round(b["bench"]["Median TTFT (ms)"] / a["bench"]["Median TTFT (ms)"], 3),
                    "warm_vs_cold_mean": round(b["bench"]["Mean TTFT (ms)"] / a["bench"]["Mean TTFT (ms)"], 3),
@@ -147,12 +176,19 @@ def table(record: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvtier.bench.stores_vllm", description=__doc__.split("\n")[0])
-    p.add_argument("--stores", nargs="+", default=list(STORES), choices=STORES)
-    p.add_argument("--num-prompts", type=int, default=Workload.num_prompts)
-    p.add_argument("--input-len", type=int, default=Workload.input_len)
+    p.add_argument("--stores", nargs="+", default=list(STORES[:3]), choices=STORES,
+                   help="lmcache: LMCache's lm:// server and connector (where LMCache is installed)")
+    p.add_argument("--workload", type=json.loads, default={}, help="Workload fields (JSON)")
+    p.add_argument("--model", type=json.loads, default={}, help="TinyLlama fields (JSON)")
+    p.add_argument("--gpu-util", type=float, default=Instances.gpu_util)
+    p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=Instances.eager)
+    p.add_argument("--cpu-gb", type=float, default=Instances.cpu_gb, help="the connector's local CPU staging")
+    p.add_argument("--max-model-len", type=int, default=0)
+    p.add_argument("--store-gb", type=float, default=Instances.store_gb, help="kvtier server's --prealloc-size")
     p.add_argument("--output", help="write the JSON record here")
     args = p.parse_args(argv)
-    record = run(tuple(args.stores), Workload(args.num_prompts, args.input_len))
+    record = run(tuple(args.stores), Workload(**args.workload), spec=TinyLlama(**args.model),
+                 how=Instances(args.gpu_util, args.eager, args.cpu_gb, args.max_model_len, args.store_gb))
     record["command"] = "python -m kvtier.bench.stores_vllm " + " ".join(argv or sys.argv[1:])
     print(table(record))
     if args.output:

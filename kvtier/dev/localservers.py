@@ -5,6 +5,7 @@
                                                     also on srv.unix_socket
     with redis_cluster(masters=3) as srv:           srv.url == "redis-cluster://127.0.0.1:<p1>,..."
     with mooncake_store(segments=2) as srv:         srv.url == "mooncakestore://127.0.0.1:<master port>"
+    with lmcache_server() as srv:                   srv.url == "lm://127.0.0.1:<port>" (LMCache's own)
     cert, key = self_signed_cert(directory)         for --tls-cert/--tls-key (and the client's tls_ca)
 
 Each yields a `LocalServer` whose processes are stopped (SIGTERM, then
@@ -111,6 +112,18 @@ def kvtier_server(prealloc_gb: float = 0.5, *extra: str, log_dir: Path | None = 
         log = Path(log_dir or tmp) / f"kvtier-server-{port}.log"
         with _running(LocalServer(f"kvtier://127.0.0.1:{port}", [port, manage], [cmd], log_path=log,
                                   manage_port=manage)) as srv:
+            yield srv
+
+
+@contextlib.contextmanager
+def lmcache_server(log_dir: Path | None = None) -> Iterator[LocalServer]:
+    """LMCache's own store server (`python -m lmcache.v1.server HOST PORT cpu`, its `lm://`
+    remote backend), where the lmcache package is installed (the GPU bundle's add-on)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"]
+    with tempfile.TemporaryDirectory(prefix="lmcache-server-") as tmp:
+        log = Path(log_dir or tmp) / f"lmcache-server-{port}.log"
+        with _running(LocalServer(f"lm://127.0.0.1:{port}", [port], [cmd], log_path=log)) as srv:
             yield srv
 
 
