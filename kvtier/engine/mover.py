@@ -9,7 +9,7 @@ nothing on the CPU.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 
 import threading
 from typing import Callable, Sequence
@@ -41,8 +41,8 @@ class Mover:
         self.digests = (transfer.name == "triton" and kv.device.type == "cuda"
                         and self.bytes_per_token // kv.num_layers % 4 == 0)
         self._lock = threading.Lock()
-        # Where a finished layerwise load reads its digest sums back: not the caller's stream,
-        # which holds the whole forward that read the layers (it need not be over yet).
+        # Where a finished layerwise load, or a landed store, reads its digest sums back: not the
+        # caller's stream, which holds the whole forward queued since (it need not be over yet).
         self.readback = torch.cuda.Stream(kv.device) if self.digests else None
 
     def view(self, data: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -163,26 +163,19 @@ class Mover:
             block.release()
 
 
-def stamp(owned: list[tuple[ChunkSpan, MemoryBlock]], digests: torch.Tensor | None, *, landed: bool = False) -> None:
-    """Each block's KV digest, once its gather is done (codec.kv_digest; 0: none). `landed`:
-    the flight that computed them is known done (its event), so they are read on a stream
-    of their own: on the current stream the read waits for all vLLM queued there since, and
-    a store landed in `wait_for_save` made the host wait for that step's forward, so vLLM
-    could not prepare its next step while the GPU ran this one (async scheduling)."""
+def stamp(owned: list[tuple[ChunkSpan, MemoryBlock]], digests: torch.Tensor | None,
+          readback: torch.cuda.Stream | None = None) -> None:
+    """Each block's KV digest, once its gather is done (codec.kv_digest; 0: none). Where the
+    flight that computed them is known done (its event), they are read on `readback`
+    (`Mover.readback`): on the current stream the read waits for all that vLLM queued there
+    since, and a store landed in `wait_for_save` made the host wait for that step's forward,
+    so vLLM could not prepare its next step while the GPU ran this one (async scheduling)."""
     if digests is None:
         return
-    if landed and digests.is_cuda:
-        with torch.cuda.stream(_readback_stream(digests.device)):
-            values = digests.tolist()
-    else:
+    with torch.cuda.stream(readback) if readback is not None else contextlib.nullcontext():
         values = digests.tolist()
     for (_, block), digest in zip(owned, values):
         block.digest = digest & U64
-
-
-@functools.lru_cache(maxsize=None)
-def _readback_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
 
 
 def as_numpy(tokens: Tokens) -> np.ndarray:

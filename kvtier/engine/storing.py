@@ -169,7 +169,7 @@ class Storing:
         seconds = job.seconds()
 
         def land() -> None:
-            stamp(chunks, digests, landed=True)
+            stamp(chunks, digests, path.mover.readback)
             path.put(chunks)
             path.stored(job, spans, stored, layerwise, seconds, queued=True)
 
