@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Iterator
 
 from kvtier.bench.chat import Record, Workload, plot, run, same_outputs
+from kvtier.bench.stores_vllm import LMCACHE_CONNECTOR, bench_serve
 from kvtier.bench.stores_vllm import Workload as BenchServe
-from kvtier.bench.stores_vllm import bench_serve
 from kvtier.dev.demo import vllm_server
 from kvtier.dev.tinymodel import TinyLlama, make_tiny_llama
 
@@ -52,7 +52,7 @@ def setup(name: str, cpu_gb: float) -> tuple[dict | None, dict, list[str]]:
         "plain": (None, {}, []),
         "kvtier": (KVTIER, size, []),
         "kvtier-kernel": (KVTIER, {**size, "KVTIER_GPU_UPLOAD": "kernel"}, []),
-        "lmcache": ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
+        "lmcache": (LMCACHE_CONNECTOR,
                     {**size, "LMCACHE_LOCAL_CPU": "true"}, []),
         "native": (None, {}, ["--kv-offloading-size", str(cpu_gb), "--kv-offloading-backend", "native"]),
     }[name]

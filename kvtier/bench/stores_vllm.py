@@ -40,6 +40,7 @@ from kvtier.bench.server import host
 from kvtier.dev.tinymodel import TinyLlama
 
 STORES = ("kvtier", "mooncake", "redis", "lmcache")
+LMCACHE_CONNECTOR = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}  # LMCache 0.5.6's, in vLLM
 LMCACHE_HIT = re.compile(r"Reqid: \S+, Total tokens (\d+), Inference Engine computed tokens: \d+, "
                          r"LMCache hit tokens: (\d+), need to load: (\d+)")
 FIGURES = re.compile(r"^(Successful requests|Failed requests|Median TTFT \(ms\)|Mean TTFT \(ms\)|"
@@ -119,7 +120,7 @@ def _instance(model_dir: Path, workdir: Path, store: str, srv, work: Workload, t
     connector = CONNECTOR
     if store == "lmcache":
         env["LMCACHE_REMOTE_SERDE"] = "naive"
-        connector = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+        connector = LMCACHE_CONNECTOR
     else:
         env["LMCACHE_EXTRA_CONFIG"] = json.dumps(srv.extra_config)
     with vllm_server(model_dir, workdir, env=env, kv_connector=connector,
