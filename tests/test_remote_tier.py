@@ -406,3 +406,27 @@ def test_on_a_gpu_lent_chunks_are_checked_by_their_digests_on_the_device(layerwi
         mask, _ = load()
         assert mask[:48].all() and not mask[48:].any()
         a.close(), b.close(), store.close()
+
+
+def test_an_engine_connects_to_the_store_server_at_start_not_at_its_first_request():
+    """The server's pool is mapped (on a GPU registered with CUDA: seconds at tens of GB)
+    by the first connection; an engine makes it when it starts, before any request."""
+    with kvtier_server(0.0625) as srv:
+        before = _server_metric(srv, "accepted_connections")  # the readiness probe's
+        e, _ = node(srv.url)
+        deadline = time.monotonic() + 10
+        while _server_metric(srv, "accepted_connections") == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _server_metric(srv, "accepted_connections") == before + 1
+        assert e.tiers.remote.store.shm_active  # the same connection, its pool mapped
+        assert _server_metric(srv, "accepted_connections") == before + 1
+        e.close()
+
+
+def _server_metric(srv, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{srv.manage_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith((f"kvtier_server_{name} ", f"kvtier_server_{name}_total "))))

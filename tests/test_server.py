@@ -297,3 +297,40 @@ def test_a_large_tcp_get_is_spread_over_several_connections_and_lands_in_order(m
         assert not any(outs[5])
         c.close()
         assert c._readers is None
+
+
+def test_the_pool_stays_mapped_across_a_connection_replaced_after_idling_and_is_mapped_anew_for_a_new_server():
+    """Mapping the pool and registering it with CUDA takes seconds at tens of GB: a
+    connection replaced because it idled must not do it again; a restarted server's
+    pool is another memfd and must be mapped anew (never the dead one's memory)."""
+    with kvtier_server(0.0625, "--idle-timeout", "1") as s:
+        c = KVClient("127.0.0.1", s.ports[0], timeout=2)
+        mapped, unmapped = [], []
+        c.on_map = lambda m: mapped.append(m) is None
+        c.on_unmap = unmapped.append
+        value = os.urandom(MiB)
+        c.put([b"k"], [value])
+        assert c.shm_active and len(mapped) == 1
+        time.sleep(1.5)  # past the server's idle timeout: it closed the connection, the next call takes a new one
+        lease = c.borrow([b"k"])
+        assert lease is not None and lease.leading == 1
+        offset, size = lease.places[0]
+        assert bytes(lease.pool[offset : offset + size]) == value
+        lease.release()
+        assert len(mapped) == 1 and not unmapped
+        assert _metric(s, "idle_closed") == 1
+        s.kill()
+        s.start()
+        assert c.exists([b"k"]) == [False]  # a new, empty server (the connection idled: replaced)
+        assert len(unmapped) == 1 and len(mapped) == 2  # its pool is another memfd: the old one let go
+        c.put([b"k"], [value[::-1]])
+        assert bytes(c.get([b"k"])[0]) == value[::-1]
+        assert len(mapped) == 2 and mapped[1] is not mapped[0]
+        c.close()
+        assert len(unmapped) == 2
+
+
+def _metric(srv, name: str) -> float:
+    text = http(srv, "/metrics")[1]
+    return float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith((f"kvtier_server_{name} ", f"kvtier_server_{name}_total "))))

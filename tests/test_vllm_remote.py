@@ -148,7 +148,8 @@ def test_the_shared_store_bench_serves_instance_bs_prompts_from_the_store(store)
     """`python -m kvtier.bench.stores_vllm` (issue 27's remote path): instance A serves the
     prompts cold, instance B, a new process, serves them again from the project's own store
     server (`kvtier server`; LMCache's lm:// server where LMCache is installed): B hits the
-    prompts, its greedy tokens equal A's, a control prompt's differ, nothing fails."""
+    prompts, its greedy tokens on KV from the store equal A's on its own (a GPU prefix hit), a
+    control prompt's differ, nothing fails."""
     from kvtier.bench.stores_vllm import Instances, run
 
     how = Instances(gpu_util=0.2, cpu_gb=1.0, store_gb=2.0) if ON_GPU else Instances()

@@ -9,18 +9,27 @@ prefix caching off, the connector's local CPU tier off (every hit comes from
 the store):
 
     instance A: `vllm bench serve` (random prompts, a fixed seed): every
-                prompt cold, its KV stored in the store; then one prompt of
-                text greedy (the token check), and a control prompt whose
-                first chunk differs
+                prompt cold, its KV stored in the store; then the token
+                check's prompt (token ids, whole chunks and one token) greedy
+                cold, the same again (a hit in vLLM's own GPU prefix cache,
+                the reference), and a control prompt whose first chunk differs
     instance B: a new vLLM process, the same `vllm bench serve` (the same
-                prompts): each a hit from the store; the same two prompts
+                prompts): each a hit from the store; the check's prompt (its
+                KV from the store) must give the reference's tokens
 
 It is the InfiniStore guide's `vllm bench serve` run twice, with the second
 run on another instance, as a cluster shares a store. Reported per store:
 B's median and mean TTFT against A's (`warm_vs_cold`, A's cold prefill
 being the limit the store is measured against), failed requests, hit tokens
-from kvtier's log lines, and whether B's greedy text equals A's (and the
-control's differs). One JSON record per run, and a table.
+from kvtier's log lines, and whether B's greedy tokens equal A's GPU prefix
+hit's (both compute only the last token on the same KV; a whole prefill may
+differ from either in bf16 near-ties), with the largest logprob difference,
+and whether the control's differ. One JSON record per run, and a table.
+
+LMCache's instances get PYTHONHASHSEED=0: LMCache's default chunk hash is
+Python's, salted per process unless it is set (LMCache's docs require it), so
+without it instance B finds nothing instance A stored. kvtier's keys need no
+such setting.
 """
 
 from __future__ import annotations
@@ -110,57 +119,81 @@ def _store(name: str, how: Instances):
         yield srv
 
 
-def _instance(model_dir: Path, workdir: Path, store: str, srv, work: Workload, text: str, how: Instances) -> dict:
+CHUNK = 256  # both connectors' chunk size here
+CHECK = [(7919 * i) % 3800 + 100 for i in range(6 * CHUNK + 1)]  # the check's prompt: 6 chunks and a token (vocab 4096)
+CONTROL = [t + 1 for t in CHECK[:CHUNK]] + CHECK[CHUNK:]  # its first chunk changed
+
+
+def _instance(model_dir: Path, workdir: Path, store: str, srv, work: Workload, how: Instances,
+              first: bool) -> dict:
     """One instance's run. kvtier reads LMCache's variables, so every store but LMCache's own
-    server is reached by kvtier's connector; LMCache's by LMCache's (its `naive` serde)."""
-    from kvtier.dev.demo import CONNECTOR, query_ttft, vllm_server
+    server is reached by kvtier's connector; LMCache's by LMCache's (its `naive` serde).
+    vLLM's prefix cache is on: the bench's prompts share no prefix, and the check's prompt
+    run twice on the first instance gives the reference (vLLM's own KV, the last token computed)."""
+    from kvtier.dev.demo import CONNECTOR, complete_ids, vllm_server
 
     env = {"LMCACHE_REMOTE_URL": srv.url, "LMCACHE_LOCAL_CPU": "false", "LMCACHE_MAX_LOCAL_CPU_SIZE": str(how.cpu_gb),
-           "LMCACHE_CHUNK_SIZE": "256", "VLLM_CPU_KVCACHE_SPACE": "2"}
+           "LMCACHE_CHUNK_SIZE": str(CHUNK), "VLLM_CPU_KVCACHE_SPACE": "2"}
     connector = CONNECTOR
     if store == "lmcache":
-        env["LMCACHE_REMOTE_SERDE"] = "naive"
+        env.update(LMCACHE_REMOTE_SERDE="naive", PYTHONHASHSEED="0")
         connector = LMCACHE_CONNECTOR
     else:
         env["LMCACHE_EXTRA_CONFIG"] = json.dumps(srv.extra_config)
     with vllm_server(model_dir, workdir, env=env, kv_connector=connector,
                      max_model_len=how.max_model_len or max(4096, work.input_len + 512),
-                     gpu_memory_utilization=how.gpu_util, eager=how.eager) as vllm:
+                     gpu_memory_utilization=how.gpu_util, eager=how.eager, prefix_caching=True) as vllm:
         model = str(model_dir)
         figures = bench_serve(vllm.url, model, work)
         hits = vllm.hit_lines() if store != "lmcache" else \
             [tuple(map(int, m.groups())) for m in LMCACHE_HIT.finditer(vllm.log_text())]
-        _, greedy = query_ttft(vllm.url, model, text, max_tokens=16)
-        _, control = query_ttft(vllm.url, model, "Another opening entirely. " + text[200:], max_tokens=16)
+        out = {"bench": figures, "hits": hits[-work.num_prompts:], "check": complete_ids(vllm.url, model, CHECK)}
+        if first:
+            out["gpu_hit"] = complete_ids(vllm.url, model, CHECK)
+            out["control"] = complete_ids(vllm.url, model, CONTROL)
         time.sleep(1.0)  # the last stores land before the instance goes
-    return {"bench": figures, "hits": hits[-work.num_prompts:], "greedy": greedy, "control": control}
+    return out
+
+
+def _logprob_err(a: tuple[list[int], list[float]], b: tuple[list[int], list[float]]) -> float:
+    """The largest logprob difference over the tokens two outputs share from the start (inf if
+    the first differs)."""
+    err = 0.0
+    for ta, tb, la, lb in zip(a[0], b[0], a[1], b[1]):
+        if ta != tb:
+            return err if err else float("inf")
+        err = max(err, abs(la - lb))
+    return err
 
 
 def run(stores: tuple[str, ...], work: Workload, progress=print, *, spec: TinyLlama = TinyLlama(),
         how: Instances = Instances()) -> dict:
-    from kvtier.dev.tinymodel import corpus_text, make_tiny_llama
+    from kvtier.dev.tinymodel import make_tiny_llama
 
     record: dict = {"date": time.strftime("%Y-%m-%d"), "machine": host(), "workload": work.__dict__,
                     "model": asdict(spec), "instances": asdict(how), "stores": {}}
-    text = corpus_text()[:6000]
     with tempfile.TemporaryDirectory(prefix="kvtier-stores-vllm-") as tmp:
         model_dir = make_tiny_llama(Path(tmp) / "tiny-llama", spec)
         for name in stores:
             with _store(name, how) as srv:
-                a = _instance(model_dir, Path(tmp) / f"{name}-a", name, srv, work, text, how)
-                b = _instance(model_dir, Path(tmp) / f"{name}-b", name, srv, work, text, how)
+                a = _instance(model_dir, Path(tmp) / f"{name}-a", name, srv, work, how, first=True)
+                b = _instance(model_dir, Path(tmp) / f"{name}-b", name, srv, work, how, first=False)
             row = {"a": a, "b": b,
                    "warm_vs_cold_median": round(b["bench"]["Median TTFT (ms)"] / a["bench"]["Median TTFT (ms)"], 3),
                    "warm_vs_cold_mean": round(b["bench"]["Mean TTFT (ms)"] / a["bench"]["Mean TTFT (ms)"], 3),
                    "failed": a["bench"].get("Failed requests", 0) + b["bench"].get("Failed requests", 0),
-                   "same_tokens": a["greedy"] == b["greedy"], "control_differs": a["control"] != a["greedy"],
+                   "same_tokens": b["check"][0] == a["gpu_hit"][0],
+                   "logprob_err": _logprob_err(b["check"], a["gpu_hit"]),
+                   "cold_equals_gpu_hit": a["check"][0] == a["gpu_hit"][0],
+                   "control_differs": a["control"][0] != a["check"][0],
                    "b_hit_tokens": sum(hit for _, hit, _ in b["hits"]),
                    "b_prompt_tokens": sum(total for total, _, _ in b["hits"])}
             record["stores"][name] = row
             progress(f"{name}: median TTFT A {a['bench']['Median TTFT (ms)']:.1f} ms (cold) -> "
                      f"B {b['bench']['Median TTFT (ms)']:.1f} ms (from the store): {row['warm_vs_cold_median']:.2f}; "
                      f"hits {row['b_hit_tokens']}/{row['b_prompt_tokens']}, failed {row['failed']:.0f}, "
-                     f"same tokens {row['same_tokens']}, control differs {row['control_differs']}")
+                     f"B's tokens = A's GPU hit's {row['same_tokens']} (logprob err {row['logprob_err']:.3g}), "
+                     f"control differs {row['control_differs']}")
     return record
 
 

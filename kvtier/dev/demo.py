@@ -183,6 +183,20 @@ def query_ttft(url: str, model: str, prompt: str, max_tokens: int = 32) -> tuple
     return ttft, "".join(parts)
 
 
+def complete_ids(url: str, model: str, prompt: list[int], max_tokens: int = 16) -> tuple[list[int], list[float]]:
+    """Greedy completion of a prompt given as token ids (OpenAI's completions API): the
+    output's token ids and their logprobs, for comparing two runs token by token."""
+    import httpx
+
+    body = {"model": model, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens, "logprobs": 1,
+            "return_tokens_as_token_ids": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=600)
+    if r.status_code != 200:
+        raise RuntimeError(f"completion failed: HTTP {r.status_code}: {r.text[:500]}")
+    logprobs = r.json()["choices"][0]["logprobs"]
+    return [int(t.rsplit(":", 1)[1]) for t in logprobs["tokens"]], [float(x) for x in logprobs["token_logprobs"]]
+
+
 @dataclass
 class DemoResult:
     prompt_tokens: int

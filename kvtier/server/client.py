@@ -53,7 +53,7 @@ from kvtier.errors import RemoteAuthFailed, RemoteRefused, RemoteUnavailable, Va
 from kvtier.logs import get_logger
 from kvtier.server import auth
 from kvtier.server import protocol as p
-from kvtier.server.link import Link, ShmLease, dial, map_server_pool, scratch_parts
+from kvtier.server.link import Link, PoolMap, ShmLease, dial, map_server_pool, pool_inode, scratch_parts
 
 log = get_logger(__name__)
 
@@ -71,6 +71,7 @@ class KVClient:
         self.on_map: Callable[[mmap.mmap], bool] | None = None
         self.on_unmap: Callable[[mmap.mmap], None] | None = None
         self._link: Link | None = None
+        self._pool: PoolMap | None = None  # kept across connections to the same pool
         self._lock = threading.Lock()
         self._req_ids = itertools.count(1)
         self._readers: list[KVClient] | None = None  # the extra connections of large TCP gets
@@ -238,21 +239,36 @@ class KVClient:
             if time.monotonic() - self._link.used < self._link.bound("idle_timeout") / 2:
                 self._link.used = time.monotonic()
                 return self._link
-            self._drop()  # the server may be closing it as idle: take a fresh one
+            self._drop(keep_pool=True)  # the server may be closing it as idle: take a fresh one
         sock = dial(self.host, self.port, self.timeout, self.tls, self.tls_ca)
-        link = Link(sock, {}, None, None, tls=self.tls)
+        link = Link(sock, {}, None, tls=self.tls)
         _, meta = self._call(link, p.Op.HELLO, p.encode_json({"host_id": p.host_id() if self.use_shm else ""}))
         link.info = p.decode_json(meta)
         if link.info.get("auth"):
             self._authenticate(link)
         if link.info.get("shm"):
-            link.shm_map = map_server_pool(link.info["shm"])
-            link.shm = None if link.shm_map is None else np.frombuffer(link.shm_map, np.uint8)
-            if link.shm_map is not None and self.on_map is not None:
-                link.borrowable = bool(self.on_map(link.shm_map))
-                link.on_unmap = self.on_unmap if link.borrowable else None
+            pool = self._pool_of(link.info["shm"])
+            if pool is not None:
+                link.shm, link.borrowable = pool.array, pool.borrowable
         self._link = link
         return link
+
+    def _pool_of(self, shm: dict) -> PoolMap | None:
+        """The server's pool, mapped (and `on_map` called) once for as long as it is the same."""
+        if self._pool is not None and self._pool.inode == pool_inode(shm):
+            return self._pool
+        self._release_pool()
+        pool = map_server_pool(shm)
+        if pool is not None and self.on_map is not None:
+            pool.borrowable = bool(self.on_map(pool.mapping))
+            pool.on_unmap = self.on_unmap if pool.borrowable else None
+        self._pool = pool
+        return pool
+
+    def _release_pool(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
 
     def _authenticate(self, link: Link) -> None:
         if link.info["auth"] != auth.SCHEME:
@@ -275,10 +291,14 @@ class KVClient:
             self._fail(link, TimeoutError(f"a shared-memory {what} took {took:.1f} s, more than half the "
                                           f"server's {bound} ({link.bound(bound):g} s): dropped"))
 
-    def _drop(self) -> None:
+    def _drop(self, keep_pool: bool = False) -> None:
+        """Close the connection; the pool's mapping too unless `keep_pool` (a healthy
+        server: the next connection finds the same pool)."""
         if self._link is not None:
             self._link.close()
             self._link = None
+        if not keep_pool:
+            self._release_pool()
 
     def _send(self, link: Link, op: p.Op, meta: bytes, parts: Sequence[memoryview] = (), payload_len: int = 0) -> int:
         req_id = next(self._req_ids) & 0xFFFFFFFF or next(self._req_ids)  # 0 is the server's own
@@ -310,7 +330,7 @@ class KVClient:
             message = f"kvtier server {self.host}:{self.port}: {bytes(meta_buf).decode(errors='replace')}"
             if parting or h.flags == p.Status.UNAUTHORIZED:  # the server closes this connection
                 if link is self._link:
-                    self._drop()
+                    self._drop(keep_pool=True)
                 else:
                     link.close()
             if h.flags == p.Status.UNAUTHORIZED:

@@ -48,11 +48,9 @@ def dial(host: str, port: int, timeout: float, tls: bool, tls_ca: str | None) ->
 class Link:
     sock: socket.socket
     info: dict
-    shm: np.ndarray | None  # the server's pool, mapped, on the same host
-    shm_map: mmap.mmap | None
+    shm: np.ndarray | None  # the server's pool, mapped, on the same host (the client's PoolMap)
     tls: bool = False
     used: float = field(default_factory=time.monotonic)
-    on_unmap: Callable[[mmap.mmap], None] | None = None
     borrowable: bool = True  # values may be lent out in place (see KVClient.borrow)
 
     def send(self, parts: list) -> None:
@@ -77,15 +75,9 @@ class Link:
         return float(self.info.get("bounds", {}).get(name) or "inf")
 
     def close(self) -> None:
+        """The connection only: the pool's mapping is the client's (PoolMap)."""
         self.sock.close()
         self.shm = None
-        if self.shm_map is not None:
-            if self.on_unmap is not None:
-                self.on_unmap(self.shm_map)
-            try:
-                self.shm_map.close()
-            except BufferError:  # a borrowed view is still alive: the map goes with it
-                pass
 
 
 @dataclass
@@ -136,15 +128,52 @@ def scratch_parts(size: int) -> list[memoryview]:
     return [_SCRATCH[: min(len(_SCRATCH), size - off)] for off in range(0, size, len(_SCRATCH))]
 
 
-def map_server_pool(shm: dict) -> mmap.mmap | None:
-    """Map the server's pool memfd, or None (then values go over TCP)."""
-    path = f"/proc/{shm['pid']}/fd/{shm['fd']}"
+@dataclass
+class PoolMap:
+    """The server's pool mapped into this process. The client keeps it across its
+    connections to the same pool (a connection left idle is replaced; mapping and
+    registering tens of GB with CUDA takes seconds), and lets it go once the pool is
+    another (`inode` differs: the server restarted) or a connection failed."""
+
+    inode: tuple[int, int]  # the memfd's (st_dev, st_ino)
+    mapping: mmap.mmap
+    array: np.ndarray
+    borrowable: bool = True  # values may be lent out in place (see KVClient.borrow)
+    on_unmap: Callable[[mmap.mmap], None] | None = None
+
+    def close(self) -> None:
+        self.array = None  # type: ignore[assignment]
+        if self.on_unmap is not None:
+            self.on_unmap(self.mapping)
+        try:
+            self.mapping.close()
+        except BufferError:  # a borrowed view is still alive: the map goes with it
+            pass
+
+
+def _pool_path(shm: dict) -> str:
+    return f"/proc/{shm['pid']}/fd/{shm['fd']}"
+
+
+def pool_inode(shm: dict) -> tuple[int, int] | None:
+    """Which memfd the server offers (None: not reachable from here)."""
     try:
-        fd = os.open(path, os.O_RDWR)
+        st = os.stat(_pool_path(shm))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def map_server_pool(shm: dict) -> PoolMap | None:
+    """Map the server's pool memfd, or None (then values go over TCP)."""
+    try:
+        fd = os.open(_pool_path(shm), os.O_RDWR)
     except OSError as e:  # another PID namespace or no permission: the byte stream still works
         log.info("kvtier server pool not mappable (%s): values go over TCP", e)
         return None
     try:
-        return mmap.mmap(fd, shm["size"], mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        st = os.fstat(fd)
+        mapping = mmap.mmap(fd, shm["size"], mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     finally:
         os.close(fd)
+    return PoolMap((st.st_dev, st.st_ino), mapping, np.frombuffer(mapping, np.uint8))
