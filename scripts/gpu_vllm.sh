@@ -105,7 +105,7 @@ timeout ${BENCHSERVE_TIMEOUT:-540} python3 -m kvtier.bench.serving --setups ${SE
     \"prefix_len\": 6144, \"num_prefixes\": 8, \"output_len\": 16, \"max_concurrency\": 16}}" ${SERVING_ARGS:-} \
     > "$work/bench-serve.log" 2>&1
 echo "bench serve exit $?"; pkill -f "$servers"; grep -E "^\||Traceback|Error" "$work/bench-serve.log" | tail -12
-# With SERVING_ARGS=--profile: where each server's threads spent its first run.
+# With SERVING_ARGS=--profile: where each server's threads spent each run.
 for f in "$work"/bench-serve/*-pyspy.txt; do
     [ -f "$f" ] && python3 -m kvtier.bench.stacks "$f" --min-samples 100 > "${f%.txt}-stacks.txt" 2>&1 \
         && head -40 "${f%.txt}-stacks.txt"

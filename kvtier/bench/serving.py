@@ -114,7 +114,7 @@ def serve_twice(model: Path, names: list[str], work: BenchServe, out: Path, cpu_
                 profile: bool = False) -> dict[str, dict]:
     """The InfiniStore guide's flow per setup: `vllm bench serve` twice against one server,
     the second run sending the first's prompts (a prefix-sharing dataset where `work` says
-    so); `profile`: py-spy on the server during the first (`<out>/<setup>-pyspy.txt`). A
+    so); `profile`: py-spy on the server during each (`<out>/<setup>-first-pyspy.txt`, `-second-`). A
     setup whose run fails is recorded with its error; the others still run."""
     out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict] = {}
@@ -123,9 +123,10 @@ def serve_twice(model: Path, names: list[str], work: BenchServe, out: Path, cpu_
             with served(model, name, out / name, cpu_gb, gpu_util, eager, prefix_caching, max_model_len,
                         dtype) as srv:
                 assert srv.proc is not None
-                with sampled(srv.proc.pid, out / f"{name}-pyspy.txt" if profile else None):
+                with sampled(srv.proc.pid, out / f"{name}-first-pyspy.txt" if profile else None):
                     first = bench_serve(srv.url, str(model), work)
-                second = bench_serve(srv.url, str(model), work)
+                with sampled(srv.proc.pid, out / f"{name}-second-pyspy.txt" if profile else None):
+                    second = bench_serve(srv.url, str(model), work)
             rows[name] = {"first": first, "second": second,
                           "second_vs_first_median": second["Median TTFT (ms)"] / first["Median TTFT (ms)"]}
         except (RuntimeError, TimeoutError, subprocess.SubprocessError) as exc:  # a start or a run that failed
