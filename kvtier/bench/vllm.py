@@ -59,9 +59,6 @@ SETUPS: dict[str, dict] = {
     "kvtier-layerwise": {"connector": "KvtierConnector", "env": {"LMCACHE_USE_LAYERWISE": "true"}},
     # gpu_upload other than its default (auto: kernel for layerwise loads, copy engine for whole ones).
     "kvtier-kernel": {"connector": "KvtierConnector", "env": {"KVTIER_GPU_UPLOAD": "kernel"}},
-    # stores' copies to the host by the SMs (gpu_download: kernel): vLLM's own copies to the host
-    # (each step's sampled tokens) do not wait behind a store's.
-    "kvtier-download-kernel": {"connector": "KvtierConnector", "env": {"KVTIER_GPU_DOWNLOAD": "kernel"}},
     "kvtier-layerwise-dma": {"connector": "KvtierConnector",
                              "env": {"LMCACHE_USE_LAYERWISE": "true", "KVTIER_GPU_UPLOAD": "copy_engine"}},
     # The disk tier: a CPU pool smaller than one prompt (staging only), the chunks from files.

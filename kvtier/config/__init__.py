@@ -35,7 +35,6 @@ from kvtier.tiers.policy import POLICIES
 
 ENV_PREFIXES = ("LMCACHE_", "KVTIER_")
 GPU_UPLOADS = ("auto", "kernel", "copy_engine")
-GPU_DOWNLOADS = ("copy_engine", "kernel")
 CONFIG_FILE_VARS = ("LMCACHE_CONFIG_FILE", "KVTIER_CONFIG_FILE")
 # LMCache env vars that carry no meaning here (they select LMCache code paths
 # that kvtier has only one of). Accepted so that old launch scripts still run.
@@ -83,12 +82,6 @@ class KvtierConfig:
         "queue holds vLLM's next-step inputs until the whole load has crossed) | auto (kernel for "
         "layerwise loads, whose overlap needs vLLM's inputs through; copy engine for whole ones)",
         default="auto")
-    gpu_download: str = _doc(
-        "what copies a store's KV from GPU memory to CPU RAM: copy_engine (DMA; its queue holds vLLM's "
-        "own small device-to-host copies, the sampled tokens of every next step, until the store's copies "
-        "have crossed: up to 20 ms behind a step of 8,192 tokens of an 8B model) | kernel (a few of the "
-        "GPU's SMs write the pinned pool; vLLM's copies never wait behind a store)",
-        default="copy_engine")
     share_across_tp: bool = _doc(
         "also read chunks that instances of another tensor-parallel size stored (disk and remote tiers), "
         "cut or joined to this rank's KV heads; a miss then asks the tiers for each other size too",
@@ -182,8 +175,6 @@ def _check_ranges(cfg: KvtierConfig) -> None:
                           f"false with the lossy codec {cfg.remote_serde} (its rows carry per-head scales)")
     if cfg.gpu_upload not in GPU_UPLOADS:
         raise ConfigError("gpu_upload", cfg.gpu_upload, " | ".join(GPU_UPLOADS))
-    if cfg.gpu_download not in GPU_DOWNLOADS:
-        raise ConfigError("gpu_download", cfg.gpu_download, " | ".join(GPU_DOWNLOADS))
     if cfg.blocking_timeout_secs <= 0:
         raise ConfigError("blocking_timeout_secs", cfg.blocking_timeout_secs, "seconds > 0")
     if cfg.local_disk is not None:

@@ -55,7 +55,7 @@ def build(config: KvtierConfig, kv: PagedKV, fmt: KVFormat, transfer: str, cpu: 
     # so its chunks and lossless ones never meet.
     quant = Quant(config.remote_serde, kv.heads, kv.head_size) if config.remote_serde in KV_CODECS else None
     fmt = fmt if quant is None else dataclasses.replace(fmt, dtype=f"{fmt.dtype}+{quant.name}")
-    mover = Mover(kv, make_transfer(kv, transfer, quant, upload=config.gpu_upload, download=config.gpu_download), quant)
+    mover = Mover(kv, make_transfer(kv, transfer, quant, upload=config.gpu_upload), quant)
     shared_tier = cpu is not None
     if cpu is None:
         cpu = CpuTier(HostPool(config.cpu_pool_bytes, config.chunk_size * mover.bytes_per_token,

@@ -14,11 +14,10 @@ __all__ = ["LAYOUTS", "InFlight", "LayerHandle", "LayerSaver", "PagedKV", "Quant
 
 
 def make_transfer(kv: PagedKV, backend: str = "auto", quant: Quant | None = None,
-                  upload: str = "auto", download: str = "copy_engine") -> Transfer:
+                  upload: str = "auto") -> Transfer:
     """Triton kernels for GPU caches, torch indexing for host caches; with `quant`,
     chunks hold that codec's quantized rows (quant.py). `upload`: how staged loads
-    cross PCIe, kernel | copy_engine | auto; `download`: how whole stores' copies do,
-    copy_engine | kernel (triton_copy.py)."""
+    cross PCIe, kernel | copy_engine | auto (triton_copy.py)."""
     if backend == "auto":
         backend = "triton" if kv.device.type == "cuda" and not kv.split else "torch"
     if quant is not None and quant.name == "fp8" and kv.device.type == "cuda" \
@@ -39,6 +38,5 @@ def make_transfer(kv: PagedKV, backend: str = "auto", quant: Quant | None = None
             )
         from kvtier.transfer.triton_copy import TritonTransfer
 
-        return TritonTransfer(kv, direct=backend == "triton-direct", quant=quant, upload=upload,
-                              download=download)
+        return TritonTransfer(kv, direct=backend == "triton-direct", quant=quant, upload=upload)
     raise ValueError(f"unknown transfer backend {backend!r}: auto, torch, triton, triton-direct")

@@ -189,17 +189,14 @@ RUN_BLOCK = 8192  # int64 words (64 KB) a program of host_runs_kernel moves at a
 RUN_PROGRAMS = 32  # its programs: enough loads in flight for PCIe, most SMs left to the forward
 
 
-def run_table(parts: list[list[tuple[int, ...]]], to_host: bool = False
-              ) -> list[tuple[torch.Tensor, int, int]] | None:
-    """Each part's runs (Staging.run_table's) in one pinned table that `host_runs_kernel`
-    reads over PCIe, host to staging (or `to_host`, staging to host): per part (table, first
-    run, runs). None where a row is not in whole, aligned int64 words (the copy engine moves
-    those)."""
+def run_table(parts: list[list[tuple[int, ...]]]) -> list[tuple[torch.Tensor, int, int]] | None:
+    """Each part's runs in one pinned table that `host_runs_kernel` reads over PCIe: per part
+    (table, first run, runs). None where a row is not in whole, aligned int64 words (the copy
+    engine moves those)."""
     if any(x % 8 for part in parts for run in part for x in run[:5]):
         return None
-    rows = [(run[1], run[0], run[3], run[2]) if to_host else run[:4] for part in parts for run in part]
-    sizes = [(run[4] // 8, run[5]) for part in parts for run in part]
-    table = torch.tensor([(*r, *n) for r, n in zip(rows, sizes)], dtype=torch.int64).pin_memory()
+    table = torch.tensor([(*run[:4], run[4] // 8, run[5]) for part in parts for run in part],
+                         dtype=torch.int64).pin_memory()
     out, first = [], 0
     for part in parts:
         out.append((table, first, len(part)))

@@ -61,10 +61,10 @@ class TritonTransfer:
     name = "triton"
 
     def __init__(self, kv: PagedKV, *, direct: bool = False, quant: Quant | None = None,
-                 upload: str = "auto", download: str = "copy_engine") -> None:
+                 upload: str = "auto") -> None:
         self.kv = kv
         self.direct = direct
-        self.upload_mode, self.download_mode = upload, download
+        self.upload_mode = upload
         self.quant = quant
         first = kv.layers[0]
         self._strides = first.stride()[:4]
@@ -176,23 +176,17 @@ class TritonTransfer:
             dev_slots, ptrs = self._upload(slots, staging.ptrs(range(1))[0])
             sums = self._digest_tables(staging.digest_tables(by_layer=False)) if digests is not None else None
             size = chunks[0].shape[2]
-            parts = [staging.run_table(group=g) for g in range(len(staging.groups))]
-            runs = run_table(parts, to_host=True) if self.download_mode == "kernel" else None
             for g, group in enumerate(staging.groups):
                 a, b = group.start * size, min(group.stop * size, slots.shape[-1])
                 self._kernel(dev_slots[..., a:b], ptrs[group.start : group.stop], size, True, layers)
                 if sums is not None:
                     sums.add(digests, chunks=group)
                 self._copies.wait_stream(self._stream)
-                if runs is not None:  # the SMs write the pinned chunks: the copy engine stays free
-                    with torch.cuda.stream(self._copies):
-                        runs_up(*runs[g])
-                else:
-                    staging.copy(to_host=True, stream=self._copies, group=g)
+                staging.copy(to_host=True, stream=self._copies, group=g)
         if wait:
             return self._copies.synchronize()
         current.wait_stream(self._stream)  # the kernels read the pages before anything later writes them
-        return InFlight(self._copies.record_event(), keep=(staging, dev_slots, ptrs, sums, runs))
+        return InFlight(self._copies.record_event(), keep=(staging, dev_slots, ptrs, sums))
 
     def gather_addressed(self, slots: torch.Tensor, addresses: Sequence[int], chunk_tokens: int) -> AddressedGather:
         """Both tables go up now, on the current stream; each `launch` is one kernel."""
