@@ -175,22 +175,26 @@ class _Run:
         self.llm.reset_prefix_cache()
         self.flush()
         self.timer.clear()
-        profiled = self.args.profile and last
-        prof = cProfile.Profile() if profiled else None
-        if prof is not None:
-            prof.enable()
-        warm, _ = self.gen(ids, timed=last and not profiled)
-        if prof is not None:
-            prof.disable()
-            self._write_profile(prof, len(ids))
+        warm, _ = self.gen(ids, timed=last)
         fwd = self.timer.last_ms()
         self.llm.reset_prefix_cache()
         return {"cold": cold, "gpu_hit": gpu_hit, "warm": warm, "fwd_ms": fwd, "gpu_hit_fwd_ms": gpu_hit_fwd}
 
-    def _write_profile(self, prof: cProfile.Profile, length: int) -> None:
-        with open(f"{self.args.out}/{self.args.setup}.prof.txt", "a") as f:
-            f.write(f"==== {self.args.setup} {length} tokens: the last warm run\n")
-            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(70)
+    def profiled_pair(self, ids: list[int]) -> None:
+        """One more pair (not in the figures), its GPU hit and its warm run under cProfile."""
+        self.gen(ids)
+        for what in ("GPU hit", "warm"):
+            if what == "warm":
+                self.llm.reset_prefix_cache()
+                self.flush()
+            prof = cProfile.Profile()
+            prof.enable()
+            self.gen(ids)
+            prof.disable()
+            with open(f"{self.args.out}/{self.args.setup}.prof.txt", "a") as f:
+                f.write(f"==== {self.args.setup} {len(ids)} tokens: a {what} run\n")
+                pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(70)
+        self.llm.reset_prefix_cache()
 
     def length(self, length: int) -> dict:
         bw = h2d_bandwidth(length * KV_BYTES_PER_TOKEN)
@@ -202,6 +206,8 @@ class _Run:
             for key, value in pair.items() if i else ():
                 runs[key].append(value)
         # each rank copies its shard over its own GPU's link: the floor's copy is the shard's
+        if self.args.profile:
+            self.profiled_pair(prompt(length, 98))
         summary = _summary(runs, length, bw * self.args.tp, tokens, self.timelines)
         if self.args.trace:
             summary["gpu_timeline"] = self._trace(length)
@@ -349,7 +355,7 @@ def main() -> None:
                    "timed alone then: the ranks' steps run in their own processes)")
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--setup-timeout", type=float, default=300, help="seconds a setup may take")
-    p.add_argument("--profile", action="store_true", help="cProfile the last warm run of each length")
+    p.add_argument("--profile", action="store_true", help="one more pair per length, its GPU hit and warm run under cProfile (<setup>.prof.txt)")
     p.add_argument("--trace", action="store_true",
                    help="one more warm run per length under torch's profiler: its GPU timeline and trace")
     p.add_argument("--module-path", action=argparse.BooleanOptionalAction, default=False,
