@@ -31,7 +31,6 @@ import json
 import os
 import pstats
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from kvtier.bench.vllm_parts import (
     kvtier_chunking,
     make_model,
     prompt,
+    run_setup_process,
     seed_weights,
     traced,
 )
@@ -370,30 +370,8 @@ def main() -> None:
     for name in args.setups:
         cmd = [sys.executable, "-m", "kvtier.bench.vllm", "--setup", name, *_passthrough(args)]
         env = {**os.environ, "LMCACHE_MAX_LOCAL_CPU_SIZE": str(args.cpu_gb), "LMCACHE_CHUNK_SIZE": "256"}
-        rc |= _run_one(name, cmd, env, Path(args.out, f"{name}.json"), args.setup_timeout)
+        rc |= run_setup_process(name, cmd, env, Path(args.out, f"{name}.json"), args.setup_timeout)
     sys.exit(rc or compare(Path(args.out)))
-
-
-def _run_one(name: str, cmd: list[str], env: dict, record: Path, timeout: float, grace: float = 20.0) -> int:
-    """One setup's process; killed at `timeout`, or `grace` s after it wrote its record
-    (LMCache's process has hung at exit for minutes after its last request)."""
-    record.unlink(missing_ok=True)
-    proc = subprocess.Popen(cmd, env=env)
-    deadline, written = time.monotonic() + timeout, None
-    while proc.poll() is None:
-        now = time.monotonic()
-        if written is None and record.exists():
-            written = now
-        if now > deadline or (written is not None and now - written > grace):
-            proc.kill()
-            proc.wait()
-            if written is None:
-                print(f"[{name}] did not finish in {timeout} s", flush=True)
-                return 1
-            print(f"[{name}] wrote its record but had not exited {grace:.0f} s later: killed", flush=True)
-            return 0
-        time.sleep(0.5)
-    return proc.returncode
 
 
 def _passthrough(args: argparse.Namespace) -> list[str]:

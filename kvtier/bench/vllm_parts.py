@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -284,3 +285,25 @@ def prompt(length: int, variant: int, vocab: int = 128000) -> list[int]:
     body = random.Random(length).choices(range(100, vocab), k=length)
     head = random.Random(1_000_003 * (variant + 1) + length).choices(range(100, vocab), k=256)
     return head + body[256:]
+
+
+def run_setup_process(name: str, cmd: list[str], env: dict, record: Path, timeout: float, grace: float = 20.0) -> int:
+    """One setup's process; killed at `timeout`, or `grace` s after it wrote its record
+    (LMCache's process has hung at exit for minutes after its last request)."""
+    record.unlink(missing_ok=True)
+    proc = subprocess.Popen(cmd, env=env)
+    deadline, written = time.monotonic() + timeout, None
+    while proc.poll() is None:
+        now = time.monotonic()
+        if written is None and record.exists():
+            written = now
+        if now > deadline or (written is not None and now - written > grace):
+            proc.kill()
+            proc.wait()
+            if written is None:
+                print(f"[{name}] did not finish in {timeout} s", flush=True)
+                return 1
+            print(f"[{name}] wrote its record but had not exited {grace:.0f} s later: killed", flush=True)
+            return 0
+        time.sleep(0.5)
+    return proc.returncode
