@@ -10,19 +10,12 @@ import torch
 from kvtier.transfer.addressed import AddressedGather
 
 
-class Done(Protocol):
-    """A CUDA event, or what stands for one (paced.Paced)."""
-
-    def query(self) -> bool: ...
-    def synchronize(self) -> None: ...
-
-
 @dataclass(frozen=True)
 class InFlight:
     """Copies to host chunks that were queued, not waited for: `done` completes once they
     have landed; `keep` (their device staging and tables) lives until then."""
 
-    done: Done
+    done: torch.cuda.Event
     keep: object = None
 
 

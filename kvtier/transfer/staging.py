@@ -11,7 +11,6 @@ import torch
 from kvtier.codec import DIGEST_A, DIGEST_B
 from kvtier.transfer import cudart
 from kvtier.transfer.kernels import DIGEST_BLOCK, digest_kernel, host_runs_kernel
-from kvtier.transfer.paced import Piece
 
 
 class Staging:
@@ -72,17 +71,6 @@ class Staging:
             width = self.chunk_bytes[first] if layer is None else self.layer_bytes[first]
             host = self.chunks[first].data_ptr() + (0 if layer is None else layer * width)
             out.append((host, self._at(0 if layer is None else layer, first), pitch, width, width, count))
-        return out
-
-    def pieces(self, group: int, after: torch.cuda.Event) -> list[Piece]:
-        """The copies to the host of a group's chunks, one a chunk, for the Pacer (paced.py)."""
-        out = []
-        for host, dev, host_pitch, dev_pitch, width, rows in self.run_table(group=group):
-            for i in range(rows):
-                def copy(stream: torch.cuda.Stream, h: int = host + i * host_pitch, d: int = dev + i * dev_pitch,
-                         w: int = width) -> None:
-                    cudart.memcpy2d(h, w, d, w, w, 1, stream)
-                out.append(Piece(copy, width, after))
         return out
 
     def copy(self, to_host: bool, stream: torch.cuda.Stream, layer: int | None = None, group: int = 0) -> None:

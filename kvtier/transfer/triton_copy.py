@@ -28,11 +28,12 @@ copy_engine | auto (kernel for layer-major ones). The copy engine serves host-to
 copies in queue order from every stream, so vLLM's next-step inputs wait behind a bulk
 upload (staging.py).
 
-Kernels run on one side stream and PCIe copies on another (a gather not waited for: the
-Pacer's, paced.py), ordered by events, after the caller's stream, which waits for them (for a
-gather not waited for, for its kernels only). Direct needs every chunk pinned; a pageable
-chunk is staged. With a lossy codec (quant.py) the kernels quantize as they gather and
-dequantize as they scatter. Figures: docs/benchmarks.md; checked on CPU with TRITON_INTERPRET=1.
+Kernels run on one side stream and PCIe copies on another, ordered by events; both are
+ordered after the caller's stream, and the caller's stream waits for them (for a gather not
+waited for, for its kernels only). Direct needs every chunk pinned; a call with a pageable
+chunk is staged. Figures: docs/benchmarks.md. With a lossy codec (quant.py) the kernels
+quantize as they gather and dequantize as they scatter: staging, copies and host chunks hold
+the quantized bytes. Correctness is also checked on CPU with TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ from kvtier.transfer.addressed import AddressedGather
 from kvtier.transfer.base import InFlight, LayerHandle
 from kvtier.transfer.kernels import SLOT_BLOCK, host_words_kernel, kv_copy_kernel, kv_quant_copy_kernel
 from kvtier.transfer.layout import PagedKV
-from kvtier.transfer.paced import Pacer
 from kvtier.transfer.quant import Quant
 from kvtier.transfer.staging import DigestTables, LayerEvents, Staging, Upload, host_tables, run_table, runs_up, waiter
 
@@ -62,10 +62,15 @@ class TritonTransfer:
 
     def __init__(self, kv: PagedKV, *, direct: bool = False, quant: Quant | None = None,
                  upload: str = "auto") -> None:
-        self.kv, self.direct, self.quant = kv, direct, quant
-        self.upload_mode, self._pacer = upload, Pacer(kv.device)
-        self._strides = kv.layers[0].stride()[:4]
-        self._layer_ptrs = torch.tensor([t.data_ptr() for t in kv.layers], dtype=torch.int64, device=kv.device)
+        self.kv = kv
+        self.direct = direct
+        self.upload_mode = upload
+        self.quant = quant
+        first = kv.layers[0]
+        self._strides = first.stride()[:4]
+        self._layer_ptrs = torch.tensor(
+            [t.data_ptr() for t in kv.layers], dtype=torch.int64, device=kv.device
+        )
         # each layer's row of a [G, T] slot table (PagedKV.grouped; all 0 for one group)
         self._slot_rows = torch.tensor(kv.slot_rows or [0] * kv.num_layers, dtype=torch.int32, device=kv.device)
         # Per-layer launches pass one of these; slicing anew per launch is host time
@@ -170,21 +175,18 @@ class TritonTransfer:
             staging = Staging(chunks, self.kv.device, layer_major=False, groups=GROUPS)
             dev_slots, ptrs = self._upload(slots, staging.ptrs(range(1))[0])
             sums = self._digest_tables(staging.digest_tables(by_layer=False)) if digests is not None else None
-            size, pieces = chunks[0].shape[2], []
+            size = chunks[0].shape[2]
             for g, group in enumerate(staging.groups):
                 a, b = group.start * size, min(group.stop * size, slots.shape[-1])
                 self._kernel(dev_slots[..., a:b], ptrs[group.start : group.stop], size, True, layers)
                 if sums is not None:
                     sums.add(digests, chunks=group)
-                if not wait:  # paced: vLLM's own copies to the host never wait behind the whole store
-                    pieces += staging.pieces(g, after=self._stream.record_event())
-                    continue
                 self._copies.wait_stream(self._stream)
                 staging.copy(to_host=True, stream=self._copies, group=g)
         if wait:
             return self._copies.synchronize()
         current.wait_stream(self._stream)  # the kernels read the pages before anything later writes them
-        return InFlight(self._pacer.submit(pieces), keep=(staging, dev_slots, ptrs, sums))
+        return InFlight(self._copies.record_event(), keep=(staging, dev_slots, ptrs, sums))
 
     def gather_addressed(self, slots: torch.Tensor, addresses: Sequence[int], chunk_tokens: int) -> AddressedGather:
         """Both tables go up now, on the current stream; each `launch` is one kernel."""
