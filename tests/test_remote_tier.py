@@ -410,14 +410,12 @@ def test_on_a_gpu_lent_chunks_are_checked_by_their_digests_on_the_device(layerwi
 
 def test_an_engine_connects_to_the_store_server_at_start_not_at_its_first_request():
     """The server's pool is mapped (on a GPU registered with CUDA: seconds at tens of GB)
-    by the first connection; an engine makes it when it starts, before any request."""
+    by the first connection; an engine makes it when it starts (before vLLM captures its CUDA
+    graphs), before any request."""
     with kvtier_server(0.0625) as srv:
         before = _server_metric(srv, "accepted_connections")  # the readiness probe's
         e, _ = node(srv.url)
-        deadline = time.monotonic() + 10
-        while _server_metric(srv, "accepted_connections") == before and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _server_metric(srv, "accepted_connections") == before + 1
+        assert _server_metric(srv, "accepted_connections") == before + 1  # made while the engine was built
         assert e.tiers.remote.store.shm_active  # the same connection, its pool mapped
         assert _server_metric(srv, "accepted_connections") == before + 1
         e.close()
