@@ -4,9 +4,9 @@ For each store (`kvtier server`, Mooncake Store, redis-server; and `lmcache`:
 LMCache's own `lm://` server with LMCache's connector, where LMCache is
 installed, as on the GPU machine), on free loopback ports, with vLLM's OpenAI
 server and the tiny Llama of kvtier/dev/tinymodel.py (seeded N(0, 0.02)
-weights: its output follows the context; `--model` another shape), vLLM's
-prefix caching off, the connector's local CPU tier off (every hit comes from
-the store):
+weights: its output follows the context; `--model` another shape), the
+connector's local CPU tier off (every hit comes from the store; vLLM's own
+prefix cache is on, but the bench's random prompts share no prefix):
 
     instance A: `vllm bench serve` (random prompts, a fixed seed): every
                 prompt cold, its KV stored in the store; then the token
