@@ -413,18 +413,9 @@ def test_an_engine_connects_to_the_store_server_at_start_not_at_its_first_reques
     by the first connection; an engine makes it when it starts (before vLLM captures its CUDA
     graphs), before any request."""
     with kvtier_server(0.0625) as srv:
-        before = _server_metric(srv, "accepted_connections")  # the readiness probe's
+        before = srv.metrics()["accepted_connections"]  # the readiness probe's
         e, _ = node(srv.url)
-        assert _server_metric(srv, "accepted_connections") == before + 1  # made while the engine was built
+        assert srv.metrics()["accepted_connections"] == before + 1  # made while the engine was built
         assert e.tiers.remote.store.shm_active  # the same connection, its pool mapped
-        assert _server_metric(srv, "accepted_connections") == before + 1
+        assert srv.metrics()["accepted_connections"] == before + 1
         e.close()
-
-
-def _server_metric(srv, name: str) -> float:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{srv.manage_port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return float(next(line.split()[-1] for line in text.splitlines()
-                      if line.startswith((f"kvtier_server_{name} ", f"kvtier_server_{name}_total "))))

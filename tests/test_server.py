@@ -318,7 +318,7 @@ def test_the_pool_stays_mapped_across_a_connection_replaced_after_idling_and_is_
         assert bytes(lease.pool[offset : offset + size]) == value
         lease.release()
         assert len(mapped) == 1 and not unmapped
-        assert _metric(s, "idle_closed") == 1
+        assert s.metrics()["idle_closed"] == 1
         s.kill()
         s.start()
         assert c.exists([b"k"]) == [False]  # a new, empty server (the connection idled: replaced)
@@ -328,9 +328,3 @@ def test_the_pool_stays_mapped_across_a_connection_replaced_after_idling_and_is_
         assert len(mapped) == 2 and mapped[1] is not mapped[0]
         c.close()
         assert len(unmapped) == 2
-
-
-def _metric(srv, name: str) -> float:
-    text = http(srv, "/metrics")[1]
-    return float(next(line.split()[-1] for line in text.splitlines()
-                      if line.startswith((f"kvtier_server_{name} ", f"kvtier_server_{name}_total "))))

@@ -4,9 +4,7 @@ handshake), tenants, TLS, and the per-connection bounds."""
 from __future__ import annotations
 
 import os
-import re
 import time
-import urllib.request
 
 import pytest
 import torch
@@ -37,12 +35,7 @@ def tenants_srv(tmp_path_factory):
 
 
 def metrics(srv, token: str | None = TOKEN) -> dict[str, float]:
-    req = urllib.request.Request(f"http://127.0.0.1:{srv.manage_port}/metrics")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(req, timeout=5) as r:
-        text = r.read().decode()
-    return {m[1]: float(m[2]) for m in re.finditer(r"^kvtier_server_(\w+?)(?:_total)? (\S+)$", text, re.M)}
+    return srv.metrics(token)
 
 
 def client(srv, token: str | None, **kw) -> KVClient:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -92,6 +94,16 @@ class LocalServer:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+    def metrics(self, token: str | None = None) -> dict[str, float]:
+        """`kvtier server`'s counters from its management API's /metrics, by name without the
+        `kvtier_server_` prefix and `_total` suffix."""
+        req = urllib.request.Request(f"http://127.0.0.1:{self.manage_port}/metrics")
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            text = r.read().decode()
+        return {m[1]: float(m[2]) for m in re.finditer(r"^kvtier_server_(\w+?)(?:_total)? (\S+)$", text, re.M)}
 
 
 @contextlib.contextmanager
