@@ -4,11 +4,16 @@
 #   STEPS="tests pd pdvllm" bash scripts/gpu2_bench.sh     (about 9 minutes)
 #   STEPS="tp" bash scripts/gpu2_bench.sh                  (about 6 minutes)
 #   STEPS="tpttft" bash scripts/gpu2_bench.sh              (about 5 minutes)
+#   STEPS="lmpd" bash scripts/gpu2_bench.sh                (about 4 minutes; LMCache's PD needs NIXL,
+#       whose wheels (bash scripts/gpu_wheels.sh pd: .wheels-pd/, 57 MiB) do not fit the device's
+#       64 MiB beside the vLLM bundle: run any step carrying .gpu-vllm first, then this one
+#       within 30 s carrying .wheels-pd only; the bundle stays installed in /tmp/site)
 # Steps: tests (the GPU tests of the transfers and of PD, cuda_ipc across the two GPUs),
 # pd (kvtier bench pd GPU0 -> GPU1 against a plain copy, and each part of a cuda_ipc
 # write timed alone: scripts/pd_gpu_bench.sh), pdprof (the sender's host time per function:
 # scripts/pd_send_profile.py, and an Alloc's round trip in parts: scripts/pd_rtt_profile.py), pdvllm (1P1D inside real vLLM, prefiller on
-# GPU 0, decoder on GPU 1: kvtier.bench.pd_vllm), tp (tests/test_vllm_tp.py with one rank
+# GPU 0, decoder on GPU 1: kvtier.bench.pd_vllm), lmpd (the same with LMCache 0.5.6's PD over NIXL in
+# both servers: kvtier.bench.pd_vllm --engine lmcache), tp (tests/test_vllm_tp.py with one rank
 # per GPU: every rank its shard, hits only where both ranks hold them, TP=2 <-> TP=1 reuse,
 # PD with TP=2 on both sides, the store server's path at TP=2), tpttft (warm TTFT at 16k
 # tokens, kvtier inside vLLM at TP=1 and at TP=2: kvtier.bench.vllm --tp). Results come back as one archive in $OUT.
@@ -52,6 +57,18 @@ timeout ${PDVLLM_TIMEOUT:-330} python3 -m kvtier.bench.pd_vllm --lengths ${LENGT
 echo "pd_vllm exit $?"; pkill -f "$servers"
 grep -E "tokens:|Traceback|Error" "$work/pd-vllm.log" | tail -12
 cp "$work"/pd-vllm/cluster/*/vllm-*.log "$work/pd-vllm/" 2>/dev/null ;;
+esac
+case " $steps " in *" lmpd "*)
+if [ -d .wheels-pd ] && [ ! -d /tmp/nixl-site/nixl ]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/nixl-site .wheels-pd/*.whl 2>&1 | tail -2
+fi
+PYTHONPATH=$PYTHONPATH:/tmp/nixl-site python3 -c "import nixl._api, lmcache; print('nixl and lmcache import')" \
+    2>&1 | tail -1 | tee -a "$work/machine.txt"
+PYTHONPATH=$PYTHONPATH:/tmp/nixl-site timeout ${PDVLLM_TIMEOUT:-330} python3 -m kvtier.bench.pd_vllm --engine lmcache \
+    --lengths ${LENGTHS:-4096 16384 32768} --pairs ${PAIRS:-5} --out "$work/pd-vllm-lmcache" > "$work/pd-vllm-lmcache.log" 2>&1
+echo "pd_vllm lmcache exit $?"; pkill -f "$servers"
+grep -E "tokens:|Traceback|Error" "$work/pd-vllm-lmcache.log" | tail -12
+cp "$work"/pd-vllm-lmcache/cluster/*/vllm-*.log "$work/pd-vllm-lmcache/" 2>/dev/null ;;
 esac
 case " $steps " in *" tpttft "*)
 for tp in 1 2; do  # warm TTFT at 16k, kvtier's CPU tier: one GPU, then one rank on each

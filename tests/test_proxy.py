@@ -178,3 +178,110 @@ def test_garbage_on_the_notification_port_does_not_stop_the_proxy():
                 s.sendall(junk)
         assert httpx.get(url + "/health").status_code == 200
         assert completion(url).status_code == 502  # still answering requests
+
+
+class LmcachePrefiller(Decoder):
+    """A prefiller as LMCache 0.5.x's PD backend behaves towards its proxy: it answers the
+    prefill request, and tells the proxy that the request's KV is in the decoder's buffer
+    when its (NIXL) writes complete, here `delay` s after the answer: a ProxyNotif (msgspec
+    struct tagged "type"), msgpack over a ZMQ PUSH socket connected to pd_proxy_port. A
+    `junk` message goes before it. LMCache itself needs a GPU: the GPU script runs it
+    (kvtier.bench.pd_vllm --engine lmcache)."""
+
+    def __init__(self, notify_port: int, delay: float, junk: list[bytes] = ()):
+        import msgspec
+        import zmq
+
+        super().__init__()
+
+        class ProxyNotif(msgspec.Struct, tag=True):
+            req_id: str
+
+        self.ctx = zmq.Context()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(f"tcp://127.0.0.1:{notify_port}")
+        self.notified_at = []
+
+        def notify(req_id):
+            time.sleep(delay)
+            for msg in junk:
+                self.push.send(msg)
+            self.notified_at.append(time.monotonic())
+            self.push.send(msgspec.msgpack.encode(ProxyNotif(req_id=req_id)))
+
+        def answered():  # after the HTTP answer, as LMCache's writes finish after the step
+            body = self.bodies[-1]
+            threading.Thread(target=notify, args=(body["kv_transfer_params"]["disagg_spec"]["req_id"],),
+                             daemon=True).start()
+
+        handler = self.server.RequestHandlerClass
+        do_post = handler.do_POST
+
+        def do_POST(h):
+            do_post(h)
+            answered()
+
+        handler.do_POST = do_POST
+
+    def close(self):
+        super().close()
+        self.push.close(linger=0)
+        self.ctx.term()
+
+
+class TimedDecoder(Decoder):
+    def __init__(self):
+        super().__init__()
+        self.got_at = []
+        handler = self.server.RequestHandlerClass
+        do_post = handler.do_POST
+
+        def do_POST(h):
+            self.got_at.append(time.monotonic())
+            do_post(h)
+
+        handler.do_POST = do_POST
+
+
+@pytest.mark.parametrize("junk", [[], [b"\x00\xff not msgpack", b"\x82\xa4type\xa9AllocResp\xa6req_id\xa1x"]])
+def test_with_lmcache_nodes_the_decoder_is_asked_after_lmcaches_proxynotif_and_as_the_client_asked(junk):
+    notify = free_port()
+    alloc = socket.create_server(("127.0.0.1", 0))  # the decoder's alloc port: the proxy must not Release there
+    alloc.settimeout(0.01)
+    prefiller, decoder = LmcachePrefiller(notify, delay=0.6, junk=junk), TimedDecoder()
+    try:
+        with proxy(prefiller.port, decoder.port, alloc.getsockname()[1], notify, "--pd-engine", "lmcache") as url:
+            for _ in range(2):
+                r = completion(url)
+                assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
+            spec = prefiller.bodies[0]["kv_transfer_params"]["disagg_spec"]
+            assert prefiller.bodies[0]["max_tokens"] == 1
+            assert set(spec) >= {"req_id", "receiver_host", "receiver_init_port", "receiver_alloc_port"}
+            assert isinstance(spec["receiver_alloc_port"], list)  # LMCache indexes it by TP rank
+            # the decoder was asked once the KV was there, with the client's request as it came
+            assert len(decoder.got_at) == len(prefiller.notified_at) == 2
+            assert all(d >= n for d, n in zip(decoder.got_at, prefiller.notified_at))
+            assert decoder.bodies == [{"model": "m", "prompt": "hi", "max_tokens": 4}] * 2
+            metrics = httpx.get(url + "/metrics").text
+            assert "kvtier_proxy_kv_not_ready_total 0.0" in metrics
+            with pytest.raises(TimeoutError):
+                alloc.accept()
+    finally:
+        prefiller.close()
+        decoder.close()
+        alloc.close()
+
+
+def test_with_lmcache_nodes_a_missing_proxynotif_costs_the_kv_ready_timeout_not_the_request():
+    notify = free_port()
+    prefiller, decoder = Decoder(), Decoder()  # a prefiller that answers and never notifies
+    try:
+        with proxy(prefiller.port, decoder.port, free_port(), notify, "--pd-engine", "lmcache",
+                   "--kv-ready-timeout", "0.5") as url:
+            t0 = time.monotonic()
+            assert completion(url).status_code == 200
+            assert 0.5 <= time.monotonic() - t0 < 10
+            assert "kvtier_proxy_kv_not_ready_total 1.0" in httpx.get(url + "/metrics").text
+    finally:
+        prefiller.close()
+        decoder.close()

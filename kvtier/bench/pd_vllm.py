@@ -15,6 +15,10 @@
     token) must give other tokens
 
     python -m kvtier.bench.pd_vllm --lengths 4096 16384 32768 --pairs 5 --out results/gpu2
+
+With `--engine lmcache` the same run with LMCache 0.5.x's PD in both servers instead
+(LMCacheConnectorV1, transfer_channel nixl, its guide's UCX_TLS) behind `kvtier proxy
+--pd-engine lmcache`: the figure to set beside kvtier's.
 """
 
 from __future__ import annotations
@@ -88,9 +92,10 @@ def run(args: argparse.Namespace) -> dict:
     model = make_tiny_llama(Path(args.model_dir), MODEL)
     name, rng = str(model), random.Random(0)
     runs = []
-    with pd_cluster(model, Path(args.out) / "cluster", "cuda_ipc", two_gpus=True,
+    channel = "cuda_ipc" if args.engine == "kvtier" else "nixl"
+    with pd_cluster(model, Path(args.out) / "cluster", channel, two_gpus=True,
                     buffer_bytes=int(args.buffer_gb * 2**30), max_model_len=max(args.lengths) + 64, gpu_util=0.6,
-                    eager=args.eager, decoder_prefix_cache=True) as c:
+                    eager=args.eager, decoder_prefix_cache=True, engine=args.engine) as c:
         warm = [rng.randrange(10, MODEL.vocab_size) for _ in range(1024)]
         for url in (c.url, c.decoder.url):  # the first request of each path: kernels, IPC mapping
             one(url, name, warm, args.max_tokens)
@@ -105,7 +110,7 @@ def run(args: argparse.Namespace) -> dict:
                   f"its prefill alone {row['equal_to_alone']}), "
                   f"control differs {row.get('control_differs')}, failed {row['failed']}", flush=True)
     return {"command": "python -m kvtier.bench.pd_vllm " + " ".join(args.argv), "date": time.strftime("%Y-%m-%d"),
-            "model": asdict(MODEL), "eager": args.eager, "runs": runs}
+            "engine": args.engine, "channel": channel, "model": asdict(MODEL), "eager": args.eager, "runs": runs}
 
 
 def _length(c, name: str, n: int, rng: random.Random, args: argparse.Namespace) -> dict:
@@ -135,7 +140,7 @@ def _length(c, name: str, n: int, rng: random.Random, args: argparse.Namespace) 
         if i == 0:
             control = one(c.decoder.url, name, [(prompt[0] + 1) % MODEL.vocab_size] + prompt[1:], args.max_tokens)
             row["control_differs"] = control.output_ids != alone.output_ids
-    # the GPU time of the prefiller's last writes after its last forward (what PD adds there)
+    # the GPU time of the prefiller's last writes after its last forward (what PD adds there; kvtier's log)
     row["sender_ms"] = [float(ms) for t, ms in LAST_WRITES.findall(c.prefiller.log_text()) if int(t) == n][-args.pairs:]
     pd_med = statistics.median(row["pd_ttft_ms"]) if row["pd_ttft_ms"] else None
     alone_med = statistics.median(row["alone_ttft_ms"]) if row["alone_ttft_ms"] else None
@@ -174,6 +179,8 @@ def main() -> None:
     p.add_argument("--buffer-gb", type=float, default=12.0, help="the decoder's pd_buffer_size")
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--model-dir", default="/tmp/kvtier-pd-model")
+    p.add_argument("--engine", choices=("kvtier", "lmcache"), default="kvtier",
+                   help="whose PD runs in the two servers: kvtier's (cuda_ipc) or LMCache's (nixl)")
     p.add_argument("--out", default="results/gpu2-pd-vllm")
     p.add_argument("--recheck", type=Path, help="judge a record's differing answers again (no GPU)")
     args = p.parse_args()

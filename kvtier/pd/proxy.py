@@ -11,6 +11,10 @@ Per request (/v1/completions or /v1/chat/completions, streaming or not):
        its kvtier finds the prompt's KV as a hit; stream or return its answer
     5. Release the request's chunks on the decoder (done, failed or cancelled)
 
+With `--pd-engine lmcache` the nodes run LMCache's PD backend instead: step 3 hears its
+ProxyNotif over ZMQ (kvtier.pd.notify), step 4 sends the request as it came, and step 5
+is LMCache's own (its decoder frees a request's KV when it has loaded it).
+
 Every wait is bounded. A prefiller that is down, fails (5xx) or is slower
 than --prefill-timeout costs the request its disaggregation, not its answer:
 the decoder prefills it itself (counted in kvtier_proxy_prefill_fallbacks).
@@ -35,6 +39,7 @@ from prometheus_client import generate_latest
 
 from kvtier.logs import get_logger
 from kvtier.pd import protocol as proto
+from kvtier.pd.notify import Notifications, notifications
 from kvtier.pd.proxy_settings import Decoder, ProxyMetrics, ProxySettings, TtftStats
 
 log = get_logger(__name__)
@@ -59,8 +64,10 @@ class Proxy:
         self._waiters: dict[str, asyncio.Future[proto.PrefillDone]] = {}
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
-        self._notify_server: asyncio.AbstractServer | None = None
+        self._notify: Notifications = notifications(settings.pd_engine, settings.proxy_host, settings.proxy_port,
+                                                    self._prefill_done)
         self._background: set[asyncio.Task] = set()
+        self._kvtier = settings.pd_engine == "kvtier"  # else LMCache's nodes: no pd_req_id, no Release
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -75,19 +82,18 @@ class Proxy:
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        self._notify_server = await asyncio.start_server(self._notifications, self.s.proxy_host, self.s.proxy_port)
+        await self._notify.start()
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.s.host, self.s.port).start()
-        log.info("kvtier proxy on http://%s:%d: prefillers %s, decoders %s; PrefillDone on %s:%d",
-                 self.s.host, self.s.port, self.s.prefillers, [d.url for d in self.s.decoders],
+        log.info("kvtier proxy on http://%s:%d: prefillers %s, decoders %s (%s's PD); their notifications on %s:%d",
+                 self.s.host, self.s.port, self.s.prefillers, [d.url for d in self.s.decoders], self.s.pd_engine,
                  self.s.proxy_host, self.s.proxy_port)
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
-        if self._notify_server is not None:
-            self._notify_server.close()
+        await self._notify.close()
         for task in list(self._background):
             await asyncio.wait([task], timeout=RELEASE_TIMEOUT)
         if self._session is not None:
@@ -95,22 +101,10 @@ class Proxy:
 
     # -- notifications from senders ------------------------------------------------------
 
-    async def _notifications(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                cls, header_len, payload_len = proto.parse_head(await reader.readexactly(proto.FRAME.size))
-                msg = proto.parse_header(cls, await reader.readexactly(header_len))
-                if payload_len or not isinstance(msg, proto.PrefillDone):
-                    raise proto.ProtocolError(f"the notification port takes PrefillDone, got {cls.__name__}")
-                waiter = self._waiters.get(msg.req_id)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(msg)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        except proto.ProtocolError as exc:
-            log.warning("proxy: bad message on the notification port: %s", exc)
-        finally:
-            writer.close()
+    def _prefill_done(self, msg: proto.PrefillDone) -> None:
+        waiter = self._waiters.get(msg.req_id)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(msg)
 
     # -- HTTP ----------------------------------------------------------------------------
 
@@ -153,7 +147,7 @@ class Proxy:
         outcome = "error"
         try:
             t0 = time.perf_counter()
-            decode_body = dict(body, kv_transfer_params={"pd_req_id": req_id})
+            decode_body = dict(body, kv_transfer_params={"pd_req_id": req_id}) if self._kvtier else body
             try:
                 await self._prefill(prefiller, endpoint, body, req_id, decoder)
             except UpstreamError as exc:
@@ -183,9 +177,7 @@ class Proxy:
             self._waiters.pop(req_id, None)
             self.metrics.inflight.dec()
             self.metrics.requests.labels(endpoint, outcome).inc()
-            task = asyncio.get_running_loop().create_task(self._release(decoder, req_id))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._release_later(decoder, req_id)
 
     async def _prefill(self, url: str, endpoint: str, body: dict[str, Any], req_id: str, decoder: Decoder) -> None:
         assert self._session is not None
@@ -261,6 +253,13 @@ class Proxy:
                 await out.write(f"data: {json.dumps(error)}\n\n".encode())
             await out.write_eof()
             return out
+
+    def _release_later(self, decoder: Decoder, req_id: str) -> None:
+        if not self._kvtier:  # LMCache's decoder frees a request's KV as it loads it
+            return
+        task = asyncio.get_running_loop().create_task(self._release(decoder, req_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _release(self, decoder: Decoder, req_id: str) -> None:
         """Free the request's chunks on every TP rank of the decoder (idempotent, best effort)."""

@@ -32,6 +32,7 @@ class ProxySettings:
     kv_ready_timeout: float = 30.0  # s to wait for PrefillDone after the prefill answered
     connect_timeout: float = 5.0
     stats_interval: float = 5.0
+    pd_engine: str = "kvtier"  # the nodes' PD backend: "kvtier" or "lmcache" (kvtier.pd.notify.ENGINES)
 
 
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
@@ -43,7 +44,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
                         [x + i for x in alloc]) for i, p in enumerate(dec_ports)]
     return ProxySettings(args.host, args.port, [f"http://{args.prefiller_host}:{p}" for p in pre_ports], decoders,
                          args.proxy_host, args.proxy_port, args.prefill_timeout, args.decode_timeout,
-                         args.kv_ready_timeout)
+                         args.kv_ready_timeout, pd_engine=args.pd_engine)
 
 
 def _ports(value: str, count: int) -> list[int]:
@@ -76,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--prefill-timeout", type=float, default=300.0, help="s for a prefill request")
     a("--decode-timeout", type=float, default=300.0, help="s of silence from a decoder")
     a("--kv-ready-timeout", type=float, default=30.0, help="s to wait for a sender's PrefillDone")
+    a("--pd-engine", choices=("kvtier", "lmcache"), default="kvtier",
+      help="the PD backend the prefillers and decoders run: kvtier's, or LMCache's (its senders' ProxyNotif "
+           "over ZMQ on --proxy-port; requests go to its decoders as they came)")
 
 
 class TtftStats:
