@@ -91,3 +91,14 @@ def test_bench_serve_prompts_random_or_over_shared_prefixes():
     assert args[args.index("--prefix-repetition-suffix-len") + 1] == "256"
     with pytest.raises(ValueError, match="prefix_len"):
         Workload(input_len=512, num_prefixes=2, prefix_len=512)
+
+
+def test_a_traces_host_waits_are_summed_per_thread_and_call():
+    from kvtier.bench.vllm_parts import host_waits
+
+    ev = lambda name, tid, dur, cat="cuda_runtime": {"ph": "X", "cat": cat, "name": name, "tid": tid, "dur": dur}
+    lines = host_waits([ev("cudaStreamSynchronize", 1, 2000), ev("cudaStreamSynchronize", 1, 1500),
+                        ev("cudaMemcpyAsync", 2, 40), ev("cudaLaunchKernel", 1, 9000),
+                        ev("cudaEventSynchronize", 2, 800), ev("aten::copy_", 1, 5000, cat="cpu_op")])
+    assert lines == ["host thread 1 cudaStreamSynchronize: 2 calls, 3.50 ms in all, longest 2.00 ms",
+                     "host thread 2 cudaEventSynchronize: 1 calls, 0.80 ms in all, longest 0.80 ms"]

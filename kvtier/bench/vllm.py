@@ -214,16 +214,19 @@ class _Run:
         return summary
 
     def _trace(self, length: int) -> list[str]:
-        """One more pair, its warm run under torch's profiler: the GPU's side of the timeline."""
+        """One more pair, its warm run (`--trace warm`) or its GPU prefix hit (`--trace hit`)
+        under torch's profiler: the GPU's side of the timeline, and the host's waits for it."""
+        what = self.args.trace
         ids = prompt(length, 99)
         self.gen(ids)
-        self.llm.reset_prefix_cache()
-        self.flush()
-        path = Path(self.args.out, f"{self.args.setup}-{length}.trace.json.gz")
+        if what == "warm":
+            self.llm.reset_prefix_cache()
+            self.flush()
+        path = Path(self.args.out, f"{self.args.setup}-{length}-{what}.trace.json.gz")
         _, lines = traced(lambda: self.gen(ids), path)
         self.llm.reset_prefix_cache()
         for line in lines:
-            print(f"[{self.args.setup}] {length} warm GPU: {line}", flush=True)
+            print(f"[{self.args.setup}] {length} {what} GPU: {line}", flush=True)
         return lines
 
 
@@ -356,8 +359,9 @@ def main() -> None:
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--setup-timeout", type=float, default=300, help="seconds a setup may take")
     p.add_argument("--profile", action="store_true", help="one more pair per length, its GPU hit and warm run under cProfile (<setup>.prof.txt)")
-    p.add_argument("--trace", action="store_true",
-                   help="one more warm run per length under torch's profiler: its GPU timeline and trace")
+    p.add_argument("--trace", nargs="?", const="warm", choices=("warm", "hit"),
+                   help="one more warm run (or GPU prefix hit: --trace hit) per length under torch's profiler: "
+                        "its GPU timeline, the host's waits for the GPU, and the trace")
     p.add_argument("--module-path", action=argparse.BooleanOptionalAction, default=False,
                    help="name kvtier's module in the config (default: by name, through vLLM's plugin)")
     args = p.parse_args()
@@ -381,7 +385,7 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
            "--gpu-util", str(args.gpu_util), "--batched", str(args.batched), "--tp", str(args.tp)]
     out.append("--eager" if args.eager else "--no-eager")
     out += ["--profile"] if args.profile else []
-    out += ["--trace"] if args.trace else []
+    out += ["--trace", args.trace] if args.trace else []
     out += ["--module-path"] if args.module_path else []
     return out
 

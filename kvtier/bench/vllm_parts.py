@@ -219,7 +219,7 @@ def traced(call, path: Path):
     with gzip.open(path, "wt") as f:
         json.dump(trace, f)
     raw.unlink()
-    return out, gpu_timeline(trace["traceEvents"])
+    return out, gpu_timeline(trace["traceEvents"]) + host_waits(trace["traceEvents"])
 
 
 def gpu_timeline(events: list[dict]) -> list[str]:
@@ -242,6 +242,22 @@ def gpu_timeline(events: list[dict]) -> list[str]:
         g[1], g[2], g[3] = min(g[1], start), max(g[2], end), g[3] + e.get("dur", 0) / 1e3
     return [f"stream {stream} {kind}: {n} ops, {first:.1f}-{last:.1f} ms, busy {busy:.1f} ms"
             for (stream, kind), (n, first, last, busy) in sorted(groups.items(), key=lambda kv: kv[1][1])]
+
+
+WAITS = ("Synchronize", "cudaMemcpy", "cudaStreamWaitEvent")  # CUDA runtime calls a host may block in
+
+
+def host_waits(events: list[dict]) -> list[str]:
+    """The host's CUDA runtime calls that can block it (synchronizations, copies): per
+    thread and call, count and total ms, the ones over 0.05 ms in all."""
+    groups: dict[tuple, list] = {}
+    for e in events:
+        if e.get("cat") != "cuda_runtime" or e.get("ph") != "X" or not any(w in e["name"] for w in WAITS):
+            continue
+        g = groups.setdefault((e.get("tid", "?"), e["name"]), [0, 0.0, 0.0])
+        g[0], g[1], g[2] = g[0] + 1, g[1] + e.get("dur", 0) / 1e3, max(g[2], e.get("dur", 0) / 1e3)
+    return [f"host thread {tid} {name}: {n} calls, {ms:.2f} ms in all, longest {top:.2f} ms"
+            for (tid, name), (n, ms, top) in sorted(groups.items(), key=lambda kv: -kv[1][1]) if ms > 0.05]
 
 
 def flush_kvtier(model) -> bool:
