@@ -285,3 +285,30 @@ def test_with_lmcache_nodes_a_missing_proxynotif_costs_the_kv_ready_timeout_not_
     finally:
         prefiller.close()
         decoder.close()
+
+
+def test_lmcache_senders_at_a_kvtier_mode_proxy_are_named_once_with_the_flag_to_use():
+    """LMCache's PD sender connects to pd_proxy_port over ZMQ and waits for a greeting; a
+    proxy in kvtier mode would leave it there unheard (every request waiting out
+    --kv-ready-timeout): it says what is connected and which flag takes it."""
+    import zmq
+
+    notify = free_port()
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvtier.cli", "proxy", "--host", "127.0.0.1", "--port", str(port),
+           "--prefiller-port", str(free_port()), "--decoder-port", str(free_port()),
+           "--proxy-host", "127.0.0.1", "--proxy-port", str(notify)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    try:
+        wait_for_port(port, 60, proc)
+        push.connect(f"tcp://127.0.0.1:{notify}")
+        time.sleep(1.5)  # ZMQ reconnects every 0.1 s
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+    finally:
+        push.close(linger=0)
+        ctx.term()
+        proc.terminate()
+        out = proc.communicate(timeout=10)[0].decode()
+    assert out.count("--pd-engine lmcache") == 1, out

@@ -23,6 +23,7 @@ from kvtier.pd import protocol as proto
 log = get_logger(__name__)
 
 OnDone = Callable[[proto.PrefillDone], None]
+ZMTP_SIGNATURE_START = b"\xff"  # a ZMQ peer's first byte (ZMTP 3 greeting); a kvtier frame starts with b"K"
 
 
 class Notifications(Protocol):
@@ -35,6 +36,7 @@ class KvtierNotifications:
     def __init__(self, host: str, port: int, on_done: OnDone) -> None:
         self._host, self._port, self._on_done = host, port, on_done
         self._server: asyncio.AbstractServer | None = None
+        self._told = False
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, self._host, self._port)
@@ -45,8 +47,18 @@ class KvtierNotifications:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            first = await reader.readexactly(1)
+            if first == ZMTP_SIGNATURE_START:  # it waits for our greeting: it would sit here unheard
+                (log.debug if self._told else log.warning)("proxy: a ZMQ peer connected to the notification port %d, as LMCache's PD senders "
+                            "do; kvtier's senders send PrefillDone frames. For LMCache's prefillers and decoders "
+                            "run `kvtier proxy --pd-engine lmcache`", self._port)
+                self._told = True  # ZMQ reconnects every 0.1 s: said once
+                return
+            head = first
             while True:
-                cls, header_len, payload_len = proto.parse_head(await reader.readexactly(proto.FRAME.size))
+                head += await reader.readexactly(proto.FRAME.size - len(head))
+                cls, header_len, payload_len = proto.parse_head(head)
+                head = b""
                 msg = proto.parse_header(cls, await reader.readexactly(header_len))
                 if payload_len or not isinstance(msg, proto.PrefillDone):
                     raise proto.ProtocolError(f"the notification port takes PrefillDone, got {cls.__name__}")
