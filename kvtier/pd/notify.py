@@ -49,10 +49,11 @@ class KvtierNotifications:
         try:
             first = await reader.readexactly(1)
             if first == ZMTP_SIGNATURE_START:  # it waits for our greeting: it would sit here unheard
-                (log.debug if self._told else log.warning)("proxy: a ZMQ peer connected to the notification port %d, as LMCache's PD senders "
-                            "do; kvtier's senders send PrefillDone frames. For LMCache's prefillers and decoders "
-                            "run `kvtier proxy --pd-engine lmcache`", self._port)
-                self._told = True  # ZMQ reconnects every 0.1 s: said once
+                say = log.debug if self._told else log.warning  # ZMQ reconnects every 0.1 s: said once
+                say("proxy: a ZMQ peer connected to the notification port %d, as LMCache's PD senders do; "
+                    "kvtier's senders send PrefillDone frames. For LMCache's prefillers and decoders run "
+                    "`kvtier proxy --pd-engine lmcache`", self._port)
+                self._told = True
                 return
             head = first
             while True:

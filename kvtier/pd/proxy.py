@@ -13,7 +13,7 @@ Per request (/v1/completions or /v1/chat/completions, streaming or not):
 
 With `--pd-engine lmcache` the nodes run LMCache's PD backend instead: step 3 hears its
 ProxyNotif over ZMQ (kvtier.pd.notify), step 4 sends the request as it came, and step 5
-is LMCache's own (its decoder frees a request's KV when it has loaded it).
+is left out (LMCache's decoder keeps what it received, within its own buffer).
 
 Every wait is bounded. A prefiller that is down, fails (5xx) or is slower
 than --prefill-timeout costs the request its disaggregation, not its answer:
@@ -255,7 +255,7 @@ class Proxy:
             return out
 
     def _release_later(self, decoder: Decoder, req_id: str) -> None:
-        if not self._kvtier:  # LMCache's decoder frees a request's KV as it loads it
+        if not self._kvtier:  # LMCache's decoder has no Release: it keeps what it received
             return
         task = asyncio.get_running_loop().create_task(self._release(decoder, req_id))
         self._background.add(task)
