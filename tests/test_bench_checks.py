@@ -102,3 +102,4 @@ def test_a_traces_host_waits_are_summed_per_thread_and_call():
                         ev("cudaEventSynchronize", 2, 800), ev("aten::copy_", 1, 5000, cat="cpu_op")])
     assert lines == ["host thread 1 cudaStreamSynchronize: 2 calls, 3.50 ms in all, longest 2.00 ms",
                      "host thread 2 cudaEventSynchronize: 1 calls, 0.80 ms in all, longest 0.80 ms"]
+    assert engine_ms([("vllm execute_model", 7.1, 20.0)]) != engine_ms([])  # nan: nothing to measure

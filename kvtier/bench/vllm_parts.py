@@ -202,6 +202,15 @@ class Timeline:
         return sorted(self.spans, key=lambda x: x[1])
 
 
+def engine_ms(spans: list[tuple[str, float, float]]) -> float:
+    """A run's time inside vLLM's engine: from its scheduler's first look at the request to
+    the end of its last update_from_output (leaves out generate()'s front end, request
+    hashing and setup, which varies by several ms run to run and is no connector's)."""
+    starts = [a for label, a, _ in spans if label == "vllm schedule"]
+    ends = [b for label, _, b in spans if label == "vllm update_from_output"]
+    return max(ends) - min(starts) if starts and ends else float("nan")  # nan: vLLM's methods not wrapped
+
+
 def traced(call, path: Path):
     """`call()` under torch's profiler (host and CUDA), its trace written to `path`
     (gzipped chrome trace); returns call's result and the GPU's timeline in lines."""
