@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvtier.pd.notify import ENGINES
+
 
 @dataclass(frozen=True)
 class Decoder:
@@ -32,7 +34,7 @@ class ProxySettings:
     kv_ready_timeout: float = 30.0  # s to wait for PrefillDone after the prefill answered
     connect_timeout: float = 5.0
     stats_interval: float = 5.0
-    pd_engine: str = "kvtier"  # the nodes' PD backend: "kvtier" or "lmcache" (kvtier.pd.notify.ENGINES)
+    pd_engine: str = "kvtier"  # the nodes' PD backend: a key of kvtier.pd.notify.ENGINES
 
 
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
@@ -77,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--prefill-timeout", type=float, default=300.0, help="s for a prefill request")
     a("--decode-timeout", type=float, default=300.0, help="s of silence from a decoder")
     a("--kv-ready-timeout", type=float, default=30.0, help="s to wait for a sender's PrefillDone")
-    a("--pd-engine", choices=("kvtier", "lmcache"), default="kvtier",
+    a("--pd-engine", choices=tuple(ENGINES), default="kvtier",
       help="the PD backend the prefillers and decoders run: kvtier's, or LMCache's (its senders' ProxyNotif "
            "over ZMQ on --proxy-port; requests go to its decoders as they came)")
 
