@@ -81,15 +81,17 @@ def completion(url, timeout=30):
 
 
 class Decoder:
-    """An HTTP node that answers every completion with 200 and keeps the bodies it got."""
+    """An HTTP node that answers every completion with 200 and keeps the bodies it got;
+    `before()` runs as a request comes, `after(body)` once it is answered."""
 
-    def __init__(self):
+    def __init__(self, before=lambda: None, after=lambda body: None):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         bodies = self.bodies = []
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
+                before()
                 bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 answer = json.dumps({"choices": [{"text": "ok"}]}).encode()
                 self.send_response(200)
@@ -97,6 +99,7 @@ class Decoder:
                 self.send_header("Content-Length", str(len(answer)))
                 self.end_headers()
                 self.wfile.write(answer)
+                after(bodies[-1])
 
             def log_message(self, *args):
                 pass
@@ -192,8 +195,6 @@ class LmcachePrefiller(Decoder):
         import msgspec
         import zmq
 
-        super().__init__()
-
         class ProxyNotif(msgspec.Struct, tag=True):
             req_id: str
 
@@ -209,19 +210,11 @@ class LmcachePrefiller(Decoder):
             self.notified_at.append(time.monotonic())
             self.push.send(msgspec.msgpack.encode(ProxyNotif(req_id=req_id)))
 
-        def answered():  # after the HTTP answer, as LMCache's writes finish after the step
-            body = self.bodies[-1]
+        def answered(body):  # after the HTTP answer, as LMCache's writes finish after the step
             threading.Thread(target=notify, args=(body["kv_transfer_params"]["disagg_spec"]["req_id"],),
                              daemon=True).start()
 
-        handler = self.server.RequestHandlerClass
-        do_post = handler.do_POST
-
-        def do_POST(h):
-            do_post(h)
-            answered()
-
-        handler.do_POST = do_POST
+        super().__init__(after=answered)
 
     def close(self):
         super().close()
@@ -231,16 +224,8 @@ class LmcachePrefiller(Decoder):
 
 class TimedDecoder(Decoder):
     def __init__(self):
-        super().__init__()
         self.got_at = []
-        handler = self.server.RequestHandlerClass
-        do_post = handler.do_POST
-
-        def do_POST(h):
-            self.got_at.append(time.monotonic())
-            do_post(h)
-
-        handler.do_POST = do_POST
+        super().__init__(before=lambda: self.got_at.append(time.monotonic()))
 
 
 @pytest.mark.parametrize("junk", [[], [b"\x00\xff not msgpack", b"\x82\xa4type\xa9AllocResp\xa6req_id\xa1x"]])

@@ -17,6 +17,10 @@ from __future__ import annotations
 import asyncio
 from typing import Callable, Protocol
 
+import msgspec
+import zmq
+import zmq.asyncio
+
 from kvtier.logs import get_logger
 from kvtier.pd import protocol as proto
 
@@ -79,10 +83,6 @@ class LmcacheNotifications:
     TAG = "ProxyNotif"
 
     def __init__(self, host: str, port: int, on_done: OnDone) -> None:
-        import msgspec
-        import zmq
-        import zmq.asyncio
-
         self._decode = msgspec.msgpack.Decoder()
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.PULL)
@@ -112,8 +112,6 @@ class LmcacheNotifications:
 
     def parse(self, data: bytes) -> str:
         """The request id of a ProxyNotif; ValueError for anything else."""
-        import msgspec
-
         try:
             msg = self._decode.decode(data)
         except msgspec.DecodeError as exc:
