@@ -42,6 +42,13 @@ export PYTHONPATH=$PWD:/tmp/site:/tmp/kvtier-dist PYTHONUNBUFFERED=1 VLLM_USE_FL
   date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton, vllm; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__)"
 } 2>&1 | tee "$work/machine.txt"
+# The workloads' defaults (JSON; WORKLOAD, BENCH_SERVE and SHARED_WORKLOAD replace them). Kept out
+# of the ${VAR:-default} expansions: a '}' inside a default ends the expansion early.
+chat_workload='{"conversations": 32, "system_tokens": 4096, "turns": 6, "user_tokens": 256, "answer_tokens": 128,
+    "max_tokens": 32, "rate": 4.0, "concurrency": 12}'
+bench_serve='{"num_prompts": 64, "input_len": 8192, "prefix_len": 6144, "num_prefixes": 8, "output_len": 16,
+    "max_concurrency": 16}'
+shared_workload='{"num_prompts": 32, "input_len": 8192, "output_len": 16, "max_concurrency": 8}'
 case " $steps " in *" tests "*)
 timeout 240 python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/test_transfer_cuda.py tests/test_vllm_layout.py tests/test_engine.py \
     tests/test_digest.py tests/test_hf_integration.py "tests/test_remote_tier.py::test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv"} 2>&1 \
@@ -87,9 +94,7 @@ case " $steps " in *" serving "*)
 # A 16-layer Llama shape (64 KB of KV a token), seeded weights; vLLM's own KV cache a fraction of
 # the live conversations (--gpu-util), every offloader the same CPU memory.
 timeout ${SERVING_TIMEOUT:-540} python3 -m kvtier.bench.serving --setups ${SETUPS:-plain kvtier} --out "$work/serving" \
-    --gpu-util ${GPU_UTIL:-0.12} --cpu-gb 20 --model "$serving_model" --workload "${WORKLOAD:-{\"conversations\": 32, \"system_tokens\": 4096,
-    \"turns\": 6, \"user_tokens\": 256, \"answer_tokens\": 128, \"max_tokens\": 32, \"rate\": 4.0,
-    \"concurrency\": 12}}" ${SERVING_ARGS:-} > "$work/serving.log" 2>&1
+    --gpu-util ${GPU_UTIL:-0.12} --cpu-gb 20 --model "$serving_model" --workload "${WORKLOAD:-$chat_workload}" ${SERVING_ARGS:-} > "$work/serving.log" 2>&1
 echo "serving exit $?"; pkill -f "$servers"; grep -E "^\||^\[|Traceback|Error" "$work/serving.log" | tail -20
 # With SERVING_ARGS=--profile (py-spy on PATH, e.g. its wheel carried in .tools/): where each
 # server's threads spent the workload.
@@ -101,8 +106,7 @@ case " $steps " in *" benchserve "*)
 # guide's flow): the serving step's model and memory, BENCH_SERVE the workload (JSON).
 timeout ${BENCHSERVE_TIMEOUT:-540} python3 -m kvtier.bench.serving --setups ${SETUPS:-plain kvtier lmcache native} \
     --out "$work/bench-serve" --gpu-util ${GPU_UTIL:-0.12} --cpu-gb 20 --max-model-len 16384 --model "$serving_model" \
-    --bench-serve "${BENCH_SERVE:-{\"num_prompts\": 64, \"input_len\": 8192,
-    \"prefix_len\": 6144, \"num_prefixes\": 8, \"output_len\": 16, \"max_concurrency\": 16}}" ${SERVING_ARGS:-} \
+    --bench-serve "${BENCH_SERVE:-$bench_serve}" ${SERVING_ARGS:-} \
     > "$work/bench-serve.log" 2>&1
 echo "bench serve exit $?"; pkill -f "$servers"; grep -E "^\||Traceback|Error" "$work/bench-serve.log" | tail -12
 # With SERVING_ARGS=--profile: where each server's threads spent each run.
@@ -116,7 +120,7 @@ case " $steps " in *" sharedstore "*)
 # process, serves them again (hits from the store); vLLM's prefix cache and the connector's CPU tier off.
 timeout ${SHAREDSTORE_TIMEOUT:-540} python3 -m kvtier.bench.stores_vllm --stores ${STORES:-kvtier lmcache} \
     --model "$serving_model" --gpu-util ${GPU_UTIL:-0.2} --no-eager --cpu-gb 8 --store-gb 24 --max-model-len 16384 \
-    --workload "${SHARED_WORKLOAD:-{\"num_prompts\": 32, \"input_len\": 8192, \"output_len\": 16, \"max_concurrency\": 8}}" \
+    --workload "${SHARED_WORKLOAD:-$shared_workload}" \
     --output "$work/shared-store.json" > "$work/shared-store.log" 2>&1
 echo "shared store exit $?"; pkill -f "$servers"; pkill -f "lmcache.v1.server"
 grep -E "^\||Traceback|Error" "$work/shared-store.log" | tail -12 ;;
