@@ -65,5 +65,10 @@ def test_vllm_bench_serve_twice_per_setup_with_shared_prefixes(tiny_model, tmp_p
     assert sum(n >= 512 for n in loads) >= 6, loads  # every prompt of the second run, at least
     assert not re.findall(r"need to load (\d+)", next((tmp_path / "plain").glob("vllm-*.log")).read_text())
     assert json.loads((tmp_path / "kvtier-bench-serve.json").read_text())["workload"]["num_prefixes"] == 2
+    # Greedy outputs: kvtier's second run, from its KV, gives what plain vLLM computed (each
+    # `generated_texts` in the prompts' order; the tiny model's output follows its context).
+    assert all(len(rows[n]["outputs"][r]) == 6 for n in rows for r in ("first", "second"))
+    assert len(set(rows["plain"]["outputs"]["first"])) > 1  # the prompts' outputs differ: equality means something
     table = serve_twice_table(rows)
-    assert table[2].startswith("| plain |") and table[3].startswith("| kvtier |") and table[3].endswith("| 0 |")
+    assert table[2].startswith("| plain |") and table[2].endswith("| 0 | 6/6, 6/6 |")
+    assert table[3].startswith("| kvtier |") and table[3].endswith("| 0 | 6/6, 6/6 |"), table[3]

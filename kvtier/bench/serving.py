@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Iterator
 
 from kvtier.bench.chat import Record, Workload, plot, run, same_outputs
-from kvtier.bench.stores_vllm import LMCACHE_CONNECTOR, bench_serve
+from kvtier.bench.stores_vllm import LMCACHE_CONNECTOR, bench_serve, served_outputs
 from kvtier.bench.stores_vllm import Workload as BenchServe
 from kvtier.dev.demo import vllm_server
 from kvtier.dev.tinymodel import TinyLlama, make_tiny_llama
@@ -115,7 +115,9 @@ def serve_twice(model: Path, names: list[str], work: BenchServe, out: Path, cpu_
     """The InfiniStore guide's flow per setup: `vllm bench serve` twice against one server,
     the second run sending the first's prompts (a prefix-sharing dataset where `work` says
     so); `profile`: py-spy on the server during each (`<out>/<setup>-first-pyspy.txt`, `-second-`). A
-    setup whose run fails is recorded with its error; the others still run."""
+    setup whose run fails is recorded with its error; the others still run. Each run's greedy
+    outputs are kept (`outputs`; vLLM's per-request records in `<out>/<setup>/`): an offloader's
+    second run, served from its KV, should give what the first setup's first run computed."""
     out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict] = {}
     for name in names:
@@ -123,12 +125,14 @@ def serve_twice(model: Path, names: list[str], work: BenchServe, out: Path, cpu_
             with served(model, name, out / name, cpu_gb, gpu_util, eager, prefix_caching, max_model_len,
                         dtype) as srv:
                 assert srv.proc is not None
-                with sampled(srv.proc.pid, out / f"{name}-first-pyspy.txt" if profile else None):
-                    first = bench_serve(srv.url, str(model), work)
-                with sampled(srv.proc.pid, out / f"{name}-second-pyspy.txt" if profile else None):
-                    second = bench_serve(srv.url, str(model), work)
+                runs = {}
+                for run_ in ("first", "second"):
+                    with sampled(srv.proc.pid, out / f"{name}-{run_}-pyspy.txt" if profile else None):
+                        runs[run_] = bench_serve(srv.url, str(model), work, save=out / name / f"{run_}.json")
+            first, second = runs["first"], runs["second"]
             rows[name] = {"first": first, "second": second,
-                          "second_vs_first_median": second["Median TTFT (ms)"] / first["Median TTFT (ms)"]}
+                          "second_vs_first_median": second["Median TTFT (ms)"] / first["Median TTFT (ms)"],
+                          "outputs": {r: served_outputs(out / name / f"{r}.json") for r in runs}}
         except (RuntimeError, TimeoutError, subprocess.SubprocessError) as exc:  # a start or a run that failed
             rows[name] = {"error": str(exc)[-2000:]}
         (out / f"{name}-bench-serve.json").write_text(json.dumps({"workload": asdict(work), **rows[name]}, indent=1))
@@ -137,17 +141,27 @@ def serve_twice(model: Path, names: list[str], work: BenchServe, out: Path, cpu_
 
 
 def serve_twice_table(rows: dict[str, dict]) -> list[str]:
+    """The runs' figures, and how many of each setup's second-run outputs equal the first
+    setup's first-run outputs (the reference: plain vLLM's recompute, when it runs first)
+    and its own first run's (greedy; a bf16 near-tie under another batch may still part)."""
+    ran = [r for r in rows.values() if "error" not in r]
+    reference = ran[0]["outputs"]["first"] if ran else []
     lines = ["| setup | first: median / mean / p99 TTFT ms | second | second / first (median) | "
-             "req/s first, second | failed |", "|---" * 6 + "|"]
+             "req/s first, second | failed | second's outputs = the reference's, = its first's |", "|---" * 7 + "|"]
     for name, r in rows.items():
         if "error" in r:
-            lines.append(f"| {name} | failed to run: {r['error'].splitlines()[-1][:120] if r['error'] else '?'} |||||")
+            lines.append(f"| {name} | failed to run: {r['error'].splitlines()[-1][:120] if r['error'] else '?'} ||||||")
             continue
-        a, b = r["first"], r["second"]
+        a, b, outputs = r["first"], r["second"], r["outputs"]
         lines.append(f"| {name} | {_three(a)} | {_three(b)} | {r['second_vs_first_median']:.3f} | "
                      f"{a.get('Request throughput (req/s)', 0):.2f}, {b.get('Request throughput (req/s)', 0):.2f} | "
-                     f"{a.get('Failed requests', 0) + b.get('Failed requests', 0):.0f} |")
+                     f"{a.get('Failed requests', 0) + b.get('Failed requests', 0):.0f} | "
+                     f"{_equal(outputs['second'], reference)}, {_equal(outputs['second'], outputs['first'])} |")
     return lines
+
+
+def _equal(these: list[str], those: list[str]) -> str:
+    return f"{sum(a == b for a, b in zip(these, those))}/{min(len(these), len(those))}"
 
 
 def _three(f: dict[str, float]) -> str:

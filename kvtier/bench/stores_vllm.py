@@ -84,17 +84,26 @@ class Workload:
                 "--prefix-repetition-output-len", str(self.output_len)]
 
 
-def bench_serve(url: str, model: str, work: Workload) -> dict[str, float]:
-    """`vllm bench serve` against the server at `url`: its summary figures."""
+def bench_serve(url: str, model: str, work: Workload, save: Path | None = None) -> dict[str, float]:
+    """`vllm bench serve` against the server at `url`, greedy (its default sampling is the
+    server's since vLLM 0.11): its summary figures. With `save`, its per-request record
+    (outputs in the prompts' order, TTFTs) is written there (`served_outputs` reads it)."""
     port = url.rsplit(":", 1)[1]
     cmd = [sys.executable, "-m", "kvtier.cli", "vllm", "bench", "serve", "--backend", "vllm", "--model", model,
            "--num-prompts", str(work.num_prompts), "--port", port, "--host", "127.0.0.1",
-           *work.dataset_args(), "--seed", str(work.seed),
+           *work.dataset_args(), "--seed", str(work.seed), "--temperature", "0",
            *(["--max-concurrency", str(work.max_concurrency)] if work.max_concurrency else [])]
+    if save is not None:
+        cmd += ["--save-result", "--save-detailed", "--result-dir", str(save.parent), "--result-filename", save.name]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
     return {k: float(v) for k, v in FIGURES.findall(out.stdout)}
+
+
+def served_outputs(save: Path) -> list[str]:
+    """The texts a `bench_serve(..., save=save)` run generated, in its prompts' order."""
+    return [str(t) for t in json.loads(save.read_text()).get("generated_texts", [])]
 
 
 @dataclass(frozen=True)
