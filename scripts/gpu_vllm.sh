@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # kvtier inside real vLLM 0.26 on the GPU machine, from the offline bundle
-# (../shared/gpu-vllm copied to .gpu-vllm and carried):
+# (../shared/gpu-vllm copied to .gpu-vllm and carried; BUNDLE=.gpu-vllm-core for a copy without
+# LMCache's add-on, when a setup without LMCache needs room beside it, e.g. .tools/' py-spy wheel):
 #   device run:  bash scripts/gpu_vllm.sh                 (results in $OUT, or results/gpu-vllm)
 #   STEPS="tests bench" SETUPS="plain kvtier" LENGTHS="16384" PAIRS=7 bash scripts/gpu_vllm.sh
 #   TAG=b STEPS=bench SETUPS=lmcache bash scripts/gpu_vllm.sh    (a second archive in the same call)
@@ -32,7 +33,7 @@ if ls .tools/py_spy-*.whl >/dev/null 2>&1 && [ ! -x /tmp/pyspy/bin/py-spy ]; the
 fi
 export PATH=$PATH:/tmp/pyspy/bin
 if [ ! -d /tmp/site/vllm ]; then
-    bash .gpu-vllm/install.sh .gpu-vllm /tmp/site >/dev/null || exit 1
+    bash "${BUNDLE:-.gpu-vllm}/install.sh" "${BUNDLE:-.gpu-vllm}" /tmp/site >/dev/null || exit 1
 fi
 # kvtier installed (a wheel of this tree) for vLLM's plugin entry point; the tree itself comes first.
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kvtier-dist . 2>&1 | tail -2
