@@ -9,14 +9,23 @@ import numpy as np
 import pytest
 import zmq
 
-from kvtier.integrations.vllm.lookup import Handlers, LookupClient, LookupServer, Op, decode, encode, socket_path
+from kvtier.integrations.vllm.lookup import (
+    Found,
+    Handlers,
+    LookupClient,
+    LookupServer,
+    Op,
+    decode,
+    encode,
+    socket_path,
+)
 
 
 @pytest.fixture
 def served(tmp_path):
     calls = []
     handlers = Handlers(lookup=lambda tokens, rid, computed: calls.append(("lookup", rid, list(tokens), computed))
-                        or (len(tokens), 3),
+                        or (len(tokens), 3, True),
                         release=lambda rid: calls.append(("release", rid)),
                         reset=lambda: calls.append(("reset",)))
     address = f"ipc://{tmp_path}/w0.sock"
@@ -29,7 +38,7 @@ def served(tmp_path):
 
 def test_lookup_release_and_reset_reach_the_worker(served):
     client, calls, _ = served
-    assert client.lookup([5, 6, 7, 8], "req-1", computed=2) == (4, 3)
+    assert client.lookup([5, 6, 7, 8], "req-1", computed=2) == Found(4, 3, True)
     client.release("req-1")
     assert client.reset() is True
     assert calls == [("lookup", "req-1", [5, 6, 7, 8], 2), ("release", "req-1"), ("reset",)]
@@ -43,7 +52,7 @@ def test_a_malformed_request_is_answered_as_no_hit(served):
     for bad in (b"\x01", bytes([9, Op.LOOKUP, 0, 0]) + b"\0" * 4, encode(Op.LOOKUP, "r", b"\0" * 4)[:-1],
                 encode(Op.LOOKUP, "r")):
         sock.send(bad)
-        assert sock.recv() == b"\0" * 16
+        assert sock.recv() == b"\0" * 17
     sock.close(0)
     assert calls == []
 
@@ -58,7 +67,7 @@ def test_messages_carry_version_request_id_and_tokens():
 def test_a_silent_worker_is_a_miss_within_the_timeout(tmp_path):
     client = LookupClient([socket_path("nobody-listens", 0)], timeout_s=0.3)
     t0 = time.monotonic()
-    assert client.lookup([1, 2, 3], "r") == (0, 0) and client.reset() is False
+    assert client.lookup([1, 2, 3], "r") == Found(0, 0, False) and client.reset() is False
     assert time.monotonic() - t0 < 2
     client.close()
 
@@ -67,13 +76,29 @@ def test_a_silent_worker_is_a_miss_within_the_timeout(tmp_path):
 def test_a_worker_that_dies_without_closing_leaves_no_socket_file():
     """vLLM's workers are often killed, not shut down: their lookup socket is abstract."""
     address = socket_path("abstract-check", 0)
-    server = LookupServer(address, Handlers(lookup=lambda tokens, rid, computed: (len(tokens), 0),
+    server = LookupServer(address, Handlers(lookup=lambda tokens, rid, computed: (len(tokens), 0, False),
                                             release=lambda rid: None, reset=lambda: None))
     client = LookupClient([address], timeout_s=2)
     try:
         assert address.startswith("ipc://@")
-        assert client.lookup([1, 2, 3], "r") == (3, 0)
+        assert client.lookup([1, 2, 3], "r") == Found(3, 0, False)
         assert not list(Path(tempfile.gettempdir()).glob("kvtier-abstract-check*"))
     finally:
         client.close()
         server.close()
+
+
+def test_the_hit_is_the_shortest_rank_s_and_held_if_any_rank_holds_it(tmp_path):
+    """Tensor parallelism: a rank that holds its longer hit must be told to let it go when
+    the request loads nothing, even where the others let theirs go at once."""
+    answers = [(64, 64, False), (96, 32, True)]
+    servers = [LookupServer(f"ipc://{tmp_path}/r{i}.sock", Handlers(lookup=lambda t, r, c, a=a: a,
+                                                                    release=lambda rid: None, reset=lambda: None))
+               for i, a in enumerate(answers)]
+    client = LookupClient([s.address for s in servers], timeout_s=2)
+    try:
+        assert client.lookup([1, 2, 3], "r") == Found(64, 32, True)
+    finally:
+        client.close()
+        for server in servers:
+            server.close()

@@ -84,14 +84,25 @@ def test_the_scheduler_asks_no_worker_when_vllm_has_all_but_less_than_a_block():
         asked.append(computed)
         return worker._find(tokens, request_id, computed)
 
-    server = LookupServer(socket_path("worker-test", 0), Handlers(find, worker._release, worker.engine.clear))
+    def release(request_id):
+        asked.append(("release", request_id))
+        worker._release(request_id)
+
+    server = LookupServer(socket_path("worker-test", 0), Handlers(find, release, worker.engine.clear))
     scheduler = SchedulerSide(worker.config, worker.shape, "worker-test", 1, True, True)
     try:
         request = SimpleNamespace(prompt_token_ids=toks, request_id="r", kv_transfer_params=None)
         assert scheduler.get_num_new_matched_tokens(request, 48) == (0, False)  # 1 token past vLLM's
         assert asked == []
         assert scheduler.get_num_new_matched_tokens(request, 16) == (32, False)  # 2 chunks past it: loaded
-        assert asked == [16]
+        assert asked == [16] and len(worker.engine.holds) == 1  # r's hit, held until its load
+        # A prompt that shares only the first chunk, which vLLM has: kvtier's hit is that chunk,
+        # nothing of it to load. The worker lets its hold go at once, and the scheduler sends
+        # no RELEASE round trip for it.
+        other = SimpleNamespace(prompt_token_ids=toks[:16] + list(range(100, 134)), request_id="r2",
+                                kv_transfer_params=None)
+        assert scheduler.get_num_new_matched_tokens(other, 16) == (0, False)
+        assert asked == [16, 16] and len(worker.engine.holds) == 1
     finally:
         scheduler.close()
         server.close()

@@ -10,8 +10,10 @@ the worker. Each worker rank serves the scheduler on a ZMQ IPC socket:
                  that request (protected until its load), and may start moving it
         RELEASE  the request will not load what it looked up
         RESET    drop the worker's local tiers (vLLM's reset_prefix_cache)
-    reply:    two little-endian u64: LOOKUP (hit tokens, of them in CPU RAM);
-              otherwise (1, 0) done
+    reply:    two little-endian u64 and a u8: LOOKUP (hit tokens, of them in CPU RAM,
+              whether the worker holds them: a worker that will load none of the hit,
+              since the engine has it, lets it go at once, and the scheduler sends no
+              RELEASE); otherwise (1, 0, 0) done
 
 The client waits at most `timeout_s`; a worker that does not answer is a
 miss (0 tokens), never a hang.
@@ -36,9 +38,9 @@ from kvtier.logs import get_logger
 
 log = get_logger(__name__)
 
-VERSION = 2
+VERSION = 3
 HEAD = struct.Struct("<BBH")
-REPLY = struct.Struct("<QQ")
+REPLY = struct.Struct("<QQB")
 
 
 class Op(enum.IntEnum):
@@ -48,10 +50,21 @@ class Op(enum.IntEnum):
 
 
 @dataclass(frozen=True)
+class Found:
+    """A lookup's answer over every rank: the hit (the shortest rank's), of it in CPU RAM,
+    and whether some rank holds it for the request (to be released if it is not loaded)."""
+
+    tokens: int
+    in_cpu: int
+    held: bool
+
+
+@dataclass(frozen=True)
 class Handlers:
     """What a worker does for each op."""
 
-    lookup: Callable[[np.ndarray, str, int], tuple[int, int]]  # (tokens, request id, computed) -> (hit, in CPU)
+    # (tokens, request id, computed) -> (hit, in CPU, held for the request)
+    lookup: Callable[[np.ndarray, str, int], tuple[int, int, bool]]
     release: Callable[[str], None]
     reset: Callable[[], None]
 
@@ -106,10 +119,10 @@ class LookupServer:
                 reply = self._answer(*decode(message))
             except ValueError as exc:  # malformed request: answer "no hit"
                 log.warning("lookup request rejected: %s", exc)
-                reply = (0, 0)
+                reply = (0, 0, False)
             self._sock.send(REPLY.pack(*reply))
 
-    def _answer(self, op: Op, request_id: str, payload: bytes) -> tuple[int, int]:
+    def _answer(self, op: Op, request_id: str, payload: bytes) -> tuple[int, int, bool]:
         if op == Op.LOOKUP:
             if not payload:
                 raise ValueError("a lookup without its count of computed tokens")
@@ -119,7 +132,7 @@ class LookupServer:
             self._handlers.release(request_id)
         else:
             self._handlers.reset()
-        return 1, 0
+        return 1, 0, False
 
     def close(self) -> None:
         self._stop.set()
@@ -147,13 +160,14 @@ class LookupClient:
         sock.connect(address)
         return sock
 
-    def lookup(self, tokens: list[int] | np.ndarray, request_id: str = "", computed: int = 0) -> tuple[int, int]:
-        """(hit tokens, of them in CPU RAM), the minimum over ranks; (0, 0) if a rank is silent.
-        `computed`: the leading tokens the engine has already (not to be loaded)."""
+    def lookup(self, tokens: list[int] | np.ndarray, request_id: str = "", computed: int = 0) -> Found:
+        """The hit over every rank; none if a rank is silent (what the others hold expires
+        with `pin_timeout_sec`). `computed`: the leading tokens the engine has already (not
+        to be loaded)."""
         replies = self._ask(encode(Op.LOOKUP, request_id, struct.pack("<I", computed) + token_bytes(tokens)))
         if replies is None:
-            return 0, 0
-        return min(r[0] for r in replies), min(r[1] for r in replies)
+            return Found(0, 0, False)
+        return Found(min(r[0] for r in replies), min(r[1] for r in replies), any(r[2] for r in replies))
 
     def release(self, request_id: str) -> None:
         self._ask(encode(Op.RELEASE, request_id))
@@ -161,7 +175,7 @@ class LookupClient:
     def reset(self) -> bool:
         return self._ask(encode(Op.RESET)) is not None
 
-    def _ask(self, message: bytes) -> list[tuple[int, int]] | None:
+    def _ask(self, message: bytes) -> list[tuple[int, int, int]] | None:
         replies = []
         for i, sock in enumerate(self._socks):
             try:

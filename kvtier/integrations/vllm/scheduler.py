@@ -74,7 +74,8 @@ class SchedulerSide:
             # lookup (the workers' would wait for this prefix's stores still in flight).
             return 0, False
         t0 = time.perf_counter()
-        stored, in_cpu = self.lookup.lookup(prompt, rid, num_computed_tokens)
+        found = self.lookup.lookup(prompt, rid, num_computed_tokens)
+        stored, in_cpu = found.tokens, found.in_cpu
         self._longest_lookup = max(self._longest_lookup, time.perf_counter() - t0)
         need = self.shape.to_load(stored, len(prompt), num_computed_tokens)
         if self.promise_from_cpu and in_cpu < stored and need:
@@ -90,7 +91,7 @@ class SchedulerSide:
         if need:
             self._pending[rid] = (num_computed_tokens + need, background)
             self._held.add(rid)
-        elif stored:  # held by the lookup, not used
+        elif found.held:  # a rank holds what this request will not load (another rank's hit was shorter)
             self.lookup.release(rid)
         return need, background
 

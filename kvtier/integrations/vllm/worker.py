@@ -111,10 +111,11 @@ class WorkerSide:
         self._coming_up.pop(request_id, None)
         self.engine.release_hold(request_id)
 
-    def _find(self, tokens: np.ndarray, request_id: str, computed: int) -> tuple[int, int]:
-        """A scheduler lookup: hold the hit. Chunks below CPU RAM start coming up into it
-        now; a hit all in CPU RAM that the scheduler will load (the same rule as there)
-        starts its copies to the GPU now, before vLLM's step that loads it."""
+    def _find(self, tokens: np.ndarray, request_id: str, computed: int) -> tuple[int, int, bool]:
+        """A scheduler lookup: hold the hit (and say so). Chunks below CPU RAM start coming
+        up into it now; a hit all in CPU RAM that the scheduler will load (the same rule as
+        there) starts its copies to the GPU now, before vLLM's step that loads it; a hit none
+        of which will be loaded (the engine has it) is let go at once."""
         assert self.engine is not None
         # Several KV cache groups: vLLM cannot recompute what a load failed to deliver
         # (connector.py), so the hit is promised from CPU RAM only. The scheduler asks again
@@ -126,15 +127,17 @@ class WorkerSide:
         if self.groups is not None and self.can_load and hit.in_cpu < hit.tokens and not came_up:
             if pending is None:
                 self._coming_up[request_id] = self.engine.start_prefetch(tokens, request_id)
-            return hit.tokens, hit.in_cpu
+            return hit.tokens, hit.in_cpu, True
         if not self.can_load or not self.shape.to_load(hit.tokens, len(tokens), computed):
-            return hit.tokens, hit.in_cpu
+            if hit.tokens:
+                self._release(request_id)
+            return hit.tokens, hit.in_cpu, False
         if hit.in_cpu < hit.tokens:
             self.engine.start_prefetch(tokens, request_id)
         else:
             self.engine.upload_ahead(tokens[: hit.tokens], request_id, start=computed,
                                      layerwise=self.config.use_layerwise)
-        return hit.tokens, hit.in_cpu
+        return hit.tokens, hit.in_cpu, True
 
     def start_load_kv(self, meta: KvtierMetadata) -> None:
         assert self.engine is not None
