@@ -161,7 +161,8 @@ def serve_twice_table(rows: dict[str, dict]) -> list[str]:
 
 
 def _equal(these: list[str], those: list[str]) -> str:
-    return f"{sum(a == b for a, b in zip(these, those))}/{min(len(these), len(those))}"
+    """Outputs equal in both, of the requests both ran (a failed request's empty text never counts)."""
+    return f"{sum(bool(a) and a == b for a, b in zip(these, those))}/{min(len(these), len(those))}"
 
 
 def _three(f: dict[str, float]) -> str:
