@@ -18,7 +18,7 @@ from kvtier.integrations.vllm.lookup import Handlers, LookupClient, LookupServer
 
 def main() -> None:
     address = socket_path(f"rtt-{os.getpid()}", 0)
-    server = LookupServer(address, Handlers(lookup=lambda tokens, rid, computed: (0, 0, False),
+    server = LookupServer(address, Handlers(lookup=lambda tokens, rid, computed, beside: (0, 0, False),
                                             release=lambda rid: None, reset=lambda: None))
     client = LookupClient([address], timeout_s=2)
     try:

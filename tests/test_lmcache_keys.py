@@ -77,6 +77,14 @@ def test_an_lmcache_yaml_with_common_keys_starts_kvtier_with_the_right_warnings(
     informed = {r.getMessage().split()[2] for r in caplog.records
                 if r.levelno == logging.INFO and "LMCache key" in r.getMessage()}
     assert informed == {"enable_async_loading", "local_disk_path_sharding"}
+    assert cfg.async_loading == "always"  # LMCache's async loading: every hit in the background
+
+
+@pytest.mark.parametrize("value, expected", [("true", "always"), ("false", "busy"), ("0", "busy")])
+def test_lmcache_s_async_loading_switch_sets_kvtier_s_and_its_false_keeps_the_default(value, expected):
+    assert load_config(env={"LMCACHE_ENABLE_ASYNC_LOADING": value}).async_loading == expected
+    assert load_config(env={"LMCACHE_ENABLE_ASYNC_LOADING": value, "KVTIER_ASYNC_LOADING": "never"}
+                       ).async_loading == "never"  # kvtier's own key, later, wins
 
 
 def test_deprecated_nixl_names_set_the_pd_keys():

@@ -84,6 +84,23 @@ def test_producer_stores_but_never_loads_and_consumer_never_stores(tiny_model, p
     assert [tuple(map(int, m)) for m in HIT.findall(log)] == [(2048, 0, 0), (2048, 0, 0)]
 
 
+def test_a_hit_that_joins_a_running_request_loads_beside_its_steps(tiny_model, prompts, runs, tmp_path):
+    """async_loading busy (the default): b's hit, looked up while a's prefill runs (a took the
+    first steps' whole token budget), loads beside a's steps, on the worker's thread, and b
+    joins a later step; both give plain vLLM's tokens."""
+    _, plain, _ = runs
+    results, log = run_vllm(tiny_model, [prompts["b"], {"together": [prompts["a"], prompts["b"]]}], tmp_path,
+                            kv_role="kv_both", name="beside")
+    last = 2047 - 2047 % hit_granularity()
+    assert [tuple(map(int, m)) for m in HIT.findall(log)] == [(2048, 0, 0), (3000, 0, 0), (2048, last, last)]
+    assert log.count("(loading beside the running requests' steps)") == 1
+    assert f"loading {last} tokens in the background, before its first step" in log
+    assert not re.search(r"tokens could not be loaded", log)
+    _, a, b = results
+    assert a["token_ids"] == plain[0]["token_ids"] and b["token_ids"] == plain[1]["token_ids"]
+    assert max(abs(x - y) for x, y in zip(b["logprobs"], plain[1]["logprobs"])) < 0.05
+
+
 def test_layerwise_loading_gives_the_same_output(tiny_model, prompts, runs, tmp_path):
     """use_layerwise: vLLM's wait_for_layer_load drives the load layer by layer, across
     chunked-prefill steps; each step's store is whole, after its forward."""

@@ -2,6 +2,9 @@
 and only where the step's forward ran to its end: vLLM calls wait_for_save also after a
 forward that raised, and KV of layers it never wrote is not the model's."""
 
+import time
+
+import numpy as np
 import pytest
 import torch
 
@@ -15,13 +18,13 @@ pytestmark = pytest.mark.vllm
 LAYERS = 3
 
 
-def worker_and_step():
+def worker_and_step(**config):
     """A worker over a CPU engine, as register_kv_caches makes it, and a step's metadata
     that saves the first 32 tokens of a request (blocks 0 and 1 of 16 tokens)."""
     from kvtier.integrations.vllm.spec import KvtierMetadata, Shape, TransferSpec
     from kvtier.integrations.vllm.worker import WorkerSide
 
-    config = KvtierConfig(chunk_size=16, max_local_cpu_size=1 / 1024)
+    config = KvtierConfig(chunk_size=16, max_local_cpu_size=1 / 1024, **config)
     layers = [torch.randn(2, 8, 16, 2, 32) for _ in range(LAYERS)]
     worker = WorkerSide(config, Shape(16, 16, False, 0), "worker-test", True)
     worker.engine = CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), KVFormat("m", "flash_attn", "float32"))
@@ -80,9 +83,9 @@ def test_the_scheduler_asks_no_worker_when_vllm_has_all_but_less_than_a_block():
     worker.engine.store(toks, torch.arange(50))
     asked = []
 
-    def find(tokens, request_id, computed):
+    def find(tokens, request_id, computed, beside):
         asked.append(computed)
-        return worker._find(tokens, request_id, computed)
+        return worker._find(tokens, request_id, computed, beside)
 
     def release(request_id):
         asked.append(("release", request_id))
@@ -106,4 +109,105 @@ def test_the_scheduler_asks_no_worker_when_vllm_has_all_but_less_than_a_block():
     finally:
         scheduler.close()
         server.close()
+        worker.close()
+
+
+def step_running(*req_ids):
+    """What the scheduler side reads of a step (vLLM's SchedulerOutput) that ran `req_ids`,
+    each a decode token, none new."""
+    from types import SimpleNamespace
+
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    return SimpleNamespace(num_scheduled_tokens=dict.fromkeys(req_ids, 1), scheduled_new_reqs=[],
+                           scheduled_cached_reqs=cached, preempted_req_ids=None)
+
+
+@pytest.mark.parametrize("policy", ["busy", "never", "always"])
+def test_a_cpu_hit_loads_beside_the_steps_while_other_requests_run(policy):
+    """async_loading busy: a hit all in CPU RAM loads in its step while no other request
+    runs (an idle engine serves it soonest so), and beside the steps once another request
+    ran in the last one (whose steps would otherwise wait for the copies); the worker is
+    told so at the lookup, and its background load writes the KV into the request's blocks."""
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm.lookup import Handlers, LookupServer, socket_path
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+
+    worker, _ = worker_and_step(async_loading=policy)
+    toks = list(range(50))
+    worker.engine.store(toks, torch.arange(50))  # blocks 0-3
+    told = []
+
+    def find(tokens, request_id, computed, beside):
+        told.append(beside)
+        return worker._find(tokens, request_id, computed, beside)
+
+    server = LookupServer(socket_path("beside-test", 0), Handlers(find, worker._release, worker.engine.clear))
+    scheduler = SchedulerSide(worker.config, worker.shape, "beside-test", 1, True, True)
+    try:
+        def ask(rid):
+            return scheduler.get_num_new_matched_tokens(
+                SimpleNamespace(prompt_token_ids=toks, request_id=rid, kv_transfer_params=None), 0)
+
+        idle = policy == "always"
+        assert ask("alone") == (48, idle) and told == [idle]  # nothing ran yet
+        scheduler.request_finished(SimpleNamespace(request_id="alone"))
+        scheduler.build_connector_meta(step_running("other"))
+        busy = policy != "never"
+        assert ask("joins") == (48, busy) and told == [idle, busy]
+        blocks = SimpleNamespace(get_block_ids=lambda: ([4, 5, 6, 7],))
+        scheduler.update_state_after_alloc(SimpleNamespace(request_id="joins", prompt_token_ids=toks), blocks, 48)
+        if busy:  # planned with the next step's metadata; its load runs on the worker's thread
+            meta = scheduler.build_connector_meta(step_running("other"))
+            assert [(s.req_id, s.background, s.start, s.end) for s in meta.loads] == [("joins", True, 0, 48)]
+            worker.start_load_kv(meta)
+            for _ in range(200):
+                done = worker.get_finished()
+                if done:
+                    break
+                time.sleep(0.01)
+            assert done == {"joins"} and not worker.load_errors()
+            for layer in worker.engine.kv.layers:  # blocks 4-6 hold what blocks 0-2 did
+                assert torch.equal(layer[:, 4:7], layer[:, 0:3])
+        scheduler.request_finished(SimpleNamespace(request_id="other"))
+        scheduler.request_finished(SimpleNamespace(request_id="joins"))
+        assert ask("later") == (48, idle)  # nothing runs again
+    finally:
+        scheduler.close()
+        server.close()
+        worker.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_load_beside_the_steps_never_waits_for_the_forward_queued_after_it():
+    """The worker's background load runs on its own stream, after what vLLM's stream held
+    when the step started (its blocks' earlier readers), not after the forward queued since:
+    it lands while that forward (a long kernel here) still runs, and the forward never waits
+    for its copies (nothing of the load is ordered into vLLM's stream)."""
+    from kvtier.integrations.vllm.spec import KvtierMetadata, Shape, TransferSpec
+    from kvtier.integrations.vllm.worker import WorkerSide
+
+    config = KvtierConfig(chunk_size=16, max_local_cpu_size=0.05)
+    layers = [torch.randn(2, 64, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
+    worker = WorkerSide(config, Shape(16, 16, False, 0), "gpu-beside-test", True)
+    worker.engine = CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), KVFormat("m", "flash_attn", "bfloat16"))
+    toks = list(range(256))
+    try:
+        worker.engine.store(toks, torch.arange(256))  # blocks 0-15
+        assert worker._find(np.array(toks, dtype=np.uint32), "r", 0, True) == (256, 256, True)
+        torch.cuda.synchronize()
+        spec = TransferSpec("r", toks, [list(range(32, 48))], 0, 255, background=True)
+        worker.start_load_kv(KvtierMetadata(loads=[spec]))
+        torch.cuda._sleep(2_000_000_000)  # this step's forward, queued after start_load_kv: ~1 s
+        t0 = time.perf_counter()
+        done = None
+        while not done and time.perf_counter() - t0 < 5:
+            done = worker.get_finished()
+        assert done == {"r"} and not worker.load_errors()
+        assert not torch.cuda.current_stream().query()  # landed while the forward still runs
+        torch.cuda.synchronize()
+        for layer in layers:  # tokens 0-254 in blocks 32-47
+            got, want = layer[:, 32:48].flatten(1, 2)[:, :255], layer[:, 0:16].flatten(1, 2)[:, :255]
+            assert torch.equal(got, want)
+    finally:
         worker.close()

@@ -17,7 +17,8 @@ from kvtier.dev.cpu_dtype import cpu_model_dtype, model_dtype
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
-    p.add_argument("--prompts", required=True, help='JSON file: list of token-id lists (or "RESET")')
+    p.add_argument("--prompts", required=True, help='JSON file: list of token-id lists (or "RESET", "FORGET", '
+                   'or {"together": [lists]}: prompts submitted at once, in that order)')
     p.add_argument("--kv-role", default="", help="kv_both | kv_producer | kv_consumer; empty: no kvtier")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--max-batched", type=int, default=1024)
@@ -55,9 +56,11 @@ def main() -> None:
         if ids == "FORGET":  # vLLM's own prefix cache only: a hit after it comes from the connector
             print("RESULT " + json.dumps({"reset": llm.reset_prefix_cache()}), flush=True)
             continue
-        out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0]
-        logprobs = [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
-        print("RESULT " + json.dumps({"token_ids": list(out.token_ids), "logprobs": logprobs}), flush=True)
+        batch = ids["together"] if isinstance(ids, dict) else [ids]
+        for request in llm.generate([{"prompt_token_ids": x} for x in batch], sp, use_tqdm=False):
+            out = request.outputs[0]
+            logprobs = [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
+            print("RESULT " + json.dumps({"token_ids": list(out.token_ids), "logprobs": logprobs}), flush=True)
 
 
 CPU_BLOCK_SIZE = 128  # vLLM's CPU build's default block size
@@ -96,7 +99,7 @@ def run_vllm(model: Path, prompts: list[list[int]], tmp: Path, kv_role: str = ""
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=full_env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     results = [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(results) == len(prompts)
+    assert len(results) == sum(len(p["together"]) if isinstance(p, dict) else 1 for p in prompts)
     return results, out.stderr
 
 

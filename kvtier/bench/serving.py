@@ -3,8 +3,9 @@ server with each KV offloader in turn: same vLLM, model, prompts and CPU memory,
 server at a time on this machine.
 
     plain          no offloader (vLLM's own prefix cache only, if on)
-    kvtier         KvtierConnector, gpu_upload auto
+    kvtier         KvtierConnector, its defaults (gpu_upload auto, async_loading busy)
     kvtier-kernel  KvtierConnector, gpu_upload kernel (no load holds the copy engine)
+    kvtier-in-step KvtierConnector, async_loading never (every CPU-RAM hit loads in its step)
     lmcache        LMCacheConnectorV1, CPU RAM
     native         vLLM's OffloadingConnector (--kv-offloading-size, backend native)
 
@@ -52,6 +53,7 @@ def setup(name: str, cpu_gb: float) -> tuple[dict | None, dict, list[str]]:
         "plain": (None, {}, []),
         "kvtier": (KVTIER, size, []),
         "kvtier-kernel": (KVTIER, {**size, "KVTIER_GPU_UPLOAD": "kernel"}, []),
+        "kvtier-in-step": (KVTIER, {**size, "KVTIER_ASYNC_LOADING": "never"}, []),
         "lmcache": (LMCACHE_CONNECTOR,
                     {**size, "LMCACHE_LOCAL_CPU": "true"}, []),
         "native": (None, {}, ["--kv-offloading-size", str(cpu_gb), "--kv-offloading-backend", "native"]),

@@ -35,6 +35,7 @@ from kvtier.tiers.policy import POLICIES
 
 ENV_PREFIXES = ("LMCACHE_", "KVTIER_")
 GPU_UPLOADS = ("auto", "kernel", "copy_engine")
+ASYNC_LOADINGS = ("busy", "always", "never")
 CONFIG_FILE_VARS = ("LMCACHE_CONFIG_FILE", "KVTIER_CONFIG_FILE")
 # LMCache env vars that carry no meaning here (they select LMCache code paths
 # that kvtier has only one of). Accepted so that old launch scripts still run.
@@ -82,6 +83,11 @@ class KvtierConfig:
         "queue holds vLLM's next-step inputs until the whole load has crossed) | auto (kernel for "
         "layerwise loads, whose overlap needs vLLM's inputs through; copy engine for whole ones)",
         default="auto")
+    async_loading: str = _doc(
+        "when a hit all in CPU RAM loads inside vLLM: busy (in the step that needs it while no other request "
+        "runs; else in the background, the request joining a later step, so running requests' steps do not "
+        "wait for its copies) | always (in the background) | never (in the step); hits below CPU RAM always "
+        "load in the background", default="busy")
     share_across_tp: bool = _doc(
         "also read chunks that instances of another tensor-parallel size stored (disk and remote tiers), "
         "cut or joined to this rank's KV heads; a miss then asks the tiers for each other size too",
@@ -175,6 +181,8 @@ def _check_ranges(cfg: KvtierConfig) -> None:
                           f"false with the lossy codec {cfg.remote_serde} (its rows carry per-head scales)")
     if cfg.gpu_upload not in GPU_UPLOADS:
         raise ConfigError("gpu_upload", cfg.gpu_upload, " | ".join(GPU_UPLOADS))
+    if cfg.async_loading not in ASYNC_LOADINGS:
+        raise ConfigError("async_loading", cfg.async_loading, " | ".join(ASYNC_LOADINGS))
     if cfg.blocking_timeout_secs <= 0:
         raise ConfigError("blocking_timeout_secs", cfg.blocking_timeout_secs, "seconds > 0")
     if cfg.local_disk is not None:

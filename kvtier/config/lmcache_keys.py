@@ -35,14 +35,15 @@ class KeyRule:
     default: Any  # LMCache's default
     note: str = ""
     target: str | None = None  # mapped: the kvtier key it sets
+    values: dict[str, Any] | None = None  # mapped: the target's value for each of this key's (lowercase text); others set nothing
 
 
 def _b(default: Any, note: str = "") -> KeyRule:
     return KeyRule("built", default, note)
 
 
-def _m(default: Any, note: str, target: str | None = None) -> KeyRule:
-    return KeyRule("mapped", default, note, target)
+def _m(default: Any, note: str, target: str | None = None, values: dict[str, Any] | None = None) -> KeyRule:
+    return KeyRule("mapped", default, note, target, values)
 
 
 def _i(default: Any, note: str) -> KeyRule:
@@ -96,7 +97,10 @@ RULES: dict[str, KeyRule] = {
     "transfer_channel": _b(None, "tcp, nixl or cuda_ipc"),
     # -- reached another way -------------------------------------------------------------
     "local_disk_path_sharding": _m("by_gpu", "kvtier gives each TP rank its own tp<r>of<n> directory"),
-    "enable_async_loading": _m(False, "kvtier always loads hits below CPU RAM asynchronously"),
+    "enable_async_loading": _m(False, "true: every hit loads in the background (async_loading: always); kvtier "
+                                      "loads hits below CPU RAM so anyway, and CPU-RAM hits so while other "
+                                      "requests run (async_loading: busy, its default)", "async_loading",
+                               {v: "always" for v in ("true", "1", "yes", "on")}),
     "pin_check_interval_sec": _m(30, "kvtier checks pin_timeout_sec at every lookup and step"),
     "pd_backend_mode": _m("async", "kvtier's sender sends after each prefill step"),
     "pd_skip_proxy_notification": _m(False, "leave pd_proxy_host unset and the sender tells no proxy"),
@@ -261,6 +265,9 @@ def resolve(key: str, value: Any, source: str) -> tuple[str, Any] | None:
                      f" -> {rule.target}" if rule.target else "")
         else:
             log.warning("LMCache key %s (from %s) is accepted and has no effect: %s", key, source, rule.note)
+    if rule.target and rule.values is not None:
+        value = rule.values.get(str(value).strip().lower())
+        return None if value is None else (rule.target, value)
     return (rule.target, value) if rule.target else None
 
 

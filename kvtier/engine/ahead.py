@@ -46,7 +46,7 @@ class AheadSlot:
         ahead = self._ahead
         return None if ahead is None else ahead.request_id
 
-    def start(self, spans: list[ChunkSpan], request_id: str, layerwise: bool) -> bool:
+    def start(self, spans: list[ChunkSpan], request_id: str, layerwise: bool, beside: bool = False) -> bool:
         """Queue the copies of `spans` if they are all in CPU RAM; True if queued (now or before)."""
         keys = [s.key for s in spans]
         with self._lock:
@@ -58,7 +58,7 @@ class AheadSlot:
             self._ahead = None
         if ahead is not None:
             ahead.drop()
-        ahead = self._upload(spans, request_id, layerwise)
+        ahead = self._upload(spans, request_id, layerwise, beside)
         if ahead is None:
             return False
         with self._lock:
@@ -68,7 +68,7 @@ class AheadSlot:
         ahead.drop()  # raced with another lookup: it went first
         return False
 
-    def _upload(self, spans: list[ChunkSpan], request_id: str, layerwise: bool) -> Ahead | None:
+    def _upload(self, spans: list[ChunkSpan], request_id: str, layerwise: bool, beside: bool) -> Ahead | None:
         where = self.tiers.locate([s.key for s in spans])
         if not where or any(w != CPU for w in where):
             return None
@@ -78,7 +78,7 @@ class AheadSlot:
         finally:
             batches.close()
         try:
-            upload = self.mover.upload(held, layer_major=layerwise) if held else None
+            upload = self.mover.upload(held, layer_major=layerwise, beside=beside) if held else None
         except BaseException:
             release_held(held)
             raise

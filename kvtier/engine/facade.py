@@ -150,13 +150,15 @@ class CacheEngine:
         """The request will not load what it looked up (finished, aborted)."""
         self.loading.release(request_id)
 
-    def upload_ahead(self, tokens: Tokens, request_id: str, *, start: int = 0, layerwise: bool = False) -> bool:
+    def upload_ahead(self, tokens: Tokens, request_id: str, *, start: int = 0, layerwise: bool = False,
+                     beside: bool = False) -> bool:
         """Start the copies of a hit all in CPU RAM (its chunks that end after `start`, the
         tokens the engine has already) toward the device now, at the scheduler's lookup:
         the slots come with the request's `start_retrieve`, which then queues only the
-        kernels. True if its copies are queued (now or by an earlier call)."""
+        kernels. True if its copies are queued (now or by an earlier call). `beside`: its
+        load will run beside the engine's steps (`retrieve(beside=True)`)."""
         spans = [s for s in self.spans(tokens, request_id) if s.end > start]
-        return self.ahead.start(spans, request_id, layerwise)
+        return self.ahead.start(spans, request_id, layerwise, beside)
 
     def prefetch(self, tokens: Tokens, *, request_id: str = "") -> int:
         """Bring the stored prefix's disk and remote chunks up into CPU RAM ahead of a load;
@@ -221,18 +223,23 @@ class CacheEngine:
 
     # -- retrieve --------------------------------------------------------------
 
-    def retrieve(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "") -> torch.Tensor:
+    def retrieve(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "",
+                 beside: bool = False) -> torch.Tensor:
         """Load stored KV for tokens [start, len(slots)) into the paged KV.
 
         `tokens` may run past `slots`: the extra tokens only make the keys
         (so the first tokens of a stored chunk can be loaded alone, e.g. all
         but the last prompt token). Returns a bool mask over `slots`: True
         where KV was loaded. Loading stops at the first chunk not stored.
+        `beside`: a load beside the engine's steps (on a thread, its own stream):
+        the chunks from CPU RAM land in device staging before its kernels are
+        queued, so the transfer's kernel stream, which the steps' own loads and
+        stores share, never waits for their copies.
         """
-        return self.start_retrieve(tokens, slots, start=start, request_id=request_id).finish()
+        return self.start_retrieve(tokens, slots, start=start, request_id=request_id, beside=beside).finish()
 
     def start_retrieve(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "",
-                       layerwise: bool = False) -> Loading:
+                       layerwise: bool = False, beside: bool = False) -> Loading:
         """`retrieve`, split in two: what to load is decided (and pinned) now.
 
         With every chunk in CPU RAM, the copies are queued and this returns
@@ -246,7 +253,7 @@ class CacheEngine:
         the request's hold ends at `finish()`.
         """
         slots = self._check(tokens, slots, exact=False)
-        return self.loading.start(Job(as_numpy(tokens), slots, start, request_id), layerwise)
+        return self.loading.start(Job(as_numpy(tokens), slots, start, request_id), layerwise, beside)
 
     def save_state(self, tokens: Tokens, blocks: list[int], *, request_id: str = "") -> bool:
         """Snapshot each recurrent layer's state block `blocks[l]`, the state after the last of

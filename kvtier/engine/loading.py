@@ -47,7 +47,7 @@ class LoadPath:
         self.holds.release(request_id)
         self.ahead.drop(request_id)
 
-    def start(self, job: Job, layerwise: bool) -> Loading:
+    def start(self, job: Job, layerwise: bool, beside: bool = False) -> Loading:
         slots, start, request_id, end = job.slots, job.start, job.request_id, job.num_tokens
         mask = torch.zeros(end, dtype=torch.bool)
         self.prefetcher.wait(request_id)
@@ -61,6 +61,10 @@ class LoadPath:
                     loaded = self._load_batches(slots, batches, start, end)
                 finally:
                     batches.close()
+            if held and beside:  # landed before the kernels are queued (CacheEngine.retrieve)
+                upload = upload or self.mover.upload(held, layer_major=layerwise, beside=True)
+                if upload is not None:
+                    upload.wait()
             if held:
                 handle = (self.mover.scatter(slots, held, start, end, layerwise=True, upload=upload) if layerwise
                           else _Queued(self.mover.scatter(slots, held, start, end, layerwise=False, wait=False,

@@ -104,11 +104,13 @@ class Mover:
 
     # -- chunks → paged KV ---------------------------------------------------------------
 
-    def upload(self, held: list[tuple[ChunkSpan, StoredChunk]], layer_major: bool) -> Upload | None:
-        """Start the copies of host chunks toward the device (None: this transfer has no staging)."""
+    def upload(self, held: list[tuple[ChunkSpan, StoredChunk]], layer_major: bool, beside: bool = False
+               ) -> Upload | None:
+        """Start the copies of host chunks toward the device (None: this transfer has no staging);
+        `beside`: for a load beside the engine's steps (Transfer.upload)."""
         with self._lock:
             return self.transfer.upload([self.view(c.block.data, s.num_tokens) for s, c in held],
-                                        layer_major=layer_major)
+                                        layer_major=layer_major, beside=beside)
 
     def scatter(self, slots: torch.Tensor, found: list[tuple[ChunkSpan, StoredChunk]], start: int, end: int,
                 layerwise: bool, wait: bool = True, upload: Upload | None = None

@@ -60,11 +60,13 @@ class Upload(Protocol):
 class Transfer(Protocol):
     name: str
 
-    def upload(self, chunks: Sequence[torch.Tensor], layer_major: bool = False, digests: bool = False
-               ) -> Upload | None:
+    def upload(self, chunks: Sequence[torch.Tensor], layer_major: bool = False, digests: bool = False,
+               beside: bool = False) -> Upload | None:
         """Queue the copies of `chunks` toward the device now, for a later `scatter`
         (`scatter_layerwise` with `layer_major`) that passes it as `upload`, once the
-        slots are known; None where there is nothing to do ahead."""
+        slots are known; None where there is nothing to do ahead. `beside`: a load that
+        runs beside the engine's steps (not inside one), whose copies must not hold the
+        steps' own host-to-device inputs behind them."""
 
     def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], digests: torch.Tensor | None = None,
                wait: bool = True) -> InFlight | None:

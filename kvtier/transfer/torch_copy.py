@@ -63,7 +63,8 @@ class TorchTransfer:
         """Indexing takes tensors, not addresses: the caller gathers into views (`gather`)."""
         return None
 
-    def upload(self, chunks: Sequence[torch.Tensor], layer_major: bool = False, digests: bool = False) -> None:
+    def upload(self, chunks: Sequence[torch.Tensor], layer_major: bool = False, digests: bool = False,
+               beside: bool = False) -> None:
         """Nothing to queue ahead: the copies happen in `scatter`."""
         return None
 

@@ -195,12 +195,12 @@ class TritonTransfer:
         return AddressedGather(lambda s, p: self._kernel(s, p, chunk_tokens, True, layers), dev_slots, ptrs,
                                chunk_tokens)
 
-    def upload(self, chunks: Sequence[torch.Tensor], layer_major: bool = False, digests: bool = False
-               ) -> Upload | None:
-        """Queue the copies of host chunks into device staging now, chunk-major in groups (for
-        `scatter`) or layer by layer (for `scatter_layerwise`); None where the kernels read
-        the chunks where they are. The caller's stream is not waited for: staging is this
-        transfer's own memory. `digests`: their tables go up too (for a scatter's `digests`)."""
+    def upload(self, chunks: Sequence[torch.Tensor], layer_major: bool = False, digests: bool = False,
+               beside: bool = False) -> Upload | None:
+        """Queue the copies of host chunks into device staging now (Transfer.upload), in groups
+        or layer by layer; None where the kernels read them in place. Not after the caller's
+        stream (staging is this transfer's). By kernel with gpu_upload `kernel`, or `auto` where
+        they overlap forwards (layer-major, `beside`): the copy engine stays free for theirs."""
         if not self._staged(chunks):
             return None
         with torch.cuda.device(self.kv.device):  # the caller may be a thread whose current device is another
@@ -218,7 +218,7 @@ class TritonTransfer:
                 # What each part (a layer of every chunk, or a group of whole chunks) moves.
                 parts = ([{"layer": layer} for layer in layers] if layer_major
                          else [{"group": g} for g in range(len(staging.groups))])
-                by_kernel = self.upload_mode == "kernel" or (self.upload_mode == "auto" and layer_major)
+                by_kernel = self.upload_mode == "kernel" or (self.upload_mode == "auto" and (layer_major or beside))
                 runs = run_table([staging.run_table(**part) for part in parts]) if by_kernel else None
                 landed = []
                 for k, part in enumerate(parts):

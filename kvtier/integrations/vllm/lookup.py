@@ -4,10 +4,11 @@ vLLM's scheduler and its workers live in different processes (the CPU
 platform always uses the multiprocess executor), while the tiers live in
 the worker. Each worker rank serves the scheduler on a ZMQ IPC socket:
 
-    request:  version u8 (2) | op u8 | request-id length u16 | request id (utf-8) | payload
-        LOOKUP   payload: the tokens the engine has already (its own prefix cache), then
-                 the token ids, all little-endian u32; the worker leases the hit for
-                 that request (protected until its load), and may start moving it
+    request:  version u8 (4) | op u8 | request-id length u16 | request id (utf-8) | payload
+        LOOKUP   payload: the tokens the engine has already (its own prefix cache), flags
+                 (bit 0: a hit all in CPU RAM will load beside the engine's steps, not
+                 inside one), then the token ids, all little-endian u32; the worker leases
+                 the hit for that request (protected until its load), and may start moving it
         RELEASE  the request will not load what it looked up
         RESET    drop the worker's local tiers (vLLM's reset_prefix_cache)
     reply:    two little-endian u64 and a u8: LOOKUP (hit tokens, of them in CPU RAM,
@@ -38,7 +39,8 @@ from kvtier.logs import get_logger
 
 log = get_logger(__name__)
 
-VERSION = 3
+VERSION = 4
+BESIDE = 1  # LOOKUP flag: a CPU-RAM hit loads beside the steps
 HEAD = struct.Struct("<BBH")
 REPLY = struct.Struct("<QQB")
 
@@ -63,8 +65,8 @@ class Found:
 class Handlers:
     """What a worker does for each op."""
 
-    # (tokens, request id, computed) -> (hit, in CPU, held for the request)
-    lookup: Callable[[np.ndarray, str, int], tuple[int, int, bool]]
+    # (tokens, request id, computed, loads beside the steps) -> (hit, in CPU, held for the request)
+    lookup: Callable[[np.ndarray, str, int, bool], tuple[int, int, bool]]
     release: Callable[[str], None]
     reset: Callable[[], None]
 
@@ -124,10 +126,10 @@ class LookupServer:
 
     def _answer(self, op: Op, request_id: str, payload: bytes) -> tuple[int, int, bool]:
         if op == Op.LOOKUP:
-            if not payload:
-                raise ValueError("a lookup without its count of computed tokens")
+            if len(payload) < 8:
+                raise ValueError("a lookup without its count of computed tokens and its flags")
             words = np.frombuffer(payload, dtype="<u4")
-            return self._handlers.lookup(words[1:], request_id, int(words[0]))
+            return self._handlers.lookup(words[2:], request_id, int(words[0]), bool(words[1] & BESIDE))
         if op == Op.RELEASE:
             self._handlers.release(request_id)
         else:
@@ -160,11 +162,13 @@ class LookupClient:
         sock.connect(address)
         return sock
 
-    def lookup(self, tokens: list[int] | np.ndarray, request_id: str = "", computed: int = 0) -> Found:
+    def lookup(self, tokens: list[int] | np.ndarray, request_id: str = "", computed: int = 0,
+               beside: bool = False) -> Found:
         """The hit over every rank; none if a rank is silent (what the others hold expires
         with `pin_timeout_sec`). `computed`: the leading tokens the engine has already (not
-        to be loaded)."""
-        replies = self._ask(encode(Op.LOOKUP, request_id, struct.pack("<I", computed) + token_bytes(tokens)))
+        to be loaded); `beside`: a hit all in CPU RAM will load beside the engine's steps."""
+        flags = BESIDE if beside else 0
+        replies = self._ask(encode(Op.LOOKUP, request_id, struct.pack("<II", computed, flags) + token_bytes(tokens)))
         if replies is None:
             return Found(0, 0, False)
         return Found(min(r[0] for r in replies), min(r[1] for r in replies), any(r[2] for r in replies))

@@ -1,6 +1,7 @@
 """The connector's scheduler side: request state, the lookup with its hold, load and save planning.
 
-    get_num_new_matched_tokens ── lookup ──▶ the workers (lookup.py): find and hold the hit
+    get_num_new_matched_tokens ── lookup ──▶ the workers (lookup.py): find and hold the hit;
+                                  loaded in the step, or beside the steps (async_loading)
     update_state_after_alloc      the load is planned for the blocks vLLM gave
     build_connector_meta          this step's loads and saves (whole chunks as prefill goes)
     request_finished              forget the request; release a hold it never used
@@ -51,6 +52,11 @@ class SchedulerSide:
         # Several KV cache groups: vLLM cannot recompute a failed load, so a hit is promised
         # only once it is in CPU RAM; until then the request waits (the workers bring it up).
         self.promise_from_cpu = groups is not None
+        # A hit all in CPU RAM loads beside the steps (vLLM's asynchronous load: the request
+        # joins a later step) per async_loading; a hit with several KV cache groups or a PD
+        # decoder's always loads in its step.
+        self.cpu_beside = "never" if self.promise_from_cpu or config.enable_pd else config.async_loading
+        self._running: set[str] = set()  # requests the last step ran that have not finished
         addresses = [socket_path(engine_id, r) for r in range(tp_size)]
         self.lookup = LookupClient(addresses, config.lookup_timeout_ms / 1000)
         self.pd = SchedulerPd(config)
@@ -74,7 +80,8 @@ class SchedulerSide:
             # lookup (the workers' would wait for this prefix's stores still in flight).
             return 0, False
         t0 = time.perf_counter()
-        found = self.lookup.lookup(prompt, rid, num_computed_tokens)
+        beside = self._loads_beside(rid)
+        found = self.lookup.lookup(prompt, rid, num_computed_tokens, beside)
         stored, in_cpu = found.tokens, found.in_cpu
         self._longest_lookup = max(self._longest_lookup, time.perf_counter() - t0)
         need = self.shape.to_load(stored, len(prompt), num_computed_tokens)
@@ -82,18 +89,26 @@ class SchedulerSide:
             self._held.add(rid)  # coming up into CPU RAM: vLLM asks again next step
             return None, False
         hit = self.shape.usable(stored, len(prompt))
-        background = need > 0 and in_cpu < hit
+        below_cpu = in_cpu < hit
+        background = need > 0 and (below_cpu or beside)
         self._counts["lookups"] += 1
         self._counts["lookup_tokens"] += len(prompt)
         self._counts["hit_tokens"] += hit
         log.info("Reqid: %s, Total tokens %d, hit tokens %d, need to load %d%s", rid, len(prompt), hit, need,
-                 " (not all in CPU RAM: loading from disk/remote in the background)" if background else "")
+                 "" if not background else " (not all in CPU RAM: loading from disk/remote in the background)"
+                 if below_cpu else " (loading beside the running requests' steps)")
         if need:
             self._pending[rid] = (num_computed_tokens + need, background)
             self._held.add(rid)
         elif found.held:  # a rank holds what this request will not load (another rank's hit was shorter)
             self.lookup.release(rid)
         return need, background
+
+    def _loads_beside(self, request_id: str) -> bool:
+        """Whether a hit all in CPU RAM would load beside the steps: async_loading always, or
+        busy and another request ran in the last step (its next steps would wait for the
+        copies; an idle engine's only request is served soonest inside its step)."""
+        return self.cpu_beside == "always" or (self.cpu_beside == "busy" and bool(self._running - {request_id}))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -110,6 +125,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
         meta = KvtierMetadata()
+        self._running = set(scheduler_output.num_scheduled_tokens)
         for rid in self._async_loads:
             state = self._requests.get(rid)
             if state is not None and state.load is not None:
@@ -180,6 +196,7 @@ class SchedulerSide:
 
     def request_finished(self, request: Request) -> None:
         rid = request.request_id
+        self._running.discard(rid)
         state = self._requests.pop(rid, None)
         if state is not None and state.pd_target is not None:
             self._pd_dropped.append(state.pd_target.req_id)  # a no-op on the worker once its last step sent

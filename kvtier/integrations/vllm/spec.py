@@ -34,7 +34,7 @@ class TransferSpec:
     block_ids: list[list[int]]  # per KV cache group (one unless vLLM's hybrid allocator makes several)
     start: int
     end: int
-    background: bool = False  # load asynchronously (chunks below CPU RAM)
+    background: bool = False  # load beside the steps, asynchronously (chunks below CPU RAM; async_loading)
     pd_target: Target | None = None  # save: push these chunks to a decoder (PD sender)
     last: bool = False  # save: the prompt's last chunk is in this one
     state: bool = False  # save: the step ended at `end`, on a block end: a hybrid model's Mamba state is kept there

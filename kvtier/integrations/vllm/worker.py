@@ -3,6 +3,7 @@ or in the background), stores, and the load failures vLLM recomputes.
 
     register_kv_caches   the engine over vLLM's KV (layout.py), the lookup server
     start_load_kv        this step's loads: queued ahead of the forward, or in a thread
+                         (beside the steps, on its own stream)
     wait_for_layer_load  layerwise: the forward waits for that layer
     save_kv_layer        counted (the store waits for a forward that wrote every layer)
     wait_for_save        loads finished and checked; the step's stores (a GPU's not waited for); PD sends
@@ -11,6 +12,7 @@ or in the background), stores, and the load failures vLLM recomputes.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -57,6 +59,7 @@ class WorkerSide:
         self._layers_written = 0  # by this step's forward (save_kv_layer calls)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load")
         self._background: dict[str, tuple[TransferSpec, Future]] = {}
+        self._stream: torch.cuda.Stream | None = None  # the background loads' (on a GPU)
         self._failed_tokens = 0  # promised tokens that could not be loaded
         self._reported: dict[str, float] = {}  # counters as last reported to vLLM
         self._step_wait = 0.0  # s this step has spent in kvtier so far (besides the forward)
@@ -111,11 +114,13 @@ class WorkerSide:
         self._coming_up.pop(request_id, None)
         self.engine.release_hold(request_id)
 
-    def _find(self, tokens: np.ndarray, request_id: str, computed: int) -> tuple[int, int, bool]:
+    def _find(self, tokens: np.ndarray, request_id: str, computed: int, beside: bool = False
+              ) -> tuple[int, int, bool]:
         """A scheduler lookup: hold the hit (and say so). Chunks below CPU RAM start coming
         up into it now; a hit all in CPU RAM that the scheduler will load (the same rule as
-        there) starts its copies to the GPU now, before vLLM's step that loads it; a hit none
-        of which will be loaded (the engine has it) is let go at once."""
+        there) starts its copies to the GPU now, before vLLM's step that loads it (`beside`:
+        its load runs beside the steps); a hit none of which will be loaded (the engine has
+        it) is let go at once."""
         assert self.engine is not None
         # Several KV cache groups: vLLM cannot recompute what a load failed to deliver
         # (connector.py), so the hit is promised from CPU RAM only. The scheduler asks again
@@ -136,7 +141,7 @@ class WorkerSide:
             self.engine.start_prefetch(tokens, request_id)
         else:
             self.engine.upload_ahead(tokens[: hit.tokens], request_id, start=computed,
-                                     layerwise=self.config.use_layerwise)
+                                     layerwise=self.config.use_layerwise and not beside, beside=beside)
         return hit.tokens, hit.in_cpu, True
 
     def start_load_kv(self, meta: KvtierMetadata) -> None:
@@ -148,7 +153,10 @@ class WorkerSide:
             if spec.background:
                 log.info("request %s: loading %d tokens in the background, before its first step",
                          spec.req_id, spec.end - spec.start)
-                self._background[spec.req_id] = (spec, self._loader.submit(self._load, spec))
+                # Its blocks may be ones a forward queued before this step still reads (a
+                # request preempted at this step's schedule): the load's own stream waits for it.
+                after = self._queued_so_far()
+                self._background[spec.req_id] = (spec, self._loader.submit(self._load, spec, after))
                 continue
             # From CPU RAM the copies are queued ahead of the forward (layer by layer with
             # use_layerwise); finished, and checked, at wait_for_save.
@@ -177,22 +185,50 @@ class WorkerSide:
             return None
         return self.engine.load_state(spec.token_ids[: spec.end], blocks, request_id=spec.req_id, also=running)
 
-    def _load(self, spec: TransferSpec) -> int:
+    def _queued_so_far(self) -> torch.cuda.Event | None:
+        """An event after all that vLLM's stream holds now (None off a GPU)."""
+        assert self.engine is not None
+        device = self.engine.kv.device
+        if device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    def _beside_stream(self) -> torch.cuda.Stream:
+        """The background loads' stream (one thread runs them): never vLLM's, so a load
+        beside the steps holds none of their kernels behind its copies."""
+        assert self.engine is not None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.engine.kv.device)
+        return self._stream
+
+    def _load(self, spec: TransferSpec, after: torch.cuda.Event | None = None) -> int:
         assert self.engine is not None
         t0 = time.perf_counter()
+        on_gpu = contextlib.nullcontext()
+        if after is not None:  # this thread's current device need not be the KV's (a TP rank's)
+            stream = self._beside_stream()
+            stream.wait_event(after)
+            on_gpu = _on(stream)
         try:
-            loaded = int(self.engine.retrieve(spec.token_ids, self._slots(spec), start=spec.start,
-                                              request_id=spec.req_id).sum())
-            if not self._state_names:
-                return loaded
-            state = self._load_state(spec) if loaded == spec.end - spec.start else None
-            if state is None:
-                return 0  # KV without its Mamba state is not the model's: all of it is recomputed
-            state.finish()
-            return loaded
+            with on_gpu:
+                return self._load_on_this_stream(spec)
         finally:
             self.pd.loaded(spec.pd_req_id)
             self._note_longest("longest_background_load_seconds", time.perf_counter() - t0)
+
+    def _load_on_this_stream(self, spec: TransferSpec) -> int:
+        assert self.engine is not None
+        loaded = int(self.engine.retrieve(spec.token_ids, self._slots(spec), start=spec.start,
+                                          request_id=spec.req_id, beside=True).sum())
+        if not self._state_names:
+            return loaded
+        state = self._load_state(spec) if loaded == spec.end - spec.start else None
+        if state is None:
+            return 0  # KV without its Mamba state is not the model's: all of it is recomputed
+        state.finish()
+        return loaded
 
     def _note_longest(self, name: str, seconds: float) -> None:
         self._longest[name] = max(self._longest[name], seconds)
@@ -331,6 +367,12 @@ class WorkerSide:
         self.pd.close()
         if self.engine is not None:
             self.engine.close()  # sends what is still queued for the remote tier
+
+
+@contextlib.contextmanager
+def _on(stream: torch.cuda.Stream):
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        yield
 
 
 def _tier_named(key: str, here: str) -> str:
