@@ -6,6 +6,7 @@ server at a time on this machine.
     kvtier         KvtierConnector, its defaults (gpu_upload auto, async_loading busy)
     kvtier-kernel  KvtierConnector, gpu_upload kernel (no load holds the copy engine)
     kvtier-in-step KvtierConnector, async_loading never (every CPU-RAM hit loads in its step)
+    kvtier-dma     KvtierConnector, gpu_upload copy_engine (a hit beside the steps crosses by DMA too)
     lmcache        LMCacheConnectorV1, CPU RAM
     native         vLLM's OffloadingConnector (--kv-offloading-size, backend native)
 
@@ -54,6 +55,7 @@ def setup(name: str, cpu_gb: float) -> tuple[dict | None, dict, list[str]]:
         "kvtier": (KVTIER, size, []),
         "kvtier-kernel": (KVTIER, {**size, "KVTIER_GPU_UPLOAD": "kernel"}, []),
         "kvtier-in-step": (KVTIER, {**size, "KVTIER_ASYNC_LOADING": "never"}, []),
+        "kvtier-dma": (KVTIER, {**size, "KVTIER_GPU_UPLOAD": "copy_engine"}, []),
         "lmcache": (LMCACHE_CONNECTOR,
                     {**size, "LMCACHE_LOCAL_CPU": "true"}, []),
         "native": (None, {}, ["--kv-offloading-size", str(cpu_gb), "--kv-offloading-backend", "native"]),
