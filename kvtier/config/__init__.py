@@ -29,7 +29,7 @@ import yaml
 
 from kvtier.codec import KV_CODECS, SERDES
 from kvtier.errors import ConfigError, UnknownConfigKey
-from kvtier.config.lmcache_keys import RULES, env_var_note, resolve
+from kvtier.config.lmcache_keys import RULES, TRUE_TEXTS, env_var_note, resolve
 from kvtier.remote import TOKEN_SCHEMES, check_url
 from kvtier.tiers.policy import POLICIES
 
@@ -41,7 +41,7 @@ CONFIG_FILE_VARS = ("LMCACHE_CONFIG_FILE", "KVTIER_CONFIG_FILE")
 # that kvtier has only one of). Accepted so that old launch scripts still run.
 IGNORED_LMCACHE_KEYS = frozenset({"use_experimental"})
 
-_TRUE = {"1", "true", "yes", "on"}
+_TRUE = TRUE_TEXTS
 _FALSE = {"0", "false", "no", "off"}
 _NONE = {"", "none", "null"}
 

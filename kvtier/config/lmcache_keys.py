@@ -26,6 +26,7 @@ from kvtier.logs import get_logger
 log = get_logger(__name__)
 
 LMCACHE_VERSION = "0.5.6"
+TRUE_TEXTS = frozenset({"1", "true", "yes", "on"})  # a boolean's true, as config text
 CLASSES = ("built", "mapped", "ignored", "refused")
 
 
@@ -100,7 +101,7 @@ RULES: dict[str, KeyRule] = {
     "enable_async_loading": _m(False, "true: every hit loads in the background (async_loading: always); kvtier "
                                       "loads hits below CPU RAM so anyway, and CPU-RAM hits so while other "
                                       "requests run (async_loading: busy, its default)", "async_loading",
-                               {v: "always" for v in ("true", "1", "yes", "on")}),
+                               dict.fromkeys(TRUE_TEXTS, "always")),
     "pin_check_interval_sec": _m(30, "kvtier checks pin_timeout_sec at every lookup and step"),
     "pd_backend_mode": _m("async", "kvtier's sender sends after each prefill step"),
     "pd_skip_proxy_notification": _m(False, "leave pd_proxy_host unset and the sender tells no proxy"),
