@@ -57,11 +57,13 @@ class _LoopThread:
 
 
 class _Loops:
-    """The event loops serving client connections, and how many each serves now."""
+    """The event loops serving client connections, and how many each serves now
+    (`live`, the state's list: STATS reports it)."""
 
-    def __init__(self, loops: list[asyncio.AbstractEventLoop]) -> None:
+    def __init__(self, loops: list[asyncio.AbstractEventLoop], live: list[int]) -> None:
+        assert len(live) == len(loops)
         self.loops = loops
-        self.live = [0] * len(loops)
+        self.live = live
         self._lock = threading.Lock()  # `live` is counted up here and down on the loops' threads
 
     def pick(self) -> int:
@@ -134,7 +136,7 @@ async def serve(state: ServerState, ready: asyncio.Event | None = None) -> None:
     family = socket.AF_INET if socket.AF_INET in families else families[0]  # "localhost": where clients look first
     listener = socket.create_server((opts.host, opts.service_port), family=family, backlog=512)
     listener.setblocking(False)
-    acceptor = loop.create_task(_accept(listener, state, _Loops([loop, *(w.loop for w in workers)])))
+    acceptor = loop.create_task(_accept(listener, state, _Loops([loop, *(w.loop for w in workers)], state.loop_connections)))
     log.info("kvtier server on %s:%d (%s%s, %s, %d I/O threads), management http://%s:%d, "
              "pool %.2f GB in %d pages of %d KiB", opts.host, opts.service_port, "TLS" if state.tls else "TCP",
              ", same-host shared memory" if opts.shm else "",

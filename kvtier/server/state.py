@@ -105,9 +105,10 @@ class ServerState:
         # how often each connection checks its bounds: a bound is enforced within a quarter of itself (<= 1 s)
         self.tick = max(0.05, min(1.0, min(opts.lease_timeout, opts.put_deadline, opts.idle_timeout) / 4))
         self._noted: set[tuple[str, str]] = set()
+        self.loop_connections = [0] * opts.io_threads  # open connections per I/O loop (app.py counts them)
 
     def stats(self) -> dict:
-        return self.index.snapshot()
+        return {**self.index.snapshot(), "loop_connections": list(self.loop_connections)}
 
     def note(self, peer_host: str, bound: str, message: str) -> None:
         """Log `message` the first time `peer_host` hits `bound` (counting is the caller's)."""
