@@ -36,6 +36,11 @@ def test_pd_tokens_may_part_from_the_decoders_hit_only_at_a_near_tie():
     assert verdict(res([5, 6, 7], hit.top_logprobs), hit) == "equal"
     near = res([5, 8, 2], [{5: -0.105, 9: -3.0}, {8: -0.69, 6: -0.70}, {2: -0.1}])
     assert verdict(near, hit) == "near-tie"
+    # the tie in PD's own top two (the hit's top two lack PD's token), as on 2026-11-28 at 4k
+    near_pd = res([5, 6, 4], [{5: -0.1, 9: -3.0}, {6: -0.71, 8: -0.72}, {4: -0.45, 7: -0.45}])
+    assert verdict(near_pd, hit) == "near-tie"
+    wide_pd = res([5, 6, 4], [{5: -0.1, 9: -3.0}, {6: -0.71, 8: -0.72}, {4: -0.1, 7: -2.0}])
+    assert verdict(wide_pd, hit) == "differ"
     far = res([5, 9, 7], [{5: -0.1}, {9: -0.2}, {7: -0.2}])  # a token the hit gave no weight
     assert verdict(far, hit) == "differ"
     moved = res([5, 8, 2], [{5: -0.9, 9: -3.0}, {8: -0.69}, {2: -0.1}])  # the logprob before moved

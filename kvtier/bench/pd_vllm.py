@@ -59,10 +59,10 @@ NEAR_TIE = 0.05
 
 
 def verdict(pd: Result, ref: Result) -> str:
-    """"equal"; or "near-tie": the tokens part where the reference's top two lie within
-    NEAR_TIE of each other, PD's token being the other of them, and every logprob before
-    that within NEAR_TIE of the reference's (bf16, another shape of the last token's
-    step); else "differ" (wrong KV would move them all)."""
+    """"equal"; or "near-tie": the tokens part where one side's top two are the two
+    tokens and lie within NEAR_TIE of each other (either side: each has only its top two),
+    and every logprob before that is within NEAR_TIE of the reference's (bf16, another
+    shape of the last token's step); else "differ" (wrong KV would move them all)."""
     if pd.output_ids == ref.output_ids:
         return "equal"
     at = next(i for i, (a, b) in enumerate(zip(pd.output_ids, ref.output_ids)) if a != b)
@@ -70,9 +70,9 @@ def verdict(pd: Result, ref: Result) -> str:
         return "differ"
     before = all(abs(pd.top_logprobs[i][t] - ref.top_logprobs[i][t]) < NEAR_TIE
                  for i, t in enumerate(ref.output_ids[:at]))
-    top = ref.top_logprobs[at]
-    mine, theirs = pd.output_ids[at], ref.output_ids[at]
-    tie = mine in top and abs(top[theirs] - top[mine]) < NEAR_TIE
+    pair = (pd.output_ids[at], ref.output_ids[at])
+    tie = any(all(t in top for t in pair) and abs(top[pair[0]] - top[pair[1]]) < NEAR_TIE
+              for top in (ref.top_logprobs[at], pd.top_logprobs[at]))
     return "near-tie" if before and tie else "differ"
 
 
