@@ -119,3 +119,20 @@ def test_a_runs_engine_time_leaves_out_the_front_end_before_the_scheduler():
              ("vllm schedule", 23.1, 23.4), ("vllm update_from_output", 23.5, 24.25)]
     assert engine_ms(spans) == pytest.approx(24.25 - 6.2)
     assert math.isnan(engine_ms([("vllm execute_model", 7.1, 20.0)]))  # vLLM's methods not wrapped: unknown
+
+
+def test_the_chat_workload_reports_how_many_requests_were_in_flight():
+    """Little's law over the run, the most at once, and the share sent while another ran:
+    a rate the server keeps up with serves one request at a time (2026-11-28: 0.9 in flight
+    at 4 req/s with up to 12 allowed)."""
+    from kvtier.bench.chat import Result, in_flight
+
+    def res(sent, latency):
+        return Result(0, 0, 1, sent, 0.01, latency)
+
+    alone = [res(0.25 * k, 0.2) for k in range(8)]
+    mean, most, joined = in_flight(alone, 2.0)
+    assert abs(mean - 0.8) < 1e-9 and most == 1 and joined == 0
+    crowded = [res(0.05 * k, 0.2) for k in range(8)] + [res(0.0, None)]  # a request that never ended: left out
+    mean, most, joined = in_flight(crowded, 0.55)
+    assert abs(mean - 1.6 / 0.55) < 1e-9 and most == 4 and joined == 7 / 8

@@ -188,8 +188,23 @@ def series(text: str) -> Iterator[tuple[str, str, float]]:
             yield head.split("{")[0].removesuffix("_total"), head, float(value)
 
 
+def in_flight(results: list[Result], wall_s: float) -> tuple[float, int, float]:
+    """Requests in flight: on average over the run (Little's law), at most, and the share
+    of requests sent while another was in flight (a rate the server finishes each request
+    within leaves it serving one at a time, whatever `concurrency` allows)."""
+    spans = [(r.sent_s, r.sent_s + r.latency_s) for r in results if r.latency_s is not None]
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], e[1]))
+    now = most = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    joined = sum(any(a2 < a < b2 for j, (a2, b2) in enumerate(spans) if j != i) for i, (a, _) in enumerate(spans))
+    return sum(b - a for a, b in spans) / wall_s if wall_s else 0.0, most, joined / len(spans) if spans else 0.0
+
+
 def summarize(results: list[Result], wall_s: float, before: dict, after: dict) -> dict:
     ok = [r for r in results if not r.error]
+    mean_in_flight, max_in_flight, joined = in_flight(results, wall_s)
     ttft = sorted(r.ttft_s for r in ok)
     d = {k: after[k] - before[k] for k in after}
     q = d["vllm:prefix_cache_queries"] or 1.0
@@ -204,6 +219,7 @@ def summarize(results: list[Result], wall_s: float, before: dict, after: dict) -
         "gpu_prefix_hit_rate": d["vllm:prefix_cache_hits"] / q,
         "connector_hit_rate": d["vllm:external_prefix_cache_hits"] / ext_q,
         "connector_hit_tokens": d["vllm:external_prefix_cache_hits"],
+        "mean_in_flight": mean_in_flight, "max_in_flight": max_in_flight, "sent_while_another_ran": joined,
     }
 
 

@@ -195,13 +195,14 @@ def by_round(records: dict[str, Record]) -> list[str]:
 def table(records: dict[str, Record]) -> list[str]:
     first = next(iter(records.values()))
     lines = ["| setup | TTFT mean ms | TTFT p99 ms | req/s | output tok/s | connector hit rate | "
-             "GPU prefix hit rate | failed | outputs equal to the first |", "|---" * 9 + "|"]
+             "GPU prefix hit rate | in flight mean / max | failed | outputs equal to the first |", "|---" * 10 + "|"]
     for name, rec in records.items():
         s = rec.summary
         equal, both = same_outputs(rec, first)
         lines.append(f"| {name} | {_ms(s['ttft_mean_ms'])} | {_ms(s['ttft_p99_ms'])} | {s['requests_per_s']:.2f} | "
                      f"{s['output_tokens_per_s']:.1f} | {s['connector_hit_rate']:.2f} | "
-                     f"{s['gpu_prefix_hit_rate']:.2f} | {s['failed']} | {equal}/{both} |")
+                     f"{s['gpu_prefix_hit_rate']:.2f} | {s['mean_in_flight']:.1f} / {s['max_in_flight']} | "
+                     f"{s['failed']} | {equal}/{both} |")
     return lines
 
 
@@ -240,6 +241,12 @@ def main() -> None:
                       args.eager, args.prefix_caching, args.max_model_len, profile=args.profile,
                       rounds=args.rounds)
     print("\n".join(table(records) + [""] + by_round(records)))
+    for name, rec in records.items():
+        s = rec.summary
+        if workload.concurrency > 1 and s["sent_while_another_ran"] < 0.5:
+            print(f"note: {name}: {s['sent_while_another_ran']:.0%} of the requests were sent while another ran "
+                  f"({s['mean_in_flight']:.1f} in flight on average): at {workload.rate} req/s the server "
+                  f"served them about one at a time, not up to {workload.concurrency}; raise the rate")
 
 
 if __name__ == "__main__":
