@@ -45,12 +45,13 @@ def main() -> None:
             profile.enable()
             times = _one_send(bench, sender, receiver, args.tokens, 100 + r)
             profile.disable()
-            sends.append((times["send_ms"], sender.stats.last_ms))
+            stats = sender.stats
+            sends.append((times["send_ms"], stats.last_ms, stats.last_keys_ms, stats.last_after_ms))
         sender.close()
         engine.close()
-    for send_ms, (alloc, write, commit) in sends:
-        print(f"send {send_ms:.2f} ms: Alloc {alloc:.2f}, write {write:.2f}, Commit {commit:.2f}, "
-              f"the rest {send_ms - alloc - write - commit:.2f}")
+    for send_ms, (alloc, write, commit), keys, after in sends:
+        print(f"send {send_ms:.2f} ms: keys {keys:.2f}, Alloc {alloc:.2f}, write {write:.2f}, Commit {commit:.2f}, "
+              f"after {after:.2f}, the rest {send_ms - keys - alloc - write - commit - after:.2f}")
     for key in ("tottime", "cumulative"):
         out = io.StringIO()
         pstats.Stats(profile, stream=out).sort_stats(key).print_stats(25)

@@ -48,6 +48,8 @@ class PdRun:
     done_to_loaded_ms: list[float] = field(default_factory=list)
     copy_ms: list[float] = field(default_factory=list)
     phases_ms: list[tuple[float, float, float]] = field(default_factory=list)  # the sender's Alloc, write, Commit
+    keys_ms: list[float] = field(default_factory=list)  # the sender's host work before the Alloc (the keys)
+    after_ms: list[float] = field(default_factory=list)  # and after the Commit (log lines, the proxy's notice)
 
     def summary(self, bytes_per_token: int) -> dict:
         nbytes = self.tokens * bytes_per_token
@@ -58,6 +60,8 @@ class PdRun:
                 "ratio_to_copy": round(copy / send, 3),
                 "load_ms": round(statistics.median(self.load_ms), 2),
                 "alloc_write_commit_ms": [round(statistics.median(p[i] for p in self.phases_ms), 2) for i in range(3)],
+                "keys_ms": round(statistics.median(self.keys_ms), 2),
+                "after_commit_ms": round(statistics.median(self.after_ms), 2),
                 "done_to_loaded_ms": round(statistics.median(self.done_to_loaded_ms), 2)}
 
 
@@ -231,7 +235,9 @@ def _channel_runs(bench: _PdBench, receiver: _Receiver, token_counts: list[int],
                 times = _one_send(bench, sender, receiver, n, 1000 * n + 10 * r + k)
                 copy_ms = _copy_ms(src, dst, sender_device, receiver_device)
                 if r:
-                    for name, value in (*times.items(), ("copy_ms", copy_ms), ("phases_ms", sender.stats.last_ms)):
+                    stats = sender.stats
+                    for name, value in (*times.items(), ("copy_ms", copy_ms), ("phases_ms", stats.last_ms),
+                                        ("keys_ms", stats.last_keys_ms), ("after_ms", stats.last_after_ms)):
                         getattr(run, name).append(value)
         del src, dst
         for run in pairs.values():
@@ -239,7 +245,8 @@ def _channel_runs(bench: _PdBench, receiver: _Receiver, token_counts: list[int],
             s = run.summary(per_token(shape))
             print(f"{channel:9s} {run.pieces:>11s} {n:6d} tokens {s['GB']:.2f} GB | send {s['send_ms']} ms = "
                   f"{s['send_GBps']} GB/s ({s['ratio_to_copy']} of copy {s['copy_GBps']} GB/s) | load {s['load_ms']} "
-                  f"ms | done->loaded {s['done_to_loaded_ms']} ms | alloc/write/commit {s['alloc_write_commit_ms']} ms",
+                  f"ms | done->loaded {s['done_to_loaded_ms']} ms | keys {s['keys_ms']} alloc/write/commit "
+                  f"{s['alloc_write_commit_ms']} after {s['after_commit_ms']} ms",
                   flush=True)
     sender.close()
     engine.close()

@@ -66,6 +66,10 @@ class SendStats:
     failed: int = 0
     waited_for_room: int = 0
     last_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the last request's Alloc, write, Commit
+    # and the host's work around them in its last send: the prompt's keys before, and after the
+    # Commit the log lines and the proxy's notice (what `kvtier bench pd` called "the rest")
+    last_keys_ms: float = 0.0
+    last_after_ms: float = 0.0
 
 
 @dataclass
@@ -133,6 +137,7 @@ class PdSender:
             return 0
         t0 = time.perf_counter()
         spans = [s for s in self.engine.spans(tokens, rid) if s.end > start]  # hashed once per request
+        t_keys = time.perf_counter()
         sent = 0
         try:
             if spans or rid in self._open:
@@ -143,6 +148,7 @@ class PdSender:
                     sent = self._write(req, rid, spans, slots)
                 if last:
                     self._commit(req, rid)
+            t_commit = time.perf_counter()
         except (proto.PdPeerError, proto.ProtocolError, OSError) as exc:
             self.stats.failed += 1
             log.warning("PD: request %s: KV not sent to %s:%d (%s); the decoder will recompute it",
@@ -153,14 +159,16 @@ class PdSender:
                 self._failed.add(rid)
             self._notify(proto.PrefillDone(rid, False, 0, str(exc)[:200]))
             return 0
+        if last:  # the proxy first: the decoder's leg of the request waits for this notice, not for the logs
+            req = self._open.pop(rid, None)
+            total, moved = (req.sent, req.moved) if req is not None else (0, 0)
+            self._notify(proto.PrefillDone(rid, True, total, ""))
         if sent:
             seconds = time.perf_counter() - t0
             log.info("PD: sent KV of %d tokens (%d..%d) for request %s to %s:%d in %.1f ms over %s%s",
                      sent, spans[0].start, spans[-1].end, rid, target.host, target.alloc_port, seconds * 1e3,
                      self.config.pd_channel, "" if last or self.channel.staged else " (its writes queued on the GPU)")
         if last:
-            req = self._open.pop(rid, None)
-            total, moved = (req.sent, req.moved) if req is not None else (0, 0)
             self.stats.requests += 1
             self.stats.sent_tokens += moved
             self.stats.sent_bytes += moved * self.engine.kv.bytes_per_token()
@@ -168,7 +176,8 @@ class PdSender:
                 tail = f", its last writes {req.tail_ms:.1f} ms on the GPU after its last forward" if req.tail_ms else ""
                 log.info("PD: request %s: KV of %d tokens in the decoder's buffer%s%s", rid, total, tail,
                          f" ({total - moved} tokens were there already)" if moved < total else "")
-            self._notify(proto.PrefillDone(rid, True, total, ""))
+            self.stats.last_keys_ms = (t_keys - t0) * 1e3
+            self.stats.last_after_ms = (time.perf_counter() - t_commit) * 1e3
         return sent
 
     def _write(self, req: _Open, rid: str, spans: list[ChunkSpan], slots: torch.Tensor) -> int:
