@@ -136,7 +136,8 @@ async def serve(state: ServerState, ready: asyncio.Event | None = None) -> None:
     family = socket.AF_INET if socket.AF_INET in families else families[0]  # "localhost": where clients look first
     listener = socket.create_server((opts.host, opts.service_port), family=family, backlog=512)
     listener.setblocking(False)
-    acceptor = loop.create_task(_accept(listener, state, _Loops([loop, *(w.loop for w in workers)], state.loop_connections)))
+    loops = _Loops([loop, *(w.loop for w in workers)], state.loop_connections)
+    acceptor = loop.create_task(_accept(listener, state, loops))
     log.info("kvtier server on %s:%d (%s%s, %s, %d I/O threads), management http://%s:%d, "
              "pool %.2f GB in %d pages of %d KiB", opts.host, opts.service_port, "TLS" if state.tls else "TCP",
              ", same-host shared memory" if opts.shm else "",
