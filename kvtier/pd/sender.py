@@ -159,26 +159,30 @@ class PdSender:
                 self._failed.add(rid)
             self._notify(proto.PrefillDone(rid, False, 0, str(exc)[:200]))
             return 0
+        req = self._open.pop(rid, None) if last else None
         if last:  # the proxy first: the decoder's leg of the request waits for this notice, not for the logs
-            req = self._open.pop(rid, None)
-            total, moved = (req.sent, req.moved) if req is not None else (0, 0)
-            self._notify(proto.PrefillDone(rid, True, total, ""))
+            self._notify(proto.PrefillDone(rid, True, req.sent if req is not None else 0, ""))
         if sent:
-            seconds = time.perf_counter() - t0
             log.info("PD: sent KV of %d tokens (%d..%d) for request %s to %s:%d in %.1f ms over %s%s",
-                     sent, spans[0].start, spans[-1].end, rid, target.host, target.alloc_port, seconds * 1e3,
-                     self.config.pd_channel, "" if last or self.channel.staged else " (its writes queued on the GPU)")
+                     sent, spans[0].start, spans[-1].end, rid, target.host, target.alloc_port,
+                     (time.perf_counter() - t0) * 1e3, self.config.pd_channel,
+                     "" if last or self.channel.staged else " (its writes queued on the GPU)")
         if last:
-            self.stats.requests += 1
-            self.stats.sent_tokens += moved
-            self.stats.sent_bytes += moved * self.engine.kv.bytes_per_token()
-            if total:
-                tail = f", its last writes {req.tail_ms:.1f} ms on the GPU after its last forward" if req.tail_ms else ""
-                log.info("PD: request %s: KV of %d tokens in the decoder's buffer%s%s", rid, total, tail,
-                         f" ({total - moved} tokens were there already)" if moved < total else "")
+            self._count_sent(rid, req)
             self.stats.last_keys_ms = (t_keys - t0) * 1e3
             self.stats.last_after_ms = (time.perf_counter() - t_commit) * 1e3
         return sent
+
+    def _count_sent(self, rid: str, req: _Open | None) -> None:
+        """A request's KV is all in the decoder's buffer: counted, and said."""
+        total, moved = (req.sent, req.moved) if req is not None else (0, 0)
+        self.stats.requests += 1
+        self.stats.sent_tokens += moved
+        self.stats.sent_bytes += moved * self.engine.kv.bytes_per_token()
+        if req is not None and total:
+            tail = f", its last writes {req.tail_ms:.1f} ms on the GPU after its last forward" if req.tail_ms else ""
+            log.info("PD: request %s: KV of %d tokens in the decoder's buffer%s%s", rid, total, tail,
+                     f" ({total - moved} tokens were there already)" if moved < total else "")
 
     def _write(self, req: _Open, rid: str, spans: list[ChunkSpan], slots: torch.Tensor) -> int:
         """Reserve `spans` on the decoder piece by piece and write (or queue) each piece's
