@@ -193,12 +193,12 @@ def in_flight(results: list[Result], wall_s: float) -> tuple[float, int, float]:
     of requests sent while another was in flight (a rate the server finishes each request
     within leaves it serving one at a time, whatever `concurrency` allows)."""
     spans = [(r.sent_s, r.sent_s + r.latency_s) for r in results if r.latency_s is not None]
-    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], e[1]))
-    now = most = 0
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])  # an end before a send at one instant
+    now = most = joined = 0
     for _, step in edges:
+        joined += step > 0 and now > 0  # sent while another ran
         now += step
         most = max(most, now)
-    joined = sum(any(a2 < a < b2 for j, (a2, b2) in enumerate(spans) if j != i) for i, (a, _) in enumerate(spans))
     return sum(b - a for a, b in spans) / wall_s if wall_s else 0.0, most, joined / len(spans) if spans else 0.0
 
 
