@@ -80,6 +80,15 @@ class CorruptPayload(KvtierError):
     """A stored payload failed its header or checksum check: treated as a miss."""
 
 
+class PortInUse(KvtierError, OSError):
+    """A server could not listen: another process holds its port."""
+
+    def __init__(self, what: str, host: str, port: int) -> None:
+        self.what, self.host, self.port = what, host, port
+        super().__init__(f"{what} {port} on {host} is in use by another process; "
+                         "pick another port or stop the process that holds it")
+
+
 class DiskTierInUse(KvtierError):
     """Another kvtier process holds the disk tier's directory."""
 

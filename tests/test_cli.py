@@ -1,8 +1,13 @@
 """The `kvtier` command's errors: one line on stderr and exit status 2, a traceback only with --debug."""
 
 import os
+import socket
 import subprocess
 import sys
+
+import pytest
+
+from kvtier.dev.localservers import LocalServer, ServerDidNotStart, _running, free_port
 
 KVTIER = [sys.executable, "-m", "kvtier.cli"]
 
@@ -34,6 +39,55 @@ def test_debug_shows_the_traceback():
 def test_the_effective_config_prints_with_exit_status_0():
     done = run("config", LMCACHE_LOCAL_DISK="/tmp/kv", LMCACHE_MAX_LOCAL_DISK_SIZE="2")
     assert done.returncode == 0 and "local_disk='/tmp/kv'" in done.stdout and "max_local_disk_size=2.0" in done.stdout
+
+
+@pytest.mark.parametrize("flag", ["--service-port", "--manage-port"])
+def test_a_server_port_taken_by_another_process_is_one_line_that_names_it(flag):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        ports = {"--service-port": str(free_port()), "--manage-port": str(free_port()), flag: str(port)}
+        done = run("server", *[x for kv in ports.items() for x in kv], "--prealloc-size", "0.01")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"kvtier server: {flag} {port} on 127.0.0.1 is in use by another process; "
+        "pick another port or stop the process that holds it")
+
+
+def _server(port: int, log_path, *extra: str) -> LocalServer:
+    cmd = [sys.executable, "-m", "kvtier.server", "--service-port", str(port), "--manage-port", str(free_port()),
+           "--prealloc-size", "0.01", *extra]
+    return LocalServer(f"kvtier://127.0.0.1:{port}", [port], [cmd], log_path=log_path / f"server-{port}.log")
+
+
+def test_a_local_server_whose_port_was_taken_starts_again_on_fresh_ports(tmp_path):
+    # The race CI met: a port picked free is taken by another process before the server binds it
+    # (as the local end of a connection would: bound, not listening, so nothing answers on it).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        made = []
+
+        def make() -> LocalServer:
+            made.append(taken.getsockname()[1] if not made else free_port())
+            return _server(made[-1], tmp_path)
+
+        with _running(make) as srv:
+            assert len(made) == 2 and made[0] == taken.getsockname()[1] and srv.ports == [made[1]]
+            with socket.create_connection(("127.0.0.1", made[1]), timeout=5):
+                pass
+        assert "--service-port" in (tmp_path / f"server-{made[0]}.log").read_text()
+
+
+def test_a_local_server_that_fails_for_another_reason_is_not_retried_and_shows_its_log(tmp_path):
+    made = []
+
+    def make() -> LocalServer:
+        made.append(free_port())
+        return _server(made[-1], tmp_path, "--io-threads", "0")
+
+    with pytest.raises(ServerDidNotStart) as failed, _running(make):
+        pass
+    assert len(made) == 1 and not failed.value.port_taken
+    assert "io-threads" in str(failed.value) and "its log ends" in str(failed.value)
 
 
 def test_kvtier_vllm_runs_vllms_cli_on_the_platform_vllm_picks_itself():

@@ -9,7 +9,9 @@
     cert, key = self_signed_cert(directory)         for --tls-cert/--tls-key (and the client's tls_ca)
 
 Each yields a `LocalServer` whose processes are stopped (SIGTERM, then
-SIGKILL) when the block ends; `kill()` and `restart()` exist for fault tests.
+SIGKILL) when the block ends; `kill()` and `start()` exist for fault tests.
+A free port can be taken by another process before the server binds it: a
+server whose log says so is started again on fresh ports (`_running`).
 """
 
 from __future__ import annotations
@@ -27,13 +29,33 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
+
+# What kvtier server, redis-server and mooncake say when their port is taken.
+_PORT_TAKEN = re.compile(r"in use by another process|address already in use", re.I)
+_START_ATTEMPTS = 3
+
+
+class ServerDidNotStart(RuntimeError):
+    """A local server exited, or did not listen, before its ports answered."""
+
+    def __init__(self, reason: str, log: str) -> None:
+        self.port_taken = bool(_PORT_TAKEN.search(log))
+        tail = "\n".join(log.splitlines()[-20:])
+        super().__init__(f"{reason}; its log ends:\n{tail}" if tail else reason)
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports that were free a moment ago (all held at once while picked)."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def _cluster_port() -> int:
@@ -72,8 +94,12 @@ class LocalServer:
     def start(self) -> None:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT) for cmd in self.commands]
-        for port, proc in zip(self.ports, self.procs):
-            wait_for_port(port, proc=proc)
+        try:
+            for port, proc in zip(self.ports, self.procs):
+                wait_for_port(port, proc=proc)
+        except (RuntimeError, TimeoutError) as e:
+            self.stop()
+            raise ServerDidNotStart(str(e), self.log()) from None
 
     def kill(self) -> None:
         """SIGKILL: the server gets no chance to say goodbye."""
@@ -107,8 +133,17 @@ class LocalServer:
 
 
 @contextlib.contextmanager
-def _running(server: LocalServer) -> Iterator[LocalServer]:
-    server.start()
+def _running(make: Callable[[], LocalServer]) -> Iterator[LocalServer]:
+    """Start the server `make()` builds (on ports it picks); again, on fresh ones, while
+    another process took a port first."""
+    for attempt in range(1, _START_ATTEMPTS + 1):
+        server = make()
+        try:
+            server.start()
+            break
+        except ServerDidNotStart as e:
+            if not e.port_taken or attempt == _START_ATTEMPTS:
+                raise
     try:
         yield server
     finally:
@@ -117,26 +152,29 @@ def _running(server: LocalServer) -> Iterator[LocalServer]:
 
 @contextlib.contextmanager
 def kvtier_server(prealloc_gb: float = 0.5, *extra: str, log_dir: Path | None = None) -> Iterator[LocalServer]:
-    port, manage = free_port(), free_port()
-    cmd = [sys.executable, "-m", "kvtier.server", "--service-port", str(port), "--manage-port", str(manage),
-           "--prealloc-size", str(prealloc_gb), *extra]
-    with tempfile.TemporaryDirectory(prefix="kvtier-server-") as tmp:
+    def make() -> LocalServer:
+        port, manage = free_ports(2)
+        cmd = [sys.executable, "-m", "kvtier.server", "--service-port", str(port), "--manage-port", str(manage),
+               "--prealloc-size", str(prealloc_gb), *extra]
         log = Path(log_dir or tmp) / f"kvtier-server-{port}.log"
-        with _running(LocalServer(f"kvtier://127.0.0.1:{port}", [port, manage], [cmd], log_path=log,
-                                  manage_port=manage)) as srv:
-            yield srv
+        return LocalServer(f"kvtier://127.0.0.1:{port}", [port, manage], [cmd], log_path=log, manage_port=manage)
+
+    with tempfile.TemporaryDirectory(prefix="kvtier-server-") as tmp, _running(make) as srv:
+        yield srv
 
 
 @contextlib.contextmanager
 def lmcache_server(log_dir: Path | None = None) -> Iterator[LocalServer]:
     """LMCache's own store server (`python -m lmcache.v1.server HOST PORT cpu`, its `lm://`
     remote backend), where the lmcache package is installed (the GPU bundle's add-on)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"]
-    with tempfile.TemporaryDirectory(prefix="lmcache-server-") as tmp:
+    def make() -> LocalServer:
+        port = free_port()
+        cmd = [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"]
         log = Path(log_dir or tmp) / f"lmcache-server-{port}.log"
-        with _running(LocalServer(f"lm://127.0.0.1:{port}", [port], [cmd], log_path=log)) as srv:
-            yield srv
+        return LocalServer(f"lm://127.0.0.1:{port}", [port], [cmd], log_path=log)
+
+    with tempfile.TemporaryDirectory(prefix="lmcache-server-") as tmp, _running(make) as srv:
+        yield srv
 
 
 def self_signed_cert(directory: Path) -> tuple[Path, Path]:
@@ -164,29 +202,32 @@ def _redis_cmd(port: int, workdir: str, *extra: str) -> list[str]:
 
 @contextlib.contextmanager
 def redis_server() -> Iterator[LocalServer]:
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="kvtier-redis-") as tmp:
-        sock = f"{tmp}/redis.sock"
+    def make() -> LocalServer:
+        port, sock = free_port(), f"{tmp}/redis.sock"
         cmd = _redis_cmd(port, tmp, "--unixsocket", sock, "--unixsocketperm", "700")
-        with _running(LocalServer(f"redis://127.0.0.1:{port}", [port], [cmd], log_path=Path(tmp) / "redis.log",
-                                  unix_socket=sock)) as srv:
-            yield srv
+        return LocalServer(f"redis://127.0.0.1:{port}", [port], [cmd], log_path=Path(tmp) / f"redis-{port}.log",
+                           unix_socket=sock)
+
+    with tempfile.TemporaryDirectory(prefix="kvtier-redis-") as tmp, _running(make) as srv:
+        yield srv
 
 
 @contextlib.contextmanager
 def redis_cluster(masters: int = 3) -> Iterator[LocalServer]:
     """`masters` redis-server processes in cluster mode, slots spread, no replicas."""
-    ports = [_cluster_port() for _ in range(masters)]
-    with tempfile.TemporaryDirectory(prefix="kvtier-redis-cluster-") as tmp:
+    def make() -> LocalServer:
+        ports = [_cluster_port() for _ in range(masters)]
         cmds = [_redis_cmd(p, tmp, "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{p}.conf",
                            "--cluster-node-timeout", "5000") for p in ports]
         url = "redis-cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
-        with _running(LocalServer(url, ports, cmds, log_path=Path(tmp) / "redis.log")) as srv:
-            subprocess.run([redis_binary("redis-cli"), "--cluster", "create",
-                            *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", "0", "--cluster-yes"],
-                           check=True, capture_output=True, timeout=60)
-            _wait_cluster_ok(ports[0])
-            yield srv
+        return LocalServer(url, ports, cmds, log_path=Path(tmp) / f"redis-{ports[0]}.log")
+
+    with tempfile.TemporaryDirectory(prefix="kvtier-redis-cluster-") as tmp, _running(make) as srv:
+        subprocess.run([redis_binary("redis-cli"), "--cluster", "create",
+                        *[f"127.0.0.1:{p}" for p in srv.ports], "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=60)
+        _wait_cluster_ok(srv.ports[0])
+        yield srv
 
 
 def _wait_cluster_ok(port: int, timeout: float = 30.0) -> None:
@@ -220,15 +261,16 @@ def mooncake_store(segments: int = 2, segment_mb: int = 256, client_ttl: int = 1
     """mooncake_master, and `segments` mooncake_client processes that each give the
     pool `segment_mb` MiB of RAM (P2PHANDSHAKE metadata: no metadata server).
     `client_ttl`: seconds the master keeps a silent client's segments."""
-    rpc, metrics = free_port(), free_port()
-    clients = [free_port() for _ in range(segments)]
-    master = [mooncake_binary("mooncake_master"), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-              f"--metrics_port={metrics}", f"--client_ttl={client_ttl}", "--logtostderr=true"]
-    cmds = [master] + [[mooncake_binary("mooncake_client"), f"--master_server_address=127.0.0.1:{rpc}",
-                        "--metadata_server=P2PHANDSHAKE", "--host=127.0.0.1", f"--port={port}",
-                        f"--global_segment_size={segment_mb} MB", "--protocol=tcp", "--logtostderr=true"]
-                       for port in clients]
-    with tempfile.TemporaryDirectory(prefix="kvtier-mooncake-") as tmp:
-        with _running(LocalServer(f"mooncakestore://127.0.0.1:{rpc}", [rpc, *clients], cmds,
-                                  log_path=Path(tmp) / "mooncake.log", extra_config=MOONCAKE_JOIN)) as srv:
-            yield srv
+    def make() -> LocalServer:
+        rpc, metrics, *clients = free_ports(2 + segments)
+        master = [mooncake_binary("mooncake_master"), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+                  f"--metrics_port={metrics}", f"--client_ttl={client_ttl}", "--logtostderr=true"]
+        cmds = [master] + [[mooncake_binary("mooncake_client"), f"--master_server_address=127.0.0.1:{rpc}",
+                            "--metadata_server=P2PHANDSHAKE", "--host=127.0.0.1", f"--port={port}",
+                            f"--global_segment_size={segment_mb} MB", "--protocol=tcp", "--logtostderr=true"]
+                           for port in clients]
+        return LocalServer(f"mooncakestore://127.0.0.1:{rpc}", [rpc, *clients], cmds,
+                           log_path=Path(tmp) / f"mooncake-{rpc}.log", extra_config=MOONCAKE_JOIN)
+
+    with tempfile.TemporaryDirectory(prefix="kvtier-mooncake-") as tmp, _running(make) as srv:
+        yield srv

@@ -29,10 +29,12 @@ one line and serves TCP; the RDMA design is in docs/rdma.md.
 from __future__ import annotations
 
 import asyncio
+import errno
 import signal
 import socket
 import threading
 
+from kvtier.errors import PortInUse
 from kvtier.logs import get_logger
 from kvtier.server import protocol as p
 from kvtier.server.connection import Connection
@@ -122,6 +124,19 @@ def _not_started(started, i: int, sock: socket.socket, loops: _Loops) -> None:
              "cancelled" if started.cancelled() else started.exception())
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    families = [a[0] for a in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
+    family = socket.AF_INET if socket.AF_INET in families else families[0]  # "localhost": where clients look first
+    try:
+        listener = socket.create_server((host, port), family=family, backlog=512)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise PortInUse("kvtier server: --service-port", host, port) from None
+        raise
+    listener.setblocking(False)
+    return listener
+
+
 async def serve(state: ServerState, ready: asyncio.Event | None = None) -> None:
     """Run until SIGINT/SIGTERM (or cancellation)."""
 
@@ -129,15 +144,36 @@ async def serve(state: ServerState, ready: asyncio.Event | None = None) -> None:
     if state.rdma_note:
         log.warning(state.rdma_note)
     loop = asyncio.get_running_loop()
-    runner = await start_management(state, opts.host, opts.manage_port, opts.auth_token)
-    workers = [_LoopThread(f"kvtier-io-{i}") for i in range(1, opts.io_threads)]
-    # The service port opens last: once it answers, the whole server is up.
-    families = [a[0] for a in socket.getaddrinfo(opts.host, opts.service_port, type=socket.SOCK_STREAM)]
-    family = socket.AF_INET if socket.AF_INET in families else families[0]  # "localhost": where clients look first
-    listener = socket.create_server((opts.host, opts.service_port), family=family, backlog=512)
-    listener.setblocking(False)
-    loops = _Loops([loop, *(w.loop for w in workers)], state.loop_connections)
-    acceptor = loop.create_task(_accept(listener, state, loops))
+    workers: list[_LoopThread] = []
+    runner = listener = acceptor = None
+    try:
+        runner = await start_management(state, opts.host, opts.manage_port, opts.auth_token)
+        workers = [_LoopThread(f"kvtier-io-{i}") for i in range(1, opts.io_threads)]
+        listener = _listen(opts.host, opts.service_port)  # opens last: once it answers, the whole server is up
+        loops = _Loops([loop, *(w.loop for w in workers)], state.loop_connections)
+        acceptor = loop.create_task(_accept(listener, state, loops))
+        _log_started(state)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        if ready is not None:
+            ready.set()
+        await stop.wait()
+    finally:
+        log.info("kvtier server stopping")
+        if acceptor is not None:
+            acceptor.cancel()
+        if listener is not None:
+            listener.close()
+        for worker in workers:
+            worker.stop()
+        if runner is not None:
+            await runner.cleanup()
+        state.close()
+
+
+def _log_started(state: ServerState) -> None:
+    opts = state.opts
     log.info("kvtier server on %s:%d (%s%s, %s, %d I/O threads), management http://%s:%d, "
              "pool %.2f GB in %d pages of %d KiB", opts.host, opts.service_port, "TLS" if state.tls else "TCP",
              ", same-host shared memory" if opts.shm else "",
@@ -146,21 +182,6 @@ async def serve(state: ServerState, ready: asyncio.Event | None = None) -> None:
     log.info("bounds: %d connections, %.0f MiB held per connection, leases %g s, put payloads %g s, idle %g s",
              opts.max_connections, state.max_held / 2**20, opts.lease_timeout, opts.put_deadline,
              opts.idle_timeout)
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    if ready is not None:
-        ready.set()
-    try:
-        await stop.wait()
-    finally:
-        log.info("kvtier server stopping")
-        acceptor.cancel()
-        listener.close()
-        for worker in workers:
-            worker.stop()
-        await runner.cleanup()
-        state.close()
 
 
 def run(state: ServerState) -> None:

@@ -14,12 +14,15 @@ purge and the server-wide counters are the operator's.
 
 from __future__ import annotations
 
+import errno
 import hmac
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvtier.errors import PortInUse
 
 if TYPE_CHECKING:
     from kvtier.server.state import ServerState
@@ -98,5 +101,11 @@ def make_app(state: ServerState, token: str | None) -> web.Application:
 async def start_management(state: ServerState, host: str, port: int, token: str | None) -> web.AppRunner:
     runner = web.AppRunner(make_app(state, token), access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    try:
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+    except OSError as e:
+        await runner.cleanup()
+        if e.errno == errno.EADDRINUSE:
+            raise PortInUse("kvtier server: --manage-port", host, port) from None
+        raise
     return runner
