@@ -105,12 +105,13 @@ def _bench_h2d(args: argparse.Namespace) -> int:
 def _bench_pd(args: argparse.Namespace) -> int:
     import json
 
-    from kvtier.bench.offload import OffloadShape
+    from kvtier.bench.offload import OffloadShape, bench_device
     from kvtier.bench.pd import run_pd
 
     shape = OffloadShape(tokens=max(args.tokens), layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim)
-    result = run_pd(shape, args.tokens, args.channels, args.sender_device, args.receiver_device, args.repeats,
-                    tuple(args.pieces))
+    sender = str(bench_device(args.sender_device, "--sender-device"))
+    receiver = str(bench_device(args.receiver_device, "--receiver-device"))
+    result = run_pd(shape, args.tokens, args.channels, sender, receiver, args.repeats, tuple(args.pieces))
     if args.output:
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -259,8 +260,8 @@ def _ttft_args(p: argparse.ArgumentParser) -> None:
 def _pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
     p.add_argument("--channels", nargs="+", default=["cuda_ipc"], choices=["tcp", "nixl", "cuda_ipc"])
-    p.add_argument("--sender-device", default="cuda:0")
-    p.add_argument("--receiver-device", default="cuda:0", help="cuda:1 for two GPUs")
+    p.add_argument("--sender-device", default="auto", help="auto: cuda:0 where there is a GPU, else cpu")
+    p.add_argument("--receiver-device", default="auto", help="auto: as the sender's; cuda:1 for two GPUs")
     _shape_args(p, chunk=False)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--pieces", nargs="+", default=["default"],

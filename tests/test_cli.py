@@ -102,3 +102,13 @@ def test_kvtier_vllm_runs_vllms_cli_on_the_platform_vllm_picks_itself():
     assert out.returncode == 0, out.stderr[-2000:]
     import torch
     assert out.stdout.split()[-1] == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_a_benchmark_asked_for_a_gpu_on_a_machine_without_one_says_so_in_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    done = run("bench", "pd", "--sender-device", "cuda:0")
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "kvtier: --sender-device cuda:0: this machine has no CUDA GPU (use cpu, or auto)"]

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
+from kvtier.errors import KvtierError
 from kvtier.keys import KVFormat
 from kvtier.transfer import PagedKV
 
@@ -111,12 +112,22 @@ def machine_name(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {platform.node()}"
 
 
+def bench_device(name: str, flag: str = "--device") -> torch.device:
+    """A benchmark's device: "auto" is the GPU where there is one, else the CPU; a CUDA
+    device on a machine without one is a named error, not torch's traceback."""
+    if name == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise KvtierError(f"{flag} {name}: this machine has no CUDA GPU (use cpu, or auto)")
+    return dev
+
+
 def run_offload(
     shape: OffloadShape, device: str = "auto", transfer: str = "auto", repeats: int = 5,
     progress: bool = True,
 ) -> OffloadResult:
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
+    dev = bench_device(device)
     logging.getLogger("kvtier").setLevel(logging.WARNING)
     n_blocks = 2 * -(-shape.tokens // shape.block_size)  # half for store, half for retrieve
     gen = torch.Generator().manual_seed(0)
