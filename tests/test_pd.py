@@ -17,7 +17,7 @@ from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError
 from kvtier.keys import KVFormat
-from kvtier.dev.localservers import free_port
+from kvtier.dev.localservers import free_port, free_ports
 from kvtier.pd import make_buffer, protocol as proto, start_receiver
 from kvtier.pd.sender import PdSender, Target
 from kvtier.transfer import PagedKV
@@ -52,7 +52,7 @@ class Pair:
 
     def __init__(self, channel="tcp", buffer_chunks=16, alloc_timeout=0.5, ttl=300, proxy_port=None,
                  staging_chunks=0):
-        self.init_port, self.alloc_port = free_port(), free_port()
+        self.init_port, self.alloc_port = free_ports(2)
         common = dict(chunk_size=CHUNK, save_unfull_chunk=True, enable_pd=True, transfer_channel=channel,
                       local_cpu=False, max_local_cpu_size=1 / 1024)
         self.rcfg = KvtierConfig(**common, pd_role="receiver", pd_buffer_size=buffer_chunks * CHUNK * BPT,

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kvtier.bench.offload import OffloadShape
-from kvtier.dev.localservers import free_port
+from kvtier.dev.localservers import free_ports
 
 FMT_MODEL = "llama-3.1-8b-shape"
 
@@ -180,7 +180,7 @@ class _Receiver:
     """The receiving process (`--serve-receiver`): its buffer, its ports, and the requests it loads."""
 
     def __init__(self, shape: OffloadShape, channel: str, device: str, max_tokens: int) -> None:
-        self.init, self.alloc = free_port(), free_port()
+        self.init, self.alloc = free_ports(2)
         buffer_bytes = (max_tokens // shape.chunk_size + 2) * shape.chunk_size * per_token(shape)
         cmd = [sys.executable, "-m", "kvtier.bench.pd", "--serve-receiver", "--device", device,
                "--channel", channel, "--buffer-bytes", str(buffer_bytes), "--init-port", str(self.init),

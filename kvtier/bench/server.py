@@ -83,9 +83,9 @@ class ServerBenchConfig:
 
 
 def run_server_bench(cfg: ServerBenchConfig, progress=print) -> dict:
-    from kvtier.dev.localservers import free_port, wait_for_port
+    from kvtier.dev.localservers import free_ports, wait_for_port
 
-    raw_port, ring_port = free_port(), free_port()
+    raw_port, ring_port = free_ports(2)
     raws = [mp.get_context("spawn").Process(target=raw_server, args=(port, ring), daemon=True)
             for port, ring in ((raw_port, 0), (ring_port, 256 * MiB))]
     for proc, port in zip(raws, (raw_port, ring_port)):

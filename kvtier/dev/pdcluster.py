@@ -24,7 +24,7 @@ from typing import Iterator, Sequence
 
 from kvtier.dev.cpu_dtype import model_dtype
 from kvtier.dev.demo import Server, vllm_server
-from kvtier.dev.localservers import free_port, wait_for_port
+from kvtier.dev.localservers import free_ports, wait_for_port
 
 
 def on_gpu() -> bool:
@@ -97,7 +97,7 @@ def pd_cluster(model_dir: Path, tmp: Path, channel: str, tp: int = 1, env: dict[
     backend in both servers, as its guide runs it (UCX_TLS=cuda_ipc,cuda_copy,tcp; the sender's
     buffer as large as the decoder's: it holds a request's chunks; one PYTHONHASHSEED, which
     its chunk keys hash with), `kvtier proxy --pd-engine lmcache` in front."""
-    init, alloc, notify, port = free_port(), free_port(), free_port(), free_port()
+    init, alloc, notify, port = free_ports(4)
     _write_configs(tmp, channel, init, alloc, notify, buffer_bytes, buffer_bytes if engine == "lmcache" else 64 << 20)
     env = {**_engine_env(engine), "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     args = list(extra_args)
