@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 
@@ -87,6 +88,12 @@ class PortInUse(KvtierError, OSError):
         self.what, self.host, self.port = what, host, port
         super().__init__(f"{what} {port} on {host} is in use by another process; "
                          "pick another port or stop the process that holds it")
+
+
+def port_taken(exc: BaseException, what: str, host: str, port: int) -> BaseException:
+    """`exc` as a PortInUse where it says the port is taken (a socket's OSError, ZMQ's
+    ZMQError: both carry errno), else `exc` itself: `raise port_taken(e, ...) from None`."""
+    return PortInUse(what, host, port) if getattr(exc, "errno", None) == errno.EADDRINUSE else exc
 
 
 class DiskTierInUse(KvtierError):

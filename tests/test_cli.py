@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvtier.dev.localservers import LocalServer, ServerDidNotStart, _running, free_port
+from kvtier.dev.localservers import LocalServer, ServerDidNotStart, _running, free_port, free_ports
 
 KVTIER = [sys.executable, "-m", "kvtier.cli"]
 
@@ -41,16 +41,30 @@ def test_the_effective_config_prints_with_exit_status_0():
     assert done.returncode == 0 and "local_disk='/tmp/kv'" in done.stdout and "max_local_disk_size=2.0" in done.stdout
 
 
-@pytest.mark.parametrize("flag", ["--service-port", "--manage-port"])
-def test_a_server_port_taken_by_another_process_is_one_line_that_names_it(flag):
+PORT_FLAGS = {"server": ["--service-port", "--manage-port"], "proxy": ["--port", "--proxy-port"]}
+OTHER_ARGS = {"server": ["--host", "127.0.0.1", "--prealloc-size", "0.01"],
+              "proxy": ["--host", "127.0.0.1", "--proxy-host", "127.0.0.1", "--prefiller-port", "1",
+                        "--decoder-port", "2"]}
+
+
+@pytest.mark.parametrize("command,flag", [(c, f) for c, flags in PORT_FLAGS.items() for f in flags]
+                         + [("proxy", "--proxy-port --pd-engine lmcache")])
+def test_a_port_taken_by_another_process_is_one_line_that_names_its_flag(command, flag):
+    flag, *extra = flag.split()
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        ports = {"--service-port": str(free_port()), "--manage-port": str(free_port()), flag: str(port)}
-        done = run("server", *[x for kv in ports.items() for x in kv], "--prealloc-size", "0.01")
+        ports = dict(zip(PORT_FLAGS[command], map(str, free_ports(2)))) | {flag: str(port)}
+        done = run(command, *[x for kv in ports.items() for x in kv], *OTHER_ARGS[command], *extra)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
-        f"kvtier server: {flag} {port} on 127.0.0.1 is in use by another process; "
+        f"kvtier {command}: {flag} {port} on 127.0.0.1 is in use by another process; "
         "pick another port or stop the process that holds it")
+
+
+def test_a_server_pool_larger_than_memory_is_one_line():
+    done = run("server", "--service-port", str(free_port()), "--prealloc-size", "100000")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "a pool of 100000.00 GiB cannot be mapped" in done.stderr.strip().splitlines()[-1]
 
 
 def _server(port: int, log_path, *extra: str) -> LocalServer:

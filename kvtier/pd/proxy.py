@@ -31,12 +31,13 @@ import itertools
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, Awaitable
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from kvtier.errors import port_taken
 from kvtier.logs import get_logger
 from kvtier.pd import protocol as proto
 from kvtier.pd.notify import Notifications, notifications
@@ -82,10 +83,15 @@ class Proxy:
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        await self._notify.start()
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, self.s.host, self.s.port).start()
+        try:
+            await _listening(self._notify.start(), "kvtier proxy: --proxy-port", self.s.proxy_host, self.s.proxy_port)
+            self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+            await self._runner.setup()
+            await _listening(web.TCPSite(self._runner, self.s.host, self.s.port).start(), "kvtier proxy: --port",
+                             self.s.host, self.s.port)
+        except BaseException:
+            await self.stop()
+            raise
         log.info("kvtier proxy on http://%s:%d: prefillers %s, decoders %s (%s's PD); their notifications on %s:%d",
                  self.s.host, self.s.port, self.s.prefillers, [d.url for d in self.s.decoders], self.s.pd_engine,
                  self.s.proxy_host, self.s.proxy_port)
@@ -288,6 +294,14 @@ def _json_or_none(payload: bytes) -> Any:
         return json.loads(payload)
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
+
+
+async def _listening(opening: Awaitable[None], what: str, host: str, port: int) -> None:
+    """Await a listener's start: a port another process holds is a PortInUse naming `what`."""
+    try:
+        await opening
+    except Exception as e:  # noqa: BLE001 - a socket's OSError, or ZMQ's ZMQError (LMCache's PD)
+        raise port_taken(e, what, host, port) from None
 
 
 async def serve(settings: ProxySettings) -> None:

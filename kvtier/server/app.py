@@ -29,12 +29,11 @@ one line and serves TCP; the RDMA design is in docs/rdma.md.
 from __future__ import annotations
 
 import asyncio
-import errno
 import signal
 import socket
 import threading
 
-from kvtier.errors import PortInUse
+from kvtier.errors import port_taken
 from kvtier.logs import get_logger
 from kvtier.server import protocol as p
 from kvtier.server.connection import Connection
@@ -130,9 +129,7 @@ def _listen(host: str, port: int) -> socket.socket:
     try:
         listener = socket.create_server((host, port), family=family, backlog=512)
     except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            raise PortInUse("kvtier server: --service-port", host, port) from None
-        raise
+        raise port_taken(e, "kvtier server: --service-port", host, port) from None
     listener.setblocking(False)
     return listener
 

@@ -14,7 +14,6 @@ purge and the server-wide counters are the operator's.
 
 from __future__ import annotations
 
-import errno
 import hmac
 from typing import TYPE_CHECKING
 
@@ -22,7 +21,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvtier.errors import PortInUse
+from kvtier.errors import port_taken
 
 if TYPE_CHECKING:
     from kvtier.server.state import ServerState
@@ -105,7 +104,5 @@ async def start_management(state: ServerState, host: str, port: int, token: str 
         await web.TCPSite(runner, host, port, reuse_address=True).start()
     except OSError as e:
         await runner.cleanup()
-        if e.errno == errno.EADDRINUSE:
-            raise PortInUse("kvtier server: --manage-port", host, port) from None
-        raise
+        raise port_taken(e, "kvtier server: --manage-port", host, port) from None
     return runner

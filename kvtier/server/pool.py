@@ -26,6 +26,15 @@ import os
 Extents = list[tuple[int, int]]
 
 
+def _available_gib() -> float:
+    """MemAvailable of /proc/meminfo, in GiB (what a new mapping can take without swapping)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
 class PagePool:
     def __init__(self, capacity: int, page_size: int = 256 << 10) -> None:
         if page_size <= 0 or page_size % mmap.PAGESIZE:
@@ -36,9 +45,14 @@ class PagePool:
         self.num_pages = capacity // page_size
         self.capacity = self.num_pages * page_size
         self.fd = os.memfd_create("kvtier-server-pool", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, self.capacity)
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # touch every page now, not on first put
-        self.arena = mmap.mmap(self.fd, self.capacity, flags=flags)
+        try:
+            os.ftruncate(self.fd, self.capacity)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # touch every page now, not on first put
+            self.arena = mmap.mmap(self.fd, self.capacity, flags=flags)
+        except OSError as e:
+            os.close(self.fd)
+            raise ValueError(f"a pool of {self.capacity / 2**30:.2f} GiB cannot be mapped ({e.strerror}); "
+                             f"this machine has {_available_gib():.2f} GiB of memory available") from None
         self.view = memoryview(self.arena)
         self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: low pages come out first
 
