@@ -357,9 +357,19 @@ BENCHMARKS: list[Command] = [
 ]
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvtier")
+    except PackageNotFoundError:  # run from a checkout that was not installed
+        return "(not installed)"
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="kvtier", description=__doc__)
     top.add_argument("--debug", action="store_true", help="show the traceback of a configuration error")
+    top.add_argument("--version", action="version", version=f"kvtier {_version()}")
     sub = top.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for group, commands in ((sub, COMMANDS), (bench, BENCHMARKS)):

@@ -126,3 +126,20 @@ def test_a_benchmark_asked_for_a_gpu_on_a_machine_without_one_says_so_in_one_lin
     done = run("bench", "pd", "--sender-device", "cuda:0")
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "kvtier: --sender-device cuda:0: this machine has no CUDA GPU (use cpu, or auto)"]
+
+
+@pytest.mark.parametrize("args,says", [
+    (["server", "--service-port", "99999"], "kvtier server: --service-port 99999: expected a port, 0 to 65535"),
+    (["proxy", "--decoder-port", "70000"], "kvtier proxy: --decoder-port 70000: expected ports, up to 65535"),
+    (["bench", "chat", "--url", "http://127.0.0.1:1", "--model", "m"],
+     "kvtier: bench chat: cannot read http://127.0.0.1:1/metrics ([Errno 111] Connection refused); "
+     "is vLLM's OpenAI server (with its metrics) up there?"),
+])
+def test_a_user_mistake_is_one_line_that_names_it(args, says):
+    done = run(*args)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [says], done.stderr
+
+
+def test_version():
+    done = run("--version")
+    assert done.returncode == 0 and done.stdout.startswith("kvtier ")

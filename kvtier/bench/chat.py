@@ -32,6 +32,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
+from kvtier.errors import KvtierError
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -173,7 +175,12 @@ def scrape(url: str) -> dict[str, float]:
     names = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
              "vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits")
     out = dict.fromkeys(names, 0.0)
-    for name, _, value in series(httpx.get(f"{url}/metrics", timeout=30).text):
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=30).raise_for_status().text
+    except httpx.HTTPError as e:
+        raise KvtierError(f"bench chat: cannot read {url}/metrics ({e}); is vLLM's OpenAI server "
+                          "(with its metrics) up there?") from None
+    for name, _, value in series(text):
         if name in out:
             out[name] += value
     return out

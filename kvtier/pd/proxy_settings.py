@@ -44,6 +44,13 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     init, alloc = _csv_ints(args.decoder_init_port), _csv_ints(args.decoder_alloc_port)
     decoders = [Decoder(f"http://{args.decoder_host}:{p}", args.decoder_host, [x + i for x in init],
                         [x + i for x in alloc]) for i, p in enumerate(dec_ports)]
+    listened = {"--port": [args.port], "--proxy-port": [args.proxy_port]}  # 0: any free port
+    peers = {"--prefiller-port": pre_ports, "--decoder-port": dec_ports,
+             "--decoder-init-port": [p for d in decoders for p in d.init_ports],
+             "--decoder-alloc-port": [p for d in decoders for p in d.alloc_ports]}
+    for flag, ports in (listened | peers).items():
+        if not all((0 if flag in listened else 1) <= p <= 65535 for p in ports):
+            raise ValueError(f"{flag} {','.join(map(str, ports))}: expected ports, up to 65535")
     return ProxySettings(args.host, args.port, [f"http://{args.prefiller_host}:{p}" for p in pre_ports], decoders,
                          args.proxy_host, args.proxy_port, args.prefill_timeout, args.decode_timeout,
                          args.kv_ready_timeout, pd_engine=args.pd_engine)

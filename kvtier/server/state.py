@@ -54,6 +54,9 @@ class ServerOptions:
             )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
+        for name in ("service_port", "manage_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected a port, 0 to 65535")
         for name in ("lease_timeout", "put_deadline", "idle_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected seconds > 0")
