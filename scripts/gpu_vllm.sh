@@ -97,10 +97,12 @@ esac
 serving_model='{"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16, "num_attention_heads": 16,
     "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 32768}'
 case " $steps " in *" serving "*)
-# A 16-layer Llama shape (64 KB of KV a token), seeded weights; vLLM's own KV cache a fraction of
-# the live conversations (--gpu-util), every offloader the same CPU memory.
+# A 16-layer Llama shape (64 KB of KV a token), seeded weights; vLLM's own KV cache a quarter of
+# the live conversations at their last turn (GPU_KV_SHARE; --kv-cache-memory-bytes, so the same on
+# an H100 and an H200; --gpu-util only bounds the rest), every offloader the same CPU memory.
 timeout ${SERVING_TIMEOUT:-540} python3 -m kvtier.bench.serving --setups ${SETUPS:-plain kvtier} --out "$work/serving" \
-    --gpu-util ${GPU_UTIL:-0.12} --cpu-gb 20 --model "$serving_model" --workload "${WORKLOAD:-$chat_workload}" ${SERVING_ARGS:-} > "$work/serving.log" 2>&1
+    --gpu-util ${GPU_UTIL:-0.5} --gpu-kv-share ${GPU_KV_SHARE:-0.25} --cpu-gb 20 --model "$serving_model" \
+    --workload "${WORKLOAD:-$chat_workload}" ${SERVING_ARGS:-} > "$work/serving.log" 2>&1
 echo "serving exit $?"; pkill -f "$servers"; grep -E "^\||^\[|Traceback|Error" "$work/serving.log" | tail -20
 # With SERVING_ARGS=--profile (py-spy on PATH, e.g. its wheel carried in .tools/): where each
 # server's threads spent the workload.

@@ -136,3 +136,15 @@ def test_the_chat_workload_reports_how_many_requests_were_in_flight():
     crowded = [res(0.05 * k, 0.2) for k in range(8)] + [res(0.0, None)]  # a request that never ended: left out
     mean, most, joined = in_flight(crowded, 0.55)
     assert abs(mean - 1.6 / 0.55) < 1e-9 and most == 4 and joined == 7 / 8
+
+
+def test_the_gpu_kv_cache_for_a_share_of_the_chats_conversations():
+    from kvtier.bench.chat import Workload
+    from kvtier.bench.serving import gpu_kv_bytes
+    from kvtier.dev.tinymodel import TinyLlama
+
+    llama8b = TinyLlama(num_hidden_layers=32, num_key_value_heads=8, head_dim=128)  # 128 KiB of KV a token
+    w = Workload(conversations=32, system_tokens=4096, turns=6, user_tokens=256, answer_tokens=128, max_tokens=48)
+    last_turn = 4096 + 6 * 256 + 5 * 128 + 48  # 6,320 tokens
+    assert gpu_kv_bytes(llama8b, w, 0.25, 8192) == 8 * last_turn * 128 * 1024  # 6.17 GiB: 8 of the 32
+    assert gpu_kv_bytes(llama8b, w, 0.01, 8192) == 8192 * 128 * 1024  # never below one whole request

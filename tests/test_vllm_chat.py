@@ -10,7 +10,7 @@ from dataclasses import asdict, replace
 import pytest
 
 from kvtier.bench.chat import Workload, plot, run, same_outputs
-from kvtier.bench.serving import compare, table
+from kvtier.bench.serving import ServerSpec, compare, table
 from kvtier.dev.demo import vllm_server
 
 pytestmark = pytest.mark.vllm
@@ -26,8 +26,8 @@ DTYPE = "float32"
 
 
 def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tmp_path):
-    records = compare(tiny_model, ["kvtier"], WORKLOAD, tmp_path / "serving", cpu_gb=0.5, gpu_util=0.4,
-                      eager=True, prefix_caching=False, max_model_len=4096, dtype=DTYPE)
+    server = ServerSpec(cpu_gb=0.5, gpu_util=0.4, eager=True, prefix_caching=False, max_model_len=4096, dtype=DTYPE)
+    records = compare(tiny_model, ["kvtier"], WORKLOAD, tmp_path / "serving", server)
     with_kv = records["kvtier"]
     with vllm_server(tiny_model, tmp_path / "plain", kv_connector=None, max_model_len=4096, dtype=DTYPE) as srv:
         plain = run(srv.url, str(tiny_model), replace(WORKLOAD, concurrency=1, rate=100.0))  # one at a time
@@ -54,8 +54,8 @@ def test_vllm_bench_serve_twice_per_setup_with_shared_prefixes(tiny_model, tmp_p
     from kvtier.bench.stores_vllm import Workload as BenchServe
 
     work = BenchServe(num_prompts=6, input_len=768, output_len=4, num_prefixes=2, prefix_len=512)
-    rows = serve_twice(tiny_model, ["plain", "kvtier"], work, tmp_path, cpu_gb=0.5, gpu_util=0.4, eager=True,
-                       prefix_caching=False, max_model_len=2048, dtype=DTYPE)
+    server = ServerSpec(cpu_gb=0.5, gpu_util=0.4, eager=True, prefix_caching=False, max_model_len=2048, dtype=DTYPE)
+    rows = serve_twice(tiny_model, ["plain", "kvtier"], work, tmp_path, server)
     for name in ("plain", "kvtier"):
         assert "error" not in rows[name], rows[name]
         for run_ in ("first", "second"):

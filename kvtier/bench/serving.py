@@ -12,7 +12,9 @@ server at a time on this machine.
 
 One JSON record per setup (`<out>/<setup>.json`), `<out>/serving.svg` (TTFT over the
 run, every setup) and a table on stdout: mean / p99 TTFT, throughput, hit rates,
-failed requests, and how many greedy outputs equal the first setup's. With `--rounds N`
+failed requests, and how many greedy outputs equal the first setup's. `--gpu-kv-share S`
+sizes vLLM's GPU KV cache to hold S of the conversations at their last turn, whatever the
+GPU (`ServerSpec.gpu_kv_bytes`): the offloaders serve the rest. With `--rounds N`
 the setups run N times over in turn (`<setup>#<k>`), and a second table gives each one's
 mean TTFT by round and its median ratio to the first setup's in the same round. With
 `--profile`, py-spy samples the server and its engine core during the workload
@@ -34,7 +36,7 @@ import shutil
 import signal
 import statistics
 import subprocess
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -62,13 +64,37 @@ def setup(name: str, cpu_gb: float) -> tuple[dict | None, dict, list[str]]:
     }[name]
 
 
-def served(model: Path, name: str, workdir: Path, cpu_gb: float, gpu_util: float, eager: bool,
-           prefix_caching: bool, max_model_len: int, dtype: str):
+@dataclass(frozen=True)
+class ServerSpec:
+    """How every setup's vLLM server runs: the same for each offloader."""
+
+    cpu_gb: float = 20.0  # CPU memory each offloader gets
+    gpu_util: float = 0.2  # vLLM's share of the GPU (its KV cache what is left of it after the model)
+    eager: bool = False
+    prefix_caching: bool = True
+    max_model_len: int = 32768
+    dtype: str = "auto"
+    gpu_kv_bytes: int | None = None  # vLLM's GPU KV cache, exactly (--kv-cache-memory-bytes; gpu_util then
+    # only bounds the rest)
+
+
+def gpu_kv_bytes(spec: TinyLlama, w: Workload, share: float, max_model_len: int) -> int:
+    """A GPU KV cache that holds `share` of the workload's conversations at their last turn
+    (prompt and answer), so that the workload means the same on any GPU; at least one
+    request of `max_model_len` tokens (vLLM will not start with less). KV in 16-bit floats."""
+    per_token = 2 * spec.num_hidden_layers * spec.num_key_value_heads * spec.head_dim * 2
+    last_turn = w.system_tokens + w.turns * w.user_tokens + (w.turns - 1) * w.answer_tokens + w.max_tokens
+    return per_token * max(round(share * w.conversations * last_turn), max_model_len)
+
+
+def served(model: Path, name: str, workdir: Path, server: ServerSpec):
     """vLLM's OpenAI server with setup `name`'s offloader (a context manager)."""
-    connector, env, extra = setup(name, cpu_gb)
+    connector, env, extra = setup(name, server.cpu_gb)
+    if server.gpu_kv_bytes is not None:
+        extra = [*extra, "--kv-cache-memory-bytes", str(server.gpu_kv_bytes)]
     return vllm_server(model, workdir, env=env, kv_connector=connector, extra_args=extra,
-                       gpu_memory_utilization=gpu_util, eager=eager, prefix_caching=prefix_caching,
-                       max_model_len=max_model_len, dtype=dtype)
+                       gpu_memory_utilization=server.gpu_util, eager=server.eager,
+                       prefix_caching=server.prefix_caching, max_model_len=server.max_model_len, dtype=server.dtype)
 
 
 @contextlib.contextmanager
@@ -91,8 +117,7 @@ def sampled(pid: int, path: Path | None) -> Iterator[None]:
         proc.wait(timeout=60)
 
 
-def compare(model: Path, names: list[str], w: Workload, out: Path, cpu_gb: float, gpu_util: float,
-            eager: bool, prefix_caching: bool, max_model_len: int, dtype: str = "auto",
+def compare(model: Path, names: list[str], w: Workload, out: Path, server: ServerSpec,
             profile: bool = False, rounds: int = 1) -> dict[str, Record]:
     """Each setup in turn, `rounds` times over (setup "x" of round 2 is "x#2"): a machine's
     drift then falls on every setup alike, and each round compares setups side by side."""
@@ -101,8 +126,7 @@ def compare(model: Path, names: list[str], w: Workload, out: Path, cpu_gb: float
     for r in range(rounds):
         for name in names:
             key = name if rounds == 1 else f"{name}#{r + 1}"
-            with served(model, name, out / key, cpu_gb, gpu_util, eager, prefix_caching, max_model_len,
-                        dtype) as srv:
+            with served(model, name, out / key, server) as srv:
                 run(srv.url, str(model), replace(w, rate=100.0, conversations=1, turns=1))  # warm-up
                 assert srv.proc is not None
                 with sampled(srv.proc.pid, out / f"{key}-pyspy.txt" if profile else None):
@@ -113,8 +137,7 @@ def compare(model: Path, names: list[str], w: Workload, out: Path, cpu_gb: float
     return records
 
 
-def serve_twice(model: Path, names: list[str], work: BenchServe, out: Path, cpu_gb: float, gpu_util: float,
-                eager: bool, prefix_caching: bool, max_model_len: int, dtype: str = "auto",
+def serve_twice(model: Path, names: list[str], work: BenchServe, out: Path, server: ServerSpec,
                 profile: bool = False) -> dict[str, dict]:
     """The InfiniStore guide's flow per setup: `vllm bench serve` twice against one server,
     the second run sending the first's prompts (a prefix-sharing dataset where `work` says
@@ -126,8 +149,7 @@ def serve_twice(model: Path, names: list[str], work: BenchServe, out: Path, cpu_
     rows: dict[str, dict] = {}
     for name in names:
         try:
-            with served(model, name, out / name, cpu_gb, gpu_util, eager, prefix_caching, max_model_len,
-                        dtype) as srv:
+            with served(model, name, out / name, server) as srv:
                 assert srv.proc is not None
                 runs = {}
                 for run_ in ("first", "second"):
@@ -218,6 +240,9 @@ def main() -> None:
     p.add_argument("--out", default="results/serving")
     p.add_argument("--cpu-gb", type=float, default=20.0, help="CPU memory each offloader gets (GB)")
     p.add_argument("--gpu-util", type=float, default=0.2, help="small, so that vLLM's own KV cache holds a part")
+    p.add_argument("--gpu-kv-share", type=float, default=None,
+                   help="vLLM's GPU KV cache sized to hold this share of the chat's conversations at their last "
+                        "turn (--kv-cache-memory-bytes): the same workload on any GPU, whatever --gpu-util leaves")
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--max-model-len", type=int, default=32768)
@@ -230,15 +255,19 @@ def main() -> None:
     args = p.parse_args()
     spec = TinyLlama(**args.model)
     model = make_tiny_llama(args.model_dir, spec)
+    server = ServerSpec(args.cpu_gb, args.gpu_util, args.eager, args.prefix_caching, args.max_model_len)
     if args.bench_serve is not None:
-        rows = serve_twice(model, args.setups, BenchServe(**args.bench_serve), Path(args.out), args.cpu_gb,
-                           args.gpu_util, args.eager, args.prefix_caching, args.max_model_len, profile=args.profile)
+        rows = serve_twice(model, args.setups, BenchServe(**args.bench_serve), Path(args.out), server,
+                           profile=args.profile)
         print("\n".join(serve_twice_table(rows)))
         return
     # Token ids within the model's vocabulary (vLLM refuses others with a 400).
     workload = Workload(**{"vocab": spec.vocab_size, **args.workload})
-    records = compare(model, args.setups, workload, Path(args.out), args.cpu_gb, args.gpu_util,
-                      args.eager, args.prefix_caching, args.max_model_len, profile=args.profile,
+    if args.gpu_kv_share is not None:
+        server = replace(server, gpu_kv_bytes=gpu_kv_bytes(spec, workload, args.gpu_kv_share, args.max_model_len))
+        print(f"vLLM's GPU KV cache: {server.gpu_kv_bytes / 2**30:.2f} GiB, {args.gpu_kv_share:.0%} of the "
+              f"{workload.conversations} conversations at their last turn", flush=True)
+    records = compare(model, args.setups, workload, Path(args.out), server, profile=args.profile,
                       rounds=args.rounds)
     print("\n".join(table(records) + [""] + by_round(records)))
     for name, rec in records.items():
