@@ -10,7 +10,8 @@ from dataclasses import asdict, replace
 import pytest
 
 from kvtier.bench.chat import Workload, plot, run, same_outputs
-from kvtier.bench.serving import ServerSpec, compare, table
+from kvtier.bench.serving import ServerSpec, compare, gpu_kv_bytes, table
+from kvtier.dev.tinymodel import TinyLlama
 from kvtier.dev.demo import vllm_server
 
 pytestmark = pytest.mark.vllm
@@ -26,8 +27,15 @@ DTYPE = "float32"
 
 
 def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tmp_path):
-    server = ServerSpec(cpu_gb=0.5, gpu_util=0.4, eager=True, prefix_caching=False, max_model_len=4096, dtype=DTYPE)
+    # vLLM's own KV cache sized to the workload (`--gpu-kv-share 1`): every conversation at its
+    # last turn, as vLLM's log must say (CPU vLLM takes --kv-cache-memory-bytes as GPU vLLM does)
+    kv_bytes = gpu_kv_bytes(TinyLlama(), WORKLOAD, 1.0, 4096, dtype_bytes=4)
+    server = ServerSpec(cpu_gb=0.5, gpu_util=0.4, eager=True, prefix_caching=False, max_model_len=4096, dtype=DTYPE,
+                        gpu_kv_bytes=kv_bytes)
     records = compare(tiny_model, ["kvtier"], WORKLOAD, tmp_path / "serving", server)
+    log = next((tmp_path / "serving" / "kvtier").glob("vllm-*.log")).read_text()
+    last_turn = 768 + 3 * 64 + 2 * 32 + 4
+    assert abs(int(re.search(r"KV cache size: ([\d,]+) tokens", log)[1].replace(",", "")) - 6 * last_turn) < 256
     with_kv = records["kvtier"]
     with vllm_server(tiny_model, tmp_path / "plain", kv_connector=None, max_model_len=4096, dtype=DTYPE) as srv:
         plain = run(srv.url, str(tiny_model), replace(WORKLOAD, concurrency=1, rate=100.0))  # one at a time

@@ -78,11 +78,12 @@ class ServerSpec:
     # only bounds the rest)
 
 
-def gpu_kv_bytes(spec: TinyLlama, w: Workload, share: float, max_model_len: int) -> int:
+def gpu_kv_bytes(spec: TinyLlama, w: Workload, share: float, max_model_len: int, dtype_bytes: int = 2) -> int:
     """A GPU KV cache that holds `share` of the workload's conversations at their last turn
     (prompt and answer), so that the workload means the same on any GPU; at least one
-    request of `max_model_len` tokens (vLLM will not start with less). KV in 16-bit floats."""
-    per_token = 2 * spec.num_hidden_layers * spec.num_key_value_heads * spec.head_dim * 2
+    request of `max_model_len` tokens (vLLM will not start with less). KV in 16-bit floats
+    unless `dtype_bytes` says otherwise."""
+    per_token = 2 * spec.num_hidden_layers * spec.num_key_value_heads * spec.head_dim * dtype_bytes
     last_turn = w.system_tokens + w.turns * w.user_tokens + (w.turns - 1) * w.answer_tokens + w.max_tokens
     return per_token * max(round(share * w.conversations * last_turn), max_model_len)
 
@@ -90,8 +91,10 @@ def gpu_kv_bytes(spec: TinyLlama, w: Workload, share: float, max_model_len: int)
 def served(model: Path, name: str, workdir: Path, server: ServerSpec):
     """vLLM's OpenAI server with setup `name`'s offloader (a context manager)."""
     connector, env, extra = setup(name, server.cpu_gb)
-    if server.gpu_kv_bytes is not None:
+    if server.gpu_kv_bytes is not None:  # on CPU too: vLLM's CPU platform takes its whole GiB from
+        # VLLM_CPU_KVCACHE_SPACE over the flag, so the variable goes
         extra = [*extra, "--kv-cache-memory-bytes", str(server.gpu_kv_bytes)]
+        env = {**env, "VLLM_CPU_KVCACHE_SPACE": None}
     return vllm_server(model, workdir, env=env, kv_connector=connector, extra_args=extra,
                        gpu_memory_utilization=server.gpu_util, eager=server.eager,
                        prefix_caching=server.prefix_caching, max_model_len=server.max_model_len, dtype=server.dtype)

@@ -71,7 +71,7 @@ def vllm_server(
     model_dir: Path,
     workdir: Path,
     *,
-    env: dict[str, str] | None = None,
+    env: dict[str, str | None] | None = None,
     kv_connector: dict | None = CONNECTOR,
     max_model_len: int = 16384,
     dtype: str = "auto",
@@ -108,7 +108,8 @@ def vllm_server(
     if eager:
         cmd += ["--enforce-eager"]
     cmd += list(extra_args)
-    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", **(env or {})}
+    full_env = {k: v for k, v in {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", **(env or {})}.items()
+                if v is not None}  # None in `env`: unset
     log_path.write_bytes(b"")
     server = Server(f"http://127.0.0.1:{port}", log_path, cmd, full_env)
     try:
