@@ -17,7 +17,7 @@ from kvtier.dev.demo import vllm_server
 pytestmark = pytest.mark.vllm
 
 WORKLOAD = Workload(conversations=6, system_prompts=2, system_tokens=768, turns=3, user_tokens=64,
-                    answer_tokens=32, max_tokens=4, rate=3.0, concurrency=4, vocab=4000)
+                    answer_tokens=32, max_tokens=4, rate=30.0, concurrency=4, vocab=4000)
 
 
 # float32: with several requests in flight, vLLM batches them differently from one run to
@@ -41,6 +41,8 @@ def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tm
         plain = run(srv.url, str(tiny_model), replace(WORKLOAD, concurrency=1, rate=100.0))  # one at a time
     s = with_kv.summary
     assert s["requests"] == 18 and s["failed"] == 0 and plain.summary["failed"] == 0
+    # served several at a time: at 30 req/s the next turn is sent before the last is answered
+    assert s["max_in_flight"] == WORKLOAD.concurrency and s["sent_while_another_ran"] >= 0.5, s
     # Every turn after a conversation's first starts with its previous prompt (3 whole chunks at
     # least): kvtier's hits, as vLLM counts them (its own prefix cache is off).
     assert s["connector_hit_tokens"] >= 12 * 768 and s["gpu_prefix_hit_rate"] == 0
