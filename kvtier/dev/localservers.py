@@ -92,8 +92,8 @@ class LocalServer:
     extra_config: dict = field(default_factory=dict)  # what a client needs besides the URL to join it
 
     def start(self) -> None:
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT) for cmd in self.commands]
+        with open(self.log_path or os.devnull, "ab") as log:  # the children keep their own copies
+            self.procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT) for cmd in self.commands]
         try:
             for port, proc in zip(self.ports, self.procs):
                 wait_for_port(port, proc=proc)
