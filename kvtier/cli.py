@@ -58,8 +58,10 @@ def _bench_disk(args: argparse.Namespace) -> int:
 
 
 def _bench_ttft(args: argparse.Namespace) -> int:
+    from kvtier.bench.offload import need_gpu
     from kvtier.bench.ttft import run_ttft
 
+    need_gpu("bench ttft times a model's prefill on a GPU")
     run_ttft(args.lengths, args.repeats, Path(args.output), layers=args.layers, transfer=args.transfer,
              server=args.server, disk_dir=Path(args.disk) if args.disk else None, server_tcp=args.server_tcp,
              codecs=tuple(args.codecs))

@@ -118,14 +118,18 @@ def test_kvtier_vllm_runs_vllms_cli_on_the_platform_vllm_picks_itself():
     assert out.stdout.split()[-1] == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def test_a_benchmark_asked_for_a_gpu_on_a_machine_without_one_says_so_in_one_line():
+@pytest.mark.parametrize("args,says", [
+    (["bench", "pd", "--sender-device", "cuda:0"], "--sender-device cuda:0: this machine has no CUDA GPU (use cpu, or auto)"),
+    (["bench", "h2d"], "bench h2d times host-to-GPU copies: this machine has no CUDA GPU"),
+    (["bench", "ttft", "--lengths", "512"], "bench ttft times a model's prefill on a GPU: this machine has no CUDA GPU"),
+])
+def test_a_benchmark_that_needs_a_gpu_says_so_in_one_line_on_a_machine_without_one(args, says):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    done = run("bench", "pd", "--sender-device", "cuda:0")
-    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        "kvtier: --sender-device cuda:0: this machine has no CUDA GPU (use cpu, or auto)"]
+    done = run(*args)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [f"kvtier: {says}"], done.stderr
 
 
 @pytest.mark.parametrize("args,says", [

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from kvtier.bench.offload import need_gpu
 from kvtier.transfer import cudart
 from kvtier.transfer.staging import run_table, runs_up
 
@@ -109,6 +110,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    need_gpu("bench h2d times host-to-GPU copies")
     dev = torch.device("cuda")
     load = Load(args.chunks, args.layers, args.layer_mb, dev)
     stream = torch.cuda.current_stream()

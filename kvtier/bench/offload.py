@@ -118,9 +118,15 @@ def bench_device(name: str, flag: str = "--device") -> torch.device:
     if name == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise KvtierError(f"{flag} {name}: this machine has no CUDA GPU (use cpu, or auto)")
+    if dev.type == "cuda":
+        need_gpu(f"{flag} {name}", " (use cpu, or auto)")
     return dev
+
+
+def need_gpu(what: str, hint: str = "") -> None:
+    """A benchmark that runs on a GPU only: a named error on a machine without one."""
+    if not torch.cuda.is_available():
+        raise KvtierError(f"{what}: this machine has no CUDA GPU{hint}")
 
 
 def run_offload(
