@@ -157,8 +157,8 @@ async def serve(state: ServerState, ready: asyncio.Event | None = None) -> None:
             ready.set()
         await stop.wait()
     finally:
-        log.info("kvtier server stopping")
-        if acceptor is not None:
+        if acceptor is not None:  # it started
+            log.info("kvtier server stopping")
             acceptor.cancel()
         if listener is not None:
             listener.close()
