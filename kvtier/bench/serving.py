@@ -83,9 +83,8 @@ def gpu_kv_bytes(spec: TinyLlama, w: Workload, share: float, max_model_len: int,
     (prompt and answer), so that the workload means the same on any GPU; at least one
     request of `max_model_len` tokens (vLLM will not start with less). KV in 16-bit floats
     unless `dtype_bytes` says otherwise."""
-    per_token = 2 * spec.num_hidden_layers * spec.num_key_value_heads * spec.head_dim * dtype_bytes
     last_turn = w.system_tokens + w.turns * w.user_tokens + (w.turns - 1) * w.answer_tokens + w.max_tokens
-    return per_token * max(round(share * w.conversations * last_turn), max_model_len)
+    return spec.kv_bytes_per_token(dtype_bytes) * max(round(share * w.conversations * last_turn), max_model_len)
 
 
 def served(model: Path, name: str, workdir: Path, server: ServerSpec):

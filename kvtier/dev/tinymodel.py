@@ -38,6 +38,10 @@ class TinyLlama:
     max_position_embeddings: int = 16384
     torch_dtype: str = "bfloat16"
 
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """Bytes of KV (K and V, every layer) a token takes in an engine's cache."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
