@@ -43,6 +43,7 @@ from typing import Iterator
 from kvtier.bench.chat import Record, Workload, plot, run, same_outputs
 from kvtier.bench.stores_vllm import LMCACHE_CONNECTOR, bench_serve, served_outputs
 from kvtier.bench.stores_vllm import Workload as BenchServe
+from kvtier.dev.cpu_dtype import model_dtype
 from kvtier.dev.demo import vllm_server
 from kvtier.dev.tinymodel import TinyLlama, make_tiny_llama
 
@@ -78,13 +79,20 @@ class ServerSpec:
     # only bounds the rest)
 
 
+# vLLM keeps one block of its KV cache back (its null block): 16 tokens on the GPU backends, 128 on
+# its CPU build (with exactly max_model_len tokens the CPU build refused: "estimated maximum model
+# length is 1920" for 2048); a bound for both.
+NULL_BLOCK_TOKENS = 256
+
+
 def gpu_kv_bytes(spec: TinyLlama, w: Workload, share: float, max_model_len: int, dtype_bytes: int = 2) -> int:
     """A GPU KV cache that holds `share` of the workload's conversations at their last turn
     (prompt and answer), so that the workload means the same on any GPU; at least one
-    request of `max_model_len` tokens (vLLM will not start with less). KV in 16-bit floats
-    unless `dtype_bytes` says otherwise."""
+    request of `max_model_len` tokens and vLLM's null block (it will not start with less). KV
+    in 16-bit floats unless `dtype_bytes` says otherwise."""
     last_turn = w.system_tokens + w.turns * w.user_tokens + (w.turns - 1) * w.answer_tokens + w.max_tokens
-    return spec.kv_bytes_per_token(dtype_bytes) * max(round(share * w.conversations * last_turn), max_model_len)
+    least = max_model_len + NULL_BLOCK_TOKENS
+    return spec.kv_bytes_per_token(dtype_bytes) * max(round(share * w.conversations * last_turn), least)
 
 
 def served(model: Path, name: str, workdir: Path, server: ServerSpec):
@@ -265,8 +273,10 @@ def main() -> None:
         return
     # Token ids within the model's vocabulary (vLLM refuses others with a 400).
     workload = Workload(**{"vocab": spec.vocab_size, **args.workload})
-    if args.gpu_kv_share is not None:
-        server = replace(server, gpu_kv_bytes=gpu_kv_bytes(spec, workload, args.gpu_kv_share, args.max_model_len))
+    if args.gpu_kv_share is not None:  # KV in the dtype vLLM runs the model in (float32 on an AMX CPU)
+        dtype_bytes = 4 if model_dtype().dtype == "float32" else 2
+        server = replace(server, gpu_kv_bytes=gpu_kv_bytes(spec, workload, args.gpu_kv_share, args.max_model_len,
+                                                           dtype_bytes))
         print(f"vLLM's GPU KV cache: {server.gpu_kv_bytes / 2**30:.2f} GiB, {args.gpu_kv_share:.0%} of the "
               f"{workload.conversations} conversations at their last turn", flush=True)
     records = compare(model, args.setups, workload, Path(args.out), server, profile=args.profile,
