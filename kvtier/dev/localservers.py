@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import shutil
 import signal
@@ -50,12 +51,33 @@ def free_port() -> int:
 
 
 def free_ports(n: int) -> list[int]:
-    """`n` distinct loopback ports that were free a moment ago (all held at once while picked)."""
+    """`n` distinct loopback ports that were free a moment ago (all held at once while picked),
+    below the kernel's ephemeral range: a port picked here and bound later (by a server that
+    starts after others, or one named in a config ahead of time) is never the one the kernel
+    hands meanwhile to another process's bind(0) or outgoing connection. (A vLLM started
+    after such a pick once took the PD proxy's notification port, CI 2026-11-28.)"""
+    low, _ = _ephemeral_range()
     with contextlib.ExitStack() as held:
-        socks = [held.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+        ports: list[int] = []
+        while len(ports) < n:
+            s = held.enter_context(socket.socket())
+            try:
+                s.bind(("127.0.0.1", random.randrange(PORTS_FROM, low) if low > PORTS_FROM + 1000 else 0))
+            except OSError:
+                continue
+            ports.append(s.getsockname()[1])
+        return ports
+
+
+PORTS_FROM = 10000  # above the well-known and most registered services' ports
+
+
+def _ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    try:
+        low, high = map(int, Path(path).read_text().split())
+    except (OSError, ValueError):
+        return 0, 0  # unknown: let the kernel pick (bind to port 0)
+    return low, high
 
 
 def _cluster_port() -> int:
