@@ -211,3 +211,41 @@ def test_on_a_gpu_a_load_beside_the_steps_never_waits_for_the_forward_queued_aft
             assert torch.equal(got, want)
     finally:
         worker.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_queued_load_beside_the_steps_is_reported_and_the_next_forward_waits_for_it():
+    """A load beside the steps from CPU RAM is reported done once its copies are queued
+    (nothing can cut it short then), not a step after they end; the next step's stream,
+    the one its request's forward runs on, is ordered after those copies. Here the load's
+    stream is held back by a long kernel: the report comes while its copies wait, and a
+    read queued on the next step's stream still sees the loaded KV."""
+    from kvtier.integrations.vllm.spec import KvtierMetadata, Shape, TransferSpec
+    from kvtier.integrations.vllm.worker import WorkerSide
+
+    config = KvtierConfig(chunk_size=16, max_local_cpu_size=0.05)
+    layers = [torch.randn(2, 64, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
+    worker = WorkerSide(config, Shape(16, 16, False, 0), "gpu-queued-test", True)
+    worker.engine = CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), KVFormat("m", "flash_attn", "bfloat16"))
+    toks = list(range(256))
+    try:
+        worker.engine.store(toks, torch.arange(256))  # blocks 0-15
+        want = [layer[:, 0:16].flatten(1, 2)[:, :255].clone() for layer in layers]
+        assert worker._find(np.array(toks, dtype=np.uint32), "r", 0, True) == (256, 256, True)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(worker._beside_loads().stream):
+            torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the load's copies wait behind it
+        spec = TransferSpec("r", toks, [list(range(32, 48))], 0, 255, background=True)
+        worker.start_load_kv(KvtierMetadata(loads=[spec]))
+        t0 = time.perf_counter()
+        done = None
+        while not done and time.perf_counter() - t0 < 5:
+            done = worker.get_finished()
+        assert done == {"r"} and not worker.load_errors()
+        assert not worker._beside_loads().stream.query()  # reported while its copies still wait
+        worker.start_load_kv(KvtierMetadata())  # the next step: its stream waits for the load
+        got = [layer[:, 32:48].flatten(1, 2)[:, :255].clone() for layer in layers]  # its forward reads
+        torch.cuda.synchronize()
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    finally:
+        worker.close()

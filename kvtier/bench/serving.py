@@ -227,15 +227,24 @@ def by_round(records: dict[str, Record]) -> list[str]:
 def table(records: dict[str, Record]) -> list[str]:
     first = next(iter(records.values()))
     lines = ["| setup | TTFT mean ms | TTFT p99 ms | req/s | output tok/s | connector hit rate | "
-             "GPU prefix hit rate | in flight mean / max | failed | outputs equal to the first |", "|---" * 10 + "|"]
+             "GPU prefix hit rate | in flight mean / max | kvtier lookup ms (share of the run) | failed | "
+             "outputs equal to the first |", "|---" * 11 + "|"]
     for name, rec in records.items():
         s = rec.summary
         equal, both = same_outputs(rec, first)
         lines.append(f"| {name} | {_ms(s['ttft_mean_ms'])} | {_ms(s['ttft_p99_ms'])} | {s['requests_per_s']:.2f} | "
                      f"{s['output_tokens_per_s']:.1f} | {s['connector_hit_rate']:.2f} | "
                      f"{s['gpu_prefix_hit_rate']:.2f} | {s['mean_in_flight']:.1f} / {s['max_in_flight']} | "
-                     f"{s['failed']} | {equal}/{both} |")
+                     f"{_lookups(s)} | {s['failed']} | {equal}/{both} |")
     return lines
+
+
+def _lookups(s: dict) -> str:
+    """kvtier's mean lookup and the share of the run vLLM's scheduler spent in lookups (records
+    from before 2026-11-28 have neither; other connectors make none)."""
+    if s.get("lookup_ms_mean") is None:
+        return "—"
+    return f"{s['lookup_ms_mean']:.2f} ({100 * s['lookup_share']:.1f} %)"
 
 
 def _ms(v: float | None) -> str:

@@ -158,6 +158,13 @@ class Loading:
     def num_tokens(self) -> int:
         return int(self.mask.sum())
 
+    @property
+    def settled(self) -> bool:
+        """Whether `finish()` can no longer cut the mask: every chunk it reads is a block
+        of the pool (checked when it came in), none lent by the store server, whose
+        checksums and lease are known only once its copies are over."""
+        return self._held is None or all(c.block.pool is not None for _, c in self._held)
+
     def wait(self, layer: int) -> None:
         if self._handle is not None:
             self._handle.wait(layer)

@@ -5,7 +5,8 @@ step return a `KvtierStats` of what changed since the last one (counters as
 deltas, gauges as current values); vLLM aggregates them and hands the dict to
 `KvtierPromMetrics.observe` in its API server, which feeds Prometheus:
 
-    kvtier_lookups_total, kvtier_lookup_tokens_total, kvtier_hit_tokens_total, kvtier_hit_rate
+    kvtier_lookups_total, kvtier_lookup_tokens_total, kvtier_lookup_seconds_total, kvtier_hit_tokens_total,
+    kvtier_hit_rate
     kvtier_stored_tokens_total{tier}, kvtier_loaded_tokens_total{tier}   (and _bytes_total)
     kvtier_store_seconds_total, kvtier_load_seconds_total, kvtier_store_gbps, kvtier_load_gbps
     kvtier_evictions_total{tier}, kvtier_dropped_writes_total{tier}, kvtier_skipped_store_tokens_total,
@@ -30,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 COUNTERS = {
     "lookups": "lookups the vLLM scheduler made",
     "lookup_tokens": "prompt tokens looked up",
+    "lookup_seconds": "time vLLM's scheduler waited on lookups (its steps wait meanwhile)",
     "hit_tokens": "prompt tokens vLLM was told kvtier holds (the log line's hit tokens)",
     "stored_tokens": "tokens of KV stored, by tier",
     "stored_bytes": "bytes of KV stored, by tier",

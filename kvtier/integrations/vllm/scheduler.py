@@ -64,7 +64,8 @@ class SchedulerSide:
         self._pending: dict[str, tuple[int, bool]] = {}  # req_id -> (hit end, async), between the two calls
         self._held: set[str] = set()  # looked up with a hit, load not planned yet
         self._async_loads: list[str] = []  # async loads planned, to send with the next metadata
-        self._counts = {"lookups": 0, "lookup_tokens": 0, "hit_tokens": 0}  # since the last stats
+        # since the last stats; lookup_seconds: vLLM's scheduler waiting on the workers' answers
+        self._counts = {"lookups": 0, "lookup_tokens": 0, "hit_tokens": 0, "lookup_seconds": 0.0}
         self._longest_lookup = 0.0  # s, since the start
         self._kv_events: list[KVCacheEvent] = []  # from the workers, until vLLM publishes them
         self._live: dict[str, Request] = {}  # save_decode_cache: requests whose decoded tokens are stored too
@@ -83,7 +84,9 @@ class SchedulerSide:
         beside = self._loads_beside(rid)
         found = self.lookup.lookup(prompt, rid, num_computed_tokens, beside)
         stored, in_cpu = found.tokens, found.in_cpu
-        self._longest_lookup = max(self._longest_lookup, time.perf_counter() - t0)
+        waited = time.perf_counter() - t0
+        self._longest_lookup = max(self._longest_lookup, waited)
+        self._counts["lookup_seconds"] += waited
         need = self.shape.to_load(stored, len(prompt), num_computed_tokens)
         if self.promise_from_cpu and in_cpu < stored and need:
             self._held.add(rid)  # coming up into CPU RAM: vLLM asks again next step

@@ -7,15 +7,15 @@ or in the background), stores, and the load failures vLLM recomputes.
     wait_for_layer_load  layerwise: the forward waits for that layer
     save_kv_layer        counted (the store waits for a forward that wrote every layer)
     wait_for_save        loads finished and checked; the step's stores (a GPU's not waited for); PD sends
-    get_finished         background loads that are done
+    get_finished         background loads that are done, or whose copies are queued and
+                         can no longer fail (later steps' streams wait for them)
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,6 +25,7 @@ from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine, Loading
 from kvtier.engine.states import StateLoad
 from kvtier.errors import ConfigError, UnsupportedKVLayout, UnsupportedModel
+from kvtier.integrations.vllm.beside import Beside, BesideLoads
 from kvtier.integrations.vllm.events import KvtierKVEvents, to_vllm
 from kvtier.integrations.vllm.groups import KvGroups, state_layers
 from kvtier.integrations.vllm.layout import vllm_kv
@@ -57,9 +58,7 @@ class WorkerSide:
         # loads of this step, finished at wait_for_save (with a hybrid model's Mamba state, if it loaded)
         self._loads: list[tuple[Loading, TransferSpec, StateLoad | None]] = []
         self._layers_written = 0  # by this step's forward (save_kv_layer calls)
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load")
-        self._background: dict[str, tuple[TransferSpec, Future]] = {}
-        self._stream: torch.cuda.Stream | None = None  # the background loads' (on a GPU)
+        self._beside: BesideLoads | None = None  # loads beside the steps (register_kv_caches)
         self._failed_tokens = 0  # promised tokens that could not be loaded
         self._reported: dict[str, float] = {}  # counters as last reported to vLLM
         self._step_wait = 0.0  # s this step has spent in kvtier so far (besides the forward)
@@ -106,6 +105,7 @@ class WorkerSide:
             raise UnsupportedModel("disaggregated prefill of a model with Mamba layers: kvtier's PD moves "
                                    "attention KV only")
         self.engine = self.pd.make_engine(kv, fmt, rank, states)
+        self._beside = BesideLoads(self.engine.kv.device)
         self._server = LookupServer(socket_path(self.engine_id, rank), Handlers(
             lookup=self._find, release=self._release, reset=self.engine.clear))
 
@@ -148,15 +148,14 @@ class WorkerSide:
         assert self.engine is not None
         t0 = time.perf_counter()
         self.pd.dropped(meta.pd_dropped)  # before this step's forward is queued
+        beside = self._beside_loads()
+        beside.order_step()
         for spec in meta.loads:
             self._coming_up.pop(spec.req_id, None)
             if spec.background:
                 log.info("request %s: loading %d tokens in the background, before its first step",
                          spec.req_id, spec.end - spec.start)
-                # Its blocks may be ones a forward queued before this step still reads (a
-                # request preempted at this step's schedule): the load's own stream waits for it.
-                after = self._queued_so_far()
-                self._background[spec.req_id] = (spec, self._loader.submit(self._load, spec, after))
+                beside.start(spec, self._load)
                 continue
             # From CPU RAM the copies are queued ahead of the forward (layer by layer with
             # use_layerwise); finished, and checked, at wait_for_save.
@@ -185,43 +184,30 @@ class WorkerSide:
             return None
         return self.engine.load_state(spec.token_ids[: spec.end], blocks, request_id=spec.req_id, also=running)
 
-    def _queued_so_far(self) -> torch.cuda.Event | None:
-        """An event after all that vLLM's stream holds now (None off a GPU)."""
-        assert self.engine is not None
-        device = self.engine.kv.device
-        if device.type != "cuda":
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        return event
+    def _beside_loads(self) -> BesideLoads:
+        if self._beside is None:  # an engine set without register_kv_caches (tests)
+            assert self.engine is not None
+            self._beside = BesideLoads(self.engine.kv.device)
+        return self._beside
 
-    def _beside_stream(self) -> torch.cuda.Stream:
-        """The background loads' stream (one thread runs them): never vLLM's, so a load
-        beside the steps holds none of their kernels behind its copies."""
-        assert self.engine is not None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.engine.kv.device)
-        return self._stream
-
-    def _load(self, spec: TransferSpec, after: torch.cuda.Event | None = None) -> int:
+    def _load(self, beside: Beside) -> int:
+        """A load beside the steps, on the loader thread (and its stream)."""
         assert self.engine is not None
         t0 = time.perf_counter()
-        on_gpu = contextlib.nullcontext()
-        if after is not None:  # this thread's current device need not be the KV's (a TP rank's)
-            stream = self._beside_stream()
-            stream.wait_event(after)
-            on_gpu = _on(stream)
+        spec = beside.spec
         try:
-            with on_gpu:
-                return self._load_on_this_stream(spec)
+            loading = self.engine.start_retrieve(spec.token_ids, self._slots(spec), start=spec.start,
+                                                 request_id=spec.req_id, beside=True)
+            if loading.settled and not self._state_names:
+                # vLLM may be told now, before the copies end (it runs the request a step
+                # or more later, on a stream that waits for them), not a step after.
+                beside.queued(loading.num_tokens)
+            return self._loaded_with_state(spec, int(loading.finish().sum()))
         finally:
             self.pd.loaded(spec.pd_req_id)
             self._note_longest("longest_background_load_seconds", time.perf_counter() - t0)
 
-    def _load_on_this_stream(self, spec: TransferSpec) -> int:
-        assert self.engine is not None
-        loaded = int(self.engine.retrieve(spec.token_ids, self._slots(spec), start=spec.start,
-                                          request_id=spec.req_id, beside=True).sum())
+    def _loaded_with_state(self, spec: TransferSpec, loaded: int) -> int:
         if not self._state_names:
             return loaded
         state = self._load_state(spec) if loaded == spec.end - spec.start else None
@@ -246,17 +232,9 @@ class WorkerSide:
     def get_finished(self) -> set[str] | None:
         self.pd.expire()
         done = set()
-        for rid, (spec, future) in list(self._background.items()):
-            if not future.done():
-                continue
-            del self._background[rid]
-            try:
-                loaded = future.result()
-            except Exception:  # noqa: BLE001 - any failure of a background load: report it, vLLM recomputes
-                log.exception("request %s: background load failed", rid)
-                loaded = 0
+        for spec, loaded in self._beside.finished() if self._beside is not None else ():
             self._check_loaded(spec, loaded)
-            done.add(rid)
+            done.add(spec.req_id)
         return done or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -360,19 +338,14 @@ class WorkerSide:
         return errors
 
     def close(self) -> None:
-        self._loader.shutdown(wait=True)
+        if self._beside is not None:
+            self._beside.close()
         if self._server is not None:
             self._server.close()
             self._server = None
         self.pd.close()
         if self.engine is not None:
             self.engine.close()  # sends what is still queued for the remote tier
-
-
-@contextlib.contextmanager
-def _on(stream: torch.cuda.Stream):
-    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
-        yield
 
 
 def _tier_named(key: str, here: str) -> str:

@@ -1,0 +1,119 @@
+"""Loads beside vLLM's steps (vLLM's asynchronous loads: the request waits, then joins a
+later step): a CPU-RAM hit while other requests run (async_loading), or a hit below CPU RAM.
+
+Each runs on the worker's loader thread. On a GPU it runs on its own stream, after what
+vLLM's stream held when its step began (the blocks' earlier readers), never ordered into
+vLLM's stream, so the running requests' steps never wait for its copies.
+
+    BesideLoads.start(spec, load)   `load(beside)` on the thread, on the loads' stream
+    Beside.queued(tokens)           the load's copies are queued and nothing can cut it
+                                    short: an event after them (on a GPU)
+    BesideLoads.finished()          the loads to report to vLLM: done, or queued so
+    BesideLoads.order_step()        this step's stream waits for the loads reported while
+                                    their copies could still run (its forward may read them)
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from kvtier.integrations.vllm.spec import TransferSpec
+from kvtier.logs import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Beside:
+    """One load beside the steps: its spec, its thread's future, and, once its copies are
+    queued and it can no longer be cut short, an event after them and its tokens."""
+
+    spec: TransferSpec
+    on_gpu: bool
+    future: Future | None = None
+    _queued: tuple[torch.cuda.Event, int] | None = None  # set by the loader thread
+
+    def queued(self, tokens: int) -> None:
+        """Called on the load's thread, on its stream, after its copies are queued: from
+        here vLLM may be told the load is done (BesideLoads.finished)."""
+        if self.on_gpu:
+            event = torch.cuda.Event()
+            event.record()  # the current stream: the loads', ordered after the copies
+            self._queued = (event, tokens)
+
+
+class BesideLoads:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load")
+        self._loads: dict[str, Beside] = {}
+        self._stream: torch.cuda.Stream | None = None  # the loads' (on a GPU)
+        # Loads reported done while their copies may still run: every later step's stream
+        # waits for their events, until their threads have seen the copies end.
+        self._landing: list[tuple[torch.cuda.Event, Future]] = []
+
+    @property
+    def stream(self) -> torch.cuda.Stream:
+        """The loads' stream (one thread runs them): never vLLM's, so a load beside the
+        steps holds none of their kernels behind its copies."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+    def start(self, spec: TransferSpec, load: Callable[[Beside], int]) -> None:
+        # Its blocks may be ones a forward queued before this step still reads (a request
+        # preempted at this step's schedule): the load's own stream waits for it.
+        after = None
+        if self.device.type == "cuda":
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self.device))
+        beside = self._loads[spec.req_id] = Beside(spec, on_gpu=after is not None)
+        beside.future = self._thread.submit(self._run, beside, load, after)
+
+    def _run(self, beside: Beside, load: Callable[[Beside], int], after: torch.cuda.Event | None) -> int:
+        if after is None:
+            return load(beside)
+        self.stream.wait_event(after)
+        # this thread's current device need not be the KV's (a TP rank's)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            return load(beside)
+
+    def finished(self) -> Iterator[tuple[TransferSpec, int]]:
+        """(spec, tokens loaded) of each load to report now: its thread is done (0 tokens
+        if it failed), or its copies are queued and it cannot be cut short."""
+        for rid, beside in list(self._loads.items()):
+            future, queued = beside.future, beside._queued
+            assert future is not None
+            if future.done():
+                try:
+                    loaded = future.result()
+                except Exception:  # noqa: BLE001 - any failure of a background load: report it, vLLM recomputes
+                    log.exception("request %s: background load failed", rid)
+                    loaded = 0
+            elif queued is not None:  # its copies may still run: the next steps wait for them
+                event, loaded = queued
+                self._landing.append((event, future))
+            else:
+                continue
+            del self._loads[rid]
+            yield beside.spec, loaded
+
+    def order_step(self) -> None:
+        """vLLM's stream (this step's forward) waits for the loads reported done while their
+        copies could still run; one whose thread saw them end needs no wait."""
+        landing, self._landing = self._landing, []
+        stream = torch.cuda.current_stream(self.device) if landing else None
+        for event, future in landing:
+            if not future.done():
+                assert stream is not None
+                stream.wait_event(event)
+                self._landing.append((event, future))
+            elif future.exception() is not None:  # after its copies were queued: a CUDA error
+                log.error("a load beside the steps failed after it was reported: %s", future.exception())
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
