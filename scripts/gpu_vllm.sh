@@ -47,9 +47,9 @@ export PYTHONPATH=$PWD:/tmp/site:/tmp/kvtier-dist PYTHONUNBUFFERED=1 VLLM_USE_FL
 # of the ${VAR:-default} expansions: a '}' inside a default ends the expansion early.
 # The chat's rate: at 4 req/s (the runs up to 2026-11-28) a request ended before the next was sent
 # (0.9 in flight at the 8B shape: 0.227 s a request of 32 tokens, 35 ms TTFT and ~6.2 ms a token).
-# Predicted for 24 req/s and 48 tokens a request: ~0.33 s a request, so ~8 in flight (Little's
-# law), under the cap of 12 (not run yet: the harness's table says how many were, and notes a
-# run that served them one at a time).
+# At 24 req/s and 48 tokens a request (predicted ~8 in flight by Little's law) an H200 ran 10.3-11.4
+# in flight, at most the cap of 12 (2026-11-28; the harness's table says how many were, and notes
+# a run that served them one at a time).
 chat_workload='{"conversations": 32, "system_tokens": 4096, "turns": 6, "user_tokens": 256, "answer_tokens": 128,
     "max_tokens": 48, "rate": 24.0, "concurrency": 12}'
 bench_serve='{"num_prompts": 64, "input_len": 8192, "prefix_len": 6144, "num_prefixes": 8, "output_len": 16,
