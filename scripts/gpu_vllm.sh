@@ -13,7 +13,10 @@
 # multi-turn chat workload against vLLM's OpenAI server per offloader: kvtier.bench.serving; about
 # 2 minutes a setup, so at most 4 setups a call: SETUPS="plain kvtier" then "kvtier-kernel lmcache native";
 # with the 8B shape ~135 s a setup and ~90 s to make the model once a machine; SERVING_ARGS="--rounds 2"
-# runs the setups twice over in turn, paired by round), benchserve (`vllm bench serve` twice per offloader,
+# runs the setups twice over in turn, paired by round; "--rounds 8 --resident" starts each setup's server
+# once, all up together, and sends each round new conversations: ~10 s a run after the starts, so many
+# paired rounds a call; GPU_UTIL then small enough that each start finds its share free, e.g. 0.3 for
+# three setups at 8B on an H200), benchserve (`vllm bench serve` twice per offloader,
 # prefix-sharing prompts: kvtier.bench.serving --bench-serve), sharedstore (two vLLM instances one after
 # the other sharing KV through each project's own store server on this host: `kvtier server` and LMCache's
 # lm:// server, kvtier.bench.stores_vllm; STORES= which).

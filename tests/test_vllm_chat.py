@@ -82,3 +82,30 @@ def test_vllm_bench_serve_twice_per_setup_with_shared_prefixes(tiny_model, tmp_p
     table = serve_twice_table(rows)
     assert table[2].startswith("| plain |") and table[2].endswith("| 0 | 6/6, 6/6 |")
     assert table[3].startswith("| kvtier |") and table[3].endswith("| 0 | 6/6, 6/6 |"), table[3]
+
+
+def test_resident_servers_run_paired_rounds_of_new_conversations(tiny_model, tmp_path):
+    """`--resident`: each setup's server starts once and stays up through the rounds; every
+    round sends new conversations (its seed), in reverse setup order every other round, and
+    each record's outputs are compared with the same round's first setup (the same prompts)."""
+    from kvtier.bench.serving import by_round
+
+    work = replace(WORKLOAD, conversations=3, turns=2, concurrency=2)
+    server = ServerSpec(cpu_gb=0.5, gpu_util=0.2, eager=True, prefix_caching=False, max_model_len=2048, dtype=DTYPE)
+    records = compare(tiny_model, ["plain", "kvtier"], work, tmp_path, server, rounds=2, resident=True)
+    assert list(records) == ["plain#1", "kvtier#1", "kvtier#2", "plain#2"]
+    for name in ("plain", "kvtier"):
+        assert len(list((tmp_path / name).glob("vllm-*.log"))) == 1  # one start for both rounds
+    assert all(r.summary["failed"] == 0 and r.summary["requests"] == 6 for r in records.values())
+    # New conversations in round 2 (its seed): no system prompt of round 1 again ...
+    seeds = [records[f"plain#{r}"].workload["seed"] for r in (1, 2)]
+    assert seeds == [records[f"kvtier#{r}"].workload["seed"] for r in (1, 2)] and seeds[0] + 1 == seeds[1]
+    prompts = [replace(work, seed=seed).prompts() for seed in seeds]
+    assert not {tuple(p[0][:768]) for p in prompts[0]} & {tuple(p[0][:768]) for p in prompts[1]}
+    # ... and within a round kvtier's outputs are plain vLLM's (turn 2 loads turn 1's KV)
+    for r in (1, 2):
+        equal, both = same_outputs(records[f"kvtier#{r}"], records[f"plain#{r}"])
+        assert both == 6 and equal == 6
+    assert records["kvtier#2"].summary["connector_hit_tokens"] >= 3 * 768
+    assert table(records)[5].startswith("| plain#2 |") and table(records)[5].endswith("| 0 | 6/6 |")
+    assert by_round(records)[3].startswith("| kvtier | ")

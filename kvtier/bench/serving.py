@@ -16,7 +16,9 @@ failed requests, and how many greedy outputs equal the first setup's. `--gpu-kv-
 sizes vLLM's GPU KV cache to hold S of the conversations at their last turn, whatever the
 GPU (`ServerSpec.gpu_kv_bytes`): the offloaders serve the rest. With `--rounds N`
 the setups run N times over in turn (`<setup>#<k>`), and a second table gives each one's
-mean TTFT by round and its median ratio to the first setup's in the same round. With
+mean TTFT by round and its median ratio to the first setup's in the same round; with
+`--resident` too, every setup's server stays up through the rounds (started once), and
+each round sends new conversations. With
 `--profile`, py-spy samples the server and its engine core during the workload
 (`<out>/<setup>-pyspy.txt`, collapsed stacks; `kvtier.bench.stacks` sums them).
 
@@ -128,21 +130,45 @@ def sampled(pid: int, path: Path | None) -> Iterator[None]:
 
 
 def compare(model: Path, names: list[str], w: Workload, out: Path, server: ServerSpec,
-            profile: bool = False, rounds: int = 1) -> dict[str, Record]:
+            profile: bool = False, rounds: int = 1, resident: bool = False) -> dict[str, Record]:
     """Each setup in turn, `rounds` times over (setup "x" of round 2 is "x#2"): a machine's
-    drift then falls on every setup alike, and each round compares setups side by side."""
+    drift then falls on every setup alike, and each round compares setups side by side.
+
+    A server a run by default. `resident`: every setup's server up at once (the GPU holds
+    each one's model and KV cache: size `gpu_util` for that), started once; round k then
+    sends new conversations (seed + k), so nothing an earlier round left is a hit, and
+    runs the setups in reverse order every other round. A start costs ~100 s at the 8B
+    shape on an H200 and a run ~10 s, so one call holds many paired rounds this way."""
     out.mkdir(parents=True, exist_ok=True)
     records: dict[str, Record] = {}
-    for r in range(rounds):
-        for name in names:
-            key = name if rounds == 1 else f"{name}#{r + 1}"
-            with served(model, name, out / key, server) as srv:
-                run(srv.url, str(model), replace(w, rate=100.0, conversations=1, turns=1))  # warm-up
-                assert srv.proc is not None
-                with sampled(srv.proc.pid, out / f"{key}-pyspy.txt" if profile else None):
-                    records[key] = rec = run(srv.url, str(model), w)
-            (out / f"{key}.json").write_text(json.dumps(asdict(rec), indent=1))
-            print(f"[{key}] {json.dumps(rec.summary)}", flush=True)
+
+    def measure(name: str, key: str, srv, workload: Workload) -> None:
+        assert srv.proc is not None
+        with sampled(srv.proc.pid, out / f"{key}-pyspy.txt" if profile else None):
+            records[key] = rec = run(srv.url, str(model), workload)
+        (out / f"{key}.json").write_text(json.dumps(asdict(rec), indent=1))
+        print(f"[{key}] {json.dumps(rec.summary)}", flush=True)
+
+    def warm(srv) -> None:
+        run(srv.url, str(model), replace(w, rate=100.0, conversations=1, turns=1))
+
+    def key(name: str, r: int) -> str:
+        return name if rounds == 1 else f"{name}#{r + 1}"
+
+    if resident:
+        with contextlib.ExitStack() as stack:
+            servers = {name: stack.enter_context(served(model, name, out / name, server)) for name in names}
+            for srv in servers.values():
+                warm(srv)
+            for r in range(rounds):
+                for name in names if r % 2 == 0 else names[::-1]:
+                    measure(name, key(name, r), servers[name], replace(w, seed=w.seed + r))
+    else:
+        for r in range(rounds):
+            for name in names:
+                with served(model, name, out / key(name, r), server) as srv:
+                    warm(srv)
+                    measure(name, key(name, r), srv, w)
     (out / "serving.svg").write_text(plot({n: asdict(r) for n, r in records.items()}))
     return records
 
@@ -208,30 +234,38 @@ def _three(f: dict[str, float]) -> str:
 def by_round(records: dict[str, Record]) -> list[str]:
     """Each setup's mean TTFT per round ("x#k"), their median, and its ratio to the first
     setup's in the same round (median over rounds): what a setup costs beside another."""
-    rounds: dict[str, dict[str, float]] = {}
+    rounds: dict[str, dict[str, tuple[float, float]]] = {}  # setup -> round -> (mean TTFT, req/s)
     for key, rec in records.items():
         name, _, r = key.partition("#")
         if r and rec.summary.get("ttft_mean_ms") is not None:
-            rounds.setdefault(name, {})[r] = rec.summary["ttft_mean_ms"]
+            rounds.setdefault(name, {})[r] = (rec.summary["ttft_mean_ms"], rec.summary["requests_per_s"])
     if not rounds:
         return []
     first = next(iter(rounds.values()))
-    lines = ["| setup | mean TTFT ms by round | median | / first setup, same round (median) |", "|---" * 4 + "|"]
-    for name, means in rounds.items():
-        ratios = [m / first[r] for r, m in means.items() if r in first]
-        lines.append(f"| {name} | {' '.join(f'{m:.1f}' for m in means.values())} | "
-                     f"{statistics.median(means.values()):.1f} | {statistics.median(ratios):.3f} |")
+    lines = ["| setup | mean TTFT ms by round | median | / first setup, same round (median) | "
+             "req/s / first setup's (median) | rounds it leads the first setup on both |", "|---" * 6 + "|"]
+    for name, by in rounds.items():
+        paired = [(m / first[r][0], q / first[r][1]) for r, (m, q) in by.items() if r in first]
+        leads = sum(t < 1 and q > 1 for t, q in paired)
+        lines.append(f"| {name} | {' '.join(f'{m:.1f}' for m, _ in by.values())} | "
+                     f"{statistics.median(m for m, _ in by.values()):.1f} | "
+                     f"{statistics.median(t for t, _ in paired):.3f} | {statistics.median(q for _, q in paired):.3f} | "
+                     f"{leads} of {len(paired)} |")
     return lines
 
 
 def table(records: dict[str, Record]) -> list[str]:
-    first = next(iter(records.values()))
+    """A row per record; its outputs compared with those of the first record of its round
+    (the same prompts: a resident run's rounds send different ones)."""
+    firsts: dict[str, Record] = {}
+    for key, rec in records.items():
+        firsts.setdefault(key.partition("#")[2], rec)
     lines = ["| setup | TTFT mean ms | TTFT p99 ms | req/s | output tok/s | connector hit rate | "
              "GPU prefix hit rate | in flight mean / max | kvtier lookup ms (share of the run) | failed | "
-             "outputs equal to the first |", "|---" * 11 + "|"]
+             "outputs equal to the round's first |", "|---" * 11 + "|"]
     for name, rec in records.items():
         s = rec.summary
-        equal, both = same_outputs(rec, first)
+        equal, both = same_outputs(rec, firsts[name.partition("#")[2]])
         lines.append(f"| {name} | {_ms(s['ttft_mean_ms'])} | {_ms(s['ttft_p99_ms'])} | {s['requests_per_s']:.2f} | "
                      f"{s['output_tokens_per_s']:.1f} | {s['connector_hit_rate']:.2f} | "
                      f"{s['gpu_prefix_hit_rate']:.2f} | {s['mean_in_flight']:.1f} / {s['max_in_flight']} | "
@@ -268,6 +302,9 @@ def main() -> None:
     p.add_argument("--workload", type=json.loads, default={}, help="Workload fields (JSON)")
     p.add_argument("--profile", action="store_true", help="py-spy the server during each workload")
     p.add_argument("--rounds", type=int, default=1, help="run the setups this many times over, in turn")
+    p.add_argument("--resident", action="store_true",
+                   help="every setup's server up at once, started once; each round new conversations "
+                        "(many paired rounds a call; --gpu-util small enough for all of them)")
     p.add_argument("--bench-serve", type=json.loads, default=None, metavar="JSON",
                    help="instead of the chat workload, `vllm bench serve` twice per setup: fields of "
                         "kvtier.bench.stores_vllm.Workload (num_prefixes > 0: the prefix_repetition dataset)")
@@ -289,7 +326,7 @@ def main() -> None:
         print(f"vLLM's GPU KV cache: {server.gpu_kv_bytes / 2**30:.2f} GiB, {args.gpu_kv_share:.0%} of the "
               f"{workload.conversations} conversations at their last turn", flush=True)
     records = compare(model, args.setups, workload, Path(args.out), server, profile=args.profile,
-                      rounds=args.rounds)
+                      rounds=args.rounds, resident=args.resident)
     print("\n".join(table(records) + [""] + by_round(records)))
     for name, rec in records.items():
         s = rec.summary
