@@ -178,32 +178,44 @@ def test_a_cpu_hit_loads_beside_the_steps_while_other_requests_run(policy):
         worker.close()
 
 
+def gpu_worker_with_a_hit(engine_id: str):
+    """A worker over a GPU engine holding 256 tokens (blocks 0-15), found and held for
+    request "r" as a load beside the steps; and the spec of that load into blocks 32-47."""
+    from kvtier.integrations.vllm.spec import Shape, TransferSpec
+    from kvtier.integrations.vllm.worker import WorkerSide
+
+    config = KvtierConfig(chunk_size=16, max_local_cpu_size=0.05)
+    layers = [torch.randn(2, 64, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
+    worker = WorkerSide(config, Shape(16, 16, False, 0), engine_id, True)
+    worker.engine = CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), KVFormat("m", "flash_attn", "bfloat16"))
+    toks = list(range(256))
+    worker.engine.store(toks, torch.arange(256))
+    assert worker._find(np.array(toks, dtype=np.uint32), "r", 0, True) == (256, 256, True)
+    torch.cuda.synchronize()
+    return worker, layers, TransferSpec("r", toks, [list(range(32, 48))], 0, 255, background=True)
+
+
+def reported(worker) -> set[str] | None:
+    """What get_finished reports within 5 s."""
+    t0, done = time.perf_counter(), None
+    while not done and time.perf_counter() - t0 < 5:
+        done = worker.get_finished()
+    return done
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_a_load_beside_the_steps_never_waits_for_the_forward_queued_after_it():
     """The worker's background load runs on its own stream, after what vLLM's stream held
     when the step started (its blocks' earlier readers), not after the forward queued since:
     it lands while that forward (a long kernel here) still runs, and the forward never waits
     for its copies (nothing of the load is ordered into vLLM's stream)."""
-    from kvtier.integrations.vllm.spec import KvtierMetadata, Shape, TransferSpec
-    from kvtier.integrations.vllm.worker import WorkerSide
+    from kvtier.integrations.vllm.spec import KvtierMetadata
 
-    config = KvtierConfig(chunk_size=16, max_local_cpu_size=0.05)
-    layers = [torch.randn(2, 64, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
-    worker = WorkerSide(config, Shape(16, 16, False, 0), "gpu-beside-test", True)
-    worker.engine = CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), KVFormat("m", "flash_attn", "bfloat16"))
-    toks = list(range(256))
+    worker, layers, spec = gpu_worker_with_a_hit("gpu-beside-test")
     try:
-        worker.engine.store(toks, torch.arange(256))  # blocks 0-15
-        assert worker._find(np.array(toks, dtype=np.uint32), "r", 0, True) == (256, 256, True)
-        torch.cuda.synchronize()
-        spec = TransferSpec("r", toks, [list(range(32, 48))], 0, 255, background=True)
         worker.start_load_kv(KvtierMetadata(loads=[spec]))
         torch.cuda._sleep(2_000_000_000)  # this step's forward, queued after start_load_kv: ~1 s
-        t0 = time.perf_counter()
-        done = None
-        while not done and time.perf_counter() - t0 < 5:
-            done = worker.get_finished()
-        assert done == {"r"} and not worker.load_errors()
+        assert reported(worker) == {"r"} and not worker.load_errors()
         assert not torch.cuda.current_stream().query()  # landed while the forward still runs
         torch.cuda.synchronize()
         for layer in layers:  # tokens 0-254 in blocks 32-47
@@ -220,28 +232,15 @@ def test_on_a_gpu_a_queued_load_beside_the_steps_is_reported_and_the_next_forwar
     the one its request's forward runs on, is ordered after those copies. Here the load's
     stream is held back by a long kernel: the report comes while its copies wait, and a
     read queued on the next step's stream still sees the loaded KV."""
-    from kvtier.integrations.vllm.spec import KvtierMetadata, Shape, TransferSpec
-    from kvtier.integrations.vllm.worker import WorkerSide
+    from kvtier.integrations.vllm.spec import KvtierMetadata
 
-    config = KvtierConfig(chunk_size=16, max_local_cpu_size=0.05)
-    layers = [torch.randn(2, 64, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
-    worker = WorkerSide(config, Shape(16, 16, False, 0), "gpu-queued-test", True)
-    worker.engine = CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), KVFormat("m", "flash_attn", "bfloat16"))
-    toks = list(range(256))
+    worker, layers, spec = gpu_worker_with_a_hit("gpu-queued-test")
     try:
-        worker.engine.store(toks, torch.arange(256))  # blocks 0-15
         want = [layer[:, 0:16].flatten(1, 2)[:, :255].clone() for layer in layers]
-        assert worker._find(np.array(toks, dtype=np.uint32), "r", 0, True) == (256, 256, True)
-        torch.cuda.synchronize()
         with torch.cuda.stream(worker._beside_loads().stream):
             torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the load's copies wait behind it
-        spec = TransferSpec("r", toks, [list(range(32, 48))], 0, 255, background=True)
         worker.start_load_kv(KvtierMetadata(loads=[spec]))
-        t0 = time.perf_counter()
-        done = None
-        while not done and time.perf_counter() - t0 < 5:
-            done = worker.get_finished()
-        assert done == {"r"} and not worker.load_errors()
+        assert reported(worker) == {"r"} and not worker.load_errors()
         assert not worker._beside_loads().stream.query()  # reported while its copies still wait
         worker.start_load_kv(KvtierMetadata())  # the next step: its stream waits for the load
         got = [layer[:, 32:48].flatten(1, 2)[:, :255].clone() for layer in layers]  # its forward reads
