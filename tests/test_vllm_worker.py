@@ -142,8 +142,11 @@ def test_a_cpu_hit_loads_beside_the_steps_while_other_requests_run(policy):
         told.append(beside)
         return worker._find(tokens, request_id, computed, beside)
 
-    server = LookupServer(socket_path("beside-test", 0), Handlers(find, worker._release, worker.engine.clear))
-    scheduler = SchedulerSide(worker.config, worker.shape, "beside-test", 1, True, True)
+    # an address of its own per policy: ZMQ lets go of a closed socket's address in its own
+    # time, and the next case binding the same one failed (1 run in ~30)
+    engine_id = f"beside-test-{policy}"
+    server = LookupServer(socket_path(engine_id, 0), Handlers(find, worker._release, worker.engine.clear))
+    scheduler = SchedulerSide(worker.config, worker.shape, engine_id, 1, True, True)
     try:
         def ask(rid):
             return scheduler.get_num_new_matched_tokens(
