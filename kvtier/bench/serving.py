@@ -142,7 +142,7 @@ def compare(model: Path, names: list[str], w: Workload, out: Path, server: Serve
     out.mkdir(parents=True, exist_ok=True)
     records: dict[str, Record] = {}
 
-    def measure(name: str, key: str, srv, workload: Workload) -> None:
+    def measure(key: str, srv, workload: Workload) -> None:
         assert srv.proc is not None
         with sampled(srv.proc.pid, out / f"{key}-pyspy.txt" if profile else None):
             records[key] = rec = run(srv.url, str(model), workload)
@@ -162,13 +162,13 @@ def compare(model: Path, names: list[str], w: Workload, out: Path, server: Serve
                 warm(srv)
             for r in range(rounds):
                 for name in names if r % 2 == 0 else names[::-1]:
-                    measure(name, key(name, r), servers[name], replace(w, seed=w.seed + r))
+                    measure(key(name, r), servers[name], replace(w, seed=w.seed + r))
     else:
         for r in range(rounds):
             for name in names:
                 with served(model, name, out / key(name, r), server) as srv:
                     warm(srv)
-                    measure(name, key(name, r), srv, w)
+                    measure(key(name, r), srv, w)
     (out / "serving.svg").write_text(plot({n: asdict(r) for n, r in records.items()}))
     return records
 

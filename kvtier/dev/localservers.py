@@ -56,7 +56,7 @@ def free_ports(n: int) -> list[int]:
     starts after others, or one named in a config ahead of time) is never the one the kernel
     hands meanwhile to another process's bind(0) or outgoing connection. (A vLLM started
     after such a pick once took the PD proxy's notification port, CI 2026-11-28.)"""
-    low, _ = _ephemeral_range()
+    low = _ephemeral_low()
     with contextlib.ExitStack() as held:
         ports: list[int] = []
         while len(ports) < n:
@@ -72,12 +72,12 @@ def free_ports(n: int) -> list[int]:
 PORTS_FROM = 10000  # above the well-known and most registered services' ports
 
 
-def _ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The first port of the kernel's ephemeral range (0: unknown, the kernel picks then)."""
     try:
-        low, high = map(int, Path(path).read_text().split())
-    except (OSError, ValueError):
-        return 0, 0  # unknown: let the kernel pick (bind to port 0)
-    return low, high
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _cluster_port() -> int:
