@@ -64,3 +64,30 @@ def test_a_store_does_not_gather_again_a_chunk_an_earlier_store_has_in_flight():
     assert eng.lookup(toks) == 0 and landed == [first]  # (this stand-in's landing put nothing)
     assert eng.store(toks, slots) == 64 and eng.lookup(toks) == 192  # now it is gathered
     eng.close()
+
+
+def test_a_lookup_does_not_wait_for_chunks_the_engine_has_already():
+    """vLLM's scheduler asks with the tokens it has in its own prefix cache (`known`): a chunk
+    within them still on its way to the host counts as found and is not waited for (the wait
+    held vLLM's scheduler until the GPU ended the step the store's copies queue behind), nor
+    held. One that reaches past them is waited for, as every other lookup's."""
+    import torch
+
+    from kvtier.config import KvtierConfig
+    from kvtier.engine import CacheEngine
+    from kvtier.transfer import PagedKV
+
+    layers = [torch.randn(2, 16, 16, 2, 32) for _ in range(2)]
+    eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=1 / 1024), PagedKV.wrap(layers, "flash_attn"),
+                      KVFormat("m", "flash_attn", "float32"))
+    toks, slots = list(range(256)), torch.arange(256)
+    first = eng.spans(toks)[0].key
+    arrival, landed = Arrival(), []
+    eng.storing.landing.add(InFlight(arrival), [first], lambda: landed.append(first))
+    assert eng.store(toks[:192], slots[:192]) == 128  # chunks 2 and 3; chunk 1 is in flight
+    hit = eng.find(toks, hold_for="r", known=64)
+    assert (hit.tokens, hit.in_cpu) == (192, 192) and not arrival.waited and landed == []
+    assert len(eng.holds._holds["r"].blocks) == 2  # chunks 2 and 3: the one in flight is not held
+    assert eng.find(toks, known=48).tokens == 0  # chunk 1 would be read: waited for (this stand-in lands nothing)
+    assert arrival.waited and landed == [first]
+    eng.close()

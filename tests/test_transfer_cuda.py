@@ -257,6 +257,28 @@ def test_a_whole_store_not_waited_for_reads_the_pages_after_the_forward_and_befo
     eng.close()
 
 
+def test_on_a_gpu_a_lookup_within_the_engines_own_prefix_does_not_wait_for_its_store():
+    """vLLM's scheduler looks up a prompt whose prefix the step before computed (another request
+    with the same system prompt): that prefix's store is still queued behind the forward. Asked
+    with `known` (what vLLM's prefix cache has), the lookup counts those chunks and returns while
+    the GPU is still busy; asked for a chunk a load would read, it waits for them."""
+    layers = [torch.zeros(SHAPES["flash_attn"], device="cuda", dtype=torch.bfloat16) for _ in range(L)]
+    kv = PagedKV.wrap(layers, "flash_attn")
+    eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), kv, KVFormat("m", "flash_attn", "bf16"))
+    slots = torch.randperm(kv.num_slots)[:320]
+    toks = list(range(320))
+    torch.cuda._sleep(1_000_000_000)  # the forward that computes the prefix: ~0.5 s of GPU clock
+    for x in layers:
+        x.normal_()
+    assert eng.start_store(toks[:256], slots[:256]).finish(wait=False) == 256
+    hit = eng.find(toks, known=256)
+    assert (hit.tokens, hit.in_cpu) == (256, 256)
+    assert len(eng.storing.landing) == 1 and not eng.storing.landing._flying[0][0].done.query()  # not waited for
+    assert eng.find(toks, known=192).tokens == 256  # the fourth chunk would be read: waited for, landed
+    assert not len(eng.storing.landing)
+    eng.close()
+
+
 @pytest.mark.parametrize("codec", ["int8", "fp8"])
 @pytest.mark.parametrize("backend", ["triton", "triton-direct", "torch"])
 @pytest.mark.parametrize("layout", SHAPES)

@@ -170,12 +170,14 @@ async def drive(url: str, model: str, w: Workload) -> list[Result]:
 
 def scrape(url: str) -> dict[str, float]:
     """vLLM's prefix-cache counters (tokens): GPU cache and KV connector, queries and hits;
-    and kvtier's lookups with the time vLLM's scheduler waited on them (0 for other connectors)."""
+    and kvtier's lookups with the time vLLM's scheduler waited on them, its longest lookup and
+    longest step in kvtier since the server's start (0 for other connectors)."""
     import httpx
 
     names = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
              "vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits",
-             "kvtier_lookups", "kvtier_lookup_seconds")
+             "kvtier_lookups", "kvtier_lookup_seconds", "kvtier_longest_lookup_seconds",
+             "kvtier_longest_step_wait_seconds")
     out = dict.fromkeys(names, 0.0)
     try:
         text = httpx.get(f"{url}/metrics", timeout=30).raise_for_status().text
@@ -231,6 +233,9 @@ def summarize(results: list[Result], wall_s: float, before: dict, after: dict) -
         # kvtier's: the scheduler's wait per lookup, and its share of the run
         "lookup_ms_mean": d["kvtier_lookup_seconds"] / d["kvtier_lookups"] * 1e3 if d["kvtier_lookups"] else None,
         "lookup_share": d["kvtier_lookup_seconds"] / wall_s if wall_s else None,
+        # since the server's start (gauges): a lookup or a step that waited on the GPU shows here
+        "lookup_ms_longest": after["kvtier_longest_lookup_seconds"] * 1e3,
+        "step_wait_ms_longest": after["kvtier_longest_step_wait_seconds"] * 1e3,
         "mean_in_flight": mean_in_flight, "max_in_flight": max_in_flight, "sent_while_another_ran": joined,
     }
 

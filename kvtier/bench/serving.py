@@ -261,8 +261,8 @@ def table(records: dict[str, Record]) -> list[str]:
     for key, rec in records.items():
         firsts.setdefault(key.partition("#")[2], rec)
     lines = ["| setup | TTFT mean ms | TTFT p99 ms | req/s | output tok/s | connector hit rate | "
-             "GPU prefix hit rate | in flight mean / max | kvtier lookup ms (share of the run) | failed | "
-             "outputs equal to the round's first |", "|---" * 11 + "|"]
+             "GPU prefix hit rate | in flight mean / max | kvtier lookup ms (share of the run, longest since the start) | "
+             "failed | outputs equal to the round's first |", "|---" * 11 + "|"]
     for name, rec in records.items():
         s = rec.summary
         equal, both = same_outputs(rec, firsts[name.partition("#")[2]])
@@ -278,7 +278,8 @@ def _lookups(s: dict) -> str:
     from before 2026-11-28 have neither; other connectors make none)."""
     if s.get("lookup_ms_mean") is None:
         return "—"
-    return f"{s['lookup_ms_mean']:.2f} ({100 * s['lookup_share']:.1f} %)"
+    longest = f", longest {s['lookup_ms_longest']:.1f}" if s.get("lookup_ms_longest") is not None else ""
+    return f"{s['lookup_ms_mean']:.2f} ({100 * s['lookup_share']:.1f} %{longest})"
 
 
 def _ms(v: float | None) -> str:

@@ -49,6 +49,8 @@ from kvtier.transfer import PagedKV, Transfer
 
 log = get_logger(__name__)
 
+FLYING = "in flight"  # `find`: a chunk on its way to the host, before the caller's `known` (never held or read)
+
 
 @dataclass(frozen=True)
 class Hit:
@@ -111,16 +113,23 @@ class CacheEngine:
         """Number of leading tokens whose KV is stored in some tier (a chunk boundary)."""
         return self.find(tokens).tokens
 
-    def find(self, tokens: Tokens, *, hold_for: str = "", limit: int | None = None, cpu_only: bool = False) -> Hit:
+    def find(self, tokens: Tokens, *, hold_for: str = "", limit: int | None = None, cpu_only: bool = False,
+             known: int = 0) -> Hit:
         """The longest stored prefix; with `cpu_only`, the longest all in CPU RAM (where a
         load must not fail). With recurrent layers (states.py), the longest of at most `limit`
         tokens that ends where a state snapshot is. With `hold_for` (a request id) its chunks
-        are held for that request until its retrieve (kvtier/tiers/holds.py)."""
+        are held for that request until its retrieve (kvtier/tiers/holds.py).
+
+        `known`: the leading tokens the caller has already (vLLM's own prefix cache), which no
+        load reads. A chunk within them that a store still has on its way to the host counts
+        as found, and is not waited for: a lookup waiting there made vLLM's scheduler wait for
+        the GPU's step (the store's copies queue behind its forward)."""
         spans = self.spans(tokens, hold_for)
         keys = [s.key for s in spans]
-        self._settle(keys=keys)  # stores of this prefix land first (waited for); snapshots that have ended
-        where = self.tiers.locate(keys)
-        in_cpu = next((i for i, w in enumerate(where) if w != CPU), len(where))
+        ahead = 0 if self.states is not None else next((i for i, s in enumerate(spans) if s.end > known), len(spans))
+        self._settle(keys=keys[ahead:])  # stores of this prefix land first (waited for); snapshots that have ended
+        where = self._locate(keys, ahead)
+        in_cpu = next((i for i, w in enumerate(where) if w not in (CPU, FLYING)), len(where))
         if cpu_only:
             where = where[:in_cpu]
         n, state_keys, state_where = len(where), [], []
@@ -131,6 +140,14 @@ class CacheEngine:
         if hold_for:
             self.holds.take(hold_for, keys[:n] + state_keys, where[:n] + state_where)
         return Hit(spans[n - 1].end if n else 0, spans[in_cpu - 1].end if in_cpu else 0)
+
+    def _locate(self, keys: list[ChunkKey], ahead: int) -> list[str]:
+        """`TieredStore.locate`, where the first `ahead` keys may also be on their way (FLYING)."""
+        where = self.tiers.locate(keys)
+        while len(where) < ahead and self.storing.landing.holds(keys[len(where)]):
+            n = len(where) + 1
+            where = where + [FLYING] + self.tiers.locate(keys[n:])
+        return where
 
     def _state_point(self, spans: list[ChunkSpan], where: list[str], limit: int, cpu_only: bool
                      ) -> tuple[int, list[ChunkKey], list[str]]:

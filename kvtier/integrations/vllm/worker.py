@@ -128,7 +128,7 @@ class WorkerSide:
         # over, the part that made it is the hit.
         pending = self._coming_up.get(request_id)
         came_up = pending is not None and pending.done()
-        hit = self.engine.find(tokens, hold_for=request_id, limit=len(tokens) - 1, cpu_only=came_up)
+        hit = self.engine.find(tokens, hold_for=request_id, limit=len(tokens) - 1, cpu_only=came_up, known=computed)
         if self.groups is not None and self.can_load and hit.in_cpu < hit.tokens and not came_up:
             if pending is None:
                 self._coming_up[request_id] = self.engine.start_prefetch(tokens, request_id)
