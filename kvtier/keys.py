@@ -124,6 +124,15 @@ def chunk_spans(
     return spans
 
 
+def tail_span(tokens: Sequence[int] | np.ndarray, before: ChunkSpan | None, length: int, fmt: KVFormat) -> ChunkSpan:
+    """The span of the `length` tokens after `before` (None: the prompt's first), keyed as
+    `chunk_spans` keys a prompt's partial last chunk: a prompt that ended there."""
+    start = before.end if before is not None else 0
+    data = token_bytes(tokens[start : start + length])
+    prev = before.key.digest if before is not None else SEED_DIGEST
+    return ChunkSpan(ChunkKey(fmt, xxhash.xxh3_128_digest(prev + data, seed=_SEED)), start, start + length)
+
+
 class SpanMemo:
     """The chunk spans of a few recent requests, so that a request's lookup, load and
     store hash its tokens once (32k tokens: about 1 ms a time). A request's later call

@@ -23,7 +23,7 @@ def model(request):
 
 def test_generate_equals_transformers_and_second_prompt_hits(model):
     ids = torch.randint(0, 1000, (1, 700), generator=torch.Generator().manual_seed(1))
-    session = HFSession(model, KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), max_len=800)
+    session = HFSession(model, KvtierConfig(save_unfull_chunk=False, chunk_size=64, max_local_cpu_size=0.05), max_len=800)
     reference = model.generate(ids, max_new_tokens=10, do_sample=False)[0, 700:].tolist()
     assert session.generate(ids, 10) == reference  # cold: stores 640 tokens
     assert session.engine.lookup(ids[0]) == 640
@@ -34,7 +34,7 @@ def test_generate_equals_transformers_and_second_prompt_hits(model):
 def test_warm_logits_match_and_the_context_matters(model):
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 1000, (1, 300), generator=gen)
-    session = HFSession(model, KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), max_len=400)
+    session = HFSession(model, KvtierConfig(save_unfull_chunk=False, chunk_size=64, max_local_cpu_size=0.05), max_len=400)
     cold = session.prefill(ids, use_cache=False).logits
     session.prefill(ids)  # store
     warm = session.prefill(ids)
@@ -47,14 +47,14 @@ def test_warm_logits_match_and_the_context_matters(model):
 
 
 def test_prompt_longer_than_session_is_refused(model):
-    session = HFSession(model, KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), max_len=100)
+    session = HFSession(model, KvtierConfig(save_unfull_chunk=False, chunk_size=64, max_local_cpu_size=0.05), max_len=100)
     with pytest.raises(ValueError, match="max_len"):
         session.prefill(torch.zeros(1, 101, dtype=torch.long))
 
 
 def test_layerwise_load_gives_the_same_result(model):
     ids = torch.randint(0, 1000, (1, 300), generator=torch.Generator().manual_seed(3))
-    session = HFSession(model, KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), max_len=400)
+    session = HFSession(model, KvtierConfig(save_unfull_chunk=False, chunk_size=64, max_local_cpu_size=0.05), max_len=400)
     cold = session.prefill(ids, use_cache=False).logits
     session.prefill(ids)  # store
     whole = session.prefill(ids, layerwise=False)
@@ -69,7 +69,7 @@ def test_layerwise_load_gives_the_same_result(model):
 
 def test_layerwise_store_stores_the_same_kv_as_storing_after(model):
     ids = torch.randint(0, 1000, (1, 300), generator=torch.Generator().manual_seed(5))
-    cfg = KvtierConfig(chunk_size=64, max_local_cpu_size=0.05)
+    cfg = KvtierConfig(save_unfull_chunk=False, chunk_size=64, max_local_cpu_size=0.05)
     after, layered = HFSession(model, cfg, max_len=400), HFSession(model, cfg, max_len=400)
     cold = after.prefill(ids, layerwise=False).logits
     assert torch.equal(layered.prefill(ids, layerwise=True).logits, cold)  # storing changes nothing computed
@@ -89,7 +89,7 @@ def test_a_session_on_another_node_loads_the_prefix_from_the_store_server(model)
     ids = torch.randint(0, 1000, (1, 700), generator=torch.Generator().manual_seed(4))
     reference = model.generate(ids, max_new_tokens=10, do_sample=False)[0, 700:].tolist()
     with kvtier_server(0.0625) as srv:
-        cfg = KvtierConfig(chunk_size=64, max_local_cpu_size=0.05, local_cpu=False, remote_url=srv.url)
+        cfg = KvtierConfig(save_unfull_chunk=False, chunk_size=64, max_local_cpu_size=0.05, local_cpu=False, remote_url=srv.url)
         first = HFSession(model, cfg, max_len=800)
         assert first.generate(ids, 10) == reference
         assert first.engine.flush(timeout=10)
@@ -109,7 +109,7 @@ def test_layerwise_from_the_store_server_and_a_chunk_that_fails_its_check_is_com
 
     ids = torch.randint(0, 1000, (1, 300), generator=torch.Generator().manual_seed(5))
     with kvtier_server(0.0625) as srv:
-        cfg = KvtierConfig(chunk_size=64, max_local_cpu_size=0.05, local_cpu=False, remote_url=srv.url)
+        cfg = KvtierConfig(save_unfull_chunk=False, chunk_size=64, max_local_cpu_size=0.05, local_cpu=False, remote_url=srv.url)
         session = HFSession(model, cfg, max_len=400)
         cold = session.prefill(ids, use_cache=False).logits
         session.prefill(ids)  # store

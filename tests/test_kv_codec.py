@@ -111,7 +111,7 @@ def test_the_triton_kernel_in_the_interpreter_matches_the_torch_codec():
 
 def node(url: str | None, serde: str, *, local_cpu: bool = True, disk: str | None = None):
     layers = [(torch.randn(2, NB, BS, H, D) * 3).to(torch.bfloat16) for _ in range(L)]
-    cfg = KvtierConfig(chunk_size=16, max_local_cpu_size=1 / 1024, remote_url=url, remote_serde=serde,
+    cfg = KvtierConfig(save_unfull_chunk=False, chunk_size=16, max_local_cpu_size=1 / 1024, remote_url=url, remote_serde=serde,
                        local_cpu=local_cpu, blocking_timeout_secs=5, local_disk=disk,
                        max_local_disk_size=0.01 if disk else 0.0)
     return CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), FMT), layers
@@ -212,7 +212,7 @@ def test_transformers_llama_with_the_codec_decodes_as_without(name):
     model = LlamaForCausalLM(cfg).eval()
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 1000, (1, 600), generator=gen)
-    session = HFSession(model, KvtierConfig(chunk_size=64, max_local_cpu_size=0.05, remote_serde=name),
+    session = HFSession(model, KvtierConfig(save_unfull_chunk=False, chunk_size=64, max_local_cpu_size=0.05, remote_serde=name),
                         max_len=700)
     cold_tokens = session.generate(ids, 16, use_cache=False)
     cold = session.prefill(ids, use_cache=False).logits

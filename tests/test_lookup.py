@@ -105,3 +105,30 @@ def test_the_hit_is_the_shortest_rank_s_and_held_if_any_rank_holds_it(tmp_path):
         client.close()
         for server in servers:
             server.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_worker_in_the_schedulers_process_is_called_directly_on_its_thread(tmp_path, direct):
+    """vLLM's uniprocess executor (one GPU) runs the scheduler and the worker on the engine
+    core's thread: a `direct` server's handlers run on the asking thread, with no socket
+    between them (each handoff of the GIL cost the lookup inside vLLM); once the server is
+    closed the client is back on the socket (then a miss: nobody answers there)."""
+    import threading
+
+    threads = []
+    handlers = Handlers(lookup=lambda tokens, rid, computed, beside: threads.append(threading.get_ident())
+                        or (len(tokens), len(tokens), True),
+                        release=lambda rid: threads.append(threading.get_ident()), reset=lambda: None)
+    address = f"ipc://{tmp_path}/w0.sock"
+    server = LookupServer(address, handlers, direct=direct)
+    client = LookupClient([address], timeout_s=0.3)
+    try:
+        assert client.lookup([5, 6, 7], "r", computed=1) == Found(3, 3, True)
+        client.release("r")
+        here = threading.get_ident()
+        assert threads == ([here, here] if direct else [threads[0]] * 2) and (direct or threads[0] != here)
+        server.close()
+        assert client.lookup([5, 6, 7], "r2") == Found(0, 0, False)
+    finally:
+        client.close()
+        server.close()

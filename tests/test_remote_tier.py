@@ -27,7 +27,7 @@ JOIN: dict[str, dict] = {}  # url -> the extra_config a client of that local sto
 
 def node(url: str, serde: str = "naive", local_cpu: bool = True, timeout: float = 2.0):
     layers = [torch.randn(2, NB, BS, H, D).to(torch.bfloat16) for _ in range(L)]
-    cfg = KvtierConfig(chunk_size=16, max_local_cpu_size=1 / 1024, remote_url=url, remote_serde=serde,
+    cfg = KvtierConfig(save_unfull_chunk=False, chunk_size=16, max_local_cpu_size=1 / 1024, remote_url=url, remote_serde=serde,
                        local_cpu=local_cpu, blocking_timeout_secs=timeout, extra_config=JOIN.get(url, {}))
     return CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), FMT), layers
 
@@ -82,7 +82,7 @@ def test_a_corrupt_disk_chunk_is_read_from_the_remote_store_instead(url, tmp_pat
 
     tokens = [t + 13 for t in TOKENS]
     layers = [torch.randn(2, NB, BS, H, D).to(torch.bfloat16) for _ in range(L)]
-    cfg = KvtierConfig(chunk_size=16, max_local_cpu_size=1 / 1024, remote_url=url, local_cpu=False,
+    cfg = KvtierConfig(save_unfull_chunk=False, chunk_size=16, max_local_cpu_size=1 / 1024, remote_url=url, local_cpu=False,
                        local_disk=str(tmp_path / "disk"), max_local_disk_size=0.01, blocking_timeout_secs=2.0,
                        extra_config=JOIN.get(url, {}))
     e = CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), FMT)
@@ -241,7 +241,7 @@ def test_a_layerwise_load_larger_than_one_lease_may_hold_loads_whole():
 def test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv():
     with kvtier_server(0.0625) as srv:
         tokens = [t + 17 for t in TOKENS]
-        cfg = dict(chunk_size=16, max_local_cpu_size=1 / 1024, remote_url=srv.url, blocking_timeout_secs=5)
+        cfg = dict(save_unfull_chunk=False, chunk_size=16, max_local_cpu_size=1 / 1024, remote_url=srv.url, blocking_timeout_secs=5)
         layers = [[torch.randn(2, NB, BS, H, D, device="cuda").to(torch.bfloat16) for _ in range(L)] for _ in "ab"]
         a = CacheEngine(KvtierConfig(**cfg), PagedKV.wrap(layers[0], "flash_attn"), FMT)
         b = CacheEngine(KvtierConfig(**cfg, local_cpu=False), PagedKV.wrap(layers[1], "flash_attn"), FMT)
@@ -268,7 +268,7 @@ def test_over_tcp_the_next_batch_is_read_while_this_one_loads_and_nothing_leaks(
         tokens = [t + 19 for t in TOKENS]
         a, a_kv = node(srv.url)
         layers = [torch.randn(2, NB, BS, H, D).to(torch.bfloat16) for _ in range(L)]
-        cfg = KvtierConfig(chunk_size=16, max_local_cpu_size=2.5 * L * 2 * 16 * H * D * 2 / 2**30,  # 2 blocks
+        cfg = KvtierConfig(save_unfull_chunk=False, chunk_size=16, max_local_cpu_size=2.5 * L * 2 * 16 * H * D * 2 / 2**30,  # 2 blocks
                            remote_url=srv.url + "/?shm=0", local_cpu=False, blocking_timeout_secs=5)
         b = CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), FMT)
         assert b.pool.num_blocks == 2
@@ -368,7 +368,7 @@ def test_on_a_gpu_lent_chunks_are_checked_by_their_digests_on_the_device(layerwi
 
     with kvtier_server(0.0625) as srv:
         tokens = [t + 23 + layerwise for t in TOKENS]
-        cfg = dict(chunk_size=16, max_local_cpu_size=1 / 1024, remote_url=srv.url, blocking_timeout_secs=5)
+        cfg = dict(save_unfull_chunk=False, chunk_size=16, max_local_cpu_size=1 / 1024, remote_url=srv.url, blocking_timeout_secs=5)
         layers = [[torch.randn(2, NB, BS, H, D, device="cuda").to(torch.bfloat16) for _ in range(L)] for _ in "ab"]
         a = CacheEngine(KvtierConfig(**cfg), PagedKV.wrap(layers[0], "flash_attn"), FMT)
         b = CacheEngine(KvtierConfig(**cfg, local_cpu=False), PagedKV.wrap(layers[1], "flash_attn"), FMT)

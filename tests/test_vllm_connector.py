@@ -20,46 +20,51 @@ def prompts(tiny_model):
     a = ids[:3000]  # not a chunk multiple: 11 whole chunks, 3 prefill steps of 1024
     b = ids[5000:7048]  # exactly 8 chunks: the whole prompt is stored
     c = ids[20000:20256] + a[256:]  # a's prompt with another first chunk
-    return {"a": a, "b": b, "c": c}
+    d = a + ids[30000:30300]  # a's next turn: a, then an answer and a question
+    return {"a": a, "b": b, "c": c, "d": d}
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model, prompts, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm")
-    order = [prompts[k] for k in ("a", "a", "b", "b", "c")]
+    order = [prompts[k] for k in ("a", "a", "b", "b", "c", "d")]
     # As users run it: the engine core in a process of its own, the connector found by name.
-    with_kv, log = run_vllm(tiny_model, order, tmp, kv_role="kv_both", engine_process=True, by_name=True)
-    plain, _ = run_vllm(tiny_model, [prompts[k] for k in ("a", "b", "c")], tmp)
+    with_kv, log = run_vllm(tiny_model, order, tmp, kv_role="kv_both", engine_process=True, by_name=True,
+                            env={"LMCACHE_SAVE_UNFULL_CHUNK": "true"})  # kvtier's default
+    plain, _ = run_vllm(tiny_model, [prompts[k] for k in ("a", "b", "c", "d")], tmp)
     return with_kv, plain, log
 
 
 @pytest.mark.vllm_smoke
-def test_second_request_hits_the_prompt_rounded_down_to_chunks(runs):
+def test_second_request_hits_the_whole_prompt_and_the_next_turn_its_partial_chunk(runs):
     _, _, log = runs
     hits = [tuple(map(int, m)) for m in HIT.findall(log)]
+    g = hit_granularity()
     assert hits[0] == (3000, 0, 0)
-    assert hits[1] == (3000, 2816, 2816)  # 3000 rounded down to 256
+    assert hits[1] == (3000, 2999 - 2999 % g, 2999 - 2999 % g)  # its partial last chunk too: all but the last token
     assert hits[2] == (2048, 0, 0)
-    last = 2047 - 2047 % hit_granularity()  # all stored: vLLM computes the last token itself
+    last = 2047 - 2047 % g  # all stored: vLLM computes the last token itself
     assert hits[3] == (2048, last, last)
     assert hits[4] == (3000, 0, 0)  # different first chunk: no key matches
+    assert hits[5] == (3300, 3000 - 3000 % g, 3000 - 3000 % g)  # a's tail found inside the longer prompt
 
 
 def test_stores_follow_chunked_prefill(runs):
     _, _, log = runs
     stores = [tuple(map(int, m)) for m in STORE.findall(log)]
-    assert stores[:3] == [(1024, 1024), (1024, 2048), (768, 3000)]  # the partial chunk is not stored
+    assert stores[:3] == [(1024, 1024), (1024, 2048), (952, 3000)]  # the partial last chunk too (save_unfull_chunk)
     assert stores[3:5] == [(1024, 1024), (1024, 2048)]  # b: whole chunks, step by step
 
 
 @pytest.mark.vllm_smoke
 def test_output_equals_vllm_without_kvtier(runs):
     with_kv, plain, _ = runs
-    cold_a, warm_a, cold_b, warm_b, c = with_kv
-    for got, ref in [(cold_a, plain[0]), (warm_a, plain[0]), (cold_b, plain[1]), (warm_b, plain[1]), (c, plain[2])]:
+    cold_a, warm_a, cold_b, warm_b, c, d = with_kv
+    for got, ref in [(cold_a, plain[0]), (warm_a, plain[0]), (cold_b, plain[1]), (warm_b, plain[1]), (c, plain[2]),
+                     (d, plain[3])]:
         assert got["token_ids"] == ref["token_ids"]
-    warm_err = max(abs(x - y) for x, y in zip(warm_a["logprobs"] + warm_b["logprobs"],
-                                               plain[0]["logprobs"] + plain[1]["logprobs"]))
+    warm_err = max(abs(x - y) for x, y in zip(warm_a["logprobs"] + warm_b["logprobs"] + d["logprobs"],
+                                               plain[0]["logprobs"] + plain[1]["logprobs"] + plain[3]["logprobs"]))
     # Control: the output does depend on the early context, so loading wrong
     # KV for it would show: changing only the first chunk moves the logprobs
     # far more than loading it from kvtier does.

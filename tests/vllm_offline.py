@@ -94,7 +94,10 @@ def run_vllm(model: Path, prompts: list[list[int]], tmp: Path, kv_role: str = ""
     cmd += (["--by-name"] if by_name else []) + ["--tp", str(tp), "--max-batched", str(max_batched)]
     cmd += ["--mamba-align"] if mamba_align else []
     # Defaults under LMCACHE_ names: a test's own LMCACHE_ or KVTIER_ setting replaces or overrides them.
+    # Partial last chunks not stored (LMCache's default; kvtier's stores them): the tiers' tests count
+    # whole chunks; the connector suite's main runs and its next-turn case run kvtier's default.
     full_env = {**os.environ, "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25",
+                "LMCACHE_SAVE_UNFULL_CHUNK": "false",
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if engine_process else "0", **(env or {})}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=full_env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]

@@ -59,7 +59,9 @@ class KvtierConfig:
     local_cpu: bool = _doc("keep KV chunks in the CPU RAM tier", default=True)
     max_local_cpu_size: float = _doc("CPU RAM pool size, GiB", default=5.0)
     local_cpu_use_hugepages: bool = _doc("back the CPU pool with 2 MiB huge pages", default=False)
-    save_unfull_chunk: bool = _doc("also store the partial last chunk of a prompt", default=False)
+    save_unfull_chunk: bool = _doc("also store the partial last chunk of a prompt (a tail); a later prompt that "
+                                   "continues it, a conversation's next turn, loads it (LMCache's default is false: "
+                                   "its longer prompts never find one)", default=True)
     use_layerwise: bool = _doc("load KV layer by layer, overlapped with compute (the transformers integration "
                                "stores so too; inside vLLM a step's store follows its forward)", default=False)
     local_disk: str | None = _doc("directory of the disk tier: file:///path (or a plain path)", default=None)

@@ -76,7 +76,7 @@ RULES: dict[str, KeyRule] = {
     "remote_url": _b(None, "kvtier:// infinistore:// redis:// rediss:// redis-cluster:// fs:// mooncakestore://"),
     "remote_serde": _b("naive", "naive or lz4; int8 or fp8: a lossy codec on the GPU (not CacheGen's)"),
     "use_layerwise": _b(False),
-    "save_unfull_chunk": _b(False),
+    "save_unfull_chunk": _b(False, "LMCache's default; kvtier's is true: a longer prompt finds the tail"),
     "blocking_timeout_secs": _b(10),
     "extra_config": _b(None),
     "pin_timeout_sec": _b(300),

@@ -40,7 +40,8 @@ from kvtier.engine.prefetch import Prefetcher
 from kvtier.engine.records import ChunkEvent
 from kvtier.engine.states import StateLayers, StateLoad, StatePath
 from kvtier.engine.storing import Storing, StorePath
-from kvtier.keys import ChunkKey, ChunkSpan, KVFormat
+from kvtier.engine.tails import Tails
+from kvtier.keys import ChunkKey, ChunkSpan, KVFormat, tail_span
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
 from kvtier.tiers.base import CPU
@@ -75,8 +76,10 @@ class CacheEngine:
         self.ahead = AheadSlot(self.tiers, self.mover)
         self.prefetcher = Prefetcher(self.tiers, self.holds, self.stats,
                                      enabled=config.local_cpu and bool(self.tiers.lower))
+        self.tails = Tails()
         self.storing = StorePath(self.tiers, self.mover, self.stats, self.events, self._spans.spans,
-                                 enabled=config.local_cpu or bool(self.tiers.lower))
+                                 enabled=config.local_cpu or bool(self.tiers.lower), tails=self.tails,
+                                 chunk_size=config.chunk_size)
         self.loading = LoadPath(self.tiers, self.mover, self.holds, self.ahead, self.prefetcher, self.stats,
                                 self._spans.spans)
         self.states = None if states is None else StatePath(states, self.tiers, self.pool.block_bytes)
@@ -129,6 +132,11 @@ class CacheEngine:
         ahead = 0 if self.states is not None else next((i for i, s in enumerate(spans) if s.end > known), len(spans))
         self._settle(keys=keys[ahead:])  # stores of this prefix land first (waited for); snapshots that have ended
         where = self._locate(keys, ahead)
+        if self.states is None and len(where) < len(spans):  # a shorter prompt's end, stored (tails.py)?
+            tail = self._tail(tokens, spans, len(where))
+            if tail is not None:
+                n = len(where)
+                spans, keys, where = spans[:n] + [tail[0]], keys[:n] + [tail[0].key], where + [tail[1]]
         in_cpu = next((i for i, w in enumerate(where) if w not in (CPU, FLYING)), len(where))
         if cpu_only:
             where = where[:in_cpu]
@@ -140,6 +148,18 @@ class CacheEngine:
         if hold_for:
             self.holds.take(hold_for, keys[:n] + state_keys, where[:n] + state_where)
         return Hit(spans[n - 1].end if n else 0, spans[in_cpu - 1].end if in_cpu else 0)
+
+    def _tail(self, tokens: Tokens, spans: list[ChunkSpan], n: int) -> tuple[ChunkSpan, str] | None:
+        """The longest stored tail (a prompt's partial last chunk) after the first `n` spans,
+        shorter than span n, that these tokens continue with; with its tier."""
+        before = spans[n - 1] if n else None
+        for length in self.tails.lengths(before.key if before is not None else None):
+            if length < spans[n].num_tokens:
+                span = tail_span(tokens, before, length, self.fmt)
+                found = self.tiers.locate([span.key])
+                if found:
+                    return span, found[0]
+        return None
 
     def _locate(self, keys: list[ChunkKey], ahead: int) -> list[str]:
         """`TieredStore.locate`, where the first `ahead` keys may also be on their way (FLYING)."""
@@ -327,6 +347,7 @@ class CacheEngine:
         self.ahead.drop()
         self._settle(wait=True)
         self.tiers.clear()
+        self.tails.clear()
         log.info("cleared the local tiers (CPU RAM%s)", " and disk" if self.tiers.disk is not None else "")
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -22,6 +22,7 @@ from kvtier.engine.job import Job
 from kvtier.engine.landing import Landing
 from kvtier.engine.mover import Mover, num_tokens, release_blocks, stamp
 from kvtier.engine.records import EngineStats, EventLog, SkipWarnings, log_transfer
+from kvtier.engine.tails import Tails
 from kvtier.keys import ChunkSpan
 from kvtier.logs import get_logger
 from kvtier.memory import MemoryBlock
@@ -33,16 +34,21 @@ log = get_logger(__name__)
 
 class StorePath:
     def __init__(self, tiers: TieredStore, mover: Mover, stats: EngineStats, events: EventLog,
-                 spans: Callable[[np.ndarray, str], list[ChunkSpan]], enabled: bool) -> None:
+                 spans: Callable[[np.ndarray, str], list[ChunkSpan]], enabled: bool, tails: Tails,
+                 chunk_size: int) -> None:
         self.tiers, self.mover, self.stats, self.events = tiers, mover, stats, events
         self._spans, self._enabled = spans, enabled  # enabled: some tier keeps chunks
+        self.tails, self.chunk_size = tails, chunk_size
         self._skips = SkipWarnings()
         self.landing = Landing()  # layerwise stores whose copies to the host are in flight
 
     def start(self, job: Job, layerwise: bool) -> Storing:
         todo: list[ChunkSpan] = []
         if self._enabled:
-            todo = [s for s in self._spans(job.tokens, job.request_id) if s.end > job.start]
+            spans = self._spans(job.tokens, job.request_id)
+            if spans and spans[-1].num_tokens < self.chunk_size:  # a prompt's partial last chunk
+                self.tails.add(spans[-2].key if len(spans) > 1 else None, spans[-1].num_tokens)
+            todo = [s for s in spans if s.end > job.start]
             todo = [s for s, new in zip(todo, self.tiers.to_gather([s.key for s in todo]))
                     if new and not self.landing.holds(s.key)]  # (in flight: an earlier store's)
         owned: list[tuple[ChunkSpan, MemoryBlock]] = []

@@ -107,7 +107,7 @@ class WorkerSide:
         self.engine = self.pd.make_engine(kv, fmt, rank, states)
         self._beside = BesideLoads(self.engine.kv.device)
         self._server = LookupServer(socket_path(self.engine_id, rank), Handlers(
-            lookup=self._find, release=self._release, reset=self.engine.clear))
+            lookup=self._find, release=self._release, reset=self.engine.clear), direct=True)
 
     def _release(self, request_id: str) -> None:
         assert self.engine is not None
