@@ -237,9 +237,10 @@ def test_a_whole_store_not_waited_for_reads_the_pages_after_the_forward_and_befo
     for (toks, slots), (block, offset) in zip(steps, pages):
         # a slow forward on the current stream, then its writes (about 0.1 s: 20M cycles, ~10 ms,
         # was shorter than the host's own work before the next store on a fresh H100, 2026-11-27)
+        values = [torch.randn_like(x) for x in layers]  # drawn before: an RNG call here made the host wait (H200)
         torch.cuda._sleep(200_000_000)
-        for x in layers:
-            x.normal_()
+        for x, v in zip(layers, values):
+            x.copy_(v)
         expect.append([x[:, block, offset].clone() for x in layers])  # no host sync
         assert eng.start_store(toks, slots).finish(wait=False) == 256
     assert len(eng.storing.landing) == 2  # both behind the sleeps: nothing waited
@@ -267,9 +268,10 @@ def test_on_a_gpu_a_lookup_within_the_engines_own_prefix_does_not_wait_for_its_s
     eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), kv, KVFormat("m", "flash_attn", "bf16"))
     slots = torch.randperm(kv.num_slots)[:320]
     toks = list(range(320))
+    values = [torch.randn_like(x) for x in layers]
     torch.cuda._sleep(1_000_000_000)  # the forward that computes the prefix: ~0.5 s of GPU clock
-    for x in layers:
-        x.normal_()
+    for x, v in zip(layers, values):
+        x.copy_(v)  # its writes (an RNG call after the sleep made the host wait for it on an H200)
     assert eng.start_store(toks[:256], slots[:256]).finish(wait=False) == 256
     hit = eng.find(toks, known=256)
     assert (hit.tokens, hit.in_cpu) == (256, 256)
