@@ -237,11 +237,13 @@ def test_a_whole_store_not_waited_for_reads_the_pages_after_the_forward_and_befo
     for (toks, slots), (block, offset) in zip(steps, pages):
         # a slow forward on the current stream, then its writes (about 0.1 s: 20M cycles, ~10 ms,
         # was shorter than the host's own work before the next store on a fresh H100, 2026-11-27)
-        values = [torch.randn_like(x) for x in layers]  # drawn before: an RNG call here made the host wait (H200)
+        # The forward's values drawn and indexed before it: after the sleep only its writes and
+        # the store (with an RNG call or an indexing of the pages there, an H200 host waited for it)
+        values = [torch.randn_like(x) for x in layers]
+        expect.append([v[:, block, offset] for v in values])
         torch.cuda._sleep(200_000_000)
         for x, v in zip(layers, values):
             x.copy_(v)
-        expect.append([x[:, block, offset].clone() for x in layers])  # no host sync
         assert eng.start_store(toks, slots).finish(wait=False) == 256
     assert len(eng.storing.landing) == 2  # both behind the sleeps: nothing waited
     assert eng.start_store(*steps[0]).finish(wait=False) == 0  # in flight: not gathered again (from new pages)
