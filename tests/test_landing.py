@@ -43,9 +43,9 @@ def test_copies_land_when_arrived_when_waited_for_or_when_their_keys_are_looked_
     assert landed == [2, 1, 0] and len(landing) == 0 and not landing.holds(key(10))
 
 
-def test_a_store_does_not_gather_again_a_chunk_an_earlier_store_has_in_flight():
-    """Two requests with one prefix in consecutive steps: the second's store leaves the
-    chunks the first has on their way to the host (on a GPU, not waited for) to it."""
+def engine_with_first_chunk_in_flight(n: int):
+    """A CPU engine (64-token chunks), tokens 0..n-1 and their slots, and their first chunk on
+    its way to the host as an earlier store's: its key, its `Arrival`, and what has landed."""
     import torch
 
     from kvtier.config import KvtierConfig
@@ -55,10 +55,17 @@ def test_a_store_does_not_gather_again_a_chunk_an_earlier_store_has_in_flight():
     layers = [torch.randn(2, 16, 16, 2, 32) for _ in range(2)]
     eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=1 / 1024), PagedKV.wrap(layers, "flash_attn"),
                       KVFormat("m", "flash_attn", "float32"))
-    toks, slots = list(range(192)), torch.arange(192)
+    toks, slots = list(range(n)), torch.arange(n)
     first = eng.spans(toks)[0].key
     arrival, landed = Arrival(), []
     eng.storing.landing.add(InFlight(arrival), [first], lambda: landed.append(first))
+    return eng, toks, slots, first, arrival, landed
+
+
+def test_a_store_does_not_gather_again_a_chunk_an_earlier_store_has_in_flight():
+    """Two requests with one prefix in consecutive steps: the second's store leaves the
+    chunks the first has on their way to the host (on a GPU, not waited for) to it."""
+    eng, toks, slots, first, arrival, landed = engine_with_first_chunk_in_flight(192)
     assert eng.start_store(toks, slots).finish() == 128  # chunks 2 and 3; chunk 1 is in flight
     arrival.arrived = True
     assert eng.lookup(toks) == 0 and landed == [first]  # (this stand-in's landing put nothing)
@@ -71,19 +78,7 @@ def test_a_lookup_does_not_wait_for_chunks_the_engine_has_already():
     within them still on its way to the host counts as found and is not waited for (the wait
     held vLLM's scheduler until the GPU ended the step the store's copies queue behind), nor
     held. One that reaches past them is waited for, as every other lookup's."""
-    import torch
-
-    from kvtier.config import KvtierConfig
-    from kvtier.engine import CacheEngine
-    from kvtier.transfer import PagedKV
-
-    layers = [torch.randn(2, 16, 16, 2, 32) for _ in range(2)]
-    eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=1 / 1024), PagedKV.wrap(layers, "flash_attn"),
-                      KVFormat("m", "flash_attn", "float32"))
-    toks, slots = list(range(256)), torch.arange(256)
-    first = eng.spans(toks)[0].key
-    arrival, landed = Arrival(), []
-    eng.storing.landing.add(InFlight(arrival), [first], lambda: landed.append(first))
+    eng, toks, slots, first, arrival, landed = engine_with_first_chunk_in_flight(256)
     assert eng.store(toks[:192], slots[:192]) == 128  # chunks 2 and 3; chunk 1 is in flight
     hit = eng.find(toks, hold_for="r", known=64)
     assert (hit.tokens, hit.in_cpu) == (192, 192) and not arrival.waited and landed == []
