@@ -49,14 +49,22 @@ def main() -> None:
     print("| host call, with ~0.2 s of GPU work queued before it | host ms | GPU still busy after |")
     print("|---|---|---|")
     keep = []
+
+    def pinned(size: int) -> Callable[[], None]:
+        return lambda: keep.append(torch.empty(size, dtype=torch.uint8, pin_memory=True))
+
+    def device(size: int) -> Callable[[], None]:
+        return lambda: keep.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+
     for size in (8 << 10, 512 << 10, 8 << 20):
-        probe(f"pinned tensor of {size >> 10} KiB, first of its size", lambda s=size: keep.append(torch.empty(s, dtype=torch.uint8, pin_memory=True)))
+        probe(f"pinned tensor of {size >> 10} KiB, first of its size", pinned(size))
     keep.clear()
-    probe("pinned tensor of 8 KiB again (cached)", lambda: keep.append(torch.empty(8 << 10, dtype=torch.uint8, pin_memory=True)))
-    probe("small table .pin_memory() then .to(cuda, non_blocking)", lambda: keep.append(torch.arange(4096).pin_memory().to("cuda", non_blocking=True)))
-    probe("device tensor of 768 MiB, new segment", lambda: keep.append(torch.empty(768 << 20, dtype=torch.uint8, device="cuda")))
+    probe("pinned tensor of 8 KiB again (cached)", pinned(8 << 10))
+    probe("small table .pin_memory() then .to(cuda, non_blocking)",
+          lambda: keep.append(torch.arange(4096).pin_memory().to("cuda", non_blocking=True)))
+    probe("device tensor of 768 MiB, new segment", device(768 << 20))
     keep.clear()
-    probe("device tensor of 768 MiB again (cached)", lambda: keep.append(torch.empty(768 << 20, dtype=torch.uint8, device="cuda")))
+    probe("device tensor of 768 MiB again (cached)", device(768 << 20))
     keep.clear()
 
     layers = [torch.randn(2, BLOCKS, BS, HEADS, HEAD, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]

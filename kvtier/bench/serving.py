@@ -261,8 +261,9 @@ def table(records: dict[str, Record]) -> list[str]:
     for key, rec in records.items():
         firsts.setdefault(key.partition("#")[2], rec)
     lines = ["| setup | TTFT mean ms | TTFT p99 ms | req/s | output tok/s | connector hit rate | "
-             "GPU prefix hit rate | in flight mean / max | kvtier lookup ms (share of the run, longest since the start) | "
-             "failed | outputs equal to the round's first |", "|---" * 11 + "|"]
+             "GPU prefix hit rate | in flight mean / max | "
+             "kvtier lookup ms (share of the run, longest since the start) | failed | "
+             "outputs equal to the round's first |", "|---" * 11 + "|"]
     for name, rec in records.items():
         s = rec.summary
         equal, both = same_outputs(rec, firsts[name.partition("#")[2]])

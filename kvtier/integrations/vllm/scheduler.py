@@ -62,7 +62,8 @@ class SchedulerSide:
         self.lookup = LookupClient(addresses, config.lookup_timeout_ms / 1000)
         self.pd = SchedulerPd(config)
         self._requests: dict[str, RequestState] = {}
-        self._pending: dict[str, tuple[int, bool, int]] = {}  # req_id -> (hit end, async, stored), between the two calls
+        # req_id -> (hit end, async, stored), between the two calls
+        self._pending: dict[str, tuple[int, bool, int]] = {}
         self._held: set[str] = set()  # looked up with a hit, load not planned yet
         self._async_loads: list[str] = []  # async loads planned, to send with the next metadata
         # since the last stats; lookup_seconds: vLLM's scheduler waiting on the workers' answers
