@@ -129,8 +129,8 @@ def test_with_several_groups_a_disk_hit_is_promised_once_it_is_in_cpu_ram(tmp_pa
     from kvtier.keys import KVFormat
     from kvtier.transfer import PagedKV
 
-    config = KvtierConfig(chunk_size=16, max_local_cpu_size=1 / 1024, local_disk=str(tmp_path / "disk"),
-                          max_local_disk_size=0.01, blocking_timeout_secs=5)
+    config = KvtierConfig(save_unfull_chunk=False, chunk_size=16, max_local_cpu_size=1 / 1024,
+                          local_disk=str(tmp_path / "disk"), max_local_disk_size=0.01, blocking_timeout_secs=5)
     layers = [torch.randn(2, 64, 16, 2, 32) for _ in range(2)]
     engine = CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), KVFormat("m", "flash_attn", "float32"))
     toks = list(range(50))

@@ -19,12 +19,13 @@ LAYERS = 3
 
 
 def worker_and_step(**config):
-    """A worker over a CPU engine, as register_kv_caches makes it, and a step's metadata
-    that saves the first 32 tokens of a request (blocks 0 and 1 of 16 tokens)."""
+    """A worker over a CPU engine, as register_kv_caches makes it (whole chunks only, unless
+    `config` says otherwise), and a step's metadata that saves the first 32 tokens of a
+    request (blocks 0 and 1 of 16 tokens)."""
     from kvtier.integrations.vllm.spec import KvtierMetadata, Shape, TransferSpec
     from kvtier.integrations.vllm.worker import WorkerSide
 
-    config = KvtierConfig(chunk_size=16, max_local_cpu_size=1 / 1024, **config)
+    config = KvtierConfig(**{"save_unfull_chunk": False, "chunk_size": 16, "max_local_cpu_size": 1 / 1024, **config})
     layers = [torch.randn(2, 8, 16, 2, 32) for _ in range(LAYERS)]
     worker = WorkerSide(config, Shape(16, 16, False, 0), "worker-test", True)
     worker.engine = CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), KVFormat("m", "flash_attn", "float32"))
