@@ -101,6 +101,12 @@ def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
     return arr.astype("<u4", copy=False).tobytes()
 
 
+def _chained(prev: bytes, data: bytes) -> bytes:
+    """A chunk's digest: its tokens' bytes after its predecessor's digest (one rule for every
+    key: a tail's must equal the partial last chunk's a prompt was stored with)."""
+    return xxhash.xxh3_128_digest(prev + data, seed=_SEED)
+
+
 def chunk_spans(
     tokens: Sequence[int] | np.ndarray,
     fmt: KVFormat,
@@ -119,7 +125,7 @@ def chunk_spans(
     prev = SEED_DIGEST
     for start in range(0, end_limit, chunk_size):
         end = min(start + chunk_size, end_limit)
-        prev = xxhash.xxh3_128_digest(prev + data[4 * start : 4 * end], seed=_SEED)
+        prev = _chained(prev, data[4 * start : 4 * end])
         spans.append(ChunkSpan(ChunkKey(fmt, prev), start, end))
     return spans
 
@@ -130,7 +136,7 @@ def tail_span(tokens: Sequence[int] | np.ndarray, before: ChunkSpan | None, leng
     start = before.end if before is not None else 0
     data = token_bytes(tokens[start : start + length])
     prev = before.key.digest if before is not None else SEED_DIGEST
-    return ChunkSpan(ChunkKey(fmt, xxhash.xxh3_128_digest(prev + data, seed=_SEED)), start, start + length)
+    return ChunkSpan(ChunkKey(fmt, _chained(prev, data)), start, start + length)
 
 
 class SpanMemo:
