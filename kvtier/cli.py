@@ -269,7 +269,9 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pieces", nargs="+", default=["default"],
                    help="cuda_ipc, each in turn: how a step is reserved and committed: default, F,M (first "
                         "piece F chunks, doubling up to M), step (one Alloc), sync-commit (Commit after the writes), "
-                        "gather-after-alloc (no gather while the Alloc travels), group=MiB (the writes' ring slots)")
+                        "gather-after-alloc (no gather while the Alloc travels), group=MiB (the writes' ring slots), "
+                        "first=MiB (a step's first ring group), forward=MS (called behind a forward of MS ms, "
+                        "timed from its end, as inside vLLM)")
     p.add_argument("--output", help="write the results to this JSON file")
 
 

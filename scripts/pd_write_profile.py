@@ -1,9 +1,11 @@
 """Where a cuda_ipc send's time goes, each part timed alone (CUDA events, median of 5
-after a warm-up), 16k and 32k tokens of Llama-3.1-8B-shaped KV:
+after a warm-up), 4k, 16k and 32k tokens of Llama-3.1-8B-shaped KV:
 
     gather -> local    the gather kernel into chunks on the sender's own GPU
     gather -> peer     the same kernel writing straight into the other GPU (the old path)
     ring + copy        kvtier's IpcWriter: kernel into a local ring, copy engine into the peer
+                       (its groups growing from one chunk to a slot)
+    ring, flat groups  the same with every group a slot (256 MiB; before 2026-11-28 evening)
     copy               a plain torch copy of the same bytes, sender GPU -> receiver GPU (the limit)
 
     python3 scripts/pd_write_profile.py [--peer cuda:1]
@@ -43,7 +45,7 @@ def main() -> None:
     args = p.parse_args()
     shape, dev = OffloadShape(), "cuda:0"
     torch.cuda.set_device(dev)
-    for n in (16384, 32768):
+    for n in (4096, 16384, 32768):
         kv, _ = _paged(shape, n, dev, fill=True)
         engine = CacheEngine(_config(shape, "sender", "cuda_ipc", dev, 0, 1, 2), kv, KVFormat("m", "flash_attn", shape.dtype))
         slots = _slots(kv.num_blocks, shape.block_size, n, 7)
@@ -58,6 +60,12 @@ def main() -> None:
         local_views = [local[i * per_chunk : (i + 1) * per_chunk] for i in range(len(spans))]
         views = [mapped[i * per_chunk : (i + 1) * per_chunk] for i in range(len(spans))]
         ring = IpcWriter(torch.device(dev), per_chunk)
+        flat = IpcWriter(torch.device(dev), per_chunk, first_bytes=IpcWriter.GROUP_BYTES)
+
+        def through(writer: IpcWriter) -> None:
+            step = writer.start(lambda places: engine.gather_addressed(slots, spans, places), spans,
+                                [per_chunk] * len(spans))
+            writer.write(step, views)[1].synchronize()
 
         def gather(part, buffers):
             engine.gather_into(slots, part, buffers)
@@ -65,9 +73,8 @@ def main() -> None:
         figures = {
             "gather -> local": timed(lambda: gather(spans, local_views), dev),
             "gather -> peer": timed(lambda: gather(spans, views), dev),
-            "ring + copy": timed(lambda: ring.write(ring.start(lambda places: engine.gather_addressed(slots, spans, places),
-                                                               spans, [per_chunk] * len(spans)), views)[1].synchronize(),
-                                 dev),
+            "ring + copy": timed(lambda: through(ring), dev),
+            "ring, flat groups": timed(lambda: through(flat), dev),
             "copy": timed(lambda: mapped.copy_(local), dev),
         }
         copy = figures["copy"]

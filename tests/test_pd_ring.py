@@ -43,12 +43,39 @@ def load_matches(sender, layers, receiver, n: int, seed: int) -> bool:
     return reply["loaded"] == n and reply["checksum"] == want
 
 
-def small_ring(sender: PdSender) -> None:
+def small_ring(sender: PdSender, slot_chunks: int = 2, first_chunks: int = 2) -> None:
     chunk = SHAPE.chunk_size * sender.engine.kv.bytes_per_token()
     channel = sender.channel
     assert channel.ipc is not None
-    if channel.ipc.slot_bytes != 2 * chunk:
-        channel.ipc = IpcWriter(channel.ipc.device, chunk, group_bytes=2 * chunk)
+    if (channel.ipc.slot_bytes, channel.ipc.first_bytes) != (slot_chunks * chunk, first_chunks * chunk):
+        channel.ipc = IpcWriter(channel.ipc.device, chunk, slot_chunks * chunk, first_chunks * chunk)
+
+
+def test_a_steps_groups_grow_from_the_first_to_a_slot(ring):
+    """The first group holds `first_bytes` (a chunk at least), each next one twice the last,
+    up to a slot: the copy engine starts after a small gather."""
+    sender, _, _ = ring
+    chunk = SHAPE.chunk_size * sender.engine.kv.bytes_per_token()
+    ring_ = IpcWriter(torch.device("cuda:0"), chunk, 4 * chunk, chunk)
+    step = ring_.start(lambda places: (lambda first, end: None), list(range(16)), [chunk] * 16)
+    assert [g.end - g.first for g in step.groups] == [1, 2, 4, 4, 4, 1]
+    assert [g.slot for g in step.groups] == [0, 1, 0, 1, 0, 1]
+    big = IpcWriter(torch.device("cuda:0"), chunk, 4 * chunk, chunk // 2)  # a first group under a chunk: one chunk
+    assert [g.end - g.first for g in big.start(lambda places: (lambda a, b: None), [0, 1, 2], [chunk] * 3).groups] \
+        == [1, 2]
+
+
+@pytest.mark.parametrize("gather_early", [True, False])
+def test_growing_groups_land_intact_through_a_reused_ring(ring, gather_early):
+    """Groups of 1, 2, 4, 4, ... chunks through two slots of four: every chunk arrives as sent."""
+    sender, layers, receiver = ring
+    seed, n = 60 + gather_early, 1000
+    assert send(sender, receiver, "warm-up-grow", _tokens(64, 998), torch.arange(64)) == 64
+    small_ring(sender, slot_chunks=4, first_chunks=1)
+    sender.pieces, sender.gather_early = None, gather_early
+    slots = _slots(sender.engine.kv.num_blocks, SHAPE.block_size, n, seed + 1)
+    assert send(sender, receiver, f"r{seed}", _tokens(n, seed), slots) == n
+    assert load_matches(sender, layers, receiver, n, seed)
 
 
 @pytest.mark.parametrize("pieces", [None, (1, 4)])

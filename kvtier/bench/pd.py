@@ -42,7 +42,8 @@ def per_token(shape: OffloadShape) -> int:
 class PdRun:
     channel: str
     tokens: int
-    pieces: str = "default"  # cuda_ipc: chunks in a step's first and largest Alloc ("4,16"), "step", "sync-commit"
+    pieces: str = "default"  # cuda_ipc: chunks in a step's first and largest Alloc ("4,16"), "step", "sync-commit",
+    # "forward=MS" (the send made as vLLM makes it: behind a forward still on the GPU, timed from its end)
     send_ms: list[float] = field(default_factory=list)
     load_ms: list[float] = field(default_factory=list)
     done_to_loaded_ms: list[float] = field(default_factory=list)
@@ -50,6 +51,7 @@ class PdRun:
     phases_ms: list[tuple[float, float, float]] = field(default_factory=list)  # the sender's Alloc, write, Commit
     keys_ms: list[float] = field(default_factory=list)  # the sender's host work before the Alloc (the keys)
     after_ms: list[float] = field(default_factory=list)  # and after the Commit (log lines, the proxy's notice)
+    tail_ms: list[float] = field(default_factory=list)  # GPU time from the KV written to the last write done (events)
 
     def summary(self, bytes_per_token: int) -> dict:
         nbytes = self.tokens * bytes_per_token
@@ -62,6 +64,7 @@ class PdRun:
                 "alloc_write_commit_ms": [round(statistics.median(p[i] for p in self.phases_ms), 2) for i in range(3)],
                 "keys_ms": round(statistics.median(self.keys_ms), 2),
                 "after_commit_ms": round(statistics.median(self.after_ms), 2),
+                "gpu_tail_ms": round(statistics.median(self.tail_ms), 2) if self.tail_ms else None,
                 "done_to_loaded_ms": round(statistics.median(self.done_to_loaded_ms), 2)}
 
 
@@ -149,7 +152,15 @@ def run_pd(shape: OffloadShape, token_counts: list[int], channels: list[str], se
     repeat sends once each way in turn, to one receiver: "default" (the sender's), "F,M"
     (first piece F chunks, doubling up to M), "step" (one Alloc), "gather-after-alloc" (no
     gather into the ring while the Alloc travels), "sync-commit" (the Commit
-    sent after the writes are done), "group=MiB" (the writes' ring slots of that size)."""
+    sent after the writes are done), "group=MiB" (the writes' ring slots and groups of that
+    size), "first=MiB" (the step's first group of that size, growing to the slot's),
+    "forward=MS" (the default sender called as vLLM calls it, at wait_for_save: behind a
+    forward of MS ms still running on the GPU, which wrote the KV; timed from that
+    forward's end to the Commit done, what a decoder waits for after the last forward).
+
+    A lone send ("default") is timed from the sender's call: the prompt's keys, the Alloc's
+    round trip and the launches are in it. Inside vLLM they run while the GPU computes the
+    step's forward (its host launches the forward and calls wait_for_save at once)."""
     max_tokens = max(token_counts)
     if sender_device.startswith("cuda"):
         torch.cuda.set_device(torch.device(sender_device))
@@ -232,12 +243,14 @@ def _channel_runs(bench: _PdBench, receiver: _Receiver, token_counts: list[int],
         for r in range(bench.repeats + 1):  # the first is a warm-up (connection, IPC mapping, kernels)
             for k, (variant, run) in enumerate(pairs.items()):
                 _set_variant(sender, variant, default, rings)
-                times = _one_send(bench, sender, receiver, n, 1000 * n + 10 * r + k)
+                forward_ms = float(variant.removeprefix("forward=")) if variant.startswith("forward=") else 0.0
+                times = _one_send(bench, sender, receiver, n, 1000 * n + 10 * r + k, forward_ms)
                 copy_ms = _copy_ms(src, dst, sender_device, receiver_device)
                 if r:
                     stats = sender.stats
                     for name, value in (*times.items(), ("copy_ms", copy_ms), ("phases_ms", stats.last_ms),
-                                        ("keys_ms", stats.last_keys_ms), ("after_ms", stats.last_after_ms)):
+                                        ("keys_ms", stats.last_keys_ms), ("after_ms", stats.last_after_ms),
+                                        ("tail_ms", stats.last_tail_ms)):
                         getattr(run, name).append(value)
         del src, dst
         for run in pairs.values():
@@ -268,34 +281,82 @@ def _set_variant(sender, variant: str, default: tuple, rings: dict) -> None:
         sender.early_commit = False
     elif variant == "gather-after-alloc":
         sender.gather_early = False
-    elif variant.startswith("group=") and channel.ipc is not None:
+    elif variant.startswith(("group=", "first=")) and channel.ipc is not None:
         if variant not in rings:
-            mib = int(variant.removeprefix("group="))
-            rings[variant] = IpcWriter(channel.ipc.device, sender.engine.pool.block_bytes, mib << 20)
+            mib = int(variant.split("=")[1]) << 20
+            sizes = (mib, mib) if variant.startswith("group=") else (IpcWriter.GROUP_BYTES, mib)
+            rings[variant] = IpcWriter(channel.ipc.device, sender.engine.pool.block_bytes, *sizes)
         channel.ipc = rings[variant]
-    elif variant not in ("default", "gather-after-alloc") and not variant.startswith("group="):
+    elif variant not in ("default", "gather-after-alloc") and not variant.startswith(("group=", "first=", "forward=")):
         sender.pieces = None if variant == "step" else tuple(int(x) for x in variant.split(","))
 
 
-def _one_send(bench: _PdBench, sender, receiver: _Receiver, n: int, seed: int) -> dict[str, float]:
-    """One request sent and loaded on the other side, checked: its send, load and end-to-end times."""
+def _one_send(bench: _PdBench, sender, receiver: _Receiver, n: int, seed: int,
+              forward_ms: float = 0.0) -> dict[str, float]:
+    """One request sent and loaded on the other side, checked: its send, load and end-to-end
+    times. With `forward_ms`, the send is called behind a stand-in forward of that many ms
+    queued on the sender's GPU (a spinning kernel, as vLLM's host calls wait_for_save while
+    its forward runs), and its time counts from that forward's end (CUDA events) to the
+    Commit done and every write landed."""
     from kvtier.pd.sender import Target
 
     shape, sender_device = bench.shape, bench.sender_device
     tokens, slots = _tokens(n, seed), _slots(bench.kv.num_blocks, shape.block_size, n, seed + 1)
     want = checksum(bench.layers, slots, shape.block_size)
     _sync(sender_device)
+    forward = _Forward(sender_device, forward_ms) if forward_ms > 0 else None
     t0 = time.perf_counter()
+    if forward is not None:
+        forward.mark_call()
     sent = sender.send(Target("127.0.0.1", receiver.init, receiver.alloc, f"r{seed}"), tokens, slots, start=0,
                        last=True)
     _sync(sender_device)
     t1 = time.perf_counter()
+    if forward is not None:
+        t1 -= forward.left_at_call_ms() / 1e3
     reply = receiver.load(n, seed)
     t2 = time.perf_counter()
     if sent != n or reply["loaded"] != n or reply["checksum"] != want:
         raise RuntimeError(f"{receiver.channel}, {n} tokens: sent {sent}, loaded {reply['loaded']}, "
                            f"checksum {reply['checksum']} != {want}: the data did not arrive intact")
     return {"send_ms": (t1 - t0) * 1e3, "load_ms": reply["load_ms"], "done_to_loaded_ms": (t2 - t0) * 1e3}
+
+
+class _Forward:
+    """A stand-in for the step's forward: a kernel spinning `ms` on the current stream, then
+    an event at its end; the sender is called while it runs."""
+
+    CALIBRATE_CYCLES = 20_000_000
+    _cycles_per_ms: dict[str, float] = {}
+
+    def __init__(self, device: str, ms: float) -> None:
+        dev = torch.device(device)
+        if device not in self._cycles_per_ms:
+            self._cycles_per_ms[device] = self.CALIBRATE_CYCLES / _spin_ms(dev, self.CALIBRATE_CYCLES)
+        torch.cuda._sleep(int(ms * self._cycles_per_ms[device]))
+        self.end = torch.cuda.Event(enable_timing=True)
+        self.end.record(torch.cuda.current_stream(dev))
+        self.call = torch.cuda.Event(enable_timing=True)
+        self._side = torch.cuda.Stream(dev)  # idle: its event is stamped when the host records it
+
+    def mark_call(self) -> None:
+        self.call.record(self._side)
+
+    def left_at_call_ms(self) -> float:
+        """How long the forward still ran after the sender was called (0 if it had ended)."""
+        self.end.synchronize()
+        return max(0.0, self.call.elapsed_time(self.end))
+
+
+def _spin_ms(device: torch.device, cycles: int) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    stream = torch.cuda.current_stream(device)
+    torch.cuda._sleep(cycles // 10)  # the clocks up
+    a.record(stream)
+    torch.cuda._sleep(cycles)
+    b.record(stream)
+    b.synchronize()
+    return a.elapsed_time(b)
 
 
 def _copy_ms(src: torch.Tensor, dst: torch.Tensor, sender_device: str, receiver_device: str) -> float:

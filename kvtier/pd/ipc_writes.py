@@ -30,14 +30,22 @@ class IpcWriter:
     into local memory takes 0.4 of the copy's time (HBM, not the link). The two run
     on streams of their own, `SLOTS` groups in flight, a run of adjacent blocks of the
     peer's buffer in one copy: 0.91-0.93 of the copy at 16k-32k tokens (0.87-0.91 with a
-    copy per chunk; two H100s, 2026-11-26, scripts/pd_write_profile.py)."""
+    copy per chunk; two H100s, 2026-11-26, scripts/pd_write_profile.py).
+
+    A step's groups grow: the first holds `first_bytes` (one chunk at least), each next one
+    twice the last, up to a slot. The copy engine starts after the first group's gather
+    only, and while it copies group k the kernel gathers group k+1 (twice the bytes at
+    about 2.5x the copy's rate: done before the copy engine needs it)."""
 
     SLOTS = 2
     GROUP_BYTES = 256 << 20
+    FIRST_BYTES = 32 << 20
 
-    def __init__(self, device: torch.device, chunk_bytes: int, group_bytes: int = GROUP_BYTES) -> None:
+    def __init__(self, device: torch.device, chunk_bytes: int, group_bytes: int = GROUP_BYTES,
+                 first_bytes: int = FIRST_BYTES) -> None:
         self.device = device
         self.slot_bytes = max(group_bytes, chunk_bytes)
+        self.first_bytes = min(first_bytes, self.slot_bytes)
         self.ring = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(self.SLOTS)]
         self._free: list[torch.cuda.Event | None] = [None] * self.SLOTS  # a slot's last copy out of it
         self._next = 0
@@ -56,16 +64,16 @@ class IpcWriter:
         self.gather_stream.wait_event(kv_written)
         groups: list[_Group] = []
         places: list[tuple[torch.Tensor, int]] = []
-        i = 0
+        i, cap = 0, self.first_bytes
         while i < len(items):
             slot, self._next = self._next, (self._next + 1) % self.SLOTS
             group = _Group(i, i, slot, [0])
-            while group.end < len(items) and group.offsets[-1] + nbytes[group.end] <= self.slot_bytes:
+            while group.end < len(items) and (group.end == i or group.offsets[-1] + nbytes[group.end] <= cap):
                 places.append((self.ring[slot], group.offsets[-1]))
                 group.offsets.append(group.offsets[-1] + nbytes[group.end])
                 group.end += 1
             groups.append(group)
-            i = group.end
+            i, cap = group.end, min(2 * max(cap, group.offsets[-1]), self.slot_bytes)
         with torch.cuda.stream(self.gather_stream):
             launch = make_launch(places)
         self._steps += 1

@@ -70,6 +70,7 @@ class SendStats:
     # Commit the log lines and the proxy's notice (what `kvtier bench pd` called "the rest")
     last_keys_ms: float = 0.0
     last_after_ms: float = 0.0
+    last_tail_ms: float = 0.0  # cuda_ipc: GPU time from its last step's KV written to its last write done
 
 
 @dataclass
@@ -171,6 +172,7 @@ class PdSender:
             self._count_sent(rid, req)
             self.stats.last_keys_ms = (t_keys - t0) * 1e3
             self.stats.last_after_ms = (time.perf_counter() - t_commit) * 1e3
+            self.stats.last_tail_ms = req.tail_ms if req is not None else 0.0
         return sent
 
     def _count_sent(self, rid: str, req: _Open | None) -> None:
