@@ -28,18 +28,15 @@ pkill -f "$servers"
 trap 'tar czf "$out/gpu2-$(echo $steps | tr " " -).tgz" -C "$work" .' EXIT
 # NVLink multicast stays off (KINDS.md), in every process started from here.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-case " $steps " in *" pdvllm "*|*" lmpd "*|*" tp "*|*" tpttft "*)  # the steps that run vLLM
 if [ ! -d /tmp/site/vllm ]; then
     bash .gpu-vllm/install.sh .gpu-vllm /tmp/site >/dev/null || exit 1
-fi ;;
-esac
+fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kvtier-dist . 2>&1 | tail -2
 export PYTHONPATH=$PWD:/tmp/site:/tmp/kvtier-dist PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
     VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 LMCACHE_TRACK_USAGE=false
 {
   date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  python3 -c "import vllm; print('vllm', vllm.__version__)" 2>/dev/null
+  python3 -c "import torch, triton, vllm; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__)"
 } 2>&1 | tee "$work/machine.txt"
 case " $steps " in *" tests "*)
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_pd.py tests/test_pd_ring.py tests/test_transfer_cuda.py \
