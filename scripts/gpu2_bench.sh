@@ -10,7 +10,8 @@
 #       within 30 s carrying .wheels-pd only; the bundle stays installed in /tmp/site)
 # Steps: tests (the GPU tests of the transfers and of PD, cuda_ipc across the two GPUs),
 # pd (kvtier bench pd GPU0 -> GPU1 against a plain copy, and each part of a cuda_ipc
-# write timed alone: scripts/pd_gpu_bench.sh), pdprof (the sender's host time per function:
+# write timed alone: scripts/pd_gpu_bench.sh; PIECES="default forward=20" also times the send behind a
+# forward, as vLLM makes it), pdprof (the sender's host time per function:
 # scripts/pd_send_profile.py, and an Alloc's round trip in parts: scripts/pd_rtt_profile.py), pdvllm (1P1D inside real vLLM, prefiller on
 # GPU 0, decoder on GPU 1: kvtier.bench.pd_vllm), lmpd (the same with LMCache 0.5.6's PD over NIXL in
 # both servers: kvtier.bench.pd_vllm --engine lmcache), tp (tests/test_vllm_tp.py with one rank

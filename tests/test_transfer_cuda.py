@@ -63,14 +63,15 @@ def test_gather_scatter_match_torch_reference(layout, backend):
 
 @pytest.mark.parametrize("backend", ["triton", "triton-direct"])
 def test_engine_roundtrip_on_gpu(backend):
-    """Includes chunks cut by `start`, which are pageable copies: direct must stage them."""
+    """Includes chunks cut by `start`, which are pageable copies: direct must stage them;
+    and the prompt's partial last chunk (stored by default, `save_unfull_chunk`)."""
     _, kv, eng, perm = make_engine("flash_attn", transfer=backend)
     toks = list(range(200))
-    assert eng.store(toks, perm[:200]) == 192
+    assert eng.store(toks, perm[:200]) == 200
     mask = eng.retrieve(toks, perm[200:400], start=10)
     torch.cuda.synchronize()
-    assert int(mask.sum()) == 182
-    assert torch.equal(reference(kv, perm[10:192]), reference(kv, perm[210:392]))
+    assert int(mask.sum()) == 190
+    assert torch.equal(reference(kv, perm[10:200]), reference(kv, perm[210:400]))
 
 
 def test_layerwise_retrieve_on_gpu_waits_per_layer():
@@ -329,7 +330,7 @@ def test_engine_with_the_int8_codec_through_the_store_server_on_gpu():
 
     with kvtier_server(0.0625) as srv:
         cfg = dict(chunk_size=64, max_local_cpu_size=0.05, remote_url=srv.url, remote_serde="int8",
-                   blocking_timeout_secs=5)
+                   blocking_timeout_secs=5, save_unfull_chunk=False)  # whole chunks: 4 lent by the server
         layers = [[torch.randn(SHAPES["flash_attn"], device="cuda").to(torch.bfloat16) for _ in range(L)]
                   for _ in "ab"]
         fmt = KVFormat("m", "flash_attn", "bf16")
