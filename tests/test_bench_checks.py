@@ -75,10 +75,12 @@ def test_serving_rounds_give_each_setups_median_and_its_ratio_to_the_first_in_th
     means = [("plain", 1, 50.0, 20.0), ("kvtier", 1, 40.0, 21.0), ("plain", 2, 60.0, 20.0),
              ("kvtier", 2, 45.0, 19.0), ("plain", 3, 55.0, 20.0), ("kvtier", 3, 55.0, 22.0)]
     records = {f"{n}#{r}": Record({}, "", summary={"ttft_mean_ms": m, "requests_per_s": q}) for n, r, m, q in means}
+    for r, (queue, prefill) in enumerate([(9.0, 30.0), (11.0, 33.0), (10.0, 40.0)], 1):  # vLLM's split, kvtier's
+        records[f"kvtier#{r}"].summary |= {"queue_ms_mean": queue, "prefill_ms_mean": prefill}
     lines = by_round(records)
-    assert lines[2] == "| plain | 50.0 60.0 55.0 | 55.0 | 1.000 | 1.000 | 0 of 3 |"
+    assert lines[2] == "| plain | 50.0 60.0 55.0 | 55.0 | 1.000 | 1.000 | 0 of 3 | — |"
     # TTFT 0.8, 0.75, 1.0 and req/s 1.05, 0.95, 1.1, paired (not 45 / 55): ahead on both in round 1 only
-    assert lines[3] == "| kvtier | 40.0 45.0 55.0 | 45.0 | 0.800 | 1.050 | 1 of 3 |"
+    assert lines[3] == "| kvtier | 40.0 45.0 55.0 | 45.0 | 0.800 | 1.050 | 1 of 3 | 10.0 / 33.0 |"
     assert by_round({"plain": Record({}, "", summary={"ttft_mean_ms": 50.0})}) == []  # one round: no table
 
 

@@ -48,6 +48,9 @@ def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tm
     assert s["connector_hit_tokens"] >= 12 * 768 and s["gpu_prefix_hit_rate"] == 0
     assert 0 < s["connector_hit_rate"] < 1
     assert s["ttft_p99_ms"] >= s["ttft_p50_ms"] > 0 and s["output_tokens_per_s"] > 0
+    # vLLM's own split of the time to the first token: waiting (a load beside the steps in it), then its steps
+    assert s["queue_ms_mean"] > 0 and s["prefill_ms_mean"] > 0, s
+    assert s["queue_ms_mean"] + s["prefill_ms_mean"] <= 1.05 * s["server_ttft_ms_mean"] + 1, s
     equal, both = same_outputs(with_kv, plain)
     assert both == 18 and equal == both, [(a["output_ids"], b["output_ids"])
                                           for a, b in zip(with_kv.results, plain.results)]

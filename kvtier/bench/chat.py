@@ -168,14 +168,22 @@ async def drive(url: str, model: str, w: Workload) -> list[Result]:
     return sorted(results, key=lambda r: (r.conversation, r.turn))
 
 
+# vLLM's own split of a request's time to its first token (histograms, summed per run): from its
+# arrival at the scheduler to its first step (waiting, an offloader's load beside the steps
+# included: a request waiting for its KV is not scheduled yet), and from there to its first token
+# (the steps that compute what was not loaded); and its TTFT as the server saw it.
+PHASES = {"queue": "request_queue_time", "prefill": "request_prefill_time", "server_ttft": "time_to_first_token"}
+
+
 def scrape(url: str) -> dict[str, float]:
     """vLLM's prefix-cache counters (tokens): GPU cache and KV connector, queries and hits;
-    and kvtier's lookups with the time vLLM's scheduler waited on them, its longest lookup and
+    its request phases (`PHASES`); and kvtier's lookups with the time vLLM's scheduler waited on them, its longest lookup and
     longest step in kvtier since the server's start (0 for other connectors)."""
     import httpx
 
     names = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
              "vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits",
+             *(f"vllm:{h}_seconds_{part}" for h in PHASES.values() for part in ("sum", "count")),
              "kvtier_lookups", "kvtier_lookup_seconds", "kvtier_longest_lookup_seconds",
              "kvtier_longest_step_wait_seconds")
     out = dict.fromkeys(names, 0.0)
@@ -237,7 +245,12 @@ def summarize(results: list[Result], wall_s: float, before: dict, after: dict) -
         "lookup_ms_longest": after["kvtier_longest_lookup_seconds"] * 1e3,
         "step_wait_ms_longest": after["kvtier_longest_step_wait_seconds"] * 1e3,
         "mean_in_flight": mean_in_flight, "max_in_flight": max_in_flight, "sent_while_another_ran": joined,
-    }
+    } | {f"{phase}_ms_mean": _mean_ms(d, f"vllm:{h}_seconds") for phase, h in PHASES.items()}
+
+
+def _mean_ms(d: dict[str, float], histogram: str) -> float | None:
+    count = d[f"{histogram}_count"]
+    return d[f"{histogram}_sum"] / count * 1e3 if count else None
 
 
 def run(url: str, model: str, w: Workload) -> Record:

@@ -235,22 +235,29 @@ def by_round(records: dict[str, Record]) -> list[str]:
     """Each setup's mean TTFT per round ("x#k"), their median, and its ratio to the first
     setup's in the same round (median over rounds): what a setup costs beside another."""
     rounds: dict[str, dict[str, tuple[float, float]]] = {}  # setup -> round -> (mean TTFT, req/s)
+    phases: dict[str, list[tuple[float, float]]] = {}  # setup -> vLLM's (queue, prefill) ms per round
     for key, rec in records.items():
         name, _, r = key.partition("#")
         if r and rec.summary.get("ttft_mean_ms") is not None:
             rounds.setdefault(name, {})[r] = (rec.summary["ttft_mean_ms"], rec.summary["requests_per_s"])
+            if rec.summary.get("queue_ms_mean") is not None:
+                phases.setdefault(name, []).append((rec.summary["queue_ms_mean"], rec.summary["prefill_ms_mean"]))
     if not rounds:
         return []
     first = next(iter(rounds.values()))
     lines = ["| setup | mean TTFT ms by round | median | / first setup, same round (median) | "
-             "req/s / first setup's (median) | rounds it leads the first setup on both |", "|---" * 6 + "|"]
+             "req/s / first setup's (median) | rounds it leads the first setup on both | "
+             "vLLM's queue / prefill ms (medians) |", "|---" * 7 + "|"]
     for name, by in rounds.items():
         paired = [(m / first[r][0], q / first[r][1]) for r, (m, q) in by.items() if r in first]
         leads = sum(t < 1 and q > 1 for t, q in paired)
+        split = phases.get(name)
+        split_ms = (f"{statistics.median(q for q, _ in split):.1f} / {statistics.median(p for _, p in split):.1f}"
+                    if split else "—")
         lines.append(f"| {name} | {' '.join(f'{m:.1f}' for m, _ in by.values())} | "
                      f"{statistics.median(m for m, _ in by.values()):.1f} | "
                      f"{statistics.median(t for t, _ in paired):.3f} | {statistics.median(q for _, q in paired):.3f} | "
-                     f"{leads} of {len(paired)} |")
+                     f"{leads} of {len(paired)} | {split_ms} |")
     return lines
 
 
@@ -262,15 +269,16 @@ def table(records: dict[str, Record]) -> list[str]:
         firsts.setdefault(key.partition("#")[2], rec)
     lines = ["| setup | TTFT mean ms | TTFT p99 ms | req/s | output tok/s | connector hit rate | "
              "GPU prefix hit rate | in flight mean / max | "
-             "kvtier lookup ms (share of the run, longest since the start) | failed | "
-             "outputs equal to the round's first |", "|---" * 11 + "|"]
+             "kvtier lookup ms (share of the run, longest since the start) | vLLM's queue / prefill ms | failed | "
+             "outputs equal to the round's first |", "|---" * 12 + "|"]
     for name, rec in records.items():
         s = rec.summary
         equal, both = same_outputs(rec, firsts[name.partition("#")[2]])
         lines.append(f"| {name} | {_ms(s['ttft_mean_ms'])} | {_ms(s['ttft_p99_ms'])} | {s['requests_per_s']:.2f} | "
                      f"{s['output_tokens_per_s']:.1f} | {s['connector_hit_rate']:.2f} | "
                      f"{s['gpu_prefix_hit_rate']:.2f} | {s['mean_in_flight']:.1f} / {s['max_in_flight']} | "
-                     f"{_lookups(s)} | {s['failed']} | {equal}/{both} |")
+                     f"{_lookups(s)} | {_ms(s.get('queue_ms_mean'))} / {_ms(s.get('prefill_ms_mean'))} | "
+                     f"{s['failed']} | {equal}/{both} |")
     return lines
 
 

@@ -15,8 +15,9 @@ vLLM's stream, so the running requests' steps never wait for its copies.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
@@ -36,6 +37,8 @@ class Beside:
     on_gpu: bool
     future: Future | None = None
     _queued: tuple[torch.cuda.Event, int] | None = None  # set by the loader thread
+    started: float = field(default_factory=time.perf_counter)  # at start_load_kv
+    queued_s: float | None = None  # its copies queued, s after `started` (the loader thread's)
 
     def queued(self, tokens: int) -> None:
         """Called on the load's thread, on its stream, after its copies are queued: from
@@ -44,6 +47,7 @@ class Beside:
             event = torch.cuda.Event()
             event.record()  # the current stream: the loads', ordered after the copies
             self._queued = (event, tokens)
+        self.queued_s = time.perf_counter() - self.started
 
 
 class BesideLoads:
@@ -100,6 +104,7 @@ class BesideLoads:
             else:
                 continue
             del self._loads[rid]
+            _say_reported(beside, loaded, future.done())
             yield beside.spec, loaded
 
     def order_step(self) -> None:
@@ -117,3 +122,12 @@ class BesideLoads:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
+
+
+def _say_reported(beside: Beside, loaded: int, done: bool) -> None:
+    """One line a load: when its copies were queued and when vLLM hears of it, from its
+    start_load_kv (the step boundaries a load waits for show here)."""
+    queued = f"copies queued at {beside.queued_s * 1e3:.1f} ms, " if beside.queued_s is not None else ""
+    log.info("request %s: %d of %d tokens loaded beside the steps: %sreported to vLLM at %.1f ms%s",
+             beside.spec.req_id, loaded, beside.spec.end - beside.spec.start, queued,
+             (time.perf_counter() - beside.started) * 1e3, "" if done else " (its copies still running)")

@@ -152,9 +152,7 @@ class WorkerSide:
         beside.order_step()
         for spec in meta.loads:
             self._coming_up.pop(spec.req_id, None)
-            if spec.background:
-                log.info("request %s: loading %d tokens in the background, before its first step",
-                         spec.req_id, spec.end - spec.start)
+            if spec.background:  # said when vLLM is told it is done (beside.py)
                 beside.start(spec, self._load)
                 continue
             # From CPU RAM the copies are queued ahead of the forward (layer by layer with
