@@ -182,9 +182,10 @@ def test_a_cpu_hit_loads_beside_the_steps_while_other_requests_run(policy):
         worker.close()
 
 
-def gpu_worker_with_a_hit(engine_id: str):
+def gpu_worker_with_a_hit(engine_id: str, upload: bool = True):
     """A worker over a GPU engine holding 256 tokens (blocks 0-15), found and held for
-    request "r" as a load beside the steps; and the spec of that load into blocks 32-47."""
+    request "r" as a load beside the steps (its copies up ahead and landed; `upload` False:
+    not looked up yet); and the spec of that load into blocks 32-47."""
     from kvtier.integrations.vllm.spec import Shape, TransferSpec
     from kvtier.integrations.vllm.worker import WorkerSide
 
@@ -194,7 +195,8 @@ def gpu_worker_with_a_hit(engine_id: str):
     worker.engine = CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), KVFormat("m", "flash_attn", "bfloat16"))
     toks = list(range(256))
     worker.engine.store(toks, torch.arange(256))
-    assert worker._find(np.array(toks, dtype=np.uint32), "r", 0, True) == (256, 256, True)
+    if upload:
+        assert worker._find(np.array(toks, dtype=np.uint32), "r", 0, True) == (256, 256, True)
     torch.cuda.synchronize()
     return worker, layers, TransferSpec("r", toks, [list(range(32, 48))], 0, 255, background=True)
 
@@ -225,6 +227,34 @@ def test_on_a_gpu_a_load_beside_the_steps_never_waits_for_the_forward_queued_aft
         for layer in layers:  # tokens 0-254 in blocks 32-47
             got, want = layer[:, 32:48].flatten(1, 2)[:, :255], layer[:, 0:16].flatten(1, 2)[:, :255]
             assert torch.equal(got, want)
+    finally:
+        worker.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_load_beside_the_steps_is_reported_while_its_upload_still_crosses():
+    """The lookup queued the hit's copies into device staging; the load's kernels wait for
+    them on the load's own stream, so its thread queues them at once and vLLM hears of the
+    load in this step (not after the copies, a step later: 2026-11-28, the chat's load turns),
+    while the engine's shared kernel stream holds nothing behind the copies. Here the copies
+    wait behind a long kernel on the copy stream; the next step's read sees the loaded KV."""
+    from kvtier.integrations.vllm.spec import KvtierMetadata
+
+    worker, layers, spec = gpu_worker_with_a_hit("gpu-upload-test", upload=False)
+    try:
+        want = [layer[:, 0:16].flatten(1, 2)[:, :255].clone() for layer in layers]
+        transfer = worker.engine.mover.transfer
+        with torch.cuda.stream(transfer._copies):
+            torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the upload's copies wait behind it
+        assert worker._find(np.array(spec.token_ids, dtype=np.uint32), "r", 0, True) == (256, 256, True)
+        worker.start_load_kv(KvtierMetadata(loads=[spec]))
+        assert reported(worker) == {"r"} and not worker.load_errors()
+        assert not transfer._copies.query()  # reported while the upload still waits
+        assert transfer._stream.query()  # the steps' shared kernel stream holds nothing of it
+        worker.start_load_kv(KvtierMetadata())  # the next step: its stream waits for the load
+        got = [layer[:, 32:48].flatten(1, 2)[:, :255].clone() for layer in layers]
+        torch.cuda.synchronize()
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
     finally:
         worker.close()
 

@@ -269,9 +269,10 @@ class CacheEngine:
         but the last prompt token). Returns a bool mask over `slots`: True
         where KV was loaded. Loading stops at the first chunk not stored.
         `beside`: a load beside the engine's steps (on a thread, its own stream):
-        the chunks from CPU RAM land in device staging before its kernels are
-        queued, so the transfer's kernel stream, which the steps' own loads and
-        stores share, never waits for their copies.
+        its kernels run on that stream, which waits there for the chunks' copies
+        into device staging, so the transfer's kernel stream, which the steps' own
+        loads and stores share, never waits for them (nor does this thread: its
+        kernels are queued at once).
         """
         return self.start_retrieve(tokens, slots, start=start, request_id=request_id, beside=beside).finish()
 

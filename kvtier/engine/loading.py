@@ -61,14 +61,12 @@ class LoadPath:
                     loaded = self._load_batches(slots, batches, start, end)
                 finally:
                     batches.close()
-            if held and beside:  # landed before the kernels are queued (CacheEngine.retrieve)
+            if held and beside:  # its kernels on the load's own stream, after the copies (CacheEngine.retrieve)
                 upload = upload or self.mover.upload(held, layer_major=layerwise, beside=True)
-                if upload is not None:
-                    upload.wait()
             if held:
                 handle = (self.mover.scatter(slots, held, start, end, layerwise=True, upload=upload) if layerwise
                           else _Queued(self.mover.scatter(slots, held, start, end, layerwise=False, wait=False,
-                                                          upload=upload)))
+                                                          upload=upload, beside=beside)))
                 loaded = min(len(held), len(todo))
         except BaseException:
             release_held(held)

@@ -113,13 +113,13 @@ class Mover:
                                         layer_major=layer_major, beside=beside)
 
     def scatter(self, slots: torch.Tensor, found: list[tuple[ChunkSpan, StoredChunk]], start: int, end: int,
-                layerwise: bool, wait: bool = True, upload: Upload | None = None
+                layerwise: bool, wait: bool = True, upload: Upload | None = None, beside: bool = False
                 ) -> LayerHandle | Callable[[], None]:
         """The chunks in one transfer (a layerwise handle, or what waits for the
         copies out of the chunks), whole. A chunk cut by `start` or `end`
         writes only its tokens inside [start, end): the others get slot -1,
         which the transfers skip (the slots before `start` may be prefix-cache
-        blocks the engine shares; after `end` there are no slots)."""
+        blocks the engine shares; after `end` there are no slots). `beside`: Transfer.scatter."""
         views = upload.chunks() if upload is not None else [self.view(c.block.data, s.num_tokens) for s, c in found]
         digests = found[0][1].block.device_check(len(found), self.kv.device)  # lent, checked on the GPU
         first, last = found[0][0].start, found[-1][0].end
@@ -129,7 +129,7 @@ class Mover:
         with self._lock:
             if layerwise:
                 return self.transfer.scatter_layerwise(targets, views, digests=digests, upload=upload)
-            return self.transfer.scatter(targets, views, wait=wait, digests=digests, upload=upload)
+            return self.transfer.scatter(targets, views, wait=wait, digests=digests, upload=upload, beside=beside)
 
     def device_idle(self) -> None:
         """Wait for everything queued on the KV's device (nothing to wait for on a host)."""

@@ -69,9 +69,10 @@ class TorchTransfer:
         return None
 
     def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
-                wait: bool = True, digests: None = None, upload: None = None) -> Callable[[], None]:
+                wait: bool = True, digests: None = None, upload: None = None, beside: bool = False
+                ) -> Callable[[], None]:
         """Copy `chunks` back into the KV pages at `slots` (all layers, or `layers`); slot -1 is skipped.
-        The copies are synchronous here, whatever `wait` says."""
+        The copies are synchronous here, whatever `wait` and `beside` say."""
         _no_digests(digests)
         index = {}  # per row of a grouped KV's table
         for layer_idx in layers or range(self.kv.num_layers):

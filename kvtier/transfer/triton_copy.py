@@ -243,14 +243,16 @@ class TritonTransfer:
         return dev, host
 
     def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
-                wait: bool = True, digests: torch.Tensor | None = None, upload: Upload | None = None
-                ) -> Callable[[], None]:
+                wait: bool = True, digests: torch.Tensor | None = None, upload: Upload | None = None,
+                beside: bool = False) -> Callable[[], None]:
         """Write `chunks` into the KV pages; the current stream is ordered after it.
 
         `layers` (device-resident or interpreter chunks only) limits the write to those layers.
         `digests` (int64 zeros on the device, one per chunk): the KV digests of the
         bytes as they arrived are added there (readable on the current stream).
         `upload`: these chunks' `upload()`, queued earlier (then only the kernels are queued).
+        `beside`: a load beside the steps (Transfer.scatter): the kernels run on the current
+        stream (the load's own), which waits for the upload there, not this transfer's kernel stream.
         Returns what waits for the copies out of the host chunks (done already with `wait`)."""
         layers = layers or range(self.kv.num_layers)
         if not self._staged(chunks):
@@ -258,24 +260,25 @@ class TritonTransfer:
         if len(layers) != self.kv.num_layers:
             raise ValueError("a layer range is for device-resident chunks; use scatter_layerwise")
         if upload is None:
-            upload = self.upload(chunks, digests=digests is not None)
+            upload = self.upload(chunks, digests=digests is not None, beside=beside)
         elif upload.layer_major:
             raise ValueError("a layer-major upload is for scatter_layerwise")
         current = torch.cuda.current_stream(self.kv.device)
-        self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
+        stream = current if beside else self._stream
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
             dev_slots, host_slots = self._slots_up(slots)
             size = chunks[0].shape[2]
             for group, event in zip(upload.staging.groups, upload.landed):
-                self._stream.wait_event(event)
+                stream.wait_event(event)
                 if upload.sums is not None:
                     upload.sums.add(digests, chunks=group)
                 a, b = group.start * size, min(group.stop * size, slots.shape[-1])
                 self._kernel(dev_slots[..., a:b], upload.ptrs[group.start : group.stop], size, False, layers)
-        current.wait_stream(self._stream)
+        current.wait_stream(stream)
         # The caller releases the host blocks once the copies out of them are done (the kernels
         # waited for them); staging and the pinned slot table live until then.
-        return waiter(self._stream, wait, keep=(upload, host_slots))
+        return waiter(stream, wait, keep=(upload, host_slots))
 
     def _unstaged(self, work, chunks: Sequence[torch.Tensor], wait: bool = True) -> Callable[[], None]:
         """Device chunks (and the interpreter's): on the current stream.
