@@ -161,10 +161,13 @@ def test_a_cpu_hit_loads_beside_the_steps_while_other_requests_run(policy):
         assert ask("joins") == (48, busy) and told == [idle, busy]
         blocks = SimpleNamespace(get_block_ids=lambda: ([4, 5, 6, 7],))
         scheduler.update_state_after_alloc(SimpleNamespace(request_id="joins", prompt_token_ids=toks), blocks, 48)
-        if busy:  # planned with the next step's metadata; its load runs on the worker's thread
+        if busy:  # planned with the next step's metadata: all in CPU RAM, its copies are queued in
+            # start_load_kv itself (nothing there blocks); the worker's thread waits for them to land
             meta = scheduler.build_connector_meta(step_running("other"))
-            assert [(s.req_id, s.background, s.start, s.end) for s in meta.loads] == [("joins", True, 0, 48)]
+            assert [(s.req_id, s.background, s.from_cpu, s.start, s.end) for s in meta.loads] == \
+                [("joins", True, True, 0, 48)]
             worker.start_load_kv(meta)
+            assert worker._beside_loads()._loads["joins"].queued_s is not None
             for _ in range(200):
                 done = worker.get_finished()
                 if done:
@@ -182,10 +185,11 @@ def test_a_cpu_hit_loads_beside_the_steps_while_other_requests_run(policy):
         worker.close()
 
 
-def gpu_worker_with_a_hit(engine_id: str, upload: bool = True):
+def gpu_worker_with_a_hit(engine_id: str, upload: bool = True, now: bool = False):
     """A worker over a GPU engine holding 256 tokens (blocks 0-15), found and held for
     request "r" as a load beside the steps (its copies up ahead and landed; `upload` False:
-    not looked up yet); and the spec of that load into blocks 32-47."""
+    not looked up yet); and the spec of that load into blocks 32-47 (`now`: a hit all from
+    CPU RAM, its copies queued in start_load_kv; else on the loader thread)."""
     from kvtier.integrations.vllm.spec import Shape, TransferSpec
     from kvtier.integrations.vllm.worker import WorkerSide
 
@@ -198,7 +202,7 @@ def gpu_worker_with_a_hit(engine_id: str, upload: bool = True):
     if upload:
         assert worker._find(np.array(toks, dtype=np.uint32), "r", 0, True) == (256, 256, True)
     torch.cuda.synchronize()
-    return worker, layers, TransferSpec("r", toks, [list(range(32, 48))], 0, 255, background=True)
+    return worker, layers, TransferSpec("r", toks, [list(range(32, 48))], 0, 255, background=True, from_cpu=now)
 
 
 def reported(worker) -> set[str] | None:
@@ -210,14 +214,15 @@ def reported(worker) -> set[str] | None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_a_gpu_a_load_beside_the_steps_never_waits_for_the_forward_queued_after_it():
+@pytest.mark.parametrize("now", [False, True])
+def test_on_a_gpu_a_load_beside_the_steps_never_waits_for_the_forward_queued_after_it(now):
     """The worker's background load runs on its own stream, after what vLLM's stream held
     when the step started (its blocks' earlier readers), not after the forward queued since:
     it lands while that forward (a long kernel here) still runs, and the forward never waits
     for its copies (nothing of the load is ordered into vLLM's stream)."""
     from kvtier.integrations.vllm.spec import KvtierMetadata
 
-    worker, layers, spec = gpu_worker_with_a_hit("gpu-beside-test")
+    worker, layers, spec = gpu_worker_with_a_hit(f"gpu-beside-test-{now}", now=now)
     try:
         worker.start_load_kv(KvtierMetadata(loads=[spec]))
         torch.cuda._sleep(2_000_000_000)  # this step's forward, queued after start_load_kv: ~1 s
@@ -232,7 +237,8 @@ def test_on_a_gpu_a_load_beside_the_steps_never_waits_for_the_forward_queued_aft
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_a_gpu_a_load_beside_the_steps_is_reported_while_its_upload_still_crosses():
+@pytest.mark.parametrize("now", [False, True])
+def test_on_a_gpu_a_load_beside_the_steps_is_reported_while_its_upload_still_crosses(now):
     """The lookup queued the hit's copies into device staging; the load's kernels wait for
     them on the load's own stream, so its thread queues them at once and vLLM hears of the
     load in this step (not after the copies, a step later: 2026-11-28, the chat's load turns),
@@ -240,7 +246,7 @@ def test_on_a_gpu_a_load_beside_the_steps_is_reported_while_its_upload_still_cro
     wait behind a long kernel on the copy stream; the next step's read sees the loaded KV."""
     from kvtier.integrations.vllm.spec import KvtierMetadata
 
-    worker, layers, spec = gpu_worker_with_a_hit("gpu-upload-test", upload=False)
+    worker, layers, spec = gpu_worker_with_a_hit(f"gpu-upload-test-{now}", upload=False, now=now)
     try:
         want = [layer[:, 0:16].flatten(1, 2)[:, :255].clone() for layer in layers]
         transfer = worker.engine.mover.transfer
@@ -260,7 +266,8 @@ def test_on_a_gpu_a_load_beside_the_steps_is_reported_while_its_upload_still_cro
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_a_gpu_a_queued_load_beside_the_steps_is_reported_and_the_next_forward_waits_for_it():
+@pytest.mark.parametrize("now", [False, True])
+def test_on_a_gpu_a_queued_load_beside_the_steps_is_reported_and_the_next_forward_waits_for_it(now):
     """A load beside the steps from CPU RAM is reported done once its copies are queued
     (nothing can cut it short then), not a step after they end; the next step's stream,
     the one its request's forward runs on, is ordered after those copies. Here the load's
@@ -268,7 +275,7 @@ def test_on_a_gpu_a_queued_load_beside_the_steps_is_reported_and_the_next_forwar
     read queued on the next step's stream still sees the loaded KV."""
     from kvtier.integrations.vllm.spec import KvtierMetadata
 
-    worker, layers, spec = gpu_worker_with_a_hit("gpu-queued-test")
+    worker, layers, spec = gpu_worker_with_a_hit(f"gpu-queued-test-{now}", now=now)
     try:
         want = [layer[:, 0:16].flatten(1, 2)[:, :255].clone() for layer in layers]
         with torch.cuda.stream(worker._beside_loads().stream):

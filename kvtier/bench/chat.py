@@ -177,8 +177,9 @@ PHASES = {"queue": "request_queue_time", "prefill": "request_prefill_time", "ser
 
 def scrape(url: str) -> dict[str, float]:
     """vLLM's prefix-cache counters (tokens): GPU cache and KV connector, queries and hits;
-    its request phases (`PHASES`); and kvtier's lookups with the time vLLM's scheduler waited on them, its longest lookup and
-    longest step in kvtier since the server's start (0 for other connectors)."""
+    its request phases (`PHASES`); and kvtier's lookups with the time vLLM's scheduler waited
+    on them, its longest lookup and longest step in kvtier since the server's start (0 for
+    other connectors)."""
     import httpx
 
     names = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits",

@@ -85,7 +85,8 @@ class Transfer(Protocol):
                 beside: bool = False) -> Callable[[], None]:
         """... `beside`: a load beside the engine's steps, on a stream of its own: its work
         runs there, after its upload's copies, and holds nothing shared with the steps' own
-        loads and stores behind those copies. `digests` (Triton on a GPU only: int64 zeros, one per chunk): each chunk's KV
+        loads and stores behind those copies.
+        `digests` (Triton on a GPU only: int64 zeros, one per chunk): each chunk's KV
         digest (codec.kv_digest) is added there as its bytes arrive (gather: as they leave).
         Returns a function that waits until the host chunks are no longer read; that is
         already so with `wait`, otherwise the next batch's copies can be queued

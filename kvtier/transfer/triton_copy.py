@@ -30,7 +30,7 @@ upload (staging.py).
 
 Kernels run on one side stream and PCIe copies on another, ordered by events; both are
 ordered after the caller's stream, and the caller's stream waits for them (for a gather not
-waited for, for its kernels only). Direct needs every chunk pinned; a call with a pageable
+waited for, for its kernels only); a load beside the steps runs its kernels on its own stream. Direct needs every chunk pinned; a call with a pageable
 chunk is staged. Figures: docs/benchmarks.md. With a lossy codec (quant.py) the kernels
 quantize as they gather and dequantize as they scatter: staging, copies and host chunks hold
 the quantized bytes. Correctness is also checked on CPU with TRITON_INTERPRET=1.
@@ -68,9 +68,7 @@ class TritonTransfer:
         self.quant = quant
         first = kv.layers[0]
         self._strides = first.stride()[:4]
-        self._layer_ptrs = torch.tensor(
-            [t.data_ptr() for t in kv.layers], dtype=torch.int64, device=kv.device
-        )
+        self._layer_ptrs = torch.tensor([t.data_ptr() for t in kv.layers], dtype=torch.int64, device=kv.device)
         # each layer's row of a [G, T] slot table (PagedKV.grouped; all 0 for one group)
         self._slot_rows = torch.tensor(kv.slot_rows or [0] * kv.num_layers, dtype=torch.int32, device=kv.device)
         # Per-layer launches pass one of these; slicing anew per launch is host time
@@ -265,7 +263,8 @@ class TritonTransfer:
             raise ValueError("a layer-major upload is for scatter_layerwise")
         current = torch.cuda.current_stream(self.kv.device)
         stream = current if beside else self._stream
-        stream.wait_stream(current)
+        if stream is not current:
+            stream.wait_stream(current)
         with torch.cuda.stream(stream):
             dev_slots, host_slots = self._slots_up(slots)
             size = chunks[0].shape[2]
@@ -275,7 +274,8 @@ class TritonTransfer:
                     upload.sums.add(digests, chunks=group)
                 a, b = group.start * size, min(group.stop * size, slots.shape[-1])
                 self._kernel(dev_slots[..., a:b], upload.ptrs[group.start : group.stop], size, False, layers)
-        current.wait_stream(stream)
+        if stream is not current:
+            current.wait_stream(stream)
         # The caller releases the host blocks once the copies out of them are done (the kernels
         # waited for them); staging and the pinned slot table live until then.
         return waiter(stream, wait, keep=(upload, host_slots))

@@ -6,6 +6,13 @@ vLLM's stream held when its step began (the blocks' earlier readers), never orde
 vLLM's stream, so the running requests' steps never wait for its copies.
 
     BesideLoads.start(spec, load)   `load(beside)` on the thread, on the loads' stream
+    BesideLoads.start_now(spec, queue, land)
+                                    a hit all in CPU RAM: `queue(beside)` queues its copies
+                                    now, on this thread (on the loads' stream; nothing there
+                                    blocks), and the thread only runs `land`, which waits for
+                                    them and lets the chunks go: vLLM hears of it at this
+                                    step's end, not when a thread that waits for the GIL
+                                    behind vLLM's own has got to it
     Beside.queued(tokens)           the load's copies are queued and nothing can cut it
                                     short: an event after them (on a GPU)
     BesideLoads.finished()          the loads to report to vLLM: done, or queued so
@@ -18,7 +25,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -69,6 +76,20 @@ class BesideLoads:
         return self._stream
 
     def start(self, spec: TransferSpec, load: Callable[[Beside], int]) -> None:
+        beside, after = self._begin(spec)
+        beside.future = self._thread.submit(self._run, beside, load, after)
+
+    def start_now(self, spec: TransferSpec, queue: Callable[[Beside], Any], land: Callable[[Beside, Any], int]) -> None:
+        beside, after = self._begin(spec)
+        try:
+            queued = self._run(beside, queue, after)
+        except Exception as exc:  # noqa: BLE001 - reported as a failed load (finished): vLLM recomputes
+            beside.future = Future()
+            beside.future.set_exception(exc)
+            return
+        beside.future = self._thread.submit(land, beside, queued)
+
+    def _begin(self, spec: TransferSpec) -> tuple[Beside, torch.cuda.Event | None]:
         # Its blocks may be ones a forward queued before this step still reads (a request
         # preempted at this step's schedule): the load's own stream waits for it.
         after = None
@@ -76,15 +97,15 @@ class BesideLoads:
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self.device))
         beside = self._loads[spec.req_id] = Beside(spec, on_gpu=after is not None)
-        beside.future = self._thread.submit(self._run, beside, load, after)
+        return beside, after
 
-    def _run(self, beside: Beside, load: Callable[[Beside], int], after: torch.cuda.Event | None) -> int:
+    def _run(self, beside: Beside, work: Callable[[Beside], Any], after: torch.cuda.Event | None) -> Any:
         if after is None:
-            return load(beside)
+            return work(beside)
         self.stream.wait_event(after)
-        # this thread's current device need not be the KV's (a TP rank's)
+        # the calling thread's current device need not be the KV's (a TP rank's)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            return load(beside)
+            return work(beside)
 
     def finished(self) -> Iterator[tuple[TransferSpec, int]]:
         """(spec, tokens loaded) of each load to report now: its thread is done (0 tokens

@@ -40,6 +40,7 @@ class RequestState:
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved_upto: int = 0
     load: tuple[int, int, bool] | None = None  # tokens [start, end) to load next step, in the background?
+    load_from_cpu: bool = False  # that load's hit was all in CPU RAM at the lookup
     stored: int = 0  # the stored prefix the load reads: it may end inside a chunk (a tail: engine/tails.py)
     pd_target: Target | None = None  # PD sender: where this request's KV goes
     pd_req_id: str = ""  # PD receiver: the proxy's id of this request
@@ -63,7 +64,7 @@ class SchedulerSide:
         self.pd = SchedulerPd(config)
         self._requests: dict[str, RequestState] = {}
         # req_id -> (hit end, async, stored), between the two calls
-        self._pending: dict[str, tuple[int, bool, int]] = {}
+        self._pending: dict[str, tuple[int, bool, int, bool]] = {}  # end, background, stored, from CPU RAM
         self._held: set[str] = set()  # looked up with a hit, load not planned yet
         self._async_loads: list[str] = []  # async loads planned, to send with the next metadata
         # since the last stats; lookup_seconds: vLLM's scheduler waiting on the workers' answers
@@ -103,7 +104,7 @@ class SchedulerSide:
                  "" if not background else " (not all in CPU RAM: loading from disk/remote in the background)"
                  if below_cpu else " (loading beside the running requests' steps)")
         if need:
-            self._pending[rid] = (num_computed_tokens + need, background, stored)
+            self._pending[rid] = (num_computed_tokens + need, background, stored, not below_cpu)
             self._held.add(rid)
         elif found.held:  # a rank holds what this request will not load (another rank's hit was shorter)
             self.lookup.release(rid)
@@ -119,11 +120,11 @@ class SchedulerSide:
         rid = request.request_id
         if self.config.save_decode_cache and self.can_save:
             self._live[rid] = request  # its all_token_ids grow as it decodes
-        end, background, stored = self._pending.pop(rid, (0, False, 0))
+        end, background, stored, from_cpu = self._pending.pop(rid, (0, False, 0, False))
         if num_external_tokens > 0 and request.prompt_token_ids:
             state = self._requests.setdefault(rid, RequestState(list(request.prompt_token_ids)))
             state.load = (end - num_external_tokens, end, background)
-            state.stored = stored
+            state.stored, state.load_from_cpu = stored, from_cpu
             state.pd_req_id = self.pd.proxy_id(rid)
             if background:  # not scheduled this step: the blocks to load into are known only here
                 state.block_ids = [list(ids) for ids in blocks.get_block_ids()]
@@ -176,7 +177,8 @@ class SchedulerSide:
         # end), the worker's chunk keys of them end with that prompt's partial chunk.
         tokens = state.prompt[: state.stored] if state.stored else state.prompt
         meta.loads.append(TransferSpec(req_id, tokens, [list(ids) for ids in state.block_ids], start, end,
-                                       background, pd_req_id=state.pd_req_id, step_end=step_end))
+                                       background, from_cpu=background and state.load_from_cpu,
+                                       pd_req_id=state.pd_req_id, step_end=step_end))
         state.load = None
         self._held.discard(req_id)  # the worker's retrieve ends the hold
 

@@ -35,6 +35,7 @@ class TransferSpec:
     start: int
     end: int
     background: bool = False  # load beside the steps, asynchronously (chunks below CPU RAM; async_loading)
+    from_cpu: bool = False  # background: the hit was all in CPU RAM at the lookup (held since): nothing blocks
     pd_target: Target | None = None  # save: push these chunks to a decoder (PD sender)
     last: bool = False  # save: the prompt's last chunk is in this one
     state: bool = False  # save: the step ended at `end`, on a block end: a hybrid model's Mamba state is kept there

@@ -153,7 +153,10 @@ class WorkerSide:
         for spec in meta.loads:
             self._coming_up.pop(spec.req_id, None)
             if spec.background:  # said when vLLM is told it is done (beside.py)
-                beside.start(spec, self._load)
+                if spec.from_cpu and not self._state_names:  # nothing in its way blocks: queued now
+                    beside.start_now(spec, self._queue_load, self._land)
+                else:
+                    beside.start(spec, self._load)
                 continue
             # From CPU RAM the copies are queued ahead of the forward (layer by layer with
             # use_layerwise); finished, and checked, at wait_for_save.
@@ -189,21 +192,38 @@ class WorkerSide:
         return self._beside
 
     def _load(self, beside: Beside) -> int:
-        """A load beside the steps, on the loader thread (and its stream)."""
-        assert self.engine is not None
-        t0 = time.perf_counter()
-        spec = beside.spec
+        """A load beside the steps, on the loader thread (and its stream): chunks below CPU
+        RAM come up batch by batch, then it lands."""
         try:
-            loading = self.engine.start_retrieve(spec.token_ids, self._slots(spec), start=spec.start,
-                                                 request_id=spec.req_id, beside=True)
-            if loading.settled and not self._state_names:
-                # vLLM may be told now, before the copies end (it runs the request a step
-                # or more later, on a stream that waits for them), not a step after.
-                beside.queued(loading.num_tokens)
-            return self._loaded_with_state(spec, int(loading.finish().sum()))
+            loading = self._queue_load(beside)
+        except BaseException:
+            self._landed(beside)
+            raise
+        return self._land(beside, loading)
+
+    def _queue_load(self, beside: Beside) -> Loading:
+        """A load beside the steps started, on the loads' stream: from CPU RAM its copies are
+        queued (and vLLM may be told at once), from below they have come up."""
+        assert self.engine is not None
+        spec = beside.spec
+        loading = self.engine.start_retrieve(spec.token_ids, self._slots(spec), start=spec.start,
+                                             request_id=spec.req_id, beside=True)
+        if loading.settled and not self._state_names:
+            # vLLM may be told now, before the copies end (it runs the request a step
+            # or more later, on a stream that waits for them), not a step after.
+            beside.queued(loading.num_tokens)
+        return loading
+
+    def _land(self, beside: Beside, loading: Loading) -> int:
+        """On the loader thread: wait for a load's copies, let its chunks go; the tokens loaded."""
+        try:
+            return self._loaded_with_state(beside.spec, int(loading.finish().sum()))
         finally:
-            self.pd.loaded(spec.pd_req_id)
-            self._note_longest("longest_background_load_seconds", time.perf_counter() - t0)
+            self._landed(beside)
+
+    def _landed(self, beside: Beside) -> None:
+        self.pd.loaded(beside.spec.pd_req_id)
+        self._note_longest("longest_background_load_seconds", time.perf_counter() - beside.started)
 
     def _loaded_with_state(self, spec: TransferSpec, loaded: int) -> int:
         if not self._state_names:
