@@ -43,13 +43,13 @@ class Beside:
     spec: TransferSpec
     on_gpu: bool
     future: Future | None = None
-    _queued: tuple[torch.cuda.Event, int] | None = None  # set by the loader thread
+    _queued: tuple[torch.cuda.Event, int] | None = None  # set where its copies are queued
     started: float = field(default_factory=time.perf_counter)  # at start_load_kv
-    queued_s: float | None = None  # its copies queued, s after `started` (the loader thread's)
+    queued_s: float | None = None  # its copies queued, s after `started`
 
     def queued(self, tokens: int) -> None:
-        """Called on the load's thread, on its stream, after its copies are queued: from
-        here vLLM may be told the load is done (BesideLoads.finished)."""
+        """Called on the load's stream (in start_load_kv or on the loader thread) after its
+        copies are queued: from here vLLM may be told the load is done (BesideLoads.finished)."""
         if self.on_gpu:
             event = torch.cuda.Event()
             event.record()  # the current stream: the loads', ordered after the copies

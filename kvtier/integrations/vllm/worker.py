@@ -194,20 +194,19 @@ class WorkerSide:
     def _load(self, beside: Beside) -> int:
         """A load beside the steps, on the loader thread (and its stream): chunks below CPU
         RAM come up batch by batch, then it lands."""
-        try:
-            loading = self._queue_load(beside)
-        except BaseException:
-            self._landed(beside)
-            raise
-        return self._land(beside, loading)
+        return self._land(beside, self._queue_load(beside))
 
     def _queue_load(self, beside: Beside) -> Loading:
         """A load beside the steps started, on the loads' stream: from CPU RAM its copies are
         queued (and vLLM may be told at once), from below they have come up."""
         assert self.engine is not None
         spec = beside.spec
-        loading = self.engine.start_retrieve(spec.token_ids, self._slots(spec), start=spec.start,
-                                             request_id=spec.req_id, beside=True)
+        try:
+            loading = self.engine.start_retrieve(spec.token_ids, self._slots(spec), start=spec.start,
+                                                 request_id=spec.req_id, beside=True)
+        except BaseException:
+            self._landed(beside)
+            raise
         if loading.settled and not self._state_names:
             # vLLM may be told now, before the copies end (it runs the request a step
             # or more later, on a stream that waits for them), not a step after.
