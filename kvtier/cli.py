@@ -267,11 +267,8 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
     _shape_args(p, chunk=False)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--pieces", nargs="+", default=["default"],
-                   help="cuda_ipc, each in turn: how a step is reserved and committed: default, F,M (first "
-                        "piece F chunks, doubling up to M), step (one Alloc), sync-commit (Commit after the writes), "
-                        "gather-after-alloc (no gather while the Alloc travels), group=MiB (the writes' ring slots), "
-                        "first=MiB (a step's first ring group), forward=MS (called behind a forward of MS ms, "
-                        "timed from its end, as inside vLLM)")
+                   help="cuda_ipc, each in turn, paired: default, F,M, step, sync-commit, gather-after-alloc, "
+                        "group=MiB, first=MiB, forward=MS (behind a forward, as inside vLLM); see kvtier.bench.pd.run_pd")
     p.add_argument("--output", help="write the results to this JSON file")
 
 

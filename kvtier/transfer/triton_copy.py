@@ -249,8 +249,7 @@ class TritonTransfer:
         `digests` (int64 zeros on the device, one per chunk): the KV digests of the
         bytes as they arrived are added there (readable on the current stream).
         `upload`: these chunks' `upload()`, queued earlier (then only the kernels are queued).
-        `beside`: a load beside the steps (Transfer.scatter): the kernels run on the current
-        stream (the load's own), which waits for the upload there, not this transfer's kernel stream.
+        `beside` (Transfer.scatter): the kernels run on the current stream, after the upload there.
         Returns what waits for the copies out of the host chunks (done already with `wait`)."""
         layers = layers or range(self.kv.num_layers)
         if not self._staged(chunks):
@@ -263,8 +262,7 @@ class TritonTransfer:
             raise ValueError("a layer-major upload is for scatter_layerwise")
         current = torch.cuda.current_stream(self.kv.device)
         stream = current if beside else self._stream
-        if stream is not current:
-            stream.wait_stream(current)
+        stream.wait_stream(current)  # (nothing to wait for where they are one: beside)
         with torch.cuda.stream(stream):
             dev_slots, host_slots = self._slots_up(slots)
             size = chunks[0].shape[2]
@@ -274,8 +272,7 @@ class TritonTransfer:
                     upload.sums.add(digests, chunks=group)
                 a, b = group.start * size, min(group.stop * size, slots.shape[-1])
                 self._kernel(dev_slots[..., a:b], upload.ptrs[group.start : group.stop], size, False, layers)
-        if stream is not current:
-            current.wait_stream(stream)
+        current.wait_stream(stream)
         # The caller releases the host blocks once the copies out of them are done (the kernels
         # waited for them); staging and the pinned slot table live until then.
         return waiter(stream, wait, keep=(upload, host_slots))
