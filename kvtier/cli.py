@@ -268,7 +268,7 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--pieces", nargs="+", default=["default"],
                    help="cuda_ipc, each in turn, paired: default, F,M, step, sync-commit, gather-after-alloc, "
-                        "group=MiB, first=MiB, forward=MS (behind a forward, as inside vLLM); see kvtier.bench.pd.run_pd")
+                        "group=MiB, first=MiB, forward=MS (behind a forward, as in vLLM); see bench.pd.run_pd")
     p.add_argument("--output", help="write the results to this JSON file")
 
 

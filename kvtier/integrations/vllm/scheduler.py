@@ -63,8 +63,8 @@ class SchedulerSide:
         self.lookup = LookupClient(addresses, config.lookup_timeout_ms / 1000)
         self.pd = SchedulerPd(config)
         self._requests: dict[str, RequestState] = {}
-        # req_id -> (hit end, async, stored), between the two calls
-        self._pending: dict[str, tuple[int, bool, int, bool]] = {}  # end, background, stored, from CPU RAM
+        # req_id -> (hit end, async, stored, all from CPU RAM), between the two calls
+        self._pending: dict[str, tuple[int, bool, int, bool]] = {}
         self._held: set[str] = set()  # looked up with a hit, load not planned yet
         self._async_loads: list[str] = []  # async loads planned, to send with the next metadata
         # since the last stats; lookup_seconds: vLLM's scheduler waiting on the workers' answers
