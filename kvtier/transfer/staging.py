@@ -4,11 +4,13 @@ neighbouring blocks), the address tables the kernels read, and digest tables."""
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 import torch
 
 from kvtier.codec import DIGEST_A, DIGEST_B
+from kvtier.stalls import waited
 from kvtier.transfer import cudart
 from kvtier.transfer.kernels import DIGEST_BLOCK, digest_kernel, host_runs_kernel
 
@@ -174,7 +176,9 @@ def waiter(stream: torch.cuda.Stream | None, now: bool, keep: object = None) -> 
 
     def wait() -> None:
         nonlocal keep
+        t0 = time.perf_counter()
         done.synchronize()
+        waited("copies", time.perf_counter() - t0)
         keep = None
 
     return wait

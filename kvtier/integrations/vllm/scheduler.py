@@ -22,6 +22,7 @@ from kvtier.integrations.vllm.pd import SchedulerPd
 from kvtier.integrations.vllm.spec import KvtierMetadata, Shape, TransferSpec
 from kvtier.logs import get_logger
 from kvtier.pd.sender import Target
+from kvtier.stalls import traced
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -74,6 +75,7 @@ class SchedulerSide:
         self._live: dict[str, Request] = {}  # save_decode_cache: requests whose decoded tokens are stored too
         self._pd_dropped: list[str] = []  # PD sends of finished requests, for the next metadata
 
+    @traced("lookup")
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt, rid = request.prompt_token_ids, request.request_id
         self.pd.looked_up(rid, request.kv_transfer_params)
@@ -130,6 +132,7 @@ class SchedulerSide:
                 state.block_ids = [list(ids) for ids in blocks.get_block_ids()]
                 self._async_loads.append(rid)
 
+    @traced("build_connector_meta")
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
         meta = KvtierMetadata()
         self._running = set(scheduler_output.num_scheduled_tokens)

@@ -35,6 +35,7 @@ from kvtier.integrations.vllm.pd import WorkerPd
 from kvtier.integrations.vllm.spec import KvtierMetadata, Shape, TransferSpec
 from kvtier.keys import KVFormat
 from kvtier.logs import get_logger
+from kvtier.stalls import traced
 from kvtier.tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -144,6 +145,7 @@ class WorkerSide:
                                      layerwise=self.config.use_layerwise and not beside, beside=beside)
         return hit.tokens, hit.in_cpu, True
 
+    @traced("start_load_kv")
     def start_load_kv(self, meta: KvtierMetadata) -> None:
         assert self.engine is not None
         t0 = time.perf_counter()
@@ -246,6 +248,7 @@ class WorkerSide:
             log.warning("request %s: %d of %d tokens could not be loaded (evicted, corrupt or unreachable); "
                         "vLLM recomputes them", spec.req_id, spec.end - loaded_end, spec.end - spec.start)
 
+    @traced("get_finished")
     def get_finished(self) -> set[str] | None:
         self.pd.expire()
         done = set()
@@ -272,6 +275,7 @@ class WorkerSide:
         if layer_name in self._layer_index:
             self._layers_written += 1
 
+    @traced("wait_for_save")
     def wait_for_save(self, meta: KvtierMetadata) -> None:
         # vLLM calls this after every step's forward, also one that raised: its KV is then
         # not stored (_forward_wrote_every_layer).
