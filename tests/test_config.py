@@ -40,6 +40,15 @@ def test_unknown_env_key_names_closest():
         load_config(env={"LMCACHE_MAX_LOCAL_CPU_SIZ": "1"})
 
 
+def test_kvtiers_own_env_vars_are_not_config_keys():
+    """KVTIER_LOG_LEVEL, KVTIER_SERVER_TOKEN and KVTIER_TRACE_STALLS_MS act where they are
+    read (logs, the store server's token, the stall trace): set beside vLLM, they must not
+    stop the connector as unknown keys."""
+    env = {"KVTIER_LOG_LEVEL": "DEBUG", "KVTIER_SERVER_TOKEN": "s3cret", "KVTIER_TRACE_STALLS_MS": "5",
+           "KVTIER_CHUNK_SIZE": "64"}
+    assert load_config(env=env).chunk_size == 64
+
+
 def test_legacy_lmcache_switch_is_accepted():
     assert load_config(env={"LMCACHE_USE_EXPERIMENTAL": "True"}).chunk_size == 256
 

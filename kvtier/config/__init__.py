@@ -37,6 +37,10 @@ ENV_PREFIXES = ("LMCACHE_", "KVTIER_")
 GPU_UPLOADS = ("auto", "kernel", "copy_engine")
 ASYNC_LOADINGS = ("busy", "always", "never")
 CONFIG_FILE_VARS = ("LMCACHE_CONFIG_FILE", "KVTIER_CONFIG_FILE")
+# kvtier's environment variables that are not config keys: read where they act.
+OWN_ENV_VARS = ("KVTIER_LOG_LEVEL",  # logs.py
+                "KVTIER_SERVER_TOKEN",  # kvtier server's and its clients' bearer token (server/state.py)
+                "KVTIER_TRACE_STALLS_MS")  # slow calls on the engine's thread, logged (stalls.py)
 # LMCache env vars that carry no meaning here (they select LMCache code paths
 # that kvtier has only one of). Accepted so that old launch scripts still run.
 IGNORED_LMCACHE_KEYS = frozenset({"use_experimental"})
@@ -344,7 +348,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for prefix in ENV_PREFIXES:  # KVTIER_ last, so it wins over LMCACHE_
         for name, value in sorted(env.items()):
-            if not name.startswith(prefix) or name in CONFIG_FILE_VARS or env_var_note(name):
+            if not name.startswith(prefix) or name in CONFIG_FILE_VARS + OWN_ENV_VARS or env_var_note(name):
                 continue
             key = name[len(prefix):].lower()
             if key in IGNORED_LMCACHE_KEYS:
