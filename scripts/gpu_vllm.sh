@@ -16,8 +16,10 @@
 # runs the setups twice over in turn, paired by round; "--rounds 8 --resident" starts each setup's server
 # once, all up together, and sends each round new conversations: ~10 s a run after the starts, so many
 # paired rounds a call; GPU_UTIL then small enough that each start finds its share free, e.g. 0.3 for
-# three setups at 8B on an H200), benchserve (`vllm bench serve` twice per offloader,
-# prefix-sharing prompts: kvtier.bench.serving --bench-serve), sharedstore (two vLLM instances one after
+# three setups at 8B on an H200; "--alone" the same rounds, one setup's server at a time: kvtier's
+# rounds beside an idle resident server fell into long waits, alone not: docs/benchmarks.md),
+# benchserve (`vllm bench serve` twice per offloader, prefix-sharing prompts: kvtier.bench.serving
+# --bench-serve), sharedstore (two vLLM instances one after
 # the other sharing KV through each project's own store server on this host: `kvtier server` and LMCache's
 # lm:// server, kvtier.bench.stores_vllm; STORES= which).
 set -uo pipefail

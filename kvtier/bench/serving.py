@@ -130,15 +130,17 @@ def sampled(pid: int, path: Path | None) -> Iterator[None]:
 
 
 def compare(model: Path, names: list[str], w: Workload, out: Path, server: ServerSpec,
-            profile: bool = False, rounds: int = 1, resident: bool = False) -> dict[str, Record]:
+            profile: bool = False, rounds: int = 1, servers: str = "per-run") -> dict[str, Record]:
     """Each setup in turn, `rounds` times over (setup "x" of round 2 is "x#2"): a machine's
     drift then falls on every setup alike, and each round compares setups side by side.
 
-    A server a run by default. `resident`: every setup's server up at once (the GPU holds
-    each one's model and KV cache: size `gpu_util` for that), started once; round k then
-    sends new conversations (seed + k), so nothing an earlier round left is a hit, and
-    runs the setups in reverse order every other round. A start costs ~100 s at the 8B
-    shape on an H200 and a run ~10 s, so one call holds many paired rounds this way."""
+    `servers`: "per-run", a server a run. "resident": every setup's server up at once (the
+    GPU holds each one's model and KV cache: size `gpu_util` for that), started once; round
+    k then sends new conversations (seed + k), so nothing an earlier round left is a hit,
+    and runs the setups in reverse order every other round. A start costs ~100 s at the 8B
+    shape on an H200 and a run ~10 s, so one call holds many paired rounds this way.
+    "alone": the same rounds, but one setup's server at a time (the machine's drift between
+    the blocks is not paired out); docs/benchmarks.md, 2026-11-28 21:47 UTC, says why."""
     out.mkdir(parents=True, exist_ok=True)
     records: dict[str, Record] = {}
 
@@ -155,7 +157,13 @@ def compare(model: Path, names: list[str], w: Workload, out: Path, server: Serve
     def key(name: str, r: int) -> str:
         return name if rounds == 1 else f"{name}#{r + 1}"
 
-    if resident:
+    if servers == "alone":
+        for name in names:
+            with served(model, name, out / name, server) as srv:
+                warm(srv)
+                for r in range(rounds):
+                    measure(key(name, r), srv, replace(w, seed=w.seed + r))
+    elif servers == "resident":
         with contextlib.ExitStack() as stack:
             servers = {name: stack.enter_context(served(model, name, out / name, server)) for name in names}
             for srv in servers.values():
@@ -295,7 +303,7 @@ def _ms(v: float | None) -> str:
     return "—" if v is None else f"{v:.1f}"  # None: no request succeeded
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setups", nargs="+", default=["plain", "kvtier", "kvtier-kernel", "lmcache", "native"])
     p.add_argument("--model-dir", default="/tmp/kvtier-serving-model")
@@ -312,13 +320,20 @@ def main() -> None:
     p.add_argument("--workload", type=json.loads, default={}, help="Workload fields (JSON)")
     p.add_argument("--profile", action="store_true", help="py-spy the server during each workload")
     p.add_argument("--rounds", type=int, default=1, help="run the setups this many times over, in turn")
-    p.add_argument("--resident", action="store_true",
-                   help="every setup's server up at once, started once; each round new conversations "
-                        "(many paired rounds a call; --gpu-util small enough for all of them)")
+    started = p.add_mutually_exclusive_group()
+    started.add_argument("--resident", dest="servers", action="store_const", const="resident", default="per-run",
+                         help="every setup's server up at once, started once; each round new conversations "
+                              "(many paired rounds a call; --gpu-util small enough for all of them)")
+    started.add_argument("--alone", dest="servers", action="store_const", const="alone",
+                         help="as --resident, but one setup's server at a time, through all its rounds")
     p.add_argument("--bench-serve", type=json.loads, default=None, metavar="JSON",
                    help="instead of the chat workload, `vllm bench serve` twice per setup: fields of "
                         "kvtier.bench.stores_vllm.Workload (num_prefixes > 0: the prefix_repetition dataset)")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = _parser().parse_args()
     spec = TinyLlama(**args.model)
     model = make_tiny_llama(args.model_dir, spec)
     server = ServerSpec(args.cpu_gb, args.gpu_util, args.eager, args.prefix_caching, args.max_model_len)
@@ -336,7 +351,7 @@ def main() -> None:
         print(f"vLLM's GPU KV cache: {server.gpu_kv_bytes / 2**30:.2f} GiB, {args.gpu_kv_share:.0%} of the "
               f"{workload.conversations} conversations at their last turn", flush=True)
     records = compare(model, args.setups, workload, Path(args.out), server, profile=args.profile,
-                      rounds=args.rounds, resident=args.resident)
+                      rounds=args.rounds, servers=args.servers)
     print("\n".join(table(records) + [""] + by_round(records)))
     for name, rec in records.items():
         s = rec.summary
