@@ -51,6 +51,11 @@ def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tm
     # vLLM's own split of the time to the first token: waiting (a load beside the steps in it), then its steps
     assert s["queue_ms_mean"] > 0 and s["prefill_ms_mean"] > 0, s
     assert s["queue_ms_mean"] + s["prefill_ms_mean"] <= 1.05 * s["server_ttft_ms_mean"] + 1, s
+    # and its steps: each request's 4 tokens take 4 steps at least, a step serves at most 4 requests;
+    # every new user turn (64 tokens) was computed in them, and the first prefill of the system prompt
+    # the warm-up did not store (768 tokens) was a step of more than 512 (eager here: counted alike)
+    assert s["steps"] >= 18 * 4 / WORKLOAD.concurrency and s["itl_ms_mean"] > 0 and s["preemptions"] == 0, s
+    assert 1 <= s["steps_over_512_tokens"] < s["steps"] and s["tokens_per_step_mean"] * s["steps"] >= 18 * 64, s
     equal, both = same_outputs(with_kv, plain)
     assert both == 18 and equal == both, [(a["output_ids"], b["output_ids"])
                                           for a, b in zip(with_kv.results, plain.results)]

@@ -172,7 +172,14 @@ async def drive(url: str, model: str, w: Workload) -> list[Result]:
 # arrival at the scheduler to its first step (waiting, an offloader's load beside the steps
 # included: a request waiting for its KV is not scheduled yet), and from there to its first token
 # (the steps that compute what was not loaded); and its TTFT as the server saw it.
-PHASES = {"queue": "request_queue_time", "prefill": "request_prefill_time", "server_ttft": "time_to_first_token"}
+# And its inter-token latency (a decode step's time, as the requests saw it).
+PHASES = {"queue": "request_queue_time", "prefill": "request_prefill_time", "server_ttft": "time_to_first_token",
+          "itl": "inter_token_latency"}
+# vLLM's steps (its iteration_tokens histogram): how many, their tokens, and how many had more than
+# 512, the most vLLM 0.26 captures in a CUDA graph by default (a larger step runs outside the
+# graphs, the host launching every kernel: several prefills in one step).
+STEPS = "vllm:iteration_tokens_total"
+GRAPHED = 'le="512.0"'
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -185,6 +192,7 @@ def scrape(url: str) -> dict[str, float]:
     names = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
              "vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits",
              *(f"vllm:{h}_seconds_{part}" for h in PHASES.values() for part in ("sum", "count")),
+             f"{STEPS}_sum", f"{STEPS}_count", f"{STEPS}_graphed", "vllm:num_preemptions",
              "kvtier_lookups", "kvtier_lookup_seconds", "kvtier_longest_lookup_seconds",
              "kvtier_longest_step_wait_seconds")
     out = dict.fromkeys(names, 0.0)
@@ -193,7 +201,9 @@ def scrape(url: str) -> dict[str, float]:
     except httpx.HTTPError as e:
         raise KvtierError(f"bench chat: cannot read {url}/metrics ({e}); is vLLM's OpenAI server "
                           "(with its metrics) up there?") from None
-    for name, _, value in series(text):
+    for name, labelled, value in series(text):
+        if name == f"{STEPS}_bucket" and GRAPHED in labelled:
+            name = f"{STEPS}_graphed"
         if name in out:
             out[name] += value
     return out
@@ -246,12 +256,19 @@ def summarize(results: list[Result], wall_s: float, before: dict, after: dict) -
         "lookup_ms_longest": after["kvtier_longest_lookup_seconds"] * 1e3,
         "step_wait_ms_longest": after["kvtier_longest_step_wait_seconds"] * 1e3,
         "mean_in_flight": mean_in_flight, "max_in_flight": max_in_flight, "sent_while_another_ran": joined,
+        "steps": d[f"{STEPS}_count"], "tokens_per_step_mean": _mean(d, STEPS),
+        "steps_over_512_tokens": d[f"{STEPS}_count"] - d[f"{STEPS}_graphed"], "preemptions": d["vllm:num_preemptions"],
     } | {f"{phase}_ms_mean": _mean_ms(d, f"vllm:{h}_seconds") for phase, h in PHASES.items()}
 
 
-def _mean_ms(d: dict[str, float], histogram: str) -> float | None:
+def _mean(d: dict[str, float], histogram: str) -> float | None:
     count = d[f"{histogram}_count"]
-    return d[f"{histogram}_sum"] / count * 1e3 if count else None
+    return d[f"{histogram}_sum"] / count if count else None
+
+
+def _mean_ms(d: dict[str, float], histogram: str) -> float | None:
+    mean = _mean(d, histogram)
+    return None if mean is None else mean * 1e3
 
 
 def run(url: str, model: str, w: Workload) -> Record:

@@ -277,17 +277,23 @@ def table(records: dict[str, Record]) -> list[str]:
         firsts.setdefault(key.partition("#")[2], rec)
     lines = ["| setup | TTFT mean ms | TTFT p99 ms | req/s | output tok/s | connector hit rate | "
              "GPU prefix hit rate | in flight mean / max | "
-             "kvtier lookup ms (share of the run, longest since the start) | vLLM's queue / prefill ms | failed | "
-             "outputs equal to the round's first |", "|---" * 12 + "|"]
+             "kvtier lookup ms (share of the run, longest since the start) | vLLM's queue / prefill / ITL ms | "
+             "vLLM steps over 512 tokens | failed | outputs equal to the round's first |", "|---" * 13 + "|"]
     for name, rec in records.items():
         s = rec.summary
         equal, both = same_outputs(rec, firsts[name.partition("#")[2]])
         lines.append(f"| {name} | {_ms(s['ttft_mean_ms'])} | {_ms(s['ttft_p99_ms'])} | {s['requests_per_s']:.2f} | "
                      f"{s['output_tokens_per_s']:.1f} | {s['connector_hit_rate']:.2f} | "
                      f"{s['gpu_prefix_hit_rate']:.2f} | {s['mean_in_flight']:.1f} / {s['max_in_flight']} | "
-                     f"{_lookups(s)} | {_ms(s.get('queue_ms_mean'))} / {_ms(s.get('prefill_ms_mean'))} | "
-                     f"{s['failed']} | {equal}/{both} |")
+                     f"{_lookups(s)} | {_ms(s.get('queue_ms_mean'))} / {_ms(s.get('prefill_ms_mean'))} / "
+                     f"{_ms(s.get('itl_ms_mean'))} | {_steps(s)} | {s['failed']} | {equal}/{both} |")
     return lines
+
+
+def _steps(s: dict) -> str:
+    """vLLM's steps with more tokens than it captures in CUDA graphs, of all (chat.STEPS; records
+    from before 2026-11-28 22:40 UTC have none)."""
+    return "—" if s.get("steps") is None else f"{s['steps_over_512_tokens']:.0f} of {s['steps']:.0f}"
 
 
 def _lookups(s: dict) -> str:
