@@ -165,12 +165,12 @@ def compare(model: Path, names: list[str], w: Workload, out: Path, server: Serve
                     measure(key(name, r), srv, replace(w, seed=w.seed + r))
     elif servers == "resident":
         with contextlib.ExitStack() as stack:
-            servers = {name: stack.enter_context(served(model, name, out / name, server)) for name in names}
-            for srv in servers.values():
+            up = {name: stack.enter_context(served(model, name, out / name, server)) for name in names}
+            for srv in up.values():
                 warm(srv)
             for r in range(rounds):
                 for name in names if r % 2 == 0 else names[::-1]:
-                    measure(key(name, r), servers[name], replace(w, seed=w.seed + r))
+                    measure(key(name, r), up[name], replace(w, seed=w.seed + r))
     else:
         for r in range(rounds):
             for name in names:
