@@ -45,10 +45,11 @@ def test_a_slow_call_says_where_its_time_went(stalls, caplog):
     numbers = {k: float(v) for k, v in
                (part.rsplit(" ", 1) for part in line.split("(")[1].split(";")[0].split(", "))}
     assert line.startswith("slow call on the engine's thread: lookup took ")
-    assert 29 <= numbers["waiting for stores landing"] < 45
-    assert 14 <= numbers["cpu"] < 30
+    # (upper bounds loose: a loaded machine stretches sleeps and preempts the spin)
+    assert 29 <= numbers["waiting for stores landing"] < 90
+    assert 14 <= numbers["cpu"] < 45
     rest = float(line.rsplit("the rest ", 1)[1].split(":")[0])
-    assert 15 <= rest < 40
+    assert 15 <= rest < 90
 
 
 def test_a_collection_during_the_call_is_named(stalls, caplog):
