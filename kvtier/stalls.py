@@ -3,8 +3,8 @@ what their time went to. Off unless `KVTIER_TRACE_STALLS_MS` is set (e.g. 5: cal
 and longer); a diagnosis aid for serving runs (docs/benchmarks.md), not a metric.
 
     @traced("lookup")            times each call of the function (on any thread)
-    waited("stores", seconds)    a host wait inside kvtier, counted into the call running
-                                 on this thread (landing.py, ahead.py)
+    synchronized(kind, event)    event.synchronize(), a host wait inside kvtier, counted into
+                                 the call running on this thread (landing.py, staging.py)
 
 A line splits the call's wall time into this thread's CPU time, the host waits kvtier
 counted, the garbage collections that ran meanwhile (any thread's: they hold the GIL), and
@@ -18,13 +18,17 @@ import gc
 import os
 import threading
 import time
-from typing import Callable, TypeVar
+from typing import Callable, Protocol, TypeVar
 
 from kvtier.logs import get_logger
 
 log = get_logger(__name__)
 
 F = TypeVar("F", bound=Callable)
+
+
+class Synchronizes(Protocol):
+    def synchronize(self) -> None: ...
 
 
 class Stalls:
@@ -45,6 +49,15 @@ class Stalls:
         waits = getattr(self._local, "waits", None)
         if waits is not None:
             waits[kind] = waits.get(kind, 0.0) + seconds
+
+    def synchronized(self, kind: str, event: Synchronizes) -> None:
+        """`event.synchronize()`, timed as a wait of `kind` while tracing is on."""
+        if self.threshold_s is None:
+            event.synchronize()
+            return
+        t0 = time.perf_counter()
+        event.synchronize()
+        self.waited(kind, time.perf_counter() - t0)
 
     def traced(self, name: str) -> Callable[[F], F]:
         def wrap(fn: F) -> F:
@@ -83,4 +96,4 @@ def _threshold() -> float | None:
 
 
 STALLS = Stalls(_threshold())
-traced, waited = STALLS.traced, STALLS.waited
+traced, waited, synchronized = STALLS.traced, STALLS.waited, STALLS.synchronized

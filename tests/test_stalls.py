@@ -30,11 +30,13 @@ def spin(seconds: float) -> None:
 
 
 def test_a_slow_call_says_where_its_time_went(stalls, caplog):
+    class Copies:  # a CUDA event's stand-in: its synchronize is a host wait of 30 ms
+        def synchronize(self) -> None:
+            time.sleep(0.03)
+
     @stalls.traced("lookup")
     def lookup() -> int:
-        t0 = time.perf_counter()
-        time.sleep(0.03)  # a host wait kvtier counts (an event's synchronize)
-        stalls.waited("stores landing", time.perf_counter() - t0)
+        stalls.synchronized("stores landing", Copies())  # a host wait kvtier counts
         spin(0.015)
         time.sleep(0.02)  # one it does not count
         return 7

@@ -10,12 +10,10 @@ memory the size of its hit.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 
 from kvtier.engine.mover import Mover, release_held
 from kvtier.keys import ChunkKey, ChunkSpan
-from kvtier.stalls import waited
 from kvtier.tiers.base import CPU
 from kvtier.tiers.store import TieredStore
 from kvtier.tiers.cpu import StoredChunk
@@ -33,9 +31,7 @@ class Ahead:
         return [s.key for s, _ in self.held]
 
     def drop(self) -> None:
-        t0 = time.perf_counter()
         self.upload.wait()  # the copies read the host blocks until they end
-        waited("a dropped upload", time.perf_counter() - t0)
         release_held(self.held)
 
 

@@ -6,11 +6,10 @@ a recurrent state's snapshot (states.py) at the next save, load or lookup."""
 from __future__ import annotations
 
 import threading
-import time
 from typing import Callable, Collection
 
 from kvtier.keys import ChunkKey
-from kvtier.stalls import waited
+from kvtier.stalls import synchronized
 from kvtier.transfer import InFlight
 
 
@@ -46,9 +45,7 @@ class Landing:
                 (ready if due else flying).append(entry)
             self._flying = flying
         for flight, _, land in ready:
-            t0 = time.perf_counter()
-            flight.done.synchronize()
-            waited("stores landing", time.perf_counter() - t0)
+            synchronized("stores landing", flight.done)
             land()
 
     def __len__(self) -> int:

@@ -4,13 +4,12 @@ neighbouring blocks), the address tables the kernels read, and digest tables."""
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Sequence
 
 import torch
 
 from kvtier.codec import DIGEST_A, DIGEST_B
-from kvtier.stalls import waited
+from kvtier.stalls import synchronized
 from kvtier.transfer import cudart
 from kvtier.transfer.kernels import DIGEST_BLOCK, digest_kernel, host_runs_kernel
 
@@ -99,8 +98,8 @@ class Upload:
 
     def wait(self) -> None:
         """Return once the host chunks are no longer read (they may be released)."""
-        if self.landed:
-            self.landed[-1].synchronize()  # one copy stream: the last copy queued ends last
+        if self.landed:  # one copy stream: the last copy queued ends last
+            synchronized("an upload", self.landed[-1])
 
 
 def whole_table(starts: torch.Tensor, nbytes: Sequence[int]) -> torch.Tensor:
@@ -176,9 +175,7 @@ def waiter(stream: torch.cuda.Stream | None, now: bool, keep: object = None) -> 
 
     def wait() -> None:
         nonlocal keep
-        t0 = time.perf_counter()
-        done.synchronize()
-        waited("copies", time.perf_counter() - t0)
+        synchronized("copies", done)
         keep = None
 
     return wait
