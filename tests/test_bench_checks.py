@@ -77,10 +77,12 @@ def test_serving_rounds_give_each_setups_median_and_its_ratio_to_the_first_in_th
     records = {f"{n}#{r}": Record({}, "", summary={"ttft_mean_ms": m, "requests_per_s": q}) for n, r, m, q in means}
     for r, (queue, prefill) in enumerate([(9.0, 30.0), (11.0, 33.0), (10.0, 40.0)], 1):  # vLLM's split, kvtier's
         records[f"kvtier#{r}"].summary |= {"queue_ms_mean": queue, "prefill_ms_mean": prefill}
+    for r, share in enumerate([0.05, 0.62, 0.1], 1):  # kvtier's sends in lockstep (plain's records predate it)
+        records[f"kvtier#{r}"].summary["sent_bunched"] = share
     lines = by_round(records)
-    assert lines[2] == "| plain | 50.0 60.0 55.0 | 55.0 | 1.000 | 1.000 | 0 of 3 | — |"
+    assert lines[2] == "| plain | 50.0 60.0 55.0 | 55.0 | 1.000 | 1.000 | 0 of 3 | — | — — — |"
     # TTFT 0.8, 0.75, 1.0 and req/s 1.05, 0.95, 1.1, paired (not 45 / 55): ahead on both in round 1 only
-    assert lines[3] == "| kvtier | 40.0 45.0 55.0 | 45.0 | 0.800 | 1.050 | 1 of 3 | 10.0 / 33.0 |"
+    assert lines[3] == "| kvtier | 40.0 45.0 55.0 | 45.0 | 0.800 | 1.050 | 1 of 3 | 10.0 / 33.0 | 0.05 0.62 0.10 |"
     assert by_round({"plain": Record({}, "", summary={"ttft_mean_ms": 50.0})}) == []  # one round: no table
 
 
@@ -141,6 +143,31 @@ def test_the_chat_workload_reports_how_many_requests_were_in_flight():
     assert abs(mean - 1.6 / 0.55) < 1e-9 and most == 4 and joined == 7 / 8
 
 
+def test_the_chat_workloads_output_lengths_spread_around_max_tokens_alike_in_every_run():
+    from kvtier.bench.chat import Workload
+
+    w = Workload(conversations=32, turns=6, max_tokens=48, output_spread=0.5)
+    lengths = w.output_lengths()
+    flat = [n for turns in lengths for n in turns]
+    assert len(lengths) == 32 and all(len(t) == 6 for t in lengths) and 24 <= min(flat) < max(flat) <= 72
+    assert len(set(flat)) > 20 and abs(sum(flat) / len(flat) - 48) < 4
+    assert lengths == Workload(conversations=32, turns=6, max_tokens=48, output_spread=0.5).output_lengths()
+    assert w.prompts() == Workload(conversations=32, turns=6, max_tokens=48).prompts()  # the prompts unchanged
+    assert {n for t in Workload(turns=3, max_tokens=16).output_lengths() for n in t} == {16}  # no spread: fixed
+
+
+def test_a_run_that_fell_into_lockstep_shows_in_its_bunched_sends():
+    """Sends within 10 ms of the one before (H200, 2026-11-28: rounds at 0.04-0.08 had a mean
+    TTFT of 58-70 ms, a round at 0.65 one of 215 ms)."""
+    from kvtier.bench.chat import Result, bunched
+
+    spread = [Result(0, 0, 1, 0.04 * k) for k in range(10)]
+    assert bunched(spread) == 0
+    convoy = [Result(0, 0, 1, 0.2 * (k // 4) + 0.001 * (k % 4)) for k in range(12)]  # 3 bursts of 4
+    assert bunched(convoy) == 9 / 11
+    assert bunched([Result(0, 0, 1, 0.0)]) == 0
+
+
 def test_the_gpu_kv_cache_for_a_share_of_the_chats_conversations():
     from kvtier.bench.chat import Workload
     from kvtier.bench.serving import gpu_kv_bytes
@@ -152,3 +179,29 @@ def test_the_gpu_kv_cache_for_a_share_of_the_chats_conversations():
     assert gpu_kv_bytes(llama8b, w, 0.25, 8192) == 8 * last_turn * 128 * 1024  # 6.17 GiB: 8 of the 32
     # never below one whole request and vLLM's null block
     assert gpu_kv_bytes(llama8b, w, 0.01, 8192) == (8192 + 256) * 128 * 1024
+
+
+def test_a_serving_runs_records_packed_lean_for_results(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    from kvtier.bench import pack
+
+    rec = {"workload": {"rate": 24.0}, "url": "u", "summary": {"ttft_mean_ms": 61.6},
+           "results": [{"conversation": 1, "turn": 0, "prompt_tokens": 4352, "sent_s": 0.123456789, "ttft_s": 0.05,
+                        "latency_s": 0.5, "output_ids": [5] * 48, "top_logprobs": [], "output_tokens": 48,
+                        "error": ""}]}
+    (tmp_path / "runs").mkdir()
+    for name in ("native#2", "kvtier#10", "kvtier#2"):
+        (tmp_path / "runs" / f"{name}.json").write_text(json.dumps(rec))
+    (tmp_path / "note.txt").write_text("slow call ...")
+    out = tmp_path / "packed.json"
+    monkeypatch.setattr(sys, "argv", ["pack", str(out), str(tmp_path / "runs"), f"slow_calls={tmp_path / 'note.txt'}"])
+    pack.main()
+    packed = json.loads(out.read_text())
+    assert list(packed) == ["kvtier#2", "kvtier#10", "native#2", "_slow_calls"]  # rounds in their order
+    assert packed["kvtier#2"]["summary"] == {"ttft_mean_ms": 61.6} and packed["kvtier#2"]["workload"] == {"rate": 24.0}
+    row = dict(zip(packed["kvtier#2"]["request_fields"], packed["kvtier#2"]["requests"][0]))
+    assert row == {"conversation": 1, "turn": 0, "prompt_tokens": 4352, "sent_s": 0.12346, "ttft_s": 0.05,
+                   "latency_s": 0.5, "output_tokens": 48, "error": ""}
+    assert packed["_slow_calls"] == "slow call ..."

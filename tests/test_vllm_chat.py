@@ -101,7 +101,7 @@ def test_servers_started_once_run_paired_rounds_of_new_conversations(tiny_model,
     second starts)."""
     from kvtier.bench.serving import by_round
 
-    work = replace(WORKLOAD, conversations=3, turns=2, concurrency=2)
+    work = replace(WORKLOAD, conversations=3, turns=2, concurrency=2, output_spread=0.5)  # 2 to 6 tokens
     server = ServerSpec(cpu_gb=0.5, gpu_util=0.2, eager=True, prefix_caching=False, max_model_len=2048, dtype=DTYPE)
     records = compare(tiny_model, ["plain", "kvtier"], work, tmp_path, server, rounds=2, servers=servers)
     order = {"resident": ["plain#1", "kvtier#1", "kvtier#2", "plain#2"],
@@ -113,6 +113,12 @@ def test_servers_started_once_run_paired_rounds_of_new_conversations(tiny_model,
     overlapped = stamps["plain"][-1] > stamps["kvtier"][0]  # plain's server still logging after kvtier's began
     assert overlapped == (servers == "resident")
     assert all(r.summary["failed"] == 0 and r.summary["requests"] == 6 for r in records.values())
+    # each request generated its drawn length (the round's seed), the same in every setup
+    for key, rec in records.items():
+        drawn = replace(work, seed=rec.workload["seed"]).output_lengths()
+        assert [r["output_tokens"] for r in rec.results] == [n for turns in drawn for n in turns], key
+    assert len({n for rec in records.values() for n in (r["output_tokens"] for r in rec.results)}) > 1
+    assert all(0 <= r.summary["sent_bunched"] <= 1 for r in records.values())
     # New conversations in round 2 (its seed): no system prompt of round 1 again ...
     seeds = [records[f"plain#{r}"].workload["seed"] for r in (1, 2)]
     assert seeds == [records[f"kvtier#{r}"].workload["seed"] for r in (1, 2)] and seeds[0] + 1 == seeds[1]

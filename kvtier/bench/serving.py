@@ -241,13 +241,17 @@ def _three(f: dict[str, float]) -> str:
 
 def by_round(records: dict[str, Record]) -> list[str]:
     """Each setup's mean TTFT per round ("x#k"), their median, and its ratio to the first
-    setup's in the same round (median over rounds): what a setup costs beside another."""
+    setup's in the same round (median over rounds): what a setup costs beside another; and
+    per round the share of requests sent in lockstep (chat.bunched), what a round's mean TTFT
+    followed at capacity."""
     rounds: dict[str, dict[str, tuple[float, float]]] = {}  # setup -> round -> (mean TTFT, req/s)
     phases: dict[str, list[tuple[float, float]]] = {}  # setup -> vLLM's (queue, prefill) ms per round
+    lockstep: dict[str, list[float | None]] = {}  # setup -> share of sends bunched, per round
     for key, rec in records.items():
         name, _, r = key.partition("#")
         if r and rec.summary.get("ttft_mean_ms") is not None:
             rounds.setdefault(name, {})[r] = (rec.summary["ttft_mean_ms"], rec.summary["requests_per_s"])
+            lockstep.setdefault(name, []).append(rec.summary.get("sent_bunched"))
             if rec.summary.get("queue_ms_mean") is not None:
                 phases.setdefault(name, []).append((rec.summary["queue_ms_mean"], rec.summary["prefill_ms_mean"]))
     if not rounds:
@@ -255,7 +259,7 @@ def by_round(records: dict[str, Record]) -> list[str]:
     first = next(iter(rounds.values()))
     lines = ["| setup | mean TTFT ms by round | median | / first setup, same round (median) | "
              "req/s / first setup's (median) | rounds it leads the first setup on both | "
-             "vLLM's queue / prefill ms (medians) |", "|---" * 7 + "|"]
+             "vLLM's queue / prefill ms (medians) | sent in lockstep by round |", "|---" * 8 + "|"]
     for name, by in rounds.items():
         paired = [(m / first[r][0], q / first[r][1]) for r, (m, q) in by.items() if r in first]
         leads = sum(t < 1 and q > 1 for t, q in paired)
@@ -265,7 +269,8 @@ def by_round(records: dict[str, Record]) -> list[str]:
         lines.append(f"| {name} | {' '.join(f'{m:.1f}' for m, _ in by.values())} | "
                      f"{statistics.median(m for m, _ in by.values()):.1f} | "
                      f"{statistics.median(t for t, _ in paired):.3f} | {statistics.median(q for _, q in paired):.3f} | "
-                     f"{leads} of {len(paired)} | {split_ms} |")
+                     f"{leads} of {len(paired)} | {split_ms} | "
+                     f"{' '.join('—' if b is None else f'{b:.2f}' for b in lockstep[name])} |")
     return lines
 
 
