@@ -16,8 +16,8 @@
 # runs the setups twice over in turn, paired by round; "--rounds 8 --resident" starts each setup's server
 # once, all up together, and sends each round new conversations: ~10 s a run after the starts, so many
 # paired rounds a call; GPU_UTIL then small enough that each start finds its share free, e.g. 0.3 for
-# three setups at 8B on an H200; "--alone" the same rounds, one setup's server at a time: kvtier's
-# rounds beside an idle resident server fell into long waits, alone not: docs/benchmarks.md),
+# three setups at 8B on an H200; "--alone" the same rounds, one setup's server at a time), hosttime (the
+# host time of kvtier's per-request calls, a store, a lookup, a load, at the 8B shape: kvtier.bench.host_time),
 # benchserve (`vllm bench serve` twice per offloader, prefix-sharing prompts: kvtier.bench.serving
 # --bench-serve), sharedstore (two vLLM instances one after
 # the other sharing KV through each project's own store server on this host: `kvtier server` and LMCache's
@@ -99,6 +99,12 @@ timeout ${GUIDES_TIMEOUT:-540} python3 -m pytest -q -s -rfE --tb=short --timeout
 # A step cut by its time limit leaves its servers (their own sessions) holding GPU memory.
 pkill -f "$servers"; sleep 3
 grep -E "passed|failed|error|bench serve twice|Median TTFT" "$work/guides.txt" | tail -12 ;;
+esac
+case " $steps " in *" hosttime "*)
+# The host time of kvtier's per-request calls (a store, a lookup, a load beside) at the chat's
+# sizes and the 8B shape, with their profiles: kvtier.bench.host_time (~1 min).
+timeout ${HOSTTIME_TIMEOUT:-240} python3 -m kvtier.bench.host_time --out "$work/host_time.json" ${HOSTTIME_ARGS:-} \
+    > "$work/host_time.txt" 2>&1; echo "hosttime exit $?"; grep -v " INFO " "$work/host_time.txt" | head -60 ;;
 esac
 # The serving steps' model (TinyLlama fields; SERVING_ARGS="--model {...}" replaces it): 16 Llama layers.
 serving_model='{"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16, "num_attention_heads": 16,

@@ -205,3 +205,19 @@ def test_a_serving_runs_records_packed_lean_for_results(tmp_path, monkeypatch):
     assert row == {"conversation": 1, "turn": 0, "prompt_tokens": 4352, "sent_s": 0.12346, "ttft_s": 0.05,
                    "latency_s": 0.5, "output_tokens": 48, "error": ""}
     assert packed["_slow_calls"] == "slow call ..."
+
+
+def test_the_host_time_bench_times_each_call_kind_of_a_chat_turn_on_this_machine():
+    import argparse
+
+    from kvtier.bench.host_time import run
+
+    args = argparse.Namespace(layers=2, heads=2, head_size=16, blocks=200, chunk=64, history=512, turn=96,
+                              requests=4, cpu_gb=0.05, top=5, out="")
+    out = run(args)
+    assert set(out["calls"]) == {"store", "lookup", "load_queue", "load_finish"}
+    assert all(c["n"] == 4 and c["median_us"] > 0 for c in out["calls"].values())
+    # the lookup finds the stored history (its whole chunks, after the turn's store of 96 tokens more)
+    assert out["hit_tokens_median"] == 576
+    assert any("engine/storing.py" in line for line in out["profile_store"])
+    assert any("start_retrieve" in line for line in out["profile_lookup"])

@@ -1,0 +1,177 @@
+"""`python -m kvtier.bench.host_time`: the host time of kvtier's per-request calls on an
+inference engine's thread, at a chat turn's sizes: what a serving run's decode steps pay
+for them (docs/benchmarks.md, 2026-11-29: vLLM's inter-token latency 0.1-0.35 ms higher
+with kvtier than with vLLM's native offloading).
+
+Per request, on a history of `--history` tokens growing by `--turn` a turn (a chat's
+conversation; block tables drawn at random, as a busy vLLM's are):
+
+    store     start_store(...).finish(wait=False): a turn's new chunks, as wait_for_save queues them
+    lookup    find(hold) + upload_ahead(beside): the scheduler's lookup of the next turn
+    load      start_retrieve(beside) (the queueing) and its finish (the wait), as a load beside the steps
+
+Each call is timed on the host (perf_counter; the GPU is idle between calls, so no call
+waits behind earlier work), medians and p90 over `--requests`; then each call kind again
+under cProfile, its top functions by own time (the profiler's overhead inflates them alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from kvtier.config import KvtierConfig
+from kvtier.engine import CacheEngine
+from kvtier.keys import KVFormat
+from kvtier.transfer import PagedKV
+
+BLOCK = 16
+
+
+class Chat:
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.layers = [torch.zeros(2, args.blocks, BLOCK, args.heads, args.head_size, dtype=dtype, device=device)
+                       for _ in range(args.layers)]
+        config = KvtierConfig(chunk_size=args.chunk, max_local_cpu_size=args.cpu_gb, save_unfull_chunk=False)
+        self.engine = CacheEngine(config, PagedKV.wrap(self.layers, "flash_attn"),
+                                  KVFormat("host-time", "flash_attn", str(dtype).removeprefix("torch.")))
+        self.rng = np.random.default_rng(0)
+        self.args, self.device = args, device
+        system = self.rng.integers(100, 30000, args.history)
+        self.histories = [np.concatenate([system[: args.history - 256], self.rng.integers(100, 30000, 256)])
+                          for _ in range(args.requests)]
+        self.stored = [0] * args.requests
+
+    def slots(self, n: int) -> torch.Tensor:
+        blocks = self.rng.permutation(self.args.blocks)[: -(-n // BLOCK)]
+        return torch.from_numpy((blocks[:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)[:n].astype(np.int64))
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.engine.flush()
+
+    def store(self, i: int) -> None:
+        tokens = self.histories[i]
+        self.engine.start_store(tokens, self.slots(len(tokens)), start=self.stored[i],
+                                request_id=f"s{i}").finish(wait=False)
+        self.stored[i] = len(tokens) - len(tokens) % self.args.chunk
+
+    def grow(self, i: int) -> None:
+        self.histories[i] = np.concatenate([self.histories[i], self.rng.integers(100, 30000, self.args.turn)])
+
+    def lookup(self, i: int) -> int:
+        tokens = self.histories[i]
+        hit = self.engine.find(tokens, hold_for=f"l{i}", limit=len(tokens) - 1)
+        if hit.tokens:
+            self.engine.upload_ahead(tokens[: hit.tokens], f"l{i}", beside=True)
+        return hit.tokens
+
+    def load(self, i: int, hit: int) -> Callable[[], object]:
+        loading = self.engine.start_retrieve(self.histories[i][:hit], self.slots(hit), request_id=f"l{i}", beside=True)
+        return loading.finish
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def profiled(fns: list[Callable[[], object]], chat: Chat, top: int) -> list[str]:
+    """The calls under cProfile: the top functions by own time, then kvtier's and Triton's
+    by time inside them (what each layer of the call costs)."""
+    prof = cProfile.Profile()
+    for fn in fns:
+        prof.enable()
+        fn()
+        prof.disable()
+        chat.sync()
+    lines = []
+    for order, only in (("tottime", ()), ("cumulative", ("kvtier/", "triton/runtime"))):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(*[f"({'|'.join(only)})"] if only else [], top)
+        lines += [f"by {order}:"] + [line for line in text.getvalue().splitlines() if line.strip()][-top - 1:]
+    return lines
+
+
+def summary(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+    return {"median_us": statistics.median(xs) * 1e6, "p90_us": xs[int(0.9 * (len(xs) - 1))] * 1e6, "n": len(xs)}
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    chat = Chat(args, device)
+    n = args.requests
+    for i in range(n):  # the histories stored (and the kernels compiled) before anything is timed
+        chat.store(i)
+        chat.sync()
+    times: dict[str, list[float]] = {"store": [], "lookup": [], "load_queue": [], "load_finish": []}
+    hits = []
+    for i in range(n):
+        chat.grow(i)
+        spent, _ = timed(lambda: chat.store(i))
+        times["store"].append(spent)
+        chat.sync()
+        chat.grow(i)
+        spent, hit = timed(lambda: chat.lookup(i))
+        times["lookup"].append(spent)
+        hits.append(hit)
+        spent, finish = timed(lambda: chat.load(i, hit))
+        times["load_queue"].append(spent)
+        spent, _ = timed(finish)
+        times["load_finish"].append(spent)
+        chat.sync()
+    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "args": vars(args), "calls": {k: summary(v) for k, v in times.items()},
+           "hit_tokens_median": statistics.median(hits)}
+    for i in range(n):
+        chat.grow(i)
+    out["profile_store"] = profiled([lambda i=i: chat.store(i) for i in range(n)], chat, args.top)
+    for i in range(n):
+        chat.grow(i)
+    out["profile_lookup"] = profiled([lambda i=i: chat.load(i, chat.lookup(i))() for i in range(n)], chat, args.top)
+    chat.engine.close()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--blocks", type=int, default=3160, help="vLLM's GPU KV cache in blocks of 16 tokens")
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--history", type=int, default=4352, help="a conversation's first prompt (tokens)")
+    p.add_argument("--turn", type=int, default=384, help="tokens a turn adds (its answer and the next message)")
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--cpu-gb", type=float, default=8.0)
+    p.add_argument("--top", type=int, default=18, help="profile lines per call kind")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    if args.blocks * BLOCK < args.history + 3 * args.turn:  # a history grows three turns here
+        p.error(f"--blocks {args.blocks} hold {args.blocks * BLOCK} tokens: the histories grow to "
+                f"{args.history + 3 * args.turn}")
+    out = run(args)
+    for name, s in out["calls"].items():
+        print(f"{name}: median {s['median_us']:.0f} us, p90 {s['p90_us']:.0f} us ({s['n']} calls)")
+    for kind in ("profile_store", "profile_lookup"):
+        print(f"\n{kind}:\n" + "\n".join(out[kind]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
