@@ -220,4 +220,4 @@ def test_the_host_time_bench_times_each_call_kind_of_a_chat_turn_on_this_machine
     # the lookup finds the stored history (its whole chunks, after the turn's store of 96 tokens more)
     assert out["hit_tokens_median"] == 576
     assert any("engine/storing.py" in line for line in out["profile_store"])
-    assert any("start_retrieve" in line for line in out["profile_lookup"])
+    assert any("start_retrieve" in line for line in out["profile_lookup_and_load"])

@@ -11,8 +11,9 @@ conversation; block tables drawn at random, as a busy vLLM's are):
     load      start_retrieve(beside) (the queueing) and its finish (the wait), as a load beside the steps
 
 Each call is timed on the host (perf_counter; the GPU is idle between calls, so no call
-waits behind earlier work), medians and p90 over `--requests`; then each call kind again
-under cProfile, its top functions by own time (the profiler's overhead inflates them alike).
+waits behind earlier work), medians and p90 over `--requests`; then the stores, and the
+lookups each with its load, again under cProfile: the top functions by own time, and
+kvtier's and Triton's by time inside them (the profiler's overhead inflates them alike).
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ def run(args: argparse.Namespace) -> dict:
     out["profile_store"] = profiled([lambda i=i: chat.store(i) for i in range(n)], chat, args.top)
     for i in range(n):
         chat.grow(i)
-    out["profile_lookup"] = profiled([lambda i=i: chat.load(i, chat.lookup(i))() for i in range(n)], chat, args.top)
+    lookups_and_loads = [lambda i=i: chat.load(i, chat.lookup(i))() for i in range(n)]
+    out["profile_lookup_and_load"] = profiled(lookups_and_loads, chat, args.top)
     chat.engine.close()
     return out
 
@@ -160,13 +162,13 @@ def main() -> None:
     p.add_argument("--top", type=int, default=18, help="profile lines per call kind")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    if args.blocks * BLOCK < args.history + 3 * args.turn:  # a history grows three turns here
+    if args.blocks * BLOCK < args.history + 4 * args.turn:  # a history grows four turns here
         p.error(f"--blocks {args.blocks} hold {args.blocks * BLOCK} tokens: the histories grow to "
-                f"{args.history + 3 * args.turn}")
+                f"{args.history + 4 * args.turn}")
     out = run(args)
     for name, s in out["calls"].items():
         print(f"{name}: median {s['median_us']:.0f} us, p90 {s['p90_us']:.0f} us ({s['n']} calls)")
-    for kind in ("profile_store", "profile_lookup"):
+    for kind in ("profile_store", "profile_lookup_and_load"):
         print(f"\n{kind}:\n" + "\n".join(out[kind]))
     if args.out:
         with open(args.out, "w") as f:

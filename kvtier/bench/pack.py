@@ -4,8 +4,8 @@ record's summary and workload, its requests as rows (`request_fields`), without 
 generated token ids (the run's table already compared them) and their logprobs; any
 NAME=FILE given beside them (a stall trace, a profile's summary) under `_NAME`, as text.
 
-The device returns at most 64 MiB a call and the repository travels with it, so a run of
-16 records (3.7 MB with its token ids) is kept as ~0.4 MB."""
+results/ travels to the GPU machine with every call (64 MiB in all, the vLLM bundle
+included), so a run of 16 records (3.7 MB with its token ids) is kept as ~0.2 MB."""
 
 from __future__ import annotations
 
