@@ -102,7 +102,14 @@ grep -E "passed|failed|error|bench serve twice|Median TTFT" "$work/guides.txt" |
 esac
 case " $steps " in *" hosttime "*)
 # The host time of kvtier's per-request calls (a store, a lookup, a load beside) at the chat's
-# sizes and the 8B shape, with their profiles: kvtier.bench.host_time (~1 min).
+# sizes and the 8B shape, with their profiles: kvtier.bench.host_time (~1 min). With HOSTTIME_BASE=DIR
+# (a git-ignored tree of an earlier commit's kvtier/, carried: `mkdir -p DIR && git archive REV kvtier
+# | tar -x -C DIR`), the same bench against it first: before and after in one call.
+if [ -n "${HOSTTIME_BASE:-}" ]; then
+    PYTHONPATH=$HOSTTIME_BASE:/tmp/site timeout ${HOSTTIME_TIMEOUT:-240} python3 kvtier/bench/host_time.py \
+        --out "$work/host_time-base.json" ${HOSTTIME_ARGS:-} > "$work/host_time-base.txt" 2>&1
+    echo "hosttime base exit $?"; grep -E "^(kvtier from|store|lookup|load)" "$work/host_time-base.txt"
+fi
 timeout ${HOSTTIME_TIMEOUT:-240} python3 -m kvtier.bench.host_time --out "$work/host_time.json" ${HOSTTIME_ARGS:-} \
     > "$work/host_time.txt" 2>&1; echo "hosttime exit $?"; grep -v " INFO " "$work/host_time.txt" | head -60 ;;
 esac

@@ -30,6 +30,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+import kvtier
 from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
 from kvtier.keys import KVFormat
@@ -135,6 +136,7 @@ def run(args: argparse.Namespace) -> dict:
         times["load_finish"].append(spent)
         chat.sync()
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "kvtier": kvtier.__file__.rsplit("/", 2)[0],  # the tree timed (an earlier commit's: HOSTTIME_BASE)
            "args": vars(args), "calls": {k: summary(v) for k, v in times.items()},
            "hit_tokens_median": statistics.median(hits)}
     for i in range(n):
@@ -166,6 +168,7 @@ def main() -> None:
         p.error(f"--blocks {args.blocks} hold {args.blocks * BLOCK} tokens: the histories grow to "
                 f"{args.history + 4 * args.turn}")
     out = run(args)
+    print(f"kvtier from {out['kvtier']}")
     for name, s in out["calls"].items():
         print(f"{name}: median {s['median_us']:.0f} us, p90 {s['p90_us']:.0f} us ({s['n']} calls)")
     for kind in ("profile_store", "profile_lookup_and_load"):
