@@ -83,3 +83,35 @@ def test_token_bytes_of_a_list_and_of_an_array_agree():
             token_bytes(bad)
         with pytest.raises(ValueError, match="token ids"):
             token_bytes(np.asarray(bad, dtype=np.int64))
+
+
+def test_span_memo_with_partial_chunks_hashes_only_what_follows_the_shared_whole_chunks(monkeypatch):
+    """A request's lookup (its prompt, a partial last chunk), its load (the hit: whole chunks)
+    and its store (the prompt again, or with its output) share the prompt's whole chunks: each
+    later call hashes only what follows them, and gets what hashing it all gets."""
+    import kvtier.keys as keys
+    from kvtier.keys import SpanMemo
+
+    fmt = KVFormat("m", "kv", "bfloat16")
+    memo = SpanMemo(fmt, 4, save_unfull_chunk=True)
+    hashed = []
+    real = keys._chained
+    monkeypatch.setattr(keys, "_chained", lambda prev, data: hashed.append(len(data) // 4) or real(prev, data))
+    prompt = np.arange(18)
+    cases = [(prompt, [4, 4, 4, 4, 2]),  # the lookup: everything
+             (prompt[:16], []),  # the hit's load: its whole chunks known
+             (prompt, [2]),  # the store: the partial last chunk only
+             (prompt[:17], [1]),  # another tail
+             (np.arange(23), [4, 3]),  # the prompt and its output: from the 16th token on
+             (np.arange(18), [2])]  # the longest tokens of the request stayed in the memo
+    for tokens, expected in cases:
+        hashed.clear()
+        got = memo.spans(tokens, "r")
+        assert hashed == expected, (len(tokens), hashed)
+        assert got == keys.chunk_spans(tokens, fmt, 4, True)
+    changed = np.arange(23)
+    changed[9] = 99  # a token inside the third chunk: the first two are shared, the rest hashed anew
+    for tokens, rid, expected in [(changed, "r", [4, 4, 4, 3]), (prompt, "other", [4, 4, 4, 4, 2])]:
+        want = keys.chunk_spans(tokens, fmt, 4, True)
+        hashed.clear()
+        assert memo.spans(tokens, rid) == want and hashed == expected, hashed

@@ -3,17 +3,17 @@ inference engine's thread, at a chat turn's sizes: what a serving run's decode s
 for them (docs/benchmarks.md, 2026-11-29: vLLM's inter-token latency 0.1-0.35 ms higher
 with kvtier than with vLLM's native offloading).
 
-Per request, on a history of `--history` tokens growing by `--turn` a turn (a chat's
-conversation; block tables drawn at random, as a busy vLLM's are):
+Per request, as vLLM runs one (a conversation's turn: one request id, one block table drawn at
+random, as a busy vLLM's are), on a history of `--history` tokens growing by `--turn` a turn:
 
-    store     start_store(...).finish(wait=False): a turn's new chunks, as wait_for_save queues them
-    lookup    find(hold) + upload_ahead(beside): the scheduler's lookup of the next turn
-    load      start_retrieve(beside) (the queueing) and its finish (the wait), as a load beside the steps
+    lookup    find(hold) + upload_ahead(beside): the scheduler's lookup, its hit's copies queued
+    load      start_retrieve(beside) (the queueing) and its finish (the wait), a load beside the steps
+    store     start_store(...).finish(wait=False): the turn's new chunks, as wait_for_save queues them
 
-Each call is timed on the host (perf_counter; the GPU is idle between calls, so no call
-waits behind earlier work), medians and p90 over `--requests`; then the stores, and the
-lookups each with its load, again under cProfile: the top functions by own time, and
-kvtier's and Triton's by time inside them (the profiler's overhead inflates them alike).
+Each call is timed on the host (perf_counter; the GPU is idle between turns, so no call
+waits behind an earlier turn's work), medians and p90 over `--requests`; then whole turns
+again under cProfile: the top functions by own time, and kvtier's and Triton's by time inside
+them (the profiler's overhead inflates them alike).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Chat:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.layers = [torch.zeros(2, args.blocks, BLOCK, args.heads, args.head_size, dtype=dtype, device=device)
                        for _ in range(args.layers)]
-        config = KvtierConfig(chunk_size=args.chunk, max_local_cpu_size=args.cpu_gb, save_unfull_chunk=False)
+        config = KvtierConfig(chunk_size=args.chunk, max_local_cpu_size=args.cpu_gb)  # kvtier's defaults otherwise
         self.engine = CacheEngine(config, PagedKV.wrap(self.layers, "flash_attn"),
                                   KVFormat("host-time", "flash_attn", str(dtype).removeprefix("torch.")))
         self.rng = np.random.default_rng(0)
@@ -53,6 +53,8 @@ class Chat:
         self.histories = [np.concatenate([system[: args.history - 256], self.rng.integers(100, 30000, 256)])
                           for _ in range(args.requests)]
         self.stored = [0] * args.requests
+        self.turns = [0] * args.requests
+        self.table = [self.slots(len(h)) for h in self.histories]
 
     def slots(self, n: int) -> torch.Tensor:
         blocks = self.rng.permutation(self.args.blocks)[: -(-n // BLOCK)]
@@ -63,25 +65,40 @@ class Chat:
             torch.cuda.synchronize(self.device)
         self.engine.flush()
 
-    def store(self, i: int) -> None:
-        tokens = self.histories[i]
-        self.engine.start_store(tokens, self.slots(len(tokens)), start=self.stored[i],
-                                request_id=f"s{i}").finish(wait=False)
-        self.stored[i] = len(tokens) - len(tokens) % self.args.chunk
-
     def grow(self, i: int) -> None:
+        """Conversation i's next turn: a new request (its id, its block table) on a longer history."""
         self.histories[i] = np.concatenate([self.histories[i], self.rng.integers(100, 30000, self.args.turn)])
+        self.turns[i] += 1
+        self.table[i] = self.slots(len(self.histories[i]))
+
+    def rid(self, i: int) -> str:
+        return f"c{i}t{self.turns[i]}"
 
     def lookup(self, i: int) -> int:
+        """The scheduler's lookup, with its upload ahead of a hit all in CPU RAM."""
         tokens = self.histories[i]
-        hit = self.engine.find(tokens, hold_for=f"l{i}", limit=len(tokens) - 1)
+        hit = self.engine.find(tokens, hold_for=self.rid(i), limit=len(tokens) - 1)
         if hit.tokens:
-            self.engine.upload_ahead(tokens[: hit.tokens], f"l{i}", beside=True)
+            self.engine.upload_ahead(tokens[: hit.tokens], self.rid(i), beside=True)
         return hit.tokens
 
     def load(self, i: int, hit: int) -> Callable[[], object]:
-        loading = self.engine.start_retrieve(self.histories[i][:hit], self.slots(hit), request_id=f"l{i}", beside=True)
+        """The hit's load beside the steps, queued; its finish returned."""
+        loading = self.engine.start_retrieve(self.histories[i][:hit], self.table[i][:hit], request_id=self.rid(i),
+                                             beside=True)
         return loading.finish
+
+    def store(self, i: int) -> None:
+        """The request's store after its forward: its chunks not stored yet, copies not waited for."""
+        tokens = self.histories[i]
+        self.engine.start_store(tokens, self.table[i], start=self.stored[i], request_id=self.rid(i)).finish(wait=False)
+        self.stored[i] = len(tokens)
+
+    def turn(self, i: int) -> None:
+        """A whole turn, as vLLM runs it: lookup, load, store (for the profile)."""
+        self.grow(i)
+        self.load(i, self.lookup(i))()
+        self.store(i)
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, object]:
@@ -119,13 +136,9 @@ def run(args: argparse.Namespace) -> dict:
     for i in range(n):  # the histories stored (and the kernels compiled) before anything is timed
         chat.store(i)
         chat.sync()
-    times: dict[str, list[float]] = {"store": [], "lookup": [], "load_queue": [], "load_finish": []}
+    times: dict[str, list[float]] = {"lookup": [], "load_queue": [], "load_finish": [], "store": []}
     hits = []
-    for i in range(n):
-        chat.grow(i)
-        spent, _ = timed(lambda: chat.store(i))
-        times["store"].append(spent)
-        chat.sync()
+    for i in range(n):  # a turn of each conversation: its lookup, its load, its store
         chat.grow(i)
         spent, hit = timed(lambda: chat.lookup(i))
         times["lookup"].append(spent)
@@ -134,18 +147,14 @@ def run(args: argparse.Namespace) -> dict:
         times["load_queue"].append(spent)
         spent, _ = timed(finish)
         times["load_finish"].append(spent)
+        spent, _ = timed(lambda: chat.store(i))
+        times["store"].append(spent)
         chat.sync()
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "kvtier": kvtier.__file__.rsplit("/", 2)[0],  # the tree timed (an earlier commit's: HOSTTIME_BASE)
            "args": vars(args), "calls": {k: summary(v) for k, v in times.items()},
            "hit_tokens_median": statistics.median(hits)}
-    for i in range(n):
-        chat.grow(i)
-    out["profile_store"] = profiled([lambda i=i: chat.store(i) for i in range(n)], chat, args.top)
-    for i in range(n):
-        chat.grow(i)
-    lookups_and_loads = [lambda i=i: chat.load(i, chat.lookup(i))() for i in range(n)]
-    out["profile_lookup_and_load"] = profiled(lookups_and_loads, chat, args.top)
+    out["profile_turn"] = profiled([lambda i=i: chat.turn(i) for i in range(n)], chat, args.top)
     chat.engine.close()
     return out
 
@@ -171,8 +180,7 @@ def main() -> None:
     print(f"kvtier from {out['kvtier']}")
     for name, s in out["calls"].items():
         print(f"{name}: median {s['median_us']:.0f} us, p90 {s['p90_us']:.0f} us ({s['n']} calls)")
-    for kind in ("profile_store", "profile_lookup_and_load"):
-        print(f"\n{kind}:\n" + "\n".join(out[kind]))
+    print("\nprofile of whole turns (lookup, load, store):\n" + "\n".join(out["profile_turn"]))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
