@@ -103,8 +103,8 @@ esac
 case " $steps " in *" hosttime "*)
 # The host time of kvtier's per-request calls (a store, a lookup, a load beside) at the chat's
 # sizes and the 8B shape, with their profiles: kvtier.bench.host_time (~1 min). With HOSTTIME_BASE=DIR
-# (a git-ignored tree of an earlier commit's kvtier/, carried: `mkdir -p DIR && git archive REV kvtier
-# | tar -x -C DIR`), the same bench against it first: before and after in one call.
+# (a git-ignored tree of an earlier commit's kvtier/, carried, e.g. .hosttime-base: `mkdir -p DIR &&
+# git archive REV kvtier | tar -x -C DIR`), the same bench against it first: before and after in one call.
 if [ -n "${HOSTTIME_BASE:-}" ]; then
     PYTHONPATH=$HOSTTIME_BASE:/tmp/site timeout ${HOSTTIME_TIMEOUT:-240} python3 kvtier/bench/host_time.py \
         --out "$work/host_time-base.json" ${HOSTTIME_ARGS:-} > "$work/host_time-base.txt" 2>&1
