@@ -145,8 +145,8 @@ def tail_span(tokens: Sequence[int] | np.ndarray, before: ChunkSpan | None, leng
 
 class SpanMemo:
     """The chunk spans of a few recent requests, so that a request's lookup, load and
-    store hash its tokens once (32k tokens: about 1 ms a time; ~0.1 ms at a chat turn's
-    5k). A later call of the request reuses the spans of the whole chunks its tokens share
+    store hash its tokens once (from an array on a 2-core VM: 167 us at 32k tokens, 43 us at
+    a chat turn's 4.7k). A later call of the request reuses the spans of the whole chunks its tokens share
     with the ones hashed, and hashes only what follows: a partial last chunk (a prompt's
     end, `save_unfull_chunk`), or tokens beyond (its output)."""
 
