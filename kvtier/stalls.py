@@ -96,4 +96,4 @@ def _threshold() -> float | None:
 
 
 STALLS = Stalls(_threshold())
-traced, waited, synchronized = STALLS.traced, STALLS.waited, STALLS.synchronized
+traced, synchronized = STALLS.traced, STALLS.synchronized

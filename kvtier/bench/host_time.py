@@ -173,7 +173,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=18, help="profile lines per call kind")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    if args.blocks * BLOCK < args.history + 4 * args.turn:  # a history grows four turns here
+    if args.blocks * BLOCK < args.history + 4 * args.turn:  # room for four turns of growth (two run)
         p.error(f"--blocks {args.blocks} hold {args.blocks * BLOCK} tokens: the histories grow to "
                 f"{args.history + 4 * args.turn}")
     out = run(args)
