@@ -213,7 +213,7 @@ def test_the_host_time_bench_times_each_call_kind_of_a_chat_turn_on_this_machine
     from kvtier.bench.host_time import run
 
     args = argparse.Namespace(layers=2, heads=2, head_size=16, blocks=200, chunk=64, history=512, turn=96,
-                              requests=4, cpu_gb=0.05, top=30, out="")
+                              requests=4, cpu_gb=0.05, top=30, out="", step_ms=1.0)
     out = run(args)
     assert set(out["calls"]) == {"store", "lookup", "load_queue", "load_finish"}
     assert all(c["n"] == 4 and c["median_us"] > 0 for c in out["calls"].values())
@@ -222,3 +222,26 @@ def test_the_host_time_bench_times_each_call_kind_of_a_chat_turn_on_this_machine
     assert out["hit_tokens_median"] == 512
     assert any("(store)" in line for line in out["profile_turn"])
     assert any("start_retrieve" in line for line in out["profile_turn"])
+
+
+def test_a_setup_whose_engine_died_ends_at_once_with_its_traceback(tmp_path):
+    """LMCache's layerwise setup raised at its first request on vLLM 0.26 (2026-11-29), and its
+    process then held its exit for the setup's whole time limit: threads of the dead engine.
+    A setup that raises ends now, non-zero, with the traceback, whatever threads are left."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import sys, threading, time
+        import kvtier.bench.vllm as bench
+        def dies(args):
+            threading.Thread(target=time.sleep, args=(600,)).start()  # not a daemon: holds the exit
+            raise AssertionError("the engine's KV format")
+        bench.run_setup = dies
+        sys.argv = ["bench", "--setup", "plain", "--out", sys.argv[1]]
+        bench.main()
+    """)
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "AssertionError: the engine's KV format" in done.stderr

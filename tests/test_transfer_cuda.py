@@ -191,6 +191,44 @@ def test_a_hit_uploaded_at_its_lookup_is_what_its_retrieve_loads(layerwise):
     assert torch.equal(reference(kv, perm[:256]), reference(kv, perm[600:856]))
 
 
+def test_a_hit_that_loads_beside_the_steps_is_uploaded_on_the_slots_thread_and_loads_right():
+    """`beside`: the lookup's copies are queued on the ahead slot's thread, the lookup returns
+    at once; the load takes them (waiting for the thread), a release drops them, a failure
+    there leaves the load to copy the chunks itself."""
+    _, kv, eng, perm = make_engine("packed")
+    toks = list(range(256))
+    eng.store(toks, perm[:256])
+    used = eng.pool.used_bytes
+    assert eng.find(toks, hold_for="r").tokens == 256
+    assert eng.upload_ahead(toks, "r", beside=True)
+    assert eng.ahead.request_id == "r"  # waits for the slot's thread: queued there
+    load = eng.start_retrieve(toks, perm[256:511], start=70, request_id="r", beside=True)
+    assert eng.ahead.request_id is None  # taken by the load
+    assert int(load.finish().sum()) == 255 - 70
+    torch.cuda.synchronize()
+    assert torch.equal(reference(kv, perm[70:255]), reference(kv, perm[326:511]))
+    eng.find(toks, hold_for="s")
+    eng.upload_ahead(toks, "s", beside=True)
+    eng.release_hold("s")  # before the thread may have run: it is waited for, then dropped
+    assert eng.ahead.request_id is None and eng.pool.used_bytes == used
+    assert not any(c.block.pinned for c in eng.tiers.cpu._chunks.values())
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no device memory for staging")
+    eng.find(toks, hold_for="t")
+    real, eng.mover.upload = eng.mover.upload, fails
+    try:
+        eng.upload_ahead(toks, "t", beside=True)
+        assert eng.ahead.request_id is None  # logged on the thread, nothing ahead
+    finally:
+        eng.mover.upload = real
+    load = eng.start_retrieve(toks, perm[600:856], request_id="t", beside=True)
+    assert int(load.finish().sum()) == 256
+    torch.cuda.synchronize()
+    assert torch.equal(reference(kv, perm[:256]), reference(kv, perm[600:856]))
+    assert eng.pool.used_bytes == used
+
+
 @pytest.mark.parametrize("wait", [True, False])
 def test_layerwise_store_on_gpu_overlaps_nothing_it_should_not(wait):
     """Each layer is saved right after a kernel rewrites it on the current stream: the store

@@ -7,13 +7,16 @@ Per request, as vLLM runs one (a conversation's turn: one request id, one block 
 random, as a busy vLLM's are), on a history of `--history` tokens growing by `--turn` a turn:
 
     lookup    find(hold) + upload_ahead(beside): the scheduler's lookup, its hit's copies queued
+              (since 2026-11-29 on the ahead slot's thread: the call's time is the engine thread's)
+    (step)    `--step-ms` of sleep, the engine thread waiting for its step on the GPU
     load      start_retrieve(beside) (the queueing) and its finish (the wait), a load beside the steps
     store     start_store(...).finish(wait=False): the turn's new chunks, as wait_for_save queues them
 
 Each call is timed on the host (perf_counter; the GPU is idle between turns, so no call
 waits behind an earlier turn's work), medians and p90 over `--requests`; then whole turns
 again under cProfile: the top functions by own time, and kvtier's and Triton's by time inside
-them (the profiler's overhead inflates them alike).
+them (the profiler's overhead inflates them alike; it sees the calling thread only, so not an
+upload queued on the ahead slot's thread).
 """
 
 from __future__ import annotations
@@ -97,8 +100,14 @@ class Chat:
     def turn(self, i: int) -> None:
         """A whole turn, as vLLM runs it: lookup, load, store (for the profile)."""
         self.grow(i)
-        self.load(i, self.lookup(i))()
+        hit = self.lookup(i)
+        self.step()
+        self.load(i, hit)()
         self.store(i)
+
+    def step(self) -> None:
+        """vLLM's engine thread between a lookup and the load: waiting for its step on the GPU."""
+        time.sleep(self.args.step_ms / 1e3)
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, object]:
@@ -143,6 +152,7 @@ def run(args: argparse.Namespace) -> dict:
         spent, hit = timed(lambda: chat.lookup(i))
         times["lookup"].append(spent)
         hits.append(hit)
+        chat.step()
         spent, finish = timed(lambda: chat.load(i, hit))
         times["load_queue"].append(spent)
         spent, _ = timed(finish)
@@ -170,6 +180,8 @@ def main() -> None:
     p.add_argument("--turn", type=int, default=384, help="tokens a turn adds (its answer and the next message)")
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--cpu-gb", type=float, default=8.0)
+    p.add_argument("--step-ms", type=float, default=3.0,
+                   help="the engine thread's wait for its step between a lookup and the load (sleep)")
     p.add_argument("--top", type=int, default=18, help="profile lines per call kind")
     p.add_argument("--out", default="")
     args = p.parse_args()

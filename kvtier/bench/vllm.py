@@ -33,6 +33,7 @@ import pstats
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -374,7 +375,15 @@ def main() -> None:
     args.model = args.model or f"/tmp/kvtier-{args.family}-8b"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.setup:
-        run_setup(args)
+        try:
+            run_setup(args)
+        except BaseException:
+            # A vLLM engine that died leaves threads (LMCache's among them) that hold the
+            # interpreter's exit until the setup's time limit: say why, and end now.
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         return
     rc = 0
     for name in args.setups:

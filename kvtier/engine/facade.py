@@ -193,8 +193,13 @@ class CacheEngine:
         tokens the engine has already) toward the device now, at the scheduler's lookup:
         the slots come with the request's `start_retrieve`, which then queues only the
         kernels. True if its copies are queued (now or by an earlier call). `beside`: its
-        load will run beside the engine's steps (`retrieve(beside=True)`)."""
+        load will run beside the engine's steps (`retrieve(beside=True)`), and its copies are
+        queued on the ahead slot's thread, off the engine's (ahead.py; True: the load finds
+        out whether they were)."""
         spans = [s for s in self.spans(tokens, request_id) if s.end > start]
+        if beside:
+            self.ahead.start_later(spans, request_id, layerwise, beside=True)
+            return True
         return self.ahead.start(spans, request_id, layerwise, beside)
 
     def prefetch(self, tokens: Tokens, *, request_id: str = "") -> int:
@@ -359,7 +364,7 @@ class CacheEngine:
     def close(self) -> None:
         """Write what is still queued for disk and remote, then let go of them."""
         self.prefetcher.close()
-        self.ahead.drop()
+        self.ahead.close()
         self._settle(wait=True)
         self.holds.release_all()
         self.tiers.close(timeout=self.config.blocking_timeout_secs)
