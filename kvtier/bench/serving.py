@@ -181,6 +181,20 @@ def compare(model: Path, names: list[str], w: Workload, out: Path, server: Serve
     return records
 
 
+def report(out: Path, names: list[str]) -> dict[str, Record]:
+    """The records a chat run left in `out` ("x#k" by round, each round in the order of
+    `names`, other setups after them), and their plot written again: a run cut by its time
+    limit leaves its records but prints no table."""
+    found = {q.stem: Record(**json.loads(q.read_text())) for q in out.glob("*.json") if "#" in q.stem or
+             q.stem in names}
+    setups = {k.partition("#")[0] for k in found}
+    order = [n for n in names if n in setups] + sorted(setups - set(names))
+    records = {k: found[k] for k in sorted(found, key=lambda k: (int(k.partition("#")[2] or 0),
+                                                                   order.index(k.partition("#")[0])))}
+    (out / "serving.svg").write_text(plot({n: asdict(r) for n, r in records.items()}))
+    return records
+
+
 def serve_twice(model: Path, names: list[str], work: BenchServe, out: Path, server: ServerSpec,
                 profile: bool = False) -> dict[str, dict]:
     """The InfiniStore guide's flow per setup: `vllm bench serve` twice against one server,
@@ -337,6 +351,8 @@ def _parser() -> argparse.ArgumentParser:
                               "(many paired rounds a call; --gpu-util small enough for all of them)")
     started.add_argument("--alone", dest="servers", action="store_const", const="alone",
                          help="as --resident, but one setup's server at a time, through all its rounds")
+    p.add_argument("--report", metavar="DIR", help="print the tables of the chat records in DIR (a run cut by its "
+                   "time limit printed none), in the order of --setups, and write their plot again; run nothing")
     p.add_argument("--bench-serve", type=json.loads, default=None, metavar="JSON",
                    help="instead of the chat workload, `vllm bench serve` twice per setup: fields of "
                         "kvtier.bench.stores_vllm.Workload (num_prefixes > 0: the prefix_repetition dataset)")
@@ -345,6 +361,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = _parser().parse_args()
+    if args.report:
+        records = report(Path(args.report), args.setups)
+        print("\n".join(table(records) + [""] + by_round(records)))
+        return
     spec = TinyLlama(**args.model)
     model = make_tiny_llama(args.model_dir, spec)
     server = ServerSpec(args.cpu_gb, args.gpu_util, args.eager, args.prefix_caching, args.max_model_len)
