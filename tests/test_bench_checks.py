@@ -245,3 +245,26 @@ def test_a_setup_whose_engine_died_ends_at_once_with_its_traceback(tmp_path):
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert "AssertionError: the engine's KV format" in done.stderr
+
+
+def test_a_serving_run_cut_by_its_limit_is_reported_from_the_records_it_left(tmp_path):
+    """Call 16 of 2026-11-29 was cut before native's fifth run: its records were there, its
+    tables were not. `--report` reads them back, each round in the order of --setups."""
+    import json
+
+    from kvtier.bench.serving import by_round, report
+
+    def record(ttft_ms: float, rps: float) -> dict:
+        summary = {"ttft_mean_ms": ttft_ms, "requests_per_s": rps}
+        return {"workload": {"rate": 24.0}, "url": "u", "summary": summary,
+                "results": [{"sent_s": 0.1, "ttft_s": ttft_ms / 1e3, "error": ""}]}
+    for key, ttft, rps in (("native#1", 66.8, 22.3), ("kvtier#1", 73.1, 22.5), ("kvtier#2", 67.7, 23.0),
+                           ("native#2", 74.1, 23.2), ("kvtier#3", 84.4, 22.3)):  # native#3: cut
+        (tmp_path / f"{key}.json").write_text(json.dumps(record(ttft, rps)))
+    (tmp_path / "serving.log").write_text("not a record")
+    records = report(tmp_path, ["kvtier", "lmcache", "native"])
+    assert list(records) == ["kvtier#1", "native#1", "kvtier#2", "native#2", "kvtier#3"]
+    assert (tmp_path / "serving.svg").read_text().startswith("<svg")
+    lines = by_round(records)
+    assert lines[2].startswith("| kvtier | 73.1 67.7 84.4 | 73.1 | 1.000 |")
+    assert lines[3].startswith("| native | 66.8 74.1 | 70.4 | 1.004 |")  # its two rounds, paired with kvtier's

@@ -33,7 +33,6 @@ import pstats
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +40,7 @@ from kvtier.bench.vllm_parts import (
     MODELS,
     ForwardTimer,
     Timeline,
+    ended_on_error,
     engine_ms,
     flush_kvtier,
     h2d_bandwidth,
@@ -375,16 +375,7 @@ def main() -> None:
     args.model = args.model or f"/tmp/kvtier-{args.family}-8b"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.setup:
-        try:
-            run_setup(args)
-        except BaseException:
-            # A vLLM engine that died leaves threads (LMCache's among them) that hold the
-            # interpreter's exit until the setup's time limit: say why, and end now.
-            traceback.print_exc()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
-        return
+        return ended_on_error(run_setup, args)
     rc = 0
     for name in args.setups:
         cmd = [sys.executable, "-m", "kvtier.bench.vllm", "--setup", name, *_passthrough(args)]

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import subprocess
+import sys
 import time
+import traceback
 from pathlib import Path
+from typing import Callable
 
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -310,6 +314,19 @@ def prompt(length: int, variant: int, vocab: int = 128000) -> list[int]:
     body = random.Random(length).choices(range(100, vocab), k=length)
     head = random.Random(1_000_003 * (variant + 1) + length).choices(range(100, vocab), k=256)
     return head + body[256:]
+
+
+def ended_on_error(fn: Callable[..., object], *args: object) -> None:
+    """`fn(*args)` in a setup's process; if it raises, the traceback and the process's end at
+    once: a vLLM engine that died leaves threads (LMCache's among them) that hold the
+    interpreter's exit until the setup's time limit."""
+    try:
+        fn(*args)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def run_setup_process(name: str, cmd: list[str], env: dict, record: Path, timeout: float, grace: float = 20.0) -> int:

@@ -192,10 +192,9 @@ class CacheEngine:
         """Start the copies of a hit all in CPU RAM (its chunks that end after `start`, the
         tokens the engine has already) toward the device now, at the scheduler's lookup:
         the slots come with the request's `start_retrieve`, which then queues only the
-        kernels. True if its copies are queued (now or by an earlier call). `beside`: its
-        load will run beside the engine's steps (`retrieve(beside=True)`), and its copies are
-        queued on the ahead slot's thread, off the engine's (ahead.py; True: the load finds
-        out whether they were)."""
+        kernels. True if its copies are queued (now or by an earlier call). `beside`: its load
+        will run beside the engine's steps (`retrieve(beside=True)`); they are queued on the
+        ahead slot's thread (ahead.py; True: the load finds out whether they were)."""
         spans = [s for s in self.spans(tokens, request_id) if s.end > start]
         if beside:
             self.ahead.start_later(spans, request_id, layerwise, beside=True)
