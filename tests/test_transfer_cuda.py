@@ -158,12 +158,18 @@ def test_an_upload_queued_before_its_slots_are_known_loads_what_a_scatter_does(l
     del busy, busy_dev
 
 
-@pytest.mark.parametrize("layerwise", [False, True])
-def test_a_hit_uploaded_at_its_lookup_is_what_its_retrieve_loads(layerwise):
+def _a_stored_chunk():
+    """An engine with one chunk (tokens 0-255) stored from the first 256 slots of `perm`; and
+    the pool's bytes in use then."""
     _, kv, eng, perm = make_engine("packed")
     toks = list(range(256))
     eng.store(toks, perm[:256])
-    used = eng.pool.used_bytes
+    return kv, eng, perm, toks, eng.pool.used_bytes
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_hit_uploaded_at_its_lookup_is_what_its_retrieve_loads(layerwise):
+    kv, eng, perm, toks, used = _a_stored_chunk()
     assert eng.find(toks, hold_for="r").tokens == 256
     assert eng.upload_ahead(toks, "r", layerwise=layerwise)
     assert eng.upload_ahead(toks, "r", layerwise=layerwise)  # looked up again: the same copies
@@ -195,10 +201,7 @@ def test_a_hit_that_loads_beside_the_steps_is_uploaded_on_the_slots_thread_and_l
     """`beside`: the lookup's copies are queued on the ahead slot's thread, the lookup returns
     at once; the load takes them (waiting for the thread), a release drops them, a failure
     there leaves the load to copy the chunks itself."""
-    _, kv, eng, perm = make_engine("packed")
-    toks = list(range(256))
-    eng.store(toks, perm[:256])
-    used = eng.pool.used_bytes
+    kv, eng, perm, toks, used = _a_stored_chunk()
     assert eng.find(toks, hold_for="r").tokens == 256
     assert eng.upload_ahead(toks, "r", beside=True)
     assert eng.ahead.request_id == "r"  # waits for the slot's thread: queued there
