@@ -8,9 +8,10 @@ memory the size of its hit.
 
 A hit that will load beside the engine's running steps has its copies queued on the slot's
 own thread (`start_later`): the lookup returns to vLLM's scheduler without their host time
-(~0.7 ms for a chat turn's hit on an H200), which the thread spends while the engine thread
-waits for its step on the GPU (torch lets go of the GIL in its calls and waits). The
-request's load (`take`) and any `drop` or `start` wait for it first.
+(~1.2 ms for a chat turn's hit on an H200, `kvtier.bench.host_time`), which the thread can
+spend while the engine thread waits for its step on the GPU (torch lets go of the GIL in its
+calls and waits; inside vLLM's serving the effect is not measured apart yet). The request's
+load (`take`) and any `drop` or `start` wait for it first.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class AheadSlot:
         self._ahead: Ahead | None = None
         self._lock = threading.Lock()
         self._thread: ThreadPoolExecutor | None = None  # start_later's, made at its first use
-        self._later: Future | None = None  # the last start_later's, until waited for
+        self._later: Future | None = None  # the last start_later's (done or not: waiting again is free)
 
     @property
     def request_id(self) -> str | None:
