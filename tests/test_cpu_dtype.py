@@ -28,3 +28,18 @@ def test_the_real_probe_answers_and_covers_both_bf16_paths():
         amx = re.search(r"\bamx_tile\b", f.read()) is not None
     if not amx:  # without AMX tiles, nothing in torch or vLLM takes the path that dies
         assert choice.dtype == "bfloat16", choice.reason
+
+
+def test_an_x86_cpu_without_native_bf16_runs_float32_without_probing():
+    """An AMD EPYC with AVX2 only (2026-11-29): bf16 emulated, slower, and a warm request's
+    greedy tokens parted from plain vLLM's at a near-tie; float32 there."""
+    from kvtier.dev.cpu_dtype import cpu_model_dtype, native_bf16
+
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
+    assert native_bf16(avx2) is False
+    assert native_bf16(avx2.replace("avx2", "avx2 avx512f avx512_bf16")) is True
+    assert native_bf16(avx2.replace("avx2", "avx2 amx_tile amx_bf16")) is True
+    assert native_bf16("Processor\t: AArch64\n") is None  # not x86: the probe decides
+    with open("/proc/cpuinfo") as f:
+        if native_bf16(f.read()) is False:
+            assert cpu_model_dtype().dtype == "float32" and "emulated" in cpu_model_dtype().reason

@@ -14,6 +14,13 @@ AMD EPYC with avx512_bf16, 8,000-token demo: cold TTFT 4.96 s in bf16 vs
 
 The probe runs in a subprocess because SIGILL kills the process that
 executes the instruction: in a subprocess it is an answer, not a crash.
+
+An x86 CPU without native bf16 (neither `avx512_bf16` nor `amx_bf16`; e.g. an
+AMD EPYC with AVX2 only, 2026-11-29) runs float32 without probing: there
+torch and vLLM emulate bf16, slower, and its rounding followed the shape of
+vLLM's batches, so a warm request's greedy tokens parted from plain vLLM's
+at a near-tie of the seeded test model (tests/test_vllm_connector.py failed
+on this alone, at 247a0fe as at HEAD).
 """
 
 from __future__ import annotations
@@ -68,9 +75,25 @@ def probe_bf16(code: str = PROBE, timeout: float = 120.0) -> DtypeChoice:
     return DtypeChoice("float32", f"the bf16 probe exited with code {done.returncode} ({tail[0][:200]})")
 
 
+NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of x86 CPUs that compute in bf16
+
+
+def native_bf16(cpuinfo: str) -> bool | None:
+    """Whether this x86 CPU computes in bf16 itself (None: not an x86 /proc/cpuinfo)."""
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), None)
+    return None if flags is None else any(f in flags for f in NATIVE_BF16)
+
+
 @functools.cache
 def cpu_model_dtype() -> DtypeChoice:
-    """The probe's answer, asked once per process."""
+    """float32 on an x86 CPU without native bf16; else the probe's answer. Asked once per process."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            native = native_bf16(f.read())
+    except OSError:
+        native = None
+    if native is False:
+        return DtypeChoice("float32", f"this CPU has none of {', '.join(NATIVE_BF16)}: bf16 would be emulated")
     return probe_bf16()
 
 
