@@ -8,7 +8,7 @@ import torch
 
 from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
-from kvtier.keys import KVFormat
+from kvtier.keys import Identity, Item, KVFormat
 from kvtier.transfer import PagedKV
 
 L, NB, BS, H, D = 2, 64, 16, 2, 32
@@ -230,3 +230,21 @@ def test_grouped_kv_moves_each_layer_at_its_own_groups_slots():
                        tokens_at([before], untouched.nonzero().flatten()))
     with pytest.raises(ValueError, match=r"\[2, T\] tensor"):
         eng.store(toks, src[0])
+
+
+def test_a_request_of_another_identity_finds_nothing_and_loads_nothing():
+    """KV stored under a LoRA adapter, a cache_salt or an image is that request's: the same
+    tokens under another identity (or none) miss, down to a prompt's partial last chunk."""
+    eng, layers = make_engine(unfull=True)
+    toks = list(range(100))
+    perm = torch.randperm(NB * BS)
+    tenant_a, tenant_b = Identity.of(salt="a"), Identity.of(salt="b")
+    assert eng.store(toks, perm[:100], identity=tenant_a) == 100
+    assert eng.lookup(toks) == 0 and eng.lookup(toks, tenant_b) == 0
+    assert not eng.retrieve(toks, perm[100:200], identity=tenant_b).any()
+    assert eng.lookup(toks + [5, 6], tenant_a) == 100  # a longer prompt finds the tail too
+    mask = eng.retrieve(toks, perm[200:300], identity=tenant_a)
+    assert mask.all() and torch.equal(tokens_at(layers, perm[:100]), tokens_at(layers, perm[200:300]))
+    image = Identity.of(items=[Item(40, 8, b"i" * 16)])
+    assert eng.store(toks, perm[:100]) == 100
+    assert eng.lookup(toks, image) == 32  # the two chunks before the image's are shared

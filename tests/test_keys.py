@@ -4,7 +4,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvtier.keys import KVFormat, chunk_spans
+from kvtier.keys import PLAIN, Identity, Item, KVFormat, SpanMemo, chunk_spans, tail_span
 
 FMT = KVFormat("m", "flash_attn", "bfloat16")
 
@@ -96,7 +96,7 @@ def test_span_memo_with_partial_chunks_hashes_only_what_follows_the_shared_whole
     memo = SpanMemo(fmt, 4, save_unfull_chunk=True)
     hashed = []
     real = keys._chained
-    monkeypatch.setattr(keys, "_chained", lambda prev, data: hashed.append(len(data) // 4) or real(prev, data))
+    monkeypatch.setattr(keys, "_chained", lambda prev, data, items=b"": hashed.append(len(data) // 4) or real(prev, data, items))
     prompt = np.arange(18)
     cases = [(prompt, [4, 4, 4, 4, 2]),  # the lookup: everything
              (prompt[:16], []),  # the hit's load: its whole chunks known
@@ -115,3 +115,65 @@ def test_span_memo_with_partial_chunks_hashes_only_what_follows_the_shared_whole
         want = keys.chunk_spans(tokens, fmt, 4, True)
         hashed.clear()
         assert memo.spans(tokens, rid) == want and hashed == expected, hashed
+
+
+def _keys(tokens, identity):
+    return [s.key for s in chunk_spans(tokens, FMT, 256, True, identity=identity)]
+
+
+def test_a_plain_identity_keys_as_the_tokens_alone():
+    assert Identity.of() == PLAIN and _keys(list(range(600)), PLAIN) == _keys(list(range(600)), Identity.of())
+
+
+def test_an_adapter_or_a_salt_changes_every_chunk_s_key():
+    """Two requests of one prompt under LoRA adapters A and B, or two cache_salts, share no
+    chunk; the same adapter and salt share them all."""
+    tokens = list(range(1000))
+    variants = [PLAIN, Identity.of(adapter=b"A"), Identity.of(adapter=b"B"), Identity.of(salt="t1"),
+                Identity.of(salt="t2"), Identity.of(adapter=b"A", salt="t1"), Identity.of(adapter=b"At1")]
+    keys = [_keys(tokens, v) for v in variants]
+    for i, a in enumerate(keys):
+        for b in keys[i + 1 :]:
+            assert not set(a) & set(b)
+    assert _keys(tokens, Identity.of(adapter=b"A")) == keys[1]
+
+
+def test_an_image_changes_the_chunks_from_the_one_that_holds_it_and_no_earlier():
+    """Chunks wholly before a request's first item are shared with the same text under
+    another image (as vLLM's prefix cache shares them); from the chunk its placeholders
+    start in, nothing is."""
+    tokens = list(range(1200))
+    one = Identity.of(items=[Item(600, 64, b"1" * 16)])
+    two = Identity.of(items=[Item(600, 64, b"2" * 16)])
+    plain, a, b = _keys(tokens, PLAIN), _keys(tokens, one), _keys(tokens, two)
+    assert a[:2] == b[:2] == plain[:2]  # [0, 512): before the image at 600
+    assert all(x != y and x != z for x, y, z in zip(a[2:], b[2:], plain[2:]))
+    assert _keys(tokens, Identity.of(items=[Item(600, 64, b"1" * 16)])) == a
+    moved = _keys(tokens, Identity.of(items=[Item(601, 64, b"1" * 16)]))  # another place: another KV
+    assert moved[:2] == a[:2] and moved[2] != a[2]
+
+
+def test_a_tail_keys_as_the_partial_chunk_a_prompt_was_stored_with():
+    identity = Identity.of(salt="s", items=[Item(300, 40, b"x" * 16)])
+    spans = chunk_spans(list(range(600)), FMT, 256, True, identity=identity)
+    assert tail_span(list(range(700)), spans[1], 88, FMT, identity) == spans[2]
+    first = chunk_spans(list(range(100)), FMT, 256, True, identity=identity)[0]
+    assert tail_span(list(range(700)), None, 100, FMT, identity) == first
+
+
+def test_an_identity_crosses_the_wire_whole_and_a_cut_one_is_refused():
+    identity = Identity.of(adapter=b"A", items=[Item(9, 3, bytes(16)), Item(1, 2, b"z" * 16)])
+    assert [i.offset for i in identity.items] == [1, 9]  # in placeholder order
+    wire = identity.wire() + b"tokens"
+    assert Identity.from_wire(wire) == (identity, len(wire) - 6)
+    for cut in (wire[:19], identity.wire()[:-1]):
+        with pytest.raises(ValueError):
+            Identity.from_wire(cut)
+
+
+def test_the_span_memo_never_reuses_spans_across_identities():
+    memo = SpanMemo(FMT, 4, save_unfull_chunk=False)
+    tokens = np.arange(16)
+    memo.spans(tokens, "r")
+    salted = Identity.of(salt="other tenant")
+    assert memo.spans(tokens, "r", salted) == chunk_spans(tokens, FMT, 4, False, identity=salted)

@@ -3,6 +3,7 @@ groups are rows of the slot tables, Mamba groups (align mode) a state stored at 
 
 import pytest
 import torch
+from vllm_requests import vllm_request
 
 from kvtier.config import KvtierConfig
 from kvtier.errors import UnsupportedModel
@@ -118,7 +119,6 @@ def test_mamba_state_tensors_laid_out_otherwise_are_refused():
 def test_with_several_groups_a_disk_hit_is_promised_once_it_is_in_cpu_ram(tmp_path):
     """vLLM cannot recompute a failed load with several KV cache groups: the scheduler answers
     "not yet" (None) while the worker brings the hit up from disk, then promises it from CPU RAM."""
-    from types import SimpleNamespace
 
     from kvtier.engine import CacheEngine
     from kvtier.integrations.vllm.groups import KvGroups
@@ -141,9 +141,9 @@ def test_with_several_groups_a_disk_hit_is_promised_once_it_is_in_cpu_ram(tmp_pa
     worker = WorkerSide(config, shape, "several-groups", True, groups)
     worker.engine = engine  # what register_kv_caches builds from vLLM's tensors
     server = LookupServer(socket_path("several-groups", 0), Handlers(worker._find, worker._release, engine.clear))
-    scheduler = SchedulerSide(config, shape, "several-groups", 1, True, True, groups)
+    scheduler = SchedulerSide(config, shape, "several-groups", 1, True, True, groups=groups)
     try:
-        request = SimpleNamespace(prompt_token_ids=toks, request_id="r", kv_transfer_params=None)
+        request = vllm_request("r", toks)
         assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
         worker._coming_up["r"].result(timeout=10)
         assert scheduler.get_num_new_matched_tokens(request, 0) == (48, False)  # from CPU RAM, loaded at once

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from vllm_requests import vllm_request
 
 from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
@@ -74,7 +75,6 @@ def test_a_forward_that_raised_or_stopped_early_stores_nothing(raised):
 def test_the_scheduler_asks_no_worker_when_vllm_has_all_but_less_than_a_block():
     """A prompt again at once is vLLM's own hit but for its last block: nothing kvtier holds
     would be loaded, and a worker's lookup would wait for that prefix's stores in flight."""
-    from types import SimpleNamespace
 
     from kvtier.integrations.vllm.lookup import Handlers, LookupServer, socket_path
     from kvtier.integrations.vllm.scheduler import SchedulerSide
@@ -84,9 +84,9 @@ def test_the_scheduler_asks_no_worker_when_vllm_has_all_but_less_than_a_block():
     worker.engine.store(toks, torch.arange(50))
     asked = []
 
-    def find(tokens, request_id, computed, beside):
+    def find(tokens, identity, request_id, computed, beside):
         asked.append(computed)
-        return worker._find(tokens, request_id, computed, beside)
+        return worker._find(tokens, identity, request_id, computed, beside)
 
     def release(request_id):
         asked.append(("release", request_id))
@@ -95,7 +95,7 @@ def test_the_scheduler_asks_no_worker_when_vllm_has_all_but_less_than_a_block():
     server = LookupServer(socket_path("worker-test", 0), Handlers(find, release, worker.engine.clear))
     scheduler = SchedulerSide(worker.config, worker.shape, "worker-test", 1, True, True)
     try:
-        request = SimpleNamespace(prompt_token_ids=toks, request_id="r", kv_transfer_params=None)
+        request = vllm_request("r", toks)
         assert scheduler.get_num_new_matched_tokens(request, 48) == (0, False)  # 1 token past vLLM's
         assert asked == []
         assert scheduler.get_num_new_matched_tokens(request, 16) == (32, False)  # 2 chunks past it: loaded
@@ -103,8 +103,7 @@ def test_the_scheduler_asks_no_worker_when_vllm_has_all_but_less_than_a_block():
         # A prompt that shares only the first chunk, which vLLM has: kvtier's hit is that chunk,
         # nothing of it to load. The worker lets its hold go at once, and the scheduler sends
         # no RELEASE round trip for it.
-        other = SimpleNamespace(prompt_token_ids=toks[:16] + list(range(100, 134)), request_id="r2",
-                                kv_transfer_params=None)
+        other = vllm_request("r2", toks[:16] + list(range(100, 134)))
         assert scheduler.get_num_new_matched_tokens(other, 16) == (0, False)
         assert asked == [16, 16] and len(worker.engine.holds) == 1
     finally:
@@ -139,9 +138,9 @@ def test_a_cpu_hit_loads_beside_the_steps_while_other_requests_run(policy):
     worker.engine.store(toks, torch.arange(50))  # blocks 0-3
     told = []
 
-    def find(tokens, request_id, computed, beside):
+    def find(tokens, identity, request_id, computed, beside):
         told.append(beside)
-        return worker._find(tokens, request_id, computed, beside)
+        return worker._find(tokens, identity, request_id, computed, beside)
 
     # an address of its own per policy: ZMQ lets go of a closed socket's address in its own
     # time, and the next case binding the same one failed (1 run in ~30)
@@ -151,7 +150,7 @@ def test_a_cpu_hit_loads_beside_the_steps_while_other_requests_run(policy):
     try:
         def ask(rid):
             return scheduler.get_num_new_matched_tokens(
-                SimpleNamespace(prompt_token_ids=toks, request_id=rid, kv_transfer_params=None), 0)
+                vllm_request(rid, toks), 0)
 
         idle = policy == "always"
         assert ask("alone") == (48, idle) and told == [idle]  # nothing ran yet
@@ -160,7 +159,7 @@ def test_a_cpu_hit_loads_beside_the_steps_while_other_requests_run(policy):
         busy = policy != "never"
         assert ask("joins") == (48, busy) and told == [idle, busy]
         blocks = SimpleNamespace(get_block_ids=lambda: ([4, 5, 6, 7],))
-        scheduler.update_state_after_alloc(SimpleNamespace(request_id="joins", prompt_token_ids=toks), blocks, 48)
+        scheduler.update_state_after_alloc(vllm_request("joins", toks), blocks, 48)
         if busy:  # planned with the next step's metadata: all in CPU RAM, its copies are queued in
             # start_load_kv itself (nothing there blocks); the worker's thread waits for them to land
             meta = scheduler.build_connector_meta(step_running("other"))

@@ -17,7 +17,9 @@ a state snapshot) land in the tiers at the next store, flush, clear or close, an
 of their keys.
 
 `tokens` are a prompt's token ids from its first token; `slots` are the
-paged-cache slot of each of those tokens (block_id * block_size + offset).
+paged-cache slot of each of those tokens (block_id * block_size + offset);
+`identity` is what else decides their KV (a LoRA adapter, images, a cache_salt:
+keys.py), folded into every key: a call without it keys a plain text prompt.
 Only whole chunks move (plus the partial last chunk when
 `save_unfull_chunk`), so callers pass the prefix they want considered.
 """
@@ -41,7 +43,7 @@ from kvtier.engine.records import ChunkEvent
 from kvtier.engine.states import StateLayers, StateLoad, StatePath
 from kvtier.engine.storing import Storing, StorePath
 from kvtier.engine.tails import Tails
-from kvtier.keys import ChunkKey, ChunkSpan, KVFormat, tail_span
+from kvtier.keys import PLAIN, ChunkKey, ChunkSpan, Identity, KVFormat, tail_span
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
 from kvtier.tiers.base import CPU
@@ -108,16 +110,16 @@ class CacheEngine:
 
     # -- queries ---------------------------------------------------------------
 
-    def spans(self, tokens: Tokens, request_id: str = "") -> list[ChunkSpan]:
+    def spans(self, tokens: Tokens, request_id: str = "", identity: Identity = PLAIN) -> list[ChunkSpan]:
         """The chunks of `tokens`; hashed once per request where `request_id` is given."""
-        return self._spans.spans(as_numpy(tokens), request_id)
+        return self._spans.spans(as_numpy(tokens), request_id, identity)
 
-    def lookup(self, tokens: Tokens) -> int:
+    def lookup(self, tokens: Tokens, identity: Identity = PLAIN) -> int:
         """Number of leading tokens whose KV is stored in some tier (a chunk boundary)."""
-        return self.find(tokens).tokens
+        return self.find(tokens, identity=identity).tokens
 
-    def find(self, tokens: Tokens, *, hold_for: str = "", limit: int | None = None, cpu_only: bool = False,
-             known: int = 0) -> Hit:
+    def find(self, tokens: Tokens, *, identity: Identity = PLAIN, hold_for: str = "", limit: int | None = None,
+             cpu_only: bool = False, known: int = 0) -> Hit:
         """The longest stored prefix; with `cpu_only`, the longest all in CPU RAM (where a
         load must not fail). With recurrent layers (states.py), the longest of at most `limit`
         tokens that ends where a state snapshot is. With `hold_for` (a request id) its chunks
@@ -127,13 +129,13 @@ class CacheEngine:
         load reads. A chunk within them that a store still has on its way to the host counts
         as found, and is not waited for: a lookup waiting there made vLLM's scheduler wait for
         the GPU's step (the store's copies queue behind its forward)."""
-        spans = self.spans(tokens, hold_for)
+        spans = self.spans(tokens, hold_for, identity)
         keys = [s.key for s in spans]
         ahead = 0 if self.states is not None else next((i for i, s in enumerate(spans) if s.end > known), len(spans))
         self._settle(keys=keys[ahead:])  # stores of this prefix land first (waited for); snapshots that have ended
         where = self._locate(keys, ahead)
         if self.states is None and len(where) < len(spans):  # a shorter prompt's end, stored (tails.py)?
-            tail = self._tail(tokens, spans, len(where))
+            tail = self._tail(tokens, spans, len(where), identity)
             if tail is not None:
                 n = len(where)
                 spans, keys, where = spans[:n] + [tail[0]], keys[:n] + [tail[0].key], where + [tail[1]]
@@ -149,13 +151,14 @@ class CacheEngine:
             self.holds.take(hold_for, keys[:n] + state_keys, where[:n] + state_where)
         return Hit(spans[n - 1].end if n else 0, spans[in_cpu - 1].end if in_cpu else 0)
 
-    def _tail(self, tokens: Tokens, spans: list[ChunkSpan], n: int) -> tuple[ChunkSpan, str] | None:
+    def _tail(self, tokens: Tokens, spans: list[ChunkSpan], n: int, identity: Identity
+              ) -> tuple[ChunkSpan, str] | None:
         """The longest stored tail (a prompt's partial last chunk) after the first `n` spans,
         shorter than span n, that these tokens continue with; with its tier."""
         before = spans[n - 1] if n else None
-        for length in self.tails.lengths(before.key if before is not None else None):
+        for length in self.tails.lengths(before.key.digest if before is not None else identity.root):
             if length < spans[n].num_tokens:
-                span = tail_span(tokens, before, length, self.fmt)
+                span = tail_span(tokens, before, length, self.fmt, identity)
                 found = self.tiers.locate([span.key])
                 if found:
                     return span, found[0]
@@ -187,29 +190,29 @@ class CacheEngine:
         """The request will not load what it looked up (finished, aborted)."""
         self.loading.release(request_id)
 
-    def upload_ahead(self, tokens: Tokens, request_id: str, *, start: int = 0, layerwise: bool = False,
-                     beside: bool = False) -> bool:
+    def upload_ahead(self, tokens: Tokens, request_id: str, *, identity: Identity = PLAIN, start: int = 0,
+                     layerwise: bool = False, beside: bool = False) -> bool:
         """Start the copies of a hit all in CPU RAM (its chunks that end after `start`, the
         tokens the engine has already) toward the device now, at the scheduler's lookup:
         the slots come with the request's `start_retrieve`, which then queues only the
         kernels. True if its copies are queued (now or by an earlier call). `beside`: its load
         will run beside the engine's steps (`retrieve(beside=True)`); they are queued on the
         ahead slot's thread (ahead.py; True: the load finds out whether they were)."""
-        spans = [s for s in self.spans(tokens, request_id) if s.end > start]
+        spans = [s for s in self.spans(tokens, request_id, identity) if s.end > start]
         if beside:
             self.ahead.start_later(spans, request_id, layerwise, beside=True)
             return True
         return self.ahead.start(spans, request_id, layerwise, beside)
 
-    def prefetch(self, tokens: Tokens, *, request_id: str = "") -> int:
+    def prefetch(self, tokens: Tokens, *, request_id: str = "", identity: Identity = PLAIN) -> int:
         """Bring the stored prefix's disk and remote chunks up into CPU RAM ahead of a load;
         with `request_id`, into that request's hold. Returns the tokens brought up."""
-        return self.prefetcher.run(self.spans(tokens, request_id), request_id)
+        return self.prefetcher.run(self.spans(tokens, request_id, identity), request_id)
 
-    def start_prefetch(self, tokens: Tokens, request_id: str) -> Future:
+    def start_prefetch(self, tokens: Tokens, request_id: str, identity: Identity = PLAIN) -> Future:
         """`prefetch` in the background; that request's retrieve waits for it first. With
         recurrent layers, the pieces of the longest prefix's state snapshot come up too."""
-        spans = self.spans(tokens, request_id)
+        spans = self.spans(tokens, request_id, identity)
         if self.states is not None:
             n, keys, _ = self._state_point(spans, self.tiers.locate([s.key for s in spans]), len(tokens), False)
             spans = spans[:n] + [ChunkSpan(k, 0, self.states.piece_tokens) for k in keys]
@@ -217,7 +220,8 @@ class CacheEngine:
 
     # -- store -----------------------------------------------------------------
 
-    def store(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "") -> int:
+    def store(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "",
+              identity: Identity = PLAIN) -> int:
         """Store the chunks of `tokens` that end after `start` and are not stored yet.
 
         Returns the number of tokens stored. A store larger than the pool
@@ -225,10 +229,10 @@ class CacheEngine:
         it is cut short only when every block is held by readers (logged
         once per request, counted in `stats.skipped_store_tokens`).
         """
-        return self.start_store(tokens, slots, start=start, request_id=request_id).finish()
+        return self.start_store(tokens, slots, start=start, request_id=request_id, identity=identity).finish()
 
     def start_store(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "",
-                    layerwise: bool = False) -> Storing:
+                    identity: Identity = PLAIN, layerwise: bool = False) -> Storing:
         """`store`, split in two: what to store is decided now.
 
         Without `layerwise` the KV is copied out at `finish()`. With it,
@@ -240,7 +244,7 @@ class CacheEngine:
         """
         slots = self._check(tokens, slots)
         self._settle()  # landed stores are in the tiers: not stored twice
-        return self.storing.start(Job(as_numpy(tokens), slots, start, request_id), layerwise)
+        return self.storing.start(Job(as_numpy(tokens), slots, start, request_id, identity), layerwise)
 
     def allocate_staging(self, spans: Sequence[ChunkSpan]) -> list[tuple[ChunkSpan, MemoryBlock]]:
         """Pool blocks for the first of `spans` (as many as free now; the first may wait),
@@ -265,7 +269,7 @@ class CacheEngine:
     # -- retrieve --------------------------------------------------------------
 
     def retrieve(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "",
-                 beside: bool = False) -> torch.Tensor:
+                 identity: Identity = PLAIN, beside: bool = False) -> torch.Tensor:
         """Load stored KV for tokens [start, len(slots)) into the paged KV.
 
         `tokens` may run past `slots`: the extra tokens only make the keys
@@ -278,10 +282,11 @@ class CacheEngine:
         loads and stores share, never waits for them (nor does this thread: its
         kernels are queued at once).
         """
-        return self.start_retrieve(tokens, slots, start=start, request_id=request_id, beside=beside).finish()
+        return self.start_retrieve(tokens, slots, start=start, request_id=request_id, identity=identity,
+                                   beside=beside).finish()
 
     def start_retrieve(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "",
-                       layerwise: bool = False, beside: bool = False) -> Loading:
+                       identity: Identity = PLAIN, layerwise: bool = False, beside: bool = False) -> Loading:
         """`retrieve`, split in two: what to load is decided (and pinned) now.
 
         With every chunk in CPU RAM, the copies are queued and this returns
@@ -295,20 +300,21 @@ class CacheEngine:
         the request's hold ends at `finish()`.
         """
         slots = self._check(tokens, slots, exact=False)
-        return self.loading.start(Job(as_numpy(tokens), slots, start, request_id), layerwise, beside)
+        return self.loading.start(Job(as_numpy(tokens), slots, start, request_id, identity), layerwise, beside)
 
-    def save_state(self, tokens: Tokens, blocks: list[int], *, request_id: str = "") -> bool:
+    def save_state(self, tokens: Tokens, blocks: list[int], *, request_id: str = "",
+                   identity: Identity = PLAIN) -> bool:
         """Snapshot each recurrent layer's state block `blocks[l]`, the state after the last of
         `tokens` (a whole chunk's end), queued after the caller's stream. False: not stored."""
-        key = self._key_ending(tokens, request_id)
+        key = self._key_ending(tokens, request_id, identity)
         return key is not None and self._states().save(key, blocks)
 
     def load_state(self, tokens: Tokens, blocks: list[int], *, request_id: str = "",
-                   also: list[int] | None = None) -> StateLoad | None:
+                   identity: Identity = PLAIN, also: list[int] | None = None) -> StateLoad | None:
         """The snapshot taken after the last of `tokens` into each recurrent layer's block
         `blocks[l]` (and `also[l]`), queued on the caller's stream; `finish()` the result once
         the forward that reads it is queued. None: not stored (or unreadable), nothing written."""
-        key = self._key_ending(tokens, request_id)
+        key = self._key_ending(tokens, request_id, identity)
         return None if key is None else self._states().load(key, blocks, also)
 
     def _states(self) -> StatePath:
@@ -316,9 +322,9 @@ class CacheEngine:
             raise RuntimeError("this engine was built without recurrent layers (CacheEngine(states=...))")
         return self.states
 
-    def _key_ending(self, tokens: Tokens, request_id: str) -> ChunkKey | None:
+    def _key_ending(self, tokens: Tokens, request_id: str, identity: Identity) -> ChunkKey | None:
         """The key of the whole chunk that ends with the last of `tokens`, or None."""
-        spans = self.spans(tokens, request_id)
+        spans = self.spans(tokens, request_id, identity)
         last = spans[-1] if spans else None
         ok = last is not None and last.end == len(tokens) and last.num_tokens == self.chunk_size
         return last.key if ok else None

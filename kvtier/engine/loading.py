@@ -21,7 +21,7 @@ from kvtier.engine.job import Job
 from kvtier.engine.mover import Mover, release_held
 from kvtier.engine.prefetch import Prefetcher
 from kvtier.engine.records import EngineStats, log_transfer
-from kvtier.keys import ChunkSpan
+from kvtier.keys import ChunkSpan, Identity
 from kvtier.tiers.holds import Holds
 from kvtier.logs import get_logger
 from kvtier.tiers.base import CPU
@@ -38,7 +38,7 @@ Batches = Iterator[Held]
 class LoadPath:
     def __init__(self, tiers: TieredStore, mover: Mover, holds: Holds, ahead: AheadSlot,
                  prefetcher: Prefetcher, stats: EngineStats,
-                 spans: Callable[[np.ndarray, str], list[ChunkSpan]]) -> None:
+                 spans: Callable[[np.ndarray, str, Identity], list[ChunkSpan]]) -> None:
         self.tiers, self.mover, self.holds, self.ahead = tiers, mover, holds, ahead
         self.prefetcher, self.stats, self._spans = prefetcher, stats, spans
 
@@ -51,7 +51,7 @@ class LoadPath:
         slots, start, request_id, end = job.slots, job.start, job.request_id, job.num_tokens
         mask = torch.zeros(end, dtype=torch.bool)
         self.prefetcher.wait(request_id)
-        spans = [s for s in self._spans(job.tokens, request_id) if s.start < end]
+        spans = [s for s in self._spans(job.tokens, request_id, job.identity) if s.start < end]
         held: Held = []
         handle, loaded = None, 0
         try:

@@ -36,6 +36,7 @@ class ChunkEvent:
     digest: bytes
     parent: bytes | None = None  # the previous chunk of the prompt (stored events)
     token_ids: list[int] = field(default_factory=list)
+    lora: tuple[int, str] | None = None  # the request's LoRA adapter: vLLM's id and name (stored events)
 
 
 class EventLog:
@@ -47,15 +48,17 @@ class EventLog:
         if self._events is not None:
             cpu.on_evict = lambda key: self._events.append(ChunkEvent(False, key.digest))
 
-    def stored(self, spans: Sequence[ChunkSpan], tokens: np.ndarray, prompt: Sequence[ChunkSpan]) -> None:
-        """Events of `spans` now in the CPU tier; `prompt`: every chunk of `tokens` (their parents)."""
+    def stored(self, spans: Sequence[ChunkSpan], tokens: np.ndarray, prompt: Sequence[ChunkSpan],
+               lora: tuple[int, str] | None = None) -> None:
+        """Events of `spans` now in the CPU tier; `prompt`: every chunk of `tokens` (their
+        parents); `lora`: the adapter of the request that stored them."""
         if self._events is None:
             return
         parents = {s.end: s.key.digest for s in prompt}
         for span in spans:
             if self._cpu.contains(span.key):
                 self._events.append(ChunkEvent(True, span.key.digest, parents.get(span.start),
-                                               tokens[span.start:span.end].tolist()))
+                                               tokens[span.start:span.end].tolist(), lora))
 
     @property
     def on(self) -> bool:

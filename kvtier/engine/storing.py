@@ -23,7 +23,7 @@ from kvtier.engine.landing import Landing
 from kvtier.engine.mover import Mover, num_tokens, release_blocks, stamp
 from kvtier.engine.records import EngineStats, EventLog, SkipWarnings, log_transfer
 from kvtier.engine.tails import Tails
-from kvtier.keys import ChunkSpan
+from kvtier.keys import ChunkSpan, Identity
 from kvtier.logs import get_logger
 from kvtier.memory import MemoryBlock
 from kvtier.tiers.store import TieredStore
@@ -34,7 +34,7 @@ log = get_logger(__name__)
 
 class StorePath:
     def __init__(self, tiers: TieredStore, mover: Mover, stats: EngineStats, events: EventLog,
-                 spans: Callable[[np.ndarray, str], list[ChunkSpan]], enabled: bool, tails: Tails,
+                 spans: Callable[[np.ndarray, str, Identity], list[ChunkSpan]], enabled: bool, tails: Tails,
                  chunk_size: int) -> None:
         self.tiers, self.mover, self.stats, self.events = tiers, mover, stats, events
         self._spans, self._enabled = spans, enabled  # enabled: some tier keeps chunks
@@ -45,9 +45,10 @@ class StorePath:
     def start(self, job: Job, layerwise: bool) -> Storing:
         todo: list[ChunkSpan] = []
         if self._enabled:
-            spans = self._spans(job.tokens, job.request_id)
+            spans = self._spans(job.tokens, job.request_id, job.identity)
             if spans and spans[-1].num_tokens < self.chunk_size:  # a prompt's partial last chunk
-                self.tails.add(spans[-2].key if len(spans) > 1 else None, spans[-1].num_tokens)
+                before = spans[-2].key.digest if len(spans) > 1 else job.identity.root
+                self.tails.add(before, spans[-1].num_tokens)
             todo = [s for s in spans if s.end > job.start]
             todo = [s for s, new in zip(todo, self.tiers.to_gather([s.key for s in todo]))
                     if new and not self.landing.holds(s.key)]  # (in flight: an earlier store's)
@@ -115,7 +116,8 @@ class StorePath:
         """A store is over (`seconds` after its start; `queued`: its copies were queued then,
         not waited for): its events, stats and log line."""
         if self.events.on and self.tiers.keep_cpu:
-            self.events.stored(spans, job.tokens, self._spans(job.tokens, ""))
+            prompt = self._spans(job.tokens, job.request_id, job.identity)
+            self.events.stored(spans, job.tokens, prompt, job.identity.lora)
         self.stats.stored_tokens += count
         self.stats.store_seconds += seconds
         if count:

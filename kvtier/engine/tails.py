@@ -6,8 +6,8 @@ prompt ended with (its last 1 to chunk_size-1 tokens) has a key no longer prompt
 chunk at that place shares: a conversation's next turn, which repeats the prompt and
 adds an answer and a question, would miss it and recompute up to a chunk's worth of
 tokens (vLLM's own offloading reuses every whole block of 16). The engine notes, per
-key of the chunk before a stored tail, the tails' lengths; a lookup whose whole chunks
-end there tries those lengths on its own tokens (a tail found is hashed and located
+digest before a stored tail (the chunk before it, or the request's root: keys.py), the
+tails' lengths; a lookup whose whole chunks end there tries those lengths on its own tokens (a tail found is hashed and located
 like any chunk, so a stale note costs one miss, never a wrong hit).
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from kvtier.keys import SEED_DIGEST, ChunkKey
 
 
 class Tails:
@@ -25,19 +24,18 @@ class Tails:
         self._lengths: OrderedDict[bytes, set[int]] = OrderedDict()  # key before the tail -> lengths
         self._lock = threading.Lock()  # stores on vLLM's thread, lookups on the lookup server's
 
-    def add(self, before: ChunkKey | None, length: int) -> None:
-        """A tail of `length` tokens after the chunk `before` (None: at the prompt's start)."""
-        at = before.digest if before is not None else SEED_DIGEST
+    def add(self, at: bytes, length: int) -> None:
+        """A tail of `length` tokens after the digest `at` (a chunk's, or a prompt's root)."""
         with self._lock:
             self._lengths.setdefault(at, set()).add(length)
             self._lengths.move_to_end(at)
             while len(self._lengths) > self.size:
                 self._lengths.popitem(last=False)
 
-    def lengths(self, before: ChunkKey | None) -> list[int]:
-        """The lengths of tails noted after `before`, longest first."""
+    def lengths(self, at: bytes) -> list[int]:
+        """The lengths of tails noted after the digest `at`, longest first."""
         with self._lock:
-            found = self._lengths.get(before.digest if before is not None else SEED_DIGEST)
+            found = self._lengths.get(at)
             return sorted(found, reverse=True) if found else []
 
     def clear(self) -> None:

@@ -36,7 +36,7 @@ from typing import Sequence
 import torch
 
 from kvtier.config import KvtierConfig
-from kvtier.keys import ChunkSpan
+from kvtier.keys import PLAIN, ChunkSpan, Identity
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
 from kvtier.pd import protocol as proto
@@ -128,16 +128,19 @@ class PdSender:
         self._open: dict[str, _Open] = {}  # requests sent in part, until their last step
         log.info("PD sender: channel %s, proxy %s:%s", config.pd_channel, config.pd_proxy_host, config.pd_proxy_port)
 
-    def send(self, target: Target, tokens: Sequence[int], slots: torch.Tensor, *, start: int, last: bool) -> int:
+    def send(self, target: Target, tokens: Sequence[int], slots: torch.Tensor, *, start: int, last: bool,
+             identity: Identity = PLAIN) -> int:
         """Push the chunks of `tokens` that end after `start`; the tokens sent (0 on failure).
-        At `last`, the request's Commit: its KV is a hit on the decoder when this returns."""
+        At `last`, the request's Commit: its KV is a hit on the decoder when this returns.
+        The chunks go under their keys with the request's `identity` (keys.py): the decoder's
+        lookup of the same request, with the same adapter, images and salt, finds them."""
         rid = target.req_id
         if rid in self._failed:
             if last:
                 self._failed.discard(rid)
             return 0
         t0 = time.perf_counter()
-        spans = [s for s in self.engine.spans(tokens, rid) if s.end > start]  # hashed once per request
+        spans = [s for s in self.engine.spans(tokens, rid, identity) if s.end > start]  # hashed once a request
         t_keys = time.perf_counter()
         sent = 0
         try:

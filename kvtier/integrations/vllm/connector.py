@@ -67,6 +67,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
 
 from kvtier.integrations.vllm.groups import kv_groups
+from kvtier.integrations.vllm.identity import Identities
 from kvtier.integrations.vllm.metrics import KvtierPromMetrics, KvtierStats
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.spec import KvtierMetadata, config_with_extra, connector_config, shape_of
@@ -99,7 +100,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(config, shape, kv_cfg.engine_id,
                                            vllm_config.parallel_config.tensor_parallel_size,
-                                           can_load, kv_cfg.kv_role in ("kv_both", "kv_producer"), groups)
+                                           can_load, kv_cfg.kv_role in ("kv_both", "kv_producer"),
+                                           Identities.for_vllm(vllm_config), groups)
             if kv_cfg.kv_load_failure_policy != "recompute":
                 # Read by vLLM's scheduler right after it builds this connector.
                 log.info("kvtier sets kv_load_failure_policy %r -> 'recompute': KV that cannot be loaded "

@@ -7,7 +7,9 @@ its parent's, its token ids) and each chunk evicted; the worker hands them
 to vLLM after every step (`get_kv_connector_kv_cache_events`), the scheduler
 collects them (`update_connector_output`) and vLLM publishes them
 (`take_events`) as BlockStored / BlockRemoved with medium "CPU" and
-block_size = chunk_size. Block hashes are kvtier's 16-byte chunk digests.
+block_size = chunk_size, a stored chunk with its request's LoRA adapter (`lora_id`,
+`lora_name`) as vLLM's own events carry it. Block hashes are kvtier's 16-byte chunk
+digests (with the adapter, images and cache_salt folded in: keys.py).
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ def to_vllm(events: list[ChunkEvent], chunk_size: int) -> list[KVCacheEvent]:
     out: list[KVCacheEvent] = []
     for e in events:
         if e.stored:
+            lora_id, lora_name = e.lora if e.lora is not None else (None, None)
             out.append(BlockStored(block_hashes=[e.digest], parent_block_hash=e.parent, token_ids=e.token_ids,
-                                   block_size=chunk_size, lora_id=None, medium=MEDIUM_CPU, lora_name=None))
+                                   block_size=chunk_size, lora_id=lora_id, medium=MEDIUM_CPU, lora_name=lora_name))
         else:
             out.append(BlockRemoved(block_hashes=[e.digest], medium=MEDIUM_CPU))
     return out

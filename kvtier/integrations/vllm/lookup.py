@@ -7,8 +7,10 @@ the worker. Each worker rank serves the scheduler on a ZMQ IPC socket:
     request:  version u8 (4) | op u8 | request-id length u16 | request id (utf-8) | payload
         LOOKUP   payload: the tokens the engine has already (its own prefix cache), flags
                  (bit 0: a hit all in CPU RAM will load beside the engine's steps, not
-                 inside one), then the token ids, all little-endian u32; the worker leases
-                 the hit for that request (protected until its load), and may start moving it
+                 inside one), both u32; the request's identity (its keys' root and
+                 multimodal items: `Identity.wire`, keys.py); then the token ids, u32, all
+                 little-endian; the worker leases the hit for that request (protected
+                 until its load), and may start moving it
         RELEASE  the request will not load what it looked up
         RESET    drop the worker's local tiers (vLLM's reset_prefix_cache)
     reply:    two little-endian u64 and a u8: LOOKUP (hit tokens, of them in CPU RAM,
@@ -38,12 +40,12 @@ from typing import Callable
 import numpy as np
 import zmq
 
-from kvtier.keys import token_bytes
+from kvtier.keys import PLAIN, Identity, token_bytes
 from kvtier.logs import get_logger
 
 log = get_logger(__name__)
 
-VERSION = 4
+VERSION = 5
 BESIDE = 1  # LOOKUP flag: a CPU-RAM hit loads beside the steps
 HEAD = struct.Struct("<BBH")
 REPLY = struct.Struct("<QQB")
@@ -69,8 +71,8 @@ class Found:
 class Handlers:
     """What a worker does for each op."""
 
-    # (tokens, request id, computed, loads beside the steps) -> (hit, in CPU, held for the request)
-    lookup: Callable[[np.ndarray, str, int, bool], tuple[int, int, bool]]
+    # (tokens, identity, request id, computed, loads beside the steps) -> (hit, in CPU, held for it)
+    lookup: Callable[[np.ndarray, Identity, str, int, bool], tuple[int, int, bool]]
     release: Callable[[str], None]
     reset: Callable[[], None]
 
@@ -109,8 +111,10 @@ def answer(handlers: Handlers, op: Op, request_id: str, payload: bytes) -> tuple
     if op == Op.LOOKUP:
         if len(payload) < 8:
             raise ValueError("a lookup without its count of computed tokens and its flags")
-        words = np.frombuffer(payload, dtype="<u4")
-        hit, in_cpu, held = handlers.lookup(words[2:], request_id, int(words[0]), bool(words[1] & BESIDE))
+        computed, flags = struct.unpack_from("<II", payload)
+        identity, size = Identity.from_wire(memoryview(payload)[8:])
+        tokens = np.frombuffer(payload, dtype="<u4", offset=8 + size)
+        hit, in_cpu, held = handlers.lookup(tokens, identity, request_id, computed, bool(flags & BESIDE))
         return hit, in_cpu, int(held)
     if op == Op.RELEASE:
         handlers.release(request_id)
@@ -183,12 +187,13 @@ class LookupClient:
         return sock
 
     def lookup(self, tokens: list[int] | np.ndarray, request_id: str = "", computed: int = 0,
-               beside: bool = False) -> Found:
+               beside: bool = False, identity: Identity = PLAIN) -> Found:
         """The hit over every rank; none if a rank is silent (what the others hold expires
         with `pin_timeout_sec`). `computed`: the leading tokens the engine has already (not
         to be loaded); `beside`: a hit all in CPU RAM will load beside the engine's steps."""
         flags = BESIDE if beside else 0
-        replies = self._ask(encode(Op.LOOKUP, request_id, struct.pack("<II", computed, flags) + token_bytes(tokens)))
+        payload = struct.pack("<II", computed, flags) + identity.wire() + token_bytes(tokens)
+        replies = self._ask(encode(Op.LOOKUP, request_id, payload))
         if replies is None:
             return Found(0, 0, False)
         return Found(min(r[0] for r in replies), min(r[1] for r in replies), any(r[2] for r in replies))

@@ -10,11 +10,13 @@ deltas, gauges as current values); vLLM aggregates them and hands the dict to
     kvtier_stored_tokens_total{tier}, kvtier_loaded_tokens_total{tier}   (and _bytes_total)
     kvtier_store_seconds_total, kvtier_load_seconds_total, kvtier_store_gbps, kvtier_load_gbps
     kvtier_evictions_total{tier}, kvtier_dropped_writes_total{tier}, kvtier_skipped_store_tokens_total,
-    kvtier_load_failure_tokens_total, kvtier_pool_used_bytes, kvtier_pool_capacity_bytes,
+    kvtier_load_failure_tokens_total, kvtier_uncached_requests_total{kind}, kvtier_pool_used_bytes,
+    kvtier_pool_capacity_bytes,
     kvtier_write_queue_depth, kvtier_longest_{lookup,step_wait,background_load}_seconds
 
 Keys of the data dict are the metric names without `kvtier_` and `_total`;
-a per-tier one is `name:tier`.
+a per-tier one is `name:tier` (`uncached_requests:kind`, by the kind of request kvtier
+cannot key: identity.py).
 """
 
 from __future__ import annotations
@@ -43,8 +45,12 @@ COUNTERS = {
     "dropped_writes": "chunks not written to a lower tier (its queue stayed full)",
     "skipped_store_tokens": "tokens not stored: every CPU block was in use",
     "load_failure_tokens": "promised tokens that could not be loaded (vLLM recomputed them)",
+    "uncached_requests": "requests served without kvtier: nothing identifies their KV (prompt embeddings, "
+                         "multimodal items without a content hash), by kind",
 }
-TIERED = {"stored_tokens", "stored_bytes", "loaded_tokens", "loaded_bytes", "evictions", "dropped_writes"}
+# counters with a label: its name
+LABELLED = {**dict.fromkeys(("stored_tokens", "stored_bytes", "loaded_tokens", "loaded_bytes", "evictions",
+                             "dropped_writes"), "tier"), "uncached_requests": "kind"}
 GAUGES = {
     "pool_used_bytes": "bytes of the CPU pool holding chunks",
     "pool_capacity_bytes": "bytes of the CPU pool",
@@ -103,9 +109,9 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._metrics: dict[str, Any] = {}
         for name, doc in COUNTERS.items():
-            tiered = name in TIERED
+            label = [LABELLED[name]] if name in LABELLED else []
             self._metrics[name] = self._counter_cls(name=f"kvtier_{name}", documentation=f"kvtier: {doc}",
-                                                    labelnames=labelnames + (["tier"] if tiered else []))
+                                                    labelnames=labelnames + label)
         for name, doc in {**GAUGES, "hit_rate": "hit tokens / lookup tokens since start",
                           "store_gbps": "GB/s of the stores in the last interval",
                           "load_gbps": "GB/s of the loads in the last interval"}.items():
@@ -117,11 +123,11 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         labels = list(self.per_engine_labelvalues.get(engine_idx, []))
         totals = self._totals.setdefault(engine_idx, {})
         for key, value in transfer_stats_data.items():
-            name, _, tier = key.partition(":")
+            name, _, label = key.partition(":")
             metric = self._metrics.get(name)
             if metric is None:
                 continue
-            child = metric.labels(*labels, tier) if tier else metric.labels(*labels)
+            child = metric.labels(*labels, label) if label else metric.labels(*labels)
             if name in GAUGES:
                 child.set(value)
             else:

@@ -115,7 +115,7 @@ class WorkerPd:
         """Sender: a save also goes to its request's decoder."""
         if self.sender is not None and spec.pd_target is not None:
             self.sender.send(spec.pd_target, spec.token_ids, spec.slots(block_size), start=spec.start,
-                             last=spec.last)
+                             last=spec.last, identity=spec.identity)
 
     def dropped(self, pd_req_ids: list[str]) -> None:
         """Sender: vLLM freed these requests' pages before their last step."""

@@ -1,7 +1,9 @@
 """The connector's scheduler side: request state, the lookup with its hold, load and save planning.
 
     get_num_new_matched_tokens ── lookup ──▶ the workers (lookup.py): find and hold the hit;
-                                  loaded in the step, or beside the steps (async_loading)
+                                  loaded in the step, or beside the steps (async_loading);
+                                  the request's identity first (identity.py): a request
+                                  kvtier cannot key is neither looked up nor stored
     update_state_after_alloc      the load is planned for the blocks vLLM gave
     build_connector_meta          this step's loads and saves (whole chunks as prefill goes)
     request_finished              forget the request; release a hold it never used
@@ -16,10 +18,12 @@ from typing import TYPE_CHECKING, Iterable
 from kvtier.config import KvtierConfig
 from kvtier.integrations.vllm.events import KvtierKVEvents
 from kvtier.integrations.vllm.groups import KvGroups
+from kvtier.integrations.vllm.identity import Identities
 from kvtier.integrations.vllm.lookup import LookupClient, socket_path
 from kvtier.integrations.vllm.metrics import KvtierStats
 from kvtier.integrations.vllm.pd import SchedulerPd
 from kvtier.integrations.vllm.spec import KvtierMetadata, Shape, TransferSpec
+from kvtier.keys import Identity
 from kvtier.logs import get_logger
 from kvtier.pd.sender import Target
 from kvtier.stalls import traced
@@ -38,6 +42,7 @@ class RequestState:
     """Scheduler-side state of one request."""
 
     prompt: list[int]
+    identity: Identity
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved_upto: int = 0
     load: tuple[int, int, bool] | None = None  # tokens [start, end) to load next step, in the background?
@@ -49,8 +54,13 @@ class RequestState:
 
 class SchedulerSide:
     def __init__(self, config: KvtierConfig, shape: Shape, engine_id: str, tp_size: int,
-                 can_load: bool, can_save: bool, groups: KvGroups | None = None) -> None:
+                 can_load: bool, can_save: bool, identities: Identities | None = None,
+                 groups: KvGroups | None = None) -> None:
         self.config, self.shape, self.can_load, self.can_save = config, shape, can_load, can_save
+        self.identities = identities or Identities()
+        # req_id -> what keys its KV, from its lookup (vLLM looks up every new request) to its end;
+        # a request kvtier cannot key has none and is neither loaded nor stored
+        self._identity: dict[str, Identity] = {}
         self.state_every = groups.block_size if groups is not None and groups.has_state else 0
         # Several KV cache groups: vLLM cannot recompute a failed load, so a hit is promised
         # only once it is in CPU RAM; until then the request waits (the workers bring it up).
@@ -79,6 +89,11 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt, rid = request.prompt_token_ids, request.request_id
         self.pd.looked_up(rid, request.kv_transfer_params)
+        identity = self.identities.of(request)
+        if not isinstance(identity, Identity):
+            self._identity.pop(rid, None)
+            return 0, False
+        self._identity[rid] = identity
         if not self.can_load or not prompt:
             return 0, False
         if num_computed_tokens and not self.shape.to_load(len(prompt), len(prompt), num_computed_tokens):
@@ -87,7 +102,7 @@ class SchedulerSide:
             return 0, False
         t0 = time.perf_counter()
         beside = self._loads_beside(rid)
-        found = self.lookup.lookup(prompt, rid, num_computed_tokens, beside)
+        found = self.lookup.lookup(prompt, rid, num_computed_tokens, beside, identity)
         stored, in_cpu = found.tokens, found.in_cpu
         waited = time.perf_counter() - t0
         self._longest_lookup = max(self._longest_lookup, waited)
@@ -124,7 +139,7 @@ class SchedulerSide:
             self._live[rid] = request  # its all_token_ids grow as it decodes
         end, background, stored, from_cpu = self._pending.pop(rid, (0, False, 0, False))
         if num_external_tokens > 0 and request.prompt_token_ids:
-            state = self._requests.setdefault(rid, RequestState(list(request.prompt_token_ids)))
+            state = self._requests.setdefault(rid, RequestState(list(request.prompt_token_ids), self._identity[rid]))
             state.load = (end - num_external_tokens, end, background)
             state.stored, state.load_from_cpu = stored, from_cpu
             state.pd_req_id = self.pd.proxy_id(rid)
@@ -143,9 +158,10 @@ class SchedulerSide:
         self._async_loads = []
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            if not new.prompt_token_ids:
+            identity = self._identity.get(new.req_id)
+            if not new.prompt_token_ids or identity is None:  # (one kvtier cannot key: identity.py)
                 continue
-            state = self._requests.setdefault(new.req_id, RequestState(list(new.prompt_token_ids)))
+            state = self._requests.setdefault(new.req_id, RequestState(list(new.prompt_token_ids), identity))
             state.block_ids = [list(ids) for ids in new.block_ids]
             if state.pd_target is None:
                 state.pd_target = self.pd.target(new.req_id)
@@ -181,7 +197,7 @@ class SchedulerSide:
         tokens = state.prompt[: state.stored] if state.stored else state.prompt
         meta.loads.append(TransferSpec(req_id, tokens, [list(ids) for ids in state.block_ids], start, end,
                                        background, from_cpu=background and state.load_from_cpu,
-                                       pd_req_id=state.pd_req_id, step_end=step_end))
+                                       pd_req_id=state.pd_req_id, step_end=step_end, identity=state.identity))
         state.load = None
         self._held.discard(req_id)  # the worker's retrieve ends the hold
 
@@ -205,7 +221,7 @@ class SchedulerSide:
                 and end <= len(state.prompt)
             meta.saves.append(TransferSpec(req_id, tokens[:end], state.block_ids, state.saved_upto, end,
                                            pd_target=state.pd_target, last=end == len(state.prompt),
-                                           state=bool(keeps_state)))
+                                           state=bool(keeps_state), identity=state.identity))
             state.saved_upto = end
 
     def request_finished(self, request: Request) -> None:
@@ -215,6 +231,7 @@ class SchedulerSide:
         if state is not None and state.pd_target is not None:
             self._pd_dropped.append(state.pd_target.req_id)  # a no-op on the worker once its last step sent
         self._pending.pop(rid, None)
+        self._identity.pop(rid, None)
         self.pd.forget(rid)
         self._live.pop(rid, None)
         if rid in self._held:  # looked up, never loaded (aborted, or finished without it)
@@ -227,9 +244,10 @@ class SchedulerSide:
 
     def stats(self) -> KvtierStats | None:
         counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)
-        if not any(counts.values()):
+        refused = {f"uncached_requests:{kind}": n for kind, n in self.identities.take_refused().items()}
+        if not any(counts.values()) and not refused:
             return None
-        return KvtierStats({**counts, "longest_lookup_seconds": self._longest_lookup})
+        return KvtierStats({**counts, **refused, "longest_lookup_seconds": self._longest_lookup})
 
     def add_events(self, events: object) -> None:
         if isinstance(events, KvtierKVEvents):

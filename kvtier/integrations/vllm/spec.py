@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvtier.config import KvtierConfig, load_config
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.layout import cpu_kernel_layout
+from kvtier.keys import PLAIN, Identity
 from kvtier.pd.sender import Target
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ class TransferSpec:
     state: bool = False  # save: the step ended at `end`, on a block end: a hybrid model's Mamba state is kept there
     pd_req_id: str = ""  # load: the proxy's id of this request; its PD chunks are freed once loaded
     step_end: int = 0  # load in the request's first step: its tokens computed after it (0: a background load)
+    identity: Identity = PLAIN  # what besides the tokens decides their KV (its adapter, images, salt: keys.py)
 
     def slots(self, block_size: int, groups: Sequence[int] | None = None) -> torch.Tensor:
         """The slots of tokens [0, end) in the attention groups `groups` (default: every

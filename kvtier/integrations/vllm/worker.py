@@ -33,7 +33,7 @@ from kvtier.integrations.vllm.lookup import Handlers, LookupServer, socket_path
 from kvtier.integrations.vllm.metrics import KvtierStats, deltas
 from kvtier.integrations.vllm.pd import WorkerPd
 from kvtier.integrations.vllm.spec import KvtierMetadata, Shape, TransferSpec
-from kvtier.keys import KVFormat
+from kvtier.keys import Identity, KVFormat
 from kvtier.logs import get_logger
 from kvtier.stalls import traced
 from kvtier.tiers.base import Tier
@@ -115,7 +115,7 @@ class WorkerSide:
         self._coming_up.pop(request_id, None)
         self.engine.release_hold(request_id)
 
-    def _find(self, tokens: np.ndarray, request_id: str, computed: int, beside: bool = False
+    def _find(self, tokens: np.ndarray, identity: Identity, request_id: str, computed: int, beside: bool = False
               ) -> tuple[int, int, bool]:
         """A scheduler lookup: hold the hit (and say so). Chunks below CPU RAM start coming
         up into it now; a hit all in CPU RAM that the scheduler will load (the same rule as
@@ -129,19 +129,20 @@ class WorkerSide:
         # over, the part that made it is the hit.
         pending = self._coming_up.get(request_id)
         came_up = pending is not None and pending.done()
-        hit = self.engine.find(tokens, hold_for=request_id, limit=len(tokens) - 1, cpu_only=came_up, known=computed)
+        hit = self.engine.find(tokens, identity=identity, hold_for=request_id, limit=len(tokens) - 1,
+                               cpu_only=came_up, known=computed)
         if self.groups is not None and self.can_load and hit.in_cpu < hit.tokens and not came_up:
             if pending is None:
-                self._coming_up[request_id] = self.engine.start_prefetch(tokens, request_id)
+                self._coming_up[request_id] = self.engine.start_prefetch(tokens, request_id, identity)
             return hit.tokens, hit.in_cpu, True
         if not self.can_load or not self.shape.to_load(hit.tokens, len(tokens), computed):
             if hit.tokens:
                 self._release(request_id)
             return hit.tokens, hit.in_cpu, False
         if hit.in_cpu < hit.tokens:
-            self.engine.start_prefetch(tokens, request_id)
+            self.engine.start_prefetch(tokens, request_id, identity)
         else:
-            self.engine.upload_ahead(tokens[: hit.tokens], request_id, start=computed,
+            self.engine.upload_ahead(tokens[: hit.tokens], request_id, identity=identity, start=computed,
                                      layerwise=self.config.use_layerwise and not beside, beside=beside)
         return hit.tokens, hit.in_cpu, True
 
@@ -163,7 +164,8 @@ class WorkerSide:
             # From CPU RAM the copies are queued ahead of the forward (layer by layer with
             # use_layerwise); finished, and checked, at wait_for_save.
             load = self.engine.start_retrieve(spec.token_ids, self._slots(spec), start=spec.start,
-                                              request_id=spec.req_id, layerwise=self.config.use_layerwise)
+                                              request_id=spec.req_id, identity=spec.identity,
+                                              layerwise=self.config.use_layerwise)
             state = self._load_state(spec) if self._state_names else None
             self._loads.append((load, spec, state))
         self._step_wait += time.perf_counter() - t0
@@ -185,7 +187,8 @@ class WorkerSide:
             if spec.step_end else None
         if blocks is None or (spec.step_end and running is None):
             return None
-        return self.engine.load_state(spec.token_ids[: spec.end], blocks, request_id=spec.req_id, also=running)
+        return self.engine.load_state(spec.token_ids[: spec.end], blocks, request_id=spec.req_id,
+                                      identity=spec.identity, also=running)
 
     def _beside_loads(self) -> BesideLoads:
         if self._beside is None:  # an engine set without register_kv_caches (tests)
@@ -205,7 +208,7 @@ class WorkerSide:
         spec = beside.spec
         try:
             loading = self.engine.start_retrieve(spec.token_ids, self._slots(spec), start=spec.start,
-                                                 request_id=spec.req_id, beside=True)
+                                                 request_id=spec.req_id, identity=spec.identity, beside=True)
         except BaseException:
             self._landed(beside)
             raise
@@ -299,7 +302,7 @@ class WorkerSide:
         if meta.saves and self._forward_wrote_every_layer():  # nor its states, nor a PD send
             for spec in meta.saves:
                 self.engine.start_store(spec.token_ids, self._slots(spec), start=spec.start,
-                                        request_id=spec.req_id).finish(wait=False)
+                                        request_id=spec.req_id, identity=spec.identity).finish(wait=False)
             for spec in meta.saves:
                 if spec.state and self._state_names:
                     self._save_state(spec)
@@ -323,7 +326,9 @@ class WorkerSide:
         """The Mamba state this step ended with (at `spec.end`, a block end), beside its chunk."""
         assert self.engine is not None and self.groups is not None
         blocks = self.groups.state_blocks(spec.block_ids, spec.end, self._state_names)
-        if blocks is None or not self.engine.save_state(spec.token_ids[: spec.end], blocks, request_id=spec.req_id):
+        saved = blocks is not None and self.engine.save_state(spec.token_ids[: spec.end], blocks,
+                                                              request_id=spec.req_id, identity=spec.identity)
+        if not saved:
             log.warning("request %s: the Mamba state after %d tokens was not stored (%s)", spec.req_id, spec.end,
                         "vLLM kept no block for it" if blocks is None else "no room, or not a chunk's end")
 

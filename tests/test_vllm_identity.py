@@ -1,0 +1,180 @@
+"""Never another request's KV, inside real vLLM (CPU build): LoRA adapters, images,
+cache_salt and prompt embeddings (kvtier/keys.py's Identity, integrations/vllm/identity.py).
+
+Each check here fails when its part of the key is removed: the same tokens under adapter
+B, another image or another salt would hit the chunks stored under A, the first image or
+the first salt (a hit line says so), and the image's output would follow the first image.
+"""
+
+import re
+
+import httpx
+import pytest
+from vllm_offline import hit_granularity, run_vllm
+from vllm_requests import vllm_request
+
+from kvtier.dev.demo import HIT_LINE as HIT, vllm_server
+from kvtier.dev.tinymodel import corpus_text
+from kvtier.dev.tinyvlm import IMAGE_TOKEN, make_lora_adapter, make_tiny_idefics3
+
+pytestmark = pytest.mark.vllm
+STORE = re.compile(r"Storing KV cache for (\d+) out of (\d+) tokens")
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """Two LoRA adapters of the tiny Llama in PEFT's format, of different seeded weights."""
+    root = tmp_path_factory.mktemp("lora")
+    return {"A": make_lora_adapter(root / "A", seed=1), "B": make_lora_adapter(root / "B", seed=2)}
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model)).encode(corpus_text())[2000:2700]
+
+
+def _hits(log: str) -> list[int]:
+    return [int(m[1]) for m in HIT.findall(log)]
+
+
+def _close(a: dict, b: dict) -> bool:
+    """The same greedy tokens, with logprobs equal up to the arithmetic of another batch shape."""
+    return a["token_ids"] == b["token_ids"] and max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 2e-2
+
+
+def test_an_adapter_never_loads_another_adapter_s_kv_and_prompt_embeds_are_not_cached(
+        tiny_model, adapters, prompt, tmp_path):
+    """The same prompt under A, then B, then A: B's output is plain vLLM's with B and B hits
+    nothing; A hits A's chunks. A prompt of embeddings is served twice and never cached."""
+    under = {name: {"ids": prompt, "lora": name} for name in adapters}
+    embeds = {"ids": prompt, "embeds": True}
+    plain, _ = run_vllm(tiny_model, [under["A"], under["B"], embeds], tmp_path, lora=adapters, embeds=True)
+    with_kv, log = run_vllm(tiny_model, [under["A"], under["B"], under["A"], embeds, embeds], tmp_path,
+                            kv_role="kv_both", lora=adapters, embeds=True)
+    g = hit_granularity()
+    assert _hits(log) == [0, 0, 512 - 512 % g]  # the embeddings' requests are not looked up
+    assert plain[0]["token_ids"] != plain[1]["token_ids"]  # the adapters change the output
+    assert _close(with_kv[1], plain[1]) and _close(with_kv[0], plain[0]) and _close(with_kv[2], plain[0])
+    assert _close(with_kv[3], plain[2]) and _close(with_kv[4], plain[2])
+    assert [int(m[0]) for m in STORE.findall(log)] == [512, 512]  # A and B; neither embeddings request
+    assert log.count("kvtier neither loads nor stores requests of this kind (prompt_embeds)") == 1
+
+
+def test_adapters_and_cache_salts_through_the_openai_server(tiny_model, adapters, prompt, tmp_path):
+    """`--enable-lora --lora-modules`, and the completions API's cache_salt: two adapters or
+    two salts never share a chunk; the same adapter or salt hits, and answers as before."""
+    lora_args = ["--enable-lora", "--max-lora-rank", "8", "--lora-modules"]
+    lora_args += [f"{name}={path}" for name, path in adapters.items()]
+    env = {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_SAVE_UNFULL_CHUNK": "false"}
+    with vllm_server(tiny_model, tmp_path, env=env, max_model_len=4096, extra_args=lora_args) as server:
+        def complete(model: str, salt: str | None = None) -> list[int]:
+            body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                    **({"cache_salt": salt} if salt else {})}
+            reply = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
+            assert reply.status_code == 200, reply.text
+            return reply.json()["choices"][0]["text"]
+
+        base = str(tiny_model)
+        texts = [complete("A"), complete("B"), complete("A"),
+                 complete(base, "tenant-1"), complete(base, "tenant-2"), complete(base, "tenant-1"), complete(base)]
+        hits = [h[1] for h in server.hit_lines()]
+    g = hit_granularity()
+    assert hits == [0, 0, 512 - 512 % g, 0, 0, 512 - 512 % g, 0]
+    assert texts[0] == texts[2] != texts[1] and texts[3] == texts[5]
+
+
+@pytest.fixture(scope="module")
+def idefics3(tmp_path_factory):
+    return make_tiny_idefics3(tmp_path_factory.mktemp("model") / "tiny-idefics3")
+
+
+def test_another_image_behind_the_same_text_shares_only_the_chunks_before_it(idefics3, tmp_path):
+    """The same text with images 1, 2, then 1 again: each output equals plain vLLM's for its
+    image; image 2 loads only the whole chunks before the image's tokens (shared text), and
+    image 1 again hits all its stored chunks."""
+    text = corpus_text()[5000:7000] + IMAGE_TOKEN + corpus_text()[9000:9040]  # close after it: it shows
+    one, two = {"text": text, "image": 1}, {"text": text, "image": 2}
+    plain, _ = run_vllm(idefics3, [one, two], tmp_path, max_tokens=6)
+    with_kv, log = run_vllm(idefics3, [one, two, one], tmp_path, kv_role="kv_both", max_tokens=6,
+                            env={"LMCACHE_SAVE_UNFULL_CHUNK": "true"})  # kvtier's default: the tail too
+    before = _image_offset(idefics3, text)
+    total = [int(m[0]) for m in HIT.findall(log)][0]
+    g = hit_granularity()
+    assert 512 < before < total < 768  # two whole chunks before the image, which is in the partial third
+    assert _hits(log) == [0, 512 - 512 % g, total - 1 - (total - 1) % g]
+    assert plain[0]["token_ids"] != plain[1]["token_ids"]  # the images change the answer
+    assert _close(with_kv[0], plain[0]) and _close(with_kv[1], plain[1]) and _close(with_kv[2], plain[0])
+
+
+def _image_offset(model, text: str) -> int:
+    """Where the image's tokens start in `text`'s prompt (its first `<fake_token_around_image>`),
+    as the model's processor writes it (what vLLM's does)."""
+    from transformers import AutoProcessor
+
+    from kvtier.dev.tinyvlm import seeded_image
+
+    processor = AutoProcessor.from_pretrained(str(model))
+    ids = processor(text=text, images=[seeded_image(1)])["input_ids"][0]
+    return list(ids).index(processor.fake_image_token_id)
+
+
+
+def _feature(modality: str = "image", identifier: str = "content-hash-1", offset: int = 10, length: int = 4):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(modality=modality, identifier=identifier,
+                           mm_position=SimpleNamespace(offset=offset, length=length))
+
+
+def _lora(name: str, path, int_id: int = 1):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(lora_name=name, lora_int_id=int_id, lora_path=str(path))
+
+
+def test_what_a_request_is_keyed_by_and_what_is_refused(capfd):
+    """Identities.of reads the adapter, the items and the salt; a request of prompt
+    embeddings, an item of an unknown modality, or items named per request (vLLM's caches
+    off) are refused, said once per kind, and counted."""
+    from kvtier.integrations.vllm.identity import Identities, Uncacheable
+    from kvtier.keys import PLAIN
+
+    identities = Identities()
+    assert identities.of(vllm_request("r", [1, 2])) == PLAIN
+    image = identities.of(vllm_request("r", [1, 2], mm_features=[_feature()]))
+    assert [(i.offset, i.length) for i in image.items] == [(10, 4)] and image.root == PLAIN.root
+    other = identities.of(vllm_request("r", [1, 2], mm_features=[_feature(identifier="content-hash-2")]))
+    assert other.items[0].digest != image.items[0].digest
+    salted = identities.of(vllm_request("r", [1, 2], cache_salt="t1"))
+    assert salted.root != PLAIN.root != identities.of(vllm_request("r", [1, 2], cache_salt="t2")).root
+    refused = [vllm_request("e", None, prompt_embeds=object()), vllm_request("e", None, prompt_embeds=object()),
+               vllm_request("m", [1], mm_features=[_feature("point_cloud")])]
+    assert all(isinstance(identities.of(r), Uncacheable) for r in refused)
+    named = Identities(content_ids=False).of(vllm_request("m", [1], mm_features=[_feature()]))
+    assert isinstance(named, Uncacheable) and named.kind == "multimodal:no-content-hash"
+    assert identities.take_refused() == {"prompt_embeds": 2, "multimodal:point_cloud": 1}
+    assert identities.take_refused() == {}
+    assert capfd.readouterr().err.count("kvtier neither loads nor stores") == 3  # once a kind
+
+
+def test_an_adapter_is_keyed_by_its_name_its_path_and_its_files(tmp_path):
+    """vLLM's int id of an adapter is per process: two instances agree on a key through
+    the adapter's name, path and files; new weights under the same name are another key."""
+    from kvtier.integrations.vllm.identity import Identities
+
+    path = make_lora_adapter(tmp_path / "A", seed=1)
+    identities = Identities()
+
+    def root(lora) -> bytes:
+        return identities.of(vllm_request("r", [1], lora_request=lora)).root
+
+    first = root(_lora("A", path, int_id=1))
+    assert root(_lora("A", path, int_id=7)) == first  # another process's id
+    assert Identities().of(vllm_request("r", [1], lora_request=_lora("A", path))).root == first
+    assert root(_lora("B", path)) != first
+    weights = path / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")  # retrained in place
+    assert root(_lora("A", path)) != first
+    assert identities.of(vllm_request("r", [1], lora_request=_lora("A", path))).lora == (1, "A")
