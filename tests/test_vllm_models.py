@@ -14,7 +14,7 @@ import pytest
 from vllm_offline import run_vllm
 
 from kvtier.dev.demo import HIT_LINE
-from kvtier.dev.tinymodel import TinyGemma3
+from kvtier.dev.tinymodel import TinyGemma3, corpus_text, make_tiny_deepseek_v2
 from kvtier.keys import KVFormat, chunk_spans
 from kvtier.tiers.disk import file_name
 
@@ -51,3 +51,28 @@ def test_a_sliding_window_model_loads_every_layers_kv_and_gives_plain_vllms_toke
     assert hits(log_b) == [(1000, 896, 896)]
     assert first["token_ids"] == warm["token_ids"] == plain["token_ids"]
     assert max(abs(x - y) for x, y in zip(warm["logprobs"], plain["logprobs"])) < 0.05
+
+
+@pytest.fixture(scope="module")
+def deepseek_v2(tmp_path_factory):
+    return make_tiny_deepseek_v2(tmp_path_factory.mktemp("model") / "tiny-deepseek-v2")
+
+
+def test_an_mla_model_hits_and_gives_plain_vllms_tokens(deepseek_v2, tmp_path):
+    """A DeepSeek-V2-shaped model (multi-head latent attention: one latent row a token and
+    layer, vLLM's CPU_MLA backend, blocks of 16): kvtier stores the rows and a hit, in a new
+    instance from disk and in the same one from CPU RAM, gives plain vLLM's tokens."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(deepseek_v2)).encode(corpus_text())
+    prompt, other = ids[1000:1700], ids[3000:3700]
+    plain, _ = run_vllm(deepseek_v2, [prompt, other], tmp_path, dtype=DTYPE, name="plain")
+    assert plain[0]["token_ids"] != plain[1]["token_ids"]  # the output follows the prompt
+    env = {"LMCACHE_LOCAL_DISK": f"file://{tmp_path / 'disk'}", "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}
+    stored, log_a = run_vllm(deepseek_v2, [prompt, prompt], tmp_path, "kv_both", env, name="store", dtype=DTYPE)
+    assert "@vllm-mla/" in log_a and hits(log_a) == [(700, 0, 0), (700, 512, 512)]
+    (warm,), log_b = run_vllm(deepseek_v2, [prompt], tmp_path, "kv_both", env, name="load", dtype=DTYPE)
+    assert hits(log_b) == [(700, 512, 512)]
+    for run in (*stored, warm):
+        assert run["token_ids"] == plain[0]["token_ids"]
+        assert max(abs(x - y) for x, y in zip(run["logprobs"], plain[0]["logprobs"])) < 0.05

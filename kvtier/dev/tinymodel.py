@@ -292,3 +292,33 @@ def _write_tokenizer(path: Path, vocab_size: int) -> None:
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(path))
+
+
+def make_tiny_deepseek_v2(path: str | Path, seed: int = 0) -> Path:
+    """Config, tokenizer and seeded weights of a DeepseekV2ForCausalLM, small: multi-head
+    latent attention (MLA: one compressed KV of kv_lora_rank + the rope part a token and
+    layer: 256 + 64, the smallest row vLLM's MLA kernels take), 4 dense layers of 512 (no
+    experts). Weights are transformers' initialisation of the architecture, seeded, the
+    head x12.5 for a peaked output. Idempotent."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    path = Path(path)
+    vocab = _new_model_dir(path, 4096)
+    if vocab is None:
+        return path
+    layers = 4
+    config = DeepseekV2Config(
+        vocab_size=len(vocab), hidden_size=512, intermediate_size=1024, num_hidden_layers=layers,
+        num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=64,
+        qk_rope_head_dim=64, v_head_dim=64, first_k_dense_replace=layers, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=256, max_position_embeddings=16384,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+        bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"],
+    )
+    torch.manual_seed(seed)
+    model = DeepseekV2ForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(12.5)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path

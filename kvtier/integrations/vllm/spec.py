@@ -146,11 +146,12 @@ def check_pd_role(config: KvtierConfig, kv_role: str) -> None:
 
 def _cpu_whole_blocks(vllm_config: VllmConfig) -> bool:
     """Whether vLLM's KV moves in whole blocks here: on a CPU whose attention kernel is not
-    "vec" (layout.py). Known to the scheduler, which has no KV tensors to look at."""
+    "vec" (layout.py). Known to the scheduler, which has no KV tensors to look at. An MLA
+    model's CPU backend (CPU_MLA) keeps one latent row a token, in the tokens' order."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu() or vllm_config.model_config.use_mla:
-        return current_platform.is_cpu()
+        return False
     return cpu_kernel_layout(vllm_config) == "vllm"
 
 
