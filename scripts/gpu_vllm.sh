@@ -21,7 +21,8 @@
 # benchserve (`vllm bench serve` twice per offloader, prefix-sharing prompts: kvtier.bench.serving
 # --bench-serve), sharedstore (two vLLM instances one after
 # the other sharing KV through each project's own store server on this host: `kvtier server` and LMCache's
-# lm:// server, kvtier.bench.stores_vllm; STORES= which).
+# lm:// server, kvtier.bench.stores_vllm; STORES= which), mla (an MLA model, DeepSeek-V2-Lite's attention, query
+# twice at 16k: plain, native, kvtier).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Everything is written to $work and comes back as one archive in $OUT (the device returns at most 8 files).
@@ -152,6 +153,14 @@ timeout ${SHAREDSTORE_TIMEOUT:-540} python3 -m kvtier.bench.stores_vllm --stores
     --output "$work/shared-store.json" > "$work/shared-store.log" 2>&1
 echo "shared store exit $?"; pkill -f "$servers"; pkill -f "lmcache.v1.server"
 grep -E "^\||Traceback|Error" "$work/shared-store.log" | tail -12 ;;
+esac
+case " $steps " in *" mla "*)
+# An MLA model (DeepSeek-V2-Lite's attention, dense MLPs): query twice at 16k beside plain vLLM and
+# its native offloading; the token checks compare warm with vLLM's own GPU hit.
+timeout ${MLA_TIMEOUT:-540} python3 -m kvtier.bench.vllm --family deepseek_v2 --setups ${SETUPS:-plain native kvtier} \
+    --lengths ${LENGTHS:-16384} --pairs ${PAIRS:-5} --out "$work/mla" --setup-timeout ${SETUP_TIMEOUT:-170} \
+    ${BENCH_ARGS:-} > "$work/mla.log" 2>&1
+echo "mla bench exit $?"; grep -E "^\[|tokens|MLA|backend|Traceback|Error" "$work/mla.log" | tail -30 ;;
 esac
 case " $steps " in *" bench "*)
 timeout ${BENCH_TIMEOUT:-480} python3 -m kvtier.bench.vllm --setups ${SETUPS:-plain kvtier kvtier-layerwise} --lengths ${LENGTHS:-4096 16384 32768} \

@@ -16,7 +16,7 @@ import torch
 from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError
-from kvtier.keys import KVFormat
+from kvtier.keys import Identity, Item, KVFormat
 from kvtier.dev.localservers import free_port, free_ports
 from kvtier.pd import make_buffer, protocol as proto, start_receiver
 from kvtier.pd.sender import PdSender, Target
@@ -175,6 +175,24 @@ def test_a_shared_prefix_is_sent_once_and_freed_with_its_last_owner(pair):
     assert pair.receiver_engine.lookup(toks) == 64  # b still owns it
     pair.buffer.release("b")
     assert pair.receiver_engine.lookup(toks) == 0
+
+
+def test_a_decoder_takes_a_prefillers_kv_only_for_the_same_adapter_image_and_salt(pair):
+    """Two requests of one prompt under other identities (a salt; an adapter; an image in
+    the third chunk) sent side by side: each lands under its own keys, and the decoder's
+    lookup of each request finds its own chunks and none of the other's."""
+    toks, slots = list(range(64)), torch.arange(64)
+    tenants = {"a": Identity.of(salt="tenant-a"), "b": Identity.of(salt="tenant-b"),
+               "lora": Identity.of(adapter=b"adapter-A"), "img": Identity.of(items=[Item(40, 8, b"1" * 16)])}
+    for rid, identity in tenants.items():
+        assert pair.sender.send(pair.target(rid), toks, slots, start=0, last=True, identity=identity) == 64
+    for rid, identity in tenants.items():
+        assert pair.receiver_engine.lookup(toks, identity) == 64
+    assert pair.receiver_engine.lookup(toks, Identity.of(salt="tenant-c")) == 0
+    # The image's request shares its chunks before the image with the same text: plain, or
+    # behind another image; nothing from the image's chunk on.
+    assert pair.receiver_engine.lookup(toks) == 32
+    assert pair.receiver_engine.lookup(toks, Identity.of(items=[Item(40, 8, b"2" * 16)])) == 32
 
 
 @pytest.mark.parametrize("pair", [{"buffer_chunks": 6, "alloc_timeout": 0.2}], indirect=True)

@@ -58,13 +58,15 @@ def test_vllm_metrics_show_kvtier_lookups_hits_stores_and_loads(tiny_model, tmp_
 
 def test_with_enable_kv_events_vllm_publishes_kvtiers_stores_and_evictions(tiny_model, tmp_path):
     """vLLM's ZMQ event publisher carries BlockStored for each chunk kvtier's CPU tier
-    takes (medium CPU, block size = chunk size, token ids) and BlockRemoved when one goes."""
+    takes (medium CPU, block size = chunk size, token ids, the request's LoRA adapter as
+    vLLM's own events name it) and BlockRemoved when one goes."""
     import msgspec
     import zmq
     from transformers import AutoTokenizer
     from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
     from kvtier.dev.localservers import free_port
+    from kvtier.dev.tinyvlm import make_lora_adapter
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
     ids = tok.encode(corpus_text())
@@ -80,11 +82,13 @@ def test_with_enable_kv_events_vllm_publishes_kvtiers_stores_and_evictions(tiny_
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
     ours: list = []
     try:
+        lora = ["--enable-lora", "--max-lora-rank", "8", "--lora-modules",
+                f"A={make_lora_adapter(tmp_path / 'A', seed=1)}"]
         with vllm_server(tiny_model, tmp_path, env=env, dtype="float32", max_model_len=4096,
-                         extra_args=["--kv-events-config", json.dumps(events_cfg)]) as server:
-            for prompt in (first, second):
+                         extra_args=["--kv-events-config", json.dumps(events_cfg), *lora]) as server:
+            for prompt, model in ((first, str(tiny_model)), (second, "A")):  # the second under adapter A
                 r = httpx.post(server.url + "/v1/completions", timeout=300, json={
-                    "model": str(tiny_model), "prompt": prompt, "max_tokens": 2, "temperature": 0})
+                    "model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0})
                 assert r.status_code == 200, r.text
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and sum(isinstance(e, BlockRemoved) for e in ours) < 1:
@@ -99,4 +103,5 @@ def test_with_enable_kv_events_vllm_publishes_kvtiers_stores_and_evictions(tiny_
     assert len(stored) == 4 and all(e.block_size == 256 and len(e.token_ids) == 256 for e in stored)
     assert [e.token_ids for e in stored] == [first[:256], first[256:512], second[:256], second[256:512]]
     assert stored[1].parent_block_hash == stored[0].block_hashes[0] and stored[0].parent_block_hash is None
+    assert [(e.lora_name, e.lora_id is None) for e in stored] == [(None, True)] * 2 + [("A", False)] * 2
     assert removed and removed[0].block_hashes == stored[0].block_hashes  # LRU: the first prompt's first chunk

@@ -44,6 +44,7 @@ from kvtier.bench.vllm_parts import (
     engine_ms,
     flush_kvtier,
     h2d_bandwidth,
+    kv_bytes_per_token,
     kvtier_chunking,
     make_model,
     prompt,
@@ -52,7 +53,6 @@ from kvtier.bench.vllm_parts import (
     traced,
 )
 
-KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2  # layers, K/V, KV heads, head_dim, bf16
 
 # Offloader setups: the connector and the environment of each.
 SETUPS: dict[str, dict] = {
@@ -133,6 +133,9 @@ class _Run:
         self.check = SamplingParams(temperature=0, max_tokens=args.check_tokens, ignore_eos=True, logprobs=0)
         self.timelines: list = []
 
+    def prompt(self, length: int, variant: int) -> list[int]:
+        return prompt(length, variant, MODELS[self.args.family]["vocab_size"])
+
     def gen(self, ids: list[int], sp=None, timed: bool = False):
         if timed:
             self.timeline.start()
@@ -155,14 +158,14 @@ class _Run:
         blocks and chunks) and both compute the last token alone, the same computation. (With
         `length` tokens vLLM's hit stops a block short, and kvtier recomputes, not loads, what
         is less than a block past it: the GPU hit would compute 16 tokens, the warm run one.)"""
-        base, reset = prompt(length + 1, 0), self.llm.reset_prefix_cache
+        base, reset = self.prompt(length + 1, 0), self.llm.reset_prefix_cache
         _, cold = self.gen(base, self.check)
         _, gpu = self.gen(base, self.check)
         reset()
         self.flush()
         _, warm = self.gen(base, self.check)
         reset()
-        _, ctrl = self.gen(prompt(length + 1, 1), self.check)
+        _, ctrl = self.gen(self.prompt(length + 1, 1), self.check)
         reset()
         return {"cold": list(cold.token_ids), "gpu_hit": list(gpu.token_ids), "warm": list(warm.token_ids),
                 "control": list(ctrl.token_ids), "warm_logprob_err": _logprob_err(warm, gpu),
@@ -201,19 +204,20 @@ class _Run:
         self.llm.reset_prefix_cache()
 
     def length(self, length: int) -> dict:
-        bw = h2d_bandwidth(length * KV_BYTES_PER_TOKEN)
+        bw = h2d_bandwidth(length * kv_bytes_per_token(self.args.family))
         self.timelines = []
         tokens = self.tokens(length)
         runs: dict[str, list] = {"cold": [], "gpu_hit": [], "warm": [], "fwd_ms": [], "gpu_hit_fwd_ms": [],
                                  "gpu_hit_engine_ms": []}
         for i in range(self.args.pairs + 1):  # the first pair warms up
-            pair = self.pair(prompt(length, 100 + i), last=i == self.args.pairs)
+            pair = self.pair(self.prompt(length, 100 + i), last=i == self.args.pairs)
             for key, value in pair.items() if i else ():
                 runs[key].append(value)
         # each rank copies its shard over its own GPU's link: the floor's copy is the shard's
         if self.args.profile:
-            self.profiled_pair(prompt(length, 98))
-        summary = _summary(runs, length, bw * self.args.tp, tokens, self.timelines)
+            self.profiled_pair(self.prompt(length, 98))
+        nbytes = length * kv_bytes_per_token(self.args.family)
+        summary = _summary(runs, nbytes, bw * self.args.tp, tokens, self.timelines)
         if self.args.trace:
             summary["gpu_timeline"] = self._trace(length)
         return summary
@@ -222,7 +226,7 @@ class _Run:
         """One more pair, its warm run (`--trace warm`) or its GPU prefix hit (`--trace hit`)
         under torch's profiler: the GPU's side of the timeline, and the host's waits for it."""
         what = self.args.trace
-        ids = prompt(length, 99)
+        ids = self.prompt(length, 99)
         self.gen(ids)
         if what == "warm":
             self.llm.reset_prefix_cache()
@@ -250,8 +254,8 @@ def _offloader(args: argparse.Namespace, setup: dict) -> dict:
     return kw
 
 
-def _summary(runs: dict, length: int, bw: float, tokens: dict, timelines: list) -> dict:
-    copy_s = length * KV_BYTES_PER_TOKEN / bw
+def _summary(runs: dict, nbytes: int, bw: float, tokens: dict, timelines: list) -> dict:
+    copy_s = nbytes / bw
     # The forward timed alone: the GPU-hit step's (its own launches paced it, as a
     # forward that waits for nothing runs); the warm step's ran behind its copies.
     alone = [f / 1e3 for f in runs["gpu_hit_fwd_ms"]]

@@ -52,7 +52,31 @@ NEMOTRON_H_8B = {
     "vocab_size": 131072, "max_position_embeddings": 131072, "mlp_hidden_act": "relu2", "layer_norm_epsilon": 1e-5,
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
 }
-MODELS = {"llama": LLAMA_8B, "gemma3": GEMMA3_8B, "gptoss_dense": GPTOSS_DENSE_8B, "nemotron_h": NEMOTRON_H_8B}
+# DeepSeek-V2-Lite's attention (multi-head latent attention: a 512 + 64 latent row a token and
+# layer, 31 KB a token over 27 layers, a quarter of LLAMA_8B's) with dense MLPs in every layer
+# (the GPU bundle has no MoE kernels).
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 2048,
+    "intermediate_size": 10944, "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "first_k_dense_replace": 27, "n_routed_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1408,
+    "n_shared_experts": 2, "moe_layer_freq": 1, "topk_method": "greedy", "scoring_func": "softmax",
+    "routed_scaling_factor": 1.0, "norm_topk_prob": False, "vocab_size": 102400, "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu", "attention_bias": False,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}
+MODELS = {"llama": LLAMA_8B, "gemma3": GEMMA3_8B, "gptoss_dense": GPTOSS_DENSE_8B, "nemotron_h": NEMOTRON_H_8B,
+          "deepseek_v2": DEEPSEEK_V2_LITE}
+
+
+def kv_bytes_per_token(family: str) -> int:
+    """Bytes of KV a token (bf16) that a warm hit of the family's model moves: an MLA model's
+    latent rows; the others' that of LLAMA_8B (whose KV a token each of them has, or, for
+    nemotron_h, is measured against)."""
+    config = MODELS[family]
+    if "kv_lora_rank" in config:
+        return config["num_hidden_layers"] * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 2
+    return LLAMA_8B["num_hidden_layers"] * 2 * LLAMA_8B["num_key_value_heads"] * LLAMA_8B["head_dim"] * 2
 
 
 def make_model(path: Path, family: str = "llama") -> Path:
