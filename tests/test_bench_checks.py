@@ -4,7 +4,7 @@ part at the 4th token, a near-tie in bf16. And the prompts `vllm bench serve` is
 
 import pytest
 
-from kvtier.bench.vllm import agrees, under_the_copy
+from kvtier.bench.vllm_report import agrees, under_the_copy
 
 PLAIN = {"cold": [124956, 86041, 56463, 53607, 47691, 48236],
          "gpu_hit": [124956, 86041, 56463, 91666, 19827, 39878]}

@@ -149,8 +149,7 @@ def test_a_cpu_hit_loads_beside_the_steps_while_other_requests_run(policy):
     scheduler = SchedulerSide(worker.config, worker.shape, engine_id, 1, True, True)
     try:
         def ask(rid):
-            return scheduler.get_num_new_matched_tokens(
-                vllm_request(rid, toks), 0)
+            return scheduler.get_num_new_matched_tokens(vllm_request(rid, toks), 0)
 
         idle = policy == "always"
         assert ask("alone") == (48, idle) and told == [idle]  # nothing ran yet
@@ -179,6 +178,47 @@ def test_a_cpu_hit_loads_beside_the_steps_while_other_requests_run(policy):
         scheduler.request_finished(SimpleNamespace(request_id="joins"))
         assert ask("later") == (48, idle)  # nothing runs again
     finally:
+        scheduler.close()
+        server.close()
+        worker.close()
+
+
+def test_the_scheduler_looks_up_and_saves_under_each_requests_identity():
+    """A salted request finds nothing stored without its salt and saves under it; a request
+    with prompt embeddings beside its token ids is neither looked up nor saved."""
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm.lookup import Handlers, LookupServer, socket_path
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+    from kvtier.keys import PLAIN, Identity
+
+    worker, _ = worker_and_step()
+    toks = list(range(50))
+    worker.engine.store(toks, torch.arange(50))
+    asked = []
+
+    def find(tokens, identity, request_id, computed, beside):
+        asked.append((request_id, identity))
+        return worker._find(tokens, identity, request_id, computed, beside)
+
+    server = LookupServer(socket_path("identity-test", 0), Handlers(find, worker._release, worker.engine.clear))
+    scheduler = SchedulerSide(worker.config, worker.shape, "identity-test", 1, True, True)
+    salted = Identity.of(salt="tenant")
+    try:
+        assert scheduler.get_num_new_matched_tokens(vllm_request("plain", toks), 0) == (48, False)
+        assert scheduler.get_num_new_matched_tokens(vllm_request("salted", toks, cache_salt="tenant"), 0) == (0, False)
+        mixed = vllm_request("mixed", toks, prompt_embeds=torch.zeros(50, 8))
+        assert scheduler.get_num_new_matched_tokens(mixed, 0) == (0, False)
+        assert asked == [("plain", PLAIN), ("salted", salted)]  # the mixed one never asked
+        new = [SimpleNamespace(req_id=rid, prompt_token_ids=toks, block_ids=([0, 1, 2, 3],), num_computed_tokens=0)
+               for rid in ("salted", "mixed")]
+        cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+        step = SimpleNamespace(num_scheduled_tokens={"salted": 50, "mixed": 50}, scheduled_new_reqs=new,
+                               scheduled_cached_reqs=cached, preempted_req_ids=None)
+        meta = scheduler.build_connector_meta(step)
+        assert [(s.req_id, s.identity) for s in meta.saves] == [("salted", salted)]
+    finally:
+        scheduler.request_finished(vllm_request("plain", toks))
         scheduler.close()
         server.close()
         worker.close()

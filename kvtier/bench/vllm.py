@@ -52,6 +52,7 @@ from kvtier.bench.vllm_parts import (
     seed_weights,
     traced,
 )
+from kvtier.bench.vllm_report import compare
 
 
 # Offloader setups: the connector and the environment of each.
@@ -133,9 +134,6 @@ class _Run:
         self.check = SamplingParams(temperature=0, max_tokens=args.check_tokens, ignore_eos=True, logprobs=0)
         self.timelines: list = []
 
-    def prompt(self, length: int, variant: int) -> list[int]:
-        return prompt(length, variant, MODELS[self.args.family]["vocab_size"])
-
     def gen(self, ids: list[int], sp=None, timed: bool = False):
         if timed:
             self.timeline.start()
@@ -158,14 +156,14 @@ class _Run:
         blocks and chunks) and both compute the last token alone, the same computation. (With
         `length` tokens vLLM's hit stops a block short, and kvtier recomputes, not loads, what
         is less than a block past it: the GPU hit would compute 16 tokens, the warm run one.)"""
-        base, reset = self.prompt(length + 1, 0), self.llm.reset_prefix_cache
+        base, reset = prompt(length + 1, 0, self.args.family), self.llm.reset_prefix_cache
         _, cold = self.gen(base, self.check)
         _, gpu = self.gen(base, self.check)
         reset()
         self.flush()
         _, warm = self.gen(base, self.check)
         reset()
-        _, ctrl = self.gen(self.prompt(length + 1, 1), self.check)
+        _, ctrl = self.gen(prompt(length + 1, 1, self.args.family), self.check)
         reset()
         return {"cold": list(cold.token_ids), "gpu_hit": list(gpu.token_ids), "warm": list(warm.token_ids),
                 "control": list(ctrl.token_ids), "warm_logprob_err": _logprob_err(warm, gpu),
@@ -210,12 +208,12 @@ class _Run:
         runs: dict[str, list] = {"cold": [], "gpu_hit": [], "warm": [], "fwd_ms": [], "gpu_hit_fwd_ms": [],
                                  "gpu_hit_engine_ms": []}
         for i in range(self.args.pairs + 1):  # the first pair warms up
-            pair = self.pair(self.prompt(length, 100 + i), last=i == self.args.pairs)
+            pair = self.pair(prompt(length, 100 + i, self.args.family), last=i == self.args.pairs)
             for key, value in pair.items() if i else ():
                 runs[key].append(value)
         # each rank copies its shard over its own GPU's link: the floor's copy is the shard's
         if self.args.profile:
-            self.profiled_pair(self.prompt(length, 98))
+            self.profiled_pair(prompt(length, 98, self.args.family))
         nbytes = length * kv_bytes_per_token(self.args.family)
         summary = _summary(runs, nbytes, bw * self.args.tp, tokens, self.timelines)
         if self.args.trace:
@@ -226,7 +224,7 @@ class _Run:
         """One more pair, its warm run (`--trace warm`) or its GPU prefix hit (`--trace hit`)
         under torch's profiler: the GPU's side of the timeline, and the host's waits for it."""
         what = self.args.trace
-        ids = self.prompt(length, 99)
+        ids = prompt(length, 99, self.args.family)
         self.gen(ids)
         if what == "warm":
             self.llm.reset_prefix_cache()
@@ -302,53 +300,6 @@ def _logprob_err(a, b) -> float:
     return err
 
 
-def agrees(cold: list[int], plain: dict) -> bool:
-    """A setup's cold tokens against plain vLLM's: equal, or parting from them first where
-    plain vLLM's own two paths (its cold prefill, its GPU prefix hit) part, with the token
-    one of them gave. That is a near-tie in bf16: a setup that runs another CUDA graph
-    mode (layerwise needs PIECEWISE) may fall on either side of it."""
-    if not plain:
-        return False
-    if cold == plain["cold"]:
-        return True
-    at = next((i for i, (a, b) in enumerate(zip(cold, plain["cold"])) if a != b), min(len(cold), len(plain["cold"])))
-    split = next((i for i, (a, b) in enumerate(zip(plain["cold"], plain["gpu_hit"])) if a != b), None)
-    return at == split and cold[:at + 1] == plain["gpu_hit"][:at + 1]
-
-
-def under_the_copy(name: str, r: dict) -> bool:
-    """A warm run faster than its KV's bytes over the H2D bandwidth measured in the same
-    process: the offloader cannot have loaded the KV it reported as a hit (vLLM then ran the
-    forward on whatever the pages held)."""
-    return name != "plain" and r["warm_median"] * 1e3 < r["copy_ms"]
-
-
-def compare(out: Path) -> int:
-    """The table of every setup's record, and the token checks against plain vLLM."""
-    recs = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
-    plain = recs.get("plain")
-    bad = 0
-    for name, rec in recs.items():
-        for length, r in rec["lengths"].items():
-            t = r["tokens"]
-            # Loaded KV computes what vLLM's own cached KV does; plain vLLM recomputes "warm" (a
-            # prefix-cache hit and a whole prefill may differ in the last bits of bf16).
-            same_warm = t["warm"] == (t["cold"] if name == "plain" else t["gpu_hit"])
-            same_plain = plain is None or agrees(t["cold"], plain["lengths"].get(length, {}).get("tokens", {}))
-            control_differs = t["control"] != t["cold"]
-            unloaded = under_the_copy(name, r)
-            ok = same_warm and same_plain and control_differs and not unloaded
-            bad += not ok
-            print(f"{name:18s} {length:>6s}  cold {r['cold_median']*1e3:7.1f}  warm {r['warm_median']*1e3:7.1f} ms"
-                  f"  (GPU hit {r['gpu_hit_median']*1e3:6.1f}, in the engine {r['gpu_hit_engine_median_ms']:5.1f})"
-                  f"  floor ratio {r['warm_over_floor_paired']:.3f}  max(load,fwd) ratio "
-                  f"{r['warm_over_max_load_fwd_paired']:.3f}  tokens {'OK' if ok else 'DIFFER'}"
-                  f" (warm=GPU hit {same_warm}, cold=plain {same_plain}, control differs {control_differs},"
-                  f" logprob err {t['warm_logprob_err']:.3g}, cold vs GPU hit {t['cold_vs_gpu_hit_logprob_err']:.3g})"
-                  + ("  WARM UNDER THE COPY OF ITS KV: not loaded" if unloaded else ""))
-    return 1 if bad else 0
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setup", choices=SETUPS, help="run one setup (in this process)")
@@ -360,7 +311,8 @@ def main() -> None:
     p.add_argument("--family", choices=tuple(MODELS), default="llama",
                    help="llama: Llama-3.1-8B's shape; gemma3: the same KV, five of six layers sliding-window; "
                         "gptoss_dense: the same, every other layer a window of 128 (gpt-oss's); "
-                        "nemotron_h: Nemotron-H-8B's, Mamba-2 layers and four attention layers")
+                        "nemotron_h: Nemotron-H-8B's, Mamba-2 layers and four attention layers; "
+                        "deepseek_v2: DeepSeek-V2-Lite's multi-head latent attention, dense MLPs")
     p.add_argument("--out", default="results/gpu-vllm")
     p.add_argument("--cpu-gb", type=float, default=20.0, help="CPU memory each offloader gets (GB)")
     p.add_argument("--gpu-util", type=float, default=0.85)

@@ -330,11 +330,13 @@ def h2d_bandwidth(nbytes: int) -> float:
     return nbytes / best
 
 
-def prompt(length: int, variant: int, vocab: int = 128000) -> list[int]:
-    """A deterministic prompt; `variant` changes its first 256 tokens only (so variants share
-    everything after the first chunk, which still changes every key)."""
+def prompt(length: int, variant: int, family: str = "llama") -> list[int]:
+    """A deterministic prompt of ids in [100, min(128000, the family's vocabulary)); `variant`
+    changes its first 256 tokens only (so variants share everything after the first chunk,
+    which still changes every key)."""
     import random
 
+    vocab = min(128000, MODELS[family]["vocab_size"])
     body = random.Random(length).choices(range(100, vocab), k=length)
     head = random.Random(1_000_003 * (variant + 1) + length).choices(range(100, vocab), k=256)
     return head + body[256:]

@@ -4,7 +4,7 @@
                              in batches when the pool is smaller than the store
     start_store(..., layerwise=True)   the same, one layer at a time as the engine computes it
     find(tokens, hold_for)  keys → longest prefix stored in any tier; optionally held
-                             (protected) until the request's retrieve (kvtier/tiers/holds.py)
+                             (protected) until the request's retrieve (finding.py)
     upload_ahead(tokens, rid)  a hit all in CPU RAM starts crossing to the device (ahead.py)
     prefetch(tokens)         disk and remote chunks of that prefix up into CPU RAM (prefetch.py)
     retrieve(tokens, slots)  keys → pinned, lent or fetched chunks → scatter KV → verify →
@@ -27,7 +27,6 @@ Only whole chunks move (plus the partial last chunk when
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -35,6 +34,7 @@ import torch
 from kvtier.config import KvtierConfig
 from kvtier.engine.ahead import AheadSlot
 from kvtier.engine.build import build
+from kvtier.engine.finding import FindPath, Hit
 from kvtier.engine.job import Job
 from kvtier.engine.loading import Loading, LoadPath
 from kvtier.engine.mover import Tokens, as_numpy
@@ -43,25 +43,13 @@ from kvtier.engine.records import ChunkEvent
 from kvtier.engine.states import StateLayers, StateLoad, StatePath
 from kvtier.engine.storing import Storing, StorePath
 from kvtier.engine.tails import Tails
-from kvtier.keys import PLAIN, ChunkKey, ChunkSpan, Identity, KVFormat, tail_span
+from kvtier.keys import PLAIN, ChunkKey, ChunkSpan, Identity, KVFormat
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
-from kvtier.tiers.base import CPU
 from kvtier.tiers.cpu import CpuTier
 from kvtier.transfer import PagedKV, Transfer
 
 log = get_logger(__name__)
-
-FLYING = "in flight"  # `find`: a chunk on its way to the host, before the caller's `known` (never held or read)
-
-
-@dataclass(frozen=True)
-class Hit:
-    """A lookup's answer, in tokens from the prompt's start (chunk boundaries)."""
-
-    tokens: int  # stored in some tier
-    in_cpu: int  # of those, the leading ones whose chunks are all in CPU RAM
-
 
 class CacheEngine:
     def __init__(self, config: KvtierConfig, kv: PagedKV, fmt: KVFormat, *, transfer: str = "auto",
@@ -85,6 +73,8 @@ class CacheEngine:
         self.loading = LoadPath(self.tiers, self.mover, self.holds, self.ahead, self.prefetcher, self.stats,
                                 self._spans.spans)
         self.states = None if states is None else StatePath(states, self.tiers, self.pool.block_bytes)
+        self.finding = FindPath(self.tiers, self.holds, self.tails, self.storing.landing, self.fmt, self.chunk_size,
+                                self._spans.spans, lambda keys: self._settle(keys=keys), self.states)
         if kv.device.type == "cuda" and self.pool.device.type == "cpu":  # host chunks, staged over PCIe
             self.mover.warm_up(self.pool, self.chunk_size)
         if not self.tiers.keep_cpu and not self.tiers.lower and not config.enable_pd:
@@ -128,63 +118,8 @@ class CacheEngine:
         `known`: the leading tokens the caller has already (vLLM's own prefix cache), which no
         load reads. A chunk within them that a store still has on its way to the host counts
         as found, and is not waited for: a lookup waiting there made vLLM's scheduler wait for
-        the GPU's step (the store's copies queue behind its forward)."""
-        spans = self.spans(tokens, hold_for, identity)
-        keys = [s.key for s in spans]
-        ahead = 0 if self.states is not None else next((i for i, s in enumerate(spans) if s.end > known), len(spans))
-        self._settle(keys=keys[ahead:])  # stores of this prefix land first (waited for); snapshots that have ended
-        where = self._locate(keys, ahead)
-        if self.states is None and len(where) < len(spans):  # a shorter prompt's end, stored (tails.py)?
-            tail = self._tail(tokens, spans, len(where), identity)
-            if tail is not None:
-                n = len(where)
-                spans, keys, where = spans[:n] + [tail[0]], keys[:n] + [tail[0].key], where + [tail[1]]
-        in_cpu = next((i for i, w in enumerate(where) if w not in (CPU, FLYING)), len(where))
-        if cpu_only:
-            where = where[:in_cpu]
-        n, state_keys, state_where = len(where), [], []
-        if self.states is not None:
-            n, state_keys, state_where = self._state_point(spans, where, len(tokens) if limit is None else limit,
-                                                           cpu_only)
-            in_cpu = 0 if any(w != CPU for w in state_where) else min(in_cpu, n)  # a snapshot below: in the background
-        if hold_for:
-            self.holds.take(hold_for, keys[:n] + state_keys, where[:n] + state_where)
-        return Hit(spans[n - 1].end if n else 0, spans[in_cpu - 1].end if in_cpu else 0)
-
-    def _tail(self, tokens: Tokens, spans: list[ChunkSpan], n: int, identity: Identity
-              ) -> tuple[ChunkSpan, str] | None:
-        """The longest stored tail (a prompt's partial last chunk) after the first `n` spans,
-        shorter than span n, that these tokens continue with; with its tier."""
-        before = spans[n - 1] if n else None
-        for length in self.tails.lengths(before.key.digest if before is not None else identity.root):
-            if length < spans[n].num_tokens:
-                span = tail_span(tokens, before, length, self.fmt, identity)
-                found = self.tiers.locate([span.key])
-                if found:
-                    return span, found[0]
-        return None
-
-    def _locate(self, keys: list[ChunkKey], ahead: int) -> list[str]:
-        """`TieredStore.locate`, where the first `ahead` keys may also be on their way (FLYING)."""
-        where = self.tiers.locate(keys)
-        while len(where) < ahead and self.storing.landing.holds(keys[len(where)]):
-            n = len(where) + 1
-            where = where + [FLYING] + self.tiers.locate(keys[n:])
-        return where
-
-    def _state_point(self, spans: list[ChunkSpan], where: list[str], limit: int, cpu_only: bool
-                     ) -> tuple[int, list[ChunkKey], list[str]]:
-        """The chunks of the longest stored prefix of at most `limit` tokens whose end has a
-        snapshot (every piece in some tier, or in CPU RAM), with its pieces' keys and tiers."""
-        assert self.states is not None
-        for i in range(len(where) - 1, -1, -1):
-            if spans[i].end > limit or spans[i].num_tokens != self.chunk_size:
-                continue
-            keys = self.states.keys(spans[i].key)
-            found = self.tiers.locate(keys)
-            if len(found) == len(keys) and not (cpu_only and any(w != CPU for w in found)):
-                return i + 1, keys, found
-        return 0, [], []
+        the GPU's step (the store's copies queue behind its forward). The path: finding.py."""
+        return self.finding.find(as_numpy(tokens), identity, hold_for, limit, cpu_only, known)
 
     def release_hold(self, request_id: str) -> None:
         """The request will not load what it looked up (finished, aborted)."""
@@ -214,7 +149,8 @@ class CacheEngine:
         recurrent layers, the pieces of the longest prefix's state snapshot come up too."""
         spans = self.spans(tokens, request_id, identity)
         if self.states is not None:
-            n, keys, _ = self._state_point(spans, self.tiers.locate([s.key for s in spans]), len(tokens), False)
+            where = self.tiers.locate([s.key for s in spans])
+            n, keys, _ = self.finding.state_point(spans, where, len(tokens), False)
             spans = spans[:n] + [ChunkSpan(k, 0, self.states.piece_tokens) for k in keys]
         return self.prefetcher.start(spans, request_id)
 

@@ -1,0 +1,55 @@
+"""The table and the token checks of `kvtier.bench.vllm`'s records (one JSON a setup):
+`compare` prints a row a setup and length, and fails the run where a setup's tokens part
+from vLLM's own or its warm run is faster than its KV's copy (a load that did not happen)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def agrees(cold: list[int], plain: dict) -> bool:
+    """A setup's cold tokens against plain vLLM's: equal, or parting from them first where
+    plain vLLM's own two paths (its cold prefill, its GPU prefix hit) part, with the token
+    one of them gave. That is a near-tie in bf16: a setup that runs another CUDA graph
+    mode (layerwise needs PIECEWISE) may fall on either side of it."""
+    if not plain:
+        return False
+    if cold == plain["cold"]:
+        return True
+    at = next((i for i, (a, b) in enumerate(zip(cold, plain["cold"])) if a != b), min(len(cold), len(plain["cold"])))
+    split = next((i for i, (a, b) in enumerate(zip(plain["cold"], plain["gpu_hit"])) if a != b), None)
+    return at == split and cold[:at + 1] == plain["gpu_hit"][:at + 1]
+
+
+def under_the_copy(name: str, r: dict) -> bool:
+    """A warm run faster than its KV's bytes over the H2D bandwidth measured in the same
+    process: the offloader cannot have loaded the KV it reported as a hit (vLLM then ran the
+    forward on whatever the pages held)."""
+    return name != "plain" and r["warm_median"] * 1e3 < r["copy_ms"]
+
+
+def compare(out: Path) -> int:
+    """The table of every setup's record, and the token checks against plain vLLM."""
+    recs = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
+    plain = recs.get("plain")
+    bad = 0
+    for name, rec in recs.items():
+        for length, r in rec["lengths"].items():
+            t = r["tokens"]
+            # Loaded KV computes what vLLM's own cached KV does; plain vLLM recomputes "warm" (a
+            # prefix-cache hit and a whole prefill may differ in the last bits of bf16).
+            same_warm = t["warm"] == (t["cold"] if name == "plain" else t["gpu_hit"])
+            same_plain = plain is None or agrees(t["cold"], plain["lengths"].get(length, {}).get("tokens", {}))
+            control_differs = t["control"] != t["cold"]
+            unloaded = under_the_copy(name, r)
+            ok = same_warm and same_plain and control_differs and not unloaded
+            bad += not ok
+            print(f"{name:18s} {length:>6s}  cold {r['cold_median']*1e3:7.1f}  warm {r['warm_median']*1e3:7.1f} ms"
+                  f"  (GPU hit {r['gpu_hit_median']*1e3:6.1f}, in the engine {r['gpu_hit_engine_median_ms']:5.1f})"
+                  f"  floor ratio {r['warm_over_floor_paired']:.3f}  max(load,fwd) ratio "
+                  f"{r['warm_over_max_load_fwd_paired']:.3f}  tokens {'OK' if ok else 'DIFFER'}"
+                  f" (warm=GPU hit {same_warm}, cold=plain {same_plain}, control differs {control_differs},"
+                  f" logprob err {t['warm_logprob_err']:.3g}, cold vs GPU hit {t['cold_vs_gpu_hit_logprob_err']:.3g})"
+                  + ("  WARM UNDER THE COPY OF ITS KV: not loaded" if unloaded else ""))
+    return 1 if bad else 0
