@@ -64,8 +64,9 @@ def test_an_adapter_never_loads_another_adapter_s_kv_and_prompt_embeds_are_not_c
 
 def test_adapters_and_cache_salts_through_the_openai_server(tiny_model, adapters, prompt, tmp_path):
     """`--enable-lora --lora-modules`, and the completions API's cache_salt: two adapters or
-    two salts never share a chunk; the same adapter or salt hits, and answers as before."""
-    lora_args = ["--enable-lora", "--max-lora-rank", "8", "--lora-modules"]
+    two salts never share a chunk; the same adapter or salt hits, and answers as before. A
+    prompt of embeddings is answered, never looked up, and counted in /metrics."""
+    lora_args = ["--enable-prompt-embeds", "--enable-lora", "--max-lora-rank", "8", "--lora-modules"]
     lora_args += [f"{name}={path}" for name, path in adapters.items()]
     env = {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_SAVE_UNFULL_CHUNK": "false"}
     with vllm_server(tiny_model, tmp_path, env=env, max_model_len=4096, extra_args=lora_args) as server:
@@ -79,10 +80,44 @@ def test_adapters_and_cache_salts_through_the_openai_server(tiny_model, adapters
         base = str(tiny_model)
         texts = [complete("A"), complete("B"), complete("A"),
                  complete(base, "tenant-1"), complete(base, "tenant-2"), complete(base, "tenant-1"), complete(base)]
+        embeds = {"model": base, "prompt_embeds": _embeddings_b64(tiny_model, prompt), "max_tokens": 4}
+        for _ in range(2):
+            assert httpx.post(server.url + "/v1/completions", json=embeds, timeout=300).status_code == 200
         hits = [h[1] for h in server.hit_lines()]
+        metrics = _uncached(server.url)
     g = hit_granularity()
     assert hits == [0, 0, 512 - 512 % g, 0, 0, 512 - 512 % g, 0]
     assert texts[0] == texts[2] != texts[1] and texts[3] == texts[5]
+    assert metrics == {"prompt_embeds": 2.0}
+
+
+def _embeddings_b64(model, ids: list[int]) -> str:
+    """The prompt's input embeddings as the completions API takes them (torch.save, base64)."""
+    import base64
+    import io
+
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        table = f.get_tensor("model.embed_tokens.weight")
+    buffer = io.BytesIO()
+    torch.save(table[ids].to(torch.float32), buffer)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _uncached(url: str) -> dict[str, float]:
+    """kvtier_uncached_requests_total by kind, from vLLM's /metrics (its stats come every few
+    steps: read until they are in)."""
+    import time
+
+    pattern = re.compile(r'^kvtier_uncached_requests_total\{[^}]*kind="([^"]+)"[^}]*\} (\S+)', re.M)
+    deadline = time.monotonic() + 30
+    while True:
+        found = {k: float(v) for k, v in pattern.findall(httpx.get(url + "/metrics", timeout=30).text)}
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
