@@ -46,19 +46,20 @@ def _close(a: dict, b: dict) -> bool:
 
 def test_an_adapter_never_loads_another_adapter_s_kv_and_prompt_embeds_are_not_cached(
         tiny_model, adapters, prompt, tmp_path):
-    """The same prompt under A, then B, then A: B's output is plain vLLM's with B and B hits
-    nothing; A hits A's chunks. A prompt of embeddings is served twice and never cached."""
+    """One prompt under B, then (kvtier's tiers and vLLM's cache reset) under A, B, A: B's
+    second output is its first, plain vLLM's (nothing was stored then), and it hits nothing;
+    A's second hits A's chunks and equals A's first. A prompt of embeddings is served twice
+    and never cached."""
     under = {name: {"ids": prompt, "lora": name} for name in adapters}
     embeds = {"ids": prompt, "embeds": True}
-    plain, _ = run_vllm(tiny_model, [under["A"], under["B"], embeds], tmp_path, lora=adapters, embeds=True)
-    with_kv, log = run_vllm(tiny_model, [under["A"], under["B"], under["A"], embeds, embeds], tmp_path,
-                            kv_role="kv_both", lora=adapters, embeds=True)
+    order = [under["B"], "RESET", under["A"], under["B"], under["A"], embeds, embeds]
+    out, log = run_vllm(tiny_model, order, tmp_path, kv_role="kv_both", lora=adapters, embeds=True)
+    b_alone, _, a_first, b_after_a, a_again, embeds_first, embeds_again = out
     g = hit_granularity()
-    assert _hits(log) == [0, 0, 512 - 512 % g]  # the embeddings' requests are not looked up
-    assert plain[0]["token_ids"] != plain[1]["token_ids"]  # the adapters change the output
-    assert _close(with_kv[1], plain[1]) and _close(with_kv[0], plain[0]) and _close(with_kv[2], plain[0])
-    assert _close(with_kv[3], plain[2]) and _close(with_kv[4], plain[2])
-    assert [int(m[0]) for m in STORE.findall(log)] == [512, 512]  # A and B; neither embeddings request
+    assert _hits(log) == [0, 0, 0, 512 - 512 % g]  # the embeddings' requests are not looked up
+    assert a_first["token_ids"] != b_alone["token_ids"]  # the adapters change the output
+    assert _close(b_after_a, b_alone) and _close(a_again, a_first) and _close(embeds_again, embeds_first)
+    assert [int(m[0]) for m in STORE.findall(log)] == [512, 512, 512]  # B, A (after the reset), B
     assert log.count("kvtier neither loads nor stores requests of this kind (prompt_embeds)") == 1
 
 
@@ -126,21 +127,22 @@ def idefics3(tmp_path_factory):
 
 
 def test_another_image_behind_the_same_text_shares_only_the_chunks_before_it(idefics3, tmp_path):
-    """The same text with images 1, 2, then 1 again: each output equals plain vLLM's for its
-    image; image 2 loads only the whole chunks before the image's tokens (shared text), and
-    image 1 again hits all its stored chunks."""
+    """The same text with image 2, then (kvtier's tiers reset) images 1, 2, 1: each output is
+    its image's first, plain vLLM's (nothing was stored then); image 2 loads only the whole
+    chunks before the image's tokens (the text image 1 stored), and image 1 again hits all of
+    its stored chunks."""
     text = corpus_text()[5000:7000] + IMAGE_TOKEN + corpus_text()[9000:9040]  # close after it: it shows
     one, two = {"text": text, "image": 1}, {"text": text, "image": 2}
-    plain, _ = run_vllm(idefics3, [one, two], tmp_path, max_tokens=6)
-    with_kv, log = run_vllm(idefics3, [one, two, one], tmp_path, kv_role="kv_both", max_tokens=6,
-                            env={"LMCACHE_SAVE_UNFULL_CHUNK": "true"})  # kvtier's default: the tail too
+    out, log = run_vllm(idefics3, [two, "RESET", one, two, one], tmp_path, kv_role="kv_both", max_tokens=6,
+                        env={"LMCACHE_SAVE_UNFULL_CHUNK": "true"})  # kvtier's default: the tail too
+    two_alone, _, one_first, two_after_one, one_again = out
     before = _image_offset(idefics3, text)
     total = [int(m[0]) for m in HIT.findall(log)][0]
     g = hit_granularity()
     assert 512 < before < total < 768  # two whole chunks before the image, which is in the partial third
-    assert _hits(log) == [0, 512 - 512 % g, total - 1 - (total - 1) % g]
-    assert plain[0]["token_ids"] != plain[1]["token_ids"]  # the images change the answer
-    assert _close(with_kv[0], plain[0]) and _close(with_kv[1], plain[1]) and _close(with_kv[2], plain[0])
+    assert _hits(log) == [0, 0, 512 - 512 % g, total - 1 - (total - 1) % g]
+    assert one_first["token_ids"] != two_alone["token_ids"]  # the images change the answer
+    assert _close(two_after_one, two_alone) and _close(one_again, one_first)
 
 
 def _image_offset(model, text: str) -> int:
