@@ -59,7 +59,7 @@ class Identities:
     def __init__(self, content_ids: bool = True) -> None:
         """`content_ids`: vLLM names multimodal items by their content (`for_vllm`)."""
         self._content_ids = content_ids
-        self._adapters: dict[tuple[str, str], tuple[tuple[int, int, int], bytes]] = {}
+        self._adapters: dict[tuple[str, str], _Adapter] = {}  # (name, path) -> its files' digest
         self._said: set[str] = set()
         self.refused: dict[str, int] = {}  # kind -> requests, since the last `take_refused`
 
@@ -114,22 +114,37 @@ class Identities:
         return b"\0".join([name.encode(), path.encode(), self._files_digest(name, path)])
 
     def _files_digest(self, name: str, path: str) -> bytes:
+        """A digest of the adapter's files, hashed again only when their sizes or times change
+        (vLLM reads them again when it loads the adapter anew); b"" where there are none here."""
+        known = self._adapters.get((name, path))
+        if known is not None and _stamp(known.files) == known.stamp:
+            return known.digest
         root = Path(path)
         files = _adapter_files(root) if path else []
-        if not files:
-            if (name, path) not in self._adapters:
-                self._adapters[(name, path)] = ((0, 0, 0), b"")
-                log.info("LoRA adapter %s: no local files at %r; its name and path identify its KV", name, path)
-            return b""
-        stamp = (len(files), sum(f.stat().st_size for f in files), max(f.stat().st_mtime_ns for f in files))
-        known = self._adapters.get((name, path))
-        if known is not None and known[0] == stamp:
-            return known[1]
-        digest = _digest_files(root if root.is_dir() else root.parent, files)
-        self._adapters[(name, path)] = (stamp, digest)
-        log.info("LoRA adapter %s: %d files at %s hashed into its chunk keys (%s)", name, len(files), path,
-                 digest.hex()[:12])
+        stamp = _stamp(files)
+        digest = _digest_files(root if root.is_dir() else root.parent, files) if files else b""
+        self._adapters[(name, path)] = _Adapter(files, stamp, digest)
+        if files:
+            log.info("LoRA adapter %s: %d files at %s hashed into its chunk keys (%s)", name, len(files), path,
+                     digest.hex()[:12])
+        else:
+            log.info("LoRA adapter %s: no local files at %r; its name and path identify its KV", name, path)
         return digest
+
+
+@dataclass(frozen=True)
+class _Adapter:
+    files: list[Path]
+    stamp: tuple[tuple[int, int], ...] | None
+    digest: bytes
+
+
+def _stamp(files: list[Path]) -> tuple[tuple[int, int], ...] | None:
+    """Each file's size and modification time; None if one is gone."""
+    try:
+        return tuple((f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    except OSError:
+        return None
 
 
 def _adapter_files(path: Path) -> list[Path]:
