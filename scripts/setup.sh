@@ -26,9 +26,9 @@ venv_python=$PWD/"$VENV"/bin/python
 [ -x "$VENV"/bin/kvtier ] && (cd / && "$venv_python" -c "import kvtier, importlib.metadata as m; \
 assert any(e.name == 'kvtier' for e in m.entry_points(group='vllm.general_plugins'))") 2>/dev/null \
     || pip install -q --no-deps -e .
-"$VENV"/bin/python -c "import pytest_timeout, psutil, xxhash, msgspec, openai, uvloop, aiohttp, prometheus_client, redis, hiredis, lz4, hypothesis" 2>/dev/null \
-    || pip install -q pytest pytest-timeout psutil xxhash pyyaml tqdm pyzmq msgspec openai uvloop aiohttp prometheus-client \
-        "redis[hiredis]" lz4 hypothesis
+"$VENV"/bin/python -c "import pytest_timeout, xdist, psutil, xxhash, msgspec, openai, uvloop, aiohttp, prometheus_client, redis, hiredis, lz4, hypothesis" 2>/dev/null \
+    || pip install -q pytest pytest-timeout pytest-xdist psutil xxhash pyyaml tqdm pyzmq msgspec openai uvloop aiohttp \
+        prometheus-client "redis[hiredis]" lz4 hypothesis
 # NIXL, the optional transfer channel of disaggregated prefill (its tests run both
 # channels). After torch: nixl-cu12/-cu13 require torch, and with none installed pip
 # would pull a 5.9 GB CUDA build.

@@ -14,7 +14,7 @@ import pytest
 
 from kvtier.bench.chaos_faults import DISK_FAULTS, PD_FAULTS, STORE_FAULTS, private_mounts_available
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.alone]  # its faults have bounds on wall time
 
 
 @pytest.mark.timeout(1500)  # about 10 minutes: five vLLM starts, two of them restarts under load
