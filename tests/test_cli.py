@@ -147,3 +147,26 @@ def test_a_user_mistake_is_one_line_that_names_it(args, says):
 def test_version():
     done = run("--version")
     assert done.returncode == 0 and done.stdout.startswith("kvtier ")
+
+
+# Runs `kvtier` with triton's import refused, as on a host without it (a CPU-only server).
+NO_TRITON = """
+import sys
+class NoTriton:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "triton":
+            raise ImportError("no triton on this host")
+sys.meta_path.insert(0, NoTriton())
+from kvtier.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("command", [["server", "--help"], ["proxy", "--help"], ["bench", "chat", "--help"],
+                                     ["config"]])
+def test_the_store_server_and_the_proxy_start_without_triton(command):
+    """Only the command named loads its module: a benchmark's (some import triton) is not
+    imported by `kvtier server`, `kvtier proxy` or another benchmark."""
+    done = subprocess.run([sys.executable, "-c", NO_TRITON, *command], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "no triton on this host" not in done.stderr

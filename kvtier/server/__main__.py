@@ -1,5 +1,5 @@
 import sys
 
-from kvtier.cli import main
+from kvtier.server.flags import main
 
-sys.exit(main(["server", *sys.argv[1:]]))
+sys.exit(main(sys.argv[1:]))
