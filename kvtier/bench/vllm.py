@@ -74,6 +74,10 @@ SETUPS: dict[str, dict] = {
                       "env": {"LMCACHE_LOCAL_CPU": "false"}},
     "kvtier-server-tcp": {"connector": "KvtierConnector", "server": "?shm=0", "flush": True,
                           "env": {"LMCACHE_LOCAL_CPU": "false"}},
+    # The lossy KV codecs (remote_serde): chunks of int8 or fp8 e4m3 with per-head scales in every
+    # tier, half the bytes to copy up, decoded on the GPU in the scatter (transfer/quant.py).
+    "kvtier-int8": {"connector": "KvtierConnector", "env": {"LMCACHE_REMOTE_SERDE": "int8"}},
+    "kvtier-fp8": {"connector": "KvtierConnector", "env": {"LMCACHE_REMOTE_SERDE": "fp8"}},
     "lmcache": {"connector": "LMCacheConnectorV1", "env": {"LMCACHE_LOCAL_CPU": "true"}},
     "lmcache-layerwise": {"connector": "LMCacheConnectorV1",
                           "env": {"LMCACHE_LOCAL_CPU": "true", "LMCACHE_USE_LAYERWISE": "true"}},
@@ -202,7 +206,10 @@ class _Run:
         self.llm.reset_prefix_cache()
 
     def length(self, length: int) -> dict:
-        bw = h2d_bandwidth(length * kv_bytes_per_token(self.args.family))
+        # the bytes a warm load copies up: kvtier's chunks (a lossy codec's are half the KV's)
+        moved = self.record.machine.get("kvtier", {}).get("stored_bytes_per_token") or \
+            kv_bytes_per_token(self.args.family)
+        bw = h2d_bandwidth(length * moved)
         self.timelines = []
         tokens = self.tokens(length)
         runs: dict[str, list] = {"cold": [], "gpu_hit": [], "warm": [], "fwd_ms": [], "gpu_hit_fwd_ms": [],
@@ -214,8 +221,7 @@ class _Run:
         # each rank copies its shard over its own GPU's link: the floor's copy is the shard's
         if self.args.profile:
             self.profiled_pair(prompt(length, 98, self.args.family))
-        nbytes = length * kv_bytes_per_token(self.args.family)
-        summary = _summary(runs, nbytes, bw * self.args.tp, tokens, self.timelines)
+        summary = _summary(runs, length * moved, bw * self.args.tp, tokens, self.timelines)
         if self.args.trace:
             summary["gpu_timeline"] = self._trace(length)
         return summary
