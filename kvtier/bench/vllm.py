@@ -78,6 +78,8 @@ SETUPS: dict[str, dict] = {
     # tier, half the bytes to copy up, decoded on the GPU in the scatter (transfer/quant.py).
     "kvtier-int8": {"connector": "KvtierConnector", "env": {"LMCACHE_REMOTE_SERDE": "int8"}},
     "kvtier-fp8": {"connector": "KvtierConnector", "env": {"LMCACHE_REMOTE_SERDE": "fp8"}},
+    "kvtier-fp8-layerwise": {"connector": "KvtierConnector",
+                             "env": {"LMCACHE_REMOTE_SERDE": "fp8", "LMCACHE_USE_LAYERWISE": "true"}},
     "lmcache": {"connector": "LMCacheConnectorV1", "env": {"LMCACHE_LOCAL_CPU": "true"}},
     "lmcache-layerwise": {"connector": "LMCacheConnectorV1",
                           "env": {"LMCACHE_LOCAL_CPU": "true", "LMCACHE_USE_LAYERWISE": "true"}},
