@@ -6,6 +6,7 @@ B, another image or another salt would hit the chunks stored under A, the first 
 the first salt (a hit line says so), and the image's output would follow the first image.
 """
 
+import logging
 import re
 
 import httpx
@@ -171,7 +172,19 @@ def _lora(name: str, path, int_id: int = 1):
     return SimpleNamespace(lora_name=name, lora_int_id=int_id, lora_path=str(path))
 
 
-def test_what_a_request_is_keyed_by_and_what_is_refused(capfd):
+class _Said(logging.Handler):
+    """The messages kvtier's logger emits while it is attached (its own handler writes to
+    whatever stderr was when it was made, which pytest-xdist's workers capture elsewhere)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_what_a_request_is_keyed_by_and_what_is_refused():
     """Identities.of reads the adapter, the items and the salt; a request of prompt
     embeddings, an item of an unknown modality, or items named per request (vLLM's caches
     off) are refused, said once per kind, and counted."""
@@ -188,12 +201,17 @@ def test_what_a_request_is_keyed_by_and_what_is_refused(capfd):
     assert salted.root != PLAIN.root != identities.of(vllm_request("r", [1, 2], cache_salt="t2")).root
     refused = [vllm_request("e", None, prompt_embeds=object()), vllm_request("e", None, prompt_embeds=object()),
                vllm_request("m", [1], mm_features=[_feature("point_cloud")])]
-    assert all(isinstance(identities.of(r), Uncacheable) for r in refused)
-    named = Identities(content_ids=False).of(vllm_request("m", [1], mm_features=[_feature()]))
+    said = _Said()
+    logging.getLogger("kvtier").addHandler(said)
+    try:
+        assert all(isinstance(identities.of(r), Uncacheable) for r in refused)
+        named = Identities(content_ids=False).of(vllm_request("m", [1], mm_features=[_feature()]))
+    finally:
+        logging.getLogger("kvtier").removeHandler(said)
     assert isinstance(named, Uncacheable) and named.kind == "multimodal:no-content-hash"
     assert identities.take_refused() == {"prompt_embeds": 2, "multimodal:point_cloud": 1}
     assert identities.take_refused() == {}
-    assert capfd.readouterr().err.count("kvtier neither loads nor stores") == 3  # once a kind
+    assert sum("kvtier neither loads nor stores" in m for m in said.messages) == 3  # once a kind
 
 
 def test_an_adapter_is_keyed_by_its_name_its_path_and_its_files(tmp_path):
