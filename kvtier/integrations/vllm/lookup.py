@@ -4,7 +4,7 @@ vLLM's scheduler and its workers live in different processes (the CPU
 platform always uses the multiprocess executor), while the tiers live in
 the worker. Each worker rank serves the scheduler on a ZMQ IPC socket:
 
-    request:  version u8 (4) | op u8 | request-id length u16 | request id (utf-8) | payload
+    request:  version u8 (5) | op u8 | request-id length u16 | request id (utf-8) | payload
         LOOKUP   payload: the tokens the engine has already (its own prefix cache), flags
                  (bit 0: a hit all in CPU RAM will load beside the engine's steps, not
                  inside one), both u32; the request's identity (its keys' root and
