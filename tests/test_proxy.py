@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -58,7 +59,12 @@ class HungPrefiller:
             self._conns.append(conn)
             data = b""
             while b"\r\n\r\n" not in data:
-                data += conn.recv(65536)
+                piece = conn.recv(65536)
+                if not piece:  # the proxy's probe: a connection opened and closed
+                    break
+                data += piece
+            if b"\r\n\r\n" not in data:
+                continue
             head, body = data.split(b"\r\n\r\n", 1)
             length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
                               if line.lower().startswith(b"content-length")))
@@ -124,7 +130,8 @@ def test_a_prefiller_that_is_down_costs_the_disaggregation_not_the_request():
             # The decoder got the client's request as it was: no KV to wait for.
             assert decoder.bodies == [{"model": "m", "prompt": "hi", "max_tokens": 4}]
             metrics = httpx.get(url + "/metrics").text
-            assert 'kvtier_proxy_upstream_errors_total{kind="unreachable",node="prefiller"} 1.0' in metrics
+            # the request's own connection failed, or the proxy's probe had found it down first
+            assert re.search(r'upstream_errors_total\{kind="(down|unreachable)",node="prefiller"\} 1\.0', metrics)
             assert "kvtier_proxy_prefill_fallbacks_total 1.0" in metrics
             assert httpx.get(url + "/health").status_code == 200
     finally:
@@ -137,6 +144,54 @@ def test_prefiller_and_decoder_down_is_a_502_at_once():
         r = completion(url)
         assert r.status_code == 502 and "decoder" in r.json()["error"]["message"]
         assert time.monotonic() - t0 < 10
+
+
+def test_a_decoder_that_is_down_gets_no_request_while_another_is_up():
+    live = Decoder()
+    dead = free_port()
+    try:
+        with proxy(free_port(), f"{dead},{live.port}", free_port(), free_port(), "--num-decoders", "2") as url:
+            for _ in range(4):  # round robin would send two of them to the dead one
+                assert completion(url).status_code == 200
+            assert len(live.bodies) == 4
+            metrics = httpx.get(url + "/metrics").text
+            assert f'kvtier_proxy_node_up{{node="decoder",url="http://127.0.0.1:{dead}"}} 0.0' in metrics
+            assert f'kvtier_proxy_node_up{{node="decoder",url="http://127.0.0.1:{live.port}"}} 1.0' in metrics
+    finally:
+        live.close()
+
+
+@pytest.mark.parametrize("decoders", [1, 2])
+def test_a_decoder_lost_while_its_request_prefills_is_left_at_once(decoders):
+    """The prefill never ends; the decoder it pushes to goes away meanwhile: the prefill is
+    dropped within the probe's interval, and the request goes to the other decoder as it
+    came (that one prefills it itself), or, with none up, ends in a 502 at once."""
+    hung = HungPrefiller()
+    nodes = [Decoder() for _ in range(decoders)]
+    ports = ",".join(str(d.port) for d in nodes)
+    try:
+        with proxy(hung.port, ports, free_port(), free_port(), "--num-decoders", str(decoders)) as url:
+            answer: list[httpx.Response] = []
+            client = threading.Thread(target=lambda: answer.append(completion(url)))
+            client.start()
+            deadline = time.monotonic() + 10
+            while not hung.req_ids and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert hung.req_ids
+            t0 = time.monotonic()
+            nodes[0].close()
+            client.join(30)
+            assert time.monotonic() - t0 < 3  # the probe runs every 0.5 s; the prefill would take 300 s
+            if decoders == 1:
+                assert answer[0].status_code == 502 and "no decoder is up" in answer[0].json()["error"]["message"]
+            else:
+                assert answer[0].status_code == 200
+                assert nodes[1].bodies == [{"model": "m", "prompt": "hi", "max_tokens": 4}]
+            assert "kvtier_proxy_prefill_fallbacks_total 1.0" in httpx.get(url + "/metrics").text
+    finally:
+        hung.close()
+        for node in nodes[1:]:
+            node.close()
 
 
 def test_a_prefiller_that_never_answers_is_left_after_the_timeout():
@@ -157,10 +212,10 @@ def test_a_prefiller_that_never_answers_is_left_after_the_timeout():
 @pytest.mark.parametrize("how", ["client gives up", "prefill times out"])
 def test_a_request_that_ends_early_frees_its_reservation_on_the_decoder(how):
     pair = Pair()
-    hung = HungPrefiller(pair)
+    hung, decoder = HungPrefiller(pair), Decoder()
     extra = ["--prefill-timeout", "1.5"] if how == "prefill times out" else []
     try:
-        with proxy(hung.port, free_port(), pair.alloc_port, free_port(), *extra) as url:
+        with proxy(hung.port, decoder.port, pair.alloc_port, free_port(), *extra) as url:
             with pytest.raises(httpx.TimeoutException) if not extra else contextlib.nullcontext():
                 completion(url, timeout=1.5 if not extra else 30)
             deadline = time.monotonic() + 10
@@ -170,6 +225,7 @@ def test_a_request_that_ends_early_frees_its_reservation_on_the_decoder(how):
             assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks
     finally:
         hung.close()
+        decoder.close()
         pair.close()
 
 

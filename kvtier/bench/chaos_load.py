@@ -278,7 +278,7 @@ def phase_figures(run: Run, phase: Phase, base_ttft: list[float]) -> dict:
         "seconds": round(phase.cleared_s - phase.start_s, 2),
         "inject_s": round(phase.injected_s - phase.start_s, 2),
         "sent": len(rs), "succeeded": len(ok), "failed": sum(bool(r.error) for r in ended), "errors": errors,
-        "slowest_failure_s": max((r.latency_s or r.ttft_s or 0.0 for r in ended if r.error), default=None),
+        "slowest_failure_s": max((_failed_after(r, phase) for r in ended if r.error), default=None),
         "ttft_p50_ms": p50, "ttft_p99_ms": p99,
         "ttft_p50_vs_no_fault": p50 / base50 if p50 and base50 else None,
         "ttft_p99_vs_no_fault": p99 / base99 if p99 and base99 else None,
@@ -288,6 +288,12 @@ def phase_figures(run: Run, phase: Phase, base_ttft: list[float]) -> dict:
         "longest_waits_s": {k.removeprefix("kvtier_longest_"): v for k, v in b.items() if k.startswith("kvtier_longest_")},
         "usage_start": phase.usage_start, "usage_end": phase.usage_end,
     }
+
+
+def _failed_after(r: ChaosResult, phase: Phase) -> float:
+    """Seconds from the fault (or the request's sending, if later) to the request's failure:
+    a request sent before the fault had its own work before it, not a wait on the fault."""
+    return r.sent_s + (r.latency_s or 0.0) - max(r.sent_s, phase.injected_s)
 
 
 def recovery(run: Run, fault: str, base_rate: float | None) -> dict:

@@ -18,8 +18,12 @@ is left out (LMCache's decoder keeps what it received, within its own buffer).
 Every wait is bounded. A prefiller that is down, fails (5xx) or is slower
 than --prefill-timeout costs the request its disaggregation, not its answer:
 the decoder prefills it itself (counted in kvtier_proxy_prefill_fallbacks).
-A decoder that is down answers 502 at once, one that is slow 504 after its
-timeout, and a missing PrefillDone only costs the decoder a recompute.
+A node that refuses connections is down until a TCP probe (every --health-interval s)
+connects again (kvtier.pd.upstreams): no request goes to it meanwhile. A decoder that
+goes down while its request prefills, or refuses the connection, costs the request
+only its disaggregation where another decoder is up (that one prefills it itself), and
+a 502 at once where none is; a slow one answers 504 after its timeout, and a missing
+PrefillDone only costs the decoder a recompute.
 Prefill TTFT statistics are printed every few seconds, as LMCache's proxy
 does; /health and Prometheus /metrics are served.
 """
@@ -42,6 +46,7 @@ from kvtier.logs import get_logger
 from kvtier.pd import protocol as proto
 from kvtier.pd.notify import Notifications, notifications
 from kvtier.pd.proxy_settings import Decoder, ProxyMetrics, ProxySettings, TtftStats
+from kvtier.pd.upstreams import Upstreams
 
 log = get_logger(__name__)
 
@@ -52,6 +57,10 @@ class UpstreamError(Exception):
     def __init__(self, status: int, message: str, body: Any = None) -> None:
         super().__init__(message)
         self.status, self.message, self.body = status, message, body
+
+
+class Unreachable(UpstreamError):
+    """No connection to the node: nothing of the request reached it."""
 
 
 class Proxy:
@@ -69,6 +78,11 @@ class Proxy:
                                                     self._prefill_done)
         self._background: set[asyncio.Task] = set()
         self._kvtier = settings.pd_engine == "kvtier"  # else LMCache's nodes: no pd_req_id, no Release
+        interval, connect = settings.health_interval, settings.connect_timeout
+        self._prefillers = Upstreams("prefiller", settings.prefillers, interval, connect, self.metrics.node_up)
+        self._decoders = Upstreams("decoder", [d.url for d in settings.decoders], interval, connect,
+                                   self.metrics.node_up)
+        self._watches: list[asyncio.Task] = []
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -83,6 +97,7 @@ class Proxy:
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._watches = [asyncio.create_task(u.watch()) for u in (self._prefillers, self._decoders)]
         try:
             await _listening(self._notify.start(), "kvtier proxy: --proxy-port", self.s.proxy_host, self.s.proxy_port)
             self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
@@ -97,6 +112,9 @@ class Proxy:
                  self.s.proxy_host, self.s.proxy_port)
 
     async def stop(self) -> None:
+        for watch in self._watches:
+            watch.cancel()
+        await asyncio.gather(*self._watches, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
         await self._notify.close()
@@ -144,30 +162,18 @@ class Proxy:
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         n = next(self._rr)
-        prefiller = self.s.prefillers[n % len(self.s.prefillers)]
-        decoder = self.s.decoders[n % len(self.s.decoders)]
+        d = self._decoders.pick(n)
+        if d is None:
+            self.metrics.upstream_errors.labels("decoder", "down").inc()
+            return _error(502, f"no decoder is up: {self._decoders.why_down()}")
         req_id = f"pd-{uuid.uuid4().hex}"
         waiter: asyncio.Future[proto.PrefillDone] = asyncio.get_running_loop().create_future()
         self._waiters[req_id] = waiter
         self.metrics.inflight.inc()
         outcome = "error"
         try:
-            t0 = time.perf_counter()
-            decode_body = dict(body, kv_transfer_params={"pd_req_id": req_id}) if self._kvtier else body
-            try:
-                await self._prefill(prefiller, endpoint, body, req_id, decoder)
-            except UpstreamError as exc:
-                if exc.status < 500:  # the request itself was refused: the decoder would refuse it too
-                    raise
-                self.metrics.prefill_fallbacks.inc()
-                log.warning("proxy: request %s: %s; the decoder prefills it itself", req_id, exc.message)
-                decode_body = body
-            else:
-                seconds = time.perf_counter() - t0
-                self.stats.add(seconds * 1e3)
-                self.metrics.prefill.observe(seconds)
-                await self._wait_kv(waiter, req_id)
-            response = await self._decode(request, decoder, endpoint, decode_body)
+            decode_body = await self._disaggregate(n, d, endpoint, body, req_id, waiter)
+            response = await self._decode_on_one_up(request, n, d, endpoint, body, decode_body)
             outcome = "ok"
             return response
         except UpstreamError as exc:
@@ -183,7 +189,59 @@ class Proxy:
             self._waiters.pop(req_id, None)
             self.metrics.inflight.dec()
             self.metrics.requests.labels(endpoint, outcome).inc()
-            self._release_later(decoder, req_id)
+            self._release_later(self.s.decoders[d], req_id)
+
+    async def _disaggregate(self, n: int, d: int, endpoint: str, body: dict[str, Any], req_id: str,
+                            waiter: asyncio.Future[proto.PrefillDone]) -> dict[str, Any]:
+        """Prefill on a prefiller, its KV pushed to decoder d; the body to send decoder d.
+        Where that fails, the request as it came: the decoder prefills it itself."""
+        p = self._prefillers.pick(n)
+        if p is None:
+            self.metrics.upstream_errors.labels("prefiller", "down").inc()
+            return self._fallback(req_id, f"no prefiller is up: {self._prefillers.why_down()}", body)
+        t0 = time.perf_counter()
+        prefill = asyncio.ensure_future(self._prefill(self.s.prefillers[p], endpoint, body, req_id, self.s.decoders[d]))
+        lost = asyncio.ensure_future(self._decoders.lost(d))
+        try:
+            await asyncio.wait({prefill, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            if not prefill.done():  # the decoder went down: its KV has nowhere to go
+                prefill.cancel()
+                await asyncio.wait({prefill})
+        if prefill.cancelled():
+            return self._fallback(req_id, f"decoder {self.s.decoders[d].url} went down", body)
+        try:
+            prefill.result()
+        except UpstreamError as exc:
+            if exc.status < 500:  # the request itself was refused: the decoder would refuse it too
+                raise
+            return self._fallback(req_id, exc.message, body)
+        seconds = time.perf_counter() - t0
+        self.stats.add(seconds * 1e3)
+        self.metrics.prefill.observe(seconds)
+        await self._wait_kv(waiter, req_id)
+        return dict(body, kv_transfer_params={"pd_req_id": req_id}) if self._kvtier else body
+
+    def _fallback(self, req_id: str, why: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.metrics.prefill_fallbacks.inc()
+        log.warning("proxy: request %s: %s; the decoder prefills it itself", req_id, why)
+        return body
+
+    async def _decode_on_one_up(self, request: web.Request, n: int, d: int, endpoint: str,
+                                body: dict[str, Any], decode_body: dict[str, Any]) -> web.StreamResponse:
+        """Decode on decoder d, or on the next one up where d is down or refuses the
+        connection (nothing was sent to it): the request as it came, prefilled there."""
+        while True:
+            if not self._decoders.is_up(d):
+                moved = self._decoders.pick(n + 1)
+                if moved is None:
+                    raise UpstreamError(502, f"no decoder is up: {self._decoders.why_down()}")
+                d, decode_body = moved, body
+            try:
+                return await self._decode(request, self.s.decoders[d], endpoint, decode_body)
+            except Unreachable as exc:
+                self._decoders.down(d, exc.message)
 
     async def _prefill(self, url: str, endpoint: str, body: dict[str, Any], req_id: str, decoder: Decoder) -> None:
         assert self._session is not None
@@ -205,9 +263,13 @@ class Proxy:
             self.metrics.upstream_errors.labels("prefiller", "timeout").inc()
             raise UpstreamError(504, f"prefiller {url} did not answer within {self.s.prefill_timeout:g} s "
                                 "(--prefill-timeout)") from None
-        except aiohttp.ClientError as exc:
+        except aiohttp.ClientConnectorError as exc:
             self.metrics.upstream_errors.labels("prefiller", "unreachable").inc()
+            self._prefillers.down(self.s.prefillers.index(url), str(exc))
             raise UpstreamError(502, f"prefiller {url} unreachable: {exc}") from None
+        except aiohttp.ClientError as exc:
+            self.metrics.upstream_errors.labels("prefiller", "broken").inc()
+            raise UpstreamError(502, f"prefiller {url} failed: {exc}") from None
 
     async def _wait_kv(self, waiter: asyncio.Future[proto.PrefillDone], req_id: str) -> None:
         t0 = time.perf_counter()
@@ -233,9 +295,12 @@ class Proxy:
         except asyncio.TimeoutError:
             self.metrics.upstream_errors.labels("decoder", "timeout").inc()
             raise UpstreamError(504, f"decoder {url} did not answer within {self.s.decode_timeout:g} s") from None
-        except aiohttp.ClientError as exc:
+        except aiohttp.ClientConnectorError as exc:
             self.metrics.upstream_errors.labels("decoder", "unreachable").inc()
-            raise UpstreamError(502, f"decoder {url} unreachable: {exc}") from None
+            raise Unreachable(502, f"decoder {url} unreachable: {exc}") from None
+        except aiohttp.ClientError as exc:
+            self.metrics.upstream_errors.labels("decoder", "broken").inc()
+            raise UpstreamError(502, f"decoder {url} failed: {exc}") from None
         async with resp:
             if resp.status != 200 or not body.get("stream"):
                 try:

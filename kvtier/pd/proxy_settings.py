@@ -34,6 +34,7 @@ class ProxySettings:
     kv_ready_timeout: float = 30.0  # s to wait for PrefillDone after the prefill answered
     connect_timeout: float = 5.0
     stats_interval: float = 5.0
+    health_interval: float = 0.5  # s between the watch's probes of every node (kvtier.pd.upstreams)
     pd_engine: str = "kvtier"  # the nodes' PD backend: a key of kvtier.pd.notify.ENGINES
 
 
@@ -53,7 +54,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
             raise ValueError(f"{flag} {','.join(map(str, ports))}: expected ports, up to 65535")
     return ProxySettings(args.host, args.port, [f"http://{args.prefiller_host}:{p}" for p in pre_ports], decoders,
                          args.proxy_host, args.proxy_port, args.prefill_timeout, args.decode_timeout,
-                         args.kv_ready_timeout, pd_engine=args.pd_engine)
+                         args.kv_ready_timeout, health_interval=args.health_interval, pd_engine=args.pd_engine)
 
 
 def _ports(value: str, count: int) -> list[int]:
@@ -86,6 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--prefill-timeout", type=float, default=300.0, help="s for a prefill request")
     a("--decode-timeout", type=float, default=300.0, help="s of silence from a decoder")
     a("--kv-ready-timeout", type=float, default=30.0, help="s to wait for a sender's PrefillDone")
+    a("--health-interval", type=float, default=0.5,
+      help="s between TCP probes of every node: one that does not answer gets no requests until it does")
     a("--pd-engine", choices=tuple(ENGINES), default="kvtier",
       help="the PD backend the prefillers and decoders run: kvtier's, or LMCache's (its senders' ProxyNotif "
            "over ZMQ on --proxy-port; requests go to its decoders as they came)")
@@ -133,4 +136,6 @@ class ProxyMetrics:
                                     "(the sender failed or said nothing in time)", registry=r)
         self.prefill_fallbacks = Counter("kvtier_proxy_prefill_fallbacks", "requests the decoder prefilled "
                                          "itself: the prefiller was down, broken or too slow", registry=r)
+        self.node_up = Gauge("kvtier_proxy_node_up", "1 while the node accepts connections",
+                             ["node", "url"], registry=r)
         self.inflight = Gauge("kvtier_proxy_inflight_requests", "requests in progress", registry=r)
