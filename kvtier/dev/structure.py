@@ -2,9 +2,11 @@
 
     python -m kvtier.dev.structure          (prints what breaks the limits; exit 1 if anything)
 
-Limits: no module over 400 lines (declarative tables excepted), no function over 50
-lines, no import cycle between kvtier's modules, counting every import: at the top,
-under TYPE_CHECKING and inside functions.
+Limits, on what the formatter cannot change: no function over 40 statements, no import
+cycle between kvtier's modules (counting every import: at the top, under TYPE_CHECKING
+and inside functions), no module over 800 lines (declarative tables excepted). A module
+over 400 lines is listed to be looked at (split where its concepts split), not refused:
+a number to pack code under decides where code is cut and how it is written.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MAX_MODULE_LINES = 400
-MAX_FUNCTION_LINES = 50
+LOOK_AT_MODULE_LINES = 400
+MAX_MODULE_LINES = 800
+MAX_FUNCTION_STATEMENTS = 40
 # Declarative tables: data, not code paths.
 TABLES = {"kvtier.config.lmcache_keys"}
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,12 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 @dataclass
 class Report:
     long_modules: list[tuple[str, int]] = field(default_factory=list)
+    to_look_at: list[tuple[str, int]] = field(default_factory=list)  # over 400 lines
     long_functions: list[tuple[str, int]] = field(default_factory=list)
     cycles: list[list[str]] = field(default_factory=list)
 
     def problems(self) -> list[str]:
         return ([f"module {m}: {n} lines" for m, n in self.long_modules]
-                + [f"function {f}: {n} lines" for f, n in self.long_functions]
+                + [f"function {f}: {n} statements" for f, n in self.long_functions]
                 + ["import cycle: " + " -> ".join(c) for c in self.cycles])
 
 
@@ -42,14 +46,26 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 
+def statements(node: ast.AST) -> int:
+    """The statements in a function's body, its nested functions' bodies excepted."""
+    count = 0
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            count += 1
+        elif isinstance(child, ast.stmt):
+            count += 1 + statements(child)
+    return count
+
+
 def function_lengths(tree: ast.AST, prefix: str) -> list[tuple[str, int]]:
+    """Each function's statements (kvtier.dev.structure.statements)."""
     out: list[tuple[str, int]] = []
 
     def walk(node: ast.AST, scope: str) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 name = f"{scope}.{child.name}"
-                out.append((name, child.end_lineno - child.lineno + 1))
+                out.append((name, statements(child)))
                 walk(child, name)
             elif isinstance(child, ast.ClassDef):
                 walk(child, f"{scope}.{child.name}")
@@ -129,14 +145,20 @@ def measure() -> Report:
         lines = len(text.splitlines())
         if lines > MAX_MODULE_LINES and name not in TABLES:
             report.long_modules.append((name, lines))
-        report.long_functions += [(f, n) for f, n in function_lengths(tree, name) if n > MAX_FUNCTION_LINES]
+        elif lines > LOOK_AT_MODULE_LINES and name not in TABLES:
+            report.to_look_at.append((name, lines))
+        lengths = function_lengths(tree, name)
+        report.long_functions += [(f, n) for f, n in lengths if n > MAX_FUNCTION_STATEMENTS]
         graph[name] = imports_of(tree, name, path.name == "__init__.py", known)
     report.cycles = cycles(graph)
     return report
 
 
 def main() -> int:
-    problems = measure().problems()
+    report = measure()
+    for name, lines in sorted(report.to_look_at, key=lambda x: -x[1]):
+        print(f"to look at: module {name}: {lines} lines")
+    problems = report.problems()
     for line in problems:
         print(line)
     print(f"{len(problems)} over the limits" if problems else "within the limits")

@@ -320,7 +320,8 @@ class Proxy:
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 self.metrics.upstream_errors.labels("decoder", "broken").inc()
                 log.warning("proxy: decoder %s failed mid-stream: %s", url, exc)
-                error = {"error": {"message": f"decoder {url} failed mid-stream: {exc}", "code": 502}}
+                error = {"error": {"code": 502, "type": "proxy_error",
+                                   "message": f"decoder {url} failed mid-stream: {exc}"}}
                 await out.write(f"data: {json.dumps(error)}\n\n".encode())
             await out.write_eof()
             return out
@@ -351,7 +352,8 @@ class Proxy:
 
 
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "proxy_error", "code": status}}, status=status)
+    body = {"error": {"code": status, "type": "proxy_error", "message": message}}
+    return web.json_response(body, status=status)
 
 
 def _json_or_none(payload: bytes) -> Any:
