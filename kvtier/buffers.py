@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence, TypeVar, Union
+from typing import TypeVar, Union
 
 import numpy as np
 
@@ -54,12 +55,16 @@ def unsent(views: list[memoryview], sent: int) -> list[memoryview]:
 Copy = list[tuple[np.ndarray, np.ndarray]]  # (destination, source) byte ranges of equal length
 
 
-def into_extents(dst: np.ndarray, extents: Sequence[tuple[int, int]], parts: Sequence[memoryview]) -> Copy:
+def into_extents(
+    dst: np.ndarray, extents: Sequence[tuple[int, int]], parts: Sequence[memoryview]
+) -> Copy:
     """The copy of the concatenation of `parts` into the byte ranges `extents` of `dst`."""
     return _pairs([dst[off : off + n] for off, n in extents], parts)
 
 
-def from_extents(src: np.ndarray, extents: Sequence[tuple[int, int]], parts: Sequence[memoryview]) -> Copy:
+def from_extents(
+    src: np.ndarray, extents: Sequence[tuple[int, int]], parts: Sequence[memoryview]
+) -> Copy:
     """The copy filling `parts`, in order, from the byte ranges `extents` of `src`."""
     return _pairs(parts, [src[off : off + n] for off, n in extents])
 
@@ -96,7 +101,11 @@ def run_copy(pairs: Copy) -> None:
     """Do a copy: in this thread, or in pieces over the copy threads when it is large."""
     nbytes = sum(len(a) for a, _ in pairs)
     if nbytes >= PARALLEL_FROM:
-        pairs = [(a[i : i + _PIECE], b[i : i + _PIECE]) for a, b in pairs for i in range(0, len(a), _PIECE)]
+        pairs = [
+            (a[i : i + _PIECE], b[i : i + _PIECE])
+            for a, b in pairs
+            for i in range(0, len(a), _PIECE)
+        ]
     parallel(_copy_piece, pairs, nbytes)
 
 
@@ -142,8 +151,11 @@ def _lower_priority() -> None:
 def _executor() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvtier-copy",
-                                   initializer=_lower_priority if COPY_NICE else None)
+        _pool = ThreadPoolExecutor(
+            COPY_THREADS,
+            thread_name_prefix="kvtier-copy",
+            initializer=_lower_priority if COPY_NICE else None,
+        )
     return _pool
 
 

@@ -65,7 +65,9 @@ class Codec:
         if self.serde == "lz4":
             import lz4.block  # noqa: F401  (fail at start, not at the first store)
 
-    def encode(self, chunk: memoryview, num_tokens: int, digest: int = 0) -> list[memoryview | bytes]:
+    def encode(
+        self, chunk: memoryview, num_tokens: int, digest: int = 0
+    ) -> list[memoryview | bytes]:
         """Header and payload, as parts of one value (naive: the payload is `chunk` itself);
         `digest`: the chunk's KV digest, 0 where none was computed."""
         raw = memoryview(chunk).cast("B")
@@ -76,8 +78,16 @@ class Codec:
 
             payload = lz4.block.compress(_shuffle(raw, self.itemsize), store_size=False)
         with_digest = bool(digest) and self.serde == "naive"
-        header = HEADER.pack(MAGIC, VERSION_DIGEST if with_digest else VERSION, SERDES[self.serde], self.itemsize,
-                             num_tokens, len(raw), digest if with_digest else len(payload), checksum(payload))
+        header = HEADER.pack(
+            MAGIC,
+            VERSION_DIGEST if with_digest else VERSION,
+            SERDES[self.serde],
+            self.itemsize,
+            num_tokens,
+            len(raw),
+            digest if with_digest else len(payload),
+            checksum(payload),
+        )
         return [header, payload]
 
     @property
@@ -88,7 +98,9 @@ class Codec:
 
     def check_in_place(self, header: bytes | bytearray | memoryview, payload: memoryview) -> int:
         """num_tokens of a value received as [header, payload] (naive serde), or CorruptPayload."""
-        serde, _, num_tokens = self._check(memoryview(header), memoryview(payload).cast("B"), len(payload))
+        serde, _, num_tokens = self._check(
+            memoryview(header), memoryview(payload).cast("B"), len(payload)
+        )
         if serde != SERDES["naive"]:
             raise CorruptPayload(f"serde id {serde} where naive was expected")
         return num_tokens
@@ -118,26 +130,36 @@ class Codec:
         out = memoryview(bytearray(raw_len))
         return self.decode_into(value, out), out
 
-    def check_header(self, header: bytes | memoryview, payload_len: int, raw_len: int) -> tuple[int, int, int]:
+    def check_header(
+        self, header: bytes | memoryview, payload_len: int, raw_len: int
+    ) -> tuple[int, int, int]:
         """(num_tokens, checksum, KV digest or 0) of an in-place value whose header
         holds; the caller checks the payload against one of them itself."""
-        serde, _, num_tokens, checksum, digest = self._header(memoryview(header), payload_len, raw_len)
+        serde, _, num_tokens, checksum, digest = self._header(
+            memoryview(header), payload_len, raw_len
+        )
         if serde != SERDES["naive"]:
             raise CorruptPayload(f"serde id {serde} where naive was expected")
         return num_tokens, checksum, digest
 
     @staticmethod
-    def _header(header: memoryview, payload_len: int, raw_len: int) -> tuple[int, int, int, int, int]:
+    def _header(
+        header: memoryview, payload_len: int, raw_len: int
+    ) -> tuple[int, int, int, int, int]:
         """(serde, shuffle width, num_tokens, checksum, KV digest or 0) of a header that holds."""
         if len(header) < HEADER.size:
             raise CorruptPayload(f"value of {len(header)} bytes is shorter than the codec header")
-        magic, version, serde, shuf, num_tokens, stored_raw, enc_len, checksum = HEADER.unpack(header[: HEADER.size])
+        magic, version, serde, shuf, num_tokens, stored_raw, enc_len, checksum = HEADER.unpack(
+            header[: HEADER.size]
+        )
         if magic != MAGIC or version not in (VERSION, VERSION_DIGEST):
             raise CorruptPayload(f"not a kvtier chunk (magic {bytes(magic)!r}, version {version})")
         digest = 0
         if version == VERSION_DIGEST:
             if serde != SERDES["naive"]:
-                raise CorruptPayload(f"version {version} with serde id {serde}: only naive carries a digest")
+                raise CorruptPayload(
+                    f"version {version} with serde id {serde}: only naive carries a digest"
+                )
             digest, enc_len = enc_len, stored_raw
         if stored_raw != raw_len:
             raise CorruptPayload(f"chunk of {stored_raw} bytes, expected {raw_len}")
@@ -192,7 +214,11 @@ U64 = (1 << 64) - 1
 
 def kv_digest(payload: memoryview | bytes | np.ndarray, first_word: int = 0) -> int:
     """The KV digest of `payload` (a slice starting at word `first_word` of its chunk), in numpy."""
-    w = np.frombuffer(payload, np.uint32) if not isinstance(payload, np.ndarray) else payload.reshape(-1).view(np.uint32)
+    w = (
+        np.frombuffer(payload, np.uint32)
+        if not isinstance(payload, np.ndarray)
+        else payload.reshape(-1).view(np.uint32)
+    )
     i = np.arange(first_word, first_word + len(w), dtype=np.uint64)
     with np.errstate(over="ignore"):
         weights = (i * np.uint64(DIGEST_A) + np.uint64(DIGEST_B)) | np.uint64(1)

@@ -33,8 +33,10 @@ class UnsupportedKVLayout(KvtierError, ValueError):
 
     def __init__(self, backend: str, layout: str, expected: str) -> None:
         self.backend, self.layout, self.expected = backend, layout, expected
-        super().__init__(f"kvtier cannot map the KV cache of attention backend {backend}: {layout}; "
-                         f"it maps {expected}")
+        super().__init__(
+            f"kvtier cannot map the KV cache of attention backend {backend}: {layout}; "
+            f"it maps {expected}"
+        )
 
 
 class UnsupportedModel(KvtierError, ValueError):
@@ -86,8 +88,10 @@ class PortInUse(KvtierError, OSError):
 
     def __init__(self, what: str, host: str, port: int) -> None:
         self.what, self.host, self.port = what, host, port
-        super().__init__(f"{what} {port} on {host} is in use by another process; "
-                         "pick another port or stop the process that holds it")
+        super().__init__(
+            f"{what} {port} on {host} is in use by another process; "
+            "pick another port or stop the process that holds it"
+        )
 
 
 def port_taken(exc: BaseException, what: str, host: str, port: int) -> BaseException:

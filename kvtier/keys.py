@@ -33,8 +33,8 @@ import struct
 import sys
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import xxhash
@@ -123,24 +123,36 @@ class Identity:
     lora: tuple[int, str] | None = field(default=None, compare=False)
 
     @classmethod
-    def of(cls, adapter: bytes = b"", salt: str = "", items: Sequence[Item] = (),
-           lora: tuple[int, str] | None = None) -> Identity:
+    def of(
+        cls,
+        adapter: bytes = b"",
+        salt: str = "",
+        items: Sequence[Item] = (),
+        lora: tuple[int, str] | None = None,
+    ) -> Identity:
         """The identity of a request with this adapter (the bytes that identify its weights),
         cache_salt and items; PLAIN when it has none of them."""
         root = SEED_DIGEST
         if adapter or salt:
             parts = [SEED_DIGEST, b"adapter", adapter, b"salt", salt.encode()]
-            root = xxhash.xxh3_128_digest(b"".join(struct.pack("<I", len(p)) + p for p in parts), seed=_ROOT_SEED)
+            root = xxhash.xxh3_128_digest(
+                b"".join(struct.pack("<I", len(p)) + p for p in parts), seed=_ROOT_SEED
+            )
         return cls(root, tuple(sorted(items, key=lambda i: i.offset)), lora)
 
     def items_in(self, start: int, end: int) -> bytes:
         """The items whose placeholders overlap tokens [start, end), as hashed after them."""
-        return b"".join(_ITEM.pack(i.offset, i.length, i.digest) for i in self.items if i.overlaps(start, end))
+        return b"".join(
+            _ITEM.pack(i.offset, i.length, i.digest) for i in self.items if i.overlaps(start, end)
+        )
 
     def wire(self) -> bytes:
         """As a lookup message carries it: the root, a u32 count of items, the items."""
-        return self.root + struct.pack("<I", len(self.items)) + b"".join(
-            _ITEM.pack(i.offset, i.length, i.digest) for i in self.items)
+        return (
+            self.root
+            + struct.pack("<I", len(self.items))
+            + b"".join(_ITEM.pack(i.offset, i.length, i.digest) for i in self.items)
+        )
 
     @classmethod
     def from_wire(cls, data: bytes | memoryview) -> tuple[Identity, int]:
@@ -215,8 +227,13 @@ def chunk_spans(
     return spans
 
 
-def tail_span(tokens: Sequence[int] | np.ndarray, before: ChunkSpan | None, length: int, fmt: KVFormat,
-              identity: Identity = PLAIN) -> ChunkSpan:
+def tail_span(
+    tokens: Sequence[int] | np.ndarray,
+    before: ChunkSpan | None,
+    length: int,
+    fmt: KVFormat,
+    identity: Identity = PLAIN,
+) -> ChunkSpan:
     """The span of the `length` tokens after `before` (None: the prompt's first), keyed as
     `chunk_spans` keys a prompt's partial last chunk: a prompt that ended there."""
     start = before.end if before is not None else 0
@@ -233,27 +250,40 @@ class SpanMemo:
     with the ones hashed, and hashes only what follows: a partial last chunk (a prompt's
     end, `save_unfull_chunk`), or tokens beyond (its output)."""
 
-    def __init__(self, fmt: KVFormat, chunk_size: int, save_unfull_chunk: bool, size: int = 64) -> None:
-        self.fmt, self.chunk_size, self.save_unfull_chunk, self.size = fmt, chunk_size, save_unfull_chunk, size
+    def __init__(
+        self, fmt: KVFormat, chunk_size: int, save_unfull_chunk: bool, size: int = 64
+    ) -> None:
+        self.fmt, self.chunk_size, self.save_unfull_chunk, self.size = (
+            fmt,
+            chunk_size,
+            save_unfull_chunk,
+            size,
+        )
         # request id -> its identity, the longest tokens hashed, their spans
         self._memo: OrderedDict[str, tuple[Identity, np.ndarray, list[ChunkSpan]]] = OrderedDict()
         self._lock = threading.Lock()  # lookups come on the lookup server's thread
 
-    def spans(self, tokens: np.ndarray, request_id: str = "", identity: Identity = PLAIN) -> list[ChunkSpan]:
+    def spans(
+        self, tokens: np.ndarray, request_id: str = "", identity: Identity = PLAIN
+    ) -> list[ChunkSpan]:
         size = self.chunk_size
         known: list[ChunkSpan] = []
         entry = None
         if request_id:
             with self._lock:
                 entry = self._memo.get(request_id)
-            if entry is not None and entry[0] != identity:  # a request id used again, for another request
+            if (
+                entry is not None and entry[0] != identity
+            ):  # a request id used again, for another request
                 entry = None
             if entry is not None:  # the whole chunks before the first token that differs
                 both = min(len(tokens), len(entry[1]))
                 differ = np.flatnonzero(tokens[:both] != entry[1][:both])
                 known = entry[2][: (int(differ[0]) if differ.size else both) // size]
         spans = chunk_spans(tokens, self.fmt, size, self.save_unfull_chunk, known, identity)
-        covered = entry is not None and len(tokens) <= len(entry[1]) and len(known) == len(tokens) // size
+        covered = (
+            entry is not None and len(tokens) <= len(entry[1]) and len(known) == len(tokens) // size
+        )
         if request_id and not covered:  # the longest tokens of the request stay
             with self._lock:
                 self._memo[request_id] = (identity, np.array(tokens, copy=True), spans)

@@ -18,7 +18,8 @@ import gc
 import os
 import threading
 import time
-from typing import Callable, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 from kvtier.logs import get_logger
 
@@ -35,7 +36,10 @@ class Stalls:
     def __init__(self, threshold_ms: float | None) -> None:
         self.threshold_s = None if threshold_ms is None else threshold_ms / 1e3
         self._local = threading.local()  # .waits: {kind: s} of the call running on this thread
-        self._gc_s, self._gc_started = 0.0, 0.0  # collections' total time, and when the one running began
+        self._gc_s, self._gc_started = (
+            0.0,
+            0.0,
+        )  # collections' total time, and when the one running began
         if self.threshold_s is not None:
             gc.callbacks.append(self._on_gc)
 
@@ -74,16 +78,26 @@ class Stalls:
                     waits, self._local.waits = self._local.waits, None
                     if wall >= self.threshold_s:
                         self._say(name, wall, time.thread_time() - cpu0, self._gc_s - gc0, waits)
+
             return call  # type: ignore[return-value]
+
         return wrap
 
     @staticmethod
     def _say(name: str, wall: float, cpu: float, gcs: float, waits: dict[str, float]) -> None:
         rest = wall - cpu - gcs - sum(waits.values())
-        parts = [f"cpu {cpu * 1e3:.1f}"] + [f"waiting for {k} {s * 1e3:.1f}" for k, s in waits.items()]
+        parts = [f"cpu {cpu * 1e3:.1f}"] + [
+            f"waiting for {k} {s * 1e3:.1f}" for k, s in waits.items()
+        ]
         parts += [f"gc {gcs * 1e3:.1f}"] if gcs else []
-        log.info("slow call on the engine's thread: %s took %.1f ms (%s; the rest %.1f: the GIL, or an uncounted "
-                 "wait)", name, wall * 1e3, ", ".join(parts), max(rest, 0.0) * 1e3)
+        log.info(
+            "slow call on the engine's thread: %s took %.1f ms (%s; the rest %.1f: the GIL, or an uncounted "
+            "wait)",
+            name,
+            wall * 1e3,
+            ", ".join(parts),
+            max(rest, 0.0) * 1e3,
+        )
 
 
 def _threshold() -> float | None:
@@ -91,7 +105,10 @@ def _threshold() -> float | None:
     try:
         return float(value) if value else None
     except ValueError:
-        log.warning("KVTIER_TRACE_STALLS_MS=%r is not a number of milliseconds: slow calls are not traced", value)
+        log.warning(
+            "KVTIER_TRACE_STALLS_MS=%r is not a number of milliseconds: slow calls are not traced",
+            value,
+        )
         return None
 
 

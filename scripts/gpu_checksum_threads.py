@@ -52,8 +52,13 @@ if __name__ == "__main__":
             dev.copy_(src, non_blocking=True)
 
     copy_s = timed(lambda: (dma(), stream.synchronize()))
-    out = {"bytes": nbytes, "dma_s": copy_s, "dma_gbps": nbytes / copy_s / 1e9,
-           "cpus": os.cpu_count(), "threads": {}}
+    out = {
+        "bytes": nbytes,
+        "dma_s": copy_s,
+        "dma_gbps": nbytes / copy_s / 1e9,
+        "cpus": os.cpu_count(),
+        "threads": {},
+    }
     for n in sorted({1, 2, 4, 8, 12, 16, os.cpu_count() or 1}):
         if n > (os.cpu_count() or 1):
             continue
@@ -69,8 +74,14 @@ if __name__ == "__main__":
                 return sums
 
             beside = statistics.median([both() for _ in range(5)])
-            together = timed(lambda: (dma(), list(pool.map(checksum, chunks)), stream.synchronize()))
-        out["threads"][n] = {"alone_gbps": nbytes / alone / 1e9, "beside_dma_gbps": nbytes / beside / 1e9,
-                             "dma_and_sums_s": together, "over_dma": together / copy_s}
+            together = timed(
+                lambda: (dma(), list(pool.map(checksum, chunks)), stream.synchronize())
+            )
+        out["threads"][n] = {
+            "alone_gbps": nbytes / alone / 1e9,
+            "beside_dma_gbps": nbytes / beside / 1e9,
+            "dma_and_sums_s": together,
+            "over_dma": together / copy_s,
+        }
         print(n, json.dumps(out["threads"][n]), flush=True)
     print(json.dumps(out))

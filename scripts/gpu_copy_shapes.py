@@ -51,23 +51,50 @@ if __name__ == "__main__":
     def per_layer_2d(n_streams: int = 1):
         def run():
             for layer in range(LAYERS):
-                cudart.memcpy2d(d + layer * chunks * ROW, ROW, h + layer * ROW, chunk, ROW, chunks,
-                                streams[layer % n_streams])
+                cudart.memcpy2d(
+                    d + layer * chunks * ROW,
+                    ROW,
+                    h + layer * ROW,
+                    chunk,
+                    ROW,
+                    chunks,
+                    streams[layer % n_streams],
+                )
+
         return run
 
     def per_chunk_layer():
         for layer in range(LAYERS):
             for c in range(chunks):
-                cudart.memcpy2d(d + (layer * chunks + c) * ROW, ROW, h + c * chunk + layer * ROW, ROW, ROW, 1,
-                                streams[0])
+                cudart.memcpy2d(
+                    d + (layer * chunks + c) * ROW,
+                    ROW,
+                    h + c * chunk + layer * ROW,
+                    ROW,
+                    ROW,
+                    1,
+                    streams[0],
+                )
 
     def layer_major():
         for layer in range(LAYERS):
-            cudart.memcpy2d(d + layer * chunks * ROW, chunks * ROW, h + layer * chunks * ROW, chunks * ROW,
-                            chunks * ROW, 1, streams[0])
+            cudart.memcpy2d(
+                d + layer * chunks * ROW,
+                chunks * ROW,
+                h + layer * chunks * ROW,
+                chunks * ROW,
+                chunks * ROW,
+                1,
+                streams[0],
+            )
 
-    shapes = {"contiguous": contiguous, "per_layer_2d": per_layer_2d(1), "per_layer_2d_two_streams": per_layer_2d(2),
-              "per_chunk_and_layer": per_chunk_layer, "layer_major_per_layer": layer_major}
+    shapes = {
+        "contiguous": contiguous,
+        "per_layer_2d": per_layer_2d(1),
+        "per_layer_2d_two_streams": per_layer_2d(2),
+        "per_chunk_and_layer": per_chunk_layer,
+        "layer_major_per_layer": layer_major,
+    }
     for fn in shapes.values():
         timed(fn)
     runs: dict[str, list[float]] = {k: [] for k in shapes}
@@ -75,9 +102,13 @@ if __name__ == "__main__":
         for name, fn in shapes.items():
             runs[name].append(timed(fn))
     med = {k: statistics.median(v) for k, v in runs.items()}
-    report = {"chunks": chunks, "bytes": nbytes, "device": torch.cuda.get_device_name(),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "gbps": {k: round(nbytes / v / 1e9, 2) for k, v in med.items()},
-              "over_contiguous": {k: round(med["contiguous"] / v, 3) for k, v in med.items()}}
+    report = {
+        "chunks": chunks,
+        "bytes": nbytes,
+        "device": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "gbps": {k: round(nbytes / v / 1e9, 2) for k, v in med.items()},
+        "over_contiguous": {k: round(med["contiguous"] / v, 3) for k, v in med.items()},
+    }
     print(json.dumps(report, indent=1))
     out.write_text(json.dumps(report, indent=1) + "\n")

@@ -29,8 +29,22 @@ summary = {}
 for mode in ("off", "on", "off2", "on2"):
     engine.CacheEngine.__init__ = without_digests if mode.startswith("off") else init
     points = run_ttft(lengths, 7, out / mode, server=True)
-    summary[mode] = {p.tokens: {k: v for k, v in p.row().items() if k in (
-        "warm_server_over_warm_paired", "server_layerwise_over_max_paired", "warm_server_s",
-        "warm_server_layerwise_s", "warm_s", "forward_1_s", "load_floor_s")} for p in points}
+    summary[mode] = {
+        p.tokens: {
+            k: v
+            for k, v in p.row().items()
+            if k
+            in (
+                "warm_server_over_warm_paired",
+                "server_layerwise_over_max_paired",
+                "warm_server_s",
+                "warm_server_layerwise_s",
+                "warm_s",
+                "forward_1_s",
+                "load_floor_s",
+            )
+        }
+        for p in points
+    }
     print(mode, json.dumps(summary[mode]), flush=True)
 (out / "digest-ab.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -11,7 +11,7 @@ Inside vLLM a host that waits there holds the scheduler (a lookup) or the next s
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -46,7 +46,9 @@ def main() -> None:
     busy()
     torch.cuda.synchronize()
     print(f"the busy kernel alone: {(time.perf_counter() - t0) * 1e3:.1f} ms\n")
-    print("| host call, with ~0.2 s of GPU work queued before it | host ms | GPU still busy after |")
+    print(
+        "| host call, with ~0.2 s of GPU work queued before it | host ms | GPU still busy after |"
+    )
     print("|---|---|---|")
     keep = []
 
@@ -60,28 +62,41 @@ def main() -> None:
         probe(f"pinned tensor of {size >> 10} KiB, first of its size", pinned(size))
     keep.clear()
     probe("pinned tensor of 8 KiB again (cached)", pinned(8 << 10))
-    probe("small table .pin_memory() then .to(cuda, non_blocking)",
-          lambda: keep.append(torch.arange(4096).pin_memory().to("cuda", non_blocking=True)))
+    probe(
+        "small table .pin_memory() then .to(cuda, non_blocking)",
+        lambda: keep.append(torch.arange(4096).pin_memory().to("cuda", non_blocking=True)),
+    )
     probe("device tensor of 768 MiB, new segment", device(768 << 20))
     keep.clear()
     probe("device tensor of 768 MiB again (cached)", device(768 << 20))
     keep.clear()
 
-    layers = [torch.randn(2, BLOCKS, BS, HEADS, HEAD, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+    layers = [
+        torch.randn(2, BLOCKS, BS, HEADS, HEAD, device="cuda", dtype=torch.bfloat16)
+        for _ in range(LAYERS)
+    ]
     kv = PagedKV.wrap(layers, "flash_attn")
-    eng = CacheEngine(KvtierConfig(chunk_size=256, max_local_cpu_size=4), kv, KVFormat("m", "flash_attn", "bf16"))
+    eng = CacheEngine(
+        KvtierConfig(chunk_size=256, max_local_cpu_size=4), kv, KVFormat("m", "flash_attn", "bf16")
+    )
     perm = torch.randperm(kv.num_slots)
     base = 0
     for n_chunks in (4, 4, 1, 7, 16, 16, 3, 12):
         toks = list(range(base, base + n_chunks * 256))
-        probe(f"kvtier store of {n_chunks} chunks, not waited for",
-              lambda t=toks: eng.start_store(t, perm[: len(t)]).finish(wait=False))
+        probe(
+            f"kvtier store of {n_chunks} chunks, not waited for",
+            lambda t=toks: eng.start_store(t, perm[: len(t)]).finish(wait=False),
+        )
         base += 100_000
     for known in (True, False):
         toks = list(range(base, base + 4 * 256))
-        probe(f"kvtier store of 4 chunks, then a lookup of them with known = {len(toks) if known else 0}",
-              lambda t=toks, k=known: (eng.start_store(t, perm[: len(t)]).finish(wait=False),
-                                       eng.find(t, known=len(t) if k else 0)))
+        probe(
+            f"kvtier store of 4 chunks, then a lookup of them with known = {len(toks) if known else 0}",
+            lambda t=toks, k=known: (
+                eng.start_store(t, perm[: len(t)]).finish(wait=False),
+                eng.find(t, known=len(t) if k else 0),
+            ),
+        )
         base += 100_000
     eng.close()
 

@@ -46,7 +46,9 @@ def kv_of(session: HFSession, n: int) -> torch.Tensor:
     return torch.stack([b[:, 0, :, :n] for b in session.buffers])
 
 
-def forced(session: HFSession, ids: torch.Tensor, tokens: list[int], use_cache: bool) -> torch.Tensor:
+def forced(
+    session: HFSession, ids: torch.Tensor, tokens: list[int], use_cache: bool
+) -> torch.Tensor:
     """[len(tokens), vocab] log-probabilities of each step when `tokens` are fed after the
     prompt (teacher forcing: one path's choices, so one flip does not change every later step)."""
     result = session.prefill(ids, use_cache=use_cache)
@@ -55,16 +57,22 @@ def forced(session: HFSession, ids: torch.Tensor, tokens: list[int], use_cache: 
     return torch.log_softmax(torch.cat([result.logits, later]).float(), -1)
 
 
-def compare(tokens: list[int], logp: torch.Tensor, ref_tokens: list[int], ref_logp: torch.Tensor) -> dict:
+def compare(
+    tokens: list[int], logp: torch.Tensor, ref_tokens: list[int], ref_logp: torch.Tensor
+) -> dict:
     """How far one run's decoding is from a reference run's."""
     picked = torch.tensor(ref_tokens, device=logp.device)[:, None]
     delta = (logp.gather(1, picked) - ref_logp.gather(1, picked)).abs()
-    return {"greedy_equal": sum(a == b for a, b in zip(tokens, ref_tokens)),
-            "greedy_leading_equal": next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b),
-                                         len(ref_tokens)),
-            "forced_top1_agreement": float((logp.argmax(1) == ref_logp.argmax(1)).float().mean()),
-            "forced_mean_abs_dlogprob": float(delta.mean()), "forced_max_abs_dlogprob": float(delta.max()),
-            "first_token_max_abs_dlogprob": float((logp[0] - ref_logp[0]).abs().max())}
+    return {
+        "greedy_equal": sum(a == b for a, b in zip(tokens, ref_tokens)),
+        "greedy_leading_equal": next(
+            (i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(ref_tokens)
+        ),
+        "forced_top1_agreement": float((logp.argmax(1) == ref_logp.argmax(1)).float().mean()),
+        "forced_mean_abs_dlogprob": float(delta.mean()),
+        "forced_max_abs_dlogprob": float(delta.max()),
+        "first_token_max_abs_dlogprob": float((logp[0] - ref_logp[0]).abs().max()),
+    }
 
 
 def measure(model, tokens: int, new: int, repeats: int) -> dict:
@@ -72,7 +80,9 @@ def measure(model, tokens: int, new: int, repeats: int) -> dict:
     lossless warm run (the same arithmetic but for the KV); the lossless run also
     against the cold one, which computes the last prompt token in another kernel
     shape: the noise floor of this comparison on this model."""
-    ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens))
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens)
+    )
     pool_gib = (tokens + 512) * _kv_bytes_per_token(model) * 1.05 / 1024**3
     out: dict = {"tokens": tokens, "new_tokens": new}
     cold_kv = ref = None
@@ -81,7 +91,9 @@ def measure(model, tokens: int, new: int, repeats: int) -> dict:
         session = HFSession(model, cfg, max_len=tokens + new)
         row: dict = {}
         with torch.inference_mode():
-            session.prefill(ids)  # a miss: computes the prompt and stores its chunks through the codec
+            session.prefill(
+                ids
+            )  # a miss: computes the prompt and stores its chunks through the codec
             if cold_kv is None:  # the KV as computed
                 cold_kv = kv_of(session, tokens).clone()
                 cold_tokens = session.generate(ids, new, use_cache=False)
@@ -90,20 +102,33 @@ def measure(model, tokens: int, new: int, repeats: int) -> dict:
             hit = warm.hit_tokens
             ref_kv = cold_kv[..., :hit, :].float()
             err = (kv_of(session, hit).float() - ref_kv).abs()
-            row.update({
-                "hit_tokens": hit,
-                "chunk_bytes_over_bf16": round(session.engine.chunk_bytes_per_token / _kv_bytes_per_token(model), 4),
-                "k_max_abs_err": float(err[:, 0].max()), "k_mean_abs_err": float(err[:, 0].mean()),
-                "v_max_abs_err": float(err[:, 1].max()), "v_mean_abs_err": float(err[:, 1].mean()),
-                "k_mean_rel_err": float(err[:, 0].mean() / ref_kv[:, 0].abs().mean()),
-                "v_mean_rel_err": float(err[:, 1].mean() / ref_kv[:, 1].abs().mean())})
+            row.update(
+                {
+                    "hit_tokens": hit,
+                    "chunk_bytes_over_bf16": round(
+                        session.engine.chunk_bytes_per_token / _kv_bytes_per_token(model), 4
+                    ),
+                    "k_max_abs_err": float(err[:, 0].max()),
+                    "k_mean_abs_err": float(err[:, 0].mean()),
+                    "v_max_abs_err": float(err[:, 1].max()),
+                    "v_mean_abs_err": float(err[:, 1].mean()),
+                    "k_mean_rel_err": float(err[:, 0].mean() / ref_kv[:, 0].abs().mean()),
+                    "v_mean_rel_err": float(err[:, 1].mean() / ref_kv[:, 1].abs().mean()),
+                }
+            )
             del err, ref_kv
             warm_tokens = session.generate(ids, new)
             if ref is None:  # lossless warm: the reference of the lossy codecs
                 ref = (warm_tokens, forced(session, ids, warm_tokens, use_cache=True))
-                row["vs_cold"] = compare(warm_tokens, forced(session, ids, cold[0], use_cache=True), *cold)
-            row["vs_lossless_warm"] = compare(warm_tokens, forced(session, ids, ref[0], use_cache=True), *ref)
-            times = [timed(lambda: session.prefill(ids), torch.device("cuda")) for _ in range(repeats)]
+                row["vs_cold"] = compare(
+                    warm_tokens, forced(session, ids, cold[0], use_cache=True), *cold
+                )
+            row["vs_lossless_warm"] = compare(
+                warm_tokens, forced(session, ids, ref[0], use_cache=True), *ref
+            )
+            times = [
+                timed(lambda: session.prefill(ids), torch.device("cuda")) for _ in range(repeats)
+            ]
         row["warm_cpu_s"] = round(statistics.median(times), 4)
         out[codec] = row
         print(json.dumps({"tokens": tokens, "codec": codec, **row}), flush=True)
@@ -111,7 +136,9 @@ def measure(model, tokens: int, new: int, repeats: int) -> dict:
         del session
         torch.cuda.empty_cache()
     for codec in CODECS[1:]:
-        out[codec]["warm_cpu_over_lossless"] = round(out[codec]["warm_cpu_s"] / out["naive"]["warm_cpu_s"], 3)
+        out[codec]["warm_cpu_over_lossless"] = round(
+            out[codec]["warm_cpu_s"] / out["naive"]["warm_cpu_s"], 3
+        )
     return out
 
 
@@ -124,9 +151,15 @@ def main() -> None:
     args = ap.parse_args()
     model = build_model()
     points = [measure(model, n, args.new, args.repeats) for n in args.lengths]
-    record = {"machine": machine_name(torch.device("cuda")), "date": dt.date.today().isoformat(),
-              "model": LLAMA_8B, "weights": "random (seed 0), bf16", "attention": "sdpa",
-              "command": "python3 scripts/gpu_kv_codec.py " + " ".join(sys.argv[1:]), "points": points}
+    record = {
+        "machine": machine_name(torch.device("cuda")),
+        "date": dt.date.today().isoformat(),
+        "model": LLAMA_8B,
+        "weights": "random (seed 0), bf16",
+        "attention": "sdpa",
+        "command": "python3 scripts/gpu_kv_codec.py " + " ".join(sys.argv[1:]),
+        "points": points,
+    }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(record, indent=1) + "\n")
 

@@ -29,30 +29,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import kvtier.engine as engine_mod  # noqa: E402
-from kvtier.engine.mover import Mover  # noqa: E402
-from kvtier.engine.storing import StorePath  # noqa: E402
 import kvtier.transfer.staging as staging  # noqa: E402
 import kvtier.transfer.triton_copy as tc  # noqa: E402
 from kvtier.bench.offload import timed  # noqa: E402
 from kvtier.bench.ttft import build_model  # noqa: E402
-from kvtier.bench.ttft_sources import BesideACopy, ServerSession as _ServerSession  # noqa: E402
+from kvtier.bench.ttft_sources import BesideACopy  # noqa: E402
+from kvtier.bench.ttft_sources import ServerSession as _ServerSession
 from kvtier.config import KvtierConfig  # noqa: E402
-from kvtier.integrations.hf import HFSession, KvtierCache  # noqa: E402
 from kvtier.dev.localservers import kvtier_server  # noqa: E402
+from kvtier.engine.mover import Mover  # noqa: E402
+from kvtier.engine.storing import StorePath  # noqa: E402
+from kvtier.integrations.hf import HFSession, KvtierCache  # noqa: E402
 from kvtier.server.client import KVClient  # noqa: E402
-from kvtier.tiers.store import TieredStore  # noqa: E402
 from kvtier.tiers.remote import RemoteTier  # noqa: E402
+from kvtier.tiers.store import TieredStore  # noqa: E402
 
 WHOLE_BEFORE = bool(int(os.environ.get("WHOLE_BEFORE", "0")))
 # Host time spent in each of these per prefill (in_<name>_ms), summed over calls.
 TIMED = [
-    (TieredStore, "locate", "locate"), (TieredStore, "lend_whole", "lend_whole"),
-    (RemoteTier, "max_held", "max_held"), (KVClient, "borrow", "borrow_rpc"), (KVClient, "exists", "exists_rpc"),
-    (RemoteTier, "borrow", "borrow_all"), (Mover, "scatter", "engine_scatter"),
-    (Mover, "view", "chunk_views"), (staging.Staging, "__init__", "staging_init"),
-    (staging.Staging, "copy", "staging_copies"), (tc.TritonTransfer, "_upload", "tables_upload"),
-    (tc.TritonTransfer, "_kernel", "kernel_launches"), (staging.DigestTables, "__init__", "digest_tables"),
-    (staging.DigestTables, "add", "digest_launches"), (engine_mod.CacheEngine, "start_store", "start_store"),
+    (TieredStore, "locate", "locate"),
+    (TieredStore, "lend_whole", "lend_whole"),
+    (RemoteTier, "max_held", "max_held"),
+    (KVClient, "borrow", "borrow_rpc"),
+    (KVClient, "exists", "exists_rpc"),
+    (RemoteTier, "borrow", "borrow_all"),
+    (Mover, "scatter", "engine_scatter"),
+    (Mover, "view", "chunk_views"),
+    (staging.Staging, "__init__", "staging_init"),
+    (staging.Staging, "copy", "staging_copies"),
+    (tc.TritonTransfer, "_upload", "tables_upload"),
+    (tc.TritonTransfer, "_kernel", "kernel_launches"),
+    (staging.DigestTables, "__init__", "digest_tables"),
+    (staging.DigestTables, "add", "digest_launches"),
+    (engine_mod.CacheEngine, "start_store", "start_store"),
     (StorePath, "stream", "stream_store"),
 ]
 marks: dict[str, float] = {}  # phase boundaries of the current prefill (perf_counter)
@@ -60,8 +69,11 @@ spent: dict[str, float] = {}  # seconds per TIMED name in the current prefill
 landed_events: list = []  # per layerwise scatter: an event behind its last layer's kernel
 runs: list[int] = []  # per layerwise scatter: strided copies per layer (-1: chunks read in place)
 
-start_retrieve, finish, scatter_layerwise = (engine_mod.CacheEngine.start_retrieve, engine_mod.Loading.finish,
-                                             tc.TritonTransfer.scatter_layerwise)
+start_retrieve, finish, scatter_layerwise = (
+    engine_mod.CacheEngine.start_retrieve,
+    engine_mod.Loading.finish,
+    tc.TritonTransfer.scatter_layerwise,
+)
 
 
 def timed_start(self, *a, **k):
@@ -112,7 +124,9 @@ def one(session, ids) -> dict:
     marks.clear()
     landed_events.clear()
     spent.clear()
-    if WHOLE_BEFORE:  # as the ttft bench does: a whole (not layerwise) warm load before each layerwise one
+    if (
+        WHOLE_BEFORE
+    ):  # as the ttft bench does: a whole (not layerwise) warm load before each layerwise one
         session.prefill(ids, layerwise=False)
         marks.clear()
     torch.cuda.synchronize()
@@ -142,7 +156,11 @@ def one(session, ids) -> dict:
 
 
 def summary(rows: list[dict]) -> dict:
-    return {k: round(statistics.median(r.get(k, 0.0) for r in rows), 2) for k in rows[0] if rows[0][k] is not None}
+    return {
+        k: round(statistics.median(r.get(k, 0.0) for r in rows), 2)
+        for k in rows[0]
+        if rows[0][k] is not None
+    }
 
 
 def timeline(session, ids) -> dict:
@@ -159,16 +177,39 @@ def timeline(session, ids) -> dict:
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
         name = e.name
-        kind = ("h2d" if "HtoD" in name else "d2h" if "DtoH" in name else
-                "kv_copy" if "kv_copy" in name or "kv_quant" in name else "digest" if "digest" in name else "forward")
+        kind = (
+            "h2d"
+            if "HtoD" in name
+            else "d2h"
+            if "DtoH" in name
+            else "kv_copy"
+            if "kv_copy" in name or "kv_quant" in name
+            else "digest"
+            if "digest" in name
+            else "forward"
+        )
         s, t = e.time_range.start, e.time_range.end
         t_min = s if t_min is None else min(t_min, s)
         span = spans.setdefault(kind, [s, t, 0.0, 0])
-        span[0], span[1], span[2], span[3] = min(span[0], s), max(span[1], t), span[2] + (t - s), span[3] + 1
+        span[0], span[1], span[2], span[3] = (
+            min(span[0], s),
+            max(span[1], t),
+            span[2] + (t - s),
+            span[3] + 1,
+        )
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
-    return {"spans_ms": {k: {"first": round((v[0] - t_min) / 1e3, 2), "last": round((v[1] - t_min) / 1e3, 2),
-                             "busy": round(v[2] / 1e3, 2), "count": v[3]} for k, v in spans.items()},
-            "table": table}
+    return {
+        "spans_ms": {
+            k: {
+                "first": round((v[0] - t_min) / 1e3, 2),
+                "last": round((v[1] - t_min) / 1e3, 2),
+                "busy": round(v[2] / 1e3, 2),
+                "count": v[3],
+            }
+            for k, v in spans.items()
+        },
+        "table": table,
+    }
 
 
 def profiled(session, ids) -> str:
@@ -187,10 +228,14 @@ if __name__ == "__main__":
     out.mkdir(parents=True, exist_ok=True)
     tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 16384
     model = build_model()
-    ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens))
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens)
+    )
     chunk = 256
     pool_gib = (tokens + chunk) * 131072 * 1.05 / 1024**3
-    cpu = HFSession(model, KvtierConfig(chunk_size=chunk, max_local_cpu_size=pool_gib), max_len=tokens)
+    cpu = HFSession(
+        model, KvtierConfig(chunk_size=chunk, max_local_cpu_size=pool_gib), max_len=tokens
+    )
     cpu.prefill(ids)
     report: dict = {"tokens": tokens}
     with kvtier_server(2.5 * pool_gib) as srv:
@@ -203,19 +248,30 @@ if __name__ == "__main__":
 
         def forward_one() -> None:
             with torch.inference_mode():
-                model(input_ids=last, past_key_values=KvtierCache(cpu.buffers, hit), use_cache=True,
-                      logits_to_keep=1)
+                model(
+                    input_ids=last,
+                    past_key_values=KvtierCache(cpu.buffers, hit),
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
 
         beside_a_copy = BesideACopy(hit * 131072)
 
-        rows: dict[str, list[dict]] = {"cpu": [], "server": [], "forward_1": [], "forward_1_beside_a_copy": []}
+        rows: dict[str, list[dict]] = {
+            "cpu": [],
+            "server": [],
+            "forward_1": [],
+            "forward_1_beside_a_copy": [],
+        }
         run_counts: dict[str, int] = {}
         for _ in range(9):
             for name, s in (("cpu", cpu), ("server", remote.session)):
                 rows[name].append(one(s, ids))
                 run_counts[name] = runs[-1]
             rows["forward_1"].append({"total_ms": timed(forward_one, torch.device("cuda")) * 1e3})
-            rows["forward_1_beside_a_copy"].append({"total_ms": beside_a_copy.timed(forward_one) * 1e3})
+            rows["forward_1_beside_a_copy"].append(
+                {"total_ms": beside_a_copy.timed(forward_one) * 1e3}
+            )
         report["median"] = {k: summary(v) for k, v in rows.items()}
         report["staging_runs_per_layer"] = run_counts
         print(json.dumps(report, indent=1), flush=True)

@@ -32,9 +32,15 @@ def trace(name: str, out: Path | None, fn) -> None:
         fn()
         torch.cuda.synchronize()
     print(f"\n=== {name}: top GPU work ===")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60)
+    )
     print(f"=== {name}: top host work ===")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    print(
+        prof.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60
+        )
+    )
     if out is None:
         return
     raw = out / f"{name}.json"
@@ -51,13 +57,18 @@ def timed(fn) -> float:
 def offload(tokens: int, out: Path) -> None:
     shape = OffloadShape(tokens=tokens)
     n_blocks = 2 * tokens // shape.block_size
-    layers = [torch.randn(shape.layer_shape(n_blocks), device="cuda").to(torch.bfloat16) for _ in range(32)]
+    layers = [
+        torch.randn(shape.layer_shape(n_blocks), device="cuda").to(torch.bfloat16)
+        for _ in range(32)
+    ]
     kv = PagedKV.wrap(layers, "flash_attn")
     perm = torch.randperm(n_blocks)
     slots = (perm[:, None] * shape.block_size + torch.arange(shape.block_size)).flatten()
     store_slots, load_slots = slots[:tokens], slots[tokens : 2 * tokens]
     pool = tokens * kv.bytes_per_token() * 1.1 / 1024**3
-    eng = CacheEngine(KvtierConfig(max_local_cpu_size=pool), kv, KVFormat("p", "flash_attn", "bfloat16"))
+    eng = CacheEngine(
+        KvtierConfig(max_local_cpu_size=pool), kv, KVFormat("p", "flash_attn", "bfloat16")
+    )
     toks = torch.randint(0, 32000, (tokens,))
     nbytes = tokens * kv.bytes_per_token()
     for _ in range(2):  # warm-up
@@ -65,14 +76,18 @@ def offload(tokens: int, out: Path) -> None:
         eng.store(toks, store_slots)
         eng.retrieve(toks, load_slots)
     spans = eng.spans(toks)
-    print(f"host: spans {timed(lambda: eng.spans(toks)) * 1e3:.2f} ms, "
-          f"missing {timed(lambda: eng.tiers.missing([s.key for s in spans])) * 1e3:.2f} ms, "
-          f"check {timed(lambda: eng._check(toks, store_slots)) * 1e3:.2f} ms")
+    print(
+        f"host: spans {timed(lambda: eng.spans(toks)) * 1e3:.2f} ms, "
+        f"missing {timed(lambda: eng.tiers.missing([s.key for s in spans])) * 1e3:.2f} ms, "
+        f"check {timed(lambda: eng._check(toks, store_slots)) * 1e3:.2f} ms"
+    )
     eng.clear()
     t_store = timed(lambda: eng.store(toks, store_slots))
     t_load = timed(lambda: eng.retrieve(toks, load_slots))
-    print(f"store {t_store * 1e3:.1f} ms ({nbytes / t_store / 1e9:.1f} GB/s), "
-          f"retrieve {t_load * 1e3:.1f} ms ({nbytes / t_load / 1e9:.1f} GB/s)")
+    print(
+        f"store {t_store * 1e3:.1f} ms ({nbytes / t_store / 1e9:.1f} GB/s), "
+        f"retrieve {t_load * 1e3:.1f} ms ({nbytes / t_load / 1e9:.1f} GB/s)"
+    )
     eng.clear()
     trace("store", out, lambda: eng.store(toks, store_slots))
     trace("retrieve", out, lambda: eng.retrieve(toks, load_slots))
@@ -92,7 +107,9 @@ def warm(tokens: int, out: Path) -> None:
     session = HFSession(model, KvtierConfig(max_local_cpu_size=pool), max_len=tokens)
     session.prefill(ids)
     for layerwise in (False, True, False, True):
-        print(f"warm{' layerwise' if layerwise else ''}: {timed(lambda: session.prefill(ids, layerwise=layerwise)) * 1e3:.1f} ms")
+        print(
+            f"warm{' layerwise' if layerwise else ''}: {timed(lambda: session.prefill(ids, layerwise=layerwise)) * 1e3:.1f} ms"
+        )
     trace("warm", out, lambda: session.prefill(ids, layerwise=False))
     trace("warm_layerwise", out, lambda: session.prefill(ids, layerwise=True))
     session.engine.clear()
@@ -121,9 +138,18 @@ def server(tokens: int) -> None:
             buffers.COPY_THREADS, buffers._pool = threads, None
             t_put = timed(lambda: client.put(keys, views))
             t_get = timed(lambda: client.get_into(keys, outs))
-            t_cpy = timed(lambda: buffers.run_copy([(np.frombuffer(o, np.uint8), np.frombuffer(v, np.uint8)) for o, v in zip(outs, views)]))
-            print(f"{threads} copy threads: put {n * chunk / t_put / 1e9:.1f} GB/s, get_into "
-                  f"{n * chunk / t_get / 1e9:.1f} GB/s, memcpy {n * chunk / t_cpy / 1e9:.1f} GB/s")
+            t_cpy = timed(
+                lambda: buffers.run_copy(
+                    [
+                        (np.frombuffer(o, np.uint8), np.frombuffer(v, np.uint8))
+                        for o, v in zip(outs, views)
+                    ]
+                )
+            )
+            print(
+                f"{threads} copy threads: put {n * chunk / t_put / 1e9:.1f} GB/s, get_into "
+                f"{n * chunk / t_get / 1e9:.1f} GB/s, memcpy {n * chunk / t_cpy / 1e9:.1f} GB/s"
+            )
         assert bytes(outs[-1][:16]) == b"\x07" * 16
         client.close()
 

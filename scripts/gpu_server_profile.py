@@ -20,9 +20,9 @@ import torch
 from kvtier import buffers
 from kvtier.bench.offload import copy_bandwidth
 from kvtier.config import KvtierConfig
+from kvtier.dev.localservers import kvtier_server
 from kvtier.engine import CacheEngine
 from kvtier.keys import KVFormat
-from kvtier.dev.localservers import kvtier_server
 from kvtier.transfer import PagedKV
 
 if __name__ == "__main__":
@@ -34,10 +34,17 @@ if __name__ == "__main__":
     fmt = KVFormat("llama-8b-shaped", "flash_attn", "bfloat16")
     kv_bytes = tokens * L * 2 * H * D * 2
     with kvtier_server(2.5 * kv_bytes / 2**30) as srv:
+
         def engine(local_cpu: bool) -> tuple[CacheEngine, list[torch.Tensor]]:
-            layers = [torch.randn(2, nb, BS, H, D, device="cuda").to(torch.bfloat16) for _ in range(L)]
-            cfg = KvtierConfig(chunk_size=256, max_local_cpu_size=1.2 * kv_bytes / 2**30, local_cpu=local_cpu,
-                               remote_url=srv.url)
+            layers = [
+                torch.randn(2, nb, BS, H, D, device="cuda").to(torch.bfloat16) for _ in range(L)
+            ]
+            cfg = KvtierConfig(
+                chunk_size=256,
+                max_local_cpu_size=1.2 * kv_bytes / 2**30,
+                local_cpu=local_cpu,
+                remote_url=srv.url,
+            )
             return CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), fmt), layers
 
         a, _ = engine(True)
@@ -56,9 +63,11 @@ if __name__ == "__main__":
             times.append(time.perf_counter() - t0)
         assert mask.all(), int(mask.sum())
         _, h2d = copy_bandwidth(kv_bytes, torch.device("cuda"))
-        print(f"{tokens} tokens, {kv_bytes / 1e9:.2f} GB: load {statistics.median(times) * 1e3:.1f} ms "
-              f"(runs {[round(t * 1e3, 1) for t in times]}), pinned H2D copy {kv_bytes / h2d / 1e6:.1f} ms "
-              f"({h2d:.1f} GB/s); lent chunks {b.tiers.remote.stats.lent}")
+        print(
+            f"{tokens} tokens, {kv_bytes / 1e9:.2f} GB: load {statistics.median(times) * 1e3:.1f} ms "
+            f"(runs {[round(t * 1e3, 1) for t in times]}), pinned H2D copy {kv_bytes / h2d / 1e6:.1f} ms "
+            f"({h2d:.1f} GB/s); lent chunks {b.tiers.remote.stats.lent}"
+        )
         prof = cProfile.Profile()
         prof.enable()
         b.retrieve(ids, slots)

@@ -29,17 +29,24 @@ def main() -> None:
     config = KvtierConfig(chunk_size=256, max_local_cpu_size=2)
     worker = WorkerSide(config, Shape(16, 256, False, 0), "lookup-profile", True)
     layers = [torch.zeros(2, 512, 16, 2, 32) for _ in range(4)]
-    worker.engine = CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), KVFormat("m", "flash_attn", "float32"))
+    worker.engine = CacheEngine(
+        config, PagedKV.wrap(layers, "flash_attn"), KVFormat("m", "flash_attn", "float32")
+    )
     toks = np.random.default_rng(0).integers(0, 30000, TOKENS).astype(np.uint32)
     worker.engine.store(toks.tolist(), torch.arange(TOKENS))
-    server = LookupServer(socket_path("lookup-profile", 0), Handlers(worker._find, worker._release, worker.engine.clear))
+    server = LookupServer(
+        socket_path("lookup-profile", 0),
+        Handlers(worker._find, worker._release, worker.engine.clear),
+    )
     client = LookupClient([socket_path("lookup-profile", 0)], 5)
     computed = TOKENS - 272  # the engine has all but the last chunk and a bit: one chunk to load
     try:
-        for name, step in [("find (worker, direct)", lambda i: worker._find(toks, f"d{i}", computed, False)),
-                           ("release (direct)", lambda i: worker._release(f"d{i}")),
-                           ("lookup over ZMQ", lambda i: client.lookup(toks, f"z{i}", computed, False)),
-                           ("release over ZMQ", lambda i: client.release(f"z{i}"))]:
+        for name, step in [
+            ("find (worker, direct)", lambda i: worker._find(toks, f"d{i}", computed, False)),
+            ("release (direct)", lambda i: worker._release(f"d{i}")),
+            ("lookup over ZMQ", lambda i: client.lookup(toks, f"z{i}", computed, False)),
+            ("release over ZMQ", lambda i: client.release(f"z{i}")),
+        ]:
             t0 = time.perf_counter()
             for i in range(REPEATS):
                 step(i)

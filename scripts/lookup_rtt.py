@@ -18,8 +18,14 @@ from kvtier.integrations.vllm.lookup import Handlers, LookupClient, LookupServer
 
 def main() -> None:
     address = socket_path(f"rtt-{os.getpid()}", 0)
-    server = LookupServer(address, Handlers(lookup=lambda tokens, rid, computed, beside: (0, 0, False),
-                                            release=lambda rid: None, reset=lambda: None))
+    server = LookupServer(
+        address,
+        Handlers(
+            lookup=lambda tokens, rid, computed, beside: (0, 0, False),
+            release=lambda rid: None,
+            reset=lambda: None,
+        ),
+    )
     client = LookupClient([address], timeout_s=2)
     try:
         for i in range(200):
@@ -38,8 +44,10 @@ def main() -> None:
     finally:
         client.close()
         server.close()
-    print(f"lookup round trip (a RELEASE): hot {statistics.median(hot) * 1e3:.3f} ms, "
-          f"after 20 ms idle {statistics.median(idle) * 1e3:.3f} ms (medians of {len(hot)} and {len(idle)})")
+    print(
+        f"lookup round trip (a RELEASE): hot {statistics.median(hot) * 1e3:.3f} ms, "
+        f"after 20 ms idle {statistics.median(idle) * 1e3:.3f} ms (medians of {len(hot)} and {len(idle)})"
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,14 @@ def main() -> None:
     p.add_argument("--chunks", type=int, nargs="+", default=[16, 64, 128])
     args = p.parse_args()
     bpt = 1024  # small chunks: the bookkeeping is what is timed
-    buf = PdBuffer((max(args.chunks) + 8) * 256 * bpt, 256 * bpt, "cpu", KVFormat("m", "flash_attn", torch.bfloat16),
-                   bpt, ttl=60)
+    buf = PdBuffer(
+        (max(args.chunks) + 8) * 256 * bpt,
+        256 * bpt,
+        "cpu",
+        KVFormat("m", "flash_attn", torch.bfloat16),
+        bpt,
+        ttl=60,
+    )
     for n in args.chunks:
         times: dict[str, list[float]] = {"alloc": [], "commit": [], "release": []}
         for r in range(30):
@@ -39,7 +45,10 @@ def main() -> None:
             t3 = time.perf_counter()
             for name, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
                 times[name].append(dt)
-        print(f"{n:4d} chunks: " + ", ".join(f"{k} {statistics.median(v) * 1e3:.3f} ms" for k, v in times.items()))
+        print(
+            f"{n:4d} chunks: "
+            + ", ".join(f"{k} {statistics.median(v) * 1e3:.3f} ms" for k, v in times.items())
+        )
 
 
 if __name__ == "__main__":

@@ -54,21 +54,36 @@ def main() -> None:
     echo.start()
     sock = socket.create_connection(("127.0.0.1", q.get()))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    print(f"bare socket ping-pong      {median_ms(lambda: (sock.sendall(b'x' * 32), sock.recv(64))):.3f} ms")
+    print(
+        f"bare socket ping-pong      {median_ms(lambda: (sock.sendall(b'x' * 32), sock.recv(64))):.3f} ms"
+    )
     sock.close()
     shape = OffloadShape(layers=2)
     kv, _ = _paged(shape, 256, "cpu", fill=False)
     with _Receiver(shape, args.channel, args.device, 16384) as receiver:
-        config = _config(shape, "sender", args.channel, "cpu" if args.channel != "cuda_ipc" else "cuda:0", 0,
-                         receiver.init, receiver.alloc)
+        config = _config(
+            shape,
+            "sender",
+            args.channel,
+            "cpu" if args.channel != "cuda_ipc" else "cuda:0",
+            0,
+            receiver.init,
+            receiver.alloc,
+        )
         engine = CacheEngine(config, kv, KVFormat(FMT_MODEL, "flash_attn", shape.dtype))
         sender = PdSender(engine, config, 0)
-        link = DecoderLink("127.0.0.1", receiver.init, receiver.alloc, sender._hello, sender.channel, 10)
-        print(f"protocol ping (Release)    {median_ms(lambda: link.call(proto.Release('none'))):.3f} ms")
+        link = DecoderLink(
+            "127.0.0.1", receiver.init, receiver.alloc, sender._hello, sender.channel, 10
+        )
+        print(
+            f"protocol ping (Release)    {median_ms(lambda: link.call(proto.Release('none'))):.3f} ms"
+        )
         tokens = _tokens(16384, 5)
         spans = engine.spans(tokens, "x")
         print(f"hash 16k tokens (spans)    {median_ms(lambda: engine.spans(tokens)):.3f} ms")
-        print(f"Alloc of 64 chunks + Abort {median_ms(lambda: (link.alloc('r', spans, 5, lambda: None), link.call(proto.Abort('r')))):.3f} ms")
+        print(
+            f"Alloc of 64 chunks + Abort {median_ms(lambda: (link.alloc('r', spans, 5, lambda: None), link.call(proto.Abort('r')))):.3f} ms"
+        )
         link.close()
         sender.close()
         engine.close()

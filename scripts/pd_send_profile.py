@@ -17,7 +17,7 @@ import pstats
 import torch
 
 from kvtier.bench.offload import OffloadShape
-from kvtier.bench.pd import _PdBench, _Receiver, _config, _one_send, _paged, FMT_MODEL
+from kvtier.bench.pd import FMT_MODEL, _config, _one_send, _paged, _PdBench, _Receiver
 from kvtier.engine import CacheEngine
 from kvtier.keys import KVFormat
 from kvtier.pd.sender import PdSender
@@ -38,7 +38,9 @@ def main() -> None:
         config = _config(shape, "sender", "cuda_ipc", args.sender, 0, receiver.init, receiver.alloc)
         engine = CacheEngine(config, kv, KVFormat(FMT_MODEL, "flash_attn", shape.dtype))
         sender = PdSender(engine, config, 0)
-        _one_send(bench, sender, receiver, args.tokens, 1)  # warm-up: connection, IPC mapping, kernels
+        _one_send(
+            bench, sender, receiver, args.tokens, 1
+        )  # warm-up: connection, IPC mapping, kernels
         profile = cProfile.Profile()
         sends = []
         for r in range(args.sends):
@@ -50,13 +52,17 @@ def main() -> None:
         sender.close()
         engine.close()
     for send_ms, (alloc, write, commit), keys, after in sends:
-        print(f"send {send_ms:.2f} ms: keys {keys:.2f}, Alloc {alloc:.2f}, write {write:.2f}, Commit {commit:.2f}, "
-              f"after {after:.2f}, the rest {send_ms - keys - alloc - write - commit - after:.2f}")
+        print(
+            f"send {send_ms:.2f} ms: keys {keys:.2f}, Alloc {alloc:.2f}, write {write:.2f}, Commit {commit:.2f}, "
+            f"after {after:.2f}, the rest {send_ms - keys - alloc - write - commit - after:.2f}"
+        )
     for key in ("tottime", "cumulative"):
         out = io.StringIO()
         pstats.Stats(profile, stream=out).sort_stats(key).print_stats(25)
-        print(f"-- by {key}, {args.sends} sends of {args.tokens} tokens (the receiver's load and check included "
-              f"in _one_send) --")
+        print(
+            f"-- by {key}, {args.sends} sends of {args.tokens} tokens (the receiver's load and check included "
+            f"in _one_send) --"
+        )
         print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:6000])
 
 

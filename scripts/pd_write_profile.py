@@ -47,7 +47,11 @@ def main() -> None:
     torch.cuda.set_device(dev)
     for n in (4096, 16384, 32768):
         kv, _ = _paged(shape, n, dev, fill=True)
-        engine = CacheEngine(_config(shape, "sender", "cuda_ipc", dev, 0, 1, 2), kv, KVFormat("m", "flash_attn", shape.dtype))
+        engine = CacheEngine(
+            _config(shape, "sender", "cuda_ipc", dev, 0, 1, 2),
+            kv,
+            KVFormat("m", "flash_attn", shape.dtype),
+        )
         slots = _slots(kv.num_blocks, shape.block_size, n, 7)
         spans = engine.spans(list(range(n)))
         per_chunk = shape.chunk_size * per_token(shape)
@@ -63,8 +67,11 @@ def main() -> None:
         flat = IpcWriter(torch.device(dev), per_chunk, first_bytes=IpcWriter.GROUP_BYTES)
 
         def through(writer: IpcWriter) -> None:
-            step = writer.start(lambda places: engine.gather_addressed(slots, spans, places), spans,
-                                [per_chunk] * len(spans))
+            step = writer.start(
+                lambda places: engine.gather_addressed(slots, spans, places),
+                spans,
+                [per_chunk] * len(spans),
+            )
             writer.write(step, views)[1].synchronize()
 
         def gather(part, buffers):
@@ -79,8 +86,11 @@ def main() -> None:
         }
         copy = figures["copy"]
         for name, ms in figures.items():
-            print(f"{n:6d} tokens {nbytes / 1e9:.2f} GB {dev}->{args.peer}  {name:16s} {ms:7.2f} ms "
-                  f"{nbytes / ms / 1e6:6.0f} GB/s  {copy / ms:.2f} of the copy", flush=True)
+            print(
+                f"{n:6d} tokens {nbytes / 1e9:.2f} GB {dev}->{args.peer}  {name:16s} {ms:7.2f} ms "
+                f"{nbytes / ms / 1e6:6.0f} GB/s  {copy / ms:.2f} of the copy",
+                flush=True,
+            )
         engine.close()
 
 

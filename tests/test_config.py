@@ -7,14 +7,29 @@ from kvtier.errors import ConfigError, UnknownConfigKey
 def test_defaults_match_lmcache():
     cfg = load_config(env={})
     assert (cfg.chunk_size, cfg.local_cpu, cfg.max_local_cpu_size, cfg.local_cpu_use_hugepages) == (
-        256, True, 5.0, False)
+        256,
+        True,
+        5.0,
+        False,
+    )
     assert cfg.cpu_pool_bytes == 5 * 1024**3
 
 
 def test_lmcache_env_vars(tmp_path):
-    cfg = load_config(env={"LMCACHE_CHUNK_SIZE": "128", "LMCACHE_LOCAL_CPU": "True",
-                           "LMCACHE_MAX_LOCAL_CPU_SIZE": "2.5", "LMCACHE_SAVE_UNFULL_CHUNK": "yes"})
-    assert (cfg.chunk_size, cfg.local_cpu, cfg.max_local_cpu_size, cfg.save_unfull_chunk) == (128, True, 2.5, True)
+    cfg = load_config(
+        env={
+            "LMCACHE_CHUNK_SIZE": "128",
+            "LMCACHE_LOCAL_CPU": "True",
+            "LMCACHE_MAX_LOCAL_CPU_SIZE": "2.5",
+            "LMCACHE_SAVE_UNFULL_CHUNK": "yes",
+        }
+    )
+    assert (cfg.chunk_size, cfg.local_cpu, cfg.max_local_cpu_size, cfg.save_unfull_chunk) == (
+        128,
+        True,
+        2.5,
+        True,
+    )
 
 
 def test_file_then_env_then_kvtier_env(tmp_path):
@@ -24,14 +39,18 @@ def test_file_then_env_then_kvtier_env(tmp_path):
     assert (cfg.chunk_size, cfg.max_local_cpu_size) == (64, 1.0)
     cfg = load_config(env={"KVTIER_CONFIG_FILE": str(f), "LMCACHE_CHUNK_SIZE": "32"})
     assert cfg.chunk_size == 32  # env overrides the file
-    cfg = load_config(env={"LMCACHE_CONFIG_FILE": str(f), "LMCACHE_CHUNK_SIZE": "32", "KVTIER_CHUNK_SIZE": "16"})
+    cfg = load_config(
+        env={"LMCACHE_CONFIG_FILE": str(f), "LMCACHE_CHUNK_SIZE": "32", "KVTIER_CHUNK_SIZE": "16"}
+    )
     assert cfg.chunk_size == 16  # KVTIER_ wins over LMCACHE_
 
 
 def test_unknown_key_in_file_names_closest(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("chunk_sise: 64\n")
-    with pytest.raises(UnknownConfigKey, match=r"unknown key 'chunk_sise'.*did you mean 'chunk_size'"):
+    with pytest.raises(
+        UnknownConfigKey, match=r"unknown key 'chunk_sise'.*did you mean 'chunk_size'"
+    ):
         load_config(env={"LMCACHE_CONFIG_FILE": str(f)})
 
 
@@ -44,8 +63,12 @@ def test_kvtiers_own_env_vars_are_not_config_keys():
     """KVTIER_LOG_LEVEL, KVTIER_SERVER_TOKEN and KVTIER_TRACE_STALLS_MS act where they are
     read (logs, the store server's token, the stall trace): set beside vLLM, they must not
     stop the connector as unknown keys."""
-    env = {"KVTIER_LOG_LEVEL": "DEBUG", "KVTIER_SERVER_TOKEN": "s3cret", "KVTIER_TRACE_STALLS_MS": "5",
-           "KVTIER_CHUNK_SIZE": "64"}
+    env = {
+        "KVTIER_LOG_LEVEL": "DEBUG",
+        "KVTIER_SERVER_TOKEN": "s3cret",
+        "KVTIER_TRACE_STALLS_MS": "5",
+        "KVTIER_CHUNK_SIZE": "64",
+    }
     assert load_config(env=env).chunk_size == 64
 
 
@@ -53,15 +76,18 @@ def test_legacy_lmcache_switch_is_accepted():
     assert load_config(env={"LMCACHE_USE_EXPERIMENTAL": "True"}).chunk_size == 256
 
 
-@pytest.mark.parametrize("env, key, expected", [
-    ({"LMCACHE_CHUNK_SIZE": "0"}, "chunk_size", "positive"),
-    ({"LMCACHE_CHUNK_SIZE": "-5"}, "chunk_size", "positive"),
-    ({"LMCACHE_CHUNK_SIZE": "abc"}, "chunk_size", "an integer"),
-    ({"LMCACHE_MAX_LOCAL_CPU_SIZE": "0"}, "max_local_cpu_size", "> 0"),
-    ({"LMCACHE_MAX_LOCAL_CPU_SIZE": "-1"}, "max_local_cpu_size", "> 0"),
-    ({"LMCACHE_LOCAL_CPU": "maybe"}, "local_cpu", "true or false"),
-    ({"LMCACHE_LOCAL_CPU_USE_HUGEPAGES": "2"}, "local_cpu_use_hugepages", "true or false"),
-])
+@pytest.mark.parametrize(
+    "env, key, expected",
+    [
+        ({"LMCACHE_CHUNK_SIZE": "0"}, "chunk_size", "positive"),
+        ({"LMCACHE_CHUNK_SIZE": "-5"}, "chunk_size", "positive"),
+        ({"LMCACHE_CHUNK_SIZE": "abc"}, "chunk_size", "an integer"),
+        ({"LMCACHE_MAX_LOCAL_CPU_SIZE": "0"}, "max_local_cpu_size", "> 0"),
+        ({"LMCACHE_MAX_LOCAL_CPU_SIZE": "-1"}, "max_local_cpu_size", "> 0"),
+        ({"LMCACHE_LOCAL_CPU": "maybe"}, "local_cpu", "true or false"),
+        ({"LMCACHE_LOCAL_CPU_USE_HUGEPAGES": "2"}, "local_cpu_use_hugepages", "true or false"),
+    ],
+)
 def test_bad_values_name_key_value_and_expectation(env, key, expected):
     with pytest.raises(ConfigError) as info:
         load_config(env=env)
@@ -85,27 +111,44 @@ def test_missing_or_malformed_file(tmp_path):
         load_config(env={"LMCACHE_CONFIG_FILE": str(f)})
 
 
-@pytest.mark.parametrize("env, key", [
-    ({"LMCACHE_ENABLE_P2P": "true"}, "enable_p2p"),
-])
+@pytest.mark.parametrize(
+    "env, key",
+    [
+        ({"LMCACHE_ENABLE_P2P": "true"}, "enable_p2p"),
+    ],
+)
 def test_keys_not_built_yet_are_refused(env, key):
     with pytest.raises(ConfigError, match=f"{key}.*not built"):
         load_config(env=env)
 
 
-@pytest.mark.parametrize("url", ["kvtier://127.0.0.1:12345", "infinistore://127.0.0.1:12345/?device=mlx5_1",
-                                 "redis://localhost:6379", "rediss://:pw@cache.example:6380/0",
-                                 "redis-cluster://10.0.0.1:7000,10.0.0.2:7000", "fs:///mnt/kv"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "kvtier://127.0.0.1:12345",
+        "infinistore://127.0.0.1:12345/?device=mlx5_1",
+        "redis://localhost:6379",
+        "rediss://:pw@cache.example:6380/0",
+        "redis-cluster://10.0.0.1:7000,10.0.0.2:7000",
+        "fs:///mnt/kv",
+    ],
+)
 def test_remote_urls_of_every_scheme_parse(url):
-    assert load_config(env={"LMCACHE_REMOTE_URL": url, "LMCACHE_REMOTE_SERDE": "lz4"}).remote_url == url
+    assert (
+        load_config(env={"LMCACHE_REMOTE_URL": url, "LMCACHE_REMOTE_SERDE": "lz4"}).remote_url
+        == url
+    )
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({"LMCACHE_REMOTE_URL": "mongodb://x:1"}, "scheme"),
-    ({"LMCACHE_REMOTE_URL": "redis://localhost"}, "redis://host:port"),
-    ({"LMCACHE_REMOTE_URL": "fs://"}, "fs:///path"),
-    ({"LMCACHE_REMOTE_SERDE": "cachegen"}, "naive | lz4"),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"LMCACHE_REMOTE_URL": "mongodb://x:1"}, "scheme"),
+        ({"LMCACHE_REMOTE_URL": "redis://localhost"}, "redis://host:port"),
+        ({"LMCACHE_REMOTE_URL": "fs://"}, "fs:///path"),
+        ({"LMCACHE_REMOTE_SERDE": "cachegen"}, "naive | lz4"),
+    ],
+)
 def test_bad_remote_settings_fail_at_start(env, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config(env=env)
@@ -117,23 +160,49 @@ def test_local_disk_takes_lmcache_form_and_plain_paths(value):
     assert str(cfg.disk_path) == "/tmp/kv disk" and cfg.disk_bytes == 2 * 1024**3
 
 
-@pytest.mark.parametrize("env, key, expected", [
-    ({"LMCACHE_LOCAL_DISK": "file:///tmp/kv"}, "max_local_disk_size", "> 0"),
-    ({"LMCACHE_LOCAL_DISK": "s3://bucket/kv", "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}, "local_disk", "file:///"),
-    ({"KVTIER_LOCAL_DISK_MIN_STORES": "0"}, "local_disk_min_stores", ">= 1"),
-    ({"LMCACHE_PIN_TIMEOUT_SEC": "0"}, "pin_timeout_sec", "> 0"),
-])
+@pytest.mark.parametrize(
+    "env, key, expected",
+    [
+        ({"LMCACHE_LOCAL_DISK": "file:///tmp/kv"}, "max_local_disk_size", "> 0"),
+        (
+            {"LMCACHE_LOCAL_DISK": "s3://bucket/kv", "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"},
+            "local_disk",
+            "file:///",
+        ),
+        ({"KVTIER_LOCAL_DISK_MIN_STORES": "0"}, "local_disk_min_stores", ">= 1"),
+        ({"LMCACHE_PIN_TIMEOUT_SEC": "0"}, "pin_timeout_sec", "> 0"),
+    ],
+)
 def test_bad_disk_and_pin_settings_fail_at_start(env, key, expected):
     with pytest.raises(ConfigError, match=f"{key}.*{expected}"):
         load_config(env=env)
 
 
 def test_all_design_keys_parse():
-    for key in ["chunk_size", "local_cpu", "max_local_cpu_size", "local_cpu_use_hugepages", "local_disk",
-                "max_local_disk_size", "remote_url", "remote_serde", "save_unfull_chunk",
-                "blocking_timeout_secs", "enable_pd", "pd_role", "transfer_channel", "pd_buffer_size",
-                "pd_buffer_device", "pd_peer_host", "pd_peer_init_port", "pd_peer_alloc_port",
-                "pd_proxy_host", "pd_proxy_port", "enable_p2p", "extra_config"]:
+    for key in [
+        "chunk_size",
+        "local_cpu",
+        "max_local_cpu_size",
+        "local_cpu_use_hugepages",
+        "local_disk",
+        "max_local_disk_size",
+        "remote_url",
+        "remote_serde",
+        "save_unfull_chunk",
+        "blocking_timeout_secs",
+        "enable_pd",
+        "pd_role",
+        "transfer_channel",
+        "pd_buffer_size",
+        "pd_buffer_device",
+        "pd_peer_host",
+        "pd_peer_init_port",
+        "pd_peer_alloc_port",
+        "pd_proxy_host",
+        "pd_proxy_port",
+        "enable_p2p",
+        "extra_config",
+    ]:
         assert key in KvtierConfig.__dataclass_fields__
 
 
@@ -145,5 +214,6 @@ def test_extra_config_json_from_env_and_frozen():
 
 
 def test_overrides_apply_last():
-    assert load_config(env={"LMCACHE_SAVE_UNFULL_CHUNK": "false"},
-                       overrides={"save_unfull_chunk": True}).save_unfull_chunk
+    assert load_config(
+        env={"LMCACHE_SAVE_UNFULL_CHUNK": "false"}, overrides={"save_unfull_chunk": True}
+    ).save_unfull_chunk

@@ -17,11 +17,15 @@ def test_a_probe_that_hangs_or_fails_falls_back_to_float32():
     hung = probe_bf16("import time; time.sleep(30)", timeout=1)
     assert hung.dtype == "float32" and "within 1 s" in hung.reason
     failed = probe_bf16("raise SystemExit('no bf16 here')")
-    assert failed.dtype == "float32" and "code 1" in failed.reason and "no bf16 here" in failed.reason
+    assert (
+        failed.dtype == "float32" and "code 1" in failed.reason and "no bf16 here" in failed.reason
+    )
 
 
 def test_the_real_probe_answers_and_covers_both_bf16_paths():
-    assert "a @ b" in PROBE and "weight_packed_linear_cpu" in PROBE  # torch's matmul and vLLM's packed GEMM
+    assert (
+        "a @ b" in PROBE and "weight_packed_linear_cpu" in PROBE
+    )  # torch's matmul and vLLM's packed GEMM
     choice = probe_bf16()
     assert choice.dtype in ("bfloat16", "float32")
     with open("/proc/cpuinfo") as f:

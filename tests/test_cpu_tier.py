@@ -1,4 +1,5 @@
 import pytest
+
 from kvtier.keys import ChunkKey, KVFormat
 from kvtier.memory import HostPool
 from kvtier.tiers.cpu import CpuTier
@@ -61,7 +62,6 @@ def test_put_same_key_replaces_without_leak():
     tier = CpuTier(pool)
     fill(tier, [1, 1, 1])
     assert len(tier) == 1 and pool.used_bytes == 64
-
 
 
 @pytest.mark.parametrize("policy, evicted", [("LRU", 1), ("FIFO", 0), ("MRU", 2), ("LFU", 1)])

@@ -28,7 +28,9 @@ def test_the_digest_of_slices_adds_up_and_any_word_changes_it():
     swapped = data.view(np.uint32).copy()
     swapped[[10, 20]] = swapped[[20, 10]]
     assert swapped[10] == swapped[20] or kv_digest(swapped) != whole
-    assert kv_digest(np.zeros(64, np.uint8)) != kv_digest(np.zeros(68, np.uint8))  # zero words count
+    assert kv_digest(np.zeros(64, np.uint8)) != kv_digest(
+        np.zeros(68, np.uint8)
+    )  # zero words count
 
 
 def test_a_value_with_a_digest_is_version_2_and_every_reader_still_checks_its_xxh3():
@@ -36,8 +38,11 @@ def test_a_value_with_a_digest_is_version_2_and_every_reader_still_checks_its_xx
     chunk = np.arange(4096, dtype=np.uint8)
     header, payload = codec.encode(memoryview(chunk), 16, digest=kv_digest(chunk))
     assert header[4] == VERSION_DIGEST
-    assert codec.check_header(header, len(payload), 4096) == (16, *codec.check_header(header, 4096, 4096)[1:2],
-                                                              kv_digest(chunk))
+    assert codec.check_header(header, len(payload), 4096) == (
+        16,
+        *codec.check_header(header, 4096, 4096)[1:2],
+        kv_digest(chunk),
+    )
     assert codec.check_in_place(header, memoryview(chunk)) == 16
     assert codec.decode(bytes(header) + bytes(payload), 4096)[0] == 16
     bad = chunk.copy()
@@ -47,7 +52,9 @@ def test_a_value_with_a_digest_is_version_2_and_every_reader_still_checks_its_xx
     with pytest.raises(CorruptPayload, match="4096"):  # the length is still checked (it is raw_len)
         codec.check_header(header, 4000, 4096)
     plain, _ = codec.encode(memoryview(chunk), 16)
-    assert plain[4] == 1 and codec.check_header(plain, 4096, 4096)[2] == 0  # no digest: version 1, as before
+    assert (
+        plain[4] == 1 and codec.check_header(plain, 4096, 4096)[2] == 0
+    )  # no digest: version 1, as before
     lz4 = bytearray(header)
     lz4[5] = 1  # a version-2 header may only name the naive serde
     with pytest.raises(CorruptPayload, match="only naive"):
@@ -92,7 +99,12 @@ print("ok")
 
 def test_the_triton_digest_kernel_in_the_interpreter_equals_the_numpy_digest():
     pytest.importorskip("triton")
-    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env={**os.environ, "TRITON_INTERPRET": "1"},
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", KERNEL_CHECK],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "ok"

@@ -44,7 +44,9 @@ def test_put_then_read_back_exact_bytes(tmp_path):
     assert t.exists(ks + keys(1, seed=999)) == [True, True, True, False]
     for i, k in enumerate(ks):
         assert read(t, k) == (16, bytes(chunk(i)))
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".lock"] + [file_name(k) for k in ks])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [".lock"] + [file_name(k) for k in ks]
+    )
     assert read(t, keys(1, seed=999)[0])[0] is None
 
 
@@ -89,11 +91,17 @@ def test_a_restarted_tier_rebuilds_its_index_in_lru_order(tmp_path):
 
 def test_a_second_owner_of_the_directory_gets_a_clear_error(tmp_path):
     first = tier(tmp_path)
-    with pytest.raises(DiskTierInUse, match=rf"in use by another kvtier process \(pid {os.getpid()}\)"):
+    with pytest.raises(
+        DiskTierInUse, match=rf"in use by another kvtier process \(pid {os.getpid()}\)"
+    ):
         tier(tmp_path)
     code = f"from kvtier.tiers.disk import DiskTier; from kvtier.codec import Codec; DiskTier({str(tmp_path)!r}, 1<<20, Codec())"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert other.returncode != 0 and "DiskTierInUse" in other.stderr and "own local_disk directory" in other.stderr
+    assert (
+        other.returncode != 0
+        and "DiskTierInUse" in other.stderr
+        and "own local_disk directory" in other.stderr
+    )
     first.close()
     tier(tmp_path).close()  # free again
 
@@ -147,7 +155,9 @@ CRASHER = textwrap.dedent("""
 
 
 def test_a_crash_mid_write_leaves_no_readable_partial_chunk(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", CRASHER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CRASHER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "ready"
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:  # until a few chunks are whole and a write is in progress
@@ -169,7 +179,10 @@ def test_a_crash_mid_write_leaves_no_readable_partial_chunk(tmp_path):
 
 
 def _crasher_keys():
-    return [s.key for s in chunk_spans(np.arange(16 * 64), KVFormat("m", "flash_attn", "bfloat16"), 16, False)]
+    return [
+        s.key
+        for s in chunk_spans(np.arange(16 * 64), KVFormat("m", "flash_attn", "bfloat16"), 16, False)
+    ]
 
 
 FAULTS = textwrap.dedent("""
@@ -211,26 +224,63 @@ FAULTS = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("mode, cause", [("full", "the disk is full"), ("readonly", "read-only"),
-                                         ("readonly-live", "read-only")])
-def test_a_full_or_read_only_disk_stops_writing_with_one_error_keeps_serving_and_writes_again_after(tmp_path, mode, cause):
+@pytest.mark.parametrize(
+    "mode, cause",
+    [("full", "the disk is full"), ("readonly", "read-only"), ("readonly-live", "read-only")],
+)
+def test_a_full_or_read_only_disk_stops_writing_with_one_error_keeps_serving_and_writes_again_after(
+    tmp_path, mode, cause
+):
     if shutil.which("unshare") is None or shutil.which("mount") is None:
         pytest.skip("needs unshare and mount (util-linux)")
     root = tmp_path / "disk"
     root.mkdir()
-    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "mount", "-t", "tmpfs", "-o", "size=1m",
-                            "tmpfs", str(root)], capture_output=True)
+    probe = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "mount",
+            "-t",
+            "tmpfs",
+            "-o",
+            "size=1m",
+            "tmpfs",
+            str(root),
+        ],
+        capture_output=True,
+    )
     if probe.returncode != 0:  # no mount namespace, or no right to mount in one
-        pytest.skip(f"cannot mount a tmpfs in a mount namespace here: {probe.stderr.decode().strip()}")
-    done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", FAULTS, str(root), mode],
-                          capture_output=True, text=True, timeout=120)
+        pytest.skip(
+            f"cannot mount a tmpfs in a mount namespace here: {probe.stderr.decode().strip()}"
+        )
+    done = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            sys.executable,
+            "-c",
+            FAULTS,
+            str(root),
+            mode,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
     # put refused, writing stopped (errors counted: each write in flight may fail), what it has reads back whole
     assert result == "RESULT False False True [16, 16] b'\\x03\\x03\\x03' True"
     errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and cause in errors[0] and "stops writing" in errors[0], done.stderr
-    assert next(line for line in done.stdout.splitlines() if line.startswith("AGAIN")) == "AGAIN False True True"
+    assert (
+        next(line for line in done.stdout.splitlines() if line.startswith("AGAIN"))
+        == "AGAIN False True True"
+    )
     assert "writes again" in done.stderr
 
 
@@ -242,6 +292,8 @@ def test_the_disk_benchmark_runs_and_checks_what_it_loads(tmp_path, capsys):
     shape = OffloadShape(tokens=512, layers=2, kv_heads=2, head_dim=32, chunk_size=64)
     result = run_disk(shape, tmp_path, repeats=2, pool_chunks=2)
     s = result.summary()
-    assert len(result.tier_read_gbps) == len(result.file_read_gbps) == 2 and s["read_ratio_paired"] > 0
+    assert (
+        len(result.tier_read_gbps) == len(result.file_read_gbps) == 2 and s["read_ratio_paired"] > 0
+    )
     assert s["step_wait_sync_ms"] > 0 and s["request_load_async_ms"] > 0
     assert not list(tmp_path.rglob("*.kvc"))  # cleans up after itself

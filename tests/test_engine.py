@@ -17,7 +17,9 @@ FMT = KVFormat("m", "flash_attn", "float32")
 
 def make_engine(chunk=16, pool_mb=1.0, unfull=False, layers=None):
     layers = layers or [torch.randn(2, NB, BS, H, D) for _ in range(L)]
-    cfg = KvtierConfig(chunk_size=chunk, max_local_cpu_size=pool_mb / 1024, save_unfull_chunk=unfull)
+    cfg = KvtierConfig(
+        chunk_size=chunk, max_local_cpu_size=pool_mb / 1024, save_unfull_chunk=unfull
+    )
     return CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), FMT), layers
 
 
@@ -96,7 +98,9 @@ def test_save_unfull_chunk():
     assert eng.lookup(toks) == 40
     mask = eng.retrieve(toks, torch.arange(300, 340))
     assert mask.all()
-    assert torch.equal(tokens_at(layers, torch.arange(32, 40)), tokens_at(layers, torch.arange(332, 340)))
+    assert torch.equal(
+        tokens_at(layers, torch.arange(32, 40)), tokens_at(layers, torch.arange(332, 340))
+    )
 
 
 def test_retrieve_stops_at_first_missing_chunk():
@@ -112,10 +116,14 @@ def test_full_pool_of_pinned_chunks_skips_store_and_logs_once(caplog):
     eng, _ = make_engine(pool_mb=2 * 16 * L * 2 * H * D * 4 / 1e6 * 1.0001 * 1e6 / 1024**2)
     assert eng.pool.num_blocks == 2
     eng.store(list(range(32)), torch.arange(32))
-    held = [eng.tiers.cpu.get(s.key) for s in eng.spans(list(range(32)))]  # in-flight loads pin both
+    held = [
+        eng.tiers.cpu.get(s.key) for s in eng.spans(list(range(32)))
+    ]  # in-flight loads pin both
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         assert eng.store(list(range(100, 164)), torch.arange(64), request_id="r") == 0
-        assert eng.store(list(range(100, 196)), torch.arange(96), request_id="r") == 0  # next prefill step
+        assert (
+            eng.store(list(range(100, 196)), torch.arange(96), request_id="r") == 0
+        )  # next prefill step
     warnings = [r for r in caplog.records if "pool full of chunks in use" in r.getMessage()]
     assert len(warnings) == 1 and "64 tokens" in warnings[0].getMessage()
     for chunk in held:
@@ -123,13 +131,16 @@ def test_full_pool_of_pinned_chunks_skips_store_and_logs_once(caplog):
     assert eng.store(list(range(100, 164)), torch.arange(64)) == 32  # evicts the released two
 
 
-@pytest.mark.parametrize("tokens, slots, match", [
-    (list(range(9)), torch.arange(10), "9 tokens but 10 slots"),
-    (list(range(10)), torch.arange(10) + NB * BS, "out of range"),
-    (list(range(10)), torch.arange(10) - 1, "out of range"),
-    (list(range(10)), torch.zeros(10), "integers"),
-    (list(range(10)), torch.zeros(2, 5, dtype=torch.long), "1-D"),
-])
+@pytest.mark.parametrize(
+    "tokens, slots, match",
+    [
+        (list(range(9)), torch.arange(10), "9 tokens but 10 slots"),
+        (list(range(10)), torch.arange(10) + NB * BS, "out of range"),
+        (list(range(10)), torch.arange(10) - 1, "out of range"),
+        (list(range(10)), torch.zeros(10), "integers"),
+        (list(range(10)), torch.zeros(2, 5, dtype=torch.long), "1-D"),
+    ],
+)
 def test_bad_input_is_a_clear_value_error_and_cache_keeps_serving(tokens, slots, match):
     eng, layers = make_engine()
     good = list(range(32))
@@ -223,11 +234,15 @@ def test_grouped_kv_moves_each_layer_at_its_own_groups_slots():
     assert eng.retrieve(toks, dst).all()
     for layer, row in ((0, 0), (1, 1), (2, 0)):
         keep = dst[row] >= 0
-        assert torch.equal(tokens_at([layers[layer]], dst[row][keep]), tokens_at([layers[layer]], src[row][keep]))
+        assert torch.equal(
+            tokens_at([layers[layer]], dst[row][keep]), tokens_at([layers[layer]], src[row][keep])
+        )
     untouched = torch.ones(NB * BS, dtype=torch.bool)
     untouched[dst[1][40:]] = False
-    assert torch.equal(tokens_at([layers[1]], untouched.nonzero().flatten()),
-                       tokens_at([before], untouched.nonzero().flatten()))
+    assert torch.equal(
+        tokens_at([layers[1]], untouched.nonzero().flatten()),
+        tokens_at([before], untouched.nonzero().flatten()),
+    )
     with pytest.raises(ValueError, match=r"\[2, T\] tensor"):
         eng.store(toks, src[0])
 
@@ -244,7 +259,9 @@ def test_a_request_of_another_identity_finds_nothing_and_loads_nothing():
     assert not eng.retrieve(toks, perm[100:200], identity=tenant_b).any()
     assert eng.lookup(toks + [5, 6], tenant_a) == 100  # a longer prompt finds the tail too
     mask = eng.retrieve(toks, perm[200:300], identity=tenant_a)
-    assert mask.all() and torch.equal(tokens_at(layers, perm[:100]), tokens_at(layers, perm[200:300]))
+    assert mask.all() and torch.equal(
+        tokens_at(layers, perm[:100]), tokens_at(layers, perm[200:300])
+    )
     image = Identity.of(items=[Item(40, 8, b"i" * 16)])
     assert eng.store(toks, perm[:100]) == 100
     assert eng.lookup(toks, image) == 32  # the two chunks before the image's are shared

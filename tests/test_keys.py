@@ -22,14 +22,24 @@ def test_unfull_chunk_follows_config():
     assert [s.end for s in chunk_spans(range(600), FMT, 256, True)] == [256, 512, 600]
     assert [s.end for s in chunk_spans(range(600), FMT, 256, False)] == [256, 512]
     # A partial chunk's key differs from the full chunk over the same start.
-    assert chunk_spans(range(600), FMT, 256, True)[2].key != chunk_spans(range(768), FMT, 256, True)[2].key
+    assert (
+        chunk_spans(range(600), FMT, 256, True)[2].key
+        != chunk_spans(range(768), FMT, 256, True)[2].key
+    )
 
 
 def test_format_is_part_of_the_key():
     toks = list(range(256))
-    keys = {chunk_spans(toks, f, 256, False)[0].key for f in [
-        FMT, KVFormat("other", "flash_attn", "bfloat16"), KVFormat("m", "mla", "bfloat16"),
-        KVFormat("m", "flash_attn", "float16"), KVFormat("m", "flash_attn", "bfloat16", 1, 2)]}
+    keys = {
+        chunk_spans(toks, f, 256, False)[0].key
+        for f in [
+            FMT,
+            KVFormat("other", "flash_attn", "bfloat16"),
+            KVFormat("m", "mla", "bfloat16"),
+            KVFormat("m", "flash_attn", "float16"),
+            KVFormat("m", "flash_attn", "bfloat16", 1, 2),
+        ]
+    }
     assert len(keys) == 5
 
 
@@ -42,8 +52,16 @@ def test_golden_digest_is_stable():
 
 def test_same_keys_in_processes_with_different_hash_seeds():
     code = "from kvtier.keys import *; print(chunk_spans(list(range(512)), KVFormat('m','flash_attn','bfloat16'), 256, False)[1].key.digest.hex())"
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout for seed in ("0", "1", "random")}
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed, "PATH": ""},
+        ).stdout
+        for seed in ("0", "1", "random")
+    }
     assert len(outs) == 1
 
 
@@ -62,7 +80,9 @@ def test_span_memo_gives_the_spans_of_the_tokens_it_is_given():
     memo = SpanMemo(fmt, 4, save_unfull_chunk=False)
     prompt = np.arange(18)
     assert memo.spans(prompt, "r") == chunk_spans(prompt, fmt, 4, False)
-    assert memo.spans(prompt[:10], "r") == chunk_spans(prompt[:10], fmt, 4, False)  # a prefix: reused
+    assert memo.spans(prompt[:10], "r") == chunk_spans(
+        prompt[:10], fmt, 4, False
+    )  # a prefix: reused
     other = prompt.copy()
     other[0] = 99
     assert memo.spans(other, "r") == chunk_spans(other, fmt, 4, False)  # other tokens: hashed anew
@@ -77,7 +97,11 @@ def test_token_bytes_of_a_list_and_of_an_array_agree():
     from kvtier.keys import token_bytes
 
     toks = [0, 1, 2**32 - 1, 128000, 7]
-    assert token_bytes(toks) == np.asarray(toks, dtype="<u4").tobytes() == token_bytes(np.asarray(toks))
+    assert (
+        token_bytes(toks)
+        == np.asarray(toks, dtype="<u4").tobytes()
+        == token_bytes(np.asarray(toks))
+    )
     for bad in ([-1], [2**32]):
         with pytest.raises(ValueError, match="token ids"):
             token_bytes(bad)
@@ -85,7 +109,9 @@ def test_token_bytes_of_a_list_and_of_an_array_agree():
             token_bytes(np.asarray(bad, dtype=np.int64))
 
 
-def test_span_memo_with_partial_chunks_hashes_only_what_follows_the_shared_whole_chunks(monkeypatch):
+def test_span_memo_with_partial_chunks_hashes_only_what_follows_the_shared_whole_chunks(
+    monkeypatch,
+):
     """A request's lookup (its prompt, a partial last chunk), its load (the hit: whole chunks)
     and its store (the prompt again, or with its output) share the prompt's whole chunks: each
     later call hashes only what follows them, and gets what hashing it all gets."""
@@ -96,21 +122,29 @@ def test_span_memo_with_partial_chunks_hashes_only_what_follows_the_shared_whole
     memo = SpanMemo(fmt, 4, save_unfull_chunk=True)
     hashed = []
     real = keys._chained
-    monkeypatch.setattr(keys, "_chained", lambda prev, data, items=b"": hashed.append(len(data) // 4) or real(prev, data, items))
+    monkeypatch.setattr(
+        keys,
+        "_chained",
+        lambda prev, data, items=b"": hashed.append(len(data) // 4) or real(prev, data, items),
+    )
     prompt = np.arange(18)
-    cases = [(prompt, [4, 4, 4, 4, 2]),  # the lookup: everything
-             (prompt[:16], []),  # the hit's load: its whole chunks known
-             (prompt, [2]),  # the store: the partial last chunk only
-             (prompt[:17], [1]),  # another tail
-             (np.arange(23), [4, 3]),  # the prompt and its output: from the 16th token on
-             (np.arange(18), [2])]  # the longest tokens of the request stayed in the memo
+    cases = [
+        (prompt, [4, 4, 4, 4, 2]),  # the lookup: everything
+        (prompt[:16], []),  # the hit's load: its whole chunks known
+        (prompt, [2]),  # the store: the partial last chunk only
+        (prompt[:17], [1]),  # another tail
+        (np.arange(23), [4, 3]),  # the prompt and its output: from the 16th token on
+        (np.arange(18), [2]),
+    ]  # the longest tokens of the request stayed in the memo
     for tokens, expected in cases:
         hashed.clear()
         got = memo.spans(tokens, "r")
         assert hashed == expected, (len(tokens), hashed)
         assert got == keys.chunk_spans(tokens, fmt, 4, True)
     changed = np.arange(23)
-    changed[9] = 99  # a token inside the third chunk: the first two are shared, the rest hashed anew
+    changed[9] = (
+        99  # a token inside the third chunk: the first two are shared, the rest hashed anew
+    )
     for tokens, rid, expected in [(changed, "r", [4, 4, 4, 3]), (prompt, "other", [4, 4, 4, 4, 2])]:
         want = keys.chunk_spans(tokens, fmt, 4, True)
         hashed.clear()
@@ -122,15 +156,24 @@ def _keys(tokens, identity):
 
 
 def test_a_plain_identity_keys_as_the_tokens_alone():
-    assert Identity.of() == PLAIN and _keys(list(range(600)), PLAIN) == _keys(list(range(600)), Identity.of())
+    assert Identity.of() == PLAIN and _keys(list(range(600)), PLAIN) == _keys(
+        list(range(600)), Identity.of()
+    )
 
 
 def test_an_adapter_or_a_salt_changes_every_chunk_s_key():
     """Two requests of one prompt under LoRA adapters A and B, or two cache_salts, share no
     chunk; the same adapter and salt share them all."""
     tokens = list(range(1000))
-    variants = [PLAIN, Identity.of(adapter=b"A"), Identity.of(adapter=b"B"), Identity.of(salt="t1"),
-                Identity.of(salt="t2"), Identity.of(adapter=b"A", salt="t1"), Identity.of(adapter=b"At1")]
+    variants = [
+        PLAIN,
+        Identity.of(adapter=b"A"),
+        Identity.of(adapter=b"B"),
+        Identity.of(salt="t1"),
+        Identity.of(salt="t2"),
+        Identity.of(adapter=b"A", salt="t1"),
+        Identity.of(adapter=b"At1"),
+    ]
     keys = [_keys(tokens, v) for v in variants]
     for i, a in enumerate(keys):
         for b in keys[i + 1 :]:
@@ -149,7 +192,9 @@ def test_an_image_changes_the_chunks_from_the_one_that_holds_it_and_no_earlier()
     assert a[:2] == b[:2] == plain[:2]  # [0, 512): before the image at 600
     assert all(x != y and x != z for x, y, z in zip(a[2:], b[2:], plain[2:]))
     assert _keys(tokens, Identity.of(items=[Item(600, 64, b"1" * 16)])) == a
-    moved = _keys(tokens, Identity.of(items=[Item(601, 64, b"1" * 16)]))  # another place: another KV
+    moved = _keys(
+        tokens, Identity.of(items=[Item(601, 64, b"1" * 16)])
+    )  # another place: another KV
     assert moved[:2] == a[:2] and moved[2] != a[2]
 
 

@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from kvtier.config import KvtierConfig
+from kvtier.dev.localservers import kvtier_server
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError
-from kvtier.keys import KVFormat
-from kvtier.dev.localservers import kvtier_server
+from kvtier.keys import KVFormat, wire_key
 from kvtier.remote import open_store
-from kvtier.keys import wire_key
 from kvtier.transfer import PagedKV, Quant
 
 L, NB, BS, H, D = 2, 64, 16, 2, 32
@@ -29,7 +28,10 @@ CODECS = ["int8", "fp8"]
 def heads(n_tokens: int, *, seed: int = 0) -> torch.Tensor:
     """[2, T, H, D] bf16 with the spreads KV has: heads of very different scales, a zero head, outliers."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(2, n_tokens, H, D, generator=g) * torch.tensor([0.02, 30.0])[None, None, :, None]
+    x = (
+        torch.randn(2, n_tokens, H, D, generator=g)
+        * torch.tensor([0.02, 30.0])[None, None, :, None]
+    )
     x[0, 0, 1] = 0  # an all-zero head: scale 0, decodes to 0
     x[1, :, 0, 3] *= 50  # an outlier channel
     return x.to(torch.bfloat16)
@@ -46,7 +48,7 @@ def test_round_trip_is_within_the_error_bound(name):
     assert (err <= q.error_bound(x) + 1e-7).all(), float((err - q.error_bound(x)).max())
     assert not back[0, 0, 1].any()  # the zero head
     scale = x.float().abs().amax(-1) / q.qmax
-    assert torch.equal(rows[..., H * D:].contiguous().view(torch.float32).reshape(2, 40, H), scale)
+    assert torch.equal(rows[..., H * D :].contiguous().view(torch.float32).reshape(2, 40, H), scale)
     # The codec is not the identity: it loses something, and within the bound only.
     assert err.max() > 0
     assert Quant(name, 8, 128).row_bytes / (8 * 128 * 2) == pytest.approx(0.516, abs=1e-3)
@@ -58,8 +60,16 @@ def test_an_unknown_codec_is_refused_with_the_known_ones():
     with pytest.raises(ConfigError, match="naive | lz4 | int8 | fp8"):
         KvtierConfig(remote_serde="cachegen")
     with pytest.raises(ConfigError, match="remote_serde"):
-        KvtierConfig(remote_serde="int8", enable_pd=True, pd_role="sender", pd_peer_host="localhost",
-                     pd_peer_init_port=1, pd_peer_alloc_port=2, pd_proxy_host="localhost", pd_proxy_port=3)
+        KvtierConfig(
+            remote_serde="int8",
+            enable_pd=True,
+            pd_role="sender",
+            pd_peer_host="localhost",
+            pd_peer_init_port=1,
+            pd_peer_alloc_port=2,
+            pd_proxy_host="localhost",
+            pd_proxy_port=3,
+        )
 
 
 TRITON_CHECK = """
@@ -103,17 +113,26 @@ def test_the_triton_kernel_in_the_interpreter_matches_the_torch_codec():
     rounds 127.99 to 64); fp8 kernels are checked on a GPU (test_transfer_cuda.py)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "ok"
 
 
 def node(url: str | None, serde: str, *, local_cpu: bool = True, disk: str | None = None):
     layers = [(torch.randn(2, NB, BS, H, D) * 3).to(torch.bfloat16) for _ in range(L)]
-    cfg = KvtierConfig(save_unfull_chunk=False, chunk_size=16, max_local_cpu_size=1 / 1024, remote_url=url, remote_serde=serde,
-                       local_cpu=local_cpu, blocking_timeout_secs=5, local_disk=disk,
-                       max_local_disk_size=0.01 if disk else 0.0)
+    cfg = KvtierConfig(
+        save_unfull_chunk=False,
+        chunk_size=16,
+        max_local_cpu_size=1 / 1024,
+        remote_url=url,
+        remote_serde=serde,
+        local_cpu=local_cpu,
+        blocking_timeout_secs=5,
+        local_disk=disk,
+        max_local_disk_size=0.01 if disk else 0.0,
+    )
     return CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), FMT), layers
 
 
@@ -124,7 +143,9 @@ def kv_at(layers, slots):
 def close_to(engine: CacheEngine, got: torch.Tensor, want: torch.Tensor) -> bool:
     """Equal within the codec's bound (plus the bf16 rounding of the result)."""
     want = want.float()
-    return bool(((got.float() - want).abs() <= engine.quant.error_bound(want) + want.abs() / 128).all())
+    return bool(
+        ((got.float() - want).abs() <= engine.quant.error_bound(want) + want.abs() / 128).all()
+    )
 
 
 @pytest.mark.parametrize("name", CODECS)
@@ -138,7 +159,9 @@ def test_quantized_chunks_through_the_kvtier_server(name, how):
         src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
         assert a.store(tokens, src) == 96
         assert a.flush(timeout=10)
-        assert a.pool.block_bytes == 16 * L * 2 * (H * D + 4 * H)  # 0.5625 of the bf16 chunk here (D = 32)
+        assert a.pool.block_bytes == 16 * L * 2 * (
+            H * D + 4 * H
+        )  # 0.5625 of the bf16 chunk here (D = 32)
         assert b.lookup(tokens) == 96
         mask = b.retrieve(tokens, dst)
         assert mask[:96].all() and not mask[96:].any()
@@ -212,8 +235,13 @@ def test_transformers_llama_with_the_codec_decodes_as_without(name):
     model = LlamaForCausalLM(cfg).eval()
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 1000, (1, 600), generator=gen)
-    session = HFSession(model, KvtierConfig(save_unfull_chunk=False, chunk_size=64, max_local_cpu_size=0.05, remote_serde=name),
-                        max_len=700)
+    session = HFSession(
+        model,
+        KvtierConfig(
+            save_unfull_chunk=False, chunk_size=64, max_local_cpu_size=0.05, remote_serde=name
+        ),
+        max_len=700,
+    )
     cold_tokens = session.generate(ids, 16, use_cache=False)
     cold = session.prefill(ids, use_cache=False).logits
     session.prefill(ids)  # stores 576 tokens, quantized

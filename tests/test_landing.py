@@ -53,8 +53,11 @@ def engine_with_first_chunk_in_flight(n: int):
     from kvtier.transfer import PagedKV
 
     layers = [torch.randn(2, 16, 16, 2, 32) for _ in range(2)]
-    eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=1 / 1024), PagedKV.wrap(layers, "flash_attn"),
-                      KVFormat("m", "flash_attn", "float32"))
+    eng = CacheEngine(
+        KvtierConfig(chunk_size=64, max_local_cpu_size=1 / 1024),
+        PagedKV.wrap(layers, "flash_attn"),
+        KVFormat("m", "flash_attn", "float32"),
+    )
     toks, slots = list(range(n)), torch.arange(n)
     first = eng.spans(toks)[0].key
     arrival, landed = Arrival(), []
@@ -83,6 +86,8 @@ def test_a_lookup_does_not_wait_for_chunks_the_engine_has_already():
     hit = eng.find(toks, hold_for="r", known=64)
     assert (hit.tokens, hit.in_cpu) == (192, 192) and not arrival.waited and landed == []
     assert len(eng.holds._holds["r"].blocks) == 2  # chunks 2 and 3: the one in flight is not held
-    assert eng.find(toks, known=48).tokens == 0  # chunk 1 would be read: waited for (this stand-in lands nothing)
+    assert (
+        eng.find(toks, known=48).tokens == 0
+    )  # chunk 1 would be read: waited for (this stand-in lands nothing)
     assert arrival.waited and landed == [first]
     eng.close()

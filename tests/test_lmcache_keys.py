@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.config import FIELDS, load_config
-from kvtier.errors import ConfigError, UnknownConfigKey
 from kvtier.config.lmcache_keys import CLASSES, LMCACHE_VERSION, RULES
+from kvtier.errors import ConfigError, UnknownConfigKey
 
 DATA = Path(__file__).parent / "data" / f"lmcache-{LMCACHE_VERSION}-keys.txt"
 
@@ -15,7 +15,7 @@ DATA = Path(__file__).parent / "data" / f"lmcache-{LMCACHE_VERSION}-keys.txt"
 def lmcache_keys():
     lines = [x for x in DATA.read_text().splitlines() if x and not x.startswith("#")]
     split = lines.index("aliases")
-    return lines[:split], lines[split + 1:]
+    return lines[:split], lines[split + 1 :]
 
 
 def test_every_lmcache_key_and_alias_is_classified_once():
@@ -70,32 +70,64 @@ def test_an_lmcache_yaml_with_common_keys_starts_kvtier_with_the_right_warnings(
     f.write_text(COMMON)
     with caplog.at_level(logging.INFO, logger="kvtier"):
         cfg = load_config(env={"LMCACHE_CONFIG_FILE": str(f)})
-    assert (cfg.min_retrieve_tokens, cfg.lookup_timeout_ms, cfg.cache_policy, cfg.pin_timeout_sec,
-            cfg.enable_kv_events) == (64, 2000, "LRU", 120, True)
+    assert (
+        cfg.min_retrieve_tokens,
+        cfg.lookup_timeout_ms,
+        cfg.cache_policy,
+        cfg.pin_timeout_sec,
+        cfg.enable_kv_events,
+    ) == (64, 2000, "LRU", 120, True)
     warned = {r.getMessage().split()[2] for r in caplog.records if r.levelno == logging.WARNING}
     assert warned == {"numa_mode", "reserve_local_cpu_size", "enable_controller"}
-    informed = {r.getMessage().split()[2] for r in caplog.records
-                if r.levelno == logging.INFO and "LMCache key" in r.getMessage()}
+    informed = {
+        r.getMessage().split()[2]
+        for r in caplog.records
+        if r.levelno == logging.INFO and "LMCache key" in r.getMessage()
+    }
     assert informed == {"enable_async_loading", "local_disk_path_sharding"}
     assert cfg.async_loading == "always"  # LMCache's async loading: every hit in the background
 
 
 @pytest.mark.parametrize("value, expected", [("true", "always"), ("false", "busy"), ("0", "busy")])
-def test_lmcache_s_async_loading_switch_sets_kvtier_s_and_its_false_keeps_the_default(value, expected):
+def test_lmcache_s_async_loading_switch_sets_kvtier_s_and_its_false_keeps_the_default(
+    value, expected
+):
     assert load_config(env={"LMCACHE_ENABLE_ASYNC_LOADING": value}).async_loading == expected
-    assert load_config(env={"LMCACHE_ENABLE_ASYNC_LOADING": value, "KVTIER_ASYNC_LOADING": "never"}
-                       ).async_loading == "never"  # kvtier's own key, later, wins
+    assert (
+        load_config(
+            env={"LMCACHE_ENABLE_ASYNC_LOADING": value, "KVTIER_ASYNC_LOADING": "never"}
+        ).async_loading
+        == "never"
+    )  # kvtier's own key, later, wins
 
 
 def test_deprecated_nixl_names_set_the_pd_keys():
-    env = {"LMCACHE_ENABLE_XPYD": "true", "LMCACHE_NIXL_ROLE": "receiver", "LMCACHE_NIXL_BUFFER_SIZE": "1024",
-           "LMCACHE_NIXL_PEER_HOST": "h", "LMCACHE_NIXL_PEER_INIT_PORT": "1", "LMCACHE_NIXL_PEER_ALLOC_PORT": "2"}
+    env = {
+        "LMCACHE_ENABLE_XPYD": "true",
+        "LMCACHE_NIXL_ROLE": "receiver",
+        "LMCACHE_NIXL_BUFFER_SIZE": "1024",
+        "LMCACHE_NIXL_PEER_HOST": "h",
+        "LMCACHE_NIXL_PEER_INIT_PORT": "1",
+        "LMCACHE_NIXL_PEER_ALLOC_PORT": "2",
+    }
     cfg = load_config(env=env)
-    assert (cfg.enable_pd, cfg.pd_role, cfg.pd_buffer_size, cfg.pd_peer_alloc_port) == (True, "receiver", 1024, 2)
+    assert (cfg.enable_pd, cfg.pd_role, cfg.pd_buffer_size, cfg.pd_peer_alloc_port) == (
+        True,
+        "receiver",
+        1024,
+        2,
+    )
 
 
-@pytest.mark.parametrize("key, value", [("enable_blending", "true"), ("gds_path", "/mnt/gds"),
-                                        ("remote_config_url", "http://x"), ("pd_bidirectional", "true")])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("enable_blending", "true"),
+        ("gds_path", "/mnt/gds"),
+        ("remote_config_url", "http://x"),
+        ("pd_bidirectional", "true"),
+    ],
+)
 def test_keys_kvtier_refuses_say_so_and_their_defaults_pass(key, value):
     with pytest.raises(ConfigError, match=f"{key}.*kvtier does not do"):
         load_config(env={f"LMCACHE_{key.upper()}": value})
@@ -115,12 +147,18 @@ def test_lmcaches_own_environment_variables_start_kvtier_with_a_line_each(caplog
     import kvtier.config.lmcache_keys as lk
 
     lk._told.clear()
-    env = {name: "false" for name in lk.ENV_VARS} | {"LMCACHE_EC_FOO": "1", "LMCACHE_CHUNK_SIZE": "512"}
+    env = {name: "false" for name in lk.ENV_VARS} | {
+        "LMCACHE_EC_FOO": "1",
+        "LMCACHE_CHUNK_SIZE": "512",
+    }
     with caplog.at_level(logging.INFO, logger="kvtier"):
         cfg = load_config(env=env)
     assert cfg.chunk_size == 512
-    told = {r.getMessage().split()[3].rstrip(":") for r in caplog.records
-            if "LMCache environment variable" in r.getMessage()}
+    told = {
+        r.getMessage().split()[3].rstrip(":")
+        for r in caplog.records
+        if "LMCache environment variable" in r.getMessage()
+    }
     assert told == set(lk.ENV_VARS) | {"LMCACHE_EC_FOO"}
 
 
@@ -129,10 +167,17 @@ def test_a_key_neither_has_is_still_unknown_with_a_suggestion():
         load_config(env={"LMCACHE_MIN_RETRIEVE_TOKEN": "3"})
 
 
-@pytest.mark.parametrize("hit, prompt, granularity, minimum, usable", [
-    (700, 700, 1, 0, 699), (700, 700, 128, 0, 640), (100, 700, 1, 256, 0), (300, 700, 1, 256, 300),
-    (0, 10, 1, 0, 0), (5, 1, 1, 0, 0),
-])
+@pytest.mark.parametrize(
+    "hit, prompt, granularity, minimum, usable",
+    [
+        (700, 700, 1, 0, 699),
+        (700, 700, 128, 0, 640),
+        (100, 700, 1, 256, 0),
+        (300, 700, 1, 256, 300),
+        (0, 10, 1, 0, 0),
+        (5, 1, 1, 0, 0),
+    ],
+)
 def test_usable_hit(hit, prompt, granularity, minimum, usable):
     pytest.importorskip("vllm")
     from kvtier.integrations.vllm.spec import usable_hit
@@ -140,12 +185,25 @@ def test_usable_hit(hit, prompt, granularity, minimum, usable):
     assert usable_hit(hit, prompt, granularity, minimum) == usable
 
 
-@pytest.mark.parametrize("stored, prompt, computed, load", [
-    (4352, 4352, 4336, 0),  # 15 tokens past vLLM's GPU hit: computed with the last one, not loaded
-    (4608, 4736, 4352, 256), (4352, 4352, 0, 4351), (10, 100, 0, 10), (4352, 4352, 4320, 31),
-    (4352, 4352, 4352, 0),
-])
-def test_fewer_tokens_than_a_block_past_vllms_own_hit_are_not_loaded(stored, prompt, computed, load):
+@pytest.mark.parametrize(
+    "stored, prompt, computed, load",
+    [
+        (
+            4352,
+            4352,
+            4336,
+            0,
+        ),  # 15 tokens past vLLM's GPU hit: computed with the last one, not loaded
+        (4608, 4736, 4352, 256),
+        (4352, 4352, 0, 4351),
+        (10, 100, 0, 10),
+        (4352, 4352, 4320, 31),
+        (4352, 4352, 4352, 0),
+    ],
+)
+def test_fewer_tokens_than_a_block_past_vllms_own_hit_are_not_loaded(
+    stored, prompt, computed, load
+):
     pytest.importorskip("vllm")
     from kvtier.integrations.vllm.spec import Shape
 
@@ -156,8 +214,12 @@ def test_the_readme_carries_the_table_the_code_prints():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "config", "--keys", "--lmcache"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "config", "--keys", "--lmcache"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     block = readme.split("<!-- lmcache-keys:begin -->\n")[1].split("<!-- lmcache-keys:end -->")[0]
     assert block == out

@@ -25,11 +25,14 @@ from kvtier.keys import PLAIN, Identity, Item
 @pytest.fixture
 def served(tmp_path):
     calls = []
-    handlers = Handlers(lookup=lambda tokens, identity, rid, computed, beside: calls.append(
-                            ("lookup", rid, list(tokens), identity, computed, beside))
-                        or (len(tokens), 3, True),
-                        release=lambda rid: calls.append(("release", rid)),
-                        reset=lambda: calls.append(("reset",)))
+    handlers = Handlers(
+        lookup=lambda tokens, identity, rid, computed, beside: (
+            calls.append(("lookup", rid, list(tokens), identity, computed, beside))
+            or (len(tokens), 3, True)
+        ),
+        release=lambda rid: calls.append(("release", rid)),
+        reset=lambda: calls.append(("reset",)),
+    )
     address = f"ipc://{tmp_path}/w0.sock"
     server = LookupServer(address, handlers)
     client = LookupClient([address], timeout_s=2)
@@ -40,13 +43,21 @@ def served(tmp_path):
 
 def test_lookup_release_and_reset_reach_the_worker(served):
     client, calls, _ = served
-    image = Identity.of(salt="tenant-a", items=[Item(1, 2, bytes(range(16))), Item(3, 1, b"\xff" * 16)])
+    image = Identity.of(
+        salt="tenant-a", items=[Item(1, 2, bytes(range(16))), Item(3, 1, b"\xff" * 16)]
+    )
     assert client.lookup([5, 6, 7, 8], "req-1", computed=2) == Found(4, 3, True)
-    assert client.lookup([5, 6], "req-2", computed=0, beside=True, identity=image) == Found(2, 3, True)
+    assert client.lookup([5, 6], "req-2", computed=0, beside=True, identity=image) == Found(
+        2, 3, True
+    )
     client.release("req-1")
     assert client.reset() is True
-    assert calls == [("lookup", "req-1", [5, 6, 7, 8], PLAIN, 2, False),
-                     ("lookup", "req-2", [5, 6], image, 0, True), ("release", "req-1"), ("reset",)]
+    assert calls == [
+        ("lookup", "req-1", [5, 6, 7, 8], PLAIN, 2, False),
+        ("lookup", "req-2", [5, 6], image, 0, True),
+        ("release", "req-1"),
+        ("reset",),
+    ]
 
 
 def test_a_malformed_request_is_answered_as_no_hit(served):
@@ -54,9 +65,14 @@ def test_a_malformed_request_is_answered_as_no_hit(served):
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.RCVTIMEO, 2000)
     sock.connect(address)
-    for bad in (b"\x01", bytes([9, Op.LOOKUP, 0, 0]) + b"\0" * 4, encode(Op.LOOKUP, "r", b"\0" * 4)[:-1],
-                encode(Op.LOOKUP, "r"), encode(Op.LOOKUP, "r", b"\0" * 4),  # no flags
-                encode(Op.LOOKUP, "r", b"\0" * 8 + b"\0" * 16 + b"\3\0\0\0")):  # 3 items promised, none sent
+    for bad in (
+        b"\x01",
+        bytes([9, Op.LOOKUP, 0, 0]) + b"\0" * 4,
+        encode(Op.LOOKUP, "r", b"\0" * 4)[:-1],
+        encode(Op.LOOKUP, "r"),
+        encode(Op.LOOKUP, "r", b"\0" * 4),  # no flags
+        encode(Op.LOOKUP, "r", b"\0" * 8 + b"\0" * 16 + b"\3\0\0\0"),
+    ):  # 3 items promised, none sent
         sock.send(bad)
         assert sock.recv() == b"\0" * 17
     sock.close(0)
@@ -82,8 +98,11 @@ def test_a_silent_worker_is_a_miss_within_the_timeout(tmp_path):
 def test_a_worker_that_dies_without_closing_leaves_no_socket_file():
     """vLLM's workers are often killed, not shut down: their lookup socket is abstract."""
     address = socket_path("abstract-check", 0)
-    handlers = Handlers(lookup=lambda tokens, identity, rid, computed, beside: (len(tokens), 0, False),
-                        release=lambda rid: None, reset=lambda: None)
+    handlers = Handlers(
+        lookup=lambda tokens, identity, rid, computed, beside: (len(tokens), 0, False),
+        release=lambda rid: None,
+        reset=lambda: None,
+    )
     server = LookupServer(address, handlers)
     client = LookupClient([address], timeout_s=2)
     try:
@@ -99,9 +118,15 @@ def test_the_hit_is_the_shortest_rank_s_and_held_if_any_rank_holds_it(tmp_path):
     """Tensor parallelism: a rank that holds its longer hit must be told to let it go when
     the request loads nothing, even where the others let theirs go at once."""
     answers = [(64, 64, False), (96, 32, True)]
-    servers = [LookupServer(f"ipc://{tmp_path}/r{i}.sock", Handlers(lookup=lambda t, i, r, c, b, a=a: a,
-                                                                    release=lambda rid: None, reset=lambda: None))
-               for i, a in enumerate(answers)]
+    servers = [
+        LookupServer(
+            f"ipc://{tmp_path}/r{i}.sock",
+            Handlers(
+                lookup=lambda t, i, r, c, b, a=a: a, release=lambda rid: None, reset=lambda: None
+            ),
+        )
+        for i, a in enumerate(answers)
+    ]
     client = LookupClient([s.address for s in servers], timeout_s=2)
     try:
         assert client.lookup([1, 2, 3], "r") == Found(64, 32, True)
@@ -120,9 +145,13 @@ def test_a_worker_in_the_schedulers_process_is_called_directly_on_its_thread(tmp
     import threading
 
     threads = []
-    handlers = Handlers(lookup=lambda tokens, identity, rid, computed, beside: threads.append(threading.get_ident())
-                        or (len(tokens), len(tokens), True),
-                        release=lambda rid: threads.append(threading.get_ident()), reset=lambda: None)
+    handlers = Handlers(
+        lookup=lambda tokens, identity, rid, computed, beside: (
+            threads.append(threading.get_ident()) or (len(tokens), len(tokens), True)
+        ),
+        release=lambda rid: threads.append(threading.get_ident()),
+        reset=lambda: None,
+    )
     address = f"ipc://{tmp_path}/w0.sock"
     server = LookupServer(address, handlers, direct=direct)
     client = LookupClient([address], timeout_s=0.3)
@@ -130,7 +159,9 @@ def test_a_worker_in_the_schedulers_process_is_called_directly_on_its_thread(tmp
         assert client.lookup([5, 6, 7], "r", computed=1) == Found(3, 3, True)
         client.release("r")
         here = threading.get_ident()
-        assert threads == ([here, here] if direct else [threads[0]] * 2) and (direct or threads[0] != here)
+        assert threads == ([here, here] if direct else [threads[0]] * 2) and (
+            direct or threads[0] != here
+        )
         server.close()
         assert client.lookup([5, 6, 7], "r2") == Found(0, 0, False)
     finally:

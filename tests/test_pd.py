@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from kvtier.config import KvtierConfig
+from kvtier.dev.localservers import free_port, free_ports
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError
 from kvtier.keys import Identity, Item, KVFormat
-from kvtier.dev.localservers import free_port, free_ports
-from kvtier.pd import make_buffer, protocol as proto, start_receiver
+from kvtier.pd import make_buffer, start_receiver
+from kvtier.pd import protocol as proto
 from kvtier.pd.sender import PdSender, Target
 from kvtier.transfer import PagedKV
 
@@ -50,20 +51,47 @@ def channels():
 class Pair:
     """A sender engine and a receiver (buffer, ports, engine) on loopback."""
 
-    def __init__(self, channel="tcp", buffer_chunks=16, alloc_timeout=0.5, ttl=300, proxy_port=None,
-                 staging_chunks=0):
+    def __init__(
+        self,
+        channel="tcp",
+        buffer_chunks=16,
+        alloc_timeout=0.5,
+        ttl=300,
+        proxy_port=None,
+        staging_chunks=0,
+    ):
         self.init_port, self.alloc_port = free_ports(2)
-        common = dict(chunk_size=CHUNK, save_unfull_chunk=True, enable_pd=True, transfer_channel=channel,
-                      local_cpu=False, max_local_cpu_size=1 / 1024)
-        self.rcfg = KvtierConfig(**common, pd_role="receiver", pd_buffer_size=buffer_chunks * CHUNK * BPT,
-                                 pd_peer_host="127.0.0.1", pd_peer_init_port=self.init_port,
-                                 pd_peer_alloc_port=self.alloc_port, pin_timeout_sec=ttl)
-        self.scfg = KvtierConfig(**common, pd_role="sender", pd_proxy_host="127.0.0.1",
-                                 pd_proxy_port=proxy_port or free_port(), pd_allocation_timeout_sec=alloc_timeout,
-                                 blocking_timeout_secs=2.0, pd_buffer_size=staging_chunks * CHUNK * BPT)
+        common = dict(
+            chunk_size=CHUNK,
+            save_unfull_chunk=True,
+            enable_pd=True,
+            transfer_channel=channel,
+            local_cpu=False,
+            max_local_cpu_size=1 / 1024,
+        )
+        self.rcfg = KvtierConfig(
+            **common,
+            pd_role="receiver",
+            pd_buffer_size=buffer_chunks * CHUNK * BPT,
+            pd_peer_host="127.0.0.1",
+            pd_peer_init_port=self.init_port,
+            pd_peer_alloc_port=self.alloc_port,
+            pin_timeout_sec=ttl,
+        )
+        self.scfg = KvtierConfig(
+            **common,
+            pd_role="sender",
+            pd_proxy_host="127.0.0.1",
+            pd_proxy_port=proxy_port or free_port(),
+            pd_allocation_timeout_sec=alloc_timeout,
+            blocking_timeout_secs=2.0,
+            pd_buffer_size=staging_chunks * CHUNK * BPT,
+        )
         self.src_layers = [torch.randn(2, NB, BS, H, D) for _ in range(L)]
         self.dst_layers = [torch.zeros(2, NB, BS, H, D) for _ in range(L)]
-        self.sender_engine = CacheEngine(self.scfg, PagedKV.wrap(self.src_layers, "flash_attn"), FMT)
+        self.sender_engine = CacheEngine(
+            self.scfg, PagedKV.wrap(self.src_layers, "flash_attn"), FMT
+        )
         dst = PagedKV.wrap(self.dst_layers, "flash_attn")
         self.buffer = make_buffer(self.rcfg, dst, FMT)
         self.receiver = start_receiver(self.rcfg, self.buffer, 0)
@@ -124,7 +152,9 @@ def test_sent_kv_is_a_hit_on_the_receiver_and_loads_bit_exact(channel, monkeypat
         p.buffer.release("r1")
         assert p.receiver_engine.lookup(toks) == 0
         assert p.buffer.pool.free_blocks == p.buffer.pool.num_blocks
-        assert p.sender_engine.pool.free_blocks == p.sender_engine.pool.num_blocks  # staging given back
+        assert (
+            p.sender_engine.pool.free_blocks == p.sender_engine.pool.num_blocks
+        )  # staging given back
     finally:
         p.close()
 
@@ -136,14 +166,20 @@ def test_a_request_larger_than_the_senders_staging_goes_batch_by_batch_intact(ch
         monkeypatch.setenv(name, value)
     p = Pair(channel=channel, staging_chunks=4)  # 2 chunks a batch, the prompt 7
     try:
-        toks, src, dst = list(range(500, 612)), torch.randperm(NB * BS)[:112], torch.randperm(NB * BS)[:112]
+        toks, src, dst = (
+            list(range(500, 612)),
+            torch.randperm(NB * BS)[:112],
+            torch.randperm(NB * BS)[:112],
+        )
         assert p.sender.staging.num_blocks == 4
         channel, in_flight, most = p.sender.channel, {}, [0]
         push, finish = channel.push, channel.finish
 
         def watched_push(peer, sock, rid, items):
             blocks = {it.staged.index for it in items}
-            assert not blocks & set().union(*in_flight.values()), "a staging block reused while a write reads it"
+            assert not blocks & set().union(*in_flight.values()), (
+                "a staging block reused while a write reads it"
+            )
             token = (push(peer, sock, rid, items),)
             in_flight[id(token)] = blocks
             most[0] = max(most[0], len(in_flight))
@@ -182,10 +218,17 @@ def test_a_decoder_takes_a_prefillers_kv_only_for_the_same_adapter_image_and_sal
     the third chunk) sent side by side: each lands under its own keys, and the decoder's
     lookup of each request finds its own chunks and none of the other's."""
     toks, slots = list(range(64)), torch.arange(64)
-    tenants = {"a": Identity.of(salt="tenant-a"), "b": Identity.of(salt="tenant-b"),
-               "lora": Identity.of(adapter=b"adapter-A"), "img": Identity.of(items=[Item(40, 8, b"1" * 16)])}
+    tenants = {
+        "a": Identity.of(salt="tenant-a"),
+        "b": Identity.of(salt="tenant-b"),
+        "lora": Identity.of(adapter=b"adapter-A"),
+        "img": Identity.of(items=[Item(40, 8, b"1" * 16)]),
+    }
     for rid, identity in tenants.items():
-        assert pair.sender.send(pair.target(rid), toks, slots, start=0, last=True, identity=identity) == 64
+        assert (
+            pair.sender.send(pair.target(rid), toks, slots, start=0, last=True, identity=identity)
+            == 64
+        )
     for rid, identity in tenants.items():
         assert pair.receiver_engine.lookup(toks, identity) == 64
     assert pair.receiver_engine.lookup(toks, Identity.of(salt="tenant-c")) == 0
@@ -200,19 +243,33 @@ def test_a_later_step_that_finds_no_room_frees_what_the_earlier_steps_reserved(p
     toks, slots = list(range(160)), torch.arange(160)
     assert pair.sender.send(pair.target("a"), toks[:64], slots[:64], start=0, last=False) == 64
     assert pair.buffer.pool.free_blocks == 2
-    assert pair.sender.send(pair.target("a"), toks, slots, start=64, last=False) == 0  # 6 more chunks: no room
-    assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks and pair.buffer.held_requests() == 0
-    assert pair.sender.send(pair.target("a"), toks, slots, start=160, last=True) == 0  # its last step sends nothing
-    assert pair.sender.send(pair.target("b"), toks[:64], slots[:64], start=0, last=True) == 64  # the link still works
+    assert (
+        pair.sender.send(pair.target("a"), toks, slots, start=64, last=False) == 0
+    )  # 6 more chunks: no room
+    assert (
+        pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks
+        and pair.buffer.held_requests() == 0
+    )
+    assert (
+        pair.sender.send(pair.target("a"), toks, slots, start=160, last=True) == 0
+    )  # its last step sends nothing
+    assert (
+        pair.sender.send(pair.target("b"), toks[:64], slots[:64], start=0, last=True) == 64
+    )  # the link still works
     assert pair.receiver_engine.lookup(toks[:64]) == 64
 
 
-def test_a_request_whose_pages_vllm_freed_mid_prefill_gives_up_its_reservation_and_can_send_anew(pair):
+def test_a_request_whose_pages_vllm_freed_mid_prefill_gives_up_its_reservation_and_can_send_anew(
+    pair,
+):
     toks, slots = list(range(100)), torch.arange(100)
     assert pair.sender.send(pair.target("p"), toks[:64], slots[:64], start=0, last=False) == 64
     assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks - 4
     pair.sender.drop("p")  # preempted: vLLM freed its pages
-    assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks and pair.buffer.held_requests() == 0
+    assert (
+        pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks
+        and pair.buffer.held_requests() == 0
+    )
     pair.sender.drop("p")  # a second notice (it finished later) is a no-op
     # resumed: its prefill runs again from the start and is sent whole
     assert pair.sender.send(pair.target("p"), toks[:64], slots[:64], start=0, last=False) == 64
@@ -222,15 +279,25 @@ def test_a_request_whose_pages_vllm_freed_mid_prefill_gives_up_its_reservation_a
 
 @pytest.mark.parametrize("pair", [{"buffer_chunks": 4, "alloc_timeout": 0.3}], indirect=True)
 def test_a_full_buffer_makes_the_sender_wait_bounded_then_give_up(pair, caplog):
-    assert pair.sender.send(pair.target("a"), list(range(64)), torch.arange(64), start=0, last=True) == 64
+    assert (
+        pair.sender.send(pair.target("a"), list(range(64)), torch.arange(64), start=0, last=True)
+        == 64
+    )
     t0 = time.monotonic()
-    got = pair.sender.send(pair.target("b"), list(range(500, 564)), torch.arange(64), start=0, last=True)
+    got = pair.sender.send(
+        pair.target("b"), list(range(500, 564)), torch.arange(64), start=0, last=True
+    )
     waited = time.monotonic() - t0
     assert got == 0 and 0.3 <= waited < 2.0
     assert "no room" in caplog.text and "recompute" in caplog.text
     assert pair.receiver_engine.lookup(list(range(500, 564))) == 0
     pair.buffer.release("a")  # room again: the next request goes through
-    assert pair.sender.send(pair.target("c"), list(range(500, 564)), torch.arange(64), start=0, last=True) == 64
+    assert (
+        pair.sender.send(
+            pair.target("c"), list(range(500, 564)), torch.arange(64), start=0, last=True
+        )
+        == 64
+    )
 
 
 @pytest.mark.parametrize("pair", [{"buffer_chunks": 8, "alloc_timeout": 5.0}], indirect=True)
@@ -240,8 +307,15 @@ def test_a_piece_that_finds_no_room_waits_for_it_after_the_others_and_lands_inta
     second (4) once another request frees its 3 blocks. (cuda_ipc reserves in pieces; the
     reservation is the same for every channel, so tcp runs it here.)"""
     pair.sender.pieces = (2, 8)
-    assert pair.sender.send(pair.target("a"), list(range(48)), torch.arange(48), start=0, last=True) == 48
-    toks, src, dst = list(range(900, 1012)), torch.randperm(NB * BS)[:112], torch.randperm(NB * BS)[:112]
+    assert (
+        pair.sender.send(pair.target("a"), list(range(48)), torch.arange(48), start=0, last=True)
+        == 48
+    )
+    toks, src, dst = (
+        list(range(900, 1012)),
+        torch.randperm(NB * BS)[:112],
+        torch.randperm(NB * BS)[:112],
+    )
     free_while_waiting = []
 
     def release_a():
@@ -260,7 +334,10 @@ def test_a_piece_that_finds_no_room_waits_for_it_after_the_others_and_lands_inta
 @pytest.mark.parametrize("pair", [{"buffer_chunks": 2}], indirect=True)
 def test_a_request_larger_than_the_whole_buffer_fails_at_once(pair, caplog):
     t0 = time.monotonic()
-    assert pair.sender.send(pair.target("a"), list(range(64)), torch.arange(64), start=0, last=True) == 0
+    assert (
+        pair.sender.send(pair.target("a"), list(range(64)), torch.arange(64), start=0, last=True)
+        == 0
+    )
     assert time.monotonic() - t0 < 0.3
     assert "raise pd_buffer_size" in caplog.text
     assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks
@@ -280,8 +357,14 @@ def test_the_proxy_is_told_when_a_prefill_is_done_or_failed():
     t.start()
     p = Pair(proxy_port=listener.getsockname()[1], buffer_chunks=2)
     try:
-        assert p.sender.send(p.target("ok"), list(range(20)), torch.arange(20), start=0, last=True) == 20
-        assert p.sender.send(p.target("big"), list(range(64)), torch.arange(64), start=0, last=True) == 0
+        assert (
+            p.sender.send(p.target("ok"), list(range(20)), torch.arange(20), start=0, last=True)
+            == 20
+        )
+        assert (
+            p.sender.send(p.target("big"), list(range(64)), torch.arange(64), start=0, last=True)
+            == 0
+        )
         t.join(5)
         assert got[0] == proto.PrefillDone("ok", True, 20, "")
         assert got[1].req_id == "big" and got[1].ok is False and "pd_buffer_size" in got[1].detail
@@ -293,7 +376,10 @@ def test_the_proxy_is_told_when_a_prefill_is_done_or_failed():
 def test_a_dead_decoder_fails_the_send_quickly_and_frees_the_sender(pair, caplog):
     pair.receiver.close()
     t0 = time.monotonic()
-    assert pair.sender.send(pair.target("a"), list(range(64)), torch.arange(64), start=0, last=True) == 0
+    assert (
+        pair.sender.send(pair.target("a"), list(range(64)), torch.arange(64), start=0, last=True)
+        == 0
+    )
     assert time.monotonic() - t0 < 5
     assert "not sent" in caplog.text
     assert pair.sender_engine.pool.free_blocks == pair.sender_engine.pool.num_blocks
@@ -305,10 +391,14 @@ def test_a_sender_that_dies_mid_transfer_frees_its_reservation(pair):
     reply = proto.recv(conn)[0]
     assert isinstance(reply, proto.Allocated) and len(reply.blocks) == 3
     assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks - 3
-    conn.sendall(proto.encode(proto.Write("x", reply.blocks[0]), CHUNK * BPT) + b"\0" * 100)  # then dies
+    conn.sendall(
+        proto.encode(proto.Write("x", reply.blocks[0]), CHUNK * BPT) + b"\0" * 100
+    )  # then dies
     conn.close()
     deadline = time.monotonic() + 5
-    while pair.buffer.pool.free_blocks != pair.buffer.pool.num_blocks and time.monotonic() < deadline:
+    while (
+        pair.buffer.pool.free_blocks != pair.buffer.pool.num_blocks and time.monotonic() < deadline
+    ):
         time.sleep(0.01)
     assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks
 
@@ -327,7 +417,10 @@ def test_a_release_before_commit_frees_the_chunks_at_commit(pair):
 
 @pytest.mark.parametrize("pair", [{"ttl": 1}], indirect=True)
 def test_kv_whose_request_never_comes_expires(pair):
-    assert pair.sender.send(pair.target("a"), list(range(32)), torch.arange(32), start=0, last=True) == 32
+    assert (
+        pair.sender.send(pair.target("a"), list(range(32)), torch.arange(32), start=0, last=True)
+        == 32
+    )
     time.sleep(1.2)
     pair.buffer.expire()
     assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks
@@ -361,7 +454,7 @@ def test_malformed_messages_are_rejected_and_the_receiver_keeps_serving(pair, fr
             try:
                 reply = proto.recv(conn, max_payload=1 << 20)[0]
                 assert isinstance(reply, proto.Error)
-            except (ConnectionError, socket.timeout, proto.ProtocolError):
+            except (TimeoutError, ConnectionError, proto.ProtocolError):
                 pass  # closed, or a truncated frame is still being waited for: both fine
     assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks
     toks = list(range(40))
@@ -370,14 +463,23 @@ def test_malformed_messages_are_rejected_and_the_receiver_keeps_serving(pair, fr
 
 def test_a_sender_with_another_kv_format_is_refused_by_name(pair):
     with socket.create_connection(("127.0.0.1", pair.init_port), timeout=5) as conn:
-        proto.send(conn, proto.Hello("s", KVFormat("other", "flash_attn", "float32").tag(), CHUNK, BPT, "tcp", ""))
+        proto.send(
+            conn,
+            proto.Hello(
+                "s", KVFormat("other", "flash_attn", "float32").tag(), CHUNK, BPT, "tcp", ""
+            ),
+        )
         reply = proto.recv(conn)[0]
     assert isinstance(reply, proto.Error) and "KV format differs" in reply.message
 
 
-def test_a_receiver_without_a_gpu_buffer_refuses_a_commit_event_and_the_sender_commits_after_its_writes(pair):
+def test_a_receiver_without_a_gpu_buffer_refuses_a_commit_event_and_the_sender_commits_after_its_writes(
+    pair,
+):
     with socket.create_connection(("127.0.0.1", pair.init_port), timeout=5) as conn:
-        hello = proto.Hello("s", pair.sender.engine.fmt.tag(), CHUNK, BPT, pair.sender.config.pd_channel, "ab" * 64)
+        hello = proto.Hello(
+            "s", pair.sender.engine.fmt.tag(), CHUNK, BPT, pair.sender.config.pd_channel, "ab" * 64
+        )
         proto.send(conn, hello)
         welcome = proto.recv(conn, max_payload=1 << 24)[0]
     assert isinstance(welcome, proto.Welcome) and welcome.commit_event is False
@@ -395,14 +497,20 @@ def test_a_receiver_waits_for_the_commit_event_of_a_sender_in_another_process():
 
     device = f"cuda:{torch.cuda.device_count() - 1}"
     event, handle = commit_event()
-    code = ("import sys, time, torch\n"
-            "from kvtier.pd.commit_events import CommitEvents\n"
-            "events = CommitEvents(torch.device(sys.argv[2]))\n"
-            "print('OPEN', events.open(sys.argv[1]), flush=True)\n"
-            "sys.stdin.readline(); t0 = time.perf_counter(); events.wait(sys.argv[1])\n"
-            "print('WAITED', (time.perf_counter() - t0) * 1e3, flush=True)\n")
-    child = subprocess.Popen([sys.executable, "-c", code, handle, device], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    code = (
+        "import sys, time, torch\n"
+        "from kvtier.pd.commit_events import CommitEvents\n"
+        "events = CommitEvents(torch.device(sys.argv[2]))\n"
+        "print('OPEN', events.open(sys.argv[1]), flush=True)\n"
+        "sys.stdin.readline(); t0 = time.perf_counter(); events.wait(sys.argv[1])\n"
+        "print('WAITED', (time.perf_counter() - t0) * 1e3, flush=True)\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, handle, device],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout.readline().split() == ["OPEN", "True"]
         stream = torch.cuda.Stream()
@@ -422,8 +530,11 @@ def test_a_receiver_waits_for_the_commit_event_of_a_sender_in_another_process():
 
 def test_random_frames_never_crash_the_receiver(pair):
     gen = torch.Generator().manual_seed(7)
-    valid = [proto.encode(proto.Alloc("f", [CHUNK]), 16) + digests(9), proto.encode(proto.Release("f")),
-             proto.encode(proto.Commit("f", ""))]
+    valid = [
+        proto.encode(proto.Alloc("f", [CHUNK]), 16) + digests(9),
+        proto.encode(proto.Release("f")),
+        proto.encode(proto.Commit("f", "")),
+    ]
     for i in range(200):
         frame = bytearray(valid[i % len(valid)])
         for _ in range(int(torch.randint(1, 4, (1,), generator=gen))):
@@ -441,22 +552,66 @@ def test_random_frames_never_crash_the_receiver(pair):
     while pair.buffer.held_requests() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks
-    assert pair.sender.send(pair.target("after"), list(range(40)), torch.arange(40), start=0, last=True) == 40
+    assert (
+        pair.sender.send(
+            pair.target("after"), list(range(40)), torch.arange(40), start=0, last=True
+        )
+        == 40
+    )
 
 
-@pytest.mark.parametrize("settings, key", [
-    ({"pd_role": "receiver", "pd_peer_host": "h", "pd_peer_init_port": 1, "pd_peer_alloc_port": 2}, "pd_buffer_size"),
-    ({"pd_role": "sender", "enable_p2p": True, "pd_proxy_host": "h", "pd_proxy_port": 1}, "enable_p2p"),
-    ({"pd_role": "sender"}, "pd_proxy_host"),
-    ({"pd_role": "sender", "pd_peer_host": "h"}, "pd_peer_host"),
-    ({"pd_role": "both"}, "pd_role"),
-    ({"pd_role": "receiver", "pd_buffer_size": 1, "pd_peer_host": "h", "pd_peer_init_port": 1,
-      "pd_peer_alloc_port": 2, "transfer_channel": "carrier-pigeon"}, "transfer_channel"),
-    ({"pd_role": "receiver", "pd_buffer_size": 1, "pd_peer_host": "h", "pd_peer_init_port": 1,
-      "pd_peer_alloc_port": 2, "transfer_channel": "cuda_ipc"}, "pd_buffer_device"),
-    ({"pd_role": "sender", "pd_proxy_host": "h", "pd_proxy_port": 1, "pd_allocation_timeout_sec": 0},
-     "pd_allocation_timeout_sec"),
-])
+@pytest.mark.parametrize(
+    "settings, key",
+    [
+        (
+            {
+                "pd_role": "receiver",
+                "pd_peer_host": "h",
+                "pd_peer_init_port": 1,
+                "pd_peer_alloc_port": 2,
+            },
+            "pd_buffer_size",
+        ),
+        (
+            {"pd_role": "sender", "enable_p2p": True, "pd_proxy_host": "h", "pd_proxy_port": 1},
+            "enable_p2p",
+        ),
+        ({"pd_role": "sender"}, "pd_proxy_host"),
+        ({"pd_role": "sender", "pd_peer_host": "h"}, "pd_peer_host"),
+        ({"pd_role": "both"}, "pd_role"),
+        (
+            {
+                "pd_role": "receiver",
+                "pd_buffer_size": 1,
+                "pd_peer_host": "h",
+                "pd_peer_init_port": 1,
+                "pd_peer_alloc_port": 2,
+                "transfer_channel": "carrier-pigeon",
+            },
+            "transfer_channel",
+        ),
+        (
+            {
+                "pd_role": "receiver",
+                "pd_buffer_size": 1,
+                "pd_peer_host": "h",
+                "pd_peer_init_port": 1,
+                "pd_peer_alloc_port": 2,
+                "transfer_channel": "cuda_ipc",
+            },
+            "pd_buffer_device",
+        ),
+        (
+            {
+                "pd_role": "sender",
+                "pd_proxy_host": "h",
+                "pd_proxy_port": 1,
+                "pd_allocation_timeout_sec": 0,
+            },
+            "pd_allocation_timeout_sec",
+        ),
+    ],
+)
 def test_inconsistent_pd_settings_fail_at_start_naming_the_key(settings, key):
     with pytest.raises(ConfigError, match=key):
         KvtierConfig(enable_pd=True, **settings)
@@ -467,11 +622,13 @@ def test_the_guides_configs_parse(tmp_path):
 
     (tmp_path / "p.yaml").write_text(
         'local_cpu: False\nenable_pd: True\ntransfer_channel: "nixl"\npd_role: "sender"\n'
-        'pd_proxy_host: "localhost"\npd_proxy_port: 7500\npd_buffer_size: 1073741824\npd_buffer_device: "cuda"\n')
+        'pd_proxy_host: "localhost"\npd_proxy_port: 7500\npd_buffer_size: 1073741824\npd_buffer_device: "cuda"\n'
+    )
     (tmp_path / "d.yaml").write_text(
         'local_cpu: False\nenable_pd: True\ntransfer_channel: "nixl"\npd_role: "receiver"\n'
         'pd_peer_host: "localhost"\npd_peer_init_port: 7300\npd_peer_alloc_port: 7400\n'
-        'pd_buffer_size: 1073741824\npd_buffer_device: "cuda"\n')
+        'pd_buffer_size: 1073741824\npd_buffer_device: "cuda"\n'
+    )
     p = load_config(env={"LMCACHE_CONFIG_FILE": str(tmp_path / "p.yaml")})
     d = load_config(env={"LMCACHE_CONFIG_FILE": str(tmp_path / "d.yaml")})
     assert (p.pd_role, p.pd_proxy_port, p.pd_channel) == ("sender", 7500, "nixl")
@@ -479,16 +636,25 @@ def test_the_guides_configs_parse(tmp_path):
     json.dumps([p.pd_role, d.pd_role])
 
 
-@pytest.mark.parametrize("role, kv_role, ok", [
-    ("sender", "kv_producer", True), ("receiver", "kv_consumer", True), ("sender", "kv_both", True),
-    ("sender", "kv_consumer", False), ("receiver", "kv_producer", False),
-])
+@pytest.mark.parametrize(
+    "role, kv_role, ok",
+    [
+        ("sender", "kv_producer", True),
+        ("receiver", "kv_consumer", True),
+        ("sender", "kv_both", True),
+        ("sender", "kv_consumer", False),
+        ("receiver", "kv_producer", False),
+    ],
+)
 def test_a_pd_role_that_contradicts_vllms_kv_role_fails_naming_both(role, kv_role, ok):
     pytest.importorskip("vllm")
     from kvtier.integrations.vllm.spec import check_pd_role as _check_pd_role
 
-    extra = ({"pd_buffer_size": 1, "pd_peer_host": "h", "pd_peer_init_port": 1, "pd_peer_alloc_port": 2}
-             if role == "receiver" else {"pd_proxy_host": "h", "pd_proxy_port": 1})
+    extra = (
+        {"pd_buffer_size": 1, "pd_peer_host": "h", "pd_peer_init_port": 1, "pd_peer_alloc_port": 2}
+        if role == "receiver"
+        else {"pd_proxy_host": "h", "pd_proxy_port": 1}
+    )
     config = KvtierConfig(enable_pd=True, pd_role=role, **extra)
     if ok:
         _check_pd_role(config, kv_role)
@@ -505,13 +671,38 @@ def test_bench_pd_runs_on_cpu_and_checks_the_data(tmp_path, channel):
     import sys
 
     out = tmp_path / "pd.json"
-    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "pd", "--tokens", "300", "--channels", channel,
-                          "--sender-device", "cpu", "--receiver-device", "cpu", "--layers", "2", "--repeats", "1",
-                          "--output", str(out)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, **UCX_ENV})
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "bench",
+            "pd",
+            "--tokens",
+            "300",
+            "--channels",
+            channel,
+            "--sender-device",
+            "cpu",
+            "--receiver-device",
+            "cpu",
+            "--layers",
+            "2",
+            "--repeats",
+            "1",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **UCX_ENV},
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     (row,) = json.loads(out.read_text())["runs"]
-    assert row["tokens"] == 300 and row["ratio_to_copy"] > 0 and len(row["alloc_write_commit_ms"]) == 3
+    assert (
+        row["tokens"] == 300 and row["ratio_to_copy"] > 0 and len(row["alloc_write_commit_ms"]) == 3
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -523,9 +714,31 @@ def test_cuda_ipc_writes_land_intact_across_processes_and_gpus(tmp_path):
     import sys
 
     out, receiver = tmp_path / "pd.json", f"cuda:{min(torch.cuda.device_count(), 2) - 1}"
-    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "pd", "--tokens", "300", "4000",
-                          "--channels", "cuda_ipc", "--sender-device", "cuda:0", "--receiver-device", receiver,
-                          "--repeats", "2", "--output", str(out)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "bench",
+            "pd",
+            "--tokens",
+            "300",
+            "4000",
+            "--channels",
+            "cuda_ipc",
+            "--sender-device",
+            "cuda:0",
+            "--receiver-device",
+            receiver,
+            "--repeats",
+            "2",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert [r["tokens"] for r in json.loads(out.read_text())["runs"]] == [300, 4000]
 
@@ -541,7 +754,9 @@ def test_idle_nixl_agents_cost_no_cpu(monkeypatch):
     p = Pair(channel="nixl")
     try:
         toks = list(range(2000, 2040))
-        assert p.sender.send(p.target("r1"), toks, torch.arange(40), start=0, last=True) == 40  # agents connected
+        assert (
+            p.sender.send(p.target("r1"), toks, torch.arange(40), start=0, last=True) == 40
+        )  # agents connected
         before = resource.getrusage(resource.RUSAGE_SELF)
         time.sleep(2.0)
         after = resource.getrusage(resource.RUSAGE_SELF)
@@ -598,12 +813,17 @@ def test_a_nixl_write_that_nixl_refuses_fails_the_transfer_by_name(monkeypatch):
         monkeypatch.setenv(name, value)
     p = Pair(channel="nixl")
     try:
-        assert p.sender.send(p.target("r1"), list(range(32)), torch.arange(32), start=0, last=True) == 32
+        assert (
+            p.sender.send(p.target("r1"), list(range(32)), torch.arange(32), start=0, last=True)
+            == 32
+        )
         (link,) = p.sender._conns.values()
         block = p.sender.staging.allocate()
         outside = link.peer.welcome.num_blocks + 1000  # an address the decoder never registered
         with pytest.raises(proto.PdPeerError, match="NIXL write failed"):
-            p.sender.channel.push(link.peer, link.sock, "r2", [Placement(outside, CHUNK * BPT, block)])
+            p.sender.channel.push(
+                link.peer, link.sock, "r2", [Placement(outside, CHUNK * BPT, block)]
+            )
         block.release()
     finally:
         p.close()

@@ -32,14 +32,20 @@ def ring():
         engine.close()
 
 
-def send(sender: PdSender, receiver: _Receiver, rid: str, tokens: list[int], slots: torch.Tensor) -> int:
-    return sender.send(Target("127.0.0.1", receiver.init, receiver.alloc, rid), tokens, slots, start=0, last=True)
+def send(
+    sender: PdSender, receiver: _Receiver, rid: str, tokens: list[int], slots: torch.Tensor
+) -> int:
+    return sender.send(
+        Target("127.0.0.1", receiver.init, receiver.alloc, rid), tokens, slots, start=0, last=True
+    )
 
 
 def load_matches(sender, layers, receiver, n: int, seed: int) -> bool:
     """The receiver loads request r{seed} (n tokens); its KV equals the sender's."""
     reply = receiver.load(n, seed)
-    want = checksum(layers, _slots(sender.engine.kv.num_blocks, SHAPE.block_size, n, seed + 1), SHAPE.block_size)
+    want = checksum(
+        layers, _slots(sender.engine.kv.num_blocks, SHAPE.block_size, n, seed + 1), SHAPE.block_size
+    )
     return reply["loaded"] == n and reply["checksum"] == want
 
 
@@ -47,8 +53,13 @@ def small_ring(sender: PdSender, slot_chunks: int = 2, first_chunks: int = 2) ->
     chunk = SHAPE.chunk_size * sender.engine.kv.bytes_per_token()
     channel = sender.channel
     assert channel.ipc is not None
-    if (channel.ipc.slot_bytes, channel.ipc.first_bytes) != (slot_chunks * chunk, first_chunks * chunk):
-        channel.ipc = IpcWriter(channel.ipc.device, chunk, slot_chunks * chunk, first_chunks * chunk)
+    if (channel.ipc.slot_bytes, channel.ipc.first_bytes) != (
+        slot_chunks * chunk,
+        first_chunks * chunk,
+    ):
+        channel.ipc = IpcWriter(
+            channel.ipc.device, chunk, slot_chunks * chunk, first_chunks * chunk
+        )
 
 
 def test_a_steps_groups_grow_from_the_first_to_a_slot(ring):
@@ -57,12 +68,16 @@ def test_a_steps_groups_grow_from_the_first_to_a_slot(ring):
     sender, _, _ = ring
     chunk = SHAPE.chunk_size * sender.engine.kv.bytes_per_token()
     ring_ = IpcWriter(torch.device("cuda:0"), chunk, 4 * chunk, chunk)
-    step = ring_.start(lambda places: (lambda first, end: None), list(range(16)), [chunk] * 16)
+    step = ring_.start(lambda places: lambda first, end: None, list(range(16)), [chunk] * 16)
     assert [g.end - g.first for g in step.groups] == [1, 2, 4, 4, 4, 1]
     assert [g.slot for g in step.groups] == [0, 1, 0, 1, 0, 1]
-    big = IpcWriter(torch.device("cuda:0"), chunk, 4 * chunk, chunk // 2)  # a first group under a chunk: one chunk
-    assert [g.end - g.first for g in big.start(lambda places: (lambda a, b: None), [0, 1, 2], [chunk] * 3).groups] \
-        == [1, 2]
+    big = IpcWriter(
+        torch.device("cuda:0"), chunk, 4 * chunk, chunk // 2
+    )  # a first group under a chunk: one chunk
+    assert [
+        g.end - g.first
+        for g in big.start(lambda places: lambda a, b: None, [0, 1, 2], [chunk] * 3).groups
+    ] == [1, 2]
 
 
 @pytest.mark.parametrize("gather_early", [True, False])
@@ -80,14 +95,18 @@ def test_growing_groups_land_intact_through_a_reused_ring(ring, gather_early):
 
 @pytest.mark.parametrize("pieces", [None, (1, 4)])
 @pytest.mark.parametrize("gather_early", [True, False])
-def test_every_group_of_a_step_lands_intact_when_the_ring_is_reused_many_times(ring, pieces, gather_early):
+def test_every_group_of_a_step_lands_intact_when_the_ring_is_reused_many_times(
+    ring, pieces, gather_early
+):
     """15.6 chunks in groups of two through a ring of two slots: each slot is reused
     four times within the step, and the first groups are gathered while the Alloc
     travels (or after it); one Alloc a step or pieces of 1, 2, 4."""
     sender, layers, receiver = ring
     seed = 10 + 2 * (pieces is None) + gather_early
     n = 1000
-    assert send(sender, receiver, "warm-up", _tokens(64, 999), torch.arange(64)) == 64  # connects: the ring
+    assert (
+        send(sender, receiver, "warm-up", _tokens(64, 999), torch.arange(64)) == 64
+    )  # connects: the ring
     small_ring(sender)
     sender.pieces, sender.gather_early = pieces, gather_early
     slots = _slots(sender.engine.kv.num_blocks, SHAPE.block_size, n, seed + 1)
@@ -104,7 +123,10 @@ def test_chunks_the_decoder_holds_are_gathered_ahead_but_not_copied(ring, held):
     sender.pieces, sender.gather_early = None, True
     small_ring(sender)
     seed, n = 40 + held, 1000
-    tokens, slots = _tokens(n, seed), _slots(sender.engine.kv.num_blocks, SHAPE.block_size, n, seed + 1)
+    tokens, slots = (
+        _tokens(n, seed),
+        _slots(sender.engine.kv.num_blocks, SHAPE.block_size, n, seed + 1),
+    )
     m = min(held * SHAPE.chunk_size, n)
     assert send(sender, receiver, f"early{seed}", tokens[:m], slots[:m]) == m
     moved = sender.stats.sent_tokens

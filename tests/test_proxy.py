@@ -25,11 +25,37 @@ from kvtier.dev.localservers import free_port, wait_for_port
 @contextlib.contextmanager
 def proxy(prefiller_port, decoder_port, alloc_port, notify_port, *extra):
     port = free_port()
-    cmd = [sys.executable, "-m", "kvtier.cli", "proxy", "--host", "127.0.0.1", "--port", str(port),
-           "--prefiller-host", "127.0.0.1", "--prefiller-port", str(prefiller_port), "--num-prefillers", "1",
-           "--decoder-host", "127.0.0.1", "--decoder-port", str(decoder_port), "--decoder-init-port", "1",
-           "--decoder-alloc-port", str(alloc_port), "--proxy-host", "127.0.0.1", "--proxy-port", str(notify_port),
-           "--num-decoders", "1", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvtier.cli",
+        "proxy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prefiller-host",
+        "127.0.0.1",
+        "--prefiller-port",
+        str(prefiller_port),
+        "--num-prefillers",
+        "1",
+        "--decoder-host",
+        "127.0.0.1",
+        "--decoder-port",
+        str(decoder_port),
+        "--decoder-init-port",
+        "1",
+        "--decoder-alloc-port",
+        str(alloc_port),
+        "--proxy-host",
+        "127.0.0.1",
+        "--proxy-port",
+        str(notify_port),
+        "--num-decoders",
+        "1",
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         wait_for_port(port, 60, proc)
@@ -66,8 +92,13 @@ class HungPrefiller:
             if b"\r\n\r\n" not in data:
                 continue
             head, body = data.split(b"\r\n\r\n", 1)
-            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length")))
+            length = int(
+                next(
+                    line.split(b":")[1]
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                )
+            )
             while len(body) < length:
                 body += conn.recv(65536)
             spec = json.loads(body)["kv_transfer_params"]["disagg_spec"]
@@ -83,7 +114,11 @@ class HungPrefiller:
 
 
 def completion(url, timeout=30):
-    return httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4}, timeout=timeout)
+    return httpx.post(
+        url + "/v1/completions",
+        json={"model": "m", "prompt": "hi", "max_tokens": 4},
+        timeout=timeout,
+    )
 
 
 class Decoder:
@@ -131,7 +166,9 @@ def test_a_prefiller_that_is_down_costs_the_disaggregation_not_the_request():
             assert decoder.bodies == [{"model": "m", "prompt": "hi", "max_tokens": 4}]
             metrics = httpx.get(url + "/metrics").text
             # the request's own connection failed, or the proxy's probe had found it down first
-            assert re.search(r'upstream_errors_total\{kind="(down|unreachable)",node="prefiller"\} 1\.0', metrics)
+            assert re.search(
+                r'upstream_errors_total\{kind="(down|unreachable)",node="prefiller"\} 1\.0', metrics
+            )
             assert "kvtier_proxy_prefill_fallbacks_total 1.0" in metrics
             assert httpx.get(url + "/health").status_code == 200
     finally:
@@ -150,13 +187,21 @@ def test_a_decoder_that_is_down_gets_no_request_while_another_is_up():
     live = Decoder()
     dead = free_port()
     try:
-        with proxy(free_port(), f"{dead},{live.port}", free_port(), free_port(), "--num-decoders", "2") as url:
+        with proxy(
+            free_port(), f"{dead},{live.port}", free_port(), free_port(), "--num-decoders", "2"
+        ) as url:
             for _ in range(4):  # round robin would send two of them to the dead one
                 assert completion(url).status_code == 200
             assert len(live.bodies) == 4
             metrics = httpx.get(url + "/metrics").text
-            assert f'kvtier_proxy_node_up{{node="decoder",url="http://127.0.0.1:{dead}"}} 0.0' in metrics
-            assert f'kvtier_proxy_node_up{{node="decoder",url="http://127.0.0.1:{live.port}"}} 1.0' in metrics
+            assert (
+                f'kvtier_proxy_node_up{{node="decoder",url="http://127.0.0.1:{dead}"}} 0.0'
+                in metrics
+            )
+            assert (
+                f'kvtier_proxy_node_up{{node="decoder",url="http://127.0.0.1:{live.port}"}} 1.0'
+                in metrics
+            )
     finally:
         live.close()
 
@@ -170,7 +215,9 @@ def test_a_decoder_lost_while_its_request_prefills_is_left_at_once(decoders):
     nodes = [Decoder() for _ in range(decoders)]
     ports = ",".join(str(d.port) for d in nodes)
     try:
-        with proxy(hung.port, ports, free_port(), free_port(), "--num-decoders", str(decoders)) as url:
+        with proxy(
+            hung.port, ports, free_port(), free_port(), "--num-decoders", str(decoders)
+        ) as url:
             answer: list[httpx.Response] = []
             client = threading.Thread(target=lambda: answer.append(completion(url)))
             client.start()
@@ -181,9 +228,14 @@ def test_a_decoder_lost_while_its_request_prefills_is_left_at_once(decoders):
             t0 = time.monotonic()
             nodes[0].close()
             client.join(30)
-            assert time.monotonic() - t0 < 3  # the probe runs every 0.5 s; the prefill would take 300 s
+            assert (
+                time.monotonic() - t0 < 3
+            )  # the probe runs every 0.5 s; the prefill would take 300 s
             if decoders == 1:
-                assert answer[0].status_code == 502 and "no decoder is up" in answer[0].json()["error"]["message"]
+                assert (
+                    answer[0].status_code == 502
+                    and "no decoder is up" in answer[0].json()["error"]["message"]
+                )
             else:
                 assert answer[0].status_code == 200
                 assert nodes[1].bodies == [{"model": "m", "prompt": "hi", "max_tokens": 4}]
@@ -197,13 +249,17 @@ def test_a_decoder_lost_while_its_request_prefills_is_left_at_once(decoders):
 def test_a_prefiller_that_never_answers_is_left_after_the_timeout():
     hung, decoder = HungPrefiller(), Decoder()
     try:
-        with proxy(hung.port, decoder.port, free_port(), free_port(), "--prefill-timeout", "1") as url:
+        with proxy(
+            hung.port, decoder.port, free_port(), free_port(), "--prefill-timeout", "1"
+        ) as url:
             t0 = time.monotonic()
             r = completion(url)
             assert r.status_code == 200 and decoder.bodies[0].get("kv_transfer_params") is None
             assert 1 <= time.monotonic() - t0 < 10
-            assert 'kvtier_proxy_upstream_errors_total{kind="timeout",node="prefiller"} 1.0' in \
-                httpx.get(url + "/metrics").text
+            assert (
+                'kvtier_proxy_upstream_errors_total{kind="timeout",node="prefiller"} 1.0'
+                in httpx.get(url + "/metrics").text
+            )
     finally:
         hung.close()
         decoder.close()
@@ -267,8 +323,11 @@ class LmcachePrefiller(Decoder):
             self.push.send(msgspec.msgpack.encode(ProxyNotif(req_id=req_id)))
 
         def answered(body):  # after the HTTP answer, as LMCache's writes finish after the step
-            threading.Thread(target=notify, args=(body["kv_transfer_params"]["disagg_spec"]["req_id"],),
-                             daemon=True).start()
+            threading.Thread(
+                target=notify,
+                args=(body["kv_transfer_params"]["disagg_spec"]["req_id"],),
+                daemon=True,
+            ).start()
 
         super().__init__(after=answered)
 
@@ -284,20 +343,33 @@ class TimedDecoder(Decoder):
         super().__init__(before=lambda: self.got_at.append(time.monotonic()))
 
 
-@pytest.mark.parametrize("junk", [[], [b"\x00\xff not msgpack", b"\x82\xa4type\xa9AllocResp\xa6req_id\xa1x"]])
-def test_with_lmcache_nodes_the_decoder_is_asked_after_lmcaches_proxynotif_and_as_the_client_asked(junk):
+@pytest.mark.parametrize(
+    "junk", [[], [b"\x00\xff not msgpack", b"\x82\xa4type\xa9AllocResp\xa6req_id\xa1x"]]
+)
+def test_with_lmcache_nodes_the_decoder_is_asked_after_lmcaches_proxynotif_and_as_the_client_asked(
+    junk,
+):
     notify = free_port()
-    alloc = socket.create_server(("127.0.0.1", 0))  # the decoder's alloc port: the proxy must not Release there
+    alloc = socket.create_server(
+        ("127.0.0.1", 0)
+    )  # the decoder's alloc port: the proxy must not Release there
     alloc.settimeout(0.01)
     prefiller, decoder = LmcachePrefiller(notify, delay=0.6, junk=junk), TimedDecoder()
     try:
-        with proxy(prefiller.port, decoder.port, alloc.getsockname()[1], notify, "--pd-engine", "lmcache") as url:
+        with proxy(
+            prefiller.port, decoder.port, alloc.getsockname()[1], notify, "--pd-engine", "lmcache"
+        ) as url:
             for _ in range(2):
                 r = completion(url)
                 assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
             spec = prefiller.bodies[0]["kv_transfer_params"]["disagg_spec"]
             assert prefiller.bodies[0]["max_tokens"] == 1
-            assert set(spec) >= {"req_id", "receiver_host", "receiver_init_port", "receiver_alloc_port"}
+            assert set(spec) >= {
+                "req_id",
+                "receiver_host",
+                "receiver_init_port",
+                "receiver_alloc_port",
+            }
             assert isinstance(spec["receiver_alloc_port"], list)  # LMCache indexes it by TP rank
             # the decoder was asked once the KV was there, with the client's request as it came
             assert len(decoder.got_at) == len(prefiller.notified_at) == 2
@@ -317,8 +389,16 @@ def test_with_lmcache_nodes_a_missing_proxynotif_costs_the_kv_ready_timeout_not_
     notify = free_port()
     prefiller, decoder = Decoder(), Decoder()  # a prefiller that answers and never notifies
     try:
-        with proxy(prefiller.port, decoder.port, free_port(), notify, "--pd-engine", "lmcache",
-                   "--kv-ready-timeout", "0.5") as url:
+        with proxy(
+            prefiller.port,
+            decoder.port,
+            free_port(),
+            notify,
+            "--pd-engine",
+            "lmcache",
+            "--kv-ready-timeout",
+            "0.5",
+        ) as url:
             t0 = time.monotonic()
             assert completion(url).status_code == 200
             assert 0.5 <= time.monotonic() - t0 < 10
@@ -336,9 +416,24 @@ def test_lmcache_senders_at_a_kvtier_mode_proxy_are_named_once_with_the_flag_to_
 
     notify = free_port()
     port = free_port()
-    cmd = [sys.executable, "-m", "kvtier.cli", "proxy", "--host", "127.0.0.1", "--port", str(port),
-           "--prefiller-port", str(free_port()), "--decoder-port", str(free_port()),
-           "--proxy-host", "127.0.0.1", "--proxy-port", str(notify)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvtier.cli",
+        "proxy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prefiller-port",
+        str(free_port()),
+        "--decoder-port",
+        str(free_port()),
+        "--proxy-host",
+        "127.0.0.1",
+        "--proxy-port",
+        str(notify),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from kvtier.errors import RemoteUnavailable
 from kvtier.dev.localservers import free_port
+from kvtier.errors import RemoteUnavailable
 from kvtier.remote import open_store
 from kvtier.remote.mooncake import MooncakeStore
 from kvtier.remote.redis import RedisStore
@@ -71,7 +71,11 @@ def test_get_into_fills_destinations_of_the_exact_size_only(store):
     head, body = bytearray(5), bytearray(2 << 20)
     wrong = bytearray(99)
     missing = bytearray(10)
-    assert st.get_into([keys[0], keys[1], keys[2]], [[head, memoryview(body)], wrong, missing]) == [True, False, False]
+    assert st.get_into([keys[0], keys[1], keys[2]], [[head, memoryview(body)], wrong, missing]) == [
+        True,
+        False,
+        False,
+    ]
     assert bytes(head) + bytes(body) == big
     assert st.get_into([keys[1]], [bytearray(100)]) == [True]
 
@@ -82,7 +86,9 @@ def test_put_replaces_and_delete_counts(store):
     st.put([keys[0]], [b"new value"])
     # Mooncake keeps a key's first value: kvtier's keys name their content, and the
     # remote tier removes a value that fails its checks (test_remote_tier.py).
-    assert bytes(st.get([keys[0]])[0]) == (b"old" if isinstance(st, MooncakeStore) else b"new value")
+    assert bytes(st.get([keys[0]])[0]) == (
+        b"old" if isinstance(st, MooncakeStore) else b"new value"
+    )
     assert st.delete([keys[0], keys[1]]) == 1
     assert st.get([keys[0]]) == [None]
 
@@ -116,8 +122,15 @@ def test_a_value_too_large_is_a_value_error_and_the_store_still_works(store):
     assert bytes(st.get([keys[1]])[0]) == b"fine"
 
 
-@pytest.mark.parametrize("url", ["kvtier://127.0.0.1:{port}", "redis://127.0.0.1:{port}",
-                                 "redis-cluster://127.0.0.1:{port}", "mooncakestore://127.0.0.1:{port}"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "kvtier://127.0.0.1:{port}",
+        "redis://127.0.0.1:{port}",
+        "redis-cluster://127.0.0.1:{port}",
+        "mooncakestore://127.0.0.1:{port}",
+    ],
+)
 def test_an_unreachable_store_is_remote_unavailable_within_the_timeout(url):
     t0 = time.monotonic()
     opened = []

@@ -10,12 +10,17 @@ import torch
 
 from kvtier.codec import HEADER, Codec
 from kvtier.config import KvtierConfig
+from kvtier.dev.localservers import (
+    free_port,
+    kvtier_server,
+    mooncake_store,
+    redis_cluster,
+    redis_server,
+)
 from kvtier.engine import CacheEngine
 from kvtier.errors import CorruptPayload
-from kvtier.keys import KVFormat
-from kvtier.dev.localservers import free_port, kvtier_server, mooncake_store, redis_cluster, redis_server
+from kvtier.keys import KVFormat, wire_key
 from kvtier.remote import open_store
-from kvtier.keys import wire_key
 from kvtier.transfer import PagedKV
 from kvtier.transfer.staging import runs as _runs
 
@@ -27,8 +32,16 @@ JOIN: dict[str, dict] = {}  # url -> the extra_config a client of that local sto
 
 def node(url: str, serde: str = "naive", local_cpu: bool = True, timeout: float = 2.0):
     layers = [torch.randn(2, NB, BS, H, D).to(torch.bfloat16) for _ in range(L)]
-    cfg = KvtierConfig(save_unfull_chunk=False, chunk_size=16, max_local_cpu_size=1 / 1024, remote_url=url, remote_serde=serde,
-                       local_cpu=local_cpu, blocking_timeout_secs=timeout, extra_config=JOIN.get(url, {}))
+    cfg = KvtierConfig(
+        save_unfull_chunk=False,
+        chunk_size=16,
+        max_local_cpu_size=1 / 1024,
+        remote_url=url,
+        remote_serde=serde,
+        local_cpu=local_cpu,
+        blocking_timeout_secs=timeout,
+        extra_config=JOIN.get(url, {}),
+    )
     return CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), FMT), layers
 
 
@@ -52,8 +65,12 @@ def url(request, tmp_path_factory):
     if request.param == "fs":
         yield f"fs://{tmp_path_factory.mktemp('shared')}"
         return
-    start = {"kvtier": lambda: kvtier_server(0.0625), "redis": redis_server,
-             "redis-cluster": lambda: redis_cluster(3), "mooncake": lambda: mooncake_store(2, 64)}[request.param]
+    start = {
+        "kvtier": lambda: kvtier_server(0.0625),
+        "redis": redis_server,
+        "redis-cluster": lambda: redis_cluster(3),
+        "mooncake": lambda: mooncake_store(2, 64),
+    }[request.param]
     with start() as srv:
         JOIN[srv.url] = srv.extra_config
         yield srv.url
@@ -61,7 +78,9 @@ def url(request, tmp_path_factory):
 
 @pytest.mark.parametrize("serde, local_cpu", [("naive", True), ("lz4", True), ("naive", False)])
 def test_a_prefix_stored_by_one_node_loads_on_another(url, serde, local_cpu):
-    tokens = [t + 7 * (serde == "lz4") + 3 * (not local_cpu) for t in TOKENS]  # keys of their own per case
+    tokens = [
+        t + 7 * (serde == "lz4") + 3 * (not local_cpu) for t in TOKENS
+    ]  # keys of their own per case
     a, a_kv = node(url, serde, local_cpu)
     b, b_kv = node(url, serde, local_cpu)
     src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
@@ -82,9 +101,17 @@ def test_a_corrupt_disk_chunk_is_read_from_the_remote_store_instead(url, tmp_pat
 
     tokens = [t + 13 for t in TOKENS]
     layers = [torch.randn(2, NB, BS, H, D).to(torch.bfloat16) for _ in range(L)]
-    cfg = KvtierConfig(save_unfull_chunk=False, chunk_size=16, max_local_cpu_size=1 / 1024, remote_url=url, local_cpu=False,
-                       local_disk=str(tmp_path / "disk"), max_local_disk_size=0.01, blocking_timeout_secs=2.0,
-                       extra_config=JOIN.get(url, {}))
+    cfg = KvtierConfig(
+        save_unfull_chunk=False,
+        chunk_size=16,
+        max_local_cpu_size=1 / 1024,
+        remote_url=url,
+        local_cpu=False,
+        local_disk=str(tmp_path / "disk"),
+        max_local_disk_size=0.01,
+        blocking_timeout_secs=2.0,
+        extra_config=JOIN.get(url, {}),
+    )
     e = CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), FMT)
     perm = torch.randperm(NB * BS)
     src, dst = perm[:100], perm[100:200]  # one engine: its loads land beside what it stored
@@ -146,7 +173,9 @@ def test_same_host_chunks_are_read_in_place_and_a_bad_one_is_not_loaded():
         assert mask[:48].all() and not mask[48:].any()  # loading counts up to the bad chunk only
         assert torch.equal(kv_at(b_kv, dst[:48]), kv_at(a_kv, src[:48]))
         assert b.lookup(tokens) == 96  # it is still there; a load just does not trust it
-        first = wire_key(b.spans(tokens)[0].key)  # a bad header on the first chunk: not lent, read by copy
+        first = wire_key(
+            b.spans(tokens)[0].key
+        )  # a bad header on the first chunk: not lent, read by copy
         value = bytearray(store.get([first])[0])
         value[0] ^= 0xFF  # the codec's magic
         store.put([first], [bytes(value)])
@@ -231,8 +260,12 @@ def test_a_layerwise_load_larger_than_one_lease_may_hold_loads_whole():
         tokens = [t + 29 for t in TOKENS]
         (a, a_kv, src), (b, b_kv, dst) = stored_by_one_lent_to_another(srv.url, tokens)
         load = b.start_retrieve(tokens, dst, layerwise=True)
-        assert load._handle is None and load.num_tokens == 96  # loaded already: no layer to wait for
-        assert load.finish()[:96].all() and b.tiers.remote.stats.lent == 6  # each chunk counted once
+        assert (
+            load._handle is None and load.num_tokens == 96
+        )  # loaded already: no layer to wait for
+        assert (
+            load.finish()[:96].all() and b.tiers.remote.stats.lent == 6
+        )  # each chunk counted once
         assert torch.equal(kv_at(b_kv, dst[:96]), kv_at(a_kv, src[:96]))
         a.close(), b.close()
 
@@ -241,10 +274,21 @@ def test_a_layerwise_load_larger_than_one_lease_may_hold_loads_whole():
 def test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv():
     with kvtier_server(0.0625) as srv:
         tokens = [t + 17 for t in TOKENS]
-        cfg = dict(save_unfull_chunk=False, chunk_size=16, max_local_cpu_size=1 / 1024, remote_url=srv.url, blocking_timeout_secs=5)
-        layers = [[torch.randn(2, NB, BS, H, D, device="cuda").to(torch.bfloat16) for _ in range(L)] for _ in "ab"]
+        cfg = dict(
+            save_unfull_chunk=False,
+            chunk_size=16,
+            max_local_cpu_size=1 / 1024,
+            remote_url=srv.url,
+            blocking_timeout_secs=5,
+        )
+        layers = [
+            [torch.randn(2, NB, BS, H, D, device="cuda").to(torch.bfloat16) for _ in range(L)]
+            for _ in "ab"
+        ]
         a = CacheEngine(KvtierConfig(**cfg), PagedKV.wrap(layers[0], "flash_attn"), FMT)
-        b = CacheEngine(KvtierConfig(**cfg, local_cpu=False), PagedKV.wrap(layers[1], "flash_attn"), FMT)
+        b = CacheEngine(
+            KvtierConfig(**cfg, local_cpu=False), PagedKV.wrap(layers[1], "flash_attn"), FMT
+        )
         src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
         a.store(tokens, src)
         a.flush(timeout=10)
@@ -268,8 +312,14 @@ def test_over_tcp_the_next_batch_is_read_while_this_one_loads_and_nothing_leaks(
         tokens = [t + 19 for t in TOKENS]
         a, a_kv = node(srv.url)
         layers = [torch.randn(2, NB, BS, H, D).to(torch.bfloat16) for _ in range(L)]
-        cfg = KvtierConfig(save_unfull_chunk=False, chunk_size=16, max_local_cpu_size=2.5 * L * 2 * 16 * H * D * 2 / 2**30,  # 2 blocks
-                           remote_url=srv.url + "/?shm=0", local_cpu=False, blocking_timeout_secs=5)
+        cfg = KvtierConfig(
+            save_unfull_chunk=False,
+            chunk_size=16,
+            max_local_cpu_size=2.5 * L * 2 * 16 * H * D * 2 / 2**30,  # 2 blocks
+            remote_url=srv.url + "/?shm=0",
+            local_cpu=False,
+            blocking_timeout_secs=5,
+        )
         b = CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), FMT)
         assert b.pool.num_blocks == 2
         src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
@@ -277,8 +327,12 @@ def test_over_tcp_the_next_batch_is_read_while_this_one_loads_and_nothing_leaks(
         a.flush(timeout=10)
         threads = []
         next_batch = b.tiers._next_batch
-        b.tiers._next_batch = lambda *args: threads.append(threading.current_thread().name) or next_batch(*args)
-        mask = b.retrieve(tokens, dst)  # 6 chunks through 2 blocks: batches of 1, the next read ahead
+        b.tiers._next_batch = lambda *args: (
+            threads.append(threading.current_thread().name) or next_batch(*args)
+        )
+        mask = b.retrieve(
+            tokens, dst
+        )  # 6 chunks through 2 blocks: batches of 1, the next read ahead
         assert len(threads) == 6 and sum(t.startswith("kvtier-fetch-ahead") for t in threads) == 5
         assert mask[:96].all() and torch.equal(kv_at(layers, dst[:96]), kv_at(a_kv, src[:96]))
         assert b.pool.free_blocks == 2
@@ -330,8 +384,12 @@ def test_codec_roundtrip_and_checks(serde):
     value = b"".join(bytes(x) for x in codec.encode(memoryview(raw), 16))
     n, out = codec.decode(value, len(raw))
     assert n == 16 and bytes(out) == raw.tobytes()
-    for bad, why in [(value[:-1], "payload of"), (value[:20], "shorter"), (b"XXXX" + value[4:], "not a kvtier"),
-                     (value[:-1] + bytes([value[-1] ^ 1]), "checksum")]:
+    for bad, why in [
+        (value[:-1], "payload of"),
+        (value[:20], "shorter"),
+        (b"XXXX" + value[4:], "not a kvtier"),
+        (value[:-1] + bytes([value[-1] ^ 1]), "checksum"),
+    ]:
         with pytest.raises(CorruptPayload, match=why):
             codec.decode(bad, len(raw))
     with pytest.raises(CorruptPayload, match="expected"):
@@ -349,7 +407,12 @@ def test_the_gil_free_checksum_is_xxh3_64(n):
 
     data = os.urandom(n)
     want = xxhash.xxh3_64_intdigest(data)
-    assert checksum(data) == checksum(memoryview(data)) == checksum(np.frombuffer(data, np.uint8)) == want
+    assert (
+        checksum(data)
+        == checksum(memoryview(data))
+        == checksum(np.frombuffer(data, np.uint8))
+        == want
+    )
 
 
 def test_lz4_shrinks_structured_kv():
@@ -368,10 +431,21 @@ def test_on_a_gpu_lent_chunks_are_checked_by_their_digests_on_the_device(layerwi
 
     with kvtier_server(0.0625) as srv:
         tokens = [t + 23 + layerwise for t in TOKENS]
-        cfg = dict(save_unfull_chunk=False, chunk_size=16, max_local_cpu_size=1 / 1024, remote_url=srv.url, blocking_timeout_secs=5)
-        layers = [[torch.randn(2, NB, BS, H, D, device="cuda").to(torch.bfloat16) for _ in range(L)] for _ in "ab"]
+        cfg = dict(
+            save_unfull_chunk=False,
+            chunk_size=16,
+            max_local_cpu_size=1 / 1024,
+            remote_url=srv.url,
+            blocking_timeout_secs=5,
+        )
+        layers = [
+            [torch.randn(2, NB, BS, H, D, device="cuda").to(torch.bfloat16) for _ in range(L)]
+            for _ in "ab"
+        ]
         a = CacheEngine(KvtierConfig(**cfg), PagedKV.wrap(layers[0], "flash_attn"), FMT)
-        b = CacheEngine(KvtierConfig(**cfg, local_cpu=False), PagedKV.wrap(layers[1], "flash_attn"), FMT)
+        b = CacheEngine(
+            KvtierConfig(**cfg, local_cpu=False), PagedKV.wrap(layers[1], "flash_attn"), FMT
+        )
         src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
         if layerwise:
             storing = a.start_store(tokens, src, layerwise=True)
@@ -384,8 +458,9 @@ def test_on_a_gpu_lent_chunks_are_checked_by_their_digests_on_the_device(layerwi
         store = open_store(srv.url, 5)
         key = wire_key(b.spans(tokens)[3].key)
         value = bytearray(store.get([key])[0])
-        n, _, digest = Codec("naive").check_header(bytes(value[: HEADER.size]), len(value) - HEADER.size,
-                                                    16 * b.chunk_bytes_per_token)
+        n, _, digest = Codec("naive").check_header(
+            bytes(value[: HEADER.size]), len(value) - HEADER.size, 16 * b.chunk_bytes_per_token
+        )
         assert value[4] == 2 and digest == kv_digest(bytes(value[HEADER.size :]))
 
         def load():
@@ -401,7 +476,9 @@ def test_on_a_gpu_lent_chunks_are_checked_by_their_digests_on_the_device(layerwi
         assert torch.equal(kv_at(layers[1], dst[:96].cuda()), kv_at(layers[0], src[:96].cuda()))
         if batch is not None:
             assert batch._sums is None and batch._device_sums is not None  # no CPU checksum ran
-        value[HEADER.size + 1000] ^= 0x40  # the fourth chunk: one payload bit (its xxh3 left as it was)
+        value[HEADER.size + 1000] ^= (
+            0x40  # the fourth chunk: one payload bit (its xxh3 left as it was)
+        )
         store.put([key], [bytes(value)])
         mask, _ = load()
         assert mask[:48].all() and not mask[48:].any()
@@ -415,7 +492,9 @@ def test_an_engine_connects_to_the_store_server_at_start_not_at_its_first_reques
     with kvtier_server(0.0625) as srv:
         before = srv.metrics()["accepted_connections"]  # the readiness probe's
         e, _ = node(srv.url)
-        assert srv.metrics()["accepted_connections"] == before + 1  # made while the engine was built
+        assert (
+            srv.metrics()["accepted_connections"] == before + 1
+        )  # made while the engine was built
         assert e.tiers.remote.store.shm_active  # the same connection, its pool mapped
         assert srv.metrics()["accepted_connections"] == before + 1
         e.close()

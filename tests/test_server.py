@@ -16,8 +16,8 @@ import urllib.request
 import psutil
 import pytest
 
-from kvtier.errors import RemoteUnavailable, ValueTooLarge
 from kvtier.dev.localservers import free_port, kvtier_server
+from kvtier.errors import RemoteUnavailable, ValueTooLarge
 from kvtier.server import protocol as p
 from kvtier.server.client import KVClient
 
@@ -26,8 +26,17 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def srv():
-    with kvtier_server(0.0625, "--dev-name", "mlx5_0", "--link-type", "Ethernet", "--hint-gid-index", "3",
-                       "--io-threads", "3") as s:
+    with kvtier_server(
+        0.0625,
+        "--dev-name",
+        "mlx5_0",
+        "--link-type",
+        "Ethernet",
+        "--hint-gid-index",
+        "3",
+        "--io-threads",
+        "3",
+    ) as s:
         yield s
 
 
@@ -59,9 +68,16 @@ def test_management_api(srv):
     assert json.loads(http(srv, "/health")[1])["status"] == "ok"
     status, text = http(srv, "/metrics")
     assert status == 200
-    for name in ["kvtier_server_keys", "kvtier_server_value_bytes", "kvtier_server_hits_total",
-                 "kvtier_server_misses_total", "kvtier_server_evictions_total", "kvtier_server_bytes_in_total",
-                 "kvtier_server_bytes_out_total", "kvtier_server_connections"]:
+    for name in [
+        "kvtier_server_keys",
+        "kvtier_server_value_bytes",
+        "kvtier_server_hits_total",
+        "kvtier_server_misses_total",
+        "kvtier_server_evictions_total",
+        "kvtier_server_bytes_in_total",
+        "kvtier_server_bytes_out_total",
+        "kvtier_server_connections",
+    ]:
         assert f"\n{name} " in text, name
     assert json.loads(http(srv, "/kvmap_len")[1])["len"] >= 2
     assert json.loads(http(srv, "/purge", "POST")[1])["purged"] >= 2
@@ -77,9 +93,21 @@ def test_management_token_is_required_when_set():
 
 
 def test_a_non_loopback_address_without_a_token_is_refused():
-    r = subprocess.run([sys.executable, "-m", "kvtier.server", "--host", "0.0.0.0", "--service-port",
-                        str(free_port())], capture_output=True, text=True, timeout=60,
-                       env={k: v for k, v in os.environ.items() if k != "KVTIER_SERVER_TOKEN"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.server",
+            "--host",
+            "0.0.0.0",
+            "--service-port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "KVTIER_SERVER_TOKEN"},
+    )
     assert r.returncode == 2 and "--auth-token" in r.stderr
 
 
@@ -137,11 +165,19 @@ BAD_INPUT = {
     "absurd meta length": p.HEADER.pack(p.MAGIC, p.VERSION, p.Op.GET, 0, 1, 0xFFFFFFFF, 0),
     "absurd payload length": p.HEADER.pack(p.MAGIC, p.VERSION, p.Op.PUT, 0, 1, 4, 1 << 62),
     "key count past meta": p.pack_header(p.Op.GET, 1, 4) + (1000).to_bytes(4, "little"),
-    "sizes not matching payload": p.pack_header(p.Op.PUT, 1, len(m := p.encode_keys([b"k"], [10])), 5) + m,
+    "sizes not matching payload": p.pack_header(
+        p.Op.PUT, 1, len(m := p.encode_keys([b"k"], [10])), 5
+    )
+    + m,
 }
-REASONS = {"random bytes": "bad magic", "wrong version": "unsupported protocol version 9",
-           "absurd meta length": "meta length", "absurd payload length": "payload length",
-           "key count past meta": "meta truncated", "sizes not matching payload": "sizes add up"}
+REASONS = {
+    "random bytes": "bad magic",
+    "wrong version": "unsupported protocol version 9",
+    "absurd meta length": "meta length",
+    "absurd payload length": "payload length",
+    "key count past meta": "meta truncated",
+    "sizes not matching payload": "sizes add up",
+}
 
 
 @pytest.mark.parametrize("what", list(BAD_INPUT))
@@ -229,8 +265,12 @@ def test_many_clients_at_once_share_a_fixed_set_of_loops_and_always_read_whole_v
     clients = [client(srv, shm=i % 2 == 0) for i in range(16)]
     for c in clients:
         c.server_info()  # all 16 connected before any works: the loops share them out evenly
-    spread = client(srv).stats()["loop_connections"]  # the 16 and this one, on the loop serving the fewest
-    assert len(spread) == 3 and min(spread) >= 5 and sum(spread) >= 17, spread  # every loop serves some
+    spread = client(srv).stats()[
+        "loop_connections"
+    ]  # the 16 and this one, on the loop serving the fewest
+    assert len(spread) == 3 and min(spread) >= 5 and sum(spread) >= 17, (
+        spread
+    )  # every loop serves some
 
     def work(i: int) -> None:
         try:
@@ -261,18 +301,39 @@ def test_the_server_benchmark_runs_every_target_and_reports_its_ratios():
     # the shape of the result (every target, both ratio forms) is checked.
     from kvtier.bench.server import ServerBenchConfig, run_server_bench
 
-    result = run_server_bench(ServerBenchConfig(sizes_mib=(1,), conns=(2,), duration=0.1, repeats=2,
-                                                latency_iters=20), progress=lambda line: None)
+    result = run_server_bench(
+        ServerBenchConfig(sizes_mib=(1,), conns=(2,), duration=0.1, repeats=2, latency_iters=20),
+        progress=lambda line: None,
+    )
     cells = {(c["op"], c["conns"]): c for c in result["throughput"]}
     assert cells.keys() == {("put", 2), ("get", 2)}
     for cell in cells.values():
-        for target in ("raw", "raw-ring", "kvtier", "kvtier-shm", "kvtier-auth", "kvtier-tls", "redis", "redis-unix"):
+        for target in (
+            "raw",
+            "raw-ring",
+            "kvtier",
+            "kvtier-shm",
+            "kvtier-auth",
+            "kvtier-tls",
+            "redis",
+            "redis-unix",
+        ):
             assert cell[f"{target}_GBps"] > 0 and len(cell[f"{target}_runs"]) == 2
-        for ratio in ("tcp_vs_raw", "tcp_vs_raw_ring", "tcp_vs_redis", "same_host_vs_redis", "auth_vs_plain",
-                      "tls_vs_plain"):
+        for ratio in (
+            "tcp_vs_raw",
+            "tcp_vs_raw_ring",
+            "tcp_vs_redis",
+            "same_host_vs_redis",
+            "auth_vs_plain",
+            "tls_vs_plain",
+        ):
             assert cell[ratio] > 0 and cell[ratio + "_paired"] > 0
     for op in ("exists", "match_prefix"):
-        assert 0 < result["latency"][f"kvtier_{op}_ms"]["p50"] <= result["latency"][f"kvtier_{op}_ms"]["p99"]
+        assert (
+            0
+            < result["latency"][f"kvtier_{op}_ms"]["p50"]
+            <= result["latency"][f"kvtier_{op}_ms"]["p99"]
+        )
     assert result["shm"]["put_batch8_vs_memcpy_cold"] > 0
     assert 0 < result["serde"]["lz4"]["ratio"] < 1
 
@@ -311,7 +372,9 @@ def test_the_pool_stays_mapped_across_a_connection_replaced_after_idling_and_is_
         value = os.urandom(MiB)
         c.put([b"k"], [value])
         assert c.shm_active and len(mapped) == 1
-        time.sleep(1.5)  # past the server's idle timeout: it closed the connection, the next call takes a new one
+        time.sleep(
+            1.5
+        )  # past the server's idle timeout: it closed the connection, the next call takes a new one
         lease = c.borrow([b"k"])
         assert lease is not None and lease.leading == 1
         offset, size = lease.places[0]
@@ -322,7 +385,9 @@ def test_the_pool_stays_mapped_across_a_connection_replaced_after_idling_and_is_
         s.kill()
         s.start()
         assert c.exists([b"k"]) == [False]  # a new, empty server (the connection idled: replaced)
-        assert len(unmapped) == 1 and len(mapped) == 2  # its pool is another memfd: the old one let go
+        assert (
+            len(unmapped) == 1 and len(mapped) == 2
+        )  # its pool is another memfd: the old one let go
         c.put([b"k"], [value[::-1]])
         assert bytes(c.get([b"k"])[0]) == value[::-1]
         assert len(mapped) == 2 and mapped[1] is not mapped[0]

@@ -11,10 +11,10 @@ import torch
 from rawwire import Raw
 
 from kvtier.config import KvtierConfig
+from kvtier.dev.localservers import kvtier_server, self_signed_cert
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError, RemoteAuthFailed, RemoteRefused, RemoteUnavailable
 from kvtier.keys import KVFormat
-from kvtier.dev.localservers import kvtier_server, self_signed_cert
 from kvtier.remote import open_store
 from kvtier.server import protocol as p
 from kvtier.server.client import KVClient
@@ -47,16 +47,24 @@ def client(srv, token: str | None, **kw) -> KVClient:
 
 ONE_KEY = p.encode_keys([b"k"])
 REQUESTS = {  # every op but HELLO and AUTH, each with well-formed meta
-    p.Op.PUT: (p.encode_keys([b"k"], [3]), b"abc"), p.Op.GET: (ONE_KEY, b""), p.Op.EXISTS: (ONE_KEY, b""),
-    p.Op.MATCH_PREFIX: (ONE_KEY, b""), p.Op.DELETE: (ONE_KEY, b""), p.Op.STATS: (b"", b""),
-    p.Op.PUT_ALLOC: (p.encode_keys([b"k"], [3]), b""), p.Op.PUT_COMMIT: (p.encode_u32(1), b""),
-    p.Op.GET_SHM: (ONE_KEY, b""), p.Op.RELEASE: (p.encode_u32(1), b""),
+    p.Op.PUT: (p.encode_keys([b"k"], [3]), b"abc"),
+    p.Op.GET: (ONE_KEY, b""),
+    p.Op.EXISTS: (ONE_KEY, b""),
+    p.Op.MATCH_PREFIX: (ONE_KEY, b""),
+    p.Op.DELETE: (ONE_KEY, b""),
+    p.Op.STATS: (b"", b""),
+    p.Op.PUT_ALLOC: (p.encode_keys([b"k"], [3]), b""),
+    p.Op.PUT_COMMIT: (p.encode_u32(1), b""),
+    p.Op.GET_SHM: (ONE_KEY, b""),
+    p.Op.RELEASE: (p.encode_u32(1), b""),
 }
 assert set(REQUESTS) == set(p.Op) - {p.Op.HELLO, p.Op.AUTH}
 
 
 @pytest.mark.parametrize("op", list(REQUESTS), ids=lambda op: op.name)
-def test_without_authentication_every_op_but_hello_is_refused_and_the_connection_closed(tenants_srv, op):
+def test_without_authentication_every_op_but_hello_is_refused_and_the_connection_closed(
+    tenants_srv, op
+):
     before = metrics(tenants_srv)["auth_failures"]
     raw = Raw(tenants_srv.ports[0])
     info = raw.hello(host_id=p.host_id())
@@ -76,7 +84,9 @@ def test_a_client_without_a_token_or_with_a_wrong_one_is_refused_by_name(tenants
         with pytest.raises(RemoteAuthFailed, match="authentication failed: wrong token"):
             client(tenants_srv, "not-the-token-0123456789").exists([b"k"])
     assert metrics(tenants_srv)["auth_failures"] == before + 3
-    assert tenants_srv.log().count("authentication failed: wrong token") == 1  # logged once per client host
+    assert (
+        tenants_srv.log().count("authentication failed: wrong token") == 1
+    )  # logged once per client host
     assert client(tenants_srv, TOKEN).exists([b"k"]) == [False]
 
 
@@ -85,7 +95,9 @@ def test_a_replayed_handshake_fails(tenants_srv):
     challenge = first.hello()["challenge"]
     from kvtier.server.auth import prove
 
-    recorded = p.encode_json({"proof": prove(ALICE, bytes.fromhex(challenge)).hex()})  # what a sniffer saw
+    recorded = p.encode_json(
+        {"proof": prove(ALICE, bytes.fromhex(challenge)).hex()}
+    )  # what a sniffer saw
     h, _, _ = first.call(p.Op.AUTH, recorded)
     assert h.flags == p.Status.OK
     again = Raw(tenants_srv.ports[0])
@@ -128,8 +140,14 @@ def test_engines_of_two_tenants_hit_only_their_own_chunks(tenants_srv, monkeypat
 
     def node(remote_url: str, token: str | None):
         layers = [torch.randn(2, 16, 16, 2, 32).to(torch.bfloat16) for _ in range(2)]
-        cfg = KvtierConfig(chunk_size=16, max_local_cpu_size=1 / 1024, local_cpu=False, remote_url=remote_url,
-                           remote_auth_token=token, blocking_timeout_secs=2)
+        cfg = KvtierConfig(
+            chunk_size=16,
+            max_local_cpu_size=1 / 1024,
+            local_cpu=False,
+            remote_url=remote_url,
+            remote_auth_token=token,
+            blocking_timeout_secs=2,
+        )
         return CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), fmt)
 
     tokens = list(range(5000, 5064))
@@ -167,7 +185,9 @@ def test_a_client_that_leases_the_whole_pool_and_idles_loses_its_leases_after_th
         time.sleep(1.6)
         other.put([b"new"], [os.urandom(8 * MiB)])  # the leases were dropped: evicted, stored
         assert other.exists([b"new"]) == [True]
-        h, meta, _ = hog.call(p.Op.EXISTS, p.encode_keys([b"new"]))  # the hog's connection still works
+        h, meta, _ = hog.call(
+            p.Op.EXISTS, p.encode_keys([b"new"])
+        )  # the hog's connection still works
         assert h.flags == p.Status.OK and meta == b"\x01"
         assert metrics(srv, None)["lease_timeouts"] >= 1
         assert srv.log().count("held past --lease-timeout 1 s was dropped") == 1
@@ -177,7 +197,9 @@ def test_a_put_that_stalls_after_its_header_frees_its_reservation_at_the_deadlin
     with kvtier_server(0.0625, "--put-deadline", "1", "--max-held-per-conn", "1") as srv:
         stall = Raw(srv.ports[0])
         stall.hello()
-        stall.send(p.Op.PUT, p.encode_keys([b"slow"], [48 * MiB]), payload=b"x" * MiB, payload_len=48 * MiB)
+        stall.send(
+            p.Op.PUT, p.encode_keys([b"slow"], [48 * MiB]), payload=b"x" * MiB, payload_len=48 * MiB
+        )
         other = client(srv, None, shm=False)
         time.sleep(0.2)
         with pytest.raises(RemoteRefused, match="pool full"):
@@ -244,16 +266,22 @@ def test_the_connection_cap_and_the_idle_timeout():
 def test_tls_with_a_token(tmp_path, monkeypatch):
     cert, key = self_signed_cert(tmp_path)
     monkeypatch.setenv("TLS_TEST_TOKEN", TOKEN)
-    with kvtier_server(0.0625, "--tls-cert", str(cert), "--tls-key", str(key), "--auth-token", TOKEN) as srv:
+    with kvtier_server(
+        0.0625, "--tls-cert", str(cert), "--tls-key", str(key), "--auth-token", TOKEN
+    ) as srv:
         port = srv.ports[0]
-        store = open_store(f"kvtiers://127.0.0.1:{port}/?tls_ca={cert}&token_env=TLS_TEST_TOKEN&shm=0", 5)
+        store = open_store(
+            f"kvtiers://127.0.0.1:{port}/?tls_ca={cert}&token_env=TLS_TEST_TOKEN&shm=0", 5
+        )
         assert store.server_info()["transport"] == "tls" and not store.shm_active
         value = os.urandom(3 * MiB + 5)
         store.put([b"tls"], [value])
         assert bytes(store.get([b"tls"])[0]) == value
         out = bytearray(len(value))
         assert store.get_into([b"tls"], [out]) == [True] and out == value
-        same = open_store(f"kvtier://127.0.0.1:{port}/?tls=1&tls_ca={cert}&token_env=TLS_TEST_TOKEN", 5)
+        same = open_store(
+            f"kvtier://127.0.0.1:{port}/?tls=1&tls_ca={cert}&token_env=TLS_TEST_TOKEN", 5
+        )
         assert same.exists([b"tls"]) == [True]
         with pytest.raises(RemoteUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
             open_store(f"kvtiers://127.0.0.1:{port}/?token_env=TLS_TEST_TOKEN", 5).exists([b"tls"])

@@ -23,20 +23,25 @@ import threading
 import time
 
 import psutil
-import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from kvtier.errors import RemoteRefused
 from kvtier.dev.localservers import kvtier_server
+from kvtier.errors import RemoteRefused
 from kvtier.server import auth
 from kvtier.server import protocol as p
 from kvtier.server.client import KVClient
 
 MiB = 1 << 20
 FUZZ_SECONDS = float(os.environ.get("FUZZ_SECONDS", "40"))
-TOKEN, FUZZER, CHECKER = "fuzz-operator-0123456789", "fuzz-tenant-0123456789", "fuzz-checker-0123456789"
-RSS_BOUND = 160 * MiB  # over the server's RSS before the fuzz (its 64 MiB pool is populated at start)
+TOKEN, FUZZER, CHECKER = (
+    "fuzz-operator-0123456789",
+    "fuzz-tenant-0123456789",
+    "fuzz-checker-0123456789",
+)
+RSS_BOUND = (
+    160 * MiB
+)  # over the server's RSS before the fuzz (its 64 MiB pool is populated at start)
 
 QUICK = settings(max_examples=300, deadline=None, database=None)
 
@@ -70,8 +75,14 @@ def test_mutated_headers_are_parsed_or_refused(op, meta_len, payload_len, data):
         pass
 
 
-DECODERS = [lambda b: p.decode_keys(b), lambda b: p.decode_keys(b, with_sizes=True), p.decode_sizes,
-            p.decode_extents, p.decode_u32, p.decode_json]
+DECODERS = [
+    lambda b: p.decode_keys(b),
+    lambda b: p.decode_keys(b, with_sizes=True),
+    p.decode_sizes,
+    p.decode_extents,
+    p.decode_u32,
+    p.decode_json,
+]
 
 
 @QUICK
@@ -113,13 +124,26 @@ def frames(draw) -> bytes:
     if kind == "random":
         return draw(st.binary(min_size=1, max_size=200))
     op = draw(st.one_of(st.sampled_from(list(p.Op)), st.integers(0, 255)))
-    keys = draw(st.lists(st.sampled_from([b"a", b"b", b"k" * 100, b"\x00", b"x" * 1024]), max_size=4))
-    sizes = draw(st.lists(st.sampled_from([0, 1, 4096, MiB, 20 * MiB, 40 * MiB, 1 << 40]),
-                          min_size=len(keys), max_size=len(keys)))
-    meta = _meta_for(op, keys, sizes, draw(st.integers(0, 8))) if op in p.Op._value2member_map_ else b""
+    keys = draw(
+        st.lists(st.sampled_from([b"a", b"b", b"k" * 100, b"\x00", b"x" * 1024]), max_size=4)
+    )
+    sizes = draw(
+        st.lists(
+            st.sampled_from([0, 1, 4096, MiB, 20 * MiB, 40 * MiB, 1 << 40]),
+            min_size=len(keys),
+            max_size=len(keys),
+        )
+    )
+    meta = (
+        _meta_for(op, keys, sizes, draw(st.integers(0, 8)))
+        if op in p.Op._value2member_map_
+        else b""
+    )
     declared = sum(sizes) if op == p.Op.PUT else draw(st.sampled_from([0, 0, 5, 1 << 20]))
     sent = draw(st.integers(0, min(declared, 8192)))
-    frame = bytearray(p.pack_header(op, draw(st.integers(0, 2**32 - 1)), len(meta), declared) + meta)
+    frame = bytearray(
+        p.pack_header(op, draw(st.integers(0, 2**32 - 1)), len(meta), declared) + meta
+    )
     frame += random.Random(len(frame)).randbytes(sent)
     if kind == "mutated":
         for _ in range(draw(st.integers(1, 4))):
@@ -134,7 +158,9 @@ class _Checker(threading.Thread):
 
     def __init__(self, port: int) -> None:
         super().__init__(daemon=True)
-        self.clients = [KVClient("127.0.0.1", port, timeout=10, token=CHECKER, shm=shm) for shm in (True, False)]
+        self.clients = [
+            KVClient("127.0.0.1", port, timeout=10, token=CHECKER, shm=shm) for shm in (True, False)
+        ]
         self.stop, self.errors, self.ops, self.refused = threading.Event(), [], 0, 0
         self.written: dict[bytes, bytes] = {}
 
@@ -180,7 +206,7 @@ def _send(port: int, data: list[bytes], login: bool) -> None:
                 s.sendall(frame)
             while s.recv(1 << 16):
                 pass
-        except (socket.timeout, ConnectionError):
+        except (TimeoutError, ConnectionError):
             pass
 
 
@@ -198,16 +224,34 @@ def test_a_live_server_survives_random_frames_and_keeps_serving(tmp_path):
     tenants = tmp_path / "tenants.yaml"
     tenants.write_text(f"fuzz: {FUZZER}\nchecker: {CHECKER}\n")
     tenants.chmod(0o600)
-    with kvtier_server(0.0625, "--auth-token", TOKEN, "--tenants", str(tenants), "--put-deadline", "2",
-                       "--lease-timeout", "2", "--idle-timeout", "5", "--max-held-per-conn", "0.03") as srv:
+    with kvtier_server(
+        0.0625,
+        "--auth-token",
+        TOKEN,
+        "--tenants",
+        str(tenants),
+        "--put-deadline",
+        "2",
+        "--lease-timeout",
+        "2",
+        "--idle-timeout",
+        "5",
+        "--max-held-per-conn",
+        "0.03",
+    ) as srv:
         server = psutil.Process(srv.procs[0].pid)
         rss0 = server.memory_info().rss
         checker = _Checker(srv.ports[0])
         checker.start()
         tried = {"frames": 0, "connections": 0}
 
-        @settings(max_examples=50, deadline=None, database=None, phases=[Phase.generate],
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=50,
+            deadline=None,
+            database=None,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
         @given(st.lists(frames(), min_size=1, max_size=5), st.booleans())
         def one_connection(data, login):
             _send(srv.ports[0], data, login)
@@ -222,12 +266,24 @@ def test_a_live_server_survives_random_frames_and_keeps_serving(tmp_path):
         ops_during = checker.ops
         checker.stop.set()
         checker.join(30)
-        hwm = int(next(line.split()[1] for line in open(f"/proc/{server.pid}/status") if line.startswith("VmHWM")))
-        report = {"seconds": round(time.monotonic() - t0, 1), **tried, "crashes": 0,
-                  "checker_ops": ops_during, "checker_refused": checker.refused,
-                  "rss_start_MiB": round(rss0 / MiB, 1), "rss_peak_sampled_MiB": round(peak / MiB, 1),
-                  "vm_hwm_MiB": round(hwm / 1024, 1), "stats": KVClient("127.0.0.1", srv.ports[0],
-                                                                        token=TOKEN).stats()}
+        hwm = int(
+            next(
+                line.split()[1]
+                for line in open(f"/proc/{server.pid}/status")
+                if line.startswith("VmHWM")
+            )
+        )
+        report = {
+            "seconds": round(time.monotonic() - t0, 1),
+            **tried,
+            "crashes": 0,
+            "checker_ops": ops_during,
+            "checker_refused": checker.refused,
+            "rss_start_MiB": round(rss0 / MiB, 1),
+            "rss_peak_sampled_MiB": round(peak / MiB, 1),
+            "vm_hwm_MiB": round(hwm / 1024, 1),
+            "stats": KVClient("127.0.0.1", srv.ports[0], token=TOKEN).stats(),
+        }
         print("fuzz:", json.dumps(report))
         if os.environ.get("FUZZ_REPORT"):
             with open(os.environ["FUZZ_REPORT"], "w") as f:

@@ -10,8 +10,14 @@ def test_a_value_on_adjacent_pages_is_one_extent_and_split_ones_are_merged_per_r
     assert pool.extents(pool.allocate(3 * PAGE - 5), 3 * PAGE - 5) == [(0, 3 * PAGE - 5)]
     # Out of order and with gaps: one extent per run of adjacent pages, the last one partly used.
     assert pool.extents([7, 8, 2, 3, 4, 11], 6 * PAGE - 1) == [
-        (7 * PAGE, 2 * PAGE), (2 * PAGE, 3 * PAGE), (11 * PAGE, PAGE - 1)]
-    assert pool.extents([5, 4], 2 * PAGE) == [(5 * PAGE, PAGE), (4 * PAGE, PAGE)]  # descending is not one run
+        (7 * PAGE, 2 * PAGE),
+        (2 * PAGE, 3 * PAGE),
+        (11 * PAGE, PAGE - 1),
+    ]
+    assert pool.extents([5, 4], 2 * PAGE) == [
+        (5 * PAGE, PAGE),
+        (4 * PAGE, PAGE),
+    ]  # descending is not one run
     assert pool.extents([9], 10) == [(9 * PAGE, 10)]
 
 

@@ -44,8 +44,10 @@ def test_a_slow_call_says_where_its_time_went(stalls, caplog):
     with caplog.at_level(logging.INFO, logger="kvtier"):
         assert lookup() == 7
     [line] = lines(caplog)
-    numbers = {k: float(v) for k, v in
-               (part.rsplit(" ", 1) for part in line.split("(")[1].split(";")[0].split(", "))}
+    numbers = {
+        k: float(v)
+        for k, v in (part.rsplit(" ", 1) for part in line.split("(")[1].split(";")[0].split(", "))
+    }
     assert line.startswith("slow call on the engine's thread: lookup took ")
     # (upper bounds loose: a loaded machine stretches sleeps and preempts the spin)
     assert 29 <= numbers["waiting for stores landing"] < 90

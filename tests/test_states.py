@@ -19,8 +19,14 @@ def make(tmp_path=None, **cfg):
     attn = [torch.randn(2, NB, BS, H, D) for _ in range(L)]
     raw = [torch.randint(0, 256, (NB, PAGE), dtype=torch.uint8) for _ in STATE_BYTES]
     pages = StateLayers([r[:, :n] for r, n in zip(raw, STATE_BYTES)])
-    disk = {} if tmp_path is None else {"local_disk": str(tmp_path / "disk"), "max_local_disk_size": 0.01}
-    config = KvtierConfig(chunk_size=16, max_local_cpu_size=1 / 1024, blocking_timeout_secs=5, **disk, **cfg)
+    disk = (
+        {}
+        if tmp_path is None
+        else {"local_disk": str(tmp_path / "disk"), "max_local_disk_size": 0.01}
+    )
+    config = KvtierConfig(
+        chunk_size=16, max_local_cpu_size=1 / 1024, blocking_timeout_secs=5, **disk, **cfg
+    )
     return CacheEngine(config, PagedKV.wrap(attn, "flash_attn"), FMT, states=pages), attn, raw
 
 
@@ -82,7 +88,9 @@ def test_states_go_to_disk_and_come_back_from_it(tmp_path):
     assert eng.flush(10)
     eng.tiers.cpu.clear()
     hit = eng.find(toks, hold_for="r")
-    assert hit.tokens == 32 and hit.in_cpu == 0  # from disk: the scheduler loads it in the background
+    assert (
+        hit.tokens == 32 and hit.in_cpu == 0
+    )  # from disk: the scheduler loads it in the background
     load = eng.load_state(toks, [9, 9], request_id="r")
     assert load is not None
     load.finish()

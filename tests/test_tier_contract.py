@@ -28,9 +28,6 @@ SRC, DST = torch.arange(0, 160), torch.arange(400, 560)
 TIERS = ["cpu", "disk", "kvtier-tcp", "kvtier-shm", "redis", "redis-cluster", "fs", "mooncake"]
 
 
-
-
-
 @pytest.fixture(params=TIERS)
 def tier(request, tmp_path):
     """(kind, the config of an engine keeping chunks only there, where a chunk of it is found)."""
@@ -43,7 +40,9 @@ def tier(request, tmp_path):
     if kind == "disk":
         cfg.update(local_disk=f"file://{tmp_path}/disk", max_local_disk_size=0.01)
     elif kind.startswith("kvtier"):
-        cfg["remote_url"] = request.getfixturevalue("kvserver").url + ("" if kind == "kvtier-shm" else "/?shm=0")
+        cfg["remote_url"] = request.getfixturevalue("kvserver").url + (
+            "" if kind == "kvtier-shm" else "/?shm=0"
+        )
     elif kind == "redis":
         cfg["remote_url"] = request.getfixturevalue("redis_srv").url
     elif kind == "redis-cluster":
@@ -105,7 +104,9 @@ def test_a_prompt_is_found_up_to_its_first_chunk_the_tier_does_not_hold(tier, re
 def test_damaged_bytes_are_a_miss_not_wrong_kv(tier, request, tmp_path):
     kind, config, _ = tier
     if kind == "cpu":
-        pytest.skip("CPU RAM holds the gathered bytes themselves: nothing between them and the load")
+        pytest.skip(
+            "CPU RAM holds the gathered bytes themselves: nothing between them and the load"
+        )
     eng, layers, tokens = setup(config, request)
     try:
         assert eng.store(tokens, SRC) == 160 and eng.flush(timeout=30)

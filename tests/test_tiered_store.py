@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kvtier.config import KvtierConfig
+from kvtier.dev.localservers import kvtier_server
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError
 from kvtier.keys import KVFormat
-from kvtier.dev.localservers import kvtier_server
 from kvtier.tiers.base import CPU
 from kvtier.transfer import PagedKV
 
@@ -24,9 +24,14 @@ CHUNK_BYTES = 16 * L * 2 * H * D * 4  # one 16-token chunk
 
 def engine(chunks=2, disk=None, remote=None, **cfg):
     layers = [torch.randn(2, NB, BS, H, D) for _ in range(L)]
-    config = KvtierConfig(chunk_size=16, max_local_cpu_size=chunks * CHUNK_BYTES * 1.001 / 1024**3,
-                          local_disk=None if disk is None else f"file://{disk}",
-                          max_local_disk_size=1.0 if disk else 0.0, remote_url=remote, **cfg)
+    config = KvtierConfig(
+        chunk_size=16,
+        max_local_cpu_size=chunks * CHUNK_BYTES * 1.001 / 1024**3,
+        local_disk=None if disk is None else f"file://{disk}",
+        max_local_disk_size=1.0 if disk else 0.0,
+        remote_url=remote,
+        **cfg,
+    )
     eng = CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), FMT)
     assert eng.pool.num_blocks == chunks
     return eng, layers
@@ -51,7 +56,10 @@ def test_a_store_ten_times_the_pool_streams_to_disk_and_loads_back(tmp_path):
     assert eng.lookup(TOKENS) == 160
     mask = eng.retrieve(TOKENS, DST)  # 8 chunks from disk through a 2-block pool
     assert mask.all() and torch.equal(kv_at(layers, DST), kv_at(layers, SRC))
-    assert where(eng, TOKENS)[-2:] == [CPU, CPU]  # disk hits are promoted to RAM (the last that fit)
+    assert where(eng, TOKENS)[-2:] == [
+        CPU,
+        CPU,
+    ]  # disk hits are promoted to RAM (the last that fit)
     assert eng.pool.free_blocks + len(eng.tiers.cpu) == eng.pool.num_blocks  # no block leaked
     eng.close()
 
@@ -63,7 +71,9 @@ def test_a_restarted_engine_still_hits_from_disk(tmp_path):
     b, b_layers = engine(chunks=4, disk=tmp_path)
     for layer, src in zip(b_layers, a_layers):
         layer.zero_()
-        layer[:, :10] = src[:, :10]  # b's pages 0-9 hold a's KV for the source slots; the rest is zero
+        layer[:, :10] = src[
+            :, :10
+        ]  # b's pages 0-9 hold a's KV for the source slots; the rest is zero
     assert b.lookup(TOKENS) == 160
     assert b.retrieve(TOKENS, DST).all()
     assert torch.equal(kv_at(b_layers, DST), kv_at(a_layers, SRC))
@@ -75,7 +85,9 @@ def test_disk_write_filter_waits_for_the_nth_store(tmp_path):
     eng.store(TOKENS[:32], SRC[:32])
     eng.flush(timeout=10)
     assert len(eng.tiers.disk) == 0  # stored once: RAM only
-    eng.store(TOKENS[:32], SRC[:32])  # the second store of chunks still in RAM writes them from there
+    eng.store(
+        TOKENS[:32], SRC[:32]
+    )  # the second store of chunks still in RAM writes them from there
     eng.flush(timeout=10)
     assert len(eng.tiers.disk) == 2
     eng.tiers.cpu.clear()
@@ -131,8 +143,12 @@ def test_prefetch_brings_disk_chunks_up_and_a_retrieve_waits_for_it(tmp_path):
 
 def test_a_disk_tier_too_small_for_one_chunk_fails_at_start(tmp_path):
     layers = [torch.zeros(2, NB, BS, H, D) for _ in range(L)]
-    config = KvtierConfig(chunk_size=16, local_disk=str(tmp_path), max_local_disk_size=CHUNK_BYTES / 2 / 1024**3)
-    with pytest.raises(ConfigError, match=r"max_local_disk_size = .* at least one chunk file \(0.02 MB\)"):
+    config = KvtierConfig(
+        chunk_size=16, local_disk=str(tmp_path), max_local_disk_size=CHUNK_BYTES / 2 / 1024**3
+    )
+    with pytest.raises(
+        ConfigError, match=r"max_local_disk_size = .* at least one chunk file \(0.02 MB\)"
+    ):
         CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), FMT)
 
 

@@ -31,13 +31,23 @@ def full():
 def shard(full, rank, size):
     """Rank `rank` of `size`: its KV heads of the model's, as its own tensors."""
     per = H // size
-    return [x[..., rank * per:(rank + 1) * per, :].clone() for x in full]
+    return [x[..., rank * per : (rank + 1) * per, :].clone() for x in full]
 
 
 def engine(layers, rank, size, tmp_path, remote=None, share=True):
-    config = KvtierConfig(chunk_size=16, max_local_cpu_size=0.01, local_disk=None if remote else f"file://{tmp_path}",
-                          max_local_disk_size=0.0 if remote else 1.0, remote_url=remote, share_across_tp=share)
-    return CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), dataclasses.replace(FMT, tp_rank=rank, tp_size=size))
+    config = KvtierConfig(
+        chunk_size=16,
+        max_local_cpu_size=0.01,
+        local_disk=None if remote else f"file://{tmp_path}",
+        max_local_disk_size=0.0 if remote else 1.0,
+        remote_url=remote,
+        share_across_tp=share,
+    )
+    return CacheEngine(
+        config,
+        PagedKV.wrap(layers, "flash_attn"),
+        dataclasses.replace(FMT, tp_rank=rank, tp_size=size),
+    )
 
 
 def kv_at(layers, slots):

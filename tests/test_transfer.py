@@ -64,7 +64,9 @@ def test_torch_scatter_roundtrip(layout):
     t.scatter(dst, chunks)
     for layer in layers:
         for a, b in zip(src.tolist(), dst.tolist()):
-            assert torch.equal(reference_tokens(layer, layout, a), reference_tokens(layer, layout, b))
+            assert torch.equal(
+                reference_tokens(layer, layout, a), reference_tokens(layer, layout, b)
+            )
 
 
 def test_torch_layerwise_gather_moves_each_layer_when_saved():
@@ -230,8 +232,13 @@ def test_triton_kernels_in_interpreter_match_torch():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     gpu_layouts = {k: v for k, v in SHAPES.items() if k != "vllm-cpu-vec"}  # a CPU-only layout
-    out = subprocess.run([sys.executable, "-c", TRITON_CHECK % gpu_layouts], env=env,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", TRITON_CHECK % gpu_layouts],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "ok"
 
@@ -279,8 +286,13 @@ def test_grouped_kv_kernels_use_each_layers_own_slots():
     a [G, T] slot table, -1 skipped; the Triton kernels in the interpreter and the torch
     transfer against the layers indexed by hand."""
     pytest.importorskip("triton")
-    out = subprocess.run([sys.executable, "-c", GROUPED_CHECK], env={**os.environ, "TRITON_INTERPRET": "1"},
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", GROUPED_CHECK],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "ok"
 
@@ -319,8 +331,13 @@ def test_the_upload_kernel_stages_what_the_copy_engine_would():
     """host_runs_kernel (loads from CPU RAM without the copy engine), by Triton's interpreter,
     over Staging.run_table: every layer of every chunk lands where the scatter reads it."""
     pytest.importorskip("triton")
-    out = subprocess.run([sys.executable, "-c", UPLOAD_CHECK], env={**os.environ, "TRITON_INTERPRET": "1"},
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", UPLOAD_CHECK],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "ok"
 
@@ -341,15 +358,39 @@ def test_a_request_of_any_size_runs_the_kernels_compiled_at_start():
     base = torch.zeros(64, dtype=torch.int64)
     tensors = [base, base[1:], base[2:]]  # aligned to 16 bytes, 8, 16
     addresses = [base.data_ptr() + 8 * i for i in range(4)]
-    samples = {"T": counts, "S": [0, *counts], "n": counts, "runs": counts, "slots": tensors, "chunk_ptrs": tensors,
-               "table": tensors, "out": tensors, "dst": tensors, "src": addresses, "table_addr": addresses}
+    samples = {
+        "T": counts,
+        "S": [0, *counts],
+        "n": counts,
+        "runs": counts,
+        "slots": tensors,
+        "chunk_ptrs": tensors,
+        "table": tensors,
+        "out": tensors,
+        "dst": tensors,
+        "src": addresses,
+        "table_addr": addresses,
+    }
     checked = 0
-    for kernel in (kernels.kv_copy_kernel, kernels.kv_quant_copy_kernel, kernels.digest_kernel,
-                   kernels.host_words_kernel, kernels.host_runs_kernel):
+    for kernel in (
+        kernels.kv_copy_kernel,
+        kernels.kv_quant_copy_kernel,
+        kernels.digest_kernel,
+        kernels.host_words_kernel,
+        kernels.host_runs_kernel,
+    ):
         for p in kernel.params:
             if p.name in samples:
-                keys = {native_specialize_impl(BaseBackend, v, False, not p.do_not_specialize,
-                                               not p.do_not_specialize_on_alignment) for v in samples[p.name]}
+                keys = {
+                    native_specialize_impl(
+                        BaseBackend,
+                        v,
+                        False,
+                        not p.do_not_specialize,
+                        not p.do_not_specialize_on_alignment,
+                    )
+                    for v in samples[p.name]
+                }
                 assert len(keys) == 1, f"{kernel.fn.__name__}({p.name}) specializes: {keys}"
                 checked += 1
     assert checked == 16

@@ -23,25 +23,35 @@ SHAPES = {
 
 def make_kv(layout: str, scale: float = 1.0) -> tuple[list[torch.Tensor], PagedKV]:
     """L random bf16 layers of `layout` on the GPU, and kvtier's view of them."""
-    layers = [(torch.randn(SHAPES[layout], device="cuda") * scale).to(torch.bfloat16) for _ in range(L)]
+    layers = [
+        (torch.randn(SHAPES[layout], device="cuda") * scale).to(torch.bfloat16) for _ in range(L)
+    ]
     if layout == "packed-nhd":
         layers = [t.permute(0, 2, 1, 3) for t in layers]
         return layers, PagedKV.wrap(layers, "packed")
     return layers, PagedKV.wrap(layers, layout)
 
 
-def make_engine(layout: str, transfer: str = "auto") -> tuple[list[torch.Tensor], PagedKV, CacheEngine, torch.Tensor]:
+def make_engine(
+    layout: str, transfer: str = "auto"
+) -> tuple[list[torch.Tensor], PagedKV, CacheEngine, torch.Tensor]:
     """An engine over `make_kv(layout)` (64-token chunks, a 0.05 GiB CPU pool), and the slots in a random order."""
     layers, kv = make_kv(layout)
-    eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), kv, KVFormat("m", layout, "bf16"),
-                      transfer=transfer)
+    eng = CacheEngine(
+        KvtierConfig(chunk_size=64, max_local_cpu_size=0.05),
+        kv,
+        KVFormat("m", layout, "bf16"),
+        transfer=transfer,
+    )
     return layers, kv, eng, torch.randperm(kv.num_slots)
 
 
 def reference(kv: PagedKV, slots: torch.Tensor) -> torch.Tensor:
     """[L, K, T, H, D] by plain torch indexing on the GPU."""
     s = slots.cuda()
-    return torch.stack([layer[:, s // kv.block_size, s % kv.block_size] for layer in kv.layers]).cpu()
+    return torch.stack(
+        [layer[:, s // kv.block_size, s % kv.block_size] for layer in kv.layers]
+    ).cpu()
 
 
 @pytest.mark.parametrize("backend", ["triton", "triton-direct", "torch"])
@@ -96,8 +106,10 @@ def _pool_chunks(kv: PagedKV, sizes: list[int], order: list[int]) -> list[torch.
     for d in block:
         numel *= d
     arena = torch.empty((max(order) + 1) * numel, dtype=kv.dtype, pin_memory=True)
-    return [arena[b * numel : b * numel + numel // max(sizes) * n].view(kv.chunk_shape(n))
-            for b, n in zip(order, sizes)]
+    return [
+        arena[b * numel : b * numel + numel // max(sizes) * n].view(kv.chunk_shape(n))
+        for b, n in zip(order, sizes)
+    ]
 
 
 ORDERS = {"adjacent": [0, 1, 2, 3, 4], "gaps": [0, 2, 4, 5, 6], "reversed": [4, 3, 2, 1, 0]}
@@ -130,7 +142,9 @@ def test_staged_runs_and_layerwise_paths_match_the_reference(layout, order, uplo
 
 @pytest.mark.parametrize("upload_by", ["kernel", "copy_engine", "auto"])
 @pytest.mark.parametrize("layer_major", [False, True], ids=["whole", "layerwise"])
-def test_an_upload_queued_before_its_slots_are_known_loads_what_a_scatter_does(layer_major, upload_by):
+def test_an_upload_queued_before_its_slots_are_known_loads_what_a_scatter_does(
+    layer_major, upload_by
+):
     """The copies start first (a lookup); the slots come later, while a long copy of
     other chunks still holds the copy engine (the slot table must not wait for it)."""
     torch.manual_seed(2)
@@ -154,7 +168,9 @@ def test_an_upload_queued_before_its_slots_are_known_loads_what_a_scatter_does(l
     torch.cuda.synchronize()
     assert torch.equal(reference(kv, dst), reference(kv, src))
     with pytest.raises(ValueError, match="upload is for"):
-        (transfer.scatter if layer_major else transfer.scatter_layerwise)(dst, chunks, upload=upload)
+        (transfer.scatter if layer_major else transfer.scatter_layerwise)(
+            dst, chunks, upload=upload
+        )
     del busy, busy_dev
 
 
@@ -218,6 +234,7 @@ def test_a_hit_that_loads_beside_the_steps_is_uploaded_on_the_slots_thread_and_l
 
     def fails(*args, **kwargs):
         raise RuntimeError("no device memory for staging")
+
     eng.find(toks, hold_for="t")
     real, eng.mover.upload = eng.mover.upload, fails
     try:
@@ -239,9 +256,15 @@ def test_layerwise_store_on_gpu_overlaps_nothing_it_should_not(wait):
     vLLM worker's), the host does not wait for the copies, yet the next work on the caller's
     stream (a forward writing the pages again) runs after the gathers read them, and a
     lookup of the prefix sees the chunks (it waits for them)."""
-    layers = [torch.zeros(SHAPES["flash_attn"], device="cuda", dtype=torch.bfloat16) for _ in range(L)]
+    layers = [
+        torch.zeros(SHAPES["flash_attn"], device="cuda", dtype=torch.bfloat16) for _ in range(L)
+    ]
     kv = PagedKV.wrap(layers, "flash_attn")
-    eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), kv, KVFormat("m", "flash_attn", "bf16"))
+    eng = CacheEngine(
+        KvtierConfig(chunk_size=64, max_local_cpu_size=0.05),
+        kv,
+        KVFormat("m", "flash_attn", "bf16"),
+    )
     slots = torch.randperm(kv.num_slots)[:256]
     toks = list(range(256))
     storing = eng.start_store(toks, slots, layerwise=True)
@@ -269,12 +292,20 @@ def test_a_whole_store_not_waited_for_reads_the_pages_after_the_forward_and_befo
     (behind a slow kernel) wrote, the next forward's writes come after those reads, its
     staging lives until its copies land though the next store allocates its own right behind
     it, and a lookup of its prefix waits for them."""
-    layers = [torch.zeros(SHAPES["flash_attn"], device="cuda", dtype=torch.bfloat16) for _ in range(L)]
+    layers = [
+        torch.zeros(SHAPES["flash_attn"], device="cuda", dtype=torch.bfloat16) for _ in range(L)
+    ]
     kv = PagedKV.wrap(layers, "flash_attn")
-    eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), kv, KVFormat("m", "flash_attn", "bf16"))
+    eng = CacheEngine(
+        KvtierConfig(chunk_size=64, max_local_cpu_size=0.05),
+        kv,
+        KVFormat("m", "flash_attn", "bf16"),
+    )
     perm = torch.randperm(kv.num_slots)
     steps = [(list(range(256)), perm[:256]), (list(range(1000, 1256)), perm[256:512])]
-    pages = [(s.cuda() // BS, s.cuda() % BS) for _, s in steps]  # before the sleeps (an upload waits for them)
+    pages = [
+        (s.cuda() // BS, s.cuda() % BS) for _, s in steps
+    ]  # before the sleeps (an upload waits for them)
     expect = []
     for (toks, slots), (block, offset) in zip(steps, pages):
         # a slow forward on the current stream, then its writes (about 0.1 s: 20M cycles, ~10 ms,
@@ -288,7 +319,9 @@ def test_a_whole_store_not_waited_for_reads_the_pages_after_the_forward_and_befo
             x.copy_(v)
         assert eng.start_store(toks, slots).finish(wait=False) == 256
     assert len(eng.storing.landing) == 2  # both behind the sleeps: nothing waited
-    assert eng.start_store(*steps[0]).finish(wait=False) == 0  # in flight: not gathered again (from new pages)
+    assert (
+        eng.start_store(*steps[0]).finish(wait=False) == 0
+    )  # in flight: not gathered again (from new pages)
     for x in layers:
         x.zero_()  # the next forward
     for (toks, slots), want in zip(steps, expect):
@@ -307,9 +340,15 @@ def test_on_a_gpu_a_lookup_within_the_engines_own_prefix_does_not_wait_for_its_s
     with the same system prompt): that prefix's store is still queued behind the forward. Asked
     with `known` (what vLLM's prefix cache has), the lookup counts those chunks and returns while
     the GPU is still busy; asked for a chunk a load would read, it waits for them."""
-    layers = [torch.zeros(SHAPES["flash_attn"], device="cuda", dtype=torch.bfloat16) for _ in range(L)]
+    layers = [
+        torch.zeros(SHAPES["flash_attn"], device="cuda", dtype=torch.bfloat16) for _ in range(L)
+    ]
     kv = PagedKV.wrap(layers, "flash_attn")
-    eng = CacheEngine(KvtierConfig(chunk_size=64, max_local_cpu_size=0.05), kv, KVFormat("m", "flash_attn", "bf16"))
+    eng = CacheEngine(
+        KvtierConfig(chunk_size=64, max_local_cpu_size=0.05),
+        kv,
+        KVFormat("m", "flash_attn", "bf16"),
+    )
     slots = torch.randperm(kv.num_slots)[:320]
     toks = list(range(320))
     values = [torch.randn_like(x) for x in layers]
@@ -319,8 +358,12 @@ def test_on_a_gpu_a_lookup_within_the_engines_own_prefix_does_not_wait_for_its_s
     assert eng.start_store(toks[:256], slots[:256]).finish(wait=False) == 256
     hit = eng.find(toks, known=256)
     assert (hit.tokens, hit.in_cpu) == (256, 256)
-    assert len(eng.storing.landing) == 1 and not eng.storing.landing._flying[0][0].done.query()  # not waited for
-    assert eng.find(toks, known=192).tokens == 256  # the fourth chunk would be read: waited for, landed
+    assert (
+        len(eng.storing.landing) == 1 and not eng.storing.landing._flying[0][0].done.query()
+    )  # not waited for
+    assert (
+        eng.find(toks, known=192).tokens == 256
+    )  # the fourth chunk would be read: waited for, landed
     assert not len(eng.storing.landing)
     eng.close()
 
@@ -340,7 +383,10 @@ def test_the_lossy_codec_kernels_match_the_torch_codec(layout, backend, codec):
     src, dst = perm[:300], perm[300:600]
     sizes = [128, 128, 44]
     arena = torch.zeros(3, L * kv.kv * 128 * q.row_bytes, dtype=torch.uint8, pin_memory=True)
-    chunks = [arena[i, : L * kv.kv * n * q.row_bytes].view(L, kv.kv, n, q.row_bytes) for i, n in enumerate(sizes)]
+    chunks = [
+        arena[i, : L * kv.kv * n * q.row_bytes].view(L, kv.kv, n, q.row_bytes)
+        for i, n in enumerate(sizes)
+    ]
     transfer = make_transfer(kv, backend, q)
     transfer.gather(src, chunks)
     ref = reference(kv, src)
@@ -356,7 +402,9 @@ def test_the_lossy_codec_kernels_match_the_torch_codec(layout, backend, codec):
             transfer.scatter_layerwise(dst, chunks).finish()
         torch.cuda.synchronize()
         got = reference(kv, dst).float()
-        assert ((got - want).abs() <= want.abs() / 128).all(), scatter  # one bf16 rounding apart at most
+        assert ((got - want).abs() <= want.abs() / 128).all(), (
+            scatter
+        )  # one bf16 rounding apart at most
     saved = [torch.zeros_like(c) for c in chunks]
     saves = transfer.gather_layerwise(dst, saved)
     for layer in range(L):
@@ -370,13 +418,23 @@ def test_engine_with_the_int8_codec_through_the_store_server_on_gpu():
     from kvtier.dev.localservers import kvtier_server
 
     with kvtier_server(0.0625) as srv:
-        cfg = dict(chunk_size=64, max_local_cpu_size=0.05, remote_url=srv.url, remote_serde="int8",
-                   blocking_timeout_secs=5, save_unfull_chunk=False)  # whole chunks: 4 lent by the server
-        layers = [[torch.randn(SHAPES["flash_attn"], device="cuda").to(torch.bfloat16) for _ in range(L)]
-                  for _ in "ab"]
+        cfg = dict(
+            chunk_size=64,
+            max_local_cpu_size=0.05,
+            remote_url=srv.url,
+            remote_serde="int8",
+            blocking_timeout_secs=5,
+            save_unfull_chunk=False,
+        )  # whole chunks: 4 lent by the server
+        layers = [
+            [torch.randn(SHAPES["flash_attn"], device="cuda").to(torch.bfloat16) for _ in range(L)]
+            for _ in "ab"
+        ]
         fmt = KVFormat("m", "flash_attn", "bf16")
         a = CacheEngine(KvtierConfig(**cfg), PagedKV.wrap(layers[0], "flash_attn"), fmt)
-        b = CacheEngine(KvtierConfig(**cfg, local_cpu=False), PagedKV.wrap(layers[1], "flash_attn"), fmt)
+        b = CacheEngine(
+            KvtierConfig(**cfg, local_cpu=False), PagedKV.wrap(layers[1], "flash_attn"), fmt
+        )
         perm = torch.randperm(NB * BS)
         toks = list(range(300))
         assert a.store(toks, perm[:300]) == 256
@@ -396,8 +454,17 @@ def test_engine_with_the_int8_codec_through_the_store_server_on_gpu():
 
 def _compiled_variants() -> int:
     from kvtier.transfer import kernels
-    return sum(len(cache[0]) for k in (kernels.kv_copy_kernel, kernels.digest_kernel, kernels.host_words_kernel,
-                                       kernels.host_runs_kernel) for cache in k.device_caches.values())
+
+    return sum(
+        len(cache[0])
+        for k in (
+            kernels.kv_copy_kernel,
+            kernels.digest_kernel,
+            kernels.host_words_kernel,
+            kernels.host_runs_kernel,
+        )
+        for cache in k.device_caches.values()
+    )
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
@@ -411,13 +478,19 @@ def test_requests_of_any_size_compile_nothing_after_the_engines_start(layerwise)
     for n in (64, 128, 3 * 64 + 17):  # one, two, three chunks (the last cut)
         eng.store(toks[:n], perm[:n])
     free = perm[256:]
-    for start, n, ahead in ((0, 64, False), (10, 128, True), (70, 3 * 64, True), (5, 15 + 64, False)):
+    for start, n, ahead in (
+        (0, 64, False),
+        (10, 128, True),
+        (70, 3 * 64, True),
+        (5, 15 + 64, False),
+    ):
         rid = f"r{start}"
         if ahead:
             eng.find(toks[:n], hold_for=rid)
             eng.upload_ahead(toks[:n], rid, start=start, layerwise=layerwise)
-        load = eng.start_retrieve(toks[:n], free[:n], start=start, request_id=rid if ahead else "",
-                                  layerwise=layerwise)
+        load = eng.start_retrieve(
+            toks[:n], free[:n], start=start, request_id=rid if ahead else "", layerwise=layerwise
+        )
         for i in range(L):
             load.wait(i)
         load.finish()
@@ -444,7 +517,9 @@ def test_landing_a_done_store_does_not_make_the_host_wait_for_the_forward_queued
     storing = eng.start_store(second, perm[256:512])  # lands step N's store first
     waited = time.perf_counter() - t0
     storing.finish(wait=False)
-    assert waited < 0.2, f"the host waited {waited:.2f} s for the forward queued after the store it landed"
+    assert waited < 0.2, (
+        f"the host waited {waited:.2f} s for the forward queued after the store it landed"
+    )
     torch.cuda.synchronize()
     chunks = [eng.tiers.cpu.get(s.key) for s in eng.spans(first)]
     assert all(c is not None and c.block.digest != 0 for c in chunks)

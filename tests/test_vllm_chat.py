@@ -11,13 +11,23 @@ import pytest
 
 from kvtier.bench.chat import Workload, plot, run, same_outputs
 from kvtier.bench.serving import ServerSpec, compare, gpu_kv_bytes, table
-from kvtier.dev.tinymodel import TinyLlama
 from kvtier.dev.demo import vllm_server
+from kvtier.dev.tinymodel import TinyLlama
 
 pytestmark = pytest.mark.vllm
 
-WORKLOAD = Workload(conversations=6, system_prompts=2, system_tokens=768, turns=3, user_tokens=64,
-                    answer_tokens=32, max_tokens=4, rate=30.0, concurrency=4, vocab=4000)
+WORKLOAD = Workload(
+    conversations=6,
+    system_prompts=2,
+    system_tokens=768,
+    turns=3,
+    user_tokens=64,
+    answer_tokens=32,
+    max_tokens=4,
+    rate=30.0,
+    concurrency=4,
+    vocab=4000,
+)
 
 
 # float32: with several requests in flight, vLLM batches them differently from one run to
@@ -30,15 +40,32 @@ def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tm
     # vLLM's own KV cache sized to the workload (`--gpu-kv-share 1`): every conversation at its
     # last turn, as vLLM's log must say (CPU vLLM takes --kv-cache-memory-bytes as GPU vLLM does)
     kv_bytes = gpu_kv_bytes(TinyLlama(), WORKLOAD, 1.0, 4096, dtype_bytes=4)
-    server = ServerSpec(cpu_gb=0.5, gpu_util=0.4, eager=True, prefix_caching=False, max_model_len=4096, dtype=DTYPE,
-                        gpu_kv_bytes=kv_bytes)
+    server = ServerSpec(
+        cpu_gb=0.5,
+        gpu_util=0.4,
+        eager=True,
+        prefix_caching=False,
+        max_model_len=4096,
+        dtype=DTYPE,
+        gpu_kv_bytes=kv_bytes,
+    )
     records = compare(tiny_model, ["kvtier"], WORKLOAD, tmp_path / "serving", server)
     log = next((tmp_path / "serving" / "kvtier").glob("vllm-*.log")).read_text()
     last_turn = 768 + 3 * 64 + 2 * 32 + 4
-    assert abs(int(re.search(r"KV cache size: ([\d,]+) tokens", log)[1].replace(",", "")) - 6 * last_turn) < 256
+    assert (
+        abs(
+            int(re.search(r"KV cache size: ([\d,]+) tokens", log)[1].replace(",", ""))
+            - 6 * last_turn
+        )
+        < 256
+    )
     with_kv = records["kvtier"]
-    with vllm_server(tiny_model, tmp_path / "plain", kv_connector=None, max_model_len=4096, dtype=DTYPE) as srv:
-        plain = run(srv.url, str(tiny_model), replace(WORKLOAD, concurrency=1, rate=100.0))  # one at a time
+    with vllm_server(
+        tiny_model, tmp_path / "plain", kv_connector=None, max_model_len=4096, dtype=DTYPE
+    ) as srv:
+        plain = run(
+            srv.url, str(tiny_model), replace(WORKLOAD, concurrency=1, rate=100.0)
+        )  # one at a time
     s = with_kv.summary
     assert s["requests"] == 18 and s["failed"] == 0 and plain.summary["failed"] == 0
     # served several at a time: at 30 req/s the next turn is sent before the last is answered
@@ -54,14 +81,26 @@ def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tm
     # and its steps: each request's 4 tokens take 4 steps at least, a step serves at most 4 requests;
     # every new user turn (64 tokens) was computed in them, and the first prefill of the system prompt
     # the warm-up did not store (768 tokens) was a step of more than 512 (eager here: counted alike)
-    assert s["steps"] >= 18 * 4 / WORKLOAD.concurrency and s["itl_ms_mean"] > 0 and s["preemptions"] == 0, s
-    assert 1 <= s["steps_over_512_tokens"] < s["steps"] and s["tokens_per_step_mean"] * s["steps"] >= 18 * 64, s
+    assert (
+        s["steps"] >= 18 * 4 / WORKLOAD.concurrency
+        and s["itl_ms_mean"] > 0
+        and s["preemptions"] == 0
+    ), s
+    assert (
+        1 <= s["steps_over_512_tokens"] < s["steps"]
+        and s["tokens_per_step_mean"] * s["steps"] >= 18 * 64
+    ), s
     equal, both = same_outputs(with_kv, plain)
-    assert both == 18 and equal == both, [(a["output_ids"], b["output_ids"])
-                                          for a, b in zip(with_kv.results, plain.results)]
+    assert both == 18 and equal == both, [
+        (a["output_ids"], b["output_ids"]) for a, b in zip(with_kv.results, plain.results)
+    ]
     svg = ET.fromstring(plot({"kvtier": asdict(with_kv), "plain": asdict(plain)}))
-    assert len([e for e in svg.iter() if e.tag.endswith("circle")]) == 2 * 18 + 2  # the points, the legend
-    assert (tmp_path / "serving" / "kvtier.json").exists() and (tmp_path / "serving" / "serving.svg").exists()
+    assert (
+        len([e for e in svg.iter() if e.tag.endswith("circle")]) == 2 * 18 + 2
+    )  # the points, the legend
+    assert (tmp_path / "serving" / "kvtier.json").exists() and (
+        tmp_path / "serving" / "serving.svg"
+    ).exists()
     assert table(records)[2].startswith("| kvtier |") and "| 0 | 18/18 |" in table(records)[2]
 
 
@@ -72,21 +111,33 @@ def test_vllm_bench_serve_twice_per_setup_with_shared_prefixes(tiny_model, tmp_p
     from kvtier.bench.stores_vllm import Workload as BenchServe
 
     work = BenchServe(num_prompts=6, input_len=768, output_len=4, num_prefixes=2, prefix_len=512)
-    server = ServerSpec(cpu_gb=0.5, gpu_util=0.4, eager=True, prefix_caching=False, max_model_len=2048, dtype=DTYPE)
+    server = ServerSpec(
+        cpu_gb=0.5, gpu_util=0.4, eager=True, prefix_caching=False, max_model_len=2048, dtype=DTYPE
+    )
     rows = serve_twice(tiny_model, ["plain", "kvtier"], work, tmp_path, server)
     for name in ("plain", "kvtier"):
         assert "error" not in rows[name], rows[name]
         for run_ in ("first", "second"):
-            assert rows[name][run_]["Successful requests"] == 6 and rows[name][run_].get("Failed requests", 0) == 0
+            assert (
+                rows[name][run_]["Successful requests"] == 6
+                and rows[name][run_].get("Failed requests", 0) == 0
+            )
     log = next((tmp_path / "kvtier").glob("vllm-*.log")).read_text()
     loads = [int(n) for n in re.findall(r"need to load (\d+)", log)]
     assert sum(n >= 512 for n in loads) >= 6, loads  # every prompt of the second run, at least
-    assert not re.findall(r"need to load (\d+)", next((tmp_path / "plain").glob("vllm-*.log")).read_text())
-    assert json.loads((tmp_path / "kvtier-bench-serve.json").read_text())["workload"]["num_prefixes"] == 2
+    assert not re.findall(
+        r"need to load (\d+)", next((tmp_path / "plain").glob("vllm-*.log")).read_text()
+    )
+    assert (
+        json.loads((tmp_path / "kvtier-bench-serve.json").read_text())["workload"]["num_prefixes"]
+        == 2
+    )
     # Greedy outputs: kvtier's second run, from its KV, gives what plain vLLM computed (each
     # `generated_texts` in the prompts' order; the tiny model's output follows its context).
     assert all(len(rows[n]["outputs"][r]) == 6 for n in rows for r in ("first", "second"))
-    assert len(set(rows["plain"]["outputs"]["first"])) > 1  # the prompts' outputs differ: equality means something
+    assert (
+        len(set(rows["plain"]["outputs"]["first"])) > 1
+    )  # the prompts' outputs differ: equality means something
     table = serve_twice_table(rows)
     assert table[2].startswith("| plain |") and table[2].endswith("| 0 | 6/6, 6/6 |")
     assert table[3].startswith("| kvtier |") and table[3].endswith("| 0 | 6/6, 6/6 |"), table[3]
@@ -101,27 +152,47 @@ def test_servers_started_once_run_paired_rounds_of_new_conversations(tiny_model,
     second starts)."""
     from kvtier.bench.serving import by_round
 
-    work = replace(WORKLOAD, conversations=3, turns=2, concurrency=2, output_spread=0.5)  # 2 to 6 tokens
-    server = ServerSpec(cpu_gb=0.5, gpu_util=0.2, eager=True, prefix_caching=False, max_model_len=2048, dtype=DTYPE)
-    records = compare(tiny_model, ["plain", "kvtier"], work, tmp_path, server, rounds=2, servers=servers)
-    order = {"resident": ["plain#1", "kvtier#1", "kvtier#2", "plain#2"],
-             "alone": ["plain#1", "plain#2", "kvtier#1", "kvtier#2"]}
+    work = replace(
+        WORKLOAD, conversations=3, turns=2, concurrency=2, output_spread=0.5
+    )  # 2 to 6 tokens
+    server = ServerSpec(
+        cpu_gb=0.5, gpu_util=0.2, eager=True, prefix_caching=False, max_model_len=2048, dtype=DTYPE
+    )
+    records = compare(
+        tiny_model, ["plain", "kvtier"], work, tmp_path, server, rounds=2, servers=servers
+    )
+    order = {
+        "resident": ["plain#1", "kvtier#1", "kvtier#2", "plain#2"],
+        "alone": ["plain#1", "plain#2", "kvtier#1", "kvtier#2"],
+    }
     assert list(records) == order[servers]
     logs = {name: list((tmp_path / name).glob("vllm-*.log")) for name in ("plain", "kvtier")}
     assert all(len(found) == 1 for found in logs.values())  # one start for both rounds
-    stamps = {name: re.findall(r"\d\d-\d\d \d\d:\d\d:\d\d", found[0].read_text()) for name, found in logs.items()}
-    overlapped = stamps["plain"][-1] > stamps["kvtier"][0]  # plain's server still logging after kvtier's began
+    stamps = {
+        name: re.findall(r"\d\d-\d\d \d\d:\d\d:\d\d", found[0].read_text())
+        for name, found in logs.items()
+    }
+    overlapped = (
+        stamps["plain"][-1] > stamps["kvtier"][0]
+    )  # plain's server still logging after kvtier's began
     assert overlapped == (servers == "resident")
     assert all(r.summary["failed"] == 0 and r.summary["requests"] == 6 for r in records.values())
     # each request generated its drawn length (the round's seed), the same in every setup
     for key, rec in records.items():
         drawn = replace(work, seed=rec.workload["seed"]).output_lengths()
-        assert [r["output_tokens"] for r in rec.results] == [n for turns in drawn for n in turns], key
-    assert len({n for rec in records.values() for n in (r["output_tokens"] for r in rec.results)}) > 1
+        assert [r["output_tokens"] for r in rec.results] == [n for turns in drawn for n in turns], (
+            key
+        )
+    assert (
+        len({n for rec in records.values() for n in (r["output_tokens"] for r in rec.results)}) > 1
+    )
     assert all(0 <= r.summary["sent_bunched"] <= 1 for r in records.values())
     # New conversations in round 2 (its seed): no system prompt of round 1 again ...
     seeds = [records[f"plain#{r}"].workload["seed"] for r in (1, 2)]
-    assert seeds == [records[f"kvtier#{r}"].workload["seed"] for r in (1, 2)] and seeds[0] + 1 == seeds[1]
+    assert (
+        seeds == [records[f"kvtier#{r}"].workload["seed"] for r in (1, 2)]
+        and seeds[0] + 1 == seeds[1]
+    )
     prompts = [replace(work, seed=seed).prompts() for seed in seeds]
     assert not {tuple(p[0][:768]) for p in prompts[0]} & {tuple(p[0][:768]) for p in prompts[1]}
     # ... and within a round kvtier's outputs are plain vLLM's (turn 2 loads turn 1's KV)
@@ -129,5 +200,7 @@ def test_servers_started_once_run_paired_rounds_of_new_conversations(tiny_model,
         equal, both = same_outputs(records[f"kvtier#{r}"], records[f"plain#{r}"])
         assert both == 6 and equal == 6
     assert records["kvtier#2"].summary["connector_hit_tokens"] >= 3 * 768
-    assert any(row.startswith("| plain#2 |") and row.endswith("| 0 | 6/6 |") for row in table(records))
+    assert any(
+        row.startswith("| plain#2 |") and row.endswith("| 0 | 6/6 |") for row in table(records)
+    )
     assert by_round(records)[3].startswith("| kvtier | ")

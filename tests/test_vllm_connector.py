@@ -29,8 +29,15 @@ def runs(tiny_model, prompts, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm")
     order = [prompts[k] for k in ("a", "a", "b", "b", "c", "d")]
     # As users run it: the engine core in a process of its own, the connector found by name.
-    with_kv, log = run_vllm(tiny_model, order, tmp, kv_role="kv_both", engine_process=True, by_name=True,
-                            env={"LMCACHE_SAVE_UNFULL_CHUNK": "true"})  # kvtier's default
+    with_kv, log = run_vllm(
+        tiny_model,
+        order,
+        tmp,
+        kv_role="kv_both",
+        engine_process=True,
+        by_name=True,
+        env={"LMCACHE_SAVE_UNFULL_CHUNK": "true"},
+    )  # kvtier's default
     plain, _ = run_vllm(tiny_model, [prompts[k] for k in ("a", "b", "c", "d")], tmp)
     return with_kv, plain, log
 
@@ -41,18 +48,30 @@ def test_second_request_hits_the_whole_prompt_and_the_next_turn_its_partial_chun
     hits = [tuple(map(int, m)) for m in HIT.findall(log)]
     g = hit_granularity()
     assert hits[0] == (3000, 0, 0)
-    assert hits[1] == (3000, 2999 - 2999 % g, 2999 - 2999 % g)  # its partial last chunk too: all but the last token
+    assert hits[1] == (
+        3000,
+        2999 - 2999 % g,
+        2999 - 2999 % g,
+    )  # its partial last chunk too: all but the last token
     assert hits[2] == (2048, 0, 0)
     last = 2047 - 2047 % g  # all stored: vLLM computes the last token itself
     assert hits[3] == (2048, last, last)
     assert hits[4] == (3000, 0, 0)  # different first chunk: no key matches
-    assert hits[5] == (3300, 3000 - 3000 % g, 3000 - 3000 % g)  # a's tail found inside the longer prompt
+    assert hits[5] == (
+        3300,
+        3000 - 3000 % g,
+        3000 - 3000 % g,
+    )  # a's tail found inside the longer prompt
 
 
 def test_stores_follow_chunked_prefill(runs):
     _, _, log = runs
     stores = [tuple(map(int, m)) for m in STORE.findall(log)]
-    assert stores[:3] == [(1024, 1024), (1024, 2048), (952, 3000)]  # the partial last chunk too (save_unfull_chunk)
+    assert stores[:3] == [
+        (1024, 1024),
+        (1024, 2048),
+        (952, 3000),
+    ]  # the partial last chunk too (save_unfull_chunk)
     assert stores[3:5] == [(1024, 1024), (1024, 2048)]  # b: whole chunks, step by step
 
 
@@ -60,11 +79,22 @@ def test_stores_follow_chunked_prefill(runs):
 def test_output_equals_vllm_without_kvtier(runs):
     with_kv, plain, _ = runs
     cold_a, warm_a, cold_b, warm_b, c, d = with_kv
-    for got, ref in [(cold_a, plain[0]), (warm_a, plain[0]), (cold_b, plain[1]), (warm_b, plain[1]), (c, plain[2]),
-                     (d, plain[3])]:
+    for got, ref in [
+        (cold_a, plain[0]),
+        (warm_a, plain[0]),
+        (cold_b, plain[1]),
+        (warm_b, plain[1]),
+        (c, plain[2]),
+        (d, plain[3]),
+    ]:
         assert got["token_ids"] == ref["token_ids"]
-    warm_err = max(abs(x - y) for x, y in zip(warm_a["logprobs"] + warm_b["logprobs"] + d["logprobs"],
-                                               plain[0]["logprobs"] + plain[1]["logprobs"] + plain[3]["logprobs"]))
+    warm_err = max(
+        abs(x - y)
+        for x, y in zip(
+            warm_a["logprobs"] + warm_b["logprobs"] + d["logprobs"],
+            plain[0]["logprobs"] + plain[1]["logprobs"] + plain[3]["logprobs"],
+        )
+    )
     # Control: the output does depend on the early context, so loading wrong
     # KV for it would show: changing only the first chunk moves the logprobs
     # far more than loading it from kvtier does.
@@ -74,7 +104,7 @@ def test_output_equals_vllm_without_kvtier(runs):
 
 @pytest.mark.vllm_smoke
 def test_the_connector_is_found_by_name_through_vllms_plugin(runs):
-    """"kv_connector": "KvtierConnector" with no kv_connector_module_path (the entry point):
+    """ "kv_connector": "KvtierConnector" with no kv_connector_module_path (the entry point):
     the main runs name it so (vLLM would refuse an unknown name at start); the other tests'
     runs name the module as well."""
     _, _, log = runs
@@ -89,17 +119,30 @@ def test_producer_stores_but_never_loads_and_consumer_never_stores(tiny_model, p
     assert [tuple(map(int, m)) for m in HIT.findall(log)] == [(2048, 0, 0), (2048, 0, 0)]
 
 
-def test_a_hit_that_joins_a_running_request_loads_beside_its_steps(tiny_model, prompts, runs, tmp_path):
+def test_a_hit_that_joins_a_running_request_loads_beside_its_steps(
+    tiny_model, prompts, runs, tmp_path
+):
     """async_loading busy (the default): b's hit, looked up while a's prefill runs (a took the
     first steps' whole token budget), loads beside a's steps, on the worker's thread, and b
     joins a later step; both give plain vLLM's tokens."""
     _, plain, _ = runs
-    results, log = run_vllm(tiny_model, [prompts["b"], {"together": [prompts["a"], prompts["b"]]}], tmp_path,
-                            kv_role="kv_both", name="beside")
+    results, log = run_vllm(
+        tiny_model,
+        [prompts["b"], {"together": [prompts["a"], prompts["b"]]}],
+        tmp_path,
+        kv_role="kv_both",
+        name="beside",
+    )
     last = 2047 - 2047 % hit_granularity()
-    assert [tuple(map(int, m)) for m in HIT.findall(log)] == [(2048, 0, 0), (3000, 0, 0), (2048, last, last)]
+    assert [tuple(map(int, m)) for m in HIT.findall(log)] == [
+        (2048, 0, 0),
+        (3000, 0, 0),
+        (2048, last, last),
+    ]
     assert log.count("(loading beside the running requests' steps)") == 1
-    assert re.search(rf"{last} of {last} tokens loaded beside the steps: .*reported to vLLM at [0-9.]+ ms", log)
+    assert re.search(
+        rf"{last} of {last} tokens loaded beside the steps: .*reported to vLLM at [0-9.]+ ms", log
+    )
     assert not re.search(r"tokens could not be loaded", log)
     _, a, b = results
     assert a["token_ids"] == plain[0]["token_ids"] and b["token_ids"] == plain[1]["token_ids"]
@@ -110,8 +153,13 @@ def test_layerwise_loading_gives_the_same_output(tiny_model, prompts, runs, tmp_
     """use_layerwise: vLLM's wait_for_layer_load drives the load layer by layer, across
     chunked-prefill steps; each step's store is whole, after its forward."""
     with_kv, _, _ = runs
-    results, log = run_vllm(tiny_model, [prompts["a"], prompts["a"]], tmp_path, kv_role="kv_both",
-                            env={"LMCACHE_USE_LAYERWISE": "true"})
+    results, log = run_vllm(
+        tiny_model,
+        [prompts["a"], prompts["a"]],
+        tmp_path,
+        kv_role="kv_both",
+        env={"LMCACHE_USE_LAYERWISE": "true"},
+    )
     assert [tuple(map(int, m)) for m in HIT.findall(log)][1] == (3000, 2816, 2816)
     stores = STORE.findall(log)
     assert [tuple(map(int, m)) for m in stores] == [(1024, 1024), (1024, 2048), (768, 3000)]
@@ -119,7 +167,9 @@ def test_layerwise_loading_gives_the_same_output(tiny_model, prompts, runs, tmp_
     assert max(abs(x - y) for x, y in zip(results[1]["logprobs"], with_kv[1]["logprobs"])) < 0.05
 
 
-def test_lmcache_prefixed_extra_config_keys_set_the_config_and_layerwise_asks_for_piecewise_graphs(monkeypatch):
+def test_lmcache_prefixed_extra_config_keys_set_the_config_and_layerwise_asks_for_piecewise_graphs(
+    monkeypatch,
+):
     """LMCache users set config keys in kv_connector_extra_config as "lmcache.<key>"; with
     use_layerwise on, vLLM must capture CUDA graphs piecewise (a full graph would replay
     the forward without the layers' waits): requires_piecewise_for_cudagraph says so."""
@@ -127,8 +177,14 @@ def test_lmcache_prefixed_extra_config_keys_set_the_config_and_layerwise_asks_fo
     from kvtier.integrations.vllm.spec import config_with_extra
 
     monkeypatch.delenv("LMCACHE_USE_LAYERWISE", raising=False)
-    config = config_with_extra({"lmcache.chunk_size": 512, "lmcache.use_layerwise": True,
-                                "discard_partial_chunks": True, "lmcache_rpc_port": 7})
+    config = config_with_extra(
+        {
+            "lmcache.chunk_size": 512,
+            "lmcache.use_layerwise": True,
+            "discard_partial_chunks": True,
+            "lmcache_rpc_port": 7,
+        }
+    )
     assert (config.chunk_size, config.use_layerwise, config.save_unfull_chunk) == (512, True, False)
     assert KvtierConnector.requires_piecewise_for_cudagraph({"lmcache.use_layerwise": "true"})
     assert not KvtierConnector.requires_piecewise_for_cudagraph({})

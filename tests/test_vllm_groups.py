@@ -16,24 +16,38 @@ pytestmark = pytest.mark.vllm
 def kv_cache_config(*groups):
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
-    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in groups])
+    return KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in groups],
+    )
 
 
 def attention(window=None, block_size=16):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     if window is None:
-        return FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    return SlidingWindowSpec(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
-                             sliding_window=window)
+        return FullAttentionSpec(
+            block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
+        )
+    return SlidingWindowSpec(
+        block_size=block_size,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.bfloat16,
+        sliding_window=window,
+    )
 
 
 def mamba(block_size=16, mode="align"):
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    return MambaSpec(block_size=block_size, shapes=((3, 40), (4, 8, 16)), dtypes=(torch.bfloat16, torch.float32),
-                     mamba_cache_mode=mode)
+    return MambaSpec(
+        block_size=block_size,
+        shapes=((3, 40), (4, 8, 16)),
+        dtypes=(torch.bfloat16, torch.float32),
+        mamba_cache_mode=mode,
+    )
 
 
 def test_vllms_kv_cache_groups_give_each_layer_its_row_of_the_slot_table():
@@ -54,18 +68,32 @@ def test_a_sliding_window_shorter_than_a_chunk_makes_the_chunk_fit_in_it():
     groups = kv_groups(kv_cache_config(([names[3]], attention()), (names[:3], attention(128))))
     assert groups.window == 128
     assert groups.chunk_size(KvtierConfig(chunk_size=256)).chunk_size == 128
-    assert groups.chunk_size(KvtierConfig(chunk_size=96)).chunk_size == 96  # within the window: kept
-    odd = kv_groups(kv_cache_config(([names[3]], attention()), (names[:2], attention(100)),
-                                    ([names[2]], attention(1024))))
+    assert (
+        groups.chunk_size(KvtierConfig(chunk_size=96)).chunk_size == 96
+    )  # within the window: kept
+    odd = kv_groups(
+        kv_cache_config(
+            ([names[3]], attention()), (names[:2], attention(100)), ([names[2]], attention(1024))
+        )
+    )
     assert odd.window == 100 and odd.chunk_size(KvtierConfig(chunk_size=256)).chunk_size == 64
     wide = kv_groups(kv_cache_config(([names[3]], attention()), (names[:3], attention(1024))))
     assert wide.chunk_size(KvtierConfig(chunk_size=256)).chunk_size == 256
 
 
 def test_mamba_groups_are_state_kept_at_block_ends_and_other_modes_are_refused_naming_the_fix():
-    groups = kv_groups(kv_cache_config((["a0", "a1"], attention(block_size=144)), (["m0", "m1"], mamba(144)),
-                                       (["m2", "m3"], mamba(144))))
-    assert groups.attention == (0,) and groups.recurrent == (1, 2) and groups.rows(["a0", "a1"]) is None
+    groups = kv_groups(
+        kv_cache_config(
+            (["a0", "a1"], attention(block_size=144)),
+            (["m0", "m1"], mamba(144)),
+            (["m2", "m3"], mamba(144)),
+        )
+    )
+    assert (
+        groups.attention == (0,)
+        and groups.recurrent == (1, 2)
+        and groups.rows(["a0", "a1"]) is None
+    )
     # Chunks must end on the block ends where vLLM keeps a state: 256 does not divide 144.
     assert groups.chunk_size(KvtierConfig(chunk_size=256)).chunk_size == 144
     assert groups.chunk_size(KvtierConfig(chunk_size=48)).chunk_size == 48
@@ -78,7 +106,9 @@ def test_the_state_after_a_block_end_is_in_that_blocks_place_of_the_mamba_table(
     groups = kv_groups(kv_cache_config((["a"], attention()), (["m0"], mamba()), (["m1"], mamba())))
     ids = [[1, 2, 3, 4], [0, 0, 7, 8], [0, 5, 6, 0]]
     assert groups.state_blocks(ids, 48, ["m0", "m1"]) == [7, 6]
-    assert groups.state_blocks(ids, 32, ["m0", "m1"]) is None  # vLLM kept no state there (null block)
+    assert (
+        groups.state_blocks(ids, 32, ["m0", "m1"]) is None
+    )  # vLLM kept no state there (null block)
     assert groups.state_blocks(ids, 64, ["m0", "m1"]) is None
     spec = TransferSpec("r", list(range(40)), ids, 0, 40)
     assert spec.slots(16, groups.attention).tolist() == list(range(16, 56))  # attention only: [T]
@@ -93,7 +123,11 @@ def vllm_mamba_layer(num_blocks, page_bytes, shapes, dtypes):
         size = torch.tensor([], dtype=dtype).element_size()
         target = (num_blocks, *shape)
         stride = torch.empty(target).stride()
-        out.append(torch.as_strided(raw.view(dtype), target, (page_bytes // size, *stride[1:]), offset // size))
+        out.append(
+            torch.as_strided(
+                raw.view(dtype), target, (page_bytes // size, *stride[1:]), offset // size
+            )
+        )
         offset += stride[0] * size
     return out
 
@@ -129,10 +163,18 @@ def test_with_several_groups_a_disk_hit_is_promised_once_it_is_in_cpu_ram(tmp_pa
     from kvtier.keys import KVFormat
     from kvtier.transfer import PagedKV
 
-    config = KvtierConfig(save_unfull_chunk=False, chunk_size=16, max_local_cpu_size=1 / 1024,
-                          local_disk=str(tmp_path / "disk"), max_local_disk_size=0.01, blocking_timeout_secs=5)
+    config = KvtierConfig(
+        save_unfull_chunk=False,
+        chunk_size=16,
+        max_local_cpu_size=1 / 1024,
+        local_disk=str(tmp_path / "disk"),
+        max_local_disk_size=0.01,
+        blocking_timeout_secs=5,
+    )
     layers = [torch.randn(2, 64, 16, 2, 32) for _ in range(2)]
-    engine = CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), KVFormat("m", "flash_attn", "float32"))
+    engine = CacheEngine(
+        config, PagedKV.wrap(layers, "flash_attn"), KVFormat("m", "flash_attn", "float32")
+    )
     toks = list(range(50))
     engine.store(toks, torch.arange(50))
     assert engine.flush(10)
@@ -140,13 +182,18 @@ def test_with_several_groups_a_disk_hit_is_promised_once_it_is_in_cpu_ram(tmp_pa
     shape, groups = Shape(16, 16, False, 0), KvGroups((0, 1), (), {}, 16)
     worker = WorkerSide(config, shape, "several-groups", True, groups)
     worker.engine = engine  # what register_kv_caches builds from vLLM's tensors
-    server = LookupServer(socket_path("several-groups", 0), Handlers(worker._find, worker._release, engine.clear))
+    server = LookupServer(
+        socket_path("several-groups", 0), Handlers(worker._find, worker._release, engine.clear)
+    )
     scheduler = SchedulerSide(config, shape, "several-groups", 1, True, True, groups=groups)
     try:
         request = vllm_request("r", toks)
         assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
         worker._coming_up["r"].result(timeout=10)
-        assert scheduler.get_num_new_matched_tokens(request, 0) == (48, False)  # from CPU RAM, loaded at once
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (
+            48,
+            False,
+        )  # from CPU RAM, loaded at once
         assert engine.find(toks, cpu_only=True).tokens == 48
     finally:
         scheduler.close()

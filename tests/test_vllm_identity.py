@@ -14,7 +14,8 @@ import pytest
 from vllm_offline import hit_granularity, run_vllm
 from vllm_requests import vllm_request
 
-from kvtier.dev.demo import HIT_LINE as HIT, vllm_server
+from kvtier.dev.demo import HIT_LINE as HIT
+from kvtier.dev.demo import vllm_server
 from kvtier.dev.tinymodel import corpus_text
 from kvtier.dev.tinyvlm import IMAGE_TOKEN, make_lora_adapter, make_tiny_idefics3
 
@@ -42,11 +43,15 @@ def _hits(log: str) -> list[int]:
 
 def _close(a: dict, b: dict) -> bool:
     """The same greedy tokens, with logprobs equal up to the arithmetic of another batch shape."""
-    return a["token_ids"] == b["token_ids"] and max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 2e-2
+    return (
+        a["token_ids"] == b["token_ids"]
+        and max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 2e-2
+    )
 
 
 def test_an_adapter_never_loads_another_adapter_s_kv_and_prompt_embeds_are_not_cached(
-        tiny_model, adapters, prompt, tmp_path):
+    tiny_model, adapters, prompt, tmp_path
+):
     """One prompt under B, then (kvtier's tiers and vLLM's cache reset) under A, B, A: B's
     second output is its first, plain vLLM's (nothing was stored then), and it hits nothing;
     A's second hits A's chunks and equals A's first. A prompt of embeddings is served twice
@@ -59,7 +64,11 @@ def test_an_adapter_never_loads_another_adapter_s_kv_and_prompt_embeds_are_not_c
     g = hit_granularity()
     assert _hits(log) == [0, 0, 0, 512 - 512 % g]  # the embeddings' requests are not looked up
     assert a_first["token_ids"] != b_alone["token_ids"]  # the adapters change the output
-    assert _close(b_after_a, b_alone) and _close(a_again, a_first) and _close(embeds_again, embeds_first)
+    assert (
+        _close(b_after_a, b_alone)
+        and _close(a_again, a_first)
+        and _close(embeds_again, embeds_first)
+    )
     assert [int(m[0]) for m in STORE.findall(log)] == [512, 512, 512]  # B, A (after the reset), B
     assert log.count("kvtier neither loads nor stores requests of this kind (prompt_embeds)") == 1
 
@@ -68,23 +77,51 @@ def test_adapters_and_cache_salts_through_the_openai_server(tiny_model, adapters
     """`--enable-lora --lora-modules`, and the completions API's cache_salt: two adapters or
     two salts never share a chunk; the same adapter or salt hits, and answers as before. A
     prompt of embeddings is answered, never looked up, and counted in /metrics."""
-    lora_args = ["--enable-prompt-embeds", "--enable-lora", "--max-lora-rank", "8", "--lora-modules"]
+    lora_args = [
+        "--enable-prompt-embeds",
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--lora-modules",
+    ]
     lora_args += [f"{name}={path}" for name, path in adapters.items()]
     env = {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_SAVE_UNFULL_CHUNK": "false"}
-    with vllm_server(tiny_model, tmp_path, env=env, max_model_len=4096, extra_args=lora_args) as server:
+    with vllm_server(
+        tiny_model, tmp_path, env=env, max_model_len=4096, extra_args=lora_args
+    ) as server:
+
         def complete(model: str, salt: str | None = None) -> list[int]:
-            body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                    **({"cache_salt": salt} if salt else {})}
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": 8,
+                "temperature": 0,
+                **({"cache_salt": salt} if salt else {}),
+            }
             reply = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
             assert reply.status_code == 200, reply.text
             return reply.json()["choices"][0]["text"]
 
         base = str(tiny_model)
-        texts = [complete("A"), complete("B"), complete("A"),
-                 complete(base, "tenant-1"), complete(base, "tenant-2"), complete(base, "tenant-1"), complete(base)]
-        embeds = {"model": base, "prompt_embeds": _embeddings_b64(tiny_model, prompt), "max_tokens": 4}
+        texts = [
+            complete("A"),
+            complete("B"),
+            complete("A"),
+            complete(base, "tenant-1"),
+            complete(base, "tenant-2"),
+            complete(base, "tenant-1"),
+            complete(base),
+        ]
+        embeds = {
+            "model": base,
+            "prompt_embeds": _embeddings_b64(tiny_model, prompt),
+            "max_tokens": 4,
+        }
         for _ in range(2):
-            assert httpx.post(server.url + "/v1/completions", json=embeds, timeout=300).status_code == 200
+            assert (
+                httpx.post(server.url + "/v1/completions", json=embeds, timeout=300).status_code
+                == 200
+            )
         hits = [h[1] for h in server.hit_lines()]
         metrics = _uncached(server.url)
     g = hit_granularity()
@@ -116,7 +153,9 @@ def _uncached(url: str) -> dict[str, float]:
     pattern = re.compile(r'^kvtier_uncached_requests_total\{[^}]*kind="([^"]+)"[^}]*\} (\S+)', re.M)
     deadline = time.monotonic() + 30
     while True:
-        found = {k: float(v) for k, v in pattern.findall(httpx.get(url + "/metrics", timeout=30).text)}
+        found = {
+            k: float(v) for k, v in pattern.findall(httpx.get(url + "/metrics", timeout=30).text)
+        }
         if found or time.monotonic() > deadline:
             return found
         time.sleep(0.5)
@@ -132,15 +171,25 @@ def test_another_image_behind_the_same_text_shares_only_the_chunks_before_it(ide
     its image's first, plain vLLM's (nothing was stored then); image 2 loads only the whole
     chunks before the image's tokens (the text image 1 stored), and image 1 again hits all of
     its stored chunks."""
-    text = corpus_text()[5000:7000] + IMAGE_TOKEN + corpus_text()[9000:9040]  # close after it: it shows
+    text = (
+        corpus_text()[5000:7000] + IMAGE_TOKEN + corpus_text()[9000:9040]
+    )  # close after it: it shows
     one, two = {"text": text, "image": 1}, {"text": text, "image": 2}
-    out, log = run_vllm(idefics3, [two, "RESET", one, two, one], tmp_path, kv_role="kv_both", max_tokens=6,
-                        env={"LMCACHE_SAVE_UNFULL_CHUNK": "true"})  # kvtier's default: the tail too
+    out, log = run_vllm(
+        idefics3,
+        [two, "RESET", one, two, one],
+        tmp_path,
+        kv_role="kv_both",
+        max_tokens=6,
+        env={"LMCACHE_SAVE_UNFULL_CHUNK": "true"},
+    )  # kvtier's default: the tail too
     two_alone, _, one_first, two_after_one, one_again = out
     before = _image_offset(idefics3, text)
     total = [int(m[0]) for m in HIT.findall(log)][0]
     g = hit_granularity()
-    assert 512 < before < total < 768  # two whole chunks before the image, which is in the partial third
+    assert (
+        512 < before < total < 768
+    )  # two whole chunks before the image, which is in the partial third
     assert _hits(log) == [0, 0, 512 - 512 % g, total - 1 - (total - 1) % g]
     assert one_first["token_ids"] != two_alone["token_ids"]  # the images change the answer
     assert _close(two_after_one, two_alone) and _close(one_again, one_first)
@@ -158,12 +207,16 @@ def _image_offset(model, text: str) -> int:
     return list(ids).index(processor.fake_image_token_id)
 
 
-
-def _feature(modality: str = "image", identifier: str = "content-hash-1", offset: int = 10, length: int = 4):
+def _feature(
+    modality: str = "image", identifier: str = "content-hash-1", offset: int = 10, length: int = 4
+):
     from types import SimpleNamespace
 
-    return SimpleNamespace(modality=modality, identifier=identifier,
-                           mm_position=SimpleNamespace(offset=offset, length=length))
+    return SimpleNamespace(
+        modality=modality,
+        identifier=identifier,
+        mm_position=SimpleNamespace(offset=offset, length=length),
+    )
 
 
 def _lora(name: str, path, int_id: int = 1):
@@ -195,12 +248,19 @@ def test_what_a_request_is_keyed_by_and_what_is_refused():
     assert identities.of(vllm_request("r", [1, 2])) == PLAIN
     image = identities.of(vllm_request("r", [1, 2], mm_features=[_feature()]))
     assert [(i.offset, i.length) for i in image.items] == [(10, 4)] and image.root == PLAIN.root
-    other = identities.of(vllm_request("r", [1, 2], mm_features=[_feature(identifier="content-hash-2")]))
+    other = identities.of(
+        vllm_request("r", [1, 2], mm_features=[_feature(identifier="content-hash-2")])
+    )
     assert other.items[0].digest != image.items[0].digest
     salted = identities.of(vllm_request("r", [1, 2], cache_salt="t1"))
-    assert salted.root != PLAIN.root != identities.of(vllm_request("r", [1, 2], cache_salt="t2")).root
-    refused = [vllm_request("e", None, prompt_embeds=object()), vllm_request("e", None, prompt_embeds=object()),
-               vllm_request("m", [1], mm_features=[_feature("point_cloud")])]
+    assert (
+        salted.root != PLAIN.root != identities.of(vllm_request("r", [1, 2], cache_salt="t2")).root
+    )
+    refused = [
+        vllm_request("e", None, prompt_embeds=object()),
+        vllm_request("e", None, prompt_embeds=object()),
+        vllm_request("m", [1], mm_features=[_feature("point_cloud")]),
+    ]
     said = _Said()
     logging.getLogger("kvtier").addHandler(said)
     try:

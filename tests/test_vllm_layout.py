@@ -18,13 +18,19 @@ from kvtier.integrations.vllm.layout import LayerSpec, map_layout
 from kvtier.transfer.torch_copy import TorchTransfer
 
 NB, BS, NH, HS, L = 6, 16, 4, 8, 3
-SPEC = LayerSpec(block_size=BS, num_kv_heads=NH, head_size=HS, head_size_v=HS, mla=False, packed_content=False)
+SPEC = LayerSpec(
+    block_size=BS, num_kv_heads=NH, head_size=HS, head_size_v=HS, mla=False, packed_content=False
+)
 
 
 def vllm_032_layers(layout_name: str) -> list[torch.Tensor]:
     """L layers' [B, H, N, C] views made by vLLM 0.32's create_kv_cache_views."""
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheTensor, compute_layout_strides,
-                                            create_kv_cache_views)
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheTensor,
+        compute_layout_strides,
+        create_kv_cache_views,
+    )
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     layout = KVCacheLayout[layout_name]
@@ -32,8 +38,12 @@ def vllm_032_layers(layout_name: str) -> list[torch.Tensor]:
     page = spec.page_size_bytes
     layer_stride, block_stride = compute_layout_strides(spec, NB, L, layout)[:2]
     raw = torch.zeros(NB * L * page, dtype=torch.int8)
-    tensor = KVCacheTensor(size=raw.numel(), layers=[f"l{i}" for i in range(L)], layer_stride=layer_stride,
-                           block_stride=block_stride)
+    tensor = KVCacheTensor(
+        size=raw.numel(),
+        layers=[f"l{i}" for i in range(L)],
+        layer_stride=layer_stride,
+        block_stride=block_stride,
+    )
     views = create_kv_cache_views(raw, spec, NB, layout, tensor)
     for v in views:
         v.copy_(torch.randn(v.shape))
@@ -116,7 +126,9 @@ def test_the_installed_vllms_flash_attn_backend_moves_the_bytes_attention_reads(
         return
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    with set_current_vllm_config(VllmConfig()):  # its stride order reads the configured cache layout
+    with set_current_vllm_config(
+        VllmConfig()
+    ):  # its stride order reads the configured cache layout
         check_moves_the_right_bytes(vllm_026_layers(FlashAttentionBackend), FlashAttentionBackend)
 
 
@@ -128,10 +140,16 @@ def test_a_packed_layout_of_a_backend_not_known_to_put_k_first_is_refused():
 
 def test_a_declared_shape_with_a_dimension_kvtier_cannot_name_is_refused():
     # FLASHINFER's nvfp4 cache: (num_blocks, 2 * num_kv_heads, block_size, full_dim).
-    nvfp4 = type("Nvfp4", (Vllm026FlashAttn,), {
-        "get_name": staticmethod(lambda: "FLASHINFER"),
-        "get_kv_cache_shape": staticmethod(lambda nb, bs, nh, hs, cache_dtype_str="auto": (nb, 2 * nh, bs, hs // 2 + 8)),
-    })
+    nvfp4 = type(
+        "Nvfp4",
+        (Vllm026FlashAttn,),
+        {
+            "get_name": staticmethod(lambda: "FLASHINFER"),
+            "get_kv_cache_shape": staticmethod(
+                lambda nb, bs, nh, hs, cache_dtype_str="auto": (nb, 2 * nh, bs, hs // 2 + 8)
+            ),
+        },
+    )
     with pytest.raises(UnsupportedKVLayout, match="FLASHINFER: declared shape"):
         map_layout(nvfp4, SPEC, "nvfp4", vllm_026_layers(Vllm026FlashAttn))
 
@@ -143,16 +161,37 @@ def test_strides_that_disagree_with_the_declared_order_are_refused():
 
 
 def test_sizes_that_disagree_with_the_layer_spec_are_refused():
-    wrong = LayerSpec(block_size=BS, num_kv_heads=NH * 2, head_size=HS, head_size_v=HS, mla=False,
-                      packed_content=False)
+    wrong = LayerSpec(
+        block_size=BS,
+        num_kv_heads=NH * 2,
+        head_size=HS,
+        head_size_v=HS,
+        mla=False,
+        packed_content=False,
+    )
     with pytest.raises(UnsupportedKVLayout, match="heads = 8"):
         map_layout(Vllm026FlashAttn, wrong, "auto", vllm_026_layers(Vllm026FlashAttn))
 
 
 def test_mla_one_latent_vector_per_token():
-    mla = type("Mla", (), {"get_name": staticmethod(lambda: "FLASHMLA"),
-                           "get_kv_cache_shape": staticmethod(lambda nb, bs, nh, hs, cache_dtype_str="auto": (nb, bs, hs))})
-    spec = LayerSpec(block_size=BS, num_kv_heads=1, head_size=576, head_size_v=576, mla=True, packed_content=False)
+    mla = type(
+        "Mla",
+        (),
+        {
+            "get_name": staticmethod(lambda: "FLASHMLA"),
+            "get_kv_cache_shape": staticmethod(
+                lambda nb, bs, nh, hs, cache_dtype_str="auto": (nb, bs, hs)
+            ),
+        },
+    )
+    spec = LayerSpec(
+        block_size=BS,
+        num_kv_heads=1,
+        head_size=576,
+        head_size_v=576,
+        mla=True,
+        packed_content=False,
+    )
     layers = [torch.randn(NB, BS, 576) for _ in range(L)]
     kv = map_layout(mla, spec, "auto", layers)
     assert (kv.kv, kv.heads, kv.head_size) == (1, 1, 576)

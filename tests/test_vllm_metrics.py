@@ -35,8 +35,16 @@ def test_vllm_metrics_show_kvtier_lookups_hits_stores_and_loads(tiny_model, tmp_
     env = {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.1"}
     with vllm_server(tiny_model, tmp_path, env=env, dtype="float32", max_model_len=4096) as server:
         for _ in range(2):  # a miss, then a hit
-            r = httpx.post(server.url + "/v1/completions", timeout=300, json={
-                "model": str(tiny_model), "prompt": prompt, "max_tokens": 4, "temperature": 0})
+            r = httpx.post(
+                server.url + "/v1/completions",
+                timeout=300,
+                json={
+                    "model": str(tiny_model),
+                    "prompt": prompt,
+                    "max_tokens": 4,
+                    "temperature": 0,
+                },
+            )
             assert r.status_code == 200, r.text
         (_, miss, _), (total, hit, load) = server.hit_lines()
         assert miss == 0 and hit > 0
@@ -50,8 +58,13 @@ def test_vllm_metrics_show_kvtier_lookups_hits_stores_and_loads(tiny_model, tmp_
     assert metric(text, "kvtier_lookup_tokens_total") == 2 * total
     assert metric(text, "kvtier_hit_tokens_total") == hit  # the log line's hit tokens
     assert metric(text, "kvtier_loaded_tokens_total", "cpu") == load
-    assert metric(text, "kvtier_stored_tokens_total", "cpu") == total  # its partial last chunk too (the default)
-    assert metric(text, "kvtier_pool_capacity_bytes") > 0 and metric(text, "kvtier_pool_used_bytes") > 0
+    assert (
+        metric(text, "kvtier_stored_tokens_total", "cpu") == total
+    )  # its partial last chunk too (the default)
+    assert (
+        metric(text, "kvtier_pool_capacity_bytes") > 0
+        and metric(text, "kvtier_pool_used_bytes") > 0
+    )
     assert re.search(r"kvtier_hit_rate\{[^}]*\} 0\.\d+", text)
     assert metric(text, "kvtier_load_failure_tokens_total") == 0
 
@@ -70,11 +83,18 @@ def test_with_enable_kv_events_vllm_publishes_kvtiers_stores_and_evictions(tiny_
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
     ids = tok.encode(corpus_text())
-    first, second = ids[12000:12600], ids[20000:20600]  # two whole chunks each; the pool holds three
+    first, second = (
+        ids[12000:12600],
+        ids[20000:20600],
+    )  # two whole chunks each; the pool holds three
     port = free_port()
     events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
-    env = {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_MAX_LOCAL_CPU_SIZE": str(3 * 256 * 8192 / 1024**3),
-           "LMCACHE_ENABLE_KV_EVENTS": "true", "LMCACHE_SAVE_UNFULL_CHUNK": "false"}  # whole chunks: whole blocks
+    env = {
+        "LMCACHE_CHUNK_SIZE": "256",
+        "LMCACHE_MAX_LOCAL_CPU_SIZE": str(3 * 256 * 8192 / 1024**3),
+        "LMCACHE_ENABLE_KV_EVENTS": "true",
+        "LMCACHE_SAVE_UNFULL_CHUNK": "false",
+    }  # whole chunks: whole blocks
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -82,26 +102,61 @@ def test_with_enable_kv_events_vllm_publishes_kvtiers_stores_and_evictions(tiny_
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
     ours: list = []
     try:
-        lora = ["--enable-lora", "--max-lora-rank", "8", "--lora-modules",
-                f"A={make_lora_adapter(tmp_path / 'A', seed=1)}"]
-        with vllm_server(tiny_model, tmp_path, env=env, dtype="float32", max_model_len=4096,
-                         extra_args=["--kv-events-config", json.dumps(events_cfg), *lora]) as server:
-            for prompt, model in ((first, str(tiny_model)), (second, "A")):  # the second under adapter A
-                r = httpx.post(server.url + "/v1/completions", timeout=300, json={
-                    "model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+        lora = [
+            "--enable-lora",
+            "--max-lora-rank",
+            "8",
+            "--lora-modules",
+            f"A={make_lora_adapter(tmp_path / 'A', seed=1)}",
+        ]
+        with vllm_server(
+            tiny_model,
+            tmp_path,
+            env=env,
+            dtype="float32",
+            max_model_len=4096,
+            extra_args=["--kv-events-config", json.dumps(events_cfg), *lora],
+        ) as server:
+            for prompt, model in (
+                (first, str(tiny_model)),
+                (second, "A"),
+            ):  # the second under adapter A
+                r = httpx.post(
+                    server.url + "/v1/completions",
+                    timeout=300,
+                    json={"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0},
+                )
                 assert r.status_code == 200, r.text
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and sum(isinstance(e, BlockRemoved) for e in ours) < 1:
+            while (
+                time.monotonic() < deadline and sum(isinstance(e, BlockRemoved) for e in ours) < 1
+            ):
                 if sub.poll(500):
                     _, _, payload = sub.recv_multipart()
-                    ours += [e for e in decoder.decode(payload).events if getattr(e, "medium", None) == "CPU"]
+                    ours += [
+                        e
+                        for e in decoder.decode(payload).events
+                        if getattr(e, "medium", None) == "CPU"
+                    ]
     finally:
         sub.close(0)
         ctx.term()
     stored = [e for e in ours if isinstance(e, BlockStored)]
     removed = [e for e in ours if isinstance(e, BlockRemoved)]
     assert len(stored) == 4 and all(e.block_size == 256 and len(e.token_ids) == 256 for e in stored)
-    assert [e.token_ids for e in stored] == [first[:256], first[256:512], second[:256], second[256:512]]
-    assert stored[1].parent_block_hash == stored[0].block_hashes[0] and stored[0].parent_block_hash is None
-    assert [(e.lora_name, e.lora_id is None) for e in stored] == [(None, True)] * 2 + [("A", False)] * 2
-    assert removed and removed[0].block_hashes == stored[0].block_hashes  # LRU: the first prompt's first chunk
+    assert [e.token_ids for e in stored] == [
+        first[:256],
+        first[256:512],
+        second[:256],
+        second[256:512],
+    ]
+    assert (
+        stored[1].parent_block_hash == stored[0].block_hashes[0]
+        and stored[0].parent_block_hash is None
+    )
+    assert [(e.lora_name, e.lora_id is None) for e in stored] == [(None, True)] * 2 + [
+        ("A", False)
+    ] * 2
+    assert (
+        removed and removed[0].block_hashes == stored[0].block_hashes
+    )  # LRU: the first prompt's first chunk

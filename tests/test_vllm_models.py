@@ -26,8 +26,9 @@ def hits(log: str) -> list[tuple[int, int, int]]:
     return [tuple(map(int, m.groups())) for m in HIT_LINE.finditer(log)]
 
 
-def test_a_sliding_window_model_loads_every_layers_kv_and_gives_plain_vllms_tokens(gemma3, gemma3_prompt,
-                                                                                   tmp_path):
+def test_a_sliding_window_model_loads_every_layers_kv_and_gives_plain_vllms_tokens(
+    gemma3, gemma3_prompt, tmp_path
+):
     spec, prompt = TinyGemma3(), gemma3_prompt
     assert len(prompt) == 1000 > 4 * spec.sliding_window
     # The control: other tokens in the last chunk a hit loads (768..895) change the output.
@@ -36,14 +37,20 @@ def test_a_sliding_window_model_loads_every_layers_kv_and_gives_plain_vllms_toke
     assert plain["token_ids"] != control["token_ids"]
     disk = tmp_path / "disk"
     env = {"LMCACHE_LOCAL_DISK": f"file://{disk}", "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}
-    (first,), log_a = run_vllm(gemma3, [prompt], tmp_path, "kv_both", env, name="store", dtype=DTYPE)
+    (first,), log_a = run_vllm(
+        gemma3, [prompt], tmp_path, "kv_both", env, name="store", dtype=DTYPE
+    )
     assert "chunk_size 256 -> 128" in log_a and hits(log_a) == [(1000, 0, 0)]
     # Every layer's K and V for every token of each whole chunk, sliding layers included.
-    files = [disk / file_name(s.key) for s in chunk_spans(prompt, KVFormat(str(gemma3), "vllm-cpu-vec", DTYPE),
-                                                           128, False)]
+    files = [
+        disk / file_name(s.key)
+        for s in chunk_spans(prompt, KVFormat(str(gemma3), "vllm-cpu-vec", DTYPE), 128, False)
+    ]
     if not files[0].exists():  # whole-block kernels name the layout "vllm"
-        files = [disk / file_name(s.key)
-                 for s in chunk_spans(prompt, KVFormat(str(gemma3), "vllm", DTYPE), 128, False)]
+        files = [
+            disk / file_name(s.key)
+            for s in chunk_spans(prompt, KVFormat(str(gemma3), "vllm", DTYPE), 128, False)
+        ]
     per_token = spec.num_hidden_layers * 2 * spec.num_key_value_heads * spec.head_dim * 4
     assert len(files) == 7 and all(f.stat().st_size >= 128 * per_token for f in files)
     # A new instance loads the seven chunks from disk and computes the rest.
@@ -69,9 +76,13 @@ def test_an_mla_model_hits_and_gives_plain_vllms_tokens(deepseek_v2, tmp_path):
     plain, _ = run_vllm(deepseek_v2, [prompt, other], tmp_path, dtype=DTYPE, name="plain")
     assert plain[0]["token_ids"] != plain[1]["token_ids"]  # the output follows the prompt
     env = {"LMCACHE_LOCAL_DISK": f"file://{tmp_path / 'disk'}", "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}
-    stored, log_a = run_vllm(deepseek_v2, [prompt, prompt], tmp_path, "kv_both", env, name="store", dtype=DTYPE)
+    stored, log_a = run_vllm(
+        deepseek_v2, [prompt, prompt], tmp_path, "kv_both", env, name="store", dtype=DTYPE
+    )
     assert "@vllm-mla/" in log_a and hits(log_a) == [(700, 0, 0), (700, 512, 512)]
-    (warm,), log_b = run_vllm(deepseek_v2, [prompt], tmp_path, "kv_both", env, name="load", dtype=DTYPE)
+    (warm,), log_b = run_vllm(
+        deepseek_v2, [prompt], tmp_path, "kv_both", env, name="load", dtype=DTYPE
+    )
     assert hits(log_b) == [(700, 512, 512)]
     for run in (*stored, warm):
         assert run["token_ids"] == plain[0]["token_ids"]

@@ -12,7 +12,6 @@ import time
 
 import httpx
 import pytest
-import torch
 from test_pd import channels
 
 from kvtier.dev.pdcluster import on_gpu, pd_cluster, pd_dtype
@@ -38,12 +37,20 @@ def prompt(tiny_model):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
-    return tok.decode(tok.encode(corpus_text())[5000:5700])  # about 700 tokens: 2 whole chunks and a partial one
+    return tok.decode(
+        tok.encode(corpus_text())[5000:5700]
+    )  # about 700 tokens: 2 whole chunks and a partial one
 
 
 def complete(url, prompt, stream=False, **extra):
-    body = {"model": extra.pop("model"), "prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": stream,
-            **extra}
+    body = {
+        "model": extra.pop("model"),
+        "prompt": prompt,
+        "max_tokens": 16,
+        "temperature": 0,
+        "stream": stream,
+        **extra,
+    }
     if not stream:
         r = httpx.post(url + "/v1/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
@@ -61,14 +68,20 @@ def new_hits(server, before):
     return server.hit_lines()[before:]
 
 
-def test_the_guides_1p1d_flow_gives_the_decoder_the_whole_prompt_and_the_same_output(cluster, tiny_model, prompt):
+def test_the_guides_1p1d_flow_gives_the_decoder_the_whole_prompt_and_the_same_output(
+    cluster, tiny_model, prompt
+):
     model = str(tiny_model)
     n = len(cluster.decoder.hit_lines())
     via_proxy = complete(cluster.url, prompt, model=model)
-    (total, hit, need), = new_hits(cluster.decoder, n)
-    assert hit == total - 1 and need == total - 1  # only the last prompt token is computed by the decoder
+    ((total, hit, need),) = new_hits(cluster.decoder, n)
+    assert (
+        hit == total - 1 and need == total - 1
+    )  # only the last prompt token is computed by the decoder
     sent = [int(m.group(1)) for m in SENT_LINE.finditer(cluster.prefiller.log_text())]
-    assert sum(sent) == total  # the prefiller pushed every token's KV, the partial last chunk included
+    assert (
+        sum(sent) == total
+    )  # the prefiller pushed every token's KV, the partial last chunk included
     # Streaming through the proxy: the same text.
     assert complete(cluster.url, prompt, stream=True, model=model) == via_proxy
     # Without disaggregation: straight to the decoder, which now has nothing for it and computes it all.
@@ -79,46 +92,83 @@ def test_the_guides_1p1d_flow_gives_the_decoder_the_whole_prompt_and_the_same_ou
 
 
 def test_chat_completions_go_through_the_proxy(cluster, tiny_model, prompt):
-    body = {"model": str(tiny_model), "messages": [{"role": "user", "content": prompt[:1500]}],
-            "max_tokens": 8, "temperature": 0}
+    body = {
+        "model": str(tiny_model),
+        "messages": [{"role": "user", "content": prompt[:1500]}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
     n = len(cluster.decoder.hit_lines())
     r = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
-    (total, hit, _), = new_hits(cluster.decoder, n)
+    ((total, hit, _),) = new_hits(cluster.decoder, n)
     assert hit == total - 1
     direct = httpx.post(cluster.decoder.url + "/v1/chat/completions", json=body, timeout=300).json()
-    assert r.json()["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+    assert (
+        r.json()["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+    )
 
 
 def test_proxy_health_metrics_and_ttft_stats(cluster):
     assert httpx.get(cluster.url + "/health", timeout=10).status_code == 200
     metrics = httpx.get(cluster.url + "/metrics", timeout=10).text
-    assert re.search(r'kvtier_proxy_requests_total\{endpoint="/v1/completions",outcome="ok"\} [1-9]', metrics)
+    assert re.search(
+        r'kvtier_proxy_requests_total\{endpoint="/v1/completions",outcome="ok"\} [1-9]', metrics
+    )
     assert "kvtier_proxy_prefill_seconds_count" in metrics
 
 
 def test_vllm_bench_serve_through_the_proxy_completes_every_request(cluster, tiny_model):
-    cmd = [sys.executable, "-m", "kvtier.cli", "vllm", "bench", "serve", "--base-url", cluster.url,
-           "--model", str(tiny_model), "--dataset-name", "random", "--random-input-len", "300",
-           "--random-output-len", "8", "--num-prompts", "8", "--request-rate", "4", "--burstiness", "100",
-           "--seed", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvtier.cli",
+        "vllm",
+        "bench",
+        "serve",
+        "--base-url",
+        cluster.url,
+        "--model",
+        str(tiny_model),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "300",
+        "--random-output-len",
+        "8",
+        "--num-prompts",
+        "8",
+        "--request-rate",
+        "4",
+        "--burstiness",
+        "100",
+        "--seed",
+        "1",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert re.search(r"Successful requests:\s+8\b", out.stdout), out.stdout[-3000:]
     assert re.search(r"Failed requests:\s+0\b", out.stdout) or "Failed requests" not in out.stdout
 
 
-def test_a_dead_decoder_is_a_clear_error_within_a_bound_and_the_prefiller_frees_its_side(cluster, tiny_model,
-                                                                                          prompt):
+def test_a_dead_decoder_is_a_clear_error_within_a_bound_and_the_prefiller_frees_its_side(
+    cluster, tiny_model, prompt
+):
     cluster.decoder.kill()
     t0 = time.monotonic()
-    r = httpx.post(cluster.url + "/v1/completions", timeout=120,
-                   json={"model": str(tiny_model), "prompt": prompt[:800], "max_tokens": 4, "temperature": 0})
+    r = httpx.post(
+        cluster.url + "/v1/completions",
+        timeout=120,
+        json={"model": str(tiny_model), "prompt": prompt[:800], "max_tokens": 4, "temperature": 0},
+    )
     assert r.status_code == 502 and "decoder" in r.json()["error"]["message"]
     assert time.monotonic() - t0 < 60
     log = cluster.prefiller.log_text()
     assert "KV not sent" in log and "the decoder will recompute it" in log
     # The prefiller still serves.
-    r = httpx.post(cluster.prefiller.url + "/v1/completions", timeout=120,
-                   json={"model": str(tiny_model), "prompt": "hello", "max_tokens": 2})
+    r = httpx.post(
+        cluster.prefiller.url + "/v1/completions",
+        timeout=120,
+        json={"model": str(tiny_model), "prompt": "hello", "max_tokens": 2},
+    )
     assert r.status_code == 200

@@ -16,7 +16,9 @@ from kvtier.dev.demo import HIT_LINE, query_ttft, vllm_server
 from kvtier.dev.localservers import kvtier_server, mooncake_store, redis_server
 from kvtier.dev.tinymodel import corpus_text
 
-ON_GPU = torch.cuda.is_available()  # scripts/gpu_vllm.sh: real vLLM on a GPU (no redis-server there)
+ON_GPU = (
+    torch.cuda.is_available()
+)  # scripts/gpu_vllm.sh: real vLLM on a GPU (no redis-server there)
 
 pytestmark = pytest.mark.vllm
 
@@ -37,17 +39,36 @@ def hits(log: str) -> list[tuple[int, int, int]]:
     return [tuple(map(int, m.groups())) for m in HIT_LINE.finditer(log)]
 
 
-@pytest.mark.parametrize("start_store", [
-    lambda: kvtier_server(0.25),
-    pytest.param(redis_server, marks=pytest.mark.skipif(ON_GPU and not shutil.which("redis-server"),
-                                                        reason="no redis-server on the GPU machine")),
-    pytest.param(lambda: mooncake_store(2, 256), marks=pytest.mark.skipif(
-        importlib.util.find_spec("mooncake") is None, reason="Mooncake's wheel is not installed")),
-], ids=["kvtier", "redis", "mooncake"])
-def test_a_prompt_prefilled_on_instance_a_is_a_hit_on_instance_b(tiny_model, prompt, plain, tmp_path, start_store):
+@pytest.mark.parametrize(
+    "start_store",
+    [
+        lambda: kvtier_server(0.25),
+        pytest.param(
+            redis_server,
+            marks=pytest.mark.skipif(
+                ON_GPU and not shutil.which("redis-server"),
+                reason="no redis-server on the GPU machine",
+            ),
+        ),
+        pytest.param(
+            lambda: mooncake_store(2, 256),
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("mooncake") is None,
+                reason="Mooncake's wheel is not installed",
+            ),
+        ),
+    ],
+    ids=["kvtier", "redis", "mooncake"],
+)
+def test_a_prompt_prefilled_on_instance_a_is_a_hit_on_instance_b(
+    tiny_model, prompt, plain, tmp_path, start_store
+):
     with start_store() as store:
-        env = {"LMCACHE_REMOTE_URL": store.url, "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.05",
-               "LMCACHE_EXTRA_CONFIG": json.dumps(store.extra_config)}
+        env = {
+            "LMCACHE_REMOTE_URL": store.url,
+            "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.05",
+            "LMCACHE_EXTRA_CONFIG": json.dumps(store.extra_config),
+        }
         (a,), log_a = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", env, name="a")
         (b,), log_b = run_vllm(tiny_model, [prompt], tmp_path, "kv_both", env, name="b")
     assert hits(log_a) == [(3000, 0, 0)]
@@ -56,7 +77,9 @@ def test_a_prompt_prefilled_on_instance_a_is_a_hit_on_instance_b(tiny_model, pro
     assert max(abs(x - y) for x, y in zip(b["logprobs"], plain["logprobs"])) < 0.05
 
 
-def query_until_hit(vllm, model: str, prompt: str, min_hit: int, tries: int = 10, pause: float = 0.5) -> str:
+def query_until_hit(
+    vllm, model: str, prompt: str, min_hit: int, tries: int = 10, pause: float = 0.5
+) -> str:
     """Query until the prompt is a hit of at least `min_hit` tokens; its text ("" if never).
     A remote store's writes land asynchronously: on a GPU the next query can come first."""
     for _ in range(tries):
@@ -67,15 +90,25 @@ def query_until_hit(vllm, model: str, prompt: str, min_hit: int, tries: int = 10
     return ""
 
 
-@pytest.mark.parametrize("start_store", [
-    lambda: kvtier_server(0.25),
-    # The master and its segment clients killed and restarted on the same ports. A call
-    # into a dead master waits Mooncake's own RPC timeout (about 4 s), not kvtier's.
-    pytest.param(lambda: mooncake_store(2, 128), marks=pytest.mark.skipif(
-        importlib.util.find_spec("mooncake") is None, reason="Mooncake's wheel is not installed")),
-], ids=["kvtier", "mooncake"])
-def test_a_store_killed_while_vllm_serves_means_misses_then_reuse_once_it_is_back(tiny_model, tmp_path,
-                                                                                   start_store):
+@pytest.mark.parametrize(
+    "start_store",
+    [
+        lambda: kvtier_server(0.25),
+        # The master and its segment clients killed and restarted on the same ports. A call
+        # into a dead master waits Mooncake's own RPC timeout (about 4 s), not kvtier's.
+        pytest.param(
+            lambda: mooncake_store(2, 128),
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("mooncake") is None,
+                reason="Mooncake's wheel is not installed",
+            ),
+        ),
+    ],
+    ids=["kvtier", "mooncake"],
+)
+def test_a_store_killed_while_vllm_serves_means_misses_then_reuse_once_it_is_back(
+    tiny_model, tmp_path, start_store
+):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
@@ -85,9 +118,13 @@ def test_a_store_killed_while_vllm_serves_means_misses_then_reuse_once_it_is_bac
     model = str(tiny_model)
     timeout = 2.0
     with start_store() as store:
-        env = {"LMCACHE_REMOTE_URL": store.url, "LMCACHE_LOCAL_CPU": "false",
-               "LMCACHE_BLOCKING_TIMEOUT_SECS": str(timeout), "VLLM_CPU_KVCACHE_SPACE": "1",
-               "LMCACHE_EXTRA_CONFIG": json.dumps(store.extra_config)}
+        env = {
+            "LMCACHE_REMOTE_URL": store.url,
+            "LMCACHE_LOCAL_CPU": "false",
+            "LMCACHE_BLOCKING_TIMEOUT_SECS": str(timeout),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "LMCACHE_EXTRA_CONFIG": json.dumps(store.extra_config),
+        }
         with vllm_server(tiny_model, tmp_path, env=env, max_model_len=4096) as vllm:
             query_ttft(vllm.url, model, prompt, max_tokens=4)  # stored remotely
             assert query_until_hit(vllm, model, prompt, 1000)  # loaded back from the store
@@ -106,19 +143,30 @@ def test_a_store_killed_while_vllm_serves_means_misses_then_reuse_once_it_is_bac
 # LMCache's InfiniStore guide: the store server started with InfiniStore's flags, vLLM
 # with the guide's config file, `vllm bench serve` twice with the guide's arguments (on
 # CPU: fewer and shorter prompts). The second run's prompts must all come from the store.
-BENCH = Workload(num_prompts=50, input_len=8192, output_len=128) if ON_GPU else \
-    Workload(num_prompts=6, input_len=1024, output_len=8)
+BENCH = (
+    Workload(num_prompts=50, input_len=8192, output_len=128)
+    if ON_GPU
+    else Workload(num_prompts=6, input_len=1024, output_len=8)
+)
 
 
 def test_the_infinistore_guide_vllm_bench_serve_twice(tiny_model, tmp_path):
     model = str(tiny_model)
-    with kvtier_server(4.0 if ON_GPU else 0.5, "--dev-name", "mlx5_0", "--link-type", "Ethernet") as store:
+    with kvtier_server(
+        4.0 if ON_GPU else 0.5, "--dev-name", "mlx5_0", "--link-type", "Ethernet"
+    ) as store:
         port = store.url.rsplit(":", 1)[1]
         config = tmp_path / "infinistore-config.yaml"
-        config.write_text(f'chunk_size: 256\nremote_url: "infinistore://127.0.0.1:{port}/?device=mlx5_1"\n'
-                          'remote_serde: "naive"\nlocal_cpu: False\nmax_local_cpu_size: 0.5\n')
-        with vllm_server(tiny_model, tmp_path, env={"LMCACHE_CONFIG_FILE": str(config)},
-                         max_model_len=max(4096, BENCH.input_len + BENCH.output_len + 64)) as vllm:
+        config.write_text(
+            f'chunk_size: 256\nremote_url: "infinistore://127.0.0.1:{port}/?device=mlx5_1"\n'
+            'remote_serde: "naive"\nlocal_cpu: False\nmax_local_cpu_size: 0.5\n'
+        )
+        with vllm_server(
+            tiny_model,
+            tmp_path,
+            env={"LMCACHE_CONFIG_FILE": str(config)},
+            max_model_len=max(4096, BENCH.input_len + BENCH.output_len + 64),
+        ) as vllm:
             first = bench_serve(vllm.url, model, BENCH)
             stored = len(vllm.hit_lines())
             second = bench_serve(vllm.url, model, BENCH)
@@ -127,7 +175,9 @@ def test_the_infinistore_guide_vllm_bench_serve_twice(tiny_model, tmp_path):
             text = corpus_text()
             _, cold = query_ttft(vllm.url, model, text[:6000], max_tokens=16)
             warm = query_until_hit(vllm, model, text[:6000], 1000)
-            _, control = query_ttft(vllm.url, model, "A different opening. " + text[400:6000], max_tokens=16)
+            _, control = query_ttft(
+                vllm.url, model, "A different opening. " + text[400:6000], max_tokens=16
+            )
             hits = vllm.hit_lines()
     n = BENCH.num_prompts
     for run in (first, second):
@@ -135,15 +185,31 @@ def test_the_infinistore_guide_vllm_bench_serve_twice(tiny_model, tmp_path):
     # vllm bench serve sends one warm-up request first: the second run's prompts, every one
     # a hit of all but its partial last chunk (and the last token).
     again = hits[stored:served][-n:]
-    assert len(again) == n and all(hit >= total - 256 for total, hit, _ in again), hits[stored:served]
+    assert len(again) == n and all(hit >= total - 256 for total, hit, _ in again), hits[
+        stored:served
+    ]
     assert warm == cold and control != cold
-    print(f"bench serve twice through infinistore:// ({n} prompts of {BENCH.input_len} tokens): "
-          f"median TTFT {first['Median TTFT (ms)']:.1f} -> {second['Median TTFT (ms)']:.1f} ms, "
-          f"mean {first['Mean TTFT (ms)']:.1f} -> {second['Mean TTFT (ms)']:.1f} ms", flush=True)
+    print(
+        f"bench serve twice through infinistore:// ({n} prompts of {BENCH.input_len} tokens): "
+        f"median TTFT {first['Median TTFT (ms)']:.1f} -> {second['Median TTFT (ms)']:.1f} ms, "
+        f"mean {first['Mean TTFT (ms)']:.1f} -> {second['Mean TTFT (ms)']:.1f} ms",
+        flush=True,
+    )
 
 
-@pytest.mark.parametrize("store", ["kvtier", pytest.param("lmcache", marks=pytest.mark.skipif(
-    importlib.util.find_spec("lmcache") is None, reason="LMCache is installed on the GPU machine only"))])
+@pytest.mark.parametrize(
+    "store",
+    [
+        "kvtier",
+        pytest.param(
+            "lmcache",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("lmcache") is None,
+                reason="LMCache is installed on the GPU machine only",
+            ),
+        ),
+    ],
+)
 def test_the_shared_store_bench_serves_instance_bs_prompts_from_the_store(store):
     """`python -m kvtier.bench.stores_vllm` (issue 27's remote path): instance A serves the
     prompts cold, instance B, a new process, serves them again from the project's own store
@@ -153,7 +219,9 @@ def test_the_shared_store_bench_serves_instance_bs_prompts_from_the_store(store)
     from kvtier.bench.stores_vllm import Instances, run
 
     how = Instances(gpu_util=0.2, cpu_gb=1.0, store_gb=2.0) if ON_GPU else Instances()
-    record = run((store,), Workload(num_prompts=4, input_len=1024, output_len=4), progress=print, how=how)
+    record = run(
+        (store,), Workload(num_prompts=4, input_len=1024, output_len=4), progress=print, how=how
+    )
     row = record["stores"][store]
     assert row["failed"] == 0 and row["same_tokens"] and row["control_differs"], row
     assert row["b_hit_tokens"] >= 0.75 * row["b_prompt_tokens"] > 0, row

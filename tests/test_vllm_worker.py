@@ -26,10 +26,14 @@ def worker_and_step(**config):
     from kvtier.integrations.vllm.spec import KvtierMetadata, Shape, TransferSpec
     from kvtier.integrations.vllm.worker import WorkerSide
 
-    config = KvtierConfig(**{"save_unfull_chunk": False, "chunk_size": 16, "max_local_cpu_size": 1 / 1024, **config})
+    config = KvtierConfig(
+        **{"save_unfull_chunk": False, "chunk_size": 16, "max_local_cpu_size": 1 / 1024, **config}
+    )
     layers = [torch.randn(2, 8, 16, 2, 32) for _ in range(LAYERS)]
     worker = WorkerSide(config, Shape(16, 16, False, 0), "worker-test", True)
-    worker.engine = CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), KVFormat("m", "flash_attn", "float32"))
+    worker.engine = CacheEngine(
+        config, PagedKV.wrap(layers, "flash_attn"), KVFormat("m", "flash_attn", "float32")
+    )
     worker._layer_index = {f"model.layers.{i}.self_attn.attn": i for i in range(LAYERS)}
     meta = KvtierMetadata(saves=[TransferSpec("r", list(range(32)), [[0, 1]], 0, 32)])
     return worker, meta
@@ -63,7 +67,9 @@ def test_a_forward_that_raised_or_stopped_early_stores_nothing(raised):
                 if raised:
                     worker.wait_for_save(meta)
         if not raised:
-            worker.wait_for_save(meta)  # a forward that wrote one layer of three, no exception in flight
+            worker.wait_for_save(
+                meta
+            )  # a forward that wrote one layer of three, no exception in flight
         assert worker.engine.lookup(list(range(32))) == 0
         forward(worker, LAYERS)  # the next step is whole again
         worker.wait_for_save(meta)
@@ -92,13 +98,21 @@ def test_the_scheduler_asks_no_worker_when_vllm_has_all_but_less_than_a_block():
         asked.append(("release", request_id))
         worker._release(request_id)
 
-    server = LookupServer(socket_path("worker-test", 0), Handlers(find, release, worker.engine.clear))
+    server = LookupServer(
+        socket_path("worker-test", 0), Handlers(find, release, worker.engine.clear)
+    )
     scheduler = SchedulerSide(worker.config, worker.shape, "worker-test", 1, True, True)
     try:
         request = vllm_request("r", toks)
-        assert scheduler.get_num_new_matched_tokens(request, 48) == (0, False)  # 1 token past vLLM's
+        assert scheduler.get_num_new_matched_tokens(request, 48) == (
+            0,
+            False,
+        )  # 1 token past vLLM's
         assert asked == []
-        assert scheduler.get_num_new_matched_tokens(request, 16) == (32, False)  # 2 chunks past it: loaded
+        assert scheduler.get_num_new_matched_tokens(request, 16) == (
+            32,
+            False,
+        )  # 2 chunks past it: loaded
         assert asked == [16] and len(worker.engine.holds) == 1  # r's hit, held until its load
         # A prompt that shares only the first chunk, which vLLM has: kvtier's hit is that chunk,
         # nothing of it to load. The worker lets its hold go at once, and the scheduler sends
@@ -117,9 +131,15 @@ def step_running(*req_ids):
     each a decode token, none new."""
     from types import SimpleNamespace
 
-    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
-    return SimpleNamespace(num_scheduled_tokens=dict.fromkeys(req_ids, 1), scheduled_new_reqs=[],
-                           scheduled_cached_reqs=cached, preempted_req_ids=None)
+    cached = SimpleNamespace(
+        req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+    )
+    return SimpleNamespace(
+        num_scheduled_tokens=dict.fromkeys(req_ids, 1),
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+        preempted_req_ids=None,
+    )
 
 
 @pytest.mark.parametrize("policy", ["busy", "never", "always"])
@@ -145,9 +165,12 @@ def test_a_cpu_hit_loads_beside_the_steps_while_other_requests_run(policy):
     # an address of its own per policy: ZMQ lets go of a closed socket's address in its own
     # time, and the next case binding the same one failed (1 run in ~30)
     engine_id = f"beside-test-{policy}"
-    server = LookupServer(socket_path(engine_id, 0), Handlers(find, worker._release, worker.engine.clear))
+    server = LookupServer(
+        socket_path(engine_id, 0), Handlers(find, worker._release, worker.engine.clear)
+    )
     scheduler = SchedulerSide(worker.config, worker.shape, engine_id, 1, True, True)
     try:
+
         def ask(rid):
             return scheduler.get_num_new_matched_tokens(vllm_request(rid, toks), 0)
 
@@ -162,8 +185,9 @@ def test_a_cpu_hit_loads_beside_the_steps_while_other_requests_run(policy):
         if busy:  # planned with the next step's metadata: all in CPU RAM, its copies are queued in
             # start_load_kv itself (nothing there blocks); the worker's thread waits for them to land
             meta = scheduler.build_connector_meta(step_running("other"))
-            assert [(s.req_id, s.background, s.from_cpu, s.start, s.end) for s in meta.loads] == \
-                [("joins", True, True, 0, 48)]
+            assert [(s.req_id, s.background, s.from_cpu, s.start, s.end) for s in meta.loads] == [
+                ("joins", True, True, 0, 48)
+            ]
             worker.start_load_kv(meta)
             assert worker._beside_loads()._loads["joins"].queued_s is not None
             for _ in range(200):
@@ -201,20 +225,34 @@ def test_the_scheduler_looks_up_and_saves_under_each_requests_identity():
         asked.append((request_id, identity))
         return worker._find(tokens, identity, request_id, computed, beside)
 
-    server = LookupServer(socket_path("identity-test", 0), Handlers(find, worker._release, worker.engine.clear))
+    server = LookupServer(
+        socket_path("identity-test", 0), Handlers(find, worker._release, worker.engine.clear)
+    )
     scheduler = SchedulerSide(worker.config, worker.shape, "identity-test", 1, True, True)
     salted = Identity.of(salt="tenant")
     try:
         assert scheduler.get_num_new_matched_tokens(vllm_request("plain", toks), 0) == (48, False)
-        assert scheduler.get_num_new_matched_tokens(vllm_request("salted", toks, cache_salt="tenant"), 0) == (0, False)
+        assert scheduler.get_num_new_matched_tokens(
+            vllm_request("salted", toks, cache_salt="tenant"), 0
+        ) == (0, False)
         mixed = vllm_request("mixed", toks, prompt_embeds=torch.zeros(50, 8))
         assert scheduler.get_num_new_matched_tokens(mixed, 0) == (0, False)
         assert asked == [("plain", PLAIN), ("salted", salted)]  # the mixed one never asked
-        new = [SimpleNamespace(req_id=rid, prompt_token_ids=toks, block_ids=([0, 1, 2, 3],), num_computed_tokens=0)
-               for rid in ("salted", "mixed")]
-        cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
-        step = SimpleNamespace(num_scheduled_tokens={"salted": 50, "mixed": 50}, scheduled_new_reqs=new,
-                               scheduled_cached_reqs=cached, preempted_req_ids=None)
+        new = [
+            SimpleNamespace(
+                req_id=rid, prompt_token_ids=toks, block_ids=([0, 1, 2, 3],), num_computed_tokens=0
+            )
+            for rid in ("salted", "mixed")
+        ]
+        cached = SimpleNamespace(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+        )
+        step = SimpleNamespace(
+            num_scheduled_tokens={"salted": 50, "mixed": 50},
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=cached,
+            preempted_req_ids=None,
+        )
         meta = scheduler.build_connector_meta(step)
         assert [(s.req_id, s.identity) for s in meta.saves] == [("salted", salted)]
     finally:
@@ -233,15 +271,23 @@ def gpu_worker_with_a_hit(engine_id: str, upload: bool = True, now: bool = False
     from kvtier.integrations.vllm.worker import WorkerSide
 
     config = KvtierConfig(chunk_size=16, max_local_cpu_size=0.05)
-    layers = [torch.randn(2, 64, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
+    layers = [
+        torch.randn(2, 64, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)
+    ]
     worker = WorkerSide(config, Shape(16, 16, False, 0), engine_id, True)
-    worker.engine = CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), KVFormat("m", "flash_attn", "bfloat16"))
+    worker.engine = CacheEngine(
+        config, PagedKV.wrap(layers, "flash_attn"), KVFormat("m", "flash_attn", "bfloat16")
+    )
     toks = list(range(256))
     worker.engine.store(toks, torch.arange(256))
     if upload:
         assert worker._find(np.array(toks, dtype=np.uint32), "r", 0, True) == (256, 256, True)
     torch.cuda.synchronize()
-    return worker, layers, TransferSpec("r", toks, [list(range(32, 48))], 0, 255, background=True, from_cpu=now)
+    return (
+        worker,
+        layers,
+        TransferSpec("r", toks, [list(range(32, 48))], 0, 255, background=True, from_cpu=now),
+    )
 
 
 def reported(worker) -> set[str] | None:
@@ -269,7 +315,10 @@ def test_on_a_gpu_a_load_beside_the_steps_never_waits_for_the_forward_queued_aft
         assert not torch.cuda.current_stream().query()  # landed while the forward still runs
         torch.cuda.synchronize()
         for layer in layers:  # tokens 0-254 in blocks 32-47
-            got, want = layer[:, 32:48].flatten(1, 2)[:, :255], layer[:, 0:16].flatten(1, 2)[:, :255]
+            got, want = (
+                layer[:, 32:48].flatten(1, 2)[:, :255],
+                layer[:, 0:16].flatten(1, 2)[:, :255],
+            )
             assert torch.equal(got, want)
     finally:
         worker.close()
@@ -291,7 +340,11 @@ def test_on_a_gpu_a_load_beside_the_steps_is_reported_while_its_upload_still_cro
         transfer = worker.engine.mover.transfer
         with torch.cuda.stream(transfer._copies):
             torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the upload's copies wait behind it
-        assert worker._find(np.array(spec.token_ids, dtype=np.uint32), "r", 0, True) == (256, 256, True)
+        assert worker._find(np.array(spec.token_ids, dtype=np.uint32), "r", 0, True) == (
+            256,
+            256,
+            True,
+        )
         worker.start_load_kv(KvtierMetadata(loads=[spec]))
         assert reported(worker) == {"r"} and not worker.load_errors()
         assert not transfer._copies.query()  # reported while the upload still waits
@@ -323,7 +376,9 @@ def test_on_a_gpu_a_queued_load_beside_the_steps_is_reported_and_the_next_forwar
         assert reported(worker) == {"r"} and not worker.load_errors()
         assert not worker._beside_loads().stream.query()  # reported while its copies still wait
         worker.start_load_kv(KvtierMetadata())  # the next step: its stream waits for the load
-        got = [layer[:, 32:48].flatten(1, 2)[:, :255].clone() for layer in layers]  # its forward reads
+        got = [
+            layer[:, 32:48].flatten(1, 2)[:, :255].clone() for layer in layers
+        ]  # its forward reads
         torch.cuda.synchronize()
         assert all(torch.equal(g, w) for g, w in zip(got, want))
     finally:

@@ -29,9 +29,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
 from kvtier.dev.demo import Server
 from kvtier.dev.localservers import LocalServer
@@ -105,7 +106,9 @@ class DiskReadOnly:
         OpenMP threads then crawl, writes last longer and the mount stays busy."""
         deadline = time.monotonic() + 30
         while True:
-            done = subprocess.run(["mount", "-o", "remount,ro", str(self.root)], capture_output=True, text=True)
+            done = subprocess.run(
+                ["mount", "-o", "remount,ro", str(self.root)], capture_output=True, text=True
+            )
             if done.returncode == 0:
                 return
             if time.monotonic() > deadline:
@@ -154,8 +157,16 @@ class LeaseHog:
     proc: subprocess.Popen | None = None
 
     def inject(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.bench.chaos_faults", "hog", self.url,
-                                      str(self.connections)])
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvtier.bench.chaos_faults",
+                "hog",
+                self.url,
+                str(self.connections),
+            ]
+        )
 
     def clear(self) -> None:
         if self.proc is not None:
@@ -167,7 +178,9 @@ class LeaseHog:
 class NodeKilled:
     server: Server
     name: str  # decoder-killed, prefiller-killed
-    busy: Callable[[], bool] | None = None  # when given: killed once it says the node is busy (or after 10 s)
+    busy: Callable[[], bool] | None = (
+        None  # when given: killed once it says the node is busy (or after 10 s)
+    )
 
     def inject(self) -> None:
         deadline = time.monotonic() + 10
@@ -213,8 +226,10 @@ def proxy_busy(url: str) -> bool:
         text = httpx.get(url + "/metrics", timeout=2).text
     except httpx.HTTPError:
         return False
-    return any(line.startswith("kvtier_proxy_inflight_requests ") and float(line.split()[1]) >= 1
-               for line in text.splitlines())
+    return any(
+        line.startswith("kvtier_proxy_inflight_requests ") and float(line.split()[1]) >= 1
+        for line in text.splitlines()
+    )
 
 
 def _tree(pid: int) -> list[int]:
@@ -263,7 +278,9 @@ class Watched:
     """The processes of a run by role; a role's pid changes when it is restarted."""
 
     pids: dict[str, Callable[[], int]] = field(default_factory=dict)  # role -> its current pid
-    alone: tuple[str, ...] = ("harness",)  # roles counted without their children (the servers it started)
+    alone: tuple[str, ...] = (
+        "harness",
+    )  # roles counted without their children (the servers it started)
 
     def snapshot(self) -> dict[str, dict]:
         out = {}
@@ -283,9 +300,15 @@ def private_mounts_available() -> str:
         return ""
     if shutil.which("unshare") is None or shutil.which("mount") is None:
         return "needs unshare and mount (util-linux)"
-    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "mount", "-t", "tmpfs", "tmpfs",
-                            "/mnt"], capture_output=True)
-    return "" if probe.returncode == 0 else f"cannot mount in a mount namespace: {probe.stderr.decode().strip()}"
+    probe = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "mount", "-t", "tmpfs", "tmpfs", "/mnt"],
+        capture_output=True,
+    )
+    return (
+        ""
+        if probe.returncode == 0
+        else f"cannot mount in a mount namespace: {probe.stderr.decode().strip()}"
+    )
 
 
 def in_private_mounts(argv: list[str]) -> int | None:
@@ -302,7 +325,9 @@ def tmpfs(root: Path, size_mb: int) -> Iterator[Path]:
     """A tmpfs at `root` for the block; unmounted after it (a temporary folder holding a
     mount point cannot be removed: the 30-minute run failed at its very end)."""
     root.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(root)], check=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(root)], check=True
+    )
     try:
         yield root
     finally:

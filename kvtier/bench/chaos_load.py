@@ -1,24 +1,24 @@
 """The load and the figures of `kvtier bench chaos` (chaos.py runs it).
 
-    Conversations   the prompts: `live` conversations open at once, request k
-                    the next turn of conversation slot k % live; each turn's
-                    prompt is the previous one plus an answer and a new message
-    Run             an async client sending greedy streamed completions at
-                    `rate`, at most `concurrency` in flight, while the phases
-                    pass: a no-fault phase, then each fault (injected at the
-                    phase's start, cleared at its end) and a no-fault phase
-                    after it; vLLM's and the proxy's /metrics sampled each second
-    phase_figures   per phase: sent / succeeded / failed (and why), TTFT p50/p99
-                    against the no-fault phase, kvtier's hit rate, the longest
-                    waits on kvtier (its `kvtier_longest_*_seconds` gauges), RSS
-                    and open files of every process
-    recovery        after the store server's restart: seconds until the hit rate
-                    is back, and until kvtier stores remotely again
-    violations      where the promise broke: a failed request outside the
-                    decoder-killed phase (where each failure must be the proxy's
-                    502, at once), an output unlike plain vLLM's, RSS growth over
-                    5 % or 16 more open files after warm-up, a wait on kvtier
-                    past the bound its timeouts set
+Conversations   the prompts: `live` conversations open at once, request k
+                the next turn of conversation slot k % live; each turn's
+                prompt is the previous one plus an answer and a new message
+Run             an async client sending greedy streamed completions at
+                `rate`, at most `concurrency` in flight, while the phases
+                pass: a no-fault phase, then each fault (injected at the
+                phase's start, cleared at its end) and a no-fault phase
+                after it; vLLM's and the proxy's /metrics sampled each second
+phase_figures   per phase: sent / succeeded / failed (and why), TTFT p50/p99
+                against the no-fault phase, kvtier's hit rate, the longest
+                waits on kvtier (its `kvtier_longest_*_seconds` gauges), RSS
+                and open files of every process
+recovery        after the store server's restart: seconds until the hit rate
+                is back, and until kvtier stores remotely again
+violations      where the promise broke: a failed request outside the
+                decoder-killed phase (where each failure must be the proxy's
+                502, at once), an output unlike plain vLLM's, RSS growth over
+                5 % or 16 more open files after warm-up, a wait on kvtier
+                past the bound its timeouts set
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ class ChaosConfig:
     sample_per_phase: int = 8  # requests per phase whose outputs are compared with plain vLLM's
     blocking_timeout_secs: float = 2.0
     request_timeout_s: float = 180.0  # a request past it counts as failed (a hang)
-    stall_s: float = 30.0  # an answered request whose first token took longer is a violation (a stall)
+    stall_s: float = (
+        30.0  # an answered request whose first token took longer is a violation (a stall)
+    )
     faults: tuple[str, ...] = (*TIERS_FAULTS, *cf.PD_FAULTS)
     vocab: int = 4000
     seed: int = 0
@@ -77,8 +79,10 @@ class Conversations:
     def __init__(self, cfg: ChaosConfig) -> None:
         self.cfg = cfg
         rng = random.Random(cfg.seed)
-        self.systems = [[rng.randrange(100, cfg.vocab) for _ in range(cfg.system_tokens)]
-                        for _ in range(cfg.system_prompts)]
+        self.systems = [
+            [rng.randrange(100, cfg.vocab) for _ in range(cfg.system_tokens)]
+            for _ in range(cfg.system_prompts)
+        ]
 
     def order(self, k: int) -> tuple[int, int]:
         """(conversation, turn) of request k."""
@@ -105,7 +109,9 @@ class Conversations:
 class ChaosResult(Result):
     phase: str = ""  # when it was sent
     index: int = 0
-    end_phase: str = ""  # when it ended: a failure counts there (a fault may strike a request sent before it)
+    end_phase: str = (
+        ""  # when it ended: a failure counts there (a fault may strike a request sent before it)
+    )
 
 
 @dataclass
@@ -128,8 +134,16 @@ class Phase:
 class Run:
     """One part of the run: the load against `url` while the phases pass."""
 
-    def __init__(self, cfg: ChaosConfig, url: str, model: str, metrics_urls: list[str], watched: cf.Watched) -> None:
-        self.cfg, self.url, self.model, self.metrics_urls, self.watched = cfg, url, model, metrics_urls, watched
+    def __init__(
+        self, cfg: ChaosConfig, url: str, model: str, metrics_urls: list[str], watched: cf.Watched
+    ) -> None:
+        self.cfg, self.url, self.model, self.metrics_urls, self.watched = (
+            cfg,
+            url,
+            model,
+            metrics_urls,
+            watched,
+        )
         self.prompts = Conversations(cfg)
         self.rate = cfg.rate
         self.results: list[ChaosResult] = []
@@ -177,8 +191,16 @@ class Run:
 
         async def one(r: ChaosResult, prompt: list[int]) -> None:
             try:
-                await request(session, self.url, self.model, prompt, self.cfg.max_tokens, r, self.t0,
-                              self.cfg.request_timeout_s)
+                await request(
+                    session,
+                    self.url,
+                    self.model,
+                    prompt,
+                    self.cfg.max_tokens,
+                    r,
+                    self.t0,
+                    self.cfg.request_timeout_s,
+                )
             finally:
                 r.end_phase = self.phases[-1].name
                 slots.release()
@@ -216,9 +238,16 @@ class Run:
 
 
 GAUGES = "kvtier_longest_"
-KEEP = ("vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_queries", "kvtier_loaded_tokens",
-        "kvtier_stored_tokens", GAUGES, "kvtier_load_failure_tokens", "kvtier_proxy_prefill_fallbacks",
-        "kvtier_proxy_kv_not_ready")
+KEEP = (
+    "vllm:external_prefix_cache_hits",
+    "vllm:external_prefix_cache_queries",
+    "kvtier_loaded_tokens",
+    "kvtier_stored_tokens",
+    GAUGES,
+    "kvtier_load_failure_tokens",
+    "kvtier_proxy_prefill_fallbacks",
+    "kvtier_proxy_kv_not_ready",
+)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -235,7 +264,11 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 def _add(figures: dict[str, float], name: str, value: float) -> None:
     """One more series of `name` (another label, another node): counters add up, gauges keep the larger."""
-    figures[name] = max(figures.get(name, 0.0), value) if name.startswith(GAUGES) else figures.get(name, 0.0) + value
+    figures[name] = (
+        max(figures.get(name, 0.0), value)
+        if name.startswith(GAUGES)
+        else figures.get(name, 0.0) + value
+    )
 
 
 # -- the figures -----------------------------------------------------------------------------
@@ -252,7 +285,9 @@ def at(samples: list[Sample], t: float) -> dict[str, float]:
 
 
 def hit_rate(a: dict[str, float], b: dict[str, float]) -> float | None:
-    q = b.get("vllm:external_prefix_cache_queries", 0) - a.get("vllm:external_prefix_cache_queries", 0)
+    q = b.get("vllm:external_prefix_cache_queries", 0) - a.get(
+        "vllm:external_prefix_cache_queries", 0
+    )
     h = b.get("vllm:external_prefix_cache_hits", 0) - a.get("vllm:external_prefix_cache_hits", 0)
     return h / q if q > 0 else None
 
@@ -274,19 +309,30 @@ def phase_figures(run: Run, phase: Phase, base_ttft: list[float]) -> dict:
         if r.error:
             errors[r.error[:120]] = errors.get(r.error[:120], 0) + 1
     return {
-        "phase": phase.name, "fault": phase.fault, "start_s": round(phase.start_s, 2),
+        "phase": phase.name,
+        "fault": phase.fault,
+        "start_s": round(phase.start_s, 2),
         "seconds": round(phase.cleared_s - phase.start_s, 2),
         "inject_s": round(phase.injected_s - phase.start_s, 2),
-        "sent": len(rs), "succeeded": len(ok), "failed": sum(bool(r.error) for r in ended), "errors": errors,
+        "sent": len(rs),
+        "succeeded": len(ok),
+        "failed": sum(bool(r.error) for r in ended),
+        "errors": errors,
         "slowest_failure_s": max((_failed_after(r, phase) for r in ended if r.error), default=None),
-        "ttft_p50_ms": p50, "ttft_p99_ms": p99,
+        "ttft_p50_ms": p50,
+        "ttft_p99_ms": p99,
         "ttft_p50_vs_no_fault": p50 / base50 if p50 and base50 else None,
         "ttft_p99_vs_no_fault": p99 / base99 if p99 and base99 else None,
         "longest_request_s": max((r.latency_s or 0.0 for r in ok), default=None),
         "slowest_ttft_s": max(ttft, default=0.0) / 1e3 if ttft else None,
         "hit_rate": hit_rate(a, b),
-        "longest_waits_s": {k.removeprefix("kvtier_longest_"): v for k, v in b.items() if k.startswith("kvtier_longest_")},
-        "usage_start": phase.usage_start, "usage_end": phase.usage_end,
+        "longest_waits_s": {
+            k.removeprefix("kvtier_longest_"): v
+            for k, v in b.items()
+            if k.startswith("kvtier_longest_")
+        },
+        "usage_start": phase.usage_start,
+        "usage_end": phase.usage_end,
     }
 
 
@@ -310,8 +356,9 @@ def recovery(run: Run, fault: str, base_rate: float | None) -> dict:
         rate = hit_rate(earlier, s.values)
         if back is None and rate is not None and base_rate is not None and rate >= 0.9 * base_rate:
             back = s.t - t_clear
-        if stored is None and s.values.get("kvtier_stored_tokens:remote", 0) > \
-                at(run.samples, t_clear).get("kvtier_stored_tokens:remote", 0):
+        if stored is None and s.values.get("kvtier_stored_tokens:remote", 0) > at(
+            run.samples, t_clear
+        ).get("kvtier_stored_tokens:remote", 0):
             stored = s.t - t_clear
     return {"hit_rate_back_s": back, "stores_remotely_again_s": stored}
 
@@ -323,23 +370,35 @@ def violations(record: dict, cfg: ChaosConfig) -> list[str]:
         for ph in part["phases"]:
             where = f"{part['name']} / {ph['phase']}"
             if ph["fault"] == "decoder-killed":
-                bad = {e: n for e, n in ph["errors"].items() if "502" not in e or "decoder" not in e}
+                bad = {
+                    e: n for e, n in ph["errors"].items() if "502" not in e or "decoder" not in e
+                }
                 if bad:
-                    out.append(f"{where}: failures other than the proxy's 502 for a dead decoder: {bad}")
+                    out.append(
+                        f"{where}: failures other than the proxy's 502 for a dead decoder: {bad}"
+                    )
                 if ph["slowest_failure_s"] is not None and ph["slowest_failure_s"] > 5.0:
-                    out.append(f"{where}: a dead decoder's 502 took {ph['slowest_failure_s']:.1f} s")
+                    out.append(
+                        f"{where}: a dead decoder's 502 took {ph['slowest_failure_s']:.1f} s"
+                    )
             elif ph["failed"]:
                 out.append(f"{where}: {ph['failed']} failed requests: {ph['errors']}")
             if (ph.get("slowest_ttft_s") or 0.0) > cfg.stall_s:
-                out.append(f"{where}: a request waited {ph['slowest_ttft_s']:.1f} s for its first token "
-                           f"(> {cfg.stall_s:g} s: a stall)")
+                out.append(
+                    f"{where}: a request waited {ph['slowest_ttft_s']:.1f} s for its first token "
+                    f"(> {cfg.stall_s:g} s: a stall)"
+                )
             waits = ph["longest_waits_s"]
             if waits and max(waits.values()) > cfg.bound_s():
-                out.append(f"{where}: a wait on kvtier of {max(waits.values()):.2f} s > {cfg.bound_s():.1f} s")
+                out.append(
+                    f"{where}: a wait on kvtier of {max(waits.values()):.2f} s > {cfg.bound_s():.1f} s"
+                )
         eq = part["outputs"]
         if eq["equal"] != eq["compared"]:
-            out.append(f"{part['name']}: {eq['compared'] - eq['equal']} of {eq['compared']} outputs differ "
-                       f"from plain vLLM's: {eq['differing'][:5]}")
+            out.append(
+                f"{part['name']}: {eq['compared'] - eq['equal']} of {eq['compared']} outputs differ "
+                f"from plain vLLM's: {eq['differing'][:5]}"
+            )
         for role, growth in part["growth"].items():
             if growth.get("rss") is not None and growth["rss"] > 0.05:
                 out.append(f"{part['name']}: {role} RSS grew {growth['rss']:.1%} after warm-up")
@@ -355,6 +414,10 @@ def growth(first: dict, last: dict, roles: list[str]) -> dict[str, dict]:
     for role in roles:
         a, b = first.get(role), last.get(role)
         if a and b and a["pid"] == b["pid"]:
-            out[role] = {"rss": b["rss_mb"] / a["rss_mb"] - 1, "fds": b["fds"] - a["fds"],
-                         "rss_mb": [a["rss_mb"], b["rss_mb"]], "open_files": [a["fds"], b["fds"]]}
+            out[role] = {
+                "rss": b["rss_mb"] / a["rss_mb"] - 1,
+                "fds": b["fds"] - a["fds"],
+                "rss_mb": [a["rss_mb"], b["rss_mb"]],
+                "open_files": [a["fds"], b["fds"]],
+            }
     return out

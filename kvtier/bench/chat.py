@@ -29,8 +29,8 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Iterator
 
 from kvtier.errors import KvtierError
 
@@ -73,7 +73,9 @@ class Workload:
         rng = random.Random(f"output-lengths-{self.seed}")  # apart from the prompts' draws
         low = max(1, round(self.max_tokens * (1 - self.output_spread)))
         high = max(low, round(self.max_tokens * (1 + self.output_spread)))
-        return [[rng.randint(low, high) for _ in range(self.turns)] for _ in range(self.conversations)]
+        return [
+            [rng.randint(low, high) for _ in range(self.turns)] for _ in range(self.conversations)
+        ]
 
 
 @dataclass
@@ -98,22 +100,39 @@ class Record:
     summary: dict = field(default_factory=dict)
 
 
-async def request(session, url: str, model: str, prompt: list[int], max_tokens: int, r: Result, t0: float,
-                  timeout: float = 600, logprobs: int = 0) -> None:
+async def request(
+    session,
+    url: str,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    r: Result,
+    t0: float,
+    timeout: float = 600,
+    logprobs: int = 0,
+) -> None:
     """One streamed greedy completion; its figures (or its error) into `r`; with
     `logprobs`, each token's top ones by token id."""
     import aiohttp
 
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True}  # vLLM's: the ids, also where it has no tokenizer
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }  # vLLM's: the ids, also where it has no tokenizer
     if logprobs:
         body |= {"logprobs": logprobs, "return_tokens_as_token_ids": True}  # keys "token_id:N"
     start = time.perf_counter()
     r.sent_s = start - t0
     try:
-        async with session.post(f"{url}/v1/completions", json=body,
-                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.post(
+            f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
             if resp.status != 200:
                 r.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return
@@ -129,7 +148,9 @@ async def request(session, url: str, model: str, prompt: list[int], max_tokens: 
                     if r.ttft_s is None:
                         r.ttft_s = time.perf_counter() - start
                     r.output_ids += chunk["choices"][0].get("token_ids") or []
-                    for top in (chunk["choices"][0].get("logprobs") or {}).get("top_logprobs") or []:
+                    for top in (chunk["choices"][0].get("logprobs") or {}).get(
+                        "top_logprobs"
+                    ) or []:
                         r.top_logprobs.append({int(k.rsplit(":", 1)[1]): v for k, v in top.items()})
                 if chunk.get("usage"):
                     r.output_tokens = chunk["usage"]["completion_tokens"]
@@ -167,7 +188,9 @@ async def drive(url: str, model: str, w: Workload) -> list[Result]:
             await asyncio.sleep(max(0.0, t0 + k / w.rate - time.perf_counter()))
             await slots.acquire()
             while True:  # the next turn of a conversation with nothing in flight, oldest turn first
-                ready = [c for c in range(w.conversations) if c not in busy and next_turn[c] < w.turns]
+                ready = [
+                    c for c in range(w.conversations) if c not in busy and next_turn[c] < w.turns
+                ]
                 if ready:
                     break
                 await asyncio.sleep(0.005)
@@ -184,8 +207,12 @@ async def drive(url: str, model: str, w: Workload) -> list[Result]:
 # included: a request waiting for its KV is not scheduled yet), and from there to its first token
 # (the steps that compute what was not loaded); and its TTFT as the server saw it.
 # And its inter-token latency (a decode step's time, as the requests saw it).
-PHASES = {"queue": "request_queue_time", "prefill": "request_prefill_time", "server_ttft": "time_to_first_token",
-          "itl": "inter_token_latency"}
+PHASES = {
+    "queue": "request_queue_time",
+    "prefill": "request_prefill_time",
+    "server_ttft": "time_to_first_token",
+    "itl": "inter_token_latency",
+}
 # vLLM's steps (its iteration_tokens histogram): how many, their tokens, and how many had more than
 # 512, the most vLLM 0.26 captures in a CUDA graph by default (a larger step runs outside the
 # graphs, the host launching every kernel: several prefills in one step).
@@ -200,18 +227,29 @@ def scrape(url: str) -> dict[str, float]:
     other connectors)."""
     import httpx
 
-    names = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
-             "vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits",
-             *(f"vllm:{h}_seconds_{part}" for h in PHASES.values() for part in ("sum", "count")),
-             f"{STEPS}_sum", f"{STEPS}_count", f"{STEPS}_graphed", "vllm:num_preemptions",
-             "kvtier_lookups", "kvtier_lookup_seconds", "kvtier_longest_lookup_seconds",
-             "kvtier_longest_step_wait_seconds")
+    names = (
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+        "vllm:external_prefix_cache_queries",
+        "vllm:external_prefix_cache_hits",
+        *(f"vllm:{h}_seconds_{part}" for h in PHASES.values() for part in ("sum", "count")),
+        f"{STEPS}_sum",
+        f"{STEPS}_count",
+        f"{STEPS}_graphed",
+        "vllm:num_preemptions",
+        "kvtier_lookups",
+        "kvtier_lookup_seconds",
+        "kvtier_longest_lookup_seconds",
+        "kvtier_longest_step_wait_seconds",
+    )
     out = dict.fromkeys(names, 0.0)
     try:
         text = httpx.get(f"{url}/metrics", timeout=30).raise_for_status().text
     except httpx.HTTPError as e:
-        raise KvtierError(f"bench chat: cannot read {url}/metrics ({e}); is vLLM's OpenAI server "
-                          "(with its metrics) up there?") from None
+        raise KvtierError(
+            f"bench chat: cannot read {url}/metrics ({e}); is vLLM's OpenAI server "
+            "(with its metrics) up there?"
+        ) from None
     for name, labelled, value in series(text):
         if name == f"{STEPS}_bucket" and GRAPHED in labelled:
             name = f"{STEPS}_graphed"
@@ -234,13 +272,19 @@ def in_flight(results: list[Result], wall_s: float) -> tuple[float, int, float]:
     of requests sent while another was in flight (a rate the server finishes each request
     within leaves it serving one at a time, whatever `concurrency` allows)."""
     spans = [(r.sent_s, r.sent_s + r.latency_s) for r in results if r.latency_s is not None]
-    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])  # an end before a send at one instant
+    edges = sorted(
+        [(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans]
+    )  # an end before a send at one instant
     now = most = joined = 0
     for _, step in edges:
         joined += step > 0 and now > 0  # sent while another ran
         now += step
         most = max(most, now)
-    return sum(b - a for a, b in spans) / wall_s if wall_s else 0.0, most, joined / len(spans) if spans else 0.0
+    return (
+        sum(b - a for a, b in spans) / wall_s if wall_s else 0.0,
+        most,
+        joined / len(spans) if spans else 0.0,
+    )
 
 
 def bunched(results: list[Result], within_s: float = 0.01) -> float:
@@ -262,25 +306,34 @@ def summarize(results: list[Result], wall_s: float, before: dict, after: dict) -
     q = d["vllm:prefix_cache_queries"] or 1.0
     ext_q = d["vllm:external_prefix_cache_queries"] or 1.0
     return {
-        "requests": len(results), "succeeded": len(ok), "failed": len(results) - len(ok),
+        "requests": len(results),
+        "succeeded": len(ok),
+        "failed": len(results) - len(ok),
         "ttft_mean_ms": statistics.fmean(ttft) * 1e3 if ttft else None,
         "ttft_p50_ms": ttft[len(ttft) // 2] * 1e3 if ttft else None,
         "ttft_p99_ms": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] * 1e3 if ttft else None,
-        "wall_s": wall_s, "requests_per_s": len(ok) / wall_s,
+        "wall_s": wall_s,
+        "requests_per_s": len(ok) / wall_s,
         "output_tokens_per_s": sum(r.output_tokens for r in ok) / wall_s,
         "gpu_prefix_hit_rate": d["vllm:prefix_cache_hits"] / q,
         "connector_hit_rate": d["vllm:external_prefix_cache_hits"] / ext_q,
         "connector_hit_tokens": d["vllm:external_prefix_cache_hits"],
         # kvtier's: the scheduler's wait per lookup, and its share of the run
-        "lookup_ms_mean": d["kvtier_lookup_seconds"] / d["kvtier_lookups"] * 1e3 if d["kvtier_lookups"] else None,
+        "lookup_ms_mean": d["kvtier_lookup_seconds"] / d["kvtier_lookups"] * 1e3
+        if d["kvtier_lookups"]
+        else None,
         "lookup_share": d["kvtier_lookup_seconds"] / wall_s if wall_s else None,
         # since the server's start (gauges): a lookup or a step that waited on the GPU shows here
         "lookup_ms_longest": after["kvtier_longest_lookup_seconds"] * 1e3,
         "step_wait_ms_longest": after["kvtier_longest_step_wait_seconds"] * 1e3,
-        "mean_in_flight": mean_in_flight, "max_in_flight": max_in_flight, "sent_while_another_ran": joined,
+        "mean_in_flight": mean_in_flight,
+        "max_in_flight": max_in_flight,
+        "sent_while_another_ran": joined,
         "sent_bunched": bunched(results),
-        "steps": d[f"{STEPS}_count"], "tokens_per_step_mean": _mean(d, STEPS),
-        "steps_over_512_tokens": d[f"{STEPS}_count"] - d[f"{STEPS}_graphed"], "preemptions": d["vllm:num_preemptions"],
+        "steps": d[f"{STEPS}_count"],
+        "tokens_per_step_mean": _mean(d, STEPS),
+        "steps_over_512_tokens": d[f"{STEPS}_count"] - d[f"{STEPS}_graphed"],
+        "preemptions": d["vllm:num_preemptions"],
     } | {f"{phase}_ms_mean": _mean_ms(d, f"vllm:{h}_seconds") for phase, h in PHASES.items()}
 
 
@@ -307,7 +360,9 @@ def run(url: str, model: str, w: Workload) -> Record:
 def same_outputs(a: Record, b: Record) -> tuple[int, int]:
     """(requests both answered with equal greedy tokens, requests both answered)."""
     pairs = [(x, y) for x, y in zip(a.results, b.results) if not x["error"] and not y["error"]]
-    return sum(bool(x["output_ids"]) and x["output_ids"] == y["output_ids"] for x, y in pairs), len(pairs)
+    return sum(bool(x["output_ids"]) and x["output_ids"] == y["output_ids"] for x, y in pairs), len(
+        pairs
+    )
 
 
 def plot(records: dict[str, dict]) -> str:
@@ -322,20 +377,28 @@ def plot(records: dict[str, dict]) -> str:
         if failed:
             series[f"{name}: failed"] = failed
     w = next(iter(records.values()))["workload"] if records else {}
-    title = (f"{w.get('conversations')} conversations x {w.get('turns')} turns, {w.get('rate')} req/s, "
-             f"up to {w.get('concurrency')} in flight")
+    title = (
+        f"{w.get('conversations')} conversations x {w.get('turns')} turns, {w.get('rate')} req/s, "
+        f"up to {w.get('concurrency')} in flight"
+    )
     return scatter(series, title, "sent at (s)", "TTFT (ms)")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", required=True, help="the OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--url", required=True, help="the OpenAI-compatible server, e.g. http://127.0.0.1:8000"
+    )
     p.add_argument("--model", required=True, help="the model name the server serves")
     for f, default in asdict(Workload()).items():
         p.add_argument(f"--{f.replace('_', '-')}", type=type(default), default=default)
     p.add_argument("--output", default="", help="write the JSON record here")
     p.add_argument("--name", default="this run", help="the run's name in the plot")
-    p.add_argument("--plot", default="", help="write an SVG of TTFT over the run here (with --compare: of all)")
-    p.add_argument("--compare", nargs="*", default=[], help="earlier records (JSON) to plot beside this run")
+    p.add_argument(
+        "--plot", default="", help="write an SVG of TTFT over the run here (with --compare: of all)"
+    )
+    p.add_argument(
+        "--compare", nargs="*", default=[], help="earlier records (JSON) to plot beside this run"
+    )
 
 
 def main(args: argparse.Namespace) -> int:

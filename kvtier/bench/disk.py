@@ -69,8 +69,12 @@ class DiskResult:
             "tier_read_GBps": round(med(self.tier_read_gbps), 3),
             "file_write_GBps": round(med(self.file_write_gbps), 3),
             "file_read_GBps": round(med(self.file_read_gbps), 3),
-            "write_ratio_paired": round(med(t / f for t, f in zip(self.tier_write_gbps, self.file_write_gbps)), 3),
-            "read_ratio_paired": round(med(t / f for t, f in zip(self.tier_read_gbps, self.file_read_gbps)), 3),
+            "write_ratio_paired": round(
+                med(t / f for t, f in zip(self.tier_write_gbps, self.file_write_gbps)), 3
+            ),
+            "read_ratio_paired": round(
+                med(t / f for t, f in zip(self.tier_read_gbps, self.file_read_gbps)), 3
+            ),
             "step_wait_sync_ms": round(med(self.step_wait_sync_ms), 2),
             "step_wait_async_ms": round(med(self.step_wait_async_ms), 3),
             "request_load_async_ms": round(med(self.request_load_async_ms), 2),
@@ -90,7 +94,10 @@ def drop_cache(path: Path) -> None:
 def _chunks(shape: OffloadShape, bytes_per_token: int) -> list[memoryview]:
     rng = np.random.default_rng(0)
     size = shape.chunk_size * bytes_per_token
-    return [memoryview(rng.integers(0, 255, size, dtype=np.uint8)) for _ in range(shape.tokens // shape.chunk_size)]
+    return [
+        memoryview(rng.integers(0, 255, size, dtype=np.uint8))
+        for _ in range(shape.tokens // shape.chunk_size)
+    ]
 
 
 def file_read_bandwidth(root: Path, nbytes: int, block: int = 32 << 20) -> float:
@@ -120,7 +127,9 @@ def _file_pass(root: Path, chunks: list[memoryview]) -> tuple[float, float]:
     return write, read
 
 
-def _tier_pass(root: Path, shape: OffloadShape, chunks: list[memoryview], itemsize: int) -> tuple[float, float]:
+def _tier_pass(
+    root: Path, shape: OffloadShape, chunks: list[memoryview], itemsize: int
+) -> tuple[float, float]:
     """(write GB/s, read GB/s) of the disk tier over the same bytes, chunk by chunk."""
     tier_dir = root / "tier"
     shutil.rmtree(tier_dir, ignore_errors=True)
@@ -148,9 +157,16 @@ def _tier_pass(root: Path, shape: OffloadShape, chunks: list[memoryview], itemsi
     return write, read
 
 
-def _step_pass(root: Path, shape: OffloadShape, engine: CacheEngine, tokens: torch.Tensor, load_slots: torch.Tensor,
-               loader: ThreadPoolExecutor) -> tuple[float, float, float]:
+def _step_pass(
+    root: Path,
+    shape: OffloadShape,
+    engine: CacheEngine,
+    tokens: torch.Tensor,
+    load_slots: torch.Tensor,
+    loader: ThreadPoolExecutor,
+) -> tuple[float, float, float]:
     """(sync step wait, async step wait, async request latency), ms, for a prompt whose chunks are on disk."""
+
     def cold() -> None:
         engine.tiers.cpu.clear()
         for path in (root / "engine").glob("*.kvc"):
@@ -167,7 +183,9 @@ def _step_pass(root: Path, shape: OffloadShape, engine: CacheEngine, tokens: tor
     engine.find(tokens, hold_for="bench")  # the scheduler's lookup: lease, and prefetch starts
     engine.start_prefetch(tokens, "bench")
     t1 = time.perf_counter()
-    future = loader.submit(engine.retrieve, tokens, load_slots, request_id="bench")  # what start_load_kv does
+    future = loader.submit(
+        engine.retrieve, tokens, load_slots, request_id="bench"
+    )  # what start_load_kv does
     step = time.perf_counter() - t1
     loaded = int(future.result().sum())
     request = time.perf_counter() - t0
@@ -176,54 +194,87 @@ def _step_pass(root: Path, shape: OffloadShape, engine: CacheEngine, tokens: tor
     return sync * 1e3, step * 1e3, request * 1e3
 
 
-def run_disk(shape: OffloadShape, directory: Path, repeats: int = 3, pool_chunks: int = 8,
-             progress: bool = True) -> DiskResult:
+def run_disk(
+    shape: OffloadShape,
+    directory: Path,
+    repeats: int = 3,
+    pool_chunks: int = 8,
+    progress: bool = True,
+) -> DiskResult:
     logging.getLogger("kvtier").setLevel(logging.WARNING)
     directory.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
     n_blocks = -(-shape.tokens // shape.block_size)
-    layers = [torch.randn(shape.layer_shape(2 * n_blocks), generator=gen).to(shape.torch_dtype)
-              for _ in range(shape.layers)]
+    layers = [
+        torch.randn(shape.layer_shape(2 * n_blocks), generator=gen).to(shape.torch_dtype)
+        for _ in range(shape.layers)
+    ]
     kv = PagedKV.wrap(layers, shape.layout)
-    result = DiskResult(shape, str(directory), machine_name(torch.device("cpu")), dt.date.today().isoformat(),
-                        shape.tokens * kv.bytes_per_token())
+    result = DiskResult(
+        shape,
+        str(directory),
+        machine_name(torch.device("cpu")),
+        dt.date.today().isoformat(),
+        shape.tokens * kv.bytes_per_token(),
+    )
     _bandwidths(result, directory, kv, repeats, progress)
     _step_waits(result, directory, kv, gen, repeats, pool_chunks, progress)
     return result
 
 
-def _bandwidths(result: DiskResult, directory: Path, kv: PagedKV, repeats: int, progress: bool) -> None:
+def _bandwidths(
+    result: DiskResult, directory: Path, kv: PagedKV, repeats: int, progress: bool
+) -> None:
     """The tier's write and read GB/s against plain sequential files, in alternating order."""
     shape = result.shape
     chunks = _chunks(shape, kv.bytes_per_token())
-    _tier_pass(directory, shape, chunks, kv.dtype.itemsize)  # warm-up, no figures: the first pass of a
+    _tier_pass(
+        directory, shape, chunks, kv.dtype.itemsize
+    )  # warm-up, no figures: the first pass of a
     _file_pass(directory, chunks)  # process is the slowest (0.3 GB/s where later ones reach 1 GB/s)
     for i in range(repeats):
-        passes = [("tier", lambda: _tier_pass(directory, shape, chunks, kv.dtype.itemsize)),
-                  ("file", lambda: _file_pass(directory, chunks))]
+        passes = [
+            ("tier", lambda: _tier_pass(directory, shape, chunks, kv.dtype.itemsize)),
+            ("file", lambda: _file_pass(directory, chunks)),
+        ]
         for name, run in passes if i % 2 == 0 else passes[::-1]:
             write, read = run()
             getattr(result, f"{name}_write_gbps").append(write)
             getattr(result, f"{name}_read_gbps").append(read)
             if progress:
-                print(f"repeat {i}: {name} write {write:.2f} GB/s, read {read:.2f} GB/s", flush=True)
+                print(
+                    f"repeat {i}: {name} write {write:.2f} GB/s, read {read:.2f} GB/s", flush=True
+                )
 
 
-def _step_waits(result: DiskResult, directory: Path, kv: PagedKV, gen: torch.Generator, repeats: int,
-                pool_chunks: int, progress: bool) -> None:
+def _step_waits(
+    result: DiskResult,
+    directory: Path,
+    kv: PagedKV,
+    gen: torch.Generator,
+    repeats: int,
+    pool_chunks: int,
+    progress: bool,
+) -> None:
     """What an engine step waits for a disk hit, loaded in the step or in the background;
     and that what was loaded is what was stored."""
     shape, bpt = result.shape, kv.bytes_per_token()
     n_blocks = -(-shape.tokens // shape.block_size)
     engine_dir = directory / "engine"
     shutil.rmtree(engine_dir, ignore_errors=True)
-    config = KvtierConfig(chunk_size=shape.chunk_size, local_disk=str(engine_dir),
-                          max_local_cpu_size=pool_chunks * shape.chunk_size * bpt * 1.001 / 1024**3,
-                          max_local_disk_size=2 * result.kv_bytes / 1024**3)
+    config = KvtierConfig(
+        chunk_size=shape.chunk_size,
+        local_disk=str(engine_dir),
+        max_local_cpu_size=pool_chunks * shape.chunk_size * bpt * 1.001 / 1024**3,
+        max_local_disk_size=2 * result.kv_bytes / 1024**3,
+    )
     engine = CacheEngine(config, kv, KVFormat("bench", shape.layout, shape.dtype))
     perm = torch.randperm(2 * n_blocks, generator=gen)
     slots = (perm[:, None] * shape.block_size + torch.arange(shape.block_size)).flatten()
-    store_slots, load_slots = slots[: shape.tokens], slots[n_blocks * shape.block_size:][: shape.tokens]
+    store_slots, load_slots = (
+        slots[: shape.tokens],
+        slots[n_blocks * shape.block_size :][: shape.tokens],
+    )
     tokens = torch.randint(0, 32000, (shape.tokens,), generator=gen)
     if engine.store(tokens, store_slots) != shape.tokens or not engine.flush(timeout=600):
         raise AssertionError("the store did not reach the disk tier")
@@ -234,11 +285,16 @@ def _step_waits(result: DiskResult, directory: Path, kv: PagedKV, gen: torch.Gen
             result.step_wait_async_ms.append(step)
             result.request_load_async_ms.append(request)
             if progress:
-                print(f"repeat {i}: step waits {sync:.1f} ms (sync load) vs {step:.3f} ms (async); "
-                      f"the request's async load took {request:.1f} ms", flush=True)
+                print(
+                    f"repeat {i}: step waits {sync:.1f} ms (sync load) vs {step:.3f} ms (async); "
+                    f"the request's async load took {request:.1f} ms",
+                    flush=True,
+                )
     for layer in kv.layers:  # what was loaded is what was stored
-        if not torch.equal(layer[:, store_slots // shape.block_size, store_slots % shape.block_size],
-                           layer[:, load_slots // shape.block_size, load_slots % shape.block_size]):
+        if not torch.equal(
+            layer[:, store_slots // shape.block_size, store_slots % shape.block_size],
+            layer[:, load_slots // shape.block_size, load_slots % shape.block_size],
+        ):
             raise AssertionError("KV loaded from disk differs from the KV stored")
     engine.close()
     shutil.rmtree(engine_dir)

@@ -34,9 +34,19 @@ class Load:
         self.pool.view(torch.int64).copy_(torch.arange(self.pool.numel() // 8))
         self.staging = torch.empty_like(self.pool, device=dev)
         # Per layer one run, as Staging.run_table has it: (host, device, host pitch, device pitch, bytes, rows).
-        self.runs = [[(self.pool.data_ptr() + l * self.layer_bytes,
-                       self.staging.data_ptr() + l * chunks * self.layer_bytes,
-                       self.chunk_bytes, self.layer_bytes, self.layer_bytes, chunks)] for l in range(layers)]
+        self.runs = [
+            [
+                (
+                    self.pool.data_ptr() + l * self.layer_bytes,
+                    self.staging.data_ptr() + l * chunks * self.layer_bytes,
+                    self.chunk_bytes,
+                    self.layer_bytes,
+                    self.layer_bytes,
+                    chunks,
+                )
+            ]
+            for l in range(layers)
+        ]
         self.table = run_table(self.runs)
 
     def by_engine(self, stream) -> None:
@@ -49,8 +59,14 @@ class Load:
                 runs_up(*part, programs=programs)
 
     def check(self) -> None:
-        staged = self.staging.view(self.layers, self.chunks, self.layer_bytes).transpose(0, 1).reshape(-1)
-        assert torch.equal(staged[-4096:].cpu(), self.pool[-4096:]) and torch.equal(staged[:4096].cpu(), self.pool[:4096])
+        staged = (
+            self.staging.view(self.layers, self.chunks, self.layer_bytes)
+            .transpose(0, 1)
+            .reshape(-1)
+        )
+        assert torch.equal(staged[-4096:].cpu(), self.pool[-4096:]) and torch.equal(
+            staged[:4096].cpu(), self.pool[:4096]
+        )
 
 
 def _median_ms(xs: list[float]) -> float:
@@ -95,15 +111,21 @@ def measure(load: Load, go, repeats: int, dev: torch.device) -> dict:
         beside.append(timed(matmuls))
         torch.cuda.synchronize()
     alone, small, beside = alone[1:], small[1:], beside[1:]
-    return {"GBps": load.pool.numel() / statistics.median(alone) / 1e9, "ms": _median_ms(alone),
-            "small_copy_wait_ms": _median_ms(small), "matmuls_beside_ms": _median_ms(beside),
-            "matmuls_alone_ms": _median_ms(matmul_alone)}
+    return {
+        "GBps": load.pool.numel() / statistics.median(alone) / 1e9,
+        "ms": _median_ms(alone),
+        "small_copy_wait_ms": _median_ms(small),
+        "matmuls_beside_ms": _median_ms(beside),
+        "matmuls_alone_ms": _median_ms(matmul_alone),
+    }
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=int, default=64, help="chunks of 256 tokens (64: 16k tokens)")
     p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--layer-mb", type=float, default=1.0, help="MB of one layer of one chunk (8B model: 1)")
+    p.add_argument(
+        "--layer-mb", type=float, default=1.0, help="MB of one layer of one chunk (8B model: 1)"
+    )
     p.add_argument("--programs", type=int, nargs="+", default=[16, 32, 64, 132])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--output", default="", help="write the JSON record here")
@@ -116,12 +138,19 @@ def run(args: argparse.Namespace) -> int:
     stream = torch.cuda.current_stream()
     ways = {"copy engine": lambda: load.by_engine(stream)}
     ways.update({f"kernel x{n}": (lambda n=n: load.by_kernel(stream, n)) for n in args.programs})
-    result: dict = {"bytes": load.pool.numel(), "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
+    result: dict = {
+        "bytes": load.pool.numel(),
+        "gpu": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     for name, go in ways.items():
         r = result[name] = measure(load, go, args.repeats, dev)
-        print(f"{name:14s} {r['GBps']:5.1f} GB/s ({r['ms']:.1f} ms for {load.pool.numel() / 1e9:.2f} GB); "
-              f"a 128 KB copy queued 1 ms in waits {r['small_copy_wait_ms']:.2f} ms; 20 matmuls beside "
-              f"{r['matmuls_beside_ms']:.1f} ms (alone {r['matmuls_alone_ms']:.1f})", flush=True)
+        print(
+            f"{name:14s} {r['GBps']:5.1f} GB/s ({r['ms']:.1f} ms for {load.pool.numel() / 1e9:.2f} GB); "
+            f"a 128 KB copy queued 1 ms in waits {r['small_copy_wait_ms']:.2f} ms; 20 matmuls beside "
+            f"{r['matmuls_beside_ms']:.1f} ms (alone {r['matmuls_alone_ms']:.1f})",
+            flush=True,
+        )
     if args.output:
         with open(args.output, "w") as f:
             json.dump(result, f, indent=1)
@@ -129,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_args(parser)
     raise SystemExit(run(parser.parse_args()))

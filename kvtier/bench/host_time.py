@@ -28,7 +28,7 @@ import json
 import pstats
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -45,23 +45,36 @@ BLOCK = 16
 class Chat:
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.layers = [torch.zeros(2, args.blocks, BLOCK, args.heads, args.head_size, dtype=dtype, device=device)
-                       for _ in range(args.layers)]
-        config = KvtierConfig(chunk_size=args.chunk, max_local_cpu_size=args.cpu_gb)  # kvtier's defaults otherwise
-        self.engine = CacheEngine(config, PagedKV.wrap(self.layers, "flash_attn"),
-                                  KVFormat("host-time", "flash_attn", str(dtype).removeprefix("torch.")))
+        self.layers = [
+            torch.zeros(
+                2, args.blocks, BLOCK, args.heads, args.head_size, dtype=dtype, device=device
+            )
+            for _ in range(args.layers)
+        ]
+        config = KvtierConfig(
+            chunk_size=args.chunk, max_local_cpu_size=args.cpu_gb
+        )  # kvtier's defaults otherwise
+        self.engine = CacheEngine(
+            config,
+            PagedKV.wrap(self.layers, "flash_attn"),
+            KVFormat("host-time", "flash_attn", str(dtype).removeprefix("torch.")),
+        )
         self.rng = np.random.default_rng(0)
         self.args, self.device = args, device
         system = self.rng.integers(100, 30000, args.history)
-        self.histories = [np.concatenate([system[: args.history - 256], self.rng.integers(100, 30000, 256)])
-                          for _ in range(args.requests)]
+        self.histories = [
+            np.concatenate([system[: args.history - 256], self.rng.integers(100, 30000, 256)])
+            for _ in range(args.requests)
+        ]
         self.stored = [0] * args.requests
         self.turns = [0] * args.requests
         self.table = [self.slots(len(h)) for h in self.histories]
 
     def slots(self, n: int) -> torch.Tensor:
         blocks = self.rng.permutation(self.args.blocks)[: -(-n // BLOCK)]
-        return torch.from_numpy((blocks[:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)[:n].astype(np.int64))
+        return torch.from_numpy(
+            (blocks[:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)[:n].astype(np.int64)
+        )
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -70,7 +83,9 @@ class Chat:
 
     def grow(self, i: int) -> None:
         """Conversation i's next turn: a new request (its id, its block table) on a longer history."""
-        self.histories[i] = np.concatenate([self.histories[i], self.rng.integers(100, 30000, self.args.turn)])
+        self.histories[i] = np.concatenate(
+            [self.histories[i], self.rng.integers(100, 30000, self.args.turn)]
+        )
         self.turns[i] += 1
         self.table[i] = self.slots(len(self.histories[i]))
 
@@ -87,14 +102,17 @@ class Chat:
 
     def load(self, i: int, hit: int) -> Callable[[], object]:
         """The hit's load beside the steps, queued; its finish returned."""
-        loading = self.engine.start_retrieve(self.histories[i][:hit], self.table[i][:hit], request_id=self.rid(i),
-                                             beside=True)
+        loading = self.engine.start_retrieve(
+            self.histories[i][:hit], self.table[i][:hit], request_id=self.rid(i), beside=True
+        )
         return loading.finish
 
     def store(self, i: int) -> None:
         """The request's store after its forward: its chunks not stored yet, copies not waited for."""
         tokens = self.histories[i]
-        self.engine.start_store(tokens, self.table[i], start=self.stored[i], request_id=self.rid(i)).finish(wait=False)
+        self.engine.start_store(
+            tokens, self.table[i], start=self.stored[i], request_id=self.rid(i)
+        ).finish(wait=False)
         self.stored[i] = len(tokens)
 
     def turn(self, i: int) -> None:
@@ -128,14 +146,22 @@ def profiled(fns: list[Callable[[], object]], chat: Chat, top: int) -> list[str]
     lines = []
     for order, only in (("tottime", ()), ("cumulative", ("kvtier/", "triton/runtime"))):
         text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(*[f"({'|'.join(only)})"] if only else [], top)
-        lines += [f"by {order}:"] + [line for line in text.getvalue().splitlines() if line.strip()][-top - 1:]
+        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(
+            *[f"({'|'.join(only)})"] if only else [], top
+        )
+        lines += [f"by {order}:"] + [line for line in text.getvalue().splitlines() if line.strip()][
+            -top - 1 :
+        ]
     return lines
 
 
 def summary(xs: list[float]) -> dict[str, float]:
     xs = sorted(xs)
-    return {"median_us": statistics.median(xs) * 1e6, "p90_us": xs[int(0.9 * (len(xs) - 1))] * 1e6, "n": len(xs)}
+    return {
+        "median_us": statistics.median(xs) * 1e6,
+        "p90_us": xs[int(0.9 * (len(xs) - 1))] * 1e6,
+        "n": len(xs),
+    }
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -160,34 +186,55 @@ def run(args: argparse.Namespace) -> dict:
         spent, _ = timed(lambda: chat.store(i))
         times["store"].append(spent)
         chat.sync()
-    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "kvtier": kvtier.__file__.rsplit("/", 2)[0],  # the tree timed (an earlier commit's: HOSTTIME_BASE)
-           "args": vars(args), "calls": {k: summary(v) for k, v in times.items()},
-           "hit_tokens_median": statistics.median(hits)}
+    out = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "kvtier": kvtier.__file__.rsplit("/", 2)[
+            0
+        ],  # the tree timed (an earlier commit's: HOSTTIME_BASE)
+        "args": vars(args),
+        "calls": {k: summary(v) for k, v in times.items()},
+        "hit_tokens_median": statistics.median(hits),
+    }
     out["profile_turn"] = profiled([lambda i=i: chat.turn(i) for i in range(n)], chat, args.top)
     chat.engine.close()
     return out
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--blocks", type=int, default=3160, help="vLLM's GPU KV cache in blocks of 16 tokens")
+    p.add_argument(
+        "--blocks", type=int, default=3160, help="vLLM's GPU KV cache in blocks of 16 tokens"
+    )
     p.add_argument("--chunk", type=int, default=256)
-    p.add_argument("--history", type=int, default=4352, help="a conversation's first prompt (tokens)")
-    p.add_argument("--turn", type=int, default=384, help="tokens a turn adds (its answer and the next message)")
+    p.add_argument(
+        "--history", type=int, default=4352, help="a conversation's first prompt (tokens)"
+    )
+    p.add_argument(
+        "--turn", type=int, default=384, help="tokens a turn adds (its answer and the next message)"
+    )
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--cpu-gb", type=float, default=8.0)
-    p.add_argument("--step-ms", type=float, default=3.0,
-                   help="the engine thread's wait for its step between a lookup and the load (sleep)")
+    p.add_argument(
+        "--step-ms",
+        type=float,
+        default=3.0,
+        help="the engine thread's wait for its step between a lookup and the load (sleep)",
+    )
     p.add_argument("--top", type=int, default=18, help="profile lines per call kind")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    if args.blocks * BLOCK < args.history + 4 * args.turn:  # room for four turns of growth (two run)
-        p.error(f"--blocks {args.blocks} hold {args.blocks * BLOCK} tokens: the histories grow to "
-                f"{args.history + 4 * args.turn}")
+    if (
+        args.blocks * BLOCK < args.history + 4 * args.turn
+    ):  # room for four turns of growth (two run)
+        p.error(
+            f"--blocks {args.blocks} hold {args.blocks * BLOCK} tokens: the histories grow to "
+            f"{args.history + 4 * args.turn}"
+        )
     out = run(args)
     print(f"kvtier from {out['kvtier']}")
     for name, s in out["calls"].items():

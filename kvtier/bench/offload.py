@@ -73,9 +73,12 @@ class OffloadResult:
         store, ret = med(self.store_gbps), med(self.retrieve_gbps)
         d2h, h2d = med(self.d2h_gbps), med(self.h2d_gbps)
         return {
-            "store_GBps": round(store, 2), "retrieve_GBps": round(ret, 2),
-            "copy_d2h_GBps": round(d2h, 2), "copy_h2d_GBps": round(h2d, 2),
-            "store_ratio": round(store / d2h, 3), "retrieve_ratio": round(ret / h2d, 3),
+            "store_GBps": round(store, 2),
+            "retrieve_GBps": round(ret, 2),
+            "copy_d2h_GBps": round(d2h, 2),
+            "copy_h2d_GBps": round(h2d, 2),
+            "store_ratio": round(store / d2h, 3),
+            "retrieve_ratio": round(ret / h2d, 3),
         }
 
 
@@ -130,15 +133,22 @@ def need_gpu(what: str, hint: str = "") -> None:
 
 
 def run_offload(
-    shape: OffloadShape, device: str = "auto", transfer: str = "auto", repeats: int = 5,
+    shape: OffloadShape,
+    device: str = "auto",
+    transfer: str = "auto",
+    repeats: int = 5,
     progress: bool = True,
 ) -> OffloadResult:
     dev = bench_device(device)
     logging.getLogger("kvtier").setLevel(logging.WARNING)
     n_blocks = 2 * -(-shape.tokens // shape.block_size)  # half for store, half for retrieve
     gen = torch.Generator().manual_seed(0)
-    layers = [torch.randn(shape.layer_shape(n_blocks), generator=gen, dtype=torch.float32)
-              .to(shape.torch_dtype).to(dev) for _ in range(shape.layers)]
+    layers = [
+        torch.randn(shape.layer_shape(n_blocks), generator=gen, dtype=torch.float32)
+        .to(shape.torch_dtype)
+        .to(dev)
+        for _ in range(shape.layers)
+    ]
     kv = PagedKV.wrap(layers, shape.layout)
     perm = torch.randperm(n_blocks, generator=gen)
     offsets = torch.arange(shape.block_size)
@@ -148,10 +158,18 @@ def run_offload(
     kv_bytes = shape.tokens * kv.bytes_per_token()
     pool_gb = kv_bytes * 1.05 / 1024**3 + shape.chunk_size * kv.bytes_per_token() / 1024**3
     config = KvtierConfig(chunk_size=shape.chunk_size, max_local_cpu_size=pool_gb)
-    engine = CacheEngine(config, kv, KVFormat("bench", shape.layout, shape.dtype), transfer=transfer)
+    engine = CacheEngine(
+        config, kv, KVFormat("bench", shape.layout, shape.dtype), transfer=transfer
+    )
     tokens = torch.randint(0, 32000, (shape.tokens,), generator=gen)
-    result = OffloadResult(shape, str(dev), engine.transfer.name + ("-direct" if getattr(engine.transfer, "direct", False) else ""),
-                           machine_name(dev), dt.date.today().isoformat(), kv_bytes)
+    result = OffloadResult(
+        shape,
+        str(dev),
+        engine.transfer.name + ("-direct" if getattr(engine.transfer, "direct", False) else ""),
+        machine_name(dev),
+        dt.date.today().isoformat(),
+        kv_bytes,
+    )
     for i in tqdm(range(repeats + 1), desc=f"offload {shape.tokens} tok", disable=not progress):
         engine.clear()
         t_store = timed(lambda: engine.store(tokens, store_slots), dev)
@@ -171,7 +189,9 @@ def run_offload(
 def _check_roundtrip(kv: PagedKV, a: torch.Tensor, b: torch.Tensor, block_size: int) -> None:
     a, b = a.to(kv.device), b.to(kv.device)
     for layer in kv.layers:
-        if not torch.equal(layer[:, a // block_size, a % block_size], layer[:, b // block_size, b % block_size]):
+        if not torch.equal(
+            layer[:, a // block_size, a % block_size], layer[:, b // block_size, b % block_size]
+        ):
             raise AssertionError("retrieved KV differs from stored KV")
 
 

@@ -13,7 +13,16 @@ import argparse
 import json
 from pathlib import Path
 
-FIELDS = ["conversation", "turn", "prompt_tokens", "sent_s", "ttft_s", "latency_s", "output_tokens", "error"]
+FIELDS = [
+    "conversation",
+    "turn",
+    "prompt_tokens",
+    "sent_s",
+    "ttft_s",
+    "latency_s",
+    "output_tokens",
+    "error",
+]
 
 
 def _row(result: dict) -> list:
@@ -22,8 +31,15 @@ def _row(result: dict) -> list:
 
 def pack(records: dict[str, dict]) -> dict[str, dict]:
     """Records by name -> the lean form: summary, workload, request_fields, requests."""
-    return {name: {"summary": rec.get("summary", {}), "workload": rec.get("workload", {}), "request_fields": FIELDS,
-                   "requests": [_row(r) for r in rec.get("results", [])]} for name, rec in records.items()}
+    return {
+        name: {
+            "summary": rec.get("summary", {}),
+            "workload": rec.get("workload", {}),
+            "request_fields": FIELDS,
+            "requests": [_row(r) for r in rec.get("results", [])],
+        }
+        for name, rec in records.items()
+    }
 
 
 def _key(path: Path) -> tuple[str, int]:
@@ -32,12 +48,16 @@ def _key(path: Path) -> tuple[str, int]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("out")
     p.add_argument("dir")
     p.add_argument("extra", nargs="*", metavar="NAME=FILE")
     args = p.parse_args()
-    paths = sorted((q for q in Path(args.dir).glob("*.json") if not q.stem.endswith("bench-serve")), key=_key)
+    paths = sorted(
+        (q for q in Path(args.dir).glob("*.json") if not q.stem.endswith("bench-serve")), key=_key
+    )
     packed: dict = pack({q.stem: json.loads(q.read_text()) for q in paths})
     for item in args.extra:
         name, _, file = item.partition("=")

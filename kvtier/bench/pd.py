@@ -48,24 +48,41 @@ class PdRun:
     load_ms: list[float] = field(default_factory=list)
     done_to_loaded_ms: list[float] = field(default_factory=list)
     copy_ms: list[float] = field(default_factory=list)
-    phases_ms: list[tuple[float, float, float]] = field(default_factory=list)  # the sender's Alloc, write, Commit
-    keys_ms: list[float] = field(default_factory=list)  # the sender's host work before the Alloc (the keys)
-    after_ms: list[float] = field(default_factory=list)  # and after the Commit (log lines, the proxy's notice)
-    tail_ms: list[float] = field(default_factory=list)  # GPU time from the KV written to the last write done (events)
+    phases_ms: list[tuple[float, float, float]] = field(
+        default_factory=list
+    )  # the sender's Alloc, write, Commit
+    keys_ms: list[float] = field(
+        default_factory=list
+    )  # the sender's host work before the Alloc (the keys)
+    after_ms: list[float] = field(
+        default_factory=list
+    )  # and after the Commit (log lines, the proxy's notice)
+    tail_ms: list[float] = field(
+        default_factory=list
+    )  # GPU time from the KV written to the last write done (events)
 
     def summary(self, bytes_per_token: int) -> dict:
         nbytes = self.tokens * bytes_per_token
         send, copy = statistics.median(self.send_ms), statistics.median(self.copy_ms)
-        return {"channel": self.channel, "tokens": self.tokens, "pieces": self.pieces, "GB": round(nbytes / 1e9, 3),
-                "send_ms": round(send, 2), "send_GBps": round(nbytes / send / 1e6, 1),
-                "copy_ms": round(copy, 2), "copy_GBps": round(nbytes / copy / 1e6, 1),
-                "ratio_to_copy": round(copy / send, 3),
-                "load_ms": round(statistics.median(self.load_ms), 2),
-                "alloc_write_commit_ms": [round(statistics.median(p[i] for p in self.phases_ms), 2) for i in range(3)],
-                "keys_ms": round(statistics.median(self.keys_ms), 2),
-                "after_commit_ms": round(statistics.median(self.after_ms), 2),
-                "gpu_tail_ms": round(statistics.median(self.tail_ms), 2) if self.tail_ms else None,
-                "done_to_loaded_ms": round(statistics.median(self.done_to_loaded_ms), 2)}
+        return {
+            "channel": self.channel,
+            "tokens": self.tokens,
+            "pieces": self.pieces,
+            "GB": round(nbytes / 1e9, 3),
+            "send_ms": round(send, 2),
+            "send_GBps": round(nbytes / send / 1e6, 1),
+            "copy_ms": round(copy, 2),
+            "copy_GBps": round(nbytes / copy / 1e6, 1),
+            "ratio_to_copy": round(copy / send, 3),
+            "load_ms": round(statistics.median(self.load_ms), 2),
+            "alloc_write_commit_ms": [
+                round(statistics.median(p[i] for p in self.phases_ms), 2) for i in range(3)
+            ],
+            "keys_ms": round(statistics.median(self.keys_ms), 2),
+            "after_commit_ms": round(statistics.median(self.after_ms), 2),
+            "gpu_tail_ms": round(statistics.median(self.tail_ms), 2) if self.tail_ms else None,
+            "done_to_loaded_ms": round(statistics.median(self.done_to_loaded_ms), 2),
+        }
 
 
 def _paged(shape: OffloadShape, tokens: int, device: str, fill: bool):
@@ -73,7 +90,10 @@ def _paged(shape: OffloadShape, tokens: int, device: str, fill: bool):
 
     blocks = tokens // shape.block_size + 64
     make = torch.randn if fill else torch.zeros
-    layers = [make(shape.layer_shape(blocks), device=device).to(shape.torch_dtype) for _ in range(shape.layers)]
+    layers = [
+        make(shape.layer_shape(blocks), device=device).to(shape.torch_dtype)
+        for _ in range(shape.layers)
+    ]
     return PagedKV.wrap(layers, "flash_attn"), layers
 
 
@@ -100,14 +120,34 @@ def checksum(layers: list[torch.Tensor], slots: torch.Tensor, block_size: int) -
     return total
 
 
-def _config(shape: OffloadShape, role: str, channel: str, device: str, buffer_bytes: int, init: int, alloc: int):
+def _config(
+    shape: OffloadShape,
+    role: str,
+    channel: str,
+    device: str,
+    buffer_bytes: int,
+    init: int,
+    alloc: int,
+):
     from kvtier.config import KvtierConfig
 
     dev = "cuda" if device.startswith("cuda") else "cpu"
-    return KvtierConfig(chunk_size=shape.chunk_size, local_cpu=False, max_local_cpu_size=1.0, save_unfull_chunk=True,
-                        enable_pd=True, pd_role=role, transfer_channel=channel, pd_buffer_size=buffer_bytes,
-                        pd_buffer_device=dev, pd_peer_host="127.0.0.1", pd_peer_init_port=init,
-                        pd_peer_alloc_port=alloc, blocking_timeout_secs=60.0, pd_allocation_timeout_sec=30.0)
+    return KvtierConfig(
+        chunk_size=shape.chunk_size,
+        local_cpu=False,
+        max_local_cpu_size=1.0,
+        save_unfull_chunk=True,
+        enable_pd=True,
+        pd_role=role,
+        transfer_channel=channel,
+        pd_buffer_size=buffer_bytes,
+        pd_buffer_device=dev,
+        pd_peer_host="127.0.0.1",
+        pd_peer_init_port=init,
+        pd_peer_alloc_port=alloc,
+        blocking_timeout_secs=60.0,
+        pd_allocation_timeout_sec=30.0,
+    )
 
 
 def serve_receiver(args: argparse.Namespace) -> None:
@@ -121,7 +161,15 @@ def serve_receiver(args: argparse.Namespace) -> None:
         torch.cuda.set_device(torch.device(args.device))
     kv, layers = _paged(shape, args.max_tokens, args.device, fill=False)
     fmt = KVFormat(FMT_MODEL, "flash_attn", shape.dtype)
-    config = _config(shape, "receiver", args.channel, args.device, args.buffer_bytes, args.init_port, args.alloc_port)
+    config = _config(
+        shape,
+        "receiver",
+        args.channel,
+        args.device,
+        args.buffer_bytes,
+        args.init_port,
+        args.alloc_port,
+    )
     buffer = make_buffer(config, kv, fmt)
     receiver = start_receiver(config, buffer, 0)
     engine = CacheEngine(config, kv, fmt, cpu=buffer.tier)
@@ -136,7 +184,11 @@ def serve_receiver(args: argparse.Namespace) -> None:
         _sync(args.device)
         load_ms = (time.perf_counter() - t0) * 1e3
         buffer.release(cmd["req_id"])
-        reply = {"load_ms": load_ms, "loaded": int(mask.sum()), "checksum": checksum(layers, slots, shape.block_size)}
+        reply = {
+            "load_ms": load_ms,
+            "loaded": int(mask.sum()),
+            "checksum": checksum(layers, slots, shape.block_size),
+        }
         print("RESULT " + json.dumps(reply), flush=True)
     receiver.close()
 
@@ -146,8 +198,15 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(torch.device(device))
 
 
-def run_pd(shape: OffloadShape, token_counts: list[int], channels: list[str], sender_device: str, receiver_device: str,
-           repeats: int, pieces: tuple[str, ...] = ("default",)) -> dict:
+def run_pd(
+    shape: OffloadShape,
+    token_counts: list[int],
+    channels: list[str],
+    sender_device: str,
+    receiver_device: str,
+    repeats: int,
+    pieces: tuple[str, ...] = ("default",),
+) -> dict:
     """`pieces` (cuda_ipc): A/B of how a step is reserved and committed, paired: each
     repeat sends once each way in turn, to one receiver: "default" (the sender's), "F,M"
     (first piece F chunks, doubling up to M), "step" (one Alloc), "gather-after-alloc" (no
@@ -169,10 +228,18 @@ def run_pd(shape: OffloadShape, token_counts: list[int], channels: list[str], se
     runs: list[PdRun] = []
     for channel in channels:
         with _Receiver(shape, channel, receiver_device, max_tokens) as receiver:
-            runs += _channel_runs(bench, receiver, token_counts, pieces if channel == "cuda_ipc" else ("default",))
-    return {"shape": asdict(shape), "sender_device": sender_device, "receiver_device": receiver_device,
-            "machine": _machine(sender_device, receiver_device), "date": time.strftime("%Y-%m-%d"),
-            "repeats": repeats, "runs": [r.summary(per_token(shape)) | {"raw": asdict(r)} for r in runs]}
+            runs += _channel_runs(
+                bench, receiver, token_counts, pieces if channel == "cuda_ipc" else ("default",)
+            )
+    return {
+        "shape": asdict(shape),
+        "sender_device": sender_device,
+        "receiver_device": receiver_device,
+        "machine": _machine(sender_device, receiver_device),
+        "date": time.strftime("%Y-%m-%d"),
+        "repeats": repeats,
+        "runs": [r.summary(per_token(shape)) | {"raw": asdict(r)} for r in runs],
+    }
 
 
 @dataclass(frozen=True)
@@ -193,11 +260,29 @@ class _Receiver:
     def __init__(self, shape: OffloadShape, channel: str, device: str, max_tokens: int) -> None:
         self.init, self.alloc = free_ports(2)
         buffer_bytes = (max_tokens // shape.chunk_size + 2) * shape.chunk_size * per_token(shape)
-        cmd = [sys.executable, "-m", "kvtier.bench.pd", "--serve-receiver", "--device", device,
-               "--channel", channel, "--buffer-bytes", str(buffer_bytes), "--init-port", str(self.init),
-               "--alloc-port", str(self.alloc), "--max-tokens", str(max_tokens), "--shape", json.dumps(asdict(shape))]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=os.environ.copy())
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvtier.bench.pd",
+            "--serve-receiver",
+            "--device",
+            device,
+            "--channel",
+            channel,
+            "--buffer-bytes",
+            str(buffer_bytes),
+            "--init-port",
+            str(self.init),
+            "--alloc-port",
+            str(self.alloc),
+            "--max-tokens",
+            str(max_tokens),
+            "--shape",
+            json.dumps(asdict(shape)),
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ.copy()
+        )
         self.channel = channel
 
     def __enter__(self) -> _Receiver:
@@ -221,17 +306,29 @@ class _Receiver:
             self.proc.kill()
 
 
-def _channel_runs(bench: _PdBench, receiver: _Receiver, token_counts: list[int],
-                  variants: tuple[str, ...]) -> list[PdRun]:
+def _channel_runs(
+    bench: _PdBench, receiver: _Receiver, token_counts: list[int], variants: tuple[str, ...]
+) -> list[PdRun]:
     from kvtier.engine import CacheEngine
     from kvtier.keys import KVFormat
     from kvtier.pd.sender import PdSender
 
-    shape, channel, sender_device, receiver_device = bench.shape, receiver.channel, bench.sender_device, \
-        bench.receiver_device
+    shape, channel, sender_device, receiver_device = (
+        bench.shape,
+        receiver.channel,
+        bench.sender_device,
+        bench.receiver_device,
+    )
     # The sender's staging (tcp, nixl) sits where its KV is, as in the guide's config.
-    config = _config(shape, "sender", channel, sender_device, 1 << 30 if channel != "cuda_ipc" else 0,
-                     receiver.init, receiver.alloc)
+    config = _config(
+        shape,
+        "sender",
+        channel,
+        sender_device,
+        1 << 30 if channel != "cuda_ipc" else 0,
+        receiver.init,
+        receiver.alloc,
+    )
     engine = CacheEngine(config, bench.kv, KVFormat(FMT_MODEL, "flash_attn", shape.dtype))
     sender = PdSender(engine, config, 0)
     default, rings = (sender.pieces, sender.early_commit, sender.gather_early), {}
@@ -240,27 +337,40 @@ def _channel_runs(bench: _PdBench, receiver: _Receiver, token_counts: list[int],
         pairs = {v: PdRun(channel, n, v) for v in variants}
         src = torch.empty(n * per_token(shape), dtype=torch.uint8, device=sender_device)
         dst = torch.empty(n * per_token(shape), dtype=torch.uint8, device=receiver_device)
-        for r in range(bench.repeats + 1):  # the first is a warm-up (connection, IPC mapping, kernels)
+        for r in range(
+            bench.repeats + 1
+        ):  # the first is a warm-up (connection, IPC mapping, kernels)
             for k, (variant, run) in enumerate(pairs.items()):
                 _set_variant(sender, variant, default, rings)
-                forward_ms = float(variant.removeprefix("forward=")) if variant.startswith("forward=") else 0.0
+                forward_ms = (
+                    float(variant.removeprefix("forward="))
+                    if variant.startswith("forward=")
+                    else 0.0
+                )
                 times = _one_send(bench, sender, receiver, n, 1000 * n + 10 * r + k, forward_ms)
                 copy_ms = _copy_ms(src, dst, sender_device, receiver_device)
                 if r:
                     stats = sender.stats
-                    for name, value in (*times.items(), ("copy_ms", copy_ms), ("phases_ms", stats.last_ms),
-                                        ("keys_ms", stats.last_keys_ms), ("after_ms", stats.last_after_ms),
-                                        ("tail_ms", stats.last_tail_ms)):
+                    for name, value in (
+                        *times.items(),
+                        ("copy_ms", copy_ms),
+                        ("phases_ms", stats.last_ms),
+                        ("keys_ms", stats.last_keys_ms),
+                        ("after_ms", stats.last_after_ms),
+                        ("tail_ms", stats.last_tail_ms),
+                    ):
                         getattr(run, name).append(value)
         del src, dst
         for run in pairs.values():
             runs.append(run)
             s = run.summary(per_token(shape))
-            print(f"{channel:9s} {run.pieces:>11s} {n:6d} tokens {s['GB']:.2f} GB | send {s['send_ms']} ms = "
-                  f"{s['send_GBps']} GB/s ({s['ratio_to_copy']} of copy {s['copy_GBps']} GB/s) | load {s['load_ms']} "
-                  f"ms | done->loaded {s['done_to_loaded_ms']} ms | keys {s['keys_ms']} alloc/write/commit "
-                  f"{s['alloc_write_commit_ms']} after {s['after_commit_ms']} ms",
-                  flush=True)
+            print(
+                f"{channel:9s} {run.pieces:>11s} {n:6d} tokens {s['GB']:.2f} GB | send {s['send_ms']} ms = "
+                f"{s['send_GBps']} GB/s ({s['ratio_to_copy']} of copy {s['copy_GBps']} GB/s) | load {s['load_ms']} "
+                f"ms | done->loaded {s['done_to_loaded_ms']} ms | keys {s['keys_ms']} alloc/write/commit "
+                f"{s['alloc_write_commit_ms']} after {s['after_commit_ms']} ms",
+                flush=True,
+            )
     sender.close()
     engine.close()
     return runs
@@ -287,12 +397,15 @@ def _set_variant(sender, variant: str, default: tuple, rings: dict) -> None:
             sizes = (mib, mib) if variant.startswith("group=") else (IpcWriter.GROUP_BYTES, mib)
             rings[variant] = IpcWriter(channel.ipc.device, sender.engine.pool.block_bytes, *sizes)
         channel.ipc = rings[variant]
-    elif variant not in ("default", "gather-after-alloc") and not variant.startswith(("group=", "first=", "forward=")):
+    elif variant not in ("default", "gather-after-alloc") and not variant.startswith(
+        ("group=", "first=", "forward=")
+    ):
         sender.pieces = None if variant == "step" else tuple(int(x) for x in variant.split(","))
 
 
-def _one_send(bench: _PdBench, sender, receiver: _Receiver, n: int, seed: int,
-              forward_ms: float = 0.0) -> dict[str, float]:
+def _one_send(
+    bench: _PdBench, sender, receiver: _Receiver, n: int, seed: int, forward_ms: float = 0.0
+) -> dict[str, float]:
     """One request sent and loaded on the other side, checked: its send, load and end-to-end
     times. With `forward_ms`, the send is called behind a stand-in forward of that many ms
     queued on the sender's GPU (a spinning kernel, as vLLM's host calls wait_for_save while
@@ -308,8 +421,13 @@ def _one_send(bench: _PdBench, sender, receiver: _Receiver, n: int, seed: int,
     t0 = time.perf_counter()
     if forward is not None:
         forward.mark_call()
-    sent = sender.send(Target("127.0.0.1", receiver.init, receiver.alloc, f"r{seed}"), tokens, slots, start=0,
-                       last=True)
+    sent = sender.send(
+        Target("127.0.0.1", receiver.init, receiver.alloc, f"r{seed}"),
+        tokens,
+        slots,
+        start=0,
+        last=True,
+    )
     _sync(sender_device)
     t1 = time.perf_counter()
     if forward is not None:
@@ -317,9 +435,15 @@ def _one_send(bench: _PdBench, sender, receiver: _Receiver, n: int, seed: int,
     reply = receiver.load(n, seed)
     t2 = time.perf_counter()
     if sent != n or reply["loaded"] != n or reply["checksum"] != want:
-        raise RuntimeError(f"{receiver.channel}, {n} tokens: sent {sent}, loaded {reply['loaded']}, "
-                           f"checksum {reply['checksum']} != {want}: the data did not arrive intact")
-    return {"send_ms": (t1 - t0) * 1e3, "load_ms": reply["load_ms"], "done_to_loaded_ms": (t2 - t0) * 1e3}
+        raise RuntimeError(
+            f"{receiver.channel}, {n} tokens: sent {sent}, loaded {reply['loaded']}, "
+            f"checksum {reply['checksum']} != {want}: the data did not arrive intact"
+        )
+    return {
+        "send_ms": (t1 - t0) * 1e3,
+        "load_ms": reply["load_ms"],
+        "done_to_loaded_ms": (t2 - t0) * 1e3,
+    }
 
 
 class _Forward:
@@ -332,7 +456,9 @@ class _Forward:
     def __init__(self, device: str, ms: float) -> None:
         dev = torch.device(device)
         if device not in self._cycles_per_ms:
-            self._cycles_per_ms[device] = self.CALIBRATE_CYCLES / _spin_ms(dev, self.CALIBRATE_CYCLES)
+            self._cycles_per_ms[device] = self.CALIBRATE_CYCLES / _spin_ms(
+                dev, self.CALIBRATE_CYCLES
+            )
         torch.cuda._sleep(int(ms * self._cycles_per_ms[device]))
         self.end = torch.cuda.Event(enable_timing=True)
         self.end.record(torch.cuda.current_stream(dev))
@@ -359,7 +485,9 @@ def _spin_ms(device: torch.device, cycles: int) -> float:
     return a.elapsed_time(b)
 
 
-def _copy_ms(src: torch.Tensor, dst: torch.Tensor, sender_device: str, receiver_device: str) -> float:
+def _copy_ms(
+    src: torch.Tensor, dst: torch.Tensor, sender_device: str, receiver_device: str
+) -> float:
     """A plain device copy of the same bytes: the limit."""
     _sync(sender_device)
     c0 = time.perf_counter()
@@ -373,12 +501,17 @@ def _read_line(proc: subprocess.Popen, prefix: str) -> str | None:
     """The rest of the receiver's next line starting with `prefix` (libraries print too)."""
     for line in proc.stdout:  # type: ignore[union-attr]
         if line.startswith(prefix):
-            return line[len(prefix):].strip()
+            return line[len(prefix) :].strip()
     return None
 
 
 def _machine(*devices: str) -> str:
-    names = sorted({torch.cuda.get_device_name(torch.device(d)) if d.startswith("cuda") else "cpu" for d in devices})
+    names = sorted(
+        {
+            torch.cuda.get_device_name(torch.device(d)) if d.startswith("cuda") else "cpu"
+            for d in devices
+        }
+    )
     return ", ".join(names) + f"; {' -> '.join(devices)}"
 
 

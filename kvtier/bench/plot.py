@@ -15,7 +15,9 @@ Series = dict[str, list[tuple[float, float]]]
 def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     span = (hi - lo) or 1.0
     raw = span / n
-    step = min((m * 10 ** e for e in range(-3, 7) for m in (1, 2, 5) if m * 10 ** e >= raw), default=raw)
+    step = min(
+        (m * 10**e for e in range(-3, 7) for m in (1, 2, 5) if m * 10**e >= raw), default=raw
+    )
     first = -(-lo // step) * step
     return [first + k * step for k in range(int((hi - first) // step) + 1)]
 
@@ -25,7 +27,9 @@ def scatter(series: Series, title: str, xlabel: str, ylabel: str) -> str:
     return panels([(ylabel, series)], title, xlabel)
 
 
-def _panel(out: list[str], series: Series, ylabel: str, top: float, ph: float, sx, legend: int) -> int:
+def _panel(
+    out: list[str], series: Series, ylabel: str, top: float, ph: float, sx, legend: int
+) -> int:
     """One panel's frame, y ticks and points into `out`; its series' legend entries from
     number `legend` on; returns the next legend number."""
     pw = W - LEFT - RIGHT
@@ -37,23 +41,35 @@ def _panel(out: list[str], series: Series, ylabel: str, top: float, ph: float, s
 
     out.append(f'<rect x="{LEFT}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
     for t in _ticks(0.0, y1):
-        out.append(f'<line x1="{LEFT}" y1="{sy(t):.1f}" x2="{LEFT + pw}" y2="{sy(t):.1f}" stroke="#ddd"/>'
-                   f'<text x="{LEFT - 6}" y="{sy(t) + 4:.1f}" text-anchor="end">{t:g}</text>')
-    out.append(f'<text x="16" y="{top + ph / 2}" text-anchor="middle" '
-               f'transform="rotate(-90 16 {top + ph / 2})">{escape(ylabel)}</text>')
+        out.append(
+            f'<line x1="{LEFT}" y1="{sy(t):.1f}" x2="{LEFT + pw}" y2="{sy(t):.1f}" stroke="#ddd"/>'
+            f'<text x="{LEFT - 6}" y="{sy(t) + 4:.1f}" text-anchor="end">{t:g}</text>'
+        )
+    out.append(
+        f'<text x="16" y="{top + ph / 2}" text-anchor="middle" '
+        f'transform="rotate(-90 16 {top + ph / 2})">{escape(ylabel)}</text>'
+    )
     for name, points in series.items():
         color = COLORS[legend % len(COLORS)]
-        out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{color}" fill-opacity="0.75"/>'
-                for x, y in points]
+        out += [
+            f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{color}" fill-opacity="0.75"/>'
+            for x, y in points
+        ]
         ly = TOP + 16 + 18 * legend
-        out.append(f'<circle cx="{W - RIGHT + 16}" cy="{ly - 4}" r="4" fill="{color}"/>'
-                   f'<text x="{W - RIGHT + 26}" y="{ly}">{escape(name)}</text>')
+        out.append(
+            f'<circle cx="{W - RIGHT + 16}" cy="{ly - 4}" r="4" fill="{color}"/>'
+            f'<text x="{W - RIGHT + 26}" y="{ly}">{escape(name)}</text>'
+        )
         legend += 1
     return legend
 
 
-def panels(stack: list[tuple[str, Series]], title: str, xlabel: str,
-           spans: list[tuple[float, float, str]] = ()) -> str:
+def panels(
+    stack: list[tuple[str, Series]],
+    title: str,
+    xlabel: str,
+    spans: list[tuple[float, float, str]] = (),
+) -> str:
     """An SVG document of panels stacked over one x axis, each (y label, series); each
     span (x0, x1, label) shaded across every panel and labelled above the first."""
     pts = [p for _, series in stack for s in series.values() for p in s] or [(0.0, 0.0)]
@@ -66,20 +82,28 @@ def panels(stack: list[tuple[str, Series]], title: str, xlabel: str,
     def sx(x: float) -> float:
         return LEFT + (x - x0) / ((x1 - x0) or 1.0) * pw
 
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" font-family="sans-serif" '
-           f'font-size="12"><rect width="{W}" height="{height}" fill="white"/>',
-           f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="15">{escape(title)}</text>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" font-family="sans-serif" '
+        f'font-size="12"><rect width="{W}" height="{height}" fill="white"/>',
+        f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="15">{escape(title)}</text>',
+    ]
     bottom = TOP + len(stack) * (ph + GAP) - GAP
     for a, b, label in spans:
-        out.append(f'<rect x="{sx(a):.1f}" y="{TOP}" width="{max(1.0, sx(b) - sx(a)):.1f}" height="{bottom - TOP}" '
-                   f'fill="#d62728" fill-opacity="0.08"/><text x="{sx(a) + 2:.1f}" y="{TOP - 4}" font-size="9" '
-                   f'transform="rotate(-20 {sx(a) + 2:.1f} {TOP - 4})">{escape(label)}</text>')
+        out.append(
+            f'<rect x="{sx(a):.1f}" y="{TOP}" width="{max(1.0, sx(b) - sx(a)):.1f}" height="{bottom - TOP}" '
+            f'fill="#d62728" fill-opacity="0.08"/><text x="{sx(a) + 2:.1f}" y="{TOP - 4}" font-size="9" '
+            f'transform="rotate(-20 {sx(a) + 2:.1f} {TOP - 4})">{escape(label)}</text>'
+        )
     legend = 0
     for i, (ylabel, series) in enumerate(stack):
         legend = _panel(out, series, ylabel, TOP + i * (ph + GAP), ph, sx, legend)
     for t in _ticks(x0, x1):
-        out.append(f'<line x1="{sx(t):.1f}" y1="{bottom}" x2="{sx(t):.1f}" y2="{bottom + 5}" stroke="#444"/>'
-                   f'<text x="{sx(t):.1f}" y="{bottom + 18}" text-anchor="middle">{t:g}</text>')
-    out.append(f'<text x="{LEFT + pw / 2}" y="{height - 10}" text-anchor="middle">{escape(xlabel)}</text>')
+        out.append(
+            f'<line x1="{sx(t):.1f}" y1="{bottom}" x2="{sx(t):.1f}" y2="{bottom + 5}" stroke="#444"/>'
+            f'<text x="{sx(t):.1f}" y="{bottom + 18}" text-anchor="middle">{t:g}</text>'
+        )
+    out.append(
+        f'<text x="{LEFT + pw / 2}" y="{height - 10}" text-anchor="middle">{escape(xlabel)}</text>'
+    )
     out.append("</svg>")
     return "\n".join(out)

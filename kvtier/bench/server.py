@@ -46,22 +46,33 @@ import multiprocessing as mp
 import os
 import platform
 import secrets
-import tempfile
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from kvtier.bench.server_clients import MiB, TOKEN_ENV, Clients, raw_server
+from kvtier.bench.server_clients import TOKEN_ENV, Clients, MiB, raw_server
+
+TARGETS = (
+    "raw",
+    "raw-ring",
+    "kvtier",
+    "kvtier-shm",
+    "kvtier-auth",
+    "kvtier-tls",
+    "redis",
+    "redis-unix",
+    "mooncake",
+    "mooncake-py",
+)
 
 
-TARGETS = ("raw", "raw-ring", "kvtier", "kvtier-shm", "kvtier-auth", "kvtier-tls", "redis", "redis-unix",
-           "mooncake", "mooncake-py")
-
-
-MOONCAKE_SEGMENT_MB = 384  # each of the pool's two segments: small enough to touch all of it before measuring
+MOONCAKE_SEGMENT_MB = (
+    384  # each of the pool's two segments: small enough to touch all of it before measuring
+)
 
 
 @dataclass
@@ -77,7 +88,9 @@ class ServerBenchConfig:
     def __post_init__(self) -> None:
         unknown = set(self.targets) - set(TARGETS)
         if unknown:
-            raise ValueError(f"unknown targets {sorted(unknown)}: expected some of {', '.join(TARGETS)}")
+            raise ValueError(
+                f"unknown targets {sorted(unknown)}: expected some of {', '.join(TARGETS)}"
+            )
         if self.extras and not {"kvtier", "redis"} <= set(self.targets):
             raise ValueError("latency and shared-memory figures need the kvtier and redis targets")
 
@@ -86,15 +99,24 @@ def run_server_bench(cfg: ServerBenchConfig, progress=print) -> dict:
     from kvtier.dev.localservers import free_ports, wait_for_port
 
     raw_port, ring_port = free_ports(2)
-    raws = [mp.get_context("spawn").Process(target=raw_server, args=(port, ring), daemon=True)
-            for port, ring in ((raw_port, 0), (ring_port, 256 * MiB))]
+    raws = [
+        mp.get_context("spawn").Process(target=raw_server, args=(port, ring), daemon=True)
+        for port, ring in ((raw_port, 0), (ring_port, 256 * MiB))
+    ]
     for proc, port in zip(raws, (raw_port, ring_port)):
         proc.start()
         wait_for_port(port)
     os.environ.setdefault(TOKEN_ENV, secrets.token_hex(32))  # before the client processes start
     clients = Clients(max(cfg.conns))
-    result: dict = {"machine": host(), "date": time.strftime("%Y-%m-%d"), "config": cfg.__dict__,
-                    "throughput": [], "latency": {}, "shm": {}, "serde": {}}
+    result: dict = {
+        "machine": host(),
+        "date": time.strftime("%Y-%m-%d"),
+        "config": cfg.__dict__,
+        "throughput": [],
+        "latency": {},
+        "shm": {},
+        "serde": {},
+    }
     try:
         # One kvtier server per kvtier target, as a node reaches its server by one
         # path: the client processes keep a connection to every target, and a
@@ -103,22 +125,35 @@ def run_server_bench(cfg: ServerBenchConfig, progress=print) -> dict:
             targets = {"raw": str(raw_port), "raw-ring": str(ring_port), **addresses}
             targets = {t: a for t, a in targets.items() if t in cfg.targets}
             kv_addr = targets.get("kvtier")
-            if "mooncake-py" in addresses:  # the segments' first touch, so that no target's puts pay it
-                filled = clients.run(1, target="mooncake-py", address=addresses["mooncake-py"], op="put",
-                                     size=8 * MiB, duration=2 * 2 * MOONCAKE_SEGMENT_MB * MiB / 1e9 / 0.3)
+            if (
+                "mooncake-py" in addresses
+            ):  # the segments' first touch, so that no target's puts pay it
+                filled = clients.run(
+                    1,
+                    target="mooncake-py",
+                    address=addresses["mooncake-py"],
+                    op="put",
+                    size=8 * MiB,
+                    duration=2 * 2 * MOONCAKE_SEGMENT_MB * MiB / 1e9 / 0.3,
+                )
                 progress(f"Mooncake pool touched: {filled:.2f} GB/s of puts")
             for size in cfg.sizes_mib:
                 for conns in cfg.conns:
                     for op in ("put", "get"):
                         cell = _cell(clients, targets, cfg, size, conns, op)
                         result["throughput"].append(cell)
-                        progress(f"{op} {size} MiB x{conns}: " + " ".join(
-                            f"{t} {cell[t + '_GBps']:.2f}" for t in targets) + " GB/s | " + " ".join(
-                            f"{k} {v:.2f}" for k, v in cell.items() if "_vs_" in k))
+                        progress(
+                            f"{op} {size} MiB x{conns}: "
+                            + " ".join(f"{t} {cell[t + '_GBps']:.2f}" for t in targets)
+                            + " GB/s | "
+                            + " ".join(f"{k} {v:.2f}" for k, v in cell.items() if "_vs_" in k)
+                        )
             if cfg.extras:
                 result["latency"] = _latency(kv_addr, targets["redis"], cfg.latency_iters)
                 progress(f"latency over 64 keys: {result['latency']}")
-                result["shm"] = _shm(clients, targets.get("kvtier-shm", kv_addr.split("/?")[0]), cfg)
+                result["shm"] = _shm(
+                    clients, targets.get("kvtier-shm", kv_addr.split("/?")[0]), cfg
+                )
                 progress(f"shared memory: {result['shm']}")
     finally:
         clients.close()
@@ -133,7 +168,12 @@ def run_server_bench(cfg: ServerBenchConfig, progress=print) -> dict:
 @contextlib.contextmanager
 def _servers(targets: tuple[str, ...]):
     """The servers `targets` need, each on its own ports: target -> address for the clients."""
-    from kvtier.dev.localservers import kvtier_server, mooncake_store, redis_server, self_signed_cert
+    from kvtier.dev.localservers import (
+        kvtier_server,
+        mooncake_store,
+        redis_server,
+        self_signed_cert,
+    )
 
     with contextlib.ExitStack() as stack:
         out = {}
@@ -146,19 +186,29 @@ def _servers(targets: tuple[str, ...]):
             out["kvtier-auth"] = f"{srv.url}/?shm=0&token_env={TOKEN_ENV}"
         if "kvtier-tls" in targets:
             cert, key = self_signed_cert(Path(stack.enter_context(tempfile.TemporaryDirectory())))
-            srv = stack.enter_context(kvtier_server(1.0, "--tls-cert", str(cert), "--tls-key", str(key)))
+            srv = stack.enter_context(
+                kvtier_server(1.0, "--tls-cert", str(cert), "--tls-key", str(key))
+            )
             out["kvtier-tls"] = f"kvtiers://127.0.0.1:{srv.ports[0]}/?shm=0&tls_ca={cert}"
         if {"redis", "redis-unix"} & set(targets):
             rd = stack.enter_context(redis_server())
             out.update({"redis": rd.url, "redis-unix": rd.unix_socket})
         if {"mooncake", "mooncake-py"} & set(targets):  # one pool for both: the same segments
-            url = stack.enter_context(mooncake_store(segments=2, segment_mb=MOONCAKE_SEGMENT_MB)).url  # evicts at 90 %
+            url = stack.enter_context(
+                mooncake_store(segments=2, segment_mb=MOONCAKE_SEGMENT_MB)
+            ).url  # evicts at 90 %
             out.update({"mooncake": url, "mooncake-py": url})
         yield out
 
 
-def _cell(clients: Clients, targets: dict[str, str], cfg: ServerBenchConfig, size: int, conns: int,
-          op: str) -> dict:
+def _cell(
+    clients: Clients,
+    targets: dict[str, str],
+    cfg: ServerBenchConfig,
+    size: int,
+    conns: int,
+    op: str,
+) -> dict:
     """One (size, connections, op) cell: every target, repeats interleaved so
     that a noisy second hits all of them alike, the order rotated each repeat
     so that no target always runs first (or right after another); medians."""
@@ -166,27 +216,46 @@ def _cell(clients: Clients, targets: dict[str, str], cfg: ServerBenchConfig, siz
     runs: dict[str, list[float]] = {t: [] for t in targets}
     order = list(targets.items())
     for r in range(cfg.repeats):
-        for target, address in order[r % len(order):] + order[: r % len(order)]:
-            runs[target].append(clients.run(conns, target=target, address=address, op=op, size=size * MiB,
-                                            duration=cfg.duration))
+        for target, address in order[r % len(order) :] + order[: r % len(order)]:
+            runs[target].append(
+                clients.run(
+                    conns,
+                    target=target,
+                    address=address,
+                    op=op,
+                    size=size * MiB,
+                    duration=cfg.duration,
+                )
+            )
     for target, gbps in runs.items():
         cell[f"{target}_GBps"] = round(statistics.median(gbps), 3)
         cell[f"{target}_runs"] = [round(x, 3) for x in gbps]
-    ratios = {"tcp_vs_raw": ("kvtier", "raw"), "tcp_vs_raw_ring": ("kvtier", "raw-ring"),
-              "tcp_vs_redis": ("kvtier", "redis"), "same_host_vs_redis": ("kvtier-shm", "redis*"),
-              "auth_vs_plain": ("kvtier-auth", "kvtier"), "tls_vs_plain": ("kvtier-tls", "kvtier"),
-              "mooncake_vs_own": ("mooncake", "mooncake-py"), "kvtier_vs_mooncake": ("kvtier", "mooncake"),
-              **{f"{t}_vs_raw": (t, "raw") for t in ("kvtier-shm", "redis", "mooncake", "mooncake-py")}}
+    ratios = {
+        "tcp_vs_raw": ("kvtier", "raw"),
+        "tcp_vs_raw_ring": ("kvtier", "raw-ring"),
+        "tcp_vs_redis": ("kvtier", "redis"),
+        "same_host_vs_redis": ("kvtier-shm", "redis*"),
+        "auth_vs_plain": ("kvtier-auth", "kvtier"),
+        "tls_vs_plain": ("kvtier-tls", "kvtier"),
+        "mooncake_vs_own": ("mooncake", "mooncake-py"),
+        "kvtier_vs_mooncake": ("kvtier", "mooncake"),
+        **{f"{t}_vs_raw": (t, "raw") for t in ("kvtier-shm", "redis", "mooncake", "mooncake-py")},
+    }
     for name, (a, b) in ratios.items():
         if b == "redis*":  # the faster of redis-server's two paths
-            b_runs = [max(pair) for pair in zip(*(runs[t] for t in ("redis", "redis-unix") if t in targets))]
+            b_runs = [
+                max(pair)
+                for pair in zip(*(runs[t] for t in ("redis", "redis-unix") if t in targets))
+            ]
         else:
             b_runs = runs.get(b, [])
         if a in targets and b_runs:
             cell[name] = round(cell[f"{a}_GBps"] / statistics.median(b_runs), 3)
             # the same ratio within each repeat (targets ran back to back), then the median:
             # a slow second on a shared machine then hits both sides of the ratio
-            cell[name + "_paired"] = round(statistics.median(x / y for x, y in zip(runs[a], b_runs)), 3)
+            cell[name + "_paired"] = round(
+                statistics.median(x / y for x, y in zip(runs[a], b_runs)), 3
+            )
     return cell
 
 
@@ -233,8 +302,11 @@ def _shm(clients: Clients, kv_addr: str, cfg: ServerBenchConfig) -> dict:
     that stays in cache (hot), and into a 256 MiB ring, as values land in a
     pool far larger than the cache (cold)."""
     size = 4 * MiB
-    out: dict = {"value_MiB": 4, "memcpy_hot_GBps": round(_memcpy(size, size, cfg), 3),
-                 "memcpy_cold_GBps": round(_memcpy(size, 256 * MiB, cfg), 3)}
+    out: dict = {
+        "value_MiB": 4,
+        "memcpy_hot_GBps": round(_memcpy(size, size, cfg), 3),
+        "memcpy_cold_GBps": round(_memcpy(size, 256 * MiB, cfg), 3),
+    }
     for batch in (1, 8):
         for op in ("put", "get"):
             cmd = dict(target="kvtier-shm", address=kv_addr, op=op, size=size, batch=batch)
@@ -268,9 +340,11 @@ def _serde() -> dict:
             codec.decode_into(value, block)
             t_dec.append(time.perf_counter() - t0)
         assert bytes(block) == raw.tobytes()
-        out[serde] = {"ratio": round(len(value) / len(raw), 3),
-                      "encode_GBps": round(len(raw) / statistics.median(t_enc) / 1e9, 2),
-                      "decode_GBps": round(len(raw) / statistics.median(t_dec) / 1e9, 2)}
+        out[serde] = {
+            "ratio": round(len(value) / len(raw), 3),
+            "encode_GBps": round(len(raw) / statistics.median(t_enc) / 1e9, 2),
+            "decode_GBps": round(len(raw) / statistics.median(t_dec) / 1e9, 2),
+        }
     return out
 
 

@@ -36,7 +36,9 @@ def raw_server(port: int, ring: int) -> None:
 
 def _raw_serve(conn: socket.socket, ring: int) -> None:
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = memoryview(np.ones(max(ring, 16 * MiB), np.uint8))  # written once: no first-touch faults later
+    buf = memoryview(
+        np.ones(max(ring, 16 * MiB), np.uint8)
+    )  # written once: no first-touch faults later
     head = memoryview(bytearray(8))
     i = 0
     while _recv_exactly(conn, head):
@@ -60,8 +62,13 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
-def tcp_bandwidth(size: int = 16 * MiB, seconds: float = 1.0, repeats: int = 3, ring: int = 0,
-                  connections: int = 1) -> float:
+def tcp_bandwidth(
+    size: int = 16 * MiB,
+    seconds: float = 1.0,
+    repeats: int = 3,
+    ring: int = 0,
+    connections: int = 1,
+) -> float:
     """GB/s of raw loopback TCP gets of `size`-byte values (median of runs), over
     `connections` connections at once (a thread each, their bytes summed): the
     limit a store server's gets over TCP are held to. With `ring`, each value
@@ -103,7 +110,9 @@ class _RawClient:
     def __init__(self, port: int, ring: int = 0) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.buf = memoryview(np.ones(max(ring, 16 * MiB), np.uint8))  # written once: no first-touch faults
+        self.buf = memoryview(
+            np.ones(max(ring, 16 * MiB), np.uint8)
+        )  # written once: no first-touch faults
         self.ring, self.gets = ring, 0
         self.ack = memoryview(bytearray(1))
 
@@ -142,7 +151,9 @@ class _StoreClient:
         return self.store.delete(keys)
 
     def get(self, keys: list[bytes], size: int) -> None:
-        found = self.store.get_into(keys, [self.buf[i * size : (i + 1) * size] for i in range(len(keys))])
+        found = self.store.get_into(
+            keys, [self.buf[i * size : (i + 1) * size] for i in range(len(keys))]
+        )
         assert all(found)
 
 
@@ -158,8 +169,15 @@ class _MooncakeOwnClient:
 
         s = mooncake_settings(url, MOONCAKE_JOIN, env={})
         self.store = MooncakeDistributedStore()
-        code = self.store.setup(s.local_hostname, s.metadata_server, s.global_segment_size, s.local_buffer_size,
-                                s.protocol, s.device_name, s.master)
+        code = self.store.setup(
+            s.local_hostname,
+            s.metadata_server,
+            s.global_segment_size,
+            s.local_buffer_size,
+            s.protocol,
+            s.device_name,
+            s.master,
+        )
         assert code == 0, f"Mooncake setup returned {code}"
         self.value, self.buf = value, np.ones(64 * MiB, np.uint8)
         for array in (self.value, self.buf):
@@ -169,14 +187,20 @@ class _MooncakeOwnClient:
         return sum(c == 0 for c in self.store.batch_remove([k.decode() for k in keys], True))
 
     def put(self, keys: list[bytes], value: memoryview) -> None:
-        codes = self.store.batch_put_from([k.decode() for k in keys], [self.value.ctypes.data] * len(keys),
-                                          [len(value)] * len(keys))
+        codes = self.store.batch_put_from(
+            [k.decode() for k in keys],
+            [self.value.ctypes.data] * len(keys),
+            [len(value)] * len(keys),
+        )
         assert all(c == 0 for c in codes), codes
 
     def get(self, keys: list[bytes], size: int) -> None:
         base = self.buf.ctypes.data
-        got = self.store.batch_get_into([k.decode() for k in keys], [base + i * size for i in range(len(keys))],
-                                        [size] * len(keys))
+        got = self.store.batch_get_into(
+            [k.decode() for k in keys],
+            [base + i * size for i in range(len(keys))],
+            [size] * len(keys),
+        )
         assert got == [size] * len(keys), got
 
 
@@ -199,8 +223,12 @@ def _client(target: str, address: str, value: np.ndarray):
 
         from kvtier.remote.redis import RedisStore, _packer
 
-        return _StoreClient(RedisStore(lambda: redis.Redis.from_url(f"unix://{address}", command_packer=_packer()),
-                                       f"unix://{address}"))
+        return _StoreClient(
+            RedisStore(
+                lambda: redis.Redis.from_url(f"unix://{address}", command_packer=_packer()),
+                f"unix://{address}",
+            )
+        )
     from kvtier.remote import open_store
 
     return _StoreClient(open_store(address, 30))

@@ -38,9 +38,9 @@ import shutil
 import signal
 import statistics
 import subprocess
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Iterator
 
 from kvtier.bench.chat import Record, Workload, plot, run, same_outputs
 from kvtier.bench.stores_vllm import LMCACHE_CONNECTOR, bench_serve, served_outputs
@@ -61,9 +61,12 @@ def setup(name: str, cpu_gb: float) -> tuple[dict | None, dict, list[str]]:
         "kvtier-kernel": (KVTIER, {**size, "KVTIER_GPU_UPLOAD": "kernel"}, []),
         "kvtier-in-step": (KVTIER, {**size, "KVTIER_ASYNC_LOADING": "never"}, []),
         "kvtier-dma": (KVTIER, {**size, "KVTIER_GPU_UPLOAD": "copy_engine"}, []),
-        "lmcache": (LMCACHE_CONNECTOR,
-                    {**size, "LMCACHE_LOCAL_CPU": "true"}, []),
-        "native": (None, {}, ["--kv-offloading-size", str(cpu_gb), "--kv-offloading-backend", "native"]),
+        "lmcache": (LMCACHE_CONNECTOR, {**size, "LMCACHE_LOCAL_CPU": "true"}, []),
+        "native": (
+            None,
+            {},
+            ["--kv-offloading-size", str(cpu_gb), "--kv-offloading-backend", "native"],
+        ),
     }[name]
 
 
@@ -72,12 +75,16 @@ class ServerSpec:
     """How every setup's vLLM server runs: the same for each offloader."""
 
     cpu_gb: float = 20.0  # CPU memory each offloader gets
-    gpu_util: float = 0.2  # vLLM's share of the GPU (its KV cache what is left of it after the model)
+    gpu_util: float = (
+        0.2  # vLLM's share of the GPU (its KV cache what is left of it after the model)
+    )
     eager: bool = False
     prefix_caching: bool = True
     max_model_len: int = 32768
     dtype: str = "auto"
-    gpu_kv_bytes: int | None = None  # vLLM's GPU KV cache, exactly (--kv-cache-memory-bytes; gpu_util then
+    gpu_kv_bytes: int | None = (
+        None  # vLLM's GPU KV cache, exactly (--kv-cache-memory-bytes; gpu_util then
+    )
     # only bounds the rest)
 
 
@@ -87,14 +94,20 @@ class ServerSpec:
 NULL_BLOCK_TOKENS = 256
 
 
-def gpu_kv_bytes(spec: TinyLlama, w: Workload, share: float, max_model_len: int, dtype_bytes: int = 2) -> int:
+def gpu_kv_bytes(
+    spec: TinyLlama, w: Workload, share: float, max_model_len: int, dtype_bytes: int = 2
+) -> int:
     """A GPU KV cache that holds `share` of the workload's conversations at their last turn
     (prompt and answer), so that the workload means the same on any GPU; at least one
     request of `max_model_len` tokens and vLLM's null block (it will not start with less). KV
     in 16-bit floats unless `dtype_bytes` says otherwise."""
-    last_turn = w.system_tokens + w.turns * w.user_tokens + (w.turns - 1) * w.answer_tokens + w.max_tokens
+    last_turn = (
+        w.system_tokens + w.turns * w.user_tokens + (w.turns - 1) * w.answer_tokens + w.max_tokens
+    )
     least = max_model_len + NULL_BLOCK_TOKENS
-    return spec.kv_bytes_per_token(dtype_bytes) * max(round(share * w.conversations * last_turn), least)
+    return spec.kv_bytes_per_token(dtype_bytes) * max(
+        round(share * w.conversations * last_turn), least
+    )
 
 
 def served(model: Path, name: str, workdir: Path, server: ServerSpec):
@@ -104,9 +117,18 @@ def served(model: Path, name: str, workdir: Path, server: ServerSpec):
         # VLLM_CPU_KVCACHE_SPACE over the flag, so the variable goes
         extra = [*extra, "--kv-cache-memory-bytes", str(server.gpu_kv_bytes)]
         env = {**env, "VLLM_CPU_KVCACHE_SPACE": None}
-    return vllm_server(model, workdir, env=env, kv_connector=connector, extra_args=extra,
-                       gpu_memory_utilization=server.gpu_util, eager=server.eager,
-                       prefix_caching=server.prefix_caching, max_model_len=server.max_model_len, dtype=server.dtype)
+    return vllm_server(
+        model,
+        workdir,
+        env=env,
+        kv_connector=connector,
+        extra_args=extra,
+        gpu_memory_utilization=server.gpu_util,
+        eager=server.eager,
+        prefix_caching=server.prefix_caching,
+        max_model_len=server.max_model_len,
+        dtype=server.dtype,
+    )
 
 
 @contextlib.contextmanager
@@ -119,9 +141,26 @@ def sampled(pid: int, path: Path | None) -> Iterator[None]:
     spy = shutil.which("py-spy")
     if spy is None:
         raise RuntimeError("--profile needs py-spy on PATH (pip install py-spy)")
-    proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--subprocesses", "--rate", "200", "--format",
-                             "raw", "--threads", "--idle", "--nonblocking", "-o", str(path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            spy,
+            "record",
+            "--pid",
+            str(pid),
+            "--subprocesses",
+            "--rate",
+            "200",
+            "--format",
+            "raw",
+            "--threads",
+            "--idle",
+            "--nonblocking",
+            "-o",
+            str(path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         yield
     finally:
@@ -129,8 +168,16 @@ def sampled(pid: int, path: Path | None) -> Iterator[None]:
         proc.wait(timeout=60)
 
 
-def compare(model: Path, names: list[str], w: Workload, out: Path, server: ServerSpec,
-            profile: bool = False, rounds: int = 1, servers: str = "per-run") -> dict[str, Record]:
+def compare(
+    model: Path,
+    names: list[str],
+    w: Workload,
+    out: Path,
+    server: ServerSpec,
+    profile: bool = False,
+    rounds: int = 1,
+    servers: str = "per-run",
+) -> dict[str, Record]:
     """Each setup in turn, `rounds` times over (setup "x" of round 2 is "x#2"): a machine's
     drift then falls on every setup alike, and each round compares setups side by side.
 
@@ -165,7 +212,9 @@ def compare(model: Path, names: list[str], w: Workload, out: Path, server: Serve
                     measure(key(name, r), srv, replace(w, seed=w.seed + r))
     elif servers == "resident":
         with contextlib.ExitStack() as stack:
-            up = {name: stack.enter_context(served(model, name, out / name, server)) for name in names}
+            up = {
+                name: stack.enter_context(served(model, name, out / name, server)) for name in names
+            }
             for srv in up.values():
                 warm(srv)
             for r in range(rounds):
@@ -185,18 +234,31 @@ def report(out: Path, names: list[str]) -> dict[str, Record]:
     """The records a chat run left in `out` ("x#k" by round, each round in the order of
     `names`, other setups after them), and their plot written again: a run cut by its time
     limit leaves its records but prints no table."""
-    found = {q.stem: Record(**json.loads(q.read_text())) for q in out.glob("*.json") if "#" in q.stem or
-             q.stem in names}
+    found = {
+        q.stem: Record(**json.loads(q.read_text()))
+        for q in out.glob("*.json")
+        if "#" in q.stem or q.stem in names
+    }
     setups = {k.partition("#")[0] for k in found}
     order = [n for n in names if n in setups] + sorted(setups - set(names))
-    records = {k: found[k] for k in sorted(found, key=lambda k: (int(k.partition("#")[2] or 0),
-                                                                   order.index(k.partition("#")[0])))}
+    records = {
+        k: found[k]
+        for k in sorted(
+            found, key=lambda k: (int(k.partition("#")[2] or 0), order.index(k.partition("#")[0]))
+        )
+    }
     (out / "serving.svg").write_text(plot({n: asdict(r) for n, r in records.items()}))
     return records
 
 
-def serve_twice(model: Path, names: list[str], work: BenchServe, out: Path, server: ServerSpec,
-                profile: bool = False) -> dict[str, dict]:
+def serve_twice(
+    model: Path,
+    names: list[str],
+    work: BenchServe,
+    out: Path,
+    server: ServerSpec,
+    profile: bool = False,
+) -> dict[str, dict]:
     """The InfiniStore guide's flow per setup: `vllm bench serve` twice against one server,
     the second run sending the first's prompts (a prefix-sharing dataset where `work` says
     so); `profile`: py-spy on the server during each (`<out>/<setup>-first-pyspy.txt`, `-second-`). A
@@ -211,15 +273,28 @@ def serve_twice(model: Path, names: list[str], work: BenchServe, out: Path, serv
                 assert srv.proc is not None
                 runs = {}
                 for run_ in ("first", "second"):
-                    with sampled(srv.proc.pid, out / f"{name}-{run_}-pyspy.txt" if profile else None):
-                        runs[run_] = bench_serve(srv.url, str(model), work, save=out / name / f"{run_}.json")
+                    with sampled(
+                        srv.proc.pid, out / f"{name}-{run_}-pyspy.txt" if profile else None
+                    ):
+                        runs[run_] = bench_serve(
+                            srv.url, str(model), work, save=out / name / f"{run_}.json"
+                        )
             first, second = runs["first"], runs["second"]
-            rows[name] = {"first": first, "second": second,
-                          "second_vs_first_median": second["Median TTFT (ms)"] / first["Median TTFT (ms)"],
-                          "outputs": {r: served_outputs(out / name / f"{r}.json") for r in runs}}
-        except (RuntimeError, TimeoutError, subprocess.SubprocessError) as exc:  # a start or a run that failed
+            rows[name] = {
+                "first": first,
+                "second": second,
+                "second_vs_first_median": second["Median TTFT (ms)"] / first["Median TTFT (ms)"],
+                "outputs": {r: served_outputs(out / name / f"{r}.json") for r in runs},
+            }
+        except (
+            RuntimeError,
+            TimeoutError,
+            subprocess.SubprocessError,
+        ) as exc:  # a start or a run that failed
             rows[name] = {"error": str(exc)[-2000:]}
-        (out / f"{name}-bench-serve.json").write_text(json.dumps({"workload": asdict(work), **rows[name]}, indent=1))
+        (out / f"{name}-bench-serve.json").write_text(
+            json.dumps({"workload": asdict(work), **rows[name]}, indent=1)
+        )
         print(f"[{name}] {json.dumps(rows[name])[:400]}", flush=True)
     return rows
 
@@ -230,17 +305,24 @@ def serve_twice_table(rows: dict[str, dict]) -> list[str]:
     and its own first run's (greedy; a bf16 near-tie under another batch may still part)."""
     ran = [r for r in rows.values() if "error" not in r]
     reference = ran[0]["outputs"]["first"] if ran else []
-    lines = ["| setup | first: median / mean / p99 TTFT ms | second | second / first (median) | "
-             "req/s first, second | failed | second's outputs = the reference's, = its first's |", "|---" * 7 + "|"]
+    lines = [
+        "| setup | first: median / mean / p99 TTFT ms | second | second / first (median) | "
+        "req/s first, second | failed | second's outputs = the reference's, = its first's |",
+        "|---" * 7 + "|",
+    ]
     for name, r in rows.items():
         if "error" in r:
-            lines.append(f"| {name} | failed to run: {r['error'].splitlines()[-1][:120] if r['error'] else '?'} ||||||")
+            lines.append(
+                f"| {name} | failed to run: {r['error'].splitlines()[-1][:120] if r['error'] else '?'} ||||||"
+            )
             continue
         a, b, outputs = r["first"], r["second"], r["outputs"]
-        lines.append(f"| {name} | {_three(a)} | {_three(b)} | {r['second_vs_first_median']:.3f} | "
-                     f"{a.get('Request throughput (req/s)', 0):.2f}, {b.get('Request throughput (req/s)', 0):.2f} | "
-                     f"{a.get('Failed requests', 0) + b.get('Failed requests', 0):.0f} | "
-                     f"{_equal(outputs['second'], reference)}, {_equal(outputs['second'], outputs['first'])} |")
+        lines.append(
+            f"| {name} | {_three(a)} | {_three(b)} | {r['second_vs_first_median']:.3f} | "
+            f"{a.get('Request throughput (req/s)', 0):.2f}, {b.get('Request throughput (req/s)', 0):.2f} | "
+            f"{a.get('Failed requests', 0) + b.get('Failed requests', 0):.0f} | "
+            f"{_equal(outputs['second'], reference)}, {_equal(outputs['second'], outputs['first'])} |"
+        )
     return lines
 
 
@@ -259,32 +341,47 @@ def by_round(records: dict[str, Record]) -> list[str]:
     per round the share of requests sent in lockstep (chat.bunched), what a round's mean TTFT
     followed at capacity."""
     rounds: dict[str, dict[str, tuple[float, float]]] = {}  # setup -> round -> (mean TTFT, req/s)
-    phases: dict[str, list[tuple[float, float]]] = {}  # setup -> vLLM's (queue, prefill) ms per round
+    phases: dict[
+        str, list[tuple[float, float]]
+    ] = {}  # setup -> vLLM's (queue, prefill) ms per round
     lockstep: dict[str, list[float | None]] = {}  # setup -> share of sends bunched, per round
     for key, rec in records.items():
         name, _, r = key.partition("#")
         if r and rec.summary.get("ttft_mean_ms") is not None:
-            rounds.setdefault(name, {})[r] = (rec.summary["ttft_mean_ms"], rec.summary["requests_per_s"])
+            rounds.setdefault(name, {})[r] = (
+                rec.summary["ttft_mean_ms"],
+                rec.summary["requests_per_s"],
+            )
             lockstep.setdefault(name, []).append(rec.summary.get("sent_bunched"))
             if rec.summary.get("queue_ms_mean") is not None:
-                phases.setdefault(name, []).append((rec.summary["queue_ms_mean"], rec.summary["prefill_ms_mean"]))
+                phases.setdefault(name, []).append(
+                    (rec.summary["queue_ms_mean"], rec.summary["prefill_ms_mean"])
+                )
     if not rounds:
         return []
     first = next(iter(rounds.values()))
-    lines = ["| setup | mean TTFT ms by round | median | / first setup, same round (median) | "
-             "req/s / first setup's (median) | rounds it leads the first setup on both | "
-             "vLLM's queue / prefill ms (medians) | sent in lockstep by round |", "|---" * 8 + "|"]
+    lines = [
+        "| setup | mean TTFT ms by round | median | / first setup, same round (median) | "
+        "req/s / first setup's (median) | rounds it leads the first setup on both | "
+        "vLLM's queue / prefill ms (medians) | sent in lockstep by round |",
+        "|---" * 8 + "|",
+    ]
     for name, by in rounds.items():
         paired = [(m / first[r][0], q / first[r][1]) for r, (m, q) in by.items() if r in first]
         leads = sum(t < 1 and q > 1 for t, q in paired)
         split = phases.get(name)
-        split_ms = (f"{statistics.median(q for q, _ in split):.1f} / {statistics.median(p for _, p in split):.1f}"
-                    if split else "—")
-        lines.append(f"| {name} | {' '.join(f'{m:.1f}' for m, _ in by.values())} | "
-                     f"{statistics.median(m for m, _ in by.values()):.1f} | "
-                     f"{statistics.median(t for t, _ in paired):.3f} | {statistics.median(q for _, q in paired):.3f} | "
-                     f"{leads} of {len(paired)} | {split_ms} | "
-                     f"{' '.join('—' if b is None else f'{b:.2f}' for b in lockstep[name])} |")
+        split_ms = (
+            f"{statistics.median(q for q, _ in split):.1f} / {statistics.median(p for _, p in split):.1f}"
+            if split
+            else "—"
+        )
+        lines.append(
+            f"| {name} | {' '.join(f'{m:.1f}' for m, _ in by.values())} | "
+            f"{statistics.median(m for m, _ in by.values()):.1f} | "
+            f"{statistics.median(t for t, _ in paired):.3f} | {statistics.median(q for _, q in paired):.3f} | "
+            f"{leads} of {len(paired)} | {split_ms} | "
+            f"{' '.join('—' if b is None else f'{b:.2f}' for b in lockstep[name])} |"
+        )
     return lines
 
 
@@ -294,25 +391,32 @@ def table(records: dict[str, Record]) -> list[str]:
     firsts: dict[str, Record] = {}
     for key, rec in records.items():
         firsts.setdefault(key.partition("#")[2], rec)
-    lines = ["| setup | TTFT mean ms | TTFT p99 ms | req/s | output tok/s | connector hit rate | "
-             "GPU prefix hit rate | in flight mean / max | "
-             "kvtier lookup ms (share of the run, longest since the start) | vLLM's queue / prefill / ITL ms | "
-             "vLLM steps over 512 tokens | failed | outputs equal to the round's first |", "|---" * 13 + "|"]
+    lines = [
+        "| setup | TTFT mean ms | TTFT p99 ms | req/s | output tok/s | connector hit rate | "
+        "GPU prefix hit rate | in flight mean / max | "
+        "kvtier lookup ms (share of the run, longest since the start) | vLLM's queue / prefill / ITL ms | "
+        "vLLM steps over 512 tokens | failed | outputs equal to the round's first |",
+        "|---" * 13 + "|",
+    ]
     for name, rec in records.items():
         s = rec.summary
         equal, both = same_outputs(rec, firsts[name.partition("#")[2]])
-        lines.append(f"| {name} | {_ms(s['ttft_mean_ms'])} | {_ms(s['ttft_p99_ms'])} | {s['requests_per_s']:.2f} | "
-                     f"{s['output_tokens_per_s']:.1f} | {s['connector_hit_rate']:.2f} | "
-                     f"{s['gpu_prefix_hit_rate']:.2f} | {s['mean_in_flight']:.1f} / {s['max_in_flight']} | "
-                     f"{_lookups(s)} | {_ms(s.get('queue_ms_mean'))} / {_ms(s.get('prefill_ms_mean'))} / "
-                     f"{_ms(s.get('itl_ms_mean'))} | {_steps(s)} | {s['failed']} | {equal}/{both} |")
+        lines.append(
+            f"| {name} | {_ms(s['ttft_mean_ms'])} | {_ms(s['ttft_p99_ms'])} | {s['requests_per_s']:.2f} | "
+            f"{s['output_tokens_per_s']:.1f} | {s['connector_hit_rate']:.2f} | "
+            f"{s['gpu_prefix_hit_rate']:.2f} | {s['mean_in_flight']:.1f} / {s['max_in_flight']} | "
+            f"{_lookups(s)} | {_ms(s.get('queue_ms_mean'))} / {_ms(s.get('prefill_ms_mean'))} / "
+            f"{_ms(s.get('itl_ms_mean'))} | {_steps(s)} | {s['failed']} | {equal}/{both} |"
+        )
     return lines
 
 
 def _steps(s: dict) -> str:
     """vLLM's steps with more tokens than it captures in CUDA graphs, of all (chat.STEPS; records
     from before 2026-11-28 22:40 UTC have none)."""
-    return "—" if s.get("steps") is None else f"{s['steps_over_512_tokens']:.0f} of {s['steps']:.0f}"
+    return (
+        "—" if s.get("steps") is None else f"{s['steps_over_512_tokens']:.0f} of {s['steps']:.0f}"
+    )
 
 
 def _lookups(s: dict) -> str:
@@ -320,7 +424,9 @@ def _lookups(s: dict) -> str:
     from before 2026-11-28 have neither; other connectors make none)."""
     if s.get("lookup_ms_mean") is None:
         return "—"
-    longest = f", longest {s['lookup_ms_longest']:.1f}" if s.get("lookup_ms_longest") is not None else ""
+    longest = (
+        f", longest {s['lookup_ms_longest']:.1f}" if s.get("lookup_ms_longest") is not None else ""
+    )
     return f"{s['lookup_ms_mean']:.2f} ({100 * s['lookup_share']:.1f} %{longest})"
 
 
@@ -329,33 +435,73 @@ def _ms(v: float | None) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--setups", nargs="+", default=["plain", "kvtier", "kvtier-kernel", "lmcache", "native"])
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--setups", nargs="+", default=["plain", "kvtier", "kvtier-kernel", "lmcache", "native"]
+    )
     p.add_argument("--model-dir", default="/tmp/kvtier-serving-model")
-    p.add_argument("--model", type=json.loads, default={}, help="TinyLlama fields of the model made there (JSON)")
+    p.add_argument(
+        "--model",
+        type=json.loads,
+        default={},
+        help="TinyLlama fields of the model made there (JSON)",
+    )
     p.add_argument("--out", default="results/serving")
     p.add_argument("--cpu-gb", type=float, default=20.0, help="CPU memory each offloader gets (GB)")
-    p.add_argument("--gpu-util", type=float, default=0.2, help="small, so that vLLM's own KV cache holds a part")
-    p.add_argument("--gpu-kv-share", type=float, default=None,
-                   help="vLLM's GPU KV cache sized to hold this share of the chat's conversations at their last "
-                        "turn (--kv-cache-memory-bytes): the same workload on any GPU, whatever --gpu-util leaves")
+    p.add_argument(
+        "--gpu-util",
+        type=float,
+        default=0.2,
+        help="small, so that vLLM's own KV cache holds a part",
+    )
+    p.add_argument(
+        "--gpu-kv-share",
+        type=float,
+        default=None,
+        help="vLLM's GPU KV cache sized to hold this share of the chat's conversations at their last "
+        "turn (--kv-cache-memory-bytes): the same workload on any GPU, whatever --gpu-util leaves",
+    )
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--workload", type=json.loads, default={}, help="Workload fields (JSON)")
     p.add_argument("--profile", action="store_true", help="py-spy the server during each workload")
-    p.add_argument("--rounds", type=int, default=1, help="run the setups this many times over, in turn")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="run the setups this many times over, in turn"
+    )
     started = p.add_mutually_exclusive_group()
-    started.add_argument("--resident", dest="servers", action="store_const", const="resident", default="per-run",
-                         help="every setup's server up at once, started once; each round new conversations "
-                              "(many paired rounds a call; --gpu-util small enough for all of them)")
-    started.add_argument("--alone", dest="servers", action="store_const", const="alone",
-                         help="as --resident, but one setup's server at a time, through all its rounds")
-    p.add_argument("--report", metavar="DIR", help="print the tables of the chat records in DIR (a run cut by its "
-                   "time limit printed none), in the order of --setups, and write their plot again; run nothing")
-    p.add_argument("--bench-serve", type=json.loads, default=None, metavar="JSON",
-                   help="instead of the chat workload, `vllm bench serve` twice per setup: fields of "
-                        "kvtier.bench.stores_vllm.Workload (num_prefixes > 0: the prefix_repetition dataset)")
+    started.add_argument(
+        "--resident",
+        dest="servers",
+        action="store_const",
+        const="resident",
+        default="per-run",
+        help="every setup's server up at once, started once; each round new conversations "
+        "(many paired rounds a call; --gpu-util small enough for all of them)",
+    )
+    started.add_argument(
+        "--alone",
+        dest="servers",
+        action="store_const",
+        const="alone",
+        help="as --resident, but one setup's server at a time, through all its rounds",
+    )
+    p.add_argument(
+        "--report",
+        metavar="DIR",
+        help="print the tables of the chat records in DIR (a run cut by its "
+        "time limit printed none), in the order of --setups, and write their plot again; run nothing",
+    )
+    p.add_argument(
+        "--bench-serve",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="instead of the chat workload, `vllm bench serve` twice per setup: fields of "
+        "kvtier.bench.stores_vllm.Workload (num_prefixes > 0: the prefix_repetition dataset)",
+    )
     return p
 
 
@@ -367,29 +513,56 @@ def main() -> None:
         return
     spec = TinyLlama(**args.model)
     model = make_tiny_llama(args.model_dir, spec)
-    server = ServerSpec(args.cpu_gb, args.gpu_util, args.eager, args.prefix_caching, args.max_model_len)
+    server = ServerSpec(
+        args.cpu_gb, args.gpu_util, args.eager, args.prefix_caching, args.max_model_len
+    )
     if args.bench_serve is not None:
-        rows = serve_twice(model, args.setups, BenchServe(**args.bench_serve), Path(args.out), server,
-                           profile=args.profile)
+        rows = serve_twice(
+            model,
+            args.setups,
+            BenchServe(**args.bench_serve),
+            Path(args.out),
+            server,
+            profile=args.profile,
+        )
         print("\n".join(serve_twice_table(rows)))
         return
     # Token ids within the model's vocabulary (vLLM refuses others with a 400).
     workload = Workload(**{"vocab": spec.vocab_size, **args.workload})
-    if args.gpu_kv_share is not None:  # KV in the dtype vLLM runs the model in (float32 on an AMX CPU)
+    if (
+        args.gpu_kv_share is not None
+    ):  # KV in the dtype vLLM runs the model in (float32 on an AMX CPU)
         dtype_bytes = 4 if model_dtype().dtype == "float32" else 2
-        server = replace(server, gpu_kv_bytes=gpu_kv_bytes(spec, workload, args.gpu_kv_share, args.max_model_len,
-                                                           dtype_bytes))
-        print(f"vLLM's GPU KV cache: {server.gpu_kv_bytes / 2**30:.2f} GiB, {args.gpu_kv_share:.0%} of the "
-              f"{workload.conversations} conversations at their last turn", flush=True)
-    records = compare(model, args.setups, workload, Path(args.out), server, profile=args.profile,
-                      rounds=args.rounds, servers=args.servers)
+        server = replace(
+            server,
+            gpu_kv_bytes=gpu_kv_bytes(
+                spec, workload, args.gpu_kv_share, args.max_model_len, dtype_bytes
+            ),
+        )
+        print(
+            f"vLLM's GPU KV cache: {server.gpu_kv_bytes / 2**30:.2f} GiB, {args.gpu_kv_share:.0%} of the "
+            f"{workload.conversations} conversations at their last turn",
+            flush=True,
+        )
+    records = compare(
+        model,
+        args.setups,
+        workload,
+        Path(args.out),
+        server,
+        profile=args.profile,
+        rounds=args.rounds,
+        servers=args.servers,
+    )
     print("\n".join(table(records) + [""] + by_round(records)))
     for name, rec in records.items():
         s = rec.summary
         if workload.concurrency > 1 and s["sent_while_another_ran"] < 0.5:
-            print(f"note: {name}: {s['sent_while_another_ran']:.0%} of the requests were sent while another ran "
-                  f"({s['mean_in_flight']:.1f} in flight on average): at {workload.rate} req/s the server "
-                  f"served them about one at a time, not up to {workload.concurrency}; raise the rate")
+            print(
+                f"note: {name}: {s['sent_while_another_ran']:.0%} of the requests were sent while another ran "
+                f"({s['mean_in_flight']:.1f} in flight on average): at {workload.rate} req/s the server "
+                f"served them about one at a time, not up to {workload.concurrency}; raise the rate"
+            )
 
 
 if __name__ == "__main__":

@@ -50,25 +50,31 @@ def read(path: Path) -> dict[tuple[str, str], Thread]:
         # A child's stacks name its parents first; a command line may hold ";" too.
         at = next((i for i, f in enumerate(frames) if f.startswith("thread (")), -1)
         head, thread = (frames[:at], frames[at]) if at >= 0 else ([], "thread")
-        frames = frames[at + 1:]
+        frames = frames[at + 1 :]
         process = next((f for f in reversed(head) if f.startswith("process ")), "process")
         t = threads[(process[:60], thread)]
         n = int(count)
         t.samples += n
-        ours = [f"{fn} ({Path(file).name})" for fn, file in map(frame_name, frames) if is_kvtier(file)]
+        ours = [
+            f"{fn} ({Path(file).name})" for fn, file in map(frame_name, frames) if is_kvtier(file)
+        ]
         if ours:
             t.outer[ours[0]] += n
             t.inner[ours[-1]] += n
     return threads
 
 
-def report(threads: dict[tuple[str, str], Thread], top: int = 8, min_samples: int = 50) -> list[str]:
+def report(
+    threads: dict[tuple[str, str], Thread], top: int = 8, min_samples: int = 50
+) -> list[str]:
     lines = []
     for (process, thread), t in sorted(threads.items(), key=lambda kv: -kv[1].samples):
         if t.samples < min_samples:
             continue
         ours = sum(t.outer.values())
-        lines.append(f"{process} {thread}: {t.samples} samples, {ours} ({ours / t.samples:.1%}) in kvtier")
+        lines.append(
+            f"{process} {thread}: {t.samples} samples, {ours} ({ours / t.samples:.1%}) in kvtier"
+        )
         for label, counter in (("called", t.outer), ("in", t.inner)):
             for name, n in counter.most_common(top):
                 lines.append(f"    {label:6} {n / t.samples:6.1%}  {name}")
@@ -76,7 +82,9 @@ def report(threads: dict[tuple[str, str], Thread], top: int = 8, min_samples: in
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--top", type=int, default=8)
     p.add_argument("--min-samples", type=int, default=50)

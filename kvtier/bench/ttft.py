@@ -69,9 +69,16 @@ from kvtier.integrations.hf import HFSession, KvtierCache
 from kvtier.server.client import READERS
 
 CUDA = torch.device("cuda")
-LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-                rope_theta=500000.0)
+LLAMA_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+)
 
 
 @dataclass
@@ -91,8 +98,12 @@ class TTFTPoint:
     warm_server_layerwise_s: float | None = None
     tcp_floor_s: float | None = None  # KV bytes / raw loopback TCP (pool to pool) + forward
     tcp_cached_floor_s: float | None = None  # the same with the cache-resident TCP figure
-    tcp_gbps: tuple[float, float] | None = None  # raw loopback TCP: pool to pool, and cache-resident
-    tcp_multi_gbps: float | None = None  # raw loopback TCP pool to pool over as many connections as KVClient uses
+    tcp_gbps: tuple[float, float] | None = (
+        None  # raw loopback TCP: pool to pool, and cache-resident
+    )
+    tcp_multi_gbps: float | None = (
+        None  # raw loopback TCP pool to pool over as many connections as KVClient uses
+    )
     warm_disk_s: float | None = None
     disk_floor_s: float | None = None  # KV bytes / file read bandwidth + forward
     kv_bytes: int = 0  # bf16 KV of the hit tokens
@@ -104,67 +115,131 @@ class TTFTPoint:
     def paired(self, ratio, warm: str) -> float:
         """Median over repeats of ratio(warm_i, forward_i): each warm run against the
         one-token forward timed right after it, so that slow drifts cancel."""
-        return statistics.median(ratio(w, f) for w, f in zip(self.samples[warm], self.samples["forward_1"]))
+        return statistics.median(
+            ratio(w, f) for w, f in zip(self.samples[warm], self.samples["forward_1"])
+        )
 
     def tcp_codecs(self) -> list[str]:
-        return [k.removeprefix("warm_server_tcp_") for k in self.samples if k.startswith("warm_server_tcp_")]
+        return [
+            k.removeprefix("warm_server_tcp_")
+            for k in self.samples
+            if k.startswith("warm_server_tcp_")
+        ]
 
     def _codec_row(self, name: str) -> dict:
         times = self.samples[f"warm_server_tcp_{name}"]
         t = statistics.median(times)
         load = t - self.forward_1_s
-        return {f"warm_server_tcp_{name}_s": round(t, 4),
-                f"tcp_{name}_over_lossless": round(t / self.warm_server_tcp_s, 3),
-                f"tcp_{name}_effective_GBps": round(self.kv_bytes / load / 1e9, 3),
-                f"tcp_{name}_effective_over_raw_tcp": round(self.kv_bytes / load / 1e9 / self.tcp_gbps[0], 3)}
+        return {
+            f"warm_server_tcp_{name}_s": round(t, 4),
+            f"tcp_{name}_over_lossless": round(t / self.warm_server_tcp_s, 3),
+            f"tcp_{name}_effective_GBps": round(self.kv_bytes / load / 1e9, 3),
+            f"tcp_{name}_effective_over_raw_tcp": round(
+                self.kv_bytes / load / 1e9 / self.tcp_gbps[0], 3
+            ),
+        }
 
     def row(self) -> dict:
-        return {"tokens": self.tokens, "hit_tokens": self.hit_tokens, "cold_s": round(self.cold_s, 4),
-                "warm_s": round(self.warm_s, 4), "floor_s": round(self.floor_s, 4),
-                "warm_over_floor": round(self.warm_s / self.floor_s, 3),
-                "speedup": round(self.cold_s / self.warm_s, 1),
-                "warm_over_floor_paired": round(self.paired(lambda w, f: w / (self.load_floor_s + f), "warm"), 3),
-                "warm_layerwise_s": round(self.warm_layerwise_s, 4),
-                "layerwise_over_max_load_forward": round(
-                    self.warm_layerwise_s / max(self.load_floor_s, self.forward_1_s), 3),
-                "layerwise_over_max_paired": round(
-                    self.paired(lambda w, f: w / max(self.load_floor_s, f), "warm_layerwise"), 3),
-                "load_floor_s": round(self.load_floor_s, 4), "forward_1_s": round(self.forward_1_s, 4),
-                "forward_1_beside_a_copy_over_forward_1": round(statistics.median(
-                    c / f for c, f in zip(self.samples["forward_1_beside_a_copy"], self.samples["forward_1"])), 3),
-                "cold_store_s": round(self.cold_store_s, 4),
-                "cold_store_over_cold": round(self.cold_store_s / self.cold_s, 3),
-                "cold_store_layerwise_s": round(self.cold_store_layerwise_s, 4),
-                "cold_store_layerwise_over_cold": round(self.cold_store_layerwise_s / self.cold_s, 3),
-                **({} if self.warm_server_s is None else {
+        return {
+            "tokens": self.tokens,
+            "hit_tokens": self.hit_tokens,
+            "cold_s": round(self.cold_s, 4),
+            "warm_s": round(self.warm_s, 4),
+            "floor_s": round(self.floor_s, 4),
+            "warm_over_floor": round(self.warm_s / self.floor_s, 3),
+            "speedup": round(self.cold_s / self.warm_s, 1),
+            "warm_over_floor_paired": round(
+                self.paired(lambda w, f: w / (self.load_floor_s + f), "warm"), 3
+            ),
+            "warm_layerwise_s": round(self.warm_layerwise_s, 4),
+            "layerwise_over_max_load_forward": round(
+                self.warm_layerwise_s / max(self.load_floor_s, self.forward_1_s), 3
+            ),
+            "layerwise_over_max_paired": round(
+                self.paired(lambda w, f: w / max(self.load_floor_s, f), "warm_layerwise"), 3
+            ),
+            "load_floor_s": round(self.load_floor_s, 4),
+            "forward_1_s": round(self.forward_1_s, 4),
+            "forward_1_beside_a_copy_over_forward_1": round(
+                statistics.median(
+                    c / f
+                    for c, f in zip(
+                        self.samples["forward_1_beside_a_copy"], self.samples["forward_1"]
+                    )
+                ),
+                3,
+            ),
+            "cold_store_s": round(self.cold_store_s, 4),
+            "cold_store_over_cold": round(self.cold_store_s / self.cold_s, 3),
+            "cold_store_layerwise_s": round(self.cold_store_layerwise_s, 4),
+            "cold_store_layerwise_over_cold": round(self.cold_store_layerwise_s / self.cold_s, 3),
+            **(
+                {}
+                if self.warm_server_s is None
+                else {
                     "warm_server_s": round(self.warm_server_s, 4),
                     "warm_server_over_floor": round(self.warm_server_s / self.floor_s, 3),
                     "warm_server_over_warm": round(self.warm_server_s / self.warm_s, 3),
-                    "warm_server_over_warm_paired": round(statistics.median(
-                        s / w for s, w in zip(self.samples["warm_server"], self.samples["warm"])), 3),
-                    "speedup_server": round(self.cold_s / self.warm_server_s, 1)}),
-                **({} if self.warm_server_layerwise_s is None else {
+                    "warm_server_over_warm_paired": round(
+                        statistics.median(
+                            s / w for s, w in zip(self.samples["warm_server"], self.samples["warm"])
+                        ),
+                        3,
+                    ),
+                    "speedup_server": round(self.cold_s / self.warm_server_s, 1),
+                }
+            ),
+            **(
+                {}
+                if self.warm_server_layerwise_s is None
+                else {
                     "warm_server_layerwise_s": round(self.warm_server_layerwise_s, 4),
                     "server_layerwise_over_max_load_forward": round(
-                        self.warm_server_layerwise_s / max(self.load_floor_s, self.forward_1_s), 3),
+                        self.warm_server_layerwise_s / max(self.load_floor_s, self.forward_1_s), 3
+                    ),
                     "server_layerwise_over_max_paired": round(
-                        self.paired(lambda w, f: w / max(self.load_floor_s, f), "warm_server_layerwise"), 3)}),
-                **({} if self.warm_server_tcp_s is None else {
-                    "warm_server_tcp_s": round(self.warm_server_tcp_s, 4), "tcp_floor_s": round(self.tcp_floor_s, 4),
-                    "warm_server_tcp_over_tcp_floor": round(self.warm_server_tcp_s / self.tcp_floor_s, 3),
+                        self.paired(
+                            lambda w, f: w / max(self.load_floor_s, f), "warm_server_layerwise"
+                        ),
+                        3,
+                    ),
+                }
+            ),
+            **(
+                {}
+                if self.warm_server_tcp_s is None
+                else {
+                    "warm_server_tcp_s": round(self.warm_server_tcp_s, 4),
+                    "tcp_floor_s": round(self.tcp_floor_s, 4),
+                    "warm_server_tcp_over_tcp_floor": round(
+                        self.warm_server_tcp_s / self.tcp_floor_s, 3
+                    ),
                     "raw_tcp_pool_to_pool_GBps": round(self.tcp_gbps[0], 3),
                     "raw_tcp_cache_resident_GBps": round(self.tcp_gbps[1], 3),
                     "raw_tcp_pool_to_pool_multi_GBps": round(self.tcp_multi_gbps, 3),
-                    "warm_server_tcp_over_multi_floor": round(self.warm_server_tcp_s / (
-                        self.kv_bytes / (self.tcp_multi_gbps * 1e9) + self.forward_1_s), 3),
+                    "warm_server_tcp_over_multi_floor": round(
+                        self.warm_server_tcp_s
+                        / (self.kv_bytes / (self.tcp_multi_gbps * 1e9) + self.forward_1_s),
+                        3,
+                    ),
                     "warm_server_tcp_over_cache_resident_floor": round(
-                        self.warm_server_tcp_s / self.tcp_cached_floor_s, 3)}),
-                **{k: v for name in self.tcp_codecs() for k, v in self._codec_row(name).items()},
-                **({} if self.warm_disk_s is None else {
-                    "warm_disk_s": round(self.warm_disk_s, 4), "disk_floor_s": round(self.disk_floor_s, 4),
+                        self.warm_server_tcp_s / self.tcp_cached_floor_s, 3
+                    ),
+                }
+            ),
+            **{k: v for name in self.tcp_codecs() for k, v in self._codec_row(name).items()},
+            **(
+                {}
+                if self.warm_disk_s is None
+                else {
+                    "warm_disk_s": round(self.warm_disk_s, 4),
+                    "disk_floor_s": round(self.disk_floor_s, 4),
                     "warm_disk_over_disk_floor": round(self.warm_disk_s / self.disk_floor_s, 3),
-                    "speedup_disk": round(self.cold_s / self.warm_disk_s, 1)}),
-                "samples_ms": {k: [round(x * 1e3, 1) for x in v] for k, v in self.samples.items()}}
+                    "speedup_disk": round(self.cold_s / self.warm_disk_s, 1),
+                }
+            ),
+            "samples_ms": {k: [round(x * 1e3, 1) for x in v] for k, v in self.samples.items()},
+        }
 
 
 def build_model(layers: int | None = None):
@@ -183,25 +258,55 @@ def build_model(layers: int | None = None):
     return model
 
 
-def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: str = "auto",
-            server_url: str | None = None, disk_dir: Path | None = None,
-            server_tcp: bool = False, codecs: tuple[str, ...] = ()) -> TTFTPoint:
-    ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens))
+def measure(
+    model,
+    tokens: int,
+    repeats: int,
+    chunk_size: int = 256,
+    transfer: str = "auto",
+    server_url: str | None = None,
+    disk_dir: Path | None = None,
+    server_tcp: bool = False,
+    codecs: tuple[str, ...] = (),
+) -> TTFTPoint:
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens)
+    )
     kv_per_token = kv_bytes_per_token(model)
     pool_gib = (tokens + chunk_size) * kv_per_token * 1.05 / 1024**3
-    session = HFSession(model, KvtierConfig(chunk_size=chunk_size, max_local_cpu_size=pool_gib), max_len=tokens,
-                        transfer=transfer)
+    session = HFSession(
+        model,
+        KvtierConfig(chunk_size=chunk_size, max_local_cpu_size=pool_gib),
+        max_len=tokens,
+        transfer=transfer,
+    )
     samples = _cold(session, ids, repeats)
-    assert session.engine.lookup(ids[0]) == tokens - tokens % chunk_size  # stored, for the warm runs
+    assert (
+        session.engine.lookup(ids[0]) == tokens - tokens % chunk_size
+    )  # stored, for the warm runs
     hit = session.prefill(ids).hit_tokens
-    remote = ServerSession(model, ids, chunk_size, pool_gib, server_url, transfer) if server_url else None
+    remote = (
+        ServerSession(model, ids, chunk_size, pool_gib, server_url, transfer)
+        if server_url
+        else None
+    )
     setup = _Setup(model, ids, chunk_size, pool_gib, repeats, transfer)
     samples.update(_warm(setup, session, hit, kv_per_token, remote))
     _, h2d = copy_bandwidth(hit * kv_per_token, torch.device("cuda"))
     med = statistics.median
-    point = TTFTPoint(tokens, hit, med(samples["cold"]), med(samples["warm"]), med(samples["warm_layerwise"]),
-                      hit * kv_per_token / (h2d * 1e9), med(samples["forward_1"]), med(samples["cold_store"]),
-                      med(samples["cold_store_layerwise"]), samples, kv_bytes=hit * kv_per_token)
+    point = TTFTPoint(
+        tokens,
+        hit,
+        med(samples["cold"]),
+        med(samples["warm"]),
+        med(samples["warm_layerwise"]),
+        hit * kv_per_token / (h2d * 1e9),
+        med(samples["forward_1"]),
+        med(samples["cold_store"]),
+        med(samples["cold_store_layerwise"]),
+        samples,
+        kv_bytes=hit * kv_per_token,
+    )
     del session
     if remote is not None:
         remote.close()
@@ -211,7 +316,9 @@ def measure(model, tokens: int, repeats: int, chunk_size: int = 256, transfer: s
     if server_url and server_tcp:
         _over_tcp(point, setup, server_url, codecs)
     if disk_dir is not None:
-        point.samples["warm_disk"], read_gbps = warm_from_disk(model, ids, chunk_size, disk_dir, repeats, transfer)
+        point.samples["warm_disk"], read_gbps = warm_from_disk(
+            model, ids, chunk_size, disk_dir, repeats, transfer
+        )
         point.warm_disk_s = med(point.samples["warm_disk"])
         point.disk_floor_s = point.kv_bytes / (read_gbps * 1e9) + point.forward_1_s
     return point
@@ -232,8 +339,11 @@ class _Setup:
 def _cold(session: HFSession, ids: torch.Tensor, repeats: int) -> dict[str, list[float]]:
     """Prefills with nothing stored: without kvtier, and a miss with kvtier on (the
     forward, and every chunk stored), whole and layer by layer."""
-    out: dict[str, list[float]] = {"cold": [cuda_timed(lambda: session.prefill(ids, use_cache=False))
-                                            for _ in range(repeats)], "cold_store": [], "cold_store_layerwise": []}
+    out: dict[str, list[float]] = {
+        "cold": [cuda_timed(lambda: session.prefill(ids, use_cache=False)) for _ in range(repeats)],
+        "cold_store": [],
+        "cold_store_layerwise": [],
+    }
     for _ in range(repeats):
         for name, layerwise in (("cold_store", False), ("cold_store_layerwise", True)):
             session.engine.clear()
@@ -241,8 +351,9 @@ def _cold(session: HFSession, ids: torch.Tensor, repeats: int) -> dict[str, list
     return out
 
 
-def _warm(setup: _Setup, session: HFSession, hit: int, kv_per_token: int,
-          remote: ServerSession | None) -> dict[str, list[float]]:
+def _warm(
+    setup: _Setup, session: HFSession, hit: int, kv_per_token: int, remote: ServerSession | None
+) -> dict[str, list[float]]:
     """Warm prefills, interleaved with the one-token forward alone and beside a copy, so that
     the host-bound forward (it varies by several ms from one minute to the next) is timed in
     the same conditions; so are the loads from the store server of this host (a second session)."""
@@ -251,12 +362,18 @@ def _warm(setup: _Setup, session: HFSession, hit: int, kv_per_token: int,
 
     def forward_one() -> None:
         with torch.inference_mode():
-            model(input_ids=last, past_key_values=KvtierCache(session.buffers, hit), use_cache=True,
-                  logits_to_keep=1)
+            model(
+                input_ids=last,
+                past_key_values=KvtierCache(session.buffers, hit),
+                use_cache=True,
+                logits_to_keep=1,
+            )
 
     beside_a_copy = BesideACopy(hit * kv_per_token)
     names = ["warm", "warm_layerwise", "forward_1", "forward_1_beside_a_copy"]
-    out: dict[str, list[float]] = {n: [] for n in names + (["warm_server", "warm_server_layerwise"] if remote else [])}
+    out: dict[str, list[float]] = {
+        n: [] for n in names + (["warm_server", "warm_server_layerwise"] if remote else [])
+    }
     for _ in range(repeats):
         out["warm"].append(cuda_timed(lambda: session.prefill(ids, layerwise=False)))
         out["warm_layerwise"].append(cuda_timed(lambda: session.prefill(ids, layerwise=True)))
@@ -274,23 +391,34 @@ def _over_tcp(point: TTFTPoint, setup: _Setup, server_url: str, codecs: tuple[st
 
     url = server_url + "/?shm=0"
     s = setup
-    point.samples["warm_server_tcp"] = warm_from_server(s.model, s.ids, s.chunk_size, s.pool_gib, url, s.repeats,
-                                                        s.transfer)
+    point.samples["warm_server_tcp"] = warm_from_server(
+        s.model, s.ids, s.chunk_size, s.pool_gib, url, s.repeats, s.transfer
+    )
     point.warm_server_tcp_s = statistics.median(point.samples["warm_server_tcp"])
     for name in codecs:  # the lossy KV codecs: about half the bytes on the wire
-        point.samples[f"warm_server_tcp_{name}"] = warm_from_server(s.model, s.ids, s.chunk_size, s.pool_gib, url,
-                                                                    s.repeats, s.transfer, serde=name)
+        point.samples[f"warm_server_tcp_{name}"] = warm_from_server(
+            s.model, s.ids, s.chunk_size, s.pool_gib, url, s.repeats, s.transfer, serde=name
+        )
     # Measured now, beside the runs it bounds: values out of and into 256 MiB rings (a store's
     # pool, a cache's pool), and the cache-resident figure of one 16 MiB buffer at each end.
     point.tcp_gbps = (tcp_bandwidth(ring=256 << 20), tcp_bandwidth())
     point.tcp_multi_gbps = tcp_bandwidth(ring=256 << 20, connections=READERS)
-    point.tcp_floor_s, point.tcp_cached_floor_s = (point.kv_bytes / (gbps * 1e9) + point.forward_1_s
-                                                   for gbps in point.tcp_gbps)
+    point.tcp_floor_s, point.tcp_cached_floor_s = (
+        point.kv_bytes / (gbps * 1e9) + point.forward_1_s for gbps in point.tcp_gbps
+    )
 
 
-def run_ttft(lengths: list[int], repeats: int, out_dir: Path, layers: int | None = None,
-             transfer: str = "auto", server: bool = False, disk_dir: Path | None = None,
-             server_tcp: bool = False, codecs: tuple[str, ...] = ()) -> list[TTFTPoint]:
+def run_ttft(
+    lengths: list[int],
+    repeats: int,
+    out_dir: Path,
+    layers: int | None = None,
+    transfer: str = "auto",
+    server: bool = False,
+    disk_dir: Path | None = None,
+    server_tcp: bool = False,
+    codecs: tuple[str, ...] = (),
+) -> list[TTFTPoint]:
     logging.getLogger("kvtier").setLevel(logging.WARNING)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = build_model(layers)
@@ -304,14 +432,28 @@ def run_ttft(lengths: list[int], repeats: int, out_dir: Path, layers: int | None
             kv_bytes = max(lengths) * kv_bytes_per_token(model)
             url = stack.enter_context(kvtier_server(2.5 * kv_bytes / 1024**3)).url
         for n in lengths:
-            p = measure(model, n, repeats, transfer=transfer, server_url=url, disk_dir=disk_dir,
-                        server_tcp=server and server_tcp, codecs=codecs)
+            p = measure(
+                model,
+                n,
+                repeats,
+                transfer=transfer,
+                server_url=url,
+                disk_dir=disk_dir,
+                server_tcp=server and server_tcp,
+                codecs=codecs,
+            )
             print(json.dumps({k: v for k, v in p.row().items() if k != "samples_ms"}), flush=True)
             points.append(p)
-    record = {"machine": machine_name(torch.device("cuda")), "date": dt.date.today().isoformat(),
-              "model": {**LLAMA_8B, **({"num_hidden_layers": layers} if layers else {})},
-              "dtype": "bfloat16", "attention": "sdpa", "repeats": repeats, "transfer": transfer,
-              "points": [p.row() for p in points]}
+    record = {
+        "machine": machine_name(torch.device("cuda")),
+        "date": dt.date.today().isoformat(),
+        "model": {**LLAMA_8B, **({"num_hidden_layers": layers} if layers else {})},
+        "dtype": "bfloat16",
+        "attention": "sdpa",
+        "repeats": repeats,
+        "transfer": transfer,
+        "points": [p.row() for p in points],
+    }
     suffix = "" if transfer == "auto" else f"-{transfer}"
     (out_dir / f"ttft{suffix}.json").write_text(json.dumps(record, indent=1) + "\n")
     _plot(points, out_dir / f"ttft{suffix}.png", record["machine"])
@@ -327,18 +469,34 @@ def _plot(points: list[TTFTPoint], path: Path, machine: str) -> None:
     x = [p.tokens for p in points]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(x, [p.cold_s for p in points], "o-", label="cold (full prefill)")
-    ax.plot(x, [p.cold_store_layerwise_s for p in points], "x:", label="cold, kvtier storing layer by layer")
+    ax.plot(
+        x,
+        [p.cold_store_layerwise_s for p in points],
+        "x:",
+        label="cold, kvtier storing layer by layer",
+    )
     ax.plot(x, [p.warm_s for p in points], "o-", label="warm (kvtier, CPU RAM)")
     ax.plot(x, [p.warm_layerwise_s for p in points], "o-", label="warm, layerwise")
     if points and points[0].warm_server_s is not None:
         ax.plot(x, [p.warm_server_s for p in points], "o-", label="warm (kvtier server, same host)")
     if points and points[0].warm_server_layerwise_s is not None:
-        ax.plot(x, [p.warm_server_layerwise_s for p in points], "o-", label="warm (kvtier server, layerwise)")
+        ax.plot(
+            x,
+            [p.warm_server_layerwise_s for p in points],
+            "o-",
+            label="warm (kvtier server, layerwise)",
+        )
     if points and points[0].warm_server_tcp_s is not None:
-        ax.plot(x, [p.warm_server_tcp_s for p in points], "o-", label="warm (kvtier server over TCP)")
+        ax.plot(
+            x, [p.warm_server_tcp_s for p in points], "o-", label="warm (kvtier server over TCP)"
+        )
     for name in points[0].tcp_codecs() if points else ():
-        ax.plot(x, [statistics.median(p.samples[f"warm_server_tcp_{name}"]) for p in points], "o:",
-                label=f"warm (kvtier server over TCP, {name} codec)")
+        ax.plot(
+            x,
+            [statistics.median(p.samples[f"warm_server_tcp_{name}"]) for p in points],
+            "o:",
+            label=f"warm (kvtier server over TCP, {name} codec)",
+        )
     if points and points[0].warm_disk_s is not None:
         ax.plot(x, [p.warm_disk_s for p in points], "o-", label="warm (disk tier)")
     ax.plot(x, [p.floor_s for p in points], "--", label="floor (KV bytes / H2D + 1-token forward)")

@@ -48,15 +48,20 @@ def cuda_timed(fn) -> float:
     return timed(fn, CUDA)
 
 
-def warm_from_disk(model, ids, chunk_size: int, directory: Path, repeats: int,
-                    transfer: str) -> tuple[list[float], float]:
+def warm_from_disk(
+    model, ids, chunk_size: int, directory: Path, repeats: int, transfer: str
+) -> tuple[list[float], float]:
     """Warm TTFTs from the disk tier, and the file read GB/s of `directory` (its limit)."""
     from kvtier.bench.disk import drop_cache, file_read_bandwidth
 
     shutil.rmtree(directory, ignore_errors=True)
     kv_bytes = ids.shape[1] * kv_bytes_per_token(model)
-    cfg = KvtierConfig(chunk_size=chunk_size, local_disk=str(directory), max_local_disk_size=2 * kv_bytes / 1024**3,
-                       max_local_cpu_size=16 * chunk_size * kv_bytes_per_token(model) * 1.001 / 1024**3)
+    cfg = KvtierConfig(
+        chunk_size=chunk_size,
+        local_disk=str(directory),
+        max_local_disk_size=2 * kv_bytes / 1024**3,
+        max_local_cpu_size=16 * chunk_size * kv_bytes_per_token(model) * 1.001 / 1024**3,
+    )
     session = HFSession(model, cfg, max_len=ids.shape[1], transfer=transfer)
     session.prefill(ids)  # stores the prompt's chunks: through the pool, onto disk
     assert session.engine.flush(timeout=600)
@@ -79,10 +84,23 @@ class ServerSession:
     """A session whose only tier is the store server at `url` (CPU tier off),
     with the prompt stored there."""
 
-    def __init__(self, model, ids, chunk_size: int, pool_gib: float, url: str, transfer: str,
-                 serde: str = "naive") -> None:
-        cfg = KvtierConfig(chunk_size=chunk_size, max_local_cpu_size=pool_gib, local_cpu=False, remote_url=url,
-                           remote_serde=serde)
+    def __init__(
+        self,
+        model,
+        ids,
+        chunk_size: int,
+        pool_gib: float,
+        url: str,
+        transfer: str,
+        serde: str = "naive",
+    ) -> None:
+        cfg = KvtierConfig(
+            chunk_size=chunk_size,
+            max_local_cpu_size=pool_gib,
+            local_cpu=False,
+            remote_url=url,
+            remote_serde=serde,
+        )
         self.session = HFSession(model, cfg, max_len=ids.shape[1], transfer=transfer)
         self.ids = ids
         self.session.prefill(ids)  # stores the prompt's chunks in the server
@@ -91,7 +109,9 @@ class ServerSession:
     def timed(self, layerwise: bool) -> float:
         """Seconds of one warm prefill."""
         hits = []
-        seconds = cuda_timed(lambda: hits.append(self.session.prefill(self.ids, layerwise=layerwise).hit_tokens))
+        seconds = cuda_timed(
+            lambda: hits.append(self.session.prefill(self.ids, layerwise=layerwise).hit_tokens)
+        )
         assert hits[0] > 0, "nothing loaded from the store server"
         return seconds
 
@@ -100,8 +120,16 @@ class ServerSession:
         del self.session
 
 
-def warm_from_server(model, ids, chunk_size: int, pool_gib: float, url: str, repeats: int,
-                      transfer: str, serde: str = "naive") -> list[float]:
+def warm_from_server(
+    model,
+    ids,
+    chunk_size: int,
+    pool_gib: float,
+    url: str,
+    repeats: int,
+    transfer: str,
+    serde: str = "naive",
+) -> list[float]:
     """Warm TTFTs from the store server at `url`."""
     remote = ServerSession(model, ids, chunk_size, pool_gib, url, transfer, serde)
     times = [remote.timed(layerwise=False) for _ in range(repeats)]

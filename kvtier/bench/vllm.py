@@ -54,7 +54,6 @@ from kvtier.bench.vllm_parts import (
 )
 from kvtier.bench.vllm_report import compare
 
-
 # Offloader setups: the connector and the environment of each.
 SETUPS: dict[str, dict] = {
     "plain": {},
@@ -62,27 +61,47 @@ SETUPS: dict[str, dict] = {
     "kvtier-layerwise": {"connector": "KvtierConnector", "env": {"LMCACHE_USE_LAYERWISE": "true"}},
     # gpu_upload other than its default (auto: kernel for layerwise loads, copy engine for whole ones).
     "kvtier-kernel": {"connector": "KvtierConnector", "env": {"KVTIER_GPU_UPLOAD": "kernel"}},
-    "kvtier-layerwise-dma": {"connector": "KvtierConnector",
-                             "env": {"LMCACHE_USE_LAYERWISE": "true", "KVTIER_GPU_UPLOAD": "copy_engine"}},
+    "kvtier-layerwise-dma": {
+        "connector": "KvtierConnector",
+        "env": {"LMCACHE_USE_LAYERWISE": "true", "KVTIER_GPU_UPLOAD": "copy_engine"},
+    },
     # The disk tier: a CPU pool smaller than one prompt (staging only), the chunks from files.
     # Its writes are flushed before each warm run ("flush"): the warm run reads the tier, whole.
-    "kvtier-disk": {"connector": "KvtierConnector", "flush": True, "env": {
-        "LMCACHE_MAX_LOCAL_CPU_SIZE": "1", "LMCACHE_LOCAL_DISK": "file:///tmp/kvtier-bench-disk/",
-        "LMCACHE_MAX_LOCAL_DISK_SIZE": "60"}},
+    "kvtier-disk": {
+        "connector": "KvtierConnector",
+        "flush": True,
+        "env": {
+            "LMCACHE_MAX_LOCAL_CPU_SIZE": "1",
+            "LMCACHE_LOCAL_DISK": "file:///tmp/kvtier-bench-disk/",
+            "LMCACHE_MAX_LOCAL_DISK_SIZE": "60",
+        },
+    },
     # `kvtier server` on this host, CPU tier off: lent from its shared memory, or over TCP.
-    "kvtier-server": {"connector": "KvtierConnector", "server": "", "flush": True,
-                      "env": {"LMCACHE_LOCAL_CPU": "false"}},
-    "kvtier-server-tcp": {"connector": "KvtierConnector", "server": "?shm=0", "flush": True,
-                          "env": {"LMCACHE_LOCAL_CPU": "false"}},
+    "kvtier-server": {
+        "connector": "KvtierConnector",
+        "server": "",
+        "flush": True,
+        "env": {"LMCACHE_LOCAL_CPU": "false"},
+    },
+    "kvtier-server-tcp": {
+        "connector": "KvtierConnector",
+        "server": "?shm=0",
+        "flush": True,
+        "env": {"LMCACHE_LOCAL_CPU": "false"},
+    },
     # The lossy KV codecs (remote_serde): chunks of int8 or fp8 e4m3 with per-head scales in every
     # tier, half the bytes to copy up, decoded on the GPU in the scatter (transfer/quant.py).
     "kvtier-int8": {"connector": "KvtierConnector", "env": {"LMCACHE_REMOTE_SERDE": "int8"}},
     "kvtier-fp8": {"connector": "KvtierConnector", "env": {"LMCACHE_REMOTE_SERDE": "fp8"}},
-    "kvtier-fp8-layerwise": {"connector": "KvtierConnector",
-                             "env": {"LMCACHE_REMOTE_SERDE": "fp8", "LMCACHE_USE_LAYERWISE": "true"}},
+    "kvtier-fp8-layerwise": {
+        "connector": "KvtierConnector",
+        "env": {"LMCACHE_REMOTE_SERDE": "fp8", "LMCACHE_USE_LAYERWISE": "true"},
+    },
     "lmcache": {"connector": "LMCacheConnectorV1", "env": {"LMCACHE_LOCAL_CPU": "true"}},
-    "lmcache-layerwise": {"connector": "LMCacheConnectorV1",
-                          "env": {"LMCACHE_LOCAL_CPU": "true", "LMCACHE_USE_LAYERWISE": "true"}},
+    "lmcache-layerwise": {
+        "connector": "LMCacheConnectorV1",
+        "env": {"LMCACHE_LOCAL_CPU": "true", "LMCACHE_USE_LAYERWISE": "true"},
+    },
     "native": {"native": True},
 }
 
@@ -121,30 +140,50 @@ class _Run:
         self.timeline = Timeline()
         self.timeline.install()
         t0 = time.perf_counter()
-        self.llm = LLM(model=str(make_model(Path(args.model), args.family)), load_format="dummy", dtype="bfloat16",
-                       skip_tokenizer_init=True, seed=0, max_model_len=max(args.lengths) + 64,
-                       enable_prefix_caching=True, enforce_eager=args.eager, gpu_memory_utilization=args.gpu_util,
-                       max_num_batched_tokens=args.batched, tensor_parallel_size=args.tp,
-                       **({"mamba_cache_mode": "align"} if args.family == "nemotron_h" else {}),
-                       **_offloader(args, setup))
+        self.llm = LLM(
+            model=str(make_model(Path(args.model), args.family)),
+            load_format="dummy",
+            dtype="bfloat16",
+            skip_tokenizer_init=True,
+            seed=0,
+            max_model_len=max(args.lengths) + 64,
+            enable_prefix_caching=True,
+            enforce_eager=args.eager,
+            gpu_memory_utilization=args.gpu_util,
+            max_num_batched_tokens=args.batched,
+            tensor_parallel_size=args.tp,
+            **({"mamba_cache_mode": "align"} if args.family == "nemotron_h" else {}),
+            **_offloader(args, setup),
+        )
         start_s = time.perf_counter() - t0
         self.timer = ForwardTimer()
         self.timer.install()
         self.llm.apply_model(seed_weights)
-        self.record = Record(args.setup, machine={"gpu": torch.cuda.get_device_name(), "start_s": round(start_s, 1),
-                                                  "date": time.strftime("%Y-%m-%d"), "eager": args.eager,
-                                                  "tp": args.tp})
+        self.record = Record(
+            args.setup,
+            machine={
+                "gpu": torch.cuda.get_device_name(),
+                "start_s": round(start_s, 1),
+                "date": time.strftime("%Y-%m-%d"),
+                "eager": args.eager,
+                "tp": args.tp,
+            },
+        )
         if setup.get("connector") == "KvtierConnector":
             self.record.machine["kvtier"] = self.llm.apply_model(kvtier_chunking)[0]
         self.one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        self.check = SamplingParams(temperature=0, max_tokens=args.check_tokens, ignore_eos=True, logprobs=0)
+        self.check = SamplingParams(
+            temperature=0, max_tokens=args.check_tokens, ignore_eos=True, logprobs=0
+        )
         self.timelines: list = []
 
     def gen(self, ids: list[int], sp=None, timed: bool = False):
         if timed:
             self.timeline.start()
         t = time.perf_counter()
-        out = self.llm.generate([{"prompt_token_ids": ids}], sp or self.one, use_tqdm=False)[0].outputs[0]
+        out = self.llm.generate([{"prompt_token_ids": ids}], sp or self.one, use_tqdm=False)[
+            0
+        ].outputs[0]
         took = time.perf_counter() - t
         if timed:
             self.timelines.append(self.timeline.stop())
@@ -171,9 +210,14 @@ class _Run:
         reset()
         _, ctrl = self.gen(prompt(length + 1, 1, self.args.family), self.check)
         reset()
-        return {"cold": list(cold.token_ids), "gpu_hit": list(gpu.token_ids), "warm": list(warm.token_ids),
-                "control": list(ctrl.token_ids), "warm_logprob_err": _logprob_err(warm, gpu),
-                "cold_vs_gpu_hit_logprob_err": _logprob_err(cold, gpu)}
+        return {
+            "cold": list(cold.token_ids),
+            "gpu_hit": list(gpu.token_ids),
+            "warm": list(warm.token_ids),
+            "control": list(ctrl.token_ids),
+            "warm_logprob_err": _logprob_err(warm, gpu),
+            "cold_vs_gpu_hit_logprob_err": _logprob_err(cold, gpu),
+        }
 
     def pair(self, ids: list[int], last: bool) -> dict:
         """Cold, vLLM's own GPU hit (what a zero-cost load would give), then warm from the offloader."""
@@ -181,15 +225,23 @@ class _Run:
         self.timer.clear()
         gpu_hit, _ = self.gen(ids, timed=True)
         gpu_hit_fwd = self.timer.last_ms()
-        spans = self.timelines[-1] if last else self.timelines.pop()  # the record keeps the last pair's
+        spans = (
+            self.timelines[-1] if last else self.timelines.pop()
+        )  # the record keeps the last pair's
         self.llm.reset_prefix_cache()
         self.flush()
         self.timer.clear()
         warm, _ = self.gen(ids, timed=last)
         fwd = self.timer.last_ms()
         self.llm.reset_prefix_cache()
-        return {"cold": cold, "gpu_hit": gpu_hit, "warm": warm, "fwd_ms": fwd, "gpu_hit_fwd_ms": gpu_hit_fwd,
-                "gpu_hit_engine_ms": engine_ms(spans)}
+        return {
+            "cold": cold,
+            "gpu_hit": gpu_hit,
+            "warm": warm,
+            "fwd_ms": fwd,
+            "gpu_hit_fwd_ms": gpu_hit_fwd,
+            "gpu_hit_engine_ms": engine_ms(spans),
+        }
 
     def profiled_pair(self, ids: list[int]) -> None:
         """One more pair (not in the figures), its GPU hit and its warm run under cProfile."""
@@ -209,13 +261,20 @@ class _Run:
 
     def length(self, length: int) -> dict:
         # the bytes a warm load copies up: kvtier's chunks (a lossy codec's are half the KV's)
-        moved = self.record.machine.get("kvtier", {}).get("stored_bytes_per_token") or \
-            kv_bytes_per_token(self.args.family)
+        moved = self.record.machine.get("kvtier", {}).get(
+            "stored_bytes_per_token"
+        ) or kv_bytes_per_token(self.args.family)
         bw = h2d_bandwidth(length * moved)
         self.timelines = []
         tokens = self.tokens(length)
-        runs: dict[str, list] = {"cold": [], "gpu_hit": [], "warm": [], "fwd_ms": [], "gpu_hit_fwd_ms": [],
-                                 "gpu_hit_engine_ms": []}
+        runs: dict[str, list] = {
+            "cold": [],
+            "gpu_hit": [],
+            "warm": [],
+            "fwd_ms": [],
+            "gpu_hit_fwd_ms": [],
+            "gpu_hit_engine_ms": [],
+        }
         for i in range(self.args.pairs + 1):  # the first pair warms up
             pair = self.pair(prompt(length, 100 + i, self.args.family), last=i == self.args.pairs)
             for key, value in pair.items() if i else ():
@@ -266,27 +325,41 @@ def _summary(runs: dict, nbytes: int, bw: float, tokens: dict, timelines: list) 
     # forward that waits for nothing runs); the warm step's ran behind its copies.
     alone = [f / 1e3 for f in runs["gpu_hit_fwd_ms"]]
     return {
-        **runs, "h2d_GBps": bw / 1e9, "copy_ms": copy_s * 1e3, "tokens": tokens,
+        **runs,
+        "h2d_GBps": bw / 1e9,
+        "copy_ms": copy_s * 1e3,
+        "tokens": tokens,
         "timeline": dict(zip(("gpu_hit", "warm"), timelines)),
-        "cold_median": statistics.median(runs["cold"]), "warm_median": statistics.median(runs["warm"]),
+        "cold_median": statistics.median(runs["cold"]),
+        "warm_median": statistics.median(runs["warm"]),
         "gpu_hit_median": statistics.median(runs["gpu_hit"]),
         "fwd_median_ms": statistics.median(runs["gpu_hit_fwd_ms"]),
         "gpu_hit_engine_median_ms": statistics.median(runs["gpu_hit_engine_ms"]),
-        "warm_over_floor_paired": statistics.median(w / (copy_s + f) for w, f in zip(runs["warm"], alone)),
-        "warm_over_max_load_fwd_paired": statistics.median(w / max(copy_s, f) for w, f in zip(runs["warm"], alone)),
+        "warm_over_floor_paired": statistics.median(
+            w / (copy_s + f) for w, f in zip(runs["warm"], alone)
+        ),
+        "warm_over_max_load_fwd_paired": statistics.median(
+            w / max(copy_s, f) for w, f in zip(runs["warm"], alone)
+        ),
     }
 
 
 def _print(setup: str, length: int, r: dict) -> None:
-    print(f"[{setup}] {length}: cold {r['cold_median']*1e3:.1f} ms, warm {r['warm_median']*1e3:.1f} ms, "
-          f"vLLM's own GPU prefix hit {r['gpu_hit_median']*1e3:.1f} ms (its engine step "
-          f"{r['gpu_hit_engine_median_ms']:.1f}), "
-          f"copy {r['copy_ms']:.1f} ms ({r['h2d_GBps']:.1f} GB/s) + fwd {r['fwd_median_ms']:.1f} ms, "
-          f"warm/floor {r['warm_over_floor_paired']:.3f}, warm/max(load,fwd) "
-          f"{r['warm_over_max_load_fwd_paired']:.3f}", flush=True)
+    print(
+        f"[{setup}] {length}: cold {r['cold_median'] * 1e3:.1f} ms, warm {r['warm_median'] * 1e3:.1f} ms, "
+        f"vLLM's own GPU prefix hit {r['gpu_hit_median'] * 1e3:.1f} ms (its engine step "
+        f"{r['gpu_hit_engine_median_ms']:.1f}), "
+        f"copy {r['copy_ms']:.1f} ms ({r['h2d_GBps']:.1f} GB/s) + fwd {r['fwd_median_ms']:.1f} ms, "
+        f"warm/floor {r['warm_over_floor_paired']:.3f}, warm/max(load,fwd) "
+        f"{r['warm_over_max_load_fwd_paired']:.3f}",
+        flush=True,
+    )
     for name, spans in r["timeline"].items():  # the record keeps them all; here the longer ones
-        print(f"[{setup}] {length} {name} timeline (ms from generate(), calls over 0.5 ms): "
-              + "; ".join(f"{label} {a:.1f}-{b:.1f}" for label, a, b in spans if b - a > 0.5), flush=True)
+        print(
+            f"[{setup}] {length} {name} timeline (ms from generate(), calls over 0.5 ms): "
+            + "; ".join(f"{label} {a:.1f}-{b:.1f}" for label, a, b in spans if b - a > 0.5),
+            flush=True,
+        )
 
 
 def _run_setup(args: argparse.Namespace, setup: dict) -> None:
@@ -309,32 +382,62 @@ def _logprob_err(a, b) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--setup", choices=SETUPS, help="run one setup (in this process)")
-    p.add_argument("--setups", nargs="*", default=[], help="run these, one subprocess each, then compare")
+    p.add_argument(
+        "--setups", nargs="*", default=[], help="run these, one subprocess each, then compare"
+    )
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     p.add_argument("--pairs", type=int, default=7)
     p.add_argument("--check-tokens", type=int, default=16)
-    p.add_argument("--model", default="", help="the model's folder (made here; default /tmp/kvtier-<family>-8b)")
-    p.add_argument("--family", choices=tuple(MODELS), default="llama",
-                   help="llama: Llama-3.1-8B's shape; gemma3: the same KV, five of six layers sliding-window; "
-                        "gptoss_dense: the same, every other layer a window of 128 (gpt-oss's); "
-                        "nemotron_h: Nemotron-H-8B's, Mamba-2 layers and four attention layers; "
-                        "deepseek_v2: DeepSeek-V2-Lite's multi-head latent attention, dense MLPs")
+    p.add_argument(
+        "--model",
+        default="",
+        help="the model's folder (made here; default /tmp/kvtier-<family>-8b)",
+    )
+    p.add_argument(
+        "--family",
+        choices=tuple(MODELS),
+        default="llama",
+        help="llama: Llama-3.1-8B's shape; gemma3: the same KV, five of six layers sliding-window; "
+        "gptoss_dense: the same, every other layer a window of 128 (gpt-oss's); "
+        "nemotron_h: Nemotron-H-8B's, Mamba-2 layers and four attention layers; "
+        "deepseek_v2: DeepSeek-V2-Lite's multi-head latent attention, dense MLPs",
+    )
     p.add_argument("--out", default="results/gpu-vllm")
     p.add_argument("--cpu-gb", type=float, default=20.0, help="CPU memory each offloader gets (GB)")
     p.add_argument("--gpu-util", type=float, default=0.85)
     p.add_argument("--batched", type=int, default=8192)
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one GPU a rank; the forward is not "
-                   "timed alone then: the ranks' steps run in their own processes)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size (one GPU a rank; the forward is not "
+        "timed alone then: the ranks' steps run in their own processes)",
+    )
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--setup-timeout", type=float, default=300, help="seconds a setup may take")
-    p.add_argument("--profile", action="store_true", help="one more pair per length, its GPU hit and warm run under cProfile (<setup>.prof.txt)")
-    p.add_argument("--trace", nargs="?", const="warm", choices=("warm", "hit"),
-                   help="one more warm run (or GPU prefix hit: --trace hit) per length under torch's profiler: "
-                        "its GPU timeline, the host's waits for the GPU, and the trace")
-    p.add_argument("--module-path", action=argparse.BooleanOptionalAction, default=False,
-                   help="name kvtier's module in the config (default: by name, through vLLM's plugin)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more pair per length, its GPU hit and warm run under cProfile (<setup>.prof.txt)",
+    )
+    p.add_argument(
+        "--trace",
+        nargs="?",
+        const="warm",
+        choices=("warm", "hit"),
+        help="one more warm run (or GPU prefix hit: --trace hit) per length under torch's profiler: "
+        "its GPU timeline, the host's waits for the GPU, and the trace",
+    )
+    p.add_argument(
+        "--module-path",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="name kvtier's module in the config (default: by name, through vLLM's plugin)",
+    )
     args = p.parse_args()
     args.model = args.model or f"/tmp/kvtier-{args.family}-8b"
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -343,16 +446,38 @@ def main() -> None:
     rc = 0
     for name in args.setups:
         cmd = [sys.executable, "-m", "kvtier.bench.vllm", "--setup", name, *_passthrough(args)]
-        env = {**os.environ, "LMCACHE_MAX_LOCAL_CPU_SIZE": str(args.cpu_gb), "LMCACHE_CHUNK_SIZE": "256"}
+        env = {
+            **os.environ,
+            "LMCACHE_MAX_LOCAL_CPU_SIZE": str(args.cpu_gb),
+            "LMCACHE_CHUNK_SIZE": "256",
+        }
         rc |= run_setup_process(name, cmd, env, Path(args.out, f"{name}.json"), args.setup_timeout)
     sys.exit(rc or compare(Path(args.out)))
 
 
 def _passthrough(args: argparse.Namespace) -> list[str]:
-    out = ["--lengths", *map(str, args.lengths), "--pairs", str(args.pairs), "--check-tokens",
-           str(args.check_tokens), "--model", args.model, "--family", args.family, "--out", args.out,
-           "--cpu-gb", str(args.cpu_gb),
-           "--gpu-util", str(args.gpu_util), "--batched", str(args.batched), "--tp", str(args.tp)]
+    out = [
+        "--lengths",
+        *map(str, args.lengths),
+        "--pairs",
+        str(args.pairs),
+        "--check-tokens",
+        str(args.check_tokens),
+        "--model",
+        args.model,
+        "--family",
+        args.family,
+        "--out",
+        args.out,
+        "--cpu-gb",
+        str(args.cpu_gb),
+        "--gpu-util",
+        str(args.gpu_util),
+        "--batched",
+        str(args.batched),
+        "--tp",
+        str(args.tp),
+    ]
     out.append("--eager" if args.eager else "--no-eager")
     out += ["--profile"] if args.profile else []
     out += ["--trace", args.trace] if args.trace else []

@@ -11,62 +11,144 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 LLAMA_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "bos_token_id": 1, "eos_token_id": 2,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 # A Gemma-3-style model with the same KV per token as LLAMA_8B (32 layers, 8 KV heads of
 # 128): five of six layers attend to the last 1024 tokens only. With kvtier (SupportsHMA)
 # vLLM's hybrid allocator keeps those layers' tokens in blocks of their own.
 GEMMA3_8B = {
-    **{k: LLAMA_8B[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
-                                "torch_dtype", "bos_token_id", "eos_token_id")},
-    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "sliding_window": 1024,
-    "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(32)],
-    "query_pre_attn_scalar": 128, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
-    "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
-    "tie_word_embeddings": True, "pad_token_id": 0,
+    **{
+        k: LLAMA_8B[k]
+        for k in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "max_position_embeddings",
+            "torch_dtype",
+            "bos_token_id",
+            "eos_token_id",
+        )
+    },
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "sliding_window": 1024,
+    "layer_types": [
+        "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(32)
+    ],
+    "query_pre_attn_scalar": 128,
+    "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    "tie_word_embeddings": True,
+    "pad_token_id": 0,
 }
 # gpt-oss's attention pattern (every other layer attends to the last 128 tokens, less than
 # kvtier's chunk of 256: kvtier's chunk becomes 128) on the dense GEMMA3_8B, which the GPU
 # bundle runs (gpt-oss's MoE kernels are not in it).
-GPTOSS_DENSE_8B = {**GEMMA3_8B, "sliding_window": 128,
-                   "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(32)]}
+GPTOSS_DENSE_8B = {
+    **GEMMA3_8B,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(32)],
+}
 # Nemotron-H-8B's shape: 24 Mamba-2 layers, 4 attention layers (KV 16 KiB a token), 24 MLPs.
 # With kvtier (SupportsHMA, --mamba-cache-mode align) vLLM keeps each Mamba layer's state
 # at prefill steps' block ends, and kvtier stores it beside the chunk ending there.
 NEMOTRON_H_8B = {
-    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 4096,
-    "intermediate_size": 21504, "num_hidden_layers": 52,
+    "architectures": ["NemotronHForCausalLM"],
+    "model_type": "nemotron_h",
+    "hidden_size": 4096,
+    "intermediate_size": 21504,
+    "num_hidden_layers": 52,
     "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "mamba_num_heads": 128,
-    "mamba_head_dim": 64, "mamba_n_groups": 8, "ssm_state_size": 128, "mamba_d_conv": 4, "mamba_chunk_size": 128,
-    "vocab_size": 131072, "max_position_embeddings": 131072, "mlp_hidden_act": "relu2", "layer_norm_epsilon": 1e-5,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "mamba_num_heads": 128,
+    "mamba_head_dim": 64,
+    "mamba_n_groups": 8,
+    "ssm_state_size": 128,
+    "mamba_d_conv": 4,
+    "mamba_chunk_size": 128,
+    "vocab_size": 131072,
+    "max_position_embeddings": 131072,
+    "mlp_hidden_act": "relu2",
+    "layer_norm_epsilon": 1e-5,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 # DeepSeek-V2-Lite's attention (multi-head latent attention: a 512 + 64 latent row a token and
 # layer, 31 KB a token over 27 layers, a quarter of LLAMA_8B's) with dense MLPs in every layer
 # (the GPU bundle has no MoE kernels).
 DEEPSEEK_V2_LITE = {
-    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 2048,
-    "intermediate_size": 10944, "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
-    "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "first_k_dense_replace": 27, "n_routed_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1408,
-    "n_shared_experts": 2, "moe_layer_freq": 1, "topk_method": "greedy", "scoring_func": "softmax",
-    "routed_scaling_factor": 1.0, "norm_topk_prob": False, "vocab_size": 102400, "max_position_embeddings": 163840,
-    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu", "attention_bias": False,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "first_k_dense_replace": 27,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 1408,
+    "n_shared_experts": 2,
+    "moe_layer_freq": 1,
+    "topk_method": "greedy",
+    "scoring_func": "softmax",
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": False,
+    "vocab_size": 102400,
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
-MODELS = {"llama": LLAMA_8B, "gemma3": GEMMA3_8B, "gptoss_dense": GPTOSS_DENSE_8B, "nemotron_h": NEMOTRON_H_8B,
-          "deepseek_v2": DEEPSEEK_V2_LITE}
+MODELS = {
+    "llama": LLAMA_8B,
+    "gemma3": GEMMA3_8B,
+    "gptoss_dense": GPTOSS_DENSE_8B,
+    "nemotron_h": NEMOTRON_H_8B,
+    "deepseek_v2": DEEPSEEK_V2_LITE,
+}
 
 
 def kv_bytes_per_token(family: str) -> int:
@@ -75,8 +157,16 @@ def kv_bytes_per_token(family: str) -> int:
     nemotron_h, is measured against)."""
     config = MODELS[family]
     if "kv_lora_rank" in config:
-        return config["num_hidden_layers"] * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 2
-    return LLAMA_8B["num_hidden_layers"] * 2 * LLAMA_8B["num_key_value_heads"] * LLAMA_8B["head_dim"] * 2
+        return (
+            config["num_hidden_layers"] * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 2
+        )
+    return (
+        LLAMA_8B["num_hidden_layers"]
+        * 2
+        * LLAMA_8B["num_key_value_heads"]
+        * LLAMA_8B["head_dim"]
+        * 2
+    )
 
 
 def make_model(path: Path, family: str = "llama") -> Path:
@@ -96,13 +186,19 @@ def seed_weights(model) -> int:
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             if name.endswith(".A"):
-                p.copy_(-torch.arange(1, p.numel() + 1, device=p.device, dtype=torch.float32).view(p.shape))
+                p.copy_(
+                    -torch.arange(1, p.numel() + 1, device=p.device, dtype=torch.float32).view(
+                        p.shape
+                    )
+                )
             elif name.endswith(".dt_bias"):
                 p.fill_(-4.6)  # softplus(-4.6) = 0.01
             elif p.dim() == 1:
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * 0.02)
+                p.copy_(
+                    torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * 0.02
+                )
             n += p.numel()
     return n
 
@@ -135,7 +231,9 @@ class ForwardTimer:
 
         torch.cuda.synchronize()
         start, end = next((e for e in reversed(self.events) if e[1] is not None), (None, None))
-        return start.elapsed_time(end) if start is not None else float("nan")  # TP > 1: steps in the workers
+        return (
+            start.elapsed_time(end) if start is not None else float("nan")
+        )  # TP > 1: steps in the workers
 
     def clear(self) -> None:
         self.events.clear()
@@ -209,8 +307,13 @@ class Timeline:
 
     def _span(self, label: str, t: float) -> None:
         if self.on:
-            self.spans.append((label, round((t - self.t0) * 1e3, 2),
-                               round((time.perf_counter() - self.t0) * 1e3, 2)))
+            self.spans.append(
+                (
+                    label,
+                    round((t - self.t0) * 1e3, 2),
+                    round((time.perf_counter() - self.t0) * 1e3, 2),
+                )
+            )
 
     def _gc(self, phase: str, info: dict) -> None:
         """Python's garbage collections, as spans too (one can stall a step)."""
@@ -236,7 +339,9 @@ def engine_ms(spans: list[tuple[str, float, float]]) -> float:
     hashing and setup, which varies by several ms run to run and is no connector's)."""
     starts = [a for label, a, _ in spans if label == "vllm schedule"]
     ends = [b for label, _, b in spans if label == "vllm update_from_output"]
-    return max(ends) - min(starts) if starts and ends else float("nan")  # nan: vLLM's methods not wrapped
+    return (
+        max(ends) - min(starts) if starts and ends else float("nan")
+    )  # nan: vLLM's methods not wrapped
 
 
 def traced(call, path: Path):
@@ -270,18 +375,34 @@ def gpu_timeline(events: list[dict]) -> list[str]:
         if cat not in ("kernel", "gpu_memcpy", "gpu_memset") or e.get("ph") != "X":
             continue
         name = e["name"]
-        kind = (name.split(" (")[0] if cat != "kernel" else
-                "kvtier kernels" if any(k in name for k in ("kv_copy", "kv_quant", "digest", "host_words"))
-                else "attention" if "flash" in name.lower() else "model kernels")
-        g = groups.setdefault((e.get("args", {}).get("stream", "?"), kind), [0, float("inf"), 0.0, 0.0])
+        kind = (
+            name.split(" (")[0]
+            if cat != "kernel"
+            else "kvtier kernels"
+            if any(k in name for k in ("kv_copy", "kv_quant", "digest", "host_words"))
+            else "attention"
+            if "flash" in name.lower()
+            else "model kernels"
+        )
+        g = groups.setdefault(
+            (e.get("args", {}).get("stream", "?"), kind), [0, float("inf"), 0.0, 0.0]
+        )
         start, end = (e["ts"] - t0) / 1e3, (e["ts"] + e.get("dur", 0) - t0) / 1e3
         g[0] += 1
         g[1], g[2], g[3] = min(g[1], start), max(g[2], end), g[3] + e.get("dur", 0) / 1e3
-    return [f"stream {stream} {kind}: {n} ops, {first:.1f}-{last:.1f} ms, busy {busy:.1f} ms"
-            for (stream, kind), (n, first, last, busy) in sorted(groups.items(), key=lambda kv: kv[1][1])]
+    return [
+        f"stream {stream} {kind}: {n} ops, {first:.1f}-{last:.1f} ms, busy {busy:.1f} ms"
+        for (stream, kind), (n, first, last, busy) in sorted(
+            groups.items(), key=lambda kv: kv[1][1]
+        )
+    ]
 
 
-WAITS = ("Synchronize", "cudaMemcpy", "cudaStreamWaitEvent")  # CUDA runtime calls a host may block in
+WAITS = (
+    "Synchronize",
+    "cudaMemcpy",
+    "cudaStreamWaitEvent",
+)  # CUDA runtime calls a host may block in
 
 
 def host_waits(events: list[dict]) -> list[str]:
@@ -289,12 +410,19 @@ def host_waits(events: list[dict]) -> list[str]:
     thread and call, count and total ms, the ones over 0.05 ms in all."""
     groups: dict[tuple, list] = {}
     for e in events:
-        if e.get("cat") != "cuda_runtime" or e.get("ph") != "X" or not any(w in e["name"] for w in WAITS):
+        if (
+            e.get("cat") != "cuda_runtime"
+            or e.get("ph") != "X"
+            or not any(w in e["name"] for w in WAITS)
+        ):
             continue
         g = groups.setdefault((e.get("tid", "?"), e["name"]), [0, 0.0, 0.0])
         g[0], g[1], g[2] = g[0] + 1, g[1] + e.get("dur", 0) / 1e3, max(g[2], e.get("dur", 0) / 1e3)
-    return [f"host thread {tid} {name}: {n} calls, {ms:.2f} ms in all, longest {top:.2f} ms"
-            for (tid, name), (n, ms, top) in sorted(groups.items(), key=lambda kv: -kv[1][1]) if ms > 0.05]
+    return [
+        f"host thread {tid} {name}: {n} calls, {ms:.2f} ms in all, longest {top:.2f} ms"
+        for (tid, name), (n, ms, top) in sorted(groups.items(), key=lambda kv: -kv[1][1])
+        if ms > 0.05
+    ]
 
 
 def flush_kvtier(model) -> bool:
@@ -355,7 +483,9 @@ def ended_on_error(fn: Callable[..., object], *args: object) -> None:
         os._exit(1)
 
 
-def run_setup_process(name: str, cmd: list[str], env: dict, record: Path, timeout: float, grace: float = 20.0) -> int:
+def run_setup_process(
+    name: str, cmd: list[str], env: dict, record: Path, timeout: float, grace: float = 20.0
+) -> int:
     """One setup's process; killed at `timeout`, or `grace` s after it wrote its record
     (LMCache's process has hung at exit for minutes after its last request)."""
     record.unlink(missing_ok=True)
@@ -371,7 +501,10 @@ def run_setup_process(name: str, cmd: list[str], env: dict, record: Path, timeou
             if written is None:
                 print(f"[{name}] did not finish in {timeout} s", flush=True)
                 return 1
-            print(f"[{name}] wrote its record but had not exited {grace:.0f} s later: killed", flush=True)
+            print(
+                f"[{name}] wrote its record but had not exited {grace:.0f} s later: killed",
+                flush=True,
+            )
             return 0
         time.sleep(0.5)
     return proc.returncode

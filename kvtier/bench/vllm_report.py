@@ -17,9 +17,14 @@ def agrees(cold: list[int], plain: dict) -> bool:
         return False
     if cold == plain["cold"]:
         return True
-    at = next((i for i, (a, b) in enumerate(zip(cold, plain["cold"])) if a != b), min(len(cold), len(plain["cold"])))
-    split = next((i for i, (a, b) in enumerate(zip(plain["cold"], plain["gpu_hit"])) if a != b), None)
-    return at == split and cold[:at + 1] == plain["gpu_hit"][:at + 1]
+    at = next(
+        (i for i, (a, b) in enumerate(zip(cold, plain["cold"])) if a != b),
+        min(len(cold), len(plain["cold"])),
+    )
+    split = next(
+        (i for i, (a, b) in enumerate(zip(plain["cold"], plain["gpu_hit"])) if a != b), None
+    )
+    return at == split and cold[: at + 1] == plain["gpu_hit"][: at + 1]
 
 
 def under_the_copy(name: str, r: dict) -> bool:
@@ -40,16 +45,20 @@ def compare(out: Path) -> int:
             # Loaded KV computes what vLLM's own cached KV does; plain vLLM recomputes "warm" (a
             # prefix-cache hit and a whole prefill may differ in the last bits of bf16).
             same_warm = t["warm"] == (t["cold"] if name == "plain" else t["gpu_hit"])
-            same_plain = plain is None or agrees(t["cold"], plain["lengths"].get(length, {}).get("tokens", {}))
+            same_plain = plain is None or agrees(
+                t["cold"], plain["lengths"].get(length, {}).get("tokens", {})
+            )
             control_differs = t["control"] != t["cold"]
             unloaded = under_the_copy(name, r)
             ok = same_warm and same_plain and control_differs and not unloaded
             bad += not ok
-            print(f"{name:18s} {length:>6s}  cold {r['cold_median']*1e3:7.1f}  warm {r['warm_median']*1e3:7.1f} ms"
-                  f"  (GPU hit {r['gpu_hit_median']*1e3:6.1f}, in the engine {r['gpu_hit_engine_median_ms']:5.1f})"
-                  f"  floor ratio {r['warm_over_floor_paired']:.3f}  max(load,fwd) ratio "
-                  f"{r['warm_over_max_load_fwd_paired']:.3f}  tokens {'OK' if ok else 'DIFFER'}"
-                  f" (warm=GPU hit {same_warm}, cold=plain {same_plain}, control differs {control_differs},"
-                  f" logprob err {t['warm_logprob_err']:.3g}, cold vs GPU hit {t['cold_vs_gpu_hit_logprob_err']:.3g})"
-                  + ("  WARM UNDER THE COPY OF ITS KV: not loaded" if unloaded else ""))
+            print(
+                f"{name:18s} {length:>6s}  cold {r['cold_median'] * 1e3:7.1f}  warm {r['warm_median'] * 1e3:7.1f} ms"
+                f"  (GPU hit {r['gpu_hit_median'] * 1e3:6.1f}, in the engine {r['gpu_hit_engine_median_ms']:5.1f})"
+                f"  floor ratio {r['warm_over_floor_paired']:.3f}  max(load,fwd) ratio "
+                f"{r['warm_over_max_load_fwd_paired']:.3f}  tokens {'OK' if ok else 'DIFFER'}"
+                f" (warm=GPU hit {same_warm}, cold=plain {same_plain}, control differs {control_differs},"
+                f" logprob err {t['warm_logprob_err']:.3g}, cold vs GPU hit {t['cold_vs_gpu_hit_logprob_err']:.3g})"
+                + ("  WARM UNDER THE COPY OF ITS KV: not loaded" if unloaded else "")
+            )
     return 1 if bad else 0

@@ -20,16 +20,17 @@ import json
 import os
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import yaml
 
 from kvtier.codec import KV_CODECS, SERDES
-from kvtier.errors import ConfigError, UnknownConfigKey
 from kvtier.config.lmcache_keys import RULES, TRUE_TEXTS, env_var_note, resolve
+from kvtier.errors import ConfigError, UnknownConfigKey
 from kvtier.remote import TOKEN_SCHEMES, check_url
 from kvtier.tiers.policy import POLICIES
 
@@ -38,9 +39,11 @@ GPU_UPLOADS = ("auto", "kernel", "copy_engine")
 ASYNC_LOADINGS = ("busy", "always", "never")
 CONFIG_FILE_VARS = ("LMCACHE_CONFIG_FILE", "KVTIER_CONFIG_FILE")
 # kvtier's environment variables that are not config keys: read where they act.
-OWN_ENV_VARS = ("KVTIER_LOG_LEVEL",  # logs.py
-                "KVTIER_SERVER_TOKEN",  # kvtier server's and its clients' bearer token (server/state.py)
-                "KVTIER_TRACE_STALLS_MS")  # slow calls on the engine's thread, logged (stalls.py)
+OWN_ENV_VARS = (
+    "KVTIER_LOG_LEVEL",  # logs.py
+    "KVTIER_SERVER_TOKEN",  # kvtier server's and its clients' bearer token (server/state.py)
+    "KVTIER_TRACE_STALLS_MS",
+)  # slow calls on the engine's thread, logged (stalls.py)
 # LMCache env vars that carry no meaning here (they select LMCache code paths
 # that kvtier has only one of). Accepted so that old launch scripts still run.
 IGNORED_LMCACHE_KEYS = frozenset({"use_experimental"})
@@ -58,72 +61,118 @@ def _doc(text: str, **kw: Any) -> Any:
 class KvtierConfig:
     """All of kvtier's settings. Field names are LMCache's config keys."""
 
-    chunk_size: int = _doc("tokens per KV chunk (a hybrid model in vLLM: within its smallest sliding window, "
-                            "a divisor of its Mamba block size; logged where changed)", default=256)
+    chunk_size: int = _doc(
+        "tokens per KV chunk (a hybrid model in vLLM: within its smallest sliding window, "
+        "a divisor of its Mamba block size; logged where changed)",
+        default=256,
+    )
     local_cpu: bool = _doc("keep KV chunks in the CPU RAM tier", default=True)
     max_local_cpu_size: float = _doc("CPU RAM pool size, GiB", default=5.0)
     local_cpu_use_hugepages: bool = _doc("back the CPU pool with 2 MiB huge pages", default=False)
-    save_unfull_chunk: bool = _doc("also store the partial last chunk of a prompt (a tail); a later prompt that "
-                                   "continues it, a conversation's next turn, loads it (LMCache's default is false: "
-                                   "its longer prompts never find one)", default=True)
-    use_layerwise: bool = _doc("load KV layer by layer, overlapped with compute (the transformers integration "
-                               "stores so too; inside vLLM a step's store follows its forward)", default=False)
-    local_disk: str | None = _doc("directory of the disk tier: file:///path (or a plain path)", default=None)
+    save_unfull_chunk: bool = _doc(
+        "also store the partial last chunk of a prompt (a tail); a later prompt that "
+        "continues it, a conversation's next turn, loads it (LMCache's default is false: "
+        "its longer prompts never find one)",
+        default=True,
+    )
+    use_layerwise: bool = _doc(
+        "load KV layer by layer, overlapped with compute (the transformers integration "
+        "stores so too; inside vLLM a step's store follows its forward)",
+        default=False,
+    )
+    local_disk: str | None = _doc(
+        "directory of the disk tier: file:///path (or a plain path)", default=None
+    )
     max_local_disk_size: float = _doc("disk tier size, GiB (needed with local_disk)", default=0.0)
     local_disk_min_stores: int = _doc(
-        "write a chunk to disk once it has been stored this many times (spares SSD wear)", default=1)
+        "write a chunk to disk once it has been stored this many times (spares SSD wear)", default=1
+    )
     pin_timeout_sec: int = _doc(
-        "longest a looked-up hit stays protected (pinned) waiting for its load, s", default=300)
+        "longest a looked-up hit stays protected (pinned) waiting for its load, s", default=300
+    )
     remote_url: str | None = _doc(
-        "remote store: kvtier:// infinistore:// redis:// rediss:// redis-cluster:// fs:// mooncakestore://", default=None)
+        "remote store: kvtier:// infinistore:// redis:// rediss:// redis-cluster:// fs:// mooncakestore://",
+        default=None,
+    )
     remote_auth_token: str | None = _doc(
-        "token for a kvtier store server that wants one (or ?token_env=VAR in remote_url)", default=None,
-        repr=False)
+        "token for a kvtier store server that wants one (or ?token_env=VAR in remote_url)",
+        default=None,
+        repr=False,
+    )
     remote_serde: str = _doc(
         "chunk codec: naive | lz4 (lossless, remote only) | int8 | fp8 (lossy, on the GPU, every tier)",
-        default="naive")
+        default="naive",
+    )
     blocking_timeout_secs: float = _doc("longest wait on a tier before a miss, s", default=10.0)
     gpu_upload: str = _doc(
         "what copies loads from CPU RAM into GPU memory: kernel (the GPU's SMs read the pinned pool; "
         "vLLM's own small copies never wait behind a load) | copy_engine (DMA, a few % faster; its "
         "queue holds vLLM's next-step inputs until the whole load has crossed) | auto (kernel for "
         "layerwise loads, whose overlap needs vLLM's inputs through; copy engine for whole ones)",
-        default="auto")
+        default="auto",
+    )
     async_loading: str = _doc(
         "when a hit all in CPU RAM loads inside vLLM: busy (in the step that needs it while no other request "
         "runs; else in the background, the request joining a later step, so running requests' steps do not "
         "wait for its copies) | always (in the background) | never (in the step); hits below CPU RAM always "
-        "load in the background", default="busy")
+        "load in the background",
+        default="busy",
+    )
     share_across_tp: bool = _doc(
         "also read chunks that instances of another tensor-parallel size stored (disk and remote tiers), "
         "cut or joined to this rank's KV heads; a miss then asks the tiers for each other size too",
-        default=False)
-    enable_pd: bool = _doc("disaggregated prefill: this instance sends (prefiller) or receives (decoder) KV",
-                           default=False)
-    pd_role: str | None = _doc("sender (vLLM kv_producer) | receiver (vLLM kv_consumer)", default=None)
-    transfer_channel: str | None = _doc("PD transfer channel: tcp | nixl | cuda_ipc (unset: tcp)", default=None)
+        default=False,
+    )
+    enable_pd: bool = _doc(
+        "disaggregated prefill: this instance sends (prefiller) or receives (decoder) KV",
+        default=False,
+    )
+    pd_role: str | None = _doc(
+        "sender (vLLM kv_producer) | receiver (vLLM kv_consumer)", default=None
+    )
+    transfer_channel: str | None = _doc(
+        "PD transfer channel: tcp | nixl | cuda_ipc (unset: tcp)", default=None
+    )
     pd_buffer_size: int = _doc("receiver: bytes of the buffer the sender writes KV into", default=0)
     pd_buffer_device: str = _doc("receiver: where the PD buffer lives, cpu | cuda", default="cpu")
     pd_peer_host: str | None = _doc(
         "receiver: host it listens on; sender: a fixed decoder (else the proxy names one per request)",
-        default=None)
-    pd_peer_init_port: int | None = _doc("decoder's handshake port (TP rank r listens on port + r)", default=None)
-    pd_peer_alloc_port: int | None = _doc("decoder's allocation port (TP rank r listens on port + r)", default=None)
-    pd_proxy_host: str | None = _doc("sender: host of the proxy told when a prefill's KV has arrived",
-                                     default=None)
-    pd_proxy_port: int | None = _doc("sender: that proxy's notification port (kvtier proxy --proxy-port)",
-                                     default=None)
+        default=None,
+    )
+    pd_peer_init_port: int | None = _doc(
+        "decoder's handshake port (TP rank r listens on port + r)", default=None
+    )
+    pd_peer_alloc_port: int | None = _doc(
+        "decoder's allocation port (TP rank r listens on port + r)", default=None
+    )
+    pd_proxy_host: str | None = _doc(
+        "sender: host of the proxy told when a prefill's KV has arrived", default=None
+    )
+    pd_proxy_port: int | None = _doc(
+        "sender: that proxy's notification port (kvtier proxy --proxy-port)", default=None
+    )
     pd_allocation_timeout_sec: float = _doc(
         "sender: longest wait for room in the decoder's buffer before the decoder recomputes, s "
-        "(LMCache waits forever)", default=10.0)
-    cache_policy: str = _doc("eviction order of the CPU and disk tiers: LRU | FIFO | MRU | LFU", default="LRU")
-    lookup_timeout_ms: int = _doc("longest the vLLM scheduler waits for a worker's lookup, ms (then a miss)",
-                                  default=3000)
-    min_retrieve_tokens: int = _doc("a hit shorter than this many tokens is treated as a miss", default=0)
-    save_decode_cache: bool = _doc("also store the KV of generated tokens (whole chunks, as decoding goes)",
-                                   default=False)
-    enable_kv_events: bool = _doc("publish what the CPU tier stores and evicts as vLLM KV events "
-                                  "(with vLLM's --kv-events-config)", default=False)
+        "(LMCache waits forever)",
+        default=10.0,
+    )
+    cache_policy: str = _doc(
+        "eviction order of the CPU and disk tiers: LRU | FIFO | MRU | LFU", default="LRU"
+    )
+    lookup_timeout_ms: int = _doc(
+        "longest the vLLM scheduler waits for a worker's lookup, ms (then a miss)", default=3000
+    )
+    min_retrieve_tokens: int = _doc(
+        "a hit shorter than this many tokens is treated as a miss", default=0
+    )
+    save_decode_cache: bool = _doc(
+        "also store the KV of generated tokens (whole chunks, as decoding goes)", default=False
+    )
+    enable_kv_events: bool = _doc(
+        "publish what the CPU tier stores and evicts as vLLM KV events "
+        "(with vLLM's --kv-events-config)",
+        default=False,
+    )
     enable_p2p: bool = _doc("peer-to-peer sharing (not built yet)", default=False)
     extra_config: Mapping[str, Any] = _doc(
         "free-form settings for extensions", default_factory=dict
@@ -176,15 +225,25 @@ def _check_ranges(cfg: KvtierConfig) -> None:
         raise ConfigError("max_local_cpu_size", cfg.max_local_cpu_size, "a size in GB > 0")
     if cfg.remote_url is not None and (expected := check_url(cfg.remote_url)):
         raise ConfigError("remote_url", cfg.remote_url, expected)
-    if cfg.remote_auth_token is not None and urlsplit(cfg.remote_url or "").scheme not in TOKEN_SCHEMES:
-        raise ConfigError("remote_auth_token", "<hidden>",
-                          "a remote_url of a kvtier store server (" + ", ".join(f"{s}://" for s in TOKEN_SCHEMES)
-                          + "); Redis takes its password in the URL")
+    if (
+        cfg.remote_auth_token is not None
+        and urlsplit(cfg.remote_url or "").scheme not in TOKEN_SCHEMES
+    ):
+        raise ConfigError(
+            "remote_auth_token",
+            "<hidden>",
+            "a remote_url of a kvtier store server ("
+            + ", ".join(f"{s}://" for s in TOKEN_SCHEMES)
+            + "); Redis takes its password in the URL",
+        )
     if cfg.remote_serde not in (*SERDES, *KV_CODECS):
         raise ConfigError("remote_serde", cfg.remote_serde, " | ".join((*SERDES, *KV_CODECS)))
     if cfg.share_across_tp and cfg.remote_serde in KV_CODECS:
-        raise ConfigError("share_across_tp", cfg.share_across_tp,
-                          f"false with the lossy codec {cfg.remote_serde} (its rows carry per-head scales)")
+        raise ConfigError(
+            "share_across_tp",
+            cfg.share_across_tp,
+            f"false with the lossy codec {cfg.remote_serde} (its rows carry per-head scales)",
+        )
     if cfg.gpu_upload not in GPU_UPLOADS:
         raise ConfigError("gpu_upload", cfg.gpu_upload, " | ".join(GPU_UPLOADS))
     if cfg.async_loading not in ASYNC_LOADINGS:
@@ -192,11 +251,20 @@ def _check_ranges(cfg: KvtierConfig) -> None:
     if cfg.blocking_timeout_secs <= 0:
         raise ConfigError("blocking_timeout_secs", cfg.blocking_timeout_secs, "seconds > 0")
     if cfg.local_disk is not None:
-        if "://" in cfg.local_disk and not cfg.local_disk.startswith("file://") or cfg.local_disk in ("", "file://"):
-            raise ConfigError("local_disk", cfg.local_disk, "file:///path/to/dir (or a plain directory path)")
+        if (
+            "://" in cfg.local_disk
+            and not cfg.local_disk.startswith("file://")
+            or cfg.local_disk in ("", "file://")
+        ):
+            raise ConfigError(
+                "local_disk", cfg.local_disk, "file:///path/to/dir (or a plain directory path)"
+            )
         if cfg.max_local_disk_size <= 0:
-            raise ConfigError("max_local_disk_size", cfg.max_local_disk_size,
-                              "a size in GiB > 0 (local_disk is set)")
+            raise ConfigError(
+                "max_local_disk_size",
+                cfg.max_local_disk_size,
+                "a size in GiB > 0 (local_disk is set)",
+            )
     if cfg.local_disk_min_stores < 1:
         raise ConfigError("local_disk_min_stores", cfg.local_disk_min_stores, "an integer >= 1")
     if cfg.pin_timeout_sec <= 0:
@@ -214,10 +282,17 @@ def _check_pd(cfg: KvtierConfig) -> None:
     if not cfg.enable_pd:
         return
     if cfg.enable_p2p:
-        raise ConfigError("enable_p2p", cfg.enable_p2p, "false when enable_pd is true (PD and P2P exclude each other)")
+        raise ConfigError(
+            "enable_p2p",
+            cfg.enable_p2p,
+            "false when enable_pd is true (PD and P2P exclude each other)",
+        )
     if cfg.remote_serde in KV_CODECS:
-        raise ConfigError("remote_serde", cfg.remote_serde,
-                          "a lossless codec (naive | lz4) when enable_pd is true: PD moves the KV as computed")
+        raise ConfigError(
+            "remote_serde",
+            cfg.remote_serde,
+            "a lossless codec (naive | lz4) when enable_pd is true: PD moves the KV as computed",
+        )
     if cfg.pd_role not in PD_ROLES:
         raise ConfigError("pd_role", cfg.pd_role, "sender or receiver (enable_pd is true)")
     if cfg.transfer_channel is not None and cfg.transfer_channel not in PD_CHANNELS:
@@ -225,27 +300,45 @@ def _check_pd(cfg: KvtierConfig) -> None:
     if cfg.pd_buffer_device not in ("cpu", "cuda"):
         raise ConfigError("pd_buffer_device", cfg.pd_buffer_device, "cpu or cuda")
     if cfg.pd_allocation_timeout_sec <= 0:
-        raise ConfigError("pd_allocation_timeout_sec", cfg.pd_allocation_timeout_sec,
-                          "seconds > 0 (kvtier keeps a bound: a sender never waits forever)")
+        raise ConfigError(
+            "pd_allocation_timeout_sec",
+            cfg.pd_allocation_timeout_sec,
+            "seconds > 0 (kvtier keeps a bound: a sender never waits forever)",
+        )
     peer = (cfg.pd_peer_host, cfg.pd_peer_init_port, cfg.pd_peer_alloc_port)
     if cfg.pd_role == "receiver":
         if cfg.pd_buffer_size <= 0:
-            raise ConfigError("pd_buffer_size", cfg.pd_buffer_size,
-                              "the receiver's buffer size in bytes > 0 (pd_role is receiver)")
+            raise ConfigError(
+                "pd_buffer_size",
+                cfg.pd_buffer_size,
+                "the receiver's buffer size in bytes > 0 (pd_role is receiver)",
+            )
         if None in peer:
-            raise ConfigError("pd_peer_host/pd_peer_init_port/pd_peer_alloc_port", peer,
-                              "the host and the two ports the receiver listens on")
+            raise ConfigError(
+                "pd_peer_host/pd_peer_init_port/pd_peer_alloc_port",
+                peer,
+                "the host and the two ports the receiver listens on",
+            )
         if cfg.pd_channel == "cuda_ipc" and cfg.pd_buffer_device != "cuda":
-            raise ConfigError("pd_buffer_device", cfg.pd_buffer_device,
-                              "cuda: transfer_channel cuda_ipc writes into GPU memory")
+            raise ConfigError(
+                "pd_buffer_device",
+                cfg.pd_buffer_device,
+                "cuda: transfer_channel cuda_ipc writes into GPU memory",
+            )
     else:
         if any(peer) and None in peer:
-            raise ConfigError("pd_peer_host/pd_peer_init_port/pd_peer_alloc_port", peer,
-                              "all three (a fixed decoder) or none (the proxy names the decoder)")
+            raise ConfigError(
+                "pd_peer_host/pd_peer_init_port/pd_peer_alloc_port",
+                peer,
+                "all three (a fixed decoder) or none (the proxy names the decoder)",
+            )
         proxy = (cfg.pd_proxy_host, cfg.pd_proxy_port)
         if None in peer and None in proxy:
-            raise ConfigError("pd_proxy_host/pd_proxy_port", proxy,
-                              "the proxy to tell, or pd_peer_host and its ports: a sender needs a peer")
+            raise ConfigError(
+                "pd_proxy_host/pd_proxy_port",
+                proxy,
+                "the proxy to tell, or pd_peer_host and its ports: a sender needs a peer",
+            )
 
 
 def _reject_unbuilt(cfg: KvtierConfig) -> None:
@@ -254,8 +347,10 @@ def _reject_unbuilt(cfg: KvtierConfig) -> None:
         f = FIELDS[key]
         if value != f.default:
             raise ConfigError(
-                key, value, f"the default ({f.default!r}): {feature} is not built in "
-                "this version of kvtier yet"
+                key,
+                value,
+                f"the default ({f.default!r}): {feature} is not built in "
+                "this version of kvtier yet",
             )
 
 
@@ -348,9 +443,13 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for prefix in ENV_PREFIXES:  # KVTIER_ last, so it wins over LMCACHE_
         for name, value in sorted(env.items()):
-            if not name.startswith(prefix) or name in CONFIG_FILE_VARS + OWN_ENV_VARS or env_var_note(name):
+            if (
+                not name.startswith(prefix)
+                or name in CONFIG_FILE_VARS + OWN_ENV_VARS
+                or env_var_note(name)
+            ):
                 continue
-            key = name[len(prefix):].lower()
+            key = name[len(prefix) :].lower()
             if key in IGNORED_LMCACHE_KEYS:
                 continue
             _put(out, key, value, f"environment variable {name}")

@@ -36,14 +36,18 @@ class KeyRule:
     default: Any  # LMCache's default
     note: str = ""
     target: str | None = None  # mapped: the kvtier key it sets
-    values: dict[str, Any] | None = None  # mapped: the target's value for each of this key's (lowercase text); others set nothing
+    values: dict[str, Any] | None = (
+        None  # mapped: the target's value for each of this key's (lowercase text); others set nothing
+    )
 
 
 def _b(default: Any, note: str = "") -> KeyRule:
     return KeyRule("built", default, note)
 
 
-def _m(default: Any, note: str, target: str | None = None, values: dict[str, Any] | None = None) -> KeyRule:
+def _m(
+    default: Any, note: str, target: str | None = None, values: dict[str, Any] | None = None
+) -> KeyRule:
     return KeyRule("mapped", default, note, target, values)
 
 
@@ -73,10 +77,16 @@ RULES: dict[str, KeyRule] = {
     "local_cpu_use_hugepages": _b(False),
     "local_disk": _b(None),
     "max_local_disk_size": _b(0.0),
-    "remote_url": _b(None, "kvtier:// infinistore:// redis:// rediss:// redis-cluster:// fs:// mooncakestore://"),
-    "remote_serde": _b("naive", "naive or lz4; int8 or fp8: a lossy codec on the GPU (not CacheGen's)"),
+    "remote_url": _b(
+        None, "kvtier:// infinistore:// redis:// rediss:// redis-cluster:// fs:// mooncakestore://"
+    ),
+    "remote_serde": _b(
+        "naive", "naive or lz4; int8 or fp8: a lossy codec on the GPU (not CacheGen's)"
+    ),
     "use_layerwise": _b(False),
-    "save_unfull_chunk": _b(False, "LMCache's default; kvtier's is true: a longer prompt finds the tail"),
+    "save_unfull_chunk": _b(
+        False, "LMCache's default; kvtier's is true: a longer prompt finds the tail"
+    ),
     "blocking_timeout_secs": _b(10),
     "extra_config": _b(None),
     "pin_timeout_sec": _b(300),
@@ -94,17 +104,27 @@ RULES: dict[str, KeyRule] = {
     "pd_peer_alloc_port": _b(None),
     "pd_proxy_host": _b(None),
     "pd_proxy_port": _b(None),
-    "pd_allocation_timeout_sec": _b(float("inf"), "LMCache waits forever; kvtier keeps a bound (default 10 s)"),
+    "pd_allocation_timeout_sec": _b(
+        float("inf"), "LMCache waits forever; kvtier keeps a bound (default 10 s)"
+    ),
     "transfer_channel": _b(None, "tcp, nixl or cuda_ipc"),
     # -- reached another way -------------------------------------------------------------
-    "local_disk_path_sharding": _m("by_gpu", "kvtier gives each TP rank its own tp<r>of<n> directory"),
-    "enable_async_loading": _m(False, "true: every hit loads in the background (async_loading: always); kvtier "
-                                      "loads hits below CPU RAM so anyway, and CPU-RAM hits so while other "
-                                      "requests run (async_loading: busy, its default)", "async_loading",
-                               dict.fromkeys(TRUE_TEXTS, "always")),
+    "local_disk_path_sharding": _m(
+        "by_gpu", "kvtier gives each TP rank its own tp<r>of<n> directory"
+    ),
+    "enable_async_loading": _m(
+        False,
+        "true: every hit loads in the background (async_loading: always); kvtier "
+        "loads hits below CPU RAM so anyway, and CPU-RAM hits so while other "
+        "requests run (async_loading: busy, its default)",
+        "async_loading",
+        dict.fromkeys(TRUE_TEXTS, "always"),
+    ),
     "pin_check_interval_sec": _m(30, "kvtier checks pin_timeout_sec at every lookup and step"),
     "pd_backend_mode": _m("async", "kvtier's sender sends after each prefill step"),
-    "pd_skip_proxy_notification": _m(False, "leave pd_proxy_host unset and the sender tells no proxy"),
+    "pd_skip_proxy_notification": _m(
+        False, "leave pd_proxy_host unset and the sender tells no proxy"
+    ),
     "nixl_buffer_device": _m(None, "deprecated NIXL name", "pd_buffer_device"),
     "enable_xpyd": _m(False, "deprecated alias", "enable_pd"),
     "nixl_peer_host": _m(None, "deprecated alias", "pd_peer_host"),
@@ -116,7 +136,9 @@ RULES: dict[str, KeyRule] = {
     "nixl_role": _m(None, "deprecated alias", "pd_role"),
     # -- accepted with no effect ---------------------------------------------------------
     "reserve_local_cpu_size": _i(0.0, "kvtier's CPU pool is exactly max_local_cpu_size"),
-    "pre_caching_hash_algorithm": _i("builtin", "kvtier's chunk keys are always a seeded xxh3-128 chain"),
+    "pre_caching_hash_algorithm": _i(
+        "builtin", "kvtier's chunk keys are always a seeded xxh3-128 chain"
+    ),
     "numa_mode": _i(None, "kvtier does not bind its pool to NUMA nodes"),
     "py_enable_gc": _i(True, _INTERNAL),
     "use_gpu_connector_v3": _i(False, "kvtier has one GPU transfer path (Triton)"),
@@ -142,10 +164,16 @@ RULES: dict[str, KeyRule] = {
     "lmcache_worker_ids": _i(None, _CONTROLLER),
     "lmcache_worker_heartbeat_delay_time": _i(10, _CONTROLLER),
     "lmcache_worker_heartbeat_time": _i(None, _CONTROLLER),
-    "pd_peer_query_port": _i(None, "kvtier's decoder has no query port (the proxy names the decoder)"),
-    "pd_shutdown_timeout_sec": _i(5.0, "kvtier's receiver stops at once; senders see the connection close"),
+    "pd_peer_query_port": _i(
+        None, "kvtier's decoder has no query port (the proxy names the decoder)"
+    ),
+    "pd_shutdown_timeout_sec": _i(
+        5.0, "kvtier's receiver stops at once; senders see the connection close"
+    ),
     "pd_condition_poll_interval_sec": _i(0.005, _INTERNAL),
-    "pd_max_prefill_len": _i(0, "kvtier sends every prefill; what does not fit is recomputed by the decoder"),
+    "pd_max_prefill_len": _i(
+        0, "kvtier sends every prefill; what does not fit is recomputed by the decoder"
+    ),
     "nixl_backends": _i(None, "kvtier's NIXL channel uses the UCX backend"),
     "gds_path_sharding": _i("by_gpu", "used only with gds_path, which kvtier does not do"),
     "gds_buffer_size": _i(None, "used only with gds_path, which kvtier does not do"),
@@ -174,7 +202,6 @@ RULES: dict[str, KeyRule] = {
     "chunk_statistics_auto_exit_timeout_hours": _i(0.0, _STATS),
     "chunk_statistics_auto_exit_target_unique_chunks": _i(0, _STATS),
     "chunk_statistics_strategy": _i("memory_bloom_filter", _STATS),
-
     "app_id": _i(None, _INTERNAL),
     "max_hidden_state_cpu_size": _i(2.0, _HIDDEN),
     "hidden_state_layers": _i(None, _HIDDEN),
@@ -185,13 +212,17 @@ RULES: dict[str, KeyRule] = {
     "pd_bidirectional": _r(False, "bidirectional disaggregated prefill"),
     "gds_path": _r(None, f"GPUDirect Storage, {_TIER}"),
     "maru_path": _r(None, f"Maru, {_TIER}"),
-    "external_lookup_client": _r(None, "an external lookup client (it decides what counts as a hit)"),
+    "external_lookup_client": _r(
+        None, "an external lookup client (it decides what counts as a hit)"
+    ),
     "runtime_plugin_locations": _r(None, "LMCache runtime plugins"),
     "plugin_locations": _r(None, "LMCache runtime plugins (deprecated name)"),
     "storage_plugins": _r(None, f"storage plugins, {_TIER}"),
     "external_backends": _r(None, f"external backends (deprecated name), {_TIER}"),
     "remote_storage_plugins": _r(None, f"remote storage plugins, {_TIER}"),
-    "remote_config_url": _r(None, "config fetched from a URL (kvtier would run another config than meant)"),
+    "remote_config_url": _r(
+        None, "config fetched from a URL (kvtier would run another config than meant)"
+    ),
     "enable_hidden_state_cache": _r(False, "the hidden-state cache"),
 }
 
@@ -257,15 +288,26 @@ def resolve(key: str, value: Any, source: str) -> tuple[str, Any] | None:
     if rule.kind == "refused":
         if _is_default(value, rule.default):
             return None
-        raise ConfigError(key, value, f"{rule.default!r} (LMCache's default): kvtier does not do "
-                                      f"{rule.note} yet; remove the key or set it to its default")
+        raise ConfigError(
+            key,
+            value,
+            f"{rule.default!r} (LMCache's default): kvtier does not do "
+            f"{rule.note} yet; remove the key or set it to its default",
+        )
     if key not in _told:
         _told.add(key)
         if rule.kind == "mapped":
-            log.info("LMCache key %s (from %s): %s%s", key, source, rule.note,
-                     f" -> {rule.target}" if rule.target else "")
+            log.info(
+                "LMCache key %s (from %s): %s%s",
+                key,
+                source,
+                rule.note,
+                f" -> {rule.target}" if rule.target else "",
+            )
         else:
-            log.warning("LMCache key %s (from %s) is accepted and has no effect: %s", key, source, rule.note)
+            log.warning(
+                "LMCache key %s (from %s) is accepted and has no effect: %s", key, source, rule.note
+            )
     if rule.target and rule.values is not None:
         value = rule.values.get(str(value).strip().lower())
         return None if value is None else (rule.target, value)
@@ -281,5 +323,7 @@ def _is_default(value: Any, default: Any) -> bool:
 
 def table() -> list[tuple[str, str, str, str]]:
     """(key, LMCache default, class, what kvtier does), for `kvtier config --keys --lmcache`."""
-    return [(k, repr(r.default), r.kind, (f"→ `{r.target}`; " if r.target else "") + r.note)
-            for k, r in sorted(RULES.items(), key=lambda kv: (CLASSES.index(kv[1].kind), kv[0]))]
+    return [
+        (k, repr(r.default), r.kind, (f"→ `{r.target}`; " if r.target else "") + r.note)
+        for k, r in sorted(RULES.items(), key=lambda kv: (CLASSES.index(kv[1].kind), kv[0]))
+    ]

@@ -63,16 +63,23 @@ class DtypeChoice:
 def probe_bf16(code: str = PROBE, timeout: float = 120.0) -> DtypeChoice:
     """Run `code` in a fresh Python; bfloat16 if it exits 0, else float32 and why."""
     try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
         return DtypeChoice("float32", f"the bf16 probe gave no answer within {timeout:.0f} s")
     if done.returncode == 0:
         return DtypeChoice("bfloat16", "a bf16 matmul probe passed")
     if done.returncode == -signal.SIGILL:
-        return DtypeChoice("float32", "the bf16 probe died of SIGILL: this CPU's AMX bf16 path in torch/vLLM "
-                                      "fails here, so models run in float32")
+        return DtypeChoice(
+            "float32",
+            "the bf16 probe died of SIGILL: this CPU's AMX bf16 path in torch/vLLM "
+            "fails here, so models run in float32",
+        )
     tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
-    return DtypeChoice("float32", f"the bf16 probe exited with code {done.returncode} ({tail[0][:200]})")
+    return DtypeChoice(
+        "float32", f"the bf16 probe exited with code {done.returncode} ({tail[0][:200]})"
+    )
 
 
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of x86 CPUs that compute in bf16
@@ -80,7 +87,14 @@ NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of x86 CPUs tha
 
 def native_bf16(cpuinfo: str) -> bool | None:
     """Whether this x86 CPU computes in bf16 itself (None: not an x86 /proc/cpuinfo)."""
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), None)
+    flags = next(
+        (
+            line.split(":", 1)[1].split()
+            for line in cpuinfo.splitlines()
+            if line.startswith("flags")
+        ),
+        None,
+    )
     return None if flags is None else any(f in flags for f in NATIVE_BF16)
 
 
@@ -93,7 +107,9 @@ def cpu_model_dtype() -> DtypeChoice:
     except OSError:
         native = None
     if native is False:
-        return DtypeChoice("float32", f"this CPU has none of {', '.join(NATIVE_BF16)}: bf16 would be emulated")
+        return DtypeChoice(
+            "float32", f"this CPU has none of {', '.join(NATIVE_BF16)}: bf16 would be emulated"
+        )
     return probe_bf16()
 
 

@@ -17,9 +17,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from kvtier.dev.cpu_dtype import model_dtype
 from kvtier.dev.localservers import free_port
@@ -45,8 +45,9 @@ class Server:
 
     def start(self, timeout: float = 900) -> None:
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
         _wait_healthy(self, timeout)
 
     def kill(self) -> None:
@@ -95,10 +96,21 @@ def vllm_server(
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"vllm-{port}.log"
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--seed", "0",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", str(max_model_len), "--dtype", dtype,
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--seed",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
+        "--dtype",
+        dtype,
         "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
     ]
     if kv_connector:
@@ -108,8 +120,11 @@ def vllm_server(
     if eager:
         cmd += ["--enforce-eager"]
     cmd += list(extra_args)
-    full_env = {k: v for k, v in {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", **(env or {})}.items()
-                if v is not None}  # None in `env`: unset
+    full_env = {
+        k: v
+        for k, v in {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", **(env or {})}.items()
+        if v is not None
+    }  # None in `env`: unset
     log_path.write_bytes(b"")
     server = Server(f"http://127.0.0.1:{port}", log_path, cmd, full_env)
     try:
@@ -164,13 +179,20 @@ def query_ttft(url: str, model: str, prompt: str, max_tokens: int = 32) -> tuple
     first token, text). httpx alone: the GPU machine's vLLM bundle has no OpenAI client."""
     import httpx
 
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
-            "max_tokens": max_tokens, "stream": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
     start = time.perf_counter()
     ttft, parts = None, []
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         if r.status_code != 200:
-            raise RuntimeError(f"chat completion failed: HTTP {r.status_code}: {r.read().decode()[:500]}")
+            raise RuntimeError(
+                f"chat completion failed: HTTP {r.status_code}: {r.read().decode()[:500]}"
+            )
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -184,18 +206,28 @@ def query_ttft(url: str, model: str, prompt: str, max_tokens: int = 32) -> tuple
     return ttft, "".join(parts)
 
 
-def complete_ids(url: str, model: str, prompt: list[int], max_tokens: int = 16) -> tuple[list[int], list[float]]:
+def complete_ids(
+    url: str, model: str, prompt: list[int], max_tokens: int = 16
+) -> tuple[list[int], list[float]]:
     """Greedy completion of a prompt given as token ids (OpenAI's completions API): the
     output's token ids and their logprobs, for comparing two runs token by token."""
     import httpx
 
-    body = {"model": model, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens, "logprobs": 1,
-            "return_tokens_as_token_ids": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "logprobs": 1,
+        "return_tokens_as_token_ids": True,
+    }
     r = httpx.post(url + "/v1/completions", json=body, timeout=600)
     if r.status_code != 200:
         raise RuntimeError(f"completion failed: HTTP {r.status_code}: {r.text[:500]}")
     logprobs = r.json()["choices"][0]["logprobs"]
-    return [int(t.rsplit(":", 1)[1]) for t in logprobs["tokens"]], [float(x) for x in logprobs["token_logprobs"]]
+    return [int(t.rsplit(":", 1)[1]) for t in logprobs["tokens"]], [
+        float(x) for x in logprobs["token_logprobs"]
+    ]
 
 
 @dataclass
@@ -211,7 +243,9 @@ class DemoResult:
         return self.cold_ttft / self.warm_ttft
 
 
-def run_demo(workdir: Path, prompt_tokens: int = 8000, chunk_size: int = 256, dtype: str = "auto") -> DemoResult:
+def run_demo(
+    workdir: Path, prompt_tokens: int = 8000, chunk_size: int = 256, dtype: str = "auto"
+) -> DemoResult:
     if dtype == "auto":
         choice = model_dtype()
         dtype = choice.dtype
@@ -223,7 +257,9 @@ def run_demo(workdir: Path, prompt_tokens: int = 8000, chunk_size: int = 256, dt
     config_file.write_text(f"chunk_size: {chunk_size}\nlocal_cpu: true\nmax_local_cpu_size: 2.0\n")
     prompt = long_prompt(model_dir, prompt_tokens)
     print(f"Starting vLLM with kvtier (model {model_dir}, config {config_file}) ...", flush=True)
-    with vllm_server(model_dir, workdir, env={"LMCACHE_CONFIG_FILE": str(config_file)}, dtype=dtype) as server:
+    with vllm_server(
+        model_dir, workdir, env={"LMCACHE_CONFIG_FILE": str(config_file)}, dtype=dtype
+    ) as server:
         model = str(model_dir)
         query_ttft(server.url, model, "Hello", max_tokens=2)  # warm up the server, not the cache
         print("Querying vLLM server with cold kvtier CPU offload", flush=True)
@@ -235,7 +271,9 @@ def run_demo(workdir: Path, prompt_tokens: int = 8000, chunk_size: int = 256, dt
         time.sleep(0.5)  # let the server flush its log
         hits = [h for h in server.hit_lines() if h[0] > 100]
     result = DemoResult(hits[0][0] if hits else 0, cold, warm, hits, dtype)
-    print(f"TTFT Improvement: {cold - warm:.3f} seconds ({result.speedup:.1f}x faster, model in {dtype})")
+    print(
+        f"TTFT Improvement: {cold - warm:.3f} seconds ({result.speedup:.1f}x faster, model in {dtype})"
+    )
     for total, hit, load in hits:
         print(f"server log: Total tokens {total}, hit tokens {hit}, need to load {load}")
     return result

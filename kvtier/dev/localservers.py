@@ -28,9 +28,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 # What kvtier server, redis-server and mooncake say when their port is taken.
 _PORT_TAKEN = re.compile(r"in use by another process|address already in use", re.I)
@@ -62,7 +62,12 @@ def free_ports(n: int) -> list[int]:
         while len(ports) < n:
             s = held.enter_context(socket.socket())
             try:
-                s.bind(("127.0.0.1", random.randrange(PORTS_FROM, low) if low > PORTS_FROM + 1000 else 0))
+                s.bind(
+                    (
+                        "127.0.0.1",
+                        random.randrange(PORTS_FROM, low) if low > PORTS_FROM + 1000 else 0,
+                    )
+                )
             except OSError:
                 continue
             ports.append(s.getsockname()[1])
@@ -95,7 +100,9 @@ def wait_for_port(port: int, timeout: float = 30.0, proc: subprocess.Popen | Non
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before listening on {port}")
+            raise RuntimeError(
+                f"{proc.args[0]} exited with {proc.returncode} before listening on {port}"
+            )
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
             return
         time.sleep(0.05)
@@ -111,11 +118,15 @@ class LocalServer:
     log_path: Path | None = None
     manage_port: int | None = None
     unix_socket: str | None = None  # redis-server's, besides its TCP port
-    extra_config: dict = field(default_factory=dict)  # what a client needs besides the URL to join it
+    extra_config: dict = field(
+        default_factory=dict
+    )  # what a client needs besides the URL to join it
 
     def start(self) -> None:
         with open(self.log_path or os.devnull, "ab") as log:  # the children keep their own copies
-            self.procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT) for cmd in self.commands]
+            self.procs = [
+                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT) for cmd in self.commands
+            ]
         try:
             for port, proc in zip(self.ports, self.procs):
                 wait_for_port(port, proc=proc)
@@ -141,7 +152,11 @@ class LocalServer:
                 proc.wait()
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+        return (
+            self.log_path.read_text(errors="replace")
+            if self.log_path and self.log_path.exists()
+            else ""
+        )
 
     def metrics(self, token: str | None = None) -> dict[str, float]:
         """`kvtier server`'s counters from its management API's /metrics, by name without the
@@ -151,7 +166,10 @@ class LocalServer:
             req.add_header("Authorization", f"Bearer {token}")
         with urllib.request.urlopen(req, timeout=5) as r:
             text = r.read().decode()
-        return {m[1]: float(m[2]) for m in re.finditer(r"^kvtier_server_(\w+?)(?:_total)? (\S+)$", text, re.M)}
+        return {
+            m[1]: float(m[2])
+            for m in re.finditer(r"^kvtier_server_(\w+?)(?:_total)? (\S+)$", text, re.M)
+        }
 
 
 @contextlib.contextmanager
@@ -173,13 +191,27 @@ def _running(make: Callable[[], LocalServer]) -> Iterator[LocalServer]:
 
 
 @contextlib.contextmanager
-def kvtier_server(prealloc_gb: float = 0.5, *extra: str, log_dir: Path | None = None) -> Iterator[LocalServer]:
+def kvtier_server(
+    prealloc_gb: float = 0.5, *extra: str, log_dir: Path | None = None
+) -> Iterator[LocalServer]:
     def make() -> LocalServer:
         port, manage = free_ports(2)
-        cmd = [sys.executable, "-m", "kvtier.server", "--service-port", str(port), "--manage-port", str(manage),
-               "--prealloc-size", str(prealloc_gb), *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvtier.server",
+            "--service-port",
+            str(port),
+            "--manage-port",
+            str(manage),
+            "--prealloc-size",
+            str(prealloc_gb),
+            *extra,
+        ]
         log = Path(log_dir or tmp) / f"kvtier-server-{port}.log"
-        return LocalServer(f"kvtier://127.0.0.1:{port}", [port, manage], [cmd], log_path=log, manage_port=manage)
+        return LocalServer(
+            f"kvtier://127.0.0.1:{port}", [port, manage], [cmd], log_path=log, manage_port=manage
+        )
 
     with tempfile.TemporaryDirectory(prefix="kvtier-server-") as tmp, _running(make) as srv:
         yield srv
@@ -189,6 +221,7 @@ def kvtier_server(prealloc_gb: float = 0.5, *extra: str, log_dir: Path | None = 
 def lmcache_server(log_dir: Path | None = None) -> Iterator[LocalServer]:
     """LMCache's own store server (`python -m lmcache.v1.server HOST PORT cpu`, its `lm://`
     remote backend), where the lmcache package is installed (the GPU bundle's add-on)."""
+
     def make() -> LocalServer:
         port = free_port()
         cmd = [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"]
@@ -202,24 +235,62 @@ def lmcache_server(log_dir: Path | None = None) -> Iterator[LocalServer]:
 def self_signed_cert(directory: Path) -> tuple[Path, Path]:
     """A throwaway certificate for localhost and 127.0.0.1 (its own CA), by the openssl command."""
     cert, key = Path(directory) / "cert.pem", Path(directory) / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-days", "2", "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(cert),
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True,
-                   timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return cert, key
 
 
 def redis_binary(name: str = "redis-server") -> str:
-    path = shutil.which(name) or (f"/usr/bin/{name}" if os.path.exists(f"/usr/bin/{name}") else None)
+    path = shutil.which(name) or (
+        f"/usr/bin/{name}" if os.path.exists(f"/usr/bin/{name}") else None
+    )
     if path is None:
-        raise FileNotFoundError(f"{name} not found: install Debian's redis-server package "
-                                "(scripts/setup.sh does)")
+        raise FileNotFoundError(
+            f"{name} not found: install Debian's redis-server package (scripts/setup.sh does)"
+        )
     return path
 
 
 def _redis_cmd(port: int, workdir: str, *extra: str) -> list[str]:
-    return [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", workdir, "--protected-mode", "no", *extra]
+    return [
+        redis_binary(),
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        workdir,
+        "--protected-mode",
+        "no",
+        *extra,
+    ]
 
 
 @contextlib.contextmanager
@@ -227,8 +298,13 @@ def redis_server() -> Iterator[LocalServer]:
     def make() -> LocalServer:
         port, sock = free_port(), f"{tmp}/redis.sock"
         cmd = _redis_cmd(port, tmp, "--unixsocket", sock, "--unixsocketperm", "700")
-        return LocalServer(f"redis://127.0.0.1:{port}", [port], [cmd], log_path=Path(tmp) / f"redis-{port}.log",
-                           unix_socket=sock)
+        return LocalServer(
+            f"redis://127.0.0.1:{port}",
+            [port],
+            [cmd],
+            log_path=Path(tmp) / f"redis-{port}.log",
+            unix_socket=sock,
+        )
 
     with tempfile.TemporaryDirectory(prefix="kvtier-redis-") as tmp, _running(make) as srv:
         yield srv
@@ -237,17 +313,40 @@ def redis_server() -> Iterator[LocalServer]:
 @contextlib.contextmanager
 def redis_cluster(masters: int = 3) -> Iterator[LocalServer]:
     """`masters` redis-server processes in cluster mode, slots spread, no replicas."""
+
     def make() -> LocalServer:
         ports = [_cluster_port() for _ in range(masters)]
-        cmds = [_redis_cmd(p, tmp, "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{p}.conf",
-                           "--cluster-node-timeout", "5000") for p in ports]
+        cmds = [
+            _redis_cmd(
+                p,
+                tmp,
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                f"nodes-{p}.conf",
+                "--cluster-node-timeout",
+                "5000",
+            )
+            for p in ports
+        ]
         url = "redis-cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
         return LocalServer(url, ports, cmds, log_path=Path(tmp) / f"redis-{ports[0]}.log")
 
     with tempfile.TemporaryDirectory(prefix="kvtier-redis-cluster-") as tmp, _running(make) as srv:
-        subprocess.run([redis_binary("redis-cli"), "--cluster", "create",
-                        *[f"127.0.0.1:{p}" for p in srv.ports], "--cluster-replicas", "0", "--cluster-yes"],
-                       check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            [
+                redis_binary("redis-cli"),
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{p}" for p in srv.ports],
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         _wait_cluster_ok(srv.ports[0])
         yield srv
 
@@ -255,8 +354,12 @@ def redis_cluster(masters: int = 3) -> Iterator[LocalServer]:
 def _wait_cluster_ok(port: int, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        out = subprocess.run([redis_binary("redis-cli"), "-p", str(port), "cluster", "info"],
-                             capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(
+            [redis_binary("redis-cli"), "-p", str(port), "cluster", "info"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
         if "cluster_state:ok" in out:
             return
         time.sleep(0.1)
@@ -265,7 +368,11 @@ def _wait_cluster_ok(port: int, timeout: float = 30.0) -> None:
 
 # How a kvtier client on this host joins a local pool: over loopback, giving it no RAM
 # of its own (the pool's mooncake_client segments hold the values), so each costs none.
-MOONCAKE_JOIN = {"local_hostname": "127.0.0.1", "global_segment_size": 0, "local_buffer_size": 16 << 20}
+MOONCAKE_JOIN = {
+    "local_hostname": "127.0.0.1",
+    "global_segment_size": 0,
+    "local_buffer_size": 16 << 20,
+}
 
 
 def mooncake_binary(name: str) -> str:
@@ -273,26 +380,51 @@ def mooncake_binary(name: str) -> str:
     beside = Path(sys.executable).parent / name
     path = str(beside) if beside.exists() else shutil.which(name)
     if path is None:
-        raise FileNotFoundError(f"{name} not found: pip install mooncake-transfer-engine-non-cuda "
-                                "(scripts/setup.sh does)")
+        raise FileNotFoundError(
+            f"{name} not found: pip install mooncake-transfer-engine-non-cuda "
+            "(scripts/setup.sh does)"
+        )
     return path
 
 
 @contextlib.contextmanager
-def mooncake_store(segments: int = 2, segment_mb: int = 256, client_ttl: int = 10) -> Iterator[LocalServer]:
+def mooncake_store(
+    segments: int = 2, segment_mb: int = 256, client_ttl: int = 10
+) -> Iterator[LocalServer]:
     """mooncake_master, and `segments` mooncake_client processes that each give the
     pool `segment_mb` MiB of RAM (P2PHANDSHAKE metadata: no metadata server).
     `client_ttl`: seconds the master keeps a silent client's segments."""
+
     def make() -> LocalServer:
         rpc, metrics, *clients = free_ports(2 + segments)
-        master = [mooncake_binary("mooncake_master"), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-                  f"--metrics_port={metrics}", f"--client_ttl={client_ttl}", "--logtostderr=true"]
-        cmds = [master] + [[mooncake_binary("mooncake_client"), f"--master_server_address=127.0.0.1:{rpc}",
-                            "--metadata_server=P2PHANDSHAKE", "--host=127.0.0.1", f"--port={port}",
-                            f"--global_segment_size={segment_mb} MB", "--protocol=tcp", "--logtostderr=true"]
-                           for port in clients]
-        return LocalServer(f"mooncakestore://127.0.0.1:{rpc}", [rpc, *clients], cmds,
-                           log_path=Path(tmp) / f"mooncake-{rpc}.log", extra_config=MOONCAKE_JOIN)
+        master = [
+            mooncake_binary("mooncake_master"),
+            f"--rpc_port={rpc}",
+            "--rpc_address=127.0.0.1",
+            f"--metrics_port={metrics}",
+            f"--client_ttl={client_ttl}",
+            "--logtostderr=true",
+        ]
+        cmds = [master] + [
+            [
+                mooncake_binary("mooncake_client"),
+                f"--master_server_address=127.0.0.1:{rpc}",
+                "--metadata_server=P2PHANDSHAKE",
+                "--host=127.0.0.1",
+                f"--port={port}",
+                f"--global_segment_size={segment_mb} MB",
+                "--protocol=tcp",
+                "--logtostderr=true",
+            ]
+            for port in clients
+        ]
+        return LocalServer(
+            f"mooncakestore://127.0.0.1:{rpc}",
+            [rpc, *clients],
+            cmds,
+            log_path=Path(tmp) / f"mooncake-{rpc}.log",
+            extra_config=MOONCAKE_JOIN,
+        )
 
     with tempfile.TemporaryDirectory(prefix="kvtier-mooncake-") as tmp, _running(make) as srv:
         yield srv

@@ -32,9 +32,11 @@ class Report:
     cycles: list[list[str]] = field(default_factory=list)
 
     def problems(self) -> list[str]:
-        return ([f"module {m}: {n} lines" for m, n in self.long_modules]
-                + [f"function {f}: {n} statements" for f, n in self.long_functions]
-                + ["import cycle: " + " -> ".join(c) for c in self.cycles])
+        return (
+            [f"module {m}: {n} lines" for m, n in self.long_modules]
+            + [f"function {f}: {n} statements" for f, n in self.long_functions]
+            + ["import cycle: " + " -> ".join(c) for c in self.cycles]
+        )
 
 
 def module_name(path: Path) -> str:
@@ -88,7 +90,9 @@ def imports_of(tree: ast.AST, name: str, is_package: bool, known: set[str]) -> s
                 anchor = anchor[: len(anchor) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             # `from pkg import mod` imports the module pkg.mod where there is one.
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
         else:
             continue
         for target in targets:

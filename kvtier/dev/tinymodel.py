@@ -23,7 +23,14 @@ from pathlib import Path
 
 # Stdlib modules whose source makes the tokenizer corpus and the demo's
 # long prompt: plain English docstrings and code, present on every CPython.
-CORPUS_MODULES = ("argparse", "typing", "subprocess", "logging/__init__", "pathlib", "asyncio/base_events")
+CORPUS_MODULES = (
+    "argparse",
+    "typing",
+    "subprocess",
+    "logging/__init__",
+    "pathlib",
+    "asyncio/base_events",
+)
 
 
 @dataclass(frozen=True)
@@ -75,8 +82,14 @@ def make_tiny_llama(path: str | Path, spec: TinyLlama = TinyLlama()) -> Path:
         "bos_token_id": vocab["<s>"],
         "eos_token_id": vocab["</s>"],
     }
-    _write_weights(path, spec, spec.torch_dtype, lm_head=True, norm=1.0,
-                   layer_norms=("input_layernorm", "post_attention_layernorm"))
+    _write_weights(
+        path,
+        spec,
+        spec.torch_dtype,
+        lm_head=True,
+        norm=1.0,
+        layer_norms=("input_layernorm", "post_attention_layernorm"),
+    )
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
@@ -90,8 +103,17 @@ def _new_model_dir(path: Path, vocab_size: int) -> dict[str, int] | None:
     return json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
 
 
-def _write_weights(path: Path, spec: TinyLlama | TinyGemma3, dtype_name: str, *, lm_head: bool, norm: float,
-                   layer_norms: tuple[str, ...], head_norms: bool = False, seed: int = 0) -> None:
+def _write_weights(
+    path: Path,
+    spec: TinyLlama | TinyGemma3,
+    dtype_name: str,
+    *,
+    lm_head: bool,
+    norm: float,
+    layer_norms: tuple[str, ...],
+    head_norms: bool = False,
+    seed: int = 0,
+) -> None:
     """N(0, 0.02) linear weights, seeded; every norm's weight is `norm` (1 for Llama's x*w,
     0 for Gemma's x*(1+w): a fresh norm either way)."""
     import torch
@@ -108,23 +130,33 @@ def _write_weights(path: Path, spec: TinyLlama | TinyGemma3, dtype_name: str, *,
     def fill(n: int) -> torch.Tensor:
         return torch.full((n,), norm, dtype=dtype)
 
-    weights = {"model.embed_tokens.weight": normal(spec.vocab_size, h), "model.norm.weight": fill(h)}
+    weights = {
+        "model.embed_tokens.weight": normal(spec.vocab_size, h),
+        "model.norm.weight": fill(h),
+    }
     if lm_head:
         weights["lm_head.weight"] = normal(spec.vocab_size, h)
     for i in range(spec.num_hidden_layers):
         pre = f"model.layers.{i}."
-        weights.update({
-            pre + "self_attn.q_proj.weight": normal(q, h),
-            pre + "self_attn.k_proj.weight": normal(kv, h),
-            pre + "self_attn.v_proj.weight": normal(kv, h),
-            pre + "self_attn.o_proj.weight": normal(h, q),
-            pre + "mlp.gate_proj.weight": normal(inter, h),
-            pre + "mlp.up_proj.weight": normal(inter, h),
-            pre + "mlp.down_proj.weight": normal(h, inter),
-            **{pre + f"{n}.weight": fill(h) for n in layer_norms},
-        })
+        weights.update(
+            {
+                pre + "self_attn.q_proj.weight": normal(q, h),
+                pre + "self_attn.k_proj.weight": normal(kv, h),
+                pre + "self_attn.v_proj.weight": normal(kv, h),
+                pre + "self_attn.o_proj.weight": normal(h, q),
+                pre + "mlp.gate_proj.weight": normal(inter, h),
+                pre + "mlp.up_proj.weight": normal(inter, h),
+                pre + "mlp.down_proj.weight": normal(h, inter),
+                **{pre + f"{n}.weight": fill(h) for n in layer_norms},
+            }
+        )
         if head_norms:
-            weights.update({pre + "self_attn.q_norm.weight": fill(hd), pre + "self_attn.k_norm.weight": fill(hd)})
+            weights.update(
+                {
+                    pre + "self_attn.q_norm.weight": fill(hd),
+                    pre + "self_attn.k_norm.weight": fill(hd),
+                }
+            )
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -150,8 +182,10 @@ def make_tiny_gemma3(path: str | Path, spec: TinyGemma3 = TinyGemma3()) -> Path:
     vocab = _new_model_dir(path, spec.vocab_size)
     if vocab is None:
         return path
-    layer_types = ["full_attention" if (i + 1) % spec.full_every == 0 else "sliding_attention"
-                   for i in range(spec.num_hidden_layers)]
+    layer_types = [
+        "full_attention" if (i + 1) % spec.full_every == 0 else "sliding_attention"
+        for i in range(spec.num_hidden_layers)
+    ]
     fields = {k: v for k, v in asdict(spec).items() if k != "full_every"}
     config = {
         "architectures": ["Gemma3ForCausalLM"],
@@ -161,17 +195,30 @@ def make_tiny_gemma3(path: str | Path, spec: TinyGemma3 = TinyGemma3()) -> Path:
         "query_pre_attn_scalar": spec.head_dim,
         "rms_norm_eps": 1e-6,
         "hidden_activation": "gelu_pytorch_tanh",
-        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
         "tie_word_embeddings": True,
         "torch_dtype": "bfloat16",
         "bos_token_id": vocab["<s>"],
         "eos_token_id": vocab["</s>"],
         "pad_token_id": vocab["<unk>"],
     }
-    _write_weights(path, spec, "bfloat16", lm_head=False, norm=0.0, head_norms=True,
-                   layer_norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                                "post_feedforward_layernorm"))
+    _write_weights(
+        path,
+        spec,
+        "bfloat16",
+        lm_head=False,
+        norm=0.0,
+        head_norms=True,
+        layer_norms=(
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ),
+    )
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
@@ -210,16 +257,30 @@ def make_tiny_nemotron_h(path: str | Path, spec: TinyNemotronH = TinyNemotronH()
         return path
     save_file(_nemotron_h_weights(spec), str(path / "model.safetensors"), metadata={"format": "pt"})
     config = {
-        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
-        "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": len(spec.pattern), "hybrid_override_pattern": spec.pattern,
-        "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_key_value_heads,
-        "head_dim": spec.head_dim, "mamba_num_heads": spec.mamba_num_heads, "mamba_head_dim": spec.mamba_head_dim,
-        "mamba_n_groups": spec.mamba_n_groups, "ssm_state_size": spec.ssm_state_size,
-        "mamba_d_conv": spec.mamba_d_conv, "mamba_chunk_size": 128, "vocab_size": spec.vocab_size,
-        "max_position_embeddings": spec.max_position_embeddings, "mlp_hidden_act": "relu2",
-        "mamba_hidden_act": "silu", "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "bos_token_id": vocab["<s>"], "eos_token_id": vocab["</s>"],
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": len(spec.pattern),
+        "hybrid_override_pattern": spec.pattern,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "mamba_num_heads": spec.mamba_num_heads,
+        "mamba_head_dim": spec.mamba_head_dim,
+        "mamba_n_groups": spec.mamba_n_groups,
+        "ssm_state_size": spec.ssm_state_size,
+        "mamba_d_conv": spec.mamba_d_conv,
+        "mamba_chunk_size": 128,
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "mlp_hidden_act": "relu2",
+        "mamba_hidden_act": "silu",
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": vocab["<s>"],
+        "eos_token_id": vocab["</s>"],
         "pad_token_id": vocab["<unk>"],
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
@@ -245,31 +306,49 @@ def _nemotron_h_weights(spec: TinyNemotronH) -> dict:
     ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
     # A peaked output (the head N(0, 0.25): logits of std ~5, as a trained model's): with N(0, 0.02)
     # its distribution is near uniform, and greedy tokens flip on near-ties from run to run.
-    weights = {"backbone.embeddings.weight": normal(spec.vocab_size, h), "backbone.norm_f.weight": ones(h),
-               "lm_head.weight": normal(spec.vocab_size, h, std=0.25)}
+    weights = {
+        "backbone.embeddings.weight": normal(spec.vocab_size, h),
+        "backbone.norm_f.weight": ones(h),
+        "lm_head.weight": normal(spec.vocab_size, h, std=0.25),
+    }
     for i, kind in enumerate(spec.pattern):
         pre = f"backbone.layers.{i}."
         weights[pre + "norm.weight"] = ones(h)
         if kind == "M":
             dt = torch.exp(uniform(math.log(0.005), math.log(0.05), heads))
             bound = 1 / math.sqrt(spec.mamba_d_conv)
-            weights.update({
-                pre + "mixer.in_proj.weight": normal(inner + conv_dim + heads, h),
-                pre + "mixer.conv1d.weight": uniform(-bound, bound, conv_dim, 1, spec.mamba_d_conv).to(torch.bfloat16),
-                pre + "mixer.conv1d.bias": uniform(-bound, bound, conv_dim).to(torch.bfloat16),
-                pre + "mixer.A_log": torch.log(uniform(1.0, 4.0, heads)),
-                pre + "mixer.D": torch.zeros(heads),
-                pre + "mixer.dt_bias": dt + torch.log(-torch.expm1(-dt)),  # softplus(dt_bias) = dt
-                pre + "mixer.norm.weight": ones(inner),
-                pre + "mixer.out_proj.weight": normal(h, inner),
-            })
+            weights.update(
+                {
+                    pre + "mixer.in_proj.weight": normal(inner + conv_dim + heads, h),
+                    pre + "mixer.conv1d.weight": uniform(
+                        -bound, bound, conv_dim, 1, spec.mamba_d_conv
+                    ).to(torch.bfloat16),
+                    pre + "mixer.conv1d.bias": uniform(-bound, bound, conv_dim).to(torch.bfloat16),
+                    pre + "mixer.A_log": torch.log(uniform(1.0, 4.0, heads)),
+                    pre + "mixer.D": torch.zeros(heads),
+                    pre + "mixer.dt_bias": dt
+                    + torch.log(-torch.expm1(-dt)),  # softplus(dt_bias) = dt
+                    pre + "mixer.norm.weight": ones(inner),
+                    pre + "mixer.out_proj.weight": normal(h, inner),
+                }
+            )
         elif kind == "*":
             q, kv = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
-            weights.update({pre + "mixer.q_proj.weight": normal(q, h), pre + "mixer.k_proj.weight": normal(kv, h),
-                            pre + "mixer.v_proj.weight": normal(kv, h), pre + "mixer.o_proj.weight": normal(h, q)})
+            weights.update(
+                {
+                    pre + "mixer.q_proj.weight": normal(q, h),
+                    pre + "mixer.k_proj.weight": normal(kv, h),
+                    pre + "mixer.v_proj.weight": normal(kv, h),
+                    pre + "mixer.o_proj.weight": normal(h, q),
+                }
+            )
         else:
-            weights.update({pre + "mixer.up_proj.weight": normal(spec.intermediate_size, h),
-                            pre + "mixer.down_proj.weight": normal(h, spec.intermediate_size)})
+            weights.update(
+                {
+                    pre + "mixer.up_proj.weight": normal(spec.intermediate_size, h),
+                    pre + "mixer.down_proj.weight": normal(h, spec.intermediate_size),
+                }
+            )
     return weights
 
 
@@ -309,12 +388,26 @@ def make_tiny_deepseek_v2(path: str | Path, seed: int = 0) -> Path:
         return path
     layers = 4
     config = DeepseekV2Config(
-        vocab_size=len(vocab), hidden_size=512, intermediate_size=1024, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=64,
-        qk_rope_head_dim=64, v_head_dim=64, first_k_dense_replace=layers, n_routed_experts=8,
-        num_experts_per_tok=2, moe_intermediate_size=256, max_position_embeddings=16384,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-        bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"],
+        vocab_size=len(vocab),
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        v_head_dim=64,
+        first_k_dense_replace=layers,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        max_position_embeddings=16384,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        bos_token_id=vocab["<s>"],
+        eos_token_id=vocab["</s>"],
     )
     torch.manual_seed(seed)
     model = DeepseekV2ForCausalLM(config).to(torch.bfloat16)

@@ -21,11 +21,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvtier.engine.mover import Mover, release_held
-from kvtier.logs import get_logger
 from kvtier.keys import ChunkKey, ChunkSpan
+from kvtier.logs import get_logger
 from kvtier.tiers.base import CPU
-from kvtier.tiers.store import TieredStore
 from kvtier.tiers.cpu import StoredChunk
+from kvtier.tiers.store import TieredStore
 from kvtier.transfer import Upload
 
 log = get_logger(__name__)
@@ -34,7 +34,9 @@ log = get_logger(__name__)
 @dataclass
 class Ahead:
     request_id: str
-    held: list[tuple[ChunkSpan, StoredChunk]]  # retained until the load ends, or the ahead is dropped
+    held: list[
+        tuple[ChunkSpan, StoredChunk]
+    ]  # retained until the load ends, or the ahead is dropped
     upload: Upload
     layerwise: bool
 
@@ -52,7 +54,9 @@ class AheadSlot:
         self._ahead: Ahead | None = None
         self._lock = threading.Lock()
         self._thread: ThreadPoolExecutor | None = None  # start_later's, made at its first use
-        self._later: Future | None = None  # the last start_later's (done or not: waiting again is free)
+        self._later: Future | None = (
+            None  # the last start_later's (done or not: waiting again is free)
+        )
 
     @property
     def request_id(self) -> str | None:
@@ -60,12 +64,16 @@ class AheadSlot:
         ahead = self._ahead
         return None if ahead is None else ahead.request_id
 
-    def start(self, spans: list[ChunkSpan], request_id: str, layerwise: bool, beside: bool = False) -> bool:
+    def start(
+        self, spans: list[ChunkSpan], request_id: str, layerwise: bool, beside: bool = False
+    ) -> bool:
         """Queue the copies of `spans` if they are all in CPU RAM; True if queued (now or before)."""
         self._wait_later()
         return self._start(spans, request_id, layerwise, beside)
 
-    def start_later(self, spans: list[ChunkSpan], request_id: str, layerwise: bool, beside: bool = False) -> None:
+    def start_later(
+        self, spans: list[ChunkSpan], request_id: str, layerwise: bool, beside: bool = False
+    ) -> None:
         """`start` on the slot's thread. A failure there is logged and leaves no ahead (the
         request's load then copies the chunks itself)."""
         self._wait_later()
@@ -73,12 +81,16 @@ class AheadSlot:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvtier-upload-ahead")
         self._later = self._thread.submit(self._start_logged, spans, request_id, layerwise, beside)
 
-    def _start_logged(self, spans: list[ChunkSpan], request_id: str, layerwise: bool, beside: bool) -> None:
+    def _start_logged(
+        self, spans: list[ChunkSpan], request_id: str, layerwise: bool, beside: bool
+    ) -> None:
         try:
             self._start(spans, request_id, layerwise, beside)
         except Exception:
-            log.exception("request %s: its hit's copies could not be queued at its lookup; its load queues them",
-                          request_id)
+            log.exception(
+                "request %s: its hit's copies could not be queued at its lookup; its load queues them",
+                request_id,
+            )
 
     def _wait_later(self) -> None:
         later = self._later  # kept: each caller on any thread waits for it (result() again is free)
@@ -92,7 +104,9 @@ class AheadSlot:
             self._thread.shutdown(wait=True)
             self._thread = None
 
-    def _start(self, spans: list[ChunkSpan], request_id: str, layerwise: bool, beside: bool) -> bool:
+    def _start(
+        self, spans: list[ChunkSpan], request_id: str, layerwise: bool, beside: bool
+    ) -> bool:
         keys = [s.key for s in spans]
         with self._lock:
             ahead = self._ahead
@@ -113,7 +127,9 @@ class AheadSlot:
         ahead.drop()  # raced with another lookup: it went first
         return False
 
-    def _upload(self, spans: list[ChunkSpan], request_id: str, layerwise: bool, beside: bool) -> Ahead | None:
+    def _upload(
+        self, spans: list[ChunkSpan], request_id: str, layerwise: bool, beside: bool
+    ) -> Ahead | None:
         where = self.tiers.locate([s.key for s in spans])
         if not where or any(w != CPU for w in where):
             return None

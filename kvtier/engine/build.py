@@ -21,15 +21,15 @@ from kvtier.engine.mover import Mover
 from kvtier.engine.records import EngineStats, EventLog
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.keys import KVFormat, SpanMemo
-from kvtier.tiers.holds import Holds
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool
 from kvtier.remote import LendingStore, RegisteringStore, open_store
-from kvtier.tiers.store import TieredStore
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.reshard import DiskFiles, HeadGeometry, ReshardedSource, share_sizes
+from kvtier.tiers.holds import Holds
 from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.reshard import DiskFiles, HeadGeometry, ReshardedSource, share_sizes
+from kvtier.tiers.store import TieredStore
 from kvtier.transfer import PagedKV, Quant, make_transfer
 
 log = get_logger(__name__)
@@ -47,18 +47,30 @@ class Parts:
     stats: EngineStats
 
 
-def build(config: KvtierConfig, kv: PagedKV, fmt: KVFormat, transfer: str, cpu: CpuTier | None) -> Parts:
+def build(
+    config: KvtierConfig, kv: PagedKV, fmt: KVFormat, transfer: str, cpu: CpuTier | None
+) -> Parts:
     """`cpu`: a CPU tier to use instead of a new pool of `max_local_cpu_size` (a PD
     receiver's buffer: the chunks senders commit there are this engine's hits)."""
     # A lossy codec decides the bytes of every chunk, in every tier: the key names it,
     # so its chunks and lossless ones never meet.
-    quant = Quant(config.remote_serde, kv.heads, kv.head_size) if config.remote_serde in KV_CODECS else None
+    quant = (
+        Quant(config.remote_serde, kv.heads, kv.head_size)
+        if config.remote_serde in KV_CODECS
+        else None
+    )
     fmt = fmt if quant is None else dataclasses.replace(fmt, dtype=f"{fmt.dtype}+{quant.name}")
     mover = Mover(kv, make_transfer(kv, transfer, quant, upload=config.gpu_upload), quant)
     shared_tier = cpu is not None
     if cpu is None:
-        cpu = CpuTier(HostPool(config.cpu_pool_bytes, config.chunk_size * mover.bytes_per_token,
-                               hugepages=config.local_cpu_use_hugepages), config.cache_policy)
+        cpu = CpuTier(
+            HostPool(
+                config.cpu_pool_bytes,
+                config.chunk_size * mover.bytes_per_token,
+                hugepages=config.local_cpu_use_hugepages,
+            ),
+            config.cache_policy,
+        )
     remote = _remote_tier(config, kv, quant)
     if remote is not None:
         remote.digests_on_device = mover.digests
@@ -66,11 +78,26 @@ def build(config: KvtierConfig, kv: PagedKV, fmt: KVFormat, transfer: str, cpu: 
             remote.store.register_memory(cpu.pool.arena.data_ptr(), cpu.pool.capacity)
     disk = _disk_tier(config, mover.bytes_per_token, fmt)
     readers = _other_tp_sizes(config, kv, fmt, disk, remote) if config.share_across_tp else []
-    tiers = TieredStore(cpu, keep_cpu=config.local_cpu or shared_tier, bytes_per_token=mover.bytes_per_token,
-                        disk=disk, remote=remote, disk_min_stores=config.local_disk_min_stores,
-                        wait_s=config.blocking_timeout_secs, readers=readers)
-    return Parts(quant, fmt, SpanMemo(fmt, config.chunk_size, config.save_unfull_chunk), mover, tiers,
-                 Holds(tiers, config.pin_timeout_sec), EventLog(cpu, config.enable_kv_events), EngineStats())
+    tiers = TieredStore(
+        cpu,
+        keep_cpu=config.local_cpu or shared_tier,
+        bytes_per_token=mover.bytes_per_token,
+        disk=disk,
+        remote=remote,
+        disk_min_stores=config.local_disk_min_stores,
+        wait_s=config.blocking_timeout_secs,
+        readers=readers,
+    )
+    return Parts(
+        quant,
+        fmt,
+        SpanMemo(fmt, config.chunk_size, config.save_unfull_chunk),
+        mover,
+        tiers,
+        Holds(tiers, config.pin_timeout_sec),
+        EventLog(cpu, config.enable_kv_events),
+        EngineStats(),
+    )
 
 
 def _disk_tier(config: KvtierConfig, bytes_per_token: int, fmt: KVFormat) -> DiskTier | None:
@@ -79,28 +106,43 @@ def _disk_tier(config: KvtierConfig, bytes_per_token: int, fmt: KVFormat) -> Dis
         return None
     chunk_file = HEADER.size + config.chunk_size * bytes_per_token
     if config.disk_bytes < chunk_file:
-        raise ConfigError("max_local_disk_size", config.max_local_disk_size,
-                          f"room for at least one chunk file ({chunk_file / 1e6:.2f} MB)")
-    return DiskTier(_rank_dir(root, fmt.tp_rank, fmt.tp_size), config.disk_bytes, Codec("naive"),
-                    config.cache_policy)
+        raise ConfigError(
+            "max_local_disk_size",
+            config.max_local_disk_size,
+            f"room for at least one chunk file ({chunk_file / 1e6:.2f} MB)",
+        )
+    return DiskTier(
+        _rank_dir(root, fmt.tp_rank, fmt.tp_size),
+        config.disk_bytes,
+        Codec("naive"),
+        config.cache_policy,
+    )
 
 
 def _rank_dir(root: Path, rank: int, size: int) -> Path:
     return root / f"tp{rank}of{size}" if size > 1 else root  # one directory (and one lock) per rank
 
 
-def _other_tp_sizes(config: KvtierConfig, kv: PagedKV, fmt: KVFormat, disk: DiskTier | None,
-                    remote: RemoteTier | None) -> list[ReshardedSource]:
+def _other_tp_sizes(
+    config: KvtierConfig,
+    kv: PagedKV,
+    fmt: KVFormat,
+    disk: DiskTier | None,
+    remote: RemoteTier | None,
+) -> list[ReshardedSource]:
     """share_across_tp: per other tensor-parallel size, the chunks its ranks left in the remote
     store and in their disk directories, as this rank's (kvtier/tiers/reshard.py)."""
-    geo = HeadGeometry(kv.num_layers, kv.kv, kv.heads, kv.head_size * kv.dtype.itemsize,
-                       mla=kv.kv == 1)  # one latent per token (no K and V): MLA
+    geo = HeadGeometry(
+        kv.num_layers, kv.kv, kv.heads, kv.head_size * kv.dtype.itemsize, mla=kv.kv == 1
+    )  # one latent per token (no K and V): MLA
     root, sizes = config.disk_path, share_sizes(fmt, geo)
     out: list[ReshardedSource] = []
     for size in sizes:
         if remote is not None:  # one store: every size's keys are in it
             out.append(ReshardedSource(fmt, size, geo, lambda rank: remote, f"remote-tp{size}"))
-        if disk is not None and root is not None:  # each rank of that size: its directory under the root
+        if (
+            disk is not None and root is not None
+        ):  # each rank of that size: its directory under the root
 
             def rank_files(rank: int, size: int = size) -> DiskFiles:
                 return DiskFiles(_rank_dir(root, rank, size), Codec("naive"))
@@ -114,13 +156,25 @@ def _remote_tier(config: KvtierConfig, kv: PagedKV, quant: Quant | None) -> Remo
     if config.remote_url is None:
         return None
     # Quantized chunks (kvtier/transfer/quant.py) are stored as their bytes are.
-    codec = Codec("naive") if quant is not None else Codec(config.remote_serde, itemsize=kv.dtype.itemsize)
+    codec = (
+        Codec("naive")
+        if quant is not None
+        else Codec(config.remote_serde, itemsize=kv.dtype.itemsize)
+    )
     log.info("remote tier: %s (serde %s)", config.remote_url, config.remote_serde)
-    store = open_store(config.remote_url, config.blocking_timeout_secs, config.remote_auth_token, config.extra_config)
+    store = open_store(
+        config.remote_url,
+        config.blocking_timeout_secs,
+        config.remote_auth_token,
+        config.extra_config,
+    )
     if kv.device.type == "cuda" and isinstance(store, LendingStore):
         # The server's pool, mapped here, is what the GPU copies lent chunks from:
         # page-locked, the copy is a DMA; unregistered it could not be lent.
-        store.on_map, store.on_unmap = _register_pool, functools.partial(_unregister_pool, device=kv.device)
+        store.on_map, store.on_unmap = (
+            _register_pool,
+            functools.partial(_unregister_pool, device=kv.device),
+        )
     if isinstance(store, LendingStore):
         # Its pool is mapped (and registered with CUDA) at the first connection: seconds for a
         # pool of tens of GB, which the first requests waited for (2026-11-27, two vLLM
@@ -156,11 +210,17 @@ def _register_pool(mapping) -> bool:
     try:
         cudart.host_register(_pool_address(mapping), len(mapping))
     except RuntimeError as e:  # locked-memory limits, permissions, an old driver
-        log.warning("store server pool not registered with CUDA (%s): its chunks are copied through the "
-                    "CPU pool instead", e)
+        log.warning(
+            "store server pool not registered with CUDA (%s): its chunks are copied through the "
+            "CPU pool instead",
+            e,
+        )
         return False
-    log.info("store server pool (%.2f GB) registered with CUDA in %.2f s: chunks go from it to the GPU by DMA",
-             len(mapping) / 1e9, time.perf_counter() - t0)
+    log.info(
+        "store server pool (%.2f GB) registered with CUDA in %.2f s: chunks go from it to the GPU by DMA",
+        len(mapping) / 1e9,
+        time.perf_counter() - t0,
+    )
     return True
 
 

@@ -26,8 +26,8 @@ Only whole chunks move (plus the partial last chunk when
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Callable, Sequence
 
 import torch
 
@@ -41,7 +41,7 @@ from kvtier.engine.mover import Tokens, as_numpy
 from kvtier.engine.prefetch import Prefetcher
 from kvtier.engine.records import ChunkEvent
 from kvtier.engine.states import StateLayers, StateLoad, StatePath
-from kvtier.engine.storing import Storing, StorePath
+from kvtier.engine.storing import StorePath, Storing
 from kvtier.engine.tails import Tails
 from kvtier.keys import PLAIN, ChunkKey, ChunkSpan, Identity, KVFormat
 from kvtier.logs import get_logger
@@ -51,9 +51,18 @@ from kvtier.transfer import PagedKV, Transfer
 
 log = get_logger(__name__)
 
+
 class CacheEngine:
-    def __init__(self, config: KvtierConfig, kv: PagedKV, fmt: KVFormat, *, transfer: str = "auto",
-                 cpu: CpuTier | None = None, states: StateLayers | None = None) -> None:
+    def __init__(
+        self,
+        config: KvtierConfig,
+        kv: PagedKV,
+        fmt: KVFormat,
+        *,
+        transfer: str = "auto",
+        cpu: CpuTier | None = None,
+        states: StateLayers | None = None,
+    ) -> None:
         """`cpu`: a CPU tier to use instead of a new pool of `max_local_cpu_size` (a PD
         receiver's buffer: the chunks senders commit there are this engine's hits).
         `states`: the recurrent layers of a hybrid model (Mamba), whose state at a hit's
@@ -61,29 +70,72 @@ class CacheEngine:
         parts = build(config, kv, fmt, transfer, cpu)
         self.config, self.kv, self.chunk_size = config, kv, config.chunk_size
         self.quant, self.fmt, self.mover = parts.quant, parts.fmt, parts.mover
-        self.tiers, self.holds, self.stats, self.events = parts.tiers, parts.holds, parts.stats, parts.events
+        self.tiers, self.holds, self.stats, self.events = (
+            parts.tiers,
+            parts.holds,
+            parts.stats,
+            parts.events,
+        )
         self._spans = parts.spans
         self.ahead = AheadSlot(self.tiers, self.mover)
-        self.prefetcher = Prefetcher(self.tiers, self.holds, self.stats,
-                                     enabled=config.local_cpu and bool(self.tiers.lower))
+        self.prefetcher = Prefetcher(
+            self.tiers, self.holds, self.stats, enabled=config.local_cpu and bool(self.tiers.lower)
+        )
         self.tails = Tails()
-        self.storing = StorePath(self.tiers, self.mover, self.stats, self.events, self._spans.spans,
-                                 enabled=config.local_cpu or bool(self.tiers.lower), tails=self.tails,
-                                 chunk_size=config.chunk_size)
-        self.loading = LoadPath(self.tiers, self.mover, self.holds, self.ahead, self.prefetcher, self.stats,
-                                self._spans.spans)
-        self.states = None if states is None else StatePath(states, self.tiers, self.pool.block_bytes)
-        self.finding = FindPath(self.tiers, self.holds, self.tails, self.storing.landing, self.fmt, self.chunk_size,
-                                self._spans.spans, lambda keys: self._settle(keys=keys), self.states)
-        if kv.device.type == "cuda" and self.pool.device.type == "cpu":  # host chunks, staged over PCIe
+        self.storing = StorePath(
+            self.tiers,
+            self.mover,
+            self.stats,
+            self.events,
+            self._spans.spans,
+            enabled=config.local_cpu or bool(self.tiers.lower),
+            tails=self.tails,
+            chunk_size=config.chunk_size,
+        )
+        self.loading = LoadPath(
+            self.tiers,
+            self.mover,
+            self.holds,
+            self.ahead,
+            self.prefetcher,
+            self.stats,
+            self._spans.spans,
+        )
+        self.states = (
+            None if states is None else StatePath(states, self.tiers, self.pool.block_bytes)
+        )
+        self.finding = FindPath(
+            self.tiers,
+            self.holds,
+            self.tails,
+            self.storing.landing,
+            self.fmt,
+            self.chunk_size,
+            self._spans.spans,
+            lambda keys: self._settle(keys=keys),
+            self.states,
+        )
+        if (
+            kv.device.type == "cuda" and self.pool.device.type == "cpu"
+        ):  # host chunks, staged over PCIe
             self.mover.warm_up(self.pool, self.chunk_size)
         if not self.tiers.keep_cpu and not self.tiers.lower and not config.enable_pd:
             log.warning("local_cpu is false and no other tier is configured: kvtier stores nothing")
-        log.info("CacheEngine: %s, %d layers, chunk %d tokens = %.2f MB, CPU pool %d chunks (%.2f GB), "
-                 "transfer %s%s", self.fmt.tag(), kv.num_layers, self.chunk_size, self.pool.block_bytes / 1e6,
-                 self.pool.num_blocks, self.pool.capacity / 1e9, self.transfer.name,
-                 "" if self.quant is None else f", lossy KV codec {self.quant.name} (chunks "
-                 f"{self.chunk_bytes_per_token / kv.bytes_per_token():.3f} of the KV's bytes)")
+        log.info(
+            "CacheEngine: %s, %d layers, chunk %d tokens = %.2f MB, CPU pool %d chunks (%.2f GB), "
+            "transfer %s%s",
+            self.fmt.tag(),
+            kv.num_layers,
+            self.chunk_size,
+            self.pool.block_bytes / 1e6,
+            self.pool.num_blocks,
+            self.pool.capacity / 1e9,
+            self.transfer.name,
+            ""
+            if self.quant is None
+            else f", lossy KV codec {self.quant.name} (chunks "
+            f"{self.chunk_bytes_per_token / kv.bytes_per_token():.3f} of the KV's bytes)",
+        )
 
     @property
     def pool(self) -> HostPool:
@@ -100,7 +152,9 @@ class CacheEngine:
 
     # -- queries ---------------------------------------------------------------
 
-    def spans(self, tokens: Tokens, request_id: str = "", identity: Identity = PLAIN) -> list[ChunkSpan]:
+    def spans(
+        self, tokens: Tokens, request_id: str = "", identity: Identity = PLAIN
+    ) -> list[ChunkSpan]:
         """The chunks of `tokens`; hashed once per request where `request_id` is given."""
         return self._spans.spans(as_numpy(tokens), request_id, identity)
 
@@ -108,8 +162,16 @@ class CacheEngine:
         """Number of leading tokens whose KV is stored in some tier (a chunk boundary)."""
         return self.find(tokens, identity=identity).tokens
 
-    def find(self, tokens: Tokens, *, identity: Identity = PLAIN, hold_for: str = "", limit: int | None = None,
-             cpu_only: bool = False, known: int = 0) -> Hit:
+    def find(
+        self,
+        tokens: Tokens,
+        *,
+        identity: Identity = PLAIN,
+        hold_for: str = "",
+        limit: int | None = None,
+        cpu_only: bool = False,
+        known: int = 0,
+    ) -> Hit:
         """The longest stored prefix; with `cpu_only`, the longest all in CPU RAM (where a
         load must not fail). With recurrent layers (states.py), the longest of at most `limit`
         tokens that ends where a state snapshot is. With `hold_for` (a request id) its chunks
@@ -125,8 +187,16 @@ class CacheEngine:
         """The request will not load what it looked up (finished, aborted)."""
         self.loading.release(request_id)
 
-    def upload_ahead(self, tokens: Tokens, request_id: str, *, identity: Identity = PLAIN, start: int = 0,
-                     layerwise: bool = False, beside: bool = False) -> bool:
+    def upload_ahead(
+        self,
+        tokens: Tokens,
+        request_id: str,
+        *,
+        identity: Identity = PLAIN,
+        start: int = 0,
+        layerwise: bool = False,
+        beside: bool = False,
+    ) -> bool:
         """Start the copies of a hit all in CPU RAM (its chunks that end after `start`, the
         tokens the engine has already) toward the device now, at the scheduler's lookup:
         the slots come with the request's `start_retrieve`, which then queues only the
@@ -156,8 +226,15 @@ class CacheEngine:
 
     # -- store -----------------------------------------------------------------
 
-    def store(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "",
-              identity: Identity = PLAIN) -> int:
+    def store(
+        self,
+        tokens: Tokens,
+        slots: torch.Tensor,
+        *,
+        start: int = 0,
+        request_id: str = "",
+        identity: Identity = PLAIN,
+    ) -> int:
         """Store the chunks of `tokens` that end after `start` and are not stored yet.
 
         Returns the number of tokens stored. A store larger than the pool
@@ -165,10 +242,20 @@ class CacheEngine:
         it is cut short only when every block is held by readers (logged
         once per request, counted in `stats.skipped_store_tokens`).
         """
-        return self.start_store(tokens, slots, start=start, request_id=request_id, identity=identity).finish()
+        return self.start_store(
+            tokens, slots, start=start, request_id=request_id, identity=identity
+        ).finish()
 
-    def start_store(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "",
-                    identity: Identity = PLAIN, layerwise: bool = False) -> Storing:
+    def start_store(
+        self,
+        tokens: Tokens,
+        slots: torch.Tensor,
+        *,
+        start: int = 0,
+        request_id: str = "",
+        identity: Identity = PLAIN,
+        layerwise: bool = False,
+    ) -> Storing:
         """`store`, split in two: what to store is decided now.
 
         Without `layerwise` the KV is copied out at `finish()`. With it,
@@ -180,20 +267,28 @@ class CacheEngine:
         """
         slots = self._check(tokens, slots)
         self._settle()  # landed stores are in the tiers: not stored twice
-        return self.storing.start(Job(as_numpy(tokens), slots, start, request_id, identity), layerwise)
+        return self.storing.start(
+            Job(as_numpy(tokens), slots, start, request_id, identity), layerwise
+        )
 
     def allocate_staging(self, spans: Sequence[ChunkSpan]) -> list[tuple[ChunkSpan, MemoryBlock]]:
         """Pool blocks for the first of `spans` (as many as free now; the first may wait),
         owned by the caller: a PD sender's staging."""
         return self.storing.allocate(spans, wait=True)
 
-    def gather_into(self, slots: torch.Tensor, spans: Sequence[ChunkSpan], buffers: Sequence[torch.Tensor]) -> None:
+    def gather_into(
+        self, slots: torch.Tensor, spans: Sequence[ChunkSpan], buffers: Sequence[torch.Tensor]
+    ) -> None:
         """Copy the KV of `spans` into byte buffers of the caller (a PD sender's staging
         blocks, or a decoder's GPU buffer mapped over CUDA IPC)."""
         self.mover.gather_into(slots, spans, buffers)
 
-    def gather_addressed(self, slots: torch.Tensor, spans: Sequence[ChunkSpan],
-                         places: Sequence[tuple[torch.Tensor, int]]) -> Callable[[int, int], None]:
+    def gather_addressed(
+        self,
+        slots: torch.Tensor,
+        spans: Sequence[ChunkSpan],
+        places: Sequence[tuple[torch.Tensor, int]],
+    ) -> Callable[[int, int], None]:
         """`gather_into` for device buffers (a PD sender's ring), queued a group of chunks at
         a time by the returned `launch(first, end)`; the tables of every chunk go up once."""
         return self.mover.gather_addressed(slots, spans, places)
@@ -204,8 +299,16 @@ class CacheEngine:
 
     # -- retrieve --------------------------------------------------------------
 
-    def retrieve(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "",
-                 identity: Identity = PLAIN, beside: bool = False) -> torch.Tensor:
+    def retrieve(
+        self,
+        tokens: Tokens,
+        slots: torch.Tensor,
+        *,
+        start: int = 0,
+        request_id: str = "",
+        identity: Identity = PLAIN,
+        beside: bool = False,
+    ) -> torch.Tensor:
         """Load stored KV for tokens [start, len(slots)) into the paged KV.
 
         `tokens` may run past `slots`: the extra tokens only make the keys
@@ -218,11 +321,21 @@ class CacheEngine:
         loads and stores share, never waits for them (nor does this thread: its
         kernels are queued at once).
         """
-        return self.start_retrieve(tokens, slots, start=start, request_id=request_id, identity=identity,
-                                   beside=beside).finish()
+        return self.start_retrieve(
+            tokens, slots, start=start, request_id=request_id, identity=identity, beside=beside
+        ).finish()
 
-    def start_retrieve(self, tokens: Tokens, slots: torch.Tensor, *, start: int = 0, request_id: str = "",
-                       identity: Identity = PLAIN, layerwise: bool = False, beside: bool = False) -> Loading:
+    def start_retrieve(
+        self,
+        tokens: Tokens,
+        slots: torch.Tensor,
+        *,
+        start: int = 0,
+        request_id: str = "",
+        identity: Identity = PLAIN,
+        layerwise: bool = False,
+        beside: bool = False,
+    ) -> Loading:
         """`retrieve`, split in two: what to load is decided (and pinned) now.
 
         With every chunk in CPU RAM, the copies are queued and this returns
@@ -236,17 +349,27 @@ class CacheEngine:
         the request's hold ends at `finish()`.
         """
         slots = self._check(tokens, slots, exact=False)
-        return self.loading.start(Job(as_numpy(tokens), slots, start, request_id, identity), layerwise, beside)
+        return self.loading.start(
+            Job(as_numpy(tokens), slots, start, request_id, identity), layerwise, beside
+        )
 
-    def save_state(self, tokens: Tokens, blocks: list[int], *, request_id: str = "",
-                   identity: Identity = PLAIN) -> bool:
+    def save_state(
+        self, tokens: Tokens, blocks: list[int], *, request_id: str = "", identity: Identity = PLAIN
+    ) -> bool:
         """Snapshot each recurrent layer's state block `blocks[l]`, the state after the last of
         `tokens` (a whole chunk's end), queued after the caller's stream. False: not stored."""
         key = self._key_ending(tokens, request_id, identity)
         return key is not None and self._states().save(key, blocks)
 
-    def load_state(self, tokens: Tokens, blocks: list[int], *, request_id: str = "",
-                   identity: Identity = PLAIN, also: list[int] | None = None) -> StateLoad | None:
+    def load_state(
+        self,
+        tokens: Tokens,
+        blocks: list[int],
+        *,
+        request_id: str = "",
+        identity: Identity = PLAIN,
+        also: list[int] | None = None,
+    ) -> StateLoad | None:
         """The snapshot taken after the last of `tokens` into each recurrent layer's block
         `blocks[l]` (and `also[l]`), queued on the caller's stream; `finish()` the result once
         the forward that reads it is queued. None: not stored (or unreadable), nothing written."""
@@ -255,7 +378,9 @@ class CacheEngine:
 
     def _states(self) -> StatePath:
         if self.states is None:
-            raise RuntimeError("this engine was built without recurrent layers (CacheEngine(states=...))")
+            raise RuntimeError(
+                "this engine was built without recurrent layers (CacheEngine(states=...))"
+            )
         return self.states
 
     def _key_ending(self, tokens: Tokens, request_id: str, identity: Identity) -> ChunkKey | None:
@@ -268,15 +393,25 @@ class CacheEngine:
     def metrics(self) -> dict[str, float]:
         """A snapshot of the engine's counters (cumulative) and gauges; a per-tier
         one is `name:tier` (the names of integrations/vllm/metrics.py)."""
-        stats, tiers, bpt = self.stats, self.tiers, self.chunk_bytes_per_token  # bytes the tiers hold
+        stats, tiers, bpt = (
+            self.stats,
+            self.tiers,
+            self.chunk_bytes_per_token,
+        )  # bytes the tiers hold
         out: dict[str, float] = {
-            "store_seconds": stats.store_seconds, "load_seconds": stats.retrieve_seconds,
-            "skipped_store_tokens": stats.skipped_store_tokens, "evictions:cpu": tiers.cpu.stats.evictions,
-            "pool_used_bytes": self.pool.used_bytes, "pool_capacity_bytes": self.pool.capacity,
+            "store_seconds": stats.store_seconds,
+            "load_seconds": stats.retrieve_seconds,
+            "skipped_store_tokens": stats.skipped_store_tokens,
+            "evictions:cpu": tiers.cpu.stats.evictions,
+            "pool_used_bytes": self.pool.used_bytes,
+            "pool_capacity_bytes": self.pool.capacity,
             "write_queue_depth": sum(w.pending for w in tiers.writers.values()),
         }
         if tiers.keep_cpu:
-            out["stored_tokens:cpu"], out["stored_bytes:cpu"] = stats.stored_tokens, stats.stored_tokens * bpt
+            out["stored_tokens:cpu"], out["stored_bytes:cpu"] = (
+                stats.stored_tokens,
+                stats.stored_tokens * bpt,
+            )
         for name, writer in tiers.writers.items():
             out[f"stored_tokens:{name}"] = writer.stats.written_tokens
             out[f"stored_bytes:{name}"] = writer.stats.written_tokens * bpt
@@ -295,7 +430,10 @@ class CacheEngine:
         self._settle(wait=True)
         self.tiers.clear()
         self.tails.clear()
-        log.info("cleared the local tiers (CPU RAM%s)", " and disk" if self.tiers.disk is not None else "")
+        log.info(
+            "cleared the local tiers (CPU RAM%s)",
+            " and disk" if self.tiers.disk is not None else "",
+        )
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until stored chunks have been written to disk and remote; False on timeout."""
@@ -322,16 +460,24 @@ class CacheEngine:
         (`PagedKV.grouped`) takes one row of slots per group, [G, T], where -1 marks a token
         whose page that group no longer keeps (a sliding window's): it is not moved there."""
         groups = self.kv.groups
-        if not isinstance(slots, torch.Tensor) or slots.dim() != (1 if groups == 1 else 2) \
-                or (groups > 1 and slots.shape[0] != groups):
-            raise ValueError("slot_mapping must be a 1-D tensor of slot indices" if groups == 1 else
-                             f"slot_mapping must be a [{groups}, T] tensor: a row of slots per KV cache group")
+        if (
+            not isinstance(slots, torch.Tensor)
+            or slots.dim() != (1 if groups == 1 else 2)
+            or (groups > 1 and slots.shape[0] != groups)
+        ):
+            raise ValueError(
+                "slot_mapping must be a 1-D tensor of slot indices"
+                if groups == 1
+                else f"slot_mapping must be a [{groups}, T] tensor: a row of slots per KV cache group"
+            )
         if slots.dtype.is_floating_point or slots.dtype == torch.bool:
             raise ValueError(f"slot_mapping must hold integers, got {slots.dtype}")
         n = slots.shape[-1]
         if len(tokens) != n if exact else len(tokens) < n:
-            raise ValueError(f"{len(tokens)} tokens but {n} slots: every token needs one slot"
-                             + (" and every slot one token" if exact else ""))
+            raise ValueError(
+                f"{len(tokens)} tokens but {n} slots: every token needs one slot"
+                + (" and every slot one token" if exact else "")
+            )
         slots = slots.to("cpu", torch.int64)
         lowest = 0 if groups == 1 else -1
         if slots.numel() and (int(slots.min()) < lowest or int(slots.max()) >= self.kv.num_slots):

@@ -6,7 +6,7 @@ a recurrent state's snapshot (states.py) at the next save, load or lookup."""
 from __future__ import annotations
 
 import threading
-from typing import Callable, Collection
+from collections.abc import Callable, Collection
 
 from kvtier.keys import ChunkKey
 from kvtier.stalls import synchronized

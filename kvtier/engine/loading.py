@@ -1,17 +1,17 @@
 """The load path: a prompt's stored prefix → its chunks (pinned, lent or fetched) → scatter → verify → release.
 
-    LoadPath.start(tokens, slots)   decides what to load and holds it; from CPU RAM (or
-                                    lent whole by the store server) the copies are queued
-                                    and it returns; from disk or remote it loads batch by batch
-    Loading.wait(layer)             layerwise: the caller's stream waits for layer `layer`
-    Loading.finish()                the mask to trust (lent chunks checked), chunks released
+LoadPath.start(tokens, slots)   decides what to load and holds it; from CPU RAM (or
+                                lent whole by the store server) the copies are queued
+                                and it returns; from disk or remote it loads batch by batch
+Loading.wait(layer)             layerwise: the caller's stream waits for layer `layer`
+Loading.finish()                the mask to trust (lent chunks checked), chunks released
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -22,11 +22,11 @@ from kvtier.engine.mover import Mover, release_held
 from kvtier.engine.prefetch import Prefetcher
 from kvtier.engine.records import EngineStats, log_transfer
 from kvtier.keys import ChunkSpan, Identity
-from kvtier.tiers.holds import Holds
 from kvtier.logs import get_logger
 from kvtier.tiers.base import CPU
-from kvtier.tiers.store import TieredStore
 from kvtier.tiers.cpu import StoredChunk
+from kvtier.tiers.holds import Holds
+from kvtier.tiers.store import TieredStore
 from kvtier.transfer import LayerHandle, Upload
 
 log = get_logger(__name__)
@@ -36,9 +36,16 @@ Batches = Iterator[Held]
 
 
 class LoadPath:
-    def __init__(self, tiers: TieredStore, mover: Mover, holds: Holds, ahead: AheadSlot,
-                 prefetcher: Prefetcher, stats: EngineStats,
-                 spans: Callable[[np.ndarray, str, Identity], list[ChunkSpan]]) -> None:
+    def __init__(
+        self,
+        tiers: TieredStore,
+        mover: Mover,
+        holds: Holds,
+        ahead: AheadSlot,
+        prefetcher: Prefetcher,
+        stats: EngineStats,
+        spans: Callable[[np.ndarray, str, Identity], list[ChunkSpan]],
+    ) -> None:
         self.tiers, self.mover, self.holds, self.ahead = tiers, mover, holds, ahead
         self.prefetcher, self.stats, self._spans = prefetcher, stats, spans
 
@@ -61,12 +68,27 @@ class LoadPath:
                     loaded = self._load_batches(slots, batches, start, end)
                 finally:
                     batches.close()
-            if held and beside:  # its kernels on the load's own stream, after the copies (CacheEngine.retrieve)
+            if (
+                held and beside
+            ):  # its kernels on the load's own stream, after the copies (CacheEngine.retrieve)
                 upload = upload or self.mover.upload(held, layer_major=layerwise, beside=True)
             if held:
-                handle = (self.mover.scatter(slots, held, start, end, layerwise=True, upload=upload) if layerwise
-                          else _Queued(self.mover.scatter(slots, held, start, end, layerwise=False, wait=False,
-                                                          upload=upload, beside=beside)))
+                handle = (
+                    self.mover.scatter(slots, held, start, end, layerwise=True, upload=upload)
+                    if layerwise
+                    else _Queued(
+                        self.mover.scatter(
+                            slots,
+                            held,
+                            start,
+                            end,
+                            layerwise=False,
+                            wait=False,
+                            upload=upload,
+                            beside=beside,
+                        )
+                    )
+                )
                 loaded = min(len(held), len(todo))
         except BaseException:
             release_held(held)
@@ -77,8 +99,9 @@ class LoadPath:
             mask[max(start, first.start) : min(end, last.end)] = True
         return Loading(self, job, mask, held, handle, todo[:loaded])
 
-    def _sources(self, spans: list[ChunkSpan], start: int, request_id: str, layerwise: bool
-                 ) -> tuple[list[tuple[ChunkSpan, str]], Held, Upload | None, Batches | None]:
+    def _sources(
+        self, spans: list[ChunkSpan], start: int, request_id: str, layerwise: bool
+    ) -> tuple[list[tuple[ChunkSpan, str]], Held, Upload | None, Batches | None]:
         """The chunks to load, each with its tier, and where their bytes come from: lent
         whole by the store server of this host (layerwise, CPU tier off, found by the
         lease); on their way up since the lookup; pinned in CPU RAM (one batch, held
@@ -90,7 +113,9 @@ class LoadPath:
         where = self.tiers.locate([s.key for s in spans])
         todo = [(s, w) for s, w in zip(spans, where) if s.end > start]
         all_cpu = all(w == CPU for _, w in todo)
-        ahead = self.ahead.take(request_id, [s.key for s, _ in todo], layerwise) if all_cpu else None
+        ahead = (
+            self.ahead.take(request_id, [s.key for s, _ in todo], layerwise) if all_cpu else None
+        )
         if ahead is not None:
             return todo, ahead.held, ahead.upload, None
         batches = self.tiers.fetch([s for s, _ in todo], [w for _, w in todo], ahead=not all_cpu)
@@ -108,14 +133,24 @@ class LoadPath:
         before it is checked and released, so the copy engine does not idle
         between them; a batch in pool blocks is settled at once (reading ahead
         needs its blocks)."""
-        loaded, inflight = 0, []  # batches whose copies may still run, each with what waits for them
+        loaded, inflight = (
+            0,
+            [],
+        )  # batches whose copies may still run, each with what waits for them
         try:
-            for batch in itertools.chain(batches, [None]):  # None: the end, where every batch is settled
+            for batch in itertools.chain(
+                batches, [None]
+            ):  # None: the end, where every batch is settled
                 keep = 0
                 if batch is not None:
                     pooled = any(c.block.pool is not None for _, c in batch)
-                    inflight.append((batch, self.mover.device_idle))  # until scatter returns: if it raises, wait for all
-                    inflight[-1] = (batch, self.mover.scatter(slots, batch, start, end, layerwise=False, wait=pooled))
+                    inflight.append(
+                        (batch, self.mover.device_idle)
+                    )  # until scatter returns: if it raises, wait for all
+                    inflight[-1] = (
+                        batch,
+                        self.mover.scatter(slots, batch, start, end, layerwise=False, wait=pooled),
+                    )
                     keep = 0 if pooled else 1
                 while len(inflight) > keep:
                     good, whole = _checked(*inflight.pop(0))
@@ -135,8 +170,14 @@ class LoadPath:
         if count:
             self.stats.retrieved_tokens += count
             self.stats.retrieve_seconds += job.seconds()
-            log_transfer("Retrieved KV cache for", count, total, job.request_id,
-                         count * self.mover.kv.bytes_per_token(), job.seconds())
+            log_transfer(
+                "Retrieved KV cache for",
+                count,
+                total,
+                job.request_id,
+                count * self.mover.kv.bytes_per_token(),
+                job.seconds(),
+            )
 
 
 class Loading:
@@ -147,10 +188,23 @@ class Loading:
     mask cut before it, and the caller recomputes the rest (a forward that
     already read those layers is to be thrown away)."""
 
-    def __init__(self, path: LoadPath, job: Job, mask: torch.Tensor, held: Held, handle: LayerHandle | None,
-                 loaded: list[tuple[ChunkSpan, str]]) -> None:
+    def __init__(
+        self,
+        path: LoadPath,
+        job: Job,
+        mask: torch.Tensor,
+        held: Held,
+        handle: LayerHandle | None,
+        loaded: list[tuple[ChunkSpan, str]],
+    ) -> None:
         self.mask = mask
-        self._path, self._job, self._held, self._handle, self._loaded = path, job, held, handle, loaded
+        self._path, self._job, self._held, self._handle, self._loaded = (
+            path,
+            job,
+            held,
+            handle,
+            loaded,
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -184,9 +238,12 @@ class Loading:
         if good < len(held):
             self.mask[max(self._job.start, held[good][0].start) :] = False
             self._loaded = self._loaded[:good]
-            log.warning("%d chunks loaded layer by layer from the store server failed their checksum or "
-                        "outlived their lease: the tokens from %d on are to be recomputed",
-                        len(held) - good, held[good][0].start)
+            log.warning(
+                "%d chunks loaded layer by layer from the store server failed their checksum or "
+                "outlived their lease: the tokens from %d on are to be recomputed",
+                len(held) - good,
+                held[good][0].start,
+            )
         path.loaded(self._job, self.num_tokens, self._loaded)
         return self.mask
 
@@ -227,6 +284,9 @@ def _checked(batch: Held, copied: Callable[[], None]) -> tuple[int, bool]:
     finally:
         _settle(batch, copied)
     if good < len(batch):
-        log.warning("%d chunks loaded from the store server failed their checksum or outlived "
-                    "their lease; recomputed", len(batch) - good)
+        log.warning(
+            "%d chunks loaded from the store server failed their checksum or outlived "
+            "their lease; recomputed",
+            len(batch) - good,
+        )
     return good, good == len(batch)

@@ -10,9 +10,8 @@ nothing on the CPU.
 from __future__ import annotations
 
 import contextlib
-
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -31,15 +30,21 @@ class Mover:
         self.kv, self.transfer = kv, transfer
         # Bytes of one token in a chunk (the KV's own, or the codec's); `kv.bytes_per_token()`
         # stays the KV's, the bytes a load delivers.
-        self.bytes_per_token = (kv.bytes_per_token() if quant is None
-                                else quant.bytes_per_token(kv.num_layers, kv.kv))
+        self.bytes_per_token = (
+            kv.bytes_per_token() if quant is None else quant.bytes_per_token(kv.num_layers, kv.kv)
+        )
         # A chunk's dtype, and its dimensions before and after T (asked once per chunk on every load).
-        self._dtype, self._dims = ((kv.dtype, ((kv.num_layers, kv.kv), (kv.heads, kv.head_size)))
-                                   if quant is None else
-                                   (torch.uint8, ((kv.num_layers, kv.kv), (quant.row_bytes,))))
+        self._dtype, self._dims = (
+            (kv.dtype, ((kv.num_layers, kv.kv), (kv.heads, kv.head_size)))
+            if quant is None
+            else (torch.uint8, ((kv.num_layers, kv.kv), (quant.row_bytes,)))
+        )
         # Digests need a layer of a chunk in whole words.
-        self.digests = (transfer.name == "triton" and kv.device.type == "cuda"
-                        and self.bytes_per_token // kv.num_layers % 4 == 0)
+        self.digests = (
+            transfer.name == "triton"
+            and kv.device.type == "cuda"
+            and self.bytes_per_token // kv.num_layers % 4 == 0
+        )
         self._lock = threading.Lock()
         # Where a finished layerwise load, or a landed store, reads its digest sums back: not the
         # caller's stream, which holds the whole forward queued since (it need not be over yet).
@@ -48,88 +53,146 @@ class Mover:
     def view(self, data: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """The chunk at the front of the byte buffer `data`."""
         before, after = self._dims
-        return front_view(data if data.dtype == torch.uint8 else data.view(torch.uint8), self._dtype,
-                          (*before, num_tokens, *after))
+        return front_view(
+            data if data.dtype == torch.uint8 else data.view(torch.uint8),
+            self._dtype,
+            (*before, num_tokens, *after),
+        )
 
     def digest_sums(self, count: int) -> torch.Tensor | None:
         """Where a gather of `count` chunks adds their KV digests (None: not computed here)."""
-        return torch.zeros(count, dtype=torch.int64, device=self.kv.device) if self.digests and count else None
+        return (
+            torch.zeros(count, dtype=torch.int64, device=self.kv.device)
+            if self.digests and count
+            else None
+        )
 
     # -- paged KV → chunks ---------------------------------------------------------------
 
-    def gather(self, slots: torch.Tensor, owned: list[tuple[ChunkSpan, MemoryBlock]],
-               digests: torch.Tensor | None = None, wait: bool = True) -> InFlight | None:
+    def gather(
+        self,
+        slots: torch.Tensor,
+        owned: list[tuple[ChunkSpan, MemoryBlock]],
+        digests: torch.Tensor | None = None,
+        wait: bool = True,
+    ) -> InFlight | None:
         """The KV into the blocks: landed, their digests stamped (None), or, without `wait` on a
         GPU, in flight (stamp them once it has landed)."""
         spans, chunks = self._chunks(owned)
         with self._lock:
-            flight = self.transfer.gather(concat_slots(slots, spans), chunks, digests=digests, wait=wait)
+            flight = self.transfer.gather(
+                concat_slots(slots, spans), chunks, digests=digests, wait=wait
+            )
         if flight is None:
             stamp(owned, digests)
         return flight
 
-    def gather_layerwise(self, slots: torch.Tensor, owned: list[tuple[ChunkSpan, MemoryBlock]],
-                         digests: torch.Tensor | None = None) -> LayerSaver:
+    def gather_layerwise(
+        self,
+        slots: torch.Tensor,
+        owned: list[tuple[ChunkSpan, MemoryBlock]],
+        digests: torch.Tensor | None = None,
+    ) -> LayerSaver:
         """The KV into the blocks as the caller saves each layer."""
         spans, chunks = self._chunks(owned)
         with self._lock:
-            return self.transfer.gather_layerwise(concat_slots(slots, spans), chunks, digests=digests)
+            return self.transfer.gather_layerwise(
+                concat_slots(slots, spans), chunks, digests=digests
+            )
 
-    def _chunks(self, owned: list[tuple[ChunkSpan, MemoryBlock]]) -> tuple[list[ChunkSpan], list[torch.Tensor]]:
+    def _chunks(
+        self, owned: list[tuple[ChunkSpan, MemoryBlock]]
+    ) -> tuple[list[ChunkSpan], list[torch.Tensor]]:
         """The spans, and the chunk in each block."""
         return [s for s, _ in owned], [self.view(b.data, s.num_tokens) for s, b in owned]
 
-    def gather_into(self, slots: torch.Tensor, spans: Sequence[ChunkSpan], buffers: Sequence[torch.Tensor]) -> None:
+    def gather_into(
+        self, slots: torch.Tensor, spans: Sequence[ChunkSpan], buffers: Sequence[torch.Tensor]
+    ) -> None:
         """The KV of `spans` into byte buffers of the caller."""
         chunks = [self.view(buf, s.num_tokens) for s, buf in zip(spans, buffers)]
         with self._lock:
             self.transfer.gather(concat_slots(slots, spans), chunks)
 
-    def gather_addressed(self, slots: torch.Tensor, spans: Sequence[ChunkSpan],
-                         places: Sequence[tuple[torch.Tensor, int]]) -> Callable[[int, int], None]:
+    def gather_addressed(
+        self,
+        slots: torch.Tensor,
+        spans: Sequence[ChunkSpan],
+        places: Sequence[tuple[torch.Tensor, int]],
+    ) -> Callable[[int, int], None]:
         """The KV of `spans` into device byte buffers, chunk i at `places[i]` (a buffer and a
         byte offset in it), queued chunks [first, end) at a time by the returned
         `launch(first, end)` on the current stream; the tables go up now, on it."""
         with self._lock:
-            addressed = self.transfer.gather_addressed(concat_slots(slots, spans),
-                                                       [buf.data_ptr() + at for buf, at in places], spans[0].num_tokens)
+            addressed = self.transfer.gather_addressed(
+                concat_slots(slots, spans),
+                [buf.data_ptr() + at for buf, at in places],
+                spans[0].num_tokens,
+            )
         if addressed is not None:
             return addressed.launch
 
         def launch(first: int, end: int) -> None:  # a transfer that takes tensors: a view per chunk
-            views = [buf[at : at + s.num_tokens * self.bytes_per_token]
-                     for (buf, at), s in zip(places[first:end], spans[first:end])]
+            views = [
+                buf[at : at + s.num_tokens * self.bytes_per_token]
+                for (buf, at), s in zip(places[first:end], spans[first:end])
+            ]
             self.gather_into(slots, spans[first:end], views)
+
         return launch
 
     # -- chunks → paged KV ---------------------------------------------------------------
 
-    def upload(self, held: list[tuple[ChunkSpan, StoredChunk]], layer_major: bool, beside: bool = False
-               ) -> Upload | None:
+    def upload(
+        self, held: list[tuple[ChunkSpan, StoredChunk]], layer_major: bool, beside: bool = False
+    ) -> Upload | None:
         """Start the copies of host chunks toward the device (None: this transfer has no staging);
         `beside`: for a load beside the engine's steps (Transfer.upload)."""
         with self._lock:
-            return self.transfer.upload([self.view(c.block.data, s.num_tokens) for s, c in held],
-                                        layer_major=layer_major, beside=beside)
+            return self.transfer.upload(
+                [self.view(c.block.data, s.num_tokens) for s, c in held],
+                layer_major=layer_major,
+                beside=beside,
+            )
 
-    def scatter(self, slots: torch.Tensor, found: list[tuple[ChunkSpan, StoredChunk]], start: int, end: int,
-                layerwise: bool, wait: bool = True, upload: Upload | None = None, beside: bool = False
-                ) -> LayerHandle | Callable[[], None]:
+    def scatter(
+        self,
+        slots: torch.Tensor,
+        found: list[tuple[ChunkSpan, StoredChunk]],
+        start: int,
+        end: int,
+        layerwise: bool,
+        wait: bool = True,
+        upload: Upload | None = None,
+        beside: bool = False,
+    ) -> LayerHandle | Callable[[], None]:
         """The chunks in one transfer (a layerwise handle, or what waits for the
         copies out of the chunks), whole. A chunk cut by `start` or `end`
         writes only its tokens inside [start, end): the others get slot -1,
         which the transfers skip (the slots before `start` may be prefix-cache
         blocks the engine shares; after `end` there are no slots). `beside`: Transfer.scatter."""
-        views = upload.chunks() if upload is not None else [self.view(c.block.data, s.num_tokens) for s, c in found]
-        digests = found[0][1].block.device_check(len(found), self.kv.device)  # lent, checked on the GPU
+        views = (
+            upload.chunks()
+            if upload is not None
+            else [self.view(c.block.data, s.num_tokens) for s, c in found]
+        )
+        digests = found[0][1].block.device_check(
+            len(found), self.kv.device
+        )  # lent, checked on the GPU
         first, last = found[0][0].start, found[-1][0].end
         a, b = max(start, first), min(end, last)
         targets = torch.full((*slots.shape[:-1], last - first), -1, dtype=torch.int64)
-        targets[..., a - first : b - first] = slots[..., a:b]  # slicing only: this runs before any byte moves
+        targets[..., a - first : b - first] = slots[
+            ..., a:b
+        ]  # slicing only: this runs before any byte moves
         with self._lock:
             if layerwise:
-                return self.transfer.scatter_layerwise(targets, views, digests=digests, upload=upload)
-            return self.transfer.scatter(targets, views, wait=wait, digests=digests, upload=upload, beside=beside)
+                return self.transfer.scatter_layerwise(
+                    targets, views, digests=digests, upload=upload
+                )
+            return self.transfer.scatter(
+                targets, views, wait=wait, digests=digests, upload=upload, beside=beside
+            )
 
     def device_idle(self) -> None:
         """Wait for everything queued on the KV's device (nothing to wait for on a host)."""
@@ -145,7 +208,9 @@ class Mover:
         try:
             view = self.view(block.data, chunk_size)
             groups = self.kv.groups  # a grouped KV's kernels are their own variant
-            nothing = torch.full((groups, chunk_size) if groups > 1 else (chunk_size,), -1, dtype=torch.int64)
+            nothing = torch.full(
+                (groups, chunk_size) if groups > 1 else (chunk_size,), -1, dtype=torch.int64
+            )
             with self._lock:
                 t = self.transfer
                 t.gather(nothing, [view], digests=self.digest_sums(1))
@@ -165,8 +230,11 @@ class Mover:
             block.release()
 
 
-def stamp(owned: list[tuple[ChunkSpan, MemoryBlock]], digests: torch.Tensor | None,
-          readback: torch.cuda.Stream | None = None) -> None:
+def stamp(
+    owned: list[tuple[ChunkSpan, MemoryBlock]],
+    digests: torch.Tensor | None,
+    readback: torch.cuda.Stream | None = None,
+) -> None:
     """Each block's KV digest, once its gather is done (codec.kv_digest; 0: none). Where the
     flight that computed them is known done (its event), they are read on `readback`
     (`Mover.readback`): on the current stream the read waits for all that vLLM queued there

@@ -7,8 +7,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvtier.engine.records import EngineStats
 from kvtier.keys import ChunkSpan
-from kvtier.tiers.holds import Holds
 from kvtier.tiers.base import CPU
+from kvtier.tiers.holds import Holds
 from kvtier.tiers.store import TieredStore
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -25,7 +25,9 @@ class EngineStats:
     prefetched_tokens: int = 0
     store_seconds: float = 0.0
     retrieve_seconds: float = 0.0
-    loaded_by_tier: dict[str, int] = field(default_factory=dict)  # tokens loaded, by the tier they came from
+    loaded_by_tier: dict[str, int] = field(
+        default_factory=dict
+    )  # tokens loaded, by the tier they came from
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +38,9 @@ class ChunkEvent:
     digest: bytes
     parent: bytes | None = None  # the previous chunk of the prompt (stored events)
     token_ids: list[int] = field(default_factory=list)
-    lora: tuple[int, str] | None = None  # the request's LoRA adapter: vLLM's id and name (stored events)
+    lora: tuple[int, str] | None = (
+        None  # the request's LoRA adapter: vLLM's id and name (stored events)
+    )
 
 
 class EventLog:
@@ -48,8 +52,13 @@ class EventLog:
         if self._events is not None:
             cpu.on_evict = lambda key: self._events.append(ChunkEvent(False, key.digest))
 
-    def stored(self, spans: Sequence[ChunkSpan], tokens: np.ndarray, prompt: Sequence[ChunkSpan],
-               lora: tuple[int, str] | None = None) -> None:
+    def stored(
+        self,
+        spans: Sequence[ChunkSpan],
+        tokens: np.ndarray,
+        prompt: Sequence[ChunkSpan],
+        lora: tuple[int, str] | None = None,
+    ) -> None:
         """Events of `spans` now in the CPU tier; `prompt`: every chunk of `tokens` (their
         parents); `lora`: the adapter of the request that stored them."""
         if self._events is None:
@@ -57,8 +66,15 @@ class EventLog:
         parents = {s.end: s.key.digest for s in prompt}
         for span in spans:
             if self._cpu.contains(span.key):
-                self._events.append(ChunkEvent(True, span.key.digest, parents.get(span.start),
-                                               tokens[span.start:span.end].tolist(), lora))
+                self._events.append(
+                    ChunkEvent(
+                        True,
+                        span.key.digest,
+                        parents.get(span.start),
+                        tokens[span.start : span.end].tolist(),
+                        lora,
+                    )
+                )
 
     @property
     def on(self) -> bool:
@@ -82,24 +98,49 @@ class SkipWarnings:
     def warn(self, skipped: int, request_id: str) -> None:
         if request_id and request_id in self._said:
             return
-        log.warning("CPU pool full of chunks in use (being read, or this store's own with no disk or remote "
-                    "tier to stream to): skipping the store of %d tokens for request %s (said once per request)",
-                    skipped, request_id or "-")
+        log.warning(
+            "CPU pool full of chunks in use (being read, or this store's own with no disk or remote "
+            "tier to stream to): skipping the store of %d tokens for request %s (said once per request)",
+            skipped,
+            request_id or "-",
+        )
         if request_id:
             self._said[request_id] = None
             if len(self._said) > self._remembered:
                 self._said.popitem(last=False)
 
 
-def log_transfer(what: str, n: int, total: int, request_id: str, nbytes: int, seconds: float,
-                 how: str = "", queued: bool = False) -> None:
+def log_transfer(
+    what: str,
+    n: int,
+    total: int,
+    request_id: str,
+    nbytes: int,
+    seconds: float,
+    how: str = "",
+    queued: bool = False,
+) -> None:
     """`queued`: `seconds` is the time to queue copies that were not waited for (no rate)."""
     if queued:
-        log.info("%s %d out of %d tokens for request %s (%.1f MB; copies queued in %.1f ms, not waited for%s)",
-                 what, n, total, request_id or "-", nbytes / 1e6, seconds * 1e3, how)
+        log.info(
+            "%s %d out of %d tokens for request %s (%.1f MB; copies queued in %.1f ms, not waited for%s)",
+            what,
+            n,
+            total,
+            request_id or "-",
+            nbytes / 1e6,
+            seconds * 1e3,
+            how,
+        )
         return
     log.info(
         "%s %d out of %d tokens for request %s (%.1f MB in %.1f ms, %.2f GB/s%s)",
-        what, n, total, request_id or "-", nbytes / 1e6, seconds * 1e3,
-        nbytes / seconds / 1e9 if seconds > 0 else 0.0, how,
+        what,
+        n,
+        total,
+        request_id or "-",
+        nbytes / 1e6,
+        seconds * 1e3,
+        nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+        how,
     )

@@ -18,8 +18,8 @@ piece is a missing snapshot (the hit ends earlier), never a wrong state.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -44,8 +44,10 @@ class StateLayers:
     def __post_init__(self) -> None:
         for p in self.pages:
             if p.dtype != torch.uint8 or p.dim() != 2 or p.stride(1) != 1:
-                raise ValueError(f"a recurrent layer's pages must be a [blocks, bytes] uint8 view, got "
-                                 f"{tuple(p.shape)} {p.dtype} strides {p.stride()}")
+                raise ValueError(
+                    f"a recurrent layer's pages must be a [blocks, bytes] uint8 view, got "
+                    f"{tuple(p.shape)} {p.dtype} strides {p.stride()}"
+                )
 
     @property
     def nbytes(self) -> int:
@@ -90,9 +92,15 @@ class StatePath:
 
     def keys(self, chunk_key: ChunkKey) -> list[ChunkKey]:
         """The keys of the pieces of the snapshot taken where `chunk_key`'s chunk ends."""
-        return [ChunkKey(chunk_key.fmt, hashlib.blake2b(b"kvtier-state/%d/" % i + chunk_key.digest,
-                                                         digest_size=16).digest())
-                for i in range(self.num_pieces)]
+        return [
+            ChunkKey(
+                chunk_key.fmt,
+                hashlib.blake2b(
+                    b"kvtier-state/%d/" % i + chunk_key.digest, digest_size=16
+                ).digest(),
+            )
+            for i in range(self.num_pieces)
+        ]
 
     def save(self, chunk_key: ChunkKey, blocks: Sequence[int]) -> bool:
         """Store each layer's state block `blocks[l]` as the snapshot of `chunk_key`'s end.
@@ -138,8 +146,9 @@ class StatePath:
         for key, block in zip(keys, pieces):
             self.tiers.put(key, block, self.piece_tokens)
 
-    def load(self, chunk_key: ChunkKey, blocks: Sequence[int], also: Sequence[int] | None = None
-             ) -> StateLoad | None:
+    def load(
+        self, chunk_key: ChunkKey, blocks: Sequence[int], also: Sequence[int] | None = None
+    ) -> StateLoad | None:
         """Copy the snapshot of `chunk_key`'s end into each layer's state block `blocks[l]`
         (and `also[l]`), queued on the caller's stream (so its forward reads them after).
         None where a piece could not be read (evicted, corrupt, a fault): nothing was written."""
@@ -180,8 +189,12 @@ def _runs(sizes: Sequence[int], piece_bytes: int) -> list[tuple[int, int, int, i
     return runs
 
 
-def _copy(runs: Sequence[tuple[int, int, int, int, int]], src: Sequence[torch.Tensor],
-          dst: Sequence[torch.Tensor], into_pieces: bool = True) -> None:
+def _copy(
+    runs: Sequence[tuple[int, int, int, int, int]],
+    src: Sequence[torch.Tensor],
+    dst: Sequence[torch.Tensor],
+    into_pieces: bool = True,
+) -> None:
     """Layers' bytes into pieces (`into_pieces`), or pieces' bytes into layers."""
     for layer, lo, piece, po, n in runs:
         if into_pieces:

@@ -1,19 +1,19 @@
 """The store path: a prompt's chunks not stored yet → pool blocks → gather → the tiers.
 
-    StorePath.start(tokens, slots)   decides what to store (and, layerwise, takes blocks
-                                     for as many chunks as the pool has free now)
-    Storing.save(layer)              layerwise: layer `layer` is computed, move it
-    Storing.finish()                 waits for the copies, puts the chunks in the tiers,
-                                     streams the rest through the pool batch by batch
-    Storing.finish(wait=False)       the same without waiting for the copies on a GPU (a
-                                     layerwise store's, or a whole store's as far as the pool
-                                     has free blocks): those chunks go into the tiers at a
-                                     later `StorePath.landing.settle`, once they have landed
+StorePath.start(tokens, slots)   decides what to store (and, layerwise, takes blocks
+                                 for as many chunks as the pool has free now)
+Storing.save(layer)              layerwise: layer `layer` is computed, move it
+Storing.finish()                 waits for the copies, puts the chunks in the tiers,
+                                 streams the rest through the pool batch by batch
+Storing.finish(wait=False)       the same without waiting for the copies on a GPU (a
+                                 layerwise store's, or a whole store's as far as the pool
+                                 has free blocks): those chunks go into the tiers at a
+                                 later `StorePath.landing.settle`, once they have landed
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -33,9 +33,17 @@ log = get_logger(__name__)
 
 
 class StorePath:
-    def __init__(self, tiers: TieredStore, mover: Mover, stats: EngineStats, events: EventLog,
-                 spans: Callable[[np.ndarray, str, Identity], list[ChunkSpan]], enabled: bool, tails: Tails,
-                 chunk_size: int) -> None:
+    def __init__(
+        self,
+        tiers: TieredStore,
+        mover: Mover,
+        stats: EngineStats,
+        events: EventLog,
+        spans: Callable[[np.ndarray, str, Identity], list[ChunkSpan]],
+        enabled: bool,
+        tails: Tails,
+        chunk_size: int,
+    ) -> None:
         self.tiers, self.mover, self.stats, self.events = tiers, mover, stats, events
         self._spans, self._enabled = spans, enabled  # enabled: some tier keeps chunks
         self.tails, self.chunk_size = tails, chunk_size
@@ -50,21 +58,28 @@ class StorePath:
                 before = spans[-2].key.digest if len(spans) > 1 else job.identity.root
                 self.tails.add(before, spans[-1].num_tokens)
             todo = [s for s in spans if s.end > job.start]
-            todo = [s for s, new in zip(todo, self.tiers.to_gather([s.key for s in todo]))
-                    if new and not self.landing.holds(s.key)]  # (in flight: an earlier store's)
+            todo = [
+                s
+                for s, new in zip(todo, self.tiers.to_gather([s.key for s in todo]))
+                if new and not self.landing.holds(s.key)
+            ]  # (in flight: an earlier store's)
         owned: list[tuple[ChunkSpan, MemoryBlock]] = []
         handle = sums = None
         if layerwise and todo:
             owned = self.allocate(todo, wait=False)
             sums = self.mover.digest_sums(len(owned))
             try:
-                handle = self.mover.gather_layerwise(job.slots, owned, digests=sums) if owned else None
+                handle = (
+                    self.mover.gather_layerwise(job.slots, owned, digests=sums) if owned else None
+                )
             except BaseException:
                 release_blocks(owned)
                 raise
-        return Storing(self, job, owned, todo[len(owned):], handle, sums)
+        return Storing(self, job, owned, todo[len(owned) :], handle, sums)
 
-    def allocate(self, spans: Sequence[ChunkSpan], wait: bool) -> list[tuple[ChunkSpan, MemoryBlock]]:
+    def allocate(
+        self, spans: Sequence[ChunkSpan], wait: bool
+    ) -> list[tuple[ChunkSpan, MemoryBlock]]:
         """Blocks for the first spans, as many as the pool gives now (the first may wait for writers)."""
         owned = []
         for span in spans:
@@ -111,8 +126,15 @@ class StorePath:
         self.stats.skipped_store_tokens += skipped
         self._skips.warn(skipped, request_id)
 
-    def stored(self, job: Job, spans: list[ChunkSpan], count: int, layerwise: bool, seconds: float,
-               queued: bool = False) -> None:
+    def stored(
+        self,
+        job: Job,
+        spans: list[ChunkSpan],
+        count: int,
+        layerwise: bool,
+        seconds: float,
+        queued: bool = False,
+    ) -> None:
         """A store is over (`seconds` after its start; `queued`: its copies were queued then,
         not waited for): its events, stats and log line."""
         if self.events.on and self.tiers.keep_cpu:
@@ -121,9 +143,16 @@ class StorePath:
         self.stats.stored_tokens += count
         self.stats.store_seconds += seconds
         if count:
-            log_transfer("Storing KV cache for", count, job.num_tokens, job.request_id,
-                         count * self.mover.kv.bytes_per_token(), seconds, ", layer by layer" if layerwise else "",
-                         queued)
+            log_transfer(
+                "Storing KV cache for",
+                count,
+                job.num_tokens,
+                job.request_id,
+                count * self.mover.kv.bytes_per_token(),
+                seconds,
+                ", layer by layer" if layerwise else "",
+                queued,
+            )
 
 
 class Storing:
@@ -131,8 +160,15 @@ class Storing:
     to it until `finish()` puts them in the tiers (or `cancel()` frees them);
     the rest are gathered at `finish()`, batch by batch through the pool."""
 
-    def __init__(self, path: StorePath, job: Job, owned: list[tuple[ChunkSpan, MemoryBlock]], rest: list[ChunkSpan],
-                 handle: LayerSaver | None, digests: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        path: StorePath,
+        job: Job,
+        owned: list[tuple[ChunkSpan, MemoryBlock]],
+        rest: list[ChunkSpan],
+        handle: LayerSaver | None,
+        digests: torch.Tensor | None = None,
+    ) -> None:
         self._path, self._job, self._chunks, self._rest = path, job, owned, rest
         self._handle, self._digests = handle, digests
 
@@ -162,12 +198,21 @@ class Storing:
         flight = self._end_saves(chunks, wait)
         if self._handle is not None and self._handle.unsaved():
             return self._drop(chunks, rest, flight)
-        if self._handle is None and not wait:  # a whole store: the copies of what fits now not waited for
+        if (
+            self._handle is None and not wait
+        ):  # a whole store: the copies of what fits now not waited for
             chunks, flight = self._gather_later(rest)
-            rest = rest[len(chunks):]
-        path, job, digests, layerwise = self._path, self._job, self._digests, self._handle is not None
+            rest = rest[len(chunks) :]
+        path, job, digests, layerwise = (
+            self._path,
+            self._job,
+            self._digests,
+            self._handle is not None,
+        )
         spans = [s for s, _ in chunks] + rest
-        if flight is None:  # the chunks are in: into the tiers before the rest streams through the pool
+        if (
+            flight is None
+        ):  # the chunks are in: into the tiers before the rest streams through the pool
             stamp(chunks, digests)
             path.put(chunks)
             stored = num_tokens(chunks) + path.stream(job.slots, rest, job.request_id)
@@ -181,10 +226,14 @@ class Storing:
             path.put(chunks)
             path.stored(job, spans, stored, layerwise, seconds, queued=True)
 
-        path.landing.add(flight, [s.key for s, _ in chunks], land)  # it holds the staging until then
+        path.landing.add(
+            flight, [s.key for s, _ in chunks], land
+        )  # it holds the staging until then
         return stored
 
-    def _end_saves(self, chunks: list[tuple[ChunkSpan, MemoryBlock]], wait: bool) -> InFlight | None:
+    def _end_saves(
+        self, chunks: list[tuple[ChunkSpan, MemoryBlock]], wait: bool
+    ) -> InFlight | None:
         """A layerwise store's copies: waited for (None), or in flight."""
         if self._handle is None:
             return None
@@ -197,17 +246,26 @@ class Storing:
             release_blocks(chunks)
             raise
 
-    def _drop(self, chunks: list[tuple[ChunkSpan, MemoryBlock]], rest: list[ChunkSpan], flight: InFlight | None
-              ) -> int:
+    def _drop(
+        self,
+        chunks: list[tuple[ChunkSpan, MemoryBlock]],
+        rest: list[ChunkSpan],
+        flight: InFlight | None,
+    ) -> int:
         if flight is not None:
             flight.done.synchronize()  # no copy may still write into a block being freed
-        log.warning("request %s: layers %s were never saved; its store of %d tokens is dropped",
-                    self._job.request_id or "-", self._handle.unsaved() if self._handle is not None else [],
-                    num_tokens(chunks) + sum(s.num_tokens for s in rest))
+        log.warning(
+            "request %s: layers %s were never saved; its store of %d tokens is dropped",
+            self._job.request_id or "-",
+            self._handle.unsaved() if self._handle is not None else [],
+            num_tokens(chunks) + sum(s.num_tokens for s in rest),
+        )
         release_blocks(chunks)
         return 0
 
-    def _gather_later(self, spans: list[ChunkSpan]) -> tuple[list[tuple[ChunkSpan, MemoryBlock]], InFlight | None]:
+    def _gather_later(
+        self, spans: list[ChunkSpan]
+    ) -> tuple[list[tuple[ChunkSpan, MemoryBlock]], InFlight | None]:
         """The first `spans`, as many as the pool has free blocks for now, gathered and their
         copies to the host queued (in flight, or landed already where nothing runs beside)."""
         path = self._path
@@ -216,7 +274,9 @@ class Storing:
             return [], None
         self._digests = path.mover.digest_sums(len(owned))
         try:
-            return owned, path.mover.gather(self._job.slots, owned, digests=self._digests, wait=False)
+            return owned, path.mover.gather(
+                self._job.slots, owned, digests=self._digests, wait=False
+            )
         except BaseException:
             release_blocks(owned)
             raise

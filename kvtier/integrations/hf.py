@@ -17,8 +17,8 @@ and where its store starts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from transformers.cache_utils import Cache, StaticLayer
@@ -44,8 +44,13 @@ class _BufferLayer(StaticLayer):
     the buffer: that is where a layerwise store takes them.
     """
 
-    def __init__(self, buffer: torch.Tensor, index: int, before_update: Hook | None,
-                 after_update: Hook | None) -> None:
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        index: int,
+        before_update: Hook | None,
+        after_update: Hook | None,
+    ) -> None:
         super().__init__(max_cache_len=buffer.shape[3])
         self.index, self.before_update, self.after_update = index, before_update, after_update
         self.keys, self.values = buffer[0], buffer[1]
@@ -67,9 +72,16 @@ class _BufferLayer(StaticLayer):
 class KvtierCache(Cache):
     """A static cache whose layers are views of the session's buffers."""
 
-    def __init__(self, buffers: list[torch.Tensor], length: int, before_update: Hook | None = None,
-                 after_update: Hook | None = None) -> None:
-        super().__init__(layers=[_BufferLayer(b, i, before_update, after_update) for i, b in enumerate(buffers)])
+    def __init__(
+        self,
+        buffers: list[torch.Tensor],
+        length: int,
+        before_update: Hook | None = None,
+        after_update: Hook | None = None,
+    ) -> None:
+        super().__init__(
+            layers=[_BufferLayer(b, i, before_update, after_update) for i, b in enumerate(buffers)]
+        )
         for layer in self.layers:
             layer.cumulative_length.fill_(length)
 
@@ -87,7 +99,9 @@ class PrefillResult:
 
 
 class HFSession:
-    def __init__(self, model: torch.nn.Module, config: KvtierConfig, max_len: int, *, transfer: str = "auto") -> None:
+    def __init__(
+        self, model: torch.nn.Module, config: KvtierConfig, max_len: int, *, transfer: str = "auto"
+    ) -> None:
         cfg = model.config
         heads = cfg.num_key_value_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -99,11 +113,15 @@ class HFSession:
             for _ in range(cfg.num_hidden_layers)
         ]
         kv = PagedKV.wrap(self.buffers, "hf")
-        fmt = KVFormat(cfg.name_or_path or cfg.model_type, "hf", str(param.dtype).removeprefix("torch."))
+        fmt = KVFormat(
+            cfg.name_or_path or cfg.model_type, "hf", str(param.dtype).removeprefix("torch.")
+        )
         self.engine = CacheEngine(config, kv, fmt, transfer=transfer)
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, *, use_cache: bool = True, layerwise: bool | None = None) -> PrefillResult:
+    def prefill(
+        self, input_ids: torch.Tensor, *, use_cache: bool = True, layerwise: bool | None = None
+    ) -> PrefillResult:
         """Run the prompt; with `use_cache`, load its stored prefix and store the rest.
 
         `layerwise` (default: the config's `use_layerwise`) loads layer i+1
@@ -128,11 +146,19 @@ class HFSession:
             store = not (hit % size and (n - 1) // size == hit // size)
             if layerwise and store:
                 storing = self.engine.start_store(tokens, slots, start=hit, layerwise=True)
-        cache = KvtierCache(self.buffers, hit, before_update=load.wait if load else None,
-                            after_update=storing.save if storing else None)
+        cache = KvtierCache(
+            self.buffers,
+            hit,
+            before_update=load.wait if load else None,
+            after_update=storing.save if storing else None,
+        )
         try:
-            out = self.model(input_ids=ids[None, hit:].to(self.buffers[0].device), past_key_values=cache,
-                             use_cache=True, logits_to_keep=1)
+            out = self.model(
+                input_ids=ids[None, hit:].to(self.buffers[0].device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         except BaseException:
             if storing is not None:
                 storing.cancel()
@@ -143,7 +169,11 @@ class HFSession:
         if loaded < hit:  # a chunk lent layer by layer failed its check after the forward read it
             if storing is not None:
                 storing.cancel()
-            log.warning("%d of %d loaded tokens failed their check: the prompt is computed again", hit - loaded, hit)
+            log.warning(
+                "%d of %d loaded tokens failed their check: the prompt is computed again",
+                hit - loaded,
+                hit,
+            )
             return self.prefill(input_ids, use_cache=False)
         if storing is not None:
             storing.finish()
@@ -152,16 +182,22 @@ class HFSession:
         return PrefillResult(out.logits[:, -1], cache, hit)
 
     @torch.inference_mode()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, use_cache: bool = True) -> list[int]:
+    def generate(
+        self, input_ids: torch.Tensor, max_new_tokens: int, *, use_cache: bool = True
+    ) -> list[int]:
         """Greedy decoding after a kvtier prefill; returns the new token ids."""
         n = input_ids.numel()
         if n + max_new_tokens > self.max_len:
-            raise ValueError(f"{n} + {max_new_tokens} tokens exceed the session's max_len {self.max_len}")
+            raise ValueError(
+                f"{n} + {max_new_tokens} tokens exceed the session's max_len {self.max_len}"
+            )
         result = self.prefill(input_ids, use_cache=use_cache)
         token = result.logits.argmax(-1)
         out = [int(token)]
         for _ in range(max_new_tokens - 1):
-            logits = self.model(input_ids=token[:, None], past_key_values=result.cache, use_cache=True).logits
+            logits = self.model(
+                input_ids=token[:, None], past_key_values=result.cache, use_cache=True
+            ).logits
             token = logits[:, -1].argmax(-1)
             out.append(int(token))
         return out

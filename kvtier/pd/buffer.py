@@ -59,8 +59,15 @@ class BufferStats:
 
 
 class PdBuffer:
-    def __init__(self, size: int, block_bytes: int, device: str, fmt: KVFormat, bytes_per_token: int,
-                 ttl: float) -> None:
+    def __init__(
+        self,
+        size: int,
+        block_bytes: int,
+        device: str,
+        fmt: KVFormat,
+        bytes_per_token: int,
+        ttl: float,
+    ) -> None:
         self.pool = HostPool(size, block_bytes, device=device)
         self.tier = CpuTier(self.pool)
         self.fmt, self.bytes_per_token, self.ttl = fmt, bytes_per_token, ttl
@@ -79,7 +86,9 @@ class PdBuffer:
         each Alloc until its Commit."""
         n = proto.DIGEST_BYTES
         if len(digests) != n * len(msg.tokens):
-            raise proto.ProtocolError(f"Alloc: {len(digests)} bytes of digests for {len(msg.tokens)} chunks")
+            raise proto.ProtocolError(
+                f"Alloc: {len(digests)} bytes of digests for {len(msg.tokens)} chunks"
+            )
         keys = [ChunkKey(self.fmt, digests[i : i + n]) for i in range(0, len(digests), n)]
         chunk_tokens = self.pool.block_bytes // self.bytes_per_token
         if any(not 0 < t <= chunk_tokens for t in msg.tokens):
@@ -93,7 +102,9 @@ class PdBuffer:
             blocks = self.pool.allocate_many(len(new))
             if blocks is None:
                 self.stats.no_room += 1
-                return proto.NoRoom(msg.req_id, self.pool.free_blocks, len(new), self.pool.num_blocks)
+                return proto.NoRoom(
+                    msg.req_id, self.pool.free_blocks, len(new), self.pool.num_blocks
+                )
             fresh = set(new)
             shared = [k for i, k in enumerate(keys) if i not in fresh]
             for key in shared:  # owned now, so another request's release cannot free it
@@ -117,8 +128,10 @@ class PdBuffer:
             raise proto.ProtocolError(f"Write: block {index} is not reserved for request {req_id}")
         key, tokens, block = entry
         if nbytes != tokens * self.bytes_per_token:
-            raise proto.ProtocolError(f"Write: {nbytes} bytes for a chunk of {tokens} tokens "
-                                      f"({tokens * self.bytes_per_token} bytes)")
+            raise proto.ProtocolError(
+                f"Write: {nbytes} bytes for a chunk of {tokens} tokens "
+                f"({tokens * self.bytes_per_token} bytes)"
+            )
         return block.data[:nbytes]
 
     def commit(self, req_id: str) -> int:
@@ -152,7 +165,9 @@ class PdBuffer:
     def release(self, req_id: str) -> None:
         """The request is done with its chunks: free those no other request owns."""
         with self._lock:
-            if req_id in self._reserved:  # its sender may still be writing: free at its Commit/Abort
+            if (
+                req_id in self._reserved
+            ):  # its sender may still be writing: free at its Commit/Abort
                 self._released[req_id] = None
                 while len(self._released) > 4096:
                     self._released.popitem(last=False)
@@ -165,13 +180,20 @@ class PdBuffer:
         now = time.monotonic()
         with self._lock:
             for rid in [r for r, res in self._reserved.items() if res.deadline < now]:
-                log.warning("PD buffer: request %s reserved blocks %d s ago and never committed: freed",
-                            rid, int(self.ttl))
+                log.warning(
+                    "PD buffer: request %s reserved blocks %d s ago and never committed: freed",
+                    rid,
+                    int(self.ttl),
+                )
                 self._free_reservation(self._reserved.pop(rid))
                 self._drop_owner(rid)
                 self.stats.expired += 1
             for rid in [r for r, o in self._owned.items() if o.deadline and o.deadline < now]:
-                log.warning("PD buffer: the KV of request %s waited %d s for its request: freed", rid, int(self.ttl))
+                log.warning(
+                    "PD buffer: the KV of request %s waited %d s for its request: freed",
+                    rid,
+                    int(self.ttl),
+                )
                 self._drop_owner(rid)
                 self.stats.expired += 1
 
@@ -203,5 +225,3 @@ class PdBuffer:
     def _free_reservation(res: _Reservation) -> None:
         for _, _, block in res.blocks.values():
             block.release()
-
-

@@ -39,8 +39,9 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -67,6 +68,7 @@ class Placement:
 
 
 # -- receiver half -------------------------------------------------------------------------
+
 
 class ReceiverChannel:
     def __init__(self, name: str, pool: HostPool) -> None:
@@ -97,7 +99,9 @@ class ReceiverChannel:
         """What the sender needs to write into the buffer (Welcome's payload)."""
         if self.name == "nixl":
             return bytes(self._agent.get_agent_metadata())
-        if self.name == "cuda_ipc":  # the arena is a cudaMalloc'd buffer (memory.py): its own IPC handle
+        if (
+            self.name == "cuda_ipc"
+        ):  # the arena is a cudaMalloc'd buffer (memory.py): its own IPC handle
             from kvtier.transfer.cudart import ipc_handle
 
             return ipc_handle(self.pool.arena.data_ptr())
@@ -108,6 +112,7 @@ class ReceiverChannel:
 
 
 # -- sender half ---------------------------------------------------------------------------
+
 
 class TcpBounce:
     """tcp into a GPU buffer: a Write's bytes land in pinned host memory, then are
@@ -161,15 +166,21 @@ class SenderChannel:
 
             peer.remote = map_ipc_buffer(registration, welcome.num_blocks * welcome.block_bytes)
             if self.ipc is None:
-                self.ipc = IpcWriter(torch.device("cuda", torch.cuda.current_device()), welcome.block_bytes)
+                self.ipc = IpcWriter(
+                    torch.device("cuda", torch.cuda.current_device()), welcome.block_bytes
+                )
         return peer
 
-    def views(self, peer: Peer, blocks: Sequence[int], nbytes: Sequence[int]) -> list[torch.Tensor | None]:
+    def views(
+        self, peer: Peer, blocks: Sequence[int], nbytes: Sequence[int]
+    ) -> list[torch.Tensor | None]:
         """cuda_ipc: the remote blocks as local uint8 tensors to copy into (None for block
         -1: the decoder holds that chunk already)."""
         assert peer.remote is not None
         size = peer.welcome.block_bytes
-        return [peer.remote[b * size : b * size + n] if b >= 0 else None for b, n in zip(blocks, nbytes)]
+        return [
+            peer.remote[b * size : b * size + n] if b >= 0 else None for b, n in zip(blocks, nbytes)
+        ]
 
     def push(self, peer: Peer, sock: socket.socket, req_id: str, items: Sequence[Placement]) -> Any:
         """Start writing staged blocks into the peer's reserved blocks; `finish` waits for
@@ -212,10 +223,14 @@ class SenderChannel:
         agent, w = self._agent, peer.welcome
         local_dev = 0 if self.staging.device.type == "cpu" else self.staging.device.index or 0
         remote_dev = 0 if w.device == "cpu" else int(w.device.split(":")[1])
-        src = agent.get_xfer_descs([(it.staged.data.data_ptr(), it.nbytes, local_dev) for it in items],
-                                   _mem_type(self.staging.device.type))
-        dst = agent.get_xfer_descs([(w.base_ptr + it.remote_block * w.block_bytes, it.nbytes, remote_dev)
-                                    for it in items], _mem_type(w.device))
+        src = agent.get_xfer_descs(
+            [(it.staged.data.data_ptr(), it.nbytes, local_dev) for it in items],
+            _mem_type(self.staging.device.type),
+        )
+        dst = agent.get_xfer_descs(
+            [(w.base_ptr + it.remote_block * w.block_bytes, it.nbytes, remote_dev) for it in items],
+            _mem_type(w.device),
+        )
         handle = agent.initialize_xfer("WRITE", src, dst, peer.nixl_name)
         if agent.transfer(handle) == "ERR":
             agent.release_xfer_handle(handle)
@@ -228,7 +243,9 @@ def _nixl_errors() -> tuple[type[Exception], ...]:
     class but Exception): a write that meets one fails the request's transfer, not vLLM's step."""
     import nixl._bindings as bindings
 
-    return tuple(v for k, v in vars(bindings).items() if k.startswith("nixl") and k.endswith("Error"))
+    return tuple(
+        v for k, v in vars(bindings).items() if k.startswith("nixl") and k.endswith("Error")
+    )
 
 
 def _ucx_skip_ib_without_rdma() -> None:
@@ -242,7 +259,9 @@ def _ucx_skip_ib_without_rdma() -> None:
     if "UCX_MODULES" in os.environ or _rdma_devices():
         return
     os.environ["UCX_MODULES"] = "^ib"
-    log.info("no RDMA device here: UCX_MODULES=^ib for NIXL (UCX's ib module would crash the process at exit)")
+    log.info(
+        "no RDMA device here: UCX_MODULES=^ib for NIXL (UCX's ib module would crash the process at exit)"
+    )
 
 
 def _rdma_devices() -> list[str]:
@@ -259,7 +278,8 @@ def _nixl_agent(role: str) -> Any:
     except ImportError as exc:
         raise ChannelUnavailable(
             "transfer_channel nixl needs the NIXL package: pip install nixl (after torch; "
-            f"on a machine without GPU, UCX_TLS=tcp,self,sm) — {exc}") from None
+            f"on a machine without GPU, UCX_TLS=tcp,self,sm) — {exc}"
+        ) from None
     name = f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
@@ -303,7 +323,9 @@ class _Progress:
 
 def _nixl_register(agent: Any, arena: torch.Tensor) -> None:
     dev = 0 if arena.device.type == "cpu" else arena.device.index or 0
-    descs = agent.get_reg_descs([(arena.data_ptr(), arena.numel(), dev, "")], _mem_type(arena.device.type))
+    descs = agent.get_reg_descs(
+        [(arena.data_ptr(), arena.numel(), dev, "")], _mem_type(arena.device.type)
+    )
     agent.register_memory(descs)
 
 

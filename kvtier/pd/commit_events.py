@@ -56,8 +56,11 @@ class CommitEvents:
         try:
             event = torch.cuda.Event.from_ipc_handle(self.device, bytes.fromhex(handle))
         except (ValueError, RuntimeError) as exc:
-            log.info("PD receiver: a sender's commit event cannot be opened here (%s); its Commits come "
-                     "after its writes", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            log.info(
+                "PD receiver: a sender's commit event cannot be opened here (%s); its Commits come "
+                "after its writes",
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            )
             return False
         with self._lock:
             self._events.setdefault(handle, event)
@@ -75,5 +78,7 @@ class CommitEvents:
             raise proto.ProtocolError("Commit names an event its sender's Hello did not open here")
         try:
             event.synchronize()
-        except RuntimeError as exc:  # the sender's context is gone (it died): its writes cannot be trusted
+        except (
+            RuntimeError
+        ) as exc:  # the sender's context is gone (it died): its writes cannot be trusted
             raise ConnectionError(f"the sender's commit event failed: {exc}") from None

@@ -13,13 +13,16 @@ decoder's GPU buffer by the copy engine.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
 Places = Sequence[tuple[torch.Tensor, int]]  # per chunk: a ring slot and its byte offset there
-MakeLaunch = Callable[[Places], Callable[[int, int], None]]  # `CacheEngine.gather_addressed` for one step
+MakeLaunch = Callable[
+    [Places], Callable[[int, int], None]
+]  # `CacheEngine.gather_addressed` for one step
 
 
 class IpcWriter:
@@ -41,20 +44,37 @@ class IpcWriter:
     GROUP_BYTES = 256 << 20
     FIRST_BYTES = 32 << 20
 
-    def __init__(self, device: torch.device, chunk_bytes: int, group_bytes: int = GROUP_BYTES,
-                 first_bytes: int = FIRST_BYTES) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        chunk_bytes: int,
+        group_bytes: int = GROUP_BYTES,
+        first_bytes: int = FIRST_BYTES,
+    ) -> None:
         self.device = device
         self.slot_bytes = max(group_bytes, chunk_bytes)
         self.first_bytes = min(first_bytes, self.slot_bytes)
-        self.ring = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(self.SLOTS)]
-        self._free: list[torch.cuda.Event | None] = [None] * self.SLOTS  # a slot's last copy out of it
+        self.ring = [
+            torch.empty(self.slot_bytes, dtype=torch.uint8, device=device)
+            for _ in range(self.SLOTS)
+        ]
+        self._free: list[torch.cuda.Event | None] = [
+            None
+        ] * self.SLOTS  # a slot's last copy out of it
         self._next = 0
-        self._steps = 0  # steps started: a step gathered ahead is written only if none started after it
+        self._steps = (
+            0  # steps started: a step gathered ahead is written only if none started after it
+        )
         self.gather_stream = torch.cuda.Stream(device)
         self.copy_stream = torch.cuda.Stream(device)
 
-    def start(self, make_launch: MakeLaunch, items: Sequence[Any], nbytes: Sequence[int],
-              kv_written: torch.cuda.Event | None = None) -> Step:
+    def start(
+        self,
+        make_launch: MakeLaunch,
+        items: Sequence[Any],
+        nbytes: Sequence[int],
+        kv_written: torch.cuda.Event | None = None,
+    ) -> Step:
         """The groups of `items` (`nbytes` each), a ring slot each in turn, and their
         gather (`make_launch(places)`), ordered after `kv_written` (the forward that wrote
         the KV; recorded now on the current stream unless an earlier piece did)."""
@@ -68,7 +88,9 @@ class IpcWriter:
         while i < len(items):
             slot, self._next = self._next, (self._next + 1) % self.SLOTS
             group = _Group(i, i, slot, [0])
-            while group.end < len(items) and (group.end == i or group.offsets[-1] + nbytes[group.end] <= cap):
+            while group.end < len(items) and (
+                group.end == i or group.offsets[-1] + nbytes[group.end] <= cap
+            ):
                 places.append((self.ring[slot], group.offsets[-1]))
                 group.offsets.append(group.offsets[-1] + nbytes[group.end])
                 group.end += 1
@@ -95,7 +117,9 @@ class IpcWriter:
         """No step started after `step`: what it gathered ahead is still in the ring."""
         return step.number == self._steps
 
-    def write(self, step: Step, views: Sequence[torch.Tensor | None]) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    def write(
+        self, step: Step, views: Sequence[torch.Tensor | None]
+    ) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         """Queue each group's copies into `views` (one per item; None: the decoder holds
         that chunk already), gathering the groups not gathered yet; the events at which
         the forward had written the KV and at which the last copy completes (timed:
@@ -151,11 +175,17 @@ def contiguous_runs(views: Sequence[torch.Tensor | None]) -> list[tuple[torch.Te
     start = 0
     for k in range(1, len(views) + 1):
         prev, here = views[k - 1], views[k] if k < len(views) else None
-        if prev is not None and here is not None and here.data_ptr() == prev.data_ptr() + prev.numel():
+        if (
+            prev is not None
+            and here is not None
+            and here.data_ptr() == prev.data_ptr() + prev.numel()
+        ):
             continue
         first = views[start]
         if first is not None and prev is not None:
             n = prev.data_ptr() + prev.numel() - first.data_ptr()
-            runs.append((first.as_strided((n,), (1,), first.storage_offset()), start, k))  # within its storage
+            runs.append(
+                (first.as_strided((n,), (1,), first.storage_offset()), start, k)
+            )  # within its storage
         start = k
     return runs

@@ -16,7 +16,7 @@ import dataclasses
 import socket
 import time
 from collections import deque
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -32,8 +32,15 @@ RETRY_STEP = 0.05  # s between Allocs while the decoder's buffer is full
 class DecoderLink:
     """One decoder, as seen from this sender: its Welcome, and the alloc connection."""
 
-    def __init__(self, host: str, init_port: int, alloc_port: int, hello: proto.Hello,
-                 channel: SenderChannel, timeout: float) -> None:
+    def __init__(
+        self,
+        host: str,
+        init_port: int,
+        alloc_port: int,
+        hello: proto.Hello,
+        channel: SenderChannel,
+        timeout: float,
+    ) -> None:
         event, handle = commit_event() if not channel.staged else (None, "")
         with socket.create_connection((host, init_port), timeout=CONNECT_TIMEOUT) as init:
             init.settimeout(timeout)
@@ -54,7 +61,9 @@ class DecoderLink:
         proto.send(self.sock, msg, payload)
         return proto.recv(self.sock)[0]
 
-    def commit(self, rid: str, stream: torch.cuda.Stream | None, wait_writes: Callable[[], None]) -> float:
+    def commit(
+        self, rid: str, stream: torch.cuda.Stream | None, wait_writes: Callable[[], None]
+    ) -> float:
         """Commit the request; returns the ms spent in `wait_writes` (the request's queued
         writes, on `stream`). With the decoder's consent (`commit_event`) the Commit leaves
         before they are done, naming an event recorded behind them that the decoder waits
@@ -74,9 +83,16 @@ class DecoderLink:
     def close(self) -> None:
         self.sock.close()
 
-    def reserve(self, rid: str, spans: list[ChunkSpan], held: int, pieces: tuple[int, int] | None, timeout: float,
-                on_wait: Callable[[], None], on_first: Callable[[list[ChunkSpan]], None] | None = None
-                ) -> Iterator[tuple[list[ChunkSpan], list[int]]]:
+    def reserve(
+        self,
+        rid: str,
+        spans: list[ChunkSpan],
+        held: int,
+        pieces: tuple[int, int] | None,
+        timeout: float,
+        on_wait: Callable[[], None],
+        on_first: Callable[[list[ChunkSpan]], None] | None = None,
+    ) -> Iterator[tuple[list[ChunkSpan], list[int]]]:
         """The decoder's blocks for `spans` (the request holds `held` already), piece by
         piece (`_pieces`; None: all at once), one Alloc ahead: piece k+1's Alloc is on its
         way before piece k is handed out, so the decoder reserves it while the caller
@@ -87,7 +103,9 @@ class DecoderLink:
         of it is freed). `on_first(piece)` runs once the first piece's Alloc is on the wire
         (the caller's work that needs no block of the decoder's). After a failure a reply
         may be left unread: the caller closes this link (PdSender drops it on every failure)."""
-        if held + len(spans) > self.peer.welcome.num_blocks:  # the pieces would each fit, the request never
+        if (
+            held + len(spans) > self.peer.welcome.num_blocks
+        ):  # the pieces would each fit, the request never
             raise _too_big(held + len(spans), self.peer.welcome.num_blocks)
         ahead: deque[list[ChunkSpan]] = deque()
         no_room: list[list[ChunkSpan]] = []
@@ -104,8 +122,9 @@ class DecoderLink:
         for piece in no_room:
             yield piece, self.alloc(rid, piece, timeout, on_wait)
 
-    def _allocated(self, piece: list[ChunkSpan],
-                   no_room: list[list[ChunkSpan]]) -> Iterator[tuple[list[ChunkSpan], list[int]]]:
+    def _allocated(
+        self, piece: list[ChunkSpan], no_room: list[list[ChunkSpan]]
+    ) -> Iterator[tuple[list[ChunkSpan], list[int]]]:
         """The reply to an Alloc sent ahead: its blocks, or the piece kept for later."""
         reply = proto.recv(self.sock)[0]
         if isinstance(reply, proto.Allocated):
@@ -114,7 +133,9 @@ class DecoderLink:
         _check_room(proto.expect(reply, proto.NoRoom))
         no_room.append(piece)
 
-    def alloc(self, rid: str, spans: list[ChunkSpan], timeout: float, on_wait: Callable[[], None]) -> list[int]:
+    def alloc(
+        self, rid: str, spans: list[ChunkSpan], timeout: float, on_wait: Callable[[], None]
+    ) -> list[int]:
         """Blocks for `spans`, retried for `timeout` s while the buffer is full (`on_wait`
         once, at the first wait)."""
         msg, digests = _alloc_msg(rid, spans)
@@ -126,8 +147,10 @@ class DecoderLink:
                 return _blocks(reply, spans)
             room = _check_room(proto.expect(reply, proto.NoRoom))
             if time.monotonic() > deadline:
-                raise proto.PdPeerError(f"no room for {room.needed_blocks} chunks in the decoder's buffer "
-                                        f"within pd_allocation_timeout_sec={timeout}")
+                raise proto.PdPeerError(
+                    f"no room for {room.needed_blocks} chunks in the decoder's buffer "
+                    f"within pd_allocation_timeout_sec={timeout}"
+                )
             if not waited:
                 on_wait()
                 waited = True
@@ -143,8 +166,10 @@ def _check_room(reply: proto.Message) -> proto.NoRoom:
 
 
 def _too_big(chunks: int, num_blocks: int) -> proto.PdPeerError:
-    return proto.PdPeerError(f"{chunks} chunks do not fit the decoder's buffer of {num_blocks} "
-                             "(raise pd_buffer_size there)")
+    return proto.PdPeerError(
+        f"{chunks} chunks do not fit the decoder's buffer of {num_blocks} "
+        "(raise pd_buffer_size there)"
+    )
 
 
 def _alloc_msg(rid: str, spans: list[ChunkSpan]) -> tuple[proto.Alloc, bytes]:

@@ -15,7 +15,8 @@ message is logged and dropped (that request's decoder then waits out
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import msgspec
 import zmq
@@ -27,7 +28,9 @@ from kvtier.pd import protocol as proto
 log = get_logger(__name__)
 
 OnDone = Callable[[proto.PrefillDone], None]
-ZMTP_SIGNATURE_START = b"\xff"  # a ZMQ peer's first byte (ZMTP 3 greeting); a kvtier frame starts with b"K"
+ZMTP_SIGNATURE_START = (
+    b"\xff"  # a ZMQ peer's first byte (ZMTP 3 greeting); a kvtier frame starts with b"K"
+)
 
 
 class Notifications(Protocol):
@@ -52,11 +55,18 @@ class KvtierNotifications:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             first = await reader.readexactly(1)
-            if first == ZMTP_SIGNATURE_START:  # it waits for our greeting: it would sit here unheard
-                say = log.debug if self._told else log.warning  # ZMQ reconnects every 0.1 s: said once
-                say("proxy: a ZMQ peer connected to the notification port %d, as LMCache's PD senders do; "
+            if (
+                first == ZMTP_SIGNATURE_START
+            ):  # it waits for our greeting: it would sit here unheard
+                say = (
+                    log.debug if self._told else log.warning
+                )  # ZMQ reconnects every 0.1 s: said once
+                say(
+                    "proxy: a ZMQ peer connected to the notification port %d, as LMCache's PD senders do; "
                     "kvtier's senders send PrefillDone frames. For LMCache's prefillers and decoders run "
-                    "`kvtier proxy --pd-engine lmcache`", self._port)
+                    "`kvtier proxy --pd-engine lmcache`",
+                    self._port,
+                )
                 self._told = True
                 return
             head = first
@@ -66,7 +76,9 @@ class KvtierNotifications:
                 head = b""
                 msg = proto.parse_header(cls, await reader.readexactly(header_len))
                 if payload_len or not isinstance(msg, proto.PrefillDone):
-                    raise proto.ProtocolError(f"the notification port takes PrefillDone, got {cls.__name__}")
+                    raise proto.ProtocolError(
+                        f"the notification port takes PrefillDone, got {cls.__name__}"
+                    )
                 self._on_done(msg)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -106,7 +118,10 @@ class LmcacheNotifications:
             try:
                 req_id = self.parse(data)
             except ValueError as exc:
-                log.warning("proxy: bad message on the notification port (LMCache's ProxyNotif expected): %s", exc)
+                log.warning(
+                    "proxy: bad message on the notification port (LMCache's ProxyNotif expected): %s",
+                    exc,
+                )
                 continue
             self._on_done(proto.PrefillDone(req_id, True, 0, "LMCache ProxyNotif"))
 
@@ -116,7 +131,11 @@ class LmcacheNotifications:
             msg = self._decode.decode(data)
         except msgspec.DecodeError as exc:
             raise ValueError(f"not msgpack: {exc}") from None
-        if not isinstance(msg, dict) or msg.get("type") != self.TAG or not isinstance(msg.get("req_id"), str):
+        if (
+            not isinstance(msg, dict)
+            or msg.get("type") != self.TAG
+            or not isinstance(msg.get("req_id"), str)
+        ):
             raise ValueError(f"not a {self.TAG}: {str(msg)[:200]}")
         return msg["req_id"]
 

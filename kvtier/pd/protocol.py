@@ -181,19 +181,37 @@ class PrefillDone(Message):
 
 
 MESSAGES: dict[int, type[Message]] = {
-    m.TYPE: m for m in (Hello, Welcome, Alloc, Allocated, NoRoom, Write, Commit, Abort, Release, Ok, Error,
-                        PrefillDone)
+    m.TYPE: m
+    for m in (
+        Hello,
+        Welcome,
+        Alloc,
+        Allocated,
+        NoRoom,
+        Write,
+        Commit,
+        Abort,
+        Release,
+        Ok,
+        Error,
+        PrefillDone,
+    )
 }
-_FIELDS = {cls: {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
-           for cls in MESSAGES.values()}
+_FIELDS = {
+    cls: {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
+    for cls in MESSAGES.values()
+}
 
 
 # -- encoding ------------------------------------------------------------------------------
 
+
 def encode(msg: Message, payload_len: int = 0) -> bytes:
     """The frame head and header of `msg`; the caller sends `payload_len` bytes after it."""
     # the fields as they are (messages are flat: no deep copy, as `dataclasses.asdict` makes)
-    header = json.dumps({name: getattr(msg, name) for name in _FIELDS[type(msg)]}, separators=(",", ":")).encode()
+    header = json.dumps(
+        {name: getattr(msg, name) for name in _FIELDS[type(msg)]}, separators=(",", ":")
+    ).encode()
     return FRAME.pack(MAGIC, VERSION, msg.TYPE, len(header), payload_len) + header
 
 
@@ -239,13 +257,18 @@ def _matches(value: Any, hint: Any) -> bool:
         (item,) = typing.get_args(hint)
         if not isinstance(value, list) or len(value) > MAX_LIST:
             return False
-        if item is int:  # an Alloc's or Allocated's one per chunk: checked at once, not value by value
-            return all(type(v) is int for v in value) and (not value or (-(2**63) <= min(value) and max(value) < 2**64))
+        if (
+            item is int
+        ):  # an Alloc's or Allocated's one per chunk: checked at once, not value by value
+            return all(type(v) is int for v in value) and (
+                not value or (-(2**63) <= min(value) and max(value) < 2**64)
+            )
         return all(_matches(v, item) for v in value)
     return False
 
 
 # -- blocking sockets (sender, receiver) ---------------------------------------------------
+
 
 def send(sock: socket.socket, msg: Message, payload: bytes | memoryview = b"") -> None:
     head = encode(msg, len(payload))
@@ -261,7 +284,9 @@ def recv(sock: socket.socket, max_payload: int = 0) -> tuple[Message, int]:
     cls, header_len, payload_len = parse_head(recv_exact(sock, FRAME.size))
     msg = parse_header(cls, recv_exact(sock, header_len))
     if payload_len > max_payload:
-        raise ProtocolError(f"{cls.__name__} carries {payload_len} bytes (at most {max_payload} here)")
+        raise ProtocolError(
+            f"{cls.__name__} carries {payload_len} bytes (at most {max_payload} here)"
+        )
     return msg, payload_len
 
 

@@ -35,7 +35,8 @@ import itertools
 import json
 import time
 import uuid
-from typing import Any, Awaitable
+from collections.abc import Awaitable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -74,14 +75,20 @@ class Proxy:
         self._waiters: dict[str, asyncio.Future[proto.PrefillDone]] = {}
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
-        self._notify: Notifications = notifications(settings.pd_engine, settings.proxy_host, settings.proxy_port,
-                                                    self._prefill_done)
+        self._notify: Notifications = notifications(
+            settings.pd_engine, settings.proxy_host, settings.proxy_port, self._prefill_done
+        )
         self._background: set[asyncio.Task] = set()
-        self._kvtier = settings.pd_engine == "kvtier"  # else LMCache's nodes: no pd_req_id, no Release
+        self._kvtier = (
+            settings.pd_engine == "kvtier"
+        )  # else LMCache's nodes: no pd_req_id, no Release
         interval, connect = settings.health_interval, settings.connect_timeout
-        self._prefillers = Upstreams("prefiller", settings.prefillers, interval, connect, self.metrics.node_up)
-        self._decoders = Upstreams("decoder", [d.url for d in settings.decoders], interval, connect,
-                                   self.metrics.node_up)
+        self._prefillers = Upstreams(
+            "prefiller", settings.prefillers, interval, connect, self.metrics.node_up
+        )
+        self._decoders = Upstreams(
+            "decoder", [d.url for d in settings.decoders], interval, connect, self.metrics.node_up
+        )
         self._watches: list[asyncio.Task] = []
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -99,17 +106,33 @@ class Proxy:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self._watches = [asyncio.create_task(u.watch()) for u in (self._prefillers, self._decoders)]
         try:
-            await _listening(self._notify.start(), "kvtier proxy: --proxy-port", self.s.proxy_host, self.s.proxy_port)
+            await _listening(
+                self._notify.start(),
+                "kvtier proxy: --proxy-port",
+                self.s.proxy_host,
+                self.s.proxy_port,
+            )
             self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
             await self._runner.setup()
-            await _listening(web.TCPSite(self._runner, self.s.host, self.s.port).start(), "kvtier proxy: --port",
-                             self.s.host, self.s.port)
+            await _listening(
+                web.TCPSite(self._runner, self.s.host, self.s.port).start(),
+                "kvtier proxy: --port",
+                self.s.host,
+                self.s.port,
+            )
         except BaseException:
             await self.stop()
             raise
-        log.info("kvtier proxy on http://%s:%d: prefillers %s, decoders %s (%s's PD); their notifications on %s:%d",
-                 self.s.host, self.s.port, self.s.prefillers, [d.url for d in self.s.decoders], self.s.pd_engine,
-                 self.s.proxy_host, self.s.proxy_port)
+        log.info(
+            "kvtier proxy on http://%s:%d: prefillers %s, decoders %s (%s's PD); their notifications on %s:%d",
+            self.s.host,
+            self.s.port,
+            self.s.prefillers,
+            [d.url for d in self.s.decoders],
+            self.s.pd_engine,
+            self.s.proxy_host,
+            self.s.proxy_port,
+        )
 
     async def stop(self) -> None:
         for watch in self._watches:
@@ -133,8 +156,13 @@ class Proxy:
     # -- HTTP ----------------------------------------------------------------------------
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "prefillers": self.s.prefillers,
-                                  "decoders": [d.url for d in self.s.decoders]})
+        return web.json_response(
+            {
+                "status": "ok",
+                "prefillers": self.s.prefillers,
+                "decoders": [d.url for d in self.s.decoders],
+            }
+        )
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain")
@@ -143,8 +171,12 @@ class Proxy:
         assert self._session is not None
         url = self.s.decoders[0].url + "/v1/models"
         try:
-            async with self._session.get(url, timeout=self._timeout(self.s.connect_timeout + 5)) as resp:
-                return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+            async with self._session.get(
+                url, timeout=self._timeout(self.s.connect_timeout + 5)
+            ) as resp:
+                return web.Response(
+                    body=await resp.read(), status=resp.status, content_type="application/json"
+                )
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             return _error(502, f"decoder {url} unreachable: {exc}")
 
@@ -191,16 +223,27 @@ class Proxy:
             self.metrics.requests.labels(endpoint, outcome).inc()
             self._release_later(self.s.decoders[d], req_id)
 
-    async def _disaggregate(self, n: int, d: int, endpoint: str, body: dict[str, Any], req_id: str,
-                            waiter: asyncio.Future[proto.PrefillDone]) -> dict[str, Any]:
+    async def _disaggregate(
+        self,
+        n: int,
+        d: int,
+        endpoint: str,
+        body: dict[str, Any],
+        req_id: str,
+        waiter: asyncio.Future[proto.PrefillDone],
+    ) -> dict[str, Any]:
         """Prefill on a prefiller, its KV pushed to decoder d; the body to send decoder d.
         Where that fails, the request as it came: the decoder prefills it itself."""
         p = self._prefillers.pick(n)
         if p is None:
             self.metrics.upstream_errors.labels("prefiller", "down").inc()
-            return self._fallback(req_id, f"no prefiller is up: {self._prefillers.why_down()}", body)
+            return self._fallback(
+                req_id, f"no prefiller is up: {self._prefillers.why_down()}", body
+            )
         t0 = time.perf_counter()
-        prefill = asyncio.ensure_future(self._prefill(self.s.prefillers[p], endpoint, body, req_id, self.s.decoders[d]))
+        prefill = asyncio.ensure_future(
+            self._prefill(self.s.prefillers[p], endpoint, body, req_id, self.s.decoders[d])
+        )
         lost = asyncio.ensure_future(self._decoders.lost(d))
         try:
             await asyncio.wait({prefill, lost}, return_when=asyncio.FIRST_COMPLETED)
@@ -228,8 +271,15 @@ class Proxy:
         log.warning("proxy: request %s: %s; the decoder prefills it itself", req_id, why)
         return body
 
-    async def _decode_on_one_up(self, request: web.Request, n: int, d: int, endpoint: str,
-                                body: dict[str, Any], decode_body: dict[str, Any]) -> web.StreamResponse:
+    async def _decode_on_one_up(
+        self,
+        request: web.Request,
+        n: int,
+        d: int,
+        endpoint: str,
+        body: dict[str, Any],
+        decode_body: dict[str, Any],
+    ) -> web.StreamResponse:
         """Decode on decoder d, or on the next one up where d is down or refuses the
         connection (nothing was sent to it): the request as it came, prefilled there."""
         while True:
@@ -243,26 +293,41 @@ class Proxy:
             except Unreachable as exc:
                 self._decoders.down(d, exc.message)
 
-    async def _prefill(self, url: str, endpoint: str, body: dict[str, Any], req_id: str, decoder: Decoder) -> None:
+    async def _prefill(
+        self, url: str, endpoint: str, body: dict[str, Any], req_id: str, decoder: Decoder
+    ) -> None:
         assert self._session is not None
         pre = dict(body, max_tokens=1, stream=False)
         pre.pop("stream_options", None)
         if "max_completion_tokens" in pre:
             pre["max_completion_tokens"] = 1
-        pre["kv_transfer_params"] = {"disagg_spec": {
-            "req_id": req_id, "receiver_host": decoder.host,
-            "receiver_init_port": decoder.init_ports, "receiver_alloc_port": decoder.alloc_ports}}
+        pre["kv_transfer_params"] = {
+            "disagg_spec": {
+                "req_id": req_id,
+                "receiver_host": decoder.host,
+                "receiver_init_port": decoder.init_ports,
+                "receiver_alloc_port": decoder.alloc_ports,
+            }
+        }
         try:
-            async with self._session.post(url + endpoint, json=pre, timeout=self._timeout(self.s.prefill_timeout)) \
-                    as resp:
+            async with self._session.post(
+                url + endpoint, json=pre, timeout=self._timeout(self.s.prefill_timeout)
+            ) as resp:
                 payload = await resp.read()
                 if resp.status != 200:
                     self.metrics.upstream_errors.labels("prefiller", f"http_{resp.status}").inc()
-                    raise UpstreamError(resp.status, f"prefiller {url} answered {resp.status}", _json_or_none(payload))
+                    raise UpstreamError(
+                        resp.status,
+                        f"prefiller {url} answered {resp.status}",
+                        _json_or_none(payload),
+                    )
         except asyncio.TimeoutError:
             self.metrics.upstream_errors.labels("prefiller", "timeout").inc()
-            raise UpstreamError(504, f"prefiller {url} did not answer within {self.s.prefill_timeout:g} s "
-                                "(--prefill-timeout)") from None
+            raise UpstreamError(
+                504,
+                f"prefiller {url} did not answer within {self.s.prefill_timeout:g} s "
+                "(--prefill-timeout)",
+            ) from None
         except aiohttp.ClientConnectorError as exc:
             self.metrics.upstream_errors.labels("prefiller", "unreachable").inc()
             self._prefillers.down(self.s.prefillers.index(url), str(exc))
@@ -277,24 +342,39 @@ class Proxy:
             done = await asyncio.wait_for(asyncio.shield(waiter), self.s.kv_ready_timeout)
         except asyncio.TimeoutError:
             self.metrics.kv_not_ready.inc()
-            log.warning("proxy: no PrefillDone for %s within %g s: the decoder will recompute what is missing",
-                        req_id, self.s.kv_ready_timeout)
+            log.warning(
+                "proxy: no PrefillDone for %s within %g s: the decoder will recompute what is missing",
+                req_id,
+                self.s.kv_ready_timeout,
+            )
             return
         self.metrics.kv_wait.observe(time.perf_counter() - t0)
         if not done.ok:
             self.metrics.kv_not_ready.inc()
-            log.warning("proxy: the KV of %s was not sent (%s): the decoder will recompute it", req_id, done.detail)
+            log.warning(
+                "proxy: the KV of %s was not sent (%s): the decoder will recompute it",
+                req_id,
+                done.detail,
+            )
 
-    async def _decode(self, request: web.Request, decoder: Decoder, endpoint: str,
-                      body: dict[str, Any]) -> web.StreamResponse:
+    async def _decode(
+        self, request: web.Request, decoder: Decoder, endpoint: str, body: dict[str, Any]
+    ) -> web.StreamResponse:
         assert self._session is not None
         url = decoder.url + endpoint
         try:
-            resp = await self._session.post(url, json=body, timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=self.s.connect_timeout, sock_read=self.s.decode_timeout))
+            resp = await self._session.post(
+                url,
+                json=body,
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=self.s.connect_timeout, sock_read=self.s.decode_timeout
+                ),
+            )
         except asyncio.TimeoutError:
             self.metrics.upstream_errors.labels("decoder", "timeout").inc()
-            raise UpstreamError(504, f"decoder {url} did not answer within {self.s.decode_timeout:g} s") from None
+            raise UpstreamError(
+                504, f"decoder {url} did not answer within {self.s.decode_timeout:g} s"
+            ) from None
         except aiohttp.ClientConnectorError as exc:
             self.metrics.upstream_errors.labels("decoder", "unreachable").inc()
             raise Unreachable(502, f"decoder {url} unreachable: {exc}") from None
@@ -310,9 +390,13 @@ class Proxy:
                     raise UpstreamError(502, f"decoder {url} failed mid-answer: {exc}") from None
                 if resp.status != 200:
                     self.metrics.upstream_errors.labels("decoder", f"http_{resp.status}").inc()
-                return web.Response(body=payload, status=resp.status, content_type="application/json")
-            out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                          "Cache-Control": "no-cache"})
+                return web.Response(
+                    body=payload, status=resp.status, content_type="application/json"
+                )
+            out = web.StreamResponse(
+                status=200,
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+            )
             await out.prepare(request)
             try:
                 async for piece in resp.content.iter_any():
@@ -320,8 +404,13 @@ class Proxy:
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 self.metrics.upstream_errors.labels("decoder", "broken").inc()
                 log.warning("proxy: decoder %s failed mid-stream: %s", url, exc)
-                error = {"error": {"code": 502, "type": "proxy_error",
-                                   "message": f"decoder {url} failed mid-stream: {exc}"}}
+                error = {
+                    "error": {
+                        "code": 502,
+                        "type": "proxy_error",
+                        "message": f"decoder {url} failed mid-stream: {exc}",
+                    }
+                }
                 await out.write(f"data: {json.dumps(error)}\n\n".encode())
             await out.write_eof()
             return out
@@ -337,7 +426,9 @@ class Proxy:
         """Free the request's chunks on every TP rank of the decoder (idempotent, best effort)."""
         for port in decoder.alloc_ports:
             try:
-                reader, writer = await asyncio.wait_for(asyncio.open_connection(decoder.host, port), RELEASE_TIMEOUT)
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(decoder.host, port), RELEASE_TIMEOUT
+                )
                 try:
                     writer.write(proto.encode(proto.Release(req_id)))
                     await writer.drain()
@@ -345,7 +436,9 @@ class Proxy:
                 finally:
                     writer.close()
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
-                log.debug("proxy: release of %s on %s:%d failed: %s", req_id, decoder.host, port, exc)
+                log.debug(
+                    "proxy: release of %s on %s:%d failed: %s", req_id, decoder.host, port, exc
+                )
 
     def _timeout(self, total: float) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=total, sock_connect=self.s.connect_timeout)

@@ -43,18 +43,38 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     pre_ports = _ports(args.prefiller_port, args.num_prefillers)
     dec_ports = _ports(args.decoder_port, args.num_decoders)
     init, alloc = _csv_ints(args.decoder_init_port), _csv_ints(args.decoder_alloc_port)
-    decoders = [Decoder(f"http://{args.decoder_host}:{p}", args.decoder_host, [x + i for x in init],
-                        [x + i for x in alloc]) for i, p in enumerate(dec_ports)]
+    decoders = [
+        Decoder(
+            f"http://{args.decoder_host}:{p}",
+            args.decoder_host,
+            [x + i for x in init],
+            [x + i for x in alloc],
+        )
+        for i, p in enumerate(dec_ports)
+    ]
     listened = {"--port": [args.port], "--proxy-port": [args.proxy_port]}  # 0: any free port
-    peers = {"--prefiller-port": pre_ports, "--decoder-port": dec_ports,
-             "--decoder-init-port": [p for d in decoders for p in d.init_ports],
-             "--decoder-alloc-port": [p for d in decoders for p in d.alloc_ports]}
+    peers = {
+        "--prefiller-port": pre_ports,
+        "--decoder-port": dec_ports,
+        "--decoder-init-port": [p for d in decoders for p in d.init_ports],
+        "--decoder-alloc-port": [p for d in decoders for p in d.alloc_ports],
+    }
     for flag, ports in (listened | peers).items():
         if not all((0 if flag in listened else 1) <= p <= 65535 for p in ports):
             raise ValueError(f"{flag} {','.join(map(str, ports))}: expected ports, up to 65535")
-    return ProxySettings(args.host, args.port, [f"http://{args.prefiller_host}:{p}" for p in pre_ports], decoders,
-                         args.proxy_host, args.proxy_port, args.prefill_timeout, args.decode_timeout,
-                         args.kv_ready_timeout, health_interval=args.health_interval, pd_engine=args.pd_engine)
+    return ProxySettings(
+        args.host,
+        args.port,
+        [f"http://{args.prefiller_host}:{p}" for p in pre_ports],
+        decoders,
+        args.proxy_host,
+        args.proxy_port,
+        args.prefill_timeout,
+        args.decode_timeout,
+        args.kv_ready_timeout,
+        health_interval=args.health_interval,
+        pd_engine=args.pd_engine,
+    )
 
 
 def _ports(value: str, count: int) -> list[int]:
@@ -75,23 +95,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--host", default="localhost", help="address the proxy's HTTP API listens on")
     a("--port", type=int, default=9000)
     a("--prefiller-host", default="localhost")
-    a("--prefiller-port", default="8100", help="first prefiller's port (prefiller i: + i), or a comma list")
+    a(
+        "--prefiller-port",
+        default="8100",
+        help="first prefiller's port (prefiller i: + i), or a comma list",
+    )
     a("--num-prefillers", type=int, default=1)
     a("--decoder-host", default="localhost")
-    a("--decoder-port", default="8200", help="first decoder's port (decoder i: + i), or a comma list")
-    a("--decoder-init-port", default="8300", help="decoder's pd_peer_init_port (comma list: one per TP rank)")
-    a("--decoder-alloc-port", default="8400", help="decoder's pd_peer_alloc_port (comma list: one per TP rank)")
+    a(
+        "--decoder-port",
+        default="8200",
+        help="first decoder's port (decoder i: + i), or a comma list",
+    )
+    a(
+        "--decoder-init-port",
+        default="8300",
+        help="decoder's pd_peer_init_port (comma list: one per TP rank)",
+    )
+    a(
+        "--decoder-alloc-port",
+        default="8400",
+        help="decoder's pd_peer_alloc_port (comma list: one per TP rank)",
+    )
     a("--num-decoders", type=int, default=1)
-    a("--proxy-host", default="localhost", help="where senders' PrefillDone arrive (their pd_proxy_host)")
+    a(
+        "--proxy-host",
+        default="localhost",
+        help="where senders' PrefillDone arrive (their pd_proxy_host)",
+    )
     a("--proxy-port", type=int, default=8500, help="their pd_proxy_port")
     a("--prefill-timeout", type=float, default=300.0, help="s for a prefill request")
     a("--decode-timeout", type=float, default=300.0, help="s of silence from a decoder")
     a("--kv-ready-timeout", type=float, default=30.0, help="s to wait for a sender's PrefillDone")
-    a("--health-interval", type=float, default=0.5,
-      help="s between TCP probes of every node: one that does not answer gets no requests until it does")
-    a("--pd-engine", choices=tuple(ENGINES), default="kvtier",
-      help="the PD backend the prefillers and decoders run: kvtier's, or LMCache's (its senders' ProxyNotif "
-           "over ZMQ on --proxy-port; requests go to its decoders as they came)")
+    a(
+        "--health-interval",
+        type=float,
+        default=0.5,
+        help="s between TCP probes of every node: one that does not answer gets no requests until it does",
+    )
+    a(
+        "--pd-engine",
+        choices=tuple(ENGINES),
+        default="kvtier",
+        help="the PD backend the prefillers and decoders run: kvtier's, or LMCache's (its senders' ProxyNotif "
+        "over ZMQ on --proxy-port; requests go to its decoders as they came)",
+    )
 
 
 class TtftStats:
@@ -112,10 +160,13 @@ class TtftStats:
         if not v:
             return
         p99 = v[min(len(v) - 1, int(round(0.99 * (len(v) - 1))))]
-        print("===============================\n"
-              f"Num requests: {len(self.values)}\nPrefill node TTFT stats:\n"
-              f" - Average (ms): {statistics.fmean(v)}\n - Median (ms): {statistics.median(v)}\n"
-              f" - 99th Percentile (ms): {p99}\n===============================", flush=True)
+        print(
+            "===============================\n"
+            f"Num requests: {len(self.values)}\nPrefill node TTFT stats:\n"
+            f" - Average (ms): {statistics.fmean(v)}\n - Median (ms): {statistics.median(v)}\n"
+            f" - 99th Percentile (ms): {p99}\n===============================",
+            flush=True,
+        )
 
 
 @dataclass
@@ -124,18 +175,41 @@ class ProxyMetrics:
 
     def __post_init__(self) -> None:
         r = self.registry
-        self.requests = Counter("kvtier_proxy_requests", "requests by endpoint and outcome",
-                                ["endpoint", "outcome"], registry=r)
-        self.upstream_errors = Counter("kvtier_proxy_upstream_errors", "failed calls to a node",
-                                       ["node", "kind"], registry=r)
-        self.prefill = Histogram("kvtier_proxy_prefill_seconds", "prefill request time (prefill TTFT)",
-                                 registry=r, buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
-        self.kv_wait = Histogram("kvtier_proxy_kv_ready_wait_seconds", "wait for PrefillDone after the prefill",
-                                 registry=r, buckets=(.0001, .001, .01, .1, 1, 10, 30))
-        self.kv_not_ready = Counter("kvtier_proxy_kv_not_ready", "requests decoded without their KV sent "
-                                    "(the sender failed or said nothing in time)", registry=r)
-        self.prefill_fallbacks = Counter("kvtier_proxy_prefill_fallbacks", "requests the decoder prefilled "
-                                         "itself: the prefiller was down, broken or too slow", registry=r)
-        self.node_up = Gauge("kvtier_proxy_node_up", "1 while the node accepts connections",
-                             ["node", "url"], registry=r)
+        self.requests = Counter(
+            "kvtier_proxy_requests",
+            "requests by endpoint and outcome",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "kvtier_proxy_upstream_errors", "failed calls to a node", ["node", "kind"], registry=r
+        )
+        self.prefill = Histogram(
+            "kvtier_proxy_prefill_seconds",
+            "prefill request time (prefill TTFT)",
+            registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+        self.kv_wait = Histogram(
+            "kvtier_proxy_kv_ready_wait_seconds",
+            "wait for PrefillDone after the prefill",
+            registry=r,
+            buckets=(0.0001, 0.001, 0.01, 0.1, 1, 10, 30),
+        )
+        self.kv_not_ready = Counter(
+            "kvtier_proxy_kv_not_ready",
+            "requests decoded without their KV sent (the sender failed or said nothing in time)",
+            registry=r,
+        )
+        self.prefill_fallbacks = Counter(
+            "kvtier_proxy_prefill_fallbacks",
+            "requests the decoder prefilled itself: the prefiller was down, broken or too slow",
+            registry=r,
+        )
+        self.node_up = Gauge(
+            "kvtier_proxy_node_up",
+            "1 while the node accepts connections",
+            ["node", "url"],
+            registry=r,
+        )
         self.inflight = Gauge("kvtier_proxy_inflight_requests", "requests in progress", registry=r)

@@ -1,15 +1,15 @@
 """The decoder's side of disaggregated prefill: the ports senders talk to.
 
-    PdReceiver   serves the init port (handshake) and the alloc port
-                 (Alloc/Write/Commit/Abort/Release), a thread per connection,
-                 on a `PdBuffer` (buffer.py).
+PdReceiver   serves the init port (handshake) and the alloc port
+             (Alloc/Write/Commit/Abort/Release), a thread per connection,
+             on a `PdBuffer` (buffer.py).
 """
 
 from __future__ import annotations
 
 import socket
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from kvtier.logs import get_logger
 from kvtier.pd import protocol as proto
@@ -26,27 +26,47 @@ MAX_CONNECTIONS = 256
 class PdReceiver:
     """The init and alloc ports of one decoder worker (TP rank r: ports + r)."""
 
-    def __init__(self, buffer: PdBuffer, channel: ReceiverChannel, host: str, init_port: int, alloc_port: int,
-                 chunk_size: int) -> None:
+    def __init__(
+        self,
+        buffer: PdBuffer,
+        channel: ReceiverChannel,
+        host: str,
+        init_port: int,
+        alloc_port: int,
+        chunk_size: int,
+    ) -> None:
         self.buffer, self.channel, self.chunk_size = buffer, channel, chunk_size
         self._registration = channel.registration()
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
         self._events = CommitEvents(buffer.pool.device if channel.name == "cuda_ipc" else None)
-        self._listeners = [self._listen(host, init_port, self._serve_init),
-                           self._listen(host, alloc_port, self._serve_alloc)]
+        self._listeners = [
+            self._listen(host, init_port, self._serve_init),
+            self._listen(host, alloc_port, self._serve_alloc),
+        ]
         self.init_port = self._listeners[0].getsockname()[1]
         self.alloc_port = self._listeners[1].getsockname()[1]
         device = buffer.pool.device
-        log.info("PD receiver: %.2f GB buffer on %s (%d chunks), init port %s:%d, alloc port %s:%d, channel %s",
-                 buffer.pool.capacity / 1e9, device, buffer.pool.num_blocks, host, self.init_port, host,
-                 self.alloc_port, channel.name)
+        log.info(
+            "PD receiver: %.2f GB buffer on %s (%d chunks), init port %s:%d, alloc port %s:%d, channel %s",
+            buffer.pool.capacity / 1e9,
+            device,
+            buffer.pool.num_blocks,
+            host,
+            self.init_port,
+            host,
+            self.alloc_port,
+            channel.name,
+        )
 
-    def _listen(self, host: str, port: int, serve: Callable[[socket.socket], None]) -> socket.socket:
+    def _listen(
+        self, host: str, port: int, serve: Callable[[socket.socket], None]
+    ) -> socket.socket:
         sock = socket.create_server((host, port), reuse_port=False)
-        threading.Thread(target=self._accept, args=(sock, serve), daemon=True,
-                         name=f"kvtier-pd-accept-{port}").start()
+        threading.Thread(
+            target=self._accept, args=(sock, serve), daemon=True, name=f"kvtier-pd-accept-{port}"
+        ).start()
         return sock
 
     def _accept(self, listener: socket.socket, serve: Callable[[socket.socket], None]) -> None:
@@ -61,7 +81,9 @@ class PdReceiver:
                     continue
                 self._conns.add(conn)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._run, args=(conn, serve), daemon=True, name="kvtier-pd-conn").start()
+            threading.Thread(
+                target=self._run, args=(conn, serve), daemon=True, name="kvtier-pd-conn"
+            ).start()
 
     def _run(self, conn: socket.socket, serve: Callable[[socket.socket], None]) -> None:
         try:
@@ -87,9 +109,17 @@ class PdReceiver:
         conn.settimeout(FRAME_TIMEOUT)
         cls, header_len, payload_len = proto.parse_head(head)
         msg = proto.parse_header(cls, proto.recv_exact(conn, header_len))
-        limit = max_payload if cls is proto.Write else msg.payload_limit() if isinstance(msg, proto.Alloc) else 0
+        limit = (
+            max_payload
+            if cls is proto.Write
+            else msg.payload_limit()
+            if isinstance(msg, proto.Alloc)
+            else 0
+        )
         if payload_len > limit:
-            raise proto.ProtocolError(f"{cls.__name__} carries {payload_len} bytes (at most {limit})")
+            raise proto.ProtocolError(
+                f"{cls.__name__} carries {payload_len} bytes (at most {limit})"
+            )
         return msg, payload_len
 
     def _serve_init(self, conn: socket.socket) -> None:
@@ -103,14 +133,34 @@ class PdReceiver:
                 return
             pool = self.buffer.pool
             opened = self._events.open(hello.commit_event)
-            proto.send(conn, proto.Welcome(self.channel.agent_name() or socket.gethostname(), pool.block_bytes,
-                                           pool.num_blocks, str(pool.device), pool.arena.data_ptr(), opened),
-                       self._registration)
-            log.info("PD receiver: sender %s connected (channel %s%s)", hello.sender, hello.channel,
-                     ", its Commits may come before its writes are done: they name a CUDA event" if opened else "")
+            proto.send(
+                conn,
+                proto.Welcome(
+                    self.channel.agent_name() or socket.gethostname(),
+                    pool.block_bytes,
+                    pool.num_blocks,
+                    str(pool.device),
+                    pool.arena.data_ptr(),
+                    opened,
+                ),
+                self._registration,
+            )
+            log.info(
+                "PD receiver: sender %s connected (channel %s%s)",
+                hello.sender,
+                hello.channel,
+                ", its Commits may come before its writes are done: they name a CUDA event"
+                if opened
+                else "",
+            )
 
     def _check_hello(self, hello: proto.Hello) -> str:
-        ours = (self.buffer.fmt.tag(), self.chunk_size, self.buffer.bytes_per_token, self.channel.name)
+        ours = (
+            self.buffer.fmt.tag(),
+            self.chunk_size,
+            self.buffer.bytes_per_token,
+            self.channel.name,
+        )
         theirs = (hello.kv_format, hello.chunk_size, hello.bytes_per_token, hello.channel)
         names = ("KV format", "chunk_size", "bytes per token", "transfer_channel")
         for name, a, b in zip(names, ours, theirs):
@@ -120,7 +170,9 @@ class PdReceiver:
 
     def _serve_alloc(self, conn: socket.socket) -> None:
         buffer, open_reservations = self.buffer, set()
-        bounce: TcpBounce | None = None  # tcp into a GPU buffer: made at this connection's first Write
+        bounce: TcpBounce | None = (
+            None  # tcp into a GPU buffer: made at this connection's first Write
+        )
         try:
             while True:
                 msg, payload_len = self._next(conn, max_payload=buffer.pool.block_bytes)
@@ -160,7 +212,6 @@ class PdReceiver:
             for rid in list(open_reservations):  # the sender is gone mid-request
                 buffer.abort(rid)
                 self._end_writes(open_reservations, rid)
-
 
     def _end_writes(self, open_reservations: set[str], req_id: str) -> None:
         if req_id in open_reservations:

@@ -30,8 +30,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -45,7 +45,6 @@ from kvtier.pd.ipc_writes import IpcWriter, Step
 from kvtier.pd.link import CONNECT_TIMEOUT, DecoderLink
 
 log = get_logger(__name__)
-
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,9 @@ class SendStats:
     # Commit the log lines and the proxy's notice (what `kvtier bench pd` called "the rest")
     last_keys_ms: float = 0.0
     last_after_ms: float = 0.0
-    last_tail_ms: float = 0.0  # cuda_ipc: GPU time from its last step's KV written to its last write done
+    last_tail_ms: float = (
+        0.0  # cuda_ipc: GPU time from its last step's KV written to its last write done
+    )
 
 
 @dataclass
@@ -116,20 +117,43 @@ class PdSender:
         # was faster than pieces of 4, 8, 16 at 4k and 16k tokens, 4-5 %; staged channels pipeline
         # their own batches (`_push_staged`)
         self.pieces: tuple[int, int] | None = None
-        self.early_commit = True  # cuda_ipc: Commit before the writes are done (`DecoderLink.commit`)
-        self.gather_early = True  # cuda_ipc: gather into the ring while the Alloc travels (`_write`)
-        self._hello = proto.Hello(f"{socket.gethostname()}:{os.getpid()}", engine.fmt.tag(), config.chunk_size,
-                                  engine.kv.bytes_per_token(), config.pd_channel, "")
+        self.early_commit = (
+            True  # cuda_ipc: Commit before the writes are done (`DecoderLink.commit`)
+        )
+        self.gather_early = (
+            True  # cuda_ipc: gather into the ring while the Alloc travels (`_write`)
+        )
+        self._hello = proto.Hello(
+            f"{socket.gethostname()}:{os.getpid()}",
+            engine.fmt.tag(),
+            config.chunk_size,
+            engine.kv.bytes_per_token(),
+            config.pd_channel,
+            "",
+        )
         self._conns: dict[tuple[str, int, int], DecoderLink] = {}
         self._proxy: socket.socket | None = None
         self._proxy_warned = False
         self._lock = threading.Lock()
         self._failed: set[str] = set()  # requests whose transfer broke: later steps are not sent
         self._open: dict[str, _Open] = {}  # requests sent in part, until their last step
-        log.info("PD sender: channel %s, proxy %s:%s", config.pd_channel, config.pd_proxy_host, config.pd_proxy_port)
+        log.info(
+            "PD sender: channel %s, proxy %s:%s",
+            config.pd_channel,
+            config.pd_proxy_host,
+            config.pd_proxy_port,
+        )
 
-    def send(self, target: Target, tokens: Sequence[int], slots: torch.Tensor, *, start: int, last: bool,
-             identity: Identity = PLAIN) -> int:
+    def send(
+        self,
+        target: Target,
+        tokens: Sequence[int],
+        slots: torch.Tensor,
+        *,
+        start: int,
+        last: bool,
+        identity: Identity = PLAIN,
+    ) -> int:
         """Push the chunks of `tokens` that end after `start`; the tokens sent (0 on failure).
         At `last`, the request's Commit: its KV is a hit on the decoder when this returns.
         The chunks go under their keys with the request's `identity` (keys.py): the decoder's
@@ -140,7 +164,9 @@ class PdSender:
                 self._failed.discard(rid)
             return 0
         t0 = time.perf_counter()
-        spans = [s for s in self.engine.spans(tokens, rid, identity) if s.end > start]  # hashed once a request
+        spans = [
+            s for s in self.engine.spans(tokens, rid, identity) if s.end > start
+        ]  # hashed once a request
         t_keys = time.perf_counter()
         sent = 0
         try:
@@ -155,8 +181,13 @@ class PdSender:
             t_commit = time.perf_counter()
         except (proto.PdPeerError, proto.ProtocolError, OSError) as exc:
             self.stats.failed += 1
-            log.warning("PD: request %s: KV not sent to %s:%d (%s); the decoder will recompute it",
-                        rid, target.host, target.alloc_port, exc)
+            log.warning(
+                "PD: request %s: KV not sent to %s:%d (%s); the decoder will recompute it",
+                rid,
+                target.host,
+                target.alloc_port,
+                exc,
+            )
             self._abandon(rid)
             self._drop_connection(target)
             if not last:
@@ -167,10 +198,18 @@ class PdSender:
         if last:  # the proxy first: the decoder's leg of the request waits for this notice, not for the logs
             self._notify(proto.PrefillDone(rid, True, req.sent if req is not None else 0, ""))
         if sent:
-            log.info("PD: sent KV of %d tokens (%d..%d) for request %s to %s:%d in %.1f ms over %s%s",
-                     sent, spans[0].start, spans[-1].end, rid, target.host, target.alloc_port,
-                     (time.perf_counter() - t0) * 1e3, self.config.pd_channel,
-                     "" if last or self.channel.staged else " (its writes queued on the GPU)")
+            log.info(
+                "PD: sent KV of %d tokens (%d..%d) for request %s to %s:%d in %.1f ms over %s%s",
+                sent,
+                spans[0].start,
+                spans[-1].end,
+                rid,
+                target.host,
+                target.alloc_port,
+                (time.perf_counter() - t0) * 1e3,
+                self.config.pd_channel,
+                "" if last or self.channel.staged else " (its writes queued on the GPU)",
+            )
         if last:
             self._count_sent(rid, req)
             self.stats.last_keys_ms = (t_keys - t0) * 1e3
@@ -185,9 +224,18 @@ class PdSender:
         self.stats.sent_tokens += moved
         self.stats.sent_bytes += moved * self.engine.kv.bytes_per_token()
         if req is not None and total:
-            tail = f", its last writes {req.tail_ms:.1f} ms on the GPU after its last forward" if req.tail_ms else ""
-            log.info("PD: request %s: KV of %d tokens in the decoder's buffer%s%s", rid, total, tail,
-                     f" ({total - moved} tokens were there already)" if moved < total else "")
+            tail = (
+                f", its last writes {req.tail_ms:.1f} ms on the GPU after its last forward"
+                if req.tail_ms
+                else ""
+            )
+            log.info(
+                "PD: request %s: KV of %d tokens in the decoder's buffer%s%s",
+                rid,
+                total,
+                tail,
+                f" ({total - moved} tokens were there already)" if moved < total else "",
+            )
 
     def _write(self, req: _Open, rid: str, spans: list[ChunkSpan], slots: torch.Tensor) -> int:
         """Reserve `spans` on the decoder piece by piece and write (or queue) each piece's
@@ -202,8 +250,15 @@ class PdSender:
                 ahead.append(self._ipc_step(ipc, slots, piece, None))
                 ipc.gather(ahead[0], ipc.SLOTS)
 
-        pieces = req.conn.reserve(rid, spans, req.chunks, self.pieces, self.config.pd_allocation_timeout_sec,
-                                  self._waited_for_room, gather_ahead)
+        pieces = req.conn.reserve(
+            rid,
+            spans,
+            req.chunks,
+            self.pieces,
+            self.config.pd_allocation_timeout_sec,
+            self._waited_for_room,
+            gather_ahead,
+        )
         kv_written = None  # the step's forward done: its pieces' writes start after it
         while True:
             a0 = time.perf_counter()
@@ -214,15 +269,23 @@ class PdSender:
             piece, blocks = got
             todo = [(s, b) for s, b in zip(piece, blocks) if b >= 0]
             if todo and ipc is not None:
-                step = ahead.pop() if ahead and ahead[0].items is piece and ipc.current(ahead[0]) else None
+                step = (
+                    ahead.pop()
+                    if ahead and ahead[0].items is piece and ipc.current(ahead[0])
+                    else None
+                )
                 if step is None:  # not gathered ahead: only the chunks the decoder lacks
                     piece, blocks = [s for s, _ in todo], [b for _, b in todo]
-                    step = self._ipc_step(ipc, slots, piece, kv_written or (ahead[0].kv_written if ahead else None))
+                    step = self._ipc_step(
+                        ipc, slots, piece, kv_written or (ahead[0].kv_written if ahead else None)
+                    )
                 views = self.channel.views(req.conn.peer, blocks, step.nbytes)
                 kv_written, done = ipc.write(step, views)
                 req.writes.append((kv_written, done))
             elif todo:
-                self._push_staged(req.conn, rid, todo, slots, time.monotonic() + self.config.blocking_timeout_secs)
+                self._push_staged(
+                    req.conn, rid, todo, slots, time.monotonic() + self.config.blocking_timeout_secs
+                )
             ahead.clear()  # only the first reply may find the ring as gathered ahead
             req.moved += sum(s.num_tokens for s, _ in todo)
         if ipc is not None and slots.dim() == 2:
@@ -236,11 +299,20 @@ class PdSender:
         req.chunks += len(spans)
         return sent
 
-    def _ipc_step(self, ipc: IpcWriter, slots: torch.Tensor, piece: list[ChunkSpan],
-                  kv_written: torch.cuda.Event | None) -> Step:
+    def _ipc_step(
+        self,
+        ipc: IpcWriter,
+        slots: torch.Tensor,
+        piece: list[ChunkSpan],
+        kv_written: torch.cuda.Event | None,
+    ) -> Step:
         per_token = self.engine.kv.bytes_per_token()
-        return ipc.start(lambda places: self.engine.gather_addressed(slots, piece, places), piece,
-                         [s.num_tokens * per_token for s in piece], kv_written)
+        return ipc.start(
+            lambda places: self.engine.gather_addressed(slots, piece, places),
+            piece,
+            [s.num_tokens * per_token for s in piece],
+            kv_written,
+        )
 
     def _commit(self, req: _Open, rid: str) -> None:
         t0 = time.perf_counter()
@@ -265,8 +337,11 @@ class PdSender:
             forward = torch.cuda.current_stream(self.channel.ipc.device)
             for _, done in req.writes:
                 forward.wait_event(done)
-        log.info("PD: request %s: its pages were freed before its last step; its reservation on the decoder "
-                 "is given up", rid)
+        log.info(
+            "PD: request %s: its pages were freed before its last step; its reservation on the decoder "
+            "is given up",
+            rid,
+        )
         self._abandon(rid)
 
     def _abandon(self, rid: str) -> None:
@@ -285,8 +360,14 @@ class PdSender:
     def _waited_for_room(self) -> None:
         self.stats.waited_for_room += 1
 
-    def _push_staged(self, conn: DecoderLink, rid: str, todo: list[tuple[ChunkSpan, int]], slots: torch.Tensor,
-                     deadline: float) -> None:
+    def _push_staged(
+        self,
+        conn: DecoderLink,
+        rid: str,
+        todo: list[tuple[ChunkSpan, int]],
+        slots: torch.Tensor,
+        deadline: float,
+    ) -> None:
         """Batch by batch through the staging pool, each batch gathered while the channel
         writes the one before (NIXL moves it without this thread; tcp has sent it)."""
         engine, per_token, i = self.engine, self.engine.kv.bytes_per_token(), 0
@@ -303,11 +384,19 @@ class PdSender:
                     continue
                 blocks = [b for _, b in owned]
                 try:
-                    engine.gather_into(slots, [s for s, _ in owned],
-                                       [b.data[: s.num_tokens * per_token] for s, b in owned])
-                    if self.staging.device.type == "cuda":  # the channel's DMA reads what the kernel wrote
+                    engine.gather_into(
+                        slots,
+                        [s for s, _ in owned],
+                        [b.data[: s.num_tokens * per_token] for s, b in owned],
+                    )
+                    if (
+                        self.staging.device.type == "cuda"
+                    ):  # the channel's DMA reads what the kernel wrote
                         torch.cuda.synchronize(self.staging.device)
-                    items = [Placement(todo[i + j][1], s.num_tokens * per_token, b) for j, (s, b) in enumerate(owned)]
+                    items = [
+                        Placement(todo[i + j][1], s.num_tokens * per_token, b)
+                        for j, (s, b) in enumerate(owned)
+                    ]
                     started = self.channel.push(conn.peer, conn.sock, rid, items)
                 except BaseException:
                     for block in blocks:
@@ -321,7 +410,9 @@ class PdSender:
             if done is not None:
                 self._finish(done, deadline)
         finally:
-            if pending is not None:  # a failure with a write under way: it is waited for before its blocks go
+            if (
+                pending is not None
+            ):  # a failure with a write under way: it is waited for before its blocks go
                 try:
                     self._finish(pending, time.monotonic() + 5.0)
                 except proto.PdPeerError:
@@ -353,7 +444,9 @@ class PdSender:
         with self._lock:
             conn = self._conns.get(key)
             if conn is None:
-                conn = DecoderLink(*key, self._hello, self.channel, self.config.blocking_timeout_secs)
+                conn = DecoderLink(
+                    *key, self._hello, self.channel, self.config.blocking_timeout_secs
+                )
                 self._conns[key] = conn
                 log.info("PD: connected to decoder %s:%d (init port %d)", key[0], key[2], key[1])
             return conn
@@ -373,7 +466,9 @@ class PdSender:
         for attempt in range(2):
             try:
                 if self._proxy is None:
-                    self._proxy = socket.create_connection((c.pd_proxy_host, c.pd_proxy_port), timeout=CONNECT_TIMEOUT)
+                    self._proxy = socket.create_connection(
+                        (c.pd_proxy_host, c.pd_proxy_port), timeout=CONNECT_TIMEOUT
+                    )
                 proto.send(self._proxy, msg)
                 return
             except OSError as exc:
@@ -381,8 +476,13 @@ class PdSender:
                     self._proxy.close()
                     self._proxy = None
                 if attempt and not self._proxy_warned:
-                    log.warning("PD: cannot tell the proxy at %s:%d that request %s is done (%s)",
-                                c.pd_proxy_host, c.pd_proxy_port, msg.req_id, exc)
+                    log.warning(
+                        "PD: cannot tell the proxy at %s:%d that request %s is done (%s)",
+                        c.pd_proxy_host,
+                        c.pd_proxy_port,
+                        msg.req_id,
+                        exc,
+                    )
                     self._proxy_warned = True
 
     def close(self) -> None:
@@ -392,4 +492,3 @@ class PdSender:
             conn.close()
         if self._proxy is not None:
             self._proxy.close()
-

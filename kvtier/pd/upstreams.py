@@ -33,8 +33,9 @@ class Node:
 class Upstreams:
     """The nodes of one kind ("prefiller", "decoder") and whether each is up."""
 
-    def __init__(self, kind: str, urls: list[str], interval: float, connect_timeout: float,
-                 gauge: Gauge) -> None:
+    def __init__(
+        self, kind: str, urls: list[str], interval: float, connect_timeout: float, gauge: Gauge
+    ) -> None:
         self.kind = kind
         self.nodes = [_node(u) for u in urls]
         self.interval = interval
@@ -64,8 +65,12 @@ class Upstreams:
     def down(self, i: int, reason: str) -> None:
         node = self.nodes[i]
         if node.up:
-            log.warning("proxy: %s %s is down (%s): requests go to the others until it answers",
-                        self.kind, node.url, reason)
+            log.warning(
+                "proxy: %s %s is down (%s): requests go to the others until it answers",
+                self.kind,
+                node.url,
+                reason,
+            )
         node.up = False
         node.reason = reason
         node.lost.set()

@@ -17,7 +17,8 @@ Backends import their libraries only when their scheme is opened, so
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from kvtier.buffers import Value
@@ -84,12 +85,15 @@ TOKEN_SCHEMES = ("kvtier", "kvtiers", "infinistore")  # the stores that take rem
 EXTRA_SCHEMES = ("mooncakestore",)  # the stores configured by extra_config
 
 
-def open_store(url: str, timeout: float, auth_token: str | None = None,
-               extra: Mapping[str, Any] | None = None) -> KVStore:
+def open_store(
+    url: str, timeout: float, auth_token: str | None = None, extra: Mapping[str, Any] | None = None
+) -> KVStore:
     scheme = urlsplit(url).scheme
     if scheme not in SCHEMES:
-        raise ValueError(f"remote_url {url!r}: unknown scheme {scheme!r}; expected one of "
-                         + ", ".join(f"{s}://" for s in SCHEMES))
+        raise ValueError(
+            f"remote_url {url!r}: unknown scheme {scheme!r}; expected one of "
+            + ", ".join(f"{s}://" for s in SCHEMES)
+        )
     module, func = SCHEMES[scheme].split(":")
     opener = getattr(importlib.import_module(module), func)
     if scheme in TOKEN_SCHEMES:

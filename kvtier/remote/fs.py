@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 from urllib.parse import unquote, urlsplit
 
 from kvtier.buffers import Value, as_parts

@@ -31,7 +31,8 @@ from __future__ import annotations
 import ctypes
 import socket
 import threading
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -53,9 +54,11 @@ SLOT = 64  # bytes of one header slot (codec.HEADER is 48)
 SLOTS = 4096
 RETRY_FIRST, RETRY_MAX = 1.0, 30.0
 
-INSTALL = ("remote_url mooncakestore:// needs Mooncake's Python package and its libraries: "
-           "pip install 'kvtier[mooncake]' (or mooncake-transfer-engine-non-cuda on a host without CUDA) "
-           "and Debian's libibverbs1 (apt-get install libibverbs1)")
+INSTALL = (
+    "remote_url mooncakestore:// needs Mooncake's Python package and its libraries: "
+    "pip install 'kvtier[mooncake]' (or mooncake-transfer-engine-non-cuda on a host without CUDA) "
+    "and Debian's libibverbs1 (apt-get install libibverbs1)"
+)
 
 
 def open_mooncake(url: str, timeout: float, extra: Mapping[str, Any]) -> MooncakeStore:
@@ -66,7 +69,9 @@ def _mooncake_module(url: str):
     try:
         from mooncake import store
     except ImportError as e:  # the package, or a library it links (libibverbs.so.1)
-        raise ConfigError("remote_url", url, f"a store whose package is installed: {INSTALL} ({e})") from None
+        raise ConfigError(
+            "remote_url", url, f"a store whose package is installed: {INSTALL} ({e})"
+        ) from None
     return store
 
 
@@ -120,8 +125,14 @@ class MooncakeStore:
         self._ready = threading.Event()
         threading.Thread(target=self._connect, name="kvtier-mooncake-setup", daemon=True).start()
         if not self._ready.wait(timeout):
-            log.warning("remote %s: Mooncake master %s not reached in %.0f s (%s); serving without it, "
-                        "and connecting again in the background", url, settings.master, timeout, self._why)
+            log.warning(
+                "remote %s: Mooncake master %s not reached in %.0f s (%s); serving without it, "
+                "and connecting again in the background",
+                url,
+                settings.master,
+                timeout,
+                self._why,
+            )
 
     def __repr__(self) -> str:
         return f"MooncakeStore({self.url}, master {self.settings.master}, {self.settings.protocol})"
@@ -132,14 +143,23 @@ class MooncakeStore:
         wait = RETRY_FIRST
         s = self.settings
         while not self._closed.is_set():
-            if not _listening(s.master):  # setup holds the GIL while it retries (90 s): only when it will answer
+            if not _listening(
+                s.master
+            ):  # setup holds the GIL while it retries (90 s): only when it will answer
                 self._why = "nothing listening there"
                 self._closed.wait(wait)
                 wait = min(wait * 2, RETRY_MAX)
                 continue
             client = self._module.MooncakeDistributedStore()
-            code = client.setup(s.local_hostname, s.metadata_server, s.global_segment_size, s.local_buffer_size,
-                                s.protocol, s.device_name, s.master)
+            code = client.setup(
+                s.local_hostname,
+                s.metadata_server,
+                s.global_segment_size,
+                s.local_buffer_size,
+                s.protocol,
+                s.device_name,
+                s.master,
+            )
             if code == 0:
                 with self._lock:
                     if self._closed.is_set():
@@ -149,8 +169,13 @@ class MooncakeStore:
                         self._register(client, address, size)
                     self._client = client
                 self._ready.set()
-                log.info("remote %s: joined the Mooncake pool (master %s, %s, this process gives %.2f GB)",
-                         self.url, s.master, s.protocol, s.global_segment_size / 1e9)
+                log.info(
+                    "remote %s: joined the Mooncake pool (master %s, %s, this process gives %.2f GB)",
+                    self.url,
+                    s.master,
+                    s.protocol,
+                    s.global_segment_size / 1e9,
+                )
                 return
             self._why = f"setup returned {code}"
             self._closed.wait(wait)
@@ -159,8 +184,12 @@ class MooncakeStore:
     def _register(self, client: Any, address: int, size: int) -> None:
         code = client.register_buffer(address, size)
         if code != 0 and self.settings.needs_registration:
-            log.warning("remote %s: registering %.2f GB with Mooncake failed (%d): chunks there are copied",
-                        self.url, size / 1e9, code)
+            log.warning(
+                "remote %s: registering %.2f GB with Mooncake failed (%d): chunks there are copied",
+                self.url,
+                size / 1e9,
+                code,
+            )
 
     def register_memory(self, address: int, size: int) -> None:
         """Memory that values are put from and got into (kvtier's CPU pool): moved in place."""
@@ -172,16 +201,20 @@ class MooncakeStore:
     def _store(self) -> Any:
         client = self._client
         if client is None:
-            raise RemoteUnavailable(f"{self.url}: not in the Mooncake pool (master {self.settings.master}: "
-                                    f"{self._why})")
+            raise RemoteUnavailable(
+                f"{self.url}: not in the Mooncake pool (master {self.settings.master}: {self._why})"
+            )
         return client
 
     def _in_place(self, parts: list[memoryview]) -> bool:
         """Whether Mooncake may move these buffers where they are."""
         if not self.settings.needs_registration:
             return True
-        return all(len(p) <= SLOT or any(a <= _address(p) and _address(p) + len(p) <= a + n
-                                         for a, n in self._regions) for p in parts)
+        return all(
+            len(p) <= SLOT
+            or any(a <= _address(p) and _address(p) + len(p) <= a + n for a, n in self._regions)
+            for p in parts
+        )
 
     # -- the KVStore protocol ------------------------------------------------------
 
@@ -196,12 +229,22 @@ class MooncakeStore:
         try:
             ptrs, sizes, free = [], [], iter(slots)
             for i in direct:
-                ptrs.append([self._small_in(p, next(free, None)) if len(p) <= SLOT else _address(p)
-                             for p in values[i]])
+                ptrs.append(
+                    [
+                        self._small_in(p, next(free, None)) if len(p) <= SLOT else _address(p)
+                        for p in values[i]
+                    ]
+                )
                 sizes.append([len(p) for p in values[i]])
             if direct:
-                codes.update(zip(direct, client.batch_put_from_multi_buffers([names[i] for i in direct], ptrs,
-                                                                             sizes, self._replicas)))
+                codes.update(
+                    zip(
+                        direct,
+                        client.batch_put_from_multi_buffers(
+                            [names[i] for i in direct], ptrs, sizes, self._replicas
+                        ),
+                    )
+                )
         finally:
             self._slots.give(slots)
         self._check_puts([codes[i] for i in range(len(keys))], values)
@@ -217,12 +260,16 @@ class MooncakeStore:
             raise RemoteUnavailable(f"{self.url}: the Mooncake master did not answer a put")
         if INVALID_PARAMS in codes:
             size = sum(len(p) for p in values[codes.index(INVALID_PARAMS)])
-            raise ValueTooLarge(f"a value of {size} bytes is larger than Mooncake takes (its segments, "
-                             f"local_buffer_size {self.settings.local_buffer_size})")
+            raise ValueTooLarge(
+                f"a value of {size} bytes is larger than Mooncake takes (its segments, "
+                f"local_buffer_size {self.settings.local_buffer_size})"
+            )
         bad = [c for c in codes if c != 0]
         if bad:
-            raise RemoteRefused(f"Mooncake refused {len(bad)} of {len(codes)} puts (codes {sorted(set(bad))}; "
-                                f"{NO_AVAILABLE_HANDLE}: no segment has room)")
+            raise RemoteRefused(
+                f"Mooncake refused {len(bad)} of {len(codes)} puts (codes {sorted(set(bad))}; "
+                f"{NO_AVAILABLE_HANDLE}: no segment has room)"
+            )
 
     def get_into(self, keys: Sequence[bytes], dests: Sequence[Value]) -> list[bool]:
         client = self._store()
@@ -245,7 +292,11 @@ class MooncakeStore:
                         placed.append((i, p, slot))
                 ptrs.append(row)
                 sizes.append([len(p) for p in dests[i]])
-            codes = client.batch_get_into_multi_buffers([names[i] for i in direct], ptrs, sizes) if direct else []
+            codes = (
+                client.batch_get_into_multi_buffers([names[i] for i in direct], ptrs, sizes)
+                if direct
+                else []
+            )
             if codes and all(c == RPC_FAIL for c in codes):
                 raise RemoteUnavailable(f"{self.url}: the Mooncake master did not answer a get")
             for i, code in zip(direct, codes):

@@ -24,19 +24,42 @@ import json
 import os
 import re
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 from kvtier.errors import ConfigError
 
 DEFAULT_SEGMENT = 3_355_443_200  # LMCache's defaults
 DEFAULT_BUFFER = 1 << 30
-SETUP_KEYS = ("local_hostname", "metadata_server", "master_server_address", "protocol", "device_name",
-              "global_segment_size", "local_buffer_size", "transfer_timeout")
+SETUP_KEYS = (
+    "local_hostname",
+    "metadata_server",
+    "master_server_address",
+    "protocol",
+    "device_name",
+    "global_segment_size",
+    "local_buffer_size",
+    "transfer_timeout",
+)
 PREFIX = "mooncake_"
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1 << 40,
+    "tib": 1 << 40,
+}
 
 
 @dataclass(frozen=True)
@@ -60,18 +83,28 @@ class MooncakeSettings:
         return self.protocol != "tcp"
 
 
-def mooncake_settings(url: str, extra: Mapping[str, Any], env: Mapping[str, str] = os.environ) -> MooncakeSettings:
+def mooncake_settings(
+    url: str, extra: Mapping[str, Any], env: Mapping[str, str] = os.environ
+) -> MooncakeSettings:
     path = env.get("MOONCAKE_CONFIG_PATH")
     source = f"MOONCAKE_CONFIG_PATH={path}" if path else "extra_config"
     raw = _read_json(path) if path else dict(extra)
     picked = {k: raw[k] for k in SETUP_KEYS if raw.get(k) is not None}
-    picked.update({k[len(PREFIX):]: v for k, v in raw.items()
-                   if k.startswith(PREFIX) and k[len(PREFIX):] in SETUP_KEYS and v is not None})
+    picked.update(
+        {
+            k[len(PREFIX) :]: v
+            for k, v in raw.items()
+            if k.startswith(PREFIX) and k[len(PREFIX) :] in SETUP_KEYS and v is not None
+        }
+    )
     parts = urlsplit(url)
     master = str(picked.get("master_server_address") or parts.netloc)
     if not master or ":" not in master:
-        raise ConfigError("remote_url", url, "mooncakestore://<mooncake_master host>:<port>, "
-                          f"or master_server_address in {source}")
+        raise ConfigError(
+            "remote_url",
+            url,
+            f"mooncakestore://<mooncake_master host>:<port>, or master_server_address in {source}",
+        )
     return MooncakeSettings(
         master=master,
         local_hostname=str(picked.get("local_hostname") or _address_towards(master)),
@@ -90,7 +123,9 @@ def _read_json(path: str) -> dict[str, Any]:
         with open(path) as f:
             raw = json.load(f)
     except (OSError, ValueError) as e:
-        raise ConfigError("MOONCAKE_CONFIG_PATH", path, f"a readable JSON file of Mooncake settings ({e})") from None
+        raise ConfigError(
+            "MOONCAKE_CONFIG_PATH", path, f"a readable JSON file of Mooncake settings ({e})"
+        ) from None
     if not isinstance(raw, dict):
         raise ConfigError("MOONCAKE_CONFIG_PATH", path, "a JSON object of Mooncake settings")
     return raw
@@ -102,7 +137,9 @@ def _size(picked: Mapping[str, Any], key: str, default: int, source: str) -> int
         return int(value)
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
     if m is None or m.group(2).lower() not in _UNITS:
-        raise ConfigError(key, value, f"a size in bytes, or such as 3.125GB or 512MiB (in {source})")
+        raise ConfigError(
+            key, value, f"a size in bytes, or such as 3.125GB or 512MiB (in {source})"
+        )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 

@@ -12,20 +12,24 @@ is passed explicitly.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import Encoder, PythonRespSerializer
+from redis.retry import Retry
 
 from kvtier.buffers import Value, fill, joined
 from kvtier.errors import RemoteUnavailable
 
-_FAULTS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-           redis.exceptions.ClusterError, redis.exceptions.RedisClusterException)
+_FAULTS = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterError,
+    redis.exceptions.RedisClusterException,
+)
 
 
 def _packer() -> PythonRespSerializer:
@@ -36,9 +40,17 @@ class RedisStore:
     """`connect` makes the client on first use (a cluster client contacts its
     nodes when made), so a store that is down at start is a miss, not a crash."""
 
-    def __init__(self, connect: Callable[[], redis.Redis | RedisCluster], url: str,
-                 max_value: int = 512 << 20) -> None:
-        self.connect, self.url, self.max_value = connect, url, max_value  # Redis strings stop at 512 MB
+    def __init__(
+        self,
+        connect: Callable[[], redis.Redis | RedisCluster],
+        url: str,
+        max_value: int = 512 << 20,
+    ) -> None:
+        self.connect, self.url, self.max_value = (
+            connect,
+            url,
+            max_value,
+        )  # Redis strings stop at 512 MB
         self._client: redis.Redis | RedisCluster | None = None
 
     @property
@@ -57,7 +69,9 @@ class RedisStore:
         bufs = [joined(v) for v in values]
         big = [len(b) for b in bufs if len(b) > self.max_value]
         if big:
-            raise ValueError(f"value of {big[0]} bytes is over Redis's string limit ({self.max_value})")
+            raise ValueError(
+                f"value of {big[0]} bytes is over Redis's string limit ({self.max_value})"
+            )
         self._pipeline(lambda pipe: [pipe.set(k, b) for k, b in zip(keys, bufs)])
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -91,8 +105,12 @@ class RedisStore:
 
 
 def open_redis(url: str, timeout: float) -> RedisStore:
-    return RedisStore(lambda: redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                                   command_packer=_packer()), url)
+    return RedisStore(
+        lambda: redis.Redis.from_url(
+            url, socket_timeout=timeout, socket_connect_timeout=timeout, command_packer=_packer()
+        ),
+        url,
+    )
 
 
 def open_redis_cluster(url: str, timeout: float) -> RedisStore:
@@ -102,6 +120,14 @@ def open_redis_cluster(url: str, timeout: float) -> RedisStore:
     for hostport in parts.netloc.rsplit("@", 1)[-1].split(","):
         host, port = hostport.rsplit(":", 1)
         seeds.append(ClusterNode(host, int(port)))
-    return RedisStore(lambda: RedisCluster(
-        startup_nodes=seeds, password=parts.password, socket_timeout=timeout, socket_connect_timeout=timeout,
-        command_packer=_packer(), retry=Retry(NoBackoff(), 1)), url)
+    return RedisStore(
+        lambda: RedisCluster(
+            startup_nodes=seeds,
+            password=parts.password,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            command_packer=_packer(),
+            retry=Retry(NoBackoff(), 1),
+        ),
+        url,
+    )

@@ -42,6 +42,7 @@ from kvtier.server.state import ServerState
 
 log = get_logger("kvtier.server")
 
+
 class _LoopThread:
     """One more event loop, on its own thread, for client connections."""
 
@@ -94,20 +95,31 @@ async def _accept(listener: socket.socket, state: ServerState, loops: _Loops) ->
             continue
         i = loops.pick()
         target = loops.loops[i]
-        serve_on = target.connect_accepted_socket(lambda i=i: Connection(state, lambda: loops.gone(i)), sock,
-                                                  ssl=state.tls)
-        started = loop.create_task(serve_on) if target is loop else asyncio.run_coroutine_threadsafe(serve_on, target)
+        serve_on = target.connect_accepted_socket(
+            lambda i=i: Connection(state, lambda: loops.gone(i)), sock, ssl=state.tls
+        )
+        started = (
+            loop.create_task(serve_on)
+            if target is loop
+            else asyncio.run_coroutine_threadsafe(serve_on, target)
+        )
         started.add_done_callback(lambda f, i=i, sock=sock: _not_started(f, i, sock, loops))
 
 
 def _refuse(sock: socket.socket, addr, state: ServerState) -> None:
     limit = state.opts.max_connections
     state.index.count(refused_connections=1)
-    state.note(str(addr[0]), "max-connections", f"connection refused: the server holds --max-connections {limit}")
+    state.note(
+        str(addr[0]),
+        "max-connections",
+        f"connection refused: the server holds --max-connections {limit}",
+    )
     if state.tls is None:  # over TLS the frame would need a handshake first: the close says enough
         message = f"too many connections (--max-connections {limit}); try again later".encode()
         try:
-            sock.send(p.pack_header(p.Op.HELLO | p.REPLY, 0, len(message), flags=p.Status.ERROR) + message)
+            sock.send(
+                p.pack_header(p.Op.HELLO | p.REPLY, 0, len(message), flags=p.Status.ERROR) + message
+            )
         except OSError:
             pass
     sock.close()
@@ -119,13 +131,17 @@ def _not_started(started, i: int, sock: socket.socket, loops: _Loops) -> None:
         return
     loops.gone(i)
     sock.close()
-    log.info("a new connection failed before it was served: %s",
-             "cancelled" if started.cancelled() else started.exception())
+    log.info(
+        "a new connection failed before it was served: %s",
+        "cancelled" if started.cancelled() else started.exception(),
+    )
 
 
 def _listen(host: str, port: int) -> socket.socket:
     families = [a[0] for a in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
-    family = socket.AF_INET if socket.AF_INET in families else families[0]  # "localhost": where clients look first
+    family = (
+        socket.AF_INET if socket.AF_INET in families else families[0]
+    )  # "localhost": where clients look first
     try:
         listener = socket.create_server((host, port), family=family, backlog=512)
     except OSError as e:
@@ -146,7 +162,9 @@ async def serve(state: ServerState, ready: asyncio.Event | None = None) -> None:
     try:
         runner = await start_management(state, opts.host, opts.manage_port, opts.auth_token)
         workers = [_LoopThread(f"kvtier-io-{i}") for i in range(1, opts.io_threads)]
-        listener = _listen(opts.host, opts.service_port)  # opens last: once it answers, the whole server is up
+        listener = _listen(
+            opts.host, opts.service_port
+        )  # opens last: once it answers, the whole server is up
         loops = _Loops([loop, *(w.loop for w in workers)], state.loop_connections)
         acceptor = loop.create_task(_accept(listener, state, loops))
         _log_started(state)
@@ -171,14 +189,29 @@ async def serve(state: ServerState, ready: asyncio.Event | None = None) -> None:
 
 def _log_started(state: ServerState) -> None:
     opts = state.opts
-    log.info("kvtier server on %s:%d (%s%s, %s, %d I/O threads), management http://%s:%d, "
-             "pool %.2f GB in %d pages of %d KiB", opts.host, opts.service_port, "TLS" if state.tls else "TCP",
-             ", same-host shared memory" if opts.shm else "",
-             f"{len(state.tokens)} token(s)" if state.tokens else "no authentication", opts.io_threads,
-             opts.host, opts.manage_port, state.pool.capacity / 1e9, state.pool.num_pages, opts.page_size >> 10)
-    log.info("bounds: %d connections, %.0f MiB held per connection, leases %g s, put payloads %g s, idle %g s",
-             opts.max_connections, state.max_held / 2**20, opts.lease_timeout, opts.put_deadline,
-             opts.idle_timeout)
+    log.info(
+        "kvtier server on %s:%d (%s%s, %s, %d I/O threads), management http://%s:%d, "
+        "pool %.2f GB in %d pages of %d KiB",
+        opts.host,
+        opts.service_port,
+        "TLS" if state.tls else "TCP",
+        ", same-host shared memory" if opts.shm else "",
+        f"{len(state.tokens)} token(s)" if state.tokens else "no authentication",
+        opts.io_threads,
+        opts.host,
+        opts.manage_port,
+        state.pool.capacity / 1e9,
+        state.pool.num_pages,
+        opts.page_size >> 10,
+    )
+    log.info(
+        "bounds: %d connections, %.0f MiB held per connection, leases %g s, put payloads %g s, idle %g s",
+        opts.max_connections,
+        state.max_held / 2**20,
+        opts.lease_timeout,
+        opts.put_deadline,
+        opts.idle_timeout,
+    )
 
 
 def run(state: ServerState) -> None:

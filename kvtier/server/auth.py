@@ -77,8 +77,10 @@ class Tokens:
             if name and not _NAME.fullmatch(name):
                 raise ValueError(f"tenant name {name!r}: expected 1-64 of A-Z a-z 0-9 _ . -")
             if len(token) < 16:
-                raise ValueError(f"the token of tenant {name or '(default)'!r} is {len(token)} characters; "
-                                 "use at least 16 (e.g. `openssl rand -hex 32`)")
+                raise ValueError(
+                    f"the token of tenant {name or '(default)'!r} is {len(token)} characters; "
+                    "use at least 16 (e.g. `openssl rand -hex 32`)"
+                )
         self._entries = [(token, tenant(name)) for name, token in tenants.items()]
 
     def __len__(self) -> int:
@@ -115,10 +117,16 @@ def _read_tenants(path: Path) -> dict[str, str]:
     if path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         from kvtier.logs import get_logger
 
-        get_logger("kvtier.server").warning("--tenants %s is readable by other users (chmod 600 it)", path)
+        get_logger("kvtier.server").warning(
+            "--tenants %s is readable by other users (chmod 600 it)", path
+        )
     data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
-        raise ValueError(f"--tenants {path}: expected a mapping of tenant name to token, e.g. `alice: <token>`")
+    if not isinstance(data, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in data.items()
+    ):
+        raise ValueError(
+            f"--tenants {path}: expected a mapping of tenant name to token, e.g. `alice: <token>`"
+        )
     if "" in data:
         raise ValueError(f"--tenants {path}: the tenant '' is --auth-token's")
     return dict(data)

@@ -69,8 +69,10 @@ class Holdings:
         """Why holding `nbytes` more would pass --max-held-per-conn, or None."""
         if self.bytes + nbytes <= self.state.max_held:
             return None
-        message = (f"a request for {nbytes} bytes while holding {self.bytes} passes --max-held-per-conn "
-                   f"({self.state.max_held} bytes): release leases first or use smaller batches")
+        message = (
+            f"a request for {nbytes} bytes while holding {self.bytes} passes --max-held-per-conn "
+            f"({self.state.max_held} bytes): release leases first or use smaller batches"
+        )
         self.index.count(over_limit=1)
         self.state.note(self.peer_host, "max-held", message)
         return message
@@ -79,7 +81,10 @@ class Holdings:
 
     def reserve(self, keys: list[bytes], sizes: list[int]) -> PendingPut | Refusal:
         # (a value larger than the whole pool is refused as that, below)
-        if max(sizes, default=0) <= self.state.pool.capacity and (over := self.over(sum(sizes))) is not None:
+        if (
+            max(sizes, default=0) <= self.state.pool.capacity
+            and (over := self.over(sum(sizes))) is not None
+        ):
             return p.Status.OVER_LIMIT, over
         try:
             put = PendingPut(keys, sizes, self.index.reserve(sizes))
@@ -157,20 +162,32 @@ class Holdings:
         """Expire what outlived its bound; what closes the connection, if anything."""
         opts, now = self.state.opts, time.monotonic()
         if put is not None and now - put.since > opts.put_deadline:
-            return Expiry("put-deadline", f"a put's values did not arrive within --put-deadline "
-                                          f"{opts.put_deadline:g} s: reservation freed, connection closed")
+            return Expiry(
+                "put-deadline",
+                f"a put's values did not arrive within --put-deadline "
+                f"{opts.put_deadline:g} s: reservation freed, connection closed",
+            )
         for ticket_id, ticket in list(self._tickets.items()):
             if isinstance(ticket.held, PendingPut) and now - ticket.since > opts.put_deadline:
-                return Expiry("put-deadline", f"a shared-memory put was not committed within --put-deadline "
-                                              f"{opts.put_deadline:g} s: reservation freed, connection closed")
+                return Expiry(
+                    "put-deadline",
+                    f"a shared-memory put was not committed within --put-deadline "
+                    f"{opts.put_deadline:g} s: reservation freed, connection closed",
+                )
             if not isinstance(ticket.held, PendingPut) and now - ticket.since > opts.lease_timeout:
                 self.drop_ticket(ticket_id)
                 self.index.count(lease_timeouts=1)
-                self.state.note(self.peer_host, "lease-timeout", f"a lease held past --lease-timeout "
-                                f"{opts.lease_timeout:g} s was dropped")
+                self.state.note(
+                    self.peer_host,
+                    "lease-timeout",
+                    f"a lease held past --lease-timeout {opts.lease_timeout:g} s was dropped",
+                )
         if self._pins and now - self._pins_since > opts.lease_timeout:
-            return Expiry("lease-timeout", f"replies not read within --lease-timeout {opts.lease_timeout:g} s: "
-                                           "connection closed, their values unpinned")
+            return Expiry(
+                "lease-timeout",
+                f"replies not read within --lease-timeout {opts.lease_timeout:g} s: "
+                "connection closed, their values unpinned",
+            )
         if now - last_rx > opts.idle_timeout and put is None and not self._pins:
             return Expiry("idle-timeout", "")
         return None

@@ -40,11 +40,11 @@ from __future__ import annotations
 
 import itertools
 import mmap
-from concurrent.futures import ThreadPoolExecutor, wait
 import socket
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -53,7 +53,15 @@ from kvtier.errors import RemoteAuthFailed, RemoteRefused, RemoteUnavailable, Va
 from kvtier.logs import get_logger
 from kvtier.server import auth
 from kvtier.server import protocol as p
-from kvtier.server.link import Link, PoolMap, ShmLease, dial, map_server_pool, pool_inode, scratch_parts
+from kvtier.server.link import (
+    Link,
+    PoolMap,
+    ShmLease,
+    dial,
+    map_server_pool,
+    pool_inode,
+    scratch_parts,
+)
 
 log = get_logger(__name__)
 
@@ -62,8 +70,17 @@ READER_BYTES = 32 << 20  # at least this much for each connection beyond the fir
 
 
 class KVClient:
-    def __init__(self, host: str, port: int, *, timeout: float = 10.0, shm: bool = True, token: str | None = None,
-                 tls: bool = False, tls_ca: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        timeout: float = 10.0,
+        shm: bool = True,
+        token: str | None = None,
+        tls: bool = False,
+        tls_ca: str | None = None,
+    ) -> None:
         self.host, self.port, self.timeout, self.use_shm = host, port, timeout, shm
         self.token, self.tls, self.tls_ca = token, tls, tls_ca
         # Called with each mapping of the server's pool, and before it is unmapped
@@ -92,8 +109,13 @@ class KVClient:
                 _, meta = self._call(link, p.Op.PUT_ALLOC, p.encode_keys(keys, sizes))
                 ticket, entries = p.decode_extents(meta)
                 # One copy for the whole batch, so that a batch of chunks is split over the copy threads.
-                run_copy([pair for (_, extents), ps in zip(entries, parts)
-                          for pair in into_extents(link.shm, extents, ps)])
+                run_copy(
+                    [
+                        pair
+                        for (_, extents), ps in zip(entries, parts)
+                        for pair in into_extents(link.shm, extents, ps)
+                    ]
+                )
                 self._in_time(link, t0, "put_deadline", "put")
                 self._send(link, p.Op.PUT_COMMIT, p.encode_u32(ticket))
                 # The commit has no reply; a request after it on this connection is
@@ -101,7 +123,13 @@ class KVClient:
                 # client (a flushed store is then a hit on another node at once).
                 self._call(link, p.Op.EXISTS, p.encode_keys(keys[:1]))
             else:
-                self._call(link, p.Op.PUT, p.encode_keys(keys, sizes), [x for ps in parts for x in ps], sum(sizes))
+                self._call(
+                    link,
+                    p.Op.PUT,
+                    p.encode_keys(keys, sizes),
+                    [x for ps in parts for x in ps],
+                    sum(sizes),
+                )
 
     def get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
         out: list[memoryview | None] = [None] * len(keys)
@@ -113,7 +141,9 @@ class KVClient:
         self._get(keys, fresh)
         return out
 
-    def get_into(self, keys: Sequence[bytes], dests: Sequence[Value], *, spread: bool = True) -> list[bool]:
+    def get_into(
+        self, keys: Sequence[bytes], dests: Sequence[Value], *, spread: bool = True
+    ) -> list[bool]:
         """Read each value straight into its destination (one buffer, or parts
         filled in order), with no copy in between. True where a value of
         exactly the destination's size was there; False for a miss or a
@@ -125,7 +155,9 @@ class KVClient:
         if len(shares) > 1 and not self.shm_active:
             readers = self._extra_readers(len(shares) - 1)
             if readers:
-                return self._get_into_spread(keys, parts, _shares(sizes, len(readers) + 1, READER_BYTES), readers)
+                return self._get_into_spread(
+                    keys, parts, _shares(sizes, len(readers) + 1, READER_BYTES), readers
+                )
         filled = [False] * len(keys)
 
         def into(i: int, size: int) -> list[memoryview] | None:
@@ -137,13 +169,20 @@ class KVClient:
         self._get(keys, into)
         return filled
 
-    def _get_into_spread(self, keys: Sequence[bytes], parts: list[list[memoryview]],
-                         shares: list[tuple[int, int]], readers: list[KVClient]) -> list[bool]:
+    def _get_into_spread(
+        self,
+        keys: Sequence[bytes],
+        parts: list[list[memoryview]],
+        shares: list[tuple[int, int]],
+        readers: list[KVClient],
+    ) -> list[bool]:
         """`get_into` with share 0 on this connection and share k on readers[k-1], at once.
         Returns only when every share is done (their buffers are the caller's)."""
         (a0, b0), rest = shares[0], shares[1:]
-        futures = [self._reader_threads.submit(reader.get_into, keys[a:b], parts[a:b], spread=False)
-                   for reader, (a, b) in zip(readers, rest)]
+        futures = [
+            self._reader_threads.submit(reader.get_into, keys[a:b], parts[a:b], spread=False)
+            for reader, (a, b) in zip(readers, rest)
+        ]
         try:
             filled = self.get_into(keys[a0:b0], parts[a0:b0], spread=False)
         finally:
@@ -158,18 +197,32 @@ class KVClient:
             if self._readers is None:
                 self._readers = []
                 for _ in range(READERS - 1):
-                    reader = KVClient(self.host, self.port, timeout=self.timeout, shm=False, token=self.token,
-                                      tls=self.tls, tls_ca=self.tls_ca)
+                    reader = KVClient(
+                        self.host,
+                        self.port,
+                        timeout=self.timeout,
+                        shm=False,
+                        token=self.token,
+                        tls=self.tls,
+                        tls_ca=self.tls_ca,
+                    )
                     try:
                         reader.shm_active  # connects (and authenticates) now
                     except (RemoteUnavailable, RemoteRefused, RemoteAuthFailed) as e:
-                        log.info("kvtier server %s:%d: %d more read connections (%s); large gets use those",
-                                 self.host, self.port, len(self._readers), e)
+                        log.info(
+                            "kvtier server %s:%d: %d more read connections (%s); large gets use those",
+                            self.host,
+                            self.port,
+                            len(self._readers),
+                            e,
+                        )
                         reader.close()
                         break
                     self._readers.append(reader)
                 if self._readers:
-                    self._reader_threads = ThreadPoolExecutor(len(self._readers), thread_name_prefix="kvtier-get")
+                    self._reader_threads = ThreadPoolExecutor(
+                        len(self._readers), thread_name_prefix="kvtier-get"
+                    )
             return self._readers[:n]
 
     def borrow(self, keys: Sequence[bytes]) -> ShmLease | None:
@@ -182,12 +235,19 @@ class KVClient:
             t0 = time.monotonic()
             _, meta = self._call(link, p.Op.GET_SHM, p.encode_keys(keys))
             ticket, entries = p.decode_extents(meta)
-        places = [(ext[0][0], size) if size != p.MISSING and len(ext) == 1 else None for size, ext in entries]
-        leading = next((i for i, (size, _) in enumerate(entries) if size == p.MISSING), len(entries))
+        places = [
+            (ext[0][0], size) if size != p.MISSING and len(ext) == 1 else None
+            for size, ext in entries
+        ]
+        leading = next(
+            (i for i, (size, _) in enumerate(entries) if size == p.MISSING), len(entries)
+        )
 
         def release() -> None:
             with self._lock:
-                if link is not self._link:  # that connection closed: the server let go of the lease then
+                if (
+                    link is not self._link
+                ):  # that connection closed: the server let go of the lease then
                     return
                 try:
                     self._send(link, p.Op.RELEASE, p.encode_u32(ticket))
@@ -242,7 +302,9 @@ class KVClient:
             self._drop(keep_pool=True)  # the server may be closing it as idle: take a fresh one
         sock = dial(self.host, self.port, self.timeout, self.tls, self.tls_ca)
         link = Link(sock, {}, None, tls=self.tls)
-        _, meta = self._call(link, p.Op.HELLO, p.encode_json({"host_id": p.host_id() if self.use_shm else ""}))
+        _, meta = self._call(
+            link, p.Op.HELLO, p.encode_json({"host_id": p.host_id() if self.use_shm else ""})
+        )
         link.info = p.decode_json(meta)
         if link.info.get("auth"):
             self._authenticate(link)
@@ -273,12 +335,16 @@ class KVClient:
     def _authenticate(self, link: Link) -> None:
         if link.info["auth"] != auth.SCHEME:
             link.close()
-            raise RemoteAuthFailed(f"kvtier server {self.host}:{self.port} wants {link.info['auth']!r} "
-                                   f"authentication; this client speaks {auth.SCHEME}")
+            raise RemoteAuthFailed(
+                f"kvtier server {self.host}:{self.port} wants {link.info['auth']!r} "
+                f"authentication; this client speaks {auth.SCHEME}"
+            )
         if not self.token:
             link.close()
-            raise RemoteAuthFailed(f"kvtier server {self.host}:{self.port} wants a token: give it by "
-                                   "kvtier://host:port/?token_env=VAR or the config key remote_auth_token")
+            raise RemoteAuthFailed(
+                f"kvtier server {self.host}:{self.port} wants a token: give it by "
+                "kvtier://host:port/?token_env=VAR or the config key remote_auth_token"
+            )
         proof = auth.prove(self.token, bytes.fromhex(link.info["challenge"]))
         _, meta = self._call(link, p.Op.AUTH, p.encode_json({"proof": proof.hex()}))
         link.info.update(p.decode_json(meta))
@@ -288,8 +354,13 @@ class KVClient:
         (after which it frees what the copy used)."""
         took = time.monotonic() - t0
         if took > link.bound(bound) / 2:
-            self._fail(link, TimeoutError(f"a shared-memory {what} took {took:.1f} s, more than half the "
-                                          f"server's {bound} ({link.bound(bound):g} s): dropped"))
+            self._fail(
+                link,
+                TimeoutError(
+                    f"a shared-memory {what} took {took:.1f} s, more than half the "
+                    f"server's {bound} ({link.bound(bound):g} s): dropped"
+                ),
+            )
 
     def _drop(self, keep_pool: bool = False) -> None:
         """Close the connection; the pool's mapping too unless `keep_pool` (a healthy
@@ -300,7 +371,14 @@ class KVClient:
         if not keep_pool:
             self._release_pool()
 
-    def _send(self, link: Link, op: p.Op, meta: bytes, parts: Sequence[memoryview] = (), payload_len: int = 0) -> int:
+    def _send(
+        self,
+        link: Link,
+        op: p.Op,
+        meta: bytes,
+        parts: Sequence[memoryview] = (),
+        payload_len: int = 0,
+    ) -> int:
         req_id = next(self._req_ids) & 0xFFFFFFFF or next(self._req_ids)  # 0 is the server's own
         try:
             link.send([p.pack_header(op, req_id, len(meta), payload_len) + meta, *parts])
@@ -308,8 +386,14 @@ class KVClient:
             self._fail(link, e)
         return req_id
 
-    def _call(self, link: Link, op: p.Op, meta: bytes, parts: Sequence[memoryview] = (),
-              payload_len: int = 0) -> tuple[p.Header, memoryview]:
+    def _call(
+        self,
+        link: Link,
+        op: p.Op,
+        meta: bytes,
+        parts: Sequence[memoryview] = (),
+        payload_len: int = 0,
+    ) -> tuple[p.Header, memoryview]:
         """Send a request and read its reply's header and meta; the reply's
         payload (a GET's values) is left for the caller to read."""
         req_id = self._send(link, op, meta, parts, payload_len)
@@ -317,17 +401,23 @@ class KVClient:
             head = bytearray(p.HEADER_SIZE)
             link.recv_into(memoryview(head))
             h = p.parse_header(head, replies=True)
-            parting = h.req_id == 0 and h.flags != p.Status.OK  # the server's last word before it closes
+            parting = (
+                h.req_id == 0 and h.flags != p.Status.OK
+            )  # the server's last word before it closes
             if not parting and (h.op != op | p.REPLY or h.req_id != req_id):
                 raise p.ProtocolError(f"reply {h.op:#x}/{h.req_id} to request {op:#x}/{req_id}")
             if h.payload_len and op != p.Op.GET:
-                raise p.ProtocolError(f"a {op.name} reply carries no payload, got {h.payload_len} bytes")
+                raise p.ProtocolError(
+                    f"a {op.name} reply carries no payload, got {h.payload_len} bytes"
+                )
             meta_buf = memoryview(bytearray(h.meta_len))
             link.recv_into(meta_buf)
         except (OSError, p.ProtocolError) as e:
             self._fail(link, e)
         if h.flags != p.Status.OK:
-            message = f"kvtier server {self.host}:{self.port}: {bytes(meta_buf).decode(errors='replace')}"
+            message = (
+                f"kvtier server {self.host}:{self.port}: {bytes(meta_buf).decode(errors='replace')}"
+            )
             if parting or h.flags == p.Status.UNAUTHORIZED:  # the server closes this connection
                 if link is self._link:
                     self._drop(keep_pool=True)
@@ -338,7 +428,9 @@ class KVClient:
             raise (ValueTooLarge if h.flags == p.Status.TOO_LARGE else RemoteRefused)(message)
         return h, meta_buf
 
-    def _get(self, keys: Sequence[bytes], dest: Callable[[int, int], list[memoryview] | None]) -> None:
+    def _get(
+        self, keys: Sequence[bytes], dest: Callable[[int, int], list[memoryview] | None]
+    ) -> None:
         """GET `keys`; for each present value of `size` bytes, `dest(i, size)`
         names the buffers it goes into (None: not wanted, skipped)."""
         with self._lock:
@@ -361,9 +453,14 @@ class KVClient:
             h, meta = self._call(link, p.Op.GET, p.encode_keys(keys))
             try:
                 sizes = p.decode_sizes(meta)
-                if len(sizes) != len(keys) or sum(s for s in sizes if s != p.MISSING) != h.payload_len:
-                    raise p.ProtocolError(f"GET reply: {len(sizes)} sizes for {len(keys)} keys, "
-                                          f"payload {h.payload_len} bytes")
+                if (
+                    len(sizes) != len(keys)
+                    or sum(s for s in sizes if s != p.MISSING) != h.payload_len
+                ):
+                    raise p.ProtocolError(
+                        f"GET reply: {len(sizes)} sizes for {len(keys)} keys, "
+                        f"payload {h.payload_len} bytes"
+                    )
                 for i, size in enumerate(sizes):
                     if size == p.MISSING:
                         continue
@@ -374,7 +471,9 @@ class KVClient:
                 self._fail(link, e)
 
     def _fail(self, link: Link, e: Exception) -> None:
-        if isinstance(e, (BlockingIOError, socket.timeout)):  # SO_RCVTIMEO / SO_SNDTIMEO (or TLS's) ran out
+        if isinstance(
+            e, (BlockingIOError, socket.timeout)
+        ):  # SO_RCVTIMEO / SO_SNDTIMEO (or TLS's) ran out
             e = TimeoutError(f"no progress within {self.timeout} s")
         if link is self._link:
             self._drop()

@@ -46,7 +46,8 @@ import platform
 import socket
 import sys
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvtier.buffers import IOV_MAX, as_parts, unsent
 from kvtier.logs import get_logger
@@ -111,8 +112,10 @@ class Connection(asyncio.BufferedProtocol):
         self._last_rx = time.monotonic()
         self._timer: asyncio.TimerHandle | None = None
         self._handlers: dict[int, Handler] = {
-            p.Op.HELLO: self._hello, p.Op.AUTH: self._auth,
-            **Ops(state, self.holdings, self._keys, self._reply).handlers()}
+            p.Op.HELLO: self._hello,
+            p.Op.AUTH: self._auth,
+            **Ops(state, self.holdings, self._keys, self._reply).handlers(),
+        }
 
     # -- transport events ------------------------------------------------------------
 
@@ -163,7 +166,11 @@ class Connection(asyncio.BufferedProtocol):
         if self._read is _Read.PAYLOAD:
             return self._targets[self._target][self._got :]
         if self._read in (_Read.DISCARD, _Read.CLOSED):
-            n = min(len(self.state.scratch), self._discard_left) if self._read is _Read.DISCARD else 0
+            n = (
+                min(len(self.state.scratch), self._discard_left)
+                if self._read is _Read.DISCARD
+                else 0
+            )
             return self.state.scratch[: n or len(self.state.scratch)]
         return self._buf[self._got :]
 
@@ -187,7 +194,9 @@ class Connection(asyncio.BufferedProtocol):
             self._left -= nbytes
             if self._lowat > max(self._left, 1):
                 self._set_lowat(self._left)
-            while self._target < len(self._targets) and self._got == len(self._targets[self._target]):
+            while self._target < len(self._targets) and self._got == len(
+                self._targets[self._target]
+            ):
                 self._target, self._got = self._target + 1, 0
             if self._target == len(self._targets):
                 self._finish_put()
@@ -199,7 +208,11 @@ class Connection(asyncio.BufferedProtocol):
             if not self._authed and not self._may_pass(self._header):
                 return
             if self._header.meta_len:
-                self._read, self._buf, self._got = _Read.META, memoryview(bytearray(self._header.meta_len)), 0
+                self._read, self._buf, self._got = (
+                    _Read.META,
+                    memoryview(bytearray(self._header.meta_len)),
+                    0,
+                )
                 return
         self._on_frame(self._header, self._buf if self._read is _Read.META else memoryview(b""))
 
@@ -211,7 +224,9 @@ class Connection(asyncio.BufferedProtocol):
             self._begin_put(h, meta)
             return
         if h.payload_len:
-            raise p.ProtocolError(f"{p.Op(h.op).name} carries no payload, got {h.payload_len} bytes")
+            raise p.ProtocolError(
+                f"{p.Op(h.op).name} carries no payload, got {h.payload_len} bytes"
+            )
         self._next_frame()
         self._handlers[h.op](h, meta)
 
@@ -227,8 +242,12 @@ class Connection(asyncio.BufferedProtocol):
     def _may_pass(self, h: p.Header) -> bool:
         """Before AUTH: only HELLO and AUTH, with small meta."""
         if h.op not in (p.Op.HELLO, p.Op.AUTH):
-            self._deny(h, "no-auth", f"authenticate first: this server wants a token before {p.Op(h.op).name} "
-                                     "(kvtier://host:port/?token_env=VAR, or the config key remote_auth_token)")
+            self._deny(
+                h,
+                "no-auth",
+                f"authenticate first: this server wants a token before {p.Op(h.op).name} "
+                "(kvtier://host:port/?token_env=VAR, or the config key remote_auth_token)",
+            )
             return False
         if h.meta_len > _PRE_AUTH_META or h.payload_len:
             raise p.ProtocolError(f"{p.Op(h.op).name} before AUTH with {h.meta_len} bytes of meta")
@@ -246,10 +265,19 @@ class Connection(asyncio.BufferedProtocol):
         hello = p.decode_json(meta) if len(meta) else {}
         self._host_id = hello.get("host_id")
         opts = self.state.opts
-        info = {"version": p.VERSION, "capacity": self.pool.capacity, "page_size": self.pool.page_size,
-                "transport": "tls" if self.state.tls else "tcp", "rdma": self.state.rdma_note,
-                "bounds": {"max_held": self.state.max_held, "lease_timeout": opts.lease_timeout,
-                           "put_deadline": opts.put_deadline, "idle_timeout": opts.idle_timeout}}
+        info = {
+            "version": p.VERSION,
+            "capacity": self.pool.capacity,
+            "page_size": self.pool.page_size,
+            "transport": "tls" if self.state.tls else "tcp",
+            "rdma": self.state.rdma_note,
+            "bounds": {
+                "max_held": self.state.max_held,
+                "lease_timeout": opts.lease_timeout,
+                "put_deadline": opts.put_deadline,
+                "idle_timeout": opts.idle_timeout,
+            },
+        }
         if self._authed:
             info["shm"] = self._shm_offer()
         else:
@@ -303,7 +331,10 @@ class Connection(asyncio.BufferedProtocol):
             return
         if expiry is not None:
             self.state.note(self.peer_host, expiry.bound, expiry.message)
-            self._close(expiry.message, "put_deadlines" if expiry.bound == "put-deadline" else "lease_timeouts")
+            self._close(
+                expiry.message,
+                "put_deadlines" if expiry.bound == "put-deadline" else "lease_timeouts",
+            )
             return
         self._timer = asyncio.get_running_loop().call_later(self.state.tick, self._tick)
 
@@ -312,7 +343,9 @@ class Connection(asyncio.BufferedProtocol):
     def _begin_put(self, h: p.Header, meta: memoryview) -> None:
         keys, sizes = self._keys(meta, with_sizes=True)
         if sum(sizes) != h.payload_len:
-            raise p.ProtocolError(f"PUT sizes add up to {sum(sizes)}, payload is {h.payload_len} bytes")
+            raise p.ProtocolError(
+                f"PUT sizes add up to {sum(sizes)}, payload is {h.payload_len} bytes"
+            )
         put = self.holdings.reserve(keys, sizes)
         if isinstance(put, tuple):  # refused: read the values into nothing, then say why
             self._refusal = put
@@ -321,7 +354,9 @@ class Connection(asyncio.BufferedProtocol):
                 self._finish_refused_put()
             return
         self._put = put
-        self._targets = [v for pages, size in zip(put.pages, sizes) for v in self.pool.views(pages, size)]
+        self._targets = [
+            v for pages, size in zip(put.pages, sizes) for v in self.pool.views(pages, size)
+        ]
         self._read, self._target, self._got = _Read.PAYLOAD, 0, 0
         self._left = h.payload_len
         if not self._targets:
@@ -350,8 +385,16 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- writing -------------------------------------------------------------------------------
 
-    def _reply(self, h: p.Header, *, meta: bytes = b"", status: p.Status = p.Status.OK,
-               payload: list[memoryview] = (), payload_len: int = 0, pins: list[Entry] = ()) -> None:
+    def _reply(
+        self,
+        h: p.Header,
+        *,
+        meta: bytes = b"",
+        status: p.Status = p.Status.OK,
+        payload: list[memoryview] = (),
+        payload_len: int = 0,
+        pins: list[Entry] = (),
+    ) -> None:
         head = p.pack_header(h.op | p.REPLY, h.req_id, len(meta), payload_len, flags=status) + meta
         rest = self._send_now([head, *payload]) if self._sock is not None else [head, *payload]
         if rest:

@@ -65,7 +65,9 @@ class IndexStats:
 class KVIndex:
     def __init__(self, pool: PagePool, *, low: float = 0.8, high: float = 0.95) -> None:
         if not 0 < low <= high <= 1:
-            raise ValueError(f"eviction watermarks must satisfy 0 < low <= high <= 1, got {low}, {high}")
+            raise ValueError(
+                f"eviction watermarks must satisfy 0 < low <= high <= 1, got {low}, {high}"
+            )
         self.pool, self.low, self.high = pool, low, high
         self._stats = IndexStats()
         self._entries: OrderedDict[bytes, Entry] = OrderedDict()
@@ -78,8 +80,13 @@ class KVIndex:
     def snapshot(self) -> dict:
         """The counters, with keys, value bytes and pool use, at one instant."""
         with self._lock:
-            return {**asdict(self._stats), "keys": len(self._entries), "value_bytes": self._value_bytes,
-                    "used_bytes": self.pool.used_bytes, "capacity_bytes": self.pool.capacity}
+            return {
+                **asdict(self._stats),
+                "keys": len(self._entries),
+                "value_bytes": self._value_bytes,
+                "used_bytes": self.pool.used_bytes,
+                "capacity_bytes": self.pool.capacity,
+            }
 
     def count(self, **deltas: int) -> None:
         """Add to counters kept outside the index's own operations (connections, errors)."""
@@ -132,8 +139,10 @@ class KVIndex:
         with self._lock:
             if any(s > self.pool.capacity for s in sizes):
                 self._stats.rejected_puts += len(sizes)
-                raise TooLarge(f"value of {max(sizes)} bytes is larger than the server's whole pool "
-                               f"({self.pool.capacity} bytes; see --prealloc-size)")
+                raise TooLarge(
+                    f"value of {max(sizes)} bytes is larger than the server's whole pool "
+                    f"({self.pool.capacity} bytes; see --prealloc-size)"
+                )
             reserved: list[list[int]] = []
             for size in sizes:
                 pages = self.pool.allocate(size)
@@ -143,8 +152,10 @@ class KVIndex:
                     for got in reserved:
                         self.pool.free(got)
                     self._stats.rejected_puts += len(sizes)
-                    raise PoolFull(f"pool full: no room for {sum(sizes)} bytes even after evicting "
-                                   "every value not being read")
+                    raise PoolFull(
+                        f"pool full: no room for {sum(sizes)} bytes even after evicting "
+                        "every value not being read"
+                    )
                 reserved.append(pages)
             return reserved
 

@@ -10,8 +10,8 @@ import socket
 import ssl
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -30,8 +30,9 @@ def dial(host: str, port: int, timeout: float, tls: bool, tls_ca: str | None) ->
             ctx = ssl.create_default_context(cafile=tls_ca)
             sock = ctx.wrap_socket(sock, server_hostname=host)
     except (OSError, ssl.SSLError) as e:
-        raise RemoteUnavailable(f"kvtier server {host}:{port} unreachable"
-                                f"{' over TLS' if tls else ''}: {e}") from e
+        raise RemoteUnavailable(
+            f"kvtier server {host}:{port} unreachable{' over TLS' if tls else ''}: {e}"
+        ) from e
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if not tls:
         # Blocking, with the timeout kept by the kernel: Python's own timeout

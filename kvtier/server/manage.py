@@ -79,11 +79,14 @@ def make_app(state: ServerState, token: str | None) -> web.Application:
         return await handler(request)
 
     async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "keys": len(state.index), "transport": "tcp",
-                                  "rdma": state.rdma_note})
+        return web.json_response(
+            {"status": "ok", "keys": len(state.index), "transport": "tcp", "rdma": state.rdma_note}
+        )
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(registry), content_type="text/plain", charset="utf-8")
+        return web.Response(
+            body=generate_latest(registry), content_type="text/plain", charset="utf-8"
+        )
 
     async def purge(request: web.Request) -> web.Response:
         return web.json_response({"purged": state.index.purge()})
@@ -92,12 +95,20 @@ def make_app(state: ServerState, token: str | None) -> web.Application:
         return web.json_response({"len": len(state.index)})
 
     app = web.Application(middlewares=[auth])
-    app.add_routes([web.get("/health", health), web.get("/metrics", metrics), web.post("/purge", purge),
-                    web.get("/kvmap_len", kvmap_len)])
+    app.add_routes(
+        [
+            web.get("/health", health),
+            web.get("/metrics", metrics),
+            web.post("/purge", purge),
+            web.get("/kvmap_len", kvmap_len),
+        ]
+    )
     return app
 
 
-async def start_management(state: ServerState, host: str, port: int, token: str | None) -> web.AppRunner:
+async def start_management(
+    state: ServerState, host: str, port: int, token: str | None
+) -> web.AppRunner:
     runner = web.AppRunner(make_app(state, token), access_log=None)
     await runner.setup()
     try:

@@ -38,7 +38,9 @@ def _available_gib() -> float:
 class PagePool:
     def __init__(self, capacity: int, page_size: int = 256 << 10) -> None:
         if page_size <= 0 or page_size % mmap.PAGESIZE:
-            raise ValueError(f"page size {page_size} must be a positive multiple of {mmap.PAGESIZE}")
+            raise ValueError(
+                f"page size {page_size} must be a positive multiple of {mmap.PAGESIZE}"
+            )
         if capacity < page_size:
             raise ValueError(f"pool of {capacity} bytes is smaller than one page ({page_size})")
         self.page_size = page_size
@@ -47,12 +49,16 @@ class PagePool:
         self.fd = os.memfd_create("kvtier-server-pool", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, self.capacity)
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # touch every page now, not on first put
+            flags = mmap.MAP_SHARED | getattr(
+                mmap, "MAP_POPULATE", 0
+            )  # touch every page now, not on first put
             self.arena = mmap.mmap(self.fd, self.capacity, flags=flags)
         except OSError as e:
             os.close(self.fd)
-            raise ValueError(f"a pool of {self.capacity / 2**30:.2f} GiB cannot be mapped ({e.strerror}); "
-                             f"this machine has {_available_gib():.2f} GiB of memory available") from None
+            raise ValueError(
+                f"a pool of {self.capacity / 2**30:.2f} GiB cannot be mapped ({e.strerror}); "
+                f"this machine has {_available_gib():.2f} GiB of memory available"
+            ) from None
         self.view = memoryview(self.arena)
         self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: low pages come out first
 
@@ -82,8 +88,14 @@ class PagePool:
 
     def extents(self, pages: list[int], nbytes: int) -> Extents:
         """The (offset, length) ranges holding a value's `nbytes`, adjacent pages merged."""
-        if pages and pages[-1] - pages[0] == len(pages) - 1 and pages == list(range(pages[0], pages[-1] + 1)):
-            return [(pages[0] * self.page_size, nbytes)]  # one run (most values): no walk page by page
+        if (
+            pages
+            and pages[-1] - pages[0] == len(pages) - 1
+            and pages == list(range(pages[0], pages[-1] + 1))
+        ):
+            return [
+                (pages[0] * self.page_size, nbytes)
+            ]  # one run (most values): no walk page by page
         out: Extents = []
         left = nbytes
         for page in pages:

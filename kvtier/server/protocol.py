@@ -44,9 +44,9 @@ import enum
 import json
 import socket
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 MAGIC = b"KVTS"
 VERSION = 1
@@ -115,7 +115,9 @@ def parse_header(buf: bytes | bytearray | memoryview, *, replies: bool = False) 
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r})")
     if version != VERSION:
-        raise ProtocolError(f"unsupported protocol version {version} (this server speaks {VERSION})")
+        raise ProtocolError(
+            f"unsupported protocol version {version} (this server speaks {VERSION})"
+        )
     base = op & ~REPLY
     if bool(op & REPLY) != replies or base not in Op._value2member_map_:
         raise ProtocolError(f"unknown op {op:#x}")
@@ -137,7 +139,9 @@ class _Reader:
 
     def take(self, n: int) -> memoryview:
         if n < 0 or self.pos + n > len(self.buf):
-            raise ProtocolError(f"meta truncated: need {n} bytes at offset {self.pos} of {len(self.buf)}")
+            raise ProtocolError(
+                f"meta truncated: need {n} bytes at offset {self.pos} of {len(self.buf)}"
+            )
         view = self.buf[self.pos : self.pos + n]
         self.pos += n
         return view
@@ -173,7 +177,9 @@ def encode_keys(keys: Sequence[bytes], sizes: Sequence[int] | None = None) -> by
     return b"".join(parts)
 
 
-def decode_keys(meta: bytes | bytearray | memoryview, *, with_sizes: bool = False) -> tuple[list[bytes], list[int]]:
+def decode_keys(
+    meta: bytes | bytearray | memoryview, *, with_sizes: bool = False
+) -> tuple[list[bytes], list[int]]:
     r = _Reader(meta)
     n = r.count()
     keys = []

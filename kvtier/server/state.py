@@ -37,7 +37,9 @@ class ServerOptions:
     max_connections: int = 1024
     max_held_bytes: int | None = None  # per connection, leased + reserved; None: half the pool
     lease_timeout: float = 30.0  # s a lease (or a reply's pin) may live
-    put_deadline: float = 30.0  # s from a put's header (or PUT_ALLOC) to its last byte (or PUT_COMMIT)
+    put_deadline: float = (
+        30.0  # s from a put's header (or PUT_ALLOC) to its last byte (or PUT_COMMIT)
+    )
     idle_timeout: float = 300.0  # s a connection may send nothing
     dev_name: str | None = None
     link_type: str = "IB"
@@ -56,10 +58,14 @@ class ServerOptions:
             raise ValueError("--tls-cert and --tls-key go together")
         for name in ("service_port", "manage_port"):
             if not 0 <= getattr(self, name) <= 65535:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected a port, 0 to 65535")
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)}: expected a port, 0 to 65535"
+                )
         for name in ("lease_timeout", "put_deadline", "idle_timeout"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected seconds > 0")
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)}: expected seconds > 0"
+                )
         if self.max_connections < 1:
             raise ValueError(f"--max-connections {self.max_connections}: need at least 1")
         if self.max_held_bytes is not None and self.max_held_bytes <= 0:
@@ -86,8 +92,10 @@ def rdma_note(opts: ServerOptions) -> str | None:
     if not (INFINIBAND_SYSFS / opts.dev_name).exists():
         return f"RDMA device {opts.dev_name} not available; serving TCP"
     # The device exists, but the RDMA transport is designed, not built (docs/rdma.md).
-    return (f"RDMA device {opts.dev_name} found ({opts.link_type}, gid index {opts.hint_gid_index}), "
-            "but this kvtier build has no RDMA transport; serving TCP")
+    return (
+        f"RDMA device {opts.dev_name} found ({opts.link_type}, gid index {opts.hint_gid_index}), "
+        "but this kvtier build has no RDMA transport; serving TCP"
+    )
 
 
 class ServerState:
@@ -106,9 +114,13 @@ class ServerState:
         self.tls: ssl.SSLContext | None = _tls_context(opts) if opts.tls_cert else None
         self.max_held = opts.max_held_bytes or self.pool.capacity // 2
         # how often each connection checks its bounds: a bound is enforced within a quarter of itself (<= 1 s)
-        self.tick = max(0.05, min(1.0, min(opts.lease_timeout, opts.put_deadline, opts.idle_timeout) / 4))
+        self.tick = max(
+            0.05, min(1.0, min(opts.lease_timeout, opts.put_deadline, opts.idle_timeout) / 4)
+        )
         self._noted: set[tuple[str, str]] = set()
-        self.loop_connections = [0] * opts.io_threads  # open connections per I/O loop (app.py counts them)
+        self.loop_connections = [
+            0
+        ] * opts.io_threads  # open connections per I/O loop (app.py counts them)
 
     def stats(self) -> dict:
         return {**self.index.snapshot(), "loop_connections": list(self.loop_connections)}

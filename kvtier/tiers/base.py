@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from kvtier.keys import ChunkKey
 
@@ -43,5 +44,8 @@ class LendingTier(LowerTier, Protocol):
     def can_borrow(self) -> bool: ...
     def max_held(self) -> float:
         """Bytes one connection may hold lent; 0 while the store is down."""
-    def borrow(self, keys: Sequence[ChunkKey], raw_sizes: Sequence[int], *, whole: bool = False) -> list | None:
+
+    def borrow(
+        self, keys: Sequence[ChunkKey], raw_sizes: Sequence[int], *, whole: bool = False
+    ) -> list | None:
         """The leading chunks of `keys` lent in place, each (block, num_tokens); None: copy instead."""

@@ -10,8 +10,8 @@ when every stored chunk is pinned it returns None instead of waiting.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from kvtier.keys import ChunkKey
 from kvtier.memory import ChunkBytes, HostPool, MemoryBlock

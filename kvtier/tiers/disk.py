@@ -39,10 +39,10 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import xxhash
 
@@ -83,15 +83,26 @@ def file_name(key: ChunkKey) -> str:
 class DiskTier:
     name = Tier.DISK
 
-    def __init__(self, root: Path, capacity: int, codec: Codec, policy: str = "LRU",
-                 retry_s: float = WRITE_RETRY_S) -> None:
+    def __init__(
+        self,
+        root: Path,
+        capacity: int,
+        codec: Codec,
+        policy: str = "LRU",
+        retry_s: float = WRITE_RETRY_S,
+    ) -> None:
         self.root, self.capacity, self.codec, self.retry_s = Path(root), capacity, codec, retry_s
         self.stats = DiskStats()
         self.writable = True
-        self._retry_at, self._outages = 0.0, 0  # while not writable: when one write is tried again; stops so far
+        self._retry_at, self._outages = (
+            0.0,
+            0,
+        )  # while not writable: when one write is tried again; stops so far
         self._lock = threading.Lock()
         self._index: dict[str, int] = {}  # file name -> bytes
-        self._order: EvictionOrder[str] = EvictionOrder(policy)  # cache_policy (a restart keeps mtime order)
+        self._order: EvictionOrder[str] = EvictionOrder(
+            policy
+        )  # cache_policy (a restart keeps mtime order)
         self._pins: Counter[str] = Counter()
         self._used = 0  # bytes of the index plus writes in progress
         self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvtier-disk-read")
@@ -99,13 +110,21 @@ class DiskTier:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise OSError(e.errno, f"local_disk {self.root}: cannot create the directory ({e.strerror})") from None
+            raise OSError(
+                e.errno, f"local_disk {self.root}: cannot create the directory ({e.strerror})"
+            ) from None
         self._lock_fd, cause = self._take_lock()
         self._rebuild()
         if cause is not None:
             self._stop_writing(cause)
-        log.info("disk tier: %s, %d chunks (%.2f of %.2f GB)%s", self.root, len(self._index), self._used / 1e9,
-                 capacity / 1e9, "" if self.writable else ", read-only")
+        log.info(
+            "disk tier: %s, %d chunks (%.2f of %.2f GB)%s",
+            self.root,
+            len(self._index),
+            self._used / 1e9,
+            capacity / 1e9,
+            "" if self.writable else ", read-only",
+        )
 
     # -- start -------------------------------------------------------------------------
 
@@ -190,7 +209,9 @@ class DiskTier:
             return None
         except OSError as e:  # an I/O error reading: a miss, and not promised again
             self._count(misses=1)
-            log.warning("disk tier: reading %s failed (%s); treated as a miss and forgotten", path, e)
+            log.warning(
+                "disk tier: reading %s failed (%s); treated as a miss and forgotten", path, e
+            )
             self._forget(name)
             return None
         self._touch(path)
@@ -248,10 +269,14 @@ class DiskTier:
             self._order.add(name)
             self.stats.puts += 1
             self.stats.bytes_written += size
-            again = not self.writable and admitted == self._outages  # not one in flight before the stop
+            again = (
+                not self.writable and admitted == self._outages
+            )  # not one in flight before the stop
             self.writable = self.writable or again
         if again:
-            log.warning("disk tier: writing to %s works again; the disk tier writes again", self.root)
+            log.warning(
+                "disk tier: writing to %s works again; the disk tier writes again", self.root
+            )
         return True
 
     def _may_write(self) -> int | None:
@@ -301,16 +326,28 @@ class DiskTier:
         """Logged once per outage; writes are tried again after `retry_s`."""
         with self._lock:
             self.stats.write_errors += 1
-            first = self.writable or self.stats.write_errors == 1  # a read-only start is not writable yet
+            first = (
+                self.writable or self.stats.write_errors == 1
+            )  # a read-only start is not writable yet
             self.writable, self._outages = False, self._outages + (1 if self.writable else 0)
             self._retry_at = max(self._retry_at, time.monotonic() + self.retry_s)
         if not first:
             return
-        why = {errno.ENOSPC: "the disk is full", errno.EROFS: "the file system is read-only",
-               errno.EACCES: "no permission", errno.EDQUOT: "the disk quota is used up"}.get(e.errno, e.strerror)
-        log.error("disk tier: writing to %s failed: %s (%s). The disk tier stops writing; it keeps serving the "
-                  "%d chunks it has, and kvtier goes on from CPU RAM; it tries again in %g s", self.root, why, e,
-                  len(self._index), self.retry_s)
+        why = {
+            errno.ENOSPC: "the disk is full",
+            errno.EROFS: "the file system is read-only",
+            errno.EACCES: "no permission",
+            errno.EDQUOT: "the disk quota is used up",
+        }.get(e.errno, e.strerror)
+        log.error(
+            "disk tier: writing to %s failed: %s (%s). The disk tier stops writing; it keeps serving the "
+            "%d chunks it has, and kvtier goes on from CPU RAM; it tries again in %g s",
+            self.root,
+            why,
+            e,
+            len(self._index),
+            self.retry_s,
+        )
 
     # -- leases and housekeeping -------------------------------------------------------
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from kvtier.keys import ChunkKey
 from kvtier.logs import get_logger
@@ -86,8 +86,11 @@ class Holds:
                 del self._holds[rid]
         for rid, hold in expired:
             self.expired += 1
-            log.warning("request %s: its looked-up hit waited %.0f s for a load (pin_timeout_sec); unpinned",
-                        rid, self.timeout)
+            log.warning(
+                "request %s: its looked-up hit waited %.0f s for a load (pin_timeout_sec); unpinned",
+                rid,
+                self.timeout,
+            )
             self._end(hold)
 
     def release_all(self) -> None:

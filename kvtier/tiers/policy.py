@@ -13,7 +13,8 @@ use. Callers hold their tier's lock.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Generic, Hashable, Iterator, TypeVar
+from collections.abc import Hashable, Iterator
+from typing import Generic, TypeVar
 
 POLICIES = ("LRU", "FIFO", "MRU", "LFU")
 K = TypeVar("K", bound=Hashable)
@@ -24,7 +25,9 @@ class EvictionOrder(Generic[K]):
         self.policy = policy.upper()
         if self.policy not in POLICIES:
             raise ValueError(f"cache_policy {policy!r}: expected one of {', '.join(POLICIES)}")
-        self._seq: OrderedDict[K, None] = OrderedDict()  # stored, or (LRU, MRU, LFU) last used, order
+        self._seq: OrderedDict[K, None] = (
+            OrderedDict()
+        )  # stored, or (LRU, MRU, LFU) last used, order
         self._hits: dict[K, int] = {}
 
     def __len__(self) -> int:
@@ -55,5 +58,7 @@ class EvictionOrder(Generic[K]):
         if self.policy == "MRU":
             return reversed(self._seq)
         if self.policy == "LFU":
-            return iter(sorted(self._seq, key=self._hits.__getitem__))  # stable: ties stay LRU-first
+            return iter(
+                sorted(self._seq, key=self._hits.__getitem__)
+            )  # stable: ties stay LRU-first
         return iter(self._seq)

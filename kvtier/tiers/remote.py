@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -66,10 +67,19 @@ class _LentBatch:
     their xxh3 checksums begin over the copy threads as soon as they are lent
     (a batch read ahead is hashed while the one before it crosses)."""
 
-    def __init__(self, lease, payloads: list[tuple[int, int]], checksums: list[int], digests: list[int] | None
-                 ) -> None:
+    def __init__(
+        self,
+        lease,
+        payloads: list[tuple[int, int]],
+        checksums: list[int],
+        digests: list[int] | None,
+    ) -> None:
         self.lease, self._left = lease, len(payloads)
-        self._payloads, self._checksums, self._digests = payloads, checksums, digests  # payloads: (offset, bytes)
+        self._payloads, self._checksums, self._digests = (
+            payloads,
+            checksums,
+            digests,
+        )  # payloads: (offset, bytes)
         self._device_sums: torch.Tensor | None = None
         self._sums = None if digests else self._start_checksums()
         self._good: int | None = None  # leading chunks whose check holds
@@ -77,20 +87,31 @@ class _LentBatch:
 
     def _start_checksums(self) -> Callable[[], list[int]]:
         pool = self.lease.pool
-        return start_parallel(checksum, [pool[o : o + n] for o, n in self._payloads], sum(n for _, n in self._payloads))
+        return start_parallel(
+            checksum,
+            [pool[o : o + n] for o, n in self._payloads],
+            sum(n for _, n in self._payloads),
+        )
 
     def device_check(self, count: int, device: torch.device) -> torch.Tensor | None:
         if self._digests is None:
             return None
         if count != len(self._digests) or self._device_sums is not None:
-            raise RuntimeError("a lent batch is checked on the device in one transfer of all its chunks")
+            raise RuntimeError(
+                "a lent batch is checked on the device in one transfer of all its chunks"
+            )
         self._device_sums = torch.zeros(count, dtype=torch.int64, device=device)
         return self._device_sums
 
     def good(self, i: int) -> bool:
         if self._good is None:
-            if self._digests is not None and self._device_sums is not None:  # on the reader's stream
-                bad = [got & U64 != want for got, want in zip(self._device_sums.tolist(), self._digests)]
+            if (
+                self._digests is not None and self._device_sums is not None
+            ):  # on the reader's stream
+                bad = [
+                    got & U64 != want
+                    for got, want in zip(self._device_sums.tolist(), self._digests)
+                ]
             else:  # no digests, or a reader that did not take them: the checksums
                 if self._sums is None:
                     self._sums = self._start_checksums()
@@ -142,7 +163,9 @@ class RemoteTier:
 
     def __init__(self, store: KVStore, codec: Codec, url: str) -> None:
         self.store, self.codec, self.url = store, codec, url
-        self.digests_on_device = False  # the reader moves lent chunks on a GPU, which checks their digests
+        self.digests_on_device = (
+            False  # the reader moves lent chunks on a GPU, which checks their digests
+        )
         self.stats = RemoteStats()
         self._lock = threading.Lock()
         self._down_until = 0.0
@@ -151,7 +174,9 @@ class RemoteTier:
     # -- reads ---------------------------------------------------------------------
 
     def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        return self._guard("exists", lambda: self.store.exists([wire_key(k) for k in keys]), [False] * len(keys))
+        return self._guard(
+            "exists", lambda: self.store.exists([wire_key(k) for k in keys]), [False] * len(keys)
+        )
 
     def get_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[int | None]:
         """Load each chunk's bytes into `outs[i]` (exactly the chunk's size).
@@ -163,8 +188,11 @@ class RemoteTier:
         wire = [wire_key(k) for k in keys]
         if self.codec.in_place:
             headers = [bytearray(HEADER.size) for _ in keys]
-            filled = self._guard("get", lambda: self.store.get_into(wire, [[h, o] for h, o in zip(headers, outs)]),
-                                 [False] * len(keys))
+            filled = self._guard(
+                "get",
+                lambda: self.store.get_into(wire, [[h, o] for h, o in zip(headers, outs)]),
+                [False] * len(keys),
+            )
 
             def decode(i: int) -> int:
                 return self.codec.check_in_place(headers[i], outs[i])
@@ -188,15 +216,21 @@ class RemoteTier:
             if isinstance(result, CorruptPayload):
                 self.stats.corrupt += 1
                 corrupt.append(wire_key(key))
-                log.warning("remote %s: chunk %s is corrupt (%s); treated as a miss and removed", self.url, key,
-                            result)
+                log.warning(
+                    "remote %s: chunk %s is corrupt (%s); treated as a miss and removed",
+                    self.url,
+                    key,
+                    result,
+                )
                 result = None
             elif result is None:
                 self.stats.misses += 1
             else:
                 self.stats.hits += 1
             out.append(result)
-        if corrupt:  # so that the next store of these chunks lands (a store may keep a key's first value)
+        if (
+            corrupt
+        ):  # so that the next store of these chunks lands (a store may keep a key's first value)
             self._guard("delete", lambda: self.store.delete(corrupt), 0)
         return out
 
@@ -210,8 +244,9 @@ class RemoteTier:
             return 0.0
         return (info.get("bounds") or {}).get("max_held", float("inf"))
 
-    def borrow(self, keys: Sequence[ChunkKey], raw_sizes: Sequence[int], *, whole: bool = False
-               ) -> list[tuple[BorrowedBlock, int]] | None:
+    def borrow(
+        self, keys: Sequence[ChunkKey], raw_sizes: Sequence[int], *, whole: bool = False
+    ) -> list[tuple[BorrowedBlock, int]] | None:
         """The leading chunks of `keys` lent in place, each (block, num_tokens);
         it stops at the first one absent, split over pages or with a bad header,
         which the copying path (`get_into`) then reads, counts and logs as what
@@ -223,13 +258,17 @@ class RemoteTier:
             return None
         wanted = lease.leading if whole else len(keys)
         pool = memoryview(lease.pool)
-        lent: list[tuple[tuple[int, int], int, int, int]] = []  # ((payload offset, bytes), tokens, checksum, digest)
+        lent: list[
+            tuple[tuple[int, int], int, int, int]
+        ] = []  # ((payload offset, bytes), tokens, checksum, digest)
         for place, raw in zip(lease.places[:wanted], raw_sizes):
             if place is None:
                 break
             at, size = place
             try:
-                n, stored, digest = self.codec.check_header(pool[at : at + HEADER.size], size - HEADER.size, raw)
+                n, stored, digest = self.codec.check_header(
+                    pool[at : at + HEADER.size], size - HEADER.size, raw
+                )
             except CorruptPayload:
                 break
             lent.append(((at + HEADER.size, size - HEADER.size), n, stored, digest))
@@ -238,17 +277,24 @@ class RemoteTier:
             return None
         self.stats.hits += len(lent)
         self.stats.lent += len(lent)
-        digests = [d for *_, d in lent] if self.digests_on_device and all(d for *_, d in lent) else None
+        digests = (
+            [d for *_, d in lent] if self.digests_on_device and all(d for *_, d in lent) else None
+        )
         batch = _LentBatch(lease, [p for p, *_ in lent], [c for _, _, c, _ in lent], digests)
         # Slices of one tensor over the pool: chunks that are neighbours there cross to the GPU as one run.
         pages = torch.from_numpy(lease.pool)
-        return [(BorrowedBlock(pages[at : at + size], batch, i), n) for i, ((at, size), n, *_) in enumerate(lent)]
+        return [
+            (BorrowedBlock(pages[at : at + size], batch, i), n)
+            for i, ((at, size), n, *_) in enumerate(lent)
+        ]
 
     # -- writes --------------------------------------------------------------------
 
     def put(self, keys: Sequence[ChunkKey], chunks: Sequence[tuple[memoryview, int, int]]) -> bool:
         """Chunks as (bytes, num_tokens, KV digest or 0), as the CPU tier's writers hand them over."""
-        values = parallel(lambda chunk: self.codec.encode(*chunk), chunks, sum(len(c[0]) for c in chunks))
+        values = parallel(
+            lambda chunk: self.codec.encode(*chunk), chunks, sum(len(c[0]) for c in chunks)
+        )
 
         def put() -> bool:
             try:
@@ -274,7 +320,9 @@ class RemoteTier:
                 return default
         try:
             result = call()
-        except RemoteRefused as e:  # a bound of the server (bytes held by one connection): this call only
+        except (
+            RemoteRefused
+        ) as e:  # a bound of the server (bytes held by one connection): this call only
             self.stats.refused += 1
             log.warning("remote %s refused a %s: %s; a miss", self.url, what, e)
             return default
@@ -282,7 +330,13 @@ class RemoteTier:
             with self._lock:
                 self.stats.faults += 1
                 self._down_until = time.monotonic() + self._backoff
-                log.warning("remote %s: %s failed (%s); a miss, next try in %.0f s", self.url, what, e, self._backoff)
+                log.warning(
+                    "remote %s: %s failed (%s); a miss, next try in %.0f s",
+                    self.url,
+                    what,
+                    e,
+                    self._backoff,
+                )
                 self._backoff = min(self._backoff * 2, BACKOFF_MAX)
             return default
         with self._lock:

@@ -21,8 +21,8 @@ config refuses the two together).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -60,8 +60,14 @@ def share_sizes(fmt: KVFormat, geometry: HeadGeometry, most: int = 8) -> list[in
 
 
 class ReshardedSource:
-    def __init__(self, fmt: KVFormat, size: int, geometry: HeadGeometry,
-                 source_of_rank: Callable[[int], ChunkSource], name: str) -> None:
+    def __init__(
+        self,
+        fmt: KVFormat,
+        size: int,
+        geometry: HeadGeometry,
+        source_of_rank: Callable[[int], ChunkSource],
+        name: str,
+    ) -> None:
         self.fmt, self.size, self.geo, self.name = fmt, size, geometry, name
         m, s, h = fmt.tp_size, fmt.tp_rank, geometry.heads
         # Per source rank: which of its heads are this rank's [lo, hi), and where they go (at).
@@ -75,7 +81,9 @@ class ReshardedSource:
             per = m // size
             self.source_heads, pieces = h * per, [(s // per, (s % per) * h, (s % per + 1) * h, 0)]
         b = geometry.head_bytes
-        self._pieces = [(r, lo * b, hi * b, at * b) for r, lo, hi, at in pieces]  # in bytes of a token's row
+        self._pieces = [
+            (r, lo * b, hi * b, at * b) for r, lo, hi, at in pieces
+        ]  # in bytes of a token's row
         self.ranks = [r for r, *_ in pieces]
         self._sources = {r: source_of_rank(r) for r in self.ranks}
 
@@ -92,20 +100,28 @@ class ReshardedSource:
 
     def get_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[int | None]:
         g = self.geo
-        src_row = self.source_heads * g.head_bytes  # one source rank's heads of one (layer, K|V, token)
+        src_row = (
+            self.source_heads * g.head_bytes
+        )  # one source rank's heads of one (layer, K|V, token)
         tokens = [len(out) // g.bytes_per_token for out in outs]
         parts = {r: [bytearray(g.layers * g.kv * t * src_row) for t in tokens] for r in self.ranks}
         got: list[int | None] = list(tokens)
         for r in self.ranks:
-            read = self._sources[r].get_into([self._key(k, r) for k in keys], [memoryview(b) for b in parts[r]])
+            read = self._sources[r].get_into(
+                [self._key(k, r) for k in keys], [memoryview(b) for b in parts[r]]
+            )
             got = [None if a is None or b != a else a for a, b in zip(got, read)]
         for i, out in enumerate(outs):
             if got[i] is None:
                 continue
-            dst = np.frombuffer(out, np.uint8).reshape(g.layers, g.kv, tokens[i], g.heads * g.head_bytes)
+            dst = np.frombuffer(out, np.uint8).reshape(
+                g.layers, g.kv, tokens[i], g.heads * g.head_bytes
+            )
             for r, lo, hi, at in self._pieces:
-                src = np.frombuffer(parts[r][i], np.uint8).reshape(g.layers, g.kv, tokens[i], src_row)
-                dst[..., at:at + hi - lo] = src[..., lo:hi]
+                src = np.frombuffer(parts[r][i], np.uint8).reshape(
+                    g.layers, g.kv, tokens[i], src_row
+                )
+                dst[..., at : at + hi - lo] = src[..., lo:hi]
         return got
 
 

@@ -33,14 +33,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator, Sequence
 
 from kvtier.keys import ChunkKey, ChunkSpan
 from kvtier.logs import get_logger
 from kvtier.memory import MemoryBlock
-from kvtier.tiers.cpu import CpuTier, StoredChunk
 from kvtier.tiers.base import CPU, ChunkSource, LendingTier, LowerTier
+from kvtier.tiers.cpu import CpuTier, StoredChunk
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.writers import Writer
 
@@ -49,15 +49,30 @@ log = get_logger(__name__)
 WAIT_STEP = 0.05  # s between checks for a block freed by someone other than the writers
 BORROW_BYTES = 512 << 20  # chunks lent in place per lease: well under a server's per-connection cap
 LEND_WHOLE_SHARE = 0.9  # of the server's per-connection cap, for one layerwise lease
-AHEAD_BYTES = 256 << 20  # a batch when the next is read ahead: small enough that reading and loading overlap
+AHEAD_BYTES = (
+    256 << 20
+)  # a batch when the next is read ahead: small enough that reading and loading overlap
 
 
 class TieredStore:
-    def __init__(self, cpu: CpuTier, *, keep_cpu: bool, bytes_per_token: int, disk: DiskTier | None = None,
-                 remote: LendingTier | None = None, disk_min_stores: int = 1, wait_s: float = 10.0,
-                 readers: Sequence[ChunkSource] = ()) -> None:
+    def __init__(
+        self,
+        cpu: CpuTier,
+        *,
+        keep_cpu: bool,
+        bytes_per_token: int,
+        disk: DiskTier | None = None,
+        remote: LendingTier | None = None,
+        disk_min_stores: int = 1,
+        wait_s: float = 10.0,
+        readers: Sequence[ChunkSource] = (),
+    ) -> None:
         self.cpu, self.disk, self.remote, self.keep_cpu = cpu, disk, remote, keep_cpu
-        self.bytes_per_token, self.disk_min_stores, self.wait_s = bytes_per_token, disk_min_stores, wait_s
+        self.bytes_per_token, self.disk_min_stores, self.wait_s = (
+            bytes_per_token,
+            disk_min_stores,
+            wait_s,
+        )
         self.lower: list[LowerTier] = [t for t in (disk, remote) if t is not None]
         # Where chunks are read from, in order: the lower tiers, then read-only views (other
         # tensor-parallel sizes' chunks, kvtier/tiers/reshard.py), asked only for what the
@@ -70,14 +85,20 @@ class TieredStore:
         blocks = cpu.pool.num_blocks
         pending = max(1, blocks // 2 if keep_cpu else blocks)
         self.writers = {t.name: Writer(t, pending, wait_s, self._progress) for t in self.lower}
-        self._stores: OrderedDict[ChunkKey, int] = OrderedDict()  # times each key was stored (write filter)
-        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="kvtier-fetch-ahead")  # fetch(ahead=True)
+        self._stores: OrderedDict[ChunkKey, int] = (
+            OrderedDict()
+        )  # times each key was stored (write filter)
+        self._ahead = ThreadPoolExecutor(
+            1, thread_name_prefix="kvtier-fetch-ahead"
+        )  # fetch(ahead=True)
 
     # -- where chunks are ---------------------------------------------------------------
 
     def locate(self, keys: Sequence[ChunkKey]) -> list[str]:
         """Per key of the longest stored prefix of `keys`, the name of the tier holding it."""
-        where: list[str | None] = [CPU if self.keep_cpu and self.cpu.contains(k) else None for k in keys]
+        where: list[str | None] = [
+            CPU if self.keep_cpu and self.cpu.contains(k) else None for k in keys
+        ]
         for tier in self.sources:
             todo = [i for i, w in enumerate(where) if w is None]
             if not todo:
@@ -122,8 +143,9 @@ class TieredStore:
 
     # -- reads --------------------------------------------------------------------------
 
-    def fetch(self, spans: Sequence[ChunkSpan], where: Sequence[str], *, ahead: bool = False
-              ) -> Iterator[list[tuple[ChunkSpan, StoredChunk]]]:
+    def fetch(
+        self, spans: Sequence[ChunkSpan], where: Sequence[str], *, ahead: bool = False
+    ) -> Iterator[list[tuple[ChunkSpan, StoredChunk]]]:
         """The chunks of `spans`, found by `locate` in `where`, in batches that fit the
         pool; each chunk retained for the caller.
 
@@ -158,12 +180,17 @@ class TieredStore:
                 for _, chunk in pending.result()[0]:
                     chunk.block.release()
 
-    def _next_batch(self, spans: Sequence[ChunkSpan], where: list[str], i: int, limit: int | None = None
-                    ) -> tuple[list[tuple[ChunkSpan, StoredChunk]], bool]:
+    def _next_batch(
+        self, spans: Sequence[ChunkSpan], where: list[str], i: int, limit: int | None = None
+    ) -> tuple[list[tuple[ChunkSpan, StoredChunk]], bool]:
         """Chunks from position i on, as many as the pool gives now (at most `limit`);
         (batch, whether the prefix ended)."""
-        if (not self.keep_cpu and self.remote is not None and where[i] == self.remote.name
-                and self.remote.can_borrow()):
+        if (
+            not self.keep_cpu
+            and self.remote is not None
+            and where[i] == self.remote.name
+            and self.remote.can_borrow()
+        ):
             lent = self._borrow(spans, where, i)
             if lent is not None:
                 return lent
@@ -173,7 +200,9 @@ class TieredStore:
         while i + len(batch) < len(where) and (limit is None or len(batch) < limit):
             span, tier = spans[i + len(batch)], where[i + len(batch)]
             chunk = self.cpu.get(span.key) if tier == CPU else None
-            if tier == CPU and chunk is None:  # evicted since `locate` (maybe by this fetch): a copy below?
+            if (
+                tier == CPU and chunk is None
+            ):  # evicted since `locate` (maybe by this fetch): a copy below?
                 tier = next((t.name for t in self.sources if t.exists([span.key])[0]), None)
                 ended = tier is None
             if tier is not None and tier != CPU:
@@ -207,19 +236,29 @@ class TieredStore:
         good = len(batch)
         for k, tier in enumerate(self.sources):
             pos = reads.get(tier.name, [])
-            got = tier.get_into([batch[p][0].key for p in pos], [self._bytes(*batch[p]) for p in pos]) if pos else []
+            got = (
+                tier.get_into([batch[p][0].key for p in pos], [self._bytes(*batch[p]) for p in pos])
+                if pos
+                else []
+            )
             for p in (p for p, n in zip(pos, got) if n != batch[p][0].num_tokens):
                 key = batch[p][0].key
                 below = next((t for t in self.sources[k + 1 :] if t.exists([key])[0]), None)
                 if below is None:
                     good = min(good, p)
                 else:
-                    log.info("chunk %s: %s could not deliver it, reading it from %s", key, tier.name, below.name)
+                    log.info(
+                        "chunk %s: %s could not deliver it, reading it from %s",
+                        key,
+                        tier.name,
+                        below.name,
+                    )
                     reads.setdefault(below.name, []).append(p)
         return good
 
-    def _borrow(self, spans: Sequence[ChunkSpan], where: list[str], i: int
-                ) -> tuple[list[tuple[ChunkSpan, StoredChunk]], bool] | None:
+    def _borrow(
+        self, spans: Sequence[ChunkSpan], where: list[str], i: int
+    ) -> tuple[list[tuple[ChunkSpan, StoredChunk]], bool] | None:
         """Remote chunks from position i on, lent in place by the store server
         (same host; nothing to keep, so no pool block to copy them into). The
         next batch starts at the first chunk not lent; None: the chunk at i
@@ -230,7 +269,9 @@ class TieredStore:
             nbytes += spans[j].num_tokens * self.bytes_per_token
             j += 1
         taken = spans[i:j]
-        lent = self.remote.borrow([s.key for s in taken], [s.num_tokens * self.bytes_per_token for s in taken])
+        lent = self.remote.borrow(
+            [s.key for s in taken], [s.num_tokens * self.bytes_per_token for s in taken]
+        )
         if lent is None:
             return None
         batch = []
@@ -238,7 +279,7 @@ class TieredStore:
             if n != span.num_tokens:
                 break
             batch.append((span, StoredChunk(block, n)))
-        for block, _ in lent[len(batch):]:
+        for block, _ in lent[len(batch) :]:
             block.release()
         return (batch, False) if batch else None
 
@@ -270,8 +311,9 @@ class TieredStore:
 
     # -- writes -------------------------------------------------------------------------
 
-    def hold(self, keys: Sequence[ChunkKey], where: Sequence[str], most_blocks: int
-             ) -> tuple[list[MemoryBlock], list[str]]:
+    def hold(
+        self, keys: Sequence[ChunkKey], where: Sequence[str], most_blocks: int
+    ) -> tuple[list[MemoryBlock], list[str]]:
         """Keep the chunks of `keys` (found by `locate` in `where`) from eviction: a reference
         on each CPU block (at most `most_blocks`), a pin on each disk file; both to `unhold`."""
         blocks = []
@@ -280,7 +322,11 @@ class TieredStore:
                 chunk = self.cpu.get(key)
                 if chunk is not None:
                     blocks.append(chunk.block)
-        names = self.disk.pin([k for k, t in zip(keys, where) if t == self.disk.name]) if self.disk is not None else []
+        names = (
+            self.disk.pin([k for k, t in zip(keys, where) if t == self.disk.name])
+            if self.disk is not None
+            else []
+        )
         return blocks, names
 
     def unhold(self, blocks: Sequence[MemoryBlock], disk_names: Sequence[str]) -> None:
@@ -308,8 +354,11 @@ class TieredStore:
 
     def put(self, key: ChunkKey, block: MemoryBlock, num_tokens: int) -> None:
         """Keep the chunk in the CPU tier and queue it for the lower tiers; takes over `block`."""
-        if self.disk is not None and self._stores.get(key, 1) >= self.disk_min_stores \
-                and not self.disk.exists([key])[0]:
+        if (
+            self.disk is not None
+            and self._stores.get(key, 1) >= self.disk_min_stores
+            and not self.disk.exists([key])[0]
+        ):
             self._submit(self.disk, key, block, num_tokens)
         if self.remote is not None:
             self._submit(self.remote, key, block, num_tokens)
@@ -319,7 +368,9 @@ class TieredStore:
             block.release()
 
     def _submit(self, tier: LowerTier, key: ChunkKey, block: MemoryBlock, num_tokens: int) -> None:
-        self.writers[tier.name].submit(key, block.retain(), num_tokens * self.bytes_per_token, num_tokens)
+        self.writers[tier.name].submit(
+            key, block.retain(), num_tokens * self.bytes_per_token, num_tokens
+        )
 
     # -- housekeeping -------------------------------------------------------------------
 

@@ -34,8 +34,15 @@ class WriterStats:
 class Writer:
     """One thread that copies queued chunks into one lower tier, in batches, in order."""
 
-    def __init__(self, tier: LowerTier, max_pending: int, wait_s: float, progress: threading.Condition) -> None:
-        self.tier, self.max_pending, self.wait_s, self._progress = tier, max_pending, wait_s, progress
+    def __init__(
+        self, tier: LowerTier, max_pending: int, wait_s: float, progress: threading.Condition
+    ) -> None:
+        self.tier, self.max_pending, self.wait_s, self._progress = (
+            tier,
+            max_pending,
+            wait_s,
+            progress,
+        )
         self.stats = WriterStats()
         self._queue: deque[tuple[ChunkKey, MemoryBlock, int, int]] = deque()
         self._busy = 0
@@ -43,7 +50,9 @@ class Writer:
         self._closed = False
         self._stalled = False  # a wait for room timed out; cleared when a batch is done
         self._last_drop_log = 0.0
-        self._thread = threading.Thread(target=self._run, name=f"kvtier-{tier.name}-writer", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvtier-{tier.name}-writer", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -61,7 +70,9 @@ class Writer:
         with self._cond:
             if self.pending >= self.max_pending and not self._closed and not self._stalled:
                 self.stats.waits += 1
-                self._cond.wait_for(lambda: self.pending < self.max_pending or self._closed, self.wait_s)
+                self._cond.wait_for(
+                    lambda: self.pending < self.max_pending or self._closed, self.wait_s
+                )
             if self.pending >= self.max_pending or self._closed:
                 self._stalled = True
                 self.stats.dropped += 1
@@ -75,8 +86,13 @@ class Writer:
         now = time.monotonic()
         if now - self._last_drop_log > 10:
             self._last_drop_log = now
-            log.warning("%s writer: queue full for %.0f s; chunks not written to %s (%d so far)",
-                        self.tier.name, self.wait_s, self.tier.name, self.stats.dropped)
+            log.warning(
+                "%s writer: queue full for %.0f s; chunks not written to %s (%d so far)",
+                self.tier.name,
+                self.wait_s,
+                self.tier.name,
+                self.stats.dropped,
+            )
 
     def _run(self) -> None:
         while True:
@@ -89,7 +105,10 @@ class Writer:
                 self._busy = len(batch)
                 self._cond.notify_all()
             try:
-                self.tier.put([k for k, *_ in batch], [(b.data[:n].numpy().data, t, b.digest) for _, b, n, t in batch])
+                self.tier.put(
+                    [k for k, *_ in batch],
+                    [(b.data[:n].numpy().data, t, b.digest) for _, b, n, t in batch],
+                )
                 self.stats.written += len(batch)
                 self.stats.written_tokens += sum(t for *_, t in batch)
             finally:
@@ -108,8 +127,12 @@ class Writer:
 
     def close(self, timeout: float) -> None:
         if not self.flush(timeout):
-            log.warning("%s writer: %d chunks not written after %.0f s; dropping them",
-                        self.tier.name, len(self._queue), timeout)
+            log.warning(
+                "%s writer: %d chunks not written after %.0f s; dropping them",
+                self.tier.name,
+                len(self._queue),
+                timeout,
+            )
         with self._cond:
             self._closed = True
             self._cond.notify_all()

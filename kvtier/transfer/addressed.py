@@ -10,11 +10,13 @@ takes on NVLink: the sender was host-bound.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-Launch = Callable[[torch.Tensor, torch.Tensor], None]  # (slots, chunk addresses) of the chunks of one launch
+Launch = Callable[
+    [torch.Tensor, torch.Tensor], None
+]  # (slots, chunk addresses) of the chunks of one launch
 
 
 class AddressedGather:
@@ -22,7 +24,9 @@ class AddressedGather:
     short); its bytes go to addresses[c]. `launch(first, end)` queues chunks
     [first, end) on the current stream."""
 
-    def __init__(self, kernel: Launch, slots: torch.Tensor, addresses: torch.Tensor, chunk_tokens: int) -> None:
+    def __init__(
+        self, kernel: Launch, slots: torch.Tensor, addresses: torch.Tensor, chunk_tokens: int
+    ) -> None:
         self._kernel, self._slots, self._addresses = kernel, slots, addresses
         self.chunk_tokens = chunk_tokens
 

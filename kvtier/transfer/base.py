@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -60,29 +61,47 @@ class Upload(Protocol):
 class Transfer(Protocol):
     name: str
 
-    def upload(self, chunks: Sequence[torch.Tensor], layer_major: bool = False, digests: bool = False,
-               beside: bool = False) -> Upload | None:
+    def upload(
+        self,
+        chunks: Sequence[torch.Tensor],
+        layer_major: bool = False,
+        digests: bool = False,
+        beside: bool = False,
+    ) -> Upload | None:
         """Queue the copies of `chunks` toward the device now, for a later `scatter`
         (`scatter_layerwise` with `layer_major`) that passes it as `upload`, once the
         slots are known; None where there is nothing to do ahead. `beside`: a load that
         runs beside the engine's steps (not inside one), whose copies must not hold the
         steps' own host-to-device inputs behind them."""
 
-    def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], digests: torch.Tensor | None = None,
-               wait: bool = True) -> InFlight | None:
+    def gather(
+        self,
+        slots: torch.Tensor,
+        chunks: Sequence[torch.Tensor],
+        digests: torch.Tensor | None = None,
+        wait: bool = True,
+    ) -> InFlight | None:
         """Fill `chunks` with the KV of `slots`. With `wait` (or where nothing runs beside
         the caller) the bytes have landed on return (None). Without it, on a GPU, the caller's
         stream is ordered after the reads of the KV, and the copies to the chunks are in flight."""
 
-    def gather_addressed(self, slots: torch.Tensor, addresses: Sequence[int], chunk_tokens: int
-                         ) -> AddressedGather | None:
+    def gather_addressed(
+        self, slots: torch.Tensor, addresses: Sequence[int], chunk_tokens: int
+    ) -> AddressedGather | None:
         """A gather of the chunks of `slots` into device memory at `addresses` (one per
         chunk of `chunk_tokens`, the last may be shorter), queued group by group by its
         `launch`; None where this transfer takes chunk tensors only (`gather`)."""
 
-    def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
-                wait: bool = True, digests: torch.Tensor | None = None, upload: Upload | None = None,
-                beside: bool = False) -> Callable[[], None]:
+    def scatter(
+        self,
+        slots: torch.Tensor,
+        chunks: Sequence[torch.Tensor],
+        layers: range | None = None,
+        wait: bool = True,
+        digests: torch.Tensor | None = None,
+        upload: Upload | None = None,
+        beside: bool = False,
+    ) -> Callable[[], None]:
         """... `beside`: a load beside the engine's steps, on a stream of its own: its work
         runs there, after its upload's copies, and holds nothing shared with the steps' own
         loads and stores behind those copies.
@@ -92,8 +111,17 @@ class Transfer(Protocol):
         already so with `wait`, otherwise the next batch's copies can be queued
         behind these before the caller waits (no idle gap between batches)."""
 
-    def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
-                          digests: torch.Tensor | None = None, upload: Upload | None = None) -> LayerHandle: ...
+    def scatter_layerwise(
+        self,
+        slots: torch.Tensor,
+        chunks: Sequence[torch.Tensor],
+        digests: torch.Tensor | None = None,
+        upload: Upload | None = None,
+    ) -> LayerHandle: ...
 
-    def gather_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
-                         digests: torch.Tensor | None = None) -> LayerSaver: ...
+    def gather_layerwise(
+        self,
+        slots: torch.Tensor,
+        chunks: Sequence[torch.Tensor],
+        digests: torch.Tensor | None = None,
+    ) -> LayerSaver: ...

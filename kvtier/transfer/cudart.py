@@ -27,8 +27,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -38,16 +38,27 @@ _DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressi
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
     maps = Path("/proc/self/maps")
-    paths = {line.split()[-1] for line in maps.read_text().splitlines() if "libcudart.so" in line} \
-        if maps.exists() else set()
+    paths = (
+        {line.split()[-1] for line in maps.read_text().splitlines() if "libcudart.so" in line}
+        if maps.exists()
+        else set()
+    )
     for path in sorted(paths) or ["libcudart.so"]:
         try:
             lib = ctypes.CDLL(path)
         except OSError:
             continue
         fn = lib.cudaMemcpy2DAsync
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-                       ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        fn.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
         fn.restype = ctypes.c_int
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
@@ -60,15 +71,20 @@ def available() -> bool:
     return torch.cuda.is_available() and _lib() is not None
 
 
-def memcpy2d(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int,
-             stream: torch.cuda.Stream) -> None:
+def memcpy2d(
+    dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: torch.cuda.Stream
+) -> None:
     """Copy `height` rows of `width` bytes, rows `spitch` apart at `src`, to rows `dpitch` apart at `dst`,
     queued on `stream`. Asynchronous where the host side is page-locked."""
     lib = _lib()
-    err = lib.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, _DEFAULT, stream.cuda_stream)
+    err = lib.cudaMemcpy2DAsync(
+        dst, dpitch, src, spitch, width, height, _DEFAULT, stream.cuda_stream
+    )
     if err:
         lib.cudaGetLastError()  # clear it, or torch's next CUDA check reports it as its own
-        raise RuntimeError(f"cudaMemcpy2DAsync failed: {lib.cudaGetErrorString(err).decode()} ({err})")
+        raise RuntimeError(
+            f"cudaMemcpy2DAsync failed: {lib.cudaGetErrorString(err).decode()} ({err})"
+        )
 
 
 class _IpcHandle(ctypes.Structure):
@@ -92,7 +108,9 @@ def malloc(nbytes: int) -> int:
     """Device memory from cudaMalloc on the current device, outside torch's allocator: its
     IPC handle maps into any GPU context of another process (torch's own sharing does not)."""
     ptr = ctypes.c_void_p()
-    _call("cudaMalloc", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t], ctypes.byref(ptr), nbytes)
+    _call(
+        "cudaMalloc", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t], ctypes.byref(ptr), nbytes
+    )
     return int(ptr.value)
 
 
@@ -102,7 +120,12 @@ def free(ptr: int) -> None:
 
 def ipc_handle(ptr: int) -> bytes:
     handle = _IpcHandle()
-    _call("cudaIpcGetMemHandle", [ctypes.POINTER(_IpcHandle), ctypes.c_void_p], ctypes.byref(handle), ptr)
+    _call(
+        "cudaIpcGetMemHandle",
+        [ctypes.POINTER(_IpcHandle), ctypes.c_void_p],
+        ctypes.byref(handle),
+        ptr,
+    )
     return bytes(handle.reserved)
 
 
@@ -111,8 +134,13 @@ def open_ipc_handle(handle: bytes) -> int:
     access), so kernels of this device can read and write it; the base address."""
     ptr, raw = ctypes.c_void_p(), _IpcHandle()
     ctypes.memmove(ctypes.addressof(raw), handle, 64)
-    _call("cudaIpcOpenMemHandle", [ctypes.POINTER(ctypes.c_void_p), _IpcHandle, ctypes.c_uint],
-          ctypes.byref(ptr), raw, 1)  # 1: cudaIpcMemLazyEnablePeerAccess
+    _call(
+        "cudaIpcOpenMemHandle",
+        [ctypes.POINTER(ctypes.c_void_p), _IpcHandle, ctypes.c_uint],
+        ctypes.byref(ptr),
+        raw,
+        1,
+    )  # 1: cudaIpcMemLazyEnablePeerAccess
     return int(ptr.value)
 
 
@@ -140,8 +168,13 @@ class DeviceBytes:
     that is called with the address once no tensor views it any more."""
 
     def __init__(self, ptr: int, nbytes: int, release: Callable[[int], None] | None = None) -> None:
-        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (nbytes,), "typestr": "|u1",
-                                         "version": 3, "strides": None}
+        self.__cuda_array_interface__ = {
+            "data": (ptr, False),
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "version": 3,
+            "strides": None,
+        }
         if release is not None:
             weakref.finalize(self, release, ptr)
 
@@ -156,4 +189,6 @@ def device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
 def map_ipc_buffer(handle: bytes, nbytes: int) -> torch.Tensor:
     """Another process's `device_buffer`, mapped for the current GPU (closed with the tensor)."""
     ptr = open_ipc_handle(handle)
-    return torch.as_tensor(DeviceBytes(ptr, nbytes, close_ipc_handle), device=torch.cuda.current_device())
+    return torch.as_tensor(
+        DeviceBytes(ptr, nbytes, close_ipc_handle), device=torch.cuda.current_device()
+    )

@@ -18,18 +18,44 @@ SLOT_BLOCK = 1024  # slot-table words per program of host_words_kernel
 # unspecialized, so that the kernels compiled at the engine's start serve every request:
 # on an H100 inside vLLM a request's first store of two chunks took 249 ms, its first
 # partial load 134 ms, each compiling a variant (2026-11-26, serving workload).
-PER_REQUEST = ("slots", "S", "chunk_ptrs", "T", "table", "out", "n", "src", "dst", "table_addr", "runs")
+PER_REQUEST = (
+    "slots",
+    "S",
+    "chunk_ptrs",
+    "T",
+    "table",
+    "out",
+    "n",
+    "src",
+    "dst",
+    "table_addr",
+    "runs",
+)
 
 
 def _jit(fn):
     """triton.jit with the kernel's per-request arguments unspecialized."""
-    args = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+    args = fn.__code__.co_varnames[: fn.__code__.co_argcount]
     return triton.jit(do_not_specialize=[a for a in args if a in PER_REQUEST])(fn)
 
 
 @triton.jit
-def token_addresses(layer0_ptr, layer_ptrs, slot_rows, chunk_ptrs, slots, S, T, C, s_k, s_b, s_n, BS,
-                    K: tl.constexpr, GROUPED: tl.constexpr):
+def token_addresses(
+    layer0_ptr,
+    layer_ptrs,
+    slot_rows,
+    chunk_ptrs,
+    slots,
+    S,
+    T,
+    C,
+    s_k,
+    s_b,
+    s_n,
+    BS,
+    K: tl.constexpr,
+    GROUPED: tl.constexpr,
+):
     """Program (t, l*K + k) of the copy kernels: the page of token t's K-or-V k in layer l,
     its chunk's base address (int64), its row in the chunk (layer l, k, its place in the
     chunk), and whether the token moves at all (slot -1: a token of a cut chunk that stays,
@@ -77,8 +103,9 @@ def kv_copy_kernel(
     BLOCK: tl.constexpr,
     GROUPED: tl.constexpr,  # slots has a row per KV cache group (slot_rows read); else one row
 ):
-    page, chunk, row, here = token_addresses(layer0_ptr, layer_ptrs, slot_rows, chunk_ptrs, slots, S, T, C, s_k, s_b,
-                                             s_n, BS, K, GROUPED)
+    page, chunk, row, here = token_addresses(
+        layer0_ptr, layer_ptrs, slot_rows, chunk_ptrs, slots, S, T, C, s_k, s_b, s_n, BS, K, GROUPED
+    )
     width = tl.where(here, W, 0)
     chunk = chunk.to(tl.pointer_type(layer0_ptr.dtype.element_ty)) + row * W
     for w0 in range(0, W, BLOCK):
@@ -93,7 +120,19 @@ def kv_copy_kernel(
 
 @_jit
 def kv_quant_copy_kernel(
-    layer0_ptr, layer_ptrs, slot_rows, chunk_ptrs, slots, S, T, C, s_k, s_b, s_n, s_h, BS,  # as in kv_copy_kernel
+    layer0_ptr,
+    layer_ptrs,
+    slot_rows,
+    chunk_ptrs,
+    slots,
+    S,
+    T,
+    C,
+    s_k,
+    s_b,
+    s_n,
+    s_h,
+    BS,  # as in kv_copy_kernel
     NH: tl.constexpr,
     D: tl.constexpr,
     NHP: tl.constexpr,  # NH and D rounded up to powers of two: the tile of one token's heads
@@ -106,8 +145,9 @@ def kv_quant_copy_kernel(
 ):
     """Program (t, l*K + k): token t's row of layer l, K-or-V k, in a quantized
     chunk (quant.py): NH*D one-byte values, then NH float32 scales."""
-    page, chunk, r, here = token_addresses(layer0_ptr, layer_ptrs, slot_rows, chunk_ptrs, slots, S, T, C, s_k, s_b,
-                                           s_n, BS, K, GROUPED)
+    page, chunk, r, here = token_addresses(
+        layer0_ptr, layer_ptrs, slot_rows, chunk_ptrs, slots, S, T, C, s_k, s_b, s_n, BS, K, GROUPED
+    )
     heads_here = tl.where(here, NH, 0)
     elem_ty = layer0_ptr.dtype.element_ty
     row = chunk.to(tl.pointer_type(tl.uint8)) + r * (NH * D + 4 * NH)

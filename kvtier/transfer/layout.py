@@ -35,8 +35,8 @@ A chunk in host memory is the contiguous tensor
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -62,16 +62,24 @@ def canonical(t: torch.Tensor, dims: Dims) -> torch.Tensor:
     """`t`, whose dimensions are `dims`, as [K, NB, BS, NH, HS] (a view: no copy).
     A layout without KV (MLA's one latent vector) or without HEADS gets them as
     dimensions of size 1."""
-    if t.dim() != len(dims) or sorted(dims) != sorted(set(dims)) or not set(dims) <= {*CANONICAL, KV_HEAD}:
-        raise ValueError(f"KV layout dims {dims} do not describe a {t.dim()}-D tensor of shape {tuple(t.shape)}")
+    if (
+        t.dim() != len(dims)
+        or sorted(dims) != sorted(set(dims))
+        or not set(dims) <= {*CANONICAL, KV_HEAD}
+    ):
+        raise ValueError(
+            f"KV layout dims {dims} do not describe a {t.dim()}-D tensor of shape {tuple(t.shape)}"
+        )
     if KV_HEAD in dims:
         if KV in dims or HEAD in dims:
             raise ValueError(f"KV layout dims {dims}: {KV_HEAD} holds both {KV} and {HEAD}")
         i = dims.index(KV_HEAD)
         if t.shape[i] % 2:
-            raise ValueError(f"K and V packed in one dimension need an even size, got {t.shape[i]} in {tuple(t.shape)}")
+            raise ValueError(
+                f"K and V packed in one dimension need an even size, got {t.shape[i]} in {tuple(t.shape)}"
+            )
         t = t.unflatten(i, (2, t.shape[i] // 2))
-        dims = (*dims[:i], KV, HEAD, *dims[i + 1:])
+        dims = (*dims[:i], KV, HEAD, *dims[i + 1 :])
     for missing in (d for d in CANONICAL if d not in dims):
         if missing not in (KV, HEADS):
             raise ValueError(f"KV layout dims {dims} lack {missing!r}")
@@ -106,7 +114,9 @@ def _vllm_cpu_vec(t: torch.Tensor, mla: bool) -> tuple[torch.Tensor, torch.Tenso
     token. Returns (K, V), each [NB, BS, NH, HS]."""
     nb, nh, bs, c = t.shape
     if mla or c % 2 or not t.is_contiguous():
-        raise ValueError(f"layout vllm-cpu-vec wants a contiguous non-MLA [NB, NH, BS, 2*HS], got {tuple(t.shape)}")
+        raise ValueError(
+            f"layout vllm-cpu-vec wants a contiguous non-MLA [NB, NH, BS, 2*HS], got {tuple(t.shape)}"
+        )
     halves = t.view(nb, nh, 2, bs * (c // 2))
     k = halves[:, :, 0].view(nb, nh, c // 2, bs).permute(0, 3, 1, 2)
     v = halves[:, :, 1].view(nb, nh, bs, c // 2).permute(0, 2, 1, 3)
@@ -119,7 +129,9 @@ LAYOUTS: dict[str, Canon] = {name: _declared(dims) for name, dims in DECLARED.it
 }
 _NDIM = {name: len(dims) for name, dims in DECLARED.items()} | {"vllm": 4, "vllm-cpu-vec": 4}
 
-Layer = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # [K, NB, BS, NH, HS], or (K, V) each [NB, BS, NH, HS]
+Layer = (
+    torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+)  # [K, NB, BS, NH, HS], or (K, V) each [NB, BS, NH, HS]
 
 
 @dataclass(frozen=True)
@@ -161,15 +173,25 @@ class PagedKV:
                 raise ValueError(
                     f"layout {layout} wants {_NDIM[layout]}-D tensors, got shape {tuple(t.shape)}"
                 )
-        return cls._of(layout, tuple(LAYOUTS[layout](t, mla or layout == "mla") for t in tensors), tensors)
+        return cls._of(
+            layout, tuple(LAYOUTS[layout](t, mla or layout == "mla") for t in tensors), tensors
+        )
 
     @classmethod
-    def _of(cls, layout: str, layers: tuple[Layer, ...], tensors: Sequence[torch.Tensor]) -> PagedKV:
+    def _of(
+        cls, layout: str, layers: tuple[Layer, ...], tensors: Sequence[torch.Tensor]
+    ) -> PagedKV:
         first = _first(layers[0])
         if isinstance(layers[0], torch.Tensor) and first.stride(-1) != 1:
-            raise ValueError("the innermost (head_size) dimension of the KV cache must be contiguous")
+            raise ValueError(
+                "the innermost (head_size) dimension of the KV cache must be contiguous"
+            )
         for t in tensors[1:]:
-            if t.shape != tensors[0].shape or t.stride() != tensors[0].stride() or t.dtype != tensors[0].dtype:
+            if (
+                t.shape != tensors[0].shape
+                or t.stride() != tensors[0].stride()
+                or t.dtype != tensors[0].dtype
+            ):
                 raise ValueError("all KV layers must share shape, strides and dtype")
         return cls(layout, layers)
 
@@ -197,7 +219,9 @@ class PagedKV:
             return t[:, block, offset]
         return torch.stack([t[0][block, offset], t[1][block, offset]])
 
-    def write(self, layer: int, block: torch.Tensor, offset: torch.Tensor, tokens: torch.Tensor) -> None:
+    def write(
+        self, layer: int, block: torch.Tensor, offset: torch.Tensor, tokens: torch.Tensor
+    ) -> None:
         t = self.layers[layer]
         if isinstance(t, torch.Tensor):
             t[:, block, offset] = tokens

@@ -4,7 +4,7 @@ neighbouring blocks), the address tables the kernels read, and digest tables."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -23,8 +23,13 @@ class Staging:
     pool blocks) cross PCIe in one strided copy, whole or one layer at a time.
     """
 
-    def __init__(self, chunks: Sequence[torch.Tensor], device: torch.device, layer_major: bool,
-                 groups: int = 1) -> None:
+    def __init__(
+        self,
+        chunks: Sequence[torch.Tensor],
+        device: torch.device,
+        layer_major: bool,
+        groups: int = 1,
+    ) -> None:
         # Addresses are Python ints until a table is asked for: a load or store of a chat turn
         # builds one of these on vLLM's engine thread, where each small torch op on the host is
         # microseconds (docs/benchmarks.md, 2026-11-29 04:51 UTC: host time a chat request).
@@ -56,19 +61,30 @@ class Staging:
     def ptrs(self, layers: range) -> torch.Tensor:
         """[len(layers), chunks] device addresses of each layer of each chunk."""
         if len(layers) == 1:
-            return torch.tensor([[s + layers.start * step for s, step in zip(self._start, self._layer_step)]],
-                                dtype=torch.int64)
-        return (torch.tensor(self._start, dtype=torch.int64)[None, :]
-                + torch.arange(layers.start, layers.stop)[:, None] * torch.tensor(self._layer_step)[None, :])
+            return torch.tensor(
+                [[s + layers.start * step for s, step in zip(self._start, self._layer_step)]],
+                dtype=torch.int64,
+            )
+        return (
+            torch.tensor(self._start, dtype=torch.int64)[None, :]
+            + torch.arange(layers.start, layers.stop)[:, None]
+            * torch.tensor(self._layer_step)[None, :]
+        )
 
     def digest_tables(self, by_layer: bool) -> torch.Tensor:
         """(address, bytes, first word) of each chunk in staging: [1, chunks, 3] whole,
         or [L, chunks, 3] layer by layer (layer-major staging), for DigestTables."""
         if not by_layer:
-            return torch.tensor([[(s, b, 0) for s, b in zip(self._start, self.chunk_bytes)]], dtype=torch.int64)
+            return torch.tensor(
+                [[(s, b, 0) for s, b in zip(self._start, self.chunk_bytes)]], dtype=torch.int64
+            )
         starts = torch.tensor(self._start, dtype=torch.int64)
-        return layer_tables(starts, torch.tensor(self._layer_step, dtype=torch.int64), self.layer_bytes,
-                            self.chunks[0].shape[0])
+        return layer_tables(
+            starts,
+            torch.tensor(self._layer_step, dtype=torch.int64),
+            self.layer_bytes,
+            self.chunks[0].shape[0],
+        )
 
     def run_table(self, layer: int | None = None, group: int = 0) -> list[tuple[int, ...]]:
         """The runs of a group (chunk-major, whole chunks) or of one layer (layer-major):
@@ -78,10 +94,14 @@ class Staging:
         for first, count, pitch in self.runs[group]:
             width = self.chunk_bytes[first] if layer is None else self.layer_bytes[first]
             host = self.chunks[first].data_ptr() + (0 if layer is None else layer * width)
-            out.append((host, self._at(0 if layer is None else layer, first), pitch, width, width, count))
+            out.append(
+                (host, self._at(0 if layer is None else layer, first), pitch, width, width, count)
+            )
         return out
 
-    def copy(self, to_host: bool, stream: torch.cuda.Stream, layer: int | None = None, group: int = 0) -> None:
+    def copy(
+        self, to_host: bool, stream: torch.cuda.Stream, layer: int | None = None, group: int = 0
+    ) -> None:
         """The runs of `run_table(layer, group)` between staging and host, by the copy engine."""
         for host, dev, host_pitch, dev_pitch, width, rows in self.run_table(layer, group):
             if to_host:
@@ -95,9 +115,22 @@ class Upload:
     stream, before the slots they go to are known (a hit, at the scheduler's lookup). A
     scatter given it queues only its kernels; the staging lives as long as this does."""
 
-    def __init__(self, staging: Staging, ptrs: torch.Tensor, sums: DigestTables | None,
-                 landed: list[torch.cuda.Event], layer_major: bool, keep: object = None) -> None:
-        self.staging, self.ptrs, self.sums, self.landed, self.layer_major = staging, ptrs, sums, landed, layer_major
+    def __init__(
+        self,
+        staging: Staging,
+        ptrs: torch.Tensor,
+        sums: DigestTables | None,
+        landed: list[torch.cuda.Event],
+        layer_major: bool,
+        keep: object = None,
+    ) -> None:
+        self.staging, self.ptrs, self.sums, self.landed, self.layer_major = (
+            staging,
+            ptrs,
+            sums,
+            landed,
+            layer_major,
+        )
         self._keep = keep  # what the copies read besides the chunks (a kernel's pinned run table)
 
     def chunks(self) -> list[torch.Tensor]:
@@ -110,11 +143,14 @@ class Upload:
 
 
 def whole_table(starts: torch.Tensor, nbytes: Sequence[int]) -> torch.Tensor:
-    return torch.stack([starts, torch.tensor(nbytes, dtype=torch.int64), torch.zeros_like(starts)], 1)[None]
+    return torch.stack(
+        [starts, torch.tensor(nbytes, dtype=torch.int64), torch.zeros_like(starts)], 1
+    )[None]
 
 
-def layer_tables(starts: torch.Tensor, layer_step: torch.Tensor, layer_bytes: Sequence[int], layers: int
-                  ) -> torch.Tensor:
+def layer_tables(
+    starts: torch.Tensor, layer_step: torch.Tensor, layer_bytes: Sequence[int], layers: int
+) -> torch.Tensor:
     layer = torch.arange(layers, dtype=torch.int64)[:, None]
     size = torch.tensor(layer_bytes, dtype=torch.int64)[None, :].expand(layers, -1)
     return torch.stack([starts[None, :] + layer * layer_step[None, :], size, layer * size // 4], 2)
@@ -146,12 +182,17 @@ class DigestTables:
         table = self.dev[rows.start : rows.stop, pick]
         n = table.shape[1]
         if table.numel() and self.blocks:
-            digest_kernel[(len(rows) * n, self.blocks)](table.reshape(-1, 3), out[pick], n,
-                                                         A=DIGEST_A, B=DIGEST_B, BLOCK=DIGEST_BLOCK)
+            digest_kernel[(len(rows) * n, self.blocks)](
+                table.reshape(-1, 3), out[pick], n, A=DIGEST_A, B=DIGEST_B, BLOCK=DIGEST_BLOCK
+            )
 
 
-def runs(chunks: Sequence[torch.Tensor], order: Sequence[int], sizes: Sequence[int],
-         host: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
+def runs(
+    chunks: Sequence[torch.Tensor],
+    order: Sequence[int],
+    sizes: Sequence[int],
+    host: Sequence[int] | None = None,
+) -> list[tuple[int, int, int]]:
     """(first chunk, count, pitch) of runs, walking `order` (chunks by host address),
     of equal-sized chunks at equal distances in one allocation (a strided copy may
     not cross from one allocation into another, even where their addresses touch).
@@ -164,8 +205,12 @@ def runs(chunks: Sequence[torch.Tensor], order: Sequence[int], sizes: Sequence[i
         if runs:
             first, count, pitch = runs[-1]
             step = host[c] - host[prev]
-            if (storage == prev_storage and sizes[c] == sizes[first] and step >= sizes[first]
-                    and (count == 1 or step == pitch)):
+            if (
+                storage == prev_storage
+                and sizes[c] == sizes[first]
+                and step >= sizes[first]
+                and (count == 1 or step == pitch)
+            ):
                 runs[-1] = (first, count + 1, step)
                 prev = c
                 continue
@@ -206,8 +251,9 @@ def run_table(parts: list[list[tuple[int, ...]]]) -> list[tuple[torch.Tensor, in
     engine moves those)."""
     if any(x % 8 for part in parts for run in part for x in run[:5]):
         return None
-    table = torch.tensor([(*run[:4], run[4] // 8, run[5]) for part in parts for run in part],
-                         dtype=torch.int64).pin_memory()
+    table = torch.tensor(
+        [(*run[:4], run[4] // 8, run[5]) for part in parts for run in part], dtype=torch.int64
+    ).pin_memory()
     out, first = [], 0
     for part in parts:
         out.append((table, first, len(part)))
@@ -218,14 +264,21 @@ def run_table(parts: list[list[tuple[int, ...]]]) -> list[tuple[torch.Tensor, in
 def runs_up(table: torch.Tensor, first: int, runs: int, programs: int = RUN_PROGRAMS) -> None:
     """host_runs_kernel over runs [first, first + runs) of `table`, on the current stream."""
     if runs:
-        host_runs_kernel[(programs,)](table.data_ptr() + first * 48, runs, BLOCK=RUN_BLOCK, num_warps=8)
+        host_runs_kernel[(programs,)](
+            table.data_ptr() + first * 48, runs, BLOCK=RUN_BLOCK, num_warps=8
+        )
 
 
 class LayerEvents:
     """A layerwise scatter in flight: one CUDA event per layer."""
 
     def __init__(self, events: list, stream, copies, keepalive: object) -> None:
-        self._events, self._stream, self._copies, self._keepalive = events, stream, copies, keepalive
+        self._events, self._stream, self._copies, self._keepalive = (
+            events,
+            stream,
+            copies,
+            keepalive,
+        )
 
     def wait(self, layer: int) -> None:
         torch.cuda.current_stream(self._stream.device).wait_event(self._events[layer])

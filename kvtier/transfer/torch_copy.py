@@ -6,7 +6,7 @@ device copy), and the fallback where Triton is absent.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -33,8 +33,14 @@ class TorchTransfer:
         row = self.kv.slot_rows[layer]
         return row, slots[row]
 
-    def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
-               digests: None = None, wait: bool = True) -> None:
+    def gather(
+        self,
+        slots: torch.Tensor,
+        chunks: Sequence[torch.Tensor],
+        layers: range | None = None,
+        digests: None = None,
+        wait: bool = True,
+    ) -> None:
         """Copy the KV of `slots` into `chunks` ([L, K, T_i, H, D], in order), all layers or
         `layers`, whatever `wait` says (nothing runs beside the caller).
         A token at slot -1 (grouped KV: a page its group no longer keeps) gets whatever
@@ -56,21 +62,37 @@ class TorchTransfer:
                 else:
                     chunk[layer_idx].copy_(tokens[:, start : start + n], non_blocking=True)
                 start += n
-        if self.kv.device.type == "cuda":  # (the fallback where Triton is absent) the chunks are read next
+        if (
+            self.kv.device.type == "cuda"
+        ):  # (the fallback where Triton is absent) the chunks are read next
             torch.cuda.current_stream(self.kv.device).synchronize()
 
-    def gather_addressed(self, slots: torch.Tensor, addresses: Sequence[int], chunk_tokens: int) -> None:
+    def gather_addressed(
+        self, slots: torch.Tensor, addresses: Sequence[int], chunk_tokens: int
+    ) -> None:
         """Indexing takes tensors, not addresses: the caller gathers into views (`gather`)."""
         return None
 
-    def upload(self, chunks: Sequence[torch.Tensor], layer_major: bool = False, digests: bool = False,
-               beside: bool = False) -> None:
+    def upload(
+        self,
+        chunks: Sequence[torch.Tensor],
+        layer_major: bool = False,
+        digests: bool = False,
+        beside: bool = False,
+    ) -> None:
         """Nothing to queue ahead: the copies happen in `scatter`."""
         return None
 
-    def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
-                wait: bool = True, digests: None = None, upload: None = None, beside: bool = False
-                ) -> Callable[[], None]:
+    def scatter(
+        self,
+        slots: torch.Tensor,
+        chunks: Sequence[torch.Tensor],
+        layers: range | None = None,
+        wait: bool = True,
+        digests: None = None,
+        upload: None = None,
+        beside: bool = False,
+    ) -> Callable[[], None]:
         """Copy `chunks` back into the KV pages at `slots` (all layers, or `layers`); slot -1 is skipped.
         The copies are synchronous here, whatever `wait` and `beside` say."""
         _no_digests(digests)
@@ -90,20 +112,28 @@ class TorchTransfer:
             self.kv.write(layer_idx, block, offset, tokens.to(self.kv.device, non_blocking=True))
         return _done
 
-    def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
-                          digests: None = None, upload: None = None) -> LazyLayers:
+    def scatter_layerwise(
+        self,
+        slots: torch.Tensor,
+        chunks: Sequence[torch.Tensor],
+        digests: None = None,
+        upload: None = None,
+    ) -> LazyLayers:
         _no_digests(digests)
         return LazyLayers(self, slots, chunks)
 
-    def gather_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
-                         digests: None = None) -> EagerSaves:
+    def gather_layerwise(
+        self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], digests: None = None
+    ) -> EagerSaves:
         _no_digests(digests)
         return EagerSaves(self, slots, chunks)
 
 
 def _no_digests(digests: object) -> None:
     if digests is not None:
-        raise ValueError("KV digests are summed by the Triton transfer on a GPU, not by the torch one")
+        raise ValueError(
+            "KV digests are summed by the Triton transfer on a GPU, not by the torch one"
+        )
 
 
 def _done() -> None:
@@ -114,7 +144,9 @@ class EagerSaves:
     """Layerwise gather with no device to overlap with: layer l is copied
     when `save(l)` is called."""
 
-    def __init__(self, transfer: TorchTransfer, slots: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, transfer: TorchTransfer, slots: torch.Tensor, chunks: Sequence[torch.Tensor]
+    ) -> None:
         self._transfer, self._slots, self._chunks = transfer, slots, list(chunks)
         self._saved = [False] * transfer.kv.num_layers
 

@@ -39,7 +39,7 @@ host chunks hold the quantized bytes. Correctness is also checked on CPU with TR
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
@@ -47,41 +47,65 @@ import triton
 from kvtier.transfer import cudart
 from kvtier.transfer.addressed import AddressedGather
 from kvtier.transfer.base import InFlight, LayerHandle
-from kvtier.transfer.kernels import SLOT_BLOCK, host_words_kernel, kv_copy_kernel, kv_quant_copy_kernel
+from kvtier.transfer.kernels import (
+    SLOT_BLOCK,
+    host_words_kernel,
+    kv_copy_kernel,
+    kv_quant_copy_kernel,
+)
 from kvtier.transfer.layout import PagedKV
 from kvtier.transfer.quant import Quant
-from kvtier.transfer.staging import DigestTables, LayerEvents, Staging, Upload, host_tables, run_table, runs_up, waiter
+from kvtier.transfer.staging import (
+    DigestTables,
+    LayerEvents,
+    Staging,
+    Upload,
+    host_tables,
+    run_table,
+    runs_up,
+    waiter,
+)
 
 GROUPS = 4  # whole transfers: kernel of group g+1 runs while group g crosses PCIe
 DIGEST_LAYERS = 8  # layers summed per digest launch of a layerwise scatter
+
 
 class TritonTransfer:
     """Triton gather/scatter; `direct` kernels touch pinned host chunks."""
 
     name = "triton"
 
-    def __init__(self, kv: PagedKV, *, direct: bool = False, quant: Quant | None = None,
-                 upload: str = "auto") -> None:
+    def __init__(
+        self, kv: PagedKV, *, direct: bool = False, quant: Quant | None = None, upload: str = "auto"
+    ) -> None:
         self.kv = kv
         self.direct = direct
         self.upload_mode = upload
         self.quant = quant
         first = kv.layers[0]
         self._strides = first.stride()[:4]
-        self._layer_ptrs = torch.tensor([t.data_ptr() for t in kv.layers], dtype=torch.int64, device=kv.device)
+        self._layer_ptrs = torch.tensor(
+            [t.data_ptr() for t in kv.layers], dtype=torch.int64, device=kv.device
+        )
         # each layer's row of a [G, T] slot table (PagedKV.grouped; all 0 for one group)
-        self._slot_rows = torch.tensor(kv.slot_rows or [0] * kv.num_layers, dtype=torch.int32, device=kv.device)
+        self._slot_rows = torch.tensor(
+            kv.slot_rows or [0] * kv.num_layers, dtype=torch.int32, device=kv.device
+        )
         # Per-layer launches pass one of these; slicing anew per launch is host time
         # in front of a forward pass that is itself host-bound.
-        self._one_layer = [(self._layer_ptrs[i : i + 1], self._slot_rows[i : i + 1]) for i in range(kv.num_layers)]
+        self._one_layer = [
+            (self._layer_ptrs[i : i + 1], self._slot_rows[i : i + 1]) for i in range(kv.num_layers)
+        ]
         w = kv.heads * kv.head_size
         self._block = min(triton.next_power_of_2(w), 4096)
         on_cuda = kv.device.type == "cuda"
         self._stream = torch.cuda.Stream(kv.device) if on_cuda else None  # kernels
         self._copies = torch.cuda.Stream(kv.device) if on_cuda else None  # PCIe copies
         if on_cuda and not cudart.available():
-            raise RuntimeError("the Triton transfer needs cudaMemcpy2DAsync from the CUDA runtime torch loaded, "
-                               "and found no libcudart in this process; use transfer='torch'")
+            raise RuntimeError(
+                "the Triton transfer needs cudaMemcpy2DAsync from the CUDA runtime torch loaded, "
+                "and found no libcudart in this process; use transfer='torch'"
+            )
 
     # -- building blocks -----------------------------------------------------------
 
@@ -92,9 +116,18 @@ class TritonTransfer:
         slots = slots.to(torch.int64).contiguous()  # [G, T]: a slice of a wider table is not
         if self.kv.device.type == "cuda":
             slots, ptrs = slots.pin_memory(), ptrs.pin_memory()
-        return slots.to(self.kv.device, non_blocking=True), ptrs.to(self.kv.device, non_blocking=True)
+        return slots.to(self.kv.device, non_blocking=True), ptrs.to(
+            self.kv.device, non_blocking=True
+        )
 
-    def _kernel(self, slots: torch.Tensor, ptrs: torch.Tensor, chunk_size: int, to_chunk: bool, layers: range) -> None:
+    def _kernel(
+        self,
+        slots: torch.Tensor,
+        ptrs: torch.Tensor,
+        chunk_size: int,
+        to_chunk: bool,
+        layers: range,
+    ) -> None:
         """One launch over `layers`; ptrs[c] is where chunk c's first layer of `layers` is.
         `slots`: [T], or [G, T] for grouped KV (any row stride: a slice of a wider table)."""
         kv = self.kv
@@ -102,28 +135,72 @@ class TritonTransfer:
         row_stride = slots.stride(0) if slots.dim() == 2 else 0
         s_k, s_b, s_n, s_h = self._strides
         grid = (total, len(layers) * kv.kv)
-        tables, rows = (self._one_layer[layers.start] if len(layers) == 1 else
-                        (self._layer_ptrs[layers.start : layers.stop], self._slot_rows[layers.start : layers.stop]))
+        tables, rows = (
+            self._one_layer[layers.start]
+            if len(layers) == 1
+            else (
+                self._layer_ptrs[layers.start : layers.stop],
+                self._slot_rows[layers.start : layers.stop],
+            )
+        )
         if self.quant is not None:
             q = self.quant
             kv_quant_copy_kernel[grid](
-                kv.layers[0], tables, rows, ptrs, slots, row_stride, total, chunk_size, s_k, s_b, s_n, s_h,
+                kv.layers[0],
+                tables,
+                rows,
+                ptrs,
+                slots,
+                row_stride,
+                total,
+                chunk_size,
+                s_k,
+                s_b,
+                s_n,
+                s_h,
                 kv.block_size,
-                NH=kv.heads, D=kv.head_size, NHP=triton.next_power_of_2(kv.heads),
-                DP=triton.next_power_of_2(kv.head_size), K=kv.kv, TO_CHUNK=to_chunk, FP8=q.name == "fp8",
-                QMAX=q.qmax, GROUPED=slots.dim() == 2,
+                NH=kv.heads,
+                D=kv.head_size,
+                NHP=triton.next_power_of_2(kv.heads),
+                DP=triton.next_power_of_2(kv.head_size),
+                K=kv.kv,
+                TO_CHUNK=to_chunk,
+                FP8=q.name == "fp8",
+                QMAX=q.qmax,
+                GROUPED=slots.dim() == 2,
             )
             return
         kv_copy_kernel[grid](
-            kv.layers[0], tables, rows, ptrs, slots, row_stride, total, chunk_size,
-            s_k, s_b, s_n, s_h, kv.block_size, kv.heads * kv.head_size, kv.head_size,
-            K=kv.kv, TO_CHUNK=to_chunk, BLOCK=self._block, GROUPED=slots.dim() == 2,
+            kv.layers[0],
+            tables,
+            rows,
+            ptrs,
+            slots,
+            row_stride,
+            total,
+            chunk_size,
+            s_k,
+            s_b,
+            s_n,
+            s_h,
+            kv.block_size,
+            kv.heads * kv.head_size,
+            kv.head_size,
+            K=kv.kv,
+            TO_CHUNK=to_chunk,
+            BLOCK=self._block,
+            GROUPED=slots.dim() == 2,
         )
 
     def _host_ptrs(self, chunks: Sequence[torch.Tensor], layers: range) -> torch.Tensor:
         starts = torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64)
-        layer_bytes = torch.tensor([c[0].numel() * c.element_size() for c in chunks], dtype=torch.int64)
-        return starts[None, :] + torch.arange(layers.start, layers.stop)[:, None] * layer_bytes[None, :]
+        layer_bytes = torch.tensor(
+            [c[0].numel() * c.element_size() for c in chunks], dtype=torch.int64
+        )
+        return (
+            starts[None, :]
+            + torch.arange(layers.start, layers.stop)[:, None] * layer_bytes[None, :]
+        )
 
     def _digest_tables(self, tables: torch.Tensor) -> DigestTables:
         return DigestTables(tables, self.kv.device, upload=self._stream is not None)
@@ -134,22 +211,39 @@ class TritonTransfer:
             return False
         return not (self.direct and all(c.is_pinned() for c in chunks))
 
-    def _layerwise_tables(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]
-                          ) -> tuple[Staging | None, torch.Tensor, torch.Tensor]:
+    def _layerwise_tables(
+        self, slots: torch.Tensor, chunks: Sequence[torch.Tensor]
+    ) -> tuple[Staging | None, torch.Tensor, torch.Tensor]:
         """Layer-major staging (None where the kernel reaches the chunks itself)
         and the device slot table and [layer, chunk] address table; on the
         current stream."""
         layers = range(self.kv.num_layers)
-        staging = Staging(chunks, self.kv.device, layer_major=True) if self._staged(chunks) else None
-        dev_slots, ptrs = self._upload(slots, staging.ptrs(layers) if staging else self._host_ptrs(chunks, layers))
+        staging = (
+            Staging(chunks, self.kv.device, layer_major=True) if self._staged(chunks) else None
+        )
+        dev_slots, ptrs = self._upload(
+            slots, staging.ptrs(layers) if staging else self._host_ptrs(chunks, layers)
+        )
         return staging, dev_slots, ptrs
 
-    def _in_place(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], to_chunk: bool, layers: range,
-                  digests: torch.Tensor | None = None) -> None:
+    def _in_place(
+        self,
+        slots: torch.Tensor,
+        chunks: Sequence[torch.Tensor],
+        to_chunk: bool,
+        layers: range,
+        digests: torch.Tensor | None = None,
+    ) -> None:
         """Chunks the kernel reaches itself (device memory, the interpreter, pinned with `direct`):
         one launch on the current stream (and the digests of the chunks, whole)."""
-        dev_slots, ptrs = self._upload(slots, self._host_ptrs(chunks, range(layers.start, layers.start + 1)))
-        sums = self._digest_tables(host_tables(chunks, by_layer=False)) if digests is not None else None
+        dev_slots, ptrs = self._upload(
+            slots, self._host_ptrs(chunks, range(layers.start, layers.start + 1))
+        )
+        sums = (
+            self._digest_tables(host_tables(chunks, by_layer=False))
+            if digests is not None
+            else None
+        )
         if sums is not None and not to_chunk:
             sums.add(digests)
         self._kernel(dev_slots, ptrs[0], chunks[0].shape[2], to_chunk, layers)
@@ -158,8 +252,13 @@ class TritonTransfer:
 
     # -- whole transfers -------------------------------------------------------------
 
-    def gather(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], digests: torch.Tensor | None = None,
-               wait: bool = True) -> InFlight | None:
+    def gather(
+        self,
+        slots: torch.Tensor,
+        chunks: Sequence[torch.Tensor],
+        digests: torch.Tensor | None = None,
+        wait: bool = True,
+    ) -> InFlight | None:
         """Fill `chunks` with the KV of `slots` (base.Transfer.gather); a kernel per group of
         chunks, each group's copy to the host behind it. `digests` (int64 zeros on the device,
         one per chunk): their KV digests are added there."""
@@ -172,52 +271,90 @@ class TritonTransfer:
         with torch.cuda.stream(self._stream):
             staging = Staging(chunks, self.kv.device, layer_major=False, groups=GROUPS)
             dev_slots, ptrs = self._upload(slots, staging.ptrs(range(1))[0])
-            sums = self._digest_tables(staging.digest_tables(by_layer=False)) if digests is not None else None
+            sums = (
+                self._digest_tables(staging.digest_tables(by_layer=False))
+                if digests is not None
+                else None
+            )
             size = chunks[0].shape[2]
             for g, group in enumerate(staging.groups):
                 a, b = group.start * size, min(group.stop * size, slots.shape[-1])
-                self._kernel(dev_slots[..., a:b], ptrs[group.start : group.stop], size, True, layers)
+                self._kernel(
+                    dev_slots[..., a:b], ptrs[group.start : group.stop], size, True, layers
+                )
                 if sums is not None:
                     sums.add(digests, chunks=group)
                 self._copies.wait_stream(self._stream)
                 staging.copy(to_host=True, stream=self._copies, group=g)
         if wait:
             return self._copies.synchronize()
-        current.wait_stream(self._stream)  # the kernels read the pages before anything later writes them
+        current.wait_stream(
+            self._stream
+        )  # the kernels read the pages before anything later writes them
         return InFlight(self._copies.record_event(), keep=(staging, dev_slots, ptrs, sums))
 
-    def gather_addressed(self, slots: torch.Tensor, addresses: Sequence[int], chunk_tokens: int) -> AddressedGather:
+    def gather_addressed(
+        self, slots: torch.Tensor, addresses: Sequence[int], chunk_tokens: int
+    ) -> AddressedGather:
         """Both tables go up now, on the current stream; each `launch` is one kernel."""
         dev_slots, ptrs = self._upload(slots, torch.tensor(addresses, dtype=torch.int64))
         layers = range(self.kv.num_layers)
-        return AddressedGather(lambda s, p: self._kernel(s, p, chunk_tokens, True, layers), dev_slots, ptrs,
-                               chunk_tokens)
+        return AddressedGather(
+            lambda s, p: self._kernel(s, p, chunk_tokens, True, layers),
+            dev_slots,
+            ptrs,
+            chunk_tokens,
+        )
 
-    def upload(self, chunks: Sequence[torch.Tensor], layer_major: bool = False, digests: bool = False,
-               beside: bool = False) -> Upload | None:
+    def upload(
+        self,
+        chunks: Sequence[torch.Tensor],
+        layer_major: bool = False,
+        digests: bool = False,
+        beside: bool = False,
+    ) -> Upload | None:
         """Queue the copies of host chunks into device staging now (Transfer.upload), in groups
         or layer by layer; None where the kernels read them in place. Not after the caller's
         stream (staging is this transfer's). By kernel with gpu_upload `kernel`, or `auto` where
         they overlap forwards (layer-major, `beside`): the copy engine stays free for theirs."""
         if not self._staged(chunks):
             return None
-        with torch.cuda.device(self.kv.device):  # the caller may be a thread whose current device is another
-            self._copies.wait_stream(self._stream)  # staging memory may still be read by earlier kernels
+        with torch.cuda.device(
+            self.kv.device
+        ):  # the caller may be a thread whose current device is another
+            self._copies.wait_stream(
+                self._stream
+            )  # staging memory may still be read by earlier kernels
             with torch.cuda.stream(self._stream):
-                staging = Staging(chunks, self.kv.device, layer_major=layer_major,
-                                   groups=1 if layer_major else GROUPS)
+                staging = Staging(
+                    chunks,
+                    self.kv.device,
+                    layer_major=layer_major,
+                    groups=1 if layer_major else GROUPS,
+                )
                 # The tables go up first: the copy engine takes host-to-device copies in the
                 # order they are queued, so tables queued behind the chunks would hold every
                 # kernel until all chunks had crossed (the slots: _slots_up).
                 layers = range(self.kv.num_layers)
                 table = staging.ptrs(layers) if layer_major else staging.ptrs(range(1))[0]
                 ptrs = table.pin_memory().to(self.kv.device, non_blocking=True)
-                sums = self._digest_tables(staging.digest_tables(by_layer=layer_major)) if digests else None
+                sums = (
+                    self._digest_tables(staging.digest_tables(by_layer=layer_major))
+                    if digests
+                    else None
+                )
                 # What each part (a layer of every chunk, or a group of whole chunks) moves.
-                parts = ([{"layer": layer} for layer in layers] if layer_major
-                         else [{"group": g} for g in range(len(staging.groups))])
-                by_kernel = self.upload_mode == "kernel" or (self.upload_mode == "auto" and (layer_major or beside))
-                runs = run_table([staging.run_table(**part) for part in parts]) if by_kernel else None
+                parts = (
+                    [{"layer": layer} for layer in layers]
+                    if layer_major
+                    else [{"group": g} for g in range(len(staging.groups))]
+                )
+                by_kernel = self.upload_mode == "kernel" or (
+                    self.upload_mode == "auto" and (layer_major or beside)
+                )
+                runs = (
+                    run_table([staging.run_table(**part) for part in parts]) if by_kernel else None
+                )
                 landed = []
                 for k, part in enumerate(parts):
                     if runs is not None:
@@ -236,13 +373,21 @@ class TritonTransfer:
         host = slots.to(torch.int64).contiguous().pin_memory()
         dev = torch.empty(host.shape, dtype=torch.int64, device=self.kv.device)
         if host.numel():
-            host_words_kernel[(triton.cdiv(host.numel(), SLOT_BLOCK),)](host.data_ptr(), dev, host.numel(),
-                                                                         BLOCK=SLOT_BLOCK)
+            host_words_kernel[(triton.cdiv(host.numel(), SLOT_BLOCK),)](
+                host.data_ptr(), dev, host.numel(), BLOCK=SLOT_BLOCK
+            )
         return dev, host
 
-    def scatter(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], layers: range | None = None,
-                wait: bool = True, digests: torch.Tensor | None = None, upload: Upload | None = None,
-                beside: bool = False) -> Callable[[], None]:
+    def scatter(
+        self,
+        slots: torch.Tensor,
+        chunks: Sequence[torch.Tensor],
+        layers: range | None = None,
+        wait: bool = True,
+        digests: torch.Tensor | None = None,
+        upload: Upload | None = None,
+        beside: bool = False,
+    ) -> Callable[[], None]:
         """Write `chunks` into the KV pages; the current stream is ordered after it.
 
         `layers` (device-resident or interpreter chunks only) limits the write to those layers.
@@ -253,7 +398,9 @@ class TritonTransfer:
         Returns what waits for the copies out of the host chunks (done already with `wait`)."""
         layers = layers or range(self.kv.num_layers)
         if not self._staged(chunks):
-            return self._unstaged(lambda: self._in_place(slots, chunks, False, layers, digests), chunks, wait)
+            return self._unstaged(
+                lambda: self._in_place(slots, chunks, False, layers, digests), chunks, wait
+            )
         if len(layers) != self.kv.num_layers:
             raise ValueError("a layer range is for device-resident chunks; use scatter_layerwise")
         if upload is None:
@@ -271,13 +418,17 @@ class TritonTransfer:
                 if upload.sums is not None:
                     upload.sums.add(digests, chunks=group)
                 a, b = group.start * size, min(group.stop * size, slots.shape[-1])
-                self._kernel(dev_slots[..., a:b], upload.ptrs[group.start : group.stop], size, False, layers)
+                self._kernel(
+                    dev_slots[..., a:b], upload.ptrs[group.start : group.stop], size, False, layers
+                )
         current.wait_stream(stream)
         # The caller releases the host blocks once the copies out of them are done (the kernels
         # waited for them); staging and the pinned slot table live until then.
         return waiter(stream, wait, keep=(upload, host_slots))
 
-    def _unstaged(self, work, chunks: Sequence[torch.Tensor], wait: bool = True) -> Callable[[], None]:
+    def _unstaged(
+        self, work, chunks: Sequence[torch.Tensor], wait: bool = True
+    ) -> Callable[[], None]:
         """Device chunks (and the interpreter's): on the current stream.
         `direct` host chunks: on the side stream, waited for (now or by the
         returned function), since the caller frees or reads the chunks next."""
@@ -293,8 +444,13 @@ class TritonTransfer:
 
     # -- layer by layer ------------------------------------------------------------------
 
-    def scatter_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
-                          digests: torch.Tensor | None = None, upload: Upload | None = None) -> LayerHandle:
+    def scatter_layerwise(
+        self,
+        slots: torch.Tensor,
+        chunks: Sequence[torch.Tensor],
+        digests: torch.Tensor | None = None,
+        upload: Upload | None = None,
+    ) -> LayerHandle:
         """Start writing `chunks` layer by layer; wait(l) orders the caller after layer l.
 
         Every layer's work is queued at once: layer l of every chunk crosses
@@ -324,7 +480,11 @@ class TritonTransfer:
                 ptrs, sums = upload.ptrs, upload.sums
             else:  # the kernels read the chunks where they are
                 _, dev_slots, ptrs = self._layerwise_tables(slots, chunks)
-                sums = None if digests is None else self._digest_tables(host_tables(chunks, by_layer=True))
+                sums = (
+                    None
+                    if digests is None
+                    else self._digest_tables(host_tables(chunks, by_layer=True))
+                )
             summed = 0  # layers whose digests are queued
             for layer, row in zip(layers, ptrs.unbind(0)):
                 if upload is not None:
@@ -332,7 +492,9 @@ class TritonTransfer:
                 self._kernel(dev_slots, row, chunks[0].shape[2], False, range(layer, layer + 1))
                 events.append(torch.cuda.Event())
                 events[-1].record(self._stream)
-                if sums is not None and (layer + 1 - summed == DIGEST_LAYERS or layer >= layers[-1] - 1):
+                if sums is not None and (
+                    layer + 1 - summed == DIGEST_LAYERS or layer >= layers[-1] - 1
+                ):
                     # Behind the layer's event, so that no forward waits for it; several layers per
                     # launch (each launch is host time in front of the forward), the last one alone
                     # (what runs after the last layer lands, `finish()` waits for).
@@ -340,8 +502,12 @@ class TritonTransfer:
                     summed = layer + 1
         return LayerEvents(events, self._stream, self._copies, (upload, keep))
 
-    def gather_layerwise(self, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
-                         digests: torch.Tensor | None = None) -> LayerSaves:
+    def gather_layerwise(
+        self,
+        slots: torch.Tensor,
+        chunks: Sequence[torch.Tensor],
+        digests: torch.Tensor | None = None,
+    ) -> LayerSaves:
         """A gather the caller drives layer by layer: `save(l)` once layer l's
         KV is written (on the current stream) queues its gather and copy to
         the host behind it; `finish()` returns once the saved layers have landed.
@@ -352,17 +518,29 @@ class TritonTransfer:
 class LayerSaves:
     """A layerwise gather: layer l moves when `save(l)` says it is computed."""
 
-    def __init__(self, transfer: TritonTransfer, slots: torch.Tensor, chunks: Sequence[torch.Tensor],
-                 digests: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        transfer: TritonTransfer,
+        slots: torch.Tensor,
+        chunks: Sequence[torch.Tensor],
+        digests: torch.Tensor | None = None,
+    ) -> None:
         self._t, self._chunks, self._digests, self._sums = transfer, list(chunks), digests, None
         self._saved = [False] * transfer.kv.num_layers
         self._stream = transfer._stream
         # The interpreter has no stream: its kernels write the host chunks directly.
-        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+        with (
+            torch.cuda.stream(self._stream)
+            if self._stream is not None
+            else contextlib.nullcontext()
+        ):
             self._staging, self._slots, self._ptrs = transfer._layerwise_tables(slots, chunks)
             if digests is not None:
-                self._sums = transfer._digest_tables(self._staging.digest_tables(by_layer=True) if self._staging
-                                                     else host_tables(self._chunks, by_layer=True))
+                self._sums = transfer._digest_tables(
+                    self._staging.digest_tables(by_layer=True)
+                    if self._staging
+                    else host_tables(self._chunks, by_layer=True)
+                )
 
     def save(self, layer: int) -> None:
         if self._saved[layer]:
@@ -391,10 +569,14 @@ class LayerSaves:
     def finish_later(self) -> InFlight | None:
         if self._stream is None:
             return None
-        torch.cuda.current_stream(self._t.kv.device).wait_stream(self._stream)  # the gathers read the pages
+        torch.cuda.current_stream(self._t.kv.device).wait_stream(
+            self._stream
+        )  # the gathers read the pages
         last = self._t._copies if self._staging else self._stream
         last.wait_stream(self._stream)
-        return InFlight(last.record_event(), keep=self)  # this saver holds the staging the copies read
+        return InFlight(
+            last.record_event(), keep=self
+        )  # this saver holds the staging the copies read
 
     def unsaved(self) -> list[int]:
         return [layer for layer, saved in enumerate(self._saved) if not saved]

@@ -25,8 +25,11 @@ if __name__ == "__main__":
     size, conns, reps = int(sys.argv[1]), [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3])
     ctx = mp.get_context("spawn")
     targets, procs = {}, []
-    for name, fn, args in [("raw", b.raw_server, (256 * b.MiB,)), ("epoll-1", epoll_servers.serve, ()),
-                           ("epoll-2", epoll_servers.serve_multi, (2,))]:
+    for name, fn, args in [
+        ("raw", b.raw_server, (256 * b.MiB,)),
+        ("epoll-1", epoll_servers.serve, ()),
+        ("epoll-2", epoll_servers.serve_multi, (2,)),
+    ]:
         port = free_port()
         procs.append(ctx.Process(target=fn, args=(port, *args), daemon=True))
         procs[-1].start()
@@ -42,11 +45,21 @@ if __name__ == "__main__":
                 res = {t: [] for t in targets}
                 for _ in range(reps):
                     for t, (kind, addr) in targets.items():
-                        res[t].append(clients.run(c, target=kind, address=addr, op=op, size=size * b.MiB, duration=1.0))
+                        res[t].append(
+                            clients.run(
+                                c, target=kind, address=addr, op=op, size=size * b.MiB, duration=1.0
+                            )
+                        )
                 raw = statistics.median(res["raw"])
-                print(f"{op} {size} MiB x{c}: raw {raw:.2f} " + " ".join(
-                    f"{t} {statistics.median(v):.2f} ({statistics.median(v) / raw:.2f})"
-                    for t, v in res.items() if t != "raw"), flush=True)
+                print(
+                    f"{op} {size} MiB x{c}: raw {raw:.2f} "
+                    + " ".join(
+                        f"{t} {statistics.median(v):.2f} ({statistics.median(v) / raw:.2f})"
+                        for t, v in res.items()
+                        if t != "raw"
+                    ),
+                    flush=True,
+                )
     clients.close()
     for proc in procs:
         proc.terminate()

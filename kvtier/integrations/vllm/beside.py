@@ -23,9 +23,10 @@ vLLM's stream, so the running requests' steps never wait for its copies.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -79,7 +80,9 @@ class BesideLoads:
         beside, after = self._begin(spec)
         beside.future = self._thread.submit(self._run, beside, load, after)
 
-    def start_now(self, spec: TransferSpec, queue: Callable[[Beside], Any], land: Callable[[Beside, Any], int]) -> None:
+    def start_now(
+        self, spec: TransferSpec, queue: Callable[[Beside], Any], land: Callable[[Beside, Any], int]
+    ) -> None:
         beside, after = self._begin(spec)
         try:
             queued = self._run(beside, queue, after)
@@ -99,7 +102,9 @@ class BesideLoads:
         beside = self._loads[spec.req_id] = Beside(spec, on_gpu=after is not None)
         return beside, after
 
-    def _run(self, beside: Beside, work: Callable[[Beside], Any], after: torch.cuda.Event | None) -> Any:
+    def _run(
+        self, beside: Beside, work: Callable[[Beside], Any], after: torch.cuda.Event | None
+    ) -> Any:
         if after is None:
             return work(beside)
         self.stream.wait_event(after)
@@ -139,7 +144,9 @@ class BesideLoads:
                 stream.wait_event(event)
                 self._landing.append((event, future))
             elif future.exception() is not None:  # after its copies were queued: a CUDA error
-                log.error("a load beside the steps failed after it was reported: %s", future.exception())
+                log.error(
+                    "a load beside the steps failed after it was reported: %s", future.exception()
+                )
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
@@ -148,7 +155,15 @@ class BesideLoads:
 def _say_reported(beside: Beside, loaded: int, done: bool) -> None:
     """One line a load: when its copies were queued and when vLLM hears of it, from its
     start_load_kv (the step boundaries a load waits for show here)."""
-    queued = f"copies queued at {beside.queued_s * 1e3:.1f} ms, " if beside.queued_s is not None else ""
-    log.info("request %s: %d of %d tokens loaded beside the steps: %sreported to vLLM at %.1f ms%s",
-             beside.spec.req_id, loaded, beside.spec.end - beside.spec.start, queued,
-             (time.perf_counter() - beside.started) * 1e3, "" if done else " (its copies still running)")
+    queued = (
+        f"copies queued at {beside.queued_s * 1e3:.1f} ms, " if beside.queued_s is not None else ""
+    )
+    log.info(
+        "request %s: %d of %d tokens loaded beside the steps: %sreported to vLLM at %.1f ms%s",
+        beside.spec.req_id,
+        loaded,
+        beside.spec.end - beside.spec.start,
+        queued,
+        (time.perf_counter() - beside.started) * 1e3,
+        "" if done else " (its copies still running)",
+    )

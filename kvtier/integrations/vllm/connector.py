@@ -61,16 +61,26 @@ request.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    SupportsHMA,
+)
 
 from kvtier.integrations.vllm.groups import kv_groups
 from kvtier.integrations.vllm.identity import Identities
 from kvtier.integrations.vllm.metrics import KvtierPromMetrics, KvtierStats
 from kvtier.integrations.vllm.scheduler import SchedulerSide
-from kvtier.integrations.vllm.spec import KvtierMetadata, config_with_extra, connector_config, shape_of
+from kvtier.integrations.vllm.spec import (
+    KvtierMetadata,
+    config_with_extra,
+    connector_config,
+    shape_of,
+)
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.logs import get_logger
 
@@ -87,7 +97,9 @@ log = get_logger(__name__)
 
 
 class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         groups = kv_groups(kv_cache_config)
         config = connector_config(vllm_config)
@@ -98,14 +110,23 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(config, shape, kv_cfg.engine_id,
-                                           vllm_config.parallel_config.tensor_parallel_size,
-                                           can_load, kv_cfg.kv_role in ("kv_both", "kv_producer"),
-                                           Identities.for_vllm(vllm_config), groups)
+            self.scheduler = SchedulerSide(
+                config,
+                shape,
+                kv_cfg.engine_id,
+                vllm_config.parallel_config.tensor_parallel_size,
+                can_load,
+                kv_cfg.kv_role in ("kv_both", "kv_producer"),
+                Identities.for_vllm(vllm_config),
+                groups,
+            )
             if kv_cfg.kv_load_failure_policy != "recompute":
                 # Read by vLLM's scheduler right after it builds this connector.
-                log.info("kvtier sets kv_load_failure_policy %r -> 'recompute': KV that cannot be loaded "
-                         "is recomputed; a cache miss never fails a request", kv_cfg.kv_load_failure_policy)
+                log.info(
+                    "kvtier sets kv_load_failure_policy %r -> 'recompute': KV that cannot be loaded "
+                    "is recomputed; a cache miss never fails a request",
+                    kv_cfg.kv_load_failure_policy,
+                )
                 kv_cfg.kv_load_failure_policy = "recompute"
         else:
             self.worker = WorkerSide(config, shape, kv_cfg.engine_id, can_load, groups)
@@ -123,21 +144,28 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler side (scheduler.py) -------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         self.scheduler.request_finished(request)
         return False, None
 
-    def request_finished_all_groups(self, request: Request,
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's hybrid allocator (SupportsHMA): `request_finished`, its blocks given per KV cache group."""
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
@@ -164,7 +192,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker.wait_for_layer_load(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         self.worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
@@ -186,8 +216,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         return KvtierStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> KvtierPromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvtierPromMetrics:
         return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:

@@ -14,7 +14,13 @@ digests (with the adapter, images and cache_salt folded in: keys.py).
 
 from __future__ import annotations
 
-from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVConnectorKVEvents,
+)
 
 from kvtier.engine import ChunkEvent
 
@@ -48,8 +54,17 @@ def to_vllm(events: list[ChunkEvent], chunk_size: int) -> list[KVCacheEvent]:
     for e in events:
         if e.stored:
             lora_id, lora_name = e.lora if e.lora is not None else (None, None)
-            out.append(BlockStored(block_hashes=[e.digest], parent_block_hash=e.parent, token_ids=e.token_ids,
-                                   block_size=chunk_size, lora_id=lora_id, medium=MEDIUM_CPU, lora_name=lora_name))
+            out.append(
+                BlockStored(
+                    block_hashes=[e.digest],
+                    parent_block_hash=e.parent,
+                    token_ids=e.token_ids,
+                    block_size=chunk_size,
+                    lora_id=lora_id,
+                    medium=MEDIUM_CPU,
+                    lora_name=lora_name,
+                )
+            )
         else:
             out.append(BlockRemoved(block_hashes=[e.digest], medium=MEDIUM_CPU))
     return out

@@ -25,9 +25,10 @@ one within the window. Every byte stored is then read by a hit at some chunk end
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from math import prod
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -63,11 +64,15 @@ class KvGroups:
             return None
         missing = [n for n in names if self.layer_group.get(n) not in self.attention]
         if missing:
-            raise UnsupportedModel(f"vLLM's KV cache groups: layers {', '.join(missing[:3])} in no attention "
-                                   "group; kvtier needs every KV layer in one")
+            raise UnsupportedModel(
+                f"vLLM's KV cache groups: layers {', '.join(missing[:3])} in no attention "
+                "group; kvtier needs every KV layer in one"
+            )
         return [self.attention.index(self.layer_group[n]) for n in names]
 
-    def state_blocks(self, block_ids: Sequence[Sequence[int]], end: int, names: Sequence[str]) -> list[int] | None:
+    def state_blocks(
+        self, block_ids: Sequence[Sequence[int]], end: int, names: Sequence[str]
+    ) -> list[int] | None:
         """Per recurrent layer of `names`, its block holding the state after token end-1
         (align mode: block end/B - 1 of its group); None where a group has no block there
         (vLLM's null block 0: that state was not kept)."""
@@ -88,12 +93,21 @@ class KvGroups:
         size = config.chunk_size
         if self.window is not None and self.window < size:
             size = max(d for d in range(1, self.window + 1) if config.chunk_size % d == 0)
-            log.info("a sliding-window layer reads only the last %d tokens before a hit: kvtier's chunk_size "
-                     "%d -> %d so that a chunk holds no sliding token that no hit reads",
-                     self.window, config.chunk_size, size)
+            log.info(
+                "a sliding-window layer reads only the last %d tokens before a hit: kvtier's chunk_size "
+                "%d -> %d so that a chunk holds no sliding token that no hit reads",
+                self.window,
+                config.chunk_size,
+                size,
+            )
         if self.has_state and self.block_size % size:
-            log.info("a hybrid model's Mamba state is kept only at vLLM's block ends (%d tokens): kvtier's "
-                     "chunk_size %d -> %d so that chunks end there", self.block_size, size, self.block_size)
+            log.info(
+                "a hybrid model's Mamba state is kept only at vLLM's block ends (%d tokens): kvtier's "
+                "chunk_size %d -> %d so that chunks end there",
+                self.block_size,
+                size,
+                self.block_size,
+            )
             size = self.block_size
         return config if size == config.chunk_size else replace(config, chunk_size=size)
 
@@ -103,14 +117,25 @@ def kv_groups(kv_cache_config: KVCacheConfig | None) -> KvGroups | None:
     Refused, naming the reason: a group that is neither attention nor a Mamba state vLLM
     keeps at block ends (`--mamba-cache-mode align`), or groups of differing block sizes."""
     groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
-    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
 
     attention, recurrent, of, sizes, windows = [], [], {}, set(), set()
     for g, group in enumerate(groups):
         spec = group.kv_cache_spec
-        specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
-        what = f"KV cache group {g} ({type(spec).__name__}, layers {', '.join(group.layer_names[:3])}" \
-               f"{'...' if len(group.layer_names) > 3 else ''})"
+        specs = (
+            list(spec.kv_cache_specs.values())
+            if isinstance(spec, UniformTypeKVCacheSpecs)
+            else [spec]
+        )
+        what = (
+            f"KV cache group {g} ({type(spec).__name__}, layers {', '.join(group.layer_names[:3])}"
+            f"{'...' if len(group.layer_names) > 3 else ''})"
+        )
         if all(isinstance(s, AttentionSpec) for s in specs):
             attention.append(g)
             windows.update(s.sliding_window for s in specs if isinstance(s, SlidingWindowSpec))
@@ -120,22 +145,29 @@ def kv_groups(kv_cache_config: KVCacheConfig | None) -> KvGroups | None:
                     f"{what} holds a Mamba or linear-attention state kept in mode {spec.mamba_cache_mode!r}"
                     f"{' with speculative blocks' if spec.num_speculative_blocks else ''}: kvtier stores that "
                     "state where vLLM keeps it at block ends; run vLLM with --mamba-cache-mode align "
-                    "(and prefix caching on), without speculative decoding")
+                    "(and prefix caching on), without speculative decoding"
+                )
             recurrent.append(g)
         else:
-            raise UnsupportedModel(f"{what} holds neither attention KV nor a Mamba state: kvtier cannot store it; "
-                                   "run this model without kvtier's connector")
+            raise UnsupportedModel(
+                f"{what} holds neither attention KV nor a Mamba state: kvtier cannot store it; "
+                "run this model without kvtier's connector"
+            )
         sizes.add(spec.block_size)
         of.update(dict.fromkeys(group.layer_names, g))
     if len(groups) <= 1 and not recurrent:
         return None
     if len(sizes) > 1:
-        raise UnsupportedModel(f"vLLM's KV cache groups: block sizes {sorted(sizes)} differ; kvtier needs "
-                               "all of one block size")
+        raise UnsupportedModel(
+            f"vLLM's KV cache groups: block sizes {sorted(sizes)} differ; kvtier needs "
+            "all of one block size"
+        )
     return KvGroups(tuple(attention), tuple(recurrent), of, sizes.pop(), min(windows, default=None))
 
 
-def state_layers(kv_caches: dict[str, torch.Tensor | list[torch.Tensor]], names: Sequence[str]) -> StateLayers:
+def state_layers(
+    kv_caches: dict[str, torch.Tensor | list[torch.Tensor]], names: Sequence[str]
+) -> StateLayers:
     """The Mamba layers `names` as kvtier's StateLayers. vLLM hands each such layer a list
     of state tensors [num_blocks, *shape] (conv, SSM), views of one buffer whose block b is
     the page at b * page bytes, the states one after another at its front: a layer's block
@@ -148,15 +180,21 @@ def state_layers(kv_caches: dict[str, torch.Tensor | list[torch.Tensor]], names:
         start = at = first.storage_offset() * first.element_size()
         for t in states:
             inner = torch.empty(t.shape[1:], device="meta").stride()
-            if t.stride(0) * t.element_size() != page or tuple(t.stride()[1:]) != inner \
-                    or t.storage_offset() * t.element_size() != at \
-                    or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            if (
+                t.stride(0) * t.element_size() != page
+                or tuple(t.stride()[1:]) != inner
+                or t.storage_offset() * t.element_size() != at
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            ):
                 raise UnsupportedModel(
                     f"layer {name}: vLLM's Mamba state tensors {[tuple(x.shape) for x in states]} strides "
-                    f"{[x.stride() for x in states]} are not the states of a block one after another in its page")
+                    f"{[x.stride() for x in states]} are not the states of a block one after another in its page"
+                )
             at += prod(t.shape[1:]) * t.element_size()
         if at - start > page:
-            raise UnsupportedModel(f"layer {name}: a Mamba state of {at - start} bytes in pages of {page}")
+            raise UnsupportedModel(
+                f"layer {name}: a Mamba state of {at - start} bytes in pages of {page}"
+            )
         view = torch.empty(0, dtype=torch.uint8, device=first.device)
         view.set_(first.untyped_storage(), start, (first.shape[0], at - start), (page, 1))
         pages.append(view)

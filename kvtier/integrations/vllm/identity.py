@@ -67,24 +67,34 @@ class Identities:
     def for_vllm(cls, vllm_config: VllmConfig) -> Identities:
         """Items have content hashes unless vLLM has neither cache that needs them (module doc)."""
         mm = vllm_config.model_config.multimodal_config
-        return cls(bool(vllm_config.cache_config.enable_prefix_caching)
-                   or (mm is not None and mm.mm_processor_cache_gb > 0))
+        return cls(
+            bool(vllm_config.cache_config.enable_prefix_caching)
+            or (mm is not None and mm.mm_processor_cache_gb > 0)
+        )
 
     def of(self, request: Request) -> Identity | Uncacheable:
         if request.prompt_embeds is not None:
-            return self._refuse("prompt_embeds", "its prompt is embeddings, not token ids: nothing identifies "
-                                "its KV")
+            return self._refuse(
+                "prompt_embeds",
+                "its prompt is embeddings, not token ids: nothing identifies its KV",
+            )
         items = []
         for feature in request.mm_features or ():
             if feature.modality not in MODALITIES:
-                return self._refuse(f"multimodal:{feature.modality}",
-                                    f"kvtier does not know how a {feature.modality!r} item decides KV")
+                return self._refuse(
+                    f"multimodal:{feature.modality}",
+                    f"kvtier does not know how a {feature.modality!r} item decides KV",
+                )
             if not self._content_ids or not feature.identifier:
-                return self._refuse("multimodal:no-content-hash",
-                                    "vLLM names its multimodal items per request when both its prefix cache and "
-                                    "its multimodal processor cache are off (mm_processor_cache_gb 0): keep "
-                                    "either on for kvtier to cache such requests")
-            digest = xxhash.xxh3_128_digest(f"{feature.modality}\0{feature.identifier}".encode(), seed=_DIGEST_SEED)
+                return self._refuse(
+                    "multimodal:no-content-hash",
+                    "vLLM names its multimodal items per request when both its prefix cache and "
+                    "its multimodal processor cache are off (mm_processor_cache_gb 0): keep "
+                    "either on for kvtier to cache such requests",
+                )
+            digest = xxhash.xxh3_128_digest(
+                f"{feature.modality}\0{feature.identifier}".encode(), seed=_DIGEST_SEED
+            )
             position = feature.mm_position
             items.append(Item(position.offset, position.length, digest))
         lora = request.lora_request
@@ -103,8 +113,12 @@ class Identities:
         self.refused[kind] = self.refused.get(kind, 0) + 1
         if kind not in self._said:
             self._said.add(kind)
-            log.warning("kvtier neither loads nor stores requests of this kind (%s): %s; they are served "
-                        "as without kvtier (said once, counted in kvtier_uncached_requests_total)", kind, reason)
+            log.warning(
+                "kvtier neither loads nor stores requests of this kind (%s): %s; they are served "
+                "as without kvtier (said once, counted in kvtier_uncached_requests_total)",
+                kind,
+                reason,
+            )
         return Uncacheable(kind, reason)
 
     def _adapter(self, lora: LoRARequest) -> bytes:
@@ -125,10 +139,19 @@ class Identities:
         digest = _digest_files(root if root.is_dir() else root.parent, files) if files else b""
         self._adapters[(name, path)] = _Adapter(files, stamp, digest)
         if files:
-            log.info("LoRA adapter %s: %d files at %s hashed into its chunk keys (%s)", name, len(files), path,
-                     digest.hex()[:12])
+            log.info(
+                "LoRA adapter %s: %d files at %s hashed into its chunk keys (%s)",
+                name,
+                len(files),
+                path,
+                digest.hex()[:12],
+            )
         else:
-            log.info("LoRA adapter %s: no local files at %r; its name and path identify its KV", name, path)
+            log.info(
+                "LoRA adapter %s: no local files at %r; its name and path identify its KV",
+                name,
+                path,
+            )
         return digest
 
 
@@ -160,7 +183,9 @@ def _digest_files(root: Path, files: list[Path]) -> bytes:
     """xxh3-128 over each file's name (relative to `root`), its size, its bytes."""
     hasher = xxhash.xxh3_128(seed=_DIGEST_SEED)
     for file in files:
-        hasher.update(os.path.relpath(file, root).encode() + b"\0" + str(file.stat().st_size).encode() + b"\0")
+        hasher.update(
+            os.path.relpath(file, root).encode() + b"\0" + str(file.stat().st_size).encode() + b"\0"
+        )
         with open(file, "rb") as f:
             while block := f.read(_FILE_BLOCK):
                 hasher.update(block)

@@ -34,8 +34,8 @@ import struct
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import zmq
@@ -82,7 +82,11 @@ def socket_path(engine_id: str, rank: int) -> str:
     file is left behind by a process that is killed; elsewhere a file in the temp
     directory. ipc paths are limited to ~100 bytes, so keep them short."""
     name = f"kvtier-{engine_id[:24]}-{rank}"
-    return f"ipc://@{name}" if sys.platform == "linux" else f"ipc://{tempfile.gettempdir()}/{name}.sock"
+    return (
+        f"ipc://@{name}"
+        if sys.platform == "linux"
+        else f"ipc://{tempfile.gettempdir()}/{name}.sock"
+    )
 
 
 def encode(op: Op, request_id: str = "", payload: bytes = b"") -> bytes:
@@ -114,7 +118,9 @@ def answer(handlers: Handlers, op: Op, request_id: str, payload: bytes) -> tuple
         computed, flags = struct.unpack_from("<II", payload)
         identity, size = Identity.from_wire(memoryview(payload)[8:])
         tokens = np.frombuffer(payload, dtype="<u4", offset=8 + size)
-        hit, in_cpu, held = handlers.lookup(tokens, identity, request_id, computed, bool(flags & BESIDE))
+        hit, in_cpu, held = handlers.lookup(
+            tokens, identity, request_id, computed, bool(flags & BESIDE)
+        )
         return hit, in_cpu, int(held)
     if op == Op.RELEASE:
         handlers.release(request_id)
@@ -186,8 +192,14 @@ class LookupClient:
         sock.connect(address)
         return sock
 
-    def lookup(self, tokens: list[int] | np.ndarray, request_id: str = "", computed: int = 0,
-               beside: bool = False, identity: Identity = PLAIN) -> Found:
+    def lookup(
+        self,
+        tokens: list[int] | np.ndarray,
+        request_id: str = "",
+        computed: int = 0,
+        beside: bool = False,
+        identity: Identity = PLAIN,
+    ) -> Found:
         """The hit over every rank; none if a rank is silent (what the others hold expires
         with `pin_timeout_sec`). `computed`: the leading tokens the engine has already (not
         to be loaded); `beside`: a hit all in CPU RAM will load beside the engine's steps."""
@@ -196,7 +208,9 @@ class LookupClient:
         replies = self._ask(encode(Op.LOOKUP, request_id, payload))
         if replies is None:
             return Found(0, 0, False)
-        return Found(min(r[0] for r in replies), min(r[1] for r in replies), any(r[2] for r in replies))
+        return Found(
+            min(r[0] for r in replies), min(r[1] for r in replies), any(r[2] for r in replies)
+        )
 
     def release(self, request_id: str) -> None:
         self._ask(encode(Op.RELEASE, request_id))
@@ -216,8 +230,11 @@ class LookupClient:
                 replies.append(REPLY.unpack(sock.recv()))
             except zmq.Again:
                 # A REQ socket that timed out is stuck mid-exchange: replace it.
-                log.warning("lookup at %s timed out after %d ms: treated as a miss",
-                            self.addresses[i], self.timeout_ms)
+                log.warning(
+                    "lookup at %s timed out after %d ms: treated as a miss",
+                    self.addresses[i],
+                    self.timeout_ms,
+                )
                 sock.close(0)
                 self._socks[i] = self._connect(self.addresses[i])
                 return None

@@ -46,11 +46,23 @@ COUNTERS = {
     "skipped_store_tokens": "tokens not stored: every CPU block was in use",
     "load_failure_tokens": "promised tokens that could not be loaded (vLLM recomputed them)",
     "uncached_requests": "requests served without kvtier: nothing identifies their KV (prompt embeddings, "
-                         "multimodal items without a content hash), by kind",
+    "multimodal items without a content hash), by kind",
 }
 # counters with a label: its name
-LABELLED = {**dict.fromkeys(("stored_tokens", "stored_bytes", "loaded_tokens", "loaded_bytes", "evictions",
-                             "dropped_writes"), "tier"), "uncached_requests": "kind"}
+LABELLED = {
+    **dict.fromkeys(
+        (
+            "stored_tokens",
+            "stored_bytes",
+            "loaded_tokens",
+            "loaded_bytes",
+            "evictions",
+            "dropped_writes",
+        ),
+        "tier",
+    ),
+    "uncached_requests": "kind",
+}
 GAUGES = {
     "pool_used_bytes": "bytes of the CPU pool holding chunks",
     "pool_capacity_bytes": "bytes of the CPU pool",
@@ -58,7 +70,7 @@ GAUGES = {
     # the longest waits on kvtier since the start (bounded by its timeouts: docs/configuration.md)
     "longest_lookup_seconds": "the longest scheduler lookup (a request waits on it before it is scheduled)",
     "longest_step_wait_seconds": "the longest time one engine step spent in kvtier (loads, stores) "
-                                 "besides its forward",
+    "besides its forward",
     "longest_background_load_seconds": "the longest load from disk/remote a request waited on",
 }
 
@@ -77,8 +89,9 @@ class KvtierStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {k: round(v, 4) if isinstance(v, float) else v
-                                       for k, v in sorted(self.data.items()) if v}
+        out: dict[str, int | float] = {
+            k: round(v, 4) if isinstance(v, float) else v for k, v in sorted(self.data.items()) if v
+        }
         lookups = self.data.get("lookup_tokens", 0)
         if lookups:
             out["hit_rate"] = round(self.data.get("hit_tokens", 0) / lookups, 4)
@@ -104,19 +117,29 @@ def deltas(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
 
 
 class KvtierPromMetrics(KVConnectorPromMetrics):
-    def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
-                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._metrics: dict[str, Any] = {}
         for name, doc in COUNTERS.items():
             label = [LABELLED[name]] if name in LABELLED else []
-            self._metrics[name] = self._counter_cls(name=f"kvtier_{name}", documentation=f"kvtier: {doc}",
-                                                    labelnames=labelnames + label)
-        for name, doc in {**GAUGES, "hit_rate": "hit tokens / lookup tokens since start",
-                          "store_gbps": "GB/s of the stores in the last interval",
-                          "load_gbps": "GB/s of the loads in the last interval"}.items():
-            self._metrics[name] = self._gauge_cls(name=f"kvtier_{name}", documentation=f"kvtier: {doc}",
-                                                  labelnames=labelnames)
+            self._metrics[name] = self._counter_cls(
+                name=f"kvtier_{name}", documentation=f"kvtier: {doc}", labelnames=labelnames + label
+            )
+        for name, doc in {
+            **GAUGES,
+            "hit_rate": "hit tokens / lookup tokens since start",
+            "store_gbps": "GB/s of the stores in the last interval",
+            "load_gbps": "GB/s of the loads in the last interval",
+        }.items():
+            self._metrics[name] = self._gauge_cls(
+                name=f"kvtier_{name}", documentation=f"kvtier: {doc}", labelnames=labelnames
+            )
         self._totals: dict[int, dict[str, float]] = {}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -134,7 +157,9 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
                 child.inc(value)
                 totals[name] = totals.get(name, 0) + value
         if totals.get("lookup_tokens"):
-            self._metrics["hit_rate"].labels(*labels).set(totals.get("hit_tokens", 0) / totals["lookup_tokens"])
+            self._metrics["hit_rate"].labels(*labels).set(
+                totals.get("hit_tokens", 0) / totals["lookup_tokens"]
+            )
         reduced = KvtierStats(dict(transfer_stats_data)).reduce()
         for what in ("store", "load"):
             if f"{what}_GBps" in reduced:

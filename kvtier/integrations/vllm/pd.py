@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
 from kvtier.engine.states import StateLayers
@@ -35,10 +34,16 @@ def pd_target(params: dict[str, Any] | None) -> Target | None:
         return None
     try:
         init, alloc = spec["receiver_init_port"], spec["receiver_alloc_port"]
-        return Target(str(spec["receiver_host"]), int(init[0] if isinstance(init, list) else init),
-                      int(alloc[0] if isinstance(alloc, list) else alloc), str(spec["req_id"]))
+        return Target(
+            str(spec["receiver_host"]),
+            int(init[0] if isinstance(init, list) else init),
+            int(alloc[0] if isinstance(alloc, list) else alloc),
+            str(spec["req_id"]),
+        )
     except (KeyError, TypeError, ValueError, IndexError):
-        log.warning("kv_transfer_params.disagg_spec %r is malformed: this request's KV is not sent", spec)
+        log.warning(
+            "kv_transfer_params.disagg_spec %r is malformed: this request's KV is not sent", spec
+        )
         return None
 
 
@@ -88,7 +93,9 @@ class WorkerPd:
         self._receiver: PdReceiver | None = None
         self.sender: PdSender | None = None
 
-    def make_engine(self, kv: PagedKV, fmt: KVFormat, rank: int, states: StateLayers | None = None) -> CacheEngine:
+    def make_engine(
+        self, kv: PagedKV, fmt: KVFormat, rank: int, states: StateLayers | None = None
+    ) -> CacheEngine:
         """The worker's engine (with a hybrid model's Mamba layers, `states`); a receiver's
         CPU tier is its PD buffer."""
         c = self.config
@@ -114,8 +121,14 @@ class WorkerPd:
     def send(self, spec: TransferSpec, block_size: int) -> None:
         """Sender: a save also goes to its request's decoder."""
         if self.sender is not None and spec.pd_target is not None:
-            self.sender.send(spec.pd_target, spec.token_ids, spec.slots(block_size), start=spec.start,
-                             last=spec.last, identity=spec.identity)
+            self.sender.send(
+                spec.pd_target,
+                spec.token_ids,
+                spec.slots(block_size),
+                start=spec.start,
+                last=spec.last,
+                identity=spec.identity,
+            )
 
     def dropped(self, pd_req_ids: list[str]) -> None:
         """Sender: vLLM freed these requests' pages before their last step."""

@@ -1,19 +1,20 @@
 """The connector's scheduler side: request state, the lookup with its hold, load and save planning.
 
-    get_num_new_matched_tokens ── lookup ──▶ the workers (lookup.py): find and hold the hit;
-                                  loaded in the step, or beside the steps (async_loading);
-                                  the request's identity first (identity.py): a request
-                                  kvtier cannot key is neither looked up nor stored
-    update_state_after_alloc      the load is planned for the blocks vLLM gave
-    build_connector_meta          this step's loads and saves (whole chunks as prefill goes)
-    request_finished              forget the request; release a hold it never used
+get_num_new_matched_tokens ── lookup ──▶ the workers (lookup.py): find and hold the hit;
+                              loaded in the step, or beside the steps (async_loading);
+                              the request's identity first (identity.py): a request
+                              kvtier cannot key is neither looked up nor stored
+update_state_after_alloc      the load is planned for the blocks vLLM gave
+build_connector_meta          this step's loads and saves (whole chunks as prefill goes)
+request_finished              forget the request; release a hold it never used
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 from kvtier.config import KvtierConfig
 from kvtier.integrations.vllm.events import KvtierKVEvents
@@ -45,17 +46,29 @@ class RequestState:
     identity: Identity
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved_upto: int = 0
-    load: tuple[int, int, bool] | None = None  # tokens [start, end) to load next step, in the background?
+    load: tuple[int, int, bool] | None = (
+        None  # tokens [start, end) to load next step, in the background?
+    )
     load_from_cpu: bool = False  # that load's hit was all in CPU RAM at the lookup
-    stored: int = 0  # the stored prefix the load reads: it may end inside a chunk (a tail: engine/tails.py)
+    stored: int = (
+        0  # the stored prefix the load reads: it may end inside a chunk (a tail: engine/tails.py)
+    )
     pd_target: Target | None = None  # PD sender: where this request's KV goes
     pd_req_id: str = ""  # PD receiver: the proxy's id of this request
 
 
 class SchedulerSide:
-    def __init__(self, config: KvtierConfig, shape: Shape, engine_id: str, tp_size: int,
-                 can_load: bool, can_save: bool, identities: Identities | None = None,
-                 groups: KvGroups | None = None) -> None:
+    def __init__(
+        self,
+        config: KvtierConfig,
+        shape: Shape,
+        engine_id: str,
+        tp_size: int,
+        can_load: bool,
+        can_save: bool,
+        identities: Identities | None = None,
+        groups: KvGroups | None = None,
+    ) -> None:
         self.config, self.shape, self.can_load, self.can_save = config, shape, can_load, can_save
         self.identities = identities or Identities()
         # req_id -> what keys its KV, from its lookup (vLLM looks up every new request) to its end;
@@ -68,7 +81,9 @@ class SchedulerSide:
         # A hit all in CPU RAM loads beside the steps (vLLM's asynchronous load: the request
         # joins a later step) per async_loading; a hit with several KV cache groups or a PD
         # decoder's always loads in its step.
-        self.cpu_beside = "never" if self.promise_from_cpu or config.enable_pd else config.async_loading
+        self.cpu_beside = (
+            "never" if self.promise_from_cpu or config.enable_pd else config.async_loading
+        )
         self._running: set[str] = set()  # requests the last step ran that have not finished
         addresses = [socket_path(engine_id, r) for r in range(tp_size)]
         self.lookup = LookupClient(addresses, config.lookup_timeout_ms / 1000)
@@ -82,11 +97,15 @@ class SchedulerSide:
         self._counts = {"lookups": 0, "lookup_tokens": 0, "hit_tokens": 0, "lookup_seconds": 0.0}
         self._longest_lookup = 0.0  # s, since the start
         self._kv_events: list[KVCacheEvent] = []  # from the workers, until vLLM publishes them
-        self._live: dict[str, Request] = {}  # save_decode_cache: requests whose decoded tokens are stored too
+        self._live: dict[
+            str, Request
+        ] = {}  # save_decode_cache: requests whose decoded tokens are stored too
         self._pd_dropped: list[str] = []  # PD sends of finished requests, for the next metadata
 
     @traced("lookup")
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         prompt, rid = request.prompt_token_ids, request.request_id
         self.pd.looked_up(rid, request.kv_transfer_params)
         identity = self.identities.of(request)
@@ -96,7 +115,9 @@ class SchedulerSide:
         self._identity[rid] = identity
         if not self.can_load or not prompt:
             return 0, False
-        if num_computed_tokens and not self.shape.to_load(len(prompt), len(prompt), num_computed_tokens):
+        if num_computed_tokens and not self.shape.to_load(
+            len(prompt), len(prompt), num_computed_tokens
+        ):
             # vLLM has all but less than a block: nothing kvtier holds would be loaded, so no
             # lookup (the workers' would wait for this prefix's stores still in flight).
             return 0, False
@@ -117,13 +138,24 @@ class SchedulerSide:
         self._counts["lookups"] += 1
         self._counts["lookup_tokens"] += len(prompt)
         self._counts["hit_tokens"] += hit
-        log.info("Reqid: %s, Total tokens %d, hit tokens %d, need to load %d%s", rid, len(prompt), hit, need,
-                 "" if not background else " (not all in CPU RAM: loading from disk/remote in the background)"
-                 if below_cpu else " (loading beside the running requests' steps)")
+        log.info(
+            "Reqid: %s, Total tokens %d, hit tokens %d, need to load %d%s",
+            rid,
+            len(prompt),
+            hit,
+            need,
+            ""
+            if not background
+            else " (not all in CPU RAM: loading from disk/remote in the background)"
+            if below_cpu
+            else " (loading beside the running requests' steps)",
+        )
         if need:
             self._pending[rid] = (num_computed_tokens + need, background, stored, not below_cpu)
             self._held.add(rid)
-        elif found.held:  # a rank holds what this request will not load (another rank's hit was shorter)
+        elif (
+            found.held
+        ):  # a rank holds what this request will not load (another rank's hit was shorter)
             self.lookup.release(rid)
         return need, background
 
@@ -131,15 +163,21 @@ class SchedulerSide:
         """Whether a hit all in CPU RAM would load beside the steps: async_loading always, or
         busy and another request ran in the last step (its next steps would wait for the
         copies; an idle engine's only request is served soonest inside its step)."""
-        return self.cpu_beside == "always" or (self.cpu_beside == "busy" and bool(self._running - {request_id}))
+        return self.cpu_beside == "always" or (
+            self.cpu_beside == "busy" and bool(self._running - {request_id})
+        )
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         rid = request.request_id
         if self.config.save_decode_cache and self.can_save:
             self._live[rid] = request  # its all_token_ids grow as it decodes
         end, background, stored, from_cpu = self._pending.pop(rid, (0, False, 0, False))
         if num_external_tokens > 0 and request.prompt_token_ids:
-            state = self._requests.setdefault(rid, RequestState(list(request.prompt_token_ids), self._identity[rid]))
+            state = self._requests.setdefault(
+                rid, RequestState(list(request.prompt_token_ids), self._identity[rid])
+            )
             state.load = (end - num_external_tokens, end, background)
             state.stored, state.load_from_cpu = stored, from_cpu
             state.pd_req_id = self.pd.proxy_id(rid)
@@ -161,7 +199,9 @@ class SchedulerSide:
             identity = self._identity.get(new.req_id)
             if not new.prompt_token_ids or identity is None:  # (one kvtier cannot key: identity.py)
                 continue
-            state = self._requests.setdefault(new.req_id, RequestState(list(new.prompt_token_ids), identity))
+            state = self._requests.setdefault(
+                new.req_id, RequestState(list(new.prompt_token_ids), identity)
+            )
             state.block_ids = [list(ids) for ids in new.block_ids]
             if state.pd_target is None:
                 state.pd_target = self.pd.target(new.req_id)
@@ -190,25 +230,42 @@ class SchedulerSide:
         self._pd_dropped = []
         return meta
 
-    def _plan_load(self, meta: KvtierMetadata, req_id: str, state: RequestState, step_end: int = 0) -> None:
+    def _plan_load(
+        self, meta: KvtierMetadata, req_id: str, state: RequestState, step_end: int = 0
+    ) -> None:
         start, end, background = state.load
         # The tokens of the stored prefix only: where it ends inside a chunk (a shorter prompt's
         # end), the worker's chunk keys of them end with that prompt's partial chunk.
         tokens = state.prompt[: state.stored] if state.stored else state.prompt
-        meta.loads.append(TransferSpec(req_id, tokens, [list(ids) for ids in state.block_ids], start, end,
-                                       background, from_cpu=background and state.load_from_cpu,
-                                       pd_req_id=state.pd_req_id, step_end=step_end, identity=state.identity))
+        meta.loads.append(
+            TransferSpec(
+                req_id,
+                tokens,
+                [list(ids) for ids in state.block_ids],
+                start,
+                end,
+                background,
+                from_cpu=background and state.load_from_cpu,
+                pd_req_id=state.pd_req_id,
+                step_end=step_end,
+                identity=state.identity,
+            )
+        )
         state.load = None
         self._held.discard(req_id)  # the worker's retrieve ends the hold
 
-    def _plan(self, meta: KvtierMetadata, req_id: str, state: RequestState, computed_after_step: int) -> None:
+    def _plan(
+        self, meta: KvtierMetadata, req_id: str, state: RequestState, computed_after_step: int
+    ) -> None:
         if state.load is not None:
             self._plan_load(meta, req_id, state, computed_after_step)
         if not self.can_save:
             return
         tokens = state.prompt
         live = self._live.get(req_id)
-        if live is not None and computed_after_step > len(tokens):  # save_decode_cache: the output too
+        if live is not None and computed_after_step > len(
+            tokens
+        ):  # save_decode_cache: the output too
             tokens = list(live.all_token_ids)
         if state.saved_upto >= len(tokens):
             return
@@ -217,11 +274,25 @@ class SchedulerSide:
             end -= end % self.shape.chunk_size  # mid-prompt or decoding: whole chunks only
         if end > state.saved_upto:
             # A Mamba state is kept where a prefill step ends on a block end (vLLM's align mode).
-            keeps_state = self.state_every and end == computed_after_step and end % self.state_every == 0 \
+            keeps_state = (
+                self.state_every
+                and end == computed_after_step
+                and end % self.state_every == 0
                 and end <= len(state.prompt)
-            meta.saves.append(TransferSpec(req_id, tokens[:end], state.block_ids, state.saved_upto, end,
-                                           pd_target=state.pd_target, last=end == len(state.prompt),
-                                           state=bool(keeps_state), identity=state.identity))
+            )
+            meta.saves.append(
+                TransferSpec(
+                    req_id,
+                    tokens[:end],
+                    state.block_ids,
+                    state.saved_upto,
+                    end,
+                    pd_target=state.pd_target,
+                    last=end == len(state.prompt),
+                    state=bool(keeps_state),
+                    identity=state.identity,
+                )
+            )
             state.saved_upto = end
 
     def request_finished(self, request: Request) -> None:
@@ -229,7 +300,9 @@ class SchedulerSide:
         self._running.discard(rid)
         state = self._requests.pop(rid, None)
         if state is not None and state.pd_target is not None:
-            self._pd_dropped.append(state.pd_target.req_id)  # a no-op on the worker once its last step sent
+            self._pd_dropped.append(
+                state.pd_target.req_id
+            )  # a no-op on the worker once its last step sent
         self._pending.pop(rid, None)
         self._identity.pop(rid, None)
         self.pd.forget(rid)
@@ -244,7 +317,9 @@ class SchedulerSide:
 
     def stats(self) -> KvtierStats | None:
         counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)
-        refused = {f"uncached_requests:{kind}": n for kind, n in self.identities.take_refused().items()}
+        refused = {
+            f"uncached_requests:{kind}": n for kind, n in self.identities.take_refused().items()
+        }
         if not any(counts.values()) and not refused:
             return None
         return KvtierStats({**counts, **refused, "longest_lookup_seconds": self._longest_lookup})

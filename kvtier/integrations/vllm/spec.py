@@ -3,8 +3,9 @@ metadata the scheduler sends the workers each step, and the rule for a usable hi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -32,17 +33,27 @@ class TransferSpec:
 
     req_id: str
     token_ids: list[int]  # the prompt up to `end` or beyond (for keys)
-    block_ids: list[list[int]]  # per KV cache group (one unless vLLM's hybrid allocator makes several)
+    block_ids: list[
+        list[int]
+    ]  # per KV cache group (one unless vLLM's hybrid allocator makes several)
     start: int
     end: int
-    background: bool = False  # load beside the steps, asynchronously (chunks below CPU RAM; async_loading)
-    from_cpu: bool = False  # background: the hit was all in CPU RAM at the lookup (held since): nothing blocks
+    background: bool = (
+        False  # load beside the steps, asynchronously (chunks below CPU RAM; async_loading)
+    )
+    from_cpu: bool = (
+        False  # background: the hit was all in CPU RAM at the lookup (held since): nothing blocks
+    )
     pd_target: Target | None = None  # save: push these chunks to a decoder (PD sender)
     last: bool = False  # save: the prompt's last chunk is in this one
     state: bool = False  # save: the step ended at `end`, on a block end: a hybrid model's Mamba state is kept there
     pd_req_id: str = ""  # load: the proxy's id of this request; its PD chunks are freed once loaded
-    step_end: int = 0  # load in the request's first step: its tokens computed after it (0: a background load)
-    identity: Identity = PLAIN  # what besides the tokens decides their KV (its adapter, images, salt: keys.py)
+    step_end: int = (
+        0  # load in the request's first step: its tokens computed after it (0: a background load)
+    )
+    identity: Identity = (
+        PLAIN  # what besides the tokens decides their KV (its adapter, images, salt: keys.py)
+    )
 
     def slots(self, block_size: int, groups: Sequence[int] | None = None) -> torch.Tensor:
         """The slots of tokens [0, end) in the attention groups `groups` (default: every
@@ -51,8 +62,13 @@ class TransferSpec:
         reads nor writes them there)."""
         n, offsets = self.end, torch.arange(block_size, dtype=torch.int64)
         tables = self.block_ids if groups is None else [self.block_ids[g] for g in groups]
-        rows = [(torch.tensor(ids[: -(-n // block_size)], dtype=torch.int64)[:, None] * block_size
-                 + offsets[None, :]).flatten()[:n] for ids in tables]
+        rows = [
+            (
+                torch.tensor(ids[: -(-n // block_size)], dtype=torch.int64)[:, None] * block_size
+                + offsets[None, :]
+            ).flatten()[:n]
+            for ids in tables
+        ]
         if len(rows) <= 1:
             return rows[0] if rows else torch.empty(0, dtype=torch.int64)
         table = torch.stack(rows)
@@ -61,7 +77,12 @@ class TransferSpec:
 
     def blocks_of(self, first: int, last: int) -> set[int]:
         """Every group's blocks [first, last] (vLLM's null block left out)."""
-        return {b for ids in self.block_ids for b in ids[first : last + 1] if b or len(self.block_ids) == 1}
+        return {
+            b
+            for ids in self.block_ids
+            for b in ids[first : last + 1]
+            if b or len(self.block_ids) == 1
+        }
 
 
 @dataclass
@@ -86,7 +107,12 @@ class Shape:
 
     def usable(self, stored: int, prompt_len: int) -> int:
         """The tokens of a stored prefix vLLM is told of."""
-        return usable_hit(stored, prompt_len, self.block_size if self.whole_blocks else 1, self.min_retrieve_tokens)
+        return usable_hit(
+            stored,
+            prompt_len,
+            self.block_size if self.whole_blocks else 1,
+            self.min_retrieve_tokens,
+        )
 
     def to_load(self, stored: int, prompt_len: int, computed: int) -> int:
         """The tokens to load past the `computed` that vLLM has (the same rule on both sides):
@@ -98,12 +124,19 @@ class Shape:
 
 
 def shape_of(config: KvtierConfig, vllm_config: VllmConfig) -> Shape:
-    shape = Shape(vllm_config.cache_config.block_size, config.chunk_size, _cpu_whole_blocks(vllm_config),
-                  config.min_retrieve_tokens)
+    shape = Shape(
+        vllm_config.cache_config.block_size,
+        config.chunk_size,
+        _cpu_whole_blocks(vllm_config),
+        config.min_retrieve_tokens,
+    )
     if shape.whole_blocks and shape.chunk_size % shape.block_size:
-        raise ConfigError("chunk_size", shape.chunk_size,
-                          f"a multiple of vLLM's block size {shape.block_size}: this CPU's attention kernel "
-                          "stores tokens inside a block its own way, so kvtier moves whole blocks")
+        raise ConfigError(
+            "chunk_size",
+            shape.chunk_size,
+            f"a multiple of vLLM's block size {shape.block_size}: this CPU's attention kernel "
+            "stores tokens inside a block its own way, so kvtier moves whole blocks",
+        )
     return shape
 
 
@@ -121,7 +154,7 @@ def config_with_extra(extra: dict[str, Any] | None) -> KvtierConfig:
     for key, value in extra.items():
         prefix = next((p for p in CONFIG_PREFIXES if key.startswith(p)), None)
         if prefix is not None:
-            overrides[key[len(prefix):]] = value
+            overrides[key[len(prefix) :]] = value
         elif key not in EXTRA_KEYS:
             raise ValueError(
                 f"kv_connector_extra_config: unknown key {key!r}; kvtier reads {sorted(EXTRA_KEYS)} and "
@@ -139,9 +172,12 @@ def check_pd_role(config: KvtierConfig, kv_role: str) -> None:
         return
     wanted = {"sender": "kv_producer", "receiver": "kv_consumer"}[config.pd_role or ""]
     if kv_role not in (wanted, "kv_both"):
-        raise ConfigError("pd_role", config.pd_role,
-                          f"a role matching vLLM's kv_role {kv_role!r}: pd_role {config.pd_role} "
-                          f"runs with kv_role {wanted}")
+        raise ConfigError(
+            "pd_role",
+            config.pd_role,
+            f"a role matching vLLM's kv_role {kv_role!r}: pd_role {config.pd_role} "
+            f"runs with kv_role {wanted}",
+        )
 
 
 def _cpu_whole_blocks(vllm_config: VllmConfig) -> bool:

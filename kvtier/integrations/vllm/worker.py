@@ -45,12 +45,20 @@ log = get_logger(__name__)
 
 
 class WorkerSide:
-    def __init__(self, config: KvtierConfig, shape: Shape, engine_id: str, can_load: bool,
-                 groups: KvGroups | None = None) -> None:
+    def __init__(
+        self,
+        config: KvtierConfig,
+        shape: Shape,
+        engine_id: str,
+        can_load: bool,
+        groups: KvGroups | None = None,
+    ) -> None:
         self.config, self.shape, self.engine_id, self.can_load = config, shape, engine_id, can_load
         self.groups = groups  # vLLM's hybrid allocator: several KV cache groups
         self._state_names: list[str] = []  # Mamba layers, whose state is stored at chunk ends
-        self._coming_up: dict[str, Future] = {}  # several groups: hits coming up into CPU RAM before promised
+        self._coming_up: dict[
+            str, Future
+        ] = {}  # several groups: hits coming up into CPU RAM before promised
         self.engine: CacheEngine | None = None
         self.pd = WorkerPd(config)
         self._server: LookupServer | None = None
@@ -65,8 +73,9 @@ class WorkerSide:
         self._step_wait = 0.0  # s this step has spent in kvtier so far (besides the forward)
         self._longest = {"longest_step_wait_seconds": 0.0, "longest_background_load_seconds": 0.0}
 
-    def register_kv_caches(self, vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor | list[torch.Tensor]]
-                           ) -> None:
+    def register_kv_caches(
+        self, vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor | list[torch.Tensor]]
+    ) -> None:
         from vllm.distributed.parallel_state import (
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
@@ -75,48 +84,86 @@ class WorkerSide:
 
         everything = sorted(kv_caches, key=extract_layer_index)
         names = [n for n in everything if isinstance(kv_caches[n], torch.Tensor)]  # attention KV
-        self._state_names = [n for n in everything if n not in names]  # Mamba: a list of state tensors
+        self._state_names = [
+            n for n in everything if n not in names
+        ]  # Mamba: a list of state tensors
         if self._state_names and (self.groups is None or not self.groups.has_state):
-            raise UnsupportedModel(f"layers {', '.join(self._state_names[:3])} keep a Mamba state, but vLLM's "
-                                   "KV cache config has no Mamba group (its hybrid KV cache manager is off?)")
+            raise UnsupportedModel(
+                f"layers {', '.join(self._state_names[:3])} keep a Mamba state, but vLLM's "
+                "KV cache config has no Mamba group (its hybrid KV cache manager is off?)"
+            )
         self._layer_index = {name: i for i, name in enumerate(names)}
         vkv = vllm_kv(vllm_config, kv_caches, names)
-        if vkv.whole_blocks != self.shape.whole_blocks:  # the scheduler rounded hits by what it expected
-            raise UnsupportedKVLayout(vkv.backend, f"layout {vkv.kv.layout}", "what the scheduler expected")
+        if (
+            vkv.whole_blocks != self.shape.whole_blocks
+        ):  # the scheduler rounded hits by what it expected
+            raise UnsupportedKVLayout(
+                vkv.backend, f"layout {vkv.kv.layout}", "what the scheduler expected"
+            )
         kv, rows = vkv.kv, None if self.groups is None else self.groups.rows(names)
         if self.groups is not None:
             if not self.config.local_cpu and self.can_load:
-                log.warning("several KV cache groups: kvtier promises a hit only from CPU RAM (vLLM cannot "
-                            "recompute a failed load here), and local_cpu is false: no hit will load")
-            log.info("vLLM's hybrid KV cache manager: %d KV cache groups; %d attention layers move at their "
-                     "group's blocks%s", len(self.groups.attention) + len(self.groups.recurrent), len(names),
-                     f", {len(self._state_names)} Mamba layers' state is stored at chunk ends"
-                     if self._state_names else "")
+                log.warning(
+                    "several KV cache groups: kvtier promises a hit only from CPU RAM (vLLM cannot "
+                    "recompute a failed load here), and local_cpu is false: no hit will load"
+                )
+            log.info(
+                "vLLM's hybrid KV cache manager: %d KV cache groups; %d attention layers move at their "
+                "group's blocks%s",
+                len(self.groups.attention) + len(self.groups.recurrent),
+                len(names),
+                f", {len(self._state_names)} Mamba layers' state is stored at chunk ends"
+                if self._state_names
+                else "",
+            )
         if rows is not None:  # several attention groups: each layer's tokens in blocks of its group
             kv = kv.grouped(rows)
         rank = get_tensor_model_parallel_rank()
-        size, heads = get_tensor_model_parallel_world_size(), vllm_config.model_config.get_total_num_kv_heads()
+        size, heads = (
+            get_tensor_model_parallel_world_size(),
+            vllm_config.model_config.get_total_num_kv_heads(),
+        )
         if self.config.share_across_tp and not vllm_config.model_config.use_mla and size > heads:
-            raise ConfigError("share_across_tp", True, f"false here: {size} ranks share {heads} KV heads, "
-                              "so vLLM replicates them and no rank holds a slice of the heads")
-        fmt = KVFormat(model=vllm_config.model_config.model, layout=vkv.chunk_layout,
-                       dtype=str(vkv.kv.dtype).removeprefix("torch."), tp_rank=rank, tp_size=size)
+            raise ConfigError(
+                "share_across_tp",
+                True,
+                f"false here: {size} ranks share {heads} KV heads, "
+                "so vLLM replicates them and no rank holds a slice of the heads",
+            )
+        fmt = KVFormat(
+            model=vllm_config.model_config.model,
+            layout=vkv.chunk_layout,
+            dtype=str(vkv.kv.dtype).removeprefix("torch."),
+            tp_rank=rank,
+            tp_size=size,
+        )
         states = state_layers(kv_caches, self._state_names) if self._state_names else None
         if states is not None and self.config.enable_pd:
-            raise UnsupportedModel("disaggregated prefill of a model with Mamba layers: kvtier's PD moves "
-                                   "attention KV only")
+            raise UnsupportedModel(
+                "disaggregated prefill of a model with Mamba layers: kvtier's PD moves "
+                "attention KV only"
+            )
         self.engine = self.pd.make_engine(kv, fmt, rank, states)
         self._beside = BesideLoads(self.engine.kv.device)
-        self._server = LookupServer(socket_path(self.engine_id, rank), Handlers(
-            lookup=self._find, release=self._release, reset=self.engine.clear), direct=True)
+        self._server = LookupServer(
+            socket_path(self.engine_id, rank),
+            Handlers(lookup=self._find, release=self._release, reset=self.engine.clear),
+            direct=True,
+        )
 
     def _release(self, request_id: str) -> None:
         assert self.engine is not None
         self._coming_up.pop(request_id, None)
         self.engine.release_hold(request_id)
 
-    def _find(self, tokens: np.ndarray, identity: Identity, request_id: str, computed: int, beside: bool = False
-              ) -> tuple[int, int, bool]:
+    def _find(
+        self,
+        tokens: np.ndarray,
+        identity: Identity,
+        request_id: str,
+        computed: int,
+        beside: bool = False,
+    ) -> tuple[int, int, bool]:
         """A scheduler lookup: hold the hit (and say so). Chunks below CPU RAM start coming
         up into it now; a hit all in CPU RAM that the scheduler will load (the same rule as
         there) starts its copies to the GPU now, before vLLM's step that loads it (`beside`:
@@ -129,11 +176,19 @@ class WorkerSide:
         # over, the part that made it is the hit.
         pending = self._coming_up.get(request_id)
         came_up = pending is not None and pending.done()
-        hit = self.engine.find(tokens, identity=identity, hold_for=request_id, limit=len(tokens) - 1,
-                               cpu_only=came_up, known=computed)
+        hit = self.engine.find(
+            tokens,
+            identity=identity,
+            hold_for=request_id,
+            limit=len(tokens) - 1,
+            cpu_only=came_up,
+            known=computed,
+        )
         if self.groups is not None and self.can_load and hit.in_cpu < hit.tokens and not came_up:
             if pending is None:
-                self._coming_up[request_id] = self.engine.start_prefetch(tokens, request_id, identity)
+                self._coming_up[request_id] = self.engine.start_prefetch(
+                    tokens, request_id, identity
+                )
             return hit.tokens, hit.in_cpu, True
         if not self.can_load or not self.shape.to_load(hit.tokens, len(tokens), computed):
             if hit.tokens:
@@ -142,8 +197,14 @@ class WorkerSide:
         if hit.in_cpu < hit.tokens:
             self.engine.start_prefetch(tokens, request_id, identity)
         else:
-            self.engine.upload_ahead(tokens[: hit.tokens], request_id, identity=identity, start=computed,
-                                     layerwise=self.config.use_layerwise and not beside, beside=beside)
+            self.engine.upload_ahead(
+                tokens[: hit.tokens],
+                request_id,
+                identity=identity,
+                start=computed,
+                layerwise=self.config.use_layerwise and not beside,
+                beside=beside,
+            )
         return hit.tokens, hit.in_cpu, True
 
     @traced("start_load_kv")
@@ -163,15 +224,22 @@ class WorkerSide:
                 continue
             # From CPU RAM the copies are queued ahead of the forward (layer by layer with
             # use_layerwise); finished, and checked, at wait_for_save.
-            load = self.engine.start_retrieve(spec.token_ids, self._slots(spec), start=spec.start,
-                                              request_id=spec.req_id, identity=spec.identity,
-                                              layerwise=self.config.use_layerwise)
+            load = self.engine.start_retrieve(
+                spec.token_ids,
+                self._slots(spec),
+                start=spec.start,
+                request_id=spec.req_id,
+                identity=spec.identity,
+                layerwise=self.config.use_layerwise,
+            )
             state = self._load_state(spec) if self._state_names else None
             self._loads.append((load, spec, state))
         self._step_wait += time.perf_counter() - t0
 
     def _slots(self, spec: TransferSpec) -> torch.Tensor:
-        return spec.slots(self.shape.block_size, None if self.groups is None else self.groups.attention)
+        return spec.slots(
+            self.shape.block_size, None if self.groups is None else self.groups.attention
+        )
 
     def _load_state(self, spec: TransferSpec) -> StateLoad | None:
         """A hybrid model's Mamba state at the load's end into its blocks, queued on this
@@ -183,12 +251,22 @@ class WorkerSide:
         assert self.engine is not None and self.groups is not None
         size = self.groups.block_size
         blocks = self.groups.state_blocks(spec.block_ids, spec.end, self._state_names)
-        running = self.groups.state_blocks(spec.block_ids, -(-spec.step_end // size) * size, self._state_names) \
-            if spec.step_end else None
+        running = (
+            self.groups.state_blocks(
+                spec.block_ids, -(-spec.step_end // size) * size, self._state_names
+            )
+            if spec.step_end
+            else None
+        )
         if blocks is None or (spec.step_end and running is None):
             return None
-        return self.engine.load_state(spec.token_ids[: spec.end], blocks, request_id=spec.req_id,
-                                      identity=spec.identity, also=running)
+        return self.engine.load_state(
+            spec.token_ids[: spec.end],
+            blocks,
+            request_id=spec.req_id,
+            identity=spec.identity,
+            also=running,
+        )
 
     def _beside_loads(self) -> BesideLoads:
         if self._beside is None:  # an engine set without register_kv_caches (tests)
@@ -207,8 +285,14 @@ class WorkerSide:
         assert self.engine is not None
         spec = beside.spec
         try:
-            loading = self.engine.start_retrieve(spec.token_ids, self._slots(spec), start=spec.start,
-                                                 request_id=spec.req_id, identity=spec.identity, beside=True)
+            loading = self.engine.start_retrieve(
+                spec.token_ids,
+                self._slots(spec),
+                start=spec.start,
+                request_id=spec.req_id,
+                identity=spec.identity,
+                beside=True,
+            )
         except BaseException:
             self._landed(beside)
             raise
@@ -246,10 +330,18 @@ class WorkerSide:
         loaded_end = spec.start + loaded
         if loaded_end < spec.end:
             self._failed_tokens += spec.end - loaded_end
-            first, last = loaded_end // self.shape.block_size, (spec.end - 1) // self.shape.block_size
+            first, last = (
+                loaded_end // self.shape.block_size,
+                (spec.end - 1) // self.shape.block_size,
+            )
             self._load_errors.update(spec.blocks_of(first, last))
-            log.warning("request %s: %d of %d tokens could not be loaded (evicted, corrupt or unreachable); "
-                        "vLLM recomputes them", spec.req_id, spec.end - loaded_end, spec.end - spec.start)
+            log.warning(
+                "request %s: %d of %d tokens could not be loaded (evicted, corrupt or unreachable); "
+                "vLLM recomputes them",
+                spec.req_id,
+                spec.end - loaded_end,
+                spec.end - spec.start,
+            )
 
     @traced("get_finished")
     def get_finished(self) -> set[str] | None:
@@ -289,7 +381,9 @@ class WorkerSide:
             load.finish()  # its mask is final now (a lent chunk may fail its check after its layers were read)
             self.pd.loaded(spec.pd_req_id)
             loaded = load.num_tokens
-            if self._state_names:  # KV without its Mamba state is not the model's: all of it is recomputed
+            if (
+                self._state_names
+            ):  # KV without its Mamba state is not the model's: all of it is recomputed
                 if state is None or loaded < spec.end - spec.start:
                     loaded = 0
                 if state is not None:
@@ -301,8 +395,13 @@ class WorkerSide:
         # one ends).
         if meta.saves and self._forward_wrote_every_layer():  # nor its states, nor a PD send
             for spec in meta.saves:
-                self.engine.start_store(spec.token_ids, self._slots(spec), start=spec.start,
-                                        request_id=spec.req_id, identity=spec.identity).finish(wait=False)
+                self.engine.start_store(
+                    spec.token_ids,
+                    self._slots(spec),
+                    start=spec.start,
+                    request_id=spec.req_id,
+                    identity=spec.identity,
+                ).finish(wait=False)
             for spec in meta.saves:
                 if spec.state and self._state_names:
                     self._save_state(spec)
@@ -318,19 +417,28 @@ class WorkerSide:
         raised = sys.exc_info()[1] is not None
         partial = 0 < self._layers_written < len(self._layer_index)
         if raised or partial:
-            log.warning("this step's forward %s: its KV is not stored",
-                        "raised" if raised else f"wrote {self._layers_written} of {len(self._layer_index)} layers")
+            log.warning(
+                "this step's forward %s: its KV is not stored",
+                "raised"
+                if raised
+                else f"wrote {self._layers_written} of {len(self._layer_index)} layers",
+            )
         return not (raised or partial)
 
     def _save_state(self, spec: TransferSpec) -> None:
         """The Mamba state this step ended with (at `spec.end`, a block end), beside its chunk."""
         assert self.engine is not None and self.groups is not None
         blocks = self.groups.state_blocks(spec.block_ids, spec.end, self._state_names)
-        saved = blocks is not None and self.engine.save_state(spec.token_ids[: spec.end], blocks,
-                                                              request_id=spec.req_id, identity=spec.identity)
+        saved = blocks is not None and self.engine.save_state(
+            spec.token_ids[: spec.end], blocks, request_id=spec.req_id, identity=spec.identity
+        )
         if not saved:
-            log.warning("request %s: the Mamba state after %d tokens was not stored (%s)", spec.req_id, spec.end,
-                        "vLLM kept no block for it" if blocks is None else "no room, or not a chunk's end")
+            log.warning(
+                "request %s: the Mamba state after %d tokens was not stored (%s)",
+                spec.req_id,
+                spec.end,
+                "vLLM kept no block for it" if blocks is None else "no room, or not a chunk's end",
+            )
 
     def stats(self) -> KvtierStats | None:
         if self.engine is None:
@@ -344,7 +452,9 @@ class WorkerSide:
     def _counters(self) -> dict[str, float]:
         """This worker's cumulative counters and current gauges (metrics.py names)."""
         assert self.engine is not None
-        here = "pd" if self.pd.buffer is not None else "cpu"  # a PD receiver's CPU tier is its buffer
+        here = (
+            "pd" if self.pd.buffer is not None else "cpu"
+        )  # a PD receiver's CPU tier is its buffer
         out = {_tier_named(k, here): v for k, v in self.engine.metrics().items()}
         out["load_failure_tokens"] = self._failed_tokens
         out.update(self._longest)
@@ -377,5 +487,3 @@ class WorkerSide:
 def _tier_named(key: str, here: str) -> str:
     name, _, tier = key.partition(":")
     return f"{name}:{here}" if tier == Tier.CPU else key
-
-
