@@ -29,6 +29,10 @@ assert any(e.name == 'kvtier' for e in m.entry_points(group='vllm.general_plugin
 "$VENV"/bin/python -c "import pytest_timeout, xdist, psutil, xxhash, msgspec, openai, uvloop, aiohttp, prometheus_client, redis, hiredis, lz4, hypothesis" 2>/dev/null \
     || pip install -q pytest pytest-timeout pytest-xdist psutil xxhash pyyaml tqdm pyzmq msgspec openai uvloop aiohttp \
         prometheus-client "redis[hiredis]" lz4 hypothesis
+# The formatter and linter scripts/test.sh runs first, pinned: another version formats otherwise.
+"$VENV"/bin/ruff --version 2>/dev/null | grep -qx "ruff 0.17.6" || pip install -q ruff==0.17.6
+# The docs site (tests/test_docs.py builds it strictly).
+"$VENV"/bin/python -c "import mkdocs, material" 2>/dev/null || pip install -q mkdocs==1.6.1 mkdocs-material==9.8.2
 # NIXL, the optional transfer channel of disaggregated prefill (its tests run both
 # channels). After torch: nixl-cu12/-cu13 require torch, and with none installed pip
 # would pull a 5.9 GB CUDA build.

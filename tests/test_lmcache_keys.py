@@ -208,18 +208,3 @@ def test_fewer_tokens_than_a_block_past_vllms_own_hit_are_not_loaded(
     from kvtier.integrations.vllm.spec import Shape
 
     assert Shape(16, 256, False, 0).to_load(stored, prompt, computed) == load
-
-
-def test_the_readme_carries_the_table_the_code_prints():
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "config", "--keys", "--lmcache"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    block = readme.split("<!-- lmcache-keys:begin -->\n")[1].split("<!-- lmcache-keys:end -->")[0]
-    assert block == out
