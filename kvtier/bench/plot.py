@@ -83,15 +83,18 @@ def panels(
         return LEFT + (x - x0) / ((x1 - x0) or 1.0) * pw
 
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" font-family="sans-serif" '
-        f'font-size="12"><rect width="{W}" height="{height}" fill="white"/>',
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" '
+        f'font-family="sans-serif" font-size="12">'
+        f'<rect width="{W}" height="{height}" fill="white"/>',
         f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="15">{escape(title)}</text>',
     ]
     bottom = TOP + len(stack) * (ph + GAP) - GAP
     for a, b, label in spans:
         out.append(
-            f'<rect x="{sx(a):.1f}" y="{TOP}" width="{max(1.0, sx(b) - sx(a)):.1f}" height="{bottom - TOP}" '
-            f'fill="#d62728" fill-opacity="0.08"/><text x="{sx(a) + 2:.1f}" y="{TOP - 4}" font-size="9" '
+            f'<rect x="{sx(a):.1f}" y="{TOP}" width="{max(1.0, sx(b) - sx(a)):.1f}" '
+            f'height="{bottom - TOP}" '
+            f'fill="#d62728" fill-opacity="0.08"/><text x="{sx(a) + 2:.1f}" y="{TOP - 4}" '
+            f'font-size="9" '
             f'transform="rotate(-20 {sx(a) + 2:.1f} {TOP - 4})">{escape(label)}</text>'
         )
     legend = 0
@@ -99,11 +102,63 @@ def panels(
         legend = _panel(out, series, ylabel, TOP + i * (ph + GAP), ph, sx, legend)
     for t in _ticks(x0, x1):
         out.append(
-            f'<line x1="{sx(t):.1f}" y1="{bottom}" x2="{sx(t):.1f}" y2="{bottom + 5}" stroke="#444"/>'
+            f'<line x1="{sx(t):.1f}" y1="{bottom}" x2="{sx(t):.1f}" y2="{bottom + 5}" '
+            f'stroke="#444"/>'
             f'<text x="{sx(t):.1f}" y="{bottom + 18}" text-anchor="middle">{t:g}</text>'
         )
     out.append(
         f'<text x="{LEFT + pw / 2}" y="{height - 10}" text-anchor="middle">{escape(xlabel)}</text>'
     )
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def bars(groups: list[str], series: dict[str, list[float]], title: str, ylabel: str) -> str:
+    """An SVG document: for each group (an x category) one bar per series, labelled with its
+    value; series[name][i] is that series' value in groups[i]."""
+    pw, ph = W - LEFT - RIGHT, PANEL_H
+    top = TOP
+    y1 = max((v for vs in series.values() for v in vs), default=1.0) * 1.1 or 1.0
+    slot = pw / max(1, len(groups))
+    width = slot * 0.8 / max(1, len(series))
+
+    def sy(y: float) -> float:
+        return top + ph - y / y1 * ph
+
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{top + ph + BOTTOM}" '
+        'font-family="sans-serif" font-size="12">',
+        f'<rect width="{W}" height="{top + ph + BOTTOM}" fill="white"/>',
+        f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="14">{escape(title)}</text>',
+        f'<rect x="{LEFT}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>',
+        f'<text x="16" y="{top + ph / 2}" text-anchor="middle" '
+        f'transform="rotate(-90 16 {top + ph / 2})">{escape(ylabel)}</text>',
+    ]
+    for t in _ticks(0.0, y1):
+        out.append(
+            f'<line x1="{LEFT}" y1="{sy(t):.1f}" x2="{LEFT + pw}" y2="{sy(t):.1f}" stroke="#ddd"/>'
+            f'<text x="{LEFT - 6}" y="{sy(t) + 4:.1f}" text-anchor="end">{t:g}</text>'
+        )
+    for g, group in enumerate(groups):
+        x0 = LEFT + g * slot + slot * 0.1
+        out.append(
+            f'<text x="{LEFT + (g + 0.5) * slot:.1f}" y="{top + ph + 20}" '
+            f'text-anchor="middle">{escape(group)}</text>'
+        )
+        for k, values in enumerate(series.values()):
+            x, y = x0 + k * width, sy(values[g])
+            out.append(
+                f'<rect x="{x:.1f}" y="{y:.1f}" width="{width * 0.9:.1f}" '
+                f'height="{top + ph - y:.1f}" fill="{COLORS[k % len(COLORS)]}"/>'
+                f'<text x="{x + width * 0.45:.1f}" y="{y - 4:.1f}" '
+                f'text-anchor="middle">{values[g]:.1f}</text>'
+            )
+    for k, name in enumerate(series):
+        ly = TOP + 16 + 18 * k
+        out.append(
+            f'<rect x="{W - RIGHT + 12}" y="{ly - 9}" width="9" height="9" '
+            f'fill="{COLORS[k % len(COLORS)]}"/>'
+            f'<text x="{W - RIGHT + 26}" y="{ly}">{escape(name)}</text>'
+        )
     out.append("</svg>")
     return "\n".join(out)

@@ -53,12 +53,67 @@ def compare(out: Path) -> int:
             ok = same_warm and same_plain and control_differs and not unloaded
             bad += not ok
             print(
-                f"{name:18s} {length:>6s}  cold {r['cold_median'] * 1e3:7.1f}  warm {r['warm_median'] * 1e3:7.1f} ms"
-                f"  (GPU hit {r['gpu_hit_median'] * 1e3:6.1f}, in the engine {r['gpu_hit_engine_median_ms']:5.1f})"
+                f"{name:18s} {length:>6s}  cold {r['cold_median'] * 1e3:7.1f}  "
+                f"warm {r['warm_median'] * 1e3:7.1f} ms"
+                f"  (GPU hit {r['gpu_hit_median'] * 1e3:6.1f}, "
+                f"in the engine {r['gpu_hit_engine_median_ms']:5.1f})"
                 f"  floor ratio {r['warm_over_floor_paired']:.3f}  max(load,fwd) ratio "
                 f"{r['warm_over_max_load_fwd_paired']:.3f}  tokens {'OK' if ok else 'DIFFER'}"
-                f" (warm=GPU hit {same_warm}, cold=plain {same_plain}, control differs {control_differs},"
-                f" logprob err {t['warm_logprob_err']:.3g}, cold vs GPU hit {t['cold_vs_gpu_hit_logprob_err']:.3g})"
+                f" (warm=GPU hit {same_warm}, cold=plain {same_plain}, "
+                f"control differs {control_differs},"
+                f" logprob err {t['warm_logprob_err']:.3g}, "
+                f"cold vs GPU hit {t['cold_vs_gpu_hit_logprob_err']:.3g})"
                 + ("  WARM UNDER THE COPY OF ITS KV: not loaded" if unloaded else "")
             )
     return 1 if bad else 0
+
+
+def plot(records: Path, setups: list[str], out: Path) -> None:
+    """Warm TTFT per length, one bar per setup, from `kvtier.bench.vllm`'s records in
+    `records` (NAME.json or NAME.json.gz a setup), as an SVG at `out`."""
+    import gzip
+
+    from kvtier.bench.plot import bars
+
+    recs = {}
+    for name in setups:
+        path = records / f"{name}.json"
+        text = (
+            path.read_text()
+            if path.exists()
+            else gzip.decompress((records / f"{name}.json.gz").read_bytes()).decode()
+        )
+        recs[name] = json.loads(text)
+    first = recs[setups[0]]
+    lengths = list(first["lengths"])
+    series = {
+        name: [rec["lengths"][n]["warm_median"] * 1e3 for n in lengths]
+        for name, rec in recs.items()
+    }
+    groups = [f"{int(n) // 1024}k tokens" for n in lengths]
+    machine = first["machine"]
+    title = (
+        f"Warm TTFT inside vLLM, lower is better ({machine['gpu']}, {machine['date']}; "
+        f"median of {len(first['lengths'][lengths[0]]['warm'])})"
+    )
+    out.write_text(bars(groups, series, title, "ms"))
+
+
+def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="kvtier.bench.vllm's records: table or plot")
+    p.add_argument("records", type=Path, help="a folder of records (one JSON a setup)")
+    p.add_argument("--plot", type=Path, help="write the warm TTFT bars here (SVG)")
+    p.add_argument("--setups", default="", help="comma list, the plot's order (default: all)")
+    args = p.parse_args()
+    if args.plot is None:
+        raise SystemExit(compare(args.records))
+    names = [s for s in args.setups.split(",") if s] or sorted(
+        p.name.split(".")[0] for p in args.records.glob("*.json*")
+    )
+    plot(args.records, names, args.plot)
+
+
+if __name__ == "__main__":
+    main()
