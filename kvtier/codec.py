@@ -106,7 +106,8 @@ class Codec:
         return num_tokens
 
     def decode_into(self, value: bytes | memoryview, out: memoryview) -> int:
-        """Write the chunk held in `value` into `out` (exactly its size); num_tokens, or CorruptPayload."""
+        """Write the chunk held in `value` into `out` (exactly its size); num_tokens, or
+        CorruptPayload."""
         value = memoryview(value).cast("B")
         out = memoryview(out).cast("B")
         payload = value[HEADER.size :]
@@ -192,7 +193,8 @@ _XXH3 = _xxh3_c()
 
 
 def checksum(payload: memoryview | bytes | np.ndarray) -> int:
-    """xxh3-64 of `payload`, with the GIL let go while it reads (where the C function is reachable)."""
+    """xxh3-64 of `payload`, with the GIL let go while it reads (where the C function is
+    reachable)."""
     if _XXH3 is None:
         return xxhash.xxh3_64_intdigest(payload)
     arr = np.frombuffer(payload, np.uint8) if not isinstance(payload, np.ndarray) else payload

@@ -91,8 +91,8 @@ class Stalls:
         ]
         parts += [f"gc {gcs * 1e3:.1f}"] if gcs else []
         log.info(
-            "slow call on the engine's thread: %s took %.1f ms (%s; the rest %.1f: the GIL, or an uncounted "
-            "wait)",
+            "slow call on the engine's thread: %s took %.1f ms (%s; the rest %.1f: the GIL, "
+            "or an uncounted wait)",
             name,
             wall * 1e3,
             ", ".join(parts),

@@ -242,8 +242,8 @@ def table(record: dict) -> str:
         lines += [
             f"\n{part['name']}: outputs equal to plain vLLM's {part['outputs']['equal']}/"
             f"{part['outputs']['compared']}; recovery {part['recovery']}",
-            "| phase | s | sent | failed | TTFT p50 ms | TTFT p99 ms | p99 vs no fault | hit rate | "
-            "longest wait on kvtier s |",
+            "| phase | s | sent | failed | TTFT p50 ms | TTFT p99 ms | p99 vs no fault | "
+            "hit rate | longest wait on kvtier s |",
             "|---" * 9 + "|",
         ]
         for ph in part["phases"]:

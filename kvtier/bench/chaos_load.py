@@ -40,7 +40,8 @@ LOOKUP_TIMEOUT_MS = 3000
 class ChaosConfig:
     phase_s: float = 90.0
     rate: float = 2.0  # requests per second (tiers)
-    pd_rate: float = 0.5  # requests per second through the PD proxy (one core each for prefiller and decoder here)
+    # requests per second through the PD proxy (one core each for prefiller and decoder here)
+    pd_rate: float = 0.5
     concurrency: int = 4
     system_prompts: int = 4
     system_tokens: int = 1024
@@ -263,7 +264,8 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 def _add(figures: dict[str, float], name: str, value: float) -> None:
-    """One more series of `name` (another label, another node): counters add up, gauges keep the larger."""
+    """One more series of `name` (another label, another node): counters add up, gauges keep
+    the larger."""
     figures[name] = (
         max(figures.get(name, 0.0), value)
         if name.startswith(GAUGES)
@@ -391,13 +393,14 @@ def violations(record: dict, cfg: ChaosConfig) -> list[str]:
             waits = ph["longest_waits_s"]
             if waits and max(waits.values()) > cfg.bound_s():
                 out.append(
-                    f"{where}: a wait on kvtier of {max(waits.values()):.2f} s > {cfg.bound_s():.1f} s"
+                    f"{where}: a wait on kvtier of {max(waits.values()):.2f} s "
+                    f"> {cfg.bound_s():.1f} s"
                 )
         eq = part["outputs"]
         if eq["equal"] != eq["compared"]:
             out.append(
-                f"{part['name']}: {eq['compared'] - eq['equal']} of {eq['compared']} outputs differ "
-                f"from plain vLLM's: {eq['differing'][:5]}"
+                f"{part['name']}: {eq['compared'] - eq['equal']} of {eq['compared']} outputs "
+                f"differ from plain vLLM's: {eq['differing'][:5]}"
             )
         for role, growth in part["growth"].items():
             if growth.get("rss") is not None and growth["rss"] > 0.05:

@@ -44,9 +44,10 @@ class Workload:
     user_tokens: int = 128
     answer_tokens: int = 64  # the synthetic answer kept in the history
     max_tokens: int = 16  # generated per request (the mean, with output_spread)
-    # Each request's output length drawn from max_tokens x [1 - spread, 1 + spread] (seeded, the same in
-    # every run). One fixed length lets a closed loop at capacity fall into lockstep: requests that
-    # start together finish together, their successors arrive at once and prefill in the same steps.
+    # Each request's output length drawn from max_tokens x [1 - spread, 1 + spread] (seeded, the
+    # same in every run). One fixed length lets a closed loop at capacity fall into lockstep:
+    # requests that start together finish together, their successors arrive at once and prefill in
+    # the same steps.
     output_spread: float = 0.0
     rate: float = 2.0  # requests per second
     concurrency: int = 8

@@ -1,4 +1,5 @@
-"""`kvtier bench disk`: the disk tier against plain file I/O, and what a disk hit costs an engine step.
+"""`kvtier bench disk`: the disk tier against plain file I/O, and what a disk hit costs an engine
+step.
 
 Tier against file, for N tokens of a model's KV shape (Llama-3.1-8B by default):
     write  DiskTier.put of every chunk (header and checksum, temporary file,
@@ -139,7 +140,8 @@ def _tier_pass(
     total = sum(len(c) for c in chunks)
     t0 = time.perf_counter()
     tier.put(keys, [(c, shape.chunk_size) for c in chunks])
-    os.sync()  # the tier does not fsync each file (a torn file fails its checks); the device must have them
+    # the tier does not fsync each file (a torn file fails its checks); the device must have them
+    os.sync()
     write = total / (time.perf_counter() - t0) / 1e9
     for path in tier_dir.glob("*.kvc"):
         drop_cache(path)
@@ -165,7 +167,8 @@ def _step_pass(
     load_slots: torch.Tensor,
     loader: ThreadPoolExecutor,
 ) -> tuple[float, float, float]:
-    """(sync step wait, async step wait, async request latency), ms, for a prompt whose chunks are on disk."""
+    """(sync step wait, async step wait, async request latency), ms, for a prompt whose chunks are
+    on disk."""
 
     def cold() -> None:
         engine.tiers.cpu.clear()

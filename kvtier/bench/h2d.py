@@ -33,19 +33,20 @@ class Load:
         self.pool = torch.empty(chunks * self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
         self.pool.view(torch.int64).copy_(torch.arange(self.pool.numel() // 8))
         self.staging = torch.empty_like(self.pool, device=dev)
-        # Per layer one run, as Staging.run_table has it: (host, device, host pitch, device pitch, bytes, rows).
+        # Per layer one run, as Staging.run_table has it: (host, device, host pitch, device pitch,
+        # bytes, rows).
         self.runs = [
             [
                 (
-                    self.pool.data_ptr() + l * self.layer_bytes,
-                    self.staging.data_ptr() + l * chunks * self.layer_bytes,
+                    self.pool.data_ptr() + layer * self.layer_bytes,
+                    self.staging.data_ptr() + layer * chunks * self.layer_bytes,
                     self.chunk_bytes,
                     self.layer_bytes,
                     self.layer_bytes,
                     chunks,
                 )
             ]
-            for l in range(layers)
+            for layer in range(layers)
         ]
         self.table = run_table(self.runs)
 
@@ -146,8 +147,10 @@ def run(args: argparse.Namespace) -> int:
     for name, go in ways.items():
         r = result[name] = measure(load, go, args.repeats, dev)
         print(
-            f"{name:14s} {r['GBps']:5.1f} GB/s ({r['ms']:.1f} ms for {load.pool.numel() / 1e9:.2f} GB); "
-            f"a 128 KB copy queued 1 ms in waits {r['small_copy_wait_ms']:.2f} ms; 20 matmuls beside "
+            f"{name:14s} {r['GBps']:5.1f} GB/s "
+            f"({r['ms']:.1f} ms for {load.pool.numel() / 1e9:.2f} GB); "
+            f"a 128 KB copy queued 1 ms in waits {r['small_copy_wait_ms']:.2f} ms; "
+            f"20 matmuls beside "
             f"{r['matmuls_beside_ms']:.1f} ms (alone {r['matmuls_alone_ms']:.1f})",
             flush=True,
         )

@@ -9,8 +9,10 @@ random, as a busy vLLM's are), on a history of `--history` tokens growing by `--
     lookup    find(hold) + upload_ahead(beside): the scheduler's lookup, its hit's copies queued
               (since 2026-11-29 on the ahead slot's thread: the call's time is the engine thread's)
     (step)    `--step-ms` of sleep, the engine thread waiting for its step on the GPU
-    load      start_retrieve(beside) (the queueing) and its finish (the wait), a load beside the steps
-    store     start_store(...).finish(wait=False): the turn's new chunks, as wait_for_save queues them
+    load      start_retrieve(beside) (the queueing) and its finish (the wait), a load beside the
+              steps
+    store     start_store(...).finish(wait=False): the turn's new chunks, as wait_for_save queues
+              them
 
 Each call is timed on the host (perf_counter; the GPU is idle between turns, so no call
 waits behind an earlier turn's work), medians and p90 over `--requests`; then whole turns
@@ -82,7 +84,8 @@ class Chat:
         self.engine.flush()
 
     def grow(self, i: int) -> None:
-        """Conversation i's next turn: a new request (its id, its block table) on a longer history."""
+        """Conversation i's next turn: a new request (its id, its block table) on a longer
+        history."""
         self.histories[i] = np.concatenate(
             [self.histories[i], self.rng.integers(100, 30000, self.args.turn)]
         )
@@ -108,7 +111,8 @@ class Chat:
         return loading.finish
 
     def store(self, i: int) -> None:
-        """The request's store after its forward: its chunks not stored yet, copies not waited for."""
+        """The request's store after its forward: its chunks not stored yet, copies not waited
+        for."""
         tokens = self.histories[i]
         self.engine.start_store(
             tokens, self.table[i], start=self.stored[i], request_id=self.rid(i)

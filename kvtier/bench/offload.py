@@ -112,7 +112,10 @@ def copy_bandwidth(nbytes: int, device: torch.device, tries: int = 3) -> tuple[f
 def machine_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, {platform.node()}"
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {platform.node()}"
+    return (
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"{platform.node()}"
+    )
 
 
 def bench_device(name: str, flag: str = "--device") -> torch.device:

@@ -42,8 +42,10 @@ def per_token(shape: OffloadShape) -> int:
 class PdRun:
     channel: str
     tokens: int
-    pieces: str = "default"  # cuda_ipc: chunks in a step's first and largest Alloc ("4,16"), "step", "sync-commit",
-    # "forward=MS" (the send made as vLLM makes it: behind a forward still on the GPU, timed from its end)
+    # cuda_ipc: chunks in a step's first and largest Alloc ("4,16"), "step", "sync-commit",
+    # "forward=MS" (the send made as vLLM makes it: behind a forward still on the GPU, timed from
+    # its end)
+    pieces: str = "default"
     send_ms: list[float] = field(default_factory=list)
     load_ms: list[float] = field(default_factory=list)
     done_to_loaded_ms: list[float] = field(default_factory=list)
@@ -255,7 +257,8 @@ class _PdBench:
 
 
 class _Receiver:
-    """The receiving process (`--serve-receiver`): its buffer, its ports, and the requests it loads."""
+    """The receiving process (`--serve-receiver`): its buffer, its ports, and the requests it
+    loads."""
 
     def __init__(self, shape: OffloadShape, channel: str, device: str, max_tokens: int) -> None:
         self.init, self.alloc = free_ports(2)
@@ -365,9 +368,12 @@ def _channel_runs(
             runs.append(run)
             s = run.summary(per_token(shape))
             print(
-                f"{channel:9s} {run.pieces:>11s} {n:6d} tokens {s['GB']:.2f} GB | send {s['send_ms']} ms = "
-                f"{s['send_GBps']} GB/s ({s['ratio_to_copy']} of copy {s['copy_GBps']} GB/s) | load {s['load_ms']} "
-                f"ms | done->loaded {s['done_to_loaded_ms']} ms | keys {s['keys_ms']} alloc/write/commit "
+                f"{channel:9s} {run.pieces:>11s} {n:6d} tokens {s['GB']:.2f} GB | "
+                f"send {s['send_ms']} ms = "
+                f"{s['send_GBps']} GB/s ({s['ratio_to_copy']} of copy {s['copy_GBps']} GB/s) | "
+                f"load {s['load_ms']} "
+                f"ms | done->loaded {s['done_to_loaded_ms']} ms | keys {s['keys_ms']} "
+                f"alloc/write/commit "
                 f"{s['alloc_write_commit_ms']} after {s['after_commit_ms']} ms",
                 flush=True,
             )
@@ -378,8 +384,8 @@ def _channel_runs(
 
 def _set_variant(sender, variant: str, default: tuple, rings: dict) -> None:
     """The sender's way of reserving, writing and committing for `variant` (see `run_pd`);
-    `default`: its own (pieces, early_commit, gather_early); `rings`: cuda_ipc's writers by group size
-    ("default": the sender's own, once it has connected)."""
+    `default`: its own (pieces, early_commit, gather_early); `rings`: cuda_ipc's writers by group
+    size ("default": the sender's own, once it has connected)."""
     from kvtier.pd.ipc_writes import IpcWriter
 
     sender.pieces, sender.early_commit, sender.gather_early = default

@@ -128,11 +128,16 @@ def run(args: argparse.Namespace) -> dict:
             row = _length(c, name, n, rng, args)
             runs.append(row)
             print(
-                f"{n:6d} tokens: through the proxy (P on GPU0, D on GPU1) {row['pd_median_ms']:.1f} ms, decoder "
-                f"alone {row['alone_median_ms']:.1f} ms ({row['alone_over_pd']:.2f}x), decoder's own prefix hit "
-                f"{statistics.median(row['hit_ttft_ms']):.1f} ms; last writes after the last forward "
-                f"{row['sender_median_ms']} ms ({n * KV_BYTES_PER_TOKEN / 1e9:.2f} GB in all); tokens equal to "
-                f"the decoder's hit {row['equal']}/{args.pairs}, parting at a near-tie {row['near_tie']} (equal to "
+                f"{n:6d} tokens: through the proxy (P on GPU0, D on GPU1) "
+                f"{row['pd_median_ms']:.1f} ms, decoder "
+                f"alone {row['alone_median_ms']:.1f} ms ({row['alone_over_pd']:.2f}x), "
+                f"decoder's own prefix hit "
+                f"{statistics.median(row['hit_ttft_ms']):.1f} ms; "
+                f"last writes after the last forward "
+                f"{row['sender_median_ms']} ms ({n * KV_BYTES_PER_TOKEN / 1e9:.2f} GB in all); "
+                f"tokens equal to "
+                f"the decoder's hit {row['equal']}/{args.pairs}, "
+                f"parting at a near-tie {row['near_tie']} (equal to "
                 f"its prefill alone {row['equal_to_alone']}), "
                 f"control differs {row.get('control_differs')}, failed {row['failed']}",
                 flush=True,
@@ -197,7 +202,8 @@ def _length(c, name: str, n: int, rng: random.Random, args: argparse.Namespace) 
                 args.max_tokens,
             )
             row["control_differs"] = control.output_ids != alone.output_ids
-    # the GPU time of the prefiller's last writes after its last forward (what PD adds there; kvtier's log)
+    # the GPU time of the prefiller's last writes after its last forward (what PD adds there;
+    # kvtier's log)
     row["sender_ms"] = [
         float(ms) for t, ms in LAST_WRITES.findall(c.prefiller.log_text()) if int(t) == n
     ][-args.pairs :]
@@ -261,7 +267,8 @@ def main() -> None:
         (Path(args.out) / "pd-vllm.json").write_text(json.dumps(record, indent=1))
     for r in record["runs"]:
         print(
-            f"{r['tokens']:6d} tokens: PD {r['pd_median_ms']:.1f} ms, decoder alone {r['alone_median_ms']:.1f} ms, "
+            f"{r['tokens']:6d} tokens: PD {r['pd_median_ms']:.1f} ms, "
+            f"decoder alone {r['alone_median_ms']:.1f} ms, "
             f"equal to the decoder's hit {r['equal']}, parting at a near-tie {r['near_tie']}, "
             f"of {len(r['pd_ttft_ms'])}; failed {r['failed']}"
         )

@@ -6,7 +6,8 @@ server at a time on this machine.
     kvtier         KvtierConnector, its defaults (gpu_upload auto, async_loading busy)
     kvtier-kernel  KvtierConnector, gpu_upload kernel (no load holds the copy engine)
     kvtier-in-step KvtierConnector, async_loading never (every CPU-RAM hit loads in its step)
-    kvtier-dma     KvtierConnector, gpu_upload copy_engine (a hit beside the steps crosses by DMA too)
+    kvtier-dma     KvtierConnector, gpu_upload copy_engine (a hit beside the steps crosses by DMA
+                   too)
     lmcache        LMCacheConnectorV1, CPU RAM
     native         vLLM's OffloadingConnector (--kv-offloading-size, backend native)
 
@@ -261,10 +262,11 @@ def serve_twice(
 ) -> dict[str, dict]:
     """The InfiniStore guide's flow per setup: `vllm bench serve` twice against one server,
     the second run sending the first's prompts (a prefix-sharing dataset where `work` says
-    so); `profile`: py-spy on the server during each (`<out>/<setup>-first-pyspy.txt`, `-second-`). A
-    setup whose run fails is recorded with its error; the others still run. Each run's greedy
-    outputs are kept (`outputs`; vLLM's per-request records in `<out>/<setup>/`): an offloader's
-    second run, served from its KV, should give what the first setup's first run computed."""
+    so); `profile`: py-spy on the server during each (`<out>/<setup>-first-pyspy.txt`,
+    `-second-`). A setup whose run fails is recorded with its error; the others still run. Each
+    run's greedy outputs are kept (`outputs`; vLLM's per-request records in `<out>/<setup>/`): an
+    offloader's second run, served from its KV, should give what the first setup's first run
+    computed."""
     out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict] = {}
     for name in names:
@@ -313,21 +315,25 @@ def serve_twice_table(rows: dict[str, dict]) -> list[str]:
     for name, r in rows.items():
         if "error" in r:
             lines.append(
-                f"| {name} | failed to run: {r['error'].splitlines()[-1][:120] if r['error'] else '?'} ||||||"
+                f"| {name} | failed to run: "
+                f"{r['error'].splitlines()[-1][:120] if r['error'] else '?'} ||||||"
             )
             continue
         a, b, outputs = r["first"], r["second"], r["outputs"]
         lines.append(
             f"| {name} | {_three(a)} | {_three(b)} | {r['second_vs_first_median']:.3f} | "
-            f"{a.get('Request throughput (req/s)', 0):.2f}, {b.get('Request throughput (req/s)', 0):.2f} | "
+            f"{a.get('Request throughput (req/s)', 0):.2f}, "
+            f"{b.get('Request throughput (req/s)', 0):.2f} | "
             f"{a.get('Failed requests', 0) + b.get('Failed requests', 0):.0f} | "
-            f"{_equal(outputs['second'], reference)}, {_equal(outputs['second'], outputs['first'])} |"
+            f"{_equal(outputs['second'], reference)}, "
+            f"{_equal(outputs['second'], outputs['first'])} |"
         )
     return lines
 
 
 def _equal(these: list[str], those: list[str]) -> str:
-    """Outputs equal in both, of the requests both ran (a failed request's empty text never counts)."""
+    """Outputs equal in both, of the requests both ran (a failed request's empty text never
+    counts)."""
     return f"{sum(bool(a) and a == b for a, b in zip(these, those))}/{min(len(these), len(those))}"
 
 
@@ -371,14 +377,16 @@ def by_round(records: dict[str, Record]) -> list[str]:
         leads = sum(t < 1 and q > 1 for t, q in paired)
         split = phases.get(name)
         split_ms = (
-            f"{statistics.median(q for q, _ in split):.1f} / {statistics.median(p for _, p in split):.1f}"
+            f"{statistics.median(q for q, _ in split):.1f} / "
+            f"{statistics.median(p for _, p in split):.1f}"
             if split
             else "—"
         )
         lines.append(
             f"| {name} | {' '.join(f'{m:.1f}' for m, _ in by.values())} | "
             f"{statistics.median(m for m, _ in by.values()):.1f} | "
-            f"{statistics.median(t for t, _ in paired):.3f} | {statistics.median(q for _, q in paired):.3f} | "
+            f"{statistics.median(t for t, _ in paired):.3f} | "
+            f"{statistics.median(q for _, q in paired):.3f} | "
             f"{leads} of {len(paired)} | {split_ms} | "
             f"{' '.join('—' if b is None else f'{b:.2f}' for b in lockstep[name])} |"
         )
@@ -394,7 +402,8 @@ def table(records: dict[str, Record]) -> list[str]:
     lines = [
         "| setup | TTFT mean ms | TTFT p99 ms | req/s | output tok/s | connector hit rate | "
         "GPU prefix hit rate | in flight mean / max | "
-        "kvtier lookup ms (share of the run, longest since the start) | vLLM's queue / prefill / ITL ms | "
+        "kvtier lookup ms (share of the run, longest since the start) | "
+        "vLLM's queue / prefill / ITL ms | "
         "vLLM steps over 512 tokens | failed | outputs equal to the round's first |",
         "|---" * 13 + "|",
     ]
@@ -402,7 +411,8 @@ def table(records: dict[str, Record]) -> list[str]:
         s = rec.summary
         equal, both = same_outputs(rec, firsts[name.partition("#")[2]])
         lines.append(
-            f"| {name} | {_ms(s['ttft_mean_ms'])} | {_ms(s['ttft_p99_ms'])} | {s['requests_per_s']:.2f} | "
+            f"| {name} | {_ms(s['ttft_mean_ms'])} | {_ms(s['ttft_p99_ms'])} | "
+            f"{s['requests_per_s']:.2f} | "
             f"{s['output_tokens_per_s']:.1f} | {s['connector_hit_rate']:.2f} | "
             f"{s['gpu_prefix_hit_rate']:.2f} | {s['mean_in_flight']:.1f} / {s['max_in_flight']} | "
             f"{_lookups(s)} | {_ms(s.get('queue_ms_mean'))} / {_ms(s.get('prefill_ms_mean'))} / "
@@ -460,8 +470,9 @@ def _parser() -> argparse.ArgumentParser:
         "--gpu-kv-share",
         type=float,
         default=None,
-        help="vLLM's GPU KV cache sized to hold this share of the chat's conversations at their last "
-        "turn (--kv-cache-memory-bytes): the same workload on any GPU, whatever --gpu-util leaves",
+        help="vLLM's GPU KV cache sized to hold this share of the chat's conversations at their "
+        "last turn (--kv-cache-memory-bytes): the same workload on any GPU, "
+        "whatever --gpu-util leaves",
     )
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
@@ -492,7 +503,8 @@ def _parser() -> argparse.ArgumentParser:
         "--report",
         metavar="DIR",
         help="print the tables of the chat records in DIR (a run cut by its "
-        "time limit printed none), in the order of --setups, and write their plot again; run nothing",
+        "time limit printed none), in the order of --setups, and write their plot again; "
+        "run nothing",
     )
     p.add_argument(
         "--bench-serve",
@@ -540,7 +552,8 @@ def main() -> None:
             ),
         )
         print(
-            f"vLLM's GPU KV cache: {server.gpu_kv_bytes / 2**30:.2f} GiB, {args.gpu_kv_share:.0%} of the "
+            f"vLLM's GPU KV cache: {server.gpu_kv_bytes / 2**30:.2f} GiB, "
+            f"{args.gpu_kv_share:.0%} of the "
             f"{workload.conversations} conversations at their last turn",
             flush=True,
         )
@@ -559,8 +572,10 @@ def main() -> None:
         s = rec.summary
         if workload.concurrency > 1 and s["sent_while_another_ran"] < 0.5:
             print(
-                f"note: {name}: {s['sent_while_another_ran']:.0%} of the requests were sent while another ran "
-                f"({s['mean_in_flight']:.1f} in flight on average): at {workload.rate} req/s the server "
+                f"note: {name}: {s['sent_while_another_ran']:.0%} of the requests were sent while "
+                f"another ran "
+                f"({s['mean_in_flight']:.1f} in flight on average): at {workload.rate} req/s "
+                f"the server "
                 f"served them about one at a time, not up to {workload.concurrency}; raise the rate"
             )
 

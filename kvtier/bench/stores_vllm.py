@@ -299,9 +299,11 @@ def run(
             record["stores"][name] = row
             progress(
                 f"{name}: median TTFT A {a['bench']['Median TTFT (ms)']:.1f} ms (cold) -> "
-                f"B {b['bench']['Median TTFT (ms)']:.1f} ms (from the store): {row['warm_vs_cold_median']:.2f}; "
+                f"B {b['bench']['Median TTFT (ms)']:.1f} ms (from the store): "
+                f"{row['warm_vs_cold_median']:.2f}; "
                 f"hits {row['b_hit_tokens']}/{row['b_prompt_tokens']}, failed {row['failed']:.0f}, "
-                f"B's tokens = A's GPU hit's {row['same_tokens']} (logprob err {row['logprob_err']:.3g}), "
+                f"B's tokens = A's GPU hit's {row['same_tokens']} "
+                f"(logprob err {row['logprob_err']:.3g}), "
                 f"control differs {row['control_differs']}"
             )
     return record
@@ -317,8 +319,10 @@ def table(record: dict) -> str:
         a, b = r["a"]["bench"], r["b"]["bench"]
         rows.append(
             f"| {name} | {a['Median TTFT (ms)']:.1f} / {a['Mean TTFT (ms)']:.1f} ms | "
-            f"{b['Median TTFT (ms)']:.1f} / {b['Mean TTFT (ms)']:.1f} ms | {r['warm_vs_cold_median']:.2f} | "
-            f"{r['b_hit_tokens']} of {r['b_prompt_tokens']} | {r['failed']:.0f} | {r['same_tokens']} |"
+            f"{b['Median TTFT (ms)']:.1f} / {b['Mean TTFT (ms)']:.1f} ms | "
+            f"{r['warm_vs_cold_median']:.2f} | "
+            f"{r['b_hit_tokens']} of {r['b_prompt_tokens']} | {r['failed']:.0f} | "
+            f"{r['same_tokens']} |"
         )
     return "\n".join(rows)
 

@@ -386,7 +386,8 @@ def _warm(
 
 
 def _over_tcp(point: TTFTPoint, setup: _Setup, server_url: str, codecs: tuple[str, ...]) -> None:
-    """Warm from the store server over TCP (and with lossy codecs), against loopback TCP measured now."""
+    """Warm from the store server over TCP (and with lossy codecs), against loopback TCP measured
+    now."""
     from kvtier.bench.server_clients import tcp_bandwidth
 
     url = server_url + "/?shm=0"

@@ -73,7 +73,7 @@ def warm_from_disk(
         times.append(cuda_timed(lambda: hits.append(session.prefill(ids).hit_tokens)))
     assert hits[-1] > 0, "nothing loaded from the disk tier"
     session.engine.close()
-    del session
+    session = None  # release it (rebound, not `del`: the lambda above refers to the name)
     torch.cuda.empty_cache()
     read_gbps = file_read_bandwidth(directory, kv_bytes)
     shutil.rmtree(directory, ignore_errors=True)

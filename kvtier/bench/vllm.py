@@ -59,7 +59,8 @@ SETUPS: dict[str, dict] = {
     "plain": {},
     "kvtier": {"connector": "KvtierConnector", "env": {}},
     "kvtier-layerwise": {"connector": "KvtierConnector", "env": {"LMCACHE_USE_LAYERWISE": "true"}},
-    # gpu_upload other than its default (auto: kernel for layerwise loads, copy engine for whole ones).
+    # gpu_upload other than its default (auto: kernel for layerwise loads, copy engine for whole
+    # ones).
     "kvtier-kernel": {"connector": "KvtierConnector", "env": {"KVTIER_GPU_UPLOAD": "kernel"}},
     "kvtier-layerwise-dma": {
         "connector": "KvtierConnector",
@@ -220,7 +221,8 @@ class _Run:
         }
 
     def pair(self, ids: list[int], last: bool) -> dict:
-        """Cold, vLLM's own GPU hit (what a zero-cost load would give), then warm from the offloader."""
+        """Cold, vLLM's own GPU hit (what a zero-cost load would give), then warm from the
+        offloader."""
         cold, _ = self.gen(ids)
         self.timer.clear()
         gpu_hit, _ = self.gen(ids, timed=True)
@@ -346,7 +348,8 @@ def _summary(runs: dict, nbytes: int, bw: float, tokens: dict, timelines: list) 
 
 def _print(setup: str, length: int, r: dict) -> None:
     print(
-        f"[{setup}] {length}: cold {r['cold_median'] * 1e3:.1f} ms, warm {r['warm_median'] * 1e3:.1f} ms, "
+        f"[{setup}] {length}: cold {r['cold_median'] * 1e3:.1f} ms, "
+        f"warm {r['warm_median'] * 1e3:.1f} ms, "
         f"vLLM's own GPU prefix hit {r['gpu_hit_median'] * 1e3:.1f} ms (its engine step "
         f"{r['gpu_hit_engine_median_ms']:.1f}), "
         f"copy {r['copy_ms']:.1f} ms ({r['h2d_GBps']:.1f} GB/s) + fwd {r['fwd_median_ms']:.1f} ms, "
@@ -429,8 +432,8 @@ def main() -> None:
         nargs="?",
         const="warm",
         choices=("warm", "hit"),
-        help="one more warm run (or GPU prefix hit: --trace hit) per length under torch's profiler: "
-        "its GPU timeline, the host's waits for the GPU, and the trace",
+        help="one more warm run (or GPU prefix hit: --trace hit) per length under torch's "
+        "profiler: its GPU timeline, the host's waits for the GPU, and the trace",
     )
     p.add_argument(
         "--module-path",

@@ -276,7 +276,9 @@ TIMED = {
     "vllm.v1.core.sched.scheduler:Scheduler.schedule": "vllm schedule",
     EXECUTOR + ".execute_model": "vllm execute_model",
     EXECUTOR + ".sample_tokens": "vllm sample_tokens",
-    "kvtier.integrations.vllm:KvtierConnector.get_num_new_matched_tokens": "kvtier lookup (scheduler)",
+    "kvtier.integrations.vllm:KvtierConnector.get_num_new_matched_tokens": (
+        "kvtier lookup (scheduler)"
+    ),
     "kvtier.engine:CacheEngine.find": "kvtier find+hold (worker)",
     "kvtier.engine:CacheEngine.upload_ahead": "kvtier upload_ahead (worker)",
     "kvtier.integrations.vllm:KvtierConnector.build_connector_meta": "kvtier metadata",
