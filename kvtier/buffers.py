@@ -10,14 +10,14 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar, Union
+from typing import TypeVar
 
 import numpy as np
 
-Buffer = Union[bytes, bytearray, memoryview, np.ndarray]
+Buffer = bytes | bytearray | memoryview | np.ndarray
 T = TypeVar("T")
 R = TypeVar("R")
-Value = Union[Buffer, Sequence[Buffer]]
+Value = Buffer | Sequence[Buffer]
 
 
 def as_parts(value: Value) -> list[memoryview]:

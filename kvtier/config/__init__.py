@@ -100,27 +100,30 @@ class KvtierConfig:
         repr=False,
     )
     remote_serde: str = _doc(
-        "chunk codec: naive | lz4 (lossless, remote only) | int8 | fp8 (lossy, on the GPU, every tier)",
+        "chunk codec: naive | lz4 (lossless, remote only) | int8 | fp8 (lossy, on the GPU, "
+        "every tier)",
         default="naive",
     )
     blocking_timeout_secs: float = _doc("longest wait on a tier before a miss, s", default=10.0)
     gpu_upload: str = _doc(
-        "what copies loads from CPU RAM into GPU memory: kernel (the GPU's SMs read the pinned pool; "
-        "vLLM's own small copies never wait behind a load) | copy_engine (DMA, a few % faster; its "
-        "queue holds vLLM's next-step inputs until the whole load has crossed) | auto (kernel for "
-        "layerwise loads, whose overlap needs vLLM's inputs through; copy engine for whole ones)",
+        "what copies loads from CPU RAM into GPU memory: kernel (the GPU's SMs read the pinned "
+        "pool; vLLM's own small copies never wait behind a load) | copy_engine (DMA, a few % "
+        "faster; its queue holds vLLM's next-step inputs until the whole load has crossed) | "
+        "auto (kernel for layerwise loads, whose overlap needs vLLM's inputs through; copy "
+        "engine for whole ones)",
         default="auto",
     )
     async_loading: str = _doc(
-        "when a hit all in CPU RAM loads inside vLLM: busy (in the step that needs it while no other request "
-        "runs; else in the background, the request joining a later step, so running requests' steps do not "
-        "wait for its copies) | always (in the background) | never (in the step); hits below CPU RAM always "
-        "load in the background",
+        "when a hit all in CPU RAM loads inside vLLM: busy (in the step that needs it while no "
+        "other request runs; else in the background, the request joining a later step, so "
+        "running requests' steps do not wait for its copies) | always (in the background) | "
+        "never (in the step); hits below CPU RAM always load in the background",
         default="busy",
     )
     share_across_tp: bool = _doc(
-        "also read chunks that instances of another tensor-parallel size stored (disk and remote tiers), "
-        "cut or joined to this rank's KV heads; a miss then asks the tiers for each other size too",
+        "also read chunks that instances of another tensor-parallel size stored (disk and "
+        "remote tiers), cut or joined to this rank's KV heads; a miss then asks the tiers for "
+        "each other size too",
         default=False,
     )
     enable_pd: bool = _doc(
@@ -136,7 +139,8 @@ class KvtierConfig:
     pd_buffer_size: int = _doc("receiver: bytes of the buffer the sender writes KV into", default=0)
     pd_buffer_device: str = _doc("receiver: where the PD buffer lives, cpu | cuda", default="cpu")
     pd_peer_host: str | None = _doc(
-        "receiver: host it listens on; sender: a fixed decoder (else the proxy names one per request)",
+        "receiver: host it listens on; sender: a fixed decoder (else the proxy names one per "
+        "request)",
         default=None,
     )
     pd_peer_init_port: int | None = _doc(

@@ -36,9 +36,8 @@ class KeyRule:
     default: Any  # LMCache's default
     note: str = ""
     target: str | None = None  # mapped: the kvtier key it sets
-    values: dict[str, Any] | None = (
-        None  # mapped: the target's value for each of this key's (lowercase text); others set nothing
-    )
+    # mapped: the target's value for each of this key's (lowercase text); others set nothing
+    values: dict[str, Any] | None = None
 
 
 def _b(default: Any, note: str = "") -> KeyRule:
@@ -231,7 +230,10 @@ RULES: dict[str, KeyRule] = {
 # kvtier, so each is accepted with one line saying what kvtier does with it.
 # LMCACHE_LOG_LEVEL is honoured by logs.py.
 _TELEMETRY = "LMCache's usage telemetry; kvtier sends none"
-_MP = "LMCache's multi-process server mode, which kvtier does not have (its store server is `kvtier server`)"
+_MP = (
+    "LMCache's multi-process server mode, which kvtier does not have (its store server is "
+    "`kvtier server`)"
+)
 ENV_VARS: dict[str, str] = {
     "LMCACHE_TRACK_USAGE": _TELEMETRY,
     "LMCACHE_USAGE_TRACK_URL": _TELEMETRY,
@@ -239,9 +241,13 @@ ENV_VARS: dict[str, str] = {
     "LMCACHE_REQUEST_TELEMETRY_TYPE": _TELEMETRY,
     "LMCACHE_DISABLE_BANNER": "LMCache's start banner; kvtier prints none",
     "LMCACHE_LOG_LEVEL": "kvtier's log level (as KVTIER_LOG_LEVEL, which wins)",
-    "LMCACHE_FORCE_SKIP_SAVE": "not honoured: kvtier still stores (kv_role kv_consumer stores nothing)",
+    "LMCACHE_FORCE_SKIP_SAVE": (
+        "not honoured: kvtier still stores (kv_role kv_consumer stores nothing)"
+    ),
     "LMCACHE_GPU_STAGING_BUFFER_BYTES": "LMCache's MUSA staging buffer; kvtier sizes its own",
-    "LMCACHE_OFFLOAD_RPC_PORT": "LMCache's offload server port; kvtier's sockets are named by vLLM's engine id",
+    "LMCACHE_OFFLOAD_RPC_PORT": (
+        "LMCache's offload server port; kvtier's sockets are named by vLLM's engine id"
+    ),
     "LMCACHE_RUNTIME_PLUGIN_CONFIG": "LMCache runtime plugins, which kvtier does not run",
     "LMCACHE_SERVER_URL": _MP,
     "LMCACHE_MQ_TIMEOUT": _MP,
@@ -271,7 +277,10 @@ def env_var_note(name: str) -> bool:
     that are not config keys; False for any other name."""
     note = ENV_VARS.get(name)
     if note is None and name.startswith(EXTRA_CONFIG_ENV_PREFIX):
-        note = "LMCache's extra_config entry, which kvtier has no use for (its extra_config is read whole)"
+        note = (
+            "LMCache's extra_config entry, which kvtier has no use for (its extra_config is "
+            "read whole)"
+        )
     if note is None:
         return False
     if name not in _told:

@@ -67,7 +67,8 @@ class AheadSlot:
     def start(
         self, spans: list[ChunkSpan], request_id: str, layerwise: bool, beside: bool = False
     ) -> bool:
-        """Queue the copies of `spans` if they are all in CPU RAM; True if queued (now or before)."""
+        """Queue the copies of `spans` if they are all in CPU RAM; True if queued (now or
+        before)."""
         self._wait_later()
         return self._start(spans, request_id, layerwise, beside)
 
@@ -88,7 +89,8 @@ class AheadSlot:
             self._start(spans, request_id, layerwise, beside)
         except Exception:
             log.exception(
-                "request %s: its hit's copies could not be queued at its lookup; its load queues them",
+                "request %s: its hit's copies could not be queued at its lookup; its load "
+                "queues them",
                 request_id,
             )
 

@@ -217,7 +217,8 @@ def _register_pool(mapping) -> bool:
         )
         return False
     log.info(
-        "store server pool (%.2f GB) registered with CUDA in %.2f s: chunks go from it to the GPU by DMA",
+        "store server pool (%.2f GB) registered with CUDA in %.2f s: chunks go from it to the "
+        "GPU by DMA",
         len(mapping) / 1e9,
         time.perf_counter() - t0,
     )

@@ -468,7 +468,10 @@ class CacheEngine:
             raise ValueError(
                 "slot_mapping must be a 1-D tensor of slot indices"
                 if groups == 1
-                else f"slot_mapping must be a [{groups}, T] tensor: a row of slots per KV cache group"
+                else (
+                    f"slot_mapping must be a [{groups}, T] tensor: a row of slots per KV cache "
+                    "group"
+                )
             )
         if slots.dtype.is_floating_point or slots.dtype == torch.bool:
             raise ValueError(f"slot_mapping must hold integers, got {slots.dtype}")

@@ -1,4 +1,5 @@
-"""The load path: a prompt's stored prefix → its chunks (pinned, lent or fetched) → scatter → verify → release.
+"""The load path: a prompt's stored prefix → its chunks (pinned, lent or fetched) → scatter
+→ verify → release.
 
 LoadPath.start(tokens, slots)   decides what to load and holds it; from CPU RAM (or
                                 lent whole by the store server) the copies are queued
@@ -228,7 +229,8 @@ class Loading:
         path = self._path
         try:
             if self._handle is not None:
-                self._handle.finish()  # every layer's copies and digests are done: any stream may read them
+                # every layer's copies and digests are done: any stream may read them
+                self._handle.finish()
             readback = path.mover.readback
             with torch.cuda.stream(readback) if readback is not None else contextlib.nullcontext():
                 good = _verified(held)
@@ -263,7 +265,8 @@ class _Queued:
 
 
 def _verified(chunks: Held) -> int:
-    """How many of `chunks`, from the first, are known good (a lent one: its checksum and lease held)."""
+    """How many of `chunks`, from the first, are known good (a lent one: its checksum and
+    lease held)."""
     return next((k for k, (_, c) in enumerate(chunks) if not c.block.verified()), len(chunks))
 
 

@@ -33,7 +33,8 @@ class Mover:
         self.bytes_per_token = (
             kv.bytes_per_token() if quant is None else quant.bytes_per_token(kv.num_layers, kv.kv)
         )
-        # A chunk's dtype, and its dimensions before and after T (asked once per chunk on every load).
+        # A chunk's dtype, and its dimensions before and after T (asked once per chunk on
+        # every load).
         self._dtype, self._dims = (
             (kv.dtype, ((kv.num_layers, kv.kv), (kv.heads, kv.head_size)))
             if quant is None

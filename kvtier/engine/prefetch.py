@@ -22,7 +22,8 @@ class Prefetcher:
 
     def run(self, spans: list[ChunkSpan], request_id: str) -> int:
         """Bring the disk and remote chunks among `spans` up; with `request_id`, into that
-        request's hold (within the holds' budget), else at most half the pool. The tokens brought up."""
+        request's hold (within the holds' budget), else at most half the pool. The tokens
+        brought up."""
         if not self._enabled:
             return 0
         where = self.tiers.locate([s.key for s in spans])

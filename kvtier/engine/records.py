@@ -89,7 +89,8 @@ class EventLog:
 
 
 class SkipWarnings:
-    """A store cut short is said once per request, though chunked prefill stores a request many times."""
+    """A store cut short is said once per request, though chunked prefill stores a request
+    many times."""
 
     def __init__(self, remembered: int = 1024) -> None:
         self._said: OrderedDict[str, None] = OrderedDict()
@@ -99,8 +100,9 @@ class SkipWarnings:
         if request_id and request_id in self._said:
             return
         log.warning(
-            "CPU pool full of chunks in use (being read, or this store's own with no disk or remote "
-            "tier to stream to): skipping the store of %d tokens for request %s (said once per request)",
+            "CPU pool full of chunks in use (being read, or this store's own with no disk or "
+            "remote tier to stream to): skipping the store of %d tokens for request %s (said "
+            "once per request)",
             skipped,
             request_id or "-",
         )
@@ -123,7 +125,8 @@ def log_transfer(
     """`queued`: `seconds` is the time to queue copies that were not waited for (no rate)."""
     if queued:
         log.info(
-            "%s %d out of %d tokens for request %s (%.1f MB; copies queued in %.1f ms, not waited for%s)",
+            "%s %d out of %d tokens for request %s (%.1f MB; copies queued in %.1f ms, not "
+            "waited for%s)",
             what,
             n,
             total,

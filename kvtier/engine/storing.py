@@ -80,7 +80,8 @@ class StorePath:
     def allocate(
         self, spans: Sequence[ChunkSpan], wait: bool
     ) -> list[tuple[ChunkSpan, MemoryBlock]]:
-        """Blocks for the first spans, as many as the pool gives now (the first may wait for writers)."""
+        """Blocks for the first spans, as many as the pool gives now (the first may wait for
+        writers)."""
         owned = []
         for span in spans:
             block = self.tiers.allocate(wait=wait and not owned)

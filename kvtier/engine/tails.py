@@ -7,8 +7,9 @@ chunk at that place shares: a conversation's next turn, which repeats the prompt
 adds an answer and a question, would miss it and recompute up to a chunk's worth of
 tokens (vLLM's own offloading reuses every whole block of 16). The engine notes, per
 digest before a stored tail (the chunk before it, or the request's root: keys.py), the
-tails' lengths; a lookup whose whole chunks end there tries those lengths on its own tokens (a tail found is hashed and located
-like any chunk, so a stale note costs one miss, never a wrong hit).
+tails' lengths; a lookup whose whole chunks end there tries those lengths on its own
+tokens (a tail found is hashed and located like any chunk, so a stale note costs one
+miss, never a wrong hit).
 """
 
 from __future__ import annotations

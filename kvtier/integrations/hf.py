@@ -142,7 +142,8 @@ class HFSession:
             load = self.engine.start_retrieve(tokens, slots[: n - 1], layerwise=layerwise)
             hit = load.num_tokens
             size = self.engine.chunk_size
-            # The tokens the forward computes lie in the chunk the load ended inside: stored already.
+            # The tokens the forward computes lie in the chunk the load ended inside: stored
+            # already.
             store = not (hit % size and (n - 1) // size == hit // size)
             if layerwise and store:
                 storing = self.engine.start_store(tokens, slots, start=hit, layerwise=True)

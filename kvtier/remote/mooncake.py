@@ -170,7 +170,8 @@ class MooncakeStore:
                     self._client = client
                 self._ready.set()
                 log.info(
-                    "remote %s: joined the Mooncake pool (master %s, %s, this process gives %.2f GB)",
+                    "remote %s: joined the Mooncake pool (master %s, %s, this process gives "
+                    "%.2f GB)",
                     self.url,
                     s.master,
                     s.protocol,

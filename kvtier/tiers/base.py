@@ -48,4 +48,5 @@ class LendingTier(LowerTier, Protocol):
     def borrow(
         self, keys: Sequence[ChunkKey], raw_sizes: Sequence[int], *, whole: bool = False
     ) -> list | None:
-        """The leading chunks of `keys` lent in place, each (block, num_tokens); None: copy instead."""
+        """The leading chunks of `keys` lent in place, each (block, num_tokens); None: copy
+        instead."""

@@ -153,7 +153,8 @@ class DiskTier:
         return fd, cause
 
     def _rebuild(self) -> None:
-        """The index from the directory: chunks oldest-touched first; leftovers of crashed writes removed."""
+        """The index from the directory: chunks oldest-touched first; leftovers of crashed
+        writes removed."""
         found = []
         with os.scandir(self.root) as entries:
             for entry in entries:
@@ -239,8 +240,8 @@ class DiskTier:
     # -- writes ------------------------------------------------------------------------
 
     def put(self, keys: Sequence[ChunkKey], chunks: Sequence[tuple[memoryview, int, int]]) -> bool:
-        """Write each (bytes, num_tokens[, KV digest]) chunk not on disk yet, WRITE_THREADS at a time;
-        False once the tier stopped writing."""
+        """Write each (bytes, num_tokens[, KV digest]) chunk not on disk yet, WRITE_THREADS at
+        a time; False once the tier stopped writing."""
         if len(keys) < 2:
             return all(self._write(k, c) for k, c in zip(keys, chunks))
         return all(list(self._writers.map(self._write, keys, chunks)))
@@ -280,7 +281,8 @@ class DiskTier:
         return True
 
     def _may_write(self) -> int | None:
-        """The stops so far where writable or (every `retry_s`) for the write that tries again; else None."""
+        """The stops so far where writable or (every `retry_s`) for the write that tries
+        again; else None."""
         with self._lock:
             now = time.monotonic()
             if not self.writable:
@@ -290,7 +292,8 @@ class DiskTier:
             return self._outages
 
     def _reserve(self, name: str, size: int) -> bool:
-        """Room for `size` bytes, evicting in `cache_policy` order; False if the chunk is there or can never fit."""
+        """Room for `size` bytes, evicting in `cache_policy` order; False if the chunk is there
+        or can never fit."""
         with self._lock:
             if name in self._index:
                 self._order.touch(name)
@@ -340,8 +343,9 @@ class DiskTier:
             errno.EDQUOT: "the disk quota is used up",
         }.get(e.errno, e.strerror)
         log.error(
-            "disk tier: writing to %s failed: %s (%s). The disk tier stops writing; it keeps serving the "
-            "%d chunks it has, and kvtier goes on from CPU RAM; it tries again in %g s",
+            "disk tier: writing to %s failed: %s (%s). The disk tier stops writing; it keeps "
+            "serving the %d chunks it has, and kvtier goes on from CPU RAM; it tries again in "
+            "%g s",
             self.root,
             why,
             e,
@@ -395,7 +399,8 @@ class DiskTier:
 
 
 def read_chunk_file(path: Path, out: memoryview, codec: Codec) -> int:
-    """A chunk file checked into `out` (the chunk's size): num_tokens; or OSError, CorruptPayload."""
+    """A chunk file checked into `out` (the chunk's size): num_tokens; or OSError,
+    CorruptPayload."""
     header = bytearray(HEADER.size)
     with open(path, "rb", buffering=0) as f:
         if (size := os.fstat(f.fileno()).st_size) != HEADER.size + len(out):

@@ -87,7 +87,8 @@ class Holds:
         for rid, hold in expired:
             self.expired += 1
             log.warning(
-                "request %s: its looked-up hit waited %.0f s for a load (pin_timeout_sec); unpinned",
+                "request %s: its looked-up hit waited %.0f s for a load (pin_timeout_sec); "
+                "unpinned",
                 rid,
                 self.timeout,
             )

@@ -281,7 +281,8 @@ class RemoteTier:
             [d for *_, d in lent] if self.digests_on_device and all(d for *_, d in lent) else None
         )
         batch = _LentBatch(lease, [p for p, *_ in lent], [c for _, _, c, _ in lent], digests)
-        # Slices of one tensor over the pool: chunks that are neighbours there cross to the GPU as one run.
+        # Slices of one tensor over the pool: chunks that are neighbours there cross to the GPU
+        # as one run.
         pages = torch.from_numpy(lease.pool)
         return [
             (BorrowedBlock(pages[at : at + size], batch, i), n)
@@ -291,7 +292,8 @@ class RemoteTier:
     # -- writes --------------------------------------------------------------------
 
     def put(self, keys: Sequence[ChunkKey], chunks: Sequence[tuple[memoryview, int, int]]) -> bool:
-        """Chunks as (bytes, num_tokens, KV digest or 0), as the CPU tier's writers hand them over."""
+        """Chunks as (bytes, num_tokens, KV digest or 0), as the CPU tier's writers hand them
+        over."""
         values = parallel(
             lambda chunk: self.codec.encode(*chunk), chunks, sum(len(c[0]) for c in chunks)
         )

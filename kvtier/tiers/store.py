@@ -263,7 +263,8 @@ class TieredStore:
         (same host; nothing to keep, so no pool block to copy them into). The
         next batch starts at the first chunk not lent; None: the chunk at i
         was not lent, the copying path reads it (or finds it missing)."""
-        # A quarter of the server's per-connection cap: a load reading ahead holds up to three leases.
+        # A quarter of the server's per-connection cap: a load reading ahead holds up to three
+        # leases.
         j, nbytes, limit = i, 0, min(BORROW_BYTES, self.remote.max_held() / 4)
         while j < len(where) and where[j] == self.remote.name and (j == i or nbytes < limit):
             nbytes += spans[j].num_tokens * self.bytes_per_token
@@ -384,7 +385,8 @@ class TieredStore:
         return True
 
     def clear(self) -> None:
-        """Drop every chunk of the local tiers (CPU RAM and disk); leased ones stay until released."""
+        """Drop every chunk of the local tiers (CPU RAM and disk); leased ones stay until
+        released."""
         self.cpu.clear()
         if self.disk is not None:
             self.disk.clear()

@@ -8,7 +8,7 @@ take the generic platform, whose kernels die with SIGILL on a CPU without
 AVX512-BF16):
 
     kvtier vllm bench serve --port 9000 --model <dir> --dataset-name random ...
-    python -m kvtier.cli vllm bench serve ...     (the same, where the kvtier command is not on PATH)
+    python -m kvtier.cli vllm bench serve ...   (the same, where the kvtier command is not on PATH)
 """
 
 from __future__ import annotations

@@ -123,8 +123,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             if kv_cfg.kv_load_failure_policy != "recompute":
                 # Read by vLLM's scheduler right after it builds this connector.
                 log.info(
-                    "kvtier sets kv_load_failure_policy %r -> 'recompute': KV that cannot be loaded "
-                    "is recomputed; a cache miss never fails a request",
+                    "kvtier sets kv_load_failure_policy %r -> 'recompute': KV that cannot be "
+                    "loaded is recomputed; a cache miss never fails a request",
                     kv_cfg.kv_load_failure_policy,
                 )
                 kv_cfg.kv_load_failure_policy = "recompute"
@@ -166,7 +166,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM's hybrid allocator (SupportsHMA): `request_finished`, its blocks given per KV cache group."""
+        """vLLM's hybrid allocator (SupportsHMA): `request_finished`, its blocks given per KV
+        cache group."""
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def reset_cache(self) -> bool:

@@ -94,16 +94,16 @@ class KvGroups:
         if self.window is not None and self.window < size:
             size = max(d for d in range(1, self.window + 1) if config.chunk_size % d == 0)
             log.info(
-                "a sliding-window layer reads only the last %d tokens before a hit: kvtier's chunk_size "
-                "%d -> %d so that a chunk holds no sliding token that no hit reads",
+                "a sliding-window layer reads only the last %d tokens before a hit: kvtier's "
+                "chunk_size %d -> %d so that a chunk holds no sliding token that no hit reads",
                 self.window,
                 config.chunk_size,
                 size,
             )
         if self.has_state and self.block_size % size:
             log.info(
-                "a hybrid model's Mamba state is kept only at vLLM's block ends (%d tokens): kvtier's "
-                "chunk_size %d -> %d so that chunks end there",
+                "a hybrid model's Mamba state is kept only at vLLM's block ends (%d tokens): "
+                "kvtier's chunk_size %d -> %d so that chunks end there",
                 self.block_size,
                 size,
                 self.block_size,
@@ -142,10 +142,12 @@ def kv_groups(kv_cache_config: KVCacheConfig | None) -> KvGroups | None:
         elif isinstance(spec, MambaSpec):
             if spec.mamba_cache_mode != "align" or spec.num_speculative_blocks:
                 raise UnsupportedModel(
-                    f"{what} holds a Mamba or linear-attention state kept in mode {spec.mamba_cache_mode!r}"
-                    f"{' with speculative blocks' if spec.num_speculative_blocks else ''}: kvtier stores that "
-                    "state where vLLM keeps it at block ends; run vLLM with --mamba-cache-mode align "
-                    "(and prefix caching on), without speculative decoding"
+                    f"{what} holds a Mamba or linear-attention state kept in mode "
+                    f"{spec.mamba_cache_mode!r}"
+                    f"{' with speculative blocks' if spec.num_speculative_blocks else ''}: "
+                    "kvtier stores that state where vLLM keeps it at block ends; run vLLM with "
+                    "--mamba-cache-mode align (and prefix caching on), without speculative "
+                    "decoding"
                 )
             recurrent.append(g)
         else:
@@ -187,8 +189,9 @@ def state_layers(
                 or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
             ):
                 raise UnsupportedModel(
-                    f"layer {name}: vLLM's Mamba state tensors {[tuple(x.shape) for x in states]} strides "
-                    f"{[x.stride() for x in states]} are not the states of a block one after another in its page"
+                    f"layer {name}: vLLM's Mamba state tensors {[tuple(x.shape) for x in states]} "
+                    f"strides {[x.stride() for x in states]} are not the states of a block one "
+                    "after another in its page"
                 )
             at += prod(t.shape[1:]) * t.element_size()
         if at - start > page:

@@ -126,7 +126,8 @@ def map_layout(
     _check_stride_order(name, backend, dims, tensors[0])
     kv = PagedKV.declared(tensors, dims, f"vllm {name}")
     log.info(
-        "vLLM KV cache: backend %s, layout %s shape %s strides %s -> kvtier's [K, NB, BS, NH, HS] %s",
+        "vLLM KV cache: backend %s, layout %s shape %s strides %s -> kvtier's "
+        "[K, NB, BS, NH, HS] %s",
         name,
         _describe(dims),
         tuple(tensors[0].shape),

@@ -106,7 +106,8 @@ def decode(message: bytes) -> tuple[Op, str, bytes]:
     return Op(op), message[HEAD.size : HEAD.size + n].decode(), message[HEAD.size + n :]
 
 
-# address -> the handlers of a server in this process that takes direct calls (LookupServer's `direct`)
+# address -> the handlers of a server in this process that takes direct calls
+# (LookupServer's `direct`)
 _IN_PROCESS: dict[str, Handlers] = {}
 
 

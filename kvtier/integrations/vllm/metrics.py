@@ -5,13 +5,13 @@ step return a `KvtierStats` of what changed since the last one (counters as
 deltas, gauges as current values); vLLM aggregates them and hands the dict to
 `KvtierPromMetrics.observe` in its API server, which feeds Prometheus:
 
-    kvtier_lookups_total, kvtier_lookup_tokens_total, kvtier_lookup_seconds_total, kvtier_hit_tokens_total,
-    kvtier_hit_rate
+    kvtier_lookups_total, kvtier_lookup_tokens_total, kvtier_lookup_seconds_total,
+    kvtier_hit_tokens_total, kvtier_hit_rate
     kvtier_stored_tokens_total{tier}, kvtier_loaded_tokens_total{tier}   (and _bytes_total)
     kvtier_store_seconds_total, kvtier_load_seconds_total, kvtier_store_gbps, kvtier_load_gbps
-    kvtier_evictions_total{tier}, kvtier_dropped_writes_total{tier}, kvtier_skipped_store_tokens_total,
-    kvtier_load_failure_tokens_total, kvtier_uncached_requests_total{kind}, kvtier_pool_used_bytes,
-    kvtier_pool_capacity_bytes,
+    kvtier_evictions_total{tier}, kvtier_dropped_writes_total{tier},
+    kvtier_skipped_store_tokens_total, kvtier_load_failure_tokens_total,
+    kvtier_uncached_requests_total{kind}, kvtier_pool_used_bytes, kvtier_pool_capacity_bytes,
     kvtier_write_queue_depth, kvtier_longest_{lookup,step_wait,background_load}_seconds
 
 Keys of the data dict are the metric names without `kvtier_` and `_total`;
@@ -45,8 +45,10 @@ COUNTERS = {
     "dropped_writes": "chunks not written to a lower tier (its queue stayed full)",
     "skipped_store_tokens": "tokens not stored: every CPU block was in use",
     "load_failure_tokens": "promised tokens that could not be loaded (vLLM recomputed them)",
-    "uncached_requests": "requests served without kvtier: nothing identifies their KV (prompt embeddings, "
-    "multimodal items without a content hash), by kind",
+    "uncached_requests": (
+        "requests served without kvtier: nothing identifies their KV (prompt embeddings, "
+        "multimodal items without a content hash), by kind"
+    ),
 }
 # counters with a label: its name
 LABELLED = {
@@ -68,7 +70,9 @@ GAUGES = {
     "pool_capacity_bytes": "bytes of the CPU pool",
     "write_queue_depth": "chunks waiting for the disk and remote writers",
     # the longest waits on kvtier since the start (bounded by its timeouts: docs/configuration.md)
-    "longest_lookup_seconds": "the longest scheduler lookup (a request waits on it before it is scheduled)",
+    "longest_lookup_seconds": (
+        "the longest scheduler lookup (a request waits on it before it is scheduled)"
+    ),
     "longest_step_wait_seconds": "the longest time one engine step spent in kvtier (loads, stores) "
     "besides its forward",
     "longest_background_load_seconds": "the longest load from disk/remote a request waited on",

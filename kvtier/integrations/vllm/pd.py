@@ -48,7 +48,8 @@ def pd_target(params: dict[str, Any] | None) -> Target | None:
 
 
 class SchedulerPd:
-    """The scheduler's PD state: each request's decoder (sender) or proxy id (receiver), until planned."""
+    """The scheduler's PD state: each request's decoder (sender) or proxy id (receiver),
+    until planned."""
 
     def __init__(self, config: KvtierConfig) -> None:
         self.config = config

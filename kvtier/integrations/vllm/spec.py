@@ -46,7 +46,8 @@ class TransferSpec:
     )
     pd_target: Target | None = None  # save: push these chunks to a decoder (PD sender)
     last: bool = False  # save: the prompt's last chunk is in this one
-    state: bool = False  # save: the step ended at `end`, on a block end: a hybrid model's Mamba state is kept there
+    # save: the step ended at `end`, on a block end: a hybrid model's Mamba state is kept there
+    state: bool = False
     pd_req_id: str = ""  # load: the proxy's id of this request; its PD chunks are freed once loaded
     step_end: int = (
         0  # load in the request's first step: its tokens computed after it (0: a background load)
@@ -157,8 +158,9 @@ def config_with_extra(extra: dict[str, Any] | None) -> KvtierConfig:
             overrides[key[len(prefix) :]] = value
         elif key not in EXTRA_KEYS:
             raise ValueError(
-                f"kv_connector_extra_config: unknown key {key!r}; kvtier reads {sorted(EXTRA_KEYS)} and "
-                f"config keys prefixed {' or '.join(map(repr, CONFIG_PREFIXES))} there, and everything "
+                f"kv_connector_extra_config: unknown key {key!r}; kvtier reads "
+                f"{sorted(EXTRA_KEYS)} and config keys prefixed "
+                f"{' or '.join(map(repr, CONFIG_PREFIXES))} there, and everything "
                 "else from its config file or env"
             )
     if "discard_partial_chunks" in extra:

@@ -6,7 +6,8 @@ or in the background), stores, and the load failures vLLM recomputes.
                          (beside the steps, on its own stream)
     wait_for_layer_load  layerwise: the forward waits for that layer
     save_kv_layer        counted (the store waits for a forward that wrote every layer)
-    wait_for_save        loads finished and checked; the step's stores (a GPU's not waited for); PD sends
+    wait_for_save        loads finished and checked; the step's stores (a GPU's not waited
+                         for); PD sends
     get_finished         background loads that are done, or whose copies are queued and
                          can no longer fail (later steps' streams wait for them)
 """
@@ -64,7 +65,8 @@ class WorkerSide:
         self._server: LookupServer | None = None
         self._load_errors: set[int] = set()
         self._layer_index: dict[str, int] = {}
-        # loads of this step, finished at wait_for_save (with a hybrid model's Mamba state, if it loaded)
+        # loads of this step, finished at wait_for_save (with a hybrid model's Mamba state, if
+        # it loaded)
         self._loads: list[tuple[Loading, TransferSpec, StateLoad | None]] = []
         self._layers_written = 0  # by this step's forward (save_kv_layer calls)
         self._beside: BesideLoads | None = None  # loads beside the steps (register_kv_caches)
@@ -108,8 +110,8 @@ class WorkerSide:
                     "recompute a failed load here), and local_cpu is false: no hit will load"
                 )
             log.info(
-                "vLLM's hybrid KV cache manager: %d KV cache groups; %d attention layers move at their "
-                "group's blocks%s",
+                "vLLM's hybrid KV cache manager: %d KV cache groups; %d attention layers move "
+                "at their group's blocks%s",
                 len(self.groups.attention) + len(self.groups.recurrent),
                 len(names),
                 f", {len(self._state_names)} Mamba layers' state is stored at chunk ends"
@@ -336,8 +338,8 @@ class WorkerSide:
             )
             self._load_errors.update(spec.blocks_of(first, last))
             log.warning(
-                "request %s: %d of %d tokens could not be loaded (evicted, corrupt or unreachable); "
-                "vLLM recomputes them",
+                "request %s: %d of %d tokens could not be loaded (evicted, corrupt or "
+                "unreachable); vLLM recomputes them",
                 spec.req_id,
                 spec.end - loaded_end,
                 spec.end - spec.start,
@@ -378,7 +380,8 @@ class WorkerSide:
         t0 = time.perf_counter()
         loads, self._loads = self._loads, []
         for load, spec, state in loads:
-            load.finish()  # its mask is final now (a lent chunk may fail its check after its layers were read)
+            # its mask is final now (a lent chunk may fail its check after its layers were read)
+            load.finish()
             self.pd.loaded(spec.pd_req_id)
             loaded = load.num_tokens
             if (
