@@ -66,9 +66,20 @@ class KvtierConfig:
         "a divisor of its Mamba block size; logged where changed)",
         default=256,
     )
-    local_cpu: bool = _doc("keep KV chunks in the CPU RAM tier", default=True)
-    max_local_cpu_size: float = _doc("CPU RAM pool size, GiB", default=5.0)
-    local_cpu_use_hugepages: bool = _doc("back the CPU pool with 2 MiB huge pages", default=False)
+    local_cpu: bool = _doc(
+        "keep KV chunks in the CPU RAM tier (false: the pool is only the staging area of the "
+        "disk and remote tiers)",
+        default=True,
+    )
+    max_local_cpu_size: float = _doc(
+        "CPU RAM pool size, GiB (allocated once at start, page-locked where CUDA is present)",
+        default=5.0,
+    )
+    local_cpu_use_hugepages: bool = _doc(
+        "back the CPU pool with 2 MiB huge pages (fails at start, naming the sysctl to run, "
+        "when too few are reserved)",
+        default=False,
+    )
     save_unfull_chunk: bool = _doc(
         "also store the partial last chunk of a prompt (a tail); a later prompt that "
         "continues it, a conversation's next turn, loads it (LMCache's default is false: "
@@ -85,7 +96,9 @@ class KvtierConfig:
     )
     max_local_disk_size: float = _doc("disk tier size, GiB (needed with local_disk)", default=0.0)
     local_disk_min_stores: int = _doc(
-        "write a chunk to disk once it has been stored this many times (spares SSD wear)", default=1
+        "write a chunk to disk once it has been stored this many times (spares SSD wear, as "
+        "Dynamo's KVBM does)",
+        default=1,
     )
     pin_timeout_sec: int = _doc(
         "longest a looked-up hit stays protected (pinned) waiting for its load, s", default=300
@@ -121,9 +134,9 @@ class KvtierConfig:
         default="busy",
     )
     share_across_tp: bool = _doc(
-        "also read chunks that instances of another tensor-parallel size stored (disk and "
-        "remote tiers), cut or joined to this rank's KV heads; a miss then asks the tiers for "
-        "each other size too",
+        "also read chunks that instances of another tensor-parallel size (1, 2, 4, 8) stored "
+        "(disk and remote tiers), cut or joined to this rank's KV heads (MLA: the one latent); "
+        "a miss then asks the tiers for each other size too; not with a lossy codec",
         default=False,
     )
     enable_pd: bool = _doc(
@@ -173,8 +186,8 @@ class KvtierConfig:
         "also store the KV of generated tokens (whole chunks, as decoding goes)", default=False
     )
     enable_kv_events: bool = _doc(
-        "publish what the CPU tier stores and evicts as vLLM KV events "
-        "(with vLLM's --kv-events-config)",
+        "publish what the CPU tier stores and evicts as vLLM KV events (BlockStored, "
+        "BlockRemoved, medium CPU, with the LoRA adapter; start vLLM with --kv-events-config)",
         default=False,
     )
     enable_p2p: bool = _doc("peer-to-peer sharing (not built yet)", default=False)
