@@ -246,9 +246,9 @@ def tail_span(
 class SpanMemo:
     """The chunk spans of a few recent requests, so that a request's lookup, load and
     store hash its tokens once (from an array on a 2-core VM: 167 us at 32k tokens, 43 us at
-    a chat turn's 4.7k). A later call of the request reuses the spans of the whole chunks its tokens share
-    with the ones hashed, and hashes only what follows: a partial last chunk (a prompt's
-    end, `save_unfull_chunk`), or tokens beyond (its output)."""
+    a chat turn's 4.7k). A later call of the request reuses the spans of the whole chunks its
+    tokens share with the ones hashed, and hashes only what follows: a partial last chunk (a
+    prompt's end, `save_unfull_chunk`), or tokens beyond (its output)."""
 
     def __init__(
         self, fmt: KVFormat, chunk_size: int, save_unfull_chunk: bool, size: int = 64

@@ -52,7 +52,8 @@ class Raw:
         return info
 
     def closed(self, within: float = 5.0) -> bool:
-        """True once the server has closed the connection (what it still sends is read and dropped)."""
+        """True once the server has closed the connection (what it still sends is read and
+        dropped)."""
         self.sock.settimeout(within)
         try:
             while self.sock.recv(1 << 16):

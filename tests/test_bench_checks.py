@@ -54,11 +54,15 @@ def test_py_spy_stacks_are_summed_by_thread_and_kvtier_frame(tmp_path):
     name its parents first, and a command line may hold ";" and a newline."""
     from kvtier.bench.stacks import read, report
 
-    parents = 'process 1:"python -m vllm.entrypoints.openai.api_server";process 2:"python -c from x import y;'
+    parents = (
+        'process 1:"python -m vllm.entrypoints.openai.api_server";'
+        'process 2:"python -c from x import y;'
+    )
     engine = parents + '\n y(fd=4)";thread (2): MainThread;run_busy_loop (vllm/v1/engine/core.py:9)'
     raw = tmp_path / "stacks.txt"
     raw.write_text(
-        f"{engine};wait_for_save (kvtier/integrations/vllm/connector.py:3);finish (kvtier/transfer/x.py:5) 3\n"
+        f"{engine};wait_for_save (kvtier/integrations/vllm/connector.py:3);"
+        "finish (kvtier/transfer/x.py:5) 3\n"
         f"{engine};save_kv_layer (kvtier/integrations/vllm/connector.py:4) 1\n"
         f"{engine};schedule (vllm/v1/core/sched/scheduler.py:7) 6\n"
         'process 1:"python -m vllm";thread (1): MainThread;serve (uvicorn/main.py:1) 10\n'
@@ -97,10 +101,10 @@ def test_serving_rounds_give_each_setups_median_and_its_ratio_to_the_first_in_th
         records[f"kvtier#{r}"].summary["sent_bunched"] = share
     lines = by_round(records)
     assert lines[2] == "| plain | 50.0 60.0 55.0 | 55.0 | 1.000 | 1.000 | 0 of 3 | — | — — — |"
-    # TTFT 0.8, 0.75, 1.0 and req/s 1.05, 0.95, 1.1, paired (not 45 / 55): ahead on both in round 1 only
-    assert (
-        lines[3]
-        == "| kvtier | 40.0 45.0 55.0 | 45.0 | 0.800 | 1.050 | 1 of 3 | 10.0 / 33.0 | 0.05 0.62 0.10 |"
+    # TTFT 0.8, 0.75, 1.0 and req/s 1.05, 0.95, 1.1, paired (not 45 / 55): ahead on both in
+    # round 1 only
+    assert lines[3] == (
+        "| kvtier | 40.0 45.0 55.0 | 45.0 | 0.800 | 1.050 | 1 of 3 | 10.0 / 33.0 | 0.05 0.62 0.10 |"
     )
     assert (
         by_round({"plain": Record({}, "", summary={"ttft_mean_ms": 50.0})}) == []
@@ -129,13 +133,15 @@ def test_bench_serve_prompts_random_or_over_shared_prefixes():
 def test_a_traces_host_waits_are_summed_per_thread_and_call():
     from kvtier.bench.vllm_parts import host_waits
 
-    ev = lambda name, tid, dur, cat="cuda_runtime": {
-        "ph": "X",
-        "cat": cat,
-        "name": name,
-        "tid": tid,
-        "dur": dur,
-    }
+    def ev(name, tid, dur, cat="cuda_runtime"):
+        return {
+            "ph": "X",
+            "cat": cat,
+            "name": name,
+            "tid": tid,
+            "dur": dur,
+        }
+
     lines = host_waits(
         [
             ev("cudaStreamSynchronize", 1, 2000),

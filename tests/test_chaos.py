@@ -62,7 +62,8 @@ def check(record: dict) -> None:
             name,
             ph,
         )
-    # While the decoder was dead the proxy answered (502 at once); the prefiller's death cost nothing.
+    # While the decoder was dead the proxy answered (502 at once); the prefiller's death cost
+    # nothing.
     assert phases["decoder-killed"]["failed"] >= 1
     assert (
         phases["prefiller-killed"]["failed"] == 0 and phases["prefiller-killed"]["succeeded"] >= 2

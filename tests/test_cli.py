@@ -1,4 +1,5 @@
-"""The `kvtier` command's errors: one line on stderr and exit status 2, a traceback only with --debug."""
+"""The `kvtier` command's errors: one line on stderr and exit status 2, a traceback only with
+--debug."""
 
 import os
 import socket
@@ -22,7 +23,8 @@ def test_a_config_typo_is_one_line_and_exit_status_2():
     done = run("config", LMCACHE_CHUNK_SIZ="3")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [
-        "kvtier config: unknown key 'chunk_siz' in environment variable LMCACHE_CHUNK_SIZ; did you mean 'chunk_size'?"
+        "kvtier config: unknown key 'chunk_siz' in environment variable LMCACHE_CHUNK_SIZ; "
+        "did you mean 'chunk_size'?"
     ]
 
 
@@ -192,7 +194,8 @@ def test_a_benchmark_that_needs_a_gpu_says_so_in_one_line_on_a_machine_without_o
         ),
         (
             ["bench", "chat", "--url", "http://127.0.0.1:1", "--model", "m"],
-            "kvtier: bench chat: cannot read http://127.0.0.1:1/metrics ([Errno 111] Connection refused); "
+            "kvtier: bench chat: cannot read http://127.0.0.1:1/metrics "
+            "([Errno 111] Connection refused); "
             "is vLLM's OpenAI server (with its metrics) up there?",
         ),
     ],

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from kvtier.config import KvtierConfig, load_config
@@ -209,7 +211,7 @@ def test_all_design_keys_parse():
 def test_extra_config_json_from_env_and_frozen():
     cfg = load_config(env={"KVTIER_EXTRA_CONFIG": '{"a": 1}'})
     assert cfg.extra_config == {"a": 1}
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.chunk_size = 3  # frozen
 
 

@@ -73,7 +73,9 @@ kv = PagedKV.wrap(layers, "flash_attn")
 slots = torch.randperm(NB * BS)[:40]
 for quant in (None, Quant("int8", H, D)):
     t = make_transfer(kv, "triton", quant)
-    shape = (lambda n: kv.chunk_shape(n)) if quant is None else (lambda n: (L, 2, n, quant.row_bytes))
+    shape = (
+        (lambda n: kv.chunk_shape(n)) if quant is None else (lambda n: (L, 2, n, quant.row_bytes))
+    )
     dtype = kv.dtype if quant is None else torch.uint8
     chunks = [torch.zeros(shape(n), dtype=dtype) for n in (16, 16, 8)]
     sums = torch.zeros(3, dtype=torch.int64)
@@ -84,15 +86,22 @@ for quant in (None, Quant("int8", H, D)):
     t.scatter(slots, chunks, digests=back)
     assert back.tolist() == sums.tolist(), "scatter"
     layered, saved = torch.zeros(3, dtype=torch.int64), [torch.zeros_like(c) for c in chunks]
-    saves = t.gather_layerwise(slots, saved, digests=layered)  # (the pages hold what the scatter wrote)
+    # (the pages hold what the scatter wrote)
+    saves = t.gather_layerwise(slots, saved, digests=layered)
     for layer in range(L):
         saves.save(layer)
     saves.finish()
-    assert [x & U64 for x in layered.tolist()] == [kv_digest(c.view(torch.uint8).numpy()) for c in saved], "layers"
+    assert [x & U64 for x in layered.tolist()] == [
+        kv_digest(c.view(torch.uint8).numpy()) for c in saved
+    ], "layers"
     chunks[1].view(torch.uint8).view(-1)[1001] ^= 1
     again = torch.zeros(3, dtype=torch.int64)
     t.scatter(slots, chunks, digests=again)
-    assert [a == b for a, b in zip(again.tolist(), sums.tolist())] == [True, False, True], "a flipped bit"
+    assert [a == b for a, b in zip(again.tolist(), sums.tolist())] == [
+        True,
+        False,
+        True,
+    ], "a flipped bit"
 print("ok")
 """
 

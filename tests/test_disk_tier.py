@@ -95,7 +95,10 @@ def test_a_second_owner_of_the_directory_gets_a_clear_error(tmp_path):
         DiskTierInUse, match=rf"in use by another kvtier process \(pid {os.getpid()}\)"
     ):
         tier(tmp_path)
-    code = f"from kvtier.tiers.disk import DiskTier; from kvtier.codec import Codec; DiskTier({str(tmp_path)!r}, 1<<20, Codec())"
+    code = (
+        "from kvtier.tiers.disk import DiskTier; from kvtier.codec import Codec; "
+        f"DiskTier({str(tmp_path)!r}, 1<<20, Codec())"
+    )
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert (
         other.returncode != 0
@@ -145,7 +148,8 @@ CRASHER = textwrap.dedent("""
     from kvtier.tiers.disk import DiskTier
     t = DiskTier(sys.argv[1], 1 << 40, Codec())
     fmt = KVFormat("m", "flash_attn", "bfloat16")
-    ks = [s.key for s in chunk_spans(np.arange(16 * 64), fmt, 16, False)]  # at most 512 MiB, then it waits
+    # at most 512 MiB, then it waits
+    ks = [s.key for s in chunk_spans(np.arange(16 * 64), fmt, 16, False)]
     data = memoryview(np.full(8 << 20, 7, np.uint8))  # 8 MiB chunks: the kill lands mid-write
     print("ready", flush=True)
     for k in ks:
@@ -273,7 +277,8 @@ def test_a_full_or_read_only_disk_stops_writing_with_one_error_keeps_serving_and
     )
     assert done.returncode == 0, done.stderr
     result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
-    # put refused, writing stopped (errors counted: each write in flight may fail), what it has reads back whole
+    # put refused, writing stopped (errors counted: each write in flight may fail), what it has
+    # reads back whole
     assert result == "RESULT False False True [16, 16] b'\\x03\\x03\\x03' True"
     errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and cause in errors[0] and "stops writing" in errors[0], done.stderr
@@ -285,7 +290,8 @@ def test_a_full_or_read_only_disk_stops_writing_with_one_error_keeps_serving_and
 
 
 def test_the_disk_benchmark_runs_and_checks_what_it_loads(tmp_path, capsys):
-    # `kvtier bench disk` at a tiny shape: the figures are noise here, the code path is the real one.
+    # `kvtier bench disk` at a tiny shape: the figures are noise here, the code path is the real
+    # one.
     from kvtier.bench.disk import run_disk
     from kvtier.bench.offload import OffloadShape
 

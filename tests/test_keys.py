@@ -51,7 +51,10 @@ def test_golden_digest_is_stable():
 
 
 def test_same_keys_in_processes_with_different_hash_seeds():
-    code = "from kvtier.keys import *; print(chunk_spans(list(range(512)), KVFormat('m','flash_attn','bfloat16'), 256, False)[1].key.digest.hex())"
+    code = (
+        "from kvtier.keys import *; print(chunk_spans(list(range(512)), "
+        "KVFormat('m','flash_attn','bfloat16'), 256, False)[1].key.digest.hex())"
+    )
     outs = {
         subprocess.run(
             [sys.executable, "-c", code],

@@ -26,7 +26,8 @@ CODECS = ["int8", "fp8"]
 
 
 def heads(n_tokens: int, *, seed: int = 0) -> torch.Tensor:
-    """[2, T, H, D] bf16 with the spreads KV has: heads of very different scales, a zero head, outliers."""
+    """[2, T, H, D] bf16 with the spreads KV has: heads of very different scales, a zero head,
+    outliers."""
     g = torch.Generator().manual_seed(seed)
     x = (
         torch.randn(2, n_tokens, H, D, generator=g)
@@ -77,7 +78,11 @@ import torch
 from kvtier.transfer import PagedKV, Quant, make_transfer
 torch.manual_seed(0)
 L, NB, BS, H, D = 3, 8, 16, 2, 32
-for layout, shape in [("flash_attn", (2, NB, BS, H, D)), ("flashinfer", (NB, 2, BS, H, D)), ("mla", (NB, BS, 48))]:
+for layout, shape in [
+    ("flash_attn", (2, NB, BS, H, D)),
+    ("flashinfer", (NB, 2, BS, H, D)),
+    ("mla", (NB, BS, 48)),
+]:
     layers = [(torch.randn(shape) * 4).to(torch.bfloat16) for _ in range(L)]
     kv = PagedKV.wrap(layers, layout)
     q = Quant("int8", kv.heads, kv.head_size)
@@ -92,8 +97,13 @@ for layout, shape in [("flash_attn", (2, NB, BS, H, D)), ("flashinfer", (NB, 2, 
     for backend, chunks in rows.items():
         dec = torch.cat([q.decode(c, torch.float32) for c in chunks], dim=2)
         assert ((dec - ref.float()).abs() <= q.error_bound(ref) + 1e-6).all(), (layout, backend)
-    same = torch.cat([c.flatten() for c in rows["torch"]]) == torch.cat([c.flatten() for c in rows["triton"]])
-    assert same.float().mean() > 0.99, (layout, "kernel and torch codec write the same bytes, but for fp32 ties")
+    same = torch.cat([c.flatten() for c in rows["torch"]]) == torch.cat(
+        [c.flatten() for c in rows["triton"]]
+    )
+    assert same.float().mean() > 0.99, (
+        layout,
+        "kernel and torch codec write the same bytes, but for fp32 ties",
+    )
     # Scatter: the kernel writes what the torch codec decodes, and leaves slot -1 alone.
     t = make_transfer(kv, "triton", q)
     before = [x.clone() for x in layers]
@@ -102,8 +112,13 @@ for layout, shape in [("flash_attn", (2, NB, BS, H, D)), ("flashinfer", (NB, 2, 
     t.scatter(targets, rows["triton"])
     dec = torch.cat([q.decode(c, kv.dtype) for c in rows["triton"]], dim=2)
     got = torch.stack([kv.read(l, slots // kv.block_size, slots % kv.block_size) for l in range(L)])
-    assert (got[:, :, 5:].float() - dec[:, :, 5:].float()).abs().max() <= dec.float().abs().max() / 64, layout
-    assert torch.equal(got[:, :, :5], torch.stack([x for x in ref])[:, :, :5]), (layout, "slot -1 written")
+    assert (got[:, :, 5:].float() - dec[:, :, 5:].float()).abs().max() <= (
+        dec.float().abs().max() / 64
+    ), layout
+    assert torch.equal(got[:, :, :5], torch.stack([x for x in ref])[:, :, :5]), (
+        layout,
+        "slot -1 written",
+    )
 print("ok")
 """
 

@@ -173,8 +173,15 @@ def _address(buf) -> int:
 WRITER = """
 import sys, time
 from kvtier.remote import open_store
-st = open_store(sys.argv[1], 5, extra={"local_hostname": "127.0.0.1", "global_segment_size": 64 << 20,
-                                       "local_buffer_size": 16 << 20})
+st = open_store(
+    sys.argv[1],
+    5,
+    extra={
+        "local_hostname": "127.0.0.1",
+        "global_segment_size": 64 << 20,
+        "local_buffer_size": 16 << 20,
+    },
+)
 st.put([b"owned"], [bytes([7]) * (1 << 20)])
 print("stored", flush=True)
 if sys.argv[2] == "close":

@@ -229,7 +229,7 @@ def test_a_decoder_takes_a_prefillers_kv_only_for_the_same_adapter_image_and_sal
             pair.sender.send(pair.target(rid), toks, slots, start=0, last=True, identity=identity)
             == 64
         )
-    for rid, identity in tenants.items():
+    for _rid, identity in tenants.items():
         assert pair.receiver_engine.lookup(toks, identity) == 64
     assert pair.receiver_engine.lookup(toks, Identity.of(salt="tenant-c")) == 0
     # The image's request shares its chunks before the image with the same text: plain, or
@@ -473,7 +473,7 @@ def test_a_sender_with_another_kv_format_is_refused_by_name(pair):
     assert isinstance(reply, proto.Error) and "KV format differs" in reply.message
 
 
-def test_a_receiver_without_a_gpu_buffer_refuses_a_commit_event_and_the_sender_commits_after_its_writes(
+def test_a_receiver_without_a_gpu_buffer_refuses_a_commit_event_and_the_sender_commits_after_writes(
     pair,
 ):
     with socket.create_connection(("127.0.0.1", pair.init_port), timeout=5) as conn:
@@ -622,7 +622,8 @@ def test_the_guides_configs_parse(tmp_path):
 
     (tmp_path / "p.yaml").write_text(
         'local_cpu: False\nenable_pd: True\ntransfer_channel: "nixl"\npd_role: "sender"\n'
-        'pd_proxy_host: "localhost"\npd_proxy_port: 7500\npd_buffer_size: 1073741824\npd_buffer_device: "cuda"\n'
+        'pd_proxy_host: "localhost"\npd_proxy_port: 7500\npd_buffer_size: 1073741824\n'
+        'pd_buffer_device: "cuda"\n'
     )
     (tmp_path / "d.yaml").write_text(
         'local_cpu: False\nenable_pd: True\ntransfer_channel: "nixl"\npd_role: "receiver"\n'

@@ -181,7 +181,8 @@ def test_same_host_chunks_are_read_in_place_and_a_bad_one_is_not_loaded():
         store.put([first], [bytes(value)])
         lent, corrupt = b.tiers.remote.stats.lent, b.tiers.remote.stats.corrupt
         assert not b.retrieve(tokens, dst).any()
-        # the copying path read the batch: chunk 0 (bad header) and chunk 3 (bad payload), each counted once
+        # the copying path read the batch: chunk 0 (bad header) and chunk 3 (bad payload), each
+        # counted once
         assert b.tiers.remote.stats.lent == lent and b.tiers.remote.stats.corrupt == corrupt + 2
         a.close(), b.close(), store.close()
 

@@ -129,7 +129,7 @@ def test_values_around_the_wakeup_mark_arrive_whole_and_never_stall(srv, size):
     # (SO_RCVLOWAT), never for more than the value still owes; a fresh
     # connection starts with a small receive window.
     value = os.urandom(size)
-    for attempt in range(3):
+    for _attempt in range(3):
         c = client(srv, shm=False)
         t0 = time.monotonic()
         c.put([b"mark-%d" % size], [value])
@@ -351,7 +351,8 @@ def test_a_large_tcp_get_is_spread_over_several_connections_and_lands_in_order(m
         asked = keys[:5] + [b"missing"] + keys[5:]
         outs.insert(5, bytearray(48 << 10))
         got = c.get_into(asked, outs)
-        # The cap is 3 connections: this one and two readers (the third is refused, logged, not fatal).
+        # The cap is 3 connections: this one and two readers (the third is refused, logged, not
+        # fatal).
         assert len(c._readers) == 2
         assert got == [True] * 5 + [False] + [True] * 11
         assert [bytes(o) for i, o in enumerate(outs) if i != 5] == values
@@ -360,7 +361,7 @@ def test_a_large_tcp_get_is_spread_over_several_connections_and_lands_in_order(m
         assert c._readers is None
 
 
-def test_the_pool_stays_mapped_across_a_connection_replaced_after_idling_and_is_mapped_anew_for_a_new_server():
+def test_the_pool_stays_mapped_across_an_idled_out_connection_and_is_mapped_anew_for_a_new_server():
     """Mapping the pool and registering it with CUDA takes seconds at tens of GB: a
     connection replaced because it idled must not do it again; a restarted server's
     pool is another memfd and must be mapped anew (never the dead one's memory)."""

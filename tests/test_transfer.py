@@ -181,12 +181,21 @@ for layout, shape in shapes.items():
         nbytes = [r.numel() * r.element_size() for r in ref]
         at = [nbytes[2], nbytes[2] + nbytes[0], 0]
         buf = torch.zeros(sum(nbytes) + 8, dtype=torch.uint8)
-        launch = TritonTransfer(kv).gather_addressed(slots, [buf.data_ptr() + a for a in at], sizes[0]).launch
+        launch = TritonTransfer(kv).gather_addressed(
+            slots, [buf.data_ptr() + a for a in at], sizes[0]
+        ).launch
         launch(2, 3)
-        assert buf[: nbytes[2]].any() and not buf[nbytes[2] :].any(), (layout, "one group, its chunk only")
+        assert buf[: nbytes[2]].any() and not buf[nbytes[2] :].any(), (
+            layout,
+            "one group, its chunk only",
+        )
         launch(0, 2)
         for a, n, r in zip(at, nbytes, ref):
-            assert torch.equal(buf[a : a + n].view(dtype).view(r.shape), r), (layout, dtype, "addressed gather")
+            assert torch.equal(buf[a : a + n].view(dtype).view(r.shape), r), (
+                layout,
+                dtype,
+                "addressed gather",
+            )
         assert not buf[-8:].any()
         dst = [torch.zeros_like(t) for t in layers]
         kv2 = PagedKV.wrap(dst, layout)
@@ -206,7 +215,11 @@ for layout, shape in shapes.items():
         handle.finish()
         back = [torch.empty(kv.chunk_shape(n), dtype=dtype) for n in sizes]
         TorchTransfer(kv3).gather(slots, back)
-        assert all(torch.equal(a, b) for a, b in zip(ref, back)), (layout, dtype, "layerwise scatter")
+        assert all(torch.equal(a, b) for a, b in zip(ref, back)), (
+            layout,
+            dtype,
+            "layerwise scatter",
+        )
         holes = slots.clone()
         holes[::3] = -1  # tokens of cut chunks: not written anywhere
         a_dst, b_dst = [torch.zeros_like(t) for t in layers], [torch.zeros_like(t) for t in layers]
@@ -217,12 +230,18 @@ for layout, shape in shapes.items():
         saved = [torch.zeros(kv.chunk_shape(n), dtype=dtype) for n in sizes]
         saves = TritonTransfer(kv).gather_layerwise(slots, saved)
         saves.save(1)  # only layer 1 moves
-        assert all(torch.equal(a[1], b[1]) and not a[0].any() and not a[2].any() for a, b in zip(saved, ref)), \
-            (layout, "layerwise gather order")
+        assert all(
+            torch.equal(a[1], b[1]) and not a[0].any() and not a[2].any()
+            for a, b in zip(saved, ref)
+        ), (layout, "layerwise gather order")
         saves.save(0), saves.save(2)
         saves.finish()
         assert not saves.unsaved()
-        assert all(torch.equal(a, b) for a, b in zip(ref, saved)), (layout, dtype, "layerwise gather")
+        assert all(torch.equal(a, b) for a, b in zip(ref, saved)), (
+            layout,
+            dtype,
+            "layerwise gather",
+        )
 print("ok")
 """
 
@@ -260,23 +279,35 @@ for T in (TorchTransfer, TritonTransfer):
     got = [torch.zeros(kv.chunk_shape(n)) for n in sizes]
     T(kv).gather(slots, got)
     whole = torch.cat(got, dim=2)  # [L, K, 11, H, D]
-    assert torch.equal(whole[0], at(0, slots[0])) and torch.equal(whole[2], at(2, slots[0])), T.__name__
+    assert torch.equal(whole[0], at(0, slots[0])) and torch.equal(
+        whole[2], at(2, slots[0])
+    ), T.__name__
     assert torch.equal(whole[1][:, 3:], at(1, slots[1, 3:])), T.__name__  # its -1 tokens: anything
     if T is TritonTransfer:  # addressed, a group of chunks a launch, over a slice of the table
         buf = torch.zeros(sum(c.numel() for c in got))
         per = [c.numel() for c in got]
-        launch = T(kv).gather_addressed(slots, [buf.data_ptr() + 4 * sum(per[:i]) for i in range(3)], 4).launch
+        launch = T(kv).gather_addressed(
+            slots, [buf.data_ptr() + 4 * sum(per[:i]) for i in range(3)], 4
+        ).launch
         launch(1, 3), launch(0, 1)
-        back = torch.cat([buf[sum(per[:i]) : sum(per[: i + 1])].view(c.shape) for i, c in enumerate(got)], dim=2)
-        assert torch.equal(back[0], whole[0]) and torch.equal(back[1][:, 3:], whole[1][:, 3:]), "addressed"
+        back = torch.cat(
+            [buf[sum(per[:i]) : sum(per[: i + 1])].view(c.shape) for i, c in enumerate(got)],
+            dim=2,
+        )
+        assert torch.equal(back[0], whole[0]) and torch.equal(
+            back[1][:, 3:], whole[1][:, 3:]
+        ), "addressed"
     dst = [torch.zeros_like(t) for t in layers]
     kv2 = PagedKV.wrap(dst, "flash_attn").grouped([0, 1, 0])
     T(kv2).scatter(slots, got)()
     for layer, row in ((0, 0), (1, 1), (2, 0)):
         keep = slots[row] >= 0
-        assert torch.equal(dst[layer][:, slots[row][keep] // 4, slots[row][keep] % 4], whole[layer][:, keep]), T.__name__
+        assert torch.equal(
+            dst[layer][:, slots[row][keep] // 4, slots[row][keep] % 4], whole[layer][:, keep]
+        ), T.__name__
     written = sum(int(d.abs().sum(dim=(0, 3, 4)).ne(0).sum()) for d in dst)
-    assert written == 11 + 8 + 11, (T.__name__, written)  # nothing at layer 1's -1 tokens, nothing elsewhere
+    # nothing at layer 1's -1 tokens, nothing elsewhere
+    assert written == 11 + 8 + 11, (T.__name__, written)
 print("ok")
 """
 
@@ -315,14 +346,17 @@ for order in ([0, 1, 2, 3], [0, 2, 4, 5, 6], [6, 5, 3, 1]):  # adjacent, gaps, r
                  else [staging.run_table(group=g) for g in range(len(staging.groups))])
         for runs in parts:
             table = torch.tensor([(*r[:4], r[4] // 8, r[5]) for r in runs], dtype=torch.int64)
-            host_runs_kernel[(3,)](table.data_ptr(), len(runs), BLOCK=64)  # few programs, many blocks each
+            # few programs, many blocks each
+            host_runs_kernel[(3,)](table.data_ptr(), len(runs), BLOCK=64)
         ptrs = staging.ptrs(range(4))
         base = staging.flat.data_ptr()
         for c, chunk in enumerate(chunks):
             for l in range(4):
                 at = (int(ptrs[l, c]) - base) // 2
                 got = staging.flat.view(torch.bfloat16)[at : at + chunk[l].numel()]
-                assert torch.equal(got.view(torch.int16), chunk[l].reshape(-1).view(torch.int16)), (order, layer_major, c, l)
+                assert torch.equal(
+                    got.view(torch.int16), chunk[l].reshape(-1).view(torch.int16)
+                ), (order, layer_major, c, l)
 print("ok")
 """
 

@@ -35,7 +35,8 @@ def make_kv(layout: str, scale: float = 1.0) -> tuple[list[torch.Tensor], PagedK
 def make_engine(
     layout: str, transfer: str = "auto"
 ) -> tuple[list[torch.Tensor], PagedKV, CacheEngine, torch.Tensor]:
-    """An engine over `make_kv(layout)` (64-token chunks, a 0.05 GiB CPU pool), and the slots in a random order."""
+    """An engine over `make_kv(layout)` (64-token chunks, a 0.05 GiB CPU pool), and the slots
+    in a random order."""
     layers, kv = make_kv(layout)
     eng = CacheEngine(
         KvtierConfig(chunk_size=64, max_local_cpu_size=0.05),
@@ -324,7 +325,7 @@ def test_a_whole_store_not_waited_for_reads_the_pages_after_the_forward_and_befo
     )  # in flight: not gathered again (from new pages)
     for x in layers:
         x.zero_()  # the next forward
-    for (toks, slots), want in zip(steps, expect):
+    for (toks, slots), _want in zip(steps, expect):
         assert eng.lookup(toks) == 256
         assert int(eng.retrieve(toks, slots).sum()) == 256
     torch.cuda.synchronize()

@@ -75,12 +75,14 @@ def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tm
     assert s["connector_hit_tokens"] >= 12 * 768 and s["gpu_prefix_hit_rate"] == 0
     assert 0 < s["connector_hit_rate"] < 1
     assert s["ttft_p99_ms"] >= s["ttft_p50_ms"] > 0 and s["output_tokens_per_s"] > 0
-    # vLLM's own split of the time to the first token: waiting (a load beside the steps in it), then its steps
+    # vLLM's own split of the time to the first token: waiting (a load beside the steps in it),
+    # then its steps
     assert s["queue_ms_mean"] > 0 and s["prefill_ms_mean"] > 0, s
     assert s["queue_ms_mean"] + s["prefill_ms_mean"] <= 1.05 * s["server_ttft_ms_mean"] + 1, s
-    # and its steps: each request's 4 tokens take 4 steps at least, a step serves at most 4 requests;
-    # every new user turn (64 tokens) was computed in them, and the first prefill of the system prompt
-    # the warm-up did not store (768 tokens) was a step of more than 512 (eager here: counted alike)
+    # and its steps: each request's 4 tokens take 4 steps at least, a step serves at most 4
+    # requests; every new user turn (64 tokens) was computed in them, and the first prefill of
+    # the system prompt the warm-up did not store (768 tokens) was a step of more than 512
+    # (eager here: counted alike)
     assert (
         s["steps"] >= 18 * 4 / WORKLOAD.concurrency
         and s["itl_ms_mean"] > 0

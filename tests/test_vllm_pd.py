@@ -84,7 +84,8 @@ def test_the_guides_1p1d_flow_gives_the_decoder_the_whole_prompt_and_the_same_ou
     )  # the prefiller pushed every token's KV, the partial last chunk included
     # Streaming through the proxy: the same text.
     assert complete(cluster.url, prompt, stream=True, model=model) == via_proxy
-    # Without disaggregation: straight to the decoder, which now has nothing for it and computes it all.
+    # Without disaggregation: straight to the decoder, which now has nothing for it and computes
+    # it all.
     n = len(cluster.decoder.hit_lines())
     alone = complete(cluster.decoder.url, prompt, model=model)
     assert new_hits(cluster.decoder, n) == [(total, 0, 0)]  # the PD chunks were freed once loaded

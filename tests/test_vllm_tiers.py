@@ -19,7 +19,8 @@ from kvtier.tiers.disk import file_name
 
 pytestmark = pytest.mark.vllm
 DTYPE = "float32"
-# The tiny model in float32: 8 layers x K,V x 2 heads x 64 x 4 bytes = 8 KiB per token, 2 MiB per chunk.
+# The tiny model in float32: 8 layers x K,V x 2 heads x 64 x 4 bytes = 8 KiB per token, 2 MiB
+# per chunk.
 TWO_CHUNKS, ONE_CHUNK = "0.004", "0.0025"  # GiB of CPU pool: 2 blocks, 1 block
 RECOMPUTED = re.compile(r"(\d+) of (\d+) tokens could not be loaded")
 
@@ -69,8 +70,8 @@ def test_a_prompt_larger_than_the_pool_hits_from_disk_also_after_a_restart(
     assert results[2] == {"reset": True} and "cleared the local tiers (CPU RAM and disk)" in log
     results = results[:2] + results[3:]
     assert (
-        "hit tokens 2816, need to load 2816 (not all in CPU RAM: loading from disk/remote in the background)"
-        in log
+        "hit tokens 2816, need to load 2816 "
+        "(not all in CPU RAM: loading from disk/remote in the background)" in log
     )
     assert (
         "Storing KV cache for" not in log.split("hit tokens 2816")[1].split("cleared")[0]

@@ -183,7 +183,8 @@ def test_a_cpu_hit_loads_beside_the_steps_while_other_requests_run(policy):
         blocks = SimpleNamespace(get_block_ids=lambda: ([4, 5, 6, 7],))
         scheduler.update_state_after_alloc(vllm_request("joins", toks), blocks, 48)
         if busy:  # planned with the next step's metadata: all in CPU RAM, its copies are queued in
-            # start_load_kv itself (nothing there blocks); the worker's thread waits for them to land
+            # start_load_kv itself (nothing there blocks); the worker's thread waits for them to
+            # land
             meta = scheduler.build_connector_meta(step_running("other"))
             assert [(s.req_id, s.background, s.from_cpu, s.start, s.end) for s in meta.loads] == [
                 ("joins", True, True, 0, 48)

@@ -198,9 +198,11 @@ def run_vllm(
     cmd += (["--by-name"] if by_name else []) + ["--tp", str(tp), "--max-batched", str(max_batched)]
     cmd += ["--mamba-align"] if mamba_align else []
     cmd += [f"--lora={n}={p}" for n, p in (lora or {}).items()] + (["--embeds"] if embeds else [])
-    # Defaults under LMCACHE_ names: a test's own LMCACHE_ or KVTIER_ setting replaces or overrides them.
-    # Partial last chunks not stored (LMCache's default; kvtier's stores them): the tiers' tests count
-    # whole chunks; the connector suite's main runs and its next-turn case run kvtier's default.
+    # Defaults under LMCACHE_ names: a test's own LMCACHE_ or KVTIER_ setting replaces or
+    # overrides them.
+    # Partial last chunks not stored (LMCache's default; kvtier's stores them): the tiers' tests
+    # count whole chunks; the connector suite's main runs and its next-turn case run kvtier's
+    # default.
     full_env = {
         **os.environ,
         "LMCACHE_CHUNK_SIZE": "256",

@@ -100,7 +100,8 @@ def native_bf16(cpuinfo: str) -> bool | None:
 
 @functools.cache
 def cpu_model_dtype() -> DtypeChoice:
-    """float32 on an x86 CPU without native bf16; else the probe's answer. Asked once per process."""
+    """float32 on an x86 CPU without native bf16; else the probe's answer. Asked once per
+    process."""
     try:
         with open("/proc/cpuinfo") as f:
             native = native_bf16(f.read())

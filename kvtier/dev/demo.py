@@ -272,7 +272,8 @@ def run_demo(
         hits = [h for h in server.hit_lines() if h[0] > 100]
     result = DemoResult(hits[0][0] if hits else 0, cold, warm, hits, dtype)
     print(
-        f"TTFT Improvement: {cold - warm:.3f} seconds ({result.speedup:.1f}x faster, model in {dtype})"
+        f"TTFT Improvement: {cold - warm:.3f} seconds "
+        f"({result.speedup:.1f}x faster, model in {dtype})"
     )
     for total, hit, load in hits:
         print(f"server log: Total tokens {total}, hit tokens {hit}, need to load {load}")

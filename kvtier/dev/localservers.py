@@ -1,12 +1,13 @@
 """Start store servers on free loopback ports, for tests, benchmarks and the demo.
 
-    with kvtier_server(prealloc_gb=0.5) as srv:    srv.url == "kvtier://127.0.0.1:<port>"
-    with redis_server() as srv:                     srv.url == "redis://127.0.0.1:<port>",
-                                                    also on srv.unix_socket
-    with redis_cluster(masters=3) as srv:           srv.url == "redis-cluster://127.0.0.1:<p1>,..."
-    with mooncake_store(segments=2) as srv:         srv.url == "mooncakestore://127.0.0.1:<master port>"
-    with lmcache_server() as srv:                   srv.url == "lm://127.0.0.1:<port>" (LMCache's own)
-    cert, key = self_signed_cert(directory)         for --tls-cert/--tls-key (and the client's tls_ca)
+    with kvtier_server(prealloc_gb=0.5) as srv:  srv.url == "kvtier://127.0.0.1:<port>"
+    with redis_server() as srv:                  srv.url == "redis://127.0.0.1:<port>",
+                                                 also on srv.unix_socket
+    with redis_cluster(masters=3) as srv:        srv.url == "redis-cluster://127.0.0.1:<p1>,..."
+    with mooncake_store(segments=2) as srv:      srv.url ==
+                                                 "mooncakestore://127.0.0.1:<master port>"
+    with lmcache_server() as srv:                srv.url == "lm://127.0.0.1:<port>" (LMCache's own)
+    cert, key = self_signed_cert(directory)      for --tls-cert/--tls-key (and the client's tls_ca)
 
 Each yields a `LocalServer` whose processes are stopped (SIGTERM, then
 SIGKILL) when the block ends; `kill()` and `start()` exist for fault tests.

@@ -63,13 +63,15 @@ def _write_configs(
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "prefiller.yaml").write_text(
         f'local_cpu: False\nenable_pd: True\ntransfer_channel: "{channel}"\npd_role: "sender"\n'
-        f'pd_proxy_host: "127.0.0.1"\npd_proxy_port: {notify}\npd_buffer_size: {sender_buffer_bytes}\n'
+        f'pd_proxy_host: "127.0.0.1"\npd_proxy_port: {notify}\n'
+        f"pd_buffer_size: {sender_buffer_bytes}\n"
         f'pd_buffer_device: "{device}"\nchunk_size: 256\nmax_local_cpu_size: 0.05\n'
     )
     (tmp / "decoder.yaml").write_text(
         f'local_cpu: False\nenable_pd: True\ntransfer_channel: "{channel}"\npd_role: "receiver"\n'
         f'pd_peer_host: "127.0.0.1"\npd_peer_init_port: {init}\npd_peer_alloc_port: {alloc}\n'
-        f'pd_buffer_size: {buffer_bytes}\npd_buffer_device: "{device}"\nchunk_size: 256\nmax_local_cpu_size: 0.05\n'
+        f'pd_buffer_size: {buffer_bytes}\npd_buffer_device: "{device}"\n'
+        "chunk_size: 256\nmax_local_cpu_size: 0.05\n"
     )
 
 

@@ -95,7 +95,8 @@ def make_tiny_llama(path: str | Path, spec: TinyLlama = TinyLlama()) -> Path:
 
 
 def _new_model_dir(path: Path, vocab_size: int) -> dict[str, int] | None:
-    """None where `path` holds a model already; else the directory with a tokenizer, and its vocab."""
+    """None where `path` holds a model already; else the directory with a tokenizer, and its
+    vocab."""
     if all((path / f).exists() for f in ("config.json", "tokenizer.json", "model.safetensors")):
         return None
     path.mkdir(parents=True, exist_ok=True)
