@@ -36,9 +36,11 @@ def _bench_offload(args: argparse.Namespace) -> int:
         result = run_offload(shape, args.device, transfer, args.repeats)
         s = result.summary()
         print(
-            f"{result.machine} | {result.transfer} | {shape.tokens} tokens, {result.kv_bytes / 1e9:.2f} GB | "
+            f"{result.machine} | {result.transfer} | {shape.tokens} tokens, "
+            f"{result.kv_bytes / 1e9:.2f} GB | "
             f"store {s['store_GBps']} GB/s ({s['store_ratio']:.2f} of copy {s['copy_d2h_GBps']}) | "
-            f"retrieve {s['retrieve_GBps']} GB/s ({s['retrieve_ratio']:.2f} of copy {s['copy_h2d_GBps']})"
+            f"retrieve {s['retrieve_GBps']} GB/s "
+            f"({s['retrieve_ratio']:.2f} of copy {s['copy_h2d_GBps']})"
         )
         if args.output:
             write_result(result, Path(args.output), "kvtier " + shlex.join(sys.argv[1:]))
@@ -60,8 +62,10 @@ def _bench_disk(args: argparse.Namespace) -> int:
     s = result.summary()
     print(
         f"{result.machine} | {shape.tokens} tokens, {result.kv_bytes / 1e9:.2f} GB in {args.dir} | "
-        f"tier write {s['tier_write_GBps']} GB/s ({s['write_ratio_paired']:.2f} of file {s['file_write_GBps']}) | "
-        f"read {s['tier_read_GBps']} GB/s ({s['read_ratio_paired']:.2f} of file {s['file_read_GBps']}) | "
+        f"tier write {s['tier_write_GBps']} GB/s "
+        f"({s['write_ratio_paired']:.2f} of file {s['file_write_GBps']}) | "
+        f"read {s['tier_read_GBps']} GB/s "
+        f"({s['read_ratio_paired']:.2f} of file {s['file_read_GBps']}) | "
         f"step waits {s['step_wait_sync_ms']} ms sync vs {s['step_wait_async_ms']} ms async "
         f"(request loaded in {s['request_load_async_ms']} ms)"
     )
@@ -205,7 +209,8 @@ def _config(args: argparse.Namespace) -> int:
         from kvtier.config.lmcache_keys import LMCACHE_VERSION, table
 
         print(
-            f"| LMCache {LMCACHE_VERSION} key | LMCache default | in kvtier | what kvtier does |\n|---|---|---|---|"
+            f"| LMCache {LMCACHE_VERSION} key | LMCache default | in kvtier | what kvtier does |\n"
+            "|---|---|---|---|"
         )
         for key, default, kind, note in table():
             print(f"| `{key}` | `{default}` | {kind} | {note} |")
@@ -319,8 +324,8 @@ def _server_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--targets",
         nargs="+",
-        help="what to measure: raw raw-ring kvtier kvtier-shm kvtier-auth kvtier-tls redis redis-unix "
-        "mooncake mooncake-py",
+        help="what to measure: raw raw-ring kvtier kvtier-shm kvtier-auth kvtier-tls "
+        "redis redis-unix mooncake mooncake-py",
     )
     p.add_argument(
         "--throughput-only", action="store_true", help="skip latency, shared memory and serdes"
@@ -371,8 +376,8 @@ COMMANDS: list[Command] = [
     ),
     (
         "proxy",
-        "disaggregated prefill: route requests prefiller -> decoder (LMCache's disagg_proxy_server.py "
-        "flags)",
+        "disaggregated prefill: route requests prefiller -> decoder "
+        "(LMCache's disagg_proxy_server.py flags)",
         _proxy_args,
         _proxy,
     ),
@@ -395,7 +400,8 @@ BENCHMARKS: list[Command] = [
     ("ttft", "cold vs warm TTFT of a Llama-3.1-8B-shaped model (GPU)", _ttft_args, _bench_ttft),
     (
         "pd",
-        "disaggregated prefill: sender process -> receiver's buffer -> its pages, vs a plain device copy",
+        "disaggregated prefill: sender process -> receiver's buffer -> its pages, "
+        "vs a plain device copy",
         _pd_args,
         _bench_pd,
     ),
@@ -407,13 +413,15 @@ BENCHMARKS: list[Command] = [
     ),
     (
         "h2d",
-        "a load's host-to-GPU copies by the copy engine or by a kernel, and what waits behind each (GPU)",
+        "a load's host-to-GPU copies by the copy engine or by a kernel, "
+        "and what waits behind each (GPU)",
         _h2d_args,
         _bench_h2d,
     ),
     (
         "chat",
-        "multi-turn conversations at a steady rate against a vLLM server: TTFT, throughput, hit rate",
+        "multi-turn conversations at a steady rate against a vLLM server: "
+        "TTFT, throughput, hit rate",
         _chat_args,
         _bench_chat,
     ),

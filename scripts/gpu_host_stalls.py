@@ -91,7 +91,8 @@ def main() -> None:
     for known in (True, False):
         toks = list(range(base, base + 4 * 256))
         probe(
-            f"kvtier store of 4 chunks, then a lookup of them with known = {len(toks) if known else 0}",
+            "kvtier store of 4 chunks, then a lookup of them with "
+            f"known = {len(toks) if known else 0}",
             lambda t=toks, k=known: (
                 eng.start_store(t, perm[: len(t)]).finish(wait=False),
                 eng.find(t, known=len(t) if k else 0),

@@ -133,7 +133,7 @@ def measure(model, tokens: int, new: int, repeats: int) -> dict:
         out[codec] = row
         print(json.dumps({"tokens": tokens, "codec": codec, **row}), flush=True)
         session.engine.close()
-        del session
+        session = None
         torch.cuda.empty_cache()
     for codec in CODECS[1:]:
         out[codec]["warm_cpu_over_lossless"] = round(

@@ -2,7 +2,8 @@
 the same prefill from CPU RAM (GPU, the ttft bench's model and sessions).
 
     python3 scripts/gpu_layerwise_profile.py OUT_DIR [tokens]
-    WHOLE_BEFORE=1 python3 scripts/gpu_layerwise_profile.py ...   # a whole warm load before each, as the bench
+    WHOLE_BEFORE=1 python3 scripts/gpu_layerwise_profile.py ...
+        # a whole warm load before each, as the bench
 
 Per prefill (medians of 9), host time: start_retrieve (lookup, lease, queuing
 every layer's copies), the forward, finish(), and the time inside each of
@@ -164,7 +165,8 @@ def summary(rows: list[dict]) -> dict:
 
 
 def timeline(session, ids) -> dict:
-    """Spans (ms from the first device event) of the H2D copies, the transfer's kernels and the rest."""
+    """Spans (ms from the first device event) of the H2D copies, the transfer's kernels and the
+    rest."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()

@@ -92,7 +92,8 @@ def offload(tokens: int, out: Path) -> None:
     trace("store", out, lambda: eng.store(toks, store_slots))
     trace("retrieve", out, lambda: eng.retrieve(toks, load_slots))
     eng.clear()
-    del eng, layers
+    eng = None
+    del layers
     torch.cuda.empty_cache()
 
 
@@ -108,7 +109,8 @@ def warm(tokens: int, out: Path) -> None:
     session.prefill(ids)
     for layerwise in (False, True, False, True):
         print(
-            f"warm{' layerwise' if layerwise else ''}: {timed(lambda: session.prefill(ids, layerwise=layerwise)) * 1e3:.1f} ms"
+            f"warm{' layerwise' if layerwise else ''}: "
+            f"{timed(lambda: session.prefill(ids, layerwise=layerwise)) * 1e3:.1f} ms"
         )
     trace("warm", out, lambda: session.prefill(ids, layerwise=False))
     trace("warm_layerwise", out, lambda: session.prefill(ids, layerwise=True))
@@ -117,7 +119,8 @@ def warm(tokens: int, out: Path) -> None:
 
 
 def server(tokens: int) -> None:
-    """The same-host path: chunks of the 8B shape through kvtier server's shared pool, by copy threads."""
+    """The same-host path: chunks of the 8B shape through kvtier server's shared pool, by copy
+    threads."""
     import numpy as np
 
     import kvtier.buffers as buffers

@@ -64,8 +64,10 @@ if __name__ == "__main__":
         assert mask.all(), int(mask.sum())
         _, h2d = copy_bandwidth(kv_bytes, torch.device("cuda"))
         print(
-            f"{tokens} tokens, {kv_bytes / 1e9:.2f} GB: load {statistics.median(times) * 1e3:.1f} ms "
-            f"(runs {[round(t * 1e3, 1) for t in times]}), pinned H2D copy {kv_bytes / h2d / 1e6:.1f} ms "
+            f"{tokens} tokens, {kv_bytes / 1e9:.2f} GB: "
+            f"load {statistics.median(times) * 1e3:.1f} ms "
+            f"(runs {[round(t * 1e3, 1) for t in times]}), "
+            f"pinned H2D copy {kv_bytes / h2d / 1e6:.1f} ms "
             f"({h2d:.1f} GB/s); lent chunks {b.tiers.remote.stats.lent}"
         )
         prof = cProfile.Profile()

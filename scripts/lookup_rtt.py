@@ -46,7 +46,8 @@ def main() -> None:
         server.close()
     print(
         f"lookup round trip (a RELEASE): hot {statistics.median(hot) * 1e3:.3f} ms, "
-        f"after 20 ms idle {statistics.median(idle) * 1e3:.3f} ms (medians of {len(hot)} and {len(idle)})"
+        f"after 20 ms idle {statistics.median(idle) * 1e3:.3f} ms "
+        f"(medians of {len(hot)} and {len(idle)})"
     )
 
 

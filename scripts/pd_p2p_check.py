@@ -54,7 +54,9 @@ for dev in (0, 1):
         child.stdin.write("\n")
         child.stdin.flush()
         print(
-            f"receiver on cuda:{dev} (tensor says {remote.device}): gather kernel ok, {gbps:.0f} GB/s; receiver sees sum {child.stdout.readline().strip()}",
+            f"receiver on cuda:{dev} (tensor says {remote.device}): "
+            f"gather kernel ok, {gbps:.0f} GB/s; "
+            f"receiver sees sum {child.stdout.readline().strip()}",
             flush=True,
         )
     except Exception as e:

@@ -55,7 +55,8 @@ def main() -> None:
     sock = socket.create_connection(("127.0.0.1", q.get()))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     print(
-        f"bare socket ping-pong      {median_ms(lambda: (sock.sendall(b'x' * 32), sock.recv(64))):.3f} ms"
+        "bare socket ping-pong      "
+        f"{median_ms(lambda: (sock.sendall(b'x' * 32), sock.recv(64))):.3f} ms"
     )
     sock.close()
     shape = OffloadShape(layers=2)
@@ -76,14 +77,16 @@ def main() -> None:
             "127.0.0.1", receiver.init, receiver.alloc, sender._hello, sender.channel, 10
         )
         print(
-            f"protocol ping (Release)    {median_ms(lambda: link.call(proto.Release('none'))):.3f} ms"
+            "protocol ping (Release)    "
+            f"{median_ms(lambda: link.call(proto.Release('none'))):.3f} ms"
         )
         tokens = _tokens(16384, 5)
         spans = engine.spans(tokens, "x")
         print(f"hash 16k tokens (spans)    {median_ms(lambda: engine.spans(tokens)):.3f} ms")
-        print(
-            f"Alloc of 64 chunks + Abort {median_ms(lambda: (link.alloc('r', spans, 5, lambda: None), link.call(proto.Abort('r')))):.3f} ms"
+        alloc_abort_ms = median_ms(
+            lambda: (link.alloc("r", spans, 5, lambda: None), link.call(proto.Abort("r")))
         )
+        print(f"Alloc of 64 chunks + Abort {alloc_abort_ms:.3f} ms")
         link.close()
         sender.close()
         engine.close()

@@ -53,15 +53,16 @@ def main() -> None:
         engine.close()
     for send_ms, (alloc, write, commit), keys, after in sends:
         print(
-            f"send {send_ms:.2f} ms: keys {keys:.2f}, Alloc {alloc:.2f}, write {write:.2f}, Commit {commit:.2f}, "
+            f"send {send_ms:.2f} ms: keys {keys:.2f}, Alloc {alloc:.2f}, write {write:.2f}, "
+            f"Commit {commit:.2f}, "
             f"after {after:.2f}, the rest {send_ms - keys - alloc - write - commit - after:.2f}"
         )
     for key in ("tottime", "cumulative"):
         out = io.StringIO()
         pstats.Stats(profile, stream=out).sort_stats(key).print_stats(25)
         print(
-            f"-- by {key}, {args.sends} sends of {args.tokens} tokens (the receiver's load and check included "
-            f"in _one_send) --"
+            f"-- by {key}, {args.sends} sends of {args.tokens} tokens "
+            "(the receiver's load and check included in _one_send) --"
         )
         print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:6000])
 

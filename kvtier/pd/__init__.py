@@ -23,7 +23,8 @@ from kvtier.transfer import PagedKV
 
 
 def make_buffer(config: KvtierConfig, kv: PagedKV, fmt: KVFormat) -> PdBuffer:
-    """The decoder's receive buffer: `pd_buffer_size` bytes, on the KV cache's GPU with `pd_buffer_device: cuda`."""
+    """The decoder's receive buffer: `pd_buffer_size` bytes, on the KV cache's GPU with
+    `pd_buffer_device: cuda`."""
     device = "cpu"
     if config.pd_buffer_device == "cuda":
         device = str(kv.device) if kv.device.type == "cuda" else "cuda"

@@ -60,7 +60,8 @@ class ChannelUnavailable(KvtierError):
 
 @dataclass
 class Placement:
-    """One chunk to write: the receiver's block, and (staged channels) the local block holding its bytes."""
+    """One chunk to write: the receiver's block, and (staged channels) the local block holding
+    its bytes."""
 
     remote_block: int
     nbytes: int
@@ -260,7 +261,8 @@ def _ucx_skip_ib_without_rdma() -> None:
         return
     os.environ["UCX_MODULES"] = "^ib"
     log.info(
-        "no RDMA device here: UCX_MODULES=^ib for NIXL (UCX's ib module would crash the process at exit)"
+        "no RDMA device here: UCX_MODULES=^ib for NIXL "
+        "(UCX's ib module would crash the process at exit)"
     )
 
 

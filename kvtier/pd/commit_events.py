@@ -29,7 +29,8 @@ from kvtier.pd import protocol as proto
 log = get_logger(__name__)
 
 HANDLE_HEX = 128  # a cudaIpcEventHandle_t (64 bytes) as hex
-MAX_OPEN = 256  # senders' events kept open; a Commit naming one dropped since fails (its sender reconnects)
+# senders' events kept open; a Commit naming one dropped since fails (its sender reconnects)
+MAX_OPEN = 256
 
 
 def commit_event() -> tuple[torch.cuda.Event, str]:

@@ -62,8 +62,10 @@ class KvtierNotifications:
                     log.debug if self._told else log.warning
                 )  # ZMQ reconnects every 0.1 s: said once
                 say(
-                    "proxy: a ZMQ peer connected to the notification port %d, as LMCache's PD senders do; "
-                    "kvtier's senders send PrefillDone frames. For LMCache's prefillers and decoders run "
+                    "proxy: a ZMQ peer connected to the notification port %d, "
+                    "as LMCache's PD senders do; "
+                    "kvtier's senders send PrefillDone frames. "
+                    "For LMCache's prefillers and decoders run "
                     "`kvtier proxy --pd-engine lmcache`",
                     self._port,
                 )
@@ -119,7 +121,8 @@ class LmcacheNotifications:
                 req_id = self.parse(data)
             except ValueError as exc:
                 log.warning(
-                    "proxy: bad message on the notification port (LMCache's ProxyNotif expected): %s",
+                    "proxy: bad message on the notification port "
+                    "(LMCache's ProxyNotif expected): %s",
                     exc,
                 )
                 continue

@@ -13,8 +13,10 @@ DIGEST_BYTES each in prompt order, not as JSON text.
 
 Who sends what:
 
-    sender ──▶ receiver init port    Hello(format, channel, event)    ◀── Welcome(buffer, event) | Error
-    sender ──▶ receiver alloc port   Alloc(req, tokens) + digests     ◀── Allocated(blocks) | NoRoom | Error
+    sender ──▶ receiver init port    Hello(format, channel, event)    ◀── Welcome(buffer, event)
+                                                                          | Error
+    sender ──▶ receiver alloc port   Alloc(req, tokens) + digests     ◀── Allocated(blocks)
+                                                                          | NoRoom | Error
                                      Write(req, block) + bytes        (tcp channel; no reply)
                                      Commit(req, event)               ◀── Ok | Error
                                      Abort(req)                       ◀── Ok

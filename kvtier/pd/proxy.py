@@ -124,7 +124,8 @@ class Proxy:
             await self.stop()
             raise
         log.info(
-            "kvtier proxy on http://%s:%d: prefillers %s, decoders %s (%s's PD); their notifications on %s:%d",
+            "kvtier proxy on http://%s:%d: prefillers %s, decoders %s (%s's PD); "
+            "their notifications on %s:%d",
             self.s.host,
             self.s.port,
             self.s.prefillers,
@@ -343,7 +344,8 @@ class Proxy:
         except asyncio.TimeoutError:
             self.metrics.kv_not_ready.inc()
             log.warning(
-                "proxy: no PrefillDone for %s within %g s: the decoder will recompute what is missing",
+                "proxy: no PrefillDone for %s within %g s: "
+                "the decoder will recompute what is missing",
                 req_id,
                 self.s.kv_ready_timeout,
             )

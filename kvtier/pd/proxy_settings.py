@@ -131,13 +131,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--health-interval",
         type=float,
         default=0.5,
-        help="s between TCP probes of every node: one that does not answer gets no requests until it does",
+        help="s between TCP probes of every node: "
+        "one that does not answer gets no requests until it does",
     )
     a(
         "--pd-engine",
         choices=tuple(ENGINES),
         default="kvtier",
-        help="the PD backend the prefillers and decoders run: kvtier's, or LMCache's (its senders' ProxyNotif "
+        help="the PD backend the prefillers and decoders run: kvtier's, "
+        "or LMCache's (its senders' ProxyNotif "
         "over ZMQ on --proxy-port; requests go to its decoders as they came)",
     )
 

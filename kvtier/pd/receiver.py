@@ -49,7 +49,8 @@ class PdReceiver:
         self.alloc_port = self._listeners[1].getsockname()[1]
         device = buffer.pool.device
         log.info(
-            "PD receiver: %.2f GB buffer on %s (%d chunks), init port %s:%d, alloc port %s:%d, channel %s",
+            "PD receiver: %.2f GB buffer on %s (%d chunks), "
+            "init port %s:%d, alloc port %s:%d, channel %s",
             buffer.pool.capacity / 1e9,
             device,
             buffer.pool.num_blocks,
@@ -103,7 +104,8 @@ class PdReceiver:
             conn.close()
 
     def _next(self, conn: socket.socket, max_payload: int = 0) -> tuple[proto.Message, int]:
-        """The next message: idle connections may wait, but a frame once begun must arrive in time."""
+        """The next message: idle connections may wait, but a frame once begun must arrive in
+        time."""
         conn.settimeout(None)
         head = proto.recv_exact(conn, proto.FRAME.size)
         conn.settimeout(FRAME_TIMEOUT)

@@ -82,7 +82,8 @@ class _Open:
     sent: int = 0  # tokens of the request's chunks handed to the decoder so far
     moved: int = 0  # of those, tokens whose bytes moved (the decoder lacked them)
     chunks: int = 0  # chunks of the request the decoder holds for it
-    # queued cuda_ipc writes, per piece of a step: (the step's KV written by the forward, its last copy done)
+    # queued cuda_ipc writes, per piece of a step: (the step's KV written by the forward,
+    # its last copy done)
     writes: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
     alloc_ms: float = 0.0
     write_ms: float = 0.0
@@ -195,7 +196,8 @@ class PdSender:
             self._notify(proto.PrefillDone(rid, False, 0, str(exc)[:200]))
             return 0
         req = self._open.pop(rid, None) if last else None
-        if last:  # the proxy first: the decoder's leg of the request waits for this notice, not for the logs
+        # the proxy first: the decoder's leg of the request waits for this notice, not for the logs
+        if last:
             self._notify(proto.PrefillDone(rid, True, req.sent if req is not None else 0, ""))
         if sent:
             log.info(
@@ -289,8 +291,9 @@ class PdSender:
             ahead.clear()  # only the first reply may find the ring as gathered ahead
             req.moved += sum(s.num_tokens for s, _ in todo)
         if ipc is not None and slots.dim() == 2:
-            # Grouped KV (vLLM's hybrid allocator): a sliding window's blocks may be handed to another
-            # request at the next step, whose forward would write them before queued gathers read them.
+            # Grouped KV (vLLM's hybrid allocator): a sliding window's blocks may be handed to
+            # another request at the next step, whose forward would write them before queued
+            # gathers read them.
             torch.cuda.current_stream(ipc.device).wait_stream(ipc.gather_stream)
         req.alloc_ms += alloc_s * 1e3
         req.write_ms += (time.perf_counter() - t0 - alloc_s) * 1e3
@@ -338,8 +341,8 @@ class PdSender:
             for _, done in req.writes:
                 forward.wait_event(done)
         log.info(
-            "PD: request %s: its pages were freed before its last step; its reservation on the decoder "
-            "is given up",
+            "PD: request %s: its pages were freed before its last step; "
+            "its reservation on the decoder is given up",
             rid,
         )
         self._abandon(rid)

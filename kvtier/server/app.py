@@ -205,7 +205,8 @@ def _log_started(state: ServerState) -> None:
         opts.page_size >> 10,
     )
     log.info(
-        "bounds: %d connections, %.0f MiB held per connection, leases %g s, put payloads %g s, idle %g s",
+        "bounds: %d connections, %.0f MiB held per connection, "
+        "leases %g s, put payloads %g s, idle %g s",
         opts.max_connections,
         state.max_held / 2**20,
         opts.lease_timeout,

@@ -4,10 +4,12 @@ The handshake, after HELLO (protocol.py):
 
     client                                   server
     HELLO {host_id}              ------->
-                                 <-------    {"auth": "hmac-sha256", "challenge": 32 random bytes, hex}
+                                 <-------    {"auth": "hmac-sha256",
+                                              "challenge": 32 random bytes, hex}
     AUTH {"proof": HMAC-SHA256(token, CONTEXT + challenge), hex}
                                  ------->    checks the proof against every token, in constant time
-                                 <-------    {"tenant": name, "shm": ...}   or UNAUTHORIZED, then closed
+                                 <-------    {"tenant": name, "shm": ...}
+                                             or UNAUTHORIZED, then closed
 
 The token never crosses the wire, and a proof is good for one challenge
 only, which the server draws fresh for every connection: a recorded

@@ -108,7 +108,8 @@ class KVClient:
                 t0 = time.monotonic()
                 _, meta = self._call(link, p.Op.PUT_ALLOC, p.encode_keys(keys, sizes))
                 ticket, entries = p.decode_extents(meta)
-                # One copy for the whole batch, so that a batch of chunks is split over the copy threads.
+                # One copy for the whole batch, so that a batch of chunks is split over the copy
+                # threads.
                 run_copy(
                     [
                         pair
@@ -207,10 +208,11 @@ class KVClient:
                         tls_ca=self.tls_ca,
                     )
                     try:
-                        reader.shm_active  # connects (and authenticates) now
+                        _ = reader.shm_active  # connects (and authenticates) now
                     except (RemoteUnavailable, RemoteRefused, RemoteAuthFailed) as e:
                         log.info(
-                            "kvtier server %s:%d: %d more read connections (%s); large gets use those",
+                            "kvtier server %s:%d: %d more read connections (%s); "
+                            "large gets use those",
                             self.host,
                             self.port,
                             len(self._readers),

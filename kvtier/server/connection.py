@@ -129,7 +129,7 @@ class Connection(asyncio.BufferedProtocol):
                 self._sock = socket.socket(sock.family, sock.type, fileno=os.dup(sock.fileno()))
                 self._sock.setblocking(False)
         peer = transport.get_extra_info("peername") or ("?", "?")
-        self.peer, self.peer_host = "%s:%s" % tuple(peer)[:2], str(peer[0])
+        self.peer, self.peer_host = f"{peer[0]}:{peer[1]}", str(peer[0])
         self.holdings.peer_host = self.peer_host
         self.index.count(connections=1, accepted_connections=1)
         self._timer = asyncio.get_running_loop().call_later(self.state.tick, self._tick)

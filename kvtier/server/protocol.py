@@ -12,8 +12,8 @@ Every message, request or reply, is one frame:
 
 A reply has op | REPLY and `flags` holds a Status; an error reply's meta is
 its message in UTF-8. A reply with req_id 0 and an error status is the
-server's parting word (e.g. at its connection cap) before it closes. Meta encodings, per op (n = number of keys, u16-length
-prefixed keys, u64 sizes):
+server's parting word (e.g. at its connection cap) before it closes. Meta
+encodings, per op (n = number of keys, u16-length prefixed keys, u64 sizes):
 
     PUT          req meta: n, keys, sizes      payload: the values  -> reply: empty
     GET          req meta: n, keys                                  -> reply meta: n sizes
@@ -24,7 +24,8 @@ prefixed keys, u64 sizes):
     STATS        empty                                              -> reply meta: JSON
     HELLO        req meta: JSON {"host_id"}                         -> reply meta: JSON (with a
                  token: {"auth", "challenge"} and no shm until AUTH; see auth.py)
-    AUTH         req meta: JSON {"proof"}                           -> reply meta: JSON {"tenant", "shm"}
+    AUTH         req meta: JSON {"proof"}                           -> reply meta: JSON
+                 {"tenant", "shm"}
     PUT_ALLOC    req meta: n, keys, sizes (shared memory puts)      -> reply meta: u32 ticket,
                  then per key: u32 extent count, (u64 offset, u64 length) extents
     PUT_COMMIT   req meta: u32 ticket (no reply)

@@ -50,9 +50,10 @@ class ServerOptions:
     def __post_init__(self) -> None:
         if not is_loopback(self.host) and not self.auth_token:
             raise ValueError(
-                f"--host {self.host} is not a loopback address: the KV port and the management API need a "
-                f"token there. Pass --auth-token or set {AUTH_TOKEN_ENV} (tenants' tokens, --tenants, "
-                "come on top of it)"
+                f"--host {self.host} is not a loopback address: "
+                "the KV port and the management API need a "
+                f"token there. Pass --auth-token or set {AUTH_TOKEN_ENV} "
+                "(tenants' tokens, --tenants, come on top of it)"
             )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
@@ -113,7 +114,8 @@ class ServerState:
         self.tokens: Tokens | None = load_tokens(opts.auth_token, opts.tenants_file)
         self.tls: ssl.SSLContext | None = _tls_context(opts) if opts.tls_cert else None
         self.max_held = opts.max_held_bytes or self.pool.capacity // 2
-        # how often each connection checks its bounds: a bound is enforced within a quarter of itself (<= 1 s)
+        # how often each connection checks its bounds: a bound is enforced within a quarter of
+        # itself (<= 1 s)
         self.tick = max(
             0.05, min(1.0, min(opts.lease_timeout, opts.put_deadline, opts.idle_timeout) / 4)
         )

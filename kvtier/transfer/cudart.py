@@ -74,8 +74,8 @@ def available() -> bool:
 def memcpy2d(
     dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: torch.cuda.Stream
 ) -> None:
-    """Copy `height` rows of `width` bytes, rows `spitch` apart at `src`, to rows `dpitch` apart at `dst`,
-    queued on `stream`. Asynchronous where the host side is page-locked."""
+    """Copy `height` rows of `width` bytes, rows `spitch` apart at `src`, to rows `dpitch` apart
+    at `dst`, queued on `stream`. Asynchronous where the host side is page-locked."""
     lib = _lib()
     err = lib.cudaMemcpy2DAsync(
         dst, dpitch, src, spitch, width, height, _DEFAULT, stream.cuda_stream

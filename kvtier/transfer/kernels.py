@@ -180,7 +180,9 @@ def kv_quant_copy_kernel(
 
 @_jit
 def digest_kernel(
-    table,  # int64[rows, 3]: per slice its address, its bytes, and the index of its first word in its chunk
+    # int64[rows, 3]: per slice its address, its bytes, and the index of its first word in its
+    # chunk
+    table,
     out,  # int64[n]: slice c's share of its chunk's digest is added to out[c % n] (mod 2^64)
     n,  # chunks: the table holds one slice of each, or of each for several layers in turn
     A: tl.constexpr,

@@ -76,7 +76,8 @@ def canonical(t: torch.Tensor, dims: Dims) -> torch.Tensor:
         i = dims.index(KV_HEAD)
         if t.shape[i] % 2:
             raise ValueError(
-                f"K and V packed in one dimension need an even size, got {t.shape[i]} in {tuple(t.shape)}"
+                f"K and V packed in one dimension need an even size, "
+                f"got {t.shape[i]} in {tuple(t.shape)}"
             )
         t = t.unflatten(i, (2, t.shape[i] // 2))
         dims = (*dims[:i], KV, HEAD, *dims[i + 1 :])
@@ -115,7 +116,8 @@ def _vllm_cpu_vec(t: torch.Tensor, mla: bool) -> tuple[torch.Tensor, torch.Tenso
     nb, nh, bs, c = t.shape
     if mla or c % 2 or not t.is_contiguous():
         raise ValueError(
-            f"layout vllm-cpu-vec wants a contiguous non-MLA [NB, NH, BS, 2*HS], got {tuple(t.shape)}"
+            "layout vllm-cpu-vec wants a contiguous non-MLA [NB, NH, BS, 2*HS], "
+            f"got {tuple(t.shape)}"
         )
     halves = t.view(nb, nh, 2, bs * (c // 2))
     k = halves[:, :, 0].view(nb, nh, c // 2, bs).permute(0, 3, 1, 2)

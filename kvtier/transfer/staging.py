@@ -176,8 +176,8 @@ class DigestTables:
         self.dev = tables.pin_memory().to(device, non_blocking=True) if upload else tables
 
     def add(self, out: torch.Tensor, rows: range = range(1), chunks: range | None = None) -> None:
-        """Add the shares of `rows` (layers, or row 0: whole) of `chunks` to `out` (int64, per chunk),
-        in one launch."""
+        """Add the shares of `rows` (layers, or row 0: whole) of `chunks` to `out` (int64, per
+        chunk), in one launch."""
         pick = slice(chunks.start, chunks.stop) if chunks is not None else slice(None)
         table = self.dev[rows.start : rows.stop, pick]
         n = table.shape[1]
@@ -220,7 +220,8 @@ def runs(
 
 
 def waiter(stream: torch.cuda.Stream | None, now: bool, keep: object = None) -> Callable[[], None]:
-    """Waits for the work queued on `stream` so far: now, or when called (`keep` lives until then)."""
+    """Waits for the work queued on `stream` so far: now, or when called (`keep` lives until
+    then)."""
     if stream is None or now:
         if stream is not None:
             stream.synchronize()

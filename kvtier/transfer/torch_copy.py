@@ -93,8 +93,8 @@ class TorchTransfer:
         upload: None = None,
         beside: bool = False,
     ) -> Callable[[], None]:
-        """Copy `chunks` back into the KV pages at `slots` (all layers, or `layers`); slot -1 is skipped.
-        The copies are synchronous here, whatever `wait` and `beside` say."""
+        """Copy `chunks` back into the KV pages at `slots` (all layers, or `layers`); slot -1 is
+        skipped. The copies are synchronous here, whatever `wait` and `beside` say."""
         _no_digests(digests)
         index = {}  # per row of a grouped KV's table
         for layer_idx in layers or range(self.kv.num_layers):
