@@ -23,7 +23,7 @@ if len(sys.argv) > 1:  # child: a cudaMalloc'd buffer on cuda:<argv[2]>, its han
     sys.exit()
 from kvtier.bench.offload import OffloadShape
 from kvtier.bench.pd import _paged, _slots, per_token
-from kvtier.transfer import make_transfer
+from kvtier.transfer.factory import make_transfer
 
 torch.cuda.set_device(0)
 shape, n = OffloadShape(), 4096

@@ -65,7 +65,8 @@ def test_a_value_with_a_digest_is_version_2_and_every_reader_still_checks_its_xx
 KERNEL_CHECK = """
 import torch
 from kvtier.codec import U64, kv_digest
-from kvtier.transfer import PagedKV, Quant, make_transfer
+from kvtier.transfer import PagedKV, Quant
+from kvtier.transfer.factory import make_transfer
 torch.manual_seed(0)
 L, NB, BS, H, D = 3, 8, 16, 2, 32
 layers = [torch.randn(2, NB, BS, H, D).to(torch.bfloat16) for _ in range(L)]

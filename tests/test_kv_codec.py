@@ -75,7 +75,8 @@ def test_an_unknown_codec_is_refused_with_the_known_ones():
 
 TRITON_CHECK = """
 import torch
-from kvtier.transfer import PagedKV, Quant, make_transfer
+from kvtier.transfer import PagedKV, Quant
+from kvtier.transfer.factory import make_transfer
 torch.manual_seed(0)
 L, NB, BS, H, D = 3, 8, 16, 2, 32
 for layout, shape in [

@@ -18,8 +18,8 @@ from kvtier.dev.localservers import free_port, free_ports
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError
 from kvtier.keys import Identity, Item, KVFormat
-from kvtier.pd import make_buffer, start_receiver
 from kvtier.pd import protocol as proto
+from kvtier.pd.build import make_buffer, start_receiver
 from kvtier.pd.sender import PdSender, Target
 from kvtier.transfer import PagedKV
 

@@ -5,7 +5,8 @@ import sys
 import pytest
 import torch
 
-from kvtier.transfer import PagedKV, make_transfer
+from kvtier.transfer import PagedKV
+from kvtier.transfer.factory import make_transfer
 from kvtier.transfer.torch_copy import TorchTransfer
 
 L, NB, BS, H, D = 3, 12, 4, 2, 8

@@ -6,7 +6,8 @@ import torch
 from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
 from kvtier.keys import KVFormat
-from kvtier.transfer import PagedKV, make_transfer
+from kvtier.transfer import PagedKV
+from kvtier.transfer.factory import make_transfer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -156,7 +156,7 @@ def serve_receiver(args: argparse.Namespace) -> None:
     """The receiver process: buffer and ports, then load commands from stdin."""
     from kvtier.engine import CacheEngine
     from kvtier.keys import KVFormat
-    from kvtier.pd import make_buffer, start_receiver
+    from kvtier.pd.build import make_buffer, start_receiver
 
     shape = OffloadShape(**json.loads(args.shape))
     if args.device.startswith("cuda"):

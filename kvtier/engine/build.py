@@ -30,7 +30,8 @@ from kvtier.tiers.holds import Holds
 from kvtier.tiers.remote import RemoteTier
 from kvtier.tiers.reshard import DiskFiles, HeadGeometry, ReshardedSource, share_sizes
 from kvtier.tiers.store import TieredStore
-from kvtier.transfer import PagedKV, Quant, make_transfer
+from kvtier.transfer import PagedKV, Quant
+from kvtier.transfer.factory import make_transfer
 
 log = get_logger(__name__)
 

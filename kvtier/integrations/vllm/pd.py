@@ -18,8 +18,8 @@ from kvtier.engine.states import StateLayers
 from kvtier.integrations.vllm.spec import TransferSpec
 from kvtier.keys import KVFormat
 from kvtier.logs import get_logger
-from kvtier.pd import make_buffer, start_receiver
 from kvtier.pd.buffer import PdBuffer
+from kvtier.pd.build import make_buffer, start_receiver
 from kvtier.pd.receiver import PdReceiver
 from kvtier.pd.sender import PdSender, Target
 from kvtier.transfer import PagedKV
