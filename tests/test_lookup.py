@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import zmq
 
+from kvtier.framing import ProtocolError
 from kvtier.integrations.vllm.lookup import (
     Found,
     Handlers,
@@ -82,8 +83,12 @@ def test_a_malformed_request_is_answered_as_no_hit(served):
 def test_messages_carry_version_request_id_and_tokens():
     op, rid, payload = decode(encode(Op.LOOKUP, "ré-1", np.array([1, 2**32 - 1], "<u4").tobytes()))
     assert (op, rid, np.frombuffer(payload, "<u4").tolist()) == (Op.LOOKUP, "ré-1", [1, 2**32 - 1])
-    with pytest.raises(ValueError, match="version 1"):
-        decode(bytes([1, Op.RESET, 0, 0]))
+    with pytest.raises(ProtocolError, match="version 1 "):
+        decode(b"KL" + bytes([1, Op.RESET, 0, 0]))
+    with pytest.raises(ProtocolError, match="bad magic"):
+        decode(bytes([6, Op.RESET, 0, 0, 0, 0]))
+    with pytest.raises(ValueError, match="unknown op 9"):  # a ProtocolError is a ValueError
+        decode(encode(Op.RESET)[:2] + bytes([6, 9, 0, 0]))
 
 
 def test_a_silent_worker_is_a_miss_within_the_timeout(tmp_path):

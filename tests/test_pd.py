@@ -432,8 +432,8 @@ MALFORMED = [
     struct.pack("<2sBBIQ", b"KP", 9, 3, 2, 0) + b"{}",  # another version
     struct.pack("<2sBBIQ", b"KP", proto.VERSION, 99, 2, 0) + b"{}",  # unknown type
     struct.pack("<2sBBIQ", b"KP", proto.VERSION, 3, 1 << 30, 0),  # header too large
-    proto.FRAME.pack(b"KP", proto.VERSION, 3, 5, 0) + b"nope!",  # not JSON
-    proto.FRAME.pack(b"KP", proto.VERSION, 3, 2, 0) + b"[]",  # not an object
+    proto.FRAME.pack(3, 5, 0) + b"nope!",  # not JSON
+    proto.FRAME.pack(3, 2, 0) + b"[]",  # not an object
     proto.encode(proto.Commit("never-reserved", "")),
     proto.encode(proto.Commit("x", "ab" * 64)),  # an event no Hello opened here
     proto.encode(proto.Write("x", 0), 10) + b"0123456789",  # a block not reserved
@@ -441,7 +441,7 @@ MALFORMED = [
     proto.encode(proto.Alloc("x", [CHUNK * 99]), 16) + bytes(16),  # more tokens than a chunk
     proto.encode(proto.Alloc("x", [CHUNK]), 32) + bytes(32),  # more digests than chunks
     proto.encode(proto.Hello("s", "f", 1, 1, "tcp", "")),  # Hello on the alloc port
-    proto.FRAME.pack(b"KP", proto.VERSION, 10, 0, 0),  # Ok with no header
+    proto.FRAME.pack(10, 0, 0),  # Ok with no header
     proto.encode(proto.Release("x"), 1 << 40),  # a payload where none belongs
 ]
 

@@ -161,9 +161,9 @@ def _closed_by_server(sock: socket.socket) -> bool:
 
 BAD_INPUT = {
     "random bytes": os.urandom(4096),
-    "wrong version": p.HEADER.pack(p.MAGIC, 9, p.Op.GET, 0, 1, 4, 0) + b"\0" * 4,
-    "absurd meta length": p.HEADER.pack(p.MAGIC, p.VERSION, p.Op.GET, 0, 1, 0xFFFFFFFF, 0),
-    "absurd payload length": p.HEADER.pack(p.MAGIC, p.VERSION, p.Op.PUT, 0, 1, 4, 1 << 62),
+    "wrong version": p.FRAMING.head.pack(b"KVTS", 9, p.Op.GET, 0, 1, 4, 0) + b"\0" * 4,
+    "absurd meta length": p.FRAMING.pack(p.Op.GET, 0, 1, 0xFFFFFFFF, 0),
+    "absurd payload length": p.FRAMING.pack(p.Op.PUT, 0, 1, 4, 1 << 62),
     "key count past meta": p.pack_header(p.Op.GET, 1, 4) + (1000).to_bytes(4, "little"),
     "sizes not matching payload": p.pack_header(
         p.Op.PUT, 1, len(m := p.encode_keys([b"k"], [10])), 5

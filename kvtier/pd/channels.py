@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from kvtier import framing
 from kvtier.errors import KvtierError
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
@@ -127,7 +128,7 @@ class TcpBounce:
     def receive(self, conn: socket.socket, target: torch.Tensor) -> None:
         self.stream.synchronize()  # the last copy out of the host block is done
         view = self.host[: target.numel()]
-        proto.recv_into(conn, view.numpy().data)
+        framing.recv_into(conn, view.numpy().data)
         with torch.cuda.stream(self.stream):
             target.copy_(view, non_blocking=True)
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from kvtier import framing
 from kvtier.keys import ChunkSpan
 from kvtier.pd import protocol as proto
 from kvtier.pd.channels import Peer, SenderChannel
@@ -47,7 +48,7 @@ class DecoderLink:
             proto.send(init, dataclasses.replace(hello, commit_event=handle))
             msg, n = proto.recv(init, max_payload=1 << 24)
             welcome = proto.expect(msg, proto.Welcome)
-            registration = proto.recv_exact(init, n)
+            registration = framing.recv_exact(init, n)
         self.peer: Peer = channel.connect(welcome, registration)  # type: ignore[arg-type]
         # the decoder opened it: a Commit goes out right behind the writes and names it
         self.commit_event: torch.cuda.Event | None = event if welcome.commit_event else None

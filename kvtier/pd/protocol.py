@@ -34,25 +34,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
-import struct
 import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvtier.errors import KvtierError
+from kvtier.framing import Framing, ProtocolError, recv_exact
 
 VERSION = 3
-MAGIC = b"KP"
-FRAME = struct.Struct("<2sBBIQ")
+# magic, version, then message type, header length, payload length
+FRAME = Framing("kvtier PD protocol", b"KP", VERSION, "BIQ")
 MAX_HEADER = 1 << 20  # bytes of JSON
 MAX_LIST = 1 << 16
 DIGEST_BYTES = 16  # a chunk key's digest (kvtier.keys.ChunkKey)
 SMALL_PAYLOAD = 1 << 16  # sent in one call with its frame head
 MAX_STR = 4096
-
-
-class ProtocolError(KvtierError):
-    """A malformed, unexpected or incompatible PD message."""
 
 
 class PdPeerError(KvtierError):
@@ -214,16 +210,12 @@ def encode(msg: Message, payload_len: int = 0) -> bytes:
     header = json.dumps(
         {name: getattr(msg, name) for name in _FIELDS[type(msg)]}, separators=(",", ":")
     ).encode()
-    return FRAME.pack(MAGIC, VERSION, msg.TYPE, len(header), payload_len) + header
+    return FRAME.pack(msg.TYPE, len(header), payload_len) + header
 
 
 def parse_head(head: bytes) -> tuple[type[Message], int, int]:
     """(message class, header length, payload length) of a frame head."""
-    magic, version, kind, header_len, payload_len = FRAME.unpack(head)
-    if magic != MAGIC:
-        raise ProtocolError(f"not a kvtier PD frame (magic {magic!r})")
-    if version != VERSION:
-        raise ProtocolError(f"PD protocol version {version}, this kvtier speaks {VERSION}")
+    kind, header_len, payload_len = FRAME.unpack(head)
     cls = MESSAGES.get(kind)
     if cls is None:
         raise ProtocolError(f"unknown PD message type {kind}")
@@ -283,28 +275,13 @@ def send(sock: socket.socket, msg: Message, payload: bytes | memoryview = b"") -
 
 def recv(sock: socket.socket, max_payload: int = 0) -> tuple[Message, int]:
     """The next message and the length of its payload, still unread on the socket."""
-    cls, header_len, payload_len = parse_head(recv_exact(sock, FRAME.size))
-    msg = parse_header(cls, recv_exact(sock, header_len))
+    cls, header_len, payload_len = parse_head(recv_exact(sock, FRAME.size, "PD peer"))
+    msg = parse_header(cls, recv_exact(sock, header_len, "PD peer"))
     if payload_len > max_payload:
         raise ProtocolError(
             f"{cls.__name__} carries {payload_len} bytes (at most {max_payload} here)"
         )
     return msg, payload_len
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    recv_into(sock, memoryview(buf))
-    return bytes(buf)
-
-
-def recv_into(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("PD peer closed the connection")
-        got += n
 
 
 def expect(msg: Message, cls: type[Message]) -> Message:

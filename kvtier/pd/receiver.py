@@ -11,6 +11,7 @@ import socket
 import threading
 from collections.abc import Callable
 
+from kvtier import framing
 from kvtier.logs import get_logger
 from kvtier.pd import protocol as proto
 from kvtier.pd.buffer import PdBuffer
@@ -107,10 +108,10 @@ class PdReceiver:
         """The next message: idle connections may wait, but a frame once begun must arrive in
         time."""
         conn.settimeout(None)
-        head = proto.recv_exact(conn, proto.FRAME.size)
+        head = framing.recv_exact(conn, proto.FRAME.size)
         conn.settimeout(FRAME_TIMEOUT)
         cls, header_len, payload_len = proto.parse_head(head)
-        msg = proto.parse_header(cls, proto.recv_exact(conn, header_len))
+        msg = proto.parse_header(cls, framing.recv_exact(conn, header_len))
         limit = (
             max_payload
             if cls is proto.Write
@@ -179,7 +180,7 @@ class PdReceiver:
             while True:
                 msg, payload_len = self._next(conn, max_payload=buffer.pool.block_bytes)
                 if isinstance(msg, proto.Alloc):
-                    reply = buffer.alloc(msg, proto.recv_exact(conn, payload_len))
+                    reply = buffer.alloc(msg, framing.recv_exact(conn, payload_len))
                     if isinstance(reply, proto.Allocated) and msg.req_id not in open_reservations:
                         open_reservations.add(msg.req_id)
                         self.channel.expect_writes()
@@ -187,7 +188,7 @@ class PdReceiver:
                 elif isinstance(msg, proto.Write):
                     target = buffer.write_target(msg.req_id, msg.block, payload_len)
                     if target.device.type == "cpu":
-                        proto.recv_into(conn, target.numpy().data)
+                        framing.recv_into(conn, target.numpy().data)
                     else:
                         bounce = bounce or TcpBounce(buffer.pool)
                         bounce.receive(conn, target)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvtier import framing
 from kvtier.buffers import IOV_MAX, as_parts, unsent
 from kvtier.errors import RemoteUnavailable
 from kvtier.logs import get_logger
@@ -114,11 +115,7 @@ def send_all(sock: socket.socket, parts: list) -> None:
 
 
 def recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    while len(view):
-        n = sock.recv_into(view, 0, socket.MSG_WAITALL)
-        if n == 0:
-            raise ConnectionError("server closed the connection")
-        view = view[n:]
+    framing.recv_into(sock, view, "server")
 
 
 _SCRATCH = memoryview(bytearray(1 << 20))

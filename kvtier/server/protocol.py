@@ -49,10 +49,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-MAGIC = b"KVTS"
+from kvtier.framing import Framing, ProtocolError
+
 VERSION = 1
-HEADER = struct.Struct("<4sBBHIIQ")
-HEADER_SIZE = HEADER.size  # 24
+# magic, version, then op, flags, request id, meta length, payload length
+FRAMING = Framing("kvtier server protocol", b"KVTS", VERSION, "BHIIQ")
+HEADER_SIZE = FRAMING.size  # 24
 MAX_META = 4 << 20  # 4 MiB of keys and sizes per frame: ~40k keys
 MAX_PAYLOAD = 1 << 40  # 1 TiB: larger than any pool; beyond it a length is garbage
 MAX_KEY = 1024
@@ -90,10 +92,6 @@ class Status(enum.IntEnum):
     OVER_LIMIT = 5  # past a bound of this connection (bytes held); the connection stays usable
 
 
-class ProtocolError(Exception):
-    """The peer sent bytes that are not this protocol; the connection is closed."""
-
-
 @dataclass(frozen=True, slots=True)
 class Header:
     op: int
@@ -108,17 +106,12 @@ class Header:
 
 
 def pack_header(op: int, req_id: int, meta_len: int, payload_len: int = 0, flags: int = 0) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, op, flags, req_id, meta_len, payload_len)
+    return FRAMING.pack(op, flags, req_id, meta_len, payload_len)
 
 
 def parse_header(buf: bytes | bytearray | memoryview, *, replies: bool = False) -> Header:
-    magic, version, op, flags, req_id, meta_len, payload_len = HEADER.unpack(buf)
-    if magic != MAGIC:
-        raise ProtocolError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r})")
-    if version != VERSION:
-        raise ProtocolError(
-            f"unsupported protocol version {version} (this server speaks {VERSION})"
-        )
+    """A frame's head; ProtocolError (the connection is closed) for anything else."""
+    op, flags, req_id, meta_len, payload_len = FRAMING.unpack(buf)
     base = op & ~REPLY
     if bool(op & REPLY) != replies or base not in Op._value2member_map_:
         raise ProtocolError(f"unknown op {op:#x}")

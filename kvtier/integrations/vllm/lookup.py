@@ -4,7 +4,8 @@ vLLM's scheduler and its workers live in different processes (the CPU
 platform always uses the multiprocess executor), while the tiers live in
 the worker. Each worker rank serves the scheduler on a ZMQ IPC socket:
 
-    request:  version u8 (5) | op u8 | request-id length u16 | request id (utf-8) | payload
+    request:  "KL" | version u8 (6) | op u8 | request-id length u16 | request id (utf-8)
+              | payload
         LOOKUP   payload: the tokens the engine has already (its own prefix cache), flags
                  (bit 0: a hit all in CPU RAM will load beside the engine's steps, not
                  inside one), both u32; the request's identity (its keys' root and
@@ -40,14 +41,16 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
+from kvtier.framing import Framing, ProtocolError
 from kvtier.keys import PLAIN, Identity, token_bytes
 from kvtier.logs import get_logger
 
 log = get_logger(__name__)
 
-VERSION = 5
+VERSION = 6
 BESIDE = 1  # LOOKUP flag: a CPU-RAM hit loads beside the steps
-HEAD = struct.Struct("<BBH")
+# magic, version, then op and the request id's length (kvtier.framing)
+HEAD = Framing("kvtier lookup protocol", b"KL", VERSION, "BH")
 REPLY = struct.Struct("<QQB")
 
 
@@ -91,18 +94,16 @@ def socket_path(engine_id: str, rank: int) -> str:
 
 def encode(op: Op, request_id: str = "", payload: bytes = b"") -> bytes:
     rid = request_id.encode()
-    return HEAD.pack(VERSION, op, len(rid)) + rid + payload
+    return HEAD.pack(op, len(rid)) + rid + payload
 
 
 def decode(message: bytes) -> tuple[Op, str, bytes]:
-    """(op, request id, payload); ValueError for anything malformed."""
-    if len(message) < HEAD.size:
-        raise ValueError(f"lookup message of {len(message)} bytes")
-    version, op, n = HEAD.unpack_from(message)
-    if version != VERSION:
-        raise ValueError(f"lookup protocol version {version}, expected {VERSION}")
+    """(op, request id, payload); a ProtocolError (a ValueError) for anything malformed."""
+    op, n = HEAD.unpack(message)
+    if op not in Op._value2member_map_:
+        raise ProtocolError(f"kvtier lookup protocol: unknown op {op}")
     if len(message) < HEAD.size + n or (len(message) - HEAD.size - n) % 4:
-        raise ValueError("lookup message length does not match its request id and tokens")
+        raise ProtocolError("lookup message length does not match its request id and tokens")
     return Op(op), message[HEAD.size : HEAD.size + n].decode(), message[HEAD.size + n :]
 
 
