@@ -68,22 +68,26 @@ def compare(out: Path) -> int:
     return 1 if bad else 0
 
 
-def plot(records: Path, setups: list[str], out: Path) -> None:
-    """Warm TTFT per length, one bar per setup, from `kvtier.bench.vllm`'s records in
-    `records` (NAME.json or NAME.json.gz a setup), as an SVG at `out`."""
+def load(records: Path, setups: list[str]) -> dict[str, dict]:
+    """The records of `setups` in `records` (NAME.json or NAME.json.gz a setup), in order."""
     import gzip
-
-    from kvtier.bench.plot import bars
 
     recs = {}
     for name in setups:
         path = records / f"{name}.json"
-        text = (
-            path.read_text()
-            if path.exists()
-            else gzip.decompress((records / f"{name}.json.gz").read_bytes()).decode()
-        )
+        if path.exists():
+            text = path.read_text()
+        else:
+            text = gzip.decompress((records / f"{name}.json.gz").read_bytes()).decode()
         recs[name] = json.loads(text)
+    return recs
+
+
+def plot(records: Path, setups: list[str], out: Path) -> None:
+    """Warm TTFT per length, one bar per setup, as an SVG at `out`."""
+    from kvtier.bench.plot import bars
+
+    recs = load(records, setups)
     first = recs[setups[0]]
     lengths = list(first["lengths"])
     series = {
@@ -99,20 +103,50 @@ def plot(records: Path, setups: list[str], out: Path) -> None:
     out.write_text(bars(groups, series, title, "ms"))
 
 
+def markdown(records: Path, setups: list[str]) -> str:
+    """A table a setup and length: cold, warm and GPU-hit TTFT (medians, ms), warm against
+    the first setup's, and whether the warm tokens are the GPU hit's."""
+    recs = load(records, setups)
+    base = recs[setups[0]]
+    rows = [
+        "| setup | tokens | cold ms | warm ms | GPU hit ms | warm vs "
+        f"{setups[0]} | warm tokens = GPU hit's |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, rec in recs.items():
+        for n, r in rec["lengths"].items():
+            t = r["tokens"]
+            faster = base["lengths"][n]["warm_median"] / r["warm_median"]
+            rows.append(
+                f"| {name} | {int(n):,} | {r['cold_median'] * 1e3:.1f} | "
+                f"{r['warm_median'] * 1e3:.1f} | {r['gpu_hit_median'] * 1e3:.1f} | "
+                f"{faster:.2f}x | {'yes' if t['warm'] == t['gpu_hit'] else 'no'} |"
+            )
+    machine = base["machine"]
+    runs = len(base["lengths"][next(iter(base["lengths"]))]["warm"])
+    rows.append("")
+    rows.append(f"{machine['gpu']}, {machine['date']}, medians of {runs} pairs.")
+    return "\n".join(rows) + "\n"
+
+
 def main() -> None:
     import argparse
 
-    p = argparse.ArgumentParser(description="kvtier.bench.vllm's records: table or plot")
+    p = argparse.ArgumentParser(description="kvtier.bench.vllm's records: checks, table, plot")
     p.add_argument("records", type=Path, help="a folder of records (one JSON a setup)")
     p.add_argument("--plot", type=Path, help="write the warm TTFT bars here (SVG)")
-    p.add_argument("--setups", default="", help="comma list, the plot's order (default: all)")
+    p.add_argument("--markdown", action="store_true", help="print a markdown table")
+    p.add_argument("--setups", default="", help="comma list, in this order (default: all)")
     args = p.parse_args()
-    if args.plot is None:
-        raise SystemExit(compare(args.records))
     names = [s for s in args.setups.split(",") if s] or sorted(
         p.name.split(".")[0] for p in args.records.glob("*.json*")
     )
-    plot(args.records, names, args.plot)
+    if args.markdown:
+        print(markdown(args.records, names), end="")
+    elif args.plot is not None:
+        plot(args.records, names, args.plot)
+    else:
+        raise SystemExit(compare(args.records))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,24 @@ def cli_help() -> str:
     return "\n".join(parts)
 
 
+def _report(run: str, setups: str) -> str:
+    """A table of `kvtier.bench.vllm`'s records of one run (kvtier.bench.vllm_report)."""
+    return _kvtier_module(
+        "kvtier.bench.vllm_report", f"results/{run}", "--setups", setups, "--markdown"
+    )
+
+
+def _kvtier_module(module: str, *args: str) -> str:
+    cmd = [sys.executable, "-m", module, *args]
+    root = DOCS.parent
+    return subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=root).stdout
+
+
 BLOCKS = {
+    "warm-ttft-h200-lossy": lambda: _report(
+        "gpu-h200-vllm-2026-11-29/lossy", "native,kvtier-int8,kvtier-fp8"
+    ),
+    "warm-ttft-h200-mla": lambda: _report("gpu-h200-vllm-2026-11-29/mla", "native,kvtier,plain"),
     "config-keys": lambda: (
         "| key | default | meaning |\n|---|---|---|\n" + _kvtier("config", "--keys")
     ),
@@ -47,7 +64,7 @@ BLOCKS = {
 
 
 def blocks_in(text: str) -> list[str]:
-    return re.findall(r"<!-- ([a-z-]+):begin -->", text)
+    return re.findall(r"<!-- ([a-z0-9-]+):begin -->", text)
 
 
 def refreshed(text: str) -> str:
