@@ -1,6 +1,6 @@
 """`python -m kvtier.bench.host_time`: the host time of kvtier's per-request calls on an
 inference engine's thread, at a chat turn's sizes: what a serving run's decode steps pay
-for them (docs/benchmarks.md, 2026-11-29: vLLM's inter-token latency 0.1-0.35 ms higher
+for them (results/DIARY.md, 2026-11-29: vLLM's inter-token latency 0.1-0.35 ms higher
 with kvtier than with vLLM's native offloading).
 
 Per request, as vLLM runs one (a conversation's turn: one request id, one block table drawn at

@@ -4,7 +4,7 @@ threads; GB/s and the ratio to raw, medians over repeats.
 
     .venv/bin/python scripts/server_ab/loops_ab.py 2 1,2,8 3     # MiB, connections, repeats
 
-Used for docs/benchmarks.md ("What changed the multi-connection figures").
+Used for results/DIARY.md ("What changed the multi-connection figures").
 """
 
 import contextlib
