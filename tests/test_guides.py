@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -56,10 +57,21 @@ def test_a_guide_runs_as_written(page, tmp_path):
     try:
         out, err = proc.communicate(timeout=800)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _stop_group(proc.pid)
     logs = "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in work.glob("*.log"))
     assert proc.returncode == 0, err[-3000:] + logs
     assert out == "".join(OUTPUT.findall(text)), logs
+
+
+def _stop_group(pgid: int, grace_s: float = 20.0) -> None:
+    """What the page started and did not stop: SIGTERM (vLLM shuts its engine down), then,
+    after `grace_s`, SIGKILL."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            os.killpg(pgid, 0)  # ProcessLookupError once every process of the group is gone
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
