@@ -102,6 +102,7 @@ class Cluster:
     decoder: Server
     url: str  # the proxy's
     proxy: subprocess.Popen
+    decoder_ports: tuple[int, int]  # its PD init and alloc ports (rank 0)
 
 
 @contextlib.contextmanager
@@ -216,7 +217,7 @@ def pd_cluster(
             proxy = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_for_port(port, 60, proxy)
-            yield Cluster(pre, dec, f"http://127.0.0.1:{port}", proxy)
+            yield Cluster(pre, dec, f"http://127.0.0.1:{port}", proxy, (init, alloc))
         finally:
             proxy.send_signal(signal.SIGINT)
             try:
