@@ -22,10 +22,16 @@ HELP_COLUMNS = "100"  # argparse wraps to $COLUMNS: the pages' width, whatever t
 HELP_OF = ("", "server", "proxy", "config", "demo", "bench")  # `kvtier vllm`: vLLM's own
 
 
-def _kvtier(*args: str) -> str:
+def _output(module: str, *args: str) -> str:
+    """What `python -m module args` prints, run from the repository's root, $COLUMNS wide."""
     env = dict(os.environ, COLUMNS=HELP_COLUMNS)
-    cmd = [sys.executable, "-m", "kvtier.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
+    cmd = [sys.executable, "-m", module, *args]
+    root = DOCS.parent
+    return subprocess.run(cmd, capture_output=True, text=True, check=True, env=env, cwd=root).stdout
+
+
+def _kvtier(*args: str) -> str:
+    return _output("kvtier.cli", *args)
 
 
 def cli_help() -> str:
@@ -39,15 +45,7 @@ def cli_help() -> str:
 
 def _report(run: str, setups: str) -> str:
     """A table of `kvtier.bench.vllm`'s records of one run (kvtier.bench.vllm_report)."""
-    return _kvtier_module(
-        "kvtier.bench.vllm_report", f"results/{run}", "--setups", setups, "--markdown"
-    )
-
-
-def _kvtier_module(module: str, *args: str) -> str:
-    cmd = [sys.executable, "-m", module, *args]
-    root = DOCS.parent
-    return subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=root).stdout
+    return _output("kvtier.bench.vllm_report", f"results/{run}", "--setups", setups, "--markdown")
 
 
 BLOCKS = {
