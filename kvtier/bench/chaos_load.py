@@ -232,7 +232,8 @@ class Run:
                         for k, v in parse_metrics(await resp.text()).items():
                             _add(values, k, v)
                 self.samples.append(Sample(t, values))
-            except Exception:  # noqa: BLE001 - a node being restarted answers nothing: no sample then
+            # a node being restarted answers nothing: no sample then
+            except Exception:  # noqa: BLE001
                 pass
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(done.wait(), 1.0)

@@ -104,7 +104,8 @@ class KvtierConfig:
         "longest a looked-up hit stays protected (pinned) waiting for its load, s", default=300
     )
     remote_url: str | None = _doc(
-        "remote store: kvtier:// infinistore:// redis:// rediss:// redis-cluster:// fs:// mooncakestore://",
+        "remote store: kvtier:// infinistore:// redis:// rediss:// redis-cluster:// fs:// "
+        "mooncakestore://",
         default=None,
     )
     remote_auth_token: str | None = _doc(

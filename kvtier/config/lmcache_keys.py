@@ -256,7 +256,9 @@ ENV_VARS: dict[str, str] = {
     "LMCACHE_COORDINATOR_HEARTBEAT_INTERVAL": _MP,
     "LMCACHE_COORDINATOR_EVENT_FLUSH_INTERVAL": _MP,
     "LMCACHE_COORDINATOR_EVENT_REPORTING": _MP,
-    "LMCACHE_RESP_HOST": "LMCache's RESP (Redis protocol) backend settings; kvtier's is remote_url redis://",
+    "LMCACHE_RESP_HOST": (
+        "LMCache's RESP (Redis protocol) backend settings; kvtier's is remote_url redis://"
+    ),
     "LMCACHE_RESP_PORT": "LMCache's RESP backend settings; kvtier's is remote_url redis://",
     "LMCACHE_RESP_USERNAME": "LMCache's RESP backend settings; kvtier's is remote_url redis://",
     "LMCACHE_RESP_PASSWORD": "LMCache's RESP backend settings; kvtier's is remote_url redis://",

@@ -86,7 +86,8 @@ class BesideLoads:
         beside, after = self._begin(spec)
         try:
             queued = self._run(beside, queue, after)
-        except Exception as exc:  # noqa: BLE001 - reported as a failed load (finished): vLLM recomputes
+        # reported as a failed load (finished): vLLM recomputes
+        except Exception as exc:  # noqa: BLE001
             beside.future = Future()
             beside.future.set_exception(exc)
             return
@@ -121,7 +122,8 @@ class BesideLoads:
             if future.done():
                 try:
                     loaded = future.result()
-                except Exception:  # noqa: BLE001 - any failure of a background load: report it, vLLM recomputes
+                # any failure of a background load: report it, vLLM recomputes
+                except Exception:  # noqa: BLE001
                     log.exception("request %s: background load failed", rid)
                     loaded = 0
             elif queued is not None:  # its copies may still run: the next steps wait for them
