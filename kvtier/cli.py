@@ -3,170 +3,39 @@
 from __future__ import annotations
 
 import argparse
-import shlex
+import importlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 from kvtier.errors import KvtierError
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from kvtier.dev.demo import run_demo
+class ToolsMissing(KvtierError):
+    """A command that runs from kvtier_tools (the demo, the benchmarks), where it is not."""
 
+    def __init__(self, command: str):
+        super().__init__(
+            f"{command} runs from kvtier_tools, which is not installed here: it ships in kvtier's "
+            "repository beside kvtier/ (pip install -e . from a checkout)"
+        )
+
+
+def _tools(module: str, command: str) -> ModuleType:
+    """kvtier_tools' `module`, loaded when a command needs it; a named error where it is not."""
+    try:
+        return importlib.import_module(f"kvtier_tools.{module}")
+    except ModuleNotFoundError as e:
+        if e.name not in ("kvtier_tools", f"kvtier_tools.{module}"):
+            raise
+        raise ToolsMissing(command) from e
+
+
+def _demo(args: argparse.Namespace) -> int:
+    run_demo = _tools("dev.demo", "kvtier demo").run_demo
     result = run_demo(Path(args.workdir), prompt_tokens=args.prompt_tokens, dtype=args.dtype)
     return 0 if result.hit_lines else 1
-
-
-def _bench_offload(args: argparse.Namespace) -> int:
-    from kvtier.bench.offload import OffloadShape, run_offload, write_result
-
-    shape = OffloadShape(
-        tokens=args.tokens,
-        layers=args.layers,
-        kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        layout=args.layout,
-        chunk_size=args.chunk_size,
-    )
-    transfers = ["torch", "triton", "triton-direct"] if args.transfer == "all" else [args.transfer]
-    for transfer in transfers:
-        result = run_offload(shape, args.device, transfer, args.repeats)
-        s = result.summary()
-        print(
-            f"{result.machine} | {result.transfer} | {shape.tokens} tokens, "
-            f"{result.kv_bytes / 1e9:.2f} GB | "
-            f"store {s['store_GBps']} GB/s ({s['store_ratio']:.2f} of copy {s['copy_d2h_GBps']}) | "
-            f"retrieve {s['retrieve_GBps']} GB/s "
-            f"({s['retrieve_ratio']:.2f} of copy {s['copy_h2d_GBps']})"
-        )
-        if args.output:
-            write_result(result, Path(args.output), "kvtier " + shlex.join(sys.argv[1:]))
-    return 0
-
-
-def _bench_disk(args: argparse.Namespace) -> int:
-    from kvtier.bench.disk import run_disk
-    from kvtier.bench.offload import OffloadShape, write_result
-
-    shape = OffloadShape(
-        tokens=args.tokens,
-        layers=args.layers,
-        kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        chunk_size=args.chunk_size,
-    )
-    result = run_disk(shape, Path(args.dir), args.repeats)
-    s = result.summary()
-    print(
-        f"{result.machine} | {shape.tokens} tokens, {result.kv_bytes / 1e9:.2f} GB in {args.dir} | "
-        f"tier write {s['tier_write_GBps']} GB/s "
-        f"({s['write_ratio_paired']:.2f} of file {s['file_write_GBps']}) | "
-        f"read {s['tier_read_GBps']} GB/s "
-        f"({s['read_ratio_paired']:.2f} of file {s['file_read_GBps']}) | "
-        f"step waits {s['step_wait_sync_ms']} ms sync vs {s['step_wait_async_ms']} ms async "
-        f"(request loaded in {s['request_load_async_ms']} ms)"
-    )
-    if args.output:
-        write_result(result, Path(args.output), "kvtier " + shlex.join(sys.argv[1:]))
-    return 0
-
-
-def _bench_ttft(args: argparse.Namespace) -> int:
-    from kvtier.bench.offload import need_gpu
-    from kvtier.bench.ttft import run_ttft
-
-    need_gpu("bench ttft times a model's prefill on a GPU")
-    run_ttft(
-        args.lengths,
-        args.repeats,
-        Path(args.output),
-        layers=args.layers,
-        transfer=args.transfer,
-        server=args.server,
-        disk_dir=Path(args.disk) if args.disk else None,
-        server_tcp=args.server_tcp,
-        codecs=tuple(args.codecs),
-    )
-    return 0
-
-
-def _chat_args(p: argparse.ArgumentParser) -> None:
-    from kvtier.bench.chat import add_args
-
-    add_args(p)
-
-
-def _chaos_args(p: argparse.ArgumentParser) -> None:
-    from kvtier.bench.chaos import add_args
-
-    add_args(p)
-
-
-def _bench_chaos(args: argparse.Namespace) -> int:
-    from kvtier.bench.chaos import main
-
-    return main(args)
-
-
-def _bench_chat(args: argparse.Namespace) -> int:
-    from kvtier.bench.chat import main
-
-    return main(args)
-
-
-def _h2d_args(p: argparse.ArgumentParser) -> None:
-    from kvtier.bench.h2d import add_args
-
-    add_args(p)
-
-
-def _bench_h2d(args: argparse.Namespace) -> int:
-    from kvtier.bench.h2d import run
-
-    return run(args)
-
-
-def _bench_pd(args: argparse.Namespace) -> int:
-    import json
-
-    from kvtier.bench.offload import OffloadShape, bench_device
-    from kvtier.bench.pd import run_pd
-
-    shape = OffloadShape(
-        tokens=max(args.tokens), layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim
-    )
-    sender = str(bench_device(args.sender_device, "--sender-device"))
-    receiver = str(bench_device(args.receiver_device, "--receiver-device"))
-    result = run_pd(
-        shape, args.tokens, args.channels, sender, receiver, args.repeats, tuple(args.pieces)
-    )
-    if args.output:
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(
-            json.dumps({"command": "kvtier " + shlex.join(sys.argv[1:]), **result}, indent=1) + "\n"
-        )
-    return 0
-
-
-def _bench_server(args: argparse.Namespace) -> int:
-    from kvtier.bench.server import TARGETS, ServerBenchConfig, run_server_bench, write_result
-
-    cfg = ServerBenchConfig(
-        sizes_mib=tuple(args.sizes),
-        conns=tuple(args.conns),
-        duration=args.duration,
-        repeats=args.repeats,
-        targets=tuple(args.targets or TARGETS),
-        extras=not args.throughput_only,
-    )
-    result = run_server_bench(cfg)
-    if args.output:
-        write_result(result, Path(args.output), "kvtier " + shlex.join(sys.argv[1:]))
-    return 0
 
 
 def _server(args: argparse.Namespace) -> int:
@@ -223,15 +92,6 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shape_args(p: argparse.ArgumentParser, chunk: bool = True) -> None:
-    """The model shape a synthetic benchmark moves (Llama-3.1-8B's by default)."""
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    if chunk:
-        p.add_argument("--chunk-size", type=int, default=256)
-
-
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=".kvtier/demo")
     p.add_argument("--prompt-tokens", type=int, default=8000)
@@ -241,96 +101,6 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "bfloat16", "float32"],
         help="model dtype; auto: bfloat16 if a probe shows this CPU runs it, else float32",
     )
-
-
-def _offload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=16384)
-    _shape_args(p)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument(
-        "--layout", default="flash_attn", choices=["flash_attn", "flashinfer", "mla", "vllm"]
-    )
-    p.add_argument("--device", default="auto")
-    p.add_argument(
-        "--transfer", default="auto", choices=["auto", "torch", "triton", "triton-direct", "all"]
-    )
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--output", help="append results to this JSON file")
-
-
-def _disk_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=16384)
-    _shape_args(p)
-    p.add_argument("--dir", default=".kvtier/bench-disk", help="a directory on the disk to measure")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--output", help="append results to this JSON file")
-
-
-def _ttft_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--layers", type=int, help="fewer layers than 32, for a quick look")
-    p.add_argument("--output", default="results/ttft", help="folder for ttft.json and ttft.png")
-    p.add_argument(
-        "--transfer", default="auto", choices=["auto", "triton", "triton-direct", "torch"]
-    )
-    p.add_argument(
-        "--server", action="store_true", help="also warm from a kvtier server on this host"
-    )
-    p.add_argument(
-        "--server-tcp",
-        action="store_true",
-        help="with --server: also over TCP (?shm=0), against raw loopback TCP",
-    )
-    p.add_argument(
-        "--codecs",
-        nargs="*",
-        default=[],
-        choices=["int8", "fp8"],
-        help="with --server-tcp: also over TCP with these lossy KV codecs (remote_serde)",
-    )
-    p.add_argument("--disk", help="also warm from the disk tier in this directory")
-
-
-def _pd_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
-    p.add_argument(
-        "--channels", nargs="+", default=["cuda_ipc"], choices=["tcp", "nixl", "cuda_ipc"]
-    )
-    p.add_argument(
-        "--sender-device", default="auto", help="auto: cuda:0 where there is a GPU, else cpu"
-    )
-    p.add_argument(
-        "--receiver-device", default="auto", help="auto: as the sender's; cuda:1 for two GPUs"
-    )
-    _shape_args(p, chunk=False)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument(
-        "--pieces",
-        nargs="+",
-        default=["default"],
-        help="cuda_ipc, each in turn, paired: default, F,M, step, sync-commit, gather-after-alloc, "
-        "group=MiB, first=MiB, forward=MS (behind a forward, as in vLLM); see bench.pd.run_pd",
-    )
-    p.add_argument("--output", help="write the results to this JSON file")
-
-
-def _server_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8], help="value sizes, MiB")
-    p.add_argument("--conns", type=int, nargs="+", default=[1, 2, 8], help="client connections")
-    p.add_argument("--duration", type=float, default=1.0, help="seconds per measurement")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument(
-        "--targets",
-        nargs="+",
-        help="what to measure: raw raw-ring kvtier kvtier-shm kvtier-auth kvtier-tls "
-        "redis redis-unix mooncake mooncake-py",
-    )
-    p.add_argument(
-        "--throughput-only", action="store_true", help="skip latency, shared memory and serdes"
-    )
-    p.add_argument("--output", help="write the results to this JSON file")
 
 
 def _server_args(p: argparse.ArgumentParser) -> None:
@@ -389,49 +159,10 @@ COMMANDS: list[Command] = [
         _vllm,
     ),
 ]
-BENCHMARKS: list[Command] = [
-    ("offload", "store/retrieve GB/s vs plain copy bandwidth", _offload_args, _bench_offload),
-    (
-        "disk",
-        "disk tier vs sequential file I/O; engine step wait on a disk hit",
-        _disk_args,
-        _bench_disk,
-    ),
-    ("ttft", "cold vs warm TTFT of a Llama-3.1-8B-shaped model (GPU)", _ttft_args, _bench_ttft),
-    (
-        "pd",
-        "disaggregated prefill: sender process -> receiver's buffer -> its pages, "
-        "vs a plain device copy",
-        _pd_args,
-        _bench_pd,
-    ),
-    (
-        "server",
-        "store server vs raw loopback TCP, redis-server and Mooncake Store",
-        _server_bench_args,
-        _bench_server,
-    ),
-    (
-        "h2d",
-        "a load's host-to-GPU copies by the copy engine or by a kernel, "
-        "and what waits behind each (GPU)",
-        _h2d_args,
-        _bench_h2d,
-    ),
-    (
-        "chat",
-        "multi-turn conversations at a steady rate against a vLLM server: "
-        "TTFT, throughput, hit rate",
-        _chat_args,
-        _bench_chat,
-    ),
-    (
-        "chaos",
-        "faults under load (store server, disk, PD) with real vLLM: no request lost, outputs equal",
-        _chaos_args,
-        _bench_chaos,
-    ),
-]
+
+
+def _benchmarks() -> list[Command]:
+    return _tools("bench.cli", "kvtier bench").BENCHMARKS
 
 
 def _version() -> str:
@@ -459,7 +190,8 @@ def parser(argv: list[str]) -> argparse.ArgumentParser:
     top.add_argument("--version", action="version", version=f"kvtier {_version()}")
     sub = top.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    for level, group, commands in (("", sub, COMMANDS), ("bench", bench, BENCHMARKS)):
+    benchmarks = _benchmarks() if chosen[""] == "bench" else []
+    for level, group, commands in (("", sub, COMMANDS), ("bench", bench, benchmarks)):
         for name, help_, add_args, run in commands:
             p = group.add_parser(name, help=help_)
             if name == chosen[level]:
@@ -472,11 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["vllm"]:  # everything after it is vLLM's, options included
         return _vllm(argparse.Namespace(args=argv[1:]))
-    args = parser(argv).parse_args(argv)
     try:
+        args = parser(argv).parse_args(argv)
         return args.fn(args)
     except KvtierError as e:  # a configuration or usage error: one line that names it, no traceback
-        if args.debug:
+        if "--debug" in argv:
             raise
         print(e if str(e).startswith("kvtier") else f"kvtier: {e}", file=sys.stderr)
         return 2

@@ -12,12 +12,12 @@
 # pd (kvtier bench pd GPU0 -> GPU1 against a plain copy, and each part of a cuda_ipc
 # write timed alone: scripts/pd_gpu_bench.sh; PIECES="default forward=20" also times the send behind a
 # forward, as vLLM makes it), pdprof (the sender's host time per function:
-# scripts/pd_send_profile.py, and an Alloc's round trip in parts: scripts/pd_rtt_profile.py), pdvllm (1P1D inside real vLLM, prefiller on
-# GPU 0, decoder on GPU 1: kvtier.bench.pd_vllm), lmpd (the same with LMCache 0.5.6's PD over NIXL in
-# both servers: kvtier.bench.pd_vllm --engine lmcache), tp (tests/test_vllm_tp.py with one rank
+# kvtier_tools.bench.profiles.pd_send, and an Alloc's round trip in parts: kvtier_tools.bench.profiles.pd_rtt), pdvllm (1P1D inside real vLLM, prefiller on
+# GPU 0, decoder on GPU 1: kvtier_tools.bench.pd_vllm), lmpd (the same with LMCache 0.5.6's PD over NIXL in
+# both servers: kvtier_tools.bench.pd_vllm --engine lmcache), tp (tests/test_vllm_tp.py with one rank
 # per GPU: every rank its shard, hits only where both ranks hold them, TP=2 <-> TP=1 reuse,
 # PD with TP=2 on both sides, the store server's path at TP=2), tpttft (warm TTFT at 16k
-# tokens, kvtier inside vLLM at TP=1 and at TP=2: kvtier.bench.vllm --tp). Results come back as one archive in $OUT.
+# tokens, kvtier inside vLLM at TP=1 and at TP=2: kvtier_tools.bench.vllm --tp). Results come back as one archive in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-results/gpu2}
@@ -48,12 +48,12 @@ SKIP_TESTS=1 SKIP_1GPU=1 CHANNELS_2GPU="${CHANNELS:-cuda_ipc}" OUT="$work/pd" ti
     | tail -12 ;;
 esac
 case " $steps " in *" pdprof "*)  # the sender's host time per function (cProfile), 16k tokens
-timeout 200 python3 scripts/pd_send_profile.py > "$work/pd-send-profile.txt" 2>&1
+timeout 200 python3 -m kvtier_tools.bench.profiles.pd_send > "$work/pd-send-profile.txt" 2>&1
 echo "pdprof exit $?"; grep -E "^send |^-- by" "$work/pd-send-profile.txt" | head -14
-timeout 100 python3 scripts/pd_rtt_profile.py > "$work/pd-rtt.txt" 2>&1; grep -v INFO "$work/pd-rtt.txt" ;;
+timeout 100 python3 -m kvtier_tools.bench.profiles.pd_rtt > "$work/pd-rtt.txt" 2>&1; grep -v INFO "$work/pd-rtt.txt" ;;
 esac
 case " $steps " in *" pdvllm "*)
-timeout ${PDVLLM_TIMEOUT:-330} python3 -m kvtier.bench.pd_vllm --lengths ${LENGTHS:-4096 16384 32768} \
+timeout ${PDVLLM_TIMEOUT:-330} python3 -m kvtier_tools.bench.pd_vllm --lengths ${LENGTHS:-4096 16384 32768} \
     --pairs ${PAIRS:-5} --out "$work/pd-vllm" > "$work/pd-vllm.log" 2>&1
 echo "pd_vllm exit $?"; pkill -f "$servers"
 grep -E "tokens:|Traceback|Error" "$work/pd-vllm.log" | tail -12
@@ -65,7 +65,7 @@ if [ -d .wheels-pd ] && [ ! -d /tmp/nixl-site/nixl ]; then
 fi
 PYTHONPATH=$PYTHONPATH:/tmp/nixl-site python3 -c "import nixl._api, lmcache; print('nixl and lmcache import')" \
     2>&1 | tail -1 | tee -a "$work/machine.txt"
-PYTHONPATH=$PYTHONPATH:/tmp/nixl-site timeout ${PDVLLM_TIMEOUT:-330} python3 -m kvtier.bench.pd_vllm --engine lmcache \
+PYTHONPATH=$PYTHONPATH:/tmp/nixl-site timeout ${PDVLLM_TIMEOUT:-330} python3 -m kvtier_tools.bench.pd_vllm --engine lmcache \
     --lengths ${LENGTHS:-4096 16384 32768} --pairs ${PAIRS:-5} --out "$work/pd-vllm-lmcache" > "$work/pd-vllm-lmcache.log" 2>&1
 echo "pd_vllm lmcache exit $?"; pkill -f "$servers"
 grep -E "tokens:|Traceback|Error" "$work/pd-vllm-lmcache.log" | tail -12
@@ -73,7 +73,7 @@ cp "$work"/pd-vllm-lmcache/cluster/*/vllm-*.log "$work/pd-vllm-lmcache/" 2>/dev/
 esac
 case " $steps " in *" tpttft "*)
 for tp in 1 2; do  # warm TTFT at 16k, kvtier's CPU tier: one GPU, then one rank on each
-    timeout ${TPTTFT_TIMEOUT:-280} python3 -m kvtier.bench.vllm --setups kvtier --lengths ${TTFT_LENGTHS:-16384} \
+    timeout ${TPTTFT_TIMEOUT:-280} python3 -m kvtier_tools.bench.vllm --setups kvtier --lengths ${TTFT_LENGTHS:-16384} \
         --pairs ${PAIRS:-7} --tp $tp --cpu-gb 40 --setup-timeout 270 --out "$work/ttft-tp$tp" \
         > "$work/ttft-tp$tp.log" 2>&1
     echo "ttft tp=$tp exit $?"; pkill -f "$servers"; grep -E "^\[kvtier\] [0-9]+: |tokens (OK|DIFFER)" "$work/ttft-tp$tp.log"

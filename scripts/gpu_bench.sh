@@ -38,7 +38,7 @@ python3 -m kvtier.cli bench ttft --lengths ${LENGTHS:-4096 16384 32768} --repeat
     | tee "$out/ttft.txt" ;;
 esac
 case " $steps " in *" codec "*)
-python3 scripts/gpu_kv_codec.py "$out/kv-codec.json" --lengths 4096 16384 2>&1 | tee "$out/kv-codec.txt" ;;
+python3 -m kvtier_tools.bench.profiles.kv_codec "$out/kv-codec.json" --lengths 4096 16384 2>&1 | tee "$out/kv-codec.txt" ;;
 esac
 case " $steps " in *" disk "*)
 python3 -m kvtier.cli bench disk --tokens 16384 --repeats 5 --dir /tmp/kvtier-bench-disk \

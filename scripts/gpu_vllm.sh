@@ -9,19 +9,19 @@
 # cold/warm TTFT at 16k of an 8B-sized Gemma-3-style model, or HMA_FAMILY=gptoss_dense), mamba (the same for a Mamba hybrid,
 # Nemotron-H-style, and a mutant of the state load the test must catch), guides (the guides' server workflows through real vLLM on the GPU:
 # the InfiniStore guide's `vllm bench serve` twice, two instances sharing a store, 1P1D over
-# cuda_ipc through `kvtier proxy`), bench (query twice per setup: kvtier.bench.vllm), serving (the
-# multi-turn chat workload against vLLM's OpenAI server per offloader: kvtier.bench.serving; about
+# cuda_ipc through `kvtier proxy`), bench (query twice per setup: kvtier_tools.bench.vllm), serving (the
+# multi-turn chat workload against vLLM's OpenAI server per offloader: kvtier_tools.bench.serving; about
 # 2 minutes a setup, so at most 4 setups a call: SETUPS="plain kvtier" then "kvtier-kernel lmcache native";
 # with the 8B shape ~135 s a setup and ~90 s to make the model once a machine; SERVING_ARGS="--rounds 2"
 # runs the setups twice over in turn, paired by round; "--rounds 8 --resident" starts each setup's server
 # once, all up together, and sends each round new conversations: ~10 s a run after the starts, so many
 # paired rounds a call; GPU_UTIL then small enough that each start finds its share free, e.g. 0.3 for
 # three setups at 8B on an H200; "--alone" the same rounds, one setup's server at a time), hosttime (the
-# host time of kvtier's per-request calls, a store, a lookup, a load, at the 8B shape: kvtier.bench.host_time),
-# benchserve (`vllm bench serve` twice per offloader, prefix-sharing prompts: kvtier.bench.serving
+# host time of kvtier's per-request calls, a store, a lookup, a load, at the 8B shape: kvtier_tools.bench.host_time),
+# benchserve (`vllm bench serve` twice per offloader, prefix-sharing prompts: kvtier_tools.bench.serving
 # --bench-serve), sharedstore (two vLLM instances one after
 # the other sharing KV through each project's own store server on this host: `kvtier server` and LMCache's
-# lm:// server, kvtier.bench.stores_vllm; STORES= which), mla (an MLA model, DeepSeek-V2-Lite's attention, query
+# lm:// server, kvtier_tools.bench.stores_vllm; STORES= which), mla (an MLA model, DeepSeek-V2-Lite's attention, query
 # twice at 16k: plain, native, kvtier).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -73,7 +73,7 @@ case " $steps " in *" hma "*)
 # vLLM's tokens; then an 8B-sized Gemma-3-style model (Llama-3.1-8B's KV a token) cold and warm.
 timeout ${HMA_TIMEOUT:-450} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_vllm_hma.py \
     > "$work/hma-test.txt" 2>&1; echo "hma test exit $?"; tail -4 "$work/hma-test.txt"
-timeout ${HMA_BENCH_TIMEOUT:-300} python3 -m kvtier.bench.vllm --family ${HMA_FAMILY:-gemma3} --setups ${SETUPS:-plain kvtier} \
+timeout ${HMA_BENCH_TIMEOUT:-300} python3 -m kvtier_tools.bench.vllm --family ${HMA_FAMILY:-gemma3} --setups ${SETUPS:-plain kvtier} \
     --lengths ${LENGTHS:-16384} --pairs ${PAIRS:-5} --out "$work/hma-bench" --setup-timeout 280 > "$work/hma-bench.log" 2>&1
 echo "hma bench exit $?"; grep -E "^\[|tokens|hybrid KV cache|Traceback|Error" "$work/hma-bench.log" | tail -20 ;;
 esac
@@ -89,7 +89,7 @@ sed -i 's/        _copy(self._runs, src, dst, into_pieces=False)/        [d.zero
 (cd /tmp/mutant && PYTHONPATH=/tmp/mutant:/tmp/site:/tmp/kvtier-dist timeout ${MAMBA_TIMEOUT:-240} python3 -m pytest -q \
     --tb=line -p no:cacheprovider tests/test_vllm_mamba.py > "$work/mamba-mutant.txt" 2>&1
  echo "mamba mutant exit $? (1: the test caught it)"); tail -3 "$work/mamba-mutant.txt"
-[ "${MAMBA_BENCH:-1}" = 1 ] && timeout ${MAMBA_BENCH_TIMEOUT:-300} python3 -m kvtier.bench.vllm --family nemotron_h --setups ${SETUPS:-plain kvtier} \
+[ "${MAMBA_BENCH:-1}" = 1 ] && timeout ${MAMBA_BENCH_TIMEOUT:-300} python3 -m kvtier_tools.bench.vllm --family nemotron_h --setups ${SETUPS:-plain kvtier} \
     --lengths ${LENGTHS:-16384} --pairs ${PAIRS:-5} --out "$work/mamba-bench" --setup-timeout 280 > "$work/mamba-bench.log" 2>&1
 echo "mamba bench exit $?"; grep -E "^\[|tokens|hybrid KV cache|chunk_size|Traceback|Error" "$work/mamba-bench.log" | tail -20 ;;
 esac
@@ -103,15 +103,15 @@ grep -E "passed|failed|error|bench serve twice|Median TTFT" "$work/guides.txt" |
 esac
 case " $steps " in *" hosttime "*)
 # The host time of kvtier's per-request calls (a store, a lookup, a load beside) at the chat's
-# sizes and the 8B shape, with their profiles: kvtier.bench.host_time (~1 min). With HOSTTIME_BASE=DIR
+# sizes and the 8B shape, with their profiles: kvtier_tools.bench.host_time (~1 min). With HOSTTIME_BASE=DIR
 # (a git-ignored tree of an earlier commit's kvtier/, carried, e.g. .hosttime-base: `mkdir -p DIR &&
 # git archive REV kvtier | tar -x -C DIR`), the same bench against it first: before and after in one call.
 if [ -n "${HOSTTIME_BASE:-}" ]; then
-    PYTHONPATH=$HOSTTIME_BASE:/tmp/site timeout ${HOSTTIME_TIMEOUT:-240} python3 kvtier/bench/host_time.py \
+    PYTHONPATH=$HOSTTIME_BASE:/tmp/site timeout ${HOSTTIME_TIMEOUT:-240} python3 kvtier_tools/bench/host_time.py \
         --out "$work/host_time-base.json" ${HOSTTIME_ARGS:-} > "$work/host_time-base.txt" 2>&1
     echo "hosttime base exit $?"; grep -E "^(kvtier from|store|lookup|load)" "$work/host_time-base.txt"
 fi
-timeout ${HOSTTIME_TIMEOUT:-240} python3 -m kvtier.bench.host_time --out "$work/host_time.json" ${HOSTTIME_ARGS:-} \
+timeout ${HOSTTIME_TIMEOUT:-240} python3 -m kvtier_tools.bench.host_time --out "$work/host_time.json" ${HOSTTIME_ARGS:-} \
     > "$work/host_time.txt" 2>&1; echo "hosttime exit $?"; grep -v " INFO " "$work/host_time.txt" | head -60 ;;
 esac
 # The serving steps' model (TinyLlama fields; SERVING_ARGS="--model {...}" replaces it): 16 Llama layers.
@@ -121,33 +121,33 @@ case " $steps " in *" serving "*)
 # A 16-layer Llama shape (64 KB of KV a token), seeded weights; vLLM's own KV cache a quarter of
 # the live conversations at their last turn (GPU_KV_SHARE; --kv-cache-memory-bytes, so the same on
 # an H100 and an H200; --gpu-util only bounds the rest), every offloader the same CPU memory.
-timeout ${SERVING_TIMEOUT:-540} python3 -m kvtier.bench.serving --setups ${SETUPS:-plain kvtier} --out "$work/serving" \
+timeout ${SERVING_TIMEOUT:-540} python3 -m kvtier_tools.bench.serving --setups ${SETUPS:-plain kvtier} --out "$work/serving" \
     --gpu-util ${GPU_UTIL:-0.5} --gpu-kv-share ${GPU_KV_SHARE:-0.25} --cpu-gb 20 --model "$serving_model" \
     --workload "${WORKLOAD:-$chat_workload}" ${SERVING_ARGS:-} > "$work/serving.log" 2>&1
 echo "serving exit $?"; pkill -f "$servers"; grep -E "^\||^\[|Traceback|Error" "$work/serving.log" | tail -20
 # With SERVING_ARGS=--profile (py-spy on PATH, e.g. its wheel carried in .tools/): where each
 # server's threads spent the workload.
-ls "$work"/serving/*-pyspy.txt >/dev/null 2>&1 && python3 -m kvtier.bench.stacks "$work"/serving/*-pyspy.txt \
+ls "$work"/serving/*-pyspy.txt >/dev/null 2>&1 && python3 -m kvtier_tools.bench.stacks "$work"/serving/*-pyspy.txt \
     --min-samples 200 > "$work/stacks.txt" 2>&1 && head -60 "$work/stacks.txt" ;;
 esac
 case " $steps " in *" benchserve "*)
 # `vllm bench serve` twice per offloader with vLLM's prefix-sharing dataset (the InfiniStore
 # guide's flow): the serving step's model and memory, BENCH_SERVE the workload (JSON).
-timeout ${BENCHSERVE_TIMEOUT:-540} python3 -m kvtier.bench.serving --setups ${SETUPS:-plain kvtier lmcache native} \
+timeout ${BENCHSERVE_TIMEOUT:-540} python3 -m kvtier_tools.bench.serving --setups ${SETUPS:-plain kvtier lmcache native} \
     --out "$work/bench-serve" --gpu-util ${GPU_UTIL:-0.12} --cpu-gb 20 --max-model-len 16384 --model "$serving_model" \
     --bench-serve "${BENCH_SERVE:-$bench_serve}" ${SERVING_ARGS:-} \
     > "$work/bench-serve.log" 2>&1
 echo "bench serve exit $?"; pkill -f "$servers"; grep -E "^\||Traceback|Error" "$work/bench-serve.log" | tail -12
 # With SERVING_ARGS=--profile: where each server's threads spent each run.
 for f in "$work"/bench-serve/*-pyspy.txt; do
-    [ -f "$f" ] && python3 -m kvtier.bench.stacks "$f" --min-samples 100 > "${f%.txt}-stacks.txt" 2>&1 \
+    [ -f "$f" ] && python3 -m kvtier_tools.bench.stacks "$f" --min-samples 100 > "${f%.txt}-stacks.txt" 2>&1 \
         && head -40 "${f%.txt}-stacks.txt"
 done ;;
 esac
 case " $steps " in *" sharedstore "*)
 # The remote path: instance A serves the prompts cold (its KV into the store), instance B, a new
 # process, serves them again (hits from the store); vLLM's prefix cache and the connector's CPU tier off.
-timeout ${SHAREDSTORE_TIMEOUT:-540} python3 -m kvtier.bench.stores_vllm --stores ${STORES:-kvtier lmcache} \
+timeout ${SHAREDSTORE_TIMEOUT:-540} python3 -m kvtier_tools.bench.stores_vllm --stores ${STORES:-kvtier lmcache} \
     --model "$serving_model" --gpu-util ${GPU_UTIL:-0.2} --no-eager --cpu-gb 8 --store-gb 24 --max-model-len 16384 \
     --workload "${SHARED_WORKLOAD:-$shared_workload}" \
     --output "$work/shared-store.json" > "$work/shared-store.log" 2>&1
@@ -157,13 +157,13 @@ esac
 case " $steps " in *" mla "*)
 # An MLA model (DeepSeek-V2-Lite's attention, dense MLPs): query twice at 16k beside plain vLLM and
 # its native offloading; the token checks compare warm with vLLM's own GPU hit.
-timeout ${MLA_TIMEOUT:-540} python3 -m kvtier.bench.vllm --family deepseek_v2 --setups ${SETUPS:-plain native kvtier} \
+timeout ${MLA_TIMEOUT:-540} python3 -m kvtier_tools.bench.vllm --family deepseek_v2 --setups ${SETUPS:-plain native kvtier} \
     --lengths ${LENGTHS:-16384} --pairs ${PAIRS:-5} --out "$work/mla" --setup-timeout ${SETUP_TIMEOUT:-170} \
     ${BENCH_ARGS:-} > "$work/mla.log" 2>&1
 echo "mla bench exit $?"; grep -E "^\[|tokens|MLA|backend|Traceback|Error" "$work/mla.log" | tail -30 ;;
 esac
 case " $steps " in *" bench "*)
-timeout ${BENCH_TIMEOUT:-480} python3 -m kvtier.bench.vllm --setups ${SETUPS:-plain kvtier kvtier-layerwise} --lengths ${LENGTHS:-4096 16384 32768} \
+timeout ${BENCH_TIMEOUT:-480} python3 -m kvtier_tools.bench.vllm --setups ${SETUPS:-plain kvtier kvtier-layerwise} --lengths ${LENGTHS:-4096 16384 32768} \
     --pairs ${PAIRS:-7} --out "$work" ${BENCH_ARGS:-} > "$work/bench.log" 2>&1
 echo "bench exit $?"; grep -E "^\[|tokens|Traceback|Error" "$work/bench.log" | tail -40 ;;
 esac

@@ -35,4 +35,4 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
 fi
 # Where a cuda_ipc send's time goes: the gather kernel into local and peer memory, kvtier's
 # ring (kernel, then the copy engine), and the plain copy, each alone.
-python3 scripts/pd_write_profile.py 2>&1 | tee "$out/pd-profile.txt"
+python3 -m kvtier_tools.bench.profiles.pd_write 2>&1 | tee "$out/pd-profile.txt"

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.dev.localservers import kvtier_server, mooncake_store, redis_cluster, redis_server
-from kvtier.dev.tinymodel import (
+from kvtier_tools.dev.localservers import kvtier_server, mooncake_store, redis_cluster, redis_server
+from kvtier_tools.dev.tinymodel import (
     corpus_text,
     make_tiny_gemma3,
     make_tiny_llama,

@@ -1,10 +1,10 @@
-"""The token checks of the GPU harness (kvtier.bench.vllm), on the tokens of a real run
+"""The token checks of the GPU harness (kvtier_tools.bench.vllm), on the tokens of a real run
 (H100, vLLM 0.26, 32k tokens, 2026-11-26): plain vLLM's own cold prefill and GPU prefix hit
 part at the 4th token, a near-tie in bf16. And the prompts `vllm bench serve` is given."""
 
 import pytest
 
-from kvtier.bench.vllm_report import agrees, under_the_copy
+from kvtier_tools.bench.vllm_report import agrees, under_the_copy
 
 PLAIN = {
     "cold": [124956, 86041, 56463, 53607, 47691, 48236],
@@ -26,8 +26,8 @@ def test_cold_tokens_that_part_from_plain_elsewhere_or_otherwise_disagree():
 
 
 def test_pd_tokens_may_part_from_the_decoders_hit_only_at_a_near_tie():
-    from kvtier.bench.chat import Result
-    from kvtier.bench.pd_vllm import verdict
+    from kvtier_tools.bench.chat import Result
+    from kvtier_tools.bench.pd_vllm import verdict
 
     def res(ids, tops):
         r = Result(0, 0, 1, 0.0)
@@ -50,9 +50,9 @@ def test_pd_tokens_may_part_from_the_decoders_hit_only_at_a_near_tie():
 
 
 def test_py_spy_stacks_are_summed_by_thread_and_kvtier_frame(tmp_path):
-    """py-spy's raw stacks as `kvtier.bench.serving --profile` writes them: a child's stacks
+    """py-spy's raw stacks as `kvtier_tools.bench.serving --profile` writes them: a child's stacks
     name its parents first, and a command line may hold ";" and a newline."""
-    from kvtier.bench.stacks import read, report
+    from kvtier_tools.bench.stacks import read, report
 
     parents = (
         'process 1:"python -m vllm.entrypoints.openai.api_server";'
@@ -76,8 +76,8 @@ def test_py_spy_stacks_are_summed_by_thread_and_kvtier_frame(tmp_path):
 
 
 def test_serving_rounds_give_each_setups_median_and_its_ratio_to_the_first_in_the_same_round():
-    from kvtier.bench.chat import Record
-    from kvtier.bench.serving import by_round
+    from kvtier_tools.bench.chat import Record
+    from kvtier_tools.bench.serving import by_round
 
     means = [
         ("plain", 1, 50.0, 20.0),
@@ -121,7 +121,7 @@ def test_a_warm_run_faster_than_the_copy_of_its_kv_is_not_a_load():
 
 
 def test_bench_serve_prompts_random_or_over_shared_prefixes():
-    from kvtier.bench.stores_vllm import Workload
+    from kvtier_tools.bench.stores_vllm import Workload
 
     assert Workload(input_len=512).dataset_args()[:2] == ["--dataset-name", "random"]
     args = Workload(input_len=768, num_prefixes=2, prefix_len=512).dataset_args()
@@ -131,7 +131,7 @@ def test_bench_serve_prompts_random_or_over_shared_prefixes():
 
 
 def test_a_traces_host_waits_are_summed_per_thread_and_call():
-    from kvtier.bench.vllm_parts import host_waits
+    from kvtier_tools.bench.vllm_parts import host_waits
 
     def ev(name, tid, dur, cat="cuda_runtime"):
         return {
@@ -161,7 +161,7 @@ def test_a_traces_host_waits_are_summed_per_thread_and_call():
 def test_a_runs_engine_time_leaves_out_the_front_end_before_the_scheduler():
     import math
 
-    from kvtier.bench.vllm_parts import engine_ms
+    from kvtier_tools.bench.vllm_parts import engine_ms
 
     spans = [
         ("vllm add_request", 0.1, 6.0),
@@ -182,7 +182,7 @@ def test_the_chat_workload_reports_how_many_requests_were_in_flight():
     """Little's law over the run, the most at once, and the share sent while another ran:
     a rate the server keeps up with serves one request at a time (2026-11-28: 0.9 in flight
     at 4 req/s with up to 12 allowed)."""
-    from kvtier.bench.chat import Result, in_flight
+    from kvtier_tools.bench.chat import Result, in_flight
 
     def res(sent, latency):
         return Result(0, 0, 1, sent, 0.01, latency)
@@ -198,7 +198,7 @@ def test_the_chat_workload_reports_how_many_requests_were_in_flight():
 
 
 def test_the_chat_workloads_output_lengths_spread_around_max_tokens_alike_in_every_run():
-    from kvtier.bench.chat import Workload
+    from kvtier_tools.bench.chat import Workload
 
     w = Workload(conversations=32, turns=6, max_tokens=48, output_spread=0.5)
     lengths = w.output_lengths()
@@ -224,7 +224,7 @@ def test_the_chat_workloads_output_lengths_spread_around_max_tokens_alike_in_eve
 def test_a_run_that_fell_into_lockstep_shows_in_its_bunched_sends():
     """Sends within 10 ms of the one before (H200, 2026-11-28: rounds at 0.04-0.08 had a mean
     TTFT of 58-70 ms, a round at 0.65 one of 215 ms)."""
-    from kvtier.bench.chat import Result, bunched
+    from kvtier_tools.bench.chat import Result, bunched
 
     spread = [Result(0, 0, 1, 0.04 * k) for k in range(10)]
     assert bunched(spread) == 0
@@ -234,9 +234,9 @@ def test_a_run_that_fell_into_lockstep_shows_in_its_bunched_sends():
 
 
 def test_the_gpu_kv_cache_for_a_share_of_the_chats_conversations():
-    from kvtier.bench.chat import Workload
-    from kvtier.bench.serving import gpu_kv_bytes
-    from kvtier.dev.tinymodel import TinyLlama
+    from kvtier_tools.bench.chat import Workload
+    from kvtier_tools.bench.serving import gpu_kv_bytes
+    from kvtier_tools.dev.tinymodel import TinyLlama
 
     llama8b = TinyLlama(
         num_hidden_layers=32, num_key_value_heads=8, head_dim=128
@@ -261,7 +261,7 @@ def test_a_serving_runs_records_packed_lean_for_results(tmp_path, monkeypatch):
     import json
     import sys
 
-    from kvtier.bench import pack
+    from kvtier_tools.bench import pack
 
     rec = {
         "workload": {"rate": 24.0},
@@ -320,7 +320,7 @@ def test_a_serving_runs_records_packed_lean_for_results(tmp_path, monkeypatch):
 def test_the_host_time_bench_times_each_call_kind_of_a_chat_turn_on_this_machine():
     import argparse
 
-    from kvtier.bench.host_time import run
+    from kvtier_tools.bench.host_time import run
 
     args = argparse.Namespace(
         layers=2,
@@ -356,7 +356,7 @@ def test_a_setup_whose_engine_died_ends_at_once_with_its_traceback(tmp_path):
 
     script = textwrap.dedent("""
         import sys, threading, time
-        import kvtier.bench.vllm as bench
+        import kvtier_tools.bench.vllm as bench
         def dies(args):
             threading.Thread(target=time.sleep, args=(600,)).start()  # not a daemon: holds the exit
             raise AssertionError("the engine's KV format")
@@ -376,7 +376,7 @@ def test_a_serving_run_cut_by_its_limit_is_reported_from_the_records_it_left(tmp
     tables were not. `--report` reads them back, each round in the order of --setups."""
     import json
 
-    from kvtier.bench.serving import by_round, report
+    from kvtier_tools.bench.serving import by_round, report
 
     def record(ttft_ms: float, rps: float) -> dict:
         summary = {"ttft_mean_ms": ttft_ms, "requests_per_s": rps}

@@ -1,6 +1,6 @@
 """`kvtier bench chaos --short` in CI: real vLLM (CPU build) with kvtier on CPU, disk and
 a `kvtier server`, then a PD cluster with `kvtier proxy`, under a steady load while
-every fault passes once (kvtier/bench/chaos_faults.py). The promise: no request lost
+every fault passes once (kvtier_tools/bench/chaos_faults.py). The promise: no request lost
 (but the proxy's 502 while the decoder is dead), greedy outputs equal to plain
 vLLM's, memory and open files flat, no wait on kvtier past its timeouts."""
 
@@ -12,7 +12,12 @@ import sys
 
 import pytest
 
-from kvtier.bench.chaos_faults import DISK_FAULTS, PD_FAULTS, STORE_FAULTS, private_mounts_available
+from kvtier_tools.bench.chaos_faults import (
+    DISK_FAULTS,
+    PD_FAULTS,
+    STORE_FAULTS,
+    private_mounts_available,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.alone]  # its faults have bounds on wall time
 
@@ -84,7 +89,7 @@ def check(record: dict) -> None:
 
 
 def test_the_promise_check_names_each_way_a_run_can_break_it():
-    from kvtier.bench.chaos_load import ChaosConfig, violations
+    from kvtier_tools.bench.chaos_load import ChaosConfig, violations
 
     def phase(name, fault=None, **figures):
         return {

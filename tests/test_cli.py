@@ -8,7 +8,13 @@ import sys
 
 import pytest
 
-from kvtier.dev.localservers import LocalServer, ServerDidNotStart, _running, free_port, free_ports
+from kvtier_tools.dev.localservers import (
+    LocalServer,
+    ServerDidNotStart,
+    _running,
+    free_port,
+    free_ports,
+)
 
 KVTIER = [sys.executable, "-m", "kvtier.cli"]
 
@@ -210,27 +216,57 @@ def test_version():
     assert done.returncode == 0 and done.stdout.startswith("kvtier ")
 
 
-# Runs `kvtier` with triton's import refused, as on a host without it (a CPU-only server).
-NO_TRITON = """
-import sys
-class NoTriton:
+# Runs `kvtier` with the imports of the top-level packages named in argv[1] refused, as on a
+# host without them (triton on a CPU-only server; kvtier_tools where only the library is
+# installed). argv[2] is "cli" (the rest are kvtier's arguments) or a module to import.
+WITHOUT = """
+import importlib, sys
+refused = set(sys.argv[1].split(","))
+class Refuse:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "triton":
-            raise ImportError("no triton on this host")
-sys.meta_path.insert(0, NoTriton())
+        if name.split(".")[0] in refused:
+            raise ModuleNotFoundError(f"no {name} on this host", name=name)
+sys.meta_path.insert(0, Refuse())
+if sys.argv[2] != "cli":
+    importlib.import_module(sys.argv[2])
+    sys.exit(0)
 from kvtier.cli import main
-sys.exit(main(sys.argv[1:]))
+sys.exit(main(sys.argv[3:]))
 """
 
 
-@pytest.mark.parametrize(
-    "command", [["server", "--help"], ["proxy", "--help"], ["bench", "chat", "--help"], ["config"]]
-)
-def test_the_store_server_and_the_proxy_start_without_triton(command):
-    """Only the command named loads its module: a benchmark's (some import triton) is not
-    imported by `kvtier server`, `kvtier proxy` or another benchmark."""
-    done = subprocess.run(
-        [sys.executable, "-c", NO_TRITON, *command], capture_output=True, text=True
+def without(refused: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT, refused, *args], capture_output=True, text=True
     )
+
+
+@pytest.mark.parametrize("command", [["server", "--help"], ["proxy", "--help"], ["config"]])
+def test_the_store_server_and_the_proxy_start_without_triton_or_the_tools(command):
+    """Only the command named loads its module: `kvtier server` and `kvtier proxy` need
+    neither triton nor kvtier_tools (the benchmarks, the demo)."""
+    done = without("triton,kvtier_tools", "cli", *command)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "no triton on this host" not in done.stderr
+    assert "on this host" not in done.stderr
+
+
+def test_the_vllm_connector_imports_without_the_tools():
+    # (not without triton: vLLM itself asks for it, and takes its absence for "no triton")
+    for module in ("kvtier.integrations.vllm.plugin", "kvtier.integrations.vllm.connector"):
+        done = without("kvtier_tools", module)
+        assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_benchmark_does_not_load_another_ones_imports():
+    done = without("triton", "cli", "bench", "chat", "--help")
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("command", [["bench", "offload"], ["demo"]])
+def test_a_tools_command_without_the_tools_is_one_line(command):
+    done = without("kvtier_tools", "cli", *command)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        f"kvtier {command[0]} runs from kvtier_tools, which is not installed here: it ships in "
+        "kvtier's repository beside kvtier/ (pip install -e . from a checkout)"
+    ]

@@ -2,7 +2,7 @@
 
 import re
 
-from kvtier.dev.cpu_dtype import PROBE, probe_bf16
+from kvtier_tools.dev.cpu_dtype import PROBE, probe_bf16
 
 SIGILL = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
 
@@ -37,7 +37,7 @@ def test_the_real_probe_answers_and_covers_both_bf16_paths():
 def test_an_x86_cpu_without_native_bf16_runs_float32_without_probing():
     """An AMD EPYC with AVX2 only (2026-11-29): bf16 emulated, slower, and a warm request's
     greedy tokens parted from plain vLLM's at a near-tie; float32 there."""
-    from kvtier.dev.cpu_dtype import cpu_model_dtype, native_bf16
+    from kvtier_tools.dev.cpu_dtype import cpu_model_dtype, native_bf16
 
     avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
     assert native_bf16(avx2) is False

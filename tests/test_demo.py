@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvtier.dev.demo import run_demo
+from kvtier_tools.dev.demo import run_demo
 
 pytestmark = pytest.mark.vllm
 

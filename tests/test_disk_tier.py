@@ -292,8 +292,8 @@ def test_a_full_or_read_only_disk_stops_writing_with_one_error_keeps_serving_and
 def test_the_disk_benchmark_runs_and_checks_what_it_loads(tmp_path, capsys):
     # `kvtier bench disk` at a tiny shape: the figures are noise here, the code path is the real
     # one.
-    from kvtier.bench.disk import run_disk
-    from kvtier.bench.offload import OffloadShape
+    from kvtier_tools.bench.disk import run_disk
+    from kvtier_tools.bench.offload import OffloadShape
 
     shape = OffloadShape(tokens=512, layers=2, kv_heads=2, head_dim=32, chunk_size=64)
     result = run_disk(shape, tmp_path, repeats=2, pool_chunks=2)

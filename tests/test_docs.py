@@ -22,9 +22,9 @@ def test_the_site_builds_strictly(tmp_path):
 
 
 def test_the_generated_blocks_are_what_the_code_prints():
-    cmd = [sys.executable, "-m", "kvtier.dev.docgen", "--check"]
+    cmd = [sys.executable, "-m", "kvtier_tools.dev.docgen", "--check"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + "\nrun: python -m kvtier.dev.docgen"
+    assert done.returncode == 0, done.stdout + "\nrun: python -m kvtier_tools.dev.docgen"
     pages = "".join(p.read_text() for p in (ROOT / "docs").rglob("*.md"))
     for block in ("config-keys", "lmcache-keys", "cli-help"):
         assert f"<!-- {block}:begin -->" in pages, block

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.dev.cpu_dtype import model_dtype
-from kvtier.dev.tinymodel import TinyLlama, make_tiny_llama
+from kvtier_tools.dev.cpu_dtype import model_dtype
+from kvtier_tools.dev.tinymodel import TinyLlama, make_tiny_llama
 
 pytestmark = pytest.mark.vllm
 DOCS = Path(__file__).resolve().parents[1] / "docs"

@@ -113,7 +113,7 @@ def test_layerwise_store_stores_the_same_kv_as_storing_after(model):
 
 
 def test_a_session_on_another_node_loads_the_prefix_from_the_store_server(model):
-    from kvtier.dev.localservers import kvtier_server
+    from kvtier_tools.dev.localservers import kvtier_server
 
     ids = torch.randint(0, 1000, (1, 700), generator=torch.Generator().manual_seed(4))
     reference = model.generate(ids, max_new_tokens=10, do_sample=False)[0, 700:].tolist()
@@ -138,9 +138,9 @@ def test_layerwise_from_the_store_server_and_a_chunk_that_fails_its_check_is_com
     # CPU tier off, server on this host: the prefix is lent in one lease and loaded
     # layer by layer; a chunk whose bytes changed is found at the end, and the
     # prompt is computed again, so the logits are still the cold ones.
-    from kvtier.dev.localservers import kvtier_server
     from kvtier.keys import wire_key
     from kvtier.remote import open_store
+    from kvtier_tools.dev.localservers import kvtier_server
 
     ids = torch.randint(0, 1000, (1, 300), generator=torch.Generator().manual_seed(5))
     with kvtier_server(0.0625) as srv:

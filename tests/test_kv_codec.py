@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from kvtier.config import KvtierConfig
-from kvtier.dev.localservers import kvtier_server
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError
 from kvtier.keys import KVFormat, wire_key
 from kvtier.remote import open_store
 from kvtier.transfer import PagedKV, Quant
+from kvtier_tools.dev.localservers import kvtier_server
 
 L, NB, BS, H, D = 2, 64, 16, 2, 32
 FMT = KVFormat("m", "flash_attn", "bfloat16")

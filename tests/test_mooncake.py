@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from kvtier.config import KvtierConfig
-from kvtier.dev.localservers import LocalServer, free_port, mooncake_store
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError, RemoteRefused, RemoteUnavailable
 from kvtier.keys import KVFormat, wire_key
@@ -25,6 +24,7 @@ from kvtier.remote import open_store
 from kvtier.remote.mooncake import MooncakeStore
 from kvtier.remote.mooncake_settings import DEFAULT_BUFFER, DEFAULT_SEGMENT, mooncake_settings
 from kvtier.transfer import PagedKV
+from kvtier_tools.dev.localservers import LocalServer, free_port, mooncake_store
 
 pytest.importorskip(
     "mooncake.store", reason="Mooncake's wheel is not installed (scripts/setup.sh installs it)"
@@ -300,7 +300,7 @@ def test_a_master_down_at_start_is_said_once_and_joined_when_it_comes(caplog):
         assert eng.lookup(TOKENS) == 0
         with pytest.raises(RemoteUnavailable):
             eng.tiers.remote.store.exists([b"k"])
-        from kvtier.dev.localservers import mooncake_binary
+        from kvtier_tools.dev.localservers import mooncake_binary
 
         master = subprocess.Popen(
             [

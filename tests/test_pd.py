@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from kvtier.config import KvtierConfig
-from kvtier.dev.localservers import free_port, free_ports
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError
 from kvtier.keys import Identity, Item, KVFormat
@@ -22,6 +21,7 @@ from kvtier.pd import protocol as proto
 from kvtier.pd.build import make_buffer, start_receiver
 from kvtier.pd.sender import PdSender, Target
 from kvtier.transfer import PagedKV
+from kvtier_tools.dev.localservers import free_port, free_ports
 
 L, NB, BS, H, D = 2, 64, 16, 2, 32
 # UCX over TCP where there is no GPU; a GPU host's UCX picks its own transports (on the

@@ -5,12 +5,12 @@ each load is checked against the sender's KV by a position-weighted checksum."""
 import pytest
 import torch
 
-from kvtier.bench.offload import OffloadShape
-from kvtier.bench.pd import FMT_MODEL, _config, _paged, _Receiver, _slots, _tokens, checksum
 from kvtier.engine import CacheEngine
 from kvtier.keys import KVFormat
 from kvtier.pd.ipc_writes import IpcWriter
 from kvtier.pd.sender import PdSender, Target
+from kvtier_tools.bench.offload import OffloadShape
+from kvtier_tools.bench.pd import FMT_MODEL, _config, _paged, _Receiver, _slots, _tokens, checksum
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from test_pd import Pair
 
-from kvtier.dev.localservers import free_port, wait_for_port
+from kvtier_tools.dev.localservers import free_port, wait_for_port
 
 
 @contextlib.contextmanager
@@ -301,7 +301,7 @@ class LmcachePrefiller(Decoder):
     when its (NIXL) writes complete, here `delay` s after the answer: a ProxyNotif (msgspec
     struct tagged "type"), msgpack over a ZMQ PUSH socket connected to pd_proxy_port. A
     `junk` message goes before it. LMCache itself needs a GPU: the GPU script runs it
-    (kvtier.bench.pd_vllm --engine lmcache)."""
+    (kvtier_tools.bench.pd_vllm --engine lmcache)."""
 
     def __init__(self, notify_port: int, delay: float, junk: list[bytes] = ()):
         import msgspec

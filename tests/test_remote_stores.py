@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from kvtier.dev.localservers import free_port
 from kvtier.errors import RemoteUnavailable
 from kvtier.remote import open_store
 from kvtier.remote.mooncake import MooncakeStore
 from kvtier.remote.redis import RedisStore
 from kvtier.server.client import KVClient
+from kvtier_tools.dev.localservers import free_port
 
 
 @pytest.fixture(params=["kvtier-tcp", "kvtier-shm", "redis", "redis-cluster", "fs", "mooncake"])

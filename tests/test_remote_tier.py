@@ -10,19 +10,19 @@ import torch
 
 from kvtier.codec import HEADER, Codec
 from kvtier.config import KvtierConfig
-from kvtier.dev.localservers import (
-    free_port,
-    kvtier_server,
-    mooncake_store,
-    redis_cluster,
-    redis_server,
-)
 from kvtier.engine import CacheEngine
 from kvtier.errors import CorruptPayload
 from kvtier.keys import KVFormat, wire_key
 from kvtier.remote import open_store
 from kvtier.transfer import PagedKV
 from kvtier.transfer.staging import runs as _runs
+from kvtier_tools.dev.localservers import (
+    free_port,
+    kvtier_server,
+    mooncake_store,
+    redis_cluster,
+    redis_server,
+)
 
 L, NB, BS, H, D = 2, 64, 16, 2, 32
 FMT = KVFormat("m", "flash_attn", "bfloat16")

@@ -16,10 +16,10 @@ import urllib.request
 import psutil
 import pytest
 
-from kvtier.dev.localservers import free_port, kvtier_server
 from kvtier.errors import RemoteUnavailable, ValueTooLarge
 from kvtier.server import protocol as p
 from kvtier.server.client import KVClient
+from kvtier_tools.dev.localservers import free_port, kvtier_server
 
 MiB = 1 << 20
 
@@ -299,7 +299,7 @@ def test_many_clients_at_once_share_a_fixed_set_of_loops_and_always_read_whole_v
 def test_the_server_benchmark_runs_every_target_and_reports_its_ratios():
     # `kvtier bench server` at the smallest size: the figures are noise here,
     # the shape of the result (every target, both ratio forms) is checked.
-    from kvtier.bench.server import ServerBenchConfig, run_server_bench
+    from kvtier_tools.bench.server import ServerBenchConfig, run_server_bench
 
     result = run_server_bench(
         ServerBenchConfig(sizes_mib=(1,), conns=(2,), duration=0.1, repeats=2, latency_iters=20),

@@ -11,7 +11,6 @@ import torch
 from rawwire import Raw
 
 from kvtier.config import KvtierConfig
-from kvtier.dev.localservers import kvtier_server, self_signed_cert
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError, RemoteAuthFailed, RemoteRefused, RemoteUnavailable
 from kvtier.keys import KVFormat
@@ -19,6 +18,7 @@ from kvtier.remote import open_store
 from kvtier.server import protocol as p
 from kvtier.server.client import KVClient
 from kvtier.transfer import PagedKV
+from kvtier_tools.dev.localservers import kvtier_server, self_signed_cert
 
 MiB = 1 << 20
 TOKEN = "operator-token-0123456789"

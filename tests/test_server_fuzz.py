@@ -26,11 +26,11 @@ import psutil
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from kvtier.dev.localservers import kvtier_server
 from kvtier.errors import RemoteRefused
 from kvtier.server import auth
 from kvtier.server import protocol as p
 from kvtier.server.client import KVClient
+from kvtier_tools.dev.localservers import kvtier_server
 
 MiB = 1 << 20
 FUZZ_SECONDS = float(os.environ.get("FUZZ_SECONDS", "40"))

@@ -417,7 +417,7 @@ def test_the_lossy_codec_kernels_match_the_torch_codec(layout, backend, codec):
 
 
 def test_engine_with_the_int8_codec_through_the_store_server_on_gpu():
-    from kvtier.dev.localservers import kvtier_server
+    from kvtier_tools.dev.localservers import kvtier_server
 
     with kvtier_server(0.0625) as srv:
         cfg = dict(

@@ -5,8 +5,8 @@ import re
 import pytest
 from vllm_offline import hit_granularity, run_vllm
 
-from kvtier.dev.demo import HIT_LINE as HIT
-from kvtier.dev.tinymodel import corpus_text
+from kvtier_tools.dev.demo import HIT_LINE as HIT
+from kvtier_tools.dev.tinymodel import corpus_text
 
 pytestmark = pytest.mark.vllm
 STORE = re.compile(r"Storing KV cache for (\d+) out of (\d+) tokens")

@@ -14,8 +14,8 @@ import pytest
 import torch
 from vllm_offline import run_vllm
 
-from kvtier.dev.demo import HIT_LINE
-from kvtier.dev.tinymodel import TinyGemma3
+from kvtier_tools.dev.demo import HIT_LINE
+from kvtier_tools.dev.tinymodel import TinyGemma3
 
 pytestmark = [
     pytest.mark.vllm,

@@ -14,10 +14,10 @@ import pytest
 from vllm_offline import hit_granularity, run_vllm
 from vllm_requests import vllm_request
 
-from kvtier.dev.demo import HIT_LINE as HIT
-from kvtier.dev.demo import vllm_server
-from kvtier.dev.tinymodel import corpus_text
-from kvtier.dev.tinyvlm import IMAGE_TOKEN, make_lora_adapter, make_tiny_idefics3
+from kvtier_tools.dev.demo import HIT_LINE as HIT
+from kvtier_tools.dev.demo import vllm_server
+from kvtier_tools.dev.tinymodel import corpus_text
+from kvtier_tools.dev.tinyvlm import IMAGE_TOKEN, make_lora_adapter, make_tiny_idefics3
 
 pytestmark = pytest.mark.vllm
 STORE = re.compile(r"Storing KV cache for (\d+) out of (\d+) tokens")
@@ -200,7 +200,7 @@ def _image_offset(model, text: str) -> int:
     as the model's processor writes it (what vLLM's does)."""
     from transformers import AutoProcessor
 
-    from kvtier.dev.tinyvlm import seeded_image
+    from kvtier_tools.dev.tinyvlm import seeded_image
 
     processor = AutoProcessor.from_pretrained(str(model))
     ids = processor(text=text, images=[seeded_image(1)])["input_ids"][0]

@@ -17,8 +17,8 @@ import pytest
 import torch
 from vllm_offline import run_vllm
 
-from kvtier.dev.demo import HIT_LINE
-from kvtier.dev.tinymodel import TinyNemotronH, corpus_text
+from kvtier_tools.dev.demo import HIT_LINE
+from kvtier_tools.dev.tinymodel import TinyNemotronH, corpus_text
 
 pytestmark = [
     pytest.mark.vllm,

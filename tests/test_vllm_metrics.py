@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from kvtier.dev.demo import vllm_server
-from kvtier.dev.tinymodel import corpus_text
+from kvtier_tools.dev.demo import vllm_server
+from kvtier_tools.dev.tinymodel import corpus_text
 
 pytestmark = pytest.mark.vllm
 
@@ -78,8 +78,8 @@ def test_with_enable_kv_events_vllm_publishes_kvtiers_stores_and_evictions(tiny_
     from transformers import AutoTokenizer
     from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
-    from kvtier.dev.localservers import free_port
-    from kvtier.dev.tinyvlm import make_lora_adapter
+    from kvtier_tools.dev.localservers import free_port
+    from kvtier_tools.dev.tinyvlm import make_lora_adapter
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
     ids = tok.encode(corpus_text())

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 from vllm_offline import run_vllm
 
-from kvtier.dev.demo import HIT_LINE
-from kvtier.dev.tinymodel import TinyGemma3, corpus_text, make_tiny_deepseek_v2
 from kvtier.keys import KVFormat, chunk_spans
 from kvtier.tiers.disk import file_name
+from kvtier_tools.dev.demo import HIT_LINE
+from kvtier_tools.dev.tinymodel import TinyGemma3, corpus_text, make_tiny_deepseek_v2
 
 pytestmark = pytest.mark.vllm
 DTYPE = "float32"

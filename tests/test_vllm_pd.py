@@ -14,8 +14,8 @@ import httpx
 import pytest
 from test_pd import channels
 
-from kvtier.dev.pdcluster import on_gpu, pd_cluster, pd_dtype
-from kvtier.dev.tinymodel import corpus_text
+from kvtier_tools.dev.pdcluster import on_gpu, pd_cluster, pd_dtype
+from kvtier_tools.dev.tinymodel import corpus_text
 
 pytestmark = pytest.mark.vllm
 ON_GPU = on_gpu()

@@ -11,10 +11,10 @@ import pytest
 import torch
 from vllm_offline import run_vllm
 
-from kvtier.bench.stores_vllm import Workload, bench_serve
-from kvtier.dev.demo import HIT_LINE, query_ttft, vllm_server
-from kvtier.dev.localservers import kvtier_server, mooncake_store, redis_server
-from kvtier.dev.tinymodel import corpus_text
+from kvtier_tools.bench.stores_vllm import Workload, bench_serve
+from kvtier_tools.dev.demo import HIT_LINE, query_ttft, vllm_server
+from kvtier_tools.dev.localservers import kvtier_server, mooncake_store, redis_server
+from kvtier_tools.dev.tinymodel import corpus_text
 
 ON_GPU = (
     torch.cuda.is_available()
@@ -211,12 +211,12 @@ def test_the_infinistore_guide_vllm_bench_serve_twice(tiny_model, tmp_path):
     ],
 )
 def test_the_shared_store_bench_serves_instance_bs_prompts_from_the_store(store):
-    """`python -m kvtier.bench.stores_vllm` (issue 27's remote path): instance A serves the
+    """`python -m kvtier_tools.bench.stores_vllm` (issue 27's remote path): instance A serves the
     prompts cold, instance B, a new process, serves them again from the project's own store
     server (`kvtier server`; LMCache's lm:// server where LMCache is installed): B hits the
     prompts, its greedy tokens on KV from the store equal A's on its own (a GPU prefix hit), a
     control prompt's differ, nothing fails."""
-    from kvtier.bench.stores_vllm import Instances, run
+    from kvtier_tools.bench.stores_vllm import Instances, run
 
     how = Instances(gpu_util=0.2, cpu_gb=1.0, store_gb=2.0) if ON_GPU else Instances()
     record = run(

@@ -1,7 +1,7 @@
 """Real vLLM (CPU build) with a CPU pool smaller than the prompt: disk and remote tiers behind it.
 
 The model runs in float32 here, the dtype CPU hosts with AMX fall back to
-(kvtier.dev.cpu_dtype), so every machine runs vLLM + kvtier in it at least here.
+(kvtier_tools.dev.cpu_dtype), so every machine runs vLLM + kvtier in it at least here.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import re
 import pytest
 from vllm_offline import run_vllm
 
-from kvtier.dev.demo import HIT_LINE
-from kvtier.dev.localservers import kvtier_server
-from kvtier.dev.tinymodel import corpus_text
 from kvtier.keys import KVFormat, chunk_spans
 from kvtier.tiers.disk import file_name
+from kvtier_tools.dev.demo import HIT_LINE
+from kvtier_tools.dev.localservers import kvtier_server
+from kvtier_tools.dev.tinymodel import corpus_text
 
 pytestmark = pytest.mark.vllm
 DTYPE = "float32"

@@ -19,15 +19,17 @@ import pytest
 from test_vllm_pd import SENT_LINE, complete, pd_cluster
 from vllm_offline import run_vllm
 
-from kvtier.dev.demo import HIT_LINE
-from kvtier.dev.localservers import kvtier_server
-from kvtier.dev.pdcluster import pd_dtype
-from kvtier.dev.tinymodel import corpus_text
 from kvtier.keys import KVFormat, chunk_spans
 from kvtier.tiers.disk import file_name
+from kvtier_tools.dev.demo import HIT_LINE
+from kvtier_tools.dev.localservers import kvtier_server
+from kvtier_tools.dev.pdcluster import pd_dtype
+from kvtier_tools.dev.tinymodel import corpus_text
 
 pytestmark = pytest.mark.vllm
-DTYPE = pd_dtype()  # float32 on CPU (every CPU runs it: kvtier.dev.cpu_dtype), bfloat16 on GPUs
+DTYPE = (
+    pd_dtype()
+)  # float32 on CPU (every CPU runs it: kvtier_tools.dev.cpu_dtype), bfloat16 on GPUs
 
 
 @pytest.fixture(scope="module")

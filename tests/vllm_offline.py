@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvtier.dev.cpu_dtype import cpu_model_dtype, model_dtype
+from kvtier_tools.dev.cpu_dtype import cpu_model_dtype, model_dtype
 
 
 def main() -> None:
@@ -30,7 +30,9 @@ def main() -> None:
     )
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--max-batched", type=int, default=1024)
-    p.add_argument("--dtype", required=True, help="bfloat16 | float32 (see kvtier.dev.cpu_dtype)")
+    p.add_argument(
+        "--dtype", required=True, help="bfloat16 | float32 (see kvtier_tools.dev.cpu_dtype)"
+    )
     p.add_argument(
         "--by-name", action="store_true", help="no kv_connector_module_path: vLLM's plugin finds it"
     )
@@ -117,7 +119,7 @@ def _prompt(prompt: list[int] | dict, model: str) -> dict:
     if prompt.get("embeds"):
         out = {"prompt_embeds": _embeddings(model, out.pop("prompt_token_ids"))}
     if "image" in prompt:
-        from kvtier.dev.tinyvlm import seeded_image
+        from kvtier_tools.dev.tinyvlm import seeded_image
 
         out["multi_modal_data"] = {"image": seeded_image(prompt["image"])}
     if "salt" in prompt:
@@ -174,7 +176,7 @@ def run_vllm(
 ) -> tuple[list[dict], str]:
     """Run this file in a subprocess; returns the per-request results and vLLM's log.
 
-    dtype "auto": the one models run in here (kvtier.dev.cpu_dtype.model_dtype). vLLM's
+    dtype "auto": the one models run in here (kvtier_tools.dev.cpu_dtype.model_dtype). vLLM's
     engine core runs in that process (VLLM_ENABLE_V1_MULTIPROCESSING=0: a run takes 34 s
     instead of 66 s on a 2-core host, vLLM imported once), with the scheduler's and the
     worker's connector side by side; `engine_process` runs it in a process of its own, as

@@ -8,7 +8,7 @@ memory the size of its hit.
 
 A hit that will load beside the engine's running steps has its copies queued on the slot's
 own thread (`start_later`): the lookup returns to vLLM's scheduler without their host time
-(~1.2 ms for a chat turn's hit on an H200, `kvtier.bench.host_time`), which the thread can
+(~1.2 ms for a chat turn's hit on an H200, `kvtier_tools.bench.host_time`), which the thread can
 spend while the engine thread waits for its step on the GPU (torch lets go of the GIL in its
 calls and waits; inside vLLM's serving the effect is not measured apart yet). The request's
 load (`take`) and any `drop` or `start` wait for it first.

@@ -33,7 +33,7 @@ class IpcWriter:
     into local memory takes 0.4 of the copy's time (HBM, not the link). The two run
     on streams of their own, `SLOTS` groups in flight, a run of adjacent blocks of the
     peer's buffer in one copy: 0.91-0.93 of the copy at 16k-32k tokens (0.87-0.91 with a
-    copy per chunk; two H100s, 2026-11-26, scripts/pd_write_profile.py).
+    copy per chunk; two H100s, 2026-11-26, kvtier_tools.bench.profiles.pd_write).
 
     A step's groups grow: the first holds `first_bytes` (one chunk at least), each next one
     twice the last, up to a slot. The copy engine starts after the first group's gather

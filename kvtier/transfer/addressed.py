@@ -4,7 +4,7 @@ group of chunks at a time (a PD sender's ring, `kvtier/pd/ipc_writes.py`).
 The slot and address tables of every chunk go up once; a group is then one kernel
 launch over slices of them. Made per group instead (pinned tables, uploads, a view
 per chunk), queueing a group's gather cost the sender 0.25-0.5 ms of host time on
-two H100s (2026-11-26, scripts/pd_send_profile.py), about what the group's copy
+two H100s (2026-11-26, kvtier_tools.bench.profiles.pd_send), about what the group's copy
 takes on NVLink: the sender was host-bound.
 """
 

@@ -1,0 +1,168 @@
+"""`kvtier bench h2d`: a load's copies from pinned host memory into GPU
+staging, by the copy engine or by a kernel, and what each does to the GPU's other work.
+
+The geometry is a layerwise upload's: a pool of adjacent chunks [L, K, T, H, D];
+per layer, layer l of every chunk (one strided run) into layer-major staging: one
+cudaMemcpy2DAsync per layer, or one launch of host_runs_kernel per layer with
+`programs` programs. Timed alone, then twice more with other work queued 1 ms into
+it on another stream: a 128 KB host-to-device copy (vLLM's inputs for its next
+step: how long it waits), and bf16 matmuls (a forward beside the load: how much
+longer they take than alone). Staged bytes are checked against the pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from kvtier.transfer import cudart
+from kvtier.transfer.staging import run_table, runs_up
+from kvtier_tools.bench.offload import need_gpu
+
+
+class Load:
+    def __init__(self, chunks: int, layers: int, layer_mb: float, dev: torch.device) -> None:
+        self.layers = layers
+        self.layer_bytes = int(layer_mb * 2**20) // 8 * 8
+        self.chunk_bytes = self.layer_bytes * layers
+        self.chunks = chunks
+        self.pool = torch.empty(chunks * self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
+        self.pool.view(torch.int64).copy_(torch.arange(self.pool.numel() // 8))
+        self.staging = torch.empty_like(self.pool, device=dev)
+        # Per layer one run, as Staging.run_table has it: (host, device, host pitch, device pitch,
+        # bytes, rows).
+        self.runs = [
+            [
+                (
+                    self.pool.data_ptr() + layer * self.layer_bytes,
+                    self.staging.data_ptr() + layer * chunks * self.layer_bytes,
+                    self.chunk_bytes,
+                    self.layer_bytes,
+                    self.layer_bytes,
+                    chunks,
+                )
+            ]
+            for layer in range(layers)
+        ]
+        self.table = run_table(self.runs)
+
+    def by_engine(self, stream) -> None:
+        for [(src, dst, sp, dp, width, rows)] in self.runs:
+            cudart.memcpy2d(dst, dp, src, sp, width, rows, stream)
+
+    def by_kernel(self, stream, programs: int) -> None:
+        with torch.cuda.stream(stream):
+            for part in self.table:
+                runs_up(*part, programs=programs)
+
+    def check(self) -> None:
+        staged = (
+            self.staging.view(self.layers, self.chunks, self.layer_bytes)
+            .transpose(0, 1)
+            .reshape(-1)
+        )
+        assert torch.equal(staged[-4096:].cpu(), self.pool[-4096:]) and torch.equal(
+            staged[:4096].cpu(), self.pool[:4096]
+        )
+
+
+def _median_ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e3
+
+
+def measure(load: Load, go, repeats: int, dev: torch.device) -> dict:
+    side = torch.cuda.Stream()
+    small_h = torch.ones(128 * 1024, dtype=torch.uint8, pin_memory=True)
+    small_d = torch.empty_like(small_h, device=dev)
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+
+    def matmuls():
+        for _ in range(20):
+            a @ a
+
+    def timed(fn) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(side):
+            start.record()
+            fn()
+            end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    matmul_alone = [timed(matmuls) for _ in range(repeats + 1)][1:]
+    alone, small, beside = [], [], []
+    for _ in range(repeats + 1):
+        load.staging.zero_()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        go()
+        torch.cuda.synchronize()
+        alone.append(time.perf_counter() - t)
+        load.check()
+        go()
+        time.sleep(0.001)
+        small.append(timed(lambda: small_d.copy_(small_h, non_blocking=True)))
+        torch.cuda.synchronize()
+        go()
+        time.sleep(0.001)
+        beside.append(timed(matmuls))
+        torch.cuda.synchronize()
+    alone, small, beside = alone[1:], small[1:], beside[1:]
+    return {
+        "GBps": load.pool.numel() / statistics.median(alone) / 1e9,
+        "ms": _median_ms(alone),
+        "small_copy_wait_ms": _median_ms(small),
+        "matmuls_beside_ms": _median_ms(beside),
+        "matmuls_alone_ms": _median_ms(matmul_alone),
+    }
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chunks", type=int, default=64, help="chunks of 256 tokens (64: 16k tokens)")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument(
+        "--layer-mb", type=float, default=1.0, help="MB of one layer of one chunk (8B model: 1)"
+    )
+    p.add_argument("--programs", type=int, nargs="+", default=[16, 32, 64, 132])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--output", default="", help="write the JSON record here")
+
+
+def run(args: argparse.Namespace) -> int:
+    need_gpu("bench h2d times host-to-GPU copies")
+    dev = torch.device("cuda")
+    load = Load(args.chunks, args.layers, args.layer_mb, dev)
+    stream = torch.cuda.current_stream()
+    ways = {"copy engine": lambda: load.by_engine(stream)}
+    ways.update({f"kernel x{n}": (lambda n=n: load.by_kernel(stream, n)) for n in args.programs})
+    result: dict = {
+        "bytes": load.pool.numel(),
+        "gpu": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    for name, go in ways.items():
+        r = result[name] = measure(load, go, args.repeats, dev)
+        print(
+            f"{name:14s} {r['GBps']:5.1f} GB/s "
+            f"({r['ms']:.1f} ms for {load.pool.numel() / 1e9:.2f} GB); "
+            f"a 128 KB copy queued 1 ms in waits {r['small_copy_wait_ms']:.2f} ms; "
+            f"20 matmuls beside "
+            f"{r['matmuls_beside_ms']:.1f} ms (alone {r['matmuls_alone_ms']:.1f})",
+            flush=True,
+        )
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_args(parser)
+    raise SystemExit(run(parser.parse_args()))

@@ -1,0 +1,584 @@
+"""`python -m kvtier_tools.bench.serving`: the chat workload (chat.py) against vLLM's OpenAI
+server with each KV offloader in turn: same vLLM, model, prompts and CPU memory, one
+server at a time on this machine.
+
+    plain          no offloader (vLLM's own prefix cache only, if on)
+    kvtier         KvtierConnector, its defaults (gpu_upload auto, async_loading busy)
+    kvtier-kernel  KvtierConnector, gpu_upload kernel (no load holds the copy engine)
+    kvtier-in-step KvtierConnector, async_loading never (every CPU-RAM hit loads in its step)
+    kvtier-dma     KvtierConnector, gpu_upload copy_engine (a hit beside the steps crosses by DMA
+                   too)
+    lmcache        LMCacheConnectorV1, CPU RAM
+    native         vLLM's OffloadingConnector (--kv-offloading-size, backend native)
+
+One JSON record per setup (`<out>/<setup>.json`), `<out>/serving.svg` (TTFT over the
+run, every setup) and a table on stdout: mean / p99 TTFT, throughput, hit rates,
+failed requests, and how many greedy outputs equal the first setup's. `--gpu-kv-share S`
+sizes vLLM's GPU KV cache to hold S of the conversations at their last turn, whatever the
+GPU (`ServerSpec.gpu_kv_bytes`): the offloaders serve the rest. With `--rounds N`
+the setups run N times over in turn (`<setup>#<k>`), and a second table gives each one's
+mean TTFT by round and its median ratio to the first setup's in the same round; with
+`--resident` too, every setup's server stays up through the rounds (started once), and
+each round sends new conversations. With
+`--profile`, py-spy samples the server and its engine core during the workload
+(`<out>/<setup>-pyspy.txt`, collapsed stacks; `kvtier_tools.bench.stacks` sums them).
+
+With `--bench-serve JSON` it runs the InfiniStore guide's flow instead: per setup,
+`vllm bench serve` twice against one server (by default with a prefix-sharing dataset,
+vLLM's prefix_repetition, when the JSON sets num_prefixes), and a table of each run's
+median / mean / p99 TTFT, the second's ratio to the first, throughput and failed
+requests (`<out>/<setup>-bench-serve.json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import signal
+import statistics
+import subprocess
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from kvtier_tools.bench.chat import Record, Workload, plot, run, same_outputs
+from kvtier_tools.bench.stores_vllm import LMCACHE_CONNECTOR, bench_serve, served_outputs
+from kvtier_tools.bench.stores_vllm import Workload as BenchServe
+from kvtier_tools.dev.cpu_dtype import model_dtype
+from kvtier_tools.dev.demo import vllm_server
+from kvtier_tools.dev.tinymodel import TinyLlama, make_tiny_llama
+
+KVTIER = {"kv_connector": "KvtierConnector", "kv_role": "kv_both"}
+
+
+def setup(name: str, cpu_gb: float) -> tuple[dict | None, dict, list[str]]:
+    """(kv-transfer-config, environment, more server arguments) of a setup."""
+    size = {"LMCACHE_MAX_LOCAL_CPU_SIZE": str(cpu_gb), "LMCACHE_CHUNK_SIZE": "256"}
+    return {
+        "plain": (None, {}, []),
+        "kvtier": (KVTIER, size, []),
+        "kvtier-kernel": (KVTIER, {**size, "KVTIER_GPU_UPLOAD": "kernel"}, []),
+        "kvtier-in-step": (KVTIER, {**size, "KVTIER_ASYNC_LOADING": "never"}, []),
+        "kvtier-dma": (KVTIER, {**size, "KVTIER_GPU_UPLOAD": "copy_engine"}, []),
+        "lmcache": (LMCACHE_CONNECTOR, {**size, "LMCACHE_LOCAL_CPU": "true"}, []),
+        "native": (
+            None,
+            {},
+            ["--kv-offloading-size", str(cpu_gb), "--kv-offloading-backend", "native"],
+        ),
+    }[name]
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """How every setup's vLLM server runs: the same for each offloader."""
+
+    cpu_gb: float = 20.0  # CPU memory each offloader gets
+    gpu_util: float = (
+        0.2  # vLLM's share of the GPU (its KV cache what is left of it after the model)
+    )
+    eager: bool = False
+    prefix_caching: bool = True
+    max_model_len: int = 32768
+    dtype: str = "auto"
+    gpu_kv_bytes: int | None = (
+        None  # vLLM's GPU KV cache, exactly (--kv-cache-memory-bytes; gpu_util then
+    )
+    # only bounds the rest)
+
+
+# vLLM keeps one block of its KV cache back (its null block): 16 tokens on the GPU backends, 128 on
+# its CPU build (with exactly max_model_len tokens the CPU build refused: "estimated maximum model
+# length is 1920" for 2048); a bound for both.
+NULL_BLOCK_TOKENS = 256
+
+
+def gpu_kv_bytes(
+    spec: TinyLlama, w: Workload, share: float, max_model_len: int, dtype_bytes: int = 2
+) -> int:
+    """A GPU KV cache that holds `share` of the workload's conversations at their last turn
+    (prompt and answer), so that the workload means the same on any GPU; at least one
+    request of `max_model_len` tokens and vLLM's null block (it will not start with less). KV
+    in 16-bit floats unless `dtype_bytes` says otherwise."""
+    last_turn = (
+        w.system_tokens + w.turns * w.user_tokens + (w.turns - 1) * w.answer_tokens + w.max_tokens
+    )
+    least = max_model_len + NULL_BLOCK_TOKENS
+    return spec.kv_bytes_per_token(dtype_bytes) * max(
+        round(share * w.conversations * last_turn), least
+    )
+
+
+def served(model: Path, name: str, workdir: Path, server: ServerSpec):
+    """vLLM's OpenAI server with setup `name`'s offloader (a context manager)."""
+    connector, env, extra = setup(name, server.cpu_gb)
+    if server.gpu_kv_bytes is not None:  # on CPU too: vLLM's CPU platform takes its whole GiB from
+        # VLLM_CPU_KVCACHE_SPACE over the flag, so the variable goes
+        extra = [*extra, "--kv-cache-memory-bytes", str(server.gpu_kv_bytes)]
+        env = {**env, "VLLM_CPU_KVCACHE_SPACE": None}
+    return vllm_server(
+        model,
+        workdir,
+        env=env,
+        kv_connector=connector,
+        extra_args=extra,
+        gpu_memory_utilization=server.gpu_util,
+        eager=server.eager,
+        prefix_caching=server.prefix_caching,
+        max_model_len=server.max_model_len,
+        dtype=server.dtype,
+    )
+
+
+@contextlib.contextmanager
+def sampled(pid: int, path: Path | None) -> Iterator[None]:
+    """py-spy sampling process `pid` and its children (vLLM's engine core) into `path`, as
+    collapsed stacks, while the block runs (nothing where `path` is None)."""
+    if path is None:
+        yield
+        return
+    spy = shutil.which("py-spy")
+    if spy is None:
+        raise RuntimeError("--profile needs py-spy on PATH (pip install py-spy)")
+    proc = subprocess.Popen(
+        [
+            spy,
+            "record",
+            "--pid",
+            str(pid),
+            "--subprocesses",
+            "--rate",
+            "200",
+            "--format",
+            "raw",
+            "--threads",
+            "--idle",
+            "--nonblocking",
+            "-o",
+            str(path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
+        proc.wait(timeout=60)
+
+
+def compare(
+    model: Path,
+    names: list[str],
+    w: Workload,
+    out: Path,
+    server: ServerSpec,
+    profile: bool = False,
+    rounds: int = 1,
+    servers: str = "per-run",
+) -> dict[str, Record]:
+    """Each setup in turn, `rounds` times over (setup "x" of round 2 is "x#2"): a machine's
+    drift then falls on every setup alike, and each round compares setups side by side.
+
+    `servers`: "per-run", a server a run. "resident": every setup's server up at once (the
+    GPU holds each one's model and KV cache: size `gpu_util` for that), started once; round
+    k then sends new conversations (seed + k), so nothing an earlier round left is a hit,
+    and runs the setups in reverse order every other round. A start costs ~100 s at the 8B
+    shape on an H200 and a run ~10 s, so one call holds many paired rounds this way.
+    "alone": the same rounds, but one setup's server at a time (the machine's drift between
+    the blocks is not paired out); results/DIARY.md, 2026-11-28 21:47 UTC, says why."""
+    out.mkdir(parents=True, exist_ok=True)
+    records: dict[str, Record] = {}
+
+    def measure(key: str, srv, workload: Workload) -> None:
+        assert srv.proc is not None
+        with sampled(srv.proc.pid, out / f"{key}-pyspy.txt" if profile else None):
+            records[key] = rec = run(srv.url, str(model), workload)
+        (out / f"{key}.json").write_text(json.dumps(asdict(rec), indent=1))
+        print(f"[{key}] {json.dumps(rec.summary)}", flush=True)
+
+    def warm(srv) -> None:
+        run(srv.url, str(model), replace(w, rate=100.0, conversations=1, turns=1))
+
+    def key(name: str, r: int) -> str:
+        return name if rounds == 1 else f"{name}#{r + 1}"
+
+    if servers == "alone":
+        for name in names:
+            with served(model, name, out / name, server) as srv:
+                warm(srv)
+                for r in range(rounds):
+                    measure(key(name, r), srv, replace(w, seed=w.seed + r))
+    elif servers == "resident":
+        with contextlib.ExitStack() as stack:
+            up = {
+                name: stack.enter_context(served(model, name, out / name, server)) for name in names
+            }
+            for srv in up.values():
+                warm(srv)
+            for r in range(rounds):
+                for name in names if r % 2 == 0 else names[::-1]:
+                    measure(key(name, r), up[name], replace(w, seed=w.seed + r))
+    else:
+        for r in range(rounds):
+            for name in names:
+                with served(model, name, out / key(name, r), server) as srv:
+                    warm(srv)
+                    measure(key(name, r), srv, w)
+    (out / "serving.svg").write_text(plot({n: asdict(r) for n, r in records.items()}))
+    return records
+
+
+def report(out: Path, names: list[str]) -> dict[str, Record]:
+    """The records a chat run left in `out` ("x#k" by round, each round in the order of
+    `names`, other setups after them), and their plot written again: a run cut by its time
+    limit leaves its records but prints no table."""
+    found = {
+        q.stem: Record(**json.loads(q.read_text()))
+        for q in out.glob("*.json")
+        if "#" in q.stem or q.stem in names
+    }
+    setups = {k.partition("#")[0] for k in found}
+    order = [n for n in names if n in setups] + sorted(setups - set(names))
+    records = {
+        k: found[k]
+        for k in sorted(
+            found, key=lambda k: (int(k.partition("#")[2] or 0), order.index(k.partition("#")[0]))
+        )
+    }
+    (out / "serving.svg").write_text(plot({n: asdict(r) for n, r in records.items()}))
+    return records
+
+
+def serve_twice(
+    model: Path,
+    names: list[str],
+    work: BenchServe,
+    out: Path,
+    server: ServerSpec,
+    profile: bool = False,
+) -> dict[str, dict]:
+    """The InfiniStore guide's flow per setup: `vllm bench serve` twice against one server,
+    the second run sending the first's prompts (a prefix-sharing dataset where `work` says
+    so); `profile`: py-spy on the server during each (`<out>/<setup>-first-pyspy.txt`,
+    `-second-`). A setup whose run fails is recorded with its error; the others still run. Each
+    run's greedy outputs are kept (`outputs`; vLLM's per-request records in `<out>/<setup>/`): an
+    offloader's second run, served from its KV, should give what the first setup's first run
+    computed."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, dict] = {}
+    for name in names:
+        try:
+            with served(model, name, out / name, server) as srv:
+                assert srv.proc is not None
+                runs = {}
+                for run_ in ("first", "second"):
+                    with sampled(
+                        srv.proc.pid, out / f"{name}-{run_}-pyspy.txt" if profile else None
+                    ):
+                        runs[run_] = bench_serve(
+                            srv.url, str(model), work, save=out / name / f"{run_}.json"
+                        )
+            first, second = runs["first"], runs["second"]
+            rows[name] = {
+                "first": first,
+                "second": second,
+                "second_vs_first_median": second["Median TTFT (ms)"] / first["Median TTFT (ms)"],
+                "outputs": {r: served_outputs(out / name / f"{r}.json") for r in runs},
+            }
+        except (
+            RuntimeError,
+            TimeoutError,
+            subprocess.SubprocessError,
+        ) as exc:  # a start or a run that failed
+            rows[name] = {"error": str(exc)[-2000:]}
+        (out / f"{name}-bench-serve.json").write_text(
+            json.dumps({"workload": asdict(work), **rows[name]}, indent=1)
+        )
+        print(f"[{name}] {json.dumps(rows[name])[:400]}", flush=True)
+    return rows
+
+
+def serve_twice_table(rows: dict[str, dict]) -> list[str]:
+    """The runs' figures, and how many of each setup's second-run outputs equal the first
+    setup's first-run outputs (the reference: plain vLLM's recompute, when it runs first)
+    and its own first run's (greedy; a bf16 near-tie under another batch may still part)."""
+    ran = [r for r in rows.values() if "error" not in r]
+    reference = ran[0]["outputs"]["first"] if ran else []
+    lines = [
+        "| setup | first: median / mean / p99 TTFT ms | second | second / first (median) | "
+        "req/s first, second | failed | second's outputs = the reference's, = its first's |",
+        "|---" * 7 + "|",
+    ]
+    for name, r in rows.items():
+        if "error" in r:
+            lines.append(
+                f"| {name} | failed to run: "
+                f"{r['error'].splitlines()[-1][:120] if r['error'] else '?'} ||||||"
+            )
+            continue
+        a, b, outputs = r["first"], r["second"], r["outputs"]
+        lines.append(
+            f"| {name} | {_three(a)} | {_three(b)} | {r['second_vs_first_median']:.3f} | "
+            f"{a.get('Request throughput (req/s)', 0):.2f}, "
+            f"{b.get('Request throughput (req/s)', 0):.2f} | "
+            f"{a.get('Failed requests', 0) + b.get('Failed requests', 0):.0f} | "
+            f"{_equal(outputs['second'], reference)}, "
+            f"{_equal(outputs['second'], outputs['first'])} |"
+        )
+    return lines
+
+
+def _equal(these: list[str], those: list[str]) -> str:
+    """Outputs equal in both, of the requests both ran (a failed request's empty text never
+    counts)."""
+    return f"{sum(bool(a) and a == b for a, b in zip(these, those))}/{min(len(these), len(those))}"
+
+
+def _three(f: dict[str, float]) -> str:
+    return f"{f['Median TTFT (ms)']:.1f} / {f['Mean TTFT (ms)']:.1f} / {f['P99 TTFT (ms)']:.1f}"
+
+
+def by_round(records: dict[str, Record]) -> list[str]:
+    """Each setup's mean TTFT per round ("x#k"), their median, and its ratio to the first
+    setup's in the same round (median over rounds): what a setup costs beside another; and
+    per round the share of requests sent in lockstep (chat.bunched), what a round's mean TTFT
+    followed at capacity."""
+    rounds: dict[str, dict[str, tuple[float, float]]] = {}  # setup -> round -> (mean TTFT, req/s)
+    phases: dict[
+        str, list[tuple[float, float]]
+    ] = {}  # setup -> vLLM's (queue, prefill) ms per round
+    lockstep: dict[str, list[float | None]] = {}  # setup -> share of sends bunched, per round
+    for key, rec in records.items():
+        name, _, r = key.partition("#")
+        if r and rec.summary.get("ttft_mean_ms") is not None:
+            rounds.setdefault(name, {})[r] = (
+                rec.summary["ttft_mean_ms"],
+                rec.summary["requests_per_s"],
+            )
+            lockstep.setdefault(name, []).append(rec.summary.get("sent_bunched"))
+            if rec.summary.get("queue_ms_mean") is not None:
+                phases.setdefault(name, []).append(
+                    (rec.summary["queue_ms_mean"], rec.summary["prefill_ms_mean"])
+                )
+    if not rounds:
+        return []
+    first = next(iter(rounds.values()))
+    lines = [
+        "| setup | mean TTFT ms by round | median | / first setup, same round (median) | "
+        "req/s / first setup's (median) | rounds it leads the first setup on both | "
+        "vLLM's queue / prefill ms (medians) | sent in lockstep by round |",
+        "|---" * 8 + "|",
+    ]
+    for name, by in rounds.items():
+        paired = [(m / first[r][0], q / first[r][1]) for r, (m, q) in by.items() if r in first]
+        leads = sum(t < 1 and q > 1 for t, q in paired)
+        split = phases.get(name)
+        split_ms = (
+            f"{statistics.median(q for q, _ in split):.1f} / "
+            f"{statistics.median(p for _, p in split):.1f}"
+            if split
+            else "—"
+        )
+        lines.append(
+            f"| {name} | {' '.join(f'{m:.1f}' for m, _ in by.values())} | "
+            f"{statistics.median(m for m, _ in by.values()):.1f} | "
+            f"{statistics.median(t for t, _ in paired):.3f} | "
+            f"{statistics.median(q for _, q in paired):.3f} | "
+            f"{leads} of {len(paired)} | {split_ms} | "
+            f"{' '.join('—' if b is None else f'{b:.2f}' for b in lockstep[name])} |"
+        )
+    return lines
+
+
+def table(records: dict[str, Record]) -> list[str]:
+    """A row per record; its outputs compared with those of the first record of its round
+    (the same prompts: a resident run's rounds send different ones)."""
+    firsts: dict[str, Record] = {}
+    for key, rec in records.items():
+        firsts.setdefault(key.partition("#")[2], rec)
+    lines = [
+        "| setup | TTFT mean ms | TTFT p99 ms | req/s | output tok/s | connector hit rate | "
+        "GPU prefix hit rate | in flight mean / max | "
+        "kvtier lookup ms (share of the run, longest since the start) | "
+        "vLLM's queue / prefill / ITL ms | "
+        "vLLM steps over 512 tokens | failed | outputs equal to the round's first |",
+        "|---" * 13 + "|",
+    ]
+    for name, rec in records.items():
+        s = rec.summary
+        equal, both = same_outputs(rec, firsts[name.partition("#")[2]])
+        lines.append(
+            f"| {name} | {_ms(s['ttft_mean_ms'])} | {_ms(s['ttft_p99_ms'])} | "
+            f"{s['requests_per_s']:.2f} | "
+            f"{s['output_tokens_per_s']:.1f} | {s['connector_hit_rate']:.2f} | "
+            f"{s['gpu_prefix_hit_rate']:.2f} | {s['mean_in_flight']:.1f} / {s['max_in_flight']} | "
+            f"{_lookups(s)} | {_ms(s.get('queue_ms_mean'))} / {_ms(s.get('prefill_ms_mean'))} / "
+            f"{_ms(s.get('itl_ms_mean'))} | {_steps(s)} | {s['failed']} | {equal}/{both} |"
+        )
+    return lines
+
+
+def _steps(s: dict) -> str:
+    """vLLM's steps with more tokens than it captures in CUDA graphs, of all (chat.STEPS; records
+    from before 2026-11-28 22:40 UTC have none)."""
+    return (
+        "—" if s.get("steps") is None else f"{s['steps_over_512_tokens']:.0f} of {s['steps']:.0f}"
+    )
+
+
+def _lookups(s: dict) -> str:
+    """kvtier's mean lookup and the share of the run vLLM's scheduler spent in lookups (records
+    from before 2026-11-28 have neither; other connectors make none)."""
+    if s.get("lookup_ms_mean") is None:
+        return "—"
+    longest = (
+        f", longest {s['lookup_ms_longest']:.1f}" if s.get("lookup_ms_longest") is not None else ""
+    )
+    return f"{s['lookup_ms_mean']:.2f} ({100 * s['lookup_share']:.1f} %{longest})"
+
+
+def _ms(v: float | None) -> str:
+    return "—" if v is None else f"{v:.1f}"  # None: no request succeeded
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--setups", nargs="+", default=["plain", "kvtier", "kvtier-kernel", "lmcache", "native"]
+    )
+    p.add_argument("--model-dir", default="/tmp/kvtier-serving-model")
+    p.add_argument(
+        "--model",
+        type=json.loads,
+        default={},
+        help="TinyLlama fields of the model made there (JSON)",
+    )
+    p.add_argument("--out", default="results/serving")
+    p.add_argument("--cpu-gb", type=float, default=20.0, help="CPU memory each offloader gets (GB)")
+    p.add_argument(
+        "--gpu-util",
+        type=float,
+        default=0.2,
+        help="small, so that vLLM's own KV cache holds a part",
+    )
+    p.add_argument(
+        "--gpu-kv-share",
+        type=float,
+        default=None,
+        help="vLLM's GPU KV cache sized to hold this share of the chat's conversations at their "
+        "last turn (--kv-cache-memory-bytes): the same workload on any GPU, "
+        "whatever --gpu-util leaves",
+    )
+    p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--workload", type=json.loads, default={}, help="Workload fields (JSON)")
+    p.add_argument("--profile", action="store_true", help="py-spy the server during each workload")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="run the setups this many times over, in turn"
+    )
+    started = p.add_mutually_exclusive_group()
+    started.add_argument(
+        "--resident",
+        dest="servers",
+        action="store_const",
+        const="resident",
+        default="per-run",
+        help="every setup's server up at once, started once; each round new conversations "
+        "(many paired rounds a call; --gpu-util small enough for all of them)",
+    )
+    started.add_argument(
+        "--alone",
+        dest="servers",
+        action="store_const",
+        const="alone",
+        help="as --resident, but one setup's server at a time, through all its rounds",
+    )
+    p.add_argument(
+        "--report",
+        metavar="DIR",
+        help="print the tables of the chat records in DIR (a run cut by its "
+        "time limit printed none), in the order of --setups, and write their plot again; "
+        "run nothing",
+    )
+    p.add_argument(
+        "--bench-serve",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="instead of the chat workload, `vllm bench serve` twice per setup: fields of "
+        "kvtier_tools.bench.stores_vllm.Workload (num_prefixes > 0: the prefix_repetition dataset)",
+    )
+    return p
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    if args.report:
+        records = report(Path(args.report), args.setups)
+        print("\n".join(table(records) + [""] + by_round(records)))
+        return
+    spec = TinyLlama(**args.model)
+    model = make_tiny_llama(args.model_dir, spec)
+    server = ServerSpec(
+        args.cpu_gb, args.gpu_util, args.eager, args.prefix_caching, args.max_model_len
+    )
+    if args.bench_serve is not None:
+        rows = serve_twice(
+            model,
+            args.setups,
+            BenchServe(**args.bench_serve),
+            Path(args.out),
+            server,
+            profile=args.profile,
+        )
+        print("\n".join(serve_twice_table(rows)))
+        return
+    # Token ids within the model's vocabulary (vLLM refuses others with a 400).
+    workload = Workload(**{"vocab": spec.vocab_size, **args.workload})
+    if (
+        args.gpu_kv_share is not None
+    ):  # KV in the dtype vLLM runs the model in (float32 on an AMX CPU)
+        dtype_bytes = 4 if model_dtype().dtype == "float32" else 2
+        server = replace(
+            server,
+            gpu_kv_bytes=gpu_kv_bytes(
+                spec, workload, args.gpu_kv_share, args.max_model_len, dtype_bytes
+            ),
+        )
+        print(
+            f"vLLM's GPU KV cache: {server.gpu_kv_bytes / 2**30:.2f} GiB, "
+            f"{args.gpu_kv_share:.0%} of the "
+            f"{workload.conversations} conversations at their last turn",
+            flush=True,
+        )
+    records = compare(
+        model,
+        args.setups,
+        workload,
+        Path(args.out),
+        server,
+        profile=args.profile,
+        rounds=args.rounds,
+        servers=args.servers,
+    )
+    print("\n".join(table(records) + [""] + by_round(records)))
+    for name, rec in records.items():
+        s = rec.summary
+        if workload.concurrency > 1 and s["sent_while_another_ran"] < 0.5:
+            print(
+                f"note: {name}: {s['sent_while_another_ran']:.0%} of the requests were sent while "
+                f"another ran "
+                f"({s['mean_in_flight']:.1f} in flight on average): at {workload.rate} req/s "
+                f"the server "
+                f"served them about one at a time, not up to {workload.concurrency}; raise the rate"
+            )
+
+
+if __name__ == "__main__":
+    main()
