@@ -113,22 +113,61 @@ def panels(
     return "\n".join(out)
 
 
-def bars(groups: list[str], series: dict[str, list[float]], title: str, ylabel: str) -> str:
+def _note(text: str, top: float) -> tuple[list[str], float]:
+    """A figure's small print (the command that made it), wrapped, from `top` down; the
+    elements and the height they take."""
+    import textwrap
+
+    lines = textwrap.wrap(text, 125, break_on_hyphens=False) if text else []
+    out = [
+        f'<text x="10" y="{top + 13 * (i + 1):.0f}" font-size="10" fill="#444">'
+        f"{escape(line)}</text>"
+        for i, line in enumerate(lines)
+    ]
+    return out, 13 * len(lines) + (6 if lines else 0)
+
+
+def _bar(x: float, y: float, width: float, bottom: float, color: str, label: str) -> str:
+    """One bar and its value above it, turned upright where the bar is narrower than it."""
+    rect = (
+        f'<rect x="{x:.1f}" y="{y:.1f}" width="{width * 0.9:.1f}" '
+        f'height="{bottom - y:.1f}" fill="{color}"/>'
+    )
+    cx = x + width * 0.45
+    if width * 0.9 >= 7 * len(label):
+        return rect + f'<text x="{cx:.1f}" y="{y - 4:.1f}" text-anchor="middle">{label}</text>'
+    return rect + (
+        f'<text x="{cx + 3:.1f}" y="{y - 4:.1f}" font-size="10" '
+        f'transform="rotate(-90 {cx + 3:.1f} {y - 4:.1f})">{label}</text>'
+    )
+
+
+def bars(
+    groups: list[str],
+    series: dict[str, list[float]],
+    title: str,
+    ylabel: str,
+    fmt: str = ".1f",
+    note: str = "",
+) -> str:
     """An SVG document: for each group (an x category) one bar per series, labelled with its
-    value; series[name][i] is that series' value in groups[i]."""
+    value (`fmt`); series[name][i] is that series' value in groups[i]. `note`, small print
+    under the plot: the command that made it."""
     pw, ph = W - LEFT - RIGHT, PANEL_H
     top = TOP
-    y1 = max((v for vs in series.values() for v in vs), default=1.0) * 1.1 or 1.0
+    y1 = max((v for vs in series.values() for v in vs), default=1.0) * 1.15 or 1.0
     slot = pw / max(1, len(groups))
     width = slot * 0.8 / max(1, len(series))
+    small, extra = _note(note, top + ph + BOTTOM - 14)
+    height = top + ph + BOTTOM + extra
 
     def sy(y: float) -> float:
         return top + ph - y / y1 * ph
 
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{top + ph + BOTTOM}" '
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" '
         'font-family="sans-serif" font-size="12">',
-        f'<rect width="{W}" height="{top + ph + BOTTOM}" fill="white"/>',
+        f'<rect width="{W}" height="{height}" fill="white"/>',
         f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="14">{escape(title)}</text>',
         f'<rect x="{LEFT}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>',
         f'<text x="16" y="{top + ph / 2}" text-anchor="middle" '
@@ -146,12 +185,9 @@ def bars(groups: list[str], series: dict[str, list[float]], title: str, ylabel: 
             f'text-anchor="middle">{escape(group)}</text>'
         )
         for k, values in enumerate(series.values()):
-            x, y = x0 + k * width, sy(values[g])
+            color = COLORS[k % len(COLORS)]
             out.append(
-                f'<rect x="{x:.1f}" y="{y:.1f}" width="{width * 0.9:.1f}" '
-                f'height="{top + ph - y:.1f}" fill="{COLORS[k % len(COLORS)]}"/>'
-                f'<text x="{x + width * 0.45:.1f}" y="{y - 4:.1f}" '
-                f'text-anchor="middle">{values[g]:.1f}</text>'
+                _bar(x0 + k * width, sy(values[g]), width, top + ph, color, f"{values[g]:{fmt}}")
             )
     for k, name in enumerate(series):
         ly = TOP + 16 + 18 * k
@@ -160,5 +196,6 @@ def bars(groups: list[str], series: dict[str, list[float]], title: str, ylabel: 
             f'fill="{COLORS[k % len(COLORS)]}"/>'
             f'<text x="{W - RIGHT + 26}" y="{ly}">{escape(name)}</text>'
         )
+    out += small
     out.append("</svg>")
     return "\n".join(out)

@@ -69,38 +69,60 @@ def compare(out: Path) -> int:
 
 
 def load(records: Path, setups: list[str]) -> dict[str, dict]:
-    """The records of `setups` in `records` (NAME.json or NAME.json.gz a setup), in order."""
-    import gzip
+    """The records of `setups` in `records` (NAME.json or NAME.json.gz a setup), in order; a
+    name may be a path under `records` (`run1/plain`)."""
+    from kvtier_tools.bench.records import read
 
-    recs = {}
-    for name in setups:
-        path = records / f"{name}.json"
-        if path.exists():
-            text = path.read_text()
-        else:
-            text = gzip.decompress((records / f"{name}.json.gz").read_bytes()).decode()
-        recs[name] = json.loads(text)
-    return recs
+    return {name: read(records / f"{name}.json") for name in setups}
 
 
-def plot(records: Path, setups: list[str], out: Path) -> None:
-    """Warm TTFT per length, one bar per setup, as an SVG at `out`."""
+def label(name: str, rec: dict) -> str:
+    """A setup as tables and plots name it: its record's setup (`query-twice-plain.json` is
+    plain's), or its path where the records come from several runs (`run1/plain`)."""
+    return name if "/" in name else rec.get("setup", name)
+
+
+def _runs(rec: dict) -> int:
+    return len(rec["lengths"][next(iter(rec["lengths"]))]["warm"])
+
+
+def footnote(records: Path, recs: dict[str, dict]) -> str:
+    """Machine and date of the records (each distinct one), and the pairs behind a median."""
+    from kvtier_tools.bench.records import machine
+
+    where = []
+    for name, rec in recs.items():
+        it = f"{machine(records / f'{name}.json', rec)}, {rec['machine']['date']}"
+        where += [it] if it not in where else []
+    pairs = {_runs(rec) for rec in recs.values()}
+    runs = (
+        f"medians of {pairs.pop()} pairs"
+        if len(pairs) == 1
+        else "medians of " + ", ".join(f"{_runs(r)} pairs ({label(n, r)})" for n, r in recs.items())
+    )
+    return f"{'; '.join(where)}, {runs}."
+
+
+def plot(records: Path, setups: list[str], out: Path, cold: bool = False, note: str = "") -> None:
+    """Warm (or cold) TTFT per length, one bar per setup, as an SVG at `out`."""
     from kvtier_tools.bench.plot import bars
 
     recs = load(records, setups)
     first = recs[setups[0]]
     lengths = list(first["lengths"])
+    key = "cold_median" if cold else "warm_median"
     series = {
-        name: [rec["lengths"][n]["warm_median"] * 1e3 for n in lengths]
+        label(name, rec): [rec["lengths"][n][key] * 1e3 for n in lengths]
         for name, rec in recs.items()
     }
     groups = [f"{int(n) // 1024}k tokens" for n in lengths]
     machine = first["machine"]
+    what = "Cold TTFT (a miss)" if cold else "Warm TTFT"
     title = (
-        f"Warm TTFT inside vLLM, lower is better ({machine['gpu']}, {machine['date']}; "
+        f"{what} inside vLLM, lower is better ({machine['gpu']}, {machine['date']}; "
         f"median of {len(first['lengths'][lengths[0]]['warm'])})"
     )
-    out.write_text(bars(groups, series, title, "ms"))
+    out.write_text(bars(groups, series, title, "ms", note=note))
 
 
 def markdown(records: Path, setups: list[str]) -> str:
@@ -110,7 +132,7 @@ def markdown(records: Path, setups: list[str]) -> str:
     base = recs[setups[0]]
     rows = [
         "| setup | tokens | cold ms | warm ms | GPU hit ms | warm vs "
-        f"{setups[0]} | warm tokens = GPU hit's |",
+        f"{label(setups[0], base)} | warm tokens = GPU hit's |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, rec in recs.items():
@@ -118,14 +140,37 @@ def markdown(records: Path, setups: list[str]) -> str:
             t = r["tokens"]
             faster = base["lengths"][n]["warm_median"] / r["warm_median"]
             rows.append(
-                f"| {name} | {int(n):,} | {r['cold_median'] * 1e3:.1f} | "
+                f"| {label(name, rec)} | {int(n):,} | {r['cold_median'] * 1e3:.1f} | "
                 f"{r['warm_median'] * 1e3:.1f} | {r['gpu_hit_median'] * 1e3:.1f} | "
                 f"{faster:.2f}x | {'yes' if t['warm'] == t['gpu_hit'] else 'no'} |"
             )
-    machine = base["machine"]
-    runs = len(base["lengths"][next(iter(base["lengths"]))]["warm"])
-    rows.append("")
-    rows.append(f"{machine['gpu']}, {machine['date']}, medians of {runs} pairs.")
+    rows += ["", footnote(records, recs)]
+    return "\n".join(rows) + "\n"
+
+
+def cold_markdown(records: Path, setups: list[str]) -> str:
+    """A table a setup and length: cold TTFT (median and range, ms), against the first
+    setup's (plain vLLM where it is listed first), and whether its cold tokens are the first
+    setup's (`agrees`: equal, or parting where plain vLLM's own two paths part)."""
+    recs = load(records, setups)
+    base = recs[setups[0]]
+    first_name = label(setups[0], base)
+    rows = [
+        f"| setup | tokens | cold ms | range ms | cold vs {first_name} | "
+        f"cold tokens = {first_name}'s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, rec in recs.items():
+        for n, r in rec["lengths"].items():
+            first = base["lengths"].get(n)
+            ratio = f"{r['cold_median'] / first['cold_median']:.3f}" if first else "-"
+            same = agrees(r["tokens"]["cold"], first["tokens"]) if first else None
+            rows.append(
+                f"| {label(name, rec)} | {int(n):,} | {r['cold_median'] * 1e3:.1f} | "
+                f"{min(r['cold']) * 1e3:.1f}-{max(r['cold']) * 1e3:.1f} | {ratio} | "
+                f"{'-' if same is None else 'yes' if same else 'no'} |"
+            )
+    rows += ["", footnote(records, recs)]
     return "\n".join(rows) + "\n"
 
 
@@ -138,15 +183,20 @@ def main() -> None:
     p.add_argument("records", type=Path, help="a folder of records (one JSON a setup)")
     p.add_argument("--plot", type=Path, help="write the warm TTFT bars here (SVG)")
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
+    p.add_argument("--cold", action="store_true", help="the table or plot of cold TTFT (a miss)")
     p.add_argument("--setups", default="", help="comma list, in this order (default: all)")
     args = p.parse_args()
     names = [s for s in args.setups.split(",") if s] or sorted(
         p.name.split(".")[0] for p in args.records.glob("*.json*")
     )
     if args.markdown:
-        print(markdown(args.records, names), end="")
+        table = cold_markdown if args.cold else markdown
+        print(table(args.records, names), end="")
     elif args.plot is not None:
-        plot(args.records, names, args.plot)
+        from kvtier_tools.bench.records import command
+
+        note = command("kvtier_tools.bench.vllm_report")
+        plot(args.records, names, args.plot, args.cold, note)
     else:
         raise SystemExit(compare(args.records))
 

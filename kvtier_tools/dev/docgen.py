@@ -1,10 +1,12 @@
-"""The docs' generated blocks: tables and help texts made from the code, one source.
+"""The docs' generated blocks and figures: tables, help texts and plots made from the code
+and the records in results/, one source.
 
-    python -m kvtier_tools.dev.docgen           (rewrites every block in docs/)
-    python -m kvtier_tools.dev.docgen --check   (exit 1, naming the stale blocks)
+    python -m kvtier_tools.dev.docgen           (rewrites every block in docs/ and every figure)
+    python -m kvtier_tools.dev.docgen --check   (exit 1, naming the stale blocks and figures)
 
-A block sits between `<!-- NAME:begin -->` and `<!-- NAME:end -->` in a page of docs/;
-tests/test_docs.py fails while one differs from what its command prints now.
+A block sits between `<!-- NAME:begin -->` and `<!-- NAME:end -->` in a page of docs/; a
+figure is an SVG under docs/img/ that a report command writes (FIGURES). tests/test_docs.py
+fails while one differs from what its command makes now.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -43,11 +46,16 @@ def cli_help() -> str:
     return "\n".join(parts)
 
 
-def _report(run: str, setups: str) -> str:
+def _report(run: str, setups: str, *more: str) -> str:
     """A table of `kvtier_tools.bench.vllm`'s records of one run (bench.vllm_report)."""
     return _output(
-        "kvtier_tools.bench.vllm_report", f"results/{run}", "--setups", setups, "--markdown"
+        "kvtier_tools.bench.vllm_report", f"results/{run}", "--setups", setups, "--markdown", *more
     )
+
+
+def _bench(module: str, what: str, *records: str) -> str:
+    """A table of a report module's (kvtier_tools.bench.report_*) over records in results/."""
+    return _output(f"kvtier_tools.bench.{module}", what, *(f"results/{r}" for r in records))
 
 
 BLOCKS = {
@@ -55,12 +63,114 @@ BLOCKS = {
         "gpu-h200-vllm-2026-11-29/lossy", "native,kvtier-int8,kvtier-fp8"
     ),
     "warm-ttft-h200-mla": lambda: _report("gpu-h200-vllm-2026-11-29/mla", "native,kvtier,plain"),
+    "cold-ttft-h100-default": lambda: _report(
+        "gpu-h100-vllm-2026-11-27/paired-serving-query-twice",
+        "query-twice-plain,query-twice-kvtier,query-twice-lmcache",
+        "--cold",
+    ),
+    "cold-ttft-h100-eager": lambda: _report(
+        "gpu-h100-vllm-2026-11-27/eager-query-twice",
+        "plain,kvtier,kvtier-layerwise,lmcache",
+        "--cold",
+    ),
+    "cold-ttft-h100-layerwise": lambda: _report(
+        "gpu-h100-vllm-2026-11-28/query-twice", "plain,kvtier,kvtier-layerwise", "--cold"
+    ),
+    "cold-ttft-h200-mla": lambda: _report(
+        "gpu-h200-vllm-2026-11-29/mla", "plain,native,kvtier", "--cold"
+    ),
+    "cold-ttft-h100-tiers": lambda: _report(
+        "gpu-h100-vllm-2026-11-26",
+        "run1/plain,run3/kvtier-disk,run3/kvtier-server,run3/kvtier-server-tcp",
+        "--cold",
+    ),
+    "pd-transfer-h200x2": lambda: _bench(
+        "report_pd", "transfer", "gpu2-h200x2-2026-11-28b/pd-2gpu.json"
+    ),
+    "pd-nixl-h100x2": lambda: _bench(
+        "report_pd", "transfer", "gpu2-h100x2-2026-11-26b/pd-nixl-2gpu.json"
+    ),
+    "pd-vllm-h200x2": lambda: _bench("report_pd", "vllm", "gpu2-h200x2-2026-11-28/pd-vllm.json"),
+    "pd-vllm-lmcache-h100x2": lambda: _bench(
+        "report_pd",
+        "vllm",
+        "gpu2-h100x2-2026-11-27b/pd-vllm-kvtier.json",
+        "gpu2-h100x2-2026-11-27b/pd-vllm-lmcache.json",
+    ),
+    "server-stores-2core": lambda: _bench(
+        "report_stores", "server", "cpu-2core-2026-11-25/server-stores.json"
+    ),
+    "server-redis-2core": lambda: _bench(
+        "report_stores", "server", "cpu-2core-2026-11-22/server.json"
+    ),
+    "server-tcp-2core": lambda: _bench(
+        "report_stores", "server", "cpu-2core-2026-11-22/server-tcp-7repeats.json"
+    ),
+    "server-auth-tls-2core": lambda: _bench(
+        "report_stores", "server", "cpu-2core-2026-11-23/server-auth-tls.json"
+    ),
+    "shared-store-h100": lambda: _bench(
+        "report_stores", "vllm", "gpu-h100-vllm-2026-11-27/shared-store/shared-store-f.json"
+    ),
+    "shared-store-2core": lambda: _bench(
+        "report_stores", "vllm", "cpu-2core-2026-11-25/stores-vllm.json"
+    ),
+    "server-warm-h100": lambda: _report(
+        "gpu-h100-vllm-2026-11-26", "run1/kvtier,run3/kvtier-server,run3/kvtier-server-tcp"
+    ),
+    "disk-tier-file": lambda: _bench(
+        "report_disk", "tier", "gpu-h100-2026-11-23/disk.json", "cpu-2core-2026-11-23/disk.json"
+    ),
+    "disk-ttft-h100": lambda: _bench(
+        "report_disk", "ttft", "gpu-h100-2026-11-23/disk-ttft/ttft.json"
+    ),
+    "disk-warm-h100": lambda: _report(
+        "gpu-h100-vllm-2026-11-26", "run1/plain,run1/kvtier,run3/kvtier-disk"
+    ),
     "config-keys": lambda: (
         "| key | default | meaning |\n|---|---|---|\n" + _kvtier("config", "--keys")
     ),
     "lmcache-keys": lambda: _kvtier("config", "--keys", "--lmcache"),
     "cli-help": cli_help,
 }
+
+# The figures under docs/img/: the report command that writes each (its --plot is the path).
+FIGURES = {
+    "docs/img/warm-ttft-h200.svg": (
+        "vllm_report",
+        "results/gpu-h200-vllm-2026-11-29/lossy --setups native,kvtier-int8,kvtier-fp8",
+    ),
+    "docs/img/cold-ttft-h100.svg": (
+        "vllm_report",
+        "results/gpu-h100-vllm-2026-11-27/paired-serving-query-twice "
+        "--setups query-twice-plain,query-twice-kvtier,query-twice-lmcache --cold",
+    ),
+    "docs/img/pd-transfer-h200x2.svg": (
+        "report_pd",
+        "transfer results/gpu2-h200x2-2026-11-28b/pd-2gpu.json",
+    ),
+    "docs/img/server-stores-2core.svg": (
+        "report_stores",
+        "server results/cpu-2core-2026-11-25/server-stores.json --conns 2",
+    ),
+    "docs/img/disk-ttft-h100.svg": (
+        "report_disk",
+        "ttft results/gpu-h100-2026-11-23/disk-ttft/ttft.json",
+    ),
+}
+
+
+def figure(path: str) -> str:
+    """The SVG FIGURES[path]'s command writes now. It runs in a scratch folder that sees
+    results/ and has an empty docs/img/, so that it writes to the same relative path (which
+    the figure names in its command line) without touching the one in the tree."""
+    module, args = FIGURES[path]
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "results").symlink_to(DOCS.parent / "results")
+        (Path(tmp) / path).parent.mkdir(parents=True)
+        cmd = [sys.executable, "-m", f"kvtier_tools.bench.{module}", *args.split()]
+        subprocess.run([*cmd, "--plot", path], check=True, cwd=tmp, capture_output=True)
+        return (Path(tmp) / path).read_text()
 
 
 def blocks_in(text: str) -> list[str]:
@@ -91,6 +201,13 @@ def main() -> int:
             stale.append(str(page.relative_to(DOCS.parent)))
             if not args.check:
                 page.write_text(new)
+    for path in FIGURES:
+        new = figure(path)
+        target = DOCS.parent / path
+        if not target.exists() or target.read_text() != new:
+            stale.append(path)
+            if not args.check:
+                target.write_text(new)
     verb = "stale" if args.check else "rewritten"
     print(f"{verb}: {', '.join(stale)}" if stale else "every generated block is up to date")
     return 1 if stale and args.check else 0
