@@ -43,7 +43,9 @@ class ChunkBytes(Protocol):
     BorrowedBlock, whose `pool` is None)."""
 
     data: torch.Tensor
-    pool: HostPool | None
+
+    @property
+    def pool(self) -> HostPool | None: ...
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor: ...
     def verified(self) -> bool: ...

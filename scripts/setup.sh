@@ -32,6 +32,8 @@ assert any(e.name == 'kvtier' for e in m.entry_points(group='vllm.general_plugin
         prometheus-client "redis[hiredis]" lz4 hypothesis
 # The formatter and linter scripts/test.sh runs first, pinned: another version formats otherwise.
 "$VENV"/bin/ruff --version 2>/dev/null | grep -qx "ruff 0.17.6" || pip install -q ruff==0.17.6
+# The type checker scripts/test.sh runs (pyproject.toml's [tool.mypy]), pinned as ruff is.
+"$VENV"/bin/mypy --version 2>/dev/null | grep -q "^mypy 2.4.1 " || pip install -q mypy==2.4.1
 # The docs site (tests/test_docs.py builds it strictly).
 "$VENV"/bin/python -c "import mkdocs, material" 2>/dev/null || pip install -q mkdocs==1.6.1 mkdocs-material==9.8.2
 # NIXL, the optional transfer channel of disaggregated prefill (its tests run both

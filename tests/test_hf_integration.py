@@ -155,9 +155,9 @@ def test_layerwise_from_the_store_server_and_a_chunk_that_fails_its_check_is_com
         cold = session.prefill(ids, use_cache=False).logits
         session.prefill(ids)  # store
         assert session.engine.flush(timeout=10)
-        lent = session.engine.tiers.remote.stats.lent
+        lent = session.engine.tiers.tier("remote").stats.lent
         warm = session.prefill(ids, layerwise=True)
-        assert warm.hit_tokens == 256 and session.engine.tiers.remote.stats.lent == lent + 4
+        assert warm.hit_tokens == 256 and session.engine.tiers.tier("remote").stats.lent == lent + 4
         assert (warm.logits - cold).abs().max().item() < 1e-4
         store = open_store(srv.url, 5)
         key = wire_key(session.engine.spans(ids[0])[2].key)

@@ -184,7 +184,7 @@ def test_quantized_chunks_through_the_kvtier_server(name, how):
         assert close_to(b, kv_at(b_kv, dst[:96]), kv_at(a_kv, src[:96]))
         assert not torch.equal(kv_at(b_kv, dst[:96]), kv_at(a_kv, src[:96]))  # lossy, really
         if how == "same host, lent":
-            assert b.tiers.remote.stats.lent == 6
+            assert b.tiers.tier("remote").stats.lent == 6
         # Layer by layer: the same values.
         for x in b_kv:
             x.zero_()
@@ -216,7 +216,7 @@ def test_the_checksum_covers_the_quantized_bytes():
         mask = b.retrieve(tokens, dst)
         assert mask[:32].all() and not mask[32:].any()  # stops at the bad chunk
         assert torch.equal(kv_at(b_kv, dst[32:]), before)
-        assert b.tiers.remote.stats.corrupt == 1
+        assert b.tiers.tier("remote").stats.corrupt == 1
         a.close(), b.close(), store.close()
 
 

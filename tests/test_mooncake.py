@@ -244,7 +244,7 @@ def kv_at(layers, slots):
 def test_the_engine_registers_its_cpu_pool_and_moves_chunks_in_place(pool):
     eng, layers = engine(pool)
     try:
-        store = eng.tiers.remote.store
+        store = eng.tiers.tier("remote").store
         assert isinstance(store, MooncakeStore)
         arena = eng.pool.arena
         assert (arena.data_ptr(), eng.pool.capacity) in store._regions
@@ -299,7 +299,7 @@ def test_a_master_down_at_start_is_said_once_and_joined_when_it_comes(caplog):
         eng.flush(timeout=10)
         assert eng.lookup(TOKENS) == 0
         with pytest.raises(RemoteUnavailable):
-            eng.tiers.remote.store.exists([b"k"])
+            eng.tiers.tier("remote").store.exists([b"k"])
         from kvtier_tools.dev.localservers import mooncake_binary
 
         master = subprocess.Popen(
@@ -314,10 +314,10 @@ def test_a_master_down_at_start_is_said_once_and_joined_when_it_comes(caplog):
         )
         try:
             deadline = time.monotonic() + 40  # the background retry backs off up to 30 s
-            while eng.tiers.remote.store._client is None and time.monotonic() < deadline:
+            while eng.tiers.tier("remote").store._client is None and time.monotonic() < deadline:
                 time.sleep(0.2)
-            assert eng.tiers.remote.store._client is not None
-            assert eng.tiers.remote.store.exists([b"k"]) == [False]
+            assert eng.tiers.tier("remote").store._client is not None
+            assert eng.tiers.tier("remote").store.exists([b"k"]) == [False]
         finally:
             master.kill()
             master.wait()
@@ -336,6 +336,6 @@ def test_a_master_killed_while_serving_means_misses_within_the_timeout():
             assert eng.lookup(TOKENS) == 0  # RPC_FAIL: a fault, then the back-off
             assert not eng.retrieve(TOKENS, dst).any()
             assert time.monotonic() - t0 < 10
-            assert eng.tiers.remote.stats.faults >= 1
+            assert eng.tiers.tier("remote").stats.faults >= 1
         finally:
             eng.close()

@@ -118,7 +118,8 @@ def test_a_corrupt_disk_chunk_is_read_from_the_remote_store_instead(url, tmp_pat
     want = kv_at(layers, src[:96]).clone()
     assert e.store(tokens, src) == 96 and e.flush(timeout=10)
     key = e.spans(tokens)[2].key
-    assert e.tiers.disk.exists([key]) == [True] and e.tiers.remote.exists([key]) == [True]
+    assert e.tiers.tier("disk").exists([key]) == [True]
+    assert e.tiers.tier("remote").exists([key]) == [True]
     path = tmp_path / "disk" / file_name(key)
     data = bytearray(path.read_bytes())
     data[-100] ^= 0x01
@@ -126,7 +127,7 @@ def test_a_corrupt_disk_chunk_is_read_from_the_remote_store_instead(url, tmp_pat
     mask = e.retrieve(tokens, dst)
     assert mask[:96].all() and not mask[96:].any()
     assert torch.equal(kv_at(layers, dst[:96]), want)
-    assert e.tiers.disk.stats.corrupt == 1 and e.tiers.disk.exists([key]) == [False]
+    assert e.tiers.tier("disk").stats.corrupt == 1 and e.tiers.tier("disk").exists([key]) == [False]
     e.close()
 
 
@@ -148,7 +149,7 @@ def test_a_corrupt_remote_chunk_is_a_miss_not_wrong_kv(url):
     assert mask[:32].all() and not mask[32:].any()  # loading stops at the bad chunk
     assert torch.equal(kv_at(b_kv, dst[32:]), before)
     assert torch.equal(kv_at(b_kv, dst[:32]), kv_at(a_kv, src[:32]))
-    assert b.tiers.remote.stats.corrupt == 1
+    assert b.tiers.tier("remote").stats.corrupt == 1
     assert store.exists([key]) == [False]  # removed, so that the next store of it lands
     a.close(), b.close(), store.close()
 
@@ -162,7 +163,7 @@ def test_same_host_chunks_are_read_in_place_and_a_bad_one_is_not_loaded():
         mask = b.retrieve(tokens, dst)
         assert mask[:96].all() and not mask[96:].any()
         assert torch.equal(kv_at(b_kv, dst[:96]), kv_at(a_kv, src[:96]))
-        assert b.tiers.remote.stats.lent == 6
+        assert b.tiers.tier("remote").stats.lent == 6
         assert b.pool.free_blocks == b.pool.num_blocks  # no block was needed
         key = wire_key(b.spans(tokens)[3].key)  # the fourth chunk: flip one payload byte
         store = open_store(srv.url, 5)
@@ -179,11 +180,12 @@ def test_same_host_chunks_are_read_in_place_and_a_bad_one_is_not_loaded():
         value = bytearray(store.get([first])[0])
         value[0] ^= 0xFF  # the codec's magic
         store.put([first], [bytes(value)])
-        lent, corrupt = b.tiers.remote.stats.lent, b.tiers.remote.stats.corrupt
+        lent, corrupt = b.tiers.tier("remote").stats.lent, b.tiers.tier("remote").stats.corrupt
         assert not b.retrieve(tokens, dst).any()
         # the copying path read the batch: chunk 0 (bad header) and chunk 3 (bad payload), each
         # counted once
-        assert b.tiers.remote.stats.lent == lent and b.tiers.remote.stats.corrupt == corrupt + 2
+        stats = b.tiers.tier("remote").stats
+        assert stats.lent == lent and stats.corrupt == corrupt + 2
         a.close(), b.close(), store.close()
 
 
@@ -201,7 +203,7 @@ def test_layerwise_loads_lent_chunks_in_one_lease_and_a_bad_one_cuts_the_mask_at
         for _, c in lent:
             c.block.release()
         load = b.start_retrieve(tokens, dst, layerwise=True)
-        assert load.num_tokens == 96 and b.tiers.remote.stats.lent == 12
+        assert load.num_tokens == 96 and b.tiers.tier("remote").stats.lent == 12
         for layer in range(L):
             load.wait(layer)
         assert load.finish()[:96].all()
@@ -218,9 +220,9 @@ def test_layerwise_loads_lent_chunks_in_one_lease_and_a_bad_one_cuts_the_mask_at
         assert mask[:48].all() and not mask[48:].any()
         assert b.stats.loaded_by_tier == {"remote": 96 + 48}
         store.delete([key])  # gone: the lease says so, and the three chunks before it are lent
-        spans, lent = b.spans(tokens)[:6], b.tiers.remote.stats.lent
+        spans, lent = b.spans(tokens)[:6], b.tiers.tier("remote").stats.lent
         got = b.tiers.lend_whole(spans)
-        assert [s for s, _ in got] == spans[:3] and b.tiers.remote.stats.lent == lent + 3
+        assert [s for s, _ in got] == spans[:3] and b.tiers.tier("remote").stats.lent == lent + 3
         for _, chunk in got:
             chunk.block.release()
         load = b.start_retrieve(tokens, dst, layerwise=True)
@@ -242,7 +244,7 @@ def test_a_layerwise_load_whose_lease_has_a_chunk_split_over_pages_loads_by_copy
         store.delete([keys[4]])  # its three pages go back on the free stack
         store.put([b"filler"], [b"y"])  # takes the first of them
         store.put([keys[3]], store.get([keys[3]]))  # two of chunk 4's old pages and a far one
-        lease = b.tiers.remote.store.borrow(keys)
+        lease = b.tiers.tier("remote").store.borrow(keys)
         assert lease.leading == 4 and None not in lease.places[:3] and lease.places[3] is None
         lease.release()
         assert b.tiers.lend_whole(b.spans(tokens)[:6]) == []
@@ -265,7 +267,7 @@ def test_a_layerwise_load_larger_than_one_lease_may_hold_loads_whole():
             load._handle is None and load.num_tokens == 96
         )  # loaded already: no layer to wait for
         assert (
-            load.finish()[:96].all() and b.tiers.remote.stats.lent == 6
+            load.finish()[:96].all() and b.tiers.tier("remote").stats.lent == 6
         )  # each chunk counted once
         assert torch.equal(kv_at(b_kv, dst[:96]), kv_at(a_kv, src[:96]))
         a.close(), b.close()
@@ -295,12 +297,12 @@ def test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv():
         a.flush(timeout=10)
         assert b.retrieve(tokens, dst)[:96].all()
         assert torch.equal(kv_at(layers[1], dst[:96].cuda()), kv_at(layers[0], src[:96].cuda()))
-        assert b.tiers.remote.stats.lent == 6
-        pool = b.tiers.remote.store._link.shm
+        assert b.tiers.tier("remote").stats.lent == 6
+        pool = b.tiers.tier("remote").store._link.shm
         assert torch.from_numpy(pool[:16]).is_pinned()  # registered: the copy was a DMA
         layers[1][0].zero_()
         load = b.start_retrieve(tokens, dst, layerwise=True)  # all six in one lease, layer by layer
-        assert load._handle is not None and b.tiers.remote.stats.lent == 12
+        assert load._handle is not None and b.tiers.tier("remote").stats.lent == 12
         for layer in range(L):
             load.wait(layer)
         assert load.finish()[:96].all()
@@ -360,10 +362,11 @@ def test_a_dead_remote_store_is_a_fast_miss_and_is_used_again_once_back():
         for _ in range(20):  # during the back-off nothing is even tried
             assert a.lookup(TOKENS) == 0
         assert time.monotonic() - t0 < 3
-        assert a.tiers.remote.stats.faults >= 1 and a.tiers.remote.stats.skipped >= 1
+        stats = a.tiers.tier("remote").stats
+        assert stats.faults >= 1 and stats.skipped >= 1
         srv.start()
         deadline = time.monotonic() + 10
-        while a.tiers.remote.stats.puts == 0 and time.monotonic() < deadline:
+        while a.tiers.tier("remote").stats.puts == 0 and time.monotonic() < deadline:
             a.store(TOKENS, src)  # the CPU tier was cleared, so this stores again
             a.flush(timeout=10)
             a.tiers.cpu.clear()
@@ -496,6 +499,6 @@ def test_an_engine_connects_to_the_store_server_at_start_not_at_its_first_reques
         assert (
             srv.metrics()["accepted_connections"] == before + 1
         )  # made while the engine was built
-        assert e.tiers.remote.store.shm_active  # the same connection, its pool mapped
+        assert e.tiers.tier("remote").store.shm_active  # the same connection, its pool mapped
         assert srv.metrics()["accepted_connections"] == before + 1
         e.close()

@@ -157,7 +157,7 @@ def test_engines_of_two_tenants_hit_only_their_own_chunks(tenants_srv, monkeypat
     assert alice.store(tokens, torch.arange(64)) == 64 and alice.flush(timeout=10)
     assert alice2.lookup(tokens) == 64
     assert bob.lookup(tokens) == 0
-    assert bob.tiers.remote.stats.faults == 0
+    assert bob.tiers.tier("remote").stats.faults == 0
     for engine in (alice, bob, alice2):
         engine.close()
     with pytest.raises(ConfigError, match="remote_auth_token"):

@@ -52,7 +52,7 @@ SRC, DST = torch.arange(0, 160), torch.arange(400, 560)
 def test_a_store_ten_times_the_pool_streams_to_disk_and_loads_back(tmp_path):
     eng, layers = engine(chunks=2, disk=tmp_path)
     assert eng.store(TOKENS, SRC) == 160 and eng.flush(timeout=10)
-    assert eng.stats.skipped_store_tokens == 0 and len(eng.tiers.disk) == 10
+    assert eng.stats.skipped_store_tokens == 0 and len(eng.tiers.tier("disk")) == 10
     assert eng.lookup(TOKENS) == 160
     mask = eng.retrieve(TOKENS, DST)  # 8 chunks from disk through a 2-block pool
     assert mask.all() and torch.equal(kv_at(layers, DST), kv_at(layers, SRC))
@@ -84,12 +84,12 @@ def test_disk_write_filter_waits_for_the_nth_store(tmp_path):
     eng, _ = engine(chunks=16, disk=tmp_path, local_disk_min_stores=2)
     eng.store(TOKENS[:32], SRC[:32])
     eng.flush(timeout=10)
-    assert len(eng.tiers.disk) == 0  # stored once: RAM only
+    assert len(eng.tiers.tier("disk")) == 0  # stored once: RAM only
     eng.store(
         TOKENS[:32], SRC[:32]
     )  # the second store of chunks still in RAM writes them from there
     eng.flush(timeout=10)
-    assert len(eng.tiers.disk) == 2
+    assert len(eng.tiers.tier("disk")) == 2
     eng.tiers.cpu.clear()
     assert where(eng, TOKENS[:32]) == ["disk", "disk"]
     eng.close()
@@ -157,7 +157,7 @@ def test_reset_clears_cpu_and_disk(tmp_path):
     eng.store(TOKENS, SRC)
     eng.flush(timeout=10)
     eng.clear()
-    assert eng.lookup(TOKENS) == 0 and len(eng.tiers.disk) == 0
+    assert eng.lookup(TOKENS) == 0 and len(eng.tiers.tier("disk")) == 0
     assert not list(tmp_path.glob("*.kvc"))
     eng.close()
 
@@ -191,5 +191,5 @@ def test_a_stalled_remote_store_makes_stores_wait_bounded_and_counts_what_it_dro
         stats = eng.tiers.writers["remote"].stats
         assert stats.waits >= 1 and took < 10  # waited for room, within bounds
         assert stats.written + stats.dropped == 10  # every chunk accounted for
-        assert eng.tiers.remote.stats.faults >= 1 and "remote" in caplog.text
+        assert eng.tiers.tier("remote").stats.faults >= 1 and "remote" in caplog.text
         eng.close()

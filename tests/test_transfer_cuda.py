@@ -450,7 +450,7 @@ def test_engine_with_the_int8_codec_through_the_store_server_on_gpu():
             want = reference(a.kv, perm[:256]).float()
             got = reference(b.kv, perm[300:556]).float()
             assert ((got - want).abs() <= a.quant.error_bound(want) + want.abs() / 128).all()
-        assert b.tiers.remote.stats.lent >= 4
+        assert b.tiers.tier("remote").stats.lent >= 4
         a.close(), b.close()
 
 

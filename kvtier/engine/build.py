@@ -27,6 +27,7 @@ from kvtier.remote import LendingStore, RegisteringStore, open_store
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.holds import Holds
+from kvtier.tiers.registry import TierContext, registered_tiers
 from kvtier.tiers.remote import RemoteTier
 from kvtier.tiers.reshard import DiskFiles, HeadGeometry, ReshardedSource, share_sizes
 from kvtier.tiers.store import TieredStore
@@ -72,6 +73,8 @@ def build(
             ),
             config.cache_policy,
         )
+    # Registered tiers first: a factory's error then leaves no disk lock or connection open.
+    registered = registered_tiers(TierContext(config, fmt, mover.bytes_per_token))
     remote = _remote_tier(config, kv, quant)
     if remote is not None:
         remote.digests_on_device = mover.digests
@@ -79,13 +82,12 @@ def build(
             remote.store.register_memory(cpu.pool.arena.data_ptr(), cpu.pool.capacity)
     disk = _disk_tier(config, mover.bytes_per_token, fmt)
     readers = _other_tp_sizes(config, kv, fmt, disk, remote) if config.share_across_tp else []
+    lower = [t for t in (disk, *registered, remote) if t is not None]
     tiers = TieredStore(
         cpu,
         keep_cpu=config.local_cpu or shared_tier,
         bytes_per_token=mover.bytes_per_token,
-        disk=disk,
-        remote=remote,
-        disk_min_stores=config.local_disk_min_stores,
+        lower=lower,
         wait_s=config.blocking_timeout_secs,
         readers=readers,
     )
@@ -117,6 +119,7 @@ def _disk_tier(config: KvtierConfig, bytes_per_token: int, fmt: KVFormat) -> Dis
         config.disk_bytes,
         Codec("naive"),
         config.cache_policy,
+        min_stores=config.local_disk_min_stores,
     )
 
 

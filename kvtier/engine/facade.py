@@ -46,6 +46,7 @@ from kvtier.engine.tails import Tails
 from kvtier.keys import PLAIN, ChunkKey, ChunkSpan, Identity, KVFormat
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
+from kvtier.tiers.base import CPU
 from kvtier.tiers.cpu import CpuTier
 from kvtier.transfer import PagedKV, Transfer
 
@@ -386,9 +387,9 @@ class CacheEngine:
     def _key_ending(self, tokens: Tokens, request_id: str, identity: Identity) -> ChunkKey | None:
         """The key of the whole chunk that ends with the last of `tokens`, or None."""
         spans = self.spans(tokens, request_id, identity)
-        last = spans[-1] if spans else None
-        ok = last is not None and last.end == len(tokens) and last.num_tokens == self.chunk_size
-        return last.key if ok else None
+        if not spans or spans[-1].end != len(tokens) or spans[-1].num_tokens != self.chunk_size:
+            return None
+        return spans[-1].key
 
     def metrics(self) -> dict[str, float]:
         """A snapshot of the engine's counters (cumulative) and gauges; a per-tier
@@ -416,8 +417,8 @@ class CacheEngine:
             out[f"stored_tokens:{name}"] = writer.stats.written_tokens
             out[f"stored_bytes:{name}"] = writer.stats.written_tokens * bpt
             out[f"dropped_writes:{name}"] = writer.stats.dropped
-        if tiers.disk is not None:
-            out["evictions:disk"] = tiers.disk.stats.evictions
+        for local in tiers.local:
+            out[f"evictions:{local.name}"] = local.evictions
         for tier, tokens in stats.loaded_by_tier.items():
             out[f"loaded_tokens:{tier}"], out[f"loaded_bytes:{tier}"] = tokens, tokens * bpt
         return out
@@ -431,8 +432,7 @@ class CacheEngine:
         self.tiers.clear()
         self.tails.clear()
         log.info(
-            "cleared the local tiers (CPU RAM%s)",
-            " and disk" if self.tiers.disk is not None else "",
+            "cleared the local tiers (%s)", ", ".join([CPU, *(t.name for t in self.tiers.local)])
         )
 
     def flush(self, timeout: float | None = None) -> bool:

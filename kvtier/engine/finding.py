@@ -90,7 +90,9 @@ class FindPath:
         in_cpu = next((i for i, w in enumerate(where) if w not in (CPU, FLYING)), len(where))
         if cpu_only:
             where = where[:in_cpu]
-        n, state_keys, state_where = len(where), [], []
+        n = len(where)
+        state_keys: list[ChunkKey] = []
+        state_where: list[str] = []
         if self.states is not None:
             end = len(tokens) if limit is None else limit
             n, state_keys, state_where = self.state_point(spans, where, end, cpu_only)

@@ -34,7 +34,8 @@ class Landing:
         (a lower tier's full queue may make a landing wait, never a lookup that needs none)."""
         if not self._flying:
             return
-        ready, flying = [], []
+        ready: list[tuple[InFlight, frozenset[ChunkKey], Callable[[], None]]] = []
+        flying: list[tuple[InFlight, frozenset[ChunkKey], Callable[[], None]]] = []
         with self._lock:
             for entry in self._flying:
                 flight, theirs, _ = entry

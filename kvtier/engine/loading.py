@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from kvtier.transfer import LayerHandle, Upload
 log = get_logger(__name__)
 
 Held = list[tuple[ChunkSpan, StoredChunk]]
-Batches = Iterator[Held]
+Batches = Generator[Held, None, None]
 
 
 class LoadPath:
@@ -109,8 +109,8 @@ class LoadPath:
         until `finish()`); or, from disk or remote, batches to load one after another."""
         if layerwise:
             held = self.tiers.lend_whole([s for s in spans if s.end > start])
-            if held:
-                return [(s, self.tiers.remote.name) for s, _ in held], held, None, None
+            if held and self.tiers.lending is not None:
+                return [(s, self.tiers.lending.name) for s, _ in held], held, None, None
         where = self.tiers.locate([s.key for s in spans])
         todo = [(s, w) for s, w in zip(spans, where) if s.end > start]
         all_cpu = all(w == CPU for _, w in todo)
@@ -199,6 +199,7 @@ class Loading:
         loaded: list[tuple[ChunkSpan, str]],
     ) -> None:
         self.mask = mask
+        self._held: Held | None
         self._path, self._job, self._held, self._handle, self._loaded = (
             path,
             job,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
+from typing import Literal, overload
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ class Mover:
         )
         # A chunk's dtype, and its dimensions before and after T (asked once per chunk on
         # every load).
+        self._dims: tuple[tuple[int, int], tuple[int, ...]]
         self._dtype, self._dims = (
             (kv.dtype, ((kv.num_layers, kv.kv), (kv.heads, kv.head_size)))
             if quant is None
@@ -155,6 +157,32 @@ class Mover:
                 layer_major=layer_major,
                 beside=beside,
             )
+
+    @overload
+    def scatter(
+        self,
+        slots: torch.Tensor,
+        found: list[tuple[ChunkSpan, StoredChunk]],
+        start: int,
+        end: int,
+        layerwise: Literal[True],
+        wait: bool = True,
+        upload: Upload | None = None,
+        beside: bool = False,
+    ) -> LayerHandle: ...
+
+    @overload
+    def scatter(
+        self,
+        slots: torch.Tensor,
+        found: list[tuple[ChunkSpan, StoredChunk]],
+        start: int,
+        end: int,
+        layerwise: Literal[False],
+        wait: bool = True,
+        upload: Upload | None = None,
+        beside: bool = False,
+    ) -> Callable[[], None]: ...
 
     def scatter(
         self,

@@ -48,9 +48,11 @@ class EventLog:
 
     def __init__(self, cpu: CpuTier, on: bool) -> None:
         self._cpu = cpu
-        self._events: deque[ChunkEvent] | None = deque(maxlen=MAX_EVENTS) if on else None
-        if self._events is not None:
-            cpu.on_evict = lambda key: self._events.append(ChunkEvent(False, key.digest))
+        self._events: deque[ChunkEvent] | None = None
+        if on:
+            events: deque[ChunkEvent] = deque(maxlen=MAX_EVENTS)
+            cpu.on_evict = lambda key: events.append(ChunkEvent(False, key.digest))
+            self._events = events
 
     def stored(
         self,

@@ -82,7 +82,7 @@ class StorePath:
     ) -> list[tuple[ChunkSpan, MemoryBlock]]:
         """Blocks for the first spans, as many as the pool gives now (the first may wait for
         writers)."""
-        owned = []
+        owned: list[tuple[ChunkSpan, MemoryBlock]] = []
         for span in spans:
             block = self.tiers.allocate(wait=wait and not owned)
             if block is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 from kvtier.keys import ChunkKey
 from kvtier.memory import ChunkBytes, HostPool, MemoryBlock
@@ -108,8 +109,9 @@ class CpuTier:
         """Drop the first chunk in eviction order that nobody is reading; False if none."""
         with self._lock:
             for key in self._order.victims():
-                chunk = self._chunks[key]
-                if not chunk.block.pinned:
+                # The CPU tier keeps only pool blocks: `put` takes a MemoryBlock.
+                block = cast(MemoryBlock, self._chunks[key].block)
+                if not block.pinned:
                     break
             else:
                 return False
@@ -118,5 +120,5 @@ class CpuTier:
             self.stats.evictions += 1
             if self.on_evict is not None:
                 self.on_evict(key)
-        chunk.block.release()
+        block.release()
         return True

@@ -50,7 +50,7 @@ from kvtier.codec import HEADER, Codec
 from kvtier.errors import CorruptPayload, DiskTierInUse
 from kvtier.keys import ChunkKey, wire_key
 from kvtier.logs import get_logger
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import LocalTier, PinningTier, Tier
 from kvtier.tiers.policy import EvictionOrder
 
 log = get_logger(__name__)
@@ -80,8 +80,9 @@ def file_name(key: ChunkKey) -> str:
     return xxhash.xxh3_128_hexdigest(wire_key(key)) + SUFFIX
 
 
-class DiskTier:
+class DiskTier(LocalTier, PinningTier):
     name = Tier.DISK
+    min_stores: int
 
     def __init__(
         self,
@@ -90,8 +91,10 @@ class DiskTier:
         codec: Codec,
         policy: str = "LRU",
         retry_s: float = WRITE_RETRY_S,
+        min_stores: int = 1,
     ) -> None:
         self.root, self.capacity, self.codec, self.retry_s = Path(root), capacity, codec, retry_s
+        self.min_stores = min_stores  # local_disk_min_stores: the write filter
         self.stats = DiskStats()
         self.writable = True
         self._retry_at, self._outages = (
@@ -336,12 +339,13 @@ class DiskTier:
             self._retry_at = max(self._retry_at, time.monotonic() + self.retry_s)
         if not first:
             return
-        why = {
+        reasons = {
             errno.ENOSPC: "the disk is full",
             errno.EROFS: "the file system is read-only",
             errno.EACCES: "no permission",
             errno.EDQUOT: "the disk quota is used up",
-        }.get(e.errno, e.strerror)
+        }
+        why = reasons.get(e.errno or 0, e.strerror or str(e))
         log.error(
             "disk tier: writing to %s failed: %s (%s). The disk tier stops writing; it keeps "
             "serving the %d chunks it has, and kvtier goes on from CPU RAM; it tries again in "
@@ -362,9 +366,9 @@ class DiskTier:
             self._pins.update(names)
         return names
 
-    def unpin(self, names: Sequence[str]) -> None:
+    def unpin(self, handles: Sequence[str]) -> None:
         with self._lock:
-            self._pins.subtract(names)
+            self._pins.subtract(handles)
             self._pins = +self._pins  # drop zeros
 
     def delete(self, key: ChunkKey) -> bool:
@@ -385,6 +389,10 @@ class DiskTier:
             names = [n for n in self._index if not self._pins[n]]
         for name in names:
             self._forget(name, unlink=True)
+
+    @property
+    def evictions(self) -> int:
+        return self.stats.evictions
 
     @property
     def used_bytes(self) -> int:

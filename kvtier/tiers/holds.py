@@ -8,7 +8,8 @@ taken at the lookup, keeps them:
     CPU chunks   a reference on each block (eviction skips a block in use),
                  within a budget: all holds together hold at most half the
                  pool, so stores and loads keep room to stream through it
-    disk chunks  pinned in the disk tier (never evicted while pinned)
+    disk chunks  pinned in the disk tier (never evicted while pinned), and so
+                 in every tier that can pin (a PinningTier)
     remote       cannot be held: a load that misses one is reported, and the
                  engine recomputes those tokens
 
@@ -26,8 +27,8 @@ from dataclasses import dataclass, field
 
 from kvtier.keys import ChunkKey
 from kvtier.logs import get_logger
-from kvtier.memory import MemoryBlock
-from kvtier.tiers.store import TieredStore
+from kvtier.memory import ChunkBytes
+from kvtier.tiers.store import Pins, TieredStore
 
 log = get_logger(__name__)
 
@@ -35,8 +36,8 @@ log = get_logger(__name__)
 @dataclass
 class Hold:
     deadline: float
-    blocks: list[MemoryBlock] = field(default_factory=list)  # one reference each, the hold's
-    disk_names: list[str] = field(default_factory=list)
+    blocks: list[ChunkBytes] = field(default_factory=list)  # one reference each, the hold's
+    pins: Pins = field(default_factory=list)
 
 
 class Holds:
@@ -60,11 +61,11 @@ class Holds:
         self.expire()
         self.release(request_id)
         hold = Hold(time.monotonic() + self.timeout)
-        hold.blocks, hold.disk_names = self.tiers.hold(keys, where, self.budget())
+        hold.blocks, hold.pins = self.tiers.hold(keys, where, self.budget())
         with self._lock:
             self._holds[request_id] = hold
 
-    def add(self, request_id: str, blocks: list[MemoryBlock]) -> bool:
+    def add(self, request_id: str, blocks: Sequence[ChunkBytes]) -> bool:
         """The hold of `request_id` takes over one reference to each block; False if it has none."""
         with self._lock:
             hold = self._holds.get(request_id)
@@ -101,4 +102,4 @@ class Holds:
             self._end(hold)
 
     def _end(self, hold: Hold) -> None:
-        self.tiers.unhold(hold.blocks, hold.disk_names)
+        self.tiers.unhold(hold.blocks, hold.pins)

@@ -37,7 +37,7 @@ from kvtier.keys import ChunkKey, wire_key
 from kvtier.logs import get_logger
 from kvtier.memory import front_view
 from kvtier.remote import KVStore, LendingStore
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import LendingTier, Tier
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -158,8 +158,9 @@ class BorrowedBlock:
         self._batch.release_one()
 
 
-class RemoteTier:
+class RemoteTier(LendingTier):
     name = Tier.REMOTE
+    min_stores = 1  # every stored chunk is written to the remote store
 
     def __init__(self, store: KVStore, codec: Codec, url: str) -> None:
         self.store, self.codec, self.url = store, codec, url
@@ -197,11 +198,14 @@ class RemoteTier:
             def decode(i: int) -> int:
                 return self.codec.check_in_place(headers[i], outs[i])
         else:
-            values = self._guard("get", lambda: self.store.get(wire), [None] * len(keys))
+            missing: list[memoryview | bytes | None] = [None] * len(keys)
+            values = self._guard("get", lambda: self.store.get(wire), missing)
             filled = [v is not None for v in values]
 
             def decode(i: int) -> int:
-                return self.codec.decode_into(values[i], outs[i])
+                value = values[i]
+                assert value is not None  # decoded only where filled[i]
+                return self.codec.decode_into(value, outs[i])
 
         def check(i: int) -> int | CorruptPayload | None:
             try:
@@ -239,7 +243,10 @@ class RemoteTier:
 
     def max_held(self) -> float:
         """Bytes the server lets one connection hold (leases included); 0 while it is down."""
-        info = self._guard("get", self.store.server_info, None)
+        store = self.store
+        if not isinstance(store, LendingStore):
+            return 0.0
+        info = self._guard("get", store.server_info, None)
         if info is None:  # down (or backing off): the borrow that follows will say so
             return 0.0
         return (info.get("bounds") or {}).get("max_held", float("inf"))
@@ -253,7 +260,10 @@ class RemoteTier:
         it is. None: not one lent (another host, a refusal, a fault, or the
         first chunk is such a one), or with `whole` not every chunk the server
         holds before the first it does not: copy instead."""
-        lease = self._guard("get", lambda: self.store.borrow([wire_key(k) for k in keys]), None)
+        store = self.store
+        if not isinstance(store, LendingStore):
+            return None
+        lease = self._guard("get", lambda: store.borrow([wire_key(k) for k in keys]), None)
         if lease is None:
             return None
         wanted = lease.leading if whole else len(keys)

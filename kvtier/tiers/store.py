@@ -1,7 +1,8 @@
-"""TieredStore: where chunks live — CPU RAM, then local disk, then the remote store.
+"""TieredStore: where chunks live — CPU RAM, then the lower tiers in order (local disk,
+registered tiers, the remote store: kvtier/tiers/registry.py).
 
     locate(keys)        the longest stored prefix, and for each of its chunks the
-                        tier that holds it (CPU first, then disk, then remote)
+                        tier that holds it (CPU first, then each lower tier in order)
     fetch(spans)        that prefix in batches that fit the pool: CPU chunks retained,
                         disk and remote chunks read into fresh blocks (and kept in
                         the CPU tier: a disk or remote hit is promoted to RAM)
@@ -33,15 +34,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 from kvtier.keys import ChunkKey, ChunkSpan
 from kvtier.logs import get_logger
-from kvtier.memory import MemoryBlock
-from kvtier.tiers.base import CPU, ChunkSource, LendingTier, LowerTier
+from kvtier.memory import ChunkBytes, MemoryBlock
+from kvtier.tiers.base import CPU, ChunkSource, LendingTier, LocalTier, LowerTier, PinningTier
 from kvtier.tiers.cpu import CpuTier, StoredChunk
-from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.writers import Writer
 
 log = get_logger(__name__)
@@ -49,31 +50,41 @@ log = get_logger(__name__)
 WAIT_STEP = 0.05  # s between checks for a block freed by someone other than the writers
 BORROW_BYTES = 512 << 20  # chunks lent in place per lease: well under a server's per-connection cap
 LEND_WHOLE_SHARE = 0.9  # of the server's per-connection cap, for one layerwise lease
-AHEAD_BYTES = (
-    256 << 20
-)  # a batch when the next is read ahead: small enough that reading and loading overlap
+# A batch when the next is read ahead: small enough that reading and loading overlap.
+AHEAD_BYTES = 256 << 20
+
+Pins = list[tuple[PinningTier, list[str]]]  # per pinning tier, the handles of its pins
 
 
 class TieredStore:
+    """CPU RAM and the tiers below it (`lower`, in the order a lookup asks them). What a lower
+    tier can do besides keeping chunks, it declares (kvtier/tiers/base.py): the store asks
+    for a capability, never for a tier by name."""
+
     def __init__(
         self,
         cpu: CpuTier,
         *,
         keep_cpu: bool,
         bytes_per_token: int,
-        disk: DiskTier | None = None,
-        remote: LendingTier | None = None,
-        disk_min_stores: int = 1,
+        lower: Sequence[LowerTier] = (),
         wait_s: float = 10.0,
         readers: Sequence[ChunkSource] = (),
     ) -> None:
-        self.cpu, self.disk, self.remote, self.keep_cpu = cpu, disk, remote, keep_cpu
-        self.bytes_per_token, self.disk_min_stores, self.wait_s = (
-            bytes_per_token,
-            disk_min_stores,
-            wait_s,
+        self.cpu = cpu
+        self.keep_cpu = keep_cpu
+        self.bytes_per_token = bytes_per_token
+        self.wait_s = wait_s
+        self.lower: list[LowerTier] = list(lower)
+        names = [t.name for t in self.lower]
+        if len(set(names)) < len(names):
+            raise ValueError(f"two lower tiers share a name: {names}")
+        self.local: list[LocalTier] = [t for t in self.lower if isinstance(t, LocalTier)]
+        self.pinning: list[PinningTier] = [t for t in self.lower if isinstance(t, PinningTier)]
+        # The first that lends, if any: its chunks are lent in place when the CPU tier is off.
+        self.lending: LendingTier | None = next(
+            (t for t in self.lower if isinstance(t, LendingTier)), None
         )
-        self.lower: list[LowerTier] = [t for t in (disk, remote) if t is not None]
         # Where chunks are read from, in order: the lower tiers, then read-only views (other
         # tensor-parallel sizes' chunks, kvtier/tiers/reshard.py), asked only for what the
         # tiers miss.
@@ -85,12 +96,15 @@ class TieredStore:
         blocks = cpu.pool.num_blocks
         pending = max(1, blocks // 2 if keep_cpu else blocks)
         self.writers = {t.name: Writer(t, pending, wait_s, self._progress) for t in self.lower}
-        self._stores: OrderedDict[ChunkKey, int] = (
-            OrderedDict()
-        )  # times each key was stored (write filter)
-        self._ahead = ThreadPoolExecutor(
-            1, thread_name_prefix="kvtier-fetch-ahead"
-        )  # fetch(ahead=True)
+        self._stores: OrderedDict[ChunkKey, int] = OrderedDict()  # stores of each key (min_stores)
+        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="kvtier-fetch-ahead")
+
+    def tier(self, name: str) -> LowerTier:
+        """The lower tier called `name` (KeyError if none is)."""
+        for tier in self.lower:
+            if tier.name == name:
+                return tier
+        raise KeyError(name)
 
     # -- where chunks are ---------------------------------------------------------------
 
@@ -110,11 +124,11 @@ class TieredStore:
         return where[:n]  # type: ignore[return-value]
 
     def to_gather(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        """Which chunks a store must copy out of the engine: those in neither CPU RAM nor
-        on disk (with `local_cpu: false`: missing from any lower tier).
+        """Which chunks a store must copy out of the engine: those in neither CPU RAM nor a
+        local tier (with `local_cpu: false`: missing from any lower tier).
 
-        Counts each key for the disk write filter; a chunk already in CPU RAM
-        whose count reaches `disk_min_stores` is queued for disk from there.
+        Counts each key for the write filter; a chunk already in CPU RAM whose count
+        reaches a local tier's `min_stores` is queued for that tier from there.
         """
         counts = [self._count_store(k) for k in keys]
         if not self.keep_cpu:
@@ -125,14 +139,20 @@ class TieredStore:
         out = []
         for key, count in zip(keys, counts):
             in_cpu = self.cpu.contains(key)
-            on_disk = self.disk is not None and self.disk.exists([key])[0]
-            if in_cpu and self.disk is not None and not on_disk and count == self.disk_min_stores:
-                chunk = self.cpu.get(key)
-                if chunk is not None:
-                    self._submit(self.disk, key, chunk.block, chunk.num_tokens)
-                    chunk.block.release()
-            out.append(not (in_cpu or on_disk))
+            held = [t.exists([key])[0] for t in self.local]
+            for tier, on_tier in zip(self.local, held):
+                if in_cpu and not on_tier and count == tier.min_stores:
+                    self._submit_from_cpu(tier, key)
+            out.append(not (in_cpu or any(held)))
         return out
+
+    def _submit_from_cpu(self, tier: LowerTier, key: ChunkKey) -> None:
+        chunk = self.cpu.get(key)
+        if chunk is not None:
+            # The CPU tier keeps only pool blocks: `put` takes a MemoryBlock.
+            block = cast(MemoryBlock, chunk.block)
+            self._submit(tier, key, block, chunk.num_tokens)
+            block.release()
 
     def _count_store(self, key: ChunkKey) -> int:
         count = self._stores.pop(key, 0) + 1
@@ -145,7 +165,7 @@ class TieredStore:
 
     def fetch(
         self, spans: Sequence[ChunkSpan], where: Sequence[str], *, ahead: bool = False
-    ) -> Iterator[list[tuple[ChunkSpan, StoredChunk]]]:
+    ) -> Generator[list[tuple[ChunkSpan, StoredChunk]], None, None]:
         """The chunks of `spans`, found by `locate` in `where`, in batches that fit the
         pool; each chunk retained for the caller.
 
@@ -181,24 +201,26 @@ class TieredStore:
                     chunk.block.release()
 
     def _next_batch(
-        self, spans: Sequence[ChunkSpan], where: list[str], i: int, limit: int | None = None
+        self, spans: Sequence[ChunkSpan], where: Sequence[str], i: int, limit: int | None = None
     ) -> tuple[list[tuple[ChunkSpan, StoredChunk]], bool]:
         """Chunks from position i on, as many as the pool gives now (at most `limit`);
         (batch, whether the prefix ended)."""
+        lending = self.lending
         if (
             not self.keep_cpu
-            and self.remote is not None
-            and where[i] == self.remote.name
-            and self.remote.can_borrow()
+            and lending is not None
+            and where[i] == lending.name
+            and lending.can_borrow()
         ):
-            lent = self._borrow(spans, where, i)
+            lent = self._borrow(lending, spans, where, i)
             if lent is not None:
                 return lent
         batch: list[tuple[ChunkSpan, StoredChunk]] = []
         reads: dict[str, list[int]] = {}  # tier name -> positions in batch
         ended = False
         while i + len(batch) < len(where) and (limit is None or len(batch) < limit):
-            span, tier = spans[i + len(batch)], where[i + len(batch)]
+            span = spans[i + len(batch)]
+            tier: str | None = where[i + len(batch)]
             chunk = self.cpu.get(span.key) if tier == CPU else None
             if (
                 tier == CPU and chunk is None
@@ -225,7 +247,9 @@ class TieredStore:
         if self.keep_cpu:  # promote what came from below
             for p in sorted({p for pos in reads.values() for p in pos if p < good}):
                 span, chunk = batch[p]
-                self.cpu.put(span.key, chunk.block.retain(), span.num_tokens)
+                # read into a pool block by `_read` (positions in `reads` only)
+                block = cast(MemoryBlock, chunk.block)
+                self.cpu.put(span.key, block.retain(), span.num_tokens)
         return batch, ended
 
     def _read(self, batch: list[tuple[ChunkSpan, StoredChunk]], reads: dict[str, list[int]]) -> int:
@@ -257,20 +281,20 @@ class TieredStore:
         return good
 
     def _borrow(
-        self, spans: Sequence[ChunkSpan], where: list[str], i: int
+        self, lending: LendingTier, spans: Sequence[ChunkSpan], where: Sequence[str], i: int
     ) -> tuple[list[tuple[ChunkSpan, StoredChunk]], bool] | None:
-        """Remote chunks from position i on, lent in place by the store server
-        (same host; nothing to keep, so no pool block to copy them into). The
-        next batch starts at the first chunk not lent; None: the chunk at i
-        was not lent, the copying path reads it (or finds it missing)."""
+        """The lending tier's chunks from position i on, lent in place (the store server of
+        this host; nothing to keep, so no pool block to copy them into). The next batch
+        starts at the first chunk not lent; None: the chunk at i was not lent, the copying
+        path reads it (or finds it missing)."""
         # A quarter of the server's per-connection cap: a load reading ahead holds up to three
         # leases.
-        j, nbytes, limit = i, 0, min(BORROW_BYTES, self.remote.max_held() / 4)
-        while j < len(where) and where[j] == self.remote.name and (j == i or nbytes < limit):
+        j, nbytes, limit = i, 0, min(BORROW_BYTES, lending.max_held() / 4)
+        while j < len(where) and where[j] == lending.name and (j == i or nbytes < limit):
             nbytes += spans[j].num_tokens * self.bytes_per_token
             j += 1
         taken = spans[i:j]
-        lent = self.remote.borrow(
+        lent = lending.borrow(
             [s.key for s in taken], [s.num_tokens * self.bytes_per_token for s in taken]
         )
         if lent is None:
@@ -285,22 +309,24 @@ class TieredStore:
         return (batch, False) if batch else None
 
     def lend_whole(self, spans: Sequence[ChunkSpan]) -> list[tuple[ChunkSpan, StoredChunk]]:
-        """The leading chunks of `spans` that the store server of this host holds, all
-        lent in place in one lease, for a layerwise load (which moves layer l of every
-        chunk before layer l+1). One round trip, no `locate`: the lease says which
-        chunks are there. [] unless the CPU tier is off, none of them is on disk, every
-        one held is lent (none split over pages, no bad header) and `spans` fit in most
-        of what the server lets one connection hold: then `locate` and `fetch` do it."""
-        remote = self.remote
-        if not spans or self.keep_cpu or remote is None or not remote.can_borrow():
+        """The leading chunks of `spans` that the lending tier (the store server of this
+        host) holds, all lent in place in one lease, for a layerwise load (which moves layer
+        l of every chunk before layer l+1). One round trip, no `locate`: the lease says
+        which chunks are there. [] unless the CPU tier is off, none of them is in a local
+        tier, every one held is lent (none split over pages, no bad header) and `spans` fit
+        in most of what the server lets one connection hold: then `locate` and `fetch` do
+        it. Their tier is `self.lending.name`."""
+        lending = self.lending
+        if not spans or self.keep_cpu or lending is None or not lending.can_borrow():
             return []
         keys = [s.key for s in spans]
-        if self.disk is not None and any(self.disk.exists(keys)):
+        if any(any(t.exists(keys)) for t in self.local):
             return []
         nbytes = sum(s.num_tokens for s in spans) * self.bytes_per_token
-        if nbytes > LEND_WHOLE_SHARE * remote.max_held():
+        if nbytes > LEND_WHOLE_SHARE * lending.max_held():
             return []
-        lent = remote.borrow(keys, [s.num_tokens * self.bytes_per_token for s in spans], whole=True)
+        sizes = [s.num_tokens * self.bytes_per_token for s in spans]
+        lent = lending.borrow(keys, sizes, whole=True)
         if lent is None or any(n != s.num_tokens for s, (_, n) in zip(spans, lent)):
             for block, _ in lent or []:
                 block.release()
@@ -314,27 +340,29 @@ class TieredStore:
 
     def hold(
         self, keys: Sequence[ChunkKey], where: Sequence[str], most_blocks: int
-    ) -> tuple[list[MemoryBlock], list[str]]:
+    ) -> tuple[list[ChunkBytes], Pins]:
         """Keep the chunks of `keys` (found by `locate` in `where`) from eviction: a reference
-        on each CPU block (at most `most_blocks`), a pin on each disk file; both to `unhold`."""
-        blocks = []
+        on each CPU block (at most `most_blocks`), a pin in each pinning tier that holds
+        some; both to `unhold`."""
+        blocks: list[ChunkBytes] = []
         for key, tier in zip(keys, where):
             if tier == CPU and len(blocks) < most_blocks:
                 chunk = self.cpu.get(key)
                 if chunk is not None:
                     blocks.append(chunk.block)
-        names = (
-            self.disk.pin([k for k, t in zip(keys, where) if t == self.disk.name])
-            if self.disk is not None
-            else []
-        )
-        return blocks, names
+        pins: Pins = []
+        for pinning in self.pinning:
+            mine = [k for k, t in zip(keys, where) if t == pinning.name]
+            handles = pinning.pin(mine) if mine else []
+            if handles:
+                pins.append((pinning, handles))
+        return blocks, pins
 
-    def unhold(self, blocks: Sequence[MemoryBlock], disk_names: Sequence[str]) -> None:
+    def unhold(self, blocks: Sequence[ChunkBytes], pins: Pins) -> None:
         for block in blocks:
             block.release()
-        if disk_names and self.disk is not None:
-            self.disk.unpin(list(disk_names))
+        for pinning, handles in pins:
+            pinning.unpin(handles)
 
     def allocate(self, wait: bool = True) -> MemoryBlock | None:
         """A CPU block (evicting LRU chunks). When only writers hold the others and
@@ -354,15 +382,15 @@ class TieredStore:
                 self._progress.wait(min(left, WAIT_STEP))
 
     def put(self, key: ChunkKey, block: MemoryBlock, num_tokens: int) -> None:
-        """Keep the chunk in the CPU tier and queue it for the lower tiers; takes over `block`."""
-        if (
-            self.disk is not None
-            and self._stores.get(key, 1) >= self.disk_min_stores
-            and not self.disk.exists([key])[0]
-        ):
-            self._submit(self.disk, key, block, num_tokens)
-        if self.remote is not None:
-            self._submit(self.remote, key, block, num_tokens)
+        """Keep the chunk in the CPU tier and queue it for each lower tier whose write filter
+        it passes (and, for a local tier, that does not hold it); takes over `block`."""
+        stores = self._stores.get(key, 1)
+        for tier in self.lower:
+            if stores < tier.min_stores:
+                continue
+            if isinstance(tier, LocalTier) and tier.exists([key])[0]:
+                continue
+            self._submit(tier, key, block, num_tokens)
         if self.keep_cpu:
             self.cpu.put(key, block, num_tokens)
         else:
@@ -385,17 +413,15 @@ class TieredStore:
         return True
 
     def clear(self) -> None:
-        """Drop every chunk of the local tiers (CPU RAM and disk); leased ones stay until
+        """Drop every chunk of CPU RAM and the local tiers; leased and pinned ones stay until
         released."""
         self.cpu.clear()
-        if self.disk is not None:
-            self.disk.clear()
+        for tier in self.local:
+            tier.clear()
 
     def close(self, timeout: float = 30.0) -> None:
         self._ahead.shutdown()
         for writer in self.writers.values():
             writer.close(timeout)
-        if self.disk is not None:
-            self.disk.close()
-        if self.remote is not None:
-            self.remote.close()
+        for tier in self.lower:
+            tier.close()

@@ -148,7 +148,10 @@ def profiled(fns: list[Callable[[], object]], chat: Chat, top: int) -> list[str]
         prof.disable()
         chat.sync()
     lines = []
-    for order, only in (("tottime", ()), ("cumulative", ("kvtier/", "triton/runtime"))):
+    for order, only in (
+        ("tottime", ()),
+        ("cumulative", ("kvtier/", "kvtier_tools/", "triton/runtime")),
+    ):
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats(order).print_stats(
             *[f"({'|'.join(only)})"] if only else [], top
