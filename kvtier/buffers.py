@@ -90,7 +90,8 @@ def _pairs(dst: Sequence[Buffer], src: Sequence[Buffer]) -> Copy:
 # Large copies (a batch of chunks through the same-host shared pool) and
 # checksums are split over threads: one thread's memcpy or xxh3 is far below
 # what a server's memory system moves (numpy and codec.checksum release the
-# GIL): results/DIARY.md, "Figures behind constants" (scripts/gpu_checksum_threads.py, at d755a8a).
+# GIL): results/README.md, "Figures behind constants" (scripts/gpu_checksum_threads.py, at
+# d755a8a).
 COPY_THREADS = max(1, min(16, os.cpu_count() or 1))
 PARALLEL_FROM = 64 << 20
 _PIECE = 8 << 20

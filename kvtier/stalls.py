@@ -1,6 +1,7 @@
 """kvtier's calls on the inference engine's thread that took long, one log line each, with
 what their time went to. Off unless `KVTIER_TRACE_STALLS_MS` is set (e.g. 5: calls of 5 ms
-and longer); a diagnosis aid for serving runs (results/DIARY.md), not a metric.
+and longer); a diagnosis aid for serving runs (results/gpu-h200-vllm-2026-11-28/README.md),
+not a metric.
 
     @traced("lookup")            times each call of the function (on any thread)
     synchronized(kind, event)    event.synchronize(), a host wait inside kvtier, counted into

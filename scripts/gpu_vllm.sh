@@ -57,7 +57,7 @@ export PYTHONPATH=$PWD:/tmp/site:/tmp/kvtier-dist PYTHONUNBUFFERED=1 VLLM_USE_FL
 # in flight, at most the cap of 12 (2026-11-28; the harness's table says how many were, and notes
 # a run that served them one at a time). Output lengths 24-72 tokens (mean 48) since 2026-11-29: with
 # every request 48 tokens, rounds fell into lockstep at random and a round's mean TTFT followed
-# that (58 to 215 ms, whichever offloader; results/DIARY.md 2026-11-29).
+# that (58 to 215 ms, whichever offloader; results/gpu-h200-vllm-2026-11-29/README.md).
 chat_workload='{"conversations": 32, "system_tokens": 4096, "turns": 6, "user_tokens": 256, "answer_tokens": 128,
     "max_tokens": 48, "output_spread": 0.5, "rate": 24.0, "concurrency": 12}'
 bench_serve='{"num_prompts": 64, "input_len": 8192, "prefix_len": 6144, "num_prefixes": 8, "output_len": 16,

@@ -114,9 +114,10 @@ class PdSender:
         self.channel = SenderChannel(config.pd_channel, self.staging)
         self.stats = SendStats()
         # chunks in a step's first and largest Alloc piece (`DecoderLink.reserve`), or None: a step
-        # at once. cuda_ipc, paired on two H100s (2026-11-26, results/DIARY.md): one Alloc a step
-        # was faster than pieces of 4, 8, 16 at 4k and 16k tokens, 4-5 %; staged channels pipeline
-        # their own batches (`_push_staged`)
+        # at once. cuda_ipc, paired on two H100s (2026-11-26,
+        # results/gpu2-h100x2-2026-11-26c/README.md): one Alloc a step was faster than pieces of
+        # 4, 8, 16 at 4k and 16k tokens, 4-5 %; staged channels pipeline their own batches
+        # (`_push_staged`)
         self.pieces: tuple[int, int] | None = None
         self.early_commit = (
             True  # cuda_ipc: Commit before the writes are done (`DecoderLink.commit`)

@@ -6,7 +6,7 @@ pipeline (one round trip on one server; one per node in a cluster).
 redis-py is fast only with hiredis parsing replies *and* its pure-Python
 command packer, which sends large values as separate buffers; the packer
 it picks with hiredis copies every value into one bytes (several times
-slower: results/DIARY.md, "Figures behind constants"). So the Python packer
+slower: results/README.md, "Figures behind constants"). So the Python packer
 is passed explicitly.
 """
 

@@ -5,7 +5,7 @@ one per I/O thread (`--io-threads`, default: the CPUs, at most 4); the main
 loop accepts, hands each new connection to the loop serving the fewest, and also
 runs the management HTTP API (manage.py). A connection stays on its loop;
 there is no thread per client. More than one loop because one thread moves
-bytes on one core (results/DIARY.md, "Figures behind constants in the
+bytes on one core (results/README.md, "Figures behind constants in the
 code"). The value pool is allocated once at
 start (pool.py) and indexed with LRU eviction between watermarks
 (index.py), one lock for all loops.

@@ -16,7 +16,7 @@ Why one file per chunk, not segment files: a chunk of a real model is tens
 of MB (Llama-3.1-8B: 32 MiB per 256 tokens), so a file's open, rename and
 unlink cost well under 1% of its bytes; eviction is an unlink, and the
 index rebuilds from a directory listing. `kvtier bench disk` measures the
-tier against one sequential file of the same bytes (results/DIARY.md).
+tier against one sequential file of the same bytes (results/gpu-h100-2026-11-23/README.md).
 
 The index (name → size, in LRU order) is rebuilt at start from the
 directory, oldest modification first; a read touches the file's mtime so
@@ -57,7 +57,7 @@ log = get_logger(__name__)
 
 SUFFIX = ".kvc"
 # Reads and writes in flight at once: they wait on the device, not on a core
-# (the measurements that chose them: results/DIARY.md, "Figures behind constants").
+# (the measurements that chose them: results/README.md, "Figures behind constants").
 READ_THREADS = 4
 WRITE_THREADS = 2
 WRITE_RETRY_S = 10.0  # after a failed write, how long the tier writes nothing before it tries one

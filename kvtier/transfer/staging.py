@@ -32,7 +32,8 @@ class Staging:
     ) -> None:
         # Addresses are Python ints until a table is asked for: a load or store of a chat turn
         # builds one of these on vLLM's engine thread, where each small torch op on the host is
-        # microseconds (results/DIARY.md, 2026-11-29 04:51 UTC: host time a chat request).
+        # microseconds (results/gpu-h200-vllm-2026-11-29/README.md, 04:51 UTC: host time a chat
+        # request).
         self.chunks = list(chunks)
         n = len(self.chunks)
         self.chunk_bytes = [c.numel() * c.element_size() for c in chunks]

@@ -31,7 +31,7 @@ upload (staging.py).
 Kernels run on one side stream and PCIe copies on another, ordered by events; both are ordered
 after the caller's stream, and the caller's stream waits for them (for a gather not waited for, for
 its kernels only); a load beside the steps runs its kernels on its own stream. Direct needs every
-chunk pinned; a call with a pageable chunk is staged. Figures: results/DIARY.md. With a lossy
+chunk pinned; a call with a pageable chunk is staged. Figures: results/README.md. With a lossy
 codec (quant.py) the kernels quantize as they gather and dequantize as they scatter: staging,
 copies and host chunks hold the quantized bytes. Correctness is also checked on CPU with
 TRITON_INTERPRET=1.

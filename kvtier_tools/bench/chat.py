@@ -293,7 +293,7 @@ def bunched(results: list[Result], within_s: float = 0.01) -> float:
     arrive spread out; high when the run fell into lockstep (a batch of requests finishing in
     one step frees their slots at once, and their successors arrive and prefill together). On
     an H200 at the 8B shape a run's mean TTFT followed it (correlation 0.966 over 64 runs,
-    results/DIARY.md 2026-11-29), whichever the offloader."""
+    results/gpu-h200-vllm-2026-11-29/README.md), whichever the offloader."""
     sent = sorted(r.sent_s for r in results)
     gaps = [b - a for a, b in zip(sent, sent[1:])]
     return sum(g < within_s for g in gaps) / len(gaps) if gaps else 0.0

@@ -1,7 +1,7 @@
 """`python -m kvtier_tools.bench.host_time`: the host time of kvtier's per-request calls on an
 inference engine's thread, at a chat turn's sizes: what a serving run's decode steps pay
-for them (results/DIARY.md, 2026-11-29: vLLM's inter-token latency 0.1-0.35 ms higher
-with kvtier than with vLLM's native offloading).
+for them (results/gpu-h200-vllm-2026-11-29/README.md: vLLM's inter-token latency 0.1-0.35 ms
+higher with kvtier than with vLLM's native offloading).
 
 Per request, as vLLM runs one (a conversation's turn: one request id, one block table drawn at
 random, as a busy vLLM's are), on a history of `--history` tokens growing by `--turn` a turn:

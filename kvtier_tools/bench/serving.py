@@ -188,7 +188,8 @@ def compare(
     and runs the setups in reverse order every other round. A start costs ~100 s at the 8B
     shape on an H200 and a run ~10 s, so one call holds many paired rounds this way.
     "alone": the same rounds, but one setup's server at a time (the machine's drift between
-    the blocks is not paired out); results/DIARY.md, 2026-11-28 21:47 UTC, says why."""
+    the blocks is not paired out); results/gpu-h200-vllm-2026-11-28/README.md, 21:47 UTC,
+    says why."""
     out.mkdir(parents=True, exist_ok=True)
     records: dict[str, Record] = {}
 

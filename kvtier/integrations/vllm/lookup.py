@@ -24,7 +24,7 @@ miss (0 tokens), never a hang. A worker in the scheduler's own process (vLLM's
 uniprocess executor, one GPU: both run on the engine core's thread) is asked by
 a direct call instead, with no socket and no handoff of the GIL between threads
 while vLLM's scheduler waits (inside vLLM on an H200 a lookup took 1.31-1.46 ms
-over the socket, 0.93-1.17 ms called directly; results/DIARY.md).
+over the socket, 0.93-1.17 ms called directly; results/gpu-h200-vllm-2026-11-28/README.md).
 """
 
 from __future__ import annotations

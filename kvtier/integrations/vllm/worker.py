@@ -367,7 +367,8 @@ class WorkerSide:
         written every layer. On a GPU its copies to the host are not waited for there, and
         the next forward waits for the gathers only. Saved layer by layer inside the forward,
         each layer's launches cost ~0.2 ms of host time, which a step of a few hundred tokens
-        does not hide (the chat workload's TTFT +10 ms; results/DIARY.md); whole and waited
+        does not hide (the chat workload's TTFT +10 ms;
+        results/gpu-h100-vllm-2026-11-27/serving-8b-gpu-0.24/README.md); whole and waited
         for, the copy made cold TTFT +5.3 % at 16k."""
         if layer_name in self._layer_index:
             self._layers_written += 1
