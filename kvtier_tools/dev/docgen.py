@@ -81,7 +81,7 @@ BLOCKS = {
     ),
     "cold-ttft-h100-tiers": lambda: _report(
         "gpu-h100-vllm-2026-11-26",
-        "run1/plain,run3/kvtier-disk,run3/kvtier-server,run3/kvtier-server-tcp",
+        "run1/plain,run1/kvtier,run3/kvtier-disk,run3/kvtier-server,run3/kvtier-server-tcp",
         "--cold",
     ),
     "pd-transfer-h200x2": lambda: _bench(
