@@ -37,3 +37,25 @@ def test_the_readme_is_short_and_its_links_lead_somewhere():
     assert links
     missing = [link for link in links if "://" not in link and not (ROOT / link).exists()]
     assert missing == []
+
+
+def test_a_link_to_results_is_checked_and_named_by_its_path_in_the_site():
+    from types import SimpleNamespace
+
+    import pytest
+    from mkdocs.exceptions import PluginError
+
+    from kvtier_tools.dev.mkdocs_hooks import on_page_markdown
+
+    page = SimpleNamespace(
+        file=SimpleNamespace(
+            abs_src_path=str(ROOT / "docs/benchmarks/x.md"), src_path="benchmarks/x.md"
+        )
+    )
+    config = {"docs_dir": str(ROOT / "docs")}
+    text = "Run: [the run](../../results/README.md), [`results/`](../../results/)."
+    assert on_page_markdown(text, page, config, None) == (
+        "Run: the run (`results/README.md`), `results/`."
+    )
+    with pytest.raises(PluginError):
+        on_page_markdown("[gone](../../results/no-such-run/README.md)", page, config, None)
