@@ -27,7 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -71,12 +71,26 @@ def available() -> bool:
     return torch.cuda.is_available() and _lib() is not None
 
 
+def _loaded() -> ctypes.CDLL:
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the CUDA runtime library is not loaded")
+    return lib
+
+
+def _address(ptr: ctypes.c_void_p, call: str) -> int:
+    """The address a successful `call` wrote to `ptr` (ctypes reads NULL as None)."""
+    if ptr.value is None:
+        raise RuntimeError(f"{call} succeeded with a null pointer")
+    return ptr.value
+
+
 def memcpy2d(
     dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: torch.cuda.Stream
 ) -> None:
     """Copy `height` rows of `width` bytes, rows `spitch` apart at `src`, to rows `dpitch` apart
     at `dst`, queued on `stream`. Asynchronous where the host side is page-locked."""
-    lib = _lib()
+    lib = _loaded()
     err = lib.cudaMemcpy2DAsync(
         dst, dpitch, src, spitch, width, height, _DEFAULT, stream.cuda_stream
     )
@@ -91,10 +105,8 @@ class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_ubyte * 64)]
 
 
-def _call(name: str, argtypes: list, *args: object) -> None:
-    lib = _lib()
-    if lib is None:
-        raise RuntimeError("the CUDA runtime library is not loaded")
+def _call(name: str, argtypes: Sequence[type], *args: object) -> None:
+    lib = _loaded()
     fn = getattr(lib, name)
     fn.argtypes, fn.restype = argtypes, ctypes.c_int
     err = fn(*args)
@@ -111,7 +123,7 @@ def malloc(nbytes: int) -> int:
     _call(
         "cudaMalloc", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t], ctypes.byref(ptr), nbytes
     )
-    return int(ptr.value)
+    return _address(ptr, "cudaMalloc")
 
 
 def free(ptr: int) -> None:
@@ -141,7 +153,7 @@ def open_ipc_handle(handle: bytes) -> int:
         raw,
         1,
     )  # 1: cudaIpcMemLazyEnablePeerAccess
-    return int(ptr.value)
+    return _address(ptr, "cudaIpcOpenMemHandle")
 
 
 def close_ipc_handle(ptr: int) -> None:

@@ -40,7 +40,11 @@ from dataclasses import dataclass
 
 import torch
 
-Canon = Callable[[torch.Tensor, bool], torch.Tensor]
+Layer = (
+    torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+)  # [K, NB, BS, NH, HS], or (K, V) each [NB, BS, NH, HS]
+# A layout's view of one layer's tensor (the bool: MLA) as a canonical Layer.
+Canon = Callable[[torch.Tensor, bool], Layer]
 
 # The named dimensions a layout is declared in. KV_HEAD is K and V side by side in
 # one dimension, K's HS values first (vLLM's standardised [B, H, N, 2*HS]).
@@ -131,10 +135,6 @@ LAYOUTS: dict[str, Canon] = {name: _declared(dims) for name, dims in DECLARED.it
 }
 _NDIM = {name: len(dims) for name, dims in DECLARED.items()} | {"vllm": 4, "vllm-cpu-vec": 4}
 
-Layer = (
-    torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-)  # [K, NB, BS, NH, HS], or (K, V) each [NB, BS, NH, HS]
-
 
 @dataclass(frozen=True)
 class PagedKV:
@@ -209,6 +209,14 @@ class PagedKV:
     def split(self) -> bool:
         """True where K and V are separate tensors (only the torch transfer handles these)."""
         return not isinstance(self.layers[0], torch.Tensor)
+
+    def joined(self) -> tuple[torch.Tensor, ...]:
+        """The layers, each one [K, NB, BS, NH, HS] tensor; a ValueError where K and V are
+        apart (`split`), which the Triton transfer's kernels do not take."""
+        layers = tuple(t for t in self.layers if isinstance(t, torch.Tensor))
+        if len(layers) != self.num_layers:
+            raise ValueError(f"KV layout {self.layout} keeps K and V apart: use the torch transfer")
+        return layers
 
     def _shape(self) -> tuple[int, ...]:
         layer = self.layers[0]

@@ -5,6 +5,7 @@ neighbouring blocks), the address tables the kernels read, and digest tables."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -12,6 +13,10 @@ from kvtier.codec import DIGEST_A, DIGEST_B
 from kvtier.stalls import synchronized
 from kvtier.transfer import cudart
 from kvtier.transfer.kernels import DIGEST_BLOCK, digest_kernel, host_runs_kernel
+
+# A run of chunks in a strided copy: (host address, device address, host pitch, device pitch,
+# bytes per row, rows).
+Run = tuple[int, int, int, int, int, int]
 
 
 class Staging:
@@ -87,11 +92,11 @@ class Staging:
             self.chunks[0].shape[0],
         )
 
-    def run_table(self, layer: int | None = None, group: int = 0) -> list[tuple[int, ...]]:
+    def run_table(self, layer: int | None = None, group: int = 0) -> list[Run]:
         """The runs of a group (chunk-major, whole chunks) or of one layer (layer-major):
         (host address, device address, host pitch, device pitch, bytes per row, rows). A
         run's chunks are neighbours in staging: its device-side rows are a row apart."""
-        out = []
+        out: list[Run] = []
         for first, count, pitch in self.runs[group]:
             width = self.chunk_bytes[first] if layer is None else self.layer_bytes[first]
             host = self.chunks[first].data_ptr() + (0 if layer is None else layer * width)
@@ -188,6 +193,27 @@ class DigestTables:
             )
 
 
+@dataclass(frozen=True, slots=True)
+class Summing:
+    """Digest tables with the sums (int64 on the device, one per chunk) they add to."""
+
+    tables: DigestTables
+    out: torch.Tensor
+
+    def add(self, rows: range = range(1), chunks: range | None = None) -> None:
+        self.tables.add(self.out, rows, chunks)
+
+
+def summing(tables: DigestTables | None, out: torch.Tensor | None) -> Summing | None:
+    """An upload's digest tables (None: queued without) adding to a scatter's `out`: an upload
+    queued with digest tables is scattered with the sums they add to."""
+    if tables is None:
+        return None
+    if out is None:
+        raise ValueError("an upload queued with digest tables is scattered without digests")
+    return Summing(tables, out)
+
+
 def runs(
     chunks: Sequence[torch.Tensor],
     order: Sequence[int],
@@ -200,10 +226,11 @@ def runs(
     `host`: each chunk's address, where the caller has them."""
     host = host if host is not None else [c.data_ptr() for c in chunks]
     runs: list[tuple[int, int, int]] = []
-    prev, prev_storage = None, None
+    prev: int | None = None  # the chunk walked before `c`; None only before the first run
+    prev_storage = None
     for c in order:
         storage = chunks[c].untyped_storage().data_ptr()
-        if runs:
+        if prev is not None:
             first, count, pitch = runs[-1]
             step = host[c] - host[prev]
             if (
@@ -247,7 +274,7 @@ RUN_BLOCK = 8192  # int64 words (64 KB) a program of host_runs_kernel moves at a
 RUN_PROGRAMS = 32  # its programs: enough loads in flight for PCIe, most SMs left to the forward
 
 
-def run_table(parts: list[list[tuple[int, ...]]]) -> list[tuple[torch.Tensor, int, int]] | None:
+def run_table(parts: Sequence[Sequence[Run]]) -> list[tuple[torch.Tensor, int, int]] | None:
     """Each part's runs in one pinned table that `host_runs_kernel` reads over PCIe: per part
     (table, first run, runs). None where a row is not in whole, aligned int64 words (the copy
     engine moves those)."""
@@ -274,7 +301,13 @@ def runs_up(table: torch.Tensor, first: int, runs: int, programs: int = RUN_PROG
 class LayerEvents:
     """A layerwise scatter in flight: one CUDA event per layer."""
 
-    def __init__(self, events: list, stream, copies, keepalive: object) -> None:
+    def __init__(
+        self,
+        events: list[torch.cuda.Event],
+        stream: torch.cuda.Stream,
+        copies: torch.cuda.Stream,
+        keepalive: object,
+    ) -> None:
         self._events, self._stream, self._copies, self._keepalive = (
             events,
             stream,

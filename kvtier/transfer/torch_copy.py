@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvtier.transfer.base import Upload
 from kvtier.transfer.layout import PagedKV
 from kvtier.transfer.quant import Quant
 
@@ -37,9 +38,10 @@ class TorchTransfer:
         self,
         slots: torch.Tensor,
         chunks: Sequence[torch.Tensor],
-        layers: range | None = None,
-        digests: None = None,
+        digests: torch.Tensor | None = None,
         wait: bool = True,
+        *,
+        layers: range | None = None,
     ) -> None:
         """Copy the KV of `slots` into `chunks` ([L, K, T_i, H, D], in order), all layers or
         `layers`, whatever `wait` says (nothing runs beside the caller).
@@ -89,8 +91,8 @@ class TorchTransfer:
         chunks: Sequence[torch.Tensor],
         layers: range | None = None,
         wait: bool = True,
-        digests: None = None,
-        upload: None = None,
+        digests: torch.Tensor | None = None,
+        upload: Upload | None = None,
         beside: bool = False,
     ) -> Callable[[], None]:
         """Copy `chunks` back into the KV pages at `slots` (all layers, or `layers`); slot -1 is
@@ -116,14 +118,17 @@ class TorchTransfer:
         self,
         slots: torch.Tensor,
         chunks: Sequence[torch.Tensor],
-        digests: None = None,
-        upload: None = None,
+        digests: torch.Tensor | None = None,
+        upload: Upload | None = None,
     ) -> LazyLayers:
         _no_digests(digests)
         return LazyLayers(self, slots, chunks)
 
     def gather_layerwise(
-        self, slots: torch.Tensor, chunks: Sequence[torch.Tensor], digests: None = None
+        self,
+        slots: torch.Tensor,
+        chunks: Sequence[torch.Tensor],
+        digests: torch.Tensor | None = None,
     ) -> EagerSaves:
         _no_digests(digests)
         return EagerSaves(self, slots, chunks)

@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 import torch
 import triton
 
-from kvtier.transfer import cudart
+from kvtier.transfer import base, cudart
 from kvtier.transfer.addressed import AddressedGather
 from kvtier.transfer.base import InFlight, LayerHandle
 from kvtier.transfer.kernels import (
@@ -60,10 +60,12 @@ from kvtier.transfer.staging import (
     DigestTables,
     LayerEvents,
     Staging,
+    Summing,
     Upload,
     host_tables,
     run_table,
     runs_up,
+    summing,
     waiter,
 )
 
@@ -83,10 +85,10 @@ class TritonTransfer:
         self.direct = direct
         self.upload_mode = upload
         self.quant = quant
-        first = kv.layers[0]
-        self._strides = first.stride()[:4]
+        layers = kv.joined()
+        self._strides = layers[0].stride()[:4]
         self._layer_ptrs = torch.tensor(
-            [t.data_ptr() for t in kv.layers], dtype=torch.int64, device=kv.device
+            [t.data_ptr() for t in layers], dtype=torch.int64, device=kv.device
         )
         # each layer's row of a [G, T] slot table (PagedKV.grouped; all 0 for one group)
         self._slot_rows = torch.tensor(
@@ -100,6 +102,7 @@ class TritonTransfer:
         w = kv.heads * kv.head_size
         self._block = min(triton.next_power_of_2(w), 4096)
         on_cuda = kv.device.type == "cuda"
+        # None in Triton's interpreter (no device): nothing is staged there.
         self._stream = torch.cuda.Stream(kv.device) if on_cuda else None  # kernels
         self._copies = torch.cuda.Stream(kv.device) if on_cuda else None  # PCIe copies
         if on_cuda and not cudart.available():
@@ -107,6 +110,20 @@ class TritonTransfer:
                 "the Triton transfer needs cudaMemcpy2DAsync from the CUDA runtime torch loaded, "
                 "and found no libcudart in this process; use transfer='torch'"
             )
+
+    @property
+    def _kernel_stream(self) -> torch.cuda.Stream:
+        """The kernels' side stream, which staged transfers use (a KV cache on a GPU)."""
+        if self._stream is None:
+            raise RuntimeError("the Triton interpreter has no streams: nothing is staged there")
+        return self._stream
+
+    @property
+    def _copy_stream(self) -> torch.cuda.Stream:
+        """The stream of the PCIe copies, which staged transfers use (a KV cache on a GPU)."""
+        if self._copies is None:
+            raise RuntimeError("the Triton interpreter has no streams: nothing is staged there")
+        return self._copies
 
     # -- building blocks -----------------------------------------------------------
 
@@ -241,15 +258,15 @@ class TritonTransfer:
             slots, self._host_ptrs(chunks, range(layers.start, layers.start + 1))
         )
         sums = (
-            self._digest_tables(host_tables(chunks, by_layer=False))
+            Summing(self._digest_tables(host_tables(chunks, by_layer=False)), digests)
             if digests is not None
             else None
         )
         if sums is not None and not to_chunk:
-            sums.add(digests)
+            sums.add()
         self._kernel(dev_slots, ptrs[0], chunks[0].shape[2], to_chunk, layers)
         if sums is not None and to_chunk:
-            sums.add(digests)
+            sums.add()
 
     # -- whole transfers -------------------------------------------------------------
 
@@ -268,12 +285,13 @@ class TritonTransfer:
             self._unstaged(lambda: self._in_place(slots, chunks, True, layers, digests), chunks)
             return None
         current = torch.cuda.current_stream(self.kv.device)
-        self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
+        stream, copies = self._kernel_stream, self._copy_stream
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
             staging = Staging(chunks, self.kv.device, layer_major=False, groups=GROUPS)
             dev_slots, ptrs = self._upload(slots, staging.ptrs(range(1))[0])
             sums = (
-                self._digest_tables(staging.digest_tables(by_layer=False))
+                Summing(self._digest_tables(staging.digest_tables(by_layer=False)), digests)
                 if digests is not None
                 else None
             )
@@ -284,15 +302,14 @@ class TritonTransfer:
                     dev_slots[..., a:b], ptrs[group.start : group.stop], size, True, layers
                 )
                 if sums is not None:
-                    sums.add(digests, chunks=group)
-                self._copies.wait_stream(self._stream)
-                staging.copy(to_host=True, stream=self._copies, group=g)
+                    sums.add(chunks=group)
+                copies.wait_stream(stream)
+                staging.copy(to_host=True, stream=copies, group=g)
         if wait:
-            return self._copies.synchronize()
-        current.wait_stream(
-            self._stream
-        )  # the kernels read the pages before anything later writes them
-        return InFlight(self._copies.record_event(), keep=(staging, dev_slots, ptrs, sums))
+            copies.synchronize()
+            return None
+        current.wait_stream(stream)  # the kernels read the pages before anything later writes them
+        return InFlight(copies.record_event(), keep=(staging, dev_slots, ptrs, sums))
 
     def gather_addressed(
         self, slots: torch.Tensor, addresses: Sequence[int], chunk_tokens: int
@@ -320,13 +337,18 @@ class TritonTransfer:
         they overlap forwards (layer-major, `beside`): the copy engine stays free for theirs."""
         if not self._staged(chunks):
             return None
+        return self._staged_upload(chunks, layer_major, digests, beside)
+
+    def _staged_upload(
+        self, chunks: Sequence[torch.Tensor], layer_major: bool, digests: bool, beside: bool
+    ) -> Upload:
+        """`upload` of chunks that are staged (`_staged`)."""
+        stream, copies = self._kernel_stream, self._copy_stream
         with torch.cuda.device(
             self.kv.device
         ):  # the caller may be a thread whose current device is another
-            self._copies.wait_stream(
-                self._stream
-            )  # staging memory may still be read by earlier kernels
-            with torch.cuda.stream(self._stream):
+            copies.wait_stream(stream)  # staging memory may still be read by earlier kernels
+            with torch.cuda.stream(stream):
                 staging = Staging(
                     chunks,
                     self.kv.device,
@@ -359,12 +381,12 @@ class TritonTransfer:
                 landed = []
                 for k, part in enumerate(parts):
                     if runs is not None:
-                        with torch.cuda.stream(self._copies):
+                        with torch.cuda.stream(copies):
                             runs_up(*runs[k])
                     else:
-                        staging.copy(to_host=False, stream=self._copies, **part)
+                        staging.copy(to_host=False, stream=copies, **part)
                     landed.append(torch.cuda.Event())
-                    landed[-1].record(self._copies)
+                    landed[-1].record(copies)
         return Upload(staging, ptrs, sums, landed, layer_major, keep=runs)
 
     def _slots_up(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -386,7 +408,7 @@ class TritonTransfer:
         layers: range | None = None,
         wait: bool = True,
         digests: torch.Tensor | None = None,
-        upload: Upload | None = None,
+        upload: base.Upload | None = None,
         beside: bool = False,
     ) -> Callable[[], None]:
         """Write `chunks` into the KV pages; the current stream is ordered after it.
@@ -404,28 +426,30 @@ class TritonTransfer:
             )
         if len(layers) != self.kv.num_layers:
             raise ValueError("a layer range is for device-resident chunks; use scatter_layerwise")
-        if upload is None:
-            upload = self.upload(chunks, digests=digests is not None, beside=beside)
-        elif upload.layer_major:
+        staged = _own(upload)
+        if staged is None:
+            staged = self._staged_upload(chunks, False, digests is not None, beside)
+        elif staged.layer_major:
             raise ValueError("a layer-major upload is for scatter_layerwise")
+        sums = summing(staged.sums, digests)
         current = torch.cuda.current_stream(self.kv.device)
-        stream = current if beside else self._stream
+        stream = current if beside else self._kernel_stream
         stream.wait_stream(current)  # (nothing to wait for where they are one: beside)
         with torch.cuda.stream(stream):
             dev_slots, host_slots = self._slots_up(slots)
             size = chunks[0].shape[2]
-            for group, event in zip(upload.staging.groups, upload.landed):
+            for group, event in zip(staged.staging.groups, staged.landed):
                 stream.wait_event(event)
-                if upload.sums is not None:
-                    upload.sums.add(digests, chunks=group)
+                if sums is not None:
+                    sums.add(chunks=group)
                 a, b = group.start * size, min(group.stop * size, slots.shape[-1])
                 self._kernel(
-                    dev_slots[..., a:b], upload.ptrs[group.start : group.stop], size, False, layers
+                    dev_slots[..., a:b], staged.ptrs[group.start : group.stop], size, False, layers
                 )
         current.wait_stream(stream)
         # The caller releases the host blocks once the copies out of them are done (the kernels
         # waited for them); staging and the pinned slot table live until then.
-        return waiter(stream, wait, keep=(upload, host_slots))
+        return waiter(stream, wait, keep=(staged, host_slots))
 
     def _unstaged(
         self, work, chunks: Sequence[torch.Tensor], wait: bool = True
@@ -450,7 +474,7 @@ class TritonTransfer:
         slots: torch.Tensor,
         chunks: Sequence[torch.Tensor],
         digests: torch.Tensor | None = None,
-        upload: Upload | None = None,
+        upload: base.Upload | None = None,
     ) -> LayerHandle:
         """Start writing `chunks` layer by layer; wait(l) orders the caller after layer l.
 
@@ -468,40 +492,43 @@ class TritonTransfer:
             from kvtier.transfer.torch_copy import LazyLayers
 
             return LazyLayers(self, slots, chunks)
-        if upload is None:
-            upload = self.upload(chunks, layer_major=True, digests=digests is not None)
-        elif not upload.layer_major:
+        staged = _own(upload)
+        if staged is None:
+            staged = self.upload(chunks, layer_major=True, digests=digests is not None)
+        elif not staged.layer_major:
             raise ValueError("a chunk-major upload is for scatter")
-        self._stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.kv.device))
         layers = range(self.kv.num_layers)
-        events, keep = [], None
-        with torch.cuda.stream(self._stream):
-            if upload is not None:
+        events: list[torch.cuda.Event] = []
+        keep = None
+        with torch.cuda.stream(stream):
+            if staged is not None:
                 dev_slots, keep = self._slots_up(slots)
-                ptrs, sums = upload.ptrs, upload.sums
+                ptrs, sums = staged.ptrs, summing(staged.sums, digests)
             else:  # the kernels read the chunks where they are
                 _, dev_slots, ptrs = self._layerwise_tables(slots, chunks)
                 sums = (
                     None
                     if digests is None
-                    else self._digest_tables(host_tables(chunks, by_layer=True))
+                    else Summing(self._digest_tables(host_tables(chunks, by_layer=True)), digests)
                 )
             summed = 0  # layers whose digests are queued
             for layer, row in zip(layers, ptrs.unbind(0)):
-                if upload is not None:
-                    self._stream.wait_event(upload.landed[layer])
+                if staged is not None:
+                    stream.wait_event(staged.landed[layer])
                 self._kernel(dev_slots, row, chunks[0].shape[2], False, range(layer, layer + 1))
                 events.append(torch.cuda.Event())
-                events[-1].record(self._stream)
+                events[-1].record(stream)
                 if sums is not None and (
                     layer + 1 - summed == DIGEST_LAYERS or layer >= layers[-1] - 1
                 ):
                     # Behind the layer's event, so that no forward waits for it; several layers per
                     # launch (each launch is host time in front of the forward), the last one alone
                     # (what runs after the last layer lands, `finish()` waits for).
-                    sums.add(digests, rows=range(summed, layer + 1))
+                    sums.add(rows=range(summed, layer + 1))
                     summed = layer + 1
-        return LayerEvents(events, self._stream, self._copies, (upload, keep))
+        return LayerEvents(events, stream, self._copy_stream, (staged, keep))
 
     def gather_layerwise(
         self,
@@ -526,7 +553,8 @@ class LayerSaves:
         chunks: Sequence[torch.Tensor],
         digests: torch.Tensor | None = None,
     ) -> None:
-        self._t, self._chunks, self._digests, self._sums = transfer, list(chunks), digests, None
+        self._t, self._chunks = transfer, list(chunks)
+        self._sums: Summing | None = None
         self._saved = [False] * transfer.kv.num_layers
         self._stream = transfer._stream
         # The interpreter has no stream: its kernels write the host chunks directly.
@@ -537,11 +565,12 @@ class LayerSaves:
         ):
             self._staging, self._slots, self._ptrs = transfer._layerwise_tables(slots, chunks)
             if digests is not None:
-                self._sums = transfer._digest_tables(
+                tables = transfer._digest_tables(
                     self._staging.digest_tables(by_layer=True)
                     if self._staging
                     else host_tables(self._chunks, by_layer=True)
                 )
+                self._sums = Summing(tables, digests)
 
     def save(self, layer: int) -> None:
         if self._saved[layer]:
@@ -551,16 +580,16 @@ class LayerSaves:
         if self._stream is None:
             t._kernel(self._slots, self._ptrs[layer], n_c, True, range(layer, layer + 1))
             if self._sums is not None:
-                self._sums.add(self._digests, rows=range(layer, layer + 1))
+                self._sums.add(rows=range(layer, layer + 1))
             return
         self._stream.wait_stream(torch.cuda.current_stream(t.kv.device))
         with torch.cuda.stream(self._stream):
             t._kernel(self._slots, self._ptrs[layer], n_c, True, range(layer, layer + 1))
             if self._sums is not None:
-                self._sums.add(self._digests, rows=range(layer, layer + 1))
+                self._sums.add(rows=range(layer, layer + 1))
         if self._staging:
-            t._copies.wait_stream(self._stream)
-            self._staging.copy(to_host=True, stream=t._copies, layer=layer)
+            t._copy_stream.wait_stream(self._stream)
+            self._staging.copy(to_host=True, stream=t._copy_stream, layer=layer)
 
     def finish(self) -> None:
         """Every saved layer in the host chunks."""
@@ -573,7 +602,7 @@ class LayerSaves:
         torch.cuda.current_stream(self._t.kv.device).wait_stream(
             self._stream
         )  # the gathers read the pages
-        last = self._t._copies if self._staging else self._stream
+        last = self._t._copy_stream if self._staging else self._stream
         last.wait_stream(self._stream)
         return InFlight(
             last.record_event(), keep=self
@@ -581,3 +610,10 @@ class LayerSaves:
 
     def unsaved(self) -> list[int]:
         return [layer for layer, saved in enumerate(self._saved) if not saved]
+
+
+def _own(upload: base.Upload | None) -> Upload | None:
+    """An upload given to a scatter: one this transfer queued (`TritonTransfer.upload`)."""
+    if upload is None or isinstance(upload, Upload):
+        return upload
+    raise TypeError(f"the Triton transfer scatters its own uploads, not a {type(upload).__name__}")
