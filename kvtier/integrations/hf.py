@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import Cache, StaticLayer
@@ -28,6 +29,9 @@ from kvtier.engine import CacheEngine
 from kvtier.keys import KVFormat
 from kvtier.logs import get_logger
 from kvtier.transfer import PagedKV
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = get_logger(__name__)
 
@@ -100,7 +104,7 @@ class PrefillResult:
 
 class HFSession:
     def __init__(
-        self, model: torch.nn.Module, config: KvtierConfig, max_len: int, *, transfer: str = "auto"
+        self, model: PreTrainedModel, config: KvtierConfig, max_len: int, *, transfer: str = "auto"
     ) -> None:
         cfg = model.config
         heads = cfg.num_key_value_heads

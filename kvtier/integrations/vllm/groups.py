@@ -124,7 +124,8 @@ def kv_groups(kv_cache_config: KVCacheConfig | None) -> KvGroups | None:
         UniformTypeKVCacheSpecs,
     )
 
-    attention, recurrent, of, sizes, windows = [], [], {}, set(), set()
+    attention, recurrent, of, sizes = [], [], {}, set()
+    windows: set[int] = set()  # the attention groups' sliding windows, in tokens
     for g, group in enumerate(groups):
         spec = group.kv_cache_spec
         specs = (

@@ -132,7 +132,7 @@ def map_layout(
         _describe(dims),
         tuple(tensors[0].shape),
         tensors[0].stride(),
-        tuple(kv.layers[0].shape),
+        tuple(kv.joined()[0].shape),
     )
     return kv
 

@@ -140,7 +140,7 @@ class LookupServer:
         self._handlers = handlers
         if direct:
             _IN_PROCESS[address] = handlers
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(address)
@@ -183,7 +183,7 @@ class LookupClient:
     def __init__(self, addresses: list[str], timeout_s: float) -> None:
         self.addresses = addresses
         self.timeout_ms = int(timeout_s * 1000)
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socks = [self._connect(a) for a in addresses]
 
     def _connect(self, address: str) -> zmq.Socket:

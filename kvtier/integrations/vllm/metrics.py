@@ -81,7 +81,7 @@ GAUGES = {
 
 class KvtierStats(KVConnectorStats):
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, int | float] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KvtierStats:
         """Counters add up; gauges keep the larger value (the latest is as good)."""

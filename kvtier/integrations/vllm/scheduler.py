@@ -192,7 +192,7 @@ class SchedulerSide:
         for rid in self._async_loads:
             state = self._requests.get(rid)
             if state is not None and state.load is not None:
-                self._plan_load(meta, rid, state)
+                self._plan_load(meta, rid, state, state.load)
         self._async_loads = []
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -231,9 +231,15 @@ class SchedulerSide:
         return meta
 
     def _plan_load(
-        self, meta: KvtierMetadata, req_id: str, state: RequestState, step_end: int = 0
+        self,
+        meta: KvtierMetadata,
+        req_id: str,
+        state: RequestState,
+        load: tuple[int, int, bool],
+        step_end: int = 0,
     ) -> None:
-        start, end, background = state.load
+        """The load `state.load` (`load`, passed not None) into `meta`; it is then cleared."""
+        start, end, background = load
         # The tokens of the stored prefix only: where it ends inside a chunk (a shorter prompt's
         # end), the worker's chunk keys of them end with that prompt's partial chunk.
         tokens = state.prompt[: state.stored] if state.stored else state.prompt
@@ -258,7 +264,7 @@ class SchedulerSide:
         self, meta: KvtierMetadata, req_id: str, state: RequestState, computed_after_step: int
     ) -> None:
         if state.load is not None:
-            self._plan_load(meta, req_id, state, computed_after_step)
+            self._plan_load(meta, req_id, state, state.load, computed_after_step)
         if not self.can_save:
             return
         tokens = state.prompt
