@@ -448,3 +448,35 @@ def test_lmcache_senders_at_a_kvtier_mode_proxy_are_named_once_with_the_flag_to_
         proc.terminate()
         out = proc.communicate(timeout=10)[0].decode()
     assert out.count("--pd-engine lmcache") == 1, out
+
+
+def test_the_node_probes_stop_even_when_a_probe_swallows_its_cancellation():
+    """Python 3.11's wait_for drops a cancellation that comes as the connection it waits for
+    ends, and the probe then returns as if not cancelled; a probe loop stopped by cancellation
+    alone ran on, and a proxy whose --port was taken hung at exit (1 start in 4 here,
+    2026-11-29). The probe below always swallows it."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from kvtier.pd.upstreams import Upstreams
+
+    async def main() -> None:
+        gauge = Gauge("up", "up", ["node", "url"], registry=CollectorRegistry())
+        nodes = Upstreams("decoder", ["http://127.0.0.1:2"], 0.01, 0.1, gauge)
+
+        async def swallowing_probe(node) -> str:
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                pass
+            return "connection failed"
+
+        nodes._probe = swallowing_probe
+        watch = asyncio.create_task(nodes.watch())
+        await asyncio.sleep(0.05)
+        nodes.stop()
+        watch.cancel()
+        await asyncio.wait_for(asyncio.gather(watch, return_exceptions=True), 2)
+
+    asyncio.run(main())

@@ -136,6 +136,8 @@ class Proxy:
         )
 
     async def stop(self) -> None:
+        for upstreams in (self._prefillers, self._decoders):
+            upstreams.stop()
         for watch in self._watches:
             watch.cancel()
         await asyncio.gather(*self._watches, return_exceptions=True)
