@@ -65,7 +65,8 @@ bench_serve='{"num_prompts": 64, "input_len": 8192, "prefix_len": 6144, "num_pre
 shared_workload='{"num_prompts": 32, "input_len": 8192, "output_len": 16, "max_concurrency": 8}'
 case " $steps " in *" tests "*)
 timeout 240 python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/test_transfer_cuda.py tests/test_vllm_layout.py tests/test_engine.py \
-    tests/test_digest.py tests/test_hf_integration.py "tests/test_remote_tier.py::test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv"} 2>&1 \
+    tests/test_digest.py tests/test_hf_integration.py tests/test_vllm_worker.py \
+    "tests/test_remote_tier.py::test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv"} 2>&1 \
     > "$work/pytest.txt"; tail -5 "$work/pytest.txt" ;;
 esac
 case " $steps " in *" hma "*)

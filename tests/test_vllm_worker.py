@@ -11,7 +11,7 @@ from vllm_requests import vllm_request
 
 from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
-from kvtier.keys import KVFormat
+from kvtier.keys import PLAIN, KVFormat
 from kvtier.transfer import PagedKV
 
 pytestmark = pytest.mark.vllm
@@ -282,7 +282,11 @@ def gpu_worker_with_a_hit(engine_id: str, upload: bool = True, now: bool = False
     toks = list(range(256))
     worker.engine.store(toks, torch.arange(256))
     if upload:
-        assert worker._find(np.array(toks, dtype=np.uint32), "r", 0, True) == (256, 256, True)
+        assert worker._find(np.array(toks, dtype=np.uint32), PLAIN, "r", 0, True) == (
+            256,
+            256,
+            True,
+        )
     torch.cuda.synchronize()
     return (
         worker,
@@ -341,7 +345,7 @@ def test_on_a_gpu_a_load_beside_the_steps_is_reported_while_its_upload_still_cro
         transfer = worker.engine.mover.transfer
         with torch.cuda.stream(transfer._copies):
             torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the upload's copies wait behind it
-        assert worker._find(np.array(spec.token_ids, dtype=np.uint32), "r", 0, True) == (
+        assert worker._find(np.array(spec.token_ids, dtype=np.uint32), PLAIN, "r", 0, True) == (
             256,
             256,
             True,
