@@ -180,7 +180,7 @@ class Proxy:
                 return web.Response(
                     body=await resp.read(), status=resp.status, content_type="application/json"
                 )
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             return _error(502, f"decoder {url} unreachable: {exc}")
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -324,7 +324,7 @@ class Proxy:
                         f"prefiller {url} answered {resp.status}",
                         _json_or_none(payload),
                     )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.metrics.upstream_errors.labels("prefiller", "timeout").inc()
             raise UpstreamError(
                 504,
@@ -343,7 +343,7 @@ class Proxy:
         t0 = time.perf_counter()
         try:
             done = await asyncio.wait_for(asyncio.shield(waiter), self.s.kv_ready_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.metrics.kv_not_ready.inc()
             log.warning(
                 "proxy: no PrefillDone for %s within %g s: "
@@ -374,7 +374,7 @@ class Proxy:
                     total=None, sock_connect=self.s.connect_timeout, sock_read=self.s.decode_timeout
                 ),
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.metrics.upstream_errors.labels("decoder", "timeout").inc()
             raise UpstreamError(
                 504, f"decoder {url} did not answer within {self.s.decode_timeout:g} s"
@@ -389,7 +389,7 @@ class Proxy:
             if resp.status != 200 or not body.get("stream"):
                 try:
                     payload = await resp.read()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, aiohttp.ClientError) as exc:
                     self.metrics.upstream_errors.labels("decoder", "broken").inc()
                     raise UpstreamError(502, f"decoder {url} failed mid-answer: {exc}") from None
                 if resp.status != 200:
@@ -405,7 +405,7 @@ class Proxy:
             try:
                 async for piece in resp.content.iter_any():
                     await out.write(piece)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 self.metrics.upstream_errors.labels("decoder", "broken").inc()
                 log.warning("proxy: decoder %s failed mid-stream: %s", url, exc)
                 error = {
@@ -439,7 +439,7 @@ class Proxy:
                     await asyncio.wait_for(reader.readexactly(proto.FRAME.size), RELEASE_TIMEOUT)
                 finally:
                     writer.close()
-            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
+            except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
                 log.debug(
                     "proxy: release of %s on %s:%d failed: %s", req_id, decoder.host, port, exc
                 )

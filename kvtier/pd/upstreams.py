@@ -115,7 +115,7 @@ class Upstreams:
         try:
             opening = asyncio.open_connection(node.host, node.port)
             _, writer = await asyncio.wait_for(opening, self.connect_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return f"no connection within {self.connect_timeout:g} s"
         except OSError as exc:
             return f"connection failed: {exc.strerror or exc}"
