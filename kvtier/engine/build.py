@@ -17,8 +17,9 @@ import torch
 
 from kvtier.codec import HEADER, KV_CODECS, Codec
 from kvtier.config import KvtierConfig
+from kvtier.engine.events import EventLog
 from kvtier.engine.mover import Mover
-from kvtier.engine.records import EngineStats, EventLog
+from kvtier.engine.records import EngineStats
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.keys import KVFormat, SpanMemo
 from kvtier.logs import get_logger
@@ -98,7 +99,7 @@ def build(
         mover,
         tiers,
         Holds(tiers, config.pin_timeout_sec),
-        EventLog(cpu, config.enable_kv_events),
+        EventLog(tiers, config.enable_kv_events),
         EngineStats(),
     )
 

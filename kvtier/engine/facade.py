@@ -34,12 +34,12 @@ import torch
 from kvtier.config import KvtierConfig
 from kvtier.engine.ahead import AheadSlot
 from kvtier.engine.build import build
+from kvtier.engine.events import ChunkEvent
 from kvtier.engine.finding import FindPath, Hit
 from kvtier.engine.job import Job
 from kvtier.engine.loading import Loading, LoadPath
 from kvtier.engine.mover import Tokens, as_numpy
 from kvtier.engine.prefetch import Prefetcher
-from kvtier.engine.records import ChunkEvent
 from kvtier.engine.states import StateLayers, StateLoad, StatePath
 from kvtier.engine.storing import StorePath, Storing
 from kvtier.engine.tails import Tails

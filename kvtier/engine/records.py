@@ -1,20 +1,13 @@
-"""What the engine counts and records: its stats, chunk events, its transfer log lines."""
+"""What the engine counts and records: its stats and its transfer log lines."""
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from kvtier.keys import ChunkSpan
 from kvtier.logs import get_logger
-from kvtier.tiers.cpu import CpuTier
 
 log = get_logger(__name__)
-
-MAX_EVENTS = 100_000  # recorded and not yet taken; older ones are dropped
 
 
 @dataclass
@@ -28,66 +21,6 @@ class EngineStats:
     loaded_by_tier: dict[str, int] = field(
         default_factory=dict
     )  # tokens loaded, by the tier they came from
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkEvent:
-    """A chunk stored in or evicted from the CPU tier (recorded with `enable_kv_events`)."""
-
-    stored: bool
-    digest: bytes
-    parent: bytes | None = None  # the previous chunk of the prompt (stored events)
-    token_ids: list[int] = field(default_factory=list)
-    lora: tuple[int, str] | None = (
-        None  # the request's LoRA adapter: vLLM's id and name (stored events)
-    )
-
-
-class EventLog:
-    """Chunk events of the CPU tier, kept until taken (off: records nothing)."""
-
-    def __init__(self, cpu: CpuTier, on: bool) -> None:
-        self._cpu = cpu
-        self._events: deque[ChunkEvent] | None = None
-        if on:
-            events: deque[ChunkEvent] = deque(maxlen=MAX_EVENTS)
-            cpu.on_evict = lambda key: events.append(ChunkEvent(False, key.digest))
-            self._events = events
-
-    def stored(
-        self,
-        spans: Sequence[ChunkSpan],
-        tokens: np.ndarray,
-        prompt: Sequence[ChunkSpan],
-        lora: tuple[int, str] | None = None,
-    ) -> None:
-        """Events of `spans` now in the CPU tier; `prompt`: every chunk of `tokens` (their
-        parents); `lora`: the adapter of the request that stored them."""
-        if self._events is None:
-            return
-        parents = {s.end: s.key.digest for s in prompt}
-        for span in spans:
-            if self._cpu.contains(span.key):
-                self._events.append(
-                    ChunkEvent(
-                        True,
-                        span.key.digest,
-                        parents.get(span.start),
-                        tokens[span.start : span.end].tolist(),
-                        lora,
-                    )
-                )
-
-    @property
-    def on(self) -> bool:
-        return self._events is not None
-
-    def take(self) -> list[ChunkEvent]:
-        if not self._events:
-            return []
-        events = list(self._events)
-        self._events.clear()
-        return events
 
 
 class SkipWarnings:

@@ -18,10 +18,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from kvtier.engine.events import EventLog
 from kvtier.engine.job import Job
 from kvtier.engine.landing import Landing
 from kvtier.engine.mover import Mover, num_tokens, release_blocks, stamp
-from kvtier.engine.records import EngineStats, EventLog, SkipWarnings, log_transfer
+from kvtier.engine.records import EngineStats, SkipWarnings, log_transfer
 from kvtier.engine.tails import Tails
 from kvtier.keys import ChunkSpan, Identity
 from kvtier.logs import get_logger
@@ -138,7 +139,7 @@ class StorePath:
     ) -> None:
         """A store is over (`seconds` after its start; `queued`: its copies were queued then,
         not waited for): its events, stats and log line."""
-        if self.events.on and self.tiers.keep_cpu:
+        if self.events.on:
             prompt = self._spans(job.tokens, job.request_id, job.identity)
             self.events.stored(spans, job.tokens, prompt, job.identity.lora)
         self.stats.stored_tokens += count

@@ -17,7 +17,7 @@ A new kind of tier is a module that implements these and registers a factory
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from kvtier.keys import ChunkKey
@@ -68,7 +68,11 @@ class LowerTier(ChunkSource, Protocol):
 @runtime_checkable
 class LocalTier(LowerTier, Protocol):
     """A lower tier on this host: a store skips gathering chunks it holds, `clear` empties it,
-    and it evicts by itself (`evictions`: chunks evicted so far)."""
+    and it evicts by itself (`evictions`: chunks evicted so far). `on_removed`, when set, is
+    called with the key digest of each chunk it evicts or removes (KV events); a chunk it
+    found at start, written by an earlier process, may go unnamed."""
+
+    on_removed: Callable[[bytes], None] | None
 
     @property
     def evictions(self) -> int: ...

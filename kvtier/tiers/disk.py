@@ -39,7 +39,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +107,8 @@ class DiskTier(LocalTier, PinningTier):
             policy
         )  # cache_policy (a restart keeps mtime order)
         self._pins: Counter[str] = Counter()
+        self._digests: dict[str, bytes] = {}  # file name -> key digest, of the files written here
+        self.on_removed: Callable[[bytes], None] | None = None  # KV events: each chunk removed
         self._used = 0  # bytes of the index plus writes in progress
         self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvtier-disk-read")
         self._writers = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="kvtier-disk-write")
@@ -270,6 +272,7 @@ class DiskTier(LocalTier, PinningTier):
             return False
         with self._lock:
             self._index[name] = size
+            self._digests[name] = key.digest
             self._order.add(name)
             self.stats.puts += 1
             self.stats.bytes_written += size
@@ -324,9 +327,18 @@ class DiskTier(LocalTier, PinningTier):
                 self.stats.evictions += 1
                 victims.append(name)
             fits = self._used + size <= self.capacity
+            gone = [self._digests.pop(name, None) for name in victims]
         for name in victims:
             _unlink(self.root / name)
+        self._removed(gone)
         return fits
+
+    def _removed(self, digests: Sequence[bytes | None]) -> None:
+        if self.on_removed is None:
+            return
+        for digest in digests:
+            if digest is not None:
+                self.on_removed(digest)
 
     def _stop_writing(self, e: OSError) -> None:
         """Logged once per outage; writes are tried again after `retry_s`."""
@@ -378,10 +390,13 @@ class DiskTier(LocalTier, PinningTier):
         with self._lock:
             size = self._index.pop(name, None)
             self._order.discard(name)
+            digest = self._digests.pop(name, None)
             if size is not None:
                 self._used -= size
         if unlink and size is not None:  # also while not writable: a full disk gets room back
             _unlink(self.root / name)
+        if size is not None:
+            self._removed([digest])
         return size is not None
 
     def clear(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.keys import ChunkKey
@@ -44,6 +45,8 @@ class Writer:
             progress,
         )
         self.stats = WriterStats()
+        # KV events: called (on this writer's thread) with the keys of each batch the tier took.
+        self.on_written: Callable[[list[ChunkKey]], None] | None = None
         self._queue: deque[tuple[ChunkKey, MemoryBlock, int, int]] = deque()
         self._busy = 0
         self._cond = threading.Condition()
@@ -105,10 +108,12 @@ class Writer:
                 self._busy = len(batch)
                 self._cond.notify_all()
             try:
-                self.tier.put(
-                    [k for k, *_ in batch],
-                    [(b.data[:n].numpy().data, t, b.digest) for _, b, n, t in batch],
+                keys = [k for k, *_ in batch]
+                taken = self.tier.put(
+                    keys, [(b.data[:n].numpy().data, t, b.digest) for _, b, n, t in batch]
                 )
+                if taken and self.on_written is not None:
+                    self.on_written(keys)
                 self.stats.written += len(batch)
                 self.stats.written_tokens += sum(t for *_, t in batch)
             finally:

@@ -1,12 +1,14 @@
-"""KV events (`enable_kv_events`): vLLM publishes what kvtier's CPU tier stores and evicts.
+"""KV events (`enable_kv_events`): vLLM publishes what kvtier's tiers store and remove.
 
 A KV-aware router (llm-d, Dynamo) listens on vLLM's event publisher
 (`--kv-events-config`) to learn which instance holds which prefix. The
-worker's CacheEngine records each chunk stored in CPU RAM (its key digest,
-its parent's, its token ids) and each chunk evicted; the worker hands them
-to vLLM after every step (`get_kv_connector_kv_cache_events`), the scheduler
-collects them (`update_connector_output`) and vLLM publishes them
-(`take_events`) as BlockStored / BlockRemoved with medium "CPU" and
+worker's CacheEngine records each chunk stored in a tier (its key digest,
+its parent's, its token ids) and each chunk evicted or removed
+(kvtier/engine/events.py); the worker hands them to vLLM after every step
+(`get_kv_connector_kv_cache_events`), the scheduler collects them
+(`update_connector_output`) and vLLM publishes them (`take_events`) as
+BlockStored / BlockRemoved with the tier as the medium ("CPU", as vLLM's
+MEDIUM_CPU; "DISK", "REMOTE", or a registered tier's name in capitals) and
 block_size = chunk_size, a stored chunk with its request's LoRA adapter (`lora_id`,
 `lora_name`) as vLLM's own events carry it. Block hashes are kvtier's 16-byte chunk
 digests (with the adapter, images and cache_salt folded in: keys.py).
@@ -15,7 +17,6 @@ digests (with the adapter, images and cache_salt folded in: keys.py).
 from __future__ import annotations
 
 from vllm.distributed.kv_events import (
-    MEDIUM_CPU,
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
@@ -61,10 +62,10 @@ def to_vllm(events: list[ChunkEvent], chunk_size: int) -> list[KVCacheEvent]:
                     token_ids=e.token_ids,
                     block_size=chunk_size,
                     lora_id=lora_id,
-                    medium=MEDIUM_CPU,
+                    medium=e.medium.upper(),
                     lora_name=lora_name,
                 )
             )
         else:
-            out.append(BlockRemoved(block_hashes=[e.digest], medium=MEDIUM_CPU))
+            out.append(BlockRemoved(block_hashes=[e.digest], medium=e.medium.upper()))
     return out
