@@ -129,3 +129,13 @@ def test_the_feed_applies_what_vllms_publisher_sends():
         feed.close()
         pub.close(0)
         ctx.term()
+
+
+def test_two_instances_naming_the_same_tokens_differently_are_both_found():
+    """vLLM seeds its block hashes per process: the same tokens, two chains of hashes."""
+    index = PrefixIndex()
+    index.apply("a", [stored([1, 2], None, TOKENS[:8], medium=None)])
+    index.apply("b", [stored([7, 8, 9], None, TOKENS[:12], medium=None)])
+    assert index.match(TOKENS) == {"a": 8, "b": 12}
+    index.apply("b", [{"type": "BlockRemoved", "block_hashes": [7], "medium": None}])
+    assert index.match(TOKENS) == {"a": 8}

@@ -3,10 +3,12 @@
 A BlockStored event names blocks by hash, each with its parent's hash and its token ids;
 kvtier's chunks (block_size = chunk_size, medium CPU / DISK / REMOTE) and vLLM's own GPU
 blocks (block_size = vLLM's, medium GPU) both come that way. The index keeps, per block,
-the chain link (parent hash, block size, its tokens, its LoRA adapter) -> hash, and which
+the chain link (parent hash, block size, its tokens, its LoRA adapter) -> hashes, and which
 instance holds it in which medium. A prompt's match walks its tokens down those links from
 the root, block by block, for each block size seen: no hash function of kvtier's or vLLM's
-is needed, only the token ids the events carry.
+is needed, only the token ids the events carry. One link may have several hashes: vLLM seeds
+its block hashes per process (unless PYTHONHASHSEED is set), so two instances name the same
+tokens differently; the walk follows every chain at once.
 
 What an index cannot see: what else folds into a block's hash (images, cache_salt), so a
 match is a routing hint that the instance's own lookup confirms, never a promise of KV.
@@ -39,7 +41,7 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._blocks: dict[BlockHash, _Block] = {}
-        self._links: dict[Link, BlockHash] = {}
+        self._links: dict[Link, set[BlockHash]] = {}
         self._sizes: set[int] = set()
 
     def __len__(self) -> int:
@@ -78,20 +80,24 @@ class PrefixIndex:
     def _walk(self, tokens: Sequence[int], size: int, lora: str | None) -> dict[str, int]:
         held: dict[str, int] = {}
         alive: set[str] | None = None  # instances holding every block so far
-        parent: BlockHash | None = None
+        parents: set[BlockHash | None] = {None}  # the previous block's hashes, every chain's
         for start in range(0, len(tokens) - size + 1, size):
-            link = (parent, size, tuple(tokens[start : start + size]), lora)
-            block_hash = self._links.get(link)
-            if block_hash is None:
-                break
-            block = self._blocks[block_hash]
-            local = {i for i, media in block.holders.items() if media - SHARED_MEDIA}
+            chunk = tuple(tokens[start : start + size])
+            hashes: set[BlockHash] = set()
+            for parent in parents:
+                hashes |= self._links.get((parent, size, chunk, lora), set())
+            local = {
+                instance
+                for h in hashes
+                for instance, media in self._blocks[h].holders.items()
+                if media - SHARED_MEDIA
+            }
             alive = local if alive is None else alive & local
             if not alive:
                 break
             for instance in alive:
                 held[instance] = start + size
-            parent = block_hash
+            parents = set(hashes)
         return held
 
     def _stored(self, instance: str, event: Mapping[str, Any]) -> None:
@@ -108,7 +114,7 @@ class PrefixIndex:
             block = self._blocks.get(block_hash)
             if block is None:
                 block = self._blocks[block_hash] = _Block(link)
-                self._links[link] = block_hash
+                self._links.setdefault(link, set()).add(block_hash)
             block.holders.setdefault(instance, set()).add(medium)
             parent = block_hash
 
@@ -123,8 +129,10 @@ class PrefixIndex:
         del block.holders[instance]
         if not block.holders:
             del self._blocks[block_hash]
-            if self._links.get(block.link) == block_hash:
-                del self._links[block.link]
+            same = self._links.get(block.link, set())
+            same.discard(block_hash)
+            if not same:
+                self._links.pop(block.link, None)
 
     def _forget(self, instance: str, media: set[str] | None) -> None:
         for block_hash in [h for h, b in self._blocks.items() if instance in b.holders]:
