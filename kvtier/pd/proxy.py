@@ -47,6 +47,7 @@ from kvtier.logs import get_logger
 from kvtier.pd import protocol as proto
 from kvtier.pd.notify import Notifications, notifications
 from kvtier.pd.proxy_settings import Decoder, ProxyMetrics, ProxySettings, TtftStats
+from kvtier.pd.routing import KvRouter
 from kvtier.pd.upstreams import Upstreams
 
 log = get_logger(__name__)
@@ -90,6 +91,16 @@ class Proxy:
             "decoder", [d.url for d in settings.decoders], interval, connect, self.metrics.node_up
         )
         self._watches: list[asyncio.Task] = []
+        self._router = (
+            KvRouter(
+                self._prefillers,
+                settings.prefillers,
+                dict(zip(settings.prefillers, settings.prefiller_kv_events)),
+                settings.route_load_tokens,
+            )
+            if settings.route == "kv"
+            else None
+        )
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -138,6 +149,8 @@ class Proxy:
     async def stop(self) -> None:
         for upstreams in (self._prefillers, self._decoders):
             upstreams.stop()
+        if self._router is not None:
+            self._router.close()
         for watch in self._watches:
             watch.cancel()
         await asyncio.gather(*self._watches, return_exceptions=True)
@@ -237,7 +250,7 @@ class Proxy:
     ) -> dict[str, Any]:
         """Prefill on a prefiller, its KV pushed to decoder d; the body to send decoder d.
         Where that fails, the request as it came: the decoder prefills it itself."""
-        p = self._prefillers.pick(n)
+        p = await self._pick_prefiller(n, endpoint, body)
         if p is None:
             self.metrics.upstream_errors.labels("prefiller", "down").inc()
             return self._fallback(
@@ -245,7 +258,7 @@ class Proxy:
             )
         t0 = time.perf_counter()
         prefill = asyncio.ensure_future(
-            self._prefill(self.s.prefillers[p], endpoint, body, req_id, self.s.decoders[d])
+            self._prefill_on(p, endpoint, body, req_id, self.s.decoders[d])
         )
         lost = asyncio.ensure_future(self._decoders.lost(d))
         try:
@@ -268,6 +281,26 @@ class Proxy:
         self.metrics.prefill.observe(seconds)
         await self._wait_kv(waiter, req_id)
         return dict(body, kv_transfer_params={"pd_req_id": req_id}) if self._kvtier else body
+
+    async def _pick_prefiller(self, n: int, endpoint: str, body: dict[str, Any]) -> int | None:
+        if self._router is None or self._session is None:
+            return self._prefillers.pick(n)
+        p = await self._router.pick(n, endpoint, body, self._session)
+        held = p is not None and self._router.routed_last == "kv"
+        self.metrics.routed.labels("kv" if held else "round-robin").inc()
+        return p
+
+    async def _prefill_on(
+        self, p: int, endpoint: str, body: dict[str, Any], req_id: str, decoder: Decoder
+    ) -> None:
+        """The prefill on prefiller p, counted in flight there while it runs (--route kv)."""
+        if self._router is not None:
+            self._router.started(p)
+        try:
+            await self._prefill(self.s.prefillers[p], endpoint, body, req_id, decoder)
+        finally:
+            if self._router is not None:
+                self._router.ended(p)
 
     def _fallback(self, req_id: str, why: str, body: dict[str, Any]) -> dict[str, Any]:
         self.metrics.prefill_fallbacks.inc()

@@ -36,6 +36,9 @@ class ProxySettings:
     stats_interval: float = 5.0
     health_interval: float = 0.5  # s between the watch's probes of every node (kvtier.pd.upstreams)
     pd_engine: str = "kvtier"  # the nodes' PD backend: a key of kvtier.pd.notify.ENGINES
+    route: str = "round-robin"  # or "kv": kvtier.pd.routing
+    prefiller_kv_events: list[str] = field(default_factory=list)  # ZMQ endpoints, per prefiller
+    route_load_tokens: int = 2048  # a request in flight on a prefiller counts as this many
 
 
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
@@ -74,7 +77,23 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         args.kv_ready_timeout,
         health_interval=args.health_interval,
         pd_engine=args.pd_engine,
+        route=args.route,
+        prefiller_kv_events=_kv_events(args, len(pre_ports)),
+        route_load_tokens=args.route_load_tokens,
     )
+
+
+def _kv_events(args: argparse.Namespace, count: int) -> list[str]:
+    """The prefillers' KV event publishers (vLLM's `--kv-events-config` endpoints)."""
+    if args.prefiller_kv_events_port is None:
+        if args.route == "kv":
+            raise ValueError(
+                "--route kv needs --prefiller-kv-events-port: where each prefiller's vLLM "
+                "publishes its KV events (--kv-events-config's endpoint)"
+            )
+        return []
+    ports = _ports(args.prefiller_kv_events_port, count)
+    return [f"tcp://{args.prefiller_host}:{p}" for p in ports]
 
 
 def _ports(value: str, count: int) -> list[int]:
@@ -133,6 +152,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.5,
         help="s between TCP probes of every node: "
         "one that does not answer gets no requests until it does",
+    )
+    a(
+        "--route",
+        choices=("round-robin", "kv"),
+        default="round-robin",
+        help="which prefiller a request goes to: in turn, or the one holding the longest prefix "
+        "of its prompt (from the prefillers' KV events), weighed against its load",
+    )
+    a(
+        "--prefiller-kv-events-port",
+        default=None,
+        help="with --route kv: the port of each prefiller's KV event publisher (vLLM's "
+        "--kv-events-config endpoint, publisher zmq): a base port (node i on port + i) or "
+        "one a node",
+    )
+    a(
+        "--route-load-tokens",
+        type=int,
+        default=2048,
+        help="with --route kv: how many prompt tokens held one request in flight on a prefiller "
+        "is worth",
     )
     a(
         "--pd-engine",
@@ -197,6 +237,12 @@ class ProxyMetrics:
             "wait for PrefillDone after the prefill",
             registry=r,
             buckets=(0.0001, 0.001, 0.01, 0.1, 1, 10, 30),
+        )
+        self.routed = Counter(
+            "kvtier_proxy_routed",
+            "prefills routed by a prefix a prefiller holds (kv) or in turn (round-robin)",
+            ["how"],
+            registry=r,
         )
         self.kv_not_ready = Counter(
             "kvtier_proxy_kv_not_ready",

@@ -18,7 +18,7 @@ import contextlib
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,11 +98,12 @@ def _engine_env(engine: str) -> dict[str, str]:
 
 @dataclass
 class Cluster:
-    prefiller: Server
+    prefiller: Server  # the first
     decoder: Server
     url: str  # the proxy's
     proxy: subprocess.Popen
     decoder_ports: tuple[int, int]  # its PD init and alloc ports (rank 0)
+    prefillers: list[Server]
 
 
 @contextlib.contextmanager
@@ -121,6 +122,10 @@ def pd_cluster(
     eager: bool = True,
     decoder_prefix_cache: bool = False,
     engine: str = "kvtier",
+    prefillers: int = 1,
+    prefiller_args: Callable[[int], Sequence[str]] | None = None,
+    prefiller_prefix_cache: bool = False,
+    proxy_args: Sequence[str] = (),
 ) -> Iterator[Cluster]:
     """The guide's 1P1D: decoder, prefiller (each with `tp` ranks) and `kvtier proxy`.
     `split_cores` (CPU, tp 1): the decoder's OpenMP threads on core 0, the prefiller's on
@@ -132,7 +137,10 @@ def pd_cluster(
     `engine` "lmcache" (GPU machine, LMCache installed, `channel` nixl): LMCache 0.5.x's PD
     backend in both servers, as its guide runs it (UCX_TLS=cuda_ipc,cuda_copy,tcp; the sender's
     buffer as large as the decoder's: it holds a request's chunks; one PYTHONHASHSEED, which
-    its chunk keys hash with), `kvtier proxy --pd-engine lmcache` in front."""
+    its chunk keys hash with), `kvtier proxy --pd-engine lmcache` in front. `prefillers`: how
+    many (each its own server, one after the other), `prefiller_args(i)` the extra arguments of
+    prefiller i, `prefiller_prefix_cache` vLLM's prefix cache on in them, `proxy_args` the
+    proxy's extra flags."""
     init, alloc, notify, port = free_ports(4)
     _write_configs(
         tmp,
@@ -159,28 +167,43 @@ def pd_cluster(
         "gpu_memory_utilization": gpu_util,
     }
     dev_mode = {"VLLM_SERVER_DEV_MODE": "1"} if decoder_prefix_cache else {}
-    with (
-        vllm_server(
-            model_dir,
-            tmp / "decoder",
-            env={
-                **env,
-                **cores["decoder"],
-                **dev_mode,
-                "LMCACHE_CONFIG_FILE": str(tmp / "decoder.yaml"),
-            },
-            kv_connector=connector("kv_consumer", "consumer1", engine),
-            prefix_caching=decoder_prefix_cache,
-            **server,
-        ) as dec,
-        vllm_server(
-            model_dir,
-            tmp / "prefiller",
-            env={**env, **cores["prefiller"], "LMCACHE_CONFIG_FILE": str(tmp / "prefiller.yaml")},
-            kv_connector=connector("kv_producer", "producer1", engine),
-            **server,
-        ) as pre,
-    ):
+    with contextlib.ExitStack() as stack:
+        dec = stack.enter_context(
+            vllm_server(
+                model_dir,
+                tmp / "decoder",
+                env={
+                    **env,
+                    **cores["decoder"],
+                    **dev_mode,
+                    "LMCACHE_CONFIG_FILE": str(tmp / "decoder.yaml"),
+                },
+                kv_connector=connector("kv_consumer", "consumer1", engine),
+                prefix_caching=decoder_prefix_cache,
+                **server,
+            )
+        )
+        pres = [
+            stack.enter_context(
+                vllm_server(
+                    model_dir,
+                    tmp / ("prefiller" if i == 0 else f"prefiller{i}"),
+                    env={
+                        **env,
+                        **cores["prefiller"],
+                        "LMCACHE_CONFIG_FILE": str(tmp / "prefiller.yaml"),
+                    },
+                    kv_connector=connector("kv_producer", f"producer{i + 1}", engine),
+                    prefix_caching=prefiller_prefix_cache,
+                    **{
+                        **server,
+                        "extra_args": [*args, *(prefiller_args(i) if prefiller_args else ())],
+                    },
+                )
+            )
+            for i in range(prefillers)
+        ]
+        pre = pres[0]
         cmd = [
             sys.executable,
             "-m",
@@ -193,9 +216,9 @@ def pd_cluster(
             "--prefiller-host",
             "127.0.0.1",
             "--prefiller-port",
-            pre.url.rsplit(":", 1)[1],
+            ",".join(p.url.rsplit(":", 1)[1] for p in pres),
             "--num-prefillers",
-            "1",
+            str(prefillers),
             "--decoder-host",
             "127.0.0.1",
             "--decoder-port",
@@ -212,12 +235,13 @@ def pd_cluster(
             "1",
             "--pd-engine",
             engine,
+            *proxy_args,
         ]
         with open(tmp / "proxy.log", "wb") as log:
             proxy = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_for_port(port, 60, proxy)
-            yield Cluster(pre, dec, f"http://127.0.0.1:{port}", proxy, (init, alloc))
+            yield Cluster(pre, dec, f"http://127.0.0.1:{port}", proxy, (init, alloc), pres)
         finally:
             proxy.send_signal(signal.SIGINT)
             try:
