@@ -46,7 +46,6 @@ from kvtier.engine.tails import Tails
 from kvtier.keys import PLAIN, ChunkKey, ChunkSpan, Identity, KVFormat
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
-from kvtier.tiers.base import CPU
 from kvtier.tiers.cpu import CpuTier
 from kvtier.transfer import PagedKV, Transfer
 
@@ -431,9 +430,9 @@ class CacheEngine:
         self._settle(wait=True)
         self.tiers.clear()
         self.tails.clear()
-        log.info(
-            "cleared the local tiers (%s)", ", ".join([CPU, *(t.name for t in self.tiers.local)])
-        )
+        # "(CPU RAM and disk)": the line operators and tests/test_vllm_tiers.py read
+        others = "".join(f" and {t.name}" for t in self.tiers.local)
+        log.info("cleared the local tiers (CPU RAM%s)", others)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until stored chunks have been written to disk and remote; False on timeout."""
