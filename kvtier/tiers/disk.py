@@ -307,14 +307,13 @@ class DiskTier(LocalTier, PinningTier):
             if size > self.capacity:
                 self.stats.too_large += 1
                 return False
-        if not self._evict(size):
-            return False
-        with self._lock:
-            self._used += size
-        return True
+        return self._evict(size, reserve=True)
 
-    def _evict(self, size: int) -> bool:
-        """Remove unpinned chunks, in `cache_policy` order, until `size` more bytes fit."""
+    def _evict(self, size: int, reserve: bool = False) -> bool:
+        """Remove unpinned chunks, in `cache_policy` order, until `size` more bytes fit; with
+        `reserve`, take them in the same hold of the lock (two writer threads each making room
+        and then reserving apart could both find the room one eviction made, and the tier
+        went past its size by a chunk)."""
         victims = []
         with self._lock:
             for name in list(self._order.victims()):
@@ -327,6 +326,8 @@ class DiskTier(LocalTier, PinningTier):
                 self.stats.evictions += 1
                 victims.append(name)
             fits = self._used + size <= self.capacity
+            if fits and reserve:
+                self._used += size
             gone = [self._digests.pop(name, None) for name in victims]
         for name in victims:
             _unlink(self.root / name)
