@@ -149,8 +149,8 @@ class Proxy:
     async def stop(self) -> None:
         for upstreams in (self._prefillers, self._decoders):
             upstreams.stop()
-        if self._router is not None:
-            self._router.close()
+        if self._router is not None:  # its feed's thread joins: not on the event loop
+            await asyncio.to_thread(self._router.close)
         for watch in self._watches:
             watch.cancel()
         await asyncio.gather(*self._watches, return_exceptions=True)
