@@ -75,7 +75,7 @@ class LoadPath:
                 upload = upload or self.mover.upload(held, layer_major=layerwise, beside=True)
             if held:
                 handle = (
-                    self.mover.scatter(slots, held, start, end, layerwise=True, upload=upload)
+                    self.mover.scatter_layerwise(slots, held, start, end, upload=upload)
                     if layerwise
                     else _Queued(
                         self.mover.scatter(
@@ -83,7 +83,6 @@ class LoadPath:
                             held,
                             start,
                             end,
-                            layerwise=False,
                             wait=False,
                             upload=upload,
                             beside=beside,
@@ -150,7 +149,7 @@ class LoadPath:
                     )  # until scatter returns: if it raises, wait for all
                     inflight[-1] = (
                         batch,
-                        self.mover.scatter(slots, batch, start, end, layerwise=False, wait=pooled),
+                        self.mover.scatter(slots, batch, start, end, wait=pooled),
                     )
                     keep = 0 if pooled else 1
                 while len(inflight) > keep:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
-from typing import Literal, overload
 
 import numpy as np
 import torch
@@ -158,70 +157,62 @@ class Mover:
                 beside=beside,
             )
 
-    @overload
     def scatter(
         self,
         slots: torch.Tensor,
         found: list[tuple[ChunkSpan, StoredChunk]],
         start: int,
         end: int,
-        layerwise: Literal[True],
         wait: bool = True,
         upload: Upload | None = None,
         beside: bool = False,
-    ) -> LayerHandle: ...
+    ) -> Callable[[], None]:
+        """The chunks in one transfer, whole; what waits for the copies out of the chunks.
+        A chunk cut by `start` or `end` writes only its tokens inside [start, end): the
+        others get slot -1, which the transfers skip (the slots before `start` may be
+        prefix-cache blocks the engine shares; after `end` there are no slots). `beside`:
+        Transfer.scatter."""
+        targets, views, digests = self._scatter_parts(slots, found, start, end, upload)
+        with self._lock:
+            return self.transfer.scatter(
+                targets, views, wait=wait, digests=digests, upload=upload, beside=beside
+            )
 
-    @overload
-    def scatter(
+    def scatter_layerwise(
         self,
         slots: torch.Tensor,
         found: list[tuple[ChunkSpan, StoredChunk]],
         start: int,
         end: int,
-        layerwise: Literal[False],
-        wait: bool = True,
         upload: Upload | None = None,
-        beside: bool = False,
-    ) -> Callable[[], None]: ...
+    ) -> LayerHandle:
+        """The same chunks layer by layer (`scatter`'s cut at `start` and `end`): a handle."""
+        targets, views, digests = self._scatter_parts(slots, found, start, end, upload)
+        with self._lock:
+            return self.transfer.scatter_layerwise(targets, views, digests=digests, upload=upload)
 
-    def scatter(
+    def _scatter_parts(
         self,
         slots: torch.Tensor,
         found: list[tuple[ChunkSpan, StoredChunk]],
         start: int,
         end: int,
-        layerwise: bool,
-        wait: bool = True,
-        upload: Upload | None = None,
-        beside: bool = False,
-    ) -> LayerHandle | Callable[[], None]:
-        """The chunks in one transfer (a layerwise handle, or what waits for the
-        copies out of the chunks), whole. A chunk cut by `start` or `end`
-        writes only its tokens inside [start, end): the others get slot -1,
-        which the transfers skip (the slots before `start` may be prefix-cache
-        blocks the engine shares; after `end` there are no slots). `beside`: Transfer.scatter."""
+        upload: Upload | None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
+        """A scatter's target slots (-1 outside [start, end)), chunk views and device digests."""
         views = (
             upload.chunks()
             if upload is not None
             else [self.view(c.block.data, s.num_tokens) for s, c in found]
         )
-        digests = found[0][1].block.device_check(
-            len(found), self.kv.device
-        )  # lent, checked on the GPU
+        # lent chunks, checked on the GPU
+        digests = found[0][1].block.device_check(len(found), self.kv.device)
         first, last = found[0][0].start, found[-1][0].end
         a, b = max(start, first), min(end, last)
         targets = torch.full((*slots.shape[:-1], last - first), -1, dtype=torch.int64)
-        targets[..., a - first : b - first] = slots[
-            ..., a:b
-        ]  # slicing only: this runs before any byte moves
-        with self._lock:
-            if layerwise:
-                return self.transfer.scatter_layerwise(
-                    targets, views, digests=digests, upload=upload
-                )
-            return self.transfer.scatter(
-                targets, views, wait=wait, digests=digests, upload=upload, beside=beside
-            )
+        # slicing only: this runs before any byte moves
+        targets[..., a - first : b - first] = slots[..., a:b]
+        return targets, views, digests
 
     def device_idle(self) -> None:
         """Wait for everything queued on the KV's device (nothing to wait for on a host)."""
