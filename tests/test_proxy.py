@@ -125,7 +125,7 @@ class Decoder:
     """An HTTP node that answers every completion with 200 and keeps the bodies it got;
     `before()` runs as a request comes, `after(body)` once it is answered."""
 
-    def __init__(self, before=lambda: None, after=lambda body: None):
+    def __init__(self, before=lambda: None, after=lambda body: None, port=0):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         bodies = self.bodies = []
@@ -145,7 +145,7 @@ class Decoder:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -181,6 +181,26 @@ def test_prefiller_and_decoder_down_is_a_502_at_once():
         r = completion(url)
         assert r.status_code == 502 and "decoder" in r.json()["error"]["message"]
         assert time.monotonic() - t0 < 10
+
+
+def test_nodes_that_come_up_between_two_probes_get_the_next_request():
+    """As a script starts vLLM, waits for its /health and asks at once: the proxy's watch
+    last saw the nodes down (its next round is 60 s away), and still the request is
+    disaggregated and answered."""
+    decoder_port, alloc_port = free_port(), free_port()
+    with proxy(
+        free_port(), decoder_port, alloc_port, free_port(), "--health-interval", "60"
+    ) as url:
+        metrics = httpx.get(url + "/metrics").text
+        assert 'kvtier_proxy_node_up{node="decoder",' in metrics
+        assert "} 0.0" in metrics  # the first round found them down
+        decoder = Decoder(port=decoder_port)
+        try:
+            r = completion(url)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
+            assert len(decoder.bodies) == 1
+        finally:
+            decoder.close()
 
 
 def test_a_decoder_that_is_down_gets_no_request_while_another_is_up():

@@ -210,7 +210,7 @@ class Proxy:
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         n = next(self._rr)
-        d = self._decoders.pick(n)
+        d = await self._decoders.pick_now(n)
         if d is None:
             self.metrics.upstream_errors.labels("decoder", "down").inc()
             return _error(502, f"no decoder is up: {self._decoders.why_down()}")
@@ -284,7 +284,9 @@ class Proxy:
 
     async def _pick_prefiller(self, n: int, endpoint: str, body: dict[str, Any]) -> int | None:
         if self._router is None or self._session is None:
-            return self._prefillers.pick(n)
+            return await self._prefillers.pick_now(n)
+        if await self._prefillers.pick_now(n) is None:
+            return None
         p = await self._router.pick(n, endpoint, body, self._session)
         held = p is not None and self._router.routed_last == "kv"
         self.metrics.routed.labels("kv" if held else "round-robin").inc()
@@ -320,7 +322,7 @@ class Proxy:
         connection (nothing was sent to it): the request as it came, prefilled there."""
         while True:
             if not self._decoders.is_up(d):
-                moved = self._decoders.pick(n + 1)
+                moved = await self._decoders.pick_now(n + 1)
                 if moved is None:
                     raise UpstreamError(502, f"no decoder is up: {self._decoders.why_down()}")
                 d, decode_body = moved, body

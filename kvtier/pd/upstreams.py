@@ -54,6 +54,19 @@ class Upstreams:
                 return (n + k) % count
         return None
 
+    async def pick_now(self, n: int) -> int | None:
+        """`pick(n)`, where every node is marked down probing them all first: a node can
+        answer before the watch's next round, and a request arriving in that interval
+        (a script that starts the nodes, waits for their /health, then asks at once)
+        would be refused, or lose its disaggregation, for nothing."""
+        picked = self.pick(n)
+        if picked is not None:
+            return picked
+        reasons = await asyncio.gather(*(self._probe(node) for node in self.nodes))
+        for i, reason in enumerate(reasons):
+            self._mark(i, reason)
+        return self.pick(n)
+
     def is_up(self, i: int) -> bool:
         return self.nodes[i].up
 
@@ -78,6 +91,13 @@ class Upstreams:
         node.lost.set()
         self._gauge.labels(self.kind, node.url).set(0)
 
+    def _mark(self, i: int, reason: str) -> None:
+        """Node i down for `reason`, or up where `reason` is ''."""
+        if reason:
+            self.down(i, reason)
+        else:
+            self._back(i)
+
     def _back(self, i: int) -> None:
         node = self.nodes[i]
         if not node.up:
@@ -99,10 +119,7 @@ class Upstreams:
                 reason = await self._probe(node)
                 if self._stopped.is_set():
                     return
-                if reason:
-                    self.down(i, reason)
-                else:
-                    self._back(i)
+                self._mark(i, reason)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stopped.wait(), self.interval)
 
