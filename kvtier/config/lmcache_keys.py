@@ -63,7 +63,10 @@ _INTERNAL = "an LMCache-internal setting; kvtier has no such mechanism"
 _CONTROLLER = "LMCache's controller (cluster management) is not built in kvtier"
 _API = "LMCache's internal API server is not built in kvtier"
 _BLEND = "used only with enable_blending, which kvtier does not do"
-_P2P = "used only with enable_p2p, which kvtier does not do"
+_P2P_PORTS = (
+    "kvtier's instance serves peers on p2p_port (TP rank r: + r) and finds them through "
+    "p2p_index_url"
+)
 _STATS = "LMCache's chunk statistics are not built in kvtier"
 _LAZY = "kvtier allocates its CPU pool whole at start (max_local_cpu_size)"
 _HIDDEN = "used only with enable_hidden_state_cache, which kvtier does not do"
@@ -150,9 +153,8 @@ RULES: dict[str, KeyRule] = {
     "blend_check_layers": _i(None, _BLEND),
     "blend_min_tokens": _i(256, _BLEND),
     "blend_special_str": _i(" # # ", _BLEND),
-    "p2p_host": _i(None, _P2P),
-    "p2p_init_ports": _i(None, _P2P),
-    "p2p_lookup_ports": _i(None, _P2P),
+    "p2p_init_ports": _i(None, _P2P_PORTS),
+    "p2p_lookup_ports": _i(None, _P2P_PORTS),
     "enable_controller": _i(False, _CONTROLLER),
     "lmcache_instance_id": _i(None, _CONTROLLER),
     "controller_pull_url": _i(None, _CONTROLLER),

@@ -21,13 +21,17 @@ from kvtier.engine.events import EventLog
 from kvtier.engine.mover import Mover
 from kvtier.engine.records import EngineStats
 from kvtier.errors import ConfigError, KvtierError
+from kvtier.fleet.holders import Holders
+from kvtier.fleet.peers import PeerServer
 from kvtier.keys import KVFormat, SpanMemo
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool
 from kvtier.remote import LendingStore, RegisteringStore, open_store
+from kvtier.tiers.base import ChunkSource
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.holds import Holds
+from kvtier.tiers.peer import PeerSource
 from kvtier.tiers.registry import TierContext, registered_tiers
 from kvtier.tiers.remote import RemoteTier
 from kvtier.tiers.reshard import DiskFiles, HeadGeometry, ReshardedSource, share_sizes
@@ -48,6 +52,7 @@ class Parts:
     holds: Holds
     events: EventLog
     stats: EngineStats
+    peers: PeerSource | None  # P2P sharing (enable_p2p), also among tiers.sources
 
 
 def build(
@@ -82,7 +87,12 @@ def build(
         if isinstance(remote.store, RegisteringStore) and cpu.pool.device.type == "cpu":
             remote.store.register_memory(cpu.pool.arena.data_ptr(), cpu.pool.capacity)
     disk = _disk_tier(config, mover.bytes_per_token, fmt)
-    readers = _other_tp_sizes(config, kv, fmt, disk, remote) if config.share_across_tp else []
+    readers: list[ChunkSource] = []
+    if config.share_across_tp:
+        readers += _other_tp_sizes(config, kv, fmt, disk, remote)
+    peers = _peers(config, cpu, fmt, mover.bytes_per_token)
+    if peers is not None:
+        readers.append(peers)
     lower = [t for t in (disk, *registered, remote) if t is not None]
     tiers = TieredStore(
         cpu,
@@ -101,7 +111,32 @@ def build(
         Holds(tiers, config.pin_timeout_sec),
         EventLog(tiers, config.enable_kv_events),
         EngineStats(),
+        peers,
     )
+
+
+def _peers(
+    config: KvtierConfig, cpu: CpuTier, fmt: KVFormat, bytes_per_token: int
+) -> PeerSource | None:
+    """P2P sharing: this rank's chunks served to peers, and the index told of them (as the CPU
+    tier stores and evicts); other instances' chunks found through it."""
+    if not config.enable_p2p:
+        return None
+    assert config.p2p_index_url is not None and config.p2p_port is not None  # _check_p2p
+    port = config.p2p_port + fmt.tp_rank if config.p2p_port else 0
+    token = config.remote_auth_token
+    server = PeerServer(cpu, fmt, Codec("naive"), bytes_per_token, config.p2p_host, port, token)
+    try:
+        store = open_store(
+            config.p2p_index_url, config.blocking_timeout_secs, token, config.extra_config
+        )
+    except BaseException:
+        server.close()
+        raise
+    holders = Holders(store, config.p2p_index_url, server.address)
+    cpu.on_stored.append(holders.announce)
+    cpu.on_removed.append(holders.withdraw)
+    return PeerSource(holders, server, Codec("naive"), config.blocking_timeout_secs, token)
 
 
 def _disk_tier(config: KvtierConfig, bytes_per_token: int, fmt: KVFormat) -> DiskTier | None:

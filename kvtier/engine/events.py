@@ -58,7 +58,7 @@ class EventLog:
             self._hook(tiers)
 
     def _hook(self, tiers: TieredStore) -> None:
-        tiers.cpu.on_evict = lambda key: self._removed(key.digest, CPU)
+        tiers.cpu.on_removed.append(lambda key: self._removed(key.digest, CPU))
         for local in tiers.local:
             local.on_removed = lambda digest, name=local.name: self._removed(digest, name)
         for name, writer in tiers.writers.items():

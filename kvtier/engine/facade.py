@@ -77,6 +77,7 @@ class CacheEngine:
             parts.events,
         )
         self._spans = parts.spans
+        self.peers = parts.peers
         self.ahead = AheadSlot(self.tiers, self.mover)
         self.prefetcher = Prefetcher(
             self.tiers, self.holds, self.stats, enabled=config.local_cpu and bool(self.tiers.lower)
@@ -446,6 +447,8 @@ class CacheEngine:
         self._settle(wait=True)
         self.holds.release_all()
         self.tiers.close(timeout=self.config.blocking_timeout_secs)
+        if self.peers is not None:
+            self.peers.close()
 
     def _settle(self, wait: bool = False, keys: Sequence[ChunkKey] | None = None) -> None:
         """Stores and state snapshots whose copies to the host have ended go into the tiers

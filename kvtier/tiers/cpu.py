@@ -40,7 +40,10 @@ class CpuTier:
         self._chunks: dict[ChunkKey, StoredChunk] = {}
         self._order: EvictionOrder[ChunkKey] = EvictionOrder(policy)
         self._lock = threading.Lock()
-        self.on_evict: Callable[[ChunkKey], None] | None = None  # told of each eviction (KV events)
+        # Told of each chunk stored, and of each evicted, deleted or cleared (KV events, the
+        # P2P index); called under the tier's lock, in the order of the changes: cheap calls.
+        self.on_stored: list[Callable[[ChunkKey], None]] = []
+        self.on_removed: list[Callable[[ChunkKey], None]] = []
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -86,6 +89,8 @@ class CpuTier:
             self._chunks[key] = StoredChunk(block, num_tokens)
             self._order.add(key)
             self.stats.puts += 1
+            for hook in self.on_stored:
+                hook(key)
         if old is not None:
             old.block.release()
 
@@ -93,6 +98,8 @@ class CpuTier:
         with self._lock:
             chunk = self._chunks.pop(key, None)
             self._order.discard(key)
+            if chunk is not None:
+                self._removed([key])
         if chunk is None:
             return False
         chunk.block.release()
@@ -100,10 +107,16 @@ class CpuTier:
 
     def clear(self) -> None:
         with self._lock:
-            chunks, self._chunks = list(self._chunks.values()), {}
+            chunks, self._chunks = self._chunks, {}
             self._order.clear()
-        for chunk in chunks:
+            self._removed(list(chunks))
+        for chunk in chunks.values():
             chunk.block.release()
+
+    def _removed(self, keys: list[ChunkKey]) -> None:
+        for hook in self.on_removed:
+            for key in keys:
+                hook(key)
 
     def _evict_one(self) -> bool:
         """Drop the first chunk in eviction order that nobody is reading; False if none."""
@@ -118,7 +131,6 @@ class CpuTier:
             del self._chunks[key]
             self._order.discard(key)
             self.stats.evictions += 1
-            if self.on_evict is not None:
-                self.on_evict(key)
+            self._removed([key])
         block.release()
         return True

@@ -1,0 +1,119 @@
+"""P2P sharing as a place chunks are read from: other instances' CPU RAM (`enable_p2p`).
+
+Asked after this instance's own tiers. `exists` asks the index (kvtier/fleet/holders.py)
+which instance holds each chunk; `get_into` fetches them from those instances' PeerServers
+(kvtier/fleet/peers.py), one request per instance, and checks each value as the remote tier
+does. Nothing is written anywhere but the index: the bytes stay in the instance that computed
+them. A peer that is gone, evicted the chunk, or ends its reply midway gives misses (the
+engine recomputes them); a peer that failed is skipped for a second, then asked again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.codec import Codec
+from kvtier.errors import CorruptPayload, RemoteUnavailable
+from kvtier.fleet.holders import Holders
+from kvtier.fleet.peers import PeerClient, PeerDenied, PeerServer
+from kvtier.keys import ChunkKey, wire_key
+from kvtier.logs import get_logger
+
+log = get_logger(__name__)
+
+PEER_BACKOFF_S = 1.0
+
+
+@dataclass
+class PeerStats:
+    hits: int = 0  # chunks loaded from a peer
+    misses: int = 0  # chunks the index named and the peer did not give (or gave damaged)
+    faults: int = 0  # peer requests that failed on the transport
+    index_faults: int = 0  # lookups the index did not answer
+
+
+class PeerSource:
+    """Chunks of other instances, found through `holders`, decoded by `codec`. Owns this
+    instance's `server` and closes it."""
+
+    name = "p2p"
+
+    def __init__(
+        self,
+        holders: Holders,
+        server: PeerServer,
+        codec: Codec,
+        timeout: float,
+        token: str | None,
+    ) -> None:
+        self.holders, self.server, self.codec = holders, server, codec
+        self._timeout, self._token = timeout, token
+        self._clients: dict[str, PeerClient] = {}
+        self._down_until: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self.stats = PeerStats()
+
+    def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return [holder is not None for holder in self._where(keys)]
+
+    def get_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[int | None]:
+        out: list[int | None] = [None] * len(keys)
+        by_peer: dict[str, list[int]] = defaultdict(list)
+        for i, holder in enumerate(self._where(keys)):
+            if holder is not None:
+                by_peer[holder].append(i)
+        for holder, indices in by_peer.items():
+            values = self._fetch(holder, [wire_key(keys[i]) for i in indices])
+            for i, value in zip(indices, values):
+                out[i] = self._decode(holder, keys[i], value, outs[i])
+        return out
+
+    def close(self) -> None:
+        self.server.close()
+        self.holders.close()
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+
+    def _where(self, keys: Sequence[ChunkKey]) -> list[str | None]:
+        try:
+            holders = self.holders.where(keys)
+        except RemoteUnavailable as exc:
+            self.stats.index_faults += 1
+            log.warning("P2P: the index at %s did not answer: %s", self.holders.url, exc)
+            return [None] * len(keys)
+        now = time.monotonic()
+        return [h if h is not None and self._down_until.get(h, 0) <= now else None for h in holders]
+
+    def _fetch(self, holder: str, wires: list[bytes]) -> list[bytes | None]:
+        with self._lock:
+            client = self._clients.get(holder)
+            if client is None:
+                client = self._clients[holder] = PeerClient(holder, self._timeout, self._token)
+        try:
+            return client.get(wires)
+        except (RemoteUnavailable, PeerDenied) as exc:
+            self.stats.faults += 1
+            self._down_until[holder] = time.monotonic() + PEER_BACKOFF_S
+            log.warning("P2P: %d chunks from %s are misses: %s", len(wires), holder, exc)
+            return [None] * len(wires)
+
+    def _decode(
+        self, holder: str, key: ChunkKey, value: bytes | None, out: memoryview
+    ) -> int | None:
+        if value is None:
+            self.stats.misses += 1
+            return None
+        try:
+            num_tokens = self.codec.decode_into(value, out)
+        except CorruptPayload as exc:
+            self.stats.misses += 1
+            log.warning("P2P: chunk %s from %s is damaged (%s): a miss", key, holder, exc)
+            return None
+        self.stats.hits += 1
+        return num_tokens

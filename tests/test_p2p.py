@@ -1,0 +1,224 @@
+"""P2P sharing between engines (enable_p2p): a chunk one instance stored in CPU RAM is loaded
+by another from that instance's PeerServer, found through an index in a real store (`kvtier
+server` or redis-server); only addresses are written there. A peer gone, a peer that evicted,
+a reply cut midway, damaged bytes or a wrong token: misses, never wrong KV."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from kvtier.config import KvtierConfig
+from kvtier.engine import CacheEngine
+from kvtier.fleet.holders import index_key
+from kvtier.keys import KVFormat
+from kvtier.remote import open_store
+from kvtier.transfer import PagedKV
+from kvtier_tools.dev.localservers import kvtier_server, redis_server
+
+L, NB, BS, H, D = 2, 64, 16, 2, 32
+FMT = KVFormat("m", "flash_attn", "bfloat16")
+FLEET_TOKEN = "fleet-token-0123456789abcdef"
+CHUNK_BYTES = 16 * L * 2 * H * D * 2  # chunk_size tokens of K and V, bf16
+
+
+def node(index: str, token: str | None = None, cpu_gb: float = 1 / 1024):
+    layers = [torch.randn(2, NB, BS, H, D).to(torch.bfloat16) for _ in range(L)]
+    cfg = KvtierConfig(
+        save_unfull_chunk=False,
+        chunk_size=16,
+        max_local_cpu_size=cpu_gb,
+        blocking_timeout_secs=2.0,
+        enable_p2p=True,
+        p2p_port=0,
+        p2p_index_url=index,
+        remote_auth_token=token,
+    )
+    return CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), FMT), layers
+
+
+def kv_at(layers, slots):
+    return torch.stack([x[:, slots // BS, slots % BS] for x in layers])
+
+
+def announced(engine: CacheEngine, tokens: list[int], n: int, timeout: float = 10) -> None:
+    """Wait until the index names `engine` for the first n chunks of `tokens`."""
+    assert engine.peers is not None
+    keys = [s.key for s in engine.spans(tokens)][:n]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = engine.peers.holders.store.get([index_key(k) for k in keys])
+        if all(v is not None and bytes(v) == engine.peers.server.address.encode() for v in got):
+            return
+        time.sleep(0.02)
+    raise AssertionError("the index never named the storing instance")
+
+
+@pytest.fixture(scope="module", params=["kvtier", "redis"])
+def index(request):
+    start = {"kvtier": lambda: kvtier_server(0.0625), "redis": redis_server}[request.param]
+    with start() as srv:
+        yield srv.url
+
+
+def tokens_for(case: int) -> list[int]:
+    return [1000 + 131 * case + i for i in range(100)]  # 6 whole chunks of 16, then 4
+
+
+def test_a_chunk_stored_by_a_is_loaded_by_b_from_as_cpu_ram(index):
+    tokens = tokens_for(1)
+    a, a_kv = node(index)
+    b, b_kv = node(index)
+    try:
+        src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
+        assert b.lookup(tokens) == 0
+        assert a.store(tokens, src) == 96
+        announced(a, tokens, 6)
+        assert b.lookup(tokens) == 96
+        mask = b.retrieve(tokens, dst)
+        assert mask[:96].all() and not mask[96:].any()
+        assert torch.equal(kv_at(b_kv, dst[:96]), kv_at(a_kv, src[:96]))
+        assert a.peers.server.served == 6 and b.peers.stats.hits == 6
+        # The index holds addresses only: no value of a chunk's size was ever written there.
+        store = open_store(index, 2.0)
+        keys = [index_key(s.key) for s in a.spans(tokens)][:6]
+        assert all(len(bytes(v)) < 64 for v in store.get(keys))
+        store.close()
+    finally:
+        a.close(), b.close()
+
+
+def test_a_peer_that_is_gone_or_evicted_gives_a_miss_and_its_entry_goes(index):
+    tokens = tokens_for(2)
+    a, _ = node(index)
+    b, b_kv = node(index)
+    try:
+        src = torch.randperm(NB * BS)[:100]
+        a.store(tokens, src)
+        announced(a, tokens, 6)
+        a.tiers.cpu.clear()  # a evicts everything: its entries are withdrawn
+        deadline = time.monotonic() + 10
+        while b.lookup(tokens) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert b.lookup(tokens) == 0
+        a.store(tokens, src)
+        announced(a, tokens, 6)
+    finally:
+        a.close()  # a is gone; the index still names it
+    try:
+        before = b_kv[0].clone()
+        dst = torch.randperm(NB * BS)[:100]
+        mask = b.retrieve(tokens, dst)
+        assert not mask.any() and torch.equal(b_kv[0], before)
+        assert b.peers.stats.faults >= 1
+    finally:
+        b.close()
+
+
+class CuttingRelay:
+    """A real TCP relay to a peer that forwards the request and `keep` bytes of the reply,
+    then closes both sides: the peer died mid-reply, as far as the asker can tell."""
+
+    def __init__(self, target: str, keep: int):
+        host, _, port = target.rpartition(":")
+        self.target, self.keep = (host, int(port)), keep
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(client, upstream), daemon=True).start()
+            sent = 0
+            while sent < self.keep:
+                data = upstream.recv(min(65536, self.keep - sent))
+                if not data:
+                    break
+                client.sendall(data)
+                sent += len(data)
+            client.close()
+            upstream.close()
+
+    @staticmethod
+    def _pipe(src, dst):
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def close(self):
+        self.sock.close()
+
+
+def test_a_reply_cut_midway_is_a_miss_and_the_next_fetch_works_again(index):
+    tokens = tokens_for(3)
+    a, a_kv = node(index)
+    b, b_kv = node(index)
+    relay = CuttingRelay(a.peers.server.address, keep=3 * CHUNK_BYTES)
+    try:
+        src = torch.randperm(NB * BS)[:100]
+        a.store(tokens, src)
+        announced(a, tokens, 6)
+        # The index names the relay for a's chunks: b's fetch is cut in its third chunk.
+        store = open_store(index, 2.0)
+        keys = [index_key(s.key) for s in a.spans(tokens)][:6]
+        store.delete(keys)
+        store.put(keys, [relay.address.encode()] * 6)
+        dst = torch.randperm(NB * BS)[:100]
+        mask = b.retrieve(tokens, dst)
+        # what arrived whole and checked may load; nothing after the cut does
+        loaded = int(mask.sum())
+        assert loaded < 96 and loaded % 16 == 0
+        assert torch.equal(kv_at(b_kv, dst[:loaded]), kv_at(a_kv, src[:loaded]))
+        assert b.peers.stats.faults == 1
+        # The entries named a again: after the back-off the fetch from a works.
+        store.delete(keys)
+        store.put(keys, [a.peers.server.address.encode()] * 6)
+        store.close()
+        time.sleep(1.1)
+        mask = b.retrieve(tokens, dst)
+        assert mask[:96].all()
+        assert torch.equal(kv_at(b_kv, dst[:96]), kv_at(a_kv, src[:96]))
+    finally:
+        relay.close()
+        a.close(), b.close()
+
+
+def test_a_wrong_token_is_refused_and_gives_misses():
+    with kvtier_server(0.0625, "--auth-token", FLEET_TOKEN) as srv:
+        tokens = tokens_for(4)
+        a, _ = node(srv.url, token=FLEET_TOKEN)
+        b, b_kv = node(srv.url, token=FLEET_TOKEN)
+        try:
+            a.store(tokens, torch.randperm(NB * BS)[:100])
+            announced(a, tokens, 6)
+            b.peers._token = "not-the-fleets"
+            mask = b.retrieve(tokens, torch.randperm(NB * BS)[:100])
+            assert not mask.any() and b.peers.stats.faults == 1
+        finally:
+            a.close(), b.close()
+
+
+def test_a_non_loopback_host_without_a_token_is_refused_at_start():
+    with kvtier_server(0.0625) as srv:
+        layers = [torch.zeros(2, NB, BS, H, D).to(torch.bfloat16) for _ in range(L)]
+        cfg = KvtierConfig(
+            chunk_size=16,
+            max_local_cpu_size=1 / 1024,
+            enable_p2p=True,
+            p2p_host="0.0.0.0",
+            p2p_port=0,
+            p2p_index_url=srv.url,
+        )
+        with pytest.raises(Exception, match="remote_auth_token"):
+            CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), FMT)
