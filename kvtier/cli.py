@@ -116,6 +116,18 @@ def _proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
+def _controller_args(p: argparse.ArgumentParser) -> None:
+    from kvtier.fleet.controller_cli import add_arguments
+
+    add_arguments(p)
+
+
+def _controller(args: argparse.Namespace) -> int:
+    from kvtier.fleet.controller_cli import run
+
+    return run(args)
+
+
 def _vllm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "args",
@@ -150,6 +162,12 @@ COMMANDS: list[Command] = [
         "(LMCache's disagg_proxy_server.py flags)",
         _proxy_args,
         _proxy,
+    ),
+    (
+        "controller",
+        "the fleet's cache: lookup, clear, pin, move across instances (LMCache's controller)",
+        _controller_args,
+        _controller,
     ),
     ("config", "print the effective config (file + env)", _config_args, _config),
     (

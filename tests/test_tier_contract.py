@@ -97,6 +97,16 @@ class SqliteTier(LocalTier):
         with self._lock, self._db:
             self._db.execute("DELETE FROM chunks")
 
+    def __len__(self) -> int:
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0]
+
+    def delete(self, key: ChunkKey) -> bool:
+        with self._lock, self._db:
+            return (
+                self._db.execute("DELETE FROM chunks WHERE key = ?", (wire_key(key),)).rowcount > 0
+            )
+
     def close(self) -> None:
         self._db.close()
 

@@ -209,6 +209,28 @@ class KvtierConfig:
         "only addresses are written there",
         default=None,
     )
+    enable_controller: bool = _doc(
+        "answer `kvtier controller`: each rank serves a small API and registers it at "
+        "controller_url",
+        default=False,
+    )
+    controller_url: str | None = _doc(
+        "the controller ranks register with (http://host:port of `kvtier controller serve`)",
+        default=None,
+    )
+    instance_id: str | None = _doc(
+        "this instance's name in the fleet (default: host-pid of the process above its ranks)",
+        default=None,
+    )
+    controller_worker_host: str = _doc(
+        "the address each rank's controller API listens on", default="127.0.0.1"
+    )
+    controller_worker_port: int = _doc(
+        "rank 0's controller API port (rank r: + r); 0: any free port", default=0
+    )
+    controller_heartbeat_s: float = _doc(
+        "s between a rank's registrations with the controller", default=5.0
+    )
     extra_config: Mapping[str, Any] = _doc(
         "free-form settings for extensions", default_factory=dict
     )
@@ -217,6 +239,7 @@ class KvtierConfig:
         _check_ranges(self)
         _check_pd(self)
         _check_p2p(self)
+        _check_controller(self)
 
     @property
     def pd_channel(self) -> str:
@@ -256,7 +279,8 @@ def _check_ranges(cfg: KvtierConfig) -> None:
         raise ConfigError("remote_url", cfg.remote_url, expected)
     if (
         cfg.remote_auth_token is not None
-        and not cfg.enable_p2p  # there it is the fleet's token too (kvtier/fleet/peers.py)
+        # with P2P or the controller it is the fleet's token too (kvtier/fleet/)
+        and not (cfg.enable_p2p or cfg.enable_controller)
         and urlsplit(cfg.remote_url or "").scheme not in TOKEN_SCHEMES
     ):
         raise ConfigError(
@@ -322,6 +346,21 @@ def _check_p2p(cfg: KvtierConfig) -> None:
         raise ConfigError(
             "local_cpu", cfg.local_cpu, "true when enable_p2p is true: peers read CPU RAM's chunks"
         )
+
+
+def _check_controller(cfg: KvtierConfig) -> None:
+    if not cfg.enable_controller:
+        return
+    if cfg.controller_url is None or urlsplit(cfg.controller_url).scheme not in ("http", "https"):
+        raise ConfigError(
+            "controller_url",
+            cfg.controller_url,
+            "http://host:port of `kvtier controller serve` (enable_controller is true)",
+        )
+    if not 0 <= cfg.controller_worker_port < 65536:
+        raise ConfigError("controller_worker_port", cfg.controller_worker_port, "a port, or 0")
+    if cfg.controller_heartbeat_s <= 0:
+        raise ConfigError("controller_heartbeat_s", cfg.controller_heartbeat_s, "seconds > 0")
 
 
 def _check_pd(cfg: KvtierConfig) -> None:

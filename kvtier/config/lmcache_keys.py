@@ -60,7 +60,9 @@ def _r(default: Any, note: str) -> KeyRule:
 
 _TIER = "a storage backend kvtier does not have"
 _INTERNAL = "an LMCache-internal setting; kvtier has no such mechanism"
-_CONTROLLER = "LMCache's controller (cluster management) is not built in kvtier"
+_CONTROLLER = (
+    "kvtier's ranks register over HTTP with controller_url (controller_worker_port: their API)"
+)
 _API = "LMCache's internal API server is not built in kvtier"
 _BLEND = "used only with enable_blending, which kvtier does not do"
 _P2P_PORTS = (
@@ -155,16 +157,16 @@ RULES: dict[str, KeyRule] = {
     "blend_special_str": _i(" # # ", _BLEND),
     "p2p_init_ports": _i(None, _P2P_PORTS),
     "p2p_lookup_ports": _i(None, _P2P_PORTS),
-    "enable_controller": _i(False, _CONTROLLER),
-    "lmcache_instance_id": _i(None, _CONTROLLER),
+    "lmcache_instance_id": _m(None, "the instance's name in the fleet", "instance_id"),
+    "lmcache_worker_port": _m(None, "rank 0's controller API port", "controller_worker_port"),
+    "lmcache_worker_heartbeat_time": _m(
+        None, "s between registrations with the controller", "controller_heartbeat_s"
+    ),
     "controller_pull_url": _i(None, _CONTROLLER),
     "controller_reply_url": _i(None, _CONTROLLER),
-    "controller_url": _i(None, _CONTROLLER),
     "lmcache_worker_ports": _i(None, _CONTROLLER),
-    "lmcache_worker_port": _i(None, _CONTROLLER),
     "lmcache_worker_ids": _i(None, _CONTROLLER),
     "lmcache_worker_heartbeat_delay_time": _i(10, _CONTROLLER),
-    "lmcache_worker_heartbeat_time": _i(None, _CONTROLLER),
     "pd_peer_query_port": _i(
         None, "kvtier's decoder has no query port (the proxy names the decoder)"
     ),

@@ -26,6 +26,8 @@ Only whole chunks move (plus the partial last chunk when
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
@@ -43,6 +45,7 @@ from kvtier.engine.prefetch import Prefetcher
 from kvtier.engine.states import StateLayers, StateLoad, StatePath
 from kvtier.engine.storing import StorePath, Storing
 from kvtier.engine.tails import Tails
+from kvtier.fleet.worker import ControlWorker
 from kvtier.keys import PLAIN, ChunkKey, ChunkSpan, Identity, KVFormat
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
@@ -116,6 +119,7 @@ class CacheEngine:
             lambda keys: self._settle(keys=keys),
             self.states,
         )
+        self.worker = _control_worker(self) if config.enable_controller else None
         if (
             kv.device.type == "cuda" and self.pool.device.type == "cpu"
         ):  # host chunks, staged over PCIe
@@ -449,6 +453,8 @@ class CacheEngine:
         self.tiers.close(timeout=self.config.blocking_timeout_secs)
         if self.peers is not None:
             self.peers.close()
+        if self.worker is not None:
+            self.worker.close()
 
     def _settle(self, wait: bool = False, keys: Sequence[ChunkKey] | None = None) -> None:
         """Stores and state snapshots whose copies to the host have ended go into the tiers
@@ -491,3 +497,20 @@ class CacheEngine:
                 f"the KV cache has {self.kv.num_slots} slots"
             )
         return slots
+
+
+def _control_worker(engine: CacheEngine) -> ControlWorker:
+    """This rank's API for `kvtier controller`, registered at controller_url."""
+    config = engine.config
+    assert config.controller_url is not None  # _check_controller
+    port = config.controller_worker_port
+    worker = ControlWorker(
+        engine,
+        config.instance_id or f"{socket.gethostname()}-{os.getppid()}",
+        config.controller_worker_host,
+        port + engine.fmt.tp_rank if port else 0,
+        config.remote_auth_token,
+    )
+    worker.register_with(config.controller_url, config.controller_heartbeat_s)
+    log.info("controller API of rank %d on %s", engine.fmt.tp_rank, worker.url)
+    return worker

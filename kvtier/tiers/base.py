@@ -77,8 +77,17 @@ class LocalTier(LowerTier, Protocol):
     @property
     def evictions(self) -> int: ...
 
+    def __len__(self) -> int:
+        """Chunks it holds."""
+        ...
+
     def clear(self) -> None:
         """Drop every chunk not pinned."""
+        ...
+
+    def delete(self, key: ChunkKey) -> bool:
+        """Drop one chunk (pinned too: a load that counted on it recomputes); whether it was
+        there."""
         ...
 
 

@@ -48,6 +48,10 @@ class CpuTier:
     def __len__(self) -> int:
         return len(self._chunks)
 
+    def keys(self) -> list[ChunkKey]:
+        with self._lock:
+            return list(self._chunks)
+
     def contains(self, key: ChunkKey) -> bool:
         return key in self._chunks
 

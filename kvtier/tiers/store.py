@@ -412,6 +412,25 @@ class TieredStore:
                 return False
         return True
 
+    def copy_to(self, name: str, keys: Sequence[ChunkKey]) -> int:
+        """Queue the chunks of `keys` that CPU RAM holds for lower tier `name`; how many."""
+        tier = self.tier(name)
+        held = [k for k in keys if self.cpu.contains(k)]
+        for key in held:
+            self._submit_from_cpu(tier, key)
+        return len(held)
+
+    def delete(self, keys: Sequence[ChunkKey], name: str | None = None) -> int:
+        """Drop the chunks of `keys` from CPU RAM and the local tiers (`name`: that one only);
+        a load already reading one finishes, one that counted on it recomputes. How many."""
+        n = 0
+        if name in (None, CPU):
+            n += sum(self.cpu.delete(key) for key in keys)
+        for tier in self.local:
+            if name in (None, tier.name):
+                n += sum(tier.delete(key) for key in keys)
+        return n
+
     def clear(self) -> None:
         """Drop every chunk of CPU RAM and the local tiers; leased and pinned ones stay until
         released."""
