@@ -4,14 +4,18 @@ server` that never holds a chunk's bytes; with A killed, B recomputes and answer
 
 from __future__ import annotations
 
+import contextlib
 import re
+import subprocess
+import sys
+from collections.abc import Iterator
 
 import httpx
 import pytest
 from transformers import AutoTokenizer
 
 from kvtier_tools.dev.demo import vllm_server
-from kvtier_tools.dev.localservers import free_port, kvtier_server
+from kvtier_tools.dev.localservers import free_port, kvtier_server, wait_for_port
 from kvtier_tools.dev.tinymodel import corpus_text
 
 pytestmark = pytest.mark.vllm
@@ -34,14 +38,31 @@ def complete(url: str, model: str, prompt: list[int]) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in tokens]
 
 
-def p2p_env(index_url: str) -> dict[str, str | None]:
+def p2p_env(index_url: str, controller: str, name: str) -> dict[str, str | None]:
     return {
         "LMCACHE_CHUNK_SIZE": "256",
         "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.05",
         "LMCACHE_ENABLE_P2P": "true",
         "LMCACHE_P2P_PORT": str(free_port()),
         "LMCACHE_P2P_INDEX_URL": index_url,
+        "LMCACHE_ENABLE_CONTROLLER": "true",
+        "LMCACHE_CONTROLLER_URL": controller,
+        "LMCACHE_LMCACHE_INSTANCE_ID": name,
+        "LMCACHE_CONTROLLER_HEARTBEAT_S": "1",
     }
+
+
+@contextlib.contextmanager
+def controller() -> Iterator[str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvtier.cli", "controller", "serve", "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(port, 60, proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 @pytest.mark.timeout(1200)
@@ -54,8 +75,9 @@ def test_a_prompt_prefilled_on_a_is_loaded_by_b_from_as_cpu_ram_and_survives_as_
     model = str(tiny_model)
     with (
         kvtier_server(0.0625) as index,
-        vllm_server(tiny_model, tmp_path / "a", env=p2p_env(index.url)) as a,
-        vllm_server(tiny_model, tmp_path / "b", env=p2p_env(index.url)) as b,
+        controller() as ctl,
+        vllm_server(tiny_model, tmp_path / "a", env=p2p_env(index.url, ctl, "a")) as a,
+        vllm_server(tiny_model, tmp_path / "b", env=p2p_env(index.url, ctl, "b")) as b,
     ):
         on_a = complete(a.url, model, prompt)
         assert a.hit_lines()[-1] == (2000, 0, 0)
@@ -65,12 +87,17 @@ def test_a_prompt_prefilled_on_a_is_loaded_by_b_from_as_cpu_ram_and_survives_as_
         assert on_b == on_a
         metrics = httpx.get(f"http://127.0.0.1:{index.manage_port}/metrics").text
         stored = float(VALUE_BYTES.search(metrics).group(1))
-        assert 0 < stored < 16 * 1024  # addresses only: one chunk's KV alone is 256 KiB here
+        assert 0 < stored < 16 * 1024  # addresses only: one chunk's KV alone is 1 MiB here
+        # The controller sees the fleet through the ranks of both vLLMs: A holds 7 chunks of
+        # the control prompt once it computed it, B none (nobody asked B for it yet).
+        cold = complete(a.url, model, control)
+        found = httpx.post(ctl + "/lookup", json={"tokens": control}, timeout=60).json()
+        assert found["layout_info"] == {"a": ["LocalCPUBackend", 1792]}
+        assert found["instances"]["b"]["cpu"] == 0
         # A prefills another prompt and dies; the index still names it for those chunks.
-        on_a = complete(a.url, model, control)
+        assert complete(a.url, model, control) == cold  # a hit from A's own CPU RAM
         a.kill()
         # The lookup may still count A's chunks (the index names them); their load fails
         # and vLLM recomputes them (its kv_load_failure_policy): the same tokens either way.
-        on_b = complete(b.url, model, control)
-        assert on_b == on_a
+        assert complete(b.url, model, control) == cold
         assert "P2P: 7 chunks from" in b.log_text()  # it asked A, and was refused
