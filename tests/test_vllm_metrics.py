@@ -3,6 +3,7 @@ connector stats API: after a miss and a hit they equal what the hit-token log sa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -10,7 +11,10 @@ import time
 import httpx
 import pytest
 
+from kvtier.fleet.feed import EventFeed
+from kvtier.fleet.index import PrefixIndex
 from kvtier_tools.dev.demo import vllm_server
+from kvtier_tools.dev.localservers import kvtier_server
 from kvtier_tools.dev.tinymodel import corpus_text
 
 pytestmark = pytest.mark.vllm
@@ -72,7 +76,9 @@ def test_vllm_metrics_show_kvtier_lookups_hits_stores_and_loads(tiny_model, tmp_
 def test_with_enable_kv_events_vllm_publishes_kvtiers_stores_and_evictions(tiny_model, tmp_path):
     """vLLM's ZMQ event publisher carries BlockStored for each chunk kvtier's CPU tier
     takes (medium CPU, block size = chunk size, token ids, the request's LoRA adapter as
-    vLLM's own events name it) and BlockRemoved when one goes."""
+    vLLM's own events name it) and BlockRemoved when one goes; and the disk and remote
+    tiers' own, which a router reading the events (the proxy's index, kvtier/fleet/) sees:
+    stores in DISK and REMOTE, the disk's eviction."""
     import msgspec
     import zmq
     from transformers import AutoTokenizer
@@ -89,12 +95,20 @@ def test_with_enable_kv_events_vllm_publishes_kvtiers_stores_and_evictions(tiny_
     )  # two whole chunks each; the pool holds three
     port = free_port()
     events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    chunk = 256 * 8192  # bytes of a chunk of the tiny model in float32
+    stack = contextlib.ExitStack()
+    store = stack.enter_context(kvtier_server(0.0625))
     env = {
         "LMCACHE_CHUNK_SIZE": "256",
-        "LMCACHE_MAX_LOCAL_CPU_SIZE": str(3 * 256 * 8192 / 1024**3),
+        "LMCACHE_MAX_LOCAL_CPU_SIZE": str(3 * chunk / 1024**3),
+        "LMCACHE_LOCAL_DISK": str(tmp_path / "disk"),
+        "LMCACHE_MAX_LOCAL_DISK_SIZE": str(3.5 * chunk / 1024**3),  # 4 chunks do not fit
+        "LMCACHE_REMOTE_URL": store.url,
         "LMCACHE_ENABLE_KV_EVENTS": "true",
         "LMCACHE_SAVE_UNFULL_CHUNK": "false",
     }  # whole chunks: whole blocks
+    index = PrefixIndex()  # a router's view: the proxy's --route kv index, fed as it is fed
+    stack.enter_context(contextlib.closing(EventFeed({"a": f"tcp://127.0.0.1:{port}"}, index)))
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -128,19 +142,33 @@ def test_with_enable_kv_events_vllm_publishes_kvtiers_stores_and_evictions(tiny_
                 )
                 assert r.status_code == 200, r.text
             deadline = time.monotonic() + 30
-            while (
-                time.monotonic() < deadline and sum(isinstance(e, BlockRemoved) for e in ours) < 1
+            while time.monotonic() < deadline and not (
+                {"CPU", "DISK"} <= {e.medium for e in ours if isinstance(e, BlockRemoved)}
+                and index.held_in(second, "DISK", "A") == {"a": 512}
+                and index.held_in(second, "REMOTE", "A") == {"a": 512}
             ):
                 if sub.poll(500):
                     _, _, payload = sub.recv_multipart()
                     ours += [
                         e
                         for e in decoder.decode(payload).events
-                        if getattr(e, "medium", None) == "CPU"
+                        if getattr(e, "medium", None) in ("CPU", "DISK", "REMOTE")
                     ]
     finally:
         sub.close(0)
         ctx.term()
+        stack.close()
+    # The router's index: every chunk went to the remote store and the disk; the disk evicted
+    # the first prompt's first chunk (LRU) and CPU RAM too, so no instance holds that prompt
+    # itself (the remote store is every instance's: not a reason to pick one); the second,
+    # (under adapter A) it holds on disk, which the index names as this instance's.
+    assert index.held_in(first, "REMOTE") == {"a": 512}
+    assert index.held_in(first, "DISK") == {} and index.held_in(first, "CPU") == {}
+    assert index.match(first) == {}
+    assert index.held_in(second, "DISK", "A") == {"a": 512}
+    assert index.match(second, "A") == {"a": 512} and index.match(second) == {}
+    disk_removed = [e for e in ours if isinstance(e, BlockRemoved) and e.medium == "DISK"]
+    ours = [e for e in ours if e.medium == "CPU"]
     stored = [e for e in ours if isinstance(e, BlockStored)]
     removed = [e for e in ours if isinstance(e, BlockRemoved)]
     assert len(stored) == 4 and all(e.block_size == 256 and len(e.token_ids) == 256 for e in stored)
@@ -160,3 +188,4 @@ def test_with_enable_kv_events_vllm_publishes_kvtiers_stores_and_evictions(tiny_
     assert (
         removed and removed[0].block_hashes == stored[0].block_hashes
     )  # LRU: the first prompt's first chunk
+    assert disk_removed and disk_removed[0].block_hashes == stored[0].block_hashes

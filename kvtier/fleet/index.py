@@ -70,14 +70,23 @@ class PrefixIndex:
     def match(self, tokens: Sequence[int], lora: str | None = None) -> dict[str, int]:
         """Per instance, the tokens of the longest prefix of `tokens` it holds itself (any
         medium but a shared store's), at any block size seen."""
+        return self.held_in(tokens, None, lora)
+
+    def held_in(
+        self, tokens: Sequence[int], medium: str | None, lora: str | None = None
+    ) -> dict[str, int]:
+        """`match` in one medium ("CPU", "DISK", "REMOTE", "GPU"; None: any but a shared
+        store's): per instance, the tokens of the longest prefix of `tokens` it holds there."""
         best: dict[str, int] = {}
         with self._lock:
             for size in sorted(self._sizes):
-                for instance, n in self._walk(tokens, size, lora).items():
+                for instance, n in self._walk(tokens, size, lora, medium).items():
                     best[instance] = max(best.get(instance, 0), n)
         return best
 
-    def _walk(self, tokens: Sequence[int], size: int, lora: str | None) -> dict[str, int]:
+    def _walk(
+        self, tokens: Sequence[int], size: int, lora: str | None, medium: str | None
+    ) -> dict[str, int]:
         held: dict[str, int] = {}
         alive: set[str] | None = None  # instances holding every block so far
         parents: set[BlockHash | None] = {None}  # the previous block's hashes, every chain's
@@ -90,7 +99,7 @@ class PrefixIndex:
                 instance
                 for h in hashes
                 for instance, media in self._blocks[h].holders.items()
-                if media - SHARED_MEDIA
+                if (medium in media if medium is not None else media - SHARED_MEDIA)
             }
             alive = local if alive is None else alive & local
             if not alive:
