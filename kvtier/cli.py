@@ -64,6 +64,29 @@ def _proxy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _router(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvtier.fleet.router import serve, settings_from_args
+
+    try:
+        settings = settings_from_args(args)
+    except ValueError as e:
+        print(f"kvtier router: {e}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(settings))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _router_args(p: argparse.ArgumentParser) -> None:
+    from kvtier.fleet.router import add_arguments
+
+    add_arguments(p)
+
+
 def _vllm(args: argparse.Namespace) -> int:
     from kvtier.integrations.vllm.cli import main as vllm_main
 
@@ -162,6 +185,12 @@ COMMANDS: list[Command] = [
         "(LMCache's disagg_proxy_server.py flags)",
         _proxy_args,
         _proxy,
+    ),
+    (
+        "router",
+        "one address for a pool of vLLM instances: in turn, or to the one holding the prompt's KV",
+        _router_args,
+        _router,
     ),
     (
         "controller",

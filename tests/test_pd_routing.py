@@ -1,4 +1,4 @@
-"""KvRouter (kvtier/pd/routing.py), the proxy's `--route kv` choice of prefiller, on its own:
+"""KvRouter (kvtier/fleet/routing.py), the proxy's `--route kv` choice of prefiller, on its own:
 prompts as token ids (no /tokenize), the index fed as the prefillers' events would feed it."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import asyncio
 import aiohttp
 from prometheus_client import CollectorRegistry, Gauge
 
-from kvtier.pd.routing import KvRouter
-from kvtier.pd.upstreams import Upstreams
+from kvtier.fleet.routing import KvRouter
+from kvtier.fleet.upstreams import Upstreams
 
 URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"]
 TOKENS = list(range(500, 532))  # 8 blocks of 4

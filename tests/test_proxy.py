@@ -479,7 +479,7 @@ def test_the_node_probes_stop_even_when_a_probe_swallows_its_cancellation():
 
     from prometheus_client import CollectorRegistry, Gauge
 
-    from kvtier.pd.upstreams import Upstreams
+    from kvtier.fleet.upstreams import Upstreams
 
     async def main() -> None:
         gauge = Gauge("up", "up", ["node", "url"], registry=CollectorRegistry())

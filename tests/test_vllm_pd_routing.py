@@ -1,4 +1,4 @@
-"""KV-aware routing in `kvtier proxy` (`--route kv`, kvtier/pd/routing.py) with real vLLM
+"""KV-aware routing in `kvtier proxy` (`--route kv`, kvtier/fleet/routing.py) with real vLLM
 (CPU build): two prefillers, each publishing its KV events on vLLM's ZMQ publisher, and one
 decoder. A prompt that extends one a prefiller has already prefilled goes to that prefiller,
 where round robin would have sent it to the other; a prompt no one holds goes in turn."""

@@ -19,7 +19,7 @@ Every wait is bounded. A prefiller that is down, fails (5xx) or is slower
 than --prefill-timeout costs the request its disaggregation, not its answer:
 the decoder prefills it itself (counted in kvtier_proxy_prefill_fallbacks).
 A node that refuses connections is down until a TCP probe (every --health-interval s)
-connects again (kvtier.pd.upstreams): no request goes to it meanwhile. A decoder that
+connects again (kvtier.fleet.upstreams): no request goes to it meanwhile. A decoder that
 goes down while its request prefills, or refuses the connection, costs the request
 only its disaggregation where another decoder is up (that one prefills it itself), and
 a 502 at once where none is; a slow one answers 504 after its timeout, and a missing
@@ -43,12 +43,12 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from kvtier.errors import port_taken
+from kvtier.fleet.routing import KvRouter
+from kvtier.fleet.upstreams import Upstreams
 from kvtier.logs import get_logger
 from kvtier.pd import protocol as proto
 from kvtier.pd.notify import Notifications, notifications
 from kvtier.pd.proxy_settings import Decoder, ProxyMetrics, ProxySettings, TtftStats
-from kvtier.pd.routing import KvRouter
-from kvtier.pd.upstreams import Upstreams
 
 log = get_logger(__name__)
 

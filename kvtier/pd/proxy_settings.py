@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvtier.fleet.upstreams import csv_ints, ports_for
 from kvtier.pd.notify import ENGINES
 
 
@@ -34,18 +35,20 @@ class ProxySettings:
     kv_ready_timeout: float = 30.0  # s to wait for PrefillDone after the prefill answered
     connect_timeout: float = 5.0
     stats_interval: float = 5.0
-    health_interval: float = 0.5  # s between the watch's probes of every node (kvtier.pd.upstreams)
+    health_interval: float = (
+        0.5  # s between the watch's probes of every node (kvtier.fleet.upstreams)
+    )
     pd_engine: str = "kvtier"  # the nodes' PD backend: a key of kvtier.pd.notify.ENGINES
-    route: str = "round-robin"  # or "kv": kvtier.pd.routing
+    route: str = "round-robin"  # or "kv": kvtier.fleet.routing
     prefiller_kv_events: list[str] = field(default_factory=list)  # ZMQ endpoints, per prefiller
     route_load_tokens: int = 2048  # a request in flight on a prefiller counts as this many
 
 
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     """LMCache's proxy flags: node i of each kind listens on base port + i."""
-    pre_ports = _ports(args.prefiller_port, args.num_prefillers)
-    dec_ports = _ports(args.decoder_port, args.num_decoders)
-    init, alloc = _csv_ints(args.decoder_init_port), _csv_ints(args.decoder_alloc_port)
+    pre_ports = ports_for(args.prefiller_port, args.num_prefillers)
+    dec_ports = ports_for(args.decoder_port, args.num_decoders)
+    init, alloc = csv_ints(args.decoder_init_port), csv_ints(args.decoder_alloc_port)
     decoders = [
         Decoder(
             f"http://{args.decoder_host}:{p}",
@@ -92,21 +95,8 @@ def _kv_events(args: argparse.Namespace, count: int) -> list[str]:
                 "publishes its KV events (--kv-events-config's endpoint)"
             )
         return []
-    ports = _ports(args.prefiller_kv_events_port, count)
+    ports = ports_for(args.prefiller_kv_events_port, count)
     return [f"tcp://{args.prefiller_host}:{p}" for p in ports]
-
-
-def _ports(value: str, count: int) -> list[int]:
-    ports = _csv_ints(value)
-    if len(ports) == 1:
-        return [ports[0] + i for i in range(count)]
-    if len(ports) != count:
-        raise ValueError(f"{len(ports)} ports given for {count} nodes")
-    return ports
-
-
-def _csv_ints(value: str | int) -> list[int]:
-    return [int(x) for x in str(value).split(",") if x.strip()]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

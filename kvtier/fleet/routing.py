@@ -1,12 +1,13 @@
-"""Which prefiller a request goes to: round robin (the default), or by KV (`--route kv`).
+"""Which node a request goes to: round robin (the default), or by KV (`--route kv`). A node is
+a prefiller of `kvtier proxy` or an instance of `kvtier router`.
 
-KV-aware routing sends each request to the prefiller that holds the longest prefix of its
-prompt, as the prefillers' KV events say (kvtier/fleet/index.py, fed by each prefiller's
-vLLM event publisher: `--prefiller-kv-events-port`), weighed against what each is already
-prefilling: an instance's score is the tokens of the prompt it holds, less
+KV-aware routing sends each request to the node that holds the longest prefix of its
+prompt, as the nodes' KV events say (kvtier/fleet/index.py, fed by each node's vLLM event
+publisher: `--prefiller-kv-events-port`, `--kv-events-port`), weighed against what each is
+already working on: a node's score is the tokens of the prompt it holds, less
 `--route-load-tokens` for each request the proxy has in flight there. Ties, and prompts no
 one holds, go round robin. The prompt's token ids come from the request (a completion whose
-`prompt` is token ids) or from vLLM's `/tokenize` on the first prefiller up (text, or a
+`prompt` is token ids) or from vLLM's `/tokenize` on the first node up (text, or a
 chat's messages under the model's template): one more round trip of a millisecond or so.
 Where tokenizing fails, the request goes round robin: routing is a hint, never a reason to
 fail a request.
@@ -22,8 +23,8 @@ import aiohttp
 
 from kvtier.fleet.feed import EventFeed
 from kvtier.fleet.index import PrefixIndex
+from kvtier.fleet.upstreams import Upstreams
 from kvtier.logs import get_logger
-from kvtier.pd.upstreams import Upstreams
 
 log = get_logger(__name__)
 
@@ -32,16 +33,16 @@ TOKENIZE_TIMEOUT = 5.0  # s for a /tokenize call
 
 
 class KvRouter:
-    """Picks a prefiller by the prefix it holds and its load (see the module's docstring)."""
+    """Picks a node by the prefix it holds and its load (see the module's docstring)."""
 
     def __init__(
         self,
-        prefillers: Upstreams,
+        nodes: Upstreams,
         urls: list[str],
         events: Mapping[str, str],
         load_tokens: int,
     ) -> None:
-        self.prefillers, self.urls, self.load_tokens = prefillers, urls, load_tokens
+        self.nodes, self.urls, self.load_tokens = nodes, urls, load_tokens
         self.index = PrefixIndex()
         self.feed = EventFeed(events, self.index)
         self.inflight: Counter[int] = Counter()
@@ -50,8 +51,8 @@ class KvRouter:
     async def pick(
         self, n: int, endpoint: str, body: Mapping[str, Any], session: aiohttp.ClientSession
     ) -> int | None:
-        """The prefiller for this request (None: none is up)."""
-        first = self.prefillers.pick(n)
+        """The node for this request (None: none is up)."""
+        first = self.nodes.pick(n)
         if first is None:
             return None
         tokens = await self._tokens(first, endpoint, body, session)
@@ -60,7 +61,7 @@ class KvRouter:
         for k in range(1, len(self.urls)):
             i = (n + k) % len(self.urls)
             score = self._score(i, held)
-            if self.prefillers.is_up(i) and score > best_score:
+            if self.nodes.is_up(i) and score > best_score:
                 best, best_score = i, score
         self.routed_last = "kv" if held.get(self.urls[best], 0) else "round-robin"
         return best
@@ -72,7 +73,7 @@ class KvRouter:
         self.inflight[i] -= 1
 
     def _held(self, tokens: list[int], lora: str | None) -> dict[str, int]:
-        """Per prefiller URL, the tokens of the prompt it holds: the adapter's own blocks, or
+        """Per node URL, the tokens of the prompt it holds: the adapter's own blocks, or
         where none are known (the model named is the base model), the base model's."""
         if not tokens:
             return {}
@@ -105,7 +106,7 @@ class KvRouter:
                     return []
                 tokens = (await resp.json()).get("tokens")
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-            log.info("proxy: /tokenize on %s failed (%s); routing round robin", self.urls[i], exc)
+            log.info("routing: /tokenize on %s failed (%s); routing round robin", self.urls[i], exc)
             return []
         return tokens if isinstance(tokens, list) else []
 

@@ -144,3 +144,17 @@ def _node(url: str) -> Node:
     parts = urlsplit(url)
     default = 443 if parts.scheme == "https" else 80
     return Node(url, parts.hostname or "localhost", parts.port or default)
+
+
+def ports_for(value: str, count: int) -> list[int]:
+    """A flag's ports for `count` nodes: "p" (node i on p + i) or "p0,p1,..." (one a node)."""
+    ports = csv_ints(value)
+    if len(ports) == 1:
+        return [ports[0] + i for i in range(count)]
+    if len(ports) != count:
+        raise ValueError(f"{len(ports)} ports given for {count} nodes")
+    return ports
+
+
+def csv_ints(value: str | int) -> list[int]:
+    return [int(x) for x in str(value).split(",") if x.strip()]
