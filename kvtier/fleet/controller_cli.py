@@ -104,7 +104,7 @@ def _serve(args: argparse.Namespace) -> int:
         )
     controller = Controller(args.auth_token, args.worker_timeout)
     print(f"kvtier controller on http://{args.host}:{args.port}", flush=True)
-    web.run_app(controller.app(), host=args.host, port=args.port, print=None)
+    web.run_app(controller.app(), host=args.host, port=args.port, print=None, shutdown_timeout=1.0)
     return 0
 
 

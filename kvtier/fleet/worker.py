@@ -27,21 +27,21 @@ import json
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvtier.codec import Codec
+from kvtier.config import KvtierConfig
 from kvtier.errors import KvtierError, RemoteUnavailable
 from kvtier.fleet.peers import PeerClient, PeerDenied
-from kvtier.keys import ChunkKey, ChunkSpan, wire_key
+from kvtier.keys import ChunkKey, ChunkSpan, KVFormat, wire_key
 from kvtier.logs import get_logger
 from kvtier.memory import MemoryBlock
 from kvtier.server.state import is_loopback
 from kvtier.tiers.base import CPU
-
-if TYPE_CHECKING:
-    from kvtier.engine import CacheEngine
+from kvtier.tiers.peer import PeerSource
+from kvtier.tiers.store import TieredStore
 
 log = get_logger(__name__)
 
@@ -50,12 +50,23 @@ class BadCall(KvtierError):
     """A call the worker cannot do as asked (HTTP 400, with this message)."""
 
 
+class Engine(Protocol):
+    """What the worker uses of a rank's CacheEngine (kvtier/engine/facade.py)."""
+
+    config: KvtierConfig
+    fmt: KVFormat
+    tiers: TieredStore
+    peers: PeerSource | None
+
+    def spans(self, tokens: Sequence[int]) -> list[ChunkSpan]: ...
+
+
 class ControlWorker:
     """The API of one rank's `engine`; registered as `instance_id` rank `rank`."""
 
     def __init__(
         self,
-        engine: CacheEngine,
+        engine: Engine,
         instance_id: str,
         host: str,
         port: int,

@@ -105,6 +105,18 @@ def _bench_chaos(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _fleet_args(p: argparse.ArgumentParser) -> None:
+    from kvtier_tools.bench.fleet import add_args
+
+    add_args(p)
+
+
+def _bench_fleet(args: argparse.Namespace) -> int:
+    from kvtier_tools.bench.fleet import main
+
+    return main(args)
+
+
 def _bench_chat(args: argparse.Namespace) -> int:
     from kvtier_tools.bench.chat import main
 
@@ -297,6 +309,12 @@ BENCHMARKS: list[Command] = [
         "TTFT, throughput, hit rate",
         _chat_args,
         _bench_chat,
+    ),
+    (
+        "fleet",
+        "N vLLM instances behind kvtier router: round robin, with P2P, KV-aware routing with P2P",
+        _fleet_args,
+        _bench_fleet,
     ),
     (
         "chaos",
