@@ -35,6 +35,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from kvtier_tools.bench.chat import Workload, drive, scrape, summarize
+from kvtier_tools.bench.server import host
 from kvtier_tools.dev.demo import vllm_server
 from kvtier_tools.dev.localservers import free_port, free_ports, kvtier_server, wait_for_port
 from kvtier_tools.dev.tinymodel import make_tiny_llama
@@ -161,6 +162,7 @@ def run(args: argparse.Namespace) -> dict:
         "bench": "fleet",
         "command": "kvtier " + shlex.join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": host(),
         "instances": args.instances,
         "cpu_gb_per_instance": args.cpu_gb,
         "workloads": {name: asdict(w) for name, w in _workloads(args).items()},
