@@ -4,6 +4,8 @@ verbs and its HTTP API; P2P between the two through a real `kvtier server` index
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import httpx
 import pytest
 import torch
 
+from kvtier.cli import main
 from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
 from kvtier.keys import KVFormat
@@ -98,15 +101,18 @@ def ask(url, method, path, body=None, token=TOKEN):
 
 
 def cli(url, *args):
-    done = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "controller", *args, "--url", url],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**__import__("os").environ, "KVTIER_SERVER_TOKEN": TOKEN},
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    """`kvtier controller VERB ...` as the command runs it (its main, in this process: a
+    process a call would spend seconds importing), with the fleet's token in its variable."""
+    out, err = io.StringIO(), io.StringIO()
+    with (
+        pytest.MonkeyPatch.context() as env,
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+    ):
+        env.setenv("KVTIER_SERVER_TOKEN", TOKEN)
+        rc = main(["controller", *args, "--url", url])
+    assert rc == 0, err.getvalue()
+    return json.loads(out.getvalue())
 
 
 def ids(tokens):
