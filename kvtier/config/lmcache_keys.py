@@ -210,7 +210,10 @@ RULES: dict[str, KeyRule] = {
     "hidden_state_layers": _i(None, _HIDDEN),
     "hidden_states_retrieve_mode": _i("prefix_strict", _HIDDEN),
     # -- refused unless left at LMCache's default ----------------------------------------
-    "enable_p2p": _r(False, "peer-to-peer KV sharing"),
+    "enable_p2p": _b(False),
+    "p2p_host": _b(None),
+    "enable_controller": _b(False),
+    "controller_url": _b(None),
     "enable_blending": _r(False, "CacheBlend (it changes which tokens are recomputed)"),
     "pd_bidirectional": _r(False, "bidirectional disaggregated prefill"),
     "gds_path": _r(None, f"GPUDirect Storage, {_TIER}"),
