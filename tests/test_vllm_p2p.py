@@ -71,7 +71,7 @@ def test_a_prompt_prefilled_on_a_is_loaded_by_b_from_as_cpu_ram_and_survives_as_
 ):
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
     text = tok.encode(corpus_text())
-    prompt, control = text[:2000], text[4000:6000]  # 7 whole chunks of 256 and a part
+    prompt, control = text[:2000], text[4000:6000]  # 7 whole chunks of 256 and a partial one
     model = str(tiny_model)
     with (
         kvtier_server(0.0625) as index,
@@ -82,17 +82,17 @@ def test_a_prompt_prefilled_on_a_is_loaded_by_b_from_as_cpu_ram_and_survives_as_
         on_a = complete(a.url, model, prompt)
         assert a.hit_lines()[-1] == (2000, 0, 0)
         on_b = complete(b.url, model, prompt)
-        # B computed only what A's whole chunks did not cover: 7 chunks of 256 came from A.
-        assert b.hit_lines()[-1] == (2000, 1792, 1792)
+        # B computed only the last token: 7 chunks of 256 and the partial one came from A.
+        assert b.hit_lines()[-1] == (2000, 1999, 1999)
         assert on_b == on_a
         metrics = httpx.get(f"http://127.0.0.1:{index.manage_port}/metrics").text
         stored = float(VALUE_BYTES.search(metrics).group(1))
         assert 0 < stored < 16 * 1024  # addresses only: one chunk's KV alone is 1 MiB here
-        # The controller sees the fleet through the ranks of both vLLMs: A holds 7 chunks of
-        # the control prompt once it computed it, B none (nobody asked B for it yet).
+        # The controller sees the fleet through the ranks of both vLLMs: A holds the control
+        # prompt once it computed it, B none of it (nobody asked B for it yet).
         cold = complete(a.url, model, control)
         found = httpx.post(ctl + "/lookup", json={"tokens": control}, timeout=60).json()
-        assert found["layout_info"] == {"a": ["LocalCPUBackend", 1792]}
+        assert found["layout_info"] == {"a": ["LocalCPUBackend", 2000]}
         assert found["instances"]["b"]["cpu"] == 0
         # A prefills another prompt and dies; the index still names it for those chunks.
         assert complete(a.url, model, control) == cold  # a hit from A's own CPU RAM
@@ -100,4 +100,4 @@ def test_a_prompt_prefilled_on_a_is_loaded_by_b_from_as_cpu_ram_and_survives_as_
         # The lookup may still count A's chunks (the index names them); their load fails
         # and vLLM recomputes them (its kv_load_failure_policy): the same tokens either way.
         assert complete(b.url, model, control) == cold
-        assert "P2P: 7 chunks from" in b.log_text()  # it asked A, and was refused
+        assert re.search(r"P2P: \d+ chunks from \S+ are misses", b.log_text())  # A was gone

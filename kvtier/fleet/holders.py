@@ -19,6 +19,7 @@ import threading
 from collections.abc import Sequence
 
 from kvtier.errors import RemoteRefused, RemoteUnavailable
+from kvtier.fleet.affinity import unpin_this_thread
 from kvtier.keys import ChunkKey, wire_key
 from kvtier.logs import get_logger
 from kvtier.remote import KVStore
@@ -71,6 +72,7 @@ class Holders:
         self.store.close()
 
     def _write(self) -> None:
+        unpin_this_thread()
         while True:
             item = self._queue.get()
             batch: list[tuple[bool, ChunkKey]] = []

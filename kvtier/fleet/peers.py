@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from kvtier.codec import Codec
 from kvtier.errors import KvtierError, RemoteUnavailable
+from kvtier.fleet.affinity import unpin_this_thread
 from kvtier.framing import Framing, recv_exact, recv_into
 from kvtier.keys import ChunkKey, KVFormat
 from kvtier.logs import get_logger
@@ -70,6 +71,7 @@ class PeerServer:
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
+                unpin_this_thread()
                 outer._serve(self.request)
 
         self._server = socketserver.ThreadingTCPServer(
@@ -84,9 +86,7 @@ class PeerServer:
             self._server.server_close()
             raise KvtierError(f"P2P: cannot listen on {host}:{port}: {exc.strerror}") from exc
         self.address = f"{host}:{self._server.server_address[1]}"
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="kvtier-p2p-server", daemon=True
-        )
+        self._thread = threading.Thread(target=self._accept, name="kvtier-p2p-server", daemon=True)
         self._thread.start()
         self.served = 0  # chunks sent to peers
         log.info("P2P: serving this instance's CPU RAM chunks to peers on %s", self.address)
@@ -95,6 +95,10 @@ class PeerServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
+
+    def _accept(self) -> None:
+        unpin_this_thread()
+        self._server.serve_forever()
 
     def _serve(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

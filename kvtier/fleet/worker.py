@@ -34,6 +34,7 @@ from typing import Any, Protocol
 from kvtier.codec import Codec
 from kvtier.config import KvtierConfig
 from kvtier.errors import KvtierError, RemoteUnavailable
+from kvtier.fleet.affinity import unpin_this_thread
 from kvtier.fleet.peers import PeerClient, PeerDenied
 from kvtier.keys import ChunkKey, ChunkSpan, KVFormat, wire_key
 from kvtier.logs import get_logger
@@ -94,9 +95,7 @@ class ControlWorker:
         self._server.daemon_threads = True
         self.url = f"http://{host}:{self._server.server_address[1]}"
         self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._server.serve_forever, name="kvtier-ctl", daemon=True)
-        ]
+        self._threads = [threading.Thread(target=self._accept, name="kvtier-ctl", daemon=True)]
         self._threads[0].start()
 
     def register_with(self, controller_url: str, every_s: float) -> None:
@@ -107,6 +106,10 @@ class ControlWorker:
         beat.daemon = True
         beat.start()
         self._threads.append(beat)
+
+    def _accept(self) -> None:
+        unpin_this_thread()
+        self._server.serve_forever()
 
     def close(self) -> None:
         self._stop.set()
@@ -272,6 +275,7 @@ class ControlWorker:
         raise BadCall(f"tier {tier!r}: clear it whole with no tier named, or by tokens")
 
     def _heartbeat(self, controller_url: str, every_s: float) -> None:
+        unpin_this_thread()
         said = False
         body = json.dumps({"instance_id": self.instance_id, "rank": self.rank, "url": self.url})
         while not self._stop.is_set():
@@ -303,6 +307,7 @@ class ControlWorker:
                 self._call("POST")
 
             def _call(self, method: str) -> None:
+                unpin_this_thread()
                 route = worker._routes.get((method, self.path))
                 if not worker._authorized(self.headers.get("Authorization", "")):
                     self._answer(401, {"error": "a missing or wrong token"})
