@@ -36,6 +36,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvtier.errors import KvtierError
 from kvtier.logs import get_logger
 from kvtier.tiers.base import Tier
 
@@ -51,8 +52,8 @@ BACKENDS = {tier: location for location, tier in LOCATIONS.items()}
 CALL_TIMEOUT_S = 30.0
 
 
-class CallError(Exception):
-    """A request the controller refuses (its HTTP status and message)."""
+class CallError(KvtierError):
+    """A request the controller refuses, or a rank's failure (its HTTP status and message)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -159,11 +160,13 @@ class Controller:
         try:
             async with self._session.request(method, url + path, json=body, headers=headers) as r:
                 answer = await r.json(content_type=None)
-                if r.status != 200:
-                    raise CallError(r.status, f"{url}{path}: {answer.get('error', answer)}")
-                return answer
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: not JSON
             raise CallError(502, f"{url}{path}: {exc or type(exc).__name__}") from exc
+        if not isinstance(answer, dict):
+            raise CallError(502, f"{url}{path}: an answer that is not a JSON object")
+        if r.status != 200:
+            raise CallError(r.status, f"{url}{path}: {answer.get('error', answer)}")
+        return answer
 
     # -- the verbs ------------------------------------------------------------------------
 
