@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from kvtier.errors import KvtierError
 
@@ -45,37 +46,33 @@ def _server(args: argparse.Namespace) -> int:
 
 
 def _proxy(args: argparse.Namespace) -> int:
-    import asyncio
     import logging
 
     from kvtier.pd.proxy import serve
     from kvtier.pd.proxy_settings import settings_from_args
 
     logging.getLogger("kvtier").setLevel(args.log_level.upper())
-    try:
-        settings = settings_from_args(args)
-    except ValueError as e:
-        print(f"kvtier proxy: {e}", file=sys.stderr)
-        return 2
-    try:
-        asyncio.run(serve(settings))
-    except KeyboardInterrupt:
-        pass
-    return 0
+    return _until_stopped("proxy", lambda: serve(settings_from_args(args)))
 
 
 def _router(args: argparse.Namespace) -> int:
-    import asyncio
-
     from kvtier.fleet.router import serve, settings_from_args
 
+    return _until_stopped("router", lambda: serve(settings_from_args(args)))
+
+
+def _until_stopped(command: str, serving: Callable[[], Coroutine[Any, Any, None]]) -> int:
+    """Run the server `serving()` makes until SIGINT; flags it refuses (ValueError): one line
+    naming them, exit 2."""
+    import asyncio
+
     try:
-        settings = settings_from_args(args)
+        server = serving()
     except ValueError as e:
-        print(f"kvtier router: {e}", file=sys.stderr)
+        print(f"kvtier {command}: {e}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(settings))
+        asyncio.run(server)
     except KeyboardInterrupt:
         pass
     return 0

@@ -60,11 +60,7 @@ class PeerServer:
         port: int,
         token: str | None,
     ) -> None:
-        if token is None and not is_loopback(host):
-            raise KvtierError(
-                f"p2p_host {host} is not a loopback address: peers would read this instance's "
-                "KV without a token. Set remote_auth_token (the fleet's token)"
-            )
+        token_or_loopback(token, host, "p2p_host", "peers would read this instance's KV")
         self._cpu, self._codec, self._tag, self._token = cpu, codec, fmt.tag(), token
         self._fmt, self._bytes_per_token = fmt, bytes_per_token
         outer = self
@@ -150,6 +146,15 @@ class PeerServer:
         except ValueError:
             return None
         return self._cpu.get(key)
+
+
+def token_or_loopback(token: str | None, host: str, key: str, otherwise: str) -> None:
+    """A service of the fleet binds a non-loopback host only with the fleet's token."""
+    if token is None and not is_loopback(host):
+        raise KvtierError(
+            f"{key} {host} is not a loopback address: without a token {otherwise}. "
+            "Set remote_auth_token (the fleet's token)"
+        )
 
 
 def _key_len(sock: socket.socket) -> int:

@@ -35,11 +35,10 @@ from kvtier.codec import Codec
 from kvtier.config import KvtierConfig
 from kvtier.errors import KvtierError, RemoteUnavailable
 from kvtier.fleet.affinity import unpin_this_thread
-from kvtier.fleet.peers import PeerClient, PeerDenied
+from kvtier.fleet.peers import PeerClient, PeerDenied, token_or_loopback
 from kvtier.keys import ChunkKey, ChunkSpan, KVFormat, wire_key
 from kvtier.logs import get_logger
 from kvtier.memory import MemoryBlock
-from kvtier.server.state import is_loopback
 from kvtier.tiers.base import CPU
 from kvtier.tiers.peer import PeerSource
 from kvtier.tiers.store import TieredStore
@@ -73,11 +72,9 @@ class ControlWorker:
         port: int,
         token: str | None,
     ) -> None:
-        if token is None and not is_loopback(host):
-            raise KvtierError(
-                f"controller_worker_host {host} is not a loopback address: the controller API "
-                "would be open to anyone. Set remote_auth_token (the fleet's token)"
-            )
+        token_or_loopback(
+            token, host, "controller_worker_host", "anyone could call the controller's API"
+        )
         self.engine, self.instance_id, self.rank = engine, instance_id, engine.fmt.tp_rank
         self._token = token
         self._pins: dict[ChunkKey, MemoryBlock] = {}
