@@ -20,7 +20,7 @@ from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
 from kvtier.keys import KVFormat
 from kvtier.transfer import PagedKV
-from kvtier_tools.dev.localservers import free_port, kvtier_server, wait_for_port
+from kvtier_tools.dev.localservers import kvtier_command, kvtier_server
 
 L, NB, BS, H, D = 2, 64, 16, 2, 32
 FMT = KVFormat("m", "flash_attn", "bfloat16")
@@ -30,39 +30,19 @@ TOKENS = list(range(2000, 2100))  # 6 whole chunks of 16, then 4 tokens
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvtier.cli",
-            "controller",
-            "serve",
-            "--port",
-            str(port),
-            "--auth-token",
-            TOKEN,
-            "--worker-timeout",
-            "5",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        wait_for_port(port, 60, proc)
-        url = f"http://127.0.0.1:{port}"
-        with kvtier_server(0.0625, "--auth-token", TOKEN) as index:
-            a = node("a", url, index.url, tmp_path_factory.mktemp("disk-a"))
-            b = node("b", url, index.url, None)
-            try:
-                wait_registered(url, {"a", "b"})
-                yield url, a, b
-            finally:
-                a[0].close()
-                b[0].close()
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    serve = ("controller", "serve", "--auth-token", TOKEN, "--worker-timeout", "5")
+    with (
+        kvtier_command(*serve) as url,
+        kvtier_server(0.0625, "--auth-token", TOKEN) as index,
+    ):
+        a = node("a", url, index.url, tmp_path_factory.mktemp("disk-a"))
+        b = node("b", url, index.url, None)
+        try:
+            wait_registered(url, {"a", "b"})
+            yield url, a, b
+        finally:
+            a[0].close()
+            b[0].close()
 
 
 def node(name, controller, index, disk):

@@ -19,21 +19,14 @@ import pytest
 import torch
 from test_pd import Pair
 
-from kvtier_tools.dev.localservers import free_port, wait_for_port
+from kvtier_tools.dev.localservers import free_port, kvtier_command, wait_for_port
 
 
-@contextlib.contextmanager
 def proxy(prefiller_port, decoder_port, alloc_port, notify_port, *extra):
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvtier.cli",
+    return kvtier_command(
         "proxy",
         "--host",
         "127.0.0.1",
-        "--port",
-        str(port),
         "--prefiller-host",
         "127.0.0.1",
         "--prefiller-port",
@@ -55,14 +48,7 @@ def proxy(prefiller_port, decoder_port, alloc_port, notify_port, *extra):
         "--num-decoders",
         "1",
         *extra,
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        wait_for_port(port, 60, proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    )
 
 
 class HungPrefiller:

@@ -4,10 +4,7 @@ in turn, streaming through, a dead instance skipped, and `--route kv` to the hol
 
 from __future__ import annotations
 
-import contextlib
 import json
-import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,7 +14,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvtier_tools.dev.localservers import free_port, free_ports, wait_for_port
+from kvtier_tools.dev.localservers import free_port, free_ports, kvtier_command
 
 
 class Instance:
@@ -63,27 +60,8 @@ class Instance:
         self.server.server_close()
 
 
-@contextlib.contextmanager
 def router(urls, *extra):
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvtier.cli",
-        "router",
-        "--port",
-        str(port),
-        "--instances",
-        ",".join(urls),
-        *extra,
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        wait_for_port(port, 60, proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    return kvtier_command("router", "--instances", ",".join(urls), *extra)
 
 
 def complete(url, prompt, stream=False):

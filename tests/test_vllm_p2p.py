@@ -4,18 +4,14 @@ server` that never holds a chunk's bytes; with A killed, B recomputes and answer
 
 from __future__ import annotations
 
-import contextlib
 import re
-import subprocess
-import sys
-from collections.abc import Iterator
 
 import httpx
 import pytest
 from transformers import AutoTokenizer
 
 from kvtier_tools.dev.demo import vllm_server
-from kvtier_tools.dev.localservers import free_port, kvtier_server, wait_for_port
+from kvtier_tools.dev.localservers import free_port, kvtier_command, kvtier_server
 from kvtier_tools.dev.tinymodel import corpus_text
 
 pytestmark = pytest.mark.vllm
@@ -52,19 +48,6 @@ def p2p_env(index_url: str, controller: str, name: str) -> dict[str, str | None]
     }
 
 
-@contextlib.contextmanager
-def controller() -> Iterator[str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvtier.cli", "controller", "serve", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_port(port, 60, proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
 @pytest.mark.timeout(1200)
 def test_a_prompt_prefilled_on_a_is_loaded_by_b_from_as_cpu_ram_and_survives_as_death(
     tiny_model, tmp_path
@@ -75,7 +58,7 @@ def test_a_prompt_prefilled_on_a_is_loaded_by_b_from_as_cpu_ram_and_survives_as_
     model = str(tiny_model)
     with (
         kvtier_server(0.0625) as index,
-        controller() as ctl,
+        kvtier_command("controller", "serve") as ctl,
         vllm_server(tiny_model, tmp_path / "a", env=p2p_env(index.url, ctl, "a")) as a,
         vllm_server(tiny_model, tmp_path / "b", env=p2p_env(index.url, ctl, "b")) as b,
     ):

@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import json
 import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ from pathlib import Path
 from kvtier_tools.bench.chat import Workload, drive, scrape, summarize
 from kvtier_tools.bench.server import host
 from kvtier_tools.dev.demo import vllm_server
-from kvtier_tools.dev.localservers import free_port, free_ports, kvtier_server, wait_for_port
+from kvtier_tools.dev.localservers import free_port, free_ports, kvtier_command, kvtier_server
 from kvtier_tools.dev.tinymodel import make_tiny_llama
 
 SETUPS = ("round-robin", "round-robin+p2p", "kv-route+p2p")
@@ -87,22 +86,14 @@ def _env(setup: str, index_url: str | None, cpu_gb: float) -> dict[str, str | No
     return env
 
 
-@contextlib.contextmanager
-def _router(urls: list[str], events: list[int], kv: bool, log: Path) -> Iterator[str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvtier.cli", "router", "--port", str(port)]
-    cmd += ["--instances", ",".join(urls)]
+def _router(
+    urls: list[str], events: list[int], kv: bool, log: Path
+) -> contextlib.AbstractContextManager[str]:
+    args = ["router", "--instances", ",".join(urls)]
     if kv:
-        cmd += ["--route", "kv", "--kv-events-port", ",".join(map(str, events))]
-        cmd += ["--route-load-tokens", "256"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_for_port(port, 60, proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+        args += ["--route", "kv", "--kv-events-port", ",".join(map(str, events))]
+        args += ["--route-load-tokens", "256"]
+    return kvtier_command(*args, log=log)
 
 
 @contextlib.contextmanager

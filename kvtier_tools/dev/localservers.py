@@ -192,6 +192,22 @@ def _running(make: Callable[[], LocalServer]) -> Iterator[LocalServer]:
 
 
 @contextlib.contextmanager
+def kvtier_command(*args: str, log: Path | None = None) -> Iterator[str]:
+    """`kvtier ARGS --port P` (a proxy, a router, a controller) on a free loopback port, its
+    output into `log` (else dropped), until the block exits; yields http://127.0.0.1:P."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvtier.cli", *args, "--port", str(port)]
+    with open(log or os.devnull, "ab") as out:  # the child keeps its own copy
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for_port(port, 60, proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@contextlib.contextmanager
 def kvtier_server(
     prealloc_gb: float = 0.5, *extra: str, log_dir: Path | None = None
 ) -> Iterator[LocalServer]:
