@@ -72,10 +72,10 @@ def test_a_busy_prefiller_loses_to_one_holding_less_and_a_down_one_is_never_pick
         assert picks(r, [2]) == [1]
         r.ended(2)
         r.ended(2)
-        r.prefillers.down(2, "test")
+        r.nodes.down(2, "test")
         assert picks(r, [0, 2]) == [1, 1]
-        r.prefillers.down(1, "test")
-        r.prefillers.down(0, "test")
+        r.nodes.down(1, "test")
+        r.nodes.down(0, "test")
         assert picks(r, [0]) == [None]
     finally:
         r.close()
