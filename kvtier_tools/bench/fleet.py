@@ -51,6 +51,7 @@ WORKLOADS = {
         max_tokens=4,
         rate=1.0,
         concurrency=4,
+        vocab=4000,  # the tiny model's (4096)
     ),
     "system-prompt": Workload(
         conversations=24,
@@ -61,6 +62,7 @@ WORKLOADS = {
         max_tokens=4,
         rate=1.0,
         concurrency=4,
+        vocab=4000,
         seed=1,
     ),
 }
@@ -187,6 +189,9 @@ def table(record: dict) -> str:
         for setup, by_workload in record["setups"].items():
             s = by_workload.get(name)
             if s is None:
+                continue
+            if s["ttft_mean_ms"] is None:  # every request failed
+                rows.append(f"| {name} | {setup} | - | - | - | {s['failed']} |")
                 continue
             rows.append(
                 f"| {name} | {setup} | {s['hit_rate']:.2f} | {s['ttft_mean_ms']:.0f} | "

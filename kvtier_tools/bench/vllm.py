@@ -152,6 +152,7 @@ class _Run:
             enforce_eager=args.eager,
             gpu_memory_utilization=args.gpu_util,
             max_num_batched_tokens=args.batched,
+            kv_cache_dtype=args.kv_cache_dtype,
             tensor_parallel_size=args.tp,
             **({"mamba_cache_mode": "align"} if args.family == "nemotron_h" else {}),
             **_offloader(args, setup),
@@ -167,6 +168,7 @@ class _Run:
                 "start_s": round(start_s, 1),
                 "date": time.strftime("%Y-%m-%d"),
                 "eager": args.eager,
+                "kv_cache_dtype": args.kv_cache_dtype,
                 "tp": args.tp,
             },
         )
@@ -222,8 +224,13 @@ class _Run:
 
     def pair(self, ids: list[int], last: bool) -> dict:
         """Cold, vLLM's own GPU hit (what a zero-cost load would give), then warm from the
-        offloader."""
+        offloader. With --back-to-back, first a warm run at once after the cold one (its
+        prefix's store may still be on its way to CPU RAM)."""
         cold, _ = self.gen(ids)
+        back_to_back = {}
+        if self.args.back_to_back:
+            self.llm.reset_prefix_cache()
+            back_to_back["warm_b2b"], _ = self.gen(ids)
         self.timer.clear()
         gpu_hit, _ = self.gen(ids, timed=True)
         gpu_hit_fwd = self.timer.last_ms()
@@ -237,6 +244,7 @@ class _Run:
         fwd = self.timer.last_ms()
         self.llm.reset_prefix_cache()
         return {
+            **back_to_back,
             "cold": cold,
             "gpu_hit": gpu_hit,
             "warm": warm,
@@ -265,7 +273,7 @@ class _Run:
         # the bytes a warm load copies up: kvtier's chunks (a lossy codec's are half the KV's)
         moved = self.record.machine.get("kvtier", {}).get(
             "stored_bytes_per_token"
-        ) or kv_bytes_per_token(self.args.family)
+        ) or kv_bytes_per_token(self.args.family) // (2 if self.args.kv_cache_dtype == "fp8" else 1)
         bw = h2d_bandwidth(length * moved)
         self.timelines = []
         tokens = self.tokens(length)
@@ -276,6 +284,7 @@ class _Run:
             "fwd_ms": [],
             "gpu_hit_fwd_ms": [],
             "gpu_hit_engine_ms": [],
+            **({"warm_b2b": []} if self.args.back_to_back else {}),
         }
         for i in range(self.args.pairs + 1):  # the first pair warms up
             pair = self.pair(prompt(length, 100 + i, self.args.family), last=i == self.args.pairs)
@@ -343,6 +352,20 @@ def _summary(runs: dict, nbytes: int, bw: float, tokens: dict, timelines: list) 
         "warm_over_max_load_fwd_paired": statistics.median(
             w / max(copy_s, f) for w, f in zip(runs["warm"], alone)
         ),
+        **_back_to_back(runs),
+    }
+
+
+def _back_to_back(runs: dict) -> dict:
+    """The warm run right after the cold one against the warm run with the store landed
+    (paired), where the bench ran both."""
+    if not runs.get("warm_b2b"):
+        return {}
+    return {
+        "warm_b2b_median": statistics.median(runs["warm_b2b"]),
+        "warm_b2b_over_warm_paired": statistics.median(
+            b / w for b, w in zip(runs["warm_b2b"], runs["warm"])
+        ),
     }
 
 
@@ -357,6 +380,12 @@ def _print(setup: str, length: int, r: dict) -> None:
         f"{r['warm_over_max_load_fwd_paired']:.3f}",
         flush=True,
     )
+    if "warm_b2b_median" in r:
+        print(
+            f"[{setup}] {length}: back to back warm {r['warm_b2b_median'] * 1e3:.1f} ms, "
+            f"{r['warm_b2b_over_warm_paired']:.3f}x the warm run with the store landed",
+            flush=True,
+        )
     for name, spans in r["timeline"].items():  # the record keeps them all; here the longer ones
         print(
             f"[{setup}] {length} {name} timeline (ms from generate(), calls over 0.5 ms): "
@@ -421,6 +450,17 @@ def main() -> None:
         "timed alone then: the ranks' steps run in their own processes)",
     )
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--back-to-back",
+        action="store_true",
+        help="each pair also times a warm run right after its cold one (the prefix cache reset "
+        "between), its store maybe still landing",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="vLLM's KV cache dtype (fp8: its fp8 e4m3 KV, a byte a value, for every setup)",
+    )
     p.add_argument("--setup-timeout", type=float, default=300, help="seconds a setup may take")
     p.add_argument(
         "--profile",
@@ -454,7 +494,7 @@ def main() -> None:
             "kvtier_tools.bench.vllm",
             "--setup",
             name,
-            *_passthrough(args),
+            *_passthrough(sys.argv[1:]),
         ]
         env = {
             **os.environ,
@@ -465,33 +505,20 @@ def main() -> None:
     sys.exit(rc or compare(Path(args.out)))
 
 
-def _passthrough(args: argparse.Namespace) -> list[str]:
-    out = [
-        "--lengths",
-        *map(str, args.lengths),
-        "--pairs",
-        str(args.pairs),
-        "--check-tokens",
-        str(args.check_tokens),
-        "--model",
-        args.model,
-        "--family",
-        args.family,
-        "--out",
-        args.out,
-        "--cpu-gb",
-        str(args.cpu_gb),
-        "--gpu-util",
-        str(args.gpu_util),
-        "--batched",
-        str(args.batched),
-        "--tp",
-        str(args.tp),
-    ]
-    out.append("--eager" if args.eager else "--no-eager")
-    out += ["--profile"] if args.profile else []
-    out += ["--trace", args.trace] if args.trace else []
-    out += ["--module-path"] if args.module_path else []
+def _passthrough(argv: list[str]) -> list[str]:
+    """This command's arguments for each setup's process: all but `--setups` and its names
+    (a list kept by hand forgot the flags added after it)."""
+    out: list[str] = []
+    skipping = False
+    for arg in argv:
+        if arg == "--setups":
+            skipping = True
+            continue
+        if skipping and not arg.startswith("-"):
+            continue
+        skipping = False
+        if not arg.startswith("--setups="):
+            out.append(arg)
     return out
 
 
