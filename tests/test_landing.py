@@ -45,7 +45,8 @@ def test_copies_land_when_arrived_when_waited_for_or_when_their_keys_are_looked_
 
 def engine_with_first_chunk_in_flight(n: int):
     """A CPU engine (64-token chunks), tokens 0..n-1 and their slots, and their first chunk on
-    its way to the host as an earlier store's: its key, its `Arrival`, and what has landed."""
+    its way to the host as an earlier store's (its bytes already in a pool block, which lands
+    in CPU RAM as a store's would): its key, its `Arrival`, and what has landed."""
     import torch
 
     from kvtier.config import KvtierConfig
@@ -59,10 +60,17 @@ def engine_with_first_chunk_in_flight(n: int):
         KVFormat("m", "flash_attn", "float32"),
     )
     toks, slots = list(range(n)), torch.arange(n)
-    first = eng.spans(toks)[0].key
+    span = eng.spans(toks)[0]
+    block = eng.tiers.allocate()
+    eng.mover.gather(slots[:64], [(span, block)])  # (on a GPU the copy would still run)
     arrival, landed = Arrival(), []
-    eng.storing.landing.add(InFlight(arrival), [first], lambda: landed.append(first))
-    return eng, toks, slots, first, arrival, landed
+
+    def land() -> None:
+        eng.tiers.put(span.key, block, 64)
+        landed.append(span.key)
+
+    eng.landing.add(InFlight(arrival), [span.key], land, [(block, 64)])
+    return eng, toks, slots, span.key, arrival, landed
 
 
 def test_a_store_does_not_gather_again_a_chunk_an_earlier_store_has_in_flight():
@@ -70,24 +78,77 @@ def test_a_store_does_not_gather_again_a_chunk_an_earlier_store_has_in_flight():
     chunks the first has on their way to the host (on a GPU, not waited for) to it."""
     eng, toks, slots, first, arrival, landed = engine_with_first_chunk_in_flight(192)
     assert eng.start_store(toks, slots).finish() == 128  # chunks 2 and 3; chunk 1 is in flight
+    assert eng.lookup(toks) == 192 and landed == []  # found on its way, not waited for
     arrival.arrived = True
-    assert eng.lookup(toks) == 0 and landed == [first]  # (this stand-in's landing put nothing)
-    assert eng.store(toks, slots) == 64 and eng.lookup(toks) == 192  # now it is gathered
+    eng.flush()
+    assert landed == [first] and eng.lookup(toks) == 192
     eng.close()
 
 
-def test_a_lookup_does_not_wait_for_chunks_the_engine_has_already():
-    """vLLM's scheduler asks with the tokens it has in its own prefix cache (`known`): a chunk
-    within them still on its way to the host counts as found and is not waited for (the wait
-    held vLLM's scheduler until the GPU ended the step the store's copies queue behind), nor
-    held. One that reaches past them is waited for, as every other lookup's."""
+def test_a_lookup_never_waits_for_a_store_and_holds_what_it_has_on_its_way():
+    """A lookup (vLLM's scheduler waits for it) counts the chunks a store still has on their
+    way to the host as found in CPU RAM, without waiting for them (the wait held vLLM's
+    scheduler until the GPU ended the step the store's copies queue behind). Their blocks join
+    the request's hold: once landed, they stay until its load."""
     eng, toks, slots, first, arrival, landed = engine_with_first_chunk_in_flight(256)
     assert eng.store(toks[:192], slots[:192]) == 128  # chunks 2 and 3; chunk 1 is in flight
-    hit = eng.find(toks, hold_for="r", known=64)
+    hit = eng.find(toks, hold_for="r")
     assert (hit.tokens, hit.in_cpu) == (192, 192) and not arrival.waited and landed == []
-    assert len(eng.holds._holds["r"].blocks) == 2  # chunks 2 and 3: the one in flight is not held
-    assert (
-        eng.find(toks, known=48).tokens == 0
-    )  # chunk 1 would be read: waited for (this stand-in lands nothing)
+    assert len(eng.holds._holds["r"].blocks) == 3  # chunks 2 and 3, and the one on its way
+    eng.release_hold("r")
+    eng.close()
+
+
+def test_a_load_reads_a_chunk_on_its_way_once_it_has_landed():
+    """A load with no upload started at its lookup (here: a CPU engine, whose copies go in
+    place) reads a chunk a store has on its way from CPU RAM: it waits for it to land first,
+    and loads the bytes the store gathered."""
+    import torch
+
+    eng, toks, slots, first, arrival, landed = engine_with_first_chunk_in_flight(128)
+    want = [x.clone() for x in eng.kv.layers]
+    assert eng.store(toks, slots) == 64  # chunk 2; chunk 1 is in flight
+    assert eng.find(toks, hold_for="r").tokens == 128
+    for x in eng.kv.layers:
+        x.zero_()
+    assert int(eng.retrieve(toks, slots, request_id="r").sum()) == 128
     assert arrival.waited and landed == [first]
+    for x, w in zip(eng.kv.layers, want):
+        assert torch.equal(x.flatten(1, 2)[:, :128], w.flatten(1, 2)[:, :128])
+    eng.close()
+
+
+def test_a_borrowed_chunk_is_retained_and_a_landing_chunk_is_not_lent():
+    """`borrow` lends a chunk on its way with its block retained; once a thread has begun to
+    land it, it is not lent (the reader finds it in the tiers), and a reader that needs it
+    waits for that thread's landing to end."""
+    import threading
+
+    eng, toks, slots, first, arrival, landed = engine_with_first_chunk_in_flight(64)
+    (lent,) = eng.landing.borrow([first])
+    assert lent is not None and lent.block.ref_count == 2 and lent.done is arrival
+    lent.block.release()
+    entered, go = threading.Event(), threading.Event()
+    flight = eng.landing._flying[0]
+    land = flight.land
+
+    def slow_land() -> None:
+        entered.set()
+        go.wait(10)
+        land()
+
+    flight.land = slow_land
+    arrival.arrived = True
+    lander = threading.Thread(target=eng.landing.settle)
+    lander.start()
+    assert entered.wait(10)
+    assert eng.landing.borrow([first]) == [None] and eng.landing.holds(first)
+    reader = threading.Thread(target=eng.landing.settle, kwargs={"keys": [first]})
+    reader.start()
+    reader.join(0.2)
+    assert reader.is_alive()  # waits for the lander
+    go.set()
+    lander.join(10)
+    reader.join(10)
+    assert not reader.is_alive() and landed == [first] and len(eng.landing) == 0
     eng.close()

@@ -256,8 +256,9 @@ def test_layerwise_store_on_gpu_overlaps_nothing_it_should_not(wait):
     """Each layer is saved right after a kernel rewrites it on the current stream: the store
     must see the new values, never the old ones. Not waited for (`finish(wait=False)`, the
     vLLM worker's), the host does not wait for the copies, yet the next work on the caller's
-    stream (a forward writing the pages again) runs after the gathers read them, and a
-    lookup of the prefix sees the chunks (it waits for them)."""
+    stream (a forward writing the pages again) runs after the gathers read them, a lookup of
+    the prefix finds the chunks on their way (without waiting for them), and a load reads them
+    once they have landed."""
     layers = [
         torch.zeros(SHAPES["flash_attn"], device="cuda", dtype=torch.bfloat16) for _ in range(L)
     ]
@@ -280,8 +281,8 @@ def test_layerwise_store_on_gpu_overlaps_nothing_it_should_not(wait):
     assert len(eng.storing.landing) == (0 if wait else 1)  # not waited for: still behind the sleeps
     for x in layers:
         x.zero_()  # the next forward, on the same stream: after the gathers' reads
-    assert eng.lookup(toks) == 256 and not len(eng.storing.landing)
-    assert int(eng.retrieve(toks, slots).sum()) == 256
+    assert eng.lookup(toks) == 256 and len(eng.storing.landing) == (0 if wait else 1)
+    assert int(eng.retrieve(toks, slots).sum()) == 256 and not len(eng.storing.landing)
     torch.cuda.synchronize()
     for i in range(L):
         assert torch.equal(layers[i][:, slots.cuda() // BS, slots.cuda() % BS], expect[i])
@@ -293,7 +294,7 @@ def test_a_whole_store_not_waited_for_reads_the_pages_after_the_forward_and_befo
     to the host not waited for (`finish(wait=False)`). Its gathers read what the forward
     (behind a slow kernel) wrote, the next forward's writes come after those reads, its
     staging lives until its copies land though the next store allocates its own right behind
-    it, and a lookup of its prefix waits for them."""
+    it, and a load of its prefix (no upload at its lookup) reads them once they have landed."""
     layers = [
         torch.zeros(SHAPES["flash_attn"], device="cuda", dtype=torch.bfloat16) for _ in range(L)
     ]
@@ -337,11 +338,14 @@ def test_a_whole_store_not_waited_for_reads_the_pages_after_the_forward_and_befo
     eng.close()
 
 
-def test_on_a_gpu_a_lookup_within_the_engines_own_prefix_does_not_wait_for_its_store():
-    """vLLM's scheduler looks up a prompt whose prefix the step before computed (another request
-    with the same system prompt): that prefix's store is still queued behind the forward. Asked
-    with `known` (what vLLM's prefix cache has), the lookup counts those chunks and returns while
-    the GPU is still busy; asked for a chunk a load would read, it waits for them."""
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_on_a_gpu_a_hit_on_a_store_still_landing_loads_behind_it_without_waiting(layerwise):
+    """Back to back: a request looks up and loads the prefix a store still has on its way to
+    the host (its copies queued behind a slow forward). The lookup counts it and returns while
+    the GPU is still busy; the load's copies up, queued at the lookup (`upload_ahead`), wait
+    for the store's copies down on the GPU, not on the host; the pages get the stored KV."""
+    import time
+
     layers = [
         torch.zeros(SHAPES["flash_attn"], device="cuda", dtype=torch.bfloat16) for _ in range(L)
     ]
@@ -351,22 +355,32 @@ def test_on_a_gpu_a_lookup_within_the_engines_own_prefix_does_not_wait_for_its_s
         kv,
         KVFormat("m", "flash_attn", "bf16"),
     )
-    slots = torch.randperm(kv.num_slots)[:320]
+    perm = torch.randperm(kv.num_slots)
+    slots, again = perm[:320], perm[320:576]
     toks = list(range(320))
     values = [torch.randn_like(x) for x in layers]
+    pages = (slots[:256].cuda() // BS, slots[:256].cuda() % BS)
+    later = (again.cuda() // BS, again.cuda() % BS)
+    expect = [v[:, pages[0], pages[1]] for v in values]
     torch.cuda._sleep(1_000_000_000)  # the forward that computes the prefix: ~0.5 s of GPU clock
     for x, v in zip(layers, values):
         x.copy_(v)  # its writes (an RNG call after the sleep made the host wait for it on an H200)
     assert eng.start_store(toks[:256], slots[:256]).finish(wait=False) == 256
-    hit = eng.find(toks, known=256)
+    t0 = time.perf_counter()
+    hit = eng.find(toks, hold_for="r")
     assert (hit.tokens, hit.in_cpu) == (256, 256)
-    assert (
-        len(eng.storing.landing) == 1 and not eng.storing.landing._flying[0][0].done.query()
-    )  # not waited for
-    assert (
-        eng.find(toks, known=192).tokens == 256
-    )  # the fourth chunk would be read: waited for, landed
-    assert not len(eng.storing.landing)
+    assert eng.upload_ahead(toks[:256], "r", layerwise=layerwise)
+    flight = eng.landing._flying[0].flight
+    assert not flight.done.query() and time.perf_counter() - t0 < 0.2  # nothing waited
+    for x in layers:
+        x.zero_()  # the next forward's writes (after the store's reads of the pages)
+    load = eng.start_retrieve(toks[:256], again, request_id="r", layerwise=layerwise)
+    for layer in range(L):
+        load.wait(layer)
+    assert int(load.finish().sum()) == 256
+    for x, want in zip(layers, expect):
+        assert torch.equal(x[:, later[0], later[1]], want)
+    assert int(eng.retrieve(toks[:256], slots[:256]).sum()) == 256  # landed: from CPU RAM
     eng.close()
 
 

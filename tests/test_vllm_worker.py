@@ -343,7 +343,7 @@ def test_on_a_gpu_a_load_beside_the_steps_is_reported_while_its_upload_still_cro
     try:
         want = [layer[:, 0:16].flatten(1, 2)[:, :255].clone() for layer in layers]
         transfer = worker.engine.mover.transfer
-        with torch.cuda.stream(transfer._copies):
+        with torch.cuda.stream(transfer._copies_up):
             torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the upload's copies wait behind it
         assert worker._find(np.array(spec.token_ids, dtype=np.uint32), PLAIN, "r", 0, True) == (
             256,
@@ -352,7 +352,7 @@ def test_on_a_gpu_a_load_beside_the_steps_is_reported_while_its_upload_still_cro
         )
         worker.start_load_kv(KvtierMetadata(loads=[spec]))
         assert reported(worker) == {"r"} and not worker.load_errors()
-        assert not transfer._copies.query()  # reported while the upload still waits
+        assert not transfer._copies_up.query()  # reported while the upload still waits
         assert transfer._stream.query()  # the steps' shared kernel stream holds nothing of it
         worker.start_load_kv(KvtierMetadata())  # the next step: its stream waits for the load
         got = [layer[:, 32:48].flatten(1, 2)[:, :255].clone() for layer in layers]

@@ -20,6 +20,9 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
+from kvtier.engine.landing import Landing
 from kvtier.engine.mover import Mover, release_held
 from kvtier.keys import ChunkKey, ChunkSpan
 from kvtier.logs import get_logger
@@ -49,8 +52,8 @@ class Ahead:
 
 
 class AheadSlot:
-    def __init__(self, tiers: TieredStore, mover: Mover) -> None:
-        self.tiers, self.mover = tiers, mover
+    def __init__(self, tiers: TieredStore, mover: Mover, landing: Landing) -> None:
+        self.tiers, self.mover, self.landing = tiers, mover, landing
         self._ahead: Ahead | None = None
         self._lock = threading.Lock()
         self._thread: ThreadPoolExecutor | None = None  # start_later's, made at its first use
@@ -132,16 +135,13 @@ class AheadSlot:
     def _upload(
         self, spans: list[ChunkSpan], request_id: str, layerwise: bool, beside: bool
     ) -> Ahead | None:
-        where = self.tiers.locate([s.key for s in spans])
-        if not where or any(w != CPU for w in where):
-            return None
-        batches = self.tiers.fetch(spans[: len(where)], where)
+        held, ready = self._held(spans)
         try:
-            held = next(batches, [])
-        finally:
-            batches.close()
-        try:
-            upload = self.mover.upload(held, layer_major=layerwise, beside=beside) if held else None
+            upload = (
+                self.mover.upload(held, layer_major=layerwise, beside=beside, ready=ready)
+                if held
+                else None
+            )
         except BaseException:
             release_held(held)
             raise
@@ -149,6 +149,41 @@ class AheadSlot:
             release_held(held)
             return None
         return Ahead(request_id, held, upload, layerwise)
+
+    def _held(
+        self, spans: list[ChunkSpan]
+    ) -> tuple[list[tuple[ChunkSpan, StoredChunk]], list[torch.cuda.Event | None]]:
+        """The leading chunks of `spans` retained for an upload, from CPU RAM or from a store
+        that has them on their way there; with each the event its copy up waits for (the
+        store's copies down: None for a chunk in CPU RAM). Empty unless the first is one."""
+        lent = self.landing.borrow([s.key for s in spans])
+        rest = [s for s, f in zip(spans, lent) if f is None]
+        where = self.tiers.locate([s.key for s in rest])
+        where = where[: next((i for i, w in enumerate(where) if w != CPU), len(where))]
+        batches = self.tiers.fetch(rest[: len(where)], where)
+        try:
+            fetched = iter(next(batches, []))
+        finally:
+            batches.close()
+        held: list[tuple[ChunkSpan, StoredChunk]] = []
+        ready: list[torch.cuda.Event | None] = []
+        for span, flying in zip(spans, lent):
+            if flying is not None:
+                held.append((span, StoredChunk(flying.block, flying.num_tokens)))
+                ready.append(flying.done)
+                continue
+            got = next(fetched, None)
+            if got is None or got[0] != span:
+                if got is not None:
+                    release_held([got])
+                break
+            held.append(got)
+            ready.append(None)
+        release_held(list(fetched))  # after the first chunk missing: not uploaded
+        for _, flying in zip(spans[len(held) :], lent[len(held) :]):
+            if flying is not None:
+                flying.block.release()
+        return held, ready
 
     def take(self, request_id: str, keys: list[ChunkKey], layerwise: bool) -> Ahead | None:
         """The request's ahead if its chunks hold `keys` in a row (the load's may be fewer:

@@ -39,6 +39,7 @@ from kvtier.engine.build import build
 from kvtier.engine.events import ChunkEvent
 from kvtier.engine.finding import FindPath, Hit
 from kvtier.engine.job import Job
+from kvtier.engine.landing import Landing
 from kvtier.engine.loading import Loading, LoadPath
 from kvtier.engine.mover import Tokens, as_numpy
 from kvtier.engine.prefetch import Prefetcher
@@ -81,7 +82,8 @@ class CacheEngine:
         )
         self._spans = parts.spans
         self.peers = parts.peers
-        self.ahead = AheadSlot(self.tiers, self.mover)
+        self.landing = Landing()  # stores whose copies to the host are in flight
+        self.ahead = AheadSlot(self.tiers, self.mover, self.landing)
         self.prefetcher = Prefetcher(
             self.tiers, self.holds, self.stats, enabled=config.local_cpu and bool(self.tiers.lower)
         )
@@ -95,6 +97,7 @@ class CacheEngine:
             enabled=config.local_cpu or bool(self.tiers.lower),
             tails=self.tails,
             chunk_size=config.chunk_size,
+            landing=self.landing,
         )
         self.loading = LoadPath(
             self.tiers,
@@ -104,6 +107,7 @@ class CacheEngine:
             self.prefetcher,
             self.stats,
             self._spans.spans,
+            self.landing,
         )
         self.states = (
             None if states is None else StatePath(states, self.tiers, self.pool.block_bytes)
@@ -112,7 +116,7 @@ class CacheEngine:
             self.tiers,
             self.holds,
             self.tails,
-            self.storing.landing,
+            self.landing,
             self.fmt,
             self.chunk_size,
             self._spans.spans,
@@ -175,18 +179,18 @@ class CacheEngine:
         hold_for: str = "",
         limit: int | None = None,
         cpu_only: bool = False,
-        known: int = 0,
     ) -> Hit:
         """The longest stored prefix; with `cpu_only`, the longest all in CPU RAM (where a
         load must not fail). With recurrent layers (states.py), the longest of at most `limit`
         tokens that ends where a state snapshot is. With `hold_for` (a request id) its chunks
         are held for that request until its retrieve (kvtier/tiers/holds.py).
 
-        `known`: the leading tokens the caller has already (vLLM's own prefix cache), which no
-        load reads. A chunk within them that a store still has on its way to the host counts
-        as found, and is not waited for: a lookup waiting there made vLLM's scheduler wait for
-        the GPU's step (the store's copies queue behind its forward). The path: finding.py."""
-        return self.finding.find(as_numpy(tokens), identity, hold_for, limit, cpu_only, known)
+        A chunk a store still has on its way to the host counts as found (in CPU RAM), and is
+        not waited for: a lookup waiting there made vLLM's scheduler wait for the GPU's step
+        (the store's copies queue behind its forward). Its load reads it once it has landed,
+        or, uploaded ahead, copies it up behind the store's copies on the GPU (landing.py).
+        The path: finding.py."""
+        return self.finding.find(as_numpy(tokens), identity, hold_for, limit, cpu_only)
 
     def release_hold(self, request_id: str) -> None:
         """The request will not load what it looked up (finished, aborted)."""
@@ -459,7 +463,7 @@ class CacheEngine:
     def _settle(self, wait: bool = False, keys: Sequence[ChunkKey] | None = None) -> None:
         """Stores and state snapshots whose copies to the host have ended go into the tiers
         (with `wait`, every one; with `keys`, a lookup's, only the stores holding any of them)."""
-        self.storing.landing.settle(wait, keys)
+        self.landing.settle(wait, keys)
         if self.states is not None:
             self.states.settle(wait)
 

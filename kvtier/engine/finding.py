@@ -2,9 +2,9 @@
 
 find(tokens, identity, hold_for)
   keys of the tokens (once a request: keys.SpanMemo)
-  → stores of this prefix still landing settle first (landing.py)
   → locate each key in the tiers, CPU RAM first; a chunk a store still has on its
-    way to the host counts within what the engine has already (`known`)
+    way to the host counts as in CPU RAM, not waited for (landing.py; a hybrid
+    model's stores of this prefix land first)
   → where the whole chunks stop, a stored tail: a shorter prompt's partial last
     chunk that these tokens continue (tails.py)
   → cut to what is in CPU RAM (`cpu_only`), or to where a hybrid model's state
@@ -23,13 +23,12 @@ from kvtier.engine.landing import Landing
 from kvtier.engine.states import StatePath
 from kvtier.engine.tails import Tails
 from kvtier.keys import ChunkKey, ChunkSpan, Identity, KVFormat, tail_span
+from kvtier.memory import ChunkBytes
 from kvtier.tiers.base import CPU
 from kvtier.tiers.holds import Holds
 from kvtier.tiers.store import TieredStore
 
-FLYING = (
-    "in flight"  # a chunk on its way to the host, before the caller's `known` (never held or read)
-)
+FLYING = "in flight"  # a chunk on its way to the host: a store's copies have not landed yet
 
 
 @dataclass(frozen=True)
@@ -64,18 +63,13 @@ class FindPath:
         hold_for: str,
         limit: int | None,
         cpu_only: bool,
-        known: int,
     ) -> Hit:
         """CacheEngine.find (its contract is there)."""
         spans = self._spans(tokens, hold_for, identity)
         keys = [s.key for s in spans]
-        ahead = (
-            0
-            if self.states is not None
-            else next((i for i, s in enumerate(spans) if s.end > known), len(spans))
-        )
-        self._settle(keys[ahead:])  # stores of this prefix land first (waited for)
-        where = self._locate(keys, ahead)
+        if self.states is not None:
+            self._settle(keys)  # a hybrid model's stores of this prefix land first (waited for)
+        where = self._locate(keys)
         if self.states is None and len(where) < len(
             spans
         ):  # a shorter prompt's end, stored (tails.py)?
@@ -100,6 +94,7 @@ class FindPath:
             in_cpu = 0 if any(w != CPU for w in state_where) else min(in_cpu, n)
         if hold_for:
             self.holds.take(hold_for, keys[:n] + state_keys, where[:n] + state_where)
+            self._hold_flying(hold_for, [k for k, w in zip(keys[:n], where[:n]) if w == FLYING])
         return Hit(spans[n - 1].end if n else 0, spans[in_cpu - 1].end if in_cpu else 0)
 
     def state_point(
@@ -133,10 +128,31 @@ class FindPath:
                     return span, found[0]
         return None
 
-    def _locate(self, keys: list[ChunkKey], ahead: int) -> list[str]:
-        """`TieredStore.locate`, where the first `ahead` keys may also be on their way (FLYING)."""
-        where = self.tiers.locate(keys)
-        while len(where) < ahead and self.landing.holds(keys[len(where)]):
-            n = len(where) + 1
-            where = where + [FLYING] + self.tiers.locate(keys[n:])
-        return where
+    def _locate(self, keys: list[ChunkKey]) -> list[str]:
+        """`TieredStore.locate`, where a key may also be on its way (FLYING)."""
+        return locate(self.tiers, self.landing, keys)
+
+    def _hold_flying(self, request_id: str, keys: list[ChunkKey]) -> None:
+        """The blocks of chunks on their way join the request's hold, within its budget: once
+        they land they are not evicted before its load."""
+        lent = self.landing.borrow(keys)
+        borrowed: list[ChunkBytes] = [f.block for f in lent if f is not None]
+        landed = [k for k, f in zip(keys, lent) if f is None]  # since: in CPU RAM now, or gone
+        if landed:
+            borrowed += self.tiers.hold(landed, [CPU] * len(landed), len(landed))[0]
+        budget = self.holds.budget()
+        for block in borrowed[budget:]:
+            block.release()
+        if not self.holds.add(request_id, borrowed[:budget]):
+            for block in borrowed[:budget]:
+                block.release()
+
+
+def locate(tiers: TieredStore, landing: Landing, keys: Sequence[ChunkKey]) -> list[str]:
+    """Where each of the leading `keys` is (`TieredStore.locate`), or FLYING where a store
+    still has it on its way to the host; up to the first that is neither."""
+    where = tiers.locate(keys)
+    while len(where) < len(keys) and landing.holds(keys[len(where)]):
+        n = len(where) + 1
+        where = where + [FLYING] + tiers.locate(keys[n:])
+    return where

@@ -18,7 +18,9 @@ import numpy as np
 import torch
 
 from kvtier.engine.ahead import AheadSlot
+from kvtier.engine.finding import FLYING, locate
 from kvtier.engine.job import Job
+from kvtier.engine.landing import Landing
 from kvtier.engine.mover import Mover, release_held
 from kvtier.engine.prefetch import Prefetcher
 from kvtier.engine.records import EngineStats, log_transfer
@@ -46,9 +48,11 @@ class LoadPath:
         prefetcher: Prefetcher,
         stats: EngineStats,
         spans: Callable[[np.ndarray, str, Identity], list[ChunkSpan]],
+        landing: Landing,
     ) -> None:
         self.tiers, self.mover, self.holds, self.ahead = tiers, mover, holds, ahead
         self.prefetcher, self.stats, self._spans = prefetcher, stats, spans
+        self.landing = landing
 
     def release(self, request_id: str) -> None:
         """The request will not load (more of) what it looked up: its hold and its ahead go."""
@@ -104,20 +108,28 @@ class LoadPath:
     ) -> tuple[list[tuple[ChunkSpan, str]], Held, Upload | None, Batches | None]:
         """The chunks to load, each with its tier, and where their bytes come from: lent
         whole by the store server of this host (layerwise, CPU tier off, found by the
-        lease); on their way up since the lookup; pinned in CPU RAM (one batch, held
-        until `finish()`); or, from disk or remote, batches to load one after another."""
+        lease); on their way up since the lookup (chunks a store had on their way to CPU RAM
+        too: their copies up wait for its copies down on the GPU); pinned in CPU RAM (one
+        batch, held until `finish()`; a store's chunks on their way land first); or, from disk
+        or remote, batches to load one after another."""
         if layerwise:
             held = self.tiers.lend_whole([s for s in spans if s.end > start])
             if held and self.tiers.lending is not None:
                 return [(s, self.tiers.lending.name) for s, _ in held], held, None, None
-        where = self.tiers.locate([s.key for s in spans])
-        todo = [(s, w) for s, w in zip(spans, where) if s.end > start]
+        where = locate(self.tiers, self.landing, [s.key for s in spans])
+        todo = [(s, CPU if w == FLYING else w) for s, w in zip(spans, where) if s.end > start]
         all_cpu = all(w == CPU for _, w in todo)
         ahead = (
             self.ahead.take(request_id, [s.key for s, _ in todo], layerwise) if all_cpu else None
         )
         if ahead is not None:
             return todo, ahead.held, ahead.upload, None
+        flying = [s.key for s, w in zip(spans, where) if w == FLYING and s.end > start]
+        if flying:  # read from CPU RAM: once landed
+            self.landing.settle(keys=flying)
+            where = self.tiers.locate([s.key for s in spans])
+            todo = [(s, w) for s, w in zip(spans, where) if s.end > start]
+            all_cpu = all(w == CPU for _, w in todo)
         batches = self.tiers.fetch([s for s, _ in todo], [w for _, w in todo], ahead=not all_cpu)
         if not all_cpu:
             return todo, [], None, batches

@@ -146,15 +146,21 @@ class Mover:
     # -- chunks → paged KV ---------------------------------------------------------------
 
     def upload(
-        self, held: list[tuple[ChunkSpan, StoredChunk]], layer_major: bool, beside: bool = False
+        self,
+        held: list[tuple[ChunkSpan, StoredChunk]],
+        layer_major: bool,
+        beside: bool = False,
+        ready: Sequence[torch.cuda.Event | None] = (),
     ) -> Upload | None:
         """Start the copies of host chunks toward the device (None: this transfer has no staging);
-        `beside`: for a load beside the engine's steps (Transfer.upload)."""
+        `beside`: for a load beside the engine's steps; `ready`: per chunk, an event its copy
+        waits for on the GPU (Transfer.upload)."""
         with self._lock:
             return self.transfer.upload(
                 [self.view(c.block.data, s.num_tokens) for s, c in held],
                 layer_major=layer_major,
                 beside=beside,
+                ready=ready,
             )
 
     def scatter(

@@ -44,12 +44,13 @@ class StorePath:
         enabled: bool,
         tails: Tails,
         chunk_size: int,
+        landing: Landing,
     ) -> None:
         self.tiers, self.mover, self.stats, self.events = tiers, mover, stats, events
         self._spans, self._enabled = spans, enabled  # enabled: some tier keeps chunks
         self.tails, self.chunk_size = tails, chunk_size
         self._skips = SkipWarnings()
-        self.landing = Landing()  # layerwise stores whose copies to the host are in flight
+        self.landing = landing  # stores whose copies to the host are in flight
 
     def start(self, job: Job, layerwise: bool) -> Storing:
         todo: list[ChunkSpan] = []
@@ -228,9 +229,10 @@ class Storing:
             path.put(chunks)
             path.stored(job, spans, stored, layerwise, seconds, queued=True)
 
+        # it holds the staging until then; a load may borrow the blocks before (landing.py)
         path.landing.add(
-            flight, [s.key for s, _ in chunks], land
-        )  # it holds the staging until then
+            flight, [s.key for s, _ in chunks], land, [(b, s.num_tokens) for s, b in chunks]
+        )
         return stored
 
     def _end_saves(

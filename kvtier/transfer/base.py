@@ -67,12 +67,15 @@ class Transfer(Protocol):
         layer_major: bool = False,
         digests: bool = False,
         beside: bool = False,
+        ready: Sequence[torch.cuda.Event | None] = (),
     ) -> Upload | None:
         """Queue the copies of `chunks` toward the device now, for a later `scatter`
         (`scatter_layerwise` with `layer_major`) that passes it as `upload`, once the
         slots are known; None where there is nothing to do ahead. `beside`: a load that
         runs beside the engine's steps (not inside one), whose copies must not hold the
-        steps' own host-to-device inputs behind them."""
+        steps' own host-to-device inputs behind them. `ready`: per chunk (or empty), an
+        event the chunk's copy waits for on the device (the copy down of a chunk a store
+        has on its way), None for a chunk whose bytes are there."""
 
     def gather(
         self,

@@ -81,6 +81,7 @@ class TorchTransfer:
         layer_major: bool = False,
         digests: bool = False,
         beside: bool = False,
+        ready: Sequence[torch.cuda.Event | None] = (),
     ) -> None:
         """Nothing to queue ahead: the copies happen in `scatter`."""
         return None

@@ -104,7 +104,10 @@ class TritonTransfer:
         on_cuda = kv.device.type == "cuda"
         # None in Triton's interpreter (no device): nothing is staged there.
         self._stream = torch.cuda.Stream(kv.device) if on_cuda else None  # kernels
-        self._copies = torch.cuda.Stream(kv.device) if on_cuda else None  # PCIe copies
+        self._copies = torch.cuda.Stream(kv.device) if on_cuda else None  # PCIe copies down
+        # and up: two streams, so that a load's copies up run beside a store's copies down (the
+        # two directions of the link at once), ordered by events where one reads the other's
+        self._copies_up = torch.cuda.Stream(kv.device) if on_cuda else None
         if on_cuda and not cudart.available():
             raise RuntimeError(
                 "the Triton transfer needs cudaMemcpy2DAsync from the CUDA runtime torch loaded, "
@@ -120,10 +123,18 @@ class TritonTransfer:
 
     @property
     def _copy_stream(self) -> torch.cuda.Stream:
-        """The stream of the PCIe copies, which staged transfers use (a KV cache on a GPU)."""
+        """The stream of the PCIe copies to the host, which staged transfers use (a KV cache on a
+        GPU)."""
         if self._copies is None:
             raise RuntimeError("the Triton interpreter has no streams: nothing is staged there")
         return self._copies
+
+    @property
+    def _upload_stream(self) -> torch.cuda.Stream:
+        """The stream of the PCIe copies to the device (staged loads)."""
+        if self._copies_up is None:
+            raise RuntimeError("the Triton interpreter has no streams: nothing is staged there")
+        return self._copies_up
 
     # -- building blocks -----------------------------------------------------------
 
@@ -330,20 +341,27 @@ class TritonTransfer:
         layer_major: bool = False,
         digests: bool = False,
         beside: bool = False,
+        ready: Sequence[torch.cuda.Event | None] = (),
     ) -> Upload | None:
         """Queue the copies of host chunks into device staging now (Transfer.upload), in groups
         or layer by layer; None where the kernels read them in place. Not after the caller's
         stream (staging is this transfer's). By kernel with gpu_upload `kernel`, or `auto` where
-        they overlap forwards (layer-major, `beside`): the copy engine stays free for theirs."""
+        they overlap forwards (layer-major, `beside`): the copy engine stays free for theirs.
+        `ready`: each group (every layer: all) waits for its chunks' events first."""
         if not self._staged(chunks):
             return None
-        return self._staged_upload(chunks, layer_major, digests, beside)
+        return self._staged_upload(chunks, layer_major, digests, beside, ready)
 
     def _staged_upload(
-        self, chunks: Sequence[torch.Tensor], layer_major: bool, digests: bool, beside: bool
+        self,
+        chunks: Sequence[torch.Tensor],
+        layer_major: bool,
+        digests: bool,
+        beside: bool,
+        ready: Sequence[torch.cuda.Event | None] = (),
     ) -> Upload:
         """`upload` of chunks that are staged (`_staged`)."""
-        stream, copies = self._kernel_stream, self._copy_stream
+        stream, copies = self._kernel_stream, self._upload_stream
         with torch.cuda.device(
             self.kv.device
         ):  # the caller may be a thread whose current device is another
@@ -380,6 +398,8 @@ class TritonTransfer:
                 )
                 landed = []
                 for k, part in enumerate(parts):
+                    for event in _waits(ready, staging, k, layer_major):
+                        copies.wait_event(event)
                     if runs is not None:
                         with torch.cuda.stream(copies):
                             runs_up(*runs[k])
@@ -528,7 +548,7 @@ class TritonTransfer:
                     # (what runs after the last layer lands, `finish()` waits for).
                     sums.add(rows=range(summed, layer + 1))
                     summed = layer + 1
-        return LayerEvents(events, stream, self._copy_stream, (staged, keep))
+        return LayerEvents(events, stream, self._upload_stream, (staged, keep))
 
     def gather_layerwise(
         self,
@@ -610,6 +630,18 @@ class LayerSaves:
 
     def unsaved(self) -> list[int]:
         return [layer for layer, saved in enumerate(self._saved) if not saved]
+
+
+def _waits(
+    ready: Sequence[torch.cuda.Event | None], staging: Staging, part: int, layer_major: bool
+) -> list[torch.cuda.Event]:
+    """The events an upload's part waits for: those of its chunks (a layer holds every chunk:
+    all before the first layer)."""
+    if layer_major:
+        chunks = range(len(ready)) if part == 0 else range(0)
+    else:
+        chunks = staging.groups[part]
+    return list(dict.fromkeys(e for i in chunks if i < len(ready) and (e := ready[i]) is not None))
 
 
 def _own(upload: base.Upload | None) -> Upload | None:

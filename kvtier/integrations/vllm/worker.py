@@ -184,7 +184,6 @@ class WorkerSide:
             hold_for=request_id,
             limit=len(tokens) - 1,
             cpu_only=came_up,
-            known=computed,
         )
         if self.groups is not None and self.can_load and hit.in_cpu < hit.tokens and not came_up:
             if pending is None:
