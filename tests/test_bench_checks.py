@@ -404,3 +404,31 @@ def test_a_serving_run_cut_by_its_limit_is_reported_from_the_records_it_left(tmp
     assert lines[3].startswith(
         "| native | 66.8 74.1 | 70.4 | 1.004 |"
     )  # its two rounds, paired with kvtier's
+
+
+def test_each_setups_process_gets_every_flag_of_the_command_but_the_setups():
+    """`bench vllm --setups a b ...` runs each setup in a process of its own with this
+    command's other flags: a list kept by hand had dropped --back-to-back."""
+    from kvtier_tools.bench.vllm import _passthrough
+
+    argv = "--setups native kvtier --lengths 1024 4096 --no-eager --back-to-back --trace".split()
+    assert _passthrough(argv) == "--lengths 1024 4096 --no-eager --back-to-back --trace".split()
+    assert _passthrough(["--setups=a,b", "--pairs", "3"]) == ["--pairs", "3"]
+
+
+def test_the_back_to_back_table_pairs_each_warm_run_after_cold_with_the_landed_one(tmp_path):
+    """`vllm_report --back-to-back`: per setup and length, the landed warm TTFT, the one right
+    after the cold run, and the paired ratio the bench computed."""
+    import json
+
+    from kvtier_tools.bench.vllm import _back_to_back
+    from kvtier_tools.bench.vllm_report import back_to_back_markdown
+
+    runs = {"warm": [0.050, 0.052, 0.060], "warm_b2b": [0.055, 0.052, 0.063]}
+    r = {"warm_median": 0.052, **_back_to_back(runs)}
+    assert r["warm_b2b_median"] == 0.055 and r["warm_b2b_over_warm_paired"] == pytest.approx(1.05)
+    r["warm"] = runs["warm"]
+    record = {"setup": "kvtier", "lengths": {"16384": r}, "machine": {"date": "2026-11-30"}}
+    (tmp_path / "kvtier.json").write_text(json.dumps(record))
+    table = back_to_back_markdown(tmp_path, ["kvtier"])
+    assert "| kvtier | 16,384 | 52.0 | 55.0 | 1.050 |" in table

@@ -103,8 +103,17 @@ def footnote(records: Path, recs: dict[str, dict]) -> str:
     return f"{'; '.join(where)}, {runs}."
 
 
-def plot(records: Path, setups: list[str], out: Path, cold: bool = False, note: str = "") -> None:
-    """Warm (or cold) TTFT per length, one bar per setup, as an SVG at `out`."""
+def plot(
+    records: Path,
+    setups: list[str],
+    out: Path,
+    cold: bool = False,
+    note: str = "",
+    floor: bool = False,
+) -> None:
+    """Warm (or cold) TTFT per length, one bar per setup, as an SVG at `out`. With `floor`,
+    two more bars from the first setup's record: the pinned copy of its KV bytes alone, and
+    that copy + plain vLLM's one-token forward (each timed alone in the same run)."""
     from kvtier_tools.bench.plot import bars
 
     recs = load(records, setups)
@@ -115,6 +124,10 @@ def plot(records: Path, setups: list[str], out: Path, cold: bool = False, note: 
         label(name, rec): [rec["lengths"][n][key] * 1e3 for n in lengths]
         for name, rec in recs.items()
     }
+    if floor:
+        at = [first["lengths"][n] for n in lengths]
+        series["the copy alone"] = [r["copy_ms"] for r in at]
+        series["copy + forward"] = [r["copy_ms"] + r["fwd_median_ms"] for r in at]
     groups = [f"{int(n) // 1024}k tokens" for n in lengths]
     machine = first["machine"]
     what = "Cold TTFT (a miss)" if cold else "Warm TTFT"
@@ -146,6 +159,24 @@ def markdown(records: Path, setups: list[str]) -> str:
                 f"| {label(name, rec)} | {int(n):,} | {r['cold_median'] * 1e3:.1f} | "
                 f"{r['warm_median'] * 1e3:.1f} | {r['gpu_hit_median'] * 1e3:.1f} | "
                 f"{faster:.2f}x | {same} |"
+            )
+    rows += ["", footnote(records, recs)]
+    return "\n".join(rows) + "\n"
+
+
+def back_to_back_markdown(records: Path, setups: list[str]) -> str:
+    """A table a setup and length of a `--back-to-back` run: the warm TTFT with the store
+    landed and right after the cold run (medians, ms), and their paired ratio."""
+    recs = load(records, setups)
+    rows = [
+        "| setup | tokens | warm, store landed ms | warm right after cold ms | ratio (paired) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, rec in recs.items():
+        for n, r in rec["lengths"].items():
+            rows.append(
+                f"| {label(name, rec)} | {int(n):,} | {r['warm_median'] * 1e3:.1f} | "
+                f"{r['warm_b2b_median'] * 1e3:.1f} | {r['warm_b2b_over_warm_paired']:.3f} |"
             )
     rows += ["", footnote(records, recs)]
     return "\n".join(rows) + "\n"
@@ -187,19 +218,29 @@ def main() -> None:
     p.add_argument("--plot", type=Path, help="write the warm TTFT bars here (SVG)")
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
     p.add_argument("--cold", action="store_true", help="the table or plot of cold TTFT (a miss)")
+    p.add_argument(
+        "--back-to-back",
+        action="store_true",
+        help="the table of a --back-to-back run: warm with the store landed and right after cold",
+    )
+    p.add_argument(
+        "--floor", action="store_true", help="the plot adds the copy alone and copy + forward"
+    )
     p.add_argument("--setups", default="", help="comma list, in this order (default: all)")
     args = p.parse_args()
     names = [s for s in args.setups.split(",") if s] or sorted(
         p.name.split(".")[0] for p in args.records.glob("*.json*")
     )
     if args.markdown:
-        table = cold_markdown if args.cold else markdown
+        table = (
+            cold_markdown if args.cold else back_to_back_markdown if args.back_to_back else markdown
+        )
         print(table(args.records, names), end="")
     elif args.plot is not None:
         from kvtier_tools.bench.records import command
 
         note = command("kvtier_tools.bench.vllm_report")
-        plot(args.records, names, args.plot, args.cold, note)
+        plot(args.records, names, args.plot, args.cold, note, args.floor)
     else:
         raise SystemExit(compare(args.records))
 

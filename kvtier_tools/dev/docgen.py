@@ -72,6 +72,17 @@ BLOCKS = {
         "gpu-h200-vllm-2026-11-29/lossy", "native,kvtier-int8,kvtier-fp8"
     ),
     "warm-ttft-h200-mla": lambda: _report("gpu-h200-vllm-2026-11-29/mla", "native,kvtier,plain"),
+    "warm-ttft-h200-lengths": lambda: _report("gpu-h200-vllm-2026-11-30/lengths", "native,kvtier"),
+    "warm-ttft-h200-fp8-kv": lambda: _report("gpu-h200-vllm-2026-11-30/fp8-kv", "native,kvtier"),
+    "warm-ttft-h200-b2b-before": lambda: _report(
+        "gpu-h200-vllm-2026-11-30/back-to-back", "kvtier,native", "--back-to-back"
+    ),
+    "warm-ttft-h200-b2b-after": lambda: _report(
+        "gpu-h200-vllm-2026-11-30/back-to-back-after", "kvtier", "--back-to-back"
+    ),
+    "fleet-2core": lambda: _output(
+        "kvtier_tools.bench.report_fleet", "results/cpu-2core-2026-11-30/fleet.json"
+    ),
     "cold-ttft-h100-default": lambda: _report(
         "gpu-h100-vllm-2026-11-27/paired-serving-query-twice",
         "query-twice-plain,query-twice-kvtier,query-twice-lmcache",
@@ -145,6 +156,14 @@ BLOCKS = {
 
 # The figures under docs/img/: the report command that writes each (its --plot is the path).
 FIGURES = {
+    "docs/img/warm-ttft-lengths-h200.svg": (
+        "vllm_report",
+        "results/gpu-h200-vllm-2026-11-30/lengths --setups native,kvtier --floor",
+    ),
+    "docs/img/fleet-2core.svg": (
+        "report_fleet",
+        "results/cpu-2core-2026-11-30/fleet.json",
+    ),
     "docs/img/warm-ttft-h200.svg": (
         "vllm_report",
         "results/gpu-h200-vllm-2026-11-29/lossy --setups native,kvtier-int8,kvtier-fp8",
