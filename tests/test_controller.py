@@ -139,6 +139,27 @@ def test_lookup_says_which_instance_holds_how_many_tokens_where(fleet):
     assert r.status_code == 200 and r.json()["layout_info"] == {}
 
 
+def test_lookup_of_a_prompts_text_by_the_models_tokenizer(fleet, tmp_path):
+    """`lookup --prompt TEXT --tokenizer MODEL`: the ids vLLM's completions endpoint would
+    make of the text (special tokens added); without --tokenizer, one line and exit 1."""
+    from transformers import AutoTokenizer
+
+    from kvtier_tools.dev.tinymodel import make_tiny_llama
+
+    url, (a, _), _ = fleet
+    model = make_tiny_llama(tmp_path / "model")
+    text = " ".join(f"w{i % 7} x{i}" for i in range(40))
+    tokens = AutoTokenizer.from_pretrained(model).encode(text)
+    assert 32 < len(tokens) < NB * BS
+    a.store(tokens, torch.randperm(NB * BS)[: len(tokens)])
+    found = cli(url, "lookup", "--prompt", text, "--tokenizer", str(model))
+    assert found["instances"]["a"]["cpu"] == len(tokens) // BS * BS
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["controller", "lookup", "--prompt", text, "--url", url]) == 1
+    assert "--prompt needs --tokenizer" in err.getvalue()
+
+
 def test_pin_keeps_chunks_through_evictions_and_unpin_lets_them_go(fleet):
     url, (a, _), _ = fleet
     tokens = [t + 1000 for t in TOKENS]

@@ -3,7 +3,8 @@
     kvtier controller serve --port 9000 [--auth-token T]
     kvtier controller health [--instance ID]
     kvtier controller totals
-    kvtier controller lookup --tokens 1,2,3          (or --tokens-file ids.json)
+    kvtier controller lookup --tokens 1,2,3          (or --tokens-file ids.json, or
+                                                     --prompt TEXT --tokenizer MODEL_DIR)
     kvtier controller clear --instance ID [--tier disk] [--tokens ...]
     kvtier controller pin|unpin --instance ID --tokens ...
     kvtier controller move --from ID[:TIER] --to ID[:TIER] --tokens ... [--copy]
@@ -76,13 +77,19 @@ def _tokens(p: argparse.ArgumentParser, required: bool = True) -> None:
     group = p.add_mutually_exclusive_group(required=required)
     group.add_argument("--tokens", help="token ids, comma separated")
     group.add_argument("--tokens-file", type=Path, help="a JSON list of token ids")
+    group.add_argument(
+        "--prompt",
+        help="a prompt's text, made token ids by --tokenizer as vLLM's completions endpoint "
+        "makes them (special tokens added)",
+    )
+    p.add_argument("--tokenizer", help="the model's folder or name, whose tokenizer --prompt uses")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.verb == "serve":
         return _serve(args)
-    path, body = _request(args)
     try:
+        path, body = _request(args)
         answer = _ask(args.url + path, body, args.auth_token)
     except KvtierError as exc:
         print(f"kvtier controller {args.verb}: {exc}", file=sys.stderr)
@@ -114,7 +121,7 @@ def _request(args: argparse.Namespace) -> tuple[str, dict[str, Any] | None]:
     if args.verb == "totals":
         return "/totals", None
     body: dict[str, Any] = {}
-    if getattr(args, "tokens", None) or getattr(args, "tokens_file", None):
+    if any(getattr(args, name, None) for name in ("tokens", "tokens_file", "prompt")):
         body["tokens"] = _token_ids(args)
     if args.verb == "lookup":
         return "/lookup", body
@@ -130,16 +137,32 @@ def _request(args: argparse.Namespace) -> tuple[str, dict[str, Any] | None]:
 
 
 def _token_ids(args: argparse.Namespace) -> list[int]:
+    if args.prompt is not None:
+        return _tokenized(args.prompt, args.tokenizer)
     try:
         if args.tokens_file is not None:
             ids = json.loads(args.tokens_file.read_text())
         else:
             ids = [int(t) for t in args.tokens.split(",") if t.strip()]
     except (OSError, ValueError) as exc:
-        raise KvtierError(f"kvtier controller: the token ids: {exc}") from exc
+        raise KvtierError(f"the token ids: {exc}") from exc
     if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-        raise KvtierError("kvtier controller: --tokens-file must hold a JSON list of token ids")
+        raise KvtierError("--tokens-file must hold a JSON list of token ids")
     return ids
+
+
+def _tokenized(prompt: str, tokenizer: str | None) -> list[int]:
+    """`prompt`'s token ids by the tokenizer of `tokenizer` (a model's folder or a name in the
+    local Hugging Face cache), as vLLM's /v1/completions makes them."""
+    if not tokenizer:
+        raise KvtierError("--prompt needs --tokenizer (the model's folder)")
+    from transformers import AutoTokenizer
+
+    try:
+        ids = AutoTokenizer.from_pretrained(tokenizer).encode(prompt)
+    except (OSError, ValueError) as exc:
+        raise KvtierError(f"the tokenizer of {tokenizer}: {exc}") from exc
+    return [int(t) for t in ids]
 
 
 def _position(text: str) -> list[str]:
