@@ -126,7 +126,7 @@ def plot(
     }
     if floor:
         at = [first["lengths"][n] for n in lengths]
-        series["the copy alone"] = [r["copy_ms"] for r in at]
+        series[f"copy of {label(setups[0], first)}'s KV"] = [r["copy_ms"] for r in at]
         series["copy + forward"] = [r["copy_ms"] + r["fwd_median_ms"] for r in at]
     groups = [f"{int(n) // 1024}k tokens" for n in lengths]
     machine = first["machine"]
