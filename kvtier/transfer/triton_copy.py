@@ -28,7 +28,8 @@ copy_engine | auto (kernel for layer-major ones). The copy engine serves host-to
 copies in queue order from every stream, so vLLM's next-step inputs wait behind a bulk
 upload (staging.py).
 
-Kernels run on one side stream and PCIe copies on another, ordered by events; both are ordered
+Kernels run on one side stream and PCIe copies on two others (one a direction: a load's copies
+up run beside a store's copies down), ordered by events; all are ordered
 after the caller's stream, and the caller's stream waits for them (for a gather not waited for, for
 its kernels only); a load beside the steps runs its kernels on its own stream. Direct needs every
 chunk pinned; a call with a pageable chunk is staged. Figures: results/README.md. With a lossy
