@@ -160,6 +160,30 @@ def test_lookup_of_a_prompts_text_by_the_models_tokenizer(fleet, tmp_path):
     assert "--prompt needs --tokenizer" in err.getvalue()
 
 
+def test_a_prompt_with_a_cache_salt_is_named_by_its_salt(fleet):
+    """A prompt stored under a cache_salt (or an adapter) has other chunk keys: the verbs find
+    it with --cache-salt (the identity's root, sent as "identity"), not without."""
+    from kvtier.adapters import identity_of
+
+    url, (a, _), _ = fleet
+    tokens = [t + 900 for t in TOKENS]
+    a.store(tokens, torch.randperm(NB * BS)[:100], identity=identity_of(cache_salt="tenant-1"))
+    assert cli(url, "lookup", "--tokens", ids(tokens))["instances"]["a"]["cpu"] == 0
+    salted = cli(url, "lookup", "--tokens", ids(tokens), "--cache-salt", "tenant-1")
+    assert salted["instances"]["a"]["cpu"] == 96
+    other = cli(url, "lookup", "--tokens", ids(tokens), "--cache-salt", "tenant-2")
+    assert other["instances"]["a"]["cpu"] == 0
+    assert (
+        cli(url, "pin", "--instance", "a", "--tokens", ids(tokens), "--cache-salt", "tenant-1")[
+            "num_tokens"
+        ]
+        == 96
+    )
+    r = ask(url, "POST", "/lookup", {"tokens": tokens, "identity": "not hex"})
+    assert r.status_code == 400 and "identity" in r.text, r.text
+    cli(url, "unpin", "--instance", "a", "--tokens", ids(tokens), "--cache-salt", "tenant-1")
+
+
 def test_pin_keeps_chunks_through_evictions_and_unpin_lets_them_go(fleet):
     url, (a, _), _ = fleet
     tokens = [t + 1000 for t in TOKENS]

@@ -277,6 +277,7 @@ def test_what_a_request_is_keyed_by_and_what_is_refused():
 def test_an_adapter_is_keyed_by_its_name_its_path_and_its_files(tmp_path):
     """vLLM's int id of an adapter is per process: two instances agree on a key through
     the adapter's name, path and files; new weights under the same name are another key."""
+    from kvtier.adapters import identity_of
     from kvtier.integrations.vllm.identity import Identities
 
     path = make_lora_adapter(tmp_path / "A", seed=1)
@@ -287,6 +288,7 @@ def test_an_adapter_is_keyed_by_its_name_its_path_and_its_files(tmp_path):
 
     first = root(_lora("A", path, int_id=1))
     assert root(_lora("A", path, int_id=7)) == first  # another process's id
+    assert identity_of("A", str(path)).root == first  # `kvtier controller --lora-name/--lora-path`
     assert Identities().of(vllm_request("r", [1], lora_request=_lora("A", path))).root == first
     assert root(_lora("B", path)) != first
     weights = path / "adapter_model.safetensors"

@@ -19,6 +19,10 @@ verb; its locations (LocalCPUBackend, LocalDiskBackend, RemoteBackend) name kvti
     POST /query_worker_info     {"instance_id": id | "all"} -> {"worker_infos": [...]}
     POST /v1/workers            a rank registering: {"instance_id", "rank", "url"}
 
+A call with "tokens" may also give "identity": the hex root of the prompt's chunk keys where it
+had a LoRA adapter or a cache_salt (keys.Identity; `kvtier controller --lora-name/--cache-salt`
+makes it), without which the default identity's chunks are meant.
+
 With --auth-token (or $KVTIER_SERVER_TOKEN; required on a non-loopback --host) every route
 wants `Authorization: Bearer <token>`, and the controller calls the ranks with it: one token
 for the fleet, the instances' `remote_auth_token`.
@@ -37,6 +41,7 @@ import aiohttp
 from aiohttp import web
 
 from kvtier.errors import KvtierError
+from kvtier.keys import PLAIN
 from kvtier.logs import get_logger
 from kvtier.tiers.base import Tier
 
@@ -210,11 +215,11 @@ class Controller:
         return web.json_response({"chunks": total, "instances": per})
 
     async def _lookup(self, request: web.Request) -> web.Response:
-        tokens = _tokens(await _body(request))
+        prompt = _prompt(await _body(request))
         instances: dict[str, dict[str, int]] = {}
         layout: dict[str, list[Any]] = {}
         for instance in self._live_instances():
-            answers = await self._call_ranks(instance, "POST", "/lookup", {"tokens": tokens})
+            answers = await self._call_ranks(instance, "POST", "/lookup", prompt)
             held = _every_rank([a["tiers"] for a in answers.values()])
             instances[instance] = held
             tier, most = max(held.items(), key=lambda kv: kv[1], default=("", 0))
@@ -231,7 +236,7 @@ class Controller:
         if body.get("location") is not None:
             call["tier"] = _tier(body["location"])
         if "tokens" in body:
-            call["tokens"] = _tokens(body)
+            call |= _prompt(body)
         answers = await self._call_ranks(instance, "POST", "/clear", call)
         cleared = sum(a["cleared"] for a in answers.values())
         return web.json_response({"event_id": _event("Clear"), "num_chunks": cleared})
@@ -244,11 +249,11 @@ class Controller:
 
     async def _pinning(self, request: web.Request, path: str, counted: str) -> web.Response:
         body = await _body(request)
-        instance, tokens = _field(body, "instance_id", str), _tokens(body)
+        instance, prompt = _field(body, "instance_id", str), _prompt(body)
         location = body.get("location")
         if location is not None and _tier(location) != Tier.CPU.value:
             raise CallError(400, f"location {location!r}: chunks are pinned in CPU RAM only")
-        answers = await self._call_ranks(instance, "POST", path, {"tokens": tokens})
+        answers = await self._call_ranks(instance, "POST", path, prompt)
         return web.json_response(
             {
                 "event_id": _event(path.strip("/").title()),
@@ -263,27 +268,22 @@ class Controller:
             _position(body, "old_position"),
             _position(body, "new_position"),
         )
-        tokens, copy = _tokens(body), bool(body.get("should_copy", body.get("copy", False)))
+        prompt, copy = _prompt(body), bool(body.get("should_copy", body.get("copy", False)))
         if src == dst and src_loc == dst_loc:
             raise CallError(400, "old_position and new_position are the same")
         if src != dst:
-            await self._fetch(src, dst, tokens)
+            await self._fetch(src, dst, prompt)
         if dst_loc != Tier.CPU.value:
-            await self._call_ranks(dst, "POST", "/move", {"tokens": tokens, "tier": dst_loc})
+            await self._call_ranks(dst, "POST", "/move", {**prompt, "tier": dst_loc})
         held = _every_rank(
-            [
-                a["tiers"]
-                for a in (
-                    await self._call_ranks(dst, "POST", "/lookup", {"tokens": tokens})
-                ).values()
-            ]
+            [a["tiers"] for a in (await self._call_ranks(dst, "POST", "/lookup", prompt)).values()]
         )
         moved = held.get(dst_loc, 0)
         if not copy and moved:
-            await self._call_ranks(src, "POST", "/clear", {"tokens": tokens, "tier": src_loc})
+            await self._call_ranks(src, "POST", "/clear", {**prompt, "tier": src_loc})
         return web.json_response({"event_id": _event("Move"), "num_tokens": moved})
 
-    async def _fetch(self, src: str, dst: str, tokens: list[int]) -> None:
+    async def _fetch(self, src: str, dst: str, prompt: dict[str, Any]) -> None:
         """dst's ranks pull the chunks from src's ranks of the same rank, over P2P."""
         states = await self._call_ranks(src, "GET", "/state")
         dst_ranks = self._ranks(dst)
@@ -296,7 +296,7 @@ class Controller:
                     f"instance {src!r} rank {r}: P2P is off (enable_p2p), "
                     "a move between instances reads from its P2P server",
                 )
-            calls.append(self._call(rank.url, "POST", "/fetch", {"tokens": tokens, "peer": peer}))
+            calls.append(self._call(rank.url, "POST", "/fetch", {**prompt, "peer": peer}))
         await asyncio.gather(*calls)
 
     async def _worker_info(self, request: web.Request) -> web.Response:
@@ -337,11 +337,22 @@ def _field(body: dict[str, Any], name: str, kind: type) -> Any:
     return value
 
 
-def _tokens(body: dict[str, Any]) -> list[int]:
+def _prompt(body: dict[str, Any]) -> dict[str, Any]:
+    """A call's prompt as the ranks take it: its token ids, and its identity where it has one
+    (the hex root of its chunk keys: an adapter or a cache_salt, keys.Identity)."""
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
         raise CallError(400, "tokens: a list of token ids")
-    return tokens
+    identity = body.get("identity")
+    if identity is None:
+        return {"tokens": tokens}
+    try:
+        root = bytes.fromhex(identity) if isinstance(identity, str) else b""
+    except ValueError:
+        root = b""
+    if len(root) != len(PLAIN.root):
+        raise CallError(400, f"identity: the hex root of the prompt's chunk keys, {identity!r}")
+    return {"tokens": tokens, "identity": identity}
 
 
 def _tier(location: Any) -> str:

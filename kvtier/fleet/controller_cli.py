@@ -4,7 +4,8 @@
     kvtier controller health [--instance ID]
     kvtier controller totals
     kvtier controller lookup --tokens 1,2,3          (or --tokens-file ids.json, or
-                                                     --prompt TEXT --tokenizer MODEL_DIR)
+                                                     --prompt TEXT --tokenizer MODEL_DIR;
+                                                     --lora-name/--lora-path, --cache-salt)
     kvtier controller clear --instance ID [--tier disk] [--tokens ...]
     kvtier controller pin|unpin --instance ID --tokens ...
     kvtier controller move --from ID[:TIER] --to ID[:TIER] --tokens ... [--copy]
@@ -23,6 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvtier.adapters import identity_of
 from kvtier.errors import KvtierError
 
 TOKEN_ENV = "KVTIER_SERVER_TOKEN"  # the fleet's token, as the store server reads it
@@ -83,6 +85,9 @@ def _tokens(p: argparse.ArgumentParser, required: bool = True) -> None:
         "makes them (special tokens added)",
     )
     p.add_argument("--tokenizer", help="the model's folder or name, whose tokenizer --prompt uses")
+    p.add_argument("--lora-name", default="", help="the prompt's LoRA adapter, as vLLM names it")
+    p.add_argument("--lora-path", default="", help="that adapter's folder (its files are hashed)")
+    p.add_argument("--cache-salt", default="", help="the prompt's cache_salt")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,6 +128,10 @@ def _request(args: argparse.Namespace) -> tuple[str, dict[str, Any] | None]:
     body: dict[str, Any] = {}
     if any(getattr(args, name, None) for name in ("tokens", "tokens_file", "prompt")):
         body["tokens"] = _token_ids(args)
+        if args.lora_name or args.cache_salt:  # the root of its chunk keys, as vLLM's requests'
+            body["identity"] = identity_of(
+                args.lora_name, args.lora_path, args.cache_salt
+            ).root.hex()
     if args.verb == "lookup":
         return "/lookup", body
     if args.verb == "move":

@@ -3,8 +3,9 @@
 With `enable_controller`, each tensor-parallel rank serves a small JSON API on
 `controller_worker_host`:`controller_worker_port` + rank and registers it with the
 controller at `controller_url` (again every `controller_heartbeat_s`, so a restarted
-controller learns the fleet back). Each call names a prompt by its token ids; the rank hashes
-them as its lookups do (the default identity: no adapter, no cache_salt).
+controller learns the fleet back). Each call names a prompt by its token ids and, where it had
+a LoRA adapter or a cache_salt, its "identity" (the hex root of its chunk keys,
+keys.Identity.root); the rank hashes them as its lookups do.
 
     GET  /state    this rank's tiers: chunks and bytes in each, pinned chunks
     POST /lookup   {"tokens"} -> {"tiers": {tier: leading tokens held}}
@@ -36,7 +37,7 @@ from kvtier.config import KvtierConfig
 from kvtier.errors import KvtierError, RemoteUnavailable
 from kvtier.fleet.affinity import unpin_this_thread
 from kvtier.fleet.peers import PeerClient, PeerDenied, token_or_loopback
-from kvtier.keys import ChunkKey, ChunkSpan, KVFormat, wire_key
+from kvtier.keys import PLAIN, ChunkKey, ChunkSpan, Identity, KVFormat, wire_key
 from kvtier.logs import get_logger
 from kvtier.memory import MemoryBlock
 from kvtier.tiers.base import CPU
@@ -58,7 +59,9 @@ class Engine(Protocol):
     tiers: TieredStore
     peers: PeerSource | None
 
-    def spans(self, tokens: Sequence[int]) -> list[ChunkSpan]: ...
+    def spans(
+        self, tokens: Sequence[int], request_id: str = "", identity: Identity = PLAIN
+    ) -> list[ChunkSpan]: ...
 
 
 class ControlWorker:
@@ -259,7 +262,7 @@ class ControlWorker:
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise BadCall("tokens: a list of token ids")
-        return self.engine.spans(tokens)
+        return self.engine.spans(tokens, identity=_identity(body.get("identity")))
 
     def _count(self, tier: str | None) -> int:
         tiers = self.engine.tiers
@@ -337,6 +340,19 @@ class ControlWorker:
         if self._token is None:
             return True
         return hmac.compare_digest(header.encode(), f"Bearer {self._token}".encode())
+
+
+def _identity(root: Any) -> Identity:
+    """A call's identity: the hex root of its prompt's chunk keys, or the default."""
+    if root is None:
+        return PLAIN
+    try:
+        digest = bytes.fromhex(root) if isinstance(root, str) else b""
+    except ValueError:
+        digest = b""
+    if len(digest) != len(PLAIN.root):
+        raise BadCall(f"identity: {len(PLAIN.root)} bytes of hex, the root of the chunk keys")
+    return Identity(digest)
 
 
 def _tokens(spans: list[ChunkSpan], chunks: int) -> int:

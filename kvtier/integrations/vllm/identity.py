@@ -22,13 +22,13 @@ A request kvtier cannot key is served and neither looked up nor stored:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import xxhash
 
+from kvtier.adapters import Stamp, adapter_bytes, adapter_files, files_digest, stamp
 from kvtier.keys import PLAIN, Identity, Item
 from kvtier.logs import get_logger
 
@@ -41,8 +41,7 @@ log = get_logger(__name__)
 
 # The modalities whose items are an input's content at its placeholder tokens, as vLLM hashes them.
 MODALITIES = frozenset({"image", "video", "audio"})
-_DIGEST_SEED = 0x6B7674696572_3001
-_FILE_BLOCK = 1 << 22
+_DIGEST_SEED = 0x6B7674696572_3001  # a multimodal item's (the adapters' files: adapters.py)
 
 
 @dataclass(frozen=True)
@@ -123,21 +122,19 @@ class Identities:
 
     def _adapter(self, lora: LoRARequest) -> bytes:
         """The bytes that identify an adapter: its name, its path and a digest of its files
-        (read once per path while they do not change)."""
+        (read once per path while they do not change; kvtier/adapters.py)."""
         name, path = lora.lora_name, lora.lora_path or ""
-        return b"\0".join([name.encode(), path.encode(), self._files_digest(name, path)])
+        return adapter_bytes(name, path, self._files_digest(name, path))
 
     def _files_digest(self, name: str, path: str) -> bytes:
         """A digest of the adapter's files, hashed again only when their sizes or times change
         (vLLM reads them again when it loads the adapter anew); b"" where there are none here."""
         known = self._adapters.get((name, path))
-        if known is not None and _stamp(known.files) == known.stamp:
+        if known is not None and stamp(known.files) == known.stamp:
             return known.digest
-        root = Path(path)
-        files = _adapter_files(root) if path else []
-        stamp = _stamp(files)
-        digest = _digest_files(root if root.is_dir() else root.parent, files) if files else b""
-        self._adapters[(name, path)] = _Adapter(files, stamp, digest)
+        files = adapter_files(Path(path)) if path else []
+        digest = files_digest(Path(path), files)
+        self._adapters[(name, path)] = _Adapter(files, stamp(files), digest)
         if files:
             log.info(
                 "LoRA adapter %s: %d files at %s hashed into its chunk keys (%s)",
@@ -158,35 +155,5 @@ class Identities:
 @dataclass(frozen=True)
 class _Adapter:
     files: list[Path]
-    stamp: tuple[tuple[int, int], ...] | None
+    stamp: Stamp | None
     digest: bytes
-
-
-def _stamp(files: list[Path]) -> tuple[tuple[int, int], ...] | None:
-    """Each file's size and modification time; None if one is gone."""
-    try:
-        return tuple((f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-    except OSError:
-        return None
-
-
-def _adapter_files(path: Path) -> list[Path]:
-    """The regular files of an adapter's directory (or the file itself), in a fixed order."""
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        return []
-    return sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-
-
-def _digest_files(root: Path, files: list[Path]) -> bytes:
-    """xxh3-128 over each file's name (relative to `root`), its size, its bytes."""
-    hasher = xxhash.xxh3_128(seed=_DIGEST_SEED)
-    for file in files:
-        hasher.update(
-            os.path.relpath(file, root).encode() + b"\0" + str(file.stat().st_size).encode() + b"\0"
-        )
-        with open(file, "rb") as f:
-            while block := f.read(_FILE_BLOCK):
-                hasher.update(block)
-    return hasher.digest()
