@@ -92,7 +92,7 @@ def test_a_chunk_stored_by_a_is_loaded_by_b_from_as_cpu_ram(index):
         a.close(), b.close()
 
 
-def test_a_peer_that_is_gone_or_evicted_gives_a_miss_and_its_entry_goes(index):
+def test_a_peer_that_is_gone_or_evicted_gives_a_miss_and_its_entries_go(index):
     tokens = tokens_for(2)
     a, _ = node(index)
     b, b_kv = node(index)
@@ -110,11 +110,20 @@ def test_a_peer_that_is_gone_or_evicted_gives_a_miss_and_its_entry_goes(index):
     finally:
         a.close()  # a is gone; the index still names it
     try:
+        assert b.lookup(tokens) == 96  # the index names a
         before = b_kv[0].clone()
         dst = torch.randperm(NB * BS)[:100]
         mask = b.retrieve(tokens, dst)
         assert not mask.any() and torch.equal(b_kv[0], before)
         assert b.peers.stats.faults >= 1
+        # a refused the connection: b deleted the entries that named it
+        keys = [s.key for s in b.spans(tokens)]
+        deadline = time.monotonic() + 10
+        while any(b.peers.holders.where(keys)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not any(b.peers.holders.where(keys))
+        time.sleep(1.1)  # past the backoff: the next lookup asks the index again
+        assert b.lookup(tokens) == 0
     finally:
         b.close()
 

@@ -9,7 +9,9 @@ instance). A writer thread sends them in batches, so a store never waits on the 
 The index may be stale: an instance that died, or evicted a chunk since, is still named
 until another instance announces the chunk. The asker then gets a miss from that peer (or
 no connection) and recomputes: a stale entry costs time, never a wrong chunk (the value's
-checks and its key guard that).
+checks and its key guard that). An asker whose connection a peer refused (nothing listens
+there: the instance is gone) deletes the entries it asked for that still name that peer
+(`forget`), so that the next asker does not try it again.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ PREFIX = b"kvtier-p2p/"
 BATCH = 256  # announcements sent in one call to the index
 
 
+Update = tuple[bool, ChunkKey, bytes]  # stored?, the chunk, the holder's address
+
+
 def index_key(key: ChunkKey) -> bytes:
     return PREFIX + wire_key(key)
 
@@ -40,7 +45,8 @@ class Holders:
     def __init__(self, store: KVStore, url: str, me: str) -> None:
         self.store, self.url, self.me = store, url, me
         self._me = me.encode()
-        self._queue: queue.SimpleQueue[tuple[bool, ChunkKey] | None] = queue.SimpleQueue()
+        # (stored?, key, the holder it is about): announced, or deleted where it names him
+        self._queue: queue.SimpleQueue[Update | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._write, name="kvtier-p2p-index", daemon=True)
         self._thread.start()
         self.faults = 0  # index calls that failed (their announcements are lost)
@@ -48,10 +54,15 @@ class Holders:
     # -- this instance's chunks (from the CPU tier's events) ---------------------------
 
     def announce(self, key: ChunkKey) -> None:
-        self._queue.put((True, key))
+        self._queue.put((True, key, self._me))
 
     def withdraw(self, key: ChunkKey) -> None:
-        self._queue.put((False, key))
+        self._queue.put((False, key, self._me))
+
+    def forget(self, keys: Sequence[ChunkKey], holder: str) -> None:
+        """Delete the entries of `keys` that still name `holder` (an instance found gone)."""
+        for key in keys:
+            self._queue.put((False, key, holder.encode()))
 
     # -- other instances' chunks --------------------------------------------------------
 
@@ -75,7 +86,7 @@ class Holders:
         unpin_this_thread()
         while True:
             item = self._queue.get()
-            batch: list[tuple[bool, ChunkKey]] = []
+            batch: list[Update] = []
             while item is not None:
                 batch.append(item)
                 if len(batch) >= BATCH or self._queue.empty():
@@ -86,18 +97,20 @@ class Holders:
             if item is None:
                 return
 
-    def _send(self, batch: list[tuple[bool, ChunkKey]]) -> None:
-        latest = {key: stored for stored, key in batch}  # a key's last word counts
-        stored = [index_key(k) for k, s in latest.items() if s]
-        removed = [index_key(k) for k, s in latest.items() if not s]
+    def _send(self, batch: list[Update]) -> None:
+        latest = {key: (stored, who) for stored, key, who in batch}  # a key's last word counts
+        stored = [index_key(k) for k, (s, _) in latest.items() if s]
+        removed = [(index_key(k), who) for k, (s, who) in latest.items() if not s]
         try:
             if stored:
                 self.store.put(stored, [self._me] * len(stored))
             if removed:
-                named = self.store.get(removed)
-                mine = [k for k, v in zip(removed, named) if v is not None and bytes(v) == self._me]
-                if mine:
-                    self.store.delete(mine)
+                named = self.store.get([k for k, _ in removed])
+                theirs = [
+                    k for (k, who), v in zip(removed, named) if v is not None and bytes(v) == who
+                ]
+                if theirs:
+                    self.store.delete(theirs)
         except (RemoteUnavailable, RemoteRefused, ValueError) as exc:
             # the index is advice: its faults cost hits, never requests
             self.faults += 1

@@ -5,7 +5,8 @@ which instance holds each chunk; `get_into` fetches them from those instances' P
 (kvtier/fleet/peers.py), one request per instance, and checks each value as the remote tier
 does. Nothing is written anywhere but the index: the bytes stay in the instance that computed
 them. A peer that is gone, evicted the chunk, or ends its reply midway gives misses (the
-engine recomputes them); a peer that failed is skipped for a second, then asked again.
+engine recomputes them); a peer that failed is skipped for a second, then asked again, and
+one that refused the connection (gone) loses the index's entries that named it.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class PeerSource:
             if holder is not None:
                 by_peer[holder].append(i)
         for holder, indices in by_peer.items():
-            values = self._fetch(holder, [wire_key(keys[i]) for i in indices])
+            asked = [keys[i] for i in indices]
+            values = self._fetch(holder, asked, [wire_key(k) for k in asked])
             for i, value in zip(indices, values):
                 out[i] = self._decode(holder, keys[i], value, outs[i])
         return out
@@ -90,7 +92,7 @@ class PeerSource:
         now = time.monotonic()
         return [h if h is not None and self._down_until.get(h, 0) <= now else None for h in holders]
 
-    def _fetch(self, holder: str, wires: list[bytes]) -> list[bytes | None]:
+    def _fetch(self, holder: str, keys: list[ChunkKey], wires: list[bytes]) -> list[bytes | None]:
         with self._lock:
             client = self._clients.get(holder)
             if client is None:
@@ -101,6 +103,8 @@ class PeerSource:
             self.stats.faults += 1
             self._down_until[holder] = time.monotonic() + PEER_BACKOFF_S
             log.warning("P2P: %d chunks from %s are misses: %s", len(wires), holder, exc)
+            if isinstance(exc.__cause__, ConnectionRefusedError):  # nothing listens: gone
+                self.holders.forget(keys, holder)
             return [None] * len(wires)
 
     def _decode(
