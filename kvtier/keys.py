@@ -140,6 +140,16 @@ class Identity:
             )
         return cls(root, tuple(sorted(items, key=lambda i: i.offset)), lora)
 
+    @classmethod
+    def from_root_hex(cls, text: object) -> Identity:
+        """The identity whose chunk keys start from the root `text` names in hex (how the
+        controller's calls name a prompt's adapter and cache_salt); ValueError for anything
+        else."""
+        root = bytes.fromhex(text) if isinstance(text, str) else b""
+        if len(root) != len(SEED_DIGEST):
+            raise ValueError(f"{text!r}: not {len(SEED_DIGEST)} bytes of hex")
+        return cls(root)
+
     def items_in(self, start: int, end: int) -> bytes:
         """The items whose placeholders overlap tokens [start, end), as hashed after them."""
         return b"".join(

@@ -69,7 +69,7 @@ class FindPath:
         keys = [s.key for s in spans]
         if self.states is not None:
             self._settle(keys)  # a hybrid model's stores of this prefix land first (waited for)
-        where = self._locate(keys)
+        where = locate(self.tiers, self.landing, keys)
         if self.states is None and len(where) < len(
             spans
         ):  # a shorter prompt's end, stored (tails.py)?
@@ -127,10 +127,6 @@ class FindPath:
                 if found:
                     return span, found[0]
         return None
-
-    def _locate(self, keys: list[ChunkKey]) -> list[str]:
-        """`TieredStore.locate`, where a key may also be on its way (FLYING)."""
-        return locate(self.tiers, self.landing, keys)
 
     def _hold_flying(self, request_id: str, keys: list[ChunkKey]) -> None:
         """The blocks of chunks on their way join the request's hold, within its budget: once

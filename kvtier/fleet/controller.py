@@ -41,7 +41,7 @@ import aiohttp
 from aiohttp import web
 
 from kvtier.errors import KvtierError
-from kvtier.keys import PLAIN
+from kvtier.keys import Identity
 from kvtier.logs import get_logger
 from kvtier.tiers.base import Tier
 
@@ -347,11 +347,9 @@ def _prompt(body: dict[str, Any]) -> dict[str, Any]:
     if identity is None:
         return {"tokens": tokens}
     try:
-        root = bytes.fromhex(identity) if isinstance(identity, str) else b""
-    except ValueError:
-        root = b""
-    if len(root) != len(PLAIN.root):
-        raise CallError(400, f"identity: the hex root of the prompt's chunk keys, {identity!r}")
+        Identity.from_root_hex(identity)
+    except ValueError as exc:
+        raise CallError(400, f"identity: the hex root of the prompt's chunk keys, {exc}") from exc
     return {"tokens": tokens, "identity": identity}
 
 

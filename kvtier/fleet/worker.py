@@ -347,12 +347,9 @@ def _identity(root: Any) -> Identity:
     if root is None:
         return PLAIN
     try:
-        digest = bytes.fromhex(root) if isinstance(root, str) else b""
-    except ValueError:
-        digest = b""
-    if len(digest) != len(PLAIN.root):
-        raise BadCall(f"identity: {len(PLAIN.root)} bytes of hex, the root of the chunk keys")
-    return Identity(digest)
+        return Identity.from_root_hex(root)
+    except ValueError as exc:
+        raise BadCall(f"identity: the hex root of the chunk keys, {exc}") from exc
 
 
 def _tokens(spans: list[ChunkSpan], chunks: int) -> int:
