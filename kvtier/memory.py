@@ -16,13 +16,19 @@ returns to the free list when the last reference goes. A tier holds one
 reference per stored chunk; a load takes a second one (`retain()`) for as
 long as it reads the block, which is what "pinned" means here: a block with
 more than one reference is never evicted. The pool never grows.
+
+A shared pool (`shared=True`, P2P sharing) keeps its arena in a memfd: an instance on
+the same host maps it read-only through /proc/<pid>/fd/<fd> (`SharedArena`) and copies
+the chunks it is lent out of it (kvtier/fleet/peers.py).
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -100,6 +106,22 @@ class MemoryBlock:
         self.pool._release(self)
 
 
+@dataclass(frozen=True)
+class SharedArena:
+    """Where a process on this host finds a shared pool's arena: /proc/<pid>/fd/<fd>, a
+    memfd of `size` bytes whose (st_dev, st_ino) tell it from another file there."""
+
+    pid: int
+    fd: int
+    size: int
+    dev: int
+    ino: int
+
+    @property
+    def path(self) -> str:
+        return f"/proc/{self.pid}/fd/{self.fd}"
+
+
 def front_view(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """The front of the uint8 buffer `data` as a contiguous tensor of `shape`."""
     nbytes = dtype.itemsize
@@ -121,6 +143,7 @@ class HostPool:
         hugepages: bool = False,
         pin: bool | None = None,
         device: str = "cpu",
+        shared: bool = False,
     ) -> None:
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
@@ -135,7 +158,8 @@ class HostPool:
         self.hugepages = hugepages and on_host
         self.block_bytes = block_bytes
         self._mmap: mmap.mmap | None = None
-        self.arena = self._allocate_arena(capacity)
+        self.shared: SharedArena | None = None  # set by a shared pool's arena
+        self.arena = self._allocate_arena(capacity, shared and on_host)
         self.num_blocks = capacity // block_bytes
         self.capacity = self.num_blocks * block_bytes
         self.lock = threading.Lock()
@@ -147,31 +171,49 @@ class HostPool:
 
     # -- arena ---------------------------------------------------------------
 
-    def _allocate_arena(self, capacity: int) -> torch.Tensor:
+    def _allocate_arena(self, capacity: int, shared: bool) -> torch.Tensor:
         if self.device.type != "cpu":  # a PD receive buffer in GPU memory, shareable over CUDA IPC
             from kvtier.transfer.cudart import device_buffer
 
             return device_buffer(capacity, self.device)
-        if not self.hugepages:
+        if not self.hugepages and not shared:
             return torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pin)
-        size = -(-capacity // HUGE_PAGE) * HUGE_PAGE
+        size = -(-capacity // HUGE_PAGE) * HUGE_PAGE if self.hugepages else capacity
         needed, free = size // HUGE_PAGE, free_huge_pages()
-        if free < needed:
+        if self.hugepages and free < needed:
             raise HugePagesUnavailable(needed, free)
         try:
-            self._mmap = mmap.mmap(
-                -1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_HUGETLB
-            )
+            self._mmap = self._map(size, shared)
         except OSError:
+            if not self.hugepages:
+                raise
             # Another process took the pages between the check and the map.
             raise HugePagesUnavailable(needed, free_huge_pages()) from None
         arena = torch.frombuffer(self._mmap, dtype=torch.uint8)
         if self.pin:
             err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), size, 0)
             if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of the huge-page arena failed: {err}")
-        log.info("CPU pool: %d huge pages of 2 MiB", needed)
+                raise RuntimeError(f"cudaHostRegister of the CPU pool's arena failed: {err}")
+        if self.hugepages:
+            log.info("CPU pool: %d huge pages of 2 MiB", needed)
         return arena
+
+    def _map(self, size: int, shared: bool) -> mmap.mmap:
+        """The arena's mapping: private and anonymous, or a memfd's (shared) that peers map."""
+        if not shared:
+            huge = _MAP_HUGETLB if self.hugepages else 0
+            return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | huge)
+        huge_fd = os.MFD_HUGETLB if self.hugepages else 0
+        fd = os.memfd_create("kvtier-cpu-pool", os.MFD_CLOEXEC | huge_fd)
+        try:
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        except OSError:
+            os.close(fd)
+            raise
+        st = os.fstat(fd)  # the fd stays open for the pool's life: peers open it by its number
+        self.shared = SharedArena(os.getpid(), fd, size, st.st_dev, st.st_ino)
+        return mapping
 
     # -- blocks --------------------------------------------------------------
 

@@ -65,3 +65,25 @@ def test_hugepages_pool_when_pages_are_reserved():
         del block, pool
     finally:
         knob.write_text(str(before))
+
+
+def test_a_shared_pool_is_a_memfd_that_another_mapping_sees_block_by_block():
+    import mmap
+    import os
+
+    pool = HostPool(4 * 4096, 4096, shared=True)
+    arena = pool.shared
+    assert arena is not None and arena.pid == os.getpid() and arena.size == pool.capacity
+    block = pool.allocate_many(3)[2]
+    block.data.fill_(7)
+    fd = os.open(arena.path, os.O_RDONLY)  # as a peer on this host opens it
+    try:
+        st = os.fstat(fd)
+        assert (st.st_dev, st.st_ino) == (arena.dev, arena.ino)
+        seen = mmap.mmap(fd, arena.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    offset = block.index * pool.block_bytes
+    assert seen[offset : offset + 4096] == b"\x07" * 4096 and seen[0:4096] == bytes(4096)
+    seen.close()
+    assert HostPool(4096, 4096).shared is None  # a private pool by default

@@ -1,10 +1,13 @@
 """P2P sharing between engines (enable_p2p): a chunk one instance stored in CPU RAM is loaded
 by another from that instance's PeerServer, found through an index in a real store (`kvtier
-server` or redis-server); only addresses are written there. A peer gone, a peer that evicted,
-a reply cut midway, damaged bytes or a wrong token: misses, never wrong KV."""
+server` or redis-server); only addresses are written there. The chunks come as bytes over TCP
+or, between instances of one host, copied out of the holder's pool (a memfd the asker maps). A
+peer gone, a peer that evicted, a reply cut midway, damaged bytes, a lease that ran out or a
+wrong token: misses, never wrong KV."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -15,8 +18,11 @@ import torch
 from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
 from kvtier.fleet.holders import index_key
-from kvtier.keys import KVFormat
+from kvtier.fleet.peers import DONE, KEY_LEN, LENT, PLACE, POOL, REPLY, REQUEST
+from kvtier.framing import recv_exact
+from kvtier.keys import KVFormat, wire_key
 from kvtier.remote import open_store
+from kvtier.server.protocol import host_id
 from kvtier.transfer import PagedKV
 from kvtier_tools.dev.localservers import kvtier_server, redis_server
 
@@ -26,7 +32,7 @@ FLEET_TOKEN = "fleet-token-0123456789abcdef"
 CHUNK_BYTES = 16 * L * 2 * H * D * 2  # chunk_size tokens of K and V, bf16
 
 
-def node(index: str, token: str | None = None, cpu_gb: float = 1 / 1024):
+def node(index: str, token: str | None = None, cpu_gb: float = 1 / 1024, shared: bool = True):
     layers = [torch.randn(2, NB, BS, H, D).to(torch.bfloat16) for _ in range(L)]
     cfg = KvtierConfig(
         save_unfull_chunk=False,
@@ -37,6 +43,7 @@ def node(index: str, token: str | None = None, cpu_gb: float = 1 / 1024):
         p2p_port=0,
         p2p_index_url=index,
         remote_auth_token=token,
+        p2p_shared_memory=shared,
     )
     return CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), FMT), layers
 
@@ -69,10 +76,11 @@ def tokens_for(case: int) -> list[int]:
     return [1000 + 131 * case + i for i in range(100)]  # 6 whole chunks of 16, then 4
 
 
-def test_a_chunk_stored_by_a_is_loaded_by_b_from_as_cpu_ram(index):
-    tokens = tokens_for(1)
-    a, a_kv = node(index)
-    b, b_kv = node(index)
+@pytest.mark.parametrize("shared", [False, True], ids=["tcp", "shared-memory"])
+def test_a_chunk_stored_by_a_is_loaded_by_b_from_as_cpu_ram(index, shared):
+    tokens = tokens_for(7 if shared else 1)
+    a, a_kv = node(index, shared=shared)
+    b, b_kv = node(index, shared=shared)
     try:
         src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
         assert b.lookup(tokens) == 0
@@ -82,7 +90,9 @@ def test_a_chunk_stored_by_a_is_loaded_by_b_from_as_cpu_ram(index):
         mask = b.retrieve(tokens, dst)
         assert mask[:96].all() and not mask[96:].any()
         assert torch.equal(kv_at(b_kv, dst[:96]), kv_at(a_kv, src[:96]))
-        assert a.peers.server.served == 6 and b.peers.stats.hits == 6
+        assert b.peers.stats.hits == 6
+        # Between instances of one host the chunks are copied out of a's pool: no bytes sent.
+        assert (a.peers.server.lent, a.peers.server.served) == ((6, 0) if shared else (0, 6))
         # The index holds addresses only: no value of a chunk's size was ever written there.
         store = open_store(index, 2.0)
         keys = [index_key(s.key) for s in a.spans(tokens)][:6]
@@ -172,7 +182,7 @@ class CuttingRelay:
 def test_a_reply_cut_midway_is_a_miss_and_the_next_fetch_works_again(index):
     tokens = tokens_for(3)
     a, a_kv = node(index)
-    b, b_kv = node(index)
+    b, b_kv = node(index, shared=False)  # bytes over TCP, which the relay cuts
     relay = CuttingRelay(a.peers.server.address, keep=3 * CHUNK_BYTES)
     try:
         src = torch.randperm(NB * BS)[:100]
@@ -200,6 +210,87 @@ def test_a_reply_cut_midway_is_a_miss_and_the_next_fetch_works_again(index):
         assert torch.equal(kv_at(b_kv, dst[:96]), kv_at(a_kv, src[:96]))
     finally:
         relay.close()
+        a.close(), b.close()
+
+
+def test_a_holder_lets_lent_chunks_go_when_the_lease_runs_out_and_says_nothing_held(index):
+    """An asker on this host that does not say DONE within the lease: the holder releases the
+    blocks and ends the connection without HELD (the asker then uses none of its copies)."""
+    tokens = tokens_for(5)
+    a, _ = node(index)
+    try:
+        a.store(tokens, torch.randperm(NB * BS)[:100])
+        a.peers.server._lease_s = 0.3
+        keys = [s.key for s in a.spans(tokens)][:6]
+        host, _, port = a.peers.server.address.rpartition(":")
+        sock = socket.create_connection((host, int(port)), timeout=5)
+        me = host_id().encode()
+        wires = [wire_key(k) for k in keys]
+        parts = [REQUEST.pack(0, len(me), len(wires)), me]
+        parts += [KEY_LEN.pack(len(w)) + w for w in wires]
+        sock.sendall(b"".join(parts))
+        status, count = REPLY.unpack(recv_exact(sock, REPLY.size))
+        assert (status, count) == (LENT, 6)
+        recv_exact(sock, POOL.size + 6 * PLACE.size)
+        blocks = [a.tiers.cpu.get(k) for k in keys]  # a's chunks, retained here to look
+        assert all(c.block.ref_count == 3 for c in blocks)  # the tier, the lease, this look
+        time.sleep(0.6)
+        assert all(c.block.ref_count == 2 for c in blocks)  # the lease let them go
+        sock.sendall(DONE)
+        assert sock.recv(1) == b""  # closed, no HELD
+        sock.close()
+        for c in blocks:
+            c.block.release()
+    finally:
+        a.close()
+
+
+def test_an_asker_that_hears_no_held_uses_none_of_its_copies(index, caplog):
+    tokens = tokens_for(8)
+    a, a_kv = node(index)
+    b, b_kv = node(index)
+    lent_reply = REPLY.size + POOL.size + 6 * PLACE.size
+    relay = CuttingRelay(a.peers.server.address, keep=lent_reply)  # then closes: no HELD
+    try:
+        src = torch.randperm(NB * BS)[:100]
+        a.store(tokens, src)
+        announced(a, tokens, 6)
+        store = open_store(index, 2.0)
+        keys = [index_key(s.key) for s in a.spans(tokens)][:6]
+        store.delete(keys)
+        store.put(keys, [relay.address.encode()] * 6)
+        store.close()
+        before = b_kv[0].clone()
+        dst = torch.randperm(NB * BS)[:100]
+        mask = b.retrieve(tokens, dst)
+        assert not mask.any() and torch.equal(b_kv[0], before)
+        assert "chunks are copied out of its pool" in caplog.text  # b copied, then heard no HELD
+        assert b.peers.stats.faults == 1 and a.peers.server.lent == 0
+    finally:
+        relay.close()
+        a.close(), b.close()
+
+
+def test_a_pool_that_is_not_the_one_named_is_not_read_and_bytes_come_instead(index):
+    """The holder names a file that, opened here, is another (another PID namespace, or its
+    process gone and the number reused): the asker copies nothing from it and asks for bytes."""
+    tokens = tokens_for(6)
+    a, a_kv = node(index)
+    b, b_kv = node(index)
+    try:
+        arena = a.peers.server._arena
+        a.peers.server._arena = dataclasses.replace(arena, ino=arena.ino + 1)
+        src = torch.randperm(NB * BS)[:100]
+        a.store(tokens, src)
+        announced(a, tokens, 6)
+        dst = torch.randperm(NB * BS)[:100]
+        mask = b.retrieve(tokens, dst)
+        assert mask[:96].all()
+        assert torch.equal(kv_at(b_kv, dst[:96]), kv_at(a_kv, src[:96]))
+        assert a.peers.server.served == 6  # after a lease that b left unread
+        (client,) = b.peers._clients.values()
+        assert client.copied == 0
+    finally:
         a.close(), b.close()
 
 

@@ -1,6 +1,7 @@
 """P2P sharing between two vLLM instances (CPU build): a prompt prefilled on A is a hit on B,
-loaded from A's CPU RAM through A's PeerServer, found in an index kept by a real `kvtier
-server` that never holds a chunk's bytes; with A killed, B recomputes and answers the same."""
+copied out of A's CPU RAM (A's pool, mapped: they share this host) once A's PeerServer lent
+the chunks, found in an index kept by a real `kvtier server` that never holds a chunk's bytes;
+with A killed, B recomputes and answers the same."""
 
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ def test_a_prompt_prefilled_on_a_is_loaded_by_b_from_as_cpu_ram_and_survives_as_
         # B computed only the last token: 7 chunks of 256 and the partial one came from A.
         assert b.hit_lines()[-1] == (2000, 1999, 1999)
         assert on_b == on_a
+        # A and B share this host: B copied the chunks out of A's pool, no bytes over TCP.
+        assert "chunks are copied out of its pool" in b.log_text()
         metrics = httpx.get(f"http://127.0.0.1:{index.manage_port}/metrics").text
         stored = float(VALUE_BYTES.search(metrics).group(1))
         assert 0 < stored < 16 * 1024  # addresses only: one chunk's KV alone is 1 MiB here

@@ -204,6 +204,11 @@ class KvtierConfig:
         "P2P: the port it serves them on (TP rank r listens on port + r); 0: any free port",
         default=None,
     )
+    p2p_shared_memory: bool = _doc(
+        "P2P: a peer on this host is lent chunks in place (it maps this instance's CPU pool, "
+        "a memfd, and copies them out) and lends its own; false: bytes over TCP for all peers",
+        default=True,
+    )
     p2p_index_url: str | None = _doc(
         "P2P: the store that indexes which instance holds which chunk (kvtier:// redis:// ...); "
         "only addresses are written there",

@@ -76,6 +76,7 @@ def build(
                 config.cpu_pool_bytes,
                 config.chunk_size * mover.bytes_per_token,
                 hugepages=config.local_cpu_use_hugepages,
+                shared=config.enable_p2p and config.p2p_shared_memory,  # peers on this host map it
             ),
             config.cache_policy,
         )
@@ -125,7 +126,9 @@ def _peers(
     assert config.p2p_index_url is not None and config.p2p_port is not None  # _check_p2p
     port = config.p2p_port + fmt.tp_rank if config.p2p_port else 0
     token = config.remote_auth_token
-    server = PeerServer(cpu, fmt, Codec("naive"), bytes_per_token, config.p2p_host, port, token)
+    timeout = config.blocking_timeout_secs
+    codec = Codec("naive")
+    server = PeerServer(cpu, fmt, codec, bytes_per_token, config.p2p_host, port, token, timeout)
     try:
         store = open_store(
             config.p2p_index_url, config.blocking_timeout_secs, token, config.extra_config
@@ -136,7 +139,7 @@ def _peers(
     holders = Holders(store, config.p2p_index_url, server.address)
     cpu.on_stored.append(holders.announce)
     cpu.on_removed.append(holders.withdraw)
-    return PeerSource(holders, server, Codec("naive"), config.blocking_timeout_secs, token)
+    return PeerSource(holders, server, codec, timeout, token, config.p2p_shared_memory)
 
 
 def _disk_tier(config: KvtierConfig, bytes_per_token: int, fmt: KVFormat) -> DiskTier | None:

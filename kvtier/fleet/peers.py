@@ -4,14 +4,23 @@ Each tensor-parallel rank of an instance with `enable_p2p` listens on `p2p_port`
 (`PeerServer`); a peer's rank r asks rank r, so ranks pair by themselves. One request, on a
 connection kept open:
 
-    request  head "KVPP" v1 (token length, key count), the token, each key (u16 length + bytes)
-    reply    head "KVPP" v1 (status, key count), each value (u64 length, 0: a miss, + bytes)
+    request  head "KVPP" v2 (token length, host id length, key count), the token, the asker's
+             host id (empty: bytes only), each key (u16 length + bytes)
+    reply    head "KVPP" v2 (status, key count), then by status:
+      OK     each value (u64 length, 0: a miss, + bytes)
+      LENT   the pool (pid, fd, size, st_dev, st_ino), each chunk's place in it (offset, bytes,
+             num_tokens; 0: a miss); the asker copies them out, sends DONE, and the holder
+             answers HELD once it let them go (nothing answered: the copies are not used)
 
-A key is a chunk's wire key (keys.wire_key); a value is the chunk as the remote tier stores it
-(codec.Codec.encode: header, payload, checksum), so the asker checks it as it checks a remote
-store's and a damaged or mismatched value is a miss. A chunk is retained in the CPU tier while it
-is encoded: eviction cannot reuse its block under the reply. With a token (`remote_auth_token`)
-a request without it is refused; without one the server binds only a loopback host.
+A key is a chunk's wire key (keys.wire_key). Over TCP a value is the chunk as the remote tier
+stores it (codec.Codec.encode: header, payload, checksum), so the asker checks it as it checks a
+remote store's and a damaged or mismatched value is a miss. An asker on the holder's host (the
+same host id, `p2p_shared_memory`) is lent the chunks in place instead: the holder's pool is a
+memfd (memory.SharedArena) that the asker maps read-only and copies from, one memcpy a chunk and
+no socket for the bytes. A chunk is retained in the CPU tier while it is encoded or lent:
+eviction cannot reuse its block under the reply or the copy; a holder lends for at most
+`lease_s`, then ends the connection. With a token (`remote_auth_token`) a request without it is
+refused; without one the server binds only a loopback host.
 """
 
 from __future__ import annotations
@@ -21,25 +30,29 @@ import socket
 import socketserver
 import struct
 import threading
-from collections.abc import Sequence
 
 from kvtier.codec import Codec
-from kvtier.errors import KvtierError, RemoteUnavailable
+from kvtier.errors import KvtierError
 from kvtier.fleet.affinity import unpin_this_thread
-from kvtier.framing import Framing, recv_exact, recv_into
+from kvtier.framing import Framing, recv_exact
 from kvtier.keys import ChunkKey, KVFormat
 from kvtier.logs import get_logger
-from kvtier.memory import MemoryBlock
+from kvtier.memory import MemoryBlock, SharedArena
+from kvtier.server.protocol import host_id
 from kvtier.server.state import is_loopback
 from kvtier.tiers.cpu import CpuTier, StoredChunk
 
 log = get_logger(__name__)
 
-REQUEST = Framing("kvtier peer protocol", b"KVPP", 1, "HI")  # token length, key count
-REPLY = Framing("kvtier peer protocol", b"KVPP", 1, "BI")  # status, key count
+# token length, host id length, key count
+REQUEST = Framing("kvtier peer protocol", b"KVPP", 2, "HHI")
+REPLY = Framing("kvtier peer protocol", b"KVPP", 2, "BI")  # status, key count
 KEY_LEN = struct.Struct("<H")
 VALUE_LEN = struct.Struct("<Q")
-OK, DENIED = 0, 1
+POOL = struct.Struct("<IIQQQ")  # pid, fd, size, st_dev, st_ino of the holder's pool
+PLACE = struct.Struct("<QQI")  # a chunk's offset in the pool, its bytes, num_tokens (0: a miss)
+OK, DENIED, LENT = 0, 1, 2
+DONE, HELD = b"D", b"H"  # the asker copied what it was lent; the holder kept it until then
 MAX_KEYS = 4096  # a request asking for more is not this protocol
 
 
@@ -48,7 +61,8 @@ class PeerDenied(KvtierError):
 
 
 class PeerServer:
-    """Serves `cpu`'s chunks of format `fmt` on host:port, each encoded by `codec`."""
+    """Serves `cpu`'s chunks of format `fmt` on host:port, each encoded by `codec`, or lent in
+    place to an asker on this host when `cpu`'s pool is shared (for at most `lease_s`)."""
 
     def __init__(
         self,
@@ -59,10 +73,13 @@ class PeerServer:
         host: str,
         port: int,
         token: str | None,
+        lease_s: float,
     ) -> None:
         token_or_loopback(token, host, "p2p_host", "peers would read this instance's KV")
         self._cpu, self._codec, self._tag, self._token = cpu, codec, fmt.tag(), token
-        self._fmt, self._bytes_per_token = fmt, bytes_per_token
+        self._fmt, self._bytes_per_token, self._lease_s = fmt, bytes_per_token, lease_s
+        self._arena: SharedArena | None = cpu.pool.shared
+        self._host_id = host_id().encode()
         outer = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -84,7 +101,8 @@ class PeerServer:
         self.address = f"{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._accept, name="kvtier-p2p-server", daemon=True)
         self._thread.start()
-        self.served = 0  # chunks sent to peers
+        self.served = 0  # chunks sent to peers as bytes
+        self.lent = 0  # chunks lent in place to peers on this host
         log.info("P2P: serving this instance's CPU RAM chunks to peers on %s", self.address)
 
     def close(self) -> None:
@@ -103,17 +121,21 @@ class PeerServer:
                 head = sock.recv(REQUEST.size, socket.MSG_WAITALL)
                 if not head:
                     return  # the peer closed between requests
-                token_len, count = REQUEST.unpack(head)
+                token_len, host_len, count = REQUEST.unpack(head)
                 if count > MAX_KEYS:
                     return
                 token = recv_exact(sock, token_len, "P2P peer").decode() if token_len else None
+                asker_host = recv_exact(sock, host_len, "P2P peer")
                 keys = [recv_exact(sock, _key_len(sock), "P2P peer") for _ in range(count)]
                 if self._token is not None and not hmac.compare_digest(
                     (token or "").encode(), self._token.encode()
                 ):
                     sock.sendall(REPLY.pack(DENIED, 0))
                     return
-                self._reply(sock, keys)
+                if self._arena is not None and asker_host == self._host_id:
+                    self._lend(sock, keys, self._arena)
+                else:
+                    self._reply(sock, keys)
         except (OSError, ValueError) as exc:  # a peer gone, or bytes of another protocol
             log.debug("P2P: a peer's connection ended: %s", exc)
 
@@ -135,6 +157,32 @@ class PeerServer:
             finally:
                 block.release()
             self.served += 1
+
+    def _lend(self, sock: socket.socket, keys: list[bytes], arena: SharedArena) -> None:
+        """Each chunk's place in the shared pool, its block retained until the asker says it
+        copied them out (DONE) or `lease_s` passed (then the connection ends, unanswered)."""
+        chunks = [self._chunk(wire) for wire in keys]
+        try:
+            parts = [REPLY.pack(LENT, len(keys))]
+            parts.append(POOL.pack(arena.pid, arena.fd, arena.size, arena.dev, arena.ino))
+            parts += [self._place(chunk) for chunk in chunks]
+            sock.sendall(b"".join(parts))
+            sock.settimeout(self._lease_s)
+            if recv_exact(sock, len(DONE), "P2P peer") != DONE:
+                raise ValueError("not DONE after a lease")
+            sock.settimeout(None)
+            self.lent += sum(chunk is not None for chunk in chunks)
+            sock.sendall(HELD)  # every block was retained until now
+        finally:
+            for chunk in chunks:
+                if chunk is not None:
+                    chunk.block.release()
+
+    def _place(self, chunk: StoredChunk | None) -> bytes:
+        if chunk is None or not isinstance(chunk.block, MemoryBlock):
+            return PLACE.pack(0, 0, 0)
+        offset = chunk.block.index * chunk.block.pool.block_bytes
+        return PLACE.pack(offset, chunk.num_tokens * self._bytes_per_token, chunk.num_tokens)
 
     def _chunk(self, wire: bytes) -> StoredChunk | None:
         """The chunk `wire` names, retained; None where this instance does not hold it."""
@@ -160,64 +208,3 @@ def token_or_loopback(token: str | None, host: str, key: str, otherwise: str) ->
 def _key_len(sock: socket.socket) -> int:
     (n,) = KEY_LEN.unpack(recv_exact(sock, KEY_LEN.size, "P2P peer"))
     return n
-
-
-class PeerClient:
-    """One connection to a peer's PeerServer, opened on first use and again after a fault."""
-
-    def __init__(self, address: str, timeout: float, token: str | None) -> None:
-        host, _, port = address.rpartition(":")
-        self.address, self._host, self._port = address, host, int(port)
-        self._timeout, self._token = timeout, token
-        self._sock: socket.socket | None = None
-        self._lock = threading.Lock()
-
-    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """Each key's value, None where the peer does not hold it; RemoteUnavailable when the
-        peer cannot be reached or its connection ends mid-reply, PeerDenied on a refusal."""
-        with self._lock:
-            try:
-                return self._get(keys)
-            except (OSError, ValueError) as exc:
-                self._close()
-                raise RemoteUnavailable(f"P2P peer {self.address}: {exc}") from exc
-
-    def close(self) -> None:
-        with self._lock:
-            self._close()
-
-    def _get(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        sock = self._connected()
-        token = (self._token or "").encode()
-        parts = [REQUEST.pack(len(token), len(keys)), token]
-        for key in keys:
-            parts += [KEY_LEN.pack(len(key)), key]
-        sock.sendall(b"".join(parts))
-        status, count = REPLY.unpack(recv_exact(sock, REPLY.size, self.address))
-        if status == DENIED:
-            self._close()
-            raise PeerDenied(f"P2P peer {self.address} refused the request: a wrong token")
-        if count != len(keys):
-            raise ValueError(f"{count} values for {len(keys)} keys")
-        out: list[bytes | None] = []
-        for _ in keys:
-            (n,) = VALUE_LEN.unpack(recv_exact(sock, VALUE_LEN.size, self.address))
-            if n == 0:
-                out.append(None)
-                continue
-            value = bytearray(n)
-            recv_into(sock, memoryview(value), self.address)
-            out.append(bytes(value))
-        return out
-
-    def _connected(self) -> socket.socket:
-        if self._sock is None:
-            sock = socket.create_connection((self._host, self._port), timeout=self._timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock = sock
-        return self._sock
-
-    def _close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None

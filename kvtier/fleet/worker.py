@@ -36,7 +36,8 @@ from kvtier.codec import Codec
 from kvtier.config import KvtierConfig
 from kvtier.errors import KvtierError, RemoteUnavailable
 from kvtier.fleet.affinity import unpin_this_thread
-from kvtier.fleet.peers import PeerClient, PeerDenied, token_or_loopback
+from kvtier.fleet.peer_client import PeerClient
+from kvtier.fleet.peers import PeerDenied, token_or_loopback
 from kvtier.keys import PLAIN, ChunkKey, ChunkSpan, Identity, KVFormat, wire_key
 from kvtier.logs import get_logger
 from kvtier.memory import MemoryBlock
@@ -228,35 +229,45 @@ class ControlWorker:
         peer = body.get("peer")
         if not isinstance(peer, str) or ":" not in peer:
             raise BadCall("peer: the address (host:port) of the source instance's P2P server")
-        spans = [s for s in self._spans(body) if not self.engine.tiers.cpu.contains(s.key)]
-        client = PeerClient(peer, self.engine.config.blocking_timeout_secs, self._token)
+        tiers = self.engine.tiers
+        spans = [s for s in self._spans(body) if not tiers.cpu.contains(s.key)]
+        blocks: list[MemoryBlock] = []
+        while len(blocks) < len(spans) and (block := tiers.allocate(wait=False)) is not None:
+            blocks.append(block)
+        spans = spans[: len(blocks)]  # as many as CPU RAM has room for now
         try:
-            values = client.get([wire_key(s.key) for s in spans])
+            got = self._from_peer(peer, spans, blocks)
         except (RemoteUnavailable, PeerDenied) as exc:
+            for block in blocks:
+                block.release()
             raise BadCall(f"peer {peer}: {exc}") from exc
-        finally:
-            client.close()
-        return {"fetched": sum(self._keep(s, v) for s, v in zip(spans, values))}
+        for span, block, num_tokens in zip(spans, blocks, got):
+            if num_tokens is None:
+                block.release()
+            else:  # CPU RAM keeps it (and the lower tiers' queues)
+                tiers.put(span.key, block, num_tokens)
+        return {"fetched": sum(n is not None for n in got)}
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _keep(self, span: ChunkSpan, value: bytes | None) -> bool:
-        """A peer's chunk into a new block of CPU RAM (and the lower tiers' queues)."""
-        if value is None:
-            return False
-        tiers = self.engine.tiers
-        block = tiers.allocate(wait=False)
-        if block is None:
-            return False
-        out = block.data[: span.num_tokens * tiers.bytes_per_token].numpy().data
+    def _from_peer(
+        self, peer: str, spans: list[ChunkSpan], blocks: list[MemoryBlock]
+    ) -> list[int | None]:
+        """Each span's chunk from `peer`'s P2P server, written into its block."""
+        config = self.engine.config
+        client = PeerClient(
+            peer,
+            config.blocking_timeout_secs,
+            self._token,
+            Codec("naive"),
+            config.p2p_shared_memory,
+        )
+        per_token = self.engine.tiers.bytes_per_token
+        outs = [b.data[: s.num_tokens * per_token].numpy().data for s, b in zip(spans, blocks)]
         try:
-            num_tokens = Codec("naive").decode_into(value, out)
-        except KvtierError as exc:
-            block.release()
-            log.warning("controller fetch: chunk %s is damaged (%s): skipped", span.key, exc)
-            return False
-        tiers.put(span.key, block, num_tokens)
-        return True
+            return client.get_into([wire_key(s.key) for s in spans], outs)
+        finally:
+            client.close()
 
     def _spans(self, body: dict[str, Any]) -> list[ChunkSpan]:
         tokens = body.get("tokens")

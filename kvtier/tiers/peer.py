@@ -2,11 +2,12 @@
 
 Asked after this instance's own tiers. `exists` asks the index (kvtier/fleet/holders.py)
 which instance holds each chunk; `get_into` fetches them from those instances' PeerServers
-(kvtier/fleet/peers.py), one request per instance, and checks each value as the remote tier
-does. Nothing is written anywhere but the index: the bytes stay in the instance that computed
-them. A peer that is gone, evicted the chunk, or ends its reply midway gives misses (the
-engine recomputes them); a peer that failed is skipped for a second, then asked again, and
-one that refused the connection (gone) loses the index's entries that named it.
+(kvtier/fleet/peers.py), one request per instance: as bytes it checks as the remote tier does,
+or copied out of the pool of an instance on this host. Nothing is written anywhere but the
+index: the bytes stay in the instance that computed them. A peer that is gone, evicted the
+chunk, or ends its reply midway gives misses (the engine recomputes them); a peer that failed
+is skipped for a second, then asked again, and one that refused the connection (gone) loses
+the index's entries that named it.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.codec import Codec
-from kvtier.errors import CorruptPayload, RemoteUnavailable
+from kvtier.errors import RemoteUnavailable
 from kvtier.fleet.holders import Holders
-from kvtier.fleet.peers import PeerClient, PeerDenied, PeerServer
+from kvtier.fleet.peer_client import PeerClient
+from kvtier.fleet.peers import PeerDenied, PeerServer
 from kvtier.keys import ChunkKey, wire_key
 from kvtier.logs import get_logger
 
@@ -38,8 +40,9 @@ class PeerStats:
 
 
 class PeerSource:
-    """Chunks of other instances, found through `holders`, decoded by `codec`. Owns this
-    instance's `server` and closes it."""
+    """Chunks of other instances, found through `holders`, decoded by `codec` (or lent in
+    place by a peer on this host, with `shared_memory`). Owns this instance's `server` and
+    closes it."""
 
     name = "p2p"
 
@@ -50,9 +53,10 @@ class PeerSource:
         codec: Codec,
         timeout: float,
         token: str | None,
+        shared_memory: bool,
     ) -> None:
         self.holders, self.server, self.codec = holders, server, codec
-        self._timeout, self._token = timeout, token
+        self._timeout, self._token, self._shared_memory = timeout, token, shared_memory
         self._clients: dict[str, PeerClient] = {}
         self._down_until: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -69,9 +73,11 @@ class PeerSource:
                 by_peer[holder].append(i)
         for holder, indices in by_peer.items():
             asked = [keys[i] for i in indices]
-            values = self._fetch(holder, asked, [wire_key(k) for k in asked])
-            for i, value in zip(indices, values):
-                out[i] = self._decode(holder, keys[i], value, outs[i])
+            got = self._fetch(holder, asked, [outs[i] for i in indices])
+            for i, num_tokens in zip(indices, got):
+                out[i] = num_tokens
+            self.stats.hits += sum(n is not None for n in got)
+            self.stats.misses += sum(n is None for n in got)
         return out
 
     def close(self) -> None:
@@ -92,32 +98,19 @@ class PeerSource:
         now = time.monotonic()
         return [h if h is not None and self._down_until.get(h, 0) <= now else None for h in holders]
 
-    def _fetch(self, holder: str, keys: list[ChunkKey], wires: list[bytes]) -> list[bytes | None]:
+    def _fetch(self, holder: str, keys: list[ChunkKey], outs: list[memoryview]) -> list[int | None]:
         with self._lock:
             client = self._clients.get(holder)
             if client is None:
-                client = self._clients[holder] = PeerClient(holder, self._timeout, self._token)
+                client = self._clients[holder] = PeerClient(
+                    holder, self._timeout, self._token, self.codec, self._shared_memory
+                )
         try:
-            return client.get(wires)
+            return client.get_into([wire_key(k) for k in keys], outs)
         except (RemoteUnavailable, PeerDenied) as exc:
             self.stats.faults += 1
             self._down_until[holder] = time.monotonic() + PEER_BACKOFF_S
-            log.warning("P2P: %d chunks from %s are misses: %s", len(wires), holder, exc)
+            log.warning("P2P: %d chunks from %s are misses: %s", len(keys), holder, exc)
             if isinstance(exc.__cause__, ConnectionRefusedError):  # nothing listens: gone
                 self.holders.forget(keys, holder)
-            return [None] * len(wires)
-
-    def _decode(
-        self, holder: str, key: ChunkKey, value: bytes | None, out: memoryview
-    ) -> int | None:
-        if value is None:
-            self.stats.misses += 1
-            return None
-        try:
-            num_tokens = self.codec.decode_into(value, out)
-        except CorruptPayload as exc:
-            self.stats.misses += 1
-            log.warning("P2P: chunk %s from %s is damaged (%s): a miss", key, holder, exc)
-            return None
-        self.stats.hits += 1
-        return num_tokens
+            return [None] * len(keys)

@@ -117,6 +117,18 @@ def _bench_fleet(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _p2p_args(p: argparse.ArgumentParser) -> None:
+    from kvtier_tools.bench.p2p import add_args
+
+    add_args(p)
+
+
+def _bench_p2p(args: argparse.Namespace) -> int:
+    from kvtier_tools.bench.p2p import main
+
+    return main(args)
+
+
 def _bench_chat(args: argparse.Namespace) -> int:
     from kvtier_tools.bench.chat import main
 
@@ -315,6 +327,13 @@ BENCHMARKS: list[Command] = [
         "N vLLM instances behind kvtier router: round robin, with P2P, KV-aware routing with P2P",
         _fleet_args,
         _bench_fleet,
+    ),
+    (
+        "p2p",
+        "a peer's chunks fetched over TCP and out of its shared pool, against loopback TCP "
+        "and memcpy",
+        _p2p_args,
+        _bench_p2p,
     ),
     (
         "chaos",

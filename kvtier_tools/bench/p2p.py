@@ -1,0 +1,190 @@
+"""`kvtier bench p2p`: how fast an instance fetches chunks from a peer's CPU RAM by each of P2P
+sharing's transports, against this host's limits measured in the same run.
+
+A holder process (its own CacheEngine with enable_p2p, the index in a `kvtier server`) stores
+`--mb` of KV in chunks of `--chunk-size` tokens. This process fetches them all with one request,
+as an instance's PeerSource does, into blocks of its own pool: as bytes over loopback TCP, then
+copied out of the holder's shared pool. Both land the same bytes (checked). The limits: raw
+loopback TCP moving values of a chunk's size (server_clients.tcp_bandwidth, ring buffers the size
+of the data at both ends), and one memcpy of the data between two buffers of its size (one
+thread: the copy out of a shared pool is one).
+
+    python -m kvtier_tools.bench.p2p --report RECORD     the record's table, for the docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import shlex
+import statistics
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+
+LAYERS, HEADS, HEAD_DIM, BLOCK = 8, 8, 128, 16  # bf16: 32 KiB of K and V a token
+TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_DIM * 2
+TRANSPORTS = {"tcp": False, "shared memory": True}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mb", type=int, default=512, help="MiB of KV fetched in each request")
+    p.add_argument("--chunk-size", type=int, default=256, help="tokens a chunk")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--output", type=Path, help="write the record (JSON) here")
+
+
+def _hold(index_url: str, tokens: int, chunk_size: int, conn: Connection) -> None:
+    """The holder: stores `tokens` tokens of random KV, sends its address and the chunks'
+    wire keys, and serves them until told to stop."""
+    import torch
+
+    from kvtier.config import KvtierConfig
+    from kvtier.engine import CacheEngine
+    from kvtier.keys import KVFormat, wire_key
+    from kvtier.transfer import PagedKV
+
+    blocks = tokens // BLOCK
+    layers = [torch.randn(2, blocks, BLOCK, HEADS, HEAD_DIM).bfloat16() for _ in range(LAYERS)]
+    config = KvtierConfig(
+        chunk_size=chunk_size,
+        max_local_cpu_size=tokens * TOKEN_BYTES * 1.25 / 2**30,
+        enable_p2p=True,
+        p2p_port=0,
+        p2p_index_url=index_url,
+    )
+    fmt = KVFormat("bench-p2p", "flash_attn", "bfloat16")
+    engine = CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), fmt)
+    ids = list(range(1, tokens + 1))
+    engine.store(ids, torch.arange(tokens))
+    assert engine.peers is not None
+    conn.send((engine.peers.server.address, [wire_key(s.key) for s in engine.spans(ids)]))
+    conn.recv()  # stop
+    engine.close()
+
+
+def _fetch_times(address: str, wires: list[bytes], outs: list[memoryview], shared: bool, n: int):
+    """Seconds of each of `n` fetches of every chunk (after one that connects and maps)."""
+    from kvtier.codec import Codec
+    from kvtier.fleet.peer_client import PeerClient
+
+    client = PeerClient(address, 60.0, None, Codec("naive"), shared)
+    try:
+        times = []
+        for _ in range(n + 1):
+            t0 = time.perf_counter()
+            got = client.get_into(wires, outs)
+            times.append(time.perf_counter() - t0)
+            if any(g is None for g in got):
+                raise RuntimeError(f"the holder did not give every chunk over {shared=}")
+        if shared != (client.copied > 0):
+            raise RuntimeError("the fetch did not take the transport it was asked for")
+        return times[1:]
+    finally:
+        client.close()
+
+
+def _memcpy_gbps(nbytes: int, repeats: int) -> float:
+    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def run(mb: int, chunk_size: int, repeats: int) -> dict:
+    from kvtier.memory import HostPool
+    from kvtier_tools.bench.server import host
+    from kvtier_tools.bench.server_clients import tcp_bandwidth
+    from kvtier_tools.dev.localservers import kvtier_server
+
+    chunk_bytes = chunk_size * TOKEN_BYTES
+    chunks = mb * 2**20 // chunk_bytes
+    nbytes = chunks * chunk_bytes
+    pool = HostPool(nbytes, chunk_bytes, pin=False)
+    blocks = pool.allocate_many(chunks)
+    assert blocks is not None
+    outs = [b.data.numpy().data for b in blocks]
+    with kvtier_server(0.0625) as index:
+        parent, child = mp.get_context("spawn").Pipe()
+        holder = mp.get_context("spawn").Process(
+            target=_hold, args=(index.url, chunks * chunk_size, chunk_size, child), daemon=True
+        )
+        holder.start()
+        try:
+            address, wires = parent.recv()
+            fetch: dict[str, dict] = {}
+            landed = []
+            for name, shared in TRANSPORTS.items():
+                pool.arena.zero_()
+                times = _fetch_times(address, wires, outs, shared, repeats)
+                landed.append(pool.arena.clone())
+                fetch[name] = {
+                    "GBps": round(nbytes / statistics.median(times) / 1e9, 3),
+                    "ms": round(statistics.median(times) * 1e3, 2),
+                    "runs_ms": [round(t * 1e3, 2) for t in times],
+                }
+            if not all(bool((x == landed[0]).all()) for x in landed):
+                raise RuntimeError("the transports landed different bytes")
+        finally:
+            parent.send("stop")
+            holder.join(60)
+    tcp = tcp_bandwidth(size=chunk_bytes, ring=nbytes)
+    copy = _memcpy_gbps(nbytes, repeats)
+    for name, limit in (("tcp", tcp), ("shared memory", copy)):
+        fetch[name]["of_limit"] = round(fetch[name]["GBps"] / limit, 3)
+    return {
+        "machine": host(),
+        "date": datetime.date.today().isoformat(),
+        "bytes": nbytes,
+        "chunks": chunks,
+        "chunk_bytes": chunk_bytes,
+        "limits_GBps": {"loopback TCP": round(tcp, 3), "memcpy": round(copy, 3)},
+        "fetch": fetch,
+    }
+
+
+def table(record: dict) -> str:
+    limits = record["limits_GBps"]
+    limit_of = {"tcp": "loopback TCP", "shared memory": "memcpy"}
+    rows = [
+        "| transport | fetch (GB/s) | one request (ms) | limit (GB/s) | of the limit |",
+        "|---|---|---|---|---|",
+    ]
+    for name, got in record["fetch"].items():
+        limit = limit_of[name]
+        rows.append(
+            f"| {name} | {got['GBps']:.2f} | {got['ms']:.1f} | {limit} {limits[limit]:.2f} "
+            f"| {got['of_limit']:.2f} |"
+        )
+    tcp, shm = record["fetch"]["tcp"]["GBps"], record["fetch"]["shared memory"]["GBps"]
+    mib = record["bytes"] / 2**20
+    return (
+        "\n".join(rows)
+        + f"\n\n{record['chunks']} chunks of {record['chunk_bytes'] / 2**20:.0f} MiB "
+        + f"({mib:.0f} MiB) in one request; shared memory {shm / tcp:.1f}x TCP. "
+        + f"{record['machine']}, {record['date']}: `{record['command']}`"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    command = "kvtier " + shlex.join(sys.argv[1:])
+    record = {"command": command, **run(args.mb, args.chunk_size, args.repeats)}
+    print(table(record))
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--report", type=Path, required=True)
+    print(table(json.loads(parser.parse_args().report.read_text())))
