@@ -22,7 +22,7 @@
 # --bench-serve), sharedstore (two vLLM instances one after
 # the other sharing KV through each project's own store server on this host: `kvtier server` and LMCache's
 # lm:// server, kvtier_tools.bench.stores_vllm; STORES= which), mla (an MLA model, DeepSeek-V2-Lite's attention, query
-# twice at 16k: plain, native, kvtier).
+# twice at 16k: plain, native, kvtier), fleet (kvtier bench fleet on the GPUs: FLEET_ARGS).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Everything is written to $work and comes back as one archive in $OUT (the device returns at most 8 files).
@@ -130,6 +130,17 @@ echo "serving exit $?"; pkill -f "$servers"; grep -E "^\||^\[|Traceback|Error" "
 # server's threads spent the workload.
 ls "$work"/serving/*-pyspy.txt >/dev/null 2>&1 && python3 -m kvtier_tools.bench.stacks "$work"/serving/*-pyspy.txt \
     --min-samples 200 > "$work/stacks.txt" 2>&1 && head -60 "$work/stacks.txt" ;;
+esac
+case " $steps " in *" fleet "*)
+# Four vLLM instances over the GPUs behind `kvtier router`: round robin, with P2P (between
+# instances of this host through shared memory), KV-aware routing with P2P; the serving model,
+# prompts 8 times the CPU run's (kvtier_tools.bench.fleet; FLEET_ARGS="--setups ..." for some).
+gpus=$(nvidia-smi --list-gpus | wc -l)
+timeout ${FLEET_TIMEOUT:-540} python3 -m kvtier.cli bench fleet --gpus "$gpus" --gpu-util ${GPU_UTIL:-0.4} \
+    --model "$serving_model" --scale 8 --cpu-gb 8 --work /tmp/fleet --output "$work/fleet.json" ${FLEET_ARGS:-} \
+    > "$work/fleet.log" 2>&1
+echo "fleet exit $?"; pkill -f "$servers"; grep -E "^\||Traceback|Error" "$work/fleet.log" | tail -20
+grep -h "copied out of its pool" /tmp/fleet/*/vllm-*.log | head -3 ;;
 esac
 case " $steps " in *" benchserve "*)
 # `vllm bench serve` twice per offloader with vLLM's prefix-sharing dataset (the InfiniStore

@@ -17,6 +17,10 @@ Reported per setup and workload: the connector hit rate (vLLM's own counters of 
 its KV connector found, summed over the instances), mean and p99 TTFT at the client, failed
 requests. On a CPU host the instances share its cores: compare the setups with each other,
 in one run, not with a GPU's figures.
+
+On a GPU machine (`--gpus N`): instance i runs on GPU i mod N with `--gpu-util` of it, the
+model is `--model` (TinyLlama fields), and `--scale K` makes every prompt K times longer (the
+tiny model's prompts prefill in no time on a GPU). The record is written after each setup.
 """
 
 from __future__ import annotations
@@ -30,14 +34,14 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kvtier_tools.bench.chat import Workload, drive, scrape, summarize
 from kvtier_tools.bench.server import host
 from kvtier_tools.dev.demo import vllm_server
 from kvtier_tools.dev.localservers import free_port, free_ports, kvtier_command, kvtier_server
-from kvtier_tools.dev.tinymodel import make_tiny_llama
+from kvtier_tools.dev.tinymodel import TinyLlama, make_tiny_llama
 
 SETUPS = ("round-robin", "round-robin+p2p", "kv-route+p2p")
 # One request at a time (concurrency 1): on a CPU host the four instances share its cores, and
@@ -102,8 +106,22 @@ def _router(
     return kvtier_command(*args, log=log)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the instances run: on the CPU build (`gpus` 0), or instance i on GPU i mod `gpus`
+    with `gpu_util` of it."""
+
+    gpus: int = 0
+    gpu_util: float = 0.4
+
+    def env(self, i: int) -> dict[str, str | None]:
+        return {"CUDA_VISIBLE_DEVICES": str(i % self.gpus)} if self.gpus else {}
+
+
 @contextlib.contextmanager
-def fleet(setup: str, model: Path, work: Path, n: int, cpu_gb: float) -> Iterator[tuple]:
+def fleet(
+    setup: str, model: Path, work: Path, n: int, cpu_gb: float, where: Placement
+) -> Iterator[tuple]:
     """(router URL, instance URLs) of a running fleet for `setup`."""
     with contextlib.ExitStack() as stack:
         index = stack.enter_context(kvtier_server(0.0625)) if setup.endswith("+p2p") else None
@@ -115,10 +133,16 @@ def fleet(setup: str, model: Path, work: Path, n: int, cpu_gb: float) -> Iterato
                 endpoint = f"tcp://*:{events[i]}"
                 config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
                 extra = ["--kv-events-config", json.dumps(config)]
-            env = _env(setup, index.url if index else None, cpu_gb)
-            servers.append(
-                vllm_server(model, work / f"{setup}-{i}", env=env, extra_args=extra, eager=False)
+            env = _env(setup, index.url if index else None, cpu_gb) | where.env(i)
+            server = vllm_server(
+                model,
+                work / f"{setup}-{i}",
+                env=env,
+                extra_args=extra,
+                eager=False,
+                gpu_memory_utilization=where.gpu_util,
             )
+            servers.append(server)
         with ThreadPoolExecutor(n) as pool:  # the starts overlap: each is mostly one thread
             starts = [pool.submit(cm.__enter__) for cm in servers]
         started = []
@@ -154,7 +178,8 @@ def run_workload(router: str, urls: list[str], model: str, w: Workload) -> dict:
 def run(args: argparse.Namespace) -> dict:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    model = make_tiny_llama(work / "model")
+    model = make_tiny_llama(work / "model", TinyLlama(**args.model))
+    where = Placement(args.gpus, args.gpu_util)
     record: dict = {
         "bench": "fleet",
         "command": "kvtier " + shlex.join(sys.argv[1:]),
@@ -162,26 +187,37 @@ def run(args: argparse.Namespace) -> dict:
         "machine": host(),
         "instances": args.instances,
         "cpu_gb_per_instance": args.cpu_gb,
+        "gpus": args.gpus,
         "workloads": {name: asdict(w) for name, w in _workloads(args).items()},
         "setups": {},
     }
     for setup in args.setups:
-        with fleet(setup, model, work, args.instances, args.cpu_gb) as (router, urls):
+        with fleet(setup, model, work, args.instances, args.cpu_gb, where) as (router, urls):
             record["setups"][setup] = {
                 name: run_workload(router, urls, str(model), w)
                 for name, w in _workloads(args).items()
             }
         print(table(record), flush=True)
+        if args.output:  # after each setup: a call cut short keeps what ran
+            Path(args.output).write_text(json.dumps(record, indent=1) + "\n")
     return record
 
 
 def _workloads(args: argparse.Namespace) -> dict[str, Workload]:
-    if not args.short:
-        return WORKLOADS
-    return {
-        name: replace(w, conversations=max(2, w.conversations // 4))
+    vocab = TinyLlama(**args.model).vocab_size - 96  # ids below the tokenizer's specials
+    out = {
+        name: replace(
+            w,
+            system_tokens=w.system_tokens * args.scale,
+            user_tokens=w.user_tokens * args.scale,
+            answer_tokens=w.answer_tokens * args.scale,
+            vocab=vocab,
+        )
         for name, w in WORKLOADS.items()
     }
+    if not args.short:
+        return out
+    return {name: replace(w, conversations=max(2, w.conversations // 4)) for name, w in out.items()}
 
 
 def table(record: dict) -> str:
@@ -213,11 +249,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work", default="/tmp/kvtier-bench-fleet", help="models, logs")
     p.add_argument("--output", default="", help="write the JSON record here")
     p.add_argument("--short", action="store_true", help="a quarter of the conversations")
+    p.add_argument("--gpus", type=int, default=0, help="GPUs to spread the instances over")
+    p.add_argument("--gpu-util", type=float, default=0.4, help="each instance's share of its GPU")
+    p.add_argument(
+        "--model", type=json.loads, default={}, help="TinyLlama fields of the model made (JSON)"
+    )
+    p.add_argument("--scale", type=int, default=1, help="prompts this many times longer")
 
 
 def main(args: argparse.Namespace) -> int:
     record = run(args)
-    if args.output:
-        Path(args.output).write_text(json.dumps(record, indent=1) + "\n")
     failed = sum(s["failed"] for by in record["setups"].values() for s in by.values())
     return 1 if failed else 0
