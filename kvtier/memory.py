@@ -28,6 +28,7 @@ import mmap
 import os
 import re
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -191,9 +192,14 @@ class HostPool:
             raise HugePagesUnavailable(needed, free_huge_pages()) from None
         arena = torch.frombuffer(self._mmap, dtype=torch.uint8)
         if self.pin:
-            err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), size, 0)
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(arena.data_ptr(), size, 0)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of the CPU pool's arena failed: {err}")
+            # Unregistered when the pool goes (its mapping still there then): a later pool
+            # mapped at the same addresses could not register them otherwise.
+            unpin = weakref.finalize(self, cudart.cudaHostUnregister, arena.data_ptr())
+            unpin.atexit = False  # at exit the CUDA context may be gone first
         if self.hugepages:
             log.info("CPU pool: %d huge pages of 2 MiB", needed)
         return arena

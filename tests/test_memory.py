@@ -87,3 +87,17 @@ def test_a_shared_pool_is_a_memfd_that_another_mapping_sees_block_by_block():
     assert seen[offset : offset + 4096] == b"\x07" * 4096 and seen[0:4096] == bytes(4096)
     seen.close()
     assert HostPool(4096, 4096).shared is None  # a private pool by default
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pins host memory for a GPU")
+def test_on_a_gpu_pinned_mapped_pools_made_and_dropped_in_turn_each_register():
+    """A pool's mapping goes with the pool and the next may be mapped at the same addresses:
+    CUDA must have let go of the first registration by then."""
+    import gc
+
+    for shared in (True, False, True, True):
+        for _ in range(3):
+            pool = HostPool(8 << 20, 1 << 20, pin=True, shared=shared, hugepages=False)
+            pool.allocate().data.fill_(1)
+            del pool
+            gc.collect()

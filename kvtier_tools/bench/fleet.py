@@ -109,13 +109,18 @@ def _router(
 @dataclass(frozen=True)
 class Placement:
     """Where the instances run: on the CPU build (`gpus` 0), or instance i on GPU i mod `gpus`
-    with `gpu_util` of it."""
+    with `gpu_util` of it and a KV cache of `kv_gb` GiB (--kv-cache-memory-bytes: instances
+    that start side by side on one GPU would each count the other's memory as their own)."""
 
     gpus: int = 0
     gpu_util: float = 0.4
+    kv_gb: float = 16.0
 
     def env(self, i: int) -> dict[str, str | None]:
         return {"CUDA_VISIBLE_DEVICES": str(i % self.gpus)} if self.gpus else {}
+
+    def args(self) -> list[str]:
+        return ["--kv-cache-memory-bytes", str(int(self.kv_gb * 2**30))] if self.gpus else []
 
 
 @contextlib.contextmanager
@@ -128,11 +133,11 @@ def fleet(
         events = free_ports(n)
         servers = []
         for i in range(n):
-            extra = []
+            extra = where.args()
             if setup.startswith("kv-route"):
                 endpoint = f"tcp://*:{events[i]}"
                 config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
-                extra = ["--kv-events-config", json.dumps(config)]
+                extra += ["--kv-events-config", json.dumps(config)]
             env = _env(setup, index.url if index else None, cpu_gb) | where.env(i)
             server = vllm_server(
                 model,
