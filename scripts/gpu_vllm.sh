@@ -141,8 +141,8 @@ timeout ${FLEET_TIMEOUT:-540} python3 -m kvtier.cli bench fleet --gpus "$gpus" -
     > "$work/fleet.log" 2>&1
 echo "fleet exit $?"; pkill -f "$servers"; grep -E "^\||Traceback|Error" "$work/fleet.log" | tail -20
 grep -h "copied out of its pool" /tmp/fleet/*/vllm-*.log | head -3
-for f in /tmp/fleet/*/vllm-*.log; do echo "== $f"; grep -E "Error|error|P2P" "$f" | tail -15; done \
-    > "$work/fleet-servers.txt" 2>&1 ;;
+for f in /tmp/fleet/*/vllm-*.log; do echo "== $f"; grep -E "Error|error|P2P" "$f" | tail -15
+    grep -q EngineDead "$f" && grep -v "ulimit" "$f" | tail -60; done > "$work/fleet-servers.txt" 2>&1 ;;
 esac
 case " $steps " in *" benchserve "*)
 # `vllm bench serve` twice per offloader with vLLM's prefix-sharing dataset (the InfiniStore

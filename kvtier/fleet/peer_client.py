@@ -16,6 +16,9 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from kvtier.buffers import Copy, run_copy
 from kvtier.codec import Codec
 from kvtier.errors import CorruptPayload, RemoteUnavailable
 from kvtier.fleet.peers import (
@@ -45,7 +48,7 @@ class LentPool:
 
     arena: SharedArena
     mapping: mmap.mmap
-    view: memoryview
+    array: np.ndarray  # the mapping's bytes, read-only
 
     @classmethod
     def open(cls, arena: SharedArena) -> LentPool | None:
@@ -62,11 +65,14 @@ class LentPool:
             mapping = mmap.mmap(fd, arena.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
-        return cls(arena, mapping, memoryview(mapping))
+        return cls(arena, mapping, np.frombuffer(mapping, np.uint8))
 
     def close(self) -> None:
-        self.view.release()
-        self.mapping.close()
+        self.array = None  # type: ignore[assignment]
+        try:
+            self.mapping.close()
+        except BufferError:  # a copy still reads it (a request cut short): it goes with them
+            pass
 
 
 class PeerClient:
@@ -150,14 +156,18 @@ class PeerClient:
 
     @staticmethod
     def _copy(pool: LentPool, places: bytes, outs: Sequence[memoryview]) -> list[int | None]:
+        """Each lent chunk copied into its `outs` entry (over the copy threads when the
+        request is large); per chunk its num_tokens, None where it was not lent whole."""
         got: list[int | None] = []
+        pairs: Copy = []
         for i, out in enumerate(outs):
             offset, nbytes, num_tokens = PLACE.unpack_from(places, i * PLACE.size)
             if num_tokens == 0 or nbytes != len(out) or offset + nbytes > pool.arena.size:
                 got.append(None)
                 continue
-            out.cast("B")[:] = pool.view[offset : offset + nbytes]
+            pairs.append((np.frombuffer(out, np.uint8), pool.array[offset : offset + nbytes]))
             got.append(num_tokens)
+        run_copy(pairs)
         return got
 
     def _mapped(self, arena: SharedArena) -> LentPool | None:
