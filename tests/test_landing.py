@@ -156,7 +156,7 @@ def test_a_borrowed_chunk_is_retained_and_a_landing_chunk_is_not_lent():
 
 def test_a_background_lander_lands_each_copy_once_it_has_arrived_with_no_other_call():
     """On a GPU an idle engine's last stores must reach CPU RAM (and its peers, the P2P index, a
-    router's events) without its next request: a thread lands them once done a while."""
+    router's events) without its next request: a thread lands them as they arrive."""
     import time
 
     landing, landed = Landing(background=True), []

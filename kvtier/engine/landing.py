@@ -1,10 +1,9 @@
 """Copies to the host that the caller did not wait for: what puts each in the tiers once
 they have landed. A store's chunks (storing.py) land so at the engine's next store, flush,
 clear or close, or where a load that cannot wait on the GPU reads them, and, on a GPU, on a
-thread of their own once their copies have been done IDLE_S and no other call landed them
-(`background`): an idle instance's last stores reach CPU RAM, and so its peers, the P2P index
-and a router's KV events, without waiting for its next request; a busy one lands them as
-before, on its own calls. A recurrent state's snapshot (states.py) lands at the next save, load
+thread of their own as soon as their copies are done (`background`): an idle instance's last
+stores reach CPU RAM, and so its peers, the P2P index and a router's KV events, without waiting
+for its next request. A recurrent state's snapshot (states.py) lands at the next save, load
 or lookup.
 
 A lookup never waits for them: a chunk on its way counts as found, and its block can be
@@ -30,8 +29,7 @@ from kvtier.transfer import InFlight
 
 log = get_logger(__name__)
 
-POLL_S = 0.005  # how often the background lander asks which copies are done
-IDLE_S = 0.05  # how long a copy stays done and unlanded before the background lander lands it
+POLL_S = 0.002  # how often the background lander asks whether the oldest copy is done
 
 
 @dataclass(frozen=True)
@@ -51,7 +49,6 @@ class _Flight:
     land: Callable[[], None]
     blocks: dict[ChunkKey, tuple[MemoryBlock, int]]  # the chunks' blocks and tokens, if known
     claimed: bool = False  # a thread is landing it (it stays listed until it has landed)
-    arrived_at: float | None = None  # when the background lander first saw it done
     landed: threading.Event = field(default_factory=threading.Event)
 
 
@@ -149,9 +146,8 @@ class Landing:
         return len(self._flying)
 
     def _land_as_done(self) -> None:
-        """The background lander: while copies are on their way, every POLL_S it notes which
-        are done and lands those done for IDLE_S that no other thread is landing (a CUDA
-        event's wait would spin a core)."""
+        """The background lander: while copies are on their way (and no other thread is landing
+        them), lands what has arrived every POLL_S (a CUDA event's wait would spin a core)."""
         unpin_this_thread()
         while True:
             with self._lock:
@@ -159,18 +155,8 @@ class Landing:
                     self._added.wait()
                 if self._closed:
                     return
-                now = time.monotonic()
-                due: set[ChunkKey] = set()
-                for entry in self._flying:
-                    if entry.claimed:
-                        continue
-                    if entry.arrived_at is None and entry.flight.done.query():
-                        entry.arrived_at = now
-                    if entry.arrived_at is not None and now - entry.arrived_at >= IDLE_S:
-                        due |= entry.keys
             try:
-                if due:
-                    self.settle(keys=due)
+                self.settle()
             except Exception as e:  # the storing thread sees its own; here nobody would
                 log.warning("stores that landed in the background failed to go in: %s", e)
             time.sleep(POLL_S)
