@@ -82,8 +82,7 @@ class CacheEngine:
         )
         self._spans = parts.spans
         self.peers = parts.peers
-        # stores whose copies to the host are in flight (on a GPU landed as they arrive)
-        self.landing = Landing(background=kv.device.type == "cuda")
+        self.landing = Landing()  # stores whose copies to the host are in flight
         self.ahead = AheadSlot(self.tiers, self.mover, self.landing)
         self.prefetcher = Prefetcher(
             self.tiers, self.holds, self.stats, enabled=config.local_cpu and bool(self.tiers.lower)
@@ -454,7 +453,6 @@ class CacheEngine:
         self.prefetcher.close()
         self.ahead.close()
         self._settle(wait=True)
-        self.landing.close()
         self.holds.release_all()
         self.tiers.close(timeout=self.config.blocking_timeout_secs)
         if self.peers is not None:

@@ -1,10 +1,7 @@
 """Copies to the host that the caller did not wait for: what puts each in the tiers once
 they have landed. A store's chunks (storing.py) land so at the engine's next store, flush,
-clear or close, or where a load that cannot wait on the GPU reads them, and, on a GPU, on a
-thread of their own as soon as their copies are done (`background`): an idle instance's last
-stores reach CPU RAM, and so its peers, the P2P index and a router's KV events, without waiting
-for its next request. A recurrent state's snapshot (states.py) lands at the next save, load
-or lookup.
+clear or close, or where a load that cannot wait on the GPU reads them; a recurrent state's
+snapshot (states.py) at the next save, load or lookup.
 
 A lookup never waits for them: a chunk on its way counts as found, and its block can be
 borrowed (`borrow`) by a load whose copies up wait for the store's copies down on the GPU
@@ -14,22 +11,15 @@ borrowed (`borrow`) by a load whose copies up wait for the store's copies down o
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.fleet.affinity import unpin_this_thread
 from kvtier.keys import ChunkKey
-from kvtier.logs import get_logger
 from kvtier.memory import MemoryBlock
 from kvtier.stalls import synchronized
 from kvtier.transfer import InFlight
-
-log = get_logger(__name__)
-
-POLL_S = 0.002  # how often the background lander asks whether the oldest copy is done
 
 
 @dataclass(frozen=True)
@@ -53,26 +43,10 @@ class _Flight:
 
 
 class Landing:
-    def __init__(self, background: bool = False) -> None:
+    def __init__(self) -> None:
         # each copy's InFlight lives here until it lands: what it reads (staging) with it
         self._flying: list[_Flight] = []
         self._lock = threading.Lock()  # stores on vLLM's thread, lookups on the lookup server's
-        self._added = threading.Condition(self._lock)
-        self._closed = False
-        self._lander: threading.Thread | None = None
-        if background:
-            self._lander = threading.Thread(
-                target=self._land_as_done, name="kvtier-landing", daemon=True
-            )
-            self._lander.start()
-
-    def close(self) -> None:
-        """Stop the background lander (what is still on its way lands at `settle(wait=True)`)."""
-        with self._lock:
-            self._closed = True
-            self._added.notify()
-        if self._lander is not None:
-            self._lander.join()
 
     def add(
         self,
@@ -85,7 +59,6 @@ class Landing:
         reader may borrow them before they land)."""
         with self._lock:
             self._flying.append(_Flight(flight, frozenset(keys), land, dict(zip(keys, blocks))))
-            self._added.notify()
 
     def holds(self, key: ChunkKey) -> bool:
         """Whether `key` is on its way."""
@@ -144,19 +117,3 @@ class Landing:
 
     def __len__(self) -> int:
         return len(self._flying)
-
-    def _land_as_done(self) -> None:
-        """The background lander: while copies are on their way (and no other thread is landing
-        them), lands what has arrived every POLL_S (a CUDA event's wait would spin a core)."""
-        unpin_this_thread()
-        while True:
-            with self._lock:
-                while not self._closed and all(f.claimed for f in self._flying):
-                    self._added.wait()
-                if self._closed:
-                    return
-            try:
-                self.settle()
-            except Exception as e:  # the storing thread sees its own; here nobody would
-                log.warning("stores that landed in the background failed to go in: %s", e)
-            time.sleep(POLL_S)
