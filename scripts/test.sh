@@ -18,15 +18,23 @@ fi
 .venv/bin/ruff format --check --quiet . || { echo "ruff format: files above are not formatted" >&2; exit 1; }
 .venv/bin/ruff check --quiet . || { echo "ruff check: findings above" >&2; exit 1; }
 .venv/bin/mypy || { echo "mypy: type errors above" >&2; exit 1; }
-# Two runs. The tests that start vLLM go two at a time, a file to a worker (pytest-xdist): a
+# Three runs. The tests that start vLLM go two at a time, a file to a worker (pytest-xdist): a
 # vLLM's start is mostly one thread, and on a 2-core host two side by side took 114 s where one
-# after the other took 195 s (2026-11-29). Then every other test, one at a time, with the vLLM
-# tests marked `alone` (bounds on wall time that a neighbour's load could break).
+# after the other took 195 s (2026-11-29). Then every test without vLLM, two at a time as well
+# (about 7 minutes one at a time). Then the vLLM tests marked `alone`, one at a time (bounds on
+# wall time that a neighbour's load could break).
 pytest() { .venv/bin/python -m pytest -p no:cacheprovider -ra --durations=25 "$@"; }
 pytest -n 2 --dist loadfile -m "vllm and not alone" "$@" tests
 rc_vllm=$?
-pytest -m "not vllm or alone" "$@" tests
-rc_rest=$?
+pytest -n 2 -m "not vllm" "$@" tests
+rc_unit=$?
+pytest -m "vllm and alone" "$@" tests
+rc_alone=$?
+# the rest's code: a failure of either, else 5 only if neither collected a test
+if [ "$rc_unit" -ne 0 ] && [ "$rc_unit" -ne 5 ]; then rc_rest=$rc_unit
+elif [ "$rc_alone" -ne 0 ] && [ "$rc_alone" -ne 5 ]; then rc_rest=$rc_alone
+elif [ "$rc_unit" -eq 5 ] && [ "$rc_alone" -eq 5 ]; then rc_rest=5
+else rc_rest=0; fi
 # 5: a run collected nothing (a filter in "$@" kept only the other run's tests)
 if [ "$rc_vllm" -eq 5 ] && [ "$rc_rest" -eq 5 ]; then echo "pytest collected no tests: failing" >&2; rc=1
 elif [ "$rc_vllm" -ne 0 ] && [ "$rc_vllm" -ne 5 ]; then rc=$rc_vllm

@@ -19,9 +19,14 @@ from kvtier_tools.bench.plot import bars
 
 
 def report(record: dict) -> str:
+    if record.get("gpus"):
+        layers = record.get("model", {}).get("num_hidden_layers", "?")
+        what = f"over {record['gpus']} GPUs, a seeded Llama of {layers} layers"
+    else:
+        what = "CPU build, tiny Llama"
     return (
         table(record)
-        + f"\n\n{record['instances']} vLLM instances (CPU build, tiny Llama) on "
+        + f"\n\n{record['instances']} vLLM instances ({what}) on "
         + f"{record.get('machine', 'one host')}, {record['date']}: `{record['command']}`"
     )
 
