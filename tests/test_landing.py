@@ -152,3 +152,57 @@ def test_a_borrowed_chunk_is_retained_and_a_landing_chunk_is_not_lent():
     reader.join(10)
     assert not reader.is_alive() and landed == [first] and len(eng.landing) == 0
     eng.close()
+
+
+def test_a_background_lander_lands_each_copy_once_it_has_arrived_with_no_other_call():
+    """On a GPU an idle engine's last stores must reach CPU RAM (and its peers, the P2P index, a
+    router's events) without its next request: a thread lands them once done a while."""
+    import time
+
+    landing, landed = Landing(background=True), []
+    events = [Arrival() for _ in range(2)]
+    for i, done in enumerate(events):
+        landing.add(InFlight(done), [key(i)], lambda i=i: landed.append(i))
+
+    def soon(want: list[int]) -> bool:
+        deadline = time.monotonic() + 5
+        while landed != want and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return landed == want
+
+    time.sleep(0.05)
+    assert landed == [] and len(landing) == 2  # nothing has arrived
+    events[1].arrived = True
+    assert soon([1])
+    events[0].arrived = True
+    assert soon([1, 0]) and len(landing) == 0
+    assert not any(e.waited for e in events)  # landed as they arrived, never waited for
+    landing.close()
+    landing.add(InFlight(Arrival()), [key(3)], lambda: landed.append(3))
+    time.sleep(0.05)
+    assert landed == [1, 0]  # closed: nothing lands in the background any more
+
+
+def test_the_background_lander_leaves_a_copy_a_reader_borrowed_to_the_engines_calls():
+    """A chunk a lookup borrowed is read by its load (behind the store's copies, on the GPU):
+    landing it under that load made the load wait for its upload queued ahead (H200)."""
+    import time
+
+    from kvtier.memory import HostPool
+
+    pool = HostPool(4096, 1024, pin=False)
+    block = pool.allocate()
+    landing, landed = Landing(background=True), []
+    done = Arrival()
+    landing.add(InFlight(done), [key(1)], lambda: landed.append(1), [(block, 16)])
+    (lent,) = landing.borrow([key(1)])
+    assert lent is not None and lent.block is block
+    done.arrived = True
+    time.sleep(0.3)  # done for six times IDLE_S: still borrowed, so not landed here
+    assert landed == [] and len(landing) == 1
+    lent.block.release()  # the load is over
+    deadline = time.monotonic() + 5
+    while not landed and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert landed == [1] and len(landing) == 0
+    landing.close()

@@ -65,6 +65,15 @@ def announced(engine: CacheEngine, tokens: list[int], n: int, timeout: float = 1
     raise AssertionError("the index never named the storing instance")
 
 
+def name_in_index(index: str, engine: CacheEngine, tokens: list[int], address: str) -> None:
+    """The index names `address` for the 6 whole chunks of `tokens`, whoever holds them."""
+    store = open_store(index, 2.0)
+    keys = [index_key(s.key) for s in engine.spans(tokens)][:6]
+    store.delete(keys)
+    store.put(keys, [address.encode()] * 6)
+    store.close()
+
+
 @pytest.fixture(scope="module", params=["kvtier", "redis"])
 def index(request):
     start = {"kvtier": lambda: kvtier_server(0.0625), "redis": redis_server}[request.param]
@@ -189,10 +198,7 @@ def test_a_reply_cut_midway_is_a_miss_and_the_next_fetch_works_again(index):
         a.store(tokens, src)
         announced(a, tokens, 6)
         # The index names the relay for a's chunks: b's fetch is cut in its third chunk.
-        store = open_store(index, 2.0)
-        keys = [index_key(s.key) for s in a.spans(tokens)][:6]
-        store.delete(keys)
-        store.put(keys, [relay.address.encode()] * 6)
+        name_in_index(index, a, tokens, relay.address)
         dst = torch.randperm(NB * BS)[:100]
         mask = b.retrieve(tokens, dst)
         # what arrived whole and checked may load; nothing after the cut does
@@ -201,9 +207,7 @@ def test_a_reply_cut_midway_is_a_miss_and_the_next_fetch_works_again(index):
         assert torch.equal(kv_at(b_kv, dst[:loaded]), kv_at(a_kv, src[:loaded]))
         assert b.peers.stats.faults == 1
         # The entries named a again: after the back-off the fetch from a works.
-        store.delete(keys)
-        store.put(keys, [a.peers.server.address.encode()] * 6)
-        store.close()
+        name_in_index(index, a, tokens, a.peers.server.address)
         time.sleep(1.1)
         mask = b.retrieve(tokens, dst)
         assert mask[:96].all()
@@ -255,11 +259,7 @@ def test_an_asker_that_hears_no_held_uses_none_of_its_copies(index, caplog):
         src = torch.randperm(NB * BS)[:100]
         a.store(tokens, src)
         announced(a, tokens, 6)
-        store = open_store(index, 2.0)
-        keys = [index_key(s.key) for s in a.spans(tokens)][:6]
-        store.delete(keys)
-        store.put(keys, [relay.address.encode()] * 6)
-        store.close()
+        name_in_index(index, a, tokens, relay.address)
         before = b_kv[0].clone()
         dst = torch.randperm(NB * BS)[:100]
         mask = b.retrieve(tokens, dst)

@@ -82,7 +82,10 @@ class CacheEngine:
         )
         self._spans = parts.spans
         self.peers = parts.peers
-        self.landing = Landing()  # stores whose copies to the host are in flight
+        # stores whose copies to the host are in flight; in a fleet on a GPU, an idle instance's
+        # land in the background (peers, the P2P index and KV events see them)
+        fleet = config.enable_p2p or config.enable_kv_events or config.enable_controller
+        self.landing = Landing(background=kv.device.type == "cuda" and fleet)
         self.ahead = AheadSlot(self.tiers, self.mover, self.landing)
         self.prefetcher = Prefetcher(
             self.tiers, self.holds, self.stats, enabled=config.local_cpu and bool(self.tiers.lower)
@@ -453,6 +456,7 @@ class CacheEngine:
         self.prefetcher.close()
         self.ahead.close()
         self._settle(wait=True)
+        self.landing.close()
         self.holds.release_all()
         self.tiers.close(timeout=self.config.blocking_timeout_secs)
         if self.peers is not None:

@@ -1,7 +1,12 @@
 """Copies to the host that the caller did not wait for: what puts each in the tiers once
 they have landed. A store's chunks (storing.py) land so at the engine's next store, flush,
-clear or close, or where a load that cannot wait on the GPU reads them; a recurrent state's
-snapshot (states.py) at the next save, load or lookup.
+clear or close, or where a load that cannot wait on the GPU reads them. With `background` (an
+instance of a fleet, on a GPU) a thread also lands those whose copies have been done IDLE_S
+that no other call landed and no reader borrowed: an idle instance's last stores reach CPU RAM,
+and so its peers, the P2P index and a router's KV events, without waiting for its next
+request. A chunk a load borrowed lands on the engine's calls, as without it: landed under a
+load, it made the load wait for its upload queued ahead (on the H200, 2026-11-30). A recurrent
+state's snapshot (states.py) lands at the next save, load or lookup.
 
 A lookup never waits for them: a chunk on its way counts as found, and its block can be
 borrowed (`borrow`) by a load whose copies up wait for the store's copies down on the GPU
@@ -11,15 +16,23 @@ borrowed (`borrow`) by a load whose copies up wait for the store's copies down o
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.fleet.affinity import unpin_this_thread
 from kvtier.keys import ChunkKey
+from kvtier.logs import get_logger
 from kvtier.memory import MemoryBlock
 from kvtier.stalls import synchronized
 from kvtier.transfer import InFlight
+
+log = get_logger(__name__)
+
+POLL_S = 0.005  # how often the background lander asks which copies are done
+IDLE_S = 0.05  # how long a copy stays done and unlanded before the background lander lands it
 
 
 @dataclass(frozen=True)
@@ -39,14 +52,36 @@ class _Flight:
     land: Callable[[], None]
     blocks: dict[ChunkKey, tuple[MemoryBlock, int]]  # the chunks' blocks and tokens, if known
     claimed: bool = False  # a thread is landing it (it stays listed until it has landed)
+    arrived_at: float | None = None  # when the background lander first saw it done
     landed: threading.Event = field(default_factory=threading.Event)
+
+    def borrowed(self) -> bool:
+        """Whether a reader holds one of its blocks (`Landing.borrow`): the store's own
+        reference is the only other."""
+        return any(block.ref_count > 1 for block, _ in self.blocks.values())
 
 
 class Landing:
-    def __init__(self) -> None:
+    def __init__(self, background: bool = False) -> None:
         # each copy's InFlight lives here until it lands: what it reads (staging) with it
         self._flying: list[_Flight] = []
         self._lock = threading.Lock()  # stores on vLLM's thread, lookups on the lookup server's
+        self._added = threading.Condition(self._lock)
+        self._closed = False
+        self._lander: threading.Thread | None = None
+        if background:
+            self._lander = threading.Thread(
+                target=self._land_as_done, name="kvtier-landing", daemon=True
+            )
+            self._lander.start()
+
+    def close(self) -> None:
+        """Stop the background lander (what is still on its way lands at `settle(wait=True)`)."""
+        with self._lock:
+            self._closed = True
+            self._added.notify()
+        if self._lander is not None:
+            self._lander.join()
 
     def add(
         self,
@@ -59,6 +94,7 @@ class Landing:
         reader may borrow them before they land)."""
         with self._lock:
             self._flying.append(_Flight(flight, frozenset(keys), land, dict(zip(keys, blocks))))
+            self._added.notify()
 
     def holds(self, key: ChunkKey) -> bool:
         """Whether `key` is on its way."""
@@ -117,3 +153,34 @@ class Landing:
 
     def __len__(self) -> int:
         return len(self._flying)
+
+    def _land_as_done(self) -> None:
+        """The background lander: while copies are on their way, every POLL_S it notes which
+        are done and lands those done for IDLE_S that no other thread is landing and no reader
+        borrowed (a CUDA event's wait would spin a core)."""
+        unpin_this_thread()
+        while True:
+            with self._lock:
+                while not self._closed and all(f.claimed for f in self._flying):
+                    self._added.wait()
+                if self._closed:
+                    return
+                now = time.monotonic()
+                due: set[ChunkKey] = set()
+                for entry in self._flying:
+                    if entry.claimed:
+                        continue
+                    if entry.arrived_at is None and entry.flight.done.query():
+                        entry.arrived_at = now
+                    if (
+                        entry.arrived_at is not None
+                        and now - entry.arrived_at >= IDLE_S
+                        and not entry.borrowed()
+                    ):
+                        due |= entry.keys
+            try:
+                if due:
+                    self.settle(keys=due)
+            except Exception as e:  # the storing thread sees its own; here nobody would
+                log.warning("stores that landed in the background failed to go in: %s", e)
+            time.sleep(POLL_S)

@@ -235,6 +235,8 @@ class ControlWorker:
         while len(blocks) < len(spans) and (block := tiers.allocate(wait=False)) is not None:
             blocks.append(block)
         spans = spans[: len(blocks)]  # as many as CPU RAM has room for now
+        if not spans:
+            return {"fetched": 0}
         try:
             got = self._from_peer(peer, spans, blocks)
         except (RemoteUnavailable, PeerDenied) as exc:

@@ -6,8 +6,9 @@ A holder process (its own CacheEngine with enable_p2p, the index in a `kvtier se
 as an instance's PeerSource does, into blocks of its own pool: as bytes over loopback TCP, then
 copied out of the holder's shared pool. Both land the same bytes (checked). The limits: raw
 loopback TCP moving values of a chunk's size (server_clients.tcp_bandwidth, ring buffers the size
-of the data at both ends), and one memcpy of the data between two buffers of its size (one
-thread: the copy out of a shared pool is one).
+of the data at both ends), and a memcpy of the data between two buffers of its size, in as many
+pieces at once as kvtier has copy threads (buffers.COPY_THREADS: the copy out of a shared pool
+uses them).
 
     python -m kvtier_tools.bench.p2p --report RECORD     the record's table, for the docs
 """
@@ -22,6 +23,7 @@ import shlex
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -89,17 +91,22 @@ def _fetch_times(address: str, wires: list[bytes], outs: list[memoryview], share
         client.close()
 
 
-def _memcpy_gbps(nbytes: int, repeats: int) -> float:
+def _memcpy_gbps(nbytes: int, repeats: int, threads: int) -> float:
+    """GB/s of copying `nbytes` between two buffers of that size, in `threads` pieces at once."""
     src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    step = -(-nbytes // threads)
+    pieces = [(dst[i : i + step], src[i : i + step]) for i in range(0, nbytes, step)]
     times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t0)
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            list(pool.map(lambda pair: np.copyto(*pair), pieces))
+            times.append(time.perf_counter() - t0)
     return nbytes / statistics.median(times) / 1e9
 
 
 def run(mb: int, chunk_size: int, repeats: int) -> dict:
+    from kvtier.buffers import COPY_THREADS
     from kvtier.memory import HostPool
     from kvtier_tools.bench.server import host
     from kvtier_tools.bench.server_clients import tcp_bandwidth
@@ -137,7 +144,7 @@ def run(mb: int, chunk_size: int, repeats: int) -> dict:
             parent.send("stop")
             holder.join(60)
     tcp = tcp_bandwidth(size=chunk_bytes, ring=nbytes)
-    copy = _memcpy_gbps(nbytes, repeats)
+    copy = _memcpy_gbps(nbytes, repeats, COPY_THREADS)
     for name, limit in (("tcp", tcp), ("shared memory", copy)):
         fetch[name]["of_limit"] = round(fetch[name]["GBps"] / limit, 3)
     return {
@@ -146,6 +153,7 @@ def run(mb: int, chunk_size: int, repeats: int) -> dict:
         "bytes": nbytes,
         "chunks": chunks,
         "chunk_bytes": chunk_bytes,
+        "copy_threads": COPY_THREADS,
         "limits_GBps": {"loopback TCP": round(tcp, 3), "memcpy": round(copy, 3)},
         "fetch": fetch,
     }
@@ -168,7 +176,8 @@ def table(record: dict) -> str:
     mib = record["bytes"] / 2**20
     return (
         "\n".join(rows)
-        + f"\n\n{record['chunks']} chunks of {record['chunk_bytes'] / 2**20:.0f} MiB "
+        + f"\n\nmemcpy on {record['copy_threads']} threads. "
+        + f"{record['chunks']} chunks of {record['chunk_bytes'] / 2**20:.0f} MiB "
         + f"({mib:.0f} MiB) in one request; shared memory {shm / tcp:.1f}x TCP. "
         + f"{record['machine']}, {record['date']}: `{record['command']}`"
     )

@@ -85,6 +85,12 @@ BLOCKS = {
     "fleet-2core": lambda: _output(
         "kvtier_tools.bench.report_fleet", "results/cpu-2core-2026-11-30/fleet.json"
     ),
+    "fleet-h200x2": lambda: _output(
+        "kvtier_tools.bench.report_fleet", "results/gpu2-h200x2-2026-11-30/fleet-8b.json"
+    ),
+    "p2p-2core": lambda: _output(
+        "kvtier_tools.bench.p2p", "--report", "results/cpu-2core-2026-11-30/p2p.json"
+    ),
     "cold-ttft-h100-default": lambda: _report(
         "gpu-h100-vllm-2026-11-27/paired-serving-query-twice",
         "query-twice-plain,query-twice-kvtier,query-twice-lmcache",
