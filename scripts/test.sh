@@ -20,15 +20,15 @@ fi
 .venv/bin/mypy || { echo "mypy: type errors above" >&2; exit 1; }
 # Three runs. The tests that start vLLM go two at a time, a file to a worker (pytest-xdist): a
 # vLLM's start is mostly one thread, and on a 2-core host two side by side took 114 s where one
-# after the other took 195 s (2026-11-29). Then every test without vLLM, two at a time as well
-# (about 7 minutes one at a time). Then the vLLM tests marked `alone`, one at a time (bounds on
-# wall time that a neighbour's load could break).
+# after the other took 195 s (2026-11-29). Then every other test but those marked `alone`, two
+# at a time as well (about 7 minutes one at a time). Then the `alone` ones, one at a time (bounds
+# on wall time that a neighbour's load could break).
 pytest() { .venv/bin/python -m pytest -p no:cacheprovider -ra --durations=25 "$@"; }
 pytest -n 2 --dist loadfile -m "vllm and not alone" "$@" tests
 rc_vllm=$?
-pytest -n 2 -m "not vllm" "$@" tests
+pytest -n 2 -m "not vllm and not alone" "$@" tests
 rc_unit=$?
-pytest -m "vllm and alone" "$@" tests
+pytest -m "alone" "$@" tests
 rc_alone=$?
 # the rest's code: a failure of either, else 5 only if neither collected a test
 if [ "$rc_unit" -ne 0 ] && [ "$rc_unit" -ne 5 ]; then rc_rest=$rc_unit

@@ -23,6 +23,7 @@ import threading
 import time
 
 import psutil
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -220,6 +221,7 @@ def _exactly(s: socket.socket, n: int) -> bytes:
     return buf
 
 
+@pytest.mark.alone  # its checker must see progress within 10 s while the fuzzer floods the server
 def test_a_live_server_survives_random_frames_and_keeps_serving(tmp_path):
     tenants = tmp_path / "tenants.yaml"
     tenants.write_text(f"fuzz: {FUZZER}\nchecker: {CHECKER}\n")

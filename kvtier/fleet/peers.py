@@ -16,11 +16,11 @@ A key is a chunk's wire key (keys.wire_key). Over TCP a value is the chunk as th
 stores it (codec.Codec.encode: header, payload, checksum), so the asker checks it as it checks a
 remote store's and a damaged or mismatched value is a miss. An asker on the holder's host (the
 same host id, `p2p_shared_memory`) is lent the chunks in place instead: the holder's pool is a
-memfd (memory.SharedArena) that the asker maps read-only and copies from, one memcpy a chunk and
-no socket for the bytes. A chunk is retained in the CPU tier while it is encoded or lent:
-eviction cannot reuse its block under the reply or the copy; a holder lends for at most
-`lease_s`, then ends the connection. With a token (`remote_auth_token`) a request without it is
-refused; without one the server binds only a loopback host.
+memfd (memory.SharedArena) that the asker maps read-only and copies from (a large request over
+the copy threads), no socket for the bytes. A chunk is retained in the CPU tier while it is
+encoded or lent: eviction cannot reuse its block under the reply or the copy; a holder lends for
+at most `lease_s`, then ends the connection. With a token (`remote_auth_token`) a request
+without it is refused; without one the server binds only a loopback host.
 """
 
 from __future__ import annotations

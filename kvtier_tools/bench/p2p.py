@@ -6,9 +6,9 @@ A holder process (its own CacheEngine with enable_p2p, the index in a `kvtier se
 as an instance's PeerSource does, into blocks of its own pool: as bytes over loopback TCP, then
 copied out of the holder's shared pool. Both land the same bytes (checked). The limits: raw
 loopback TCP moving values of a chunk's size (server_clients.tcp_bandwidth, ring buffers the size
-of the data at both ends), and a memcpy of the data between two buffers of its size, in as many
-pieces at once as kvtier has copy threads (buffers.COPY_THREADS: the copy out of a shared pool
-uses them).
+of the data at both ends), and a memcpy of the data out of a shared memory mapping (a memfd's) into
+a buffer of its size, in as many pieces at once as kvtier has copy threads (buffers.COPY_THREADS:
+the copy out of a peer's pool uses them).
 
     python -m kvtier_tools.bench.p2p --report RECORD     the record's table, for the docs
 """
@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import mmap
 import multiprocessing as mp
+import os
 import shlex
 import statistics
 import sys
@@ -92,8 +94,15 @@ def _fetch_times(address: str, wires: list[bytes], outs: list[memoryview], share
 
 
 def _memcpy_gbps(nbytes: int, repeats: int, threads: int) -> float:
-    """GB/s of copying `nbytes` between two buffers of that size, in `threads` pieces at once."""
-    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    """GB/s of copying `nbytes` out of a shared memory mapping (a memfd's, as a peer's pool:
+    the kernel may back it with other pages than anonymous memory) into a buffer of that size,
+    in `threads` pieces at once."""
+    fd = os.memfd_create("kvtier-bench-p2p")
+    os.ftruncate(fd, nbytes)
+    mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    os.close(fd)
+    src, dst = np.frombuffer(mapping, np.uint8), np.zeros(nbytes, np.uint8)
+    src[:] = 1
     step = -(-nbytes // threads)
     pieces = [(dst[i : i + step], src[i : i + step]) for i in range(0, nbytes, step)]
     times = []
@@ -102,6 +111,8 @@ def _memcpy_gbps(nbytes: int, repeats: int, threads: int) -> float:
             t0 = time.perf_counter()
             list(pool.map(lambda pair: np.copyto(*pair), pieces))
             times.append(time.perf_counter() - t0)
+    del src, pieces
+    mapping.close()
     return nbytes / statistics.median(times) / 1e9
 
 
