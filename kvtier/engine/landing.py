@@ -135,6 +135,10 @@ class Landing:
                 elif due:
                     entry.claimed = True
                     mine.append(entry)
+        self._land(mine, theirs)
+
+    def _land(self, mine: list[_Flight], theirs: list[_Flight]) -> None:
+        """Land `mine` (claimed by this thread), then wait for `theirs` (claimed by others)."""
         failed: BaseException | None = None
         for entry in mine:
             try:
@@ -166,7 +170,7 @@ class Landing:
                 if self._closed:
                     return
                 now = time.monotonic()
-                due: set[ChunkKey] = set()
+                mine: list[_Flight] = []  # claimed here, with the check: none is lent after it
                 for entry in self._flying:
                     if entry.claimed:
                         continue
@@ -177,10 +181,10 @@ class Landing:
                         and now - entry.arrived_at >= IDLE_S
                         and not entry.borrowed()
                     ):
-                        due |= entry.keys
+                        entry.claimed = True
+                        mine.append(entry)
             try:
-                if due:
-                    self.settle(keys=due)
+                self._land(mine, [])
             except Exception as e:  # the storing thread sees its own; here nobody would
                 log.warning("stores that landed in the background failed to go in: %s", e)
             time.sleep(POLL_S)
