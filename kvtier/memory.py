@@ -180,9 +180,11 @@ class HostPool:
         if not self.hugepages and not shared:
             return torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pin)
         size = -(-capacity // HUGE_PAGE) * HUGE_PAGE if self.hugepages else capacity
-        needed, free = size // HUGE_PAGE, free_huge_pages()
-        if self.hugepages and free < needed:
-            raise HugePagesUnavailable(needed, free)
+        needed = size // HUGE_PAGE
+        if self.hugepages:  # /proc/meminfo is read only where huge pages are asked for
+            free = free_huge_pages()
+            if free < needed:
+                raise HugePagesUnavailable(needed, free)
         try:
             self._mmap = self._map(size, shared)
         except OSError:

@@ -130,9 +130,7 @@ def _peers(
     codec = Codec("naive")
     server = PeerServer(cpu, fmt, codec, bytes_per_token, config.p2p_host, port, token, timeout)
     try:
-        store = open_store(
-            config.p2p_index_url, config.blocking_timeout_secs, token, config.extra_config
-        )
+        store = open_store(config.p2p_index_url, timeout, token, config.extra_config)
     except BaseException:
         server.close()
         raise
