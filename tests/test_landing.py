@@ -118,10 +118,11 @@ def test_a_load_reads_a_chunk_on_its_way_once_it_has_landed():
     eng.close()
 
 
-def test_a_borrowed_chunk_is_retained_and_a_landing_chunk_is_not_lent():
-    """`borrow` lends a chunk on its way with its block retained; once a thread has begun to
-    land it, it is not lent (the reader finds it in the tiers), and a reader that needs it
-    waits for that thread's landing to end."""
+def test_a_borrowed_chunk_is_retained_and_lent_until_it_has_landed():
+    """`borrow` lends a chunk on its way with its block retained, and still while a thread
+    lands it (it is in no tier until that ends: a reader told None then found it nowhere); a
+    reader that needs it in the tiers waits for that thread's landing to end. Once landed it
+    is not lent: the reader finds it in the tiers."""
     import threading
 
     eng, toks, slots, first, arrival, landed = engine_with_first_chunk_in_flight(64)
@@ -142,7 +143,10 @@ def test_a_borrowed_chunk_is_retained_and_a_landing_chunk_is_not_lent():
     lander = threading.Thread(target=eng.landing.settle)
     lander.start()
     assert entered.wait(10)
-    assert eng.landing.borrow([first]) == [None] and eng.landing.holds(first)
+    assert eng.tiers.locate([first]) == []  # landing: in no tier yet
+    (lent,) = eng.landing.borrow([first])
+    assert lent is not None and lent.block.ref_count == 2 and eng.landing.holds(first)
+    lent.block.release()
     reader = threading.Thread(target=eng.landing.settle, kwargs={"keys": [first]})
     reader.start()
     reader.join(0.2)
@@ -151,6 +155,7 @@ def test_a_borrowed_chunk_is_retained_and_a_landing_chunk_is_not_lent():
     lander.join(10)
     reader.join(10)
     assert not reader.is_alive() and landed == [first] and len(eng.landing) == 0
+    assert eng.landing.borrow([first]) == [None] and eng.tiers.locate([first]) == ["cpu"]
     eng.close()
 
 

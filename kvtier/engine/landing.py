@@ -4,13 +4,14 @@ clear or close, or where a load that cannot wait on the GPU reads them. With `ba
 instance of a fleet, on a GPU) a thread also lands those whose copies have been done IDLE_S
 that no other call landed and no reader borrowed: an idle instance's last stores reach CPU RAM,
 and so its peers, the P2P index and a router's KV events, without waiting for its next
-request. A chunk a load borrowed lands on the engine's calls, as without it: landed under a
-load, it made the load wait for its upload queued ahead (on the H200, 2026-11-30). A recurrent
+request. A chunk a load borrowed lands on the engine's calls, as without it. A recurrent
 state's snapshot (states.py) lands at the next save, load or lookup.
 
 A lookup never waits for them: a chunk on its way counts as found, and its block can be
 borrowed (`borrow`) by a load whose copies up wait for the store's copies down on the GPU
-(the two directions of PCIe at once), not on the host.
+(the two directions of PCIe at once), not on the host. It can be borrowed while it is being
+landed too: a lookup told it was gone then found it in no tier yet, and its load, with nothing
+uploaded ahead, waited (on the H200, 2026-11-30, once a background lander made that common).
 """
 
 from __future__ import annotations
@@ -102,12 +103,14 @@ class Landing:
             return any(key in f.keys for f in self._flying)
 
     def borrow(self, keys: Sequence[ChunkKey]) -> list[Flying | None]:
-        """Each key's chunk if it is on its way and its block known, retained for the caller;
-        None for the others (landing or landed: in the tiers then, or never here)."""
+        """Each key's chunk if it is on its way or landing and its block known, retained for
+        the caller; None for the others (landed: in the tiers then, or never here). A chunk
+        being landed is lent too: its bytes are in its block whatever tier it goes in, and a
+        reader told None before its landing ended would find it nowhere."""
         out: list[Flying | None] = []
         with self._lock:
             for key in keys:
-                found = next((f for f in self._flying if key in f.blocks and not f.claimed), None)
+                found = next((f for f in self._flying if key in f.blocks), None)
                 if found is None:
                     out.append(None)
                     continue
