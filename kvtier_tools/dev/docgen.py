@@ -172,6 +172,10 @@ FIGURES = {
         "report_fleet",
         "results/cpu-2core-2026-11-30/fleet.json",
     ),
+    "docs/img/fleet-h200x2.svg": (
+        "report_fleet",
+        "results/gpu2-h200x2-2026-11-30/fleet-8b.json",
+    ),
     "docs/img/warm-ttft-h200.svg": (
         "vllm_report",
         "results/gpu-h200-vllm-2026-11-29/lossy --setups native,kvtier-int8,kvtier-fp8",
