@@ -35,6 +35,7 @@ from typing import Protocol
 
 import torch
 
+from kvtier import shm
 from kvtier.errors import HugePagesUnavailable
 from kvtier.logs import get_logger
 
@@ -120,7 +121,7 @@ class SharedArena:
 
     @property
     def path(self) -> str:
-        return f"/proc/{self.pid}/fd/{self.fd}"
+        return shm.proc_path(self.pid, self.fd)
 
 
 def front_view(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -211,14 +212,7 @@ class HostPool:
         if not shared:
             huge = _MAP_HUGETLB if self.hugepages else 0
             return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | huge)
-        huge_fd = os.MFD_HUGETLB if self.hugepages else 0
-        fd = os.memfd_create("kvtier-cpu-pool", os.MFD_CLOEXEC | huge_fd)
-        try:
-            os.ftruncate(fd, size)
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        except OSError:
-            os.close(fd)
-            raise
+        fd, mapping = shm.create("kvtier-cpu-pool", size, self.hugepages)
         st = os.fstat(fd)  # the fd stays open for the pool's life: peers open it by its number
         self.shared = SharedArena(os.getpid(), fd, size, st.st_dev, st.st_ino)
         return mapping

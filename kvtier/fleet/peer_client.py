@@ -10,7 +10,6 @@ from here (another PID namespace, no permission) is asked for bytes from then on
 from __future__ import annotations
 
 import mmap
-import os
 import socket
 import threading
 from collections.abc import Sequence
@@ -38,6 +37,7 @@ from kvtier.framing import recv_exact, recv_into
 from kvtier.logs import get_logger
 from kvtier.memory import SharedArena
 from kvtier.server.protocol import host_id
+from kvtier.shm import open_mapped
 
 log = get_logger(__name__)
 
@@ -53,18 +53,15 @@ class LentPool:
     @classmethod
     def open(cls, arena: SharedArena) -> LentPool | None:
         """The pool mapped, or None where this process cannot open it or finds another file."""
+        expect = (arena.dev, arena.ino)
         try:
-            fd = os.open(arena.path, os.O_RDONLY)
+            opened = open_mapped(arena.path, arena.size, writable=False, expect=expect)
         except OSError as exc:
             log.info("P2P: the pool at %s cannot be opened (%s): bytes over TCP", arena.path, exc)
             return None
-        try:
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino, st.st_size) != (arena.dev, arena.ino, arena.size):
-                return None  # another process's file under that number
-            mapping = mmap.mmap(fd, arena.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
+        if opened is None:
+            return None  # another process's file under that number
+        mapping = opened[1]
         return cls(arena, mapping, np.frombuffer(mapping, np.uint8))
 
     def close(self) -> None:

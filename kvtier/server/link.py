@@ -19,6 +19,7 @@ from kvtier import framing
 from kvtier.buffers import IOV_MAX, as_parts, unsent
 from kvtier.errors import RemoteUnavailable
 from kvtier.logs import get_logger
+from kvtier.shm import open_mapped, proc_path
 
 log = get_logger(__name__)
 
@@ -149,14 +150,10 @@ class PoolMap:
             pass
 
 
-def _pool_path(shm: dict) -> str:
-    return f"/proc/{shm['pid']}/fd/{shm['fd']}"
-
-
 def pool_inode(shm: dict) -> tuple[int, int] | None:
     """Which memfd the server offers (None: not reachable from here)."""
     try:
-        st = os.stat(_pool_path(shm))
+        st = os.stat(proc_path(shm["pid"], shm["fd"]))
     except OSError:
         return None
     return st.st_dev, st.st_ino
@@ -164,14 +161,12 @@ def pool_inode(shm: dict) -> tuple[int, int] | None:
 
 def map_server_pool(shm: dict) -> PoolMap | None:
     """Map the server's pool memfd, or None (then values go over TCP)."""
+    path = proc_path(shm["pid"], shm["fd"])
     try:
-        fd = os.open(_pool_path(shm), os.O_RDWR)
+        opened = open_mapped(path, shm["size"], writable=True, populate=True)
     except OSError as e:  # another PID namespace or no permission: the byte stream still works
         log.info("kvtier server pool not mappable (%s): values go over TCP", e)
         return None
-    try:
-        st = os.fstat(fd)
-        mapping = mmap.mmap(fd, shm["size"], mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    finally:
-        os.close(fd)
-    return PoolMap((st.st_dev, st.st_ino), mapping, np.frombuffer(mapping, np.uint8))
+    assert opened is not None  # no file expected: whichever is there
+    inode, mapping = opened
+    return PoolMap(inode, mapping, np.frombuffer(mapping, np.uint8))

@@ -23,6 +23,8 @@ from __future__ import annotations
 import mmap
 import os
 
+from kvtier import shm
+
 Extents = list[tuple[int, int]]
 
 
@@ -46,15 +48,9 @@ class PagePool:
         self.page_size = page_size
         self.num_pages = capacity // page_size
         self.capacity = self.num_pages * page_size
-        self.fd = os.memfd_create("kvtier-server-pool", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, self.capacity)
-            flags = mmap.MAP_SHARED | getattr(
-                mmap, "MAP_POPULATE", 0
-            )  # touch every page now, not on first put
-            self.arena = mmap.mmap(self.fd, self.capacity, flags=flags)
+        try:  # every page touched now, not at its first put
+            self.fd, self.arena = shm.create("kvtier-server-pool", self.capacity, populate=True)
         except OSError as e:
-            os.close(self.fd)
             raise ValueError(
                 f"a pool of {self.capacity / 2**30:.2f} GiB cannot be mapped ({e.strerror}); "
                 f"this machine has {_available_gib():.2f} GiB of memory available"
