@@ -126,35 +126,44 @@ def sample(run: Run, per_phase: int) -> list[ChaosResult]:
     return out
 
 
+REPLAY_IN_FLIGHT = 4  # plain vLLM batches them (one at a time: 2.2 s each, 2 cores, 2026-11-30)
+
+
 def replay(cfg: ChaosConfig, model_dir: Path, work: Path, runs: dict[str, Run]) -> dict[str, dict]:
-    """Each run's sample on plain vLLM (no kvtier), one at a time: equal greedy outputs?"""
+    """Each run's sample on plain vLLM (no kvtier), REPLAY_IN_FLIGHT at a time, as the runs
+    themselves sent them under load: equal greedy outputs?"""
     import aiohttp
 
     from kvtier_tools.dev.demo import vllm_server
 
     samples = {name: sample(run, cfg.sample_per_phase) for name, run in runs.items()}
-    plain: dict[str, list[ChaosResult]] = {}
+    plain = {
+        name: [
+            ChaosResult(r.conversation, r.turn, r.prompt_tokens, 0.0, phase=r.phase, index=r.index)
+            for r in rs
+        ]
+        for name, rs in samples.items()
+    }
     prompts = Conversations(cfg)
 
     async def go(url: str) -> None:
+        slots = asyncio.Semaphore(REPLAY_IN_FLIGHT)
         async with aiohttp.ClientSession() as session:
-            for name, rs in samples.items():
-                plain[name] = []
-                for r in rs:
-                    p = ChaosResult(
-                        r.conversation, r.turn, r.prompt_tokens, 0.0, phase=r.phase, index=r.index
-                    )
+
+            async def one(p: ChaosResult) -> None:
+                async with slots:
                     await request(
                         session,
                         url,
                         str(model_dir),
-                        prompts.prompt(r.conversation, r.turn),
+                        prompts.prompt(p.conversation, p.turn),
                         cfg.max_tokens,
                         p,
                         time.perf_counter(),
                         cfg.request_timeout_s,
                     )
-                    plain[name].append(p)
+
+            await asyncio.gather(*(one(p) for ps in plain.values() for p in ps))
 
     with vllm_server(
         model_dir, work / "plain", kv_connector=None, dtype=DTYPE, max_model_len=4096

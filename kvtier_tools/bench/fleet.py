@@ -33,13 +33,12 @@ import shlex
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kvtier_tools.bench.chat import Workload, drive, scrape, summarize
 from kvtier_tools.bench.server import host
-from kvtier_tools.dev.demo import vllm_server
+from kvtier_tools.dev.demo import start_side_by_side, vllm_server
 from kvtier_tools.dev.localservers import free_port, free_ports, kvtier_command, kvtier_server
 from kvtier_tools.dev.tinymodel import TinyLlama, make_tiny_llama
 
@@ -148,17 +147,7 @@ def fleet(
                 gpu_memory_utilization=where.gpu_util,
             )
             servers.append(server)
-        with ThreadPoolExecutor(n) as pool:  # the starts overlap: each is mostly one thread
-            starts = [pool.submit(cm.__enter__) for cm in servers]
-        started = []
-        for cm, start in zip(servers, starts):
-            if start.exception() is None:
-                started.append(start.result())
-                stack.push(cm.__exit__)  # stopped with the stack, also if another failed
-        failed = [s.exception() for s in starts if s.exception() is not None]
-        if failed:
-            raise failed[0]  # type: ignore[misc]
-        urls = [s.url for s in started]
+        urls = [s.url for s in start_side_by_side(stack, servers)]
         kv = setup.startswith("kv-route")
         router = stack.enter_context(_router(urls, events, kv, work / f"{setup}-router.log"))
         yield router, urls

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier_tools.dev.cpu_dtype import model_dtype
-from kvtier_tools.dev.demo import Server, vllm_server
+from kvtier_tools.dev.demo import Server, start_side_by_side, vllm_server
 from kvtier_tools.dev.localservers import free_ports, wait_for_port
 
 
@@ -138,9 +138,9 @@ def pd_cluster(
     backend in both servers, as its guide runs it (UCX_TLS=cuda_ipc,cuda_copy,tcp; the sender's
     buffer as large as the decoder's: it holds a request's chunks; one PYTHONHASHSEED, which
     its chunk keys hash with), `kvtier proxy --pd-engine lmcache` in front. `prefillers`: how
-    many (each its own server, one after the other), `prefiller_args(i)` the extra arguments of
-    prefiller i, `prefiller_prefix_cache` vLLM's prefix cache on in them, `proxy_args` the
-    proxy's extra flags."""
+    many (each its own server, started beside the decoder but on one GPU), `prefiller_args(i)`
+    the extra arguments of prefiller i, `prefiller_prefix_cache` vLLM's prefix cache on in
+    them, `proxy_args` the proxy's extra flags."""
     init, alloc, notify, port = free_ports(4)
     _write_configs(
         tmp,
@@ -168,41 +168,41 @@ def pd_cluster(
     }
     dev_mode = {"VLLM_SERVER_DEV_MODE": "1"} if decoder_prefix_cache else {}
     with contextlib.ExitStack() as stack:
-        dec = stack.enter_context(
+        decoder = vllm_server(
+            model_dir,
+            tmp / "decoder",
+            env={
+                **env,
+                **cores["decoder"],
+                **dev_mode,
+                "LMCACHE_CONFIG_FILE": str(tmp / "decoder.yaml"),
+            },
+            kv_connector=connector("kv_consumer", "consumer1", engine),
+            prefix_caching=decoder_prefix_cache,
+            **server,
+        )
+        prefiller = [
             vllm_server(
                 model_dir,
-                tmp / "decoder",
+                tmp / ("prefiller" if i == 0 else f"prefiller{i}"),
                 env={
                     **env,
-                    **cores["decoder"],
-                    **dev_mode,
-                    "LMCACHE_CONFIG_FILE": str(tmp / "decoder.yaml"),
+                    **cores["prefiller"],
+                    "LMCACHE_CONFIG_FILE": str(tmp / "prefiller.yaml"),
                 },
-                kv_connector=connector("kv_consumer", "consumer1", engine),
-                prefix_caching=decoder_prefix_cache,
-                **server,
-            )
-        )
-        pres = [
-            stack.enter_context(
-                vllm_server(
-                    model_dir,
-                    tmp / ("prefiller" if i == 0 else f"prefiller{i}"),
-                    env={
-                        **env,
-                        **cores["prefiller"],
-                        "LMCACHE_CONFIG_FILE": str(tmp / "prefiller.yaml"),
-                    },
-                    kv_connector=connector("kv_producer", f"producer{i + 1}", engine),
-                    prefix_caching=prefiller_prefix_cache,
-                    **{
-                        **server,
-                        "extra_args": [*args, *(prefiller_args(i) if prefiller_args else ())],
-                    },
-                )
+                kv_connector=connector("kv_producer", f"producer{i + 1}", engine),
+                prefix_caching=prefiller_prefix_cache,
+                **{
+                    **server,
+                    "extra_args": [*args, *(prefiller_args(i) if prefiller_args else ())],
+                },
             )
             for i in range(prefillers)
         ]
+        if on_gpu() and not two_gpus:  # one GPU: each start's memory profile counts the other's
+            dec, *pres = [stack.enter_context(cm) for cm in [decoder, *prefiller]]
+        else:  # side by side: a prefiller's sender reaches the decoder at its first request
+            dec, *pres = start_side_by_side(stack, [decoder, *prefiller])
         pre = pres[0]
         cmd = [
             sys.executable,
