@@ -51,8 +51,8 @@ if ! wait "$smoke_setup"; then
     exit 1
 fi
 tail -1 "$smoke_log"
-# two at a time, as the main run's vLLM tests (one at a time: 3:14, 2026-11-30)
-.venv-vllm028/bin/python -m pytest -p no:cacheprovider -ra -n 2 -m vllm_smoke tests/test_vllm_connector.py \
+# one at a time: two at a time took 3:42 where one at a time took 3:14 (CI, 2026-11-30)
+.venv-vllm028/bin/python -m pytest -p no:cacheprovider -ra -m vllm_smoke tests/test_vllm_connector.py \
     tests/test_vllm_tiers.py
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "the smoke set collected no tests: failing" >&2; exit 1; fi
