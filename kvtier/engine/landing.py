@@ -10,8 +10,8 @@ state's snapshot (states.py) lands at the next save, load or lookup.
 A lookup never waits for them: a chunk on its way counts as found, and its block can be
 borrowed (`borrow`) by a load whose copies up wait for the store's copies down on the GPU
 (the two directions of PCIe at once), not on the host. It can be borrowed while it is being
-landed too: a lookup told it was gone then found it in no tier yet, and its load, with nothing
-uploaded ahead, waited (on the H200, 2026-11-30, once a background lander made that common).
+landed too: a lookup told it was gone would find it in no tier yet, and its load, with nothing
+uploaded ahead, would wait for it to land (a background lander makes that window common).
 """
 
 from __future__ import annotations
