@@ -189,8 +189,9 @@ def test_a_background_lander_lands_each_copy_once_it_has_arrived_with_no_other_c
 
 
 def test_the_background_lander_leaves_a_copy_a_reader_borrowed_to_the_engines_calls():
-    """A chunk a lookup borrowed is read by its load (behind the store's copies, on the GPU):
-    landing it under that load made the load wait for its upload queued ahead (H200)."""
+    """A chunk a lookup borrowed is read by its load (behind the store's copies, on the GPU),
+    and lands on the engine's calls as without the lander. (A GPU test failure first put on
+    landing it under the load was the test's own GIL-holding poll: 2026-11-30.)"""
     import time
 
     from kvtier.memory import HostPool

@@ -181,7 +181,7 @@ def pd_cluster(
             prefix_caching=decoder_prefix_cache,
             **server,
         )
-        prefiller = [
+        prefiller_servers = [
             vllm_server(
                 model_dir,
                 tmp / ("prefiller" if i == 0 else f"prefiller{i}"),
@@ -200,9 +200,9 @@ def pd_cluster(
             for i in range(prefillers)
         ]
         if on_gpu() and not two_gpus:  # one GPU: each start's memory profile counts the other's
-            dec, *pres = [stack.enter_context(cm) for cm in [decoder, *prefiller]]
+            dec, *pres = [stack.enter_context(cm) for cm in [decoder, *prefiller_servers]]
         else:  # side by side: a prefiller's sender reaches the decoder at its first request
-            dec, *pres = start_side_by_side(stack, [decoder, *prefiller])
+            dec, *pres = start_side_by_side(stack, [decoder, *prefiller_servers])
         pre = pres[0]
         cmd = [
             sys.executable,
