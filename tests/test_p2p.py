@@ -7,6 +7,7 @@ wrong token: misses, never wrong KV."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
 import threading
@@ -149,7 +150,8 @@ def test_a_peer_that_is_gone_or_evicted_gives_a_miss_and_its_entries_go(index):
 
 class CuttingRelay:
     """A real TCP relay to a peer that forwards the request and `keep` bytes of the reply,
-    then closes both sides: the peer died mid-reply, as far as the asker can tell."""
+    then shuts both sides: the peer died mid-reply, as far as the asker can tell. Nothing the
+    asker sends once the reply has begun (its DONE) reaches the peer."""
 
     def __init__(self, target: str, keep: int):
         host, _, port = target.rpartition(":")
@@ -165,21 +167,26 @@ class CuttingRelay:
             except OSError:
                 return
             upstream = socket.create_connection(self.target)
-            threading.Thread(target=self._pipe, args=(client, upstream), daemon=True).start()
+            replying = threading.Event()
+            pipe = (client, upstream, replying)
+            threading.Thread(target=self._pipe, args=pipe, daemon=True).start()
             sent = 0
             while sent < self.keep:
                 data = upstream.recv(min(65536, self.keep - sent))
                 if not data:
                     break
+                replying.set()
                 client.sendall(data)
                 sent += len(data)
-            client.close()
-            upstream.close()
+            for side in (client, upstream):  # shut first: it wakes the pipe's recv and sends FIN
+                with contextlib.suppress(OSError):  # the other end may have gone already
+                    side.shutdown(socket.SHUT_RDWR)
+                side.close()
 
     @staticmethod
-    def _pipe(src, dst):
+    def _pipe(src, dst, replying):
         try:
-            while data := src.recv(65536):
+            while (data := src.recv(65536)) and not replying.is_set():
                 dst.sendall(data)
         except OSError:
             pass
