@@ -146,6 +146,18 @@ def test_p2p_with_its_keys_parses_and_takes_the_fleets_token():
     assert cfg.p2p_host == "127.0.0.1"
 
 
+def test_p2p_takes_lmcaches_nixl_channel_and_refuses_cuda_ipc_by_name():
+    env = {
+        "LMCACHE_ENABLE_P2P": "true",
+        "LMCACHE_P2P_PORT": "8200",
+        "LMCACHE_P2P_INDEX_URL": "redis://h:6379",
+    }
+    nixl = load_config(env={**env, "LMCACHE_TRANSFER_CHANNEL": "nixl"})
+    assert (nixl.p2p_channel, load_config(env=env).p2p_channel) == ("nixl", "tcp")
+    with pytest.raises(ConfigError, match="transfer_channel.*tcp \\| nixl when enable_p2p"):
+        load_config(env={**env, "LMCACHE_TRANSFER_CHANNEL": "cuda_ipc"})
+
+
 @pytest.mark.parametrize(
     "url",
     [

@@ -19,7 +19,8 @@ import torch
 from kvtier.config import KvtierConfig
 from kvtier.engine import CacheEngine
 from kvtier.fleet.holders import index_key
-from kvtier.fleet.peers import DONE, KEY_LEN, LENT, PLACE, POOL, REPLY, REQUEST
+from kvtier.fleet.peer_reads import NIXL_POOL
+from kvtier.fleet.peers import BYTES, DONE, KEY_LEN, LENT, PLACE, POOL, REPLY, REQUEST
 from kvtier.framing import recv_exact
 from kvtier.keys import KVFormat, wire_key
 from kvtier.remote import open_store
@@ -33,7 +34,13 @@ FLEET_TOKEN = "fleet-token-0123456789abcdef"
 CHUNK_BYTES = 16 * L * 2 * H * D * 2  # chunk_size tokens of K and V, bf16
 
 
-def node(index: str, token: str | None = None, cpu_gb: float = 1 / 1024, shared: bool = True):
+def node(
+    index: str,
+    token: str | None = None,
+    cpu_gb: float = 1 / 1024,
+    shared: bool = True,
+    channel: str = "tcp",
+):
     layers = [torch.randn(2, NB, BS, H, D).to(torch.bfloat16) for _ in range(L)]
     cfg = KvtierConfig(
         save_unfull_chunk=False,
@@ -45,6 +52,7 @@ def node(index: str, token: str | None = None, cpu_gb: float = 1 / 1024, shared:
         p2p_index_url=index,
         remote_auth_token=token,
         p2p_shared_memory=shared,
+        transfer_channel=channel,
     )
     return CacheEngine(cfg, PagedKV.wrap(layers, "flash_attn"), FMT), layers
 
@@ -86,11 +94,14 @@ def tokens_for(case: int) -> list[int]:
     return [1000 + 131 * case + i for i in range(100)]  # 6 whole chunks of 16, then 4
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["tcp", "shared-memory"])
-def test_a_chunk_stored_by_a_is_loaded_by_b_from_as_cpu_ram(index, shared):
-    tokens = tokens_for(7 if shared else 1)
-    a, a_kv = node(index, shared=shared)
-    b, b_kv = node(index, shared=shared)
+@pytest.mark.parametrize("way", ["tcp", "shared-memory", "nixl"])
+def test_a_chunk_stored_by_a_is_loaded_by_b_from_as_cpu_ram(index, way):
+    """Bytes over TCP; copied out of a's pool (one host); read by b's NIXL agent from a's pool
+    (how an instance on another host reads it with `transfer_channel: nixl`)."""
+    tokens = tokens_for({"tcp": 1, "shared-memory": 7, "nixl": 9}[way])
+    shared, channel = way == "shared-memory", "nixl" if way == "nixl" else "tcp"
+    a, a_kv = node(index, shared=shared, channel=channel)
+    b, b_kv = node(index, shared=shared, channel=channel)
     try:
         src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
         assert b.lookup(tokens) == 0
@@ -101,8 +112,9 @@ def test_a_chunk_stored_by_a_is_loaded_by_b_from_as_cpu_ram(index, shared):
         assert mask[:96].all() and not mask[96:].any()
         assert torch.equal(kv_at(b_kv, dst[:96]), kv_at(a_kv, src[:96]))
         assert b.peers.stats.hits == 6
-        # Between instances of one host the chunks are copied out of a's pool: no bytes sent.
-        assert (a.peers.server.lent, a.peers.server.served) == ((6, 0) if shared else (0, 6))
+        # Copied out of a's pool or read from it over NIXL: no bytes sent.
+        assert (a.peers.server.lent, a.peers.server.served) == ((0, 6) if way == "tcp" else (6, 0))
+        assert (b.peers.reader.reads if way == "nixl" else 0) == (6 if way == "nixl" else 0)
         # The index holds addresses only: no value of a chunk's size was ever written there.
         store = open_store(index, 2.0)
         keys = [index_key(s.key) for s in a.spans(tokens)][:6]
@@ -237,7 +249,7 @@ def test_a_holder_lets_lent_chunks_go_when_the_lease_runs_out_and_says_nothing_h
         sock = socket.create_connection((host, int(port)), timeout=5)
         me = host_id().encode()
         wires = [wire_key(k) for k in keys]
-        parts = [REQUEST.pack(0, len(me), len(wires)), me]
+        parts = [REQUEST.pack(0, len(me), len(wires), BYTES), me]
         parts += [KEY_LEN.pack(len(w)) + w for w in wires]
         sock.sendall(b"".join(parts))
         status, count = REPLY.unpack(recv_exact(sock, REPLY.size))
@@ -256,11 +268,14 @@ def test_a_holder_lets_lent_chunks_go_when_the_lease_runs_out_and_says_nothing_h
         a.close()
 
 
-def test_an_asker_that_hears_no_held_uses_none_of_its_copies(index, caplog):
-    tokens = tokens_for(8)
-    a, a_kv = node(index)
-    b, b_kv = node(index)
-    lent_reply = REPLY.size + POOL.size + 6 * PLACE.size
+@pytest.mark.parametrize("way", ["shared-memory", "nixl"])
+def test_an_asker_that_hears_no_held_uses_none_of_its_copies(index, way, caplog):
+    tokens = tokens_for({"shared-memory": 8, "nixl": 10}[way])
+    shared, channel = way == "shared-memory", "nixl" if way == "nixl" else "tcp"
+    a, a_kv = node(index, shared=shared, channel=channel)
+    b, b_kv = node(index, shared=shared, channel=channel)
+    pool = POOL.size if shared else len(a.peers.server.nixl.header())
+    lent_reply = REPLY.size + pool + 6 * PLACE.size
     relay = CuttingRelay(a.peers.server.address, keep=lent_reply)  # then closes: no HELD
     try:
         src = torch.randperm(NB * BS)[:100]
@@ -271,7 +286,12 @@ def test_an_asker_that_hears_no_held_uses_none_of_its_copies(index, caplog):
         dst = torch.randperm(NB * BS)[:100]
         mask = b.retrieve(tokens, dst)
         assert not mask.any() and torch.equal(b_kv[0], before)
-        assert "chunks are copied out of its pool" in caplog.text  # b copied, then heard no HELD
+        # b copied the chunks, then heard no HELD; or its NIXL read stalled: a's agent is
+        # driven only while a lease is open, and a's lease ended when the relay cut
+        if shared:
+            assert "chunks are copied out of its pool" in caplog.text
+        else:
+            assert "NIXL read not done" in caplog.text and b.peers.reader.reads == 0
         assert b.peers.stats.faults == 1 and a.peers.server.lent == 0
     finally:
         relay.close()
@@ -297,6 +317,33 @@ def test_a_pool_that_is_not_the_one_named_is_not_read_and_bytes_come_instead(ind
         assert a.peers.server.served == 6  # after a lease that b left unread
         (client,) = b.peers._clients.values()
         assert client.copied == 0
+    finally:
+        a.close(), b.close()
+
+
+def test_a_nixl_read_that_fails_gives_bytes_instead_and_from_then_on(index, caplog):
+    """The holder names pool addresses its agent has not registered (as a holder whose agent
+    lost its registration would): b's NIXL read fails by name, b ends the lease in order and
+    asks for the same chunks as bytes, on the same connection, and for bytes from then on."""
+    tokens = tokens_for(11)
+    a, a_kv = node(index, shared=False, channel="nixl")
+    b, b_kv = node(index, shared=False, channel="nixl")
+    try:
+        lender = a.peers.server.nixl
+        base, meta_len = NIXL_POOL.unpack_from(lender.header())
+        lender._header = NIXL_POOL.pack(base + 2**40, meta_len) + lender.header()[NIXL_POOL.size :]
+        src = torch.randperm(NB * BS)[:100]
+        a.store(tokens, src)
+        announced(a, tokens, 6)
+        dst = torch.randperm(NB * BS)[:100]
+        mask = b.retrieve(tokens, dst)
+        assert mask[:96].all()
+        assert torch.equal(kv_at(b_kv, dst[:96]), kv_at(a_kv, src[:96]))
+        assert "NIXL read failed" in caplog.text and b.peers.reader.reads == 0
+        assert (a.peers.server.lent, a.peers.server.served) == (6, 6)  # a lease left unread
+        assert b.peers.stats.faults == 0
+        (client,) = b.peers._clients.values()
+        assert client._reader is None  # bytes from then on
     finally:
         a.close(), b.close()
 

@@ -127,7 +127,7 @@ def test_nixl_agent_exits_cleanly():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
-    code = "from kvtier.pd.channels import _nixl_agent; _nixl_agent('exit-test')"
+    code = "from kvtier.nixl import agent; agent('exit-test')"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
 

@@ -148,7 +148,9 @@ class KvtierConfig:
         "sender (vLLM kv_producer) | receiver (vLLM kv_consumer)", default=None
     )
     transfer_channel: str | None = _doc(
-        "PD transfer channel: tcp | nixl | cuda_ipc (unset: tcp)", default=None
+        "PD transfer channel: tcp | nixl | cuda_ipc (unset: tcp); with enable_p2p, how peers "
+        "on other hosts read this instance's CPU RAM: tcp (bytes) | nixl (NIXL READs)",
+        default=None,
     )
     pd_buffer_size: int = _doc("receiver: bytes of the buffer the sender writes KV into", default=0)
     pd_buffer_device: str = _doc("receiver: where the PD buffer lives, cpu | cuda", default="cpu")
@@ -251,6 +253,10 @@ class KvtierConfig:
         return self.transfer_channel or "tcp"
 
     @property
+    def p2p_channel(self) -> str:
+        return self.transfer_channel or "tcp"
+
+    @property
     def cpu_pool_bytes(self) -> int:
         return int(self.max_local_cpu_size * 1024**3)
 
@@ -268,6 +274,7 @@ class KvtierConfig:
 
 PD_ROLES = ("sender", "receiver")
 PD_CHANNELS = ("tcp", "nixl", "cuda_ipc")
+P2P_CHANNELS = ("tcp", "nixl")  # peers read CPU RAM: no GPU buffer to write into
 
 FIELDS = {f.name: f for f in dataclasses.fields(KvtierConfig)}
 _HINTS = typing.get_type_hints(KvtierConfig)
@@ -350,6 +357,12 @@ def _check_p2p(cfg: KvtierConfig) -> None:
     if not cfg.local_cpu:
         raise ConfigError(
             "local_cpu", cfg.local_cpu, "true when enable_p2p is true: peers read CPU RAM's chunks"
+        )
+    if cfg.p2p_channel not in P2P_CHANNELS:
+        raise ConfigError(
+            "transfer_channel",
+            cfg.transfer_channel,
+            " | ".join(P2P_CHANNELS) + " when enable_p2p is true (peers read CPU RAM)",
         )
 
 

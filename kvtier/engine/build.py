@@ -22,6 +22,7 @@ from kvtier.engine.mover import Mover
 from kvtier.engine.records import EngineStats
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.fleet.holders import Holders
+from kvtier.fleet.peer_reads import NixlLender, NixlReader
 from kvtier.fleet.peers import PeerServer
 from kvtier.keys import KVFormat, SpanMemo
 from kvtier.logs import get_logger
@@ -128,8 +129,13 @@ def _peers(
     token = config.remote_auth_token
     timeout = config.blocking_timeout_secs
     codec = Codec("naive")
-    server = PeerServer(cpu, fmt, codec, bytes_per_token, config.p2p_host, port, token, timeout)
+    nixl = config.p2p_channel == "nixl"  # peers on other hosts read this pool, and it theirs
+    lender = NixlLender(cpu.pool) if nixl else None
+    server = PeerServer(
+        cpu, fmt, codec, bytes_per_token, config.p2p_host, port, token, timeout, lender
+    )
     try:
+        reader = NixlReader(cpu.pool, timeout) if nixl else None
         store = open_store(config.p2p_index_url, timeout, token, config.extra_config)
     except BaseException:
         server.close()
@@ -137,7 +143,8 @@ def _peers(
     holders = Holders(store, config.p2p_index_url, server.address)
     cpu.on_stored.append(holders.announce)
     cpu.on_removed.append(holders.withdraw)
-    return PeerSource(holders, server, codec, timeout, token, config.p2p_shared_memory)
+    shared = config.p2p_shared_memory
+    return PeerSource(holders, server, codec, timeout, token, shared, reader)
 
 
 def _disk_tier(config: KvtierConfig, bytes_per_token: int, fmt: KVFormat) -> DiskTier | None:

@@ -4,7 +4,10 @@ A chunk comes back as bytes, checked by the codec, or, from a peer on this host,
 the client maps the peer's pool read-only once (`LentPool`, again when the peer's pool is
 another: it restarted), copies each chunk out of it into its destination, and keeps the copies
 only when the peer answers that it held them until then. A peer whose pool cannot be mapped
-from here (another PID namespace, no permission) is asked for bytes from then on.
+from here (another PID namespace, no permission) is asked for bytes from then on. With a
+`NixlReader` (`transfer_channel: nixl`) a peer on another host lends them too, and the reader
+moves them over NIXL (kvtier/fleet/peer_reads.py); a peer a NIXL read from fails is asked again
+for bytes, and for bytes from then on.
 """
 
 from __future__ import annotations
@@ -20,17 +23,21 @@ import numpy as np
 from kvtier.buffers import Copy, run_copy
 from kvtier.codec import Codec
 from kvtier.errors import CorruptPayload, RemoteUnavailable
+from kvtier.fleet.peer_reads import NIXL_POOL, NixlReader
 from kvtier.fleet.peers import (
+    BYTES,
     DENIED,
     DONE,
     HELD,
     KEY_LEN,
     LENT,
+    NIXL_LENT,
     PLACE,
     POOL,
     REPLY,
     REQUEST,
     VALUE_LEN,
+    WANTS_NIXL,
     PeerDenied,
 )
 from kvtier.framing import recv_exact, recv_into
@@ -74,16 +81,24 @@ class LentPool:
 
 class PeerClient:
     """One connection to a peer's PeerServer, opened on first use and again after a fault.
-    `shared_memory`: ask to be lent chunks in place when the peer is on this host."""
+    `shared_memory`: ask to be lent chunks in place when the peer is on this host; `reader`
+    (shared with the other clients): ask a peer on another host to lend them over NIXL."""
 
     def __init__(
-        self, address: str, timeout: float, token: str | None, codec: Codec, shared_memory: bool
+        self,
+        address: str,
+        timeout: float,
+        token: str | None,
+        codec: Codec,
+        shared_memory: bool,
+        reader: NixlReader | None = None,
     ) -> None:
         host, _, port = address.rpartition(":")
         self.address, self._host, self._port = address, host, int(port)
         self._timeout, self._token, self._codec = timeout, token, codec
         self._host_id = host_id().encode() if shared_memory else b""
         self._pool: LentPool | None = None
+        self._reader = reader
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self.copied = 0  # chunks copied out of the peer's pool (the rest came as bytes)
@@ -106,7 +121,10 @@ class PeerClient:
     def _get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[int | None]:
         sock = self._connected()
         token = (self._token or "").encode()
-        parts = [REQUEST.pack(len(token), len(self._host_id), len(keys)), token, self._host_id]
+        reader = self._reader
+        wants = WANTS_NIXL if reader is not None and reader.covers(outs) else BYTES
+        head = REQUEST.pack(len(token), len(self._host_id), len(keys), wants)
+        parts = [head, token, self._host_id]
         for key in keys:
             parts += [KEY_LEN.pack(len(key)), key]
         sock.sendall(b"".join(parts))
@@ -116,6 +134,9 @@ class PeerClient:
             raise PeerDenied(f"P2P peer {self.address} refused the request: a wrong token")
         if count != len(keys):
             raise ValueError(f"{count} values for {len(keys)} keys")
+        if status == NIXL_LENT and reader is not None:
+            read = self._read_lent(sock, reader, outs)
+            return self._get_into(keys, outs) if read is None else read
         if status != LENT:
             return [self._receive(sock, key, out) for key, out in zip(keys, outs)]
         got = self._copy_lent(sock, outs)
@@ -150,6 +171,36 @@ class PeerClient:
             raise ValueError("the peer did not say it held what it lent")
         self.copied += sum(n is not None for n in got)
         return got if pool is not None else None
+
+    def _read_lent(
+        self, sock: socket.socket, reader: NixlReader, outs: Sequence[memoryview]
+    ) -> list[int | None] | None:
+        """The chunks lent in the peer's pool, read into `outs` over NIXL; None where the
+        read failed (nothing in `outs` used; the lease ended in order, the connection stays;
+        this peer is asked for bytes from then on)."""
+        base, meta_len = NIXL_POOL.unpack(recv_exact(sock, NIXL_POOL.size, self.address))
+        metadata = recv_exact(sock, meta_len, self.address)
+        places = recv_exact(sock, PLACE.size * len(outs), self.address)
+        got: list[int | None] = []
+        reads, into = [], []
+        for i, out in enumerate(outs):
+            offset, nbytes, num_tokens = PLACE.unpack_from(places, i * PLACE.size)
+            if num_tokens == 0 or nbytes != len(out):
+                got.append(None)
+                continue
+            reads.append((offset, nbytes))
+            into.append(out)
+            got.append(num_tokens)
+        failed = False
+        try:
+            reader.read(metadata, base, reads, into)
+        except ConnectionError as exc:
+            log.warning("P2P: peer %s: %s; bytes over TCP from now on", self.address, exc)
+            self._reader, failed = None, True
+        sock.sendall(DONE)
+        if recv_exact(sock, len(HELD), self.address) != HELD:
+            raise ValueError("the peer did not say it held what it lent")
+        return None if failed else got
 
     @staticmethod
     def _copy(pool: LentPool, places: bytes, outs: Sequence[memoryview]) -> list[int | None]:

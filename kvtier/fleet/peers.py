@@ -4,20 +4,24 @@ Each tensor-parallel rank of an instance with `enable_p2p` listens on `p2p_port`
 (`PeerServer`); a peer's rank r asks rank r, so ranks pair by themselves. One request, on a
 connection kept open:
 
-    request  head "KVPP" v2 (token length, host id length, key count), the token, the asker's
-             host id (empty: bytes only), each key (u16 length + bytes)
-    reply    head "KVPP" v2 (status, key count), then by status:
+    request  head "KVPP" v3 (token length, host id length, key count, wants), the token, the
+             asker's host id (empty: bytes only), each key (u16 length + bytes); wants
+             WANTS_NIXL: lend to the asker's NIXL agent (kvtier/fleet/peer_reads.py)
+    reply    head "KVPP" v3 (status, key count), then by status:
       OK     each value (u64 length, 0: a miss, + bytes)
       LENT   the pool (pid, fd, size, st_dev, st_ino), each chunk's place in it (offset, bytes,
              num_tokens; 0: a miss); the asker copies them out, sends DONE, and the holder
              answers HELD once it let them go (nothing answered: the copies are not used)
+      NIXL_LENT  the pool's address and the holder's NIXL agent metadata, then the places as
+             for LENT; the asker READs them over NIXL, then DONE and HELD as for LENT
 
 A key is a chunk's wire key (keys.wire_key). Over TCP a value is the chunk as the remote tier
 stores it (codec.Codec.encode: header, payload, checksum), so the asker checks it as it checks a
 remote store's and a damaged or mismatched value is a miss. An asker on the holder's host (the
 same host id, `p2p_shared_memory`) is lent the chunks in place instead: the holder's pool is a
 memfd (memory.SharedArena) that the asker maps read-only and copies from (a large request over
-the copy threads), no socket for the bytes. A chunk is retained in the CPU tier while it is
+the copy threads), no socket for the bytes. With `transfer_channel: nixl`, an asker on another
+host reads them over NIXL the same way. A chunk is retained in the CPU tier while it is
 encoded or lent: eviction cannot reuse its block under the reply or the copy; a holder lends for
 at most `lease_s`, then ends the connection. With a token (`remote_auth_token`) a request
 without it is refused; without one the server binds only a loopback host.
@@ -34,6 +38,7 @@ import threading
 from kvtier.codec import Codec
 from kvtier.errors import KvtierError
 from kvtier.fleet.affinity import unpin_this_thread
+from kvtier.fleet.peer_reads import NixlLender
 from kvtier.framing import Framing, recv_exact
 from kvtier.keys import ChunkKey, KVFormat
 from kvtier.logs import get_logger
@@ -44,14 +49,15 @@ from kvtier.tiers.cpu import CpuTier, StoredChunk
 
 log = get_logger(__name__)
 
-# token length, host id length, key count
-REQUEST = Framing("kvtier peer protocol", b"KVPP", 2, "HHI")
-REPLY = Framing("kvtier peer protocol", b"KVPP", 2, "BI")  # status, key count
+# token length, host id length, key count, wants
+REQUEST = Framing("kvtier peer protocol", b"KVPP", 3, "HHIB")
+REPLY = Framing("kvtier peer protocol", b"KVPP", 3, "BI")  # status, key count
 KEY_LEN = struct.Struct("<H")
 VALUE_LEN = struct.Struct("<Q")
 POOL = struct.Struct("<IIQQQ")  # pid, fd, size, st_dev, st_ino of the holder's pool
 PLACE = struct.Struct("<QQI")  # a chunk's offset in the pool, its bytes, num_tokens (0: a miss)
-OK, DENIED, LENT = 0, 1, 2
+OK, DENIED, LENT, NIXL_LENT = 0, 1, 2, 3
+BYTES, WANTS_NIXL = 0, 1  # what an asker on another host wants
 DONE, HELD = b"D", b"H"  # the asker copied what it was lent; the holder kept it until then
 MAX_KEYS = 4096  # a request asking for more is not this protocol
 
@@ -62,7 +68,8 @@ class PeerDenied(KvtierError):
 
 class PeerServer:
     """Serves `cpu`'s chunks of format `fmt` on host:port, each encoded by `codec`, or lent in
-    place to an asker on this host when `cpu`'s pool is shared (for at most `lease_s`)."""
+    place (for at most `lease_s`): to an asker on this host when `cpu`'s pool is shared, to
+    one that wants NIXL when `nixl` is given (owned: closed with the server)."""
 
     def __init__(
         self,
@@ -74,11 +81,13 @@ class PeerServer:
         port: int,
         token: str | None,
         lease_s: float,
+        nixl: NixlLender | None = None,
     ) -> None:
         token_or_loopback(token, host, "p2p_host", "peers would read this instance's KV")
         self._cpu, self._codec, self._tag, self._token = cpu, codec, fmt.tag(), token
         self._fmt, self._bytes_per_token, self._lease_s = fmt, bytes_per_token, lease_s
         self._arena: SharedArena | None = cpu.pool.shared
+        self.nixl = nixl  # the NIXL side of its lends, if any
         self._host_id = host_id().encode()
         outer = self
 
@@ -97,18 +106,22 @@ class PeerServer:
             self._server.server_activate()
         except OSError as exc:
             self._server.server_close()
+            if nixl is not None:
+                nixl.close()
             raise KvtierError(f"P2P: cannot listen on {host}:{port}: {exc.strerror}") from exc
         self.address = f"{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._accept, name="kvtier-p2p-server", daemon=True)
         self._thread.start()
         self.served = 0  # chunks sent to peers as bytes
-        self.lent = 0  # chunks lent in place to peers on this host
+        self.lent = 0  # chunks lent in place (to peers on this host, or over NIXL)
         log.info("P2P: serving this instance's CPU RAM chunks to peers on %s", self.address)
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
+        if self.nixl is not None:
+            self.nixl.close()
 
     def _accept(self) -> None:
         unpin_this_thread()
@@ -121,7 +134,7 @@ class PeerServer:
                 head = sock.recv(REQUEST.size, socket.MSG_WAITALL)
                 if not head:
                     return  # the peer closed between requests
-                token_len, host_len, count = REQUEST.unpack(head)
+                token_len, host_len, count, wants = REQUEST.unpack(head)
                 if count > MAX_KEYS:
                     return
                 token = recv_exact(sock, token_len, "P2P peer").decode() if token_len else None
@@ -133,7 +146,15 @@ class PeerServer:
                     sock.sendall(REPLY.pack(DENIED, 0))
                     return
                 if self._arena is not None and asker_host == self._host_id:
-                    self._lend(sock, keys, self._arena)
+                    arena = self._arena
+                    pool = POOL.pack(arena.pid, arena.fd, arena.size, arena.dev, arena.ino)
+                    self._lend(sock, keys, LENT, pool)
+                elif wants == WANTS_NIXL and self.nixl is not None:
+                    self.nixl.hold()  # its agent is driven while the asker may read
+                    try:
+                        self._lend(sock, keys, NIXL_LENT, self.nixl.header())
+                    finally:
+                        self.nixl.release()
                 else:
                     self._reply(sock, keys)
         except (OSError, ValueError) as exc:  # a peer gone, or bytes of another protocol
@@ -158,13 +179,13 @@ class PeerServer:
                 block.release()
             self.served += 1
 
-    def _lend(self, sock: socket.socket, keys: list[bytes], arena: SharedArena) -> None:
-        """Each chunk's place in the shared pool, its block retained until the asker says it
-        copied them out (DONE) or `lease_s` passed (then the connection ends, unanswered)."""
+    def _lend(self, sock: socket.socket, keys: list[bytes], status: int, pool: bytes) -> None:
+        """Each chunk's place in the pool (`pool` says how to reach it), its block retained
+        until the asker says it copied them out (DONE) or `lease_s` passed (then the
+        connection ends, unanswered)."""
         chunks = [self._chunk(wire) for wire in keys]
         try:
-            parts = [REPLY.pack(LENT, len(keys))]
-            parts.append(POOL.pack(arena.pid, arena.fd, arena.size, arena.dev, arena.ino))
+            parts = [REPLY.pack(status, len(keys)), pool]
             parts += [self._place(chunk) for chunk in chunks]
             sock.sendall(b"".join(parts))
             sock.settimeout(self._lease_s)

@@ -25,27 +25,22 @@ Each channel has a receiver half (`registration()`: the Welcome payload;
 half (`connect()` per peer, then `push()` staged blocks or `views()` of
 remote blocks).
 
-NIXL agents run without NIXL's progress thread, which polls UCX without a
-pause: an idle decoder or prefiller burnt a whole core (on a 2-core host, a
-vLLM starting beside one took minutes longer). The sender drives its side
-while it waits for a write; the receiver's side is driven by `_Progress`
+NIXL agents run without NIXL's progress thread (kvtier/nixl.py says why). The sender
+drives its side while it waits for a write; the receiver's side is driven by `nixl.Progress`
 only while a reservation is open (UCX over TCP needs the target to progress).
 """
 
 from __future__ import annotations
 
-import os
 import socket
-import threading
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvtier import framing
+from kvtier import framing, nixl
 from kvtier.errors import KvtierError
 from kvtier.logs import get_logger
 from kvtier.memory import HostPool, MemoryBlock
@@ -76,11 +71,11 @@ class ReceiverChannel:
     def __init__(self, name: str, pool: HostPool) -> None:
         self.name, self.pool = name, pool
         self._agent: Any = None
-        self._progress: _Progress | None = None
+        self._progress: nixl.Progress | None = None
         if name == "nixl":
-            self._agent = _nixl_agent("kvtier-receiver")
-            _nixl_register(self._agent, pool.arena)
-            self._progress = _Progress(self._agent)
+            self._agent = nixl.agent("kvtier-receiver")
+            nixl.register(self._agent, pool.arena)
+            self._progress = nixl.Progress(self._agent)
         elif name == "cuda_ipc" and pool.device.type != "cuda":
             raise ChannelUnavailable("transfer_channel cuda_ipc needs pd_buffer_device: cuda")
 
@@ -154,15 +149,15 @@ class SenderChannel:
         self.ipc: IpcWriter | None = None  # cuda_ipc: made at the first peer (its chunk size)
         self._agent: Any = None
         if name == "nixl":
-            self._agent = _nixl_agent("kvtier-sender")
-            _nixl_register(self._agent, staging.arena)
+            self._agent = nixl.agent("kvtier-sender")
+            nixl.register(self._agent, staging.arena)
         elif name == "cuda_ipc" and not torch.cuda.is_available():
             raise ChannelUnavailable("transfer_channel cuda_ipc needs CUDA on the sender")
 
     def connect(self, welcome: proto.Welcome, registration: bytes) -> Peer:
         peer = Peer(welcome)
         if self.name == "nixl":
-            peer.nixl_name = _as_str(self._agent.add_remote_agent(registration))
+            peer.nixl_name = nixl.as_str(self._agent.add_remote_agent(registration))
         elif self.name == "cuda_ipc":  # mapped for this process's GPU: its kernels write into it
             from kvtier.transfer.cudart import map_ipc_buffer
 
@@ -198,7 +193,7 @@ class SenderChannel:
         if self.name == "nixl":
             try:
                 return self._nixl_start(peer, items)
-            except _nixl_errors() as exc:  # the decoder gone (NIXL_ERR_REMOTE_DISCONNECT), ...
+            except nixl.errors() as exc:  # the decoder gone (NIXL_ERR_REMOTE_DISCONNECT), ...
                 raise proto.PdPeerError(f"NIXL write failed: {exc}") from exc
         raise ValueError(f"{self.name} writes in place (views), not by push")
 
@@ -216,7 +211,7 @@ class SenderChannel:
                 state = agent.check_xfer_state(pending)
             if state == "ERR":
                 raise proto.PdPeerError("NIXL write failed")
-        except _nixl_errors() as exc:
+        except nixl.errors() as exc:
             raise proto.PdPeerError(f"NIXL write failed: {exc}") from exc
         finally:
             agent.release_xfer_handle(pending)
@@ -227,114 +222,14 @@ class SenderChannel:
         remote_dev = 0 if w.device == "cpu" else int(w.device.split(":")[1])
         src = agent.get_xfer_descs(
             [(it.staged.data.data_ptr(), it.nbytes, local_dev) for it in items],
-            _mem_type(self.staging.device.type),
+            nixl.mem_type(self.staging.device.type),
         )
         dst = agent.get_xfer_descs(
             [(w.base_ptr + it.remote_block * w.block_bytes, it.nbytes, remote_dev) for it in items],
-            _mem_type(w.device),
+            nixl.mem_type(w.device),
         )
         handle = agent.initialize_xfer("WRITE", src, dst, peer.nixl_name)
         if agent.transfer(handle) == "ERR":
             agent.release_xfer_handle(handle)
             raise proto.PdPeerError("NIXL write failed")
         return handle
-
-
-def _nixl_errors() -> tuple[type[Exception], ...]:
-    """NIXL's exceptions (nixlRemoteDisconnectError, nixlBackendError, ...; they share no base
-    class but Exception): a write that meets one fails the request's transfer, not vLLM's step."""
-    import nixl._bindings as bindings
-
-    return tuple(
-        v for k, v in vars(bindings).items() if k.startswith("nixl") and k.endswith("Error")
-    )
-
-
-def _ucx_skip_ib_without_rdma() -> None:
-    """UCX_MODULES=^ib on a host without an RDMA device, unless the user set UCX_MODULES.
-
-    With Debian's libibverbs1 installed (Mooncake's wheel needs it) and no RDMA
-    device, UCX's ib module pulls in the libnl that the nixl wheel bundles, and
-    the process dies with SIGSEGV at exit (tests/test_pd.py::test_nixl_agent_exits_cleanly).
-    With no device there is nothing for that module to drive; where one
-    exists, UCX's IB transport is left as it is."""
-    if "UCX_MODULES" in os.environ or _rdma_devices():
-        return
-    os.environ["UCX_MODULES"] = "^ib"
-    log.info(
-        "no RDMA device here: UCX_MODULES=^ib for NIXL "
-        "(UCX's ib module would crash the process at exit)"
-    )
-
-
-def _rdma_devices() -> list[str]:
-    try:
-        return os.listdir("/sys/class/infiniband")
-    except OSError:
-        return []
-
-
-def _nixl_agent(role: str) -> Any:
-    _ucx_skip_ib_without_rdma()
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError as exc:
-        raise ChannelUnavailable(
-            "transfer_channel nixl needs the NIXL package: pip install nixl (after torch; "
-            f"on a machine without GPU, UCX_TLS=tcp,self,sm) — {exc}"
-        ) from None
-    name = f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-
-
-class _Progress:
-    """Drives a receiving NIXL agent's UCX worker while writes are expected (see the module
-    docstring); idle, it waits on a condition and costs nothing."""
-
-    PAUSE_S = 0.0001  # between progress calls: lets the GIL go to the process's other threads
-
-    def __init__(self, agent: Any) -> None:
-        self._agent, self._open, self._closed = agent, 0, False
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="kvtier-nixl-progress")
-        self._thread.start()
-
-    def hold(self) -> None:
-        with self._cond:
-            self._open += 1
-            self._cond.notify()
-
-    def release(self) -> None:
-        with self._cond:
-            self._open = max(0, self._open - 1)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(5)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._open > 0 or self._closed)
-                if self._closed:
-                    return
-            self._agent.get_new_notifs()  # with no progress thread, this progresses the UCX worker
-            time.sleep(self.PAUSE_S)
-
-
-def _nixl_register(agent: Any, arena: torch.Tensor) -> None:
-    dev = 0 if arena.device.type == "cpu" else arena.device.index or 0
-    descs = agent.get_reg_descs(
-        [(arena.data_ptr(), arena.numel(), dev, "")], _mem_type(arena.device.type)
-    )
-    agent.register_memory(descs)
-
-
-def _mem_type(device: str) -> str:
-    return "DRAM" if device.startswith("cpu") else "VRAM"
-
-
-def _as_str(name: Any) -> str:
-    return name.decode() if isinstance(name, bytes) else str(name)

@@ -3,7 +3,8 @@
 Asked after this instance's own tiers. `exists` asks the index (kvtier/fleet/holders.py)
 which instance holds each chunk; `get_into` fetches them from those instances' PeerServers
 (kvtier/fleet/peers.py), one request per instance: as bytes it checks as the remote tier does,
-or copied out of the pool of an instance on this host. Nothing is written anywhere but the
+copied out of the pool of an instance on this host, or read over NIXL from that of an instance
+on another host (`transfer_channel: nixl`). Nothing is written anywhere but the
 index: the bytes stay in the instance that computed them. A peer that is gone, evicted the
 chunk, or ends its reply midway gives misses (the engine recomputes them); a peer that failed
 is skipped for a second, then asked again, and one that refused the connection (gone) loses
@@ -22,6 +23,7 @@ from kvtier.codec import Codec
 from kvtier.errors import RemoteUnavailable
 from kvtier.fleet.holders import Holders
 from kvtier.fleet.peer_client import PeerClient
+from kvtier.fleet.peer_reads import NixlReader
 from kvtier.fleet.peers import PeerDenied, PeerServer
 from kvtier.keys import ChunkKey, wire_key
 from kvtier.logs import get_logger
@@ -41,8 +43,8 @@ class PeerStats:
 
 class PeerSource:
     """Chunks of other instances, found through `holders`, decoded by `codec` (or lent in
-    place by a peer on this host, with `shared_memory`). Owns this instance's `server` and
-    closes it."""
+    place by a peer on this host, with `shared_memory`; read over NIXL by `reader` from a
+    peer on another host). Owns this instance's `server` and closes it."""
 
     name = "p2p"
 
@@ -54,8 +56,9 @@ class PeerSource:
         timeout: float,
         token: str | None,
         shared_memory: bool,
+        reader: NixlReader | None = None,
     ) -> None:
-        self.holders, self.server, self.codec = holders, server, codec
+        self.holders, self.server, self.codec, self.reader = holders, server, codec, reader
         self._timeout, self._token, self._shared_memory = timeout, token, shared_memory
         self._clients: dict[str, PeerClient] = {}
         self._down_until: dict[str, float] = {}
@@ -103,7 +106,12 @@ class PeerSource:
             client = self._clients.get(holder)
             if client is None:
                 client = self._clients[holder] = PeerClient(
-                    holder, self._timeout, self._token, self.codec, self._shared_memory
+                    holder,
+                    self._timeout,
+                    self._token,
+                    self.codec,
+                    self._shared_memory,
+                    self.reader,
                 )
         try:
             return client.get_into([wire_key(k) for k in keys], outs)

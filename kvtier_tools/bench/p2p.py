@@ -3,12 +3,15 @@ sharing's transports, against this host's limits measured in the same run.
 
 A holder process (its own CacheEngine with enable_p2p, the index in a `kvtier server`) stores
 `--mb` of KV in chunks of `--chunk-size` tokens. This process fetches them all with one request,
-as an instance's PeerSource does, into blocks of its own pool: as bytes over loopback TCP, then
-copied out of the holder's shared pool. Both land the same bytes (checked). The limits: raw
-loopback TCP moving values of a chunk's size (server_clients.tcp_bandwidth, ring buffers the size
-of the data at both ends), and a memcpy of the data out of a shared memory mapping (a memfd's) into
-a buffer of its size, in as many pieces at once as kvtier has copy threads (buffers.COPY_THREADS:
-the copy out of a peer's pool uses them).
+as an instance's PeerSource does, into blocks of its own pool: as bytes over loopback TCP, copied
+out of the holder's shared pool, and read out of it by NIXL (`transfer_channel: nixl`, the way of
+a peer on another host; UCX picks its transport, UCX_TLS where set). All land the same bytes
+(checked). The limits: raw loopback TCP moving values of a chunk's size
+(server_clients.tcp_bandwidth, ring buffers the size of the data at both ends), and a memcpy of
+the data out of a shared memory mapping (a memfd's) into a buffer of its size, in as many pieces
+at once as kvtier has copy threads (buffers.COPY_THREADS: the copy out of a peer's pool uses
+them). NIXL is put against both: on one host UCX moves the bytes by memory copies, across hosts
+without RDMA over TCP.
 
     python -m kvtier_tools.bench.p2p --report RECORD     the record's table, for the docs
 """
@@ -33,7 +36,8 @@ import numpy as np
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 8, 8, 128, 16  # bf16: 32 KiB of K and V a token
 TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_DIM * 2
-TRANSPORTS = {"tcp": False, "shared memory": True}
+TRANSPORTS = ("tcp", "shared memory", "nixl")
+LIMIT_OF = {"tcp": "loopback TCP", "shared memory": "memcpy", "nixl": "memcpy"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -61,6 +65,7 @@ def _hold(index_url: str, tokens: int, chunk_size: int, conn: Connection) -> Non
         enable_p2p=True,
         p2p_port=0,
         p2p_index_url=index_url,
+        transfer_channel="nixl",  # it lends to NIXL askers too
     )
     fmt = KVFormat("bench-p2p", "flash_attn", "bfloat16")
     engine = CacheEngine(config, PagedKV.wrap(layers, "flash_attn"), fmt)
@@ -72,12 +77,15 @@ def _hold(index_url: str, tokens: int, chunk_size: int, conn: Connection) -> Non
     engine.close()
 
 
-def _fetch_times(address: str, wires: list[bytes], outs: list[memoryview], shared: bool, n: int):
+def _fetch_times(
+    address: str, wires: list[bytes], outs: list[memoryview], way: str, reader, n: int
+) -> list[float]:
     """Seconds of each of `n` fetches of every chunk (after one that connects and maps)."""
     from kvtier.codec import Codec
     from kvtier.fleet.peer_client import PeerClient
 
-    client = PeerClient(address, 60.0, None, Codec("naive"), shared)
+    shared, nixl = way == "shared memory", reader if way == "nixl" else None
+    client = PeerClient(address, 60.0, None, Codec("naive"), shared, nixl)
     try:
         times = []
         for _ in range(n + 1):
@@ -85,9 +93,10 @@ def _fetch_times(address: str, wires: list[bytes], outs: list[memoryview], share
             got = client.get_into(wires, outs)
             times.append(time.perf_counter() - t0)
             if any(g is None for g in got):
-                raise RuntimeError(f"the holder did not give every chunk over {shared=}")
-        if shared != (client.copied > 0):
-            raise RuntimeError("the fetch did not take the transport it was asked for")
+                raise RuntimeError(f"the holder did not give every chunk by {way}")
+        took = "shared memory" if client.copied else "nixl" if reader.reads else "tcp"
+        if took != way:
+            raise RuntimeError(f"the fetch took {took}, not {way}")
         return times[1:]
     finally:
         client.close()
@@ -118,6 +127,7 @@ def _memcpy_gbps(nbytes: int, repeats: int, threads: int) -> float:
 
 def run(mb: int, chunk_size: int, repeats: int) -> dict:
     from kvtier.buffers import COPY_THREADS
+    from kvtier.fleet.peer_reads import NixlReader
     from kvtier.memory import HostPool
     from kvtier_tools.bench.server import host
     from kvtier_tools.bench.server_clients import tcp_bandwidth
@@ -130,6 +140,7 @@ def run(mb: int, chunk_size: int, repeats: int) -> dict:
     blocks = pool.allocate_many(chunks)
     assert blocks is not None
     outs = [b.data.numpy().data for b in blocks]
+    reader = NixlReader(pool, 60.0)
     with kvtier_server(0.0625) as index:
         parent, child = mp.get_context("spawn").Pipe()
         holder = mp.get_context("spawn").Process(
@@ -140,9 +151,9 @@ def run(mb: int, chunk_size: int, repeats: int) -> dict:
             address, wires = parent.recv()
             fetch: dict[str, dict] = {}
             landed = []
-            for name, shared in TRANSPORTS.items():
+            for name in TRANSPORTS:
                 pool.arena.zero_()
-                times = _fetch_times(address, wires, outs, shared, repeats)
+                times = _fetch_times(address, wires, outs, name, reader, repeats)
                 landed.append(pool.arena.clone())
                 fetch[name] = {
                     "GBps": round(nbytes / statistics.median(times) / 1e9, 3),
@@ -156,8 +167,9 @@ def run(mb: int, chunk_size: int, repeats: int) -> dict:
             holder.join(60)
     tcp = tcp_bandwidth(size=chunk_bytes, ring=nbytes)
     copy = _memcpy_gbps(nbytes, repeats, COPY_THREADS)
-    for name, limit in (("tcp", tcp), ("shared memory", copy)):
-        fetch[name]["of_limit"] = round(fetch[name]["GBps"] / limit, 3)
+    limits = {"loopback TCP": tcp, "memcpy": copy}
+    for name in TRANSPORTS:
+        fetch[name]["of_limit"] = round(fetch[name]["GBps"] / limits[LIMIT_OF[name]], 3)
     return {
         "machine": host(),
         "date": datetime.date.today().isoformat(),
@@ -165,6 +177,7 @@ def run(mb: int, chunk_size: int, repeats: int) -> dict:
         "chunks": chunks,
         "chunk_bytes": chunk_bytes,
         "copy_threads": COPY_THREADS,
+        "ucx_tls": os.environ.get("UCX_TLS", ""),
         "limits_GBps": {"loopback TCP": round(tcp, 3), "memcpy": round(copy, 3)},
         "fetch": fetch,
     }
@@ -172,24 +185,26 @@ def run(mb: int, chunk_size: int, repeats: int) -> dict:
 
 def table(record: dict) -> str:
     limits = record["limits_GBps"]
-    limit_of = {"tcp": "loopback TCP", "shared memory": "memcpy"}
     rows = [
         "| transport | fetch (GB/s) | one request (ms) | limit (GB/s) | of the limit |",
         "|---|---|---|---|---|",
     ]
     for name, got in record["fetch"].items():
-        limit = limit_of[name]
+        limit = LIMIT_OF[name]
         rows.append(
             f"| {name} | {got['GBps']:.2f} | {got['ms']:.1f} | {limit} {limits[limit]:.2f} "
             f"| {got['of_limit']:.2f} |"
         )
-    tcp, shm = record["fetch"]["tcp"]["GBps"], record["fetch"]["shared memory"]["GBps"]
+    fetch = record["fetch"]
+    tcp, shm = fetch["tcp"]["GBps"], fetch["shared memory"]["GBps"]
+    nixl = f", NIXL {fetch['nixl']['GBps'] / tcp:.1f}x TCP" if "nixl" in fetch else ""
+    tls = f" (UCX_TLS={record['ucx_tls']})" if record.get("ucx_tls") else ""
     mib = record["bytes"] / 2**20
     return (
         "\n".join(rows)
         + f"\n\nmemcpy on {record['copy_threads']} threads. "
         + f"{record['chunks']} chunks of {record['chunk_bytes'] / 2**20:.0f} MiB "
-        + f"({mib:.0f} MiB) in one request; shared memory {shm / tcp:.1f}x TCP. "
+        + f"({mib:.0f} MiB) in one request; shared memory {shm / tcp:.1f}x TCP{nixl}{tls}. "
         + f"{record['machine']}, {record['date']}: `{record['command']}`"
     )
 
