@@ -10,8 +10,8 @@ a peer on another host; UCX picks its transport, UCX_TLS where set). All land th
 (server_clients.tcp_bandwidth, ring buffers the size of the data at both ends), and a memcpy of
 the data out of a shared memory mapping (a memfd's) into a buffer of its size, in as many pieces
 at once as kvtier has copy threads (buffers.COPY_THREADS: the copy out of a peer's pool uses
-them). NIXL is put against both: on one host UCX moves the bytes by memory copies, across hosts
-without RDMA over TCP.
+them). NIXL's limit is the memcpy where UCX may move the bytes by shared memory, loopback TCP
+where UCX_TLS leaves it TCP only (how a host without RDMA reaches another).
 
     python -m kvtier_tools.bench.p2p --report RECORD     the record's table, for the docs
 """
@@ -37,7 +37,17 @@ import numpy as np
 LAYERS, HEADS, HEAD_DIM, BLOCK = 8, 8, 128, 16  # bf16: 32 KiB of K and V a token
 TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_DIM * 2
 TRANSPORTS = ("tcp", "shared memory", "nixl")
-LIMIT_OF = {"tcp": "loopback TCP", "shared memory": "memcpy", "nixl": "memcpy"}
+SHARED_MEMORY_TLS = ("sm", "shm", "posix", "sysv", "cma", "knem", "xpmem")  # UCX's on one host
+
+
+def limit_of(way: str, ucx_tls: str) -> str:
+    """The limit a transport is put against: NIXL's is a memcpy where UCX may move the bytes
+    by shared memory (UCX_TLS unset, or naming one of those), else loopback TCP."""
+    if way == "nixl":
+        tls = [t for t in ucx_tls.split(",") if t]
+        shared = not tls or any(t.lstrip("^") in SHARED_MEMORY_TLS for t in tls)
+        return "memcpy" if shared else "loopback TCP"
+    return {"tcp": "loopback TCP", "shared memory": "memcpy"}[way]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -168,8 +178,9 @@ def run(mb: int, chunk_size: int, repeats: int) -> dict:
     tcp = tcp_bandwidth(size=chunk_bytes, ring=nbytes)
     copy = _memcpy_gbps(nbytes, repeats, COPY_THREADS)
     limits = {"loopback TCP": tcp, "memcpy": copy}
+    tls = os.environ.get("UCX_TLS", "")
     for name in TRANSPORTS:
-        fetch[name]["of_limit"] = round(fetch[name]["GBps"] / limits[LIMIT_OF[name]], 3)
+        fetch[name]["of_limit"] = round(fetch[name]["GBps"] / limits[limit_of(name, tls)], 3)
     return {
         "machine": host(),
         "date": datetime.date.today().isoformat(),
@@ -190,7 +201,7 @@ def table(record: dict) -> str:
         "|---|---|---|---|---|",
     ]
     for name, got in record["fetch"].items():
-        limit = LIMIT_OF[name]
+        limit = limit_of(name, record.get("ucx_tls", ""))
         rows.append(
             f"| {name} | {got['GBps']:.2f} | {got['ms']:.1f} | {limit} {limits[limit]:.2f} "
             f"| {got['of_limit']:.2f} |"

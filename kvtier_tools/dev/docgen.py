@@ -91,6 +91,9 @@ BLOCKS = {
     "p2p-2core": lambda: _output(
         "kvtier_tools.bench.p2p", "--report", "results/cpu-2core-2026-11-30/p2p.json"
     ),
+    "p2p-ucx-tcp-2core": lambda: _output(
+        "kvtier_tools.bench.p2p", "--report", "results/cpu-2core-2026-11-30/p2p-ucx-tcp.json"
+    ),
     "cold-ttft-h100-default": lambda: _report(
         "gpu-h100-vllm-2026-11-27/paired-serving-query-twice",
         "query-twice-plain,query-twice-kvtier,query-twice-lmcache",
