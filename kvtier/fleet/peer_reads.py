@@ -88,39 +88,38 @@ class NixlReader:
         `outs` may be used)."""
         if not places:
             return
+        agent = self._agent
         with self._lock:
             try:
-                self._read(metadata, base, places, outs)
+                local = agent.get_xfer_descs([(at, len(out), 0) for at, out in _at(outs)], "DRAM")
+                remote = agent.get_xfer_descs([(base + at, n, 0) for at, n in places], "DRAM")
+                handle = agent.initialize_xfer("READ", local, remote, self._peer(metadata))
+                try:
+                    self._wait(handle)
+                finally:
+                    agent.release_xfer_handle(handle)  # a read still under way is cancelled
             except nixl.errors() as exc:  # the holder's agent gone, refused, ...
                 raise ConnectionError(f"NIXL read failed: {exc}") from exc
             self.reads += len(places)
 
-    def _read(
-        self,
-        metadata: bytes,
-        base: int,
-        places: Sequence[tuple[int, int]],
-        outs: Sequence[memoryview],
-    ) -> None:
-        agent = self._agent
+    def _peer(self, metadata: bytes) -> str:
+        """The holder's agent's name here, added the first time its metadata comes."""
         name = self._peers.get(metadata)
         if name is None:
-            name = self._peers[metadata] = nixl.as_str(agent.add_remote_agent(metadata))
-        local = agent.get_xfer_descs([(at, len(out), 0) for at, out in _at(outs)], "DRAM")
-        remote = agent.get_xfer_descs([(base + at, n, 0) for at, n in places], "DRAM")
-        handle = agent.initialize_xfer("READ", local, remote, name)
-        try:
-            state = agent.transfer(handle)
-            deadline = time.monotonic() + self._timeout
-            while state not in ("DONE", "ERR"):
-                if time.monotonic() > deadline:
-                    raise ConnectionError(f"NIXL read not done in {self._timeout:.1f} s")
-                time.sleep(POLL_S)
-                state = agent.check_xfer_state(handle)
-            if state == "ERR":
-                raise ConnectionError("NIXL read failed")
-        finally:
-            agent.release_xfer_handle(handle)  # a read still under way is cancelled
+            name = self._peers[metadata] = nixl.as_str(self._agent.add_remote_agent(metadata))
+        return name
+
+    def _wait(self, handle: object) -> None:
+        agent = self._agent
+        state = agent.transfer(handle)
+        deadline = time.monotonic() + self._timeout
+        while state not in ("DONE", "ERR"):
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"NIXL read not done in {self._timeout:.1f} s")
+            time.sleep(POLL_S)
+            state = agent.check_xfer_state(handle)
+        if state == "ERR":
+            raise ConnectionError("NIXL read failed")
 
 
 def _at(outs: Sequence[memoryview]) -> list[tuple[int, memoryview]]:
