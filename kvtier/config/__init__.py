@@ -208,7 +208,8 @@ class KvtierConfig:
     )
     p2p_shared_memory: bool = _doc(
         "P2P: a peer on this host is lent chunks in place (it maps this instance's CPU pool, "
-        "a memfd, and copies them out) and lends its own; false: bytes over TCP for all peers",
+        "a memfd, and copies them out) and lends its own; false: every peer is read as one on "
+        "another host (transfer_channel)",
         default=True,
     )
     p2p_index_url: str | None = _doc(
