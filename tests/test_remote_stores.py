@@ -9,6 +9,7 @@ mooncake_client processes holding the segments).
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -147,3 +148,37 @@ def test_redis_uses_the_copy_free_command_packer(redis_srv):
     assert isinstance(st, RedisStore)
     packed = st.client.connection_pool.get_connection().pack_command("SET", b"k", b"v" * 100_000)
     assert any(len(chunk) == 100_000 for chunk in packed)  # the value travels as its own buffer
+
+
+def test_redis_threads_at_first_use_share_one_client_and_every_call_succeeds(redis_srv):
+    """The P2P index's writer and a lookup once made a client each at first use; the one
+    dropped closed, as it went, the socket the other's pipeline was reading (EBADF)."""
+    st = open_store(redis_srv.url, 5)
+    assert isinstance(st, RedisStore)
+    made = []
+    connect = st.connect
+
+    def slow_connect():  # a cluster client contacts its nodes when made: the window is wide
+        time.sleep(0.05)
+        made.append(connect())
+        return made[-1]
+
+    st.connect = slow_connect
+    start = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def first_use(i: int) -> None:
+        start.wait()
+        try:
+            st.put([f"k{i}".encode()], [b"v" * 1000])
+            assert st.get([f"k{i}".encode()]) == [b"v" * 1000]
+        except BaseException as exc:  # noqa: BLE001 - each thread's failure is the finding
+            errors.append(exc)
+
+    threads = [threading.Thread(target=first_use, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(made) == 1
+    st.close()

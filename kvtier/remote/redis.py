@@ -12,6 +12,7 @@ is passed explicitly.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
@@ -52,15 +53,19 @@ class RedisStore:
             max_value,
         )  # Redis strings stop at 512 MB
         self._client: redis.Redis | RedisCluster | None = None
+        # Made once: two threads making one each at first use (the P2P index's writer and a
+        # lookup) dropped one, whose pool closed the socket a pipeline of it was reading.
+        self._connecting = threading.Lock()
 
     @property
     def client(self) -> redis.Redis | RedisCluster:
-        if self._client is None:
-            try:
-                self._client = self.connect()
-            except _FAULTS as e:
-                raise RemoteUnavailable(f"{self.url}: {e}") from e
-        return self._client
+        with self._connecting:
+            if self._client is None:
+                try:
+                    self._client = self.connect()
+                except _FAULTS as e:
+                    raise RemoteUnavailable(f"{self.url}: {e}") from e
+            return self._client
 
     def __repr__(self) -> str:
         return f"RedisStore({self.url})"
