@@ -51,7 +51,7 @@ VERSION = 1
 VERSION_DIGEST = 2  # naive, enc_len carrying the KV digest
 HEADER = struct.Struct("<4sBBHIQQQ")
 SERDES = {"naive": 0, "lz4": 1}
-KV_CODECS = ("int8", "fp8")  # lossy, on the GPU before any tier: kvtier/transfer/quant.py
+KV_CODECS = ("int8", "fp8", "int4")  # lossy, on the GPU before any tier: kvtier/transfer/quant.py
 
 
 @dataclass(frozen=True)

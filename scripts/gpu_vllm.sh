@@ -22,7 +22,8 @@
 # --bench-serve), sharedstore (two vLLM instances one after
 # the other sharing KV through each project's own store server on this host: `kvtier server` and LMCache's
 # lm:// server, kvtier_tools.bench.stores_vllm; STORES= which), mla (an MLA model, DeepSeek-V2-Lite's attention, query
-# twice at 16k: plain, native, kvtier), fleet (kvtier bench fleet on the GPUs: FLEET_ARGS).
+# twice at 16k: plain, native, kvtier), fleet (kvtier bench fleet on the GPUs: FLEET_ARGS), quality (the
+# lossy KV codecs against vLLM's fp8 KV cache: kvtier_tools.bench.profiles.kv_codec).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Everything is written to $work and comes back as one archive in $OUT (the device returns at most 8 files).
@@ -175,6 +176,13 @@ timeout ${MLA_TIMEOUT:-540} python3 -m kvtier_tools.bench.vllm --family deepseek
     --lengths ${LENGTHS:-16384} --pairs ${PAIRS:-5} --out "$work/mla" --setup-timeout ${SETUP_TIMEOUT:-170} \
     ${BENCH_ARGS:-} > "$work/mla.log" 2>&1
 echo "mla bench exit $?"; grep -E "^\[|tokens|MLA|backend|Traceback|Error" "$work/mla.log" | tail -30 ;;
+esac
+case " $steps " in *" quality "*)
+# The lossy KV codecs' cost in quality beside vLLM's own fp8 KV cache, on the transformers Llama
+# of the 8B shape (seeded weights): kvtier_tools.bench.profiles.kv_codec, 16 greedy tokens.
+timeout ${QUALITY_TIMEOUT:-400} python3 -m kvtier_tools.bench.profiles.kv_codec "$work/kv-codec.json" \
+    --lengths ${LENGTHS:-4096 16384} --new 16 > "$work/kv-codec.log" 2>&1
+echo "quality exit $?"; grep -E "^\{|Traceback|Error" "$work/kv-codec.log" | cut -c1-400 | tail -20 ;;
 esac
 case " $steps " in *" bench "*)
 timeout ${BENCH_TIMEOUT:-480} python3 -m kvtier_tools.bench.vllm --setups ${SETUPS:-plain kvtier kvtier-layerwise} --lengths ${LENGTHS:-4096 16384 32768} \

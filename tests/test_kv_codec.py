@@ -1,4 +1,4 @@
-"""The lossy KV codec (remote_serde int8 | fp8) on CPU: round trip within its error
+"""The lossy KV codecs (remote_serde int8 | fp8 | int4) on CPU: round trip within its error
 bound, the Triton kernel (interpreter) against the torch codec, and chunks through
 the real tiers (kvtier server, disk) with checksums on the quantized bytes."""
 
@@ -22,7 +22,7 @@ from kvtier_tools.dev.localservers import kvtier_server
 L, NB, BS, H, D = 2, 64, 16, 2, 32
 FMT = KVFormat("m", "flash_attn", "bfloat16")
 TOKENS = list(range(2000, 2100))  # 6 whole chunks of 16, then 4 tokens
-CODECS = ["int8", "fp8"]
+CODECS = ["int8", "fp8", "int4"]
 
 
 def heads(n_tokens: int, *, seed: int = 0) -> torch.Tensor:
@@ -48,16 +48,37 @@ def test_round_trip_is_within_the_error_bound(name):
     err = (back - x.float()).abs()
     assert (err <= q.error_bound(x) + 1e-7).all(), float((err - q.error_bound(x)).max())
     assert not back[0, 0, 1].any()  # the zero head
-    scale = x.float().abs().amax(-1) / q.qmax
-    assert torch.equal(rows[..., H * D :].contiguous().view(torch.float32).reshape(2, 40, H), scale)
     # The codec is not the identity: it loses something, and within the bound only.
     assert err.max() > 0
+    if name == "int4":  # a float16 scale per group of 32 values
+        scale = x.float().reshape(2, 40, H, 1, 32).abs().amax(-1) / 7
+        got = rows[..., H * D // 2 : H * D // 2 + 2 * H].contiguous().view(torch.float16)
+        assert torch.equal(got.reshape(2, 40, H, 1), scale.to(torch.float16))
+        assert Quant(name, 8, 128).row_bytes / (8 * 128 * 2) == pytest.approx(0.281, abs=1e-3)
+        return
+    scale = x.float().abs().amax(-1) / q.qmax
+    assert torch.equal(rows[..., H * D :].contiguous().view(torch.float32).reshape(2, 40, H), scale)
     assert Quant(name, 8, 128).row_bytes / (8 * 128 * 2) == pytest.approx(0.516, abs=1e-3)
 
 
+def test_int4_groups_values_by_32_where_the_head_allows_and_pads_rows_to_words():
+    assert (Quant("int4", 8, 128).group, Quant("int4", 8, 128).row_bytes) == (32, 512 + 64)
+    mla = Quant("int4", 1, 48)  # groups of 16: 24 bytes of values, 3 scales, 2 bytes to a word
+    assert (mla.group, mla.groups, mla.row_bytes) == (16, 3, 32)
+    x = heads(8)[..., :1, :].expand(2, 8, 1, 32).reshape(2, 8, 1, 32)
+    x = torch.cat([x, x[..., :16]], dim=-1)  # [2, 8, 1, 48]
+    rows = torch.full((2, 8, 32), 0xAB, dtype=torch.uint8)
+    mla.encode(x, rows)
+    assert not rows[..., 30:].any()  # the pad is zero: the checksum sees the same bytes
+    err = (mla.decode(rows, torch.float32) - x.float()).abs()
+    assert (err <= mla.error_bound(x) + 1e-7).all()
+    with pytest.raises(ValueError, match="head size 36 is not a multiple of 8"):
+        Quant("int4", 2, 36)
+
+
 def test_an_unknown_codec_is_refused_with_the_known_ones():
-    with pytest.raises(ValueError, match="int8, fp8"):
-        Quant("int4", H, D)
+    with pytest.raises(ValueError, match="int8, fp8, int4"):
+        Quant("int2", H, D)
     with pytest.raises(ConfigError, match="naive | lz4 | int8 | fp8"):
         KvtierConfig(remote_serde="cachegen")
     with pytest.raises(ConfigError, match="remote_serde"):
@@ -86,46 +107,54 @@ for layout, shape in [
 ]:
     layers = [(torch.randn(shape) * 4).to(torch.bfloat16) for _ in range(L)]
     kv = PagedKV.wrap(layers, layout)
-    q = Quant("int8", kv.heads, kv.head_size)
-    slots = torch.randperm(kv.num_slots)[:40]
-    sizes = (16, 16, 8)
-    rows = {}
-    for backend in ("torch", "triton"):
-        t = make_transfer(kv, backend, q)
-        rows[backend] = [torch.zeros(L, kv.kv, n, q.row_bytes, dtype=torch.uint8) for n in sizes]
-        t.gather(slots, rows[backend])
-    ref = torch.stack([kv.read(l, slots // kv.block_size, slots % kv.block_size) for l in range(L)])
-    for backend, chunks in rows.items():
-        dec = torch.cat([q.decode(c, torch.float32) for c in chunks], dim=2)
-        assert ((dec - ref.float()).abs() <= q.error_bound(ref) + 1e-6).all(), (layout, backend)
-    same = torch.cat([c.flatten() for c in rows["torch"]]) == torch.cat(
-        [c.flatten() for c in rows["triton"]]
-    )
-    assert same.float().mean() > 0.99, (
-        layout,
-        "kernel and torch codec write the same bytes, but for fp32 ties",
-    )
-    # Scatter: the kernel writes what the torch codec decodes, and leaves slot -1 alone.
-    t = make_transfer(kv, "triton", q)
-    before = [x.clone() for x in layers]
-    targets = slots.clone()
-    targets[:5] = -1
-    t.scatter(targets, rows["triton"])
-    dec = torch.cat([q.decode(c, kv.dtype) for c in rows["triton"]], dim=2)
-    got = torch.stack([kv.read(l, slots // kv.block_size, slots % kv.block_size) for l in range(L)])
-    assert (got[:, :, 5:].float() - dec[:, :, 5:].float()).abs().max() <= (
-        dec.float().abs().max() / 64
-    ), layout
-    assert torch.equal(got[:, :, :5], torch.stack([x for x in ref])[:, :, :5]), (
-        layout,
-        "slot -1 written",
-    )
+    for name in ("int8", "int4"):
+        q = Quant(name, kv.heads, kv.head_size)
+        slots = torch.randperm(kv.num_slots)[:40]
+        sizes = (16, 16, 8)
+        rows = {}
+        for backend in ("torch", "triton"):
+            t = make_transfer(kv, backend, q)
+            rows[backend] = [
+                torch.zeros(L, kv.kv, n, q.row_bytes, dtype=torch.uint8) for n in sizes
+            ]
+            t.gather(slots, rows[backend])
+        ref = torch.stack(
+            [kv.read(l, slots // kv.block_size, slots % kv.block_size) for l in range(L)]
+        )
+        for backend, chunks in rows.items():
+            dec = torch.cat([q.decode(c, torch.float32) for c in chunks], dim=2)
+            bound = q.error_bound(ref) + 1e-6
+            assert ((dec - ref.float()).abs() <= bound).all(), (layout, name, backend)
+        same = torch.cat([c.flatten() for c in rows["torch"]]) == torch.cat(
+            [c.flatten() for c in rows["triton"]]
+        )
+        assert same.float().mean() > 0.99, (
+            layout,
+            "kernel and torch codec write the same bytes, but for fp32 ties",
+        )
+        # Scatter: the kernel writes what the torch codec decodes, and leaves slot -1 alone.
+        t = make_transfer(kv, "triton", q)
+        before = [x.clone() for x in layers]
+        targets = slots.clone()
+        targets[:5] = -1
+        t.scatter(targets, rows["triton"])
+        dec = torch.cat([q.decode(c, kv.dtype) for c in rows["triton"]], dim=2)
+        got = torch.stack(
+            [kv.read(l, slots // kv.block_size, slots % kv.block_size) for l in range(L)]
+        )
+        assert (got[:, :, 5:].float() - dec[:, :, 5:].float()).abs().max() <= (
+            dec.float().abs().max() / 64
+        ), layout
+        assert torch.equal(got[:, :, :5], torch.stack([x for x in ref])[:, :, :5]), (
+            layout,
+            "slot -1 written",
+        )
 print("ok")
 """
 
 
 def test_the_triton_kernel_in_the_interpreter_matches_the_torch_codec():
-    """int8 only: the interpreter's float-to-fp8 conversion is not the GPU's (it
+    """int8 and int4 only: the interpreter's float-to-fp8 conversion is not the GPU's (it
     rounds 127.99 to 64); fp8 kernels are checked on a GPU (test_transfer_cuda.py)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -175,9 +204,8 @@ def test_quantized_chunks_through_the_kvtier_server(name, how):
         src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
         assert a.store(tokens, src) == 96
         assert a.flush(timeout=10)
-        assert a.pool.block_bytes == 16 * L * 2 * (
-            H * D + 4 * H
-        )  # 0.5625 of the bf16 chunk here (D = 32)
+        # 0.5625 of the bf16 chunk here (D = 32) in int8 or fp8, 0.3125 in int4
+        assert a.pool.block_bytes == 16 * L * 2 * Quant(name, H, D).row_bytes
         assert b.lookup(tokens) == 96
         mask = b.retrieve(tokens, dst)
         assert mask[:96].all() and not mask[96:].any()

@@ -384,7 +384,7 @@ def test_on_a_gpu_a_hit_on_a_store_still_landing_loads_behind_it_without_waiting
     eng.close()
 
 
-@pytest.mark.parametrize("codec", ["int8", "fp8"])
+@pytest.mark.parametrize("codec", ["int8", "fp8", "int4"])
 @pytest.mark.parametrize("backend", ["triton", "triton-direct", "torch"])
 @pytest.mark.parametrize("layout", SHAPES)
 def test_the_lossy_codec_kernels_match_the_torch_codec(layout, backend, codec):

@@ -179,6 +179,71 @@ def kv_quant_copy_kernel(
 
 
 @_jit
+def kv_int4_copy_kernel(
+    layer0_ptr,
+    layer_ptrs,
+    slot_rows,
+    chunk_ptrs,
+    slots,
+    S,
+    T,
+    C,
+    s_k,
+    s_b,
+    s_n,
+    s_h,
+    BS,  # as in kv_copy_kernel
+    NH: tl.constexpr,
+    D: tl.constexpr,
+    NHP: tl.constexpr,  # NH rounded up to a power of two
+    G: tl.constexpr,  # values a scale covers (a power of two dividing D)
+    NG: tl.constexpr,  # D // G
+    NGP: tl.constexpr,  # NG rounded up to a power of two
+    ROW: tl.constexpr,  # bytes of a row (quant.py's row_bytes)
+    K: tl.constexpr,
+    TO_CHUNK: tl.constexpr,  # True: quantize page -> chunk row; False: dequantize chunk row -> page
+    GROUPED: tl.constexpr,
+):
+    """Program (t, l*K + k): token t's row of layer l, K-or-V k, in an int4 chunk (quant.py):
+    NH*D/2 bytes of two values each, value e of a group in the low nibble and value
+    e + G/2 in the high one, then a float16 scale per (head, group)."""
+    page, chunk, r, here = token_addresses(
+        layer0_ptr, layer_ptrs, slot_rows, chunk_ptrs, slots, S, T, C, s_k, s_b, s_n, BS, K, GROUPED
+    )
+    heads_here = tl.where(here, NH, 0)
+    elem_ty = layer0_ptr.dtype.element_ty
+    row = chunk.to(tl.pointer_type(tl.uint8)) + r * ROW
+    scales = (row + NH * D // 2).to(tl.pointer_type(tl.float16))
+    h = tl.arange(0, NHP)[:, None]
+    g = tl.arange(0, NGP)[None, :]
+    e = tl.arange(0, G // 2)[None, None, :]
+    hg_mask = (h < heads_here) & (g < NG)
+    mask = hg_mask[:, :, None]
+    lo_off = (h * s_h + g * G)[:, :, None] + e
+    byte_off = (h * (D // 2) + g * (G // 2))[:, :, None] + e
+    if TO_CHUNK:
+        lo = tl.load(page + lo_off, mask=mask, other=0.0).to(tl.float32)
+        hi = tl.load(page + lo_off + G // 2, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))
+        scale = tl.minimum(amax / 7.0, 65504.0).to(tl.float16)
+        s = scale.to(tl.float32)
+        inv = tl.where(s > 0, 1.0 / s, 0.0)[:, :, None]
+        q_lo = tl.floor(tl.minimum(tl.maximum(lo * inv, -7.0), 7.0) + 0.5).to(tl.int32) & 15
+        q_hi = tl.floor(tl.minimum(tl.maximum(hi * inv, -7.0), 7.0) + 0.5).to(tl.int32) & 15
+        tl.store(row + byte_off, (q_lo | (q_hi << 4)).to(tl.uint8), mask=mask)
+        tl.store(scales + h * NG + g, scale, mask=hg_mask)
+    else:
+        b = tl.load(row + byte_off, mask=mask, other=0).to(tl.int32)
+        q_lo = b & 15
+        q_hi = b >> 4
+        s = tl.load(scales + h * NG + g, mask=hg_mask, other=0.0).to(tl.float32)[:, :, None]
+        lo = (q_lo - ((q_lo & 8) << 1)).to(tl.float32) * s
+        hi = (q_hi - ((q_hi & 8) << 1)).to(tl.float32) * s
+        tl.store(page + lo_off, lo.to(elem_ty), mask=mask)
+        tl.store(page + lo_off + G // 2, hi.to(elem_ty), mask=mask)
+
+
+@_jit
 def digest_kernel(
     # int64[rows, 3]: per slice its address, its bytes, and the index of its first word in its
     # chunk

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import triton
@@ -53,6 +54,7 @@ from kvtier.transfer.kernels import (
     SLOT_BLOCK,
     host_words_kernel,
     kv_copy_kernel,
+    kv_int4_copy_kernel,
     kv_quant_copy_kernel,
 )
 from kvtier.transfer.layout import PagedKV
@@ -72,6 +74,23 @@ from kvtier.transfer.staging import (
 
 GROUPS = 4  # whole transfers: kernel of group g+1 runs while group g crosses PCIe
 DIGEST_LAYERS = 8  # layers summed per digest launch of a layerwise scatter
+
+
+def _launch(kv: PagedKV, quant: Quant | None) -> tuple[Any, dict[str, Any]]:
+    """The copy kernel of `quant` (None: lossless) and its constants for this KV cache."""
+    if quant is None:
+        w = kv.heads * kv.head_size
+        return kv_copy_kernel, {"W": w, "D": kv.head_size, "BLOCK": min(_pow2(w), 4096)}
+    shape = {"NH": kv.heads, "D": kv.head_size, "NHP": _pow2(kv.heads)}
+    if quant.name == "int4":
+        groups = {"G": quant.group, "NG": quant.groups, "NGP": _pow2(quant.groups)}
+        return kv_int4_copy_kernel, {**shape, **groups, "ROW": quant.row_bytes}
+    scales = {"DP": _pow2(kv.head_size), "FP8": quant.name == "fp8", "QMAX": quant.qmax}
+    return kv_quant_copy_kernel, {**shape, **scales}
+
+
+def _pow2(n: int) -> int:
+    return int(triton.next_power_of_2(n))
 
 
 class TritonTransfer:
@@ -100,8 +119,7 @@ class TritonTransfer:
         self._one_layer = [
             (self._layer_ptrs[i : i + 1], self._slot_rows[i : i + 1]) for i in range(kv.num_layers)
         ]
-        w = kv.heads * kv.head_size
-        self._block = min(triton.next_power_of_2(w), 4096)
+        self._launch = _launch(kv, quant)
         on_cuda = kv.device.type == "cuda"
         # None in Triton's interpreter (no device): nothing is staged there.
         self._stream = torch.cuda.Stream(kv.device) if on_cuda else None  # kernels
@@ -173,34 +191,8 @@ class TritonTransfer:
                 self._slot_rows[layers.start : layers.stop],
             )
         )
-        if self.quant is not None:
-            q = self.quant
-            kv_quant_copy_kernel[grid](
-                kv.layers[0],
-                tables,
-                rows,
-                ptrs,
-                slots,
-                row_stride,
-                total,
-                chunk_size,
-                s_k,
-                s_b,
-                s_n,
-                s_h,
-                kv.block_size,
-                NH=kv.heads,
-                D=kv.head_size,
-                NHP=triton.next_power_of_2(kv.heads),
-                DP=triton.next_power_of_2(kv.head_size),
-                K=kv.kv,
-                TO_CHUNK=to_chunk,
-                FP8=q.name == "fp8",
-                QMAX=q.qmax,
-                GROUPED=slots.dim() == 2,
-            )
-            return
-        kv_copy_kernel[grid](
+        kernel, consts = self._launch
+        kernel[grid](
             kv.layers[0],
             tables,
             rows,
@@ -214,12 +206,10 @@ class TritonTransfer:
             s_n,
             s_h,
             kv.block_size,
-            kv.heads * kv.head_size,
-            kv.head_size,
             K=kv.kv,
             TO_CHUNK=to_chunk,
-            BLOCK=self._block,
             GROUPED=slots.dim() == 2,
+            **consts,
         )
 
     def _host_ptrs(self, chunks: Sequence[torch.Tensor], layers: range) -> torch.Tensor:

@@ -240,7 +240,7 @@ def _ttft_args(p: argparse.ArgumentParser) -> None:
         "--codecs",
         nargs="*",
         default=[],
-        choices=["int8", "fp8"],
+        choices=["int8", "fp8", "int4"],
         help="with --server-tcp: also over TCP with these lossy KV codecs (remote_serde)",
     )
     p.add_argument("--disk", help="also warm from the disk tier in this directory")

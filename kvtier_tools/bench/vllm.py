@@ -38,15 +38,18 @@ from pathlib import Path
 
 from kvtier_tools.bench.vllm_parts import (
     MODELS,
-    ForwardTimer,
-    Timeline,
     ended_on_error,
     engine_ms,
     flush_kvtier,
     h2d_bandwidth,
+    install_probes,
     kv_bytes_per_token,
     kvtier_chunking,
     make_model,
+    probe_clear,
+    probe_forward_ms,
+    probe_timeline_start,
+    probe_timeline_stop,
     prompt,
     run_setup_process,
     seed_weights,
@@ -91,8 +94,10 @@ SETUPS: dict[str, dict] = {
         "env": {"LMCACHE_LOCAL_CPU": "false"},
     },
     # The lossy KV codecs (remote_serde): chunks of int8 or fp8 e4m3 with per-head scales in every
-    # tier, half the bytes to copy up, decoded on the GPU in the scatter (transfer/quant.py).
+    # tier, half the bytes to copy up, or int4 with a scale per 32 values, 0.28 of them; decoded
+    # on the GPU in the scatter (transfer/quant.py).
     "kvtier-int8": {"connector": "KvtierConnector", "env": {"LMCACHE_REMOTE_SERDE": "int8"}},
+    "kvtier-int4": {"connector": "KvtierConnector", "env": {"LMCACHE_REMOTE_SERDE": "int4"}},
     "kvtier-fp8": {"connector": "KvtierConnector", "env": {"LMCACHE_REMOTE_SERDE": "fp8"}},
     "kvtier-fp8-layerwise": {
         "connector": "KvtierConnector",
@@ -131,15 +136,13 @@ class _Run:
     """One setup's vLLM in this process: `gen` times a generate(), `flush` lands kvtier's writes."""
 
     def __init__(self, args: argparse.Namespace, setup: dict) -> None:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if args.tp > 1:  # the workers are processes: apply_model sends them the function
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocess else "0"
+        if args.tp > 1 or args.multiprocess:  # apply_model sends its function to the processes
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         import torch
         from vllm import LLM, SamplingParams
 
         self.args, self.setup = args, setup
-        self.timeline = Timeline()
-        self.timeline.install()
         t0 = time.perf_counter()
         self.llm = LLM(
             model=str(make_model(Path(args.model), args.family)),
@@ -158,8 +161,7 @@ class _Run:
             **_offloader(args, setup),
         )
         start_s = time.perf_counter() - t0
-        self.timer = ForwardTimer()
-        self.timer.install()
+        self.llm.apply_model(install_probes)
         self.llm.apply_model(seed_weights)
         self.record = Record(
             args.setup,
@@ -168,6 +170,7 @@ class _Run:
                 "start_s": round(start_s, 1),
                 "date": time.strftime("%Y-%m-%d"),
                 "eager": args.eager,
+                "engine": "multiprocess" if args.multiprocess else "in-process",
                 "kv_cache_dtype": args.kv_cache_dtype,
                 "tp": args.tp,
             },
@@ -182,15 +185,19 @@ class _Run:
 
     def gen(self, ids: list[int], sp=None, timed: bool = False):
         if timed:
-            self.timeline.start()
+            self.llm.apply_model(probe_timeline_start)
         t = time.perf_counter()
         out = self.llm.generate([{"prompt_token_ids": ids}], sp or self.one, use_tqdm=False)[
             0
         ].outputs[0]
         took = time.perf_counter() - t
         if timed:
-            self.timelines.append(self.timeline.stop())
+            self.timelines.append(self.llm.apply_model(probe_timeline_stop)[0])
         return took, out
+
+    def forward_ms(self) -> float:
+        """The last model step's GPU time (NaN with TP > 1: the steps run in the workers)."""
+        return self.llm.apply_model(probe_forward_ms)[0] if self.args.tp == 1 else float("nan")
 
     def flush(self) -> None:
         if self.setup.get("flush") and not all(self.llm.apply_model(flush_kvtier)):
@@ -231,17 +238,17 @@ class _Run:
         if self.args.back_to_back:
             self.llm.reset_prefix_cache()
             back_to_back["warm_b2b"], _ = self.gen(ids)
-        self.timer.clear()
+        self.llm.apply_model(probe_clear)
         gpu_hit, _ = self.gen(ids, timed=True)
-        gpu_hit_fwd = self.timer.last_ms()
+        gpu_hit_fwd = self.forward_ms()
         spans = (
             self.timelines[-1] if last else self.timelines.pop()
         )  # the record keeps the last pair's
         self.llm.reset_prefix_cache()
         self.flush()
-        self.timer.clear()
+        self.llm.apply_model(probe_clear)
         warm, _ = self.gen(ids, timed=last)
-        fwd = self.timer.last_ms()
+        fwd = self.forward_ms()
         self.llm.reset_prefix_cache()
         return {
             **back_to_back,
@@ -451,6 +458,12 @@ def main() -> None:
     )
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
+        "--multiprocess",
+        action="store_true",
+        help="vLLM's multiprocess engine, as `vllm serve` runs it (the engine core in a process "
+        "of its own, its steps timed there through apply_model); default: in this process",
+    )
+    p.add_argument(
         "--back-to-back",
         action="store_true",
         help="each pair also times a warm run right after its cold one (the prefix cache reset "
@@ -482,6 +495,8 @@ def main() -> None:
         help="name kvtier's module in the config (default: by name, through vLLM's plugin)",
     )
     args = p.parse_args()
+    if args.multiprocess and (args.profile or args.trace):
+        p.error("--profile and --trace profile this process: not with --multiprocess")
     args.model = args.model or f"/tmp/kvtier-{args.family}-8b"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.setup:

@@ -335,6 +335,42 @@ class Timeline:
         return sorted(self.spans, key=lambda x: x[1])
 
 
+# The probes of the engine's process (install_probes): a ForwardTimer and a Timeline there.
+# The bench reaches them through LLM.apply_model, the same call in-process and with the
+# multiprocess engine (where the engine core, scheduler and worker run in a process of their
+# own: apply_model sends these functions there).
+_PROBES: dict = {}
+
+
+def install_probes(model) -> bool:
+    """(apply_model) A ForwardTimer and a Timeline in the engine's process, installed once."""
+    if not _PROBES:
+        _PROBES["timer"], _PROBES["timeline"] = ForwardTimer(), Timeline()
+        _PROBES["timer"].install()
+        _PROBES["timeline"].install()
+    return True
+
+
+def probe_clear(model) -> None:
+    """(apply_model) Forget the steps timed so far."""
+    _PROBES["timer"].clear()
+
+
+def probe_forward_ms(model) -> float:
+    """(apply_model) The last model step's GPU time."""
+    return _PROBES["timer"].last_ms()
+
+
+def probe_timeline_start(model) -> None:
+    """(apply_model) Start a run's timeline."""
+    _PROBES["timeline"].start()
+
+
+def probe_timeline_stop(model) -> list[tuple[str, float, float]]:
+    """(apply_model) The run's spans, in ms from its start."""
+    return _PROBES["timeline"].stop()
+
+
 def engine_ms(spans: list[tuple[str, float, float]]) -> float:
     """A run's time inside vLLM's engine: from its scheduler's first look at the request to
     the end of its last update_from_output (leaves out generate()'s front end, request

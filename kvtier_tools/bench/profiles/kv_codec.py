@@ -3,9 +3,11 @@
     python3 -m kvtier_tools.bench.profiles.kv_codec [OUT_JSON] [--lengths 4096 16384] [--new 32]
 
 The Llama-3.1-8B-shaped model of `kvtier bench ttft` (random weights, bf16,
-SDPA). Per prompt length and codec (naive = lossless, int8, fp8), one
+SDPA). Per prompt length and codec (naive = lossless, int8, fp8, int4), one
 session with the CPU tier: the prompt is computed cold (kvtier off), then
-stored, then loaded warm through the codec. Reported:
+stored, then loaded warm through the codec. Beside them, vLLM's own fp8 KV
+cache (`--kv-cache-dtype fp8`, e4m3 with scale 1.0): the prompt's KV rounded
+so, then decoded (`vllm-fp8`). Reported:
   - K and V of the loaded prefix against the cold run's: max and mean
     absolute error, and the mean error over the mean |x|
   - decoding `--new` tokens against the lossless warm run: greedy tokens
@@ -31,12 +33,13 @@ from pathlib import Path
 import torch
 
 from kvtier.config import KvtierConfig
-from kvtier.integrations.hf import HFSession
+from kvtier.integrations.hf import HFSession, KvtierCache
 from kvtier_tools.bench.offload import machine_name, timed
 from kvtier_tools.bench.ttft import LLAMA_8B, build_model
 from kvtier_tools.bench.ttft_sources import kv_bytes_per_token as _kv_bytes_per_token
 
-CODECS = ("naive", "int8", "fp8")
+CODECS = ("naive", "int8", "fp8", "int4")
+VLLM_FP8 = "vllm-fp8"  # the prompt's KV as --kv-cache-dtype fp8 holds it (rounded_as_vllm_fp8)
 
 
 def kv_of(session: HFSession, n: int) -> torch.Tensor:
@@ -53,6 +56,38 @@ def forced(
     feed = torch.tensor(tokens[:-1], device=session.buffers[0].device)[None]
     later = session.model(input_ids=feed, past_key_values=result.cache, use_cache=True).logits[0]
     return torch.log_softmax(torch.cat([result.logits, later]).float(), -1)
+
+
+def rounded_as_vllm_fp8(session: HFSession, ids: torch.Tensor) -> tuple[torch.Tensor, KvtierCache]:
+    """The prompt computed cold, its KV but the last token's rounded as vLLM's fp8 KV cache
+    stores it without calibrated scales (e4m3, scale 1.0, saturating at 448), then the last
+    token computed on it: what a hit gives with `--kv-cache-dtype fp8`, beside the codecs'
+    warm hits (the tokens decoded after the prompt keep their own KV unrounded in both)."""
+    n = ids.numel()
+    session.prefill(ids, use_cache=False)
+    for b in session.buffers:
+        prefix = b[..., : n - 1, :]
+        prefix.copy_(prefix.float().clamp(-448, 448).to(torch.float8_e4m3fn).to(b.dtype))
+    cache = KvtierCache(session.buffers, n - 1)
+    last = ids.reshape(1, -1)[:, n - 1 :].to(session.buffers[0].device)
+    out = session.model(input_ids=last, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1], cache
+
+
+def vllm_fp8_row(session: HFSession, ids: torch.Tensor, new: int, ref) -> dict:
+    """Decoding with the prompt's KV in vLLM's fp8 against the lossless warm run `ref`."""
+    logits, cache = rounded_as_vllm_fp8(session, ids)
+    token = logits.argmax(-1)
+    tokens = [int(token)]
+    for _ in range(new - 1):
+        step = session.model(input_ids=token[:, None], past_key_values=cache, use_cache=True)
+        token = step.logits[:, -1].argmax(-1)
+        tokens.append(int(token))
+    logits, cache = rounded_as_vllm_fp8(session, ids)
+    feed = torch.tensor(ref[0][:-1], device=logits.device)[None]
+    later = session.model(input_ids=feed, past_key_values=cache, use_cache=True).logits[0]
+    logp = torch.log_softmax(torch.cat([logits, later]).float(), -1)
+    return {"vs_lossless_warm": compare(tokens, logp, *ref)}
 
 
 def compare(
@@ -133,6 +168,11 @@ def measure(model, tokens: int, new: int, repeats: int) -> dict:
         session.engine.close()
         session = None
         torch.cuda.empty_cache()
+    session = HFSession(model, KvtierConfig(local_cpu=False), max_len=tokens + new)
+    with torch.inference_mode():
+        out[VLLM_FP8] = vllm_fp8_row(session, ids, new, ref)
+    print(json.dumps({"tokens": tokens, "codec": VLLM_FP8, **out[VLLM_FP8]}), flush=True)
+    session.engine.close()
     for codec in CODECS[1:]:
         out[codec]["warm_cpu_over_lossless"] = round(
             out[codec]["warm_cpu_s"] / out["naive"]["warm_cpu_s"], 3

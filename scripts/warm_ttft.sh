@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Warm TTFT inside vLLM, every case of issue 62 from one script, resumable: a device call is at
+# most 10 minutes and the whole takes about 35, so each call runs the next parts not yet in
+# RESULTS (a folder of the repository, carried with the tree) while its time allows, and brings
+# each part back as an archive in $OUT:
+#   device run:  RESULTS=results/gpu-h200-warm-ttft-2026-11-30 bash scripts/warm_ttft.sh
+#   here, after: for f in <files_at>/*.tgz; do part=$(basename "$f" .tgz | sed 's/^gpu-vllm-//')
+#                mkdir -p "$RESULTS/$part" && tar xzf "$f" -C "$RESULTS/$part"; done
+# then commit RESULTS and call again until it says "all parts done". PARTS= a subset, in order.
+# The parts (vLLM 0.26 from the bundle, Llama-3.1-8B's shape, seeded weights; kvtier_tools.bench.vllm):
+#   gpu-tests  the GPU tests of the copy and codec kernels the parts use
+#   compiled   default compiled mode, multiprocess engine (as `vllm serve` runs): native offloading,
+#              kvtier bf16 and int4, 16k and 32k, the store landed and back to back, 7 pairs
+#   lengths    the same setups and engine from 1k to 64k (3 pairs): the plot against the copy
+#   quality    the lossy codecs' logprob error beside vLLM's fp8 KV cache (profiles.kv_codec)
+#   eager      as compiled, eager mode
+#   fp8-kv     vLLM's own fp8 KV cache (--kv-cache-dtype fp8): native and kvtier, as compiled
+# Tables and plots from the records: `python -m kvtier_tools.bench.vllm_report RESULTS/<part> ...`
+# (docs/benchmarks/warm-ttft.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+results=${RESULTS:?RESULTS=<a folder of results/> that holds the parts done}
+out=${OUT:-/tmp/warm-ttft-out}
+budget=${BUDGET_S:-570}  # this call's seconds
+parts=${PARTS:-gpu-tests compiled lengths quality eager fp8-kv}
+start=$(date +%s)
+mkdir -p "$out"
+declare -A need=([gpu-tests]=150 [compiled]=480 [lengths]=420 [quality]=300 [eager]=360 [fp8-kv]=330)
+bench="--multiprocess --back-to-back --setup-timeout 170"
+run_part() {
+    local part=$1
+    case $part in
+    gpu-tests) STEPS=tests GPU_TESTS="tests/test_transfer_cuda.py tests/test_kv_codec.py" ;;
+    compiled) STEPS=bench SETUPS="native kvtier kvtier-int4" LENGTHS="16384 32768" PAIRS=7 \
+        BENCH_ARGS="--no-eager $bench" ;;
+    lengths) STEPS=bench SETUPS="native kvtier kvtier-int4" LENGTHS="1024 4096 16384 65536" PAIRS=3 \
+        BENCH_ARGS="--no-eager --multiprocess --setup-timeout 170" ;;
+    quality) STEPS=quality LENGTHS="4096 16384" ;;
+    eager) STEPS=bench SETUPS="native kvtier kvtier-int4" LENGTHS="16384 32768" PAIRS=5 \
+        BENCH_ARGS="--eager $bench" ;;
+    fp8-kv) STEPS=bench SETUPS="native kvtier" LENGTHS="16384 32768" PAIRS=5 \
+        BENCH_ARGS="--no-eager --kv-cache-dtype fp8 $bench" ;;
+    *) echo "unknown part $part"; return 2 ;;
+    esac
+    local left=$(( budget - ($(date +%s) - start) - 15 ))
+    export STEPS SETUPS LENGTHS PAIRS BENCH_ARGS GPU_TESTS
+    OUT=$out TAG=$part BENCH_TIMEOUT=$left QUALITY_TIMEOUT=$left BUNDLE=${BUNDLE:-.gpu-vllm-core} \
+        bash scripts/gpu_vllm.sh
+}
+for part in $parts; do
+    if [ -d "$results/$part" ]; then continue; fi
+    used=$(( $(date +%s) - start ))
+    if [ $(( used + ${need[$part]:-600} )) -gt "$budget" ]; then
+        echo "next part: $part (about ${need[$part]} s; $used s of this call's $budget used)"
+        exit 0
+    fi
+    echo "== part $part ($(date -u +%H:%M:%S))"
+    unset STEPS SETUPS LENGTHS PAIRS BENCH_ARGS GPU_TESTS
+    run_part "$part"
+done
+echo "all parts done"
