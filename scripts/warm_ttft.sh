@@ -25,12 +25,14 @@ budget=${BUDGET_S:-570}  # this call's seconds
 parts=${PARTS:-gpu-tests compiled lengths quality eager fp8-kv}
 start=$(date +%s)
 mkdir -p "$out"
-declare -A need=([gpu-tests]=150 [compiled]=480 [lengths]=420 [quality]=300 [eager]=360 [fp8-kv]=330)
+declare -A need=([gpu-tests]=110 [compiled]=440 [lengths]=420 [quality]=300 [eager]=360 [fp8-kv]=330)
+cuda=tests/test_transfer_cuda.py
 bench="--multiprocess --back-to-back --setup-timeout 170"
 run_part() {
     local part=$1
     case $part in
-    gpu-tests) STEPS=tests GPU_TESTS="tests/test_transfer_cuda.py tests/test_kv_codec.py" ;;
+    gpu-tests) STEPS=tests GPU_TESTS="tests/test_kv_codec.py $cuda::test_the_lossy_codec_kernels_match_the_torch_codec
+        $cuda::test_engine_with_the_int8_codec_through_the_store_server_on_gpu" ;;
     compiled) STEPS=bench SETUPS="native kvtier kvtier-int4" LENGTHS="16384 32768" PAIRS=7 \
         BENCH_ARGS="--no-eager $bench" ;;
     lengths) STEPS=bench SETUPS="native kvtier kvtier-int4" LENGTHS="1024 4096 16384 65536" PAIRS=3 \
