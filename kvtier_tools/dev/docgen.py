@@ -67,7 +67,19 @@ def _bench(module: str, what: str, *records: str) -> str:
     return _output(f"kvtier_tools.bench.{module}", what, *(f"results/{r}" for r in records))
 
 
+WARM = "gpu-h200-warm-ttft-2026-11-30"  # scripts/warm_ttft.sh's parts (issue 62)
+
 BLOCKS = {
+    "warm-ttft-h200-compiled": lambda: _report(f"{WARM}/compiled", "native,kvtier,kvtier-int4"),
+    "warm-ttft-h200-compiled-b2b": lambda: _report(
+        f"{WARM}/compiled", "native,kvtier,kvtier-int4", "--back-to-back"
+    ),
+    "warm-ttft-h200-eager": lambda: _report(f"{WARM}/eager", "native,kvtier,kvtier-int4"),
+    "warm-ttft-h200-fp8-kv-mp": lambda: _report(f"{WARM}/fp8-kv", "native,kvtier"),
+    "warm-ttft-h200-lengths-mp": lambda: _report(f"{WARM}/lengths", "native,kvtier,kvtier-int4"),
+    "warm-ttft-h200-quality": lambda: _output(
+        "kvtier_tools.bench.profiles.kv_codec", f"results/{WARM}/quality/kv-codec.json", "--report"
+    ),
     "warm-ttft-h200-lossy": lambda: _report(
         "gpu-h200-vllm-2026-11-29/lossy", "native,kvtier-int8,kvtier-fp8"
     ),
@@ -167,6 +179,10 @@ BLOCKS = {
 
 # The figures under docs/img/: the report command that writes each (its --plot is the path).
 FIGURES = {
+    "docs/img/warm-ttft-lengths-h200-mp.svg": (
+        "vllm_report",
+        f"results/{WARM}/lengths --setups native,kvtier,kvtier-int4 --floor",
+    ),
     "docs/img/warm-ttft-lengths-h200.svg": (
         "vllm_report",
         "results/gpu-h200-vllm-2026-11-30/lengths --setups native,kvtier,kvtier-fp8 --floor",

@@ -180,13 +180,47 @@ def measure(model, tokens: int, new: int, repeats: int) -> dict:
     return out
 
 
+def markdown(record: dict) -> str:
+    """The record's quality table: per prompt length, each lossy codec and vLLM's fp8 KV cache
+    against the lossless warm run, over its first `new_tokens` greedy tokens."""
+    lines = [
+        "| tokens | KV | bytes of bf16's | KV mean rel. error | greedy tokens equal "
+        "| forced top-1 agreement | mean / max abs. Δ logprob |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for point in record["points"]:
+        floor = {"k_mean_rel_err": 0.0, "vs_lossless_warm": point["naive"]["vs_cold"]}
+        for codec in ("floor", *CODECS[1:], VLLM_FP8):
+            row = floor if codec == "floor" else point[codec]
+            vs = row["vs_lossless_warm"]
+            size = row.get("chunk_bytes_over_bf16", 0.5 if codec == VLLM_FP8 else 1.0)
+            err = row.get("k_mean_rel_err")
+            name = {
+                "floor": "kvtier bf16 against cold (the noise floor)",
+                VLLM_FP8: "vLLM fp8 (e4m3, scale 1)",
+            }.get(codec, f"kvtier {codec}")
+            lines.append(
+                f"| {point['tokens']:,} | {name} | {size:.3f} "
+                f"| {'-' if err is None else f'{err:.4f}'} "
+                f"| {vs['greedy_leading_equal']} of {point['new_tokens']} "
+                f"| {vs['forced_top1_agreement']:.2f} "
+                f"| {vs['forced_mean_abs_dlogprob']:.3f} / {vs['forced_max_abs_dlogprob']:.3f} |"
+            )
+    lines.append(f"\n{record['machine']}, {record['date']}, weights {record['weights']}.")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("output", nargs="?", default="results/gpu/kv-codec.json")
+    ap.add_argument("--report", action="store_true", help="print OUTPUT's table (markdown)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
+    if args.report:
+        print(markdown(json.loads(Path(args.output).read_text())))
+        return
     model = build_model()
     points = [measure(model, n, args.new, args.repeats) for n in args.lengths]
     record = {
