@@ -85,7 +85,7 @@ RULES: dict[str, KeyRule] = {
         None, "kvtier:// infinistore:// redis:// rediss:// redis-cluster:// fs:// mooncakestore://"
     ),
     "remote_serde": _b(
-        "naive", "naive or lz4; int8 or fp8: a lossy codec on the GPU (not CacheGen's)"
+        "naive", "naive or lz4; int8, fp8 or int4: a lossy codec on the GPU (not CacheGen's)"
     ),
     "use_layerwise": _b(False),
     "save_unfull_chunk": _b(

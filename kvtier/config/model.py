@@ -80,7 +80,7 @@ class KvtierConfig:
         repr=False,
     )
     remote_serde: str = _doc(
-        "chunk codec: naive | lz4 (lossless, remote only) | int8 | fp8 (lossy, on the GPU, "
+        "chunk codec: naive | lz4 (lossless, remote only) | int8 | fp8 | int4 (lossy, on the GPU, "
         "every tier)",
         default="naive",
     )

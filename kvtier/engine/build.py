@@ -45,7 +45,7 @@ log = get_logger(__name__)
 
 @dataclass
 class Parts:
-    quant: Quant | None  # a lossy codec (remote_serde int8 | fp8)
+    quant: Quant | None  # a lossy codec (remote_serde int8 | fp8 | int4)
     fmt: KVFormat  # what a chunk's key names: the KV's format (and the lossy codec)
     spans: SpanMemo
     mover: Mover

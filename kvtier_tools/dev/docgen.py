@@ -84,10 +84,6 @@ BLOCKS = {
         "gpu-h200-vllm-2026-11-29/lossy", "native,kvtier-int8,kvtier-fp8"
     ),
     "warm-ttft-h200-mla": lambda: _report("gpu-h200-vllm-2026-11-29/mla", "native,kvtier,plain"),
-    "warm-ttft-h200-lengths": lambda: _report(
-        "gpu-h200-vllm-2026-11-30/lengths", "native,kvtier,kvtier-fp8"
-    ),
-    "warm-ttft-h200-fp8-kv": lambda: _report("gpu-h200-vllm-2026-11-30/fp8-kv", "native,kvtier"),
     "warm-ttft-h200-b2b-before": lambda: _report(
         "gpu-h200-vllm-2026-11-30/back-to-back", "kvtier,native", "--back-to-back"
     ),
@@ -182,10 +178,6 @@ FIGURES = {
     "docs/img/warm-ttft-lengths-h200-mp.svg": (
         "vllm_report",
         f"results/{WARM}/lengths --setups native,kvtier,kvtier-int4 --floor",
-    ),
-    "docs/img/warm-ttft-lengths-h200.svg": (
-        "vllm_report",
-        "results/gpu-h200-vllm-2026-11-30/lengths --setups native,kvtier,kvtier-fp8 --floor",
     ),
     "docs/img/fleet-2core.svg": (
         "report_fleet",

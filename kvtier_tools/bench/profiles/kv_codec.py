@@ -74,8 +74,17 @@ def rounded_as_vllm_fp8(session: HFSession, ids: torch.Tensor) -> tuple[torch.Te
     return out.logits[:, -1], cache
 
 
-def vllm_fp8_row(session: HFSession, ids: torch.Tensor, new: int, ref) -> dict:
+def vllm_fp8_row(model, ids: torch.Tensor, new: int, ref) -> dict:
     """Decoding with the prompt's KV in vLLM's fp8 against the lossless warm run `ref`."""
+    session = HFSession(model, KvtierConfig(local_cpu=False), max_len=ids.numel() + new)
+    with torch.inference_mode():
+        row = {"vs_lossless_warm": _vllm_fp8_decoding(session, ids, new, ref)}
+    session.engine.close()
+    print(json.dumps({"tokens": ids.numel(), "codec": VLLM_FP8, **row}), flush=True)
+    return row
+
+
+def _vllm_fp8_decoding(session: HFSession, ids: torch.Tensor, new: int, ref) -> dict:
     logits, cache = rounded_as_vllm_fp8(session, ids)
     token = logits.argmax(-1)
     tokens = [int(token)]
@@ -87,7 +96,7 @@ def vllm_fp8_row(session: HFSession, ids: torch.Tensor, new: int, ref) -> dict:
     feed = torch.tensor(ref[0][:-1], device=logits.device)[None]
     later = session.model(input_ids=feed, past_key_values=cache, use_cache=True).logits[0]
     logp = torch.log_softmax(torch.cat([logits, later]).float(), -1)
-    return {"vs_lossless_warm": compare(tokens, logp, *ref)}
+    return compare(tokens, logp, *ref)
 
 
 def compare(
@@ -168,11 +177,7 @@ def measure(model, tokens: int, new: int, repeats: int) -> dict:
         session.engine.close()
         session = None
         torch.cuda.empty_cache()
-    session = HFSession(model, KvtierConfig(local_cpu=False), max_len=tokens + new)
-    with torch.inference_mode():
-        out[VLLM_FP8] = vllm_fp8_row(session, ids, new, ref)
-    print(json.dumps({"tokens": tokens, "codec": VLLM_FP8, **out[VLLM_FP8]}), flush=True)
-    session.engine.close()
+    out[VLLM_FP8] = vllm_fp8_row(model, ids, new, ref)
     for codec in CODECS[1:]:
         out[codec]["warm_cpu_over_lossless"] = round(
             out[codec]["warm_cpu_s"] / out["naive"]["warm_cpu_s"], 3
