@@ -361,6 +361,27 @@ def test_a_large_tcp_get_is_spread_over_several_connections_and_lands_in_order(m
         assert c._readers is None
 
 
+def test_a_request_on_a_kept_connection_to_a_restarted_server_is_sent_again_on_a_new_one():
+    """The server restarts between two calls, well within its idle timeout: the client's kept
+    connection is dead, and its next call answers from the new server, not with a miss. A
+    call that fails on a new connection is not sent again (the server is down)."""
+    with kvtier_server(0.0625, "--idle-timeout", "600") as s:
+        c = KVClient("127.0.0.1", s.ports[0], timeout=2, shm=False)
+        c.put([b"k"], [b"v" * 100])
+        assert c.exists([b"k"]) == [True]
+        s.kill()
+        s.start()
+        assert c.exists([b"k"]) == [False]  # the new, empty server answered the same call
+        assert c.exists([b"k"]) == [False]
+        s.kill()
+        with pytest.raises(RemoteUnavailable):
+            c.exists([b"k"])  # the kept connection is dead, and so is the server
+        with pytest.raises(RemoteUnavailable):
+            c.exists([b"k"])  # a new connection, refused: no second try
+        s.start()
+        c.close()
+
+
 def test_the_pool_stays_mapped_across_an_idled_out_connection_and_is_mapped_anew_for_a_new_server():
     """Mapping the pool and registering it with CUDA takes seconds at tens of GB: a
     connection replaced because it idled must not do it again; a restarted server's

@@ -293,7 +293,17 @@ class KVClient:
     # -- connection ----------------------------------------------------------------------
 
     def _simple(self, op: p.Op, meta: bytes) -> memoryview:
+        """A request without payload (all of them idempotent). On a kept connection that turns
+        out closed (the server restarted since its last use) it is sent once more, on a new
+        connection: a restart costs no miss."""
         with self._lock:
+            kept = self._link
+            link = self._connect()
+            try:
+                return self._call(link, op, meta)[1]
+            except RemoteUnavailable as e:
+                if link is not kept or not isinstance(e.__cause__, ConnectionError):
+                    raise
             return self._call(self._connect(), op, meta)[1]
 
     def _connect(self) -> Link:
