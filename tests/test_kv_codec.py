@@ -114,8 +114,8 @@ for layout, shape in [
         rows = {}
         for backend in ("torch", "triton"):
             t = make_transfer(kv, backend, q)
-            rows[backend] = [
-                torch.zeros(L, kv.kv, n, q.row_bytes, dtype=torch.uint8) for n in sizes
+            rows[backend] = [  # not zeros: what a row leaves unwritten shows
+                torch.full((L, kv.kv, n, q.row_bytes), 0xAB, dtype=torch.uint8) for n in sizes
             ]
             t.gather(slots, rows[backend])
         ref = torch.stack(

@@ -232,6 +232,8 @@ def kv_int4_copy_kernel(
         q_hi = tl.floor(tl.minimum(tl.maximum(hi * inv, -7.0), 7.0) + 0.5).to(tl.int32) & 15
         tl.store(row + byte_off, (q_lo | (q_hi << 4)).to(tl.uint8), mask=mask)
         tl.store(scales + h * NG + g, scale, mask=hg_mask)
+        pad = NH * D // 2 + 2 * NH * NG + tl.arange(0, 4)  # to the row's word: zeros, as in torch
+        tl.store(row + pad, tl.zeros((4,), dtype=tl.uint8), mask=pad < tl.where(here, ROW, 0))
     else:
         b = tl.load(row + byte_off, mask=mask, other=0).to(tl.int32)
         q_lo = b & 15
