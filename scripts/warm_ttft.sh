@@ -28,7 +28,8 @@ start=$(date +%s)
 mkdir -p "$out"
 declare -A need=([gpu-tests]=110 [compiled]=440 [lengths]=420 [quality]=120 [eager]=270 [fp8-kv]=290)
 cuda=tests/test_transfer_cuda.py
-bench="--multiprocess --back-to-back --setup-timeout 170"
+engine="--multiprocess --setup-timeout 170"
+bench="$engine --back-to-back"
 run_part() {
     local part=$1
     case $part in
@@ -37,7 +38,7 @@ run_part() {
     compiled) STEPS=bench SETUPS="native kvtier kvtier-int4" LENGTHS="16384 32768" PAIRS=7 \
         BENCH_ARGS="--no-eager $bench" ;;
     lengths) STEPS=bench SETUPS="native kvtier kvtier-int4" LENGTHS="1024 4096 16384 65536" PAIRS=3 \
-        BENCH_ARGS="--no-eager --multiprocess --setup-timeout 170" ;;
+        BENCH_ARGS="--no-eager $engine" ;;
     quality) STEPS=quality LENGTHS="4096 16384" ;;
     eager) STEPS=bench SETUPS="native kvtier kvtier-int4" LENGTHS="16384 32768" PAIRS=5 \
         BENCH_ARGS="--eager $bench" ;;
