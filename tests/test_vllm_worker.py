@@ -392,3 +392,149 @@ def test_on_a_gpu_a_queued_load_beside_the_steps_is_reported_and_the_next_forwar
         assert all(torch.equal(g, w) for g, w in zip(got, want))
     finally:
         worker.close()
+
+
+def test_a_step_names_the_blocks_it_may_write_and_not_those_of_vllms_prefix_hit():
+    """The metadata of a step names the blocks it may write (fence.py): a new request's from
+    its first token vLLM did not hit, from kvtier's hit on where kvtier loads it in the step,
+    a background load's, a running request's new blocks (all of one resumed), those of
+    requests kvtier does not key too; never the blocks of vLLM's own prefix hit."""
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm.lookup import Handlers, LookupServer, socket_path
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+
+    worker, _ = worker_and_step(async_loading="busy")
+    toks = list(range(50))
+    worker.engine.store(toks, torch.arange(50))  # 48 tokens: kvtier's hit of blocks 0-2
+    server = LookupServer(
+        socket_path("written-test", 0), Handlers(worker._find, worker._release, worker.engine.clear)
+    )
+    scheduler = SchedulerSide(worker.config, worker.shape, "written-test", 1, True, True)
+
+    def new(rid, blocks, computed, embeds=False):
+        return SimpleNamespace(
+            req_id=rid,
+            prompt_token_ids=toks,
+            block_ids=(blocks,),
+            num_computed_tokens=computed,
+            **({"prompt_embeds": torch.zeros(1)} if embeds else {}),
+        )
+
+    try:
+        # kvtier's hit on 16 tokens vLLM holds: loaded in the step into blocks 11-12
+        assert scheduler.get_num_new_matched_tokens(vllm_request("loads", toks), 16) == (32, False)
+        alloc = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13],))
+        scheduler.update_state_after_alloc(vllm_request("loads", toks), alloc, 32)
+        mixed = vllm_request("mixed", toks, prompt_embeds=torch.zeros(50, 8))
+        assert scheduler.get_num_new_matched_tokens(mixed, 32) == (0, False)
+        cached = SimpleNamespace(
+            req_ids=["runs", "resumed", "steady"],
+            new_block_ids=[([30],), ([40, 41],), None],
+            resumed_req_ids={"resumed"},
+            num_computed_tokens=[64, 0, 70],
+        )
+        step = SimpleNamespace(
+            num_scheduled_tokens={"hit": 18, "loads": 18, "mixed": 18, "runs": 1, "resumed": 20},
+            scheduled_new_reqs=[
+                new("hit", [0, 1, 2, 3], 32),  # vLLM's hit: blocks 0-1
+                new("loads", [10, 11, 12, 13], 48),  # 16 of vLLM's, 32 of kvtier's
+                new("mixed", [20, 21, 22, 23], 32),  # not kvtier's to key: written all the same
+            ],
+            scheduled_cached_reqs=cached,
+            preempted_req_ids=None,
+        )
+        meta = scheduler.build_connector_meta(step)
+        assert [(s.req_id, s.start, s.end) for s in meta.loads] == [("loads", 16, 48)]
+        assert meta.written_blocks == [2, 3, 11, 12, 13, 22, 23, 30, 40, 41]
+        # a background load's blocks, in the step that plans it
+        scheduler.build_connector_meta(step_running("other"))
+        assert scheduler.get_num_new_matched_tokens(vllm_request("later", toks), 0) == (48, True)
+        alloc = SimpleNamespace(get_block_ids=lambda: ([50, 51, 52, 53],))
+        scheduler.update_state_after_alloc(vllm_request("later", toks), alloc, 48)
+        meta = scheduler.build_connector_meta(step_running("other"))
+        assert [(s.req_id, s.background) for s in meta.loads] == [("later", True)]
+        assert meta.written_blocks == [50, 51, 52, 53]
+    finally:
+        for rid in ("loads", "later", "hit"):
+            scheduler.request_finished(SimpleNamespace(request_id=rid))
+        scheduler.close()
+        server.close()
+        worker.close()
+
+
+def test_the_blocks_a_store_reads_and_a_step_writes_of_one_group_or_several():
+    from kvtier.integrations.vllm.fence import read_blocks, written_blocks
+
+    assert read_blocks([[5, 6, 7, 8]], 33, 16) == [5, 6, 7]
+    assert written_blocks([[5, 6, 7, 8]], 32, 16) == [7, 8]
+    # several groups (a hybrid model's, whose blocks map tokens their own ways): all but the
+    # null block
+    assert read_blocks([[5, 0, 7], [9, 10, 11]], 16, 16) == [5, 7, 9, 10, 11]
+    assert written_blocks([[5, 0, 7], [9, 10, 11]], 32, 16) == [5, 7, 9, 10, 11]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_step_waits_for_a_stores_reads_only_where_it_writes_their_blocks():
+    """A step's store gathers its KV beside vLLM's stream (its reads held up here behind a long
+    kernel on kvtier's stream): the next step's forward, writing other blocks, does not wait for
+    it; a step that names one of the store's blocks as written waits for its reads on the GPU,
+    so the store keeps the KV the forward had computed. Without naming it the write races the
+    reads (the store got the new values): the fence is what orders them."""
+    from kvtier.integrations.vllm.spec import KvtierMetadata, Shape, TransferSpec
+    from kvtier.integrations.vllm.worker import WorkerSide
+
+    config = KvtierConfig(chunk_size=16, max_local_cpu_size=0.05)
+    layers = [
+        torch.randn(2, 64, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)
+    ]
+    worker = WorkerSide(config, Shape(16, 16, False, 0), "gpu-fence-test", True)
+    worker.engine = CacheEngine(
+        config, PagedKV.wrap(layers, "flash_attn"), KVFormat("m", "flash_attn", "bfloat16")
+    )
+    worker._fenced = True  # as register_kv_caches decides for one KV cache group
+    side = worker.engine.transfer._kernel_stream
+    want = [layer[:, 0:4].clone() for layer in layers]  # blocks 0-3 hold the prompt's KV
+    toks = list(range(64))
+
+    def store(rid, tokens, blocks):
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the store's reads wait behind it
+        worker.wait_for_save(
+            KvtierMetadata(saves=[TransferSpec(rid, tokens, [blocks], 0, len(tokens))])
+        )
+        assert len(worker._fence) == 1 and not side.query()
+
+    def write(blocks, named):
+        """The next step: its forward writes `blocks` (named in its metadata if `named`);
+        whether its stream went on before the store's reads ended."""
+        worker.start_load_kv(KvtierMetadata(written_blocks=blocks if named else []))
+        for layer in layers:
+            layer[:, blocks] = 0
+        wrote = torch.cuda.Event()
+        wrote.record()
+        wrote.synchronize()
+        return not side.query()
+
+    try:
+        store("r", toks, [0, 1, 2, 3])
+        assert write([10, 11], named=True)  # other blocks: no wait
+        assert len(worker._fence) == 1
+        assert not write([2], named=True)  # one it reads: after the reads
+        assert not len(worker._fence)
+        torch.cuda.synchronize()
+        back = list(range(20, 24))
+        assert int(worker.engine.retrieve(toks, torch.arange(20 * 16, 24 * 16)).sum()) == 64
+        for layer, w in zip(layers, want):
+            assert torch.equal(layer[:, back], w)
+        # the control: the same write not named races the reads, and the store keeps it
+        other = list(range(1000, 1064))
+        for layer in layers:
+            layer[:, 4:8] = 1
+        store("s", other, [4, 5, 6, 7])
+        assert write([4, 5, 6, 7], named=False)
+        torch.cuda.synchronize()
+        assert int(worker.engine.retrieve(other, torch.arange(20 * 16, 24 * 16)).sum()) == 64
+        assert all(not layer[:, back].any() for layer in layers)
+    finally:
+        worker.close()
