@@ -9,13 +9,16 @@
 #                mkdir -p "$RESULTS/$part" && tar xzf "$f" -C "$RESULTS/$part"; done
 # then commit RESULTS and call again until it says "all parts done". PARTS= a subset, in order.
 # The parts (vLLM 0.26 from the bundle, Llama-3.1-8B's shape, seeded weights; kvtier_tools.bench.vllm):
-#   gpu-tests  the GPU tests of the copy and codec kernels the parts use
+#   gpu-tests  the GPU tests of the copy and codec kernels the parts use, and of the store's fence
 #   compiled   default compiled mode, multiprocess engine (as `vllm serve` runs): native offloading,
 #              kvtier bf16 and int4, 16k and 32k, the store landed and back to back, 7 pairs
 #   lengths    the same setups and engine from 1k to 64k (3 pairs): the plot against the copy
 #   quality    the lossy codecs' logprob error beside vLLM's fp8 KV cache (profiles.kv_codec)
 #   eager      as compiled, eager mode
 #   fp8-kv     vLLM's own fp8 KV cache (--kv-cache-dtype fp8): native and kvtier, as compiled
+#   chat       the multi-turn chat workload against vLLM's OpenAI server (kvtier_tools.bench.serving,
+#              scripts/gpu_vllm.sh's `serving` step) at the 8B shape: kvtier bf16, native offloading
+#              and kvtier int4, servers resident, rounds in turn (3, or as many as the call allows)
 # Tables and plots from the records: `python -m kvtier_tools.bench.vllm_report RESULTS/<part> ...`
 # (docs/benchmarks/warm-ttft.md).
 set -uo pipefail
@@ -26,7 +29,11 @@ budget=${BUDGET_S:-570}  # this call's seconds
 parts=${PARTS:-gpu-tests compiled lengths quality eager fp8-kv}
 start=$(date +%s)
 mkdir -p "$out"
-declare -A need=([gpu-tests]=110 [compiled]=440 [lengths]=420 [quality]=120 [eager]=270 [fp8-kv]=290)
+declare -A need=([gpu-tests]=110 [compiled]=440 [lengths]=420 [quality]=120 [eager]=270 [fp8-kv]=290
+    [chat]=540)
+# (no spaces: gpu_vllm.sh splits SERVING_ARGS on them)
+llama8b='{"hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,'
+llama8b+='"num_key_value_heads":8,"head_dim":128,"max_position_embeddings":32768}'
 cuda=tests/test_transfer_cuda.py
 engine="--multiprocess --setup-timeout 170"
 bench="$engine --back-to-back"
@@ -34,7 +41,9 @@ run_part() {
     local part=$1
     case $part in
     gpu-tests) STEPS=tests GPU_TESTS="tests/test_kv_codec.py $cuda::test_the_lossy_codec_kernels_match_the_torch_codec
-        $cuda::test_engine_with_the_int8_codec_through_the_store_server_on_gpu" ;;
+        $cuda::test_engine_with_the_int8_codec_through_the_store_server_on_gpu
+        $cuda::test_a_whole_store_not_waited_for_reads_the_pages_after_the_forward_and_before_the_next
+        tests/test_vllm_worker.py::test_on_a_gpu_a_step_waits_for_a_stores_reads_only_where_it_writes_their_blocks" ;;
     compiled) STEPS=bench SETUPS="native kvtier kvtier-int4" LENGTHS="16384 32768" PAIRS=7 \
         BENCH_ARGS="--no-eager $bench" ;;
     lengths) STEPS=bench SETUPS="native kvtier kvtier-int4" LENGTHS="1024 4096 16384 65536" PAIRS=3 \
@@ -44,12 +53,15 @@ run_part() {
         BENCH_ARGS="--eager $bench" ;;
     fp8-kv) STEPS=bench SETUPS="native kvtier" LENGTHS="16384 32768" PAIRS=5 \
         BENCH_ARGS="--no-eager --kv-cache-dtype fp8 $bench" ;;
+    chat) STEPS=serving SETUPS="kvtier native kvtier-int4" GPU_UTIL=0.28 \
+        SERVING_ARGS="--model $llama8b --model-dir /tmp/kvtier-serving-8b --max-model-len 8192 \
+        --rounds 3 --resident" ;;
     *) echo "unknown part $part"; return 2 ;;
     esac
     local left=$(( budget - ($(date +%s) - start) - 15 ))
-    export STEPS SETUPS LENGTHS PAIRS BENCH_ARGS GPU_TESTS
-    OUT=$out TAG=$part BENCH_TIMEOUT=$left QUALITY_TIMEOUT=$left BUNDLE=${BUNDLE:-.gpu-vllm-core} \
-        bash scripts/gpu_vllm.sh
+    export STEPS SETUPS LENGTHS PAIRS BENCH_ARGS GPU_TESTS GPU_UTIL SERVING_ARGS
+    OUT=$out TAG=$part BENCH_TIMEOUT=$left QUALITY_TIMEOUT=$left SERVING_TIMEOUT=$left \
+        BUNDLE=${BUNDLE:-.gpu-vllm-core} bash scripts/gpu_vllm.sh
 }
 for part in $parts; do
     if [ -d "$results/$part" ]; then continue; fi
@@ -59,7 +71,7 @@ for part in $parts; do
         exit 0
     fi
     echo "== part $part ($(date -u +%H:%M:%S))"
-    unset STEPS SETUPS LENGTHS PAIRS BENCH_ARGS GPU_TESTS
+    unset STEPS SETUPS LENGTHS PAIRS BENCH_ARGS GPU_TESTS GPU_UTIL SERVING_ARGS
     run_part "$part"
 done
 echo "all parts done"

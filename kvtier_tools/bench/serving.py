@@ -8,6 +8,7 @@ server at a time on this machine.
     kvtier-in-step KvtierConnector, async_loading never (every CPU-RAM hit loads in its step)
     kvtier-dma     KvtierConnector, gpu_upload copy_engine (a hit beside the steps crosses by DMA
                    too)
+    kvtier-int4    KvtierConnector, remote_serde int4 (lossy: 0.28 of the bytes in every tier)
     lmcache        LMCacheConnectorV1, CPU RAM
     native         vLLM's OffloadingConnector (--kv-offloading-size, backend native)
 
@@ -62,6 +63,7 @@ def setup(name: str, cpu_gb: float) -> tuple[dict | None, dict, list[str]]:
         "kvtier-kernel": (KVTIER, {**size, "KVTIER_GPU_UPLOAD": "kernel"}, []),
         "kvtier-in-step": (KVTIER, {**size, "KVTIER_ASYNC_LOADING": "never"}, []),
         "kvtier-dma": (KVTIER, {**size, "KVTIER_GPU_UPLOAD": "copy_engine"}, []),
+        "kvtier-int4": (KVTIER, {**size, "LMCACHE_REMOTE_SERDE": "int4"}, []),
         "lmcache": (LMCACHE_CONNECTOR, {**size, "LMCACHE_LOCAL_CPU": "true"}, []),
         "native": (
             None,
