@@ -12,11 +12,9 @@
     save_state / load_state  a hybrid model's recurrent state at a chunk's end (states.py);
                              with it, `find` ends a hit only where such a snapshot is
 
-Copies to the host that a caller did not wait for (a store's `finish(wait=False)`, a state
-snapshot) land in the tiers at the next store, flush, clear or close, and at a lookup of their
-keys. With `finish(wait=False, ordered=False)` the caller's stream is not held behind the
-store's reads of the KV pages either: it orders its next writes of them after `pages_read()`
-(vLLM's worker does so only where a step writes a block a store still reads: fence.py).
+Copies to the host that a caller did not wait for (a layerwise store's `finish(wait=False)`,
+a state snapshot) land in the tiers at the next store, flush, clear or close, and at a lookup
+of their keys.
 
 `tokens` are a prompt's token ids from its first token; `slots` are the
 paged-cache slot of each of those tokens (block_id * block_size + offset);
@@ -284,12 +282,6 @@ class CacheEngine:
         return self.storing.start(
             Job(as_numpy(tokens), slots, start, request_id, identity), layerwise
         )
-
-    def pages_read(self) -> torch.cuda.Event | None:
-        """After every read of the KV pages queued so far: a store finished with
-        `ordered=False` leaves its caller's stream unordered, and the caller writes those pages
-        again only after this event (None: every read is over already)."""
-        return self.mover.pages_read()
 
     def allocate_staging(self, spans: Sequence[ChunkSpan]) -> list[tuple[ChunkSpan, MemoryBlock]]:
         """Pool blocks for the first of `spans` (as many as free now; the first may wait),

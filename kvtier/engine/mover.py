@@ -77,23 +77,17 @@ class Mover:
         owned: list[tuple[ChunkSpan, MemoryBlock]],
         digests: torch.Tensor | None = None,
         wait: bool = True,
-        ordered: bool = True,
     ) -> InFlight | None:
         """The KV into the blocks: landed, their digests stamped (None), or, without `wait` on a
-        GPU, in flight (stamp them once it has landed); `ordered`: Transfer.gather's."""
+        GPU, in flight (stamp them once it has landed)."""
         spans, chunks = self._chunks(owned)
         with self._lock:
             flight = self.transfer.gather(
-                concat_slots(slots, spans), chunks, digests=digests, wait=wait, ordered=ordered
+                concat_slots(slots, spans), chunks, digests=digests, wait=wait
             )
         if flight is None:
             stamp(owned, digests)
         return flight
-
-    def pages_read(self) -> torch.cuda.Event | None:
-        """Transfer.pages_read: after every read of the KV pages queued so far."""
-        with self._lock:
-            return self.transfer.pages_read()
 
     def gather_layerwise(
         self,

@@ -9,9 +9,6 @@ Storing.finish(wait=False)       the same without waiting for the copies on a GP
                                  layerwise store's, or a whole store's as far as the pool
                                  has free blocks): those chunks go into the tiers at a
                                  later `StorePath.landing.settle`, once they have landed
-Storing.finish(wait=False, ordered=False)
-                                 a whole store's gathers run beside the caller's stream:
-                                 it writes those pages again only after `pages_read()`
 """
 
 from __future__ import annotations
@@ -187,14 +184,12 @@ class Storing:
         if self._handle is not None:
             self._handle.save(layer)
 
-    def finish(self, wait: bool = True, ordered: bool = True) -> int:
+    def finish(self, wait: bool = True) -> int:
         """Put the chunks in the tiers; the tokens stored. With `wait` their copies have
         landed on return. Without it, on a GPU, the chunks that have a block (a layerwise
         store's; a whole store's, as many as the pool has free now) go into the tiers at a
         later `StorePath.landing.settle`, once their copies have landed (the caller's stream
         is ordered after their reads of the KV); the rest streams through the pool now.
-        A whole store without `ordered` leaves the caller's stream unordered: the caller
-        orders its next writes of these pages after `Mover.pages_read()`.
 
         A layerwise store some layer of which was never saved (the forward
         stopped early) is dropped, not stored: that layer was not computed.
@@ -209,7 +204,7 @@ class Storing:
         if (
             self._handle is None and not wait
         ):  # a whole store: the copies of what fits now not waited for
-            chunks, flight = self._gather_later(rest, ordered)
+            chunks, flight = self._gather_later(rest)
             rest = rest[len(chunks) :]
         path, job, digests, layerwise = (
             self._path,
@@ -273,7 +268,7 @@ class Storing:
         return 0
 
     def _gather_later(
-        self, spans: list[ChunkSpan], ordered: bool
+        self, spans: list[ChunkSpan]
     ) -> tuple[list[tuple[ChunkSpan, MemoryBlock]], InFlight | None]:
         """The first `spans`, as many as the pool has free blocks for now, gathered and their
         copies to the host queued (in flight, or landed already where nothing runs beside)."""
@@ -284,7 +279,7 @@ class Storing:
         self._digests = path.mover.digest_sums(len(owned))
         try:
             return owned, path.mover.gather(
-                self._job.slots, owned, digests=self._digests, wait=False, ordered=ordered
+                self._job.slots, owned, digests=self._digests, wait=False
             )
         except BaseException:
             release_blocks(owned)

@@ -83,17 +83,10 @@ class Transfer(Protocol):
         chunks: Sequence[torch.Tensor],
         digests: torch.Tensor | None = None,
         wait: bool = True,
-        ordered: bool = True,
     ) -> InFlight | None:
         """Fill `chunks` with the KV of `slots`. With `wait` (or where nothing runs beside
-        the caller) the bytes have landed on return (None). Without it, on a GPU, the copies to
-        the chunks are in flight, and the caller's stream is ordered after the reads of the KV;
-        without `ordered` it is not: the caller orders its next writes of those pages after
-        `pages_read()`."""
-
-    def pages_read(self) -> torch.cuda.Event | None:
-        """An event after every read of the KV pages queued so far (gathers not `ordered`);
-        None where every read is over on return (nothing runs beside the caller)."""
+        the caller) the bytes have landed on return (None). Without it, on a GPU, the caller's
+        stream is ordered after the reads of the KV, and the copies to the chunks are in flight."""
 
     def gather_addressed(
         self, slots: torch.Tensor, addresses: Sequence[int], chunk_tokens: int

@@ -40,12 +40,11 @@ class TorchTransfer:
         chunks: Sequence[torch.Tensor],
         digests: torch.Tensor | None = None,
         wait: bool = True,
-        ordered: bool = True,
         *,
         layers: range | None = None,
     ) -> None:
         """Copy the KV of `slots` into `chunks` ([L, K, T_i, H, D], in order), all layers or
-        `layers`, whatever `wait` and `ordered` say (nothing runs beside the caller).
+        `layers`, whatever `wait` says (nothing runs beside the caller).
         A token at slot -1 (grouped KV: a page its group no longer keeps) gets whatever
         slot 0 holds: nothing reads it back there. (KV digests are the Triton transfer's:
         `digests` must be None here.)"""
@@ -69,10 +68,6 @@ class TorchTransfer:
             self.kv.device.type == "cuda"
         ):  # (the fallback where Triton is absent) the chunks are read next
             torch.cuda.current_stream(self.kv.device).synchronize()
-
-    def pages_read(self) -> None:
-        """Every read is over on return here (base.Transfer.pages_read)."""
-        return None
 
     def gather_addressed(
         self, slots: torch.Tensor, addresses: Sequence[int], chunk_tokens: int

@@ -278,7 +278,6 @@ class TritonTransfer:
         chunks: Sequence[torch.Tensor],
         digests: torch.Tensor | None = None,
         wait: bool = True,
-        ordered: bool = True,
     ) -> InFlight | None:
         """Fill `chunks` with the KV of `slots` (base.Transfer.gather); a kernel per group of
         chunks, each group's copy to the host behind it. `digests` (int64 zeros on the device,
@@ -311,16 +310,8 @@ class TritonTransfer:
         if wait:
             copies.synchronize()
             return None
-        if ordered:  # the kernels read the pages before anything later writes them
-            current.wait_stream(stream)
+        current.wait_stream(stream)  # the kernels read the pages before anything later writes them
         return InFlight(copies.record_event(), keep=(staging, dev_slots, ptrs, sums))
-
-    def pages_read(self) -> torch.cuda.Event | None:
-        """After every kernel queued so far on the kernels' stream: the gathers' reads among
-        them (base.Transfer.pages_read)."""
-        if self._stream is None:  # the interpreter: every kernel has run on return
-            return None
-        return self._stream.record_event()
 
     def gather_addressed(
         self, slots: torch.Tensor, addresses: Sequence[int], chunk_tokens: int

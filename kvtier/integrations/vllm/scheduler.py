@@ -5,8 +5,7 @@ get_num_new_matched_tokens ── lookup ──▶ the workers (lookup.py): find
                               the request's identity first (identity.py): a request
                               kvtier cannot key is neither looked up nor stored
 update_state_after_alloc      the load is planned for the blocks vLLM gave
-build_connector_meta          this step's loads and saves (whole chunks as prefill goes), and
-                              the blocks it may write (fence.py)
+build_connector_meta          this step's loads and saves (whole chunks as prefill goes)
 request_finished              forget the request; release a hold it never used
 """
 
@@ -19,7 +18,6 @@ from typing import TYPE_CHECKING
 
 from kvtier.config import KvtierConfig
 from kvtier.integrations.vllm.events import KvtierKVEvents
-from kvtier.integrations.vllm.fence import written_blocks
 from kvtier.integrations.vllm.groups import KvGroups
 from kvtier.integrations.vllm.identity import Identities
 from kvtier.integrations.vllm.lookup import LookupClient, socket_path
@@ -194,30 +192,10 @@ class SchedulerSide:
         for rid in self._async_loads:
             state = self._requests.get(rid)
             if state is not None and state.load is not None:
-                meta.written_blocks += written_blocks(
-                    state.block_ids, state.load[0], self.shape.block_size
-                )
                 self._plan_load(meta, rid, state, state.load)
         self._async_loads = []
-        self._plan_new(meta, scheduler_output)
-        self._plan_cached(meta, scheduler_output)
-        for req_id in scheduler_output.preempted_req_ids or ():  # their pages are free now
-            state = self._requests.get(req_id)
-            if state is not None and state.pd_target is not None:
-                meta.pd_dropped.append(state.pd_target.req_id)
-        meta.pd_dropped += self._pd_dropped
-        self._pd_dropped = []
-        return meta
-
-    def _plan_new(self, meta: KvtierMetadata, scheduler_output: SchedulerOutput) -> None:
-        """The step's new requests: the blocks they write, their loads and saves."""
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            loading = self._requests.get(new.req_id)
-            first = new.num_computed_tokens  # vLLM's hit and kvtier's, if it loads in this step
-            if loading is not None and loading.load is not None:
-                first = loading.load[0]
-            meta.written_blocks += written_blocks(new.block_ids, first, self.shape.block_size)
             identity = self._identity.get(new.req_id)
             if not new.prompt_token_ids or identity is None:  # (one kvtier cannot key: identity.py)
                 continue
@@ -228,18 +206,12 @@ class SchedulerSide:
             if state.pd_target is None:
                 state.pd_target = self.pd.target(new.req_id)
             self._plan(meta, new.req_id, state, new.num_computed_tokens + sched.get(new.req_id, 0))
-
-    def _plan_cached(self, meta: KvtierMetadata, scheduler_output: SchedulerOutput) -> None:
-        """The step's running (or resumed) requests: the blocks they write, their saves."""
-        sched = scheduler_output.num_scheduled_tokens
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            new_blocks = cached.new_block_ids[i]
-            # (all of a resumed one's)
-            meta.written_blocks += written_blocks(new_blocks or (), 0, self.shape.block_size)
             state = self._requests.get(req_id)
             if state is None:
                 continue
+            new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 # Preempted and resumed: its blocks are new, and its KV must be recomputed.
                 state.block_ids = [list(ids) for ids in new_blocks] if new_blocks else []
@@ -250,6 +222,13 @@ class SchedulerSide:
                 for ids, more in zip(state.block_ids, new_blocks):
                     ids.extend(more)
             self._plan(meta, req_id, state, cached.num_computed_tokens[i] + sched.get(req_id, 0))
+        for req_id in scheduler_output.preempted_req_ids or ():  # their pages are free now
+            state = self._requests.get(req_id)
+            if state is not None and state.pd_target is not None:
+                meta.pd_dropped.append(state.pd_target.req_id)
+        meta.pd_dropped += self._pd_dropped
+        self._pd_dropped = []
+        return meta
 
     def _plan_load(
         self,

@@ -93,9 +93,6 @@ class KvtierMetadata(KVConnectorMetadata):
     # PD sender: proxy ids of requests whose pages vLLM freed before their last step
     # (preempted, or finished early): their queued writes must read them before the next forward
     pd_dropped: list[str] = field(default_factory=list)
-    # the blocks this step may write (vLLM's forward, kvtier's loads): their stores' reads of
-    # them, still running beside vLLM's stream, end first (fence.py)
-    written_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,6 @@ from kvtier.engine.states import StateLoad
 from kvtier.errors import ConfigError, UnsupportedKVLayout, UnsupportedModel
 from kvtier.integrations.vllm.beside import Beside, BesideLoads
 from kvtier.integrations.vllm.events import KvtierKVEvents, to_vllm
-from kvtier.integrations.vllm.fence import PageFence, read_blocks, writes_come_late
 from kvtier.integrations.vllm.groups import KvGroups, state_layers
 from kvtier.integrations.vllm.layout import vllm_kv
 from kvtier.integrations.vllm.lookup import Handlers, LookupServer, socket_path
@@ -70,8 +69,6 @@ class WorkerSide:
         # it loaded)
         self._loads: list[tuple[Loading, TransferSpec, StateLoad | None]] = []
         self._layers_written = 0  # by this step's forward (save_kv_layer calls)
-        self._fence = PageFence()  # blocks this worker's stores still read (on a GPU)
-        self._fenced = False  # stores leave vLLM's stream unordered (register_kv_caches)
         self._beside: BesideLoads | None = None  # loads beside the steps (register_kv_caches)
         self._failed_tokens = 0  # promised tokens that could not be loaded
         self._reported: dict[str, float] = {}  # counters as last reported to vLLM
@@ -149,7 +146,6 @@ class WorkerSide:
                 "attention KV only"
             )
         self.engine = self.pd.make_engine(kv, fmt, rank, states)
-        self._fenced = writes_come_late(vllm_config, self.groups is None)
         self._beside = BesideLoads(self.engine.kv.device)
         self._server = LookupServer(
             socket_path(self.engine_id, rank),
@@ -216,8 +212,6 @@ class WorkerSide:
     def start_load_kv(self, meta: KvtierMetadata) -> None:
         assert self.engine is not None
         t0 = time.perf_counter()
-        # before this step's forward and loads (those beside start after this stream's work)
-        self._fence.before_writes(meta.written_blocks, self.engine.kv.device)
         self.pd.dropped(meta.pd_dropped)  # before this step's forward is queued
         beside = self._beside_loads()
         beside.order_step()
@@ -401,8 +395,7 @@ class WorkerSide:
         # Copies to the host not waited for: the chunks land in the tiers at the engine's next
         # store (or a lookup of them). A host waiting here for the step's copies left the GPU
         # idle until vLLM queued the next step (its batch queue queues a step before the last
-        # one ends). Nor does vLLM's stream wait for their reads of the pages: only a step that
-        # writes one of these blocks again does (fence.py).
+        # one ends).
         if meta.saves and self._forward_wrote_every_layer():  # nor its states, nor a PD send
             for spec in meta.saves:
                 self.engine.start_store(
@@ -411,13 +404,7 @@ class WorkerSide:
                     start=spec.start,
                     request_id=spec.req_id,
                     identity=spec.identity,
-                ).finish(wait=False, ordered=not self._fenced)
-            read = self.engine.pages_read() if self._fenced else None
-            if read is not None:
-                bs = self.shape.block_size
-                self._fence.add(
-                    read, [b for s in meta.saves for b in read_blocks(s.block_ids, s.end, bs)]
-                )
+                ).finish(wait=False)
             for spec in meta.saves:
                 if spec.state and self._state_names:
                     self._save_state(spec)
