@@ -73,6 +73,11 @@ def test_py_spy_stacks_are_summed_by_thread_and_kvtier_frame(tmp_path):
     assert main.outer["wait_for_save (connector.py)"] == 3 and main.inner["finish (x.py)"] == 3
     lines = report(threads, min_samples=1)
     assert any("10 samples, 4 (40.0%) in kvtier" in line for line in lines)
+    assert main.leaf["schedule (scheduler.py)"] == 6 and main.leaf["finish (x.py)"] == 3
+    assert not any("leaf" in line for line in lines)
+    assert any(
+        "leaf    60.0%  schedule (scheduler.py)" in line for line in report(threads, 8, 1, True)
+    )
 
 
 def test_serving_rounds_give_each_setups_median_and_its_ratio_to_the_first_in_the_same_round():

@@ -135,9 +135,10 @@ def served(model: Path, name: str, workdir: Path, server: ServerSpec):
 
 
 @contextlib.contextmanager
-def sampled(pid: int, path: Path | None) -> Iterator[None]:
+def sampled(pid: int, path: Path | None, rate: int = 200, idle: bool = True) -> Iterator[None]:
     """py-spy sampling process `pid` and its children (vLLM's engine core) into `path`, as
-    collapsed stacks, while the block runs (nothing where `path` is None)."""
+    collapsed stacks, while the block runs (nothing where `path` is None); `rate` samples a
+    second, with the threads' idle waits (`idle`) or their busy time only."""
     if path is None:
         yield
         return
@@ -152,11 +153,11 @@ def sampled(pid: int, path: Path | None) -> Iterator[None]:
             str(pid),
             "--subprocesses",
             "--rate",
-            "200",
+            str(rate),
             "--format",
             "raw",
             "--threads",
-            "--idle",
+            *(["--idle"] if idle else []),
             "--nonblocking",
             "-o",
             str(path),

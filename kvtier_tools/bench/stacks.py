@@ -4,7 +4,8 @@ collapsed stacks (`py-spy record --format raw --subprocesses --threads`, as
 
 For each process and thread: its samples; then, of the samples whose stack passes through
 kvtier, the outermost kvtier function of each (what vLLM called into) and the innermost
-(where the time went), as shares of that thread's samples. With py-spy's `--idle` (as
+(where the time went), as shares of that thread's samples; with `--leaves` first the innermost
+frame of every sample, whatever code it is in. With py-spy's `--idle` (as
 `--profile` samples) a thread's samples are its wall time, its waits included.
 """
 
@@ -24,6 +25,7 @@ class Thread:
     samples: int = 0
     outer: Counter = field(default_factory=Counter)  # outermost kvtier frame -> samples
     inner: Counter = field(default_factory=Counter)  # innermost kvtier frame -> samples
+    leaf: Counter = field(default_factory=Counter)  # innermost frame, any code's -> samples
 
 
 def frame_name(frame: str) -> tuple[str, str]:
@@ -55,6 +57,9 @@ def read(path: Path) -> dict[tuple[str, str], Thread]:
         t = threads[(process[:60], thread)]
         n = int(count)
         t.samples += n
+        if frames:
+            fn, file = frame_name(frames[-1])
+            t.leaf[f"{fn} ({Path(file).name})"] += n
         ours = [
             f"{fn} ({Path(file).name})" for fn, file in map(frame_name, frames) if is_kvtier(file)
         ]
@@ -65,8 +70,13 @@ def read(path: Path) -> dict[tuple[str, str], Thread]:
 
 
 def report(
-    threads: dict[tuple[str, str], Thread], top: int = 8, min_samples: int = 50
+    threads: dict[tuple[str, str], Thread],
+    top: int = 8,
+    min_samples: int = 50,
+    leaves: bool = False,
 ) -> list[str]:
+    """Per thread of at least `min_samples`: its kvtier frames (`leaves`: its innermost frames,
+    whatever code they are in, first)."""
     lines = []
     for (process, thread), t in sorted(threads.items(), key=lambda kv: -kv[1].samples):
         if t.samples < min_samples:
@@ -75,7 +85,8 @@ def report(
         lines.append(
             f"{process} {thread}: {t.samples} samples, {ours} ({ours / t.samples:.1%}) in kvtier"
         )
-        for label, counter in (("called", t.outer), ("in", t.inner)):
+        counters = (("called", t.outer), ("in", t.inner))
+        for label, counter in (("leaf", t.leaf),) * leaves + counters:
             for name, n in counter.most_common(top):
                 lines.append(f"    {label:6} {n / t.samples:6.1%}  {name}")
     return lines
@@ -88,10 +99,11 @@ def main() -> None:
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--top", type=int, default=8)
     p.add_argument("--min-samples", type=int, default=50)
+    p.add_argument("--leaves", action="store_true", help="each thread's innermost frames too")
     args = p.parse_args()
     for path in args.files:
         print(f"== {path}")
-        print("\n".join(report(read(path), args.top, args.min_samples)))
+        print("\n".join(report(read(path), args.top, args.min_samples, args.leaves)))
 
 
 if __name__ == "__main__":

@@ -307,8 +307,11 @@ class _Run:
 
     def _trace(self, length: int) -> list[str]:
         """One more pair, its warm run (`--trace warm`) or its GPU prefix hit (`--trace hit`)
-        under torch's profiler: the GPU's side of the timeline, and the host's waits for it."""
+        under torch's profiler: the GPU's side of the timeline, and the host's waits for it.
+        With --multiprocess, `_spied`."""
         what = self.args.trace
+        if self.args.multiprocess:
+            return self._spied(length)
         ids = prompt(length, 99, self.args.family)
         self.gen(ids)
         if what == "warm":
@@ -320,6 +323,40 @@ class _Run:
         for line in lines:
             print(f"[{self.args.setup}] {length} {what} GPU: {line}", flush=True)
         return lines
+
+    def _spied(self, length: int) -> list[str]:
+        """The engine's own process under py-spy (torch's profiler here does not see it) through
+        SPIED more pairs' GPU prefix hits (`--trace hit`) or warm runs, sampled only while each
+        runs: where each thread's busy time went (its innermost frames, and kvtier's)."""
+        from kvtier_tools.bench import stacks
+        from kvtier_tools.bench.serving import sampled
+
+        what, ids = self.args.trace, prompt(length, 99, self.args.family)
+        merged: dict = {}
+        for k in range(SPIED):
+            self.gen(ids)
+            if what == "warm":
+                self.llm.reset_prefix_cache()
+                self.flush()
+            path = Path(self.args.out, f"{self.args.setup}-{length}-{what}-{k}.pyspy.txt")
+            with sampled(os.getpid(), path, rate=2000, idle=False):
+                time.sleep(1.0)  # py-spy attaches
+                self.gen(ids)
+            self.llm.reset_prefix_cache()
+            for key, thread in stacks.read(path).items():
+                into = merged.setdefault(key, stacks.Thread())
+                into.samples += thread.samples
+                for mine, theirs in zip(
+                    (into.leaf, into.outer, into.inner), (thread.leaf, thread.outer, thread.inner)
+                ):
+                    mine.update(theirs)
+        lines = stacks.report(merged, top=12, min_samples=20, leaves=True)
+        for line in lines:
+            print(f"[{self.args.setup}] {length} {what} py-spy: {line}", flush=True)
+        return lines
+
+
+SPIED = 5  # pairs `--trace` samples with py-spy under --multiprocess
 
 
 def _offloader(args: argparse.Namespace, setup: dict) -> dict:
@@ -486,7 +523,9 @@ def main() -> None:
         const="warm",
         choices=("warm", "hit"),
         help="one more warm run (or GPU prefix hit: --trace hit) per length under torch's "
-        "profiler: its GPU timeline, the host's waits for the GPU, and the trace",
+        "profiler: its GPU timeline, the host's waits for the GPU, and the trace; with "
+        "--multiprocess 5 more under py-spy (on PATH) in the engine's process: its threads' "
+        "busy time by innermost frame",
     )
     p.add_argument(
         "--module-path",
@@ -495,8 +534,8 @@ def main() -> None:
         help="name kvtier's module in the config (default: by name, through vLLM's plugin)",
     )
     args = p.parse_args()
-    if args.multiprocess and (args.profile or args.trace):
-        p.error("--profile and --trace profile this process: not with --multiprocess")
+    if args.multiprocess and args.profile:
+        p.error("--profile profiles this process: not with --multiprocess (--trace samples it)")
     args.model = args.model or f"/tmp/kvtier-{args.family}-8b"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.setup:
