@@ -208,3 +208,45 @@ def test_fewer_tokens_than_a_block_past_vllms_own_hit_are_not_loaded(
     from kvtier.integrations.vllm.spec import Shape
 
     assert Shape(16, 256, False, 0).to_load(stored, prompt, computed) == load
+
+
+@pytest.mark.parametrize(
+    "stored, prompt, computed, load",
+    [
+        (4352, 4352, 4336, 15),  # the step then computes the last token alone: a full graph
+        (4340, 4352, 4336, 0),  # it computes 12 anyway
+        (4352, 4352, 4320, 31),
+        (4352, 4352, 4351, 0),
+    ],
+)
+def test_under_full_cuda_graphs_the_tail_past_vllms_hit_is_loaded_where_it_leaves_one_token(
+    stored, prompt, computed, load
+):
+    pytest.importorskip("vllm")
+    from kvtier.integrations.vllm.spec import Shape
+
+    assert Shape(16, 256, False, 0, full_graphs=True).to_load(stored, prompt, computed) == load
+
+
+def test_full_graphs_are_vllms_compiled_mode_without_eager_or_speculative_decoding():
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.config import CUDAGraphMode
+
+    from kvtier.integrations.vllm.spec import _full_graphs
+
+    def config(mode, eager=False, speculative=None):
+        return SimpleNamespace(
+            compilation_config=SimpleNamespace(cudagraph_mode=mode),
+            model_config=SimpleNamespace(enforce_eager=eager),
+            speculative_config=speculative,
+        )
+
+    assert _full_graphs(config(CUDAGraphMode.FULL_AND_PIECEWISE))
+    assert _full_graphs(config(CUDAGraphMode.FULL_DECODE_ONLY))
+    assert not _full_graphs(config(CUDAGraphMode.PIECEWISE))
+    assert not _full_graphs(config(CUDAGraphMode.NONE))
+    assert not _full_graphs(config(None))
+    assert not _full_graphs(config(CUDAGraphMode.FULL_AND_PIECEWISE, eager=True))
+    assert not _full_graphs(config(CUDAGraphMode.FULL_AND_PIECEWISE, speculative=object()))

@@ -126,6 +126,34 @@ def test_the_scheduler_asks_no_worker_when_vllm_has_all_but_less_than_a_block():
         worker.close()
 
 
+def test_under_full_cuda_graphs_a_prompt_again_loads_the_tail_past_vllms_own_hit():
+    """A prompt again at once, vLLM's own hit but for its last block: where vLLM replays a full
+    CUDA graph for a step of one token, the scheduler asks the worker, and kvtier's hit of that
+    block (a partial chunk stored) is loaded, so that the step computes the last token alone."""
+    from dataclasses import replace
+
+    from kvtier.integrations.vllm.lookup import Handlers, LookupServer, socket_path
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+
+    worker, _ = worker_and_step(save_unfull_chunk=True)
+    worker.shape = replace(worker.shape, full_graphs=True)
+    toks = list(range(50))
+    worker.engine.store(toks, torch.arange(50))
+    server = LookupServer(
+        socket_path("tail-test", 0), Handlers(worker._find, worker._release, worker.engine.clear)
+    )
+    scheduler = SchedulerSide(worker.config, worker.shape, "tail-test", 1, True, True)
+    try:
+        request = vllm_request("r", toks)
+        assert scheduler.get_num_new_matched_tokens(request, 48) == (1, False)
+        assert len(worker.engine.holds) == 1  # held until its load
+    finally:
+        scheduler.request_finished(vllm_request("r", toks))
+        scheduler.close()
+        server.close()
+        worker.close()
+
+
 def step_running(*req_ids):
     """What the scheduler side reads of a step (vLLM's SchedulerOutput) that ran `req_ids`,
     each a decode token, none new."""

@@ -105,6 +105,10 @@ class Shape:
     # kvtier then moves whole blocks, and a hit must end on a block boundary.
     whole_blocks: bool
     min_retrieve_tokens: int
+    # vLLM replays a full CUDA graph for a step of one token a request (its compiled mode's
+    # FULL_AND_PIECEWISE), and runs a longer one piecewise, the attention of each layer
+    # launched from Python in between
+    full_graphs: bool = False
 
     def usable(self, stored: int, prompt_len: int) -> int:
         """The tokens of a stored prefix vLLM is told of."""
@@ -117,11 +121,17 @@ class Shape:
 
     def to_load(self, stored: int, prompt_len: int, computed: int) -> int:
         """The tokens to load past the `computed` that vLLM has (the same rule on both sides):
-        none where that is less than a block. The step computes the prompt's last token
-        anyway, and a few more cost it nothing, less than a load's own launches and wait
-        (on an H100, inside vLLM, the 15 tokens past a GPU hit of 4,336 took 2.4 ms to load)."""
+        none where that is less than a block, unless it leaves the step the prompt's last
+        token alone under `full_graphs`. Eager, or piecewise anyway, the step computes the
+        last token and a few more at no cost, less than a load's own launches and wait (on an
+        H100, inside vLLM, the 15 tokens past a GPU hit of 4,336 took 2.4 ms to load). With
+        full graphs those 16 tokens ran piecewise: vLLM's own GPU hit of a prompt again at
+        16k took 31.5 ms against native offloading's 22.6, which loads its last block from
+        CPU RAM and computes one token (an H200, the multiprocess engine, 2026-11-30)."""
         need = max(0, self.usable(stored, prompt_len) - computed)
-        return need if need >= self.block_size or computed == 0 else 0
+        if need >= self.block_size or computed == 0:
+            return need
+        return need if self.full_graphs and computed + need == prompt_len - 1 else 0
 
 
 def shape_of(config: KvtierConfig, vllm_config: VllmConfig) -> Shape:
@@ -130,6 +140,7 @@ def shape_of(config: KvtierConfig, vllm_config: VllmConfig) -> Shape:
         config.chunk_size,
         _cpu_whole_blocks(vllm_config),
         config.min_retrieve_tokens,
+        _full_graphs(vllm_config),
     )
     if shape.whole_blocks and shape.chunk_size % shape.block_size:
         raise ConfigError(
@@ -180,6 +191,19 @@ def check_pd_role(config: KvtierConfig, kv_role: str) -> None:
             f"a role matching vLLM's kv_role {kv_role!r}: pd_role {config.pd_role} "
             f"runs with kv_role {wanted}",
         )
+
+
+def _full_graphs(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM runs a step of one token a request as a full CUDA graph (Shape.full_graphs):
+    its compiled mode's full graphs on, and no speculative decoding (whose decode steps are
+    longer)."""
+    mode = vllm_config.compilation_config.cudagraph_mode
+    return (
+        mode is not None
+        and mode.has_full_cudagraphs()
+        and not vllm_config.model_config.enforce_eager
+        and vllm_config.speculative_config is None
+    )
 
 
 def _cpu_whole_blocks(vllm_config: VllmConfig) -> bool:
