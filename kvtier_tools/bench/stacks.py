@@ -12,6 +12,7 @@ frame of every sample, whatever code it is in. With py-spy's `--idle` (as
 from __future__ import annotations
 
 import argparse
+import gzip
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -39,10 +40,15 @@ def is_kvtier(path: str) -> bool:
 
 
 def read(path: Path) -> dict[tuple[str, str], Thread]:
-    """(process, thread) -> its samples and kvtier frames."""
+    """(process, thread) -> its samples and kvtier frames (of a file gzipped too: .gz)."""
     threads: dict[tuple[str, str], Thread] = defaultdict(Thread)
     held = ""  # a process's command line may hold a newline: its stack goes on in the next line
-    for line in path.read_text(errors="replace").splitlines():
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", errors="replace") as f:
+            text = f.read()
+    else:
+        text = path.read_text(errors="replace")
+    for line in text.splitlines():
         stack, _, count = (held + line).rpartition(" ")
         if not stack or not count.isdigit():
             held += line
