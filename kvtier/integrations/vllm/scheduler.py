@@ -118,8 +118,8 @@ class SchedulerSide:
         if num_computed_tokens and not self.shape.to_load(
             len(prompt), len(prompt), num_computed_tokens
         ):
-            # vLLM has all but less than a block: nothing kvtier holds would be loaded, so no
-            # lookup (the workers' would wait for this prefix's stores still in flight).
+            # vLLM has all but less than a block, which the step computes anyway (Shape.to_load):
+            # nothing kvtier holds would be loaded, so no lookup.
             return 0, False
         t0 = time.perf_counter()
         beside = self._loads_beside(rid)
