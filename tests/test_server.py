@@ -382,6 +382,40 @@ def test_a_request_on_a_kept_connection_to_a_restarted_server_is_sent_again_on_a
         c.close()
 
 
+@pytest.mark.parametrize("shm", [False, True])
+def test_a_put_get_or_lease_on_a_kept_connection_to_a_restarted_server_goes_on_a_new_one(shm):
+    """As a request without payload: a put, a get (into fresh buffers or the caller's) and a
+    lease from the shared pool, each the first call after a restart, are answered by the new
+    server over TCP or its pool, not failed as a miss; a get into the caller's buffer leaves
+    it untouched where the new server has no value."""
+    with kvtier_server(0.0625, "--idle-timeout", "600") as s:
+        c = KVClient("127.0.0.1", s.ports[0], timeout=2, shm=shm)
+
+        def restart():
+            s.kill()
+            s.start()
+
+        c.put([b"k"], [b"v" * 100])
+        assert c.shm_active == shm
+        restart()
+        c.put([b"k"], [b"w" * 100])  # the new server took it
+        assert bytes(c.get([b"k"])[0]) == b"w" * 100
+        restart()
+        assert c.get([b"k"]) == [None]  # the new, empty server answered
+        c.put([b"k"], [b"x" * 100])
+        restart()
+        dest = bytearray(100)
+        assert c.get_into([b"k"], [dest]) == [False] and dest == bytearray(100)
+        c.put([b"k"], [b"y" * 100])
+        restart()
+        lease = c.borrow([b"k"])
+        assert (lease is not None) == shm
+        if lease is not None:
+            assert lease.leading == 0  # asked of the new server, which has nothing yet
+            lease.release()
+        c.close()
+
+
 def test_the_pool_stays_mapped_across_an_idled_out_connection_and_is_mapped_anew_for_a_new_server():
     """Mapping the pool and registering it with CUDA takes seconds at tens of GB: a
     connection replaced because it idled must not do it again; a restarted server's

@@ -45,6 +45,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from typing import TypeVar
 
 import numpy as np
 
@@ -64,6 +65,7 @@ from kvtier.server.link import (
 )
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 READERS = 4  # connections one large TCP get_into is spread over
 READER_BYTES = 32 << 20  # at least this much for each connection beyond the first
@@ -102,35 +104,42 @@ class KVClient:
     def put(self, keys: Sequence[bytes], values: Sequence[Value]) -> None:
         parts = [as_parts(v) for v in values]
         sizes = [sum(len(x) for x in ps) for ps in parts]
-        with self._lock:
-            link = self._connect()
-            if link.shm is not None:
-                t0 = time.monotonic()
-                _, meta = self._call(link, p.Op.PUT_ALLOC, p.encode_keys(keys, sizes))
-                ticket, entries = p.decode_extents(meta)
-                # One copy for the whole batch, so that a batch of chunks is split over the copy
-                # threads.
-                run_copy(
-                    [
-                        pair
-                        for (_, extents), ps in zip(entries, parts)
-                        for pair in into_extents(link.shm, extents, ps)
-                    ]
-                )
-                self._in_time(link, t0, "put_deadline", "put")
-                self._send(link, p.Op.PUT_COMMIT, p.encode_u32(ticket))
-                # The commit has no reply; a request after it on this connection is
-                # served after it, so its answer means the put is visible to every
-                # client (a flushed store is then a hit on another node at once).
-                self._call(link, p.Op.EXISTS, p.encode_keys(keys[:1]))
-            else:
-                self._call(
-                    link,
-                    p.Op.PUT,
-                    p.encode_keys(keys, sizes),
-                    [x for ps in parts for x in ps],
-                    sum(sizes),
-                )
+        self._on_link(lambda link: self._put(link, keys, parts, sizes))
+
+    def _put(
+        self,
+        link: Link,
+        keys: Sequence[bytes],
+        parts: list[list[memoryview]],
+        sizes: list[int],
+    ) -> None:
+        if link.shm is None:
+            self._call(
+                link,
+                p.Op.PUT,
+                p.encode_keys(keys, sizes),
+                [x for ps in parts for x in ps],
+                sum(sizes),
+            )
+            return
+        t0 = time.monotonic()
+        _, meta = self._call(link, p.Op.PUT_ALLOC, p.encode_keys(keys, sizes))
+        ticket, entries = p.decode_extents(meta)
+        # One copy for the whole batch, so that a batch of chunks is split over the copy
+        # threads.
+        run_copy(
+            [
+                pair
+                for (_, extents), ps in zip(entries, parts)
+                for pair in into_extents(link.shm, extents, ps)
+            ]
+        )
+        self._in_time(link, t0, "put_deadline", "put")
+        self._send(link, p.Op.PUT_COMMIT, p.encode_u32(ticket))
+        # The commit has no reply; a request after it on this connection is
+        # served after it, so its answer means the put is visible to every
+        # client (a flushed store is then a hit on another node at once).
+        self._call(link, p.Op.EXISTS, p.encode_keys(keys[:1]))
 
     def get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
         out: list[memoryview | None] = [None] * len(keys)
@@ -230,13 +239,18 @@ class KVClient:
     def borrow(self, keys: Sequence[bytes]) -> ShmLease | None:
         """Lease `keys`' values in the shared pool, in place; None off the same host
         (or where on_map refused the mapping)."""
-        with self._lock:
-            link = self._connect()
+
+        def lease(link: Link) -> tuple[Link, float, memoryview] | None:
             if link.shm is None or not link.borrowable:
                 return None
             t0 = time.monotonic()
-            _, meta = self._call(link, p.Op.GET_SHM, p.encode_keys(keys))
-            ticket, entries = p.decode_extents(meta)
+            return link, t0, self._call(link, p.Op.GET_SHM, p.encode_keys(keys))[1]
+
+        leased = self._on_link(lease)
+        if leased is None:
+            return None
+        link, t0, meta = leased
+        ticket, entries = p.decode_extents(meta)
         places = [
             (ext[0][0], size) if size != p.MISSING and len(ext) == 1 else None
             for size, ext in entries
@@ -293,18 +307,26 @@ class KVClient:
     # -- connection ----------------------------------------------------------------------
 
     def _simple(self, op: p.Op, meta: bytes) -> memoryview:
-        """A request without payload (all of them idempotent). On a kept connection that turns
-        out closed (the server restarted since its last use) it is sent once more, on a new
-        connection: a restart costs no miss."""
+        """A request without payload, its reply's meta."""
+        return self._on_link(lambda link: self._call(link, op, meta)[1])
+
+    def _on_link(self, run: Callable[[Link], T]) -> T:
+        """`run(link)` on this client's connection, under its lock. Where a kept connection
+        turns out closed before any reply to `run` (the server restarted since the link's last
+        use), `run` goes once more on a new connection: a restart costs no miss. Either no
+        request of `run` reached a live server, or its reply was lost, and every op here may
+        run twice (a put stores the same bytes again; a lease dies with its connection)."""
         with self._lock:
             kept = self._link
             link = self._connect()
+            replies = link.replies
             try:
-                return self._call(link, op, meta)[1]
+                return run(link)
             except RemoteUnavailable as e:
-                if link is not kept or not isinstance(e.__cause__, ConnectionError):
+                stale = link is kept and link.replies == replies
+                if not stale or not isinstance(e.__cause__, ConnectionError):
                     raise
-            return self._call(self._connect(), op, meta)[1]
+            return run(self._connect())
 
     def _connect(self) -> Link:
         if self._link is not None:
@@ -413,6 +435,7 @@ class KVClient:
             head = bytearray(p.HEADER_SIZE)
             link.recv_into(memoryview(head))
             h = p.parse_header(head, replies=True)
+            link.replies += 1
             parting = (
                 h.req_id == 0 and h.flags != p.Status.OK
             )  # the server's last word before it closes
@@ -445,42 +468,45 @@ class KVClient:
     ) -> None:
         """GET `keys`; for each present value of `size` bytes, `dest(i, size)`
         names the buffers it goes into (None: not wanted, skipped)."""
-        with self._lock:
-            link = self._connect()
-            if link.shm is not None:
-                t0 = time.monotonic()
-                _, meta = self._call(link, p.Op.GET_SHM, p.encode_keys(keys))
-                ticket, entries = p.decode_extents(meta)
-                try:
-                    copy = []
-                    for i, (size, extents) in enumerate(entries):
-                        parts = None if size == p.MISSING else dest(i, size)
-                        if parts is not None:
-                            copy += from_extents(link.shm, extents, parts)
-                    run_copy(copy)
-                finally:
-                    self._send(link, p.Op.RELEASE, p.encode_u32(ticket))
-                self._in_time(link, t0, "lease_timeout", "get")
-                return
-            h, meta = self._call(link, p.Op.GET, p.encode_keys(keys))
+        self._on_link(lambda link: self._get_on(link, keys, dest))
+
+    def _get_on(
+        self,
+        link: Link,
+        keys: Sequence[bytes],
+        dest: Callable[[int, int], list[memoryview] | None],
+    ) -> None:
+        if link.shm is not None:
+            t0 = time.monotonic()
+            _, meta = self._call(link, p.Op.GET_SHM, p.encode_keys(keys))
+            ticket, entries = p.decode_extents(meta)
             try:
-                sizes = p.decode_sizes(meta)
-                if (
-                    len(sizes) != len(keys)
-                    or sum(s for s in sizes if s != p.MISSING) != h.payload_len
-                ):
-                    raise p.ProtocolError(
-                        f"GET reply: {len(sizes)} sizes for {len(keys)} keys, "
-                        f"payload {h.payload_len} bytes"
-                    )
-                for i, size in enumerate(sizes):
-                    if size == p.MISSING:
-                        continue
-                    parts = dest(i, size)
-                    for part in parts if parts is not None else scratch_parts(size):
-                        link.recv_into(part)
-            except (OSError, p.ProtocolError) as e:
-                self._fail(link, e)
+                copy = []
+                for i, (size, extents) in enumerate(entries):
+                    parts = None if size == p.MISSING else dest(i, size)
+                    if parts is not None:
+                        copy += from_extents(link.shm, extents, parts)
+                run_copy(copy)
+            finally:
+                self._send(link, p.Op.RELEASE, p.encode_u32(ticket))
+            self._in_time(link, t0, "lease_timeout", "get")
+            return
+        h, meta = self._call(link, p.Op.GET, p.encode_keys(keys))
+        try:
+            sizes = p.decode_sizes(meta)
+            if len(sizes) != len(keys) or sum(s for s in sizes if s != p.MISSING) != h.payload_len:
+                raise p.ProtocolError(
+                    f"GET reply: {len(sizes)} sizes for {len(keys)} keys, "
+                    f"payload {h.payload_len} bytes"
+                )
+            for i, size in enumerate(sizes):
+                if size == p.MISSING:
+                    continue
+                parts = dest(i, size)
+                for part in parts if parts is not None else scratch_parts(size):
+                    link.recv_into(part)
+        except (OSError, p.ProtocolError) as e:
+            self._fail(link, e)
 
     def _fail(self, link: Link, e: Exception) -> None:
         if isinstance(

@@ -55,6 +55,7 @@ class Link:
     tls: bool = False
     used: float = field(default_factory=time.monotonic)
     borrowable: bool = True  # values may be lent out in place (see KVClient.borrow)
+    replies: int = 0  # replies received on it: none since a call began, its server never answered
 
     def send(self, parts: list) -> None:
         if self.tls:  # an SSL socket has no sendmsg
@@ -138,6 +139,7 @@ class PoolMap:
     mapping: mmap.mmap
     array: np.ndarray
     borrowable: bool = True  # values may be lent out in place (see KVClient.borrow)
+    replies: int = 0  # replies received on it: none since a call began, its server never answered
     on_unmap: Callable[[mmap.mmap], None] | None = None
 
     def close(self) -> None:
