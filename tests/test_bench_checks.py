@@ -52,7 +52,7 @@ def test_pd_tokens_may_part_from_the_decoders_hit_only_at_a_near_tie():
 def test_py_spy_stacks_are_summed_by_thread_and_kvtier_frame(tmp_path):
     """py-spy's raw stacks as `kvtier_tools.bench.serving --profile` writes them: a child's stacks
     name its parents first, and a command line may hold ";" and a newline."""
-    from kvtier_tools.bench.stacks import read, report
+    from kvtier_tools.bench.stacks import read, read_all, report
 
     parents = (
         'process 1:"python -m vllm.entrypoints.openai.api_server";'
@@ -78,6 +78,11 @@ def test_py_spy_stacks_are_summed_by_thread_and_kvtier_frame(tmp_path):
     assert any(
         "leaf    60.0%  schedule (scheduler.py)" in line for line in report(threads, 8, 1, True)
     )
+    (twice,) = [
+        t for (process, _), t in read_all([raw, raw]).items() if process.startswith("process 2:")
+    ]
+    assert twice.samples == 20 and twice.leaf["schedule (scheduler.py)"] == 12
+    assert twice.outer["wait_for_save (connector.py)"] == 6 and twice.inner["finish (x.py)"] == 6
 
 
 def test_serving_rounds_give_each_setups_median_and_its_ratio_to_the_first_in_the_same_round():

@@ -29,6 +29,20 @@ class Thread:
     leaf: Counter = field(default_factory=Counter)  # innermost frame, any code's -> samples
 
 
+def read_all(paths: list[Path]) -> dict[tuple[str, str], Thread]:
+    """`read` of several files, each thread's counts summed over them."""
+    threads: dict[tuple[str, str], Thread] = defaultdict(Thread)
+    for path in paths:
+        for key, t in read(path).items():
+            into = threads[key]
+            into.samples += t.samples
+            for mine, theirs in zip(
+                (into.outer, into.inner, into.leaf), (t.outer, t.inner, t.leaf)
+            ):
+                mine.update(theirs)
+    return threads
+
+
 def frame_name(frame: str) -> tuple[str, str]:
     """(function, file) of a py-spy frame "func (path/file.py:line)"."""
     m = FRAME.match(frame.strip())

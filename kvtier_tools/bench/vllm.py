@@ -332,7 +332,7 @@ class _Run:
         from kvtier_tools.bench.serving import sampled
 
         what, ids = self.args.trace, prompt(length, 99, self.args.family)
-        merged: dict = {}
+        paths = []
         for k in range(SPIED):
             self.gen(ids)
             if what == "warm":
@@ -343,14 +343,8 @@ class _Run:
                 time.sleep(1.0)  # py-spy attaches
                 self.gen(ids)
             self.llm.reset_prefix_cache()
-            for key, thread in stacks.read(path).items():
-                into = merged.setdefault(key, stacks.Thread())
-                into.samples += thread.samples
-                for mine, theirs in zip(
-                    (into.leaf, into.outer, into.inner), (thread.leaf, thread.outer, thread.inner)
-                ):
-                    mine.update(theirs)
-        lines = stacks.report(merged, top=12, min_samples=20, leaves=True)
+            paths.append(path)
+        lines = stacks.report(stacks.read_all(paths), top=12, min_samples=20, leaves=True)
         for line in lines:
             print(f"[{self.args.setup}] {length} {what} py-spy: {line}", flush=True)
         return lines
