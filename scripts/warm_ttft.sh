@@ -19,7 +19,7 @@
 #   chat       the multi-turn chat workload against vLLM's OpenAI server (kvtier_tools.bench.serving,
 #              scripts/gpu_vllm.sh's `serving` step) at the 8B shape: kvtier bf16, native offloading
 #              and kvtier int4 (CHAT_SETUPS= others, e.g. kvtier-in-step: every hit loaded in its
-#              own step), servers resident, 3 rounds in turn
+#              own step), servers resident, CHAT_ROUNDS (3) rounds in turn
 # Tables and plots from the records: `python -m kvtier_tools.bench.vllm_report RESULTS/<part> ...`
 # (docs/benchmarks/warm-ttft.md).
 set -uo pipefail
@@ -55,7 +55,7 @@ run_part() {
         BENCH_ARGS="--no-eager --kv-cache-dtype fp8 $bench" ;;
     chat) STEPS=serving SETUPS=${CHAT_SETUPS:-kvtier native kvtier-int4} GPU_UTIL=0.28 \
         SERVING_ARGS="--model $llama8b --model-dir /tmp/kvtier-serving-8b --max-model-len 8192 \
-        --rounds 3 --resident" ;;
+        --rounds ${CHAT_ROUNDS:-3} --resident" ;;
     *) echo "unknown part $part"; return 2 ;;
     esac
     local left=$(( budget - ($(date +%s) - start) - 15 ))

@@ -87,7 +87,7 @@ def test_py_spy_stacks_are_summed_by_thread_and_kvtier_frame(tmp_path):
 
 def test_serving_rounds_give_each_setups_median_and_its_ratio_to_the_first_in_the_same_round():
     from kvtier_tools.bench.chat import Record
-    from kvtier_tools.bench.serving import by_round
+    from kvtier_tools.bench.report_serving import by_round
 
     means = [
         ("plain", 1, 50.0, 20.0),
@@ -119,6 +119,32 @@ def test_serving_rounds_give_each_setups_median_and_its_ratio_to_the_first_in_th
     assert (
         by_round({"plain": Record({}, "", summary={"ttft_mean_ms": 50.0})}) == []
     )  # one round: no table
+
+
+def test_serving_turns_give_each_setups_mean_by_turn_as_the_median_over_rounds_even_packed():
+    """by_turn, from a run packed for results/: per setup each turn's mean TTFT (the median
+    over rounds), failed requests left out, and the mean over every turn."""
+    from kvtier_tools.bench.chat import Record
+    from kvtier_tools.bench.pack import pack
+    from kvtier_tools.bench.report_serving import by_turn, unpacked
+
+    def rec(ttfts: list[tuple[int, float]]) -> Record:
+        rows = [{"turn": t, "ttft_s": s / 1e3, "error": ""} for t, s in ttfts]
+        return Record({}, "", rows + [{"turn": 1, "ttft_s": 9.0, "error": "timed out"}])
+
+    runs = {
+        "kvtier#1": rec([(0, 100.0), (1, 30.0), (1, 50.0)]),
+        "kvtier#2": rec([(0, 120.0), (1, 20.0), (1, 20.0)]),
+        "kvtier#3": rec([(0, 110.0), (1, 60.0), (1, 60.0)]),
+        "native#1": rec([(0, 90.0)]),
+    }
+    packed = pack({k: {"results": r.results, "summary": r.summary} for k, r in runs.items()})
+    for records in (runs, unpacked(packed)):
+        lines = by_turn(records)
+        assert lines[0] == "| setup | turn 0 | turn 1 | all |"
+        # turn 1: 40, 20, 60 by round; all: 60, 53.3, 76.7 by round
+        assert lines[2] == "| kvtier | 110.0 | 40.0 | 60.0 |"
+        assert lines[3] == "| native | 90.0 | — | 90.0 |"
 
 
 def test_a_warm_run_faster_than_the_copy_of_its_kv_is_not_a_load():
@@ -386,7 +412,8 @@ def test_a_serving_run_cut_by_its_limit_is_reported_from_the_records_it_left(tmp
     tables were not. `--report` reads them back, each round in the order of --setups."""
     import json
 
-    from kvtier_tools.bench.serving import by_round, report
+    from kvtier_tools.bench.report_serving import by_round
+    from kvtier_tools.bench.serving import report
 
     def record(ttft_ms: float, rps: float) -> dict:
         summary = {"ttft_mean_ms": ttft_ms, "requests_per_s": rps}

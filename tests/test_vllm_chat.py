@@ -10,7 +10,8 @@ from dataclasses import asdict, replace
 import pytest
 
 from kvtier_tools.bench.chat import Workload, plot, run, same_outputs
-from kvtier_tools.bench.serving import ServerSpec, compare, gpu_kv_bytes, table
+from kvtier_tools.bench.report_serving import table
+from kvtier_tools.bench.serving import ServerSpec, compare, gpu_kv_bytes
 from kvtier_tools.dev.demo import vllm_server
 from kvtier_tools.dev.tinymodel import TinyLlama
 
@@ -109,7 +110,8 @@ def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tm
 def test_vllm_bench_serve_twice_per_setup_with_shared_prefixes(tiny_model, tmp_path):
     """The InfiniStore guide's flow per offloader (`--bench-serve`): the second run's prompts
     are the first's, so kvtier's server loads them; plain vLLM (its prefix cache off) does not."""
-    from kvtier_tools.bench.serving import serve_twice, serve_twice_table
+    from kvtier_tools.bench.report_serving import serve_twice_table
+    from kvtier_tools.bench.serving import serve_twice
     from kvtier_tools.bench.stores_vllm import Workload as BenchServe
 
     work = BenchServe(num_prompts=6, input_len=768, output_len=4, num_prefixes=2, prefix_len=512)
@@ -152,7 +154,7 @@ def test_servers_started_once_run_paired_rounds_of_new_conversations(tiny_model,
     each record's outputs are compared with the same round's first setup (the same prompts).
     `--alone`: the same rounds, one setup's server at a time (the first stopped before the
     second starts)."""
-    from kvtier_tools.bench.serving import by_round
+    from kvtier_tools.bench.report_serving import by_round
 
     work = replace(
         WORKLOAD, conversations=3, turns=2, concurrency=2, output_spread=0.5

@@ -119,19 +119,22 @@ def test_producer_stores_but_never_loads_and_consumer_never_stores(tiny_model, p
     assert [tuple(map(int, m)) for m in HIT.findall(log)] == [(2048, 0, 0), (2048, 0, 0)]
 
 
-def test_a_hit_that_joins_a_running_request_loads_beside_its_steps(
-    tiny_model, prompts, runs, tmp_path
+@pytest.mark.parametrize("in_step", ["1024", None])
+def test_a_hit_that_joins_a_running_request_loads_beside_its_steps_unless_small(
+    tiny_model, prompts, runs, tmp_path, in_step
 ):
     """async_loading busy (the default): b's hit, looked up while a's prefill runs (a took the
-    first steps' whole token budget), loads beside a's steps, on the worker's thread, and b
-    joins a later step; both give plain vLLM's tokens."""
+    first steps' whole token budget), loads beside a's steps when larger than
+    in_step_load_tokens (1024), on the worker's thread, and b joins a later step; under the
+    default (4096) it loads in b's own step. Both give plain vLLM's tokens."""
     _, plain, _ = runs
     results, log = run_vllm(
         tiny_model,
         [prompts["b"], {"together": [prompts["a"], prompts["b"]]}],
         tmp_path,
         kv_role="kv_both",
-        name="beside",
+        env={"KVTIER_IN_STEP_LOAD_TOKENS": in_step} if in_step else None,
+        name=f"beside-{in_step}",
     )
     last = 2047 - 2047 % hit_granularity()
     assert [tuple(map(int, m)) for m in HIT.findall(log)] == [
@@ -139,10 +142,14 @@ def test_a_hit_that_joins_a_running_request_loads_beside_its_steps(
         (3000, 0, 0),
         (2048, last, last),
     ]
-    assert log.count("(loading beside the running requests' steps)") == 1
-    assert re.search(
-        rf"{last} of {last} tokens loaded beside the steps: .*reported to vLLM at [0-9.]+ ms", log
+    beside = in_step is not None
+    assert log.count("(loading beside the running requests' steps)") == beside
+    loaded = (
+        rf"{last} of {last} tokens loaded beside the steps: .*reported to vLLM at [0-9.]+ ms"
+        if beside
+        else rf"Retrieved KV cache for {last} out of {last} tokens"
     )
+    assert re.search(loaded, log)
     assert not re.search(r"tokens could not be loaded", log)
     _, a, b = results
     assert a["token_ids"] == plain[0]["token_ids"] and b["token_ids"] == plain[1]["token_ids"]

@@ -170,18 +170,21 @@ def step_running(*req_ids):
     )
 
 
-@pytest.mark.parametrize("policy", ["busy", "never", "always"])
-def test_a_cpu_hit_loads_beside_the_steps_while_other_requests_run(policy):
+@pytest.mark.parametrize(
+    "policy, in_step", [("busy", 0), ("busy", 48), ("busy", 49), ("never", 0), ("always", 0)]
+)
+def test_a_cpu_hit_loads_beside_the_steps_while_other_requests_run(policy, in_step):
     """async_loading busy: a hit all in CPU RAM loads in its step while no other request
     runs (an idle engine serves it soonest so), and beside the steps once another request
-    ran in the last one (whose steps would otherwise wait for the copies); the worker is
-    told so at the lookup, and its background load writes the KV into the request's blocks."""
+    ran in the last one (whose steps would otherwise wait for the copies) unless it is as
+    small as what is left of the step's in_step_load_tokens; the worker is told so at the
+    lookup, and its background load writes the KV into the request's blocks."""
     from types import SimpleNamespace
 
     from kvtier.integrations.vllm.lookup import Handlers, LookupServer, socket_path
     from kvtier.integrations.vllm.scheduler import SchedulerSide
 
-    worker, _ = worker_and_step(async_loading=policy)
+    worker, _ = worker_and_step(async_loading=policy, in_step_load_tokens=in_step)
     toks = list(range(50))
     worker.engine.store(toks, torch.arange(50))  # blocks 0-3
     told = []
@@ -192,7 +195,7 @@ def test_a_cpu_hit_loads_beside_the_steps_while_other_requests_run(policy):
 
     # an address of its own per policy: ZMQ lets go of a closed socket's address in its own
     # time, and the next case binding the same one failed (1 run in ~30)
-    engine_id = f"beside-test-{policy}"
+    engine_id = f"beside-test-{policy}-{in_step}"
     server = LookupServer(
         socket_path(engine_id, 0), Handlers(find, worker._release, worker.engine.clear)
     )
@@ -206,7 +209,7 @@ def test_a_cpu_hit_loads_beside_the_steps_while_other_requests_run(policy):
         assert ask("alone") == (48, idle) and told == [idle]  # nothing ran yet
         scheduler.request_finished(SimpleNamespace(request_id="alone"))
         scheduler.build_connector_meta(step_running("other"))
-        busy = policy != "never"
+        busy = policy == "always" or policy == "busy" and in_step < 49  # 49 not computed
         assert ask("joins") == (48, busy) and told == [idle, busy]
         blocks = SimpleNamespace(get_block_ids=lambda: ([4, 5, 6, 7],))
         scheduler.update_state_after_alloc(vllm_request("joins", toks), blocks, 48)
@@ -227,6 +230,12 @@ def test_a_cpu_hit_loads_beside_the_steps_while_other_requests_run(policy):
             assert done == {"joins"} and not worker.load_errors()
             for layer in worker.engine.kv.layers:  # blocks 4-6 hold what blocks 0-2 did
                 assert torch.equal(layer[:, 4:7], layer[:, 0:3])
+        elif policy == "busy":  # the step's in-step tokens are spent: the next hit goes beside
+            assert ask("also") == (48, True) and told[-1]
+            scheduler.request_finished(SimpleNamespace(request_id="also"))
+            scheduler.build_connector_meta(step_running("other"))
+            assert ask("next") == (48, False) and not told[-1]  # a new step's
+            scheduler.request_finished(SimpleNamespace(request_id="next"))
         scheduler.request_finished(SimpleNamespace(request_id="other"))
         scheduler.request_finished(SimpleNamespace(request_id="joins"))
         assert ask("later") == (48, idle)  # nothing runs again

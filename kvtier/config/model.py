@@ -95,10 +95,19 @@ class KvtierConfig:
     )
     async_loading: str = _doc(
         "when a hit all in CPU RAM loads inside vLLM: busy (in the step that needs it while no "
-        "other request runs; else in the background, the request joining a later step, so "
-        "running requests' steps do not wait for its copies) | always (in the background) | "
+        "other request runs, or when small: in_step_load_tokens; else in the background, the "
+        "request joining a later step, so running requests' steps do not wait for its "
+        "copies) | always (in the background) | "
         "never (in the step); hits below CPU RAM always load in the background",
         default="busy",
+    )
+    in_step_load_tokens: int = _doc(
+        "async_loading busy: while other requests run, a CPU-RAM hit still loads in its own "
+        "step if at most this many of its prompt's tokens are not in vLLM's cache, until the "
+        "step's such loads reach this many tokens; larger hits load beside the steps (a "
+        "chat turn's evicted tail joins its step, not one or two later; a burst of long "
+        "prompts does not stall the running requests' steps behind its copies); 0: none",
+        default=4096,
     )
     share_across_tp: bool = _doc(
         "also read chunks that instances of another tensor-parallel size (1, 2, 4, 8) stored "
@@ -296,6 +305,8 @@ def _check_ranges(cfg: KvtierConfig) -> None:
         raise ConfigError("gpu_upload", cfg.gpu_upload, " | ".join(GPU_UPLOADS))
     if cfg.async_loading not in ASYNC_LOADINGS:
         raise ConfigError("async_loading", cfg.async_loading, " | ".join(ASYNC_LOADINGS))
+    if cfg.in_step_load_tokens < 0:
+        raise ConfigError("in_step_load_tokens", cfg.in_step_load_tokens, "tokens >= 0")
     if cfg.blocking_timeout_secs <= 0:
         raise ConfigError("blocking_timeout_secs", cfg.blocking_timeout_secs, "seconds > 0")
     if cfg.local_disk is not None:

@@ -38,13 +38,13 @@ import contextlib
 import json
 import shutil
 import signal
-import statistics
 import subprocess
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from kvtier_tools.bench.chat import Record, Workload, plot, run, same_outputs
+from kvtier_tools.bench.chat import Record, Workload, plot, run
+from kvtier_tools.bench.report_serving import by_round, by_turn, serve_twice_table, table
 from kvtier_tools.bench.stores_vllm import LMCACHE_CONNECTOR, bench_serve, served_outputs
 from kvtier_tools.bench.stores_vllm import Workload as BenchServe
 from kvtier_tools.dev.cpu_dtype import model_dtype
@@ -305,149 +305,6 @@ def serve_twice(
     return rows
 
 
-def serve_twice_table(rows: dict[str, dict]) -> list[str]:
-    """The runs' figures, and how many of each setup's second-run outputs equal the first
-    setup's first-run outputs (the reference: plain vLLM's recompute, when it runs first)
-    and its own first run's (greedy; a bf16 near-tie under another batch may still part)."""
-    ran = [r for r in rows.values() if "error" not in r]
-    reference = ran[0]["outputs"]["first"] if ran else []
-    lines = [
-        "| setup | first: median / mean / p99 TTFT ms | second | second / first (median) | "
-        "req/s first, second | failed | second's outputs = the reference's, = its first's |",
-        "|---" * 7 + "|",
-    ]
-    for name, r in rows.items():
-        if "error" in r:
-            lines.append(
-                f"| {name} | failed to run: "
-                f"{r['error'].splitlines()[-1][:120] if r['error'] else '?'} ||||||"
-            )
-            continue
-        a, b, outputs = r["first"], r["second"], r["outputs"]
-        lines.append(
-            f"| {name} | {_three(a)} | {_three(b)} | {r['second_vs_first_median']:.3f} | "
-            f"{a.get('Request throughput (req/s)', 0):.2f}, "
-            f"{b.get('Request throughput (req/s)', 0):.2f} | "
-            f"{a.get('Failed requests', 0) + b.get('Failed requests', 0):.0f} | "
-            f"{_equal(outputs['second'], reference)}, "
-            f"{_equal(outputs['second'], outputs['first'])} |"
-        )
-    return lines
-
-
-def _equal(these: list[str], those: list[str]) -> str:
-    """Outputs equal in both, of the requests both ran (a failed request's empty text never
-    counts)."""
-    return f"{sum(bool(a) and a == b for a, b in zip(these, those))}/{min(len(these), len(those))}"
-
-
-def _three(f: dict[str, float]) -> str:
-    return f"{f['Median TTFT (ms)']:.1f} / {f['Mean TTFT (ms)']:.1f} / {f['P99 TTFT (ms)']:.1f}"
-
-
-def by_round(records: dict[str, Record]) -> list[str]:
-    """Each setup's mean TTFT per round ("x#k"), their median, and its ratio to the first
-    setup's in the same round (median over rounds): what a setup costs beside another; and
-    per round the share of requests sent in lockstep (chat.bunched), what a round's mean TTFT
-    followed at capacity."""
-    rounds: dict[str, dict[str, tuple[float, float]]] = {}  # setup -> round -> (mean TTFT, req/s)
-    phases: dict[
-        str, list[tuple[float, float]]
-    ] = {}  # setup -> vLLM's (queue, prefill) ms per round
-    lockstep: dict[str, list[float | None]] = {}  # setup -> share of sends bunched, per round
-    for key, rec in records.items():
-        name, _, r = key.partition("#")
-        if r and rec.summary.get("ttft_mean_ms") is not None:
-            rounds.setdefault(name, {})[r] = (
-                rec.summary["ttft_mean_ms"],
-                rec.summary["requests_per_s"],
-            )
-            lockstep.setdefault(name, []).append(rec.summary.get("sent_bunched"))
-            if rec.summary.get("queue_ms_mean") is not None:
-                phases.setdefault(name, []).append(
-                    (rec.summary["queue_ms_mean"], rec.summary["prefill_ms_mean"])
-                )
-    if not rounds:
-        return []
-    first = next(iter(rounds.values()))
-    lines = [
-        "| setup | mean TTFT ms by round | median | / first setup, same round (median) | "
-        "req/s / first setup's (median) | rounds it leads the first setup on both | "
-        "vLLM's queue / prefill ms (medians) | sent in lockstep by round |",
-        "|---" * 8 + "|",
-    ]
-    for name, by in rounds.items():
-        paired = [(m / first[r][0], q / first[r][1]) for r, (m, q) in by.items() if r in first]
-        leads = sum(t < 1 and q > 1 for t, q in paired)
-        split = phases.get(name)
-        split_ms = (
-            f"{statistics.median(q for q, _ in split):.1f} / "
-            f"{statistics.median(p for _, p in split):.1f}"
-            if split
-            else "—"
-        )
-        lines.append(
-            f"| {name} | {' '.join(f'{m:.1f}' for m, _ in by.values())} | "
-            f"{statistics.median(m for m, _ in by.values()):.1f} | "
-            f"{statistics.median(t for t, _ in paired):.3f} | "
-            f"{statistics.median(q for _, q in paired):.3f} | "
-            f"{leads} of {len(paired)} | {split_ms} | "
-            f"{' '.join('—' if b is None else f'{b:.2f}' for b in lockstep[name])} |"
-        )
-    return lines
-
-
-def table(records: dict[str, Record]) -> list[str]:
-    """A row per record; its outputs compared with those of the first record of its round
-    (the same prompts: a resident run's rounds send different ones)."""
-    firsts: dict[str, Record] = {}
-    for key, rec in records.items():
-        firsts.setdefault(key.partition("#")[2], rec)
-    lines = [
-        "| setup | TTFT mean ms | TTFT p99 ms | req/s | output tok/s | connector hit rate | "
-        "GPU prefix hit rate | in flight mean / max | "
-        "kvtier lookup ms (share of the run, longest since the start) | "
-        "vLLM's queue / prefill / ITL ms | "
-        "vLLM steps over 512 tokens | failed | outputs equal to the round's first |",
-        "|---" * 13 + "|",
-    ]
-    for name, rec in records.items():
-        s = rec.summary
-        equal, both = same_outputs(rec, firsts[name.partition("#")[2]])
-        lines.append(
-            f"| {name} | {_ms(s['ttft_mean_ms'])} | {_ms(s['ttft_p99_ms'])} | "
-            f"{s['requests_per_s']:.2f} | "
-            f"{s['output_tokens_per_s']:.1f} | {s['connector_hit_rate']:.2f} | "
-            f"{s['gpu_prefix_hit_rate']:.2f} | {s['mean_in_flight']:.1f} / {s['max_in_flight']} | "
-            f"{_lookups(s)} | {_ms(s.get('queue_ms_mean'))} / {_ms(s.get('prefill_ms_mean'))} / "
-            f"{_ms(s.get('itl_ms_mean'))} | {_steps(s)} | {s['failed']} | {equal}/{both} |"
-        )
-    return lines
-
-
-def _steps(s: dict) -> str:
-    """vLLM's steps with more tokens than it captures in CUDA graphs, of all (chat.STEPS; records
-    from before 2026-11-28 22:40 UTC have none)."""
-    return (
-        "—" if s.get("steps") is None else f"{s['steps_over_512_tokens']:.0f} of {s['steps']:.0f}"
-    )
-
-
-def _lookups(s: dict) -> str:
-    """kvtier's mean lookup and the share of the run vLLM's scheduler spent in lookups (records
-    from before 2026-11-28 have neither; other connectors make none)."""
-    if s.get("lookup_ms_mean") is None:
-        return "—"
-    longest = (
-        f", longest {s['lookup_ms_longest']:.1f}" if s.get("lookup_ms_longest") is not None else ""
-    )
-    return f"{s['lookup_ms_mean']:.2f} ({100 * s['lookup_share']:.1f} %{longest})"
-
-
-def _ms(v: float | None) -> str:
-    return "—" if v is None else f"{v:.1f}"  # None: no request succeeded
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -525,7 +382,7 @@ def main() -> None:
     args = _parser().parse_args()
     if args.report:
         records = report(Path(args.report), args.setups)
-        print("\n".join(table(records) + [""] + by_round(records)))
+        print("\n".join(table(records) + [""] + by_round(records) + [""] + by_turn(records)))
         return
     spec = TinyLlama(**args.model)
     model = make_tiny_llama(args.model_dir, spec)
@@ -571,7 +428,7 @@ def main() -> None:
         rounds=args.rounds,
         servers=args.servers,
     )
-    print("\n".join(table(records) + [""] + by_round(records)))
+    print("\n".join(table(records) + [""] + by_round(records) + [""] + by_turn(records)))
     for name, rec in records.items():
         s = rec.summary
         if workload.concurrency > 1 and s["sent_while_another_ran"] < 0.5:
