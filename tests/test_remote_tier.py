@@ -298,7 +298,7 @@ def test_on_a_gpu_lent_chunks_go_from_the_registered_server_pool_to_the_kv():
         assert b.retrieve(tokens, dst)[:96].all()
         assert torch.equal(kv_at(layers[1], dst[:96].cuda()), kv_at(layers[0], src[:96].cuda()))
         assert b.tiers.tier("remote").stats.lent == 6
-        pool = b.tiers.tier("remote").store._link.shm
+        pool = b.tiers.tier("remote").store._ch.link.shm
         assert torch.from_numpy(pool[:16]).is_pinned()  # registered: the copy was a DMA
         layers[1][0].zero_()
         load = b.start_retrieve(tokens, dst, layerwise=True)  # all six in one lease, layer by layer

@@ -5,6 +5,7 @@
     client.get([b"k1", b"k3"])               # [memoryview, None]
     client.match_prefix([b"k1", b"k2", b"k3"])  # 2
 
+Every op runs on the client's connection (channel.py: connected, kept, made again).
 Transport faults (refused, reset, no answer within `timeout`) raise
 RemoteUnavailable and drop the connection; the next call reconnects. The
 server's refusals raise ValueTooLarge (a value larger than its pool),
@@ -38,34 +39,21 @@ reader needs no EXISTS round trip before it.
 
 from __future__ import annotations
 
-import itertools
 import mmap
-import socket
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import TypeVar
 
 import numpy as np
 
 from kvtier.buffers import Value, as_parts, from_extents, into_extents, run_copy
-from kvtier.errors import RemoteAuthFailed, RemoteRefused, RemoteUnavailable, ValueTooLarge
+from kvtier.errors import RemoteAuthFailed, RemoteRefused, RemoteUnavailable
 from kvtier.logs import get_logger
-from kvtier.server import auth
 from kvtier.server import protocol as p
-from kvtier.server.link import (
-    Link,
-    PoolMap,
-    ShmLease,
-    dial,
-    map_server_pool,
-    pool_inode,
-    scratch_parts,
-)
+from kvtier.server.channel import Channel
+from kvtier.server.link import Link, ShmLease, scratch_parts
 
 log = get_logger(__name__)
-T = TypeVar("T")
 
 READERS = 4  # connections one large TCP get_into is spread over
 READER_BYTES = 32 << 20  # at least this much for each connection beyond the first
@@ -83,28 +71,37 @@ class KVClient:
         tls: bool = False,
         tls_ca: str | None = None,
     ) -> None:
-        self.host, self.port, self.timeout, self.use_shm = host, port, timeout, shm
-        self.token, self.tls, self.tls_ca = token, tls, tls_ca
-        # Called with each mapping of the server's pool, and before it is unmapped
-        # (e.g. to register it with CUDA); on_map returning False: no borrowing.
-        self.on_map: Callable[[mmap.mmap], bool] | None = None
-        self.on_unmap: Callable[[mmap.mmap], None] | None = None
-        self._link: Link | None = None
-        self._pool: PoolMap | None = None  # kept across connections to the same pool
-        self._lock = threading.Lock()
-        self._req_ids = itertools.count(1)
+        self._ch = Channel(host, port, timeout, shm, token, tls, tls_ca)
         self._readers: list[KVClient] | None = None  # the extra connections of large TCP gets
         self._reader_threads: ThreadPoolExecutor | None = None
 
     def __repr__(self) -> str:
-        return f"KVClient({self.host}:{self.port})"
+        return f"KVClient({self._ch.host}:{self._ch.port})"
+
+    # Called with each mapping of the server's pool, and before it is unmapped (e.g. to
+    # register it with CUDA); on_map returning False: no borrowing (LendingStore).
+    @property
+    def on_map(self) -> Callable[[mmap.mmap], bool] | None:
+        return self._ch.on_map
+
+    @on_map.setter
+    def on_map(self, hook: Callable[[mmap.mmap], bool] | None) -> None:
+        self._ch.on_map = hook
+
+    @property
+    def on_unmap(self) -> Callable[[mmap.mmap], None] | None:
+        return self._ch.on_unmap
+
+    @on_unmap.setter
+    def on_unmap(self, hook: Callable[[mmap.mmap], None] | None) -> None:
+        self._ch.on_unmap = hook
 
     # -- operations --------------------------------------------------------------------
 
     def put(self, keys: Sequence[bytes], values: Sequence[Value]) -> None:
         parts = [as_parts(v) for v in values]
         sizes = [sum(len(x) for x in ps) for ps in parts]
-        self._on_link(lambda link: self._put(link, keys, parts, sizes))
+        self._ch.run(lambda link: self._put(link, keys, parts, sizes))
 
     def _put(
         self,
@@ -114,7 +111,7 @@ class KVClient:
         sizes: list[int],
     ) -> None:
         if link.shm is None:
-            self._call(
+            self._ch.call(
                 link,
                 p.Op.PUT,
                 p.encode_keys(keys, sizes),
@@ -123,7 +120,7 @@ class KVClient:
             )
             return
         t0 = time.monotonic()
-        _, meta = self._call(link, p.Op.PUT_ALLOC, p.encode_keys(keys, sizes))
+        _, meta = self._ch.call(link, p.Op.PUT_ALLOC, p.encode_keys(keys, sizes))
         ticket, entries = p.decode_extents(meta)
         # One copy for the whole batch, so that a batch of chunks is split over the copy
         # threads.
@@ -134,12 +131,12 @@ class KVClient:
                 for pair in into_extents(link.shm, extents, ps)
             ]
         )
-        self._in_time(link, t0, "put_deadline", "put")
-        self._send(link, p.Op.PUT_COMMIT, p.encode_u32(ticket))
+        self._ch.in_time(link, t0, "put_deadline", "put")
+        self._ch.send(link, p.Op.PUT_COMMIT, p.encode_u32(ticket))
         # The commit has no reply; a request after it on this connection is
         # served after it, so its answer means the put is visible to every
         # client (a flushed store is then a hit on another node at once).
-        self._call(link, p.Op.EXISTS, p.encode_keys(keys[:1]))
+        self._ch.call(link, p.Op.EXISTS, p.encode_keys(keys[:1]))
 
     def get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
         out: list[memoryview | None] = [None] * len(keys)
@@ -203,18 +200,19 @@ class KVClient:
 
     def _extra_readers(self, n: int) -> list[KVClient]:
         """Up to `n` more connections to this server (made once; none if it refuses them)."""
-        with self._lock:
+        with self._ch.lock:
             if self._readers is None:
                 self._readers = []
                 for _ in range(READERS - 1):
+                    ch = self._ch
                     reader = KVClient(
-                        self.host,
-                        self.port,
-                        timeout=self.timeout,
+                        ch.host,
+                        ch.port,
+                        timeout=ch.timeout,
                         shm=False,
-                        token=self.token,
-                        tls=self.tls,
-                        tls_ca=self.tls_ca,
+                        token=ch.token,
+                        tls=ch.tls,
+                        tls_ca=ch.tls_ca,
                     )
                     try:
                         _ = reader.shm_active  # connects (and authenticates) now
@@ -222,8 +220,8 @@ class KVClient:
                         log.info(
                             "kvtier server %s:%d: %d more read connections (%s); "
                             "large gets use those",
-                            self.host,
-                            self.port,
+                            self._ch.host,
+                            self._ch.port,
                             len(self._readers),
                             e,
                         )
@@ -244,9 +242,9 @@ class KVClient:
             if link.shm is None or not link.borrowable:
                 return None
             t0 = time.monotonic()
-            return link, t0, self._call(link, p.Op.GET_SHM, p.encode_keys(keys))[1]
+            return link, t0, self._ch.call(link, p.Op.GET_SHM, p.encode_keys(keys))[1]
 
-        leased = self._on_link(lease)
+        leased = self._ch.run(lease)
         if leased is None:
             return None
         link, t0, meta = leased
@@ -260,13 +258,13 @@ class KVClient:
         )
 
         def release() -> None:
-            with self._lock:
+            with self._ch.lock:
                 if (
-                    link is not self._link
+                    link is not self._ch.link
                 ):  # that connection closed: the server let go of the lease then
                     return
                 try:
-                    self._send(link, p.Op.RELEASE, p.encode_u32(ticket))
+                    self._ch.send(link, p.Op.RELEASE, p.encode_u32(ticket))
                 except RemoteUnavailable:  # dropped now: the same
                     pass
 
@@ -286,17 +284,17 @@ class KVClient:
         return p.decode_json(self._simple(p.Op.STATS, b""))
 
     def server_info(self) -> dict:
-        with self._lock:
-            return dict(self._connect().info)
+        with self._ch.lock:
+            return dict(self._ch.connect().info)
 
     @property
     def shm_active(self) -> bool:
-        with self._lock:
-            return self._connect().shm is not None
+        with self._ch.lock:
+            return self._ch.connect().shm is not None
 
     def close(self) -> None:
-        with self._lock:
-            self._drop()
+        with self._ch.lock:
+            self._ch.drop()
             readers, self._readers = self._readers or [], None
             threads, self._reader_threads = self._reader_threads, None
         if threads is not None:
@@ -304,171 +302,18 @@ class KVClient:
         for reader in readers:
             reader.close()
 
-    # -- connection ----------------------------------------------------------------------
+    # -- on the channel ------------------------------------------------------------------
 
     def _simple(self, op: p.Op, meta: bytes) -> memoryview:
         """A request without payload, its reply's meta."""
-        return self._on_link(lambda link: self._call(link, op, meta)[1])
-
-    def _on_link(self, run: Callable[[Link], T]) -> T:
-        """`run(link)` on this client's connection, under its lock. Where a kept connection
-        turns out closed before any reply to `run` (the server restarted since the link's last
-        use), `run` goes once more on a new connection: a restart costs no miss. Either no
-        request of `run` reached a live server, or its reply was lost, and every op here may
-        run twice (a put stores the same bytes again; a lease dies with its connection)."""
-        with self._lock:
-            kept = self._link
-            link = self._connect()
-            replies = link.replies
-            try:
-                return run(link)
-            except RemoteUnavailable as e:
-                stale = link is kept and link.replies == replies
-                if not stale or not isinstance(e.__cause__, ConnectionError):
-                    raise
-            return run(self._connect())
-
-    def _connect(self) -> Link:
-        if self._link is not None:
-            if time.monotonic() - self._link.used < self._link.bound("idle_timeout") / 2:
-                self._link.used = time.monotonic()
-                return self._link
-            self._drop(keep_pool=True)  # the server may be closing it as idle: take a fresh one
-        sock = dial(self.host, self.port, self.timeout, self.tls, self.tls_ca)
-        link = Link(sock, {}, None, tls=self.tls)
-        _, meta = self._call(
-            link, p.Op.HELLO, p.encode_json({"host_id": p.host_id() if self.use_shm else ""})
-        )
-        link.info = p.decode_json(meta)
-        if link.info.get("auth"):
-            self._authenticate(link)
-        if link.info.get("shm"):
-            pool = self._pool_of(link.info["shm"])
-            if pool is not None:
-                link.shm, link.borrowable = pool.array, pool.borrowable
-        self._link = link
-        return link
-
-    def _pool_of(self, shm: dict) -> PoolMap | None:
-        """The server's pool, mapped (and `on_map` called) once for as long as it is the same."""
-        if self._pool is not None and self._pool.inode == pool_inode(shm):
-            return self._pool
-        self._release_pool()
-        pool = map_server_pool(shm)
-        if pool is not None and self.on_map is not None:
-            pool.borrowable = bool(self.on_map(pool.mapping))
-            pool.on_unmap = self.on_unmap if pool.borrowable else None
-        self._pool = pool
-        return pool
-
-    def _release_pool(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.close()
-
-    def _authenticate(self, link: Link) -> None:
-        if link.info["auth"] != auth.SCHEME:
-            link.close()
-            raise RemoteAuthFailed(
-                f"kvtier server {self.host}:{self.port} wants {link.info['auth']!r} "
-                f"authentication; this client speaks {auth.SCHEME}"
-            )
-        if not self.token:
-            link.close()
-            raise RemoteAuthFailed(
-                f"kvtier server {self.host}:{self.port} wants a token: give it by "
-                "kvtier://host:port/?token_env=VAR or the config key remote_auth_token"
-            )
-        proof = auth.prove(self.token, bytes.fromhex(link.info["challenge"]))
-        _, meta = self._call(link, p.Op.AUTH, p.encode_json({"proof": proof.hex()}))
-        link.info.update(p.decode_json(meta))
-
-    def _in_time(self, link: Link, t0: float, bound: str, what: str) -> None:
-        """Fail a same-host copy that took more than half of the server's `bound`
-        (after which it frees what the copy used)."""
-        took = time.monotonic() - t0
-        if took > link.bound(bound) / 2:
-            self._fail(
-                link,
-                TimeoutError(
-                    f"a shared-memory {what} took {took:.1f} s, more than half the "
-                    f"server's {bound} ({link.bound(bound):g} s): dropped"
-                ),
-            )
-
-    def _drop(self, keep_pool: bool = False) -> None:
-        """Close the connection; the pool's mapping too unless `keep_pool` (a healthy
-        server: the next connection finds the same pool)."""
-        if self._link is not None:
-            self._link.close()
-            self._link = None
-        if not keep_pool:
-            self._release_pool()
-
-    def _send(
-        self,
-        link: Link,
-        op: p.Op,
-        meta: bytes,
-        parts: Sequence[memoryview] = (),
-        payload_len: int = 0,
-    ) -> int:
-        req_id = next(self._req_ids) & 0xFFFFFFFF or next(self._req_ids)  # 0 is the server's own
-        try:
-            link.send([p.pack_header(op, req_id, len(meta), payload_len) + meta, *parts])
-        except OSError as e:
-            self._fail(link, e)
-        return req_id
-
-    def _call(
-        self,
-        link: Link,
-        op: p.Op,
-        meta: bytes,
-        parts: Sequence[memoryview] = (),
-        payload_len: int = 0,
-    ) -> tuple[p.Header, memoryview]:
-        """Send a request and read its reply's header and meta; the reply's
-        payload (a GET's values) is left for the caller to read."""
-        req_id = self._send(link, op, meta, parts, payload_len)
-        try:
-            head = bytearray(p.HEADER_SIZE)
-            link.recv_into(memoryview(head))
-            h = p.parse_header(head, replies=True)
-            link.replies += 1
-            parting = (
-                h.req_id == 0 and h.flags != p.Status.OK
-            )  # the server's last word before it closes
-            if not parting and (h.op != op | p.REPLY or h.req_id != req_id):
-                raise p.ProtocolError(f"reply {h.op:#x}/{h.req_id} to request {op:#x}/{req_id}")
-            if h.payload_len and op != p.Op.GET:
-                raise p.ProtocolError(
-                    f"a {op.name} reply carries no payload, got {h.payload_len} bytes"
-                )
-            meta_buf = memoryview(bytearray(h.meta_len))
-            link.recv_into(meta_buf)
-        except (OSError, p.ProtocolError) as e:
-            self._fail(link, e)
-        if h.flags != p.Status.OK:
-            message = (
-                f"kvtier server {self.host}:{self.port}: {bytes(meta_buf).decode(errors='replace')}"
-            )
-            if parting or h.flags == p.Status.UNAUTHORIZED:  # the server closes this connection
-                if link is self._link:
-                    self._drop(keep_pool=True)
-                else:
-                    link.close()
-            if h.flags == p.Status.UNAUTHORIZED:
-                raise RemoteAuthFailed(message)
-            raise (ValueTooLarge if h.flags == p.Status.TOO_LARGE else RemoteRefused)(message)
-        return h, meta_buf
+        return self._ch.run(lambda link: self._ch.call(link, op, meta)[1])
 
     def _get(
         self, keys: Sequence[bytes], dest: Callable[[int, int], list[memoryview] | None]
     ) -> None:
         """GET `keys`; for each present value of `size` bytes, `dest(i, size)`
         names the buffers it goes into (None: not wanted, skipped)."""
-        self._on_link(lambda link: self._get_on(link, keys, dest))
+        self._ch.run(lambda link: self._get_on(link, keys, dest))
 
     def _get_on(
         self,
@@ -478,7 +323,7 @@ class KVClient:
     ) -> None:
         if link.shm is not None:
             t0 = time.monotonic()
-            _, meta = self._call(link, p.Op.GET_SHM, p.encode_keys(keys))
+            _, meta = self._ch.call(link, p.Op.GET_SHM, p.encode_keys(keys))
             ticket, entries = p.decode_extents(meta)
             try:
                 copy = []
@@ -488,10 +333,10 @@ class KVClient:
                         copy += from_extents(link.shm, extents, parts)
                 run_copy(copy)
             finally:
-                self._send(link, p.Op.RELEASE, p.encode_u32(ticket))
-            self._in_time(link, t0, "lease_timeout", "get")
+                self._ch.send(link, p.Op.RELEASE, p.encode_u32(ticket))
+            self._ch.in_time(link, t0, "lease_timeout", "get")
             return
-        h, meta = self._call(link, p.Op.GET, p.encode_keys(keys))
+        h, meta = self._ch.call(link, p.Op.GET, p.encode_keys(keys))
         try:
             sizes = p.decode_sizes(meta)
             if len(sizes) != len(keys) or sum(s for s in sizes if s != p.MISSING) != h.payload_len:
@@ -506,18 +351,7 @@ class KVClient:
                 for part in parts if parts is not None else scratch_parts(size):
                     link.recv_into(part)
         except (OSError, p.ProtocolError) as e:
-            self._fail(link, e)
-
-    def _fail(self, link: Link, e: Exception) -> None:
-        if isinstance(
-            e, (BlockingIOError, socket.timeout)
-        ):  # SO_RCVTIMEO / SO_SNDTIMEO (or TLS's) ran out
-            e = TimeoutError(f"no progress within {self.timeout} s")
-        if link is self._link:
-            self._drop()
-        else:
-            link.close()
-        raise RemoteUnavailable(f"kvtier server {self.host}:{self.port}: {e}") from e
+            self._ch.fail(link, e)
 
 
 def _shares(sizes: Sequence[int], most: int, least_bytes: int) -> list[tuple[int, int]]:
