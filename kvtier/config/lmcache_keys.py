@@ -119,8 +119,8 @@ RULES: dict[str, KeyRule] = {
     "enable_async_loading": _m(
         False,
         "true: every hit loads in the background (async_loading: always); kvtier "
-        "loads hits below CPU RAM so anyway, and CPU-RAM hits so while other "
-        "requests run (async_loading: busy, its default)",
+        "loads hits below CPU RAM so anyway, and CPU-RAM hits larger than "
+        "in_step_load_tokens so while other requests run (async_loading: busy, its default)",
         "async_loading",
         dict.fromkeys(TRUE_TEXTS, "always"),
     ),
