@@ -209,8 +209,11 @@ def test_a_cpu_hit_loads_beside_the_steps_while_other_requests_run(policy, in_st
         assert ask("alone") == (48, idle) and told == [idle]  # nothing ran yet
         scheduler.request_finished(SimpleNamespace(request_id="alone"))
         scheduler.build_connector_meta(step_running("other"))
+        miss = vllm_request("miss", list(range(100, 150)))
+        assert scheduler.get_num_new_matched_tokens(miss, 0) == (0, False)  # loads nothing
+        scheduler.request_finished(SimpleNamespace(request_id="miss"))
         busy = policy == "always" or policy == "busy" and in_step < 49  # 49 not computed
-        assert ask("joins") == (48, busy) and told == [idle, busy]
+        assert ask("joins") == (48, busy) and told[-1] == busy
         blocks = SimpleNamespace(get_block_ids=lambda: ([4, 5, 6, 7],))
         scheduler.update_state_after_alloc(vllm_request("joins", toks), blocks, 48)
         if busy:  # planned with the next step's metadata: all in CPU RAM, its copies are queued in

@@ -137,6 +137,8 @@ class SchedulerSide:
         hit = self.shape.usable(stored, len(prompt))
         below_cpu = in_cpu < hit
         background = need > 0 and (below_cpu or beside)
+        if self.cpu_beside == "busy" and not background and self._running - {rid}:
+            self._in_step_left -= need  # what this step loads while others run
         self._counts["lookups"] += 1
         self._counts["lookup_tokens"] += len(prompt)
         self._counts["hit_tokens"] += hit
@@ -172,12 +174,7 @@ class SchedulerSide:
         an H200, 2026-12-01) took 15-30 ms more TTFT beside the steps."""
         if self.cpu_beside != "busy":
             return self.cpu_beside == "always"
-        if not self._running - {request_id}:
-            return False
-        if most > self._in_step_left:
-            return True
-        self._in_step_left -= most
-        return False
+        return bool(self._running - {request_id}) and most > self._in_step_left
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
