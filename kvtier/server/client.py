@@ -142,8 +142,8 @@ class KVClient:
         out: list[memoryview | None] = [None] * len(keys)
 
         def fresh(i: int, size: int) -> list[memoryview]:
-            out[i] = memoryview(np.empty(size, np.uint8))
-            return [out[i]]
+            view = out[i] = np.empty(size, np.uint8).data
+            return [view]
 
         self._get(keys, fresh)
         return out
@@ -186,8 +186,10 @@ class KVClient:
         """`get_into` with share 0 on this connection and share k on readers[k-1], at once.
         Returns only when every share is done (their buffers are the caller's)."""
         (a0, b0), rest = shares[0], shares[1:]
+        threads = self._reader_threads
+        assert threads is not None  # made with the readers
         futures = [
-            self._reader_threads.submit(reader.get_into, keys[a:b], parts[a:b], spread=False)
+            threads.submit(reader.get_into, keys[a:b], parts[a:b], spread=False)
             for reader, (a, b) in zip(readers, rest)
         ]
         try:
@@ -238,16 +240,16 @@ class KVClient:
         """Lease `keys`' values in the shared pool, in place; None off the same host
         (or where on_map refused the mapping)."""
 
-        def lease(link: Link) -> tuple[Link, float, memoryview] | None:
+        def lease(link: Link) -> tuple[Link, np.ndarray, float, memoryview] | None:
             if link.shm is None or not link.borrowable:
                 return None
             t0 = time.monotonic()
-            return link, t0, self._ch.call(link, p.Op.GET_SHM, p.encode_keys(keys))[1]
+            return link, link.shm, t0, self._ch.call(link, p.Op.GET_SHM, p.encode_keys(keys))[1]
 
         leased = self._ch.run(lease)
         if leased is None:
             return None
-        link, t0, meta = leased
+        link, pool, t0, meta = leased
         ticket, entries = p.decode_extents(meta)
         places = [
             (ext[0][0], size) if size != p.MISSING and len(ext) == 1 else None
@@ -268,7 +270,7 @@ class KVClient:
                 except RemoteUnavailable:  # dropped now: the same
                     pass
 
-        return ShmLease(places, leading, link.shm, release, t0 + link.bound("lease_timeout") / 2)
+        return ShmLease(places, leading, pool, release, t0 + link.bound("lease_timeout") / 2)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return [bool(b) for b in self._simple(p.Op.EXISTS, p.encode_keys(keys))]
@@ -359,7 +361,8 @@ def _shares(sizes: Sequence[int], most: int, least_bytes: int) -> list[tuple[int
     and each at least `least_bytes` (one range when the total is smaller than two)."""
     total = sum(sizes)
     n = max(1, min(most, len(sizes), total // least_bytes))
-    shares, a, acc = [], 0, 0
+    shares: list[tuple[int, int]] = []
+    a = acc = 0
     for i, size in enumerate(sizes):
         acc += size
         if len(shares) < n - 1 and acc >= total * (len(shares) + 1) / n:
