@@ -171,7 +171,7 @@ class SchedulerSide:
         before the lookup, which starts the hit's copies either way. A small hit in its step
         adds little to a step whose copies started at the lookup, and beside the steps it
         joins one or two steps later: a chat turn's evicted tail (~1,360 tokens, 8B shape,
-        an H200, 2026-12-01) took 15-30 ms more TTFT beside the steps."""
+        an H200, 2026-12-01) took 15-20 ms more TTFT beside the steps."""
         if self.cpu_beside != "busy":
             return self.cpu_beside == "always"
         return bool(self._running - {request_id}) and most > self._in_step_left
