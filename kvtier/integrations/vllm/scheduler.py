@@ -137,7 +137,7 @@ class SchedulerSide:
         hit = self.shape.usable(stored, len(prompt))
         below_cpu = in_cpu < hit
         background = need > 0 and (below_cpu or beside)
-        if self.cpu_beside == "busy" and not background and self._running - {rid}:
+        if self.cpu_beside == "busy" and not background and self._others_run(rid):
             self._in_step_left -= need  # what this step loads while others run
         self._counts["lookups"] += 1
         self._counts["lookup_tokens"] += len(prompt)
@@ -174,7 +174,11 @@ class SchedulerSide:
         an H200, 2026-12-01) took 15-20 ms more TTFT beside the steps."""
         if self.cpu_beside != "busy":
             return self.cpu_beside == "always"
-        return bool(self._running - {request_id}) and most > self._in_step_left
+        return self._others_run(request_id) and most > self._in_step_left
+
+    def _others_run(self, request_id: str) -> bool:
+        """Whether a request other than this one ran in the last step."""
+        return bool(self._running - {request_id})
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
