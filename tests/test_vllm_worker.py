@@ -432,3 +432,41 @@ def test_on_a_gpu_a_queued_load_beside_the_steps_is_reported_and_the_next_forwar
         assert all(torch.equal(g, w) for g, w in zip(got, want))
     finally:
         worker.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_how_long_a_steps_forward_waited_for_its_loads_is_counted():
+    """load_wait_seconds: a hit whose copies up wait ~0.5 s behind a long kernel on the copy
+    stream holds its step's forward about that long; the same hit with its copies over before
+    its step holds it only for the scatter. Both steps are counted, and read without a wait
+    once the GPU has passed them."""
+    from dataclasses import replace
+
+    from kvtier.integrations.vllm.spec import KvtierMetadata
+
+    worker, layers, spec = gpu_worker_with_a_hit("gpu-wait-test", upload=False)
+    spec = replace(spec, background=False, from_cpu=True)
+    tokens = np.array(spec.token_ids, dtype=np.uint32)
+    try:
+        with torch.cuda.stream(worker.engine.mover.transfer._copies_up):
+            torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the hit's copies up wait behind it
+        assert worker._find(tokens, PLAIN, "r", 0) == (256, 256, True)
+        worker.start_load_kv(KvtierMetadata(loads=[spec]))
+        worker.wait_for_save(KvtierMetadata())
+        torch.cuda.synchronize()
+        first = worker._counters()
+        assert first["load_wait_steps"] == 1 and first["load_wait_seconds"] > 0.2
+        assert worker._find(tokens, PLAIN, "r", 0) == (256, 256, True)
+        torch.cuda.synchronize()  # its copies over before its step
+        worker.start_load_kv(KvtierMetadata(loads=[spec]))
+        worker.wait_for_save(KvtierMetadata())
+        torch.cuda.synchronize()
+        second = worker._counters()
+        assert second["load_wait_steps"] == 2
+        assert second["load_wait_seconds"] - first["load_wait_seconds"] < 0.05
+        for layer in layers:  # tokens 0-254 in blocks 32-47
+            assert torch.equal(
+                layer[:, 32:48].flatten(1, 2)[:, :255], layer[:, 0:16].flatten(1, 2)[:, :255]
+            )
+    finally:
+        worker.close()

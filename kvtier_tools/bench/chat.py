@@ -224,8 +224,8 @@ GRAPHED = 'le="512.0"'
 def scrape(url: str) -> dict[str, float]:
     """vLLM's prefix-cache counters (tokens): GPU cache and KV connector, queries and hits;
     its request phases (`PHASES`); and kvtier's lookups with the time vLLM's scheduler waited
-    on them, its longest lookup and longest step in kvtier since the server's start (0 for
-    other connectors)."""
+    on them, its longest lookup and longest step in kvtier since the server's start, and how
+    long steps' forwards waited for their loads (0 for other connectors)."""
     import httpx
 
     names = (
@@ -242,6 +242,8 @@ def scrape(url: str) -> dict[str, float]:
         "kvtier_lookup_seconds",
         "kvtier_longest_lookup_seconds",
         "kvtier_longest_step_wait_seconds",
+        "kvtier_load_wait_seconds",
+        "kvtier_load_wait_steps",
     )
     out = dict.fromkeys(names, 0.0)
     try:
@@ -327,6 +329,11 @@ def summarize(results: list[Result], wall_s: float, before: dict, after: dict) -
         # since the server's start (gauges): a lookup or a step that waited on the GPU shows here
         "lookup_ms_longest": after["kvtier_longest_lookup_seconds"] * 1e3,
         "step_wait_ms_longest": after["kvtier_longest_step_wait_seconds"] * 1e3,
+        # the forwards' waits on the GPU for the loads queued in their step (metrics.py)
+        "load_wait_steps": d["kvtier_load_wait_steps"],
+        "load_wait_ms_mean": d["kvtier_load_wait_seconds"] / d["kvtier_load_wait_steps"] * 1e3
+        if d["kvtier_load_wait_steps"]
+        else None,
         "mean_in_flight": mean_in_flight,
         "max_in_flight": max_in_flight,
         "sent_while_another_ran": joined,

@@ -116,9 +116,10 @@ def table(records: dict[str, Record]) -> list[str]:
         "| setup | TTFT mean ms | TTFT p99 ms | req/s | output tok/s | connector hit rate | "
         "GPU prefix hit rate | in flight mean / max | "
         "kvtier lookup ms (share of the run, longest since the start) | "
+        "kvtier: a step's forward waiting for its loads, ms (steps) | "
         "vLLM's queue / prefill / ITL ms | "
         "vLLM steps over 512 tokens | failed | outputs equal to the round's first |",
-        "|---" * 13 + "|",
+        "|---" * 14 + "|",
     ]
     for name, rec in records.items():
         s = rec.summary
@@ -128,7 +129,8 @@ def table(records: dict[str, Record]) -> list[str]:
             f"{s['requests_per_s']:.2f} | "
             f"{s['output_tokens_per_s']:.1f} | {s['connector_hit_rate']:.2f} | "
             f"{s['gpu_prefix_hit_rate']:.2f} | {s['mean_in_flight']:.1f} / {s['max_in_flight']} | "
-            f"{_lookups(s)} | {_ms(s.get('queue_ms_mean'))} / {_ms(s.get('prefill_ms_mean'))} / "
+            f"{_lookups(s)} | {_load_waits(s)} | "
+            f"{_ms(s.get('queue_ms_mean'))} / {_ms(s.get('prefill_ms_mean'))} / "
             f"{_ms(s.get('itl_ms_mean'))} | {_steps(s)} | {s['failed']} | {equal}/{both} |"
         )
     return lines
@@ -151,6 +153,16 @@ def _lookups(s: dict) -> str:
         f", longest {s['lookup_ms_longest']:.1f}" if s.get("lookup_ms_longest") is not None else ""
     )
     return f"{s['lookup_ms_mean']:.2f} ({100 * s['lookup_share']:.1f} %{longest})"
+
+
+def _load_waits(s: dict) -> str:
+    """How long a step's forward waited on the GPU for the loads queued in it, mean over the
+    steps that had such loads (kvtier's load_wait counters; records from before 2026-12-01
+    have none)."""
+    steps = s.get("load_wait_steps")
+    if not steps:
+        return "—"
+    return f"{s['load_wait_ms_mean']:.2f} ({steps:.0f})"
 
 
 def _ms(v: float | None) -> str:

@@ -14,6 +14,7 @@ or in the background), stores, and the load failures vLLM recomputes.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from concurrent.futures import Future
@@ -28,6 +29,7 @@ from kvtier.engine.states import StateLoad
 from kvtier.errors import ConfigError, UnsupportedKVLayout, UnsupportedModel
 from kvtier.integrations.vllm.beside import Beside, BesideLoads
 from kvtier.integrations.vllm.events import KvtierKVEvents, to_vllm
+from kvtier.integrations.vllm.forward_wait import ForwardWaits
 from kvtier.integrations.vllm.groups import KvGroups, state_layers
 from kvtier.integrations.vllm.layout import vllm_kv
 from kvtier.integrations.vllm.lookup import Handlers, LookupServer, socket_path
@@ -73,6 +75,7 @@ class WorkerSide:
         self._failed_tokens = 0  # promised tokens that could not be loaded
         self._reported: dict[str, float] = {}  # counters as last reported to vLLM
         self._step_wait = 0.0  # s this step has spent in kvtier so far (besides the forward)
+        self._forward_waits = ForwardWaits()  # the forward's waits on the GPU for its step's loads
         self._longest = {"longest_step_wait_seconds": 0.0, "longest_background_load_seconds": 0.0}
 
     def register_kv_caches(
@@ -215,16 +218,30 @@ class WorkerSide:
         self.pd.dropped(meta.pd_dropped)  # before this step's forward is queued
         beside = self._beside_loads()
         beside.order_step()
+        in_step = []
         for spec in meta.loads:
             self._coming_up.pop(spec.req_id, None)
-            if spec.background:  # said when vLLM is told it is done (beside.py)
-                if spec.from_cpu and not self._state_names:  # nothing in its way blocks: queued now
-                    beside.start_now(spec, self._queue_load, self._land)
-                else:
-                    beside.start(spec, self._load)
-                continue
-            # From CPU RAM the copies are queued ahead of the forward (layer by layer with
-            # use_layerwise); finished, and checked, at wait_for_save.
+            if not spec.background:
+                in_step.append(spec)
+            elif spec.from_cpu and not self._state_names:  # nothing in its way blocks: queued now
+                beside.start_now(spec, self._queue_load, self._land)  # vLLM told: beside.py
+            else:
+                beside.start(spec, self._load)
+        if in_step:
+            timed = (
+                contextlib.nullcontext()
+                if self.config.use_layerwise
+                else self._forward_waits.around(self.engine.kv.device)
+            )
+            with timed:
+                self._start_in_step(in_step)
+        self._step_wait += time.perf_counter() - t0
+
+    def _start_in_step(self, specs: list[TransferSpec]) -> None:
+        """From CPU RAM the copies are queued ahead of the forward (layer by layer with
+        use_layerwise); finished, and checked, at wait_for_save."""
+        assert self.engine is not None
+        for spec in specs:
             load = self.engine.start_retrieve(
                 spec.token_ids,
                 self._slots(spec),
@@ -235,7 +252,6 @@ class WorkerSide:
             )
             state = self._load_state(spec) if self._state_names else None
             self._loads.append((load, spec, state))
-        self._step_wait += time.perf_counter() - t0
 
     def _slots(self, spec: TransferSpec) -> torch.Tensor:
         return spec.slots(
@@ -460,6 +476,9 @@ class WorkerSide:
         )  # a PD receiver's CPU tier is its buffer
         out = {_tier_named(k, here): v for k, v in self.engine.metrics().items()}
         out["load_failure_tokens"] = self._failed_tokens
+        self._forward_waits.read()
+        out["load_wait_seconds"] = self._forward_waits.seconds
+        out["load_wait_steps"] = self._forward_waits.steps
         out.update(self._longest)
         if self.pd.sender is not None:
             out["stored_tokens:pd"] = self.pd.sender.stats.sent_tokens
