@@ -463,6 +463,7 @@ def test_on_a_gpu_how_long_a_steps_forward_waited_for_its_loads_is_counted():
         torch.cuda.synchronize()
         second = worker._counters()
         assert second["load_wait_steps"] == 2
+        assert (second["step_loads"], second["step_loads_ahead"]) == (2, 2)  # both started ahead
         assert second["load_wait_seconds"] - first["load_wait_seconds"] < 0.05
         for layer in layers:  # tokens 0-254 in blocks 32-47
             assert torch.equal(

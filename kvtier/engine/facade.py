@@ -413,6 +413,8 @@ class CacheEngine:
         out: dict[str, float] = {
             "store_seconds": stats.store_seconds,
             "load_seconds": stats.retrieve_seconds,
+            "step_loads": stats.step_loads,
+            "step_loads_ahead": stats.step_loads_ahead,
             "skipped_store_tokens": stats.skipped_store_tokens,
             "evictions:cpu": tiers.cpu.stats.evictions,
             "pool_used_bytes": self.pool.used_bytes,

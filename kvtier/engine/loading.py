@@ -77,6 +77,9 @@ class LoadPath:
                 held and beside
             ):  # its kernels on the load's own stream, after the copies (CacheEngine.retrieve)
                 upload = upload or self.mover.upload(held, layer_major=layerwise, beside=True)
+            if held and not beside:
+                self.stats.step_loads += 1
+                self.stats.step_loads_ahead += upload is not None
             if held:
                 handle = (
                     self.mover.scatter_layerwise(slots, held, start, end, upload=upload)

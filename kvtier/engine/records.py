@@ -16,6 +16,8 @@ class EngineStats:
     retrieved_tokens: int = 0
     skipped_store_tokens: int = 0  # not stored: every pool block was held by readers
     prefetched_tokens: int = 0
+    step_loads: int = 0  # loads from CPU RAM queued in the engine's step (not beside it)
+    step_loads_ahead: int = 0  # of them, those whose copies up had started at the lookup
     store_seconds: float = 0.0
     retrieve_seconds: float = 0.0
     loaded_by_tier: dict[str, int] = field(

@@ -244,6 +244,8 @@ def scrape(url: str) -> dict[str, float]:
         "kvtier_longest_step_wait_seconds",
         "kvtier_load_wait_seconds",
         "kvtier_load_wait_steps",
+        "kvtier_step_loads",
+        "kvtier_step_loads_ahead",
     )
     out = dict.fromkeys(names, 0.0)
     try:
@@ -334,6 +336,8 @@ def summarize(results: list[Result], wall_s: float, before: dict, after: dict) -
         "load_wait_ms_mean": d["kvtier_load_wait_seconds"] / d["kvtier_load_wait_steps"] * 1e3
         if d["kvtier_load_wait_steps"]
         else None,
+        "step_loads": d["kvtier_step_loads"],
+        "step_loads_ahead": d["kvtier_step_loads_ahead"],
         "mean_in_flight": mean_in_flight,
         "max_in_flight": max_in_flight,
         "sent_while_another_ran": joined,

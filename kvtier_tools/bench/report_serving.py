@@ -116,7 +116,7 @@ def table(records: dict[str, Record]) -> list[str]:
         "| setup | TTFT mean ms | TTFT p99 ms | req/s | output tok/s | connector hit rate | "
         "GPU prefix hit rate | in flight mean / max | "
         "kvtier lookup ms (share of the run, longest since the start) | "
-        "kvtier: a step's forward waiting for its loads, ms (steps) | "
+        "kvtier: a step's forward waiting for its loads, ms (steps; loads, started ahead) | "
         "vLLM's queue / prefill / ITL ms | "
         "vLLM steps over 512 tokens | failed | outputs equal to the round's first |",
         "|---" * 14 + "|",
@@ -162,7 +162,8 @@ def _load_waits(s: dict) -> str:
     steps = s.get("load_wait_steps")
     if not steps:
         return "—"
-    return f"{s['load_wait_ms_mean']:.2f} ({steps:.0f})"
+    loads = f"{s['step_loads']:.0f}, {s['step_loads_ahead']:.0f}"
+    return f"{s['load_wait_ms_mean']:.2f} ({steps:.0f}; {loads})"
 
 
 def _ms(v: float | None) -> str:

@@ -9,7 +9,8 @@ deltas, gauges as current values); vLLM aggregates them and hands the dict to
     kvtier_hit_tokens_total, kvtier_hit_rate
     kvtier_stored_tokens_total{tier}, kvtier_loaded_tokens_total{tier}   (and _bytes_total)
     kvtier_store_seconds_total, kvtier_load_seconds_total, kvtier_store_gbps, kvtier_load_gbps
-    kvtier_load_wait_seconds_total, kvtier_load_wait_steps_total
+    kvtier_load_wait_seconds_total, kvtier_load_wait_steps_total, kvtier_step_loads_total,
+    kvtier_step_loads_ahead_total
     kvtier_evictions_total{tier}, kvtier_dropped_writes_total{tier},
     kvtier_skipped_store_tokens_total, kvtier_load_failure_tokens_total,
     kvtier_uncached_requests_total{kind}, kvtier_pool_used_bytes, kvtier_pool_capacity_bytes,
@@ -46,6 +47,8 @@ COUNTERS = {
         "time the steps' forwards waited on the GPU for the loads queued in their step (copies "
         "not over when the forward reached them, and the scatter; CUDA events, whole loads)"
     ),
+    "step_loads": "loads from CPU RAM queued in the step that needs them (not beside the steps)",
+    "step_loads_ahead": "of those, the loads whose copies to the GPU had started at the lookup",
     "load_wait_steps": "steps whose forward waited for loads queued in it (load_wait_seconds)",
     "evictions": "chunks evicted, by tier",
     "dropped_writes": "chunks not written to a lower tier (its queue stayed full)",
