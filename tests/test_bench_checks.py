@@ -293,6 +293,26 @@ def test_the_gpu_kv_cache_for_a_share_of_the_chats_conversations():
     assert gpu_kv_bytes(llama8b, w, 0.01, 8192) == (8192 + 256) * 128 * 1024
 
 
+def test_the_all_on_gpu_setup_gets_a_gpu_kv_cache_for_every_conversation(tmp_path, monkeypatch):
+    """plain-gpu-all, the floor of the turns an offloader serves: vLLM alone, its GPU KV cache
+    the whole workload's; every other setup gets the share's."""
+    from kvtier_tools.bench import serving
+
+    asked: dict[str, list[str]] = {}
+    monkeypatch.setattr(
+        serving, "vllm_server", lambda model, workdir, **kw: asked.setdefault(workdir.name, kw)
+    )
+    spec = serving.ServerSpec(gpu_kv_bytes=1 << 30, gpu_kv_all_bytes=4 << 30)
+    for name in ("plain-gpu-all", "plain", "kvtier"):
+        serving.served(tmp_path, name, tmp_path / name, spec)
+    kv = {
+        n: kw["extra_args"][kw["extra_args"].index("--kv-cache-memory-bytes") + 1]
+        for n, kw in asked.items()
+    }
+    assert kv == {"plain-gpu-all": str(4 << 30), "plain": str(1 << 30), "kvtier": str(1 << 30)}
+    assert asked["plain-gpu-all"]["kv_connector"] is None
+
+
 def test_a_serving_runs_records_packed_lean_for_results(tmp_path, monkeypatch):
     import json
     import sys

@@ -3,6 +3,9 @@ server with each KV offloader in turn: same vLLM, model, prompts and CPU memory,
 server at a time on this machine.
 
     plain          no offloader (vLLM's own prefix cache only, if on)
+    plain-gpu-all  no offloader, and a GPU KV cache that holds every conversation at its last
+                   turn (with --gpu-kv-share): each turn after the first a GPU hit, the floor
+                   of the turns an offloader serves
     kvtier         KvtierConnector, its defaults (gpu_upload auto, async_loading busy)
     kvtier-kernel  KvtierConnector, gpu_upload kernel (no load holds the copy engine)
     kvtier-in-step KvtierConnector, async_loading never (every CPU-RAM hit loads in its step)
@@ -60,6 +63,7 @@ def setup(name: str, cpu_gb: float) -> tuple[dict | None, dict, list[str]]:
     size = {"LMCACHE_MAX_LOCAL_CPU_SIZE": str(cpu_gb), "LMCACHE_CHUNK_SIZE": "256"}
     return {
         "plain": (None, {}, []),
+        "plain-gpu-all": (None, {}, []),
         "kvtier": (KVTIER, size, []),
         "kvtier-kernel": (KVTIER, {**size, "KVTIER_GPU_UPLOAD": "kernel"}, []),
         "kvtier-in-step": (KVTIER, {**size, "KVTIER_ASYNC_LOADING": "never"}, []),
@@ -91,6 +95,11 @@ class ServerSpec:
         None  # vLLM's GPU KV cache, exactly (--kv-cache-memory-bytes; gpu_util then
     )
     # only bounds the rest)
+    gpu_kv_all_bytes: int | None = None  # the same for the setups of ALL_ON_GPU
+
+
+# Setups whose GPU KV cache holds the whole workload (ServerSpec.gpu_kv_all_bytes).
+ALL_ON_GPU = {"plain-gpu-all"}
 
 
 # vLLM keeps one block of its KV cache back (its null block): 16 tokens on the GPU backends, 128 on
@@ -118,9 +127,10 @@ def gpu_kv_bytes(
 def served(model: Path, name: str, workdir: Path, server: ServerSpec):
     """vLLM's OpenAI server with setup `name`'s offloader (a context manager)."""
     connector, env, extra = setup(name, server.cpu_gb)
-    if server.gpu_kv_bytes is not None:  # on CPU too: vLLM's CPU platform takes its whole GiB from
+    kv_bytes = server.gpu_kv_all_bytes if name in ALL_ON_GPU else server.gpu_kv_bytes
+    if kv_bytes is not None:  # on CPU too: vLLM's CPU platform takes its whole GiB from
         # VLLM_CPU_KVCACHE_SPACE over the flag, so the variable goes
-        extra = [*extra, "--kv-cache-memory-bytes", str(server.gpu_kv_bytes)]
+        extra = [*extra, "--kv-cache-memory-bytes", str(kv_bytes)]
         env = {**env, "VLLM_CPU_KVCACHE_SPACE": None}
     return vllm_server(
         model,
@@ -413,6 +423,7 @@ def main() -> None:
             gpu_kv_bytes=gpu_kv_bytes(
                 spec, workload, args.gpu_kv_share, args.max_model_len, dtype_bytes
             ),
+            gpu_kv_all_bytes=gpu_kv_bytes(spec, workload, 1.0, args.max_model_len, dtype_bytes),
         )
         print(
             f"vLLM's GPU KV cache: {server.gpu_kv_bytes / 2**30:.2f} GiB, "
