@@ -117,19 +117,16 @@ def _pool_chunks(kv: PagedKV, sizes: list[int], order: list[int]) -> list[torch.
 ORDERS = {"adjacent": [0, 1, 2, 3, 4], "gaps": [0, 2, 4, 5, 6], "reversed": [4, 3, 2, 1, 0]}
 
 
-@pytest.mark.parametrize(
-    "upload_by,download_by",
-    [("kernel", "kernel"), ("copy_engine", "copy_engine"), ("auto", "copy_engine")],
-)
+@pytest.mark.parametrize("upload_by", ["kernel", "copy_engine", "auto"])
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("layout", ["flash_attn", "vllm", "packed-nhd"])
-def test_staged_runs_and_layerwise_paths_match_the_reference(layout, order, upload_by, download_by):
+def test_staged_runs_and_layerwise_paths_match_the_reference(layout, order, upload_by):
     torch.manual_seed(1)
     layers, kv = make_kv(layout)
     perm = torch.randperm(kv.num_slots)
     sizes = [64, 64, 64, 64, 40]
     src, dst = perm[:296], perm[296:592]
-    transfer = make_transfer(kv, "triton", upload=upload_by, download=download_by)
+    transfer = make_transfer(kv, "triton", upload=upload_by)
     chunks = _pool_chunks(kv, sizes, ORDERS[order])
     transfer.gather(src, chunks)
     assert torch.equal(torch.cat(chunks, dim=2), reference(kv, src))
@@ -292,22 +289,18 @@ def test_layerwise_store_on_gpu_overlaps_nothing_it_should_not(wait):
     eng.close()
 
 
-@pytest.mark.parametrize("download_by", ["copy_engine", "kernel"])
-def test_a_whole_store_not_waited_for_reads_the_pages_after_the_forward_and_before_the_next(
-    download_by,
-):
+def test_a_whole_store_not_waited_for_reads_the_pages_after_the_forward_and_before_the_next():
     """The vLLM worker's store on a GPU: after the step's forward, gathered whole, its copies
     to the host not waited for (`finish(wait=False)`). Its gathers read what the forward
     (behind a slow kernel) wrote, the next forward's writes come after those reads, its
     staging lives until its copies land though the next store allocates its own right behind
-    it, and a load of its prefix (no upload at its lookup) reads them once they have landed.
-    The copies to the host by the copy engine or by a kernel (gpu_download)."""
+    it, and a load of its prefix (no upload at its lookup) reads them once they have landed."""
     layers = [
         torch.zeros(SHAPES["flash_attn"], device="cuda", dtype=torch.bfloat16) for _ in range(L)
     ]
     kv = PagedKV.wrap(layers, "flash_attn")
     eng = CacheEngine(
-        KvtierConfig(chunk_size=64, max_local_cpu_size=0.05, gpu_download=download_by),
+        KvtierConfig(chunk_size=64, max_local_cpu_size=0.05),
         kv,
         KVFormat("m", "flash_attn", "bf16"),
     )

@@ -93,12 +93,6 @@ class KvtierConfig:
         "engine for whole ones)",
         default="auto",
     )
-    gpu_download: str = _doc(
-        "what copies a store's chunks from GPU memory to CPU RAM: copy_engine (DMA) | kernel "
-        "(the GPU's SMs write the pinned pool; vLLM's own small copies to the host, each "
-        "step's sampled tokens, never queue behind a store)",
-        default="copy_engine",
-    )
     async_loading: str = _doc(
         "when a hit all in CPU RAM loads inside vLLM: busy (in the step that needs it while no "
         "other request runs, or when small: in_step_load_tokens; else in the background, the "
@@ -264,7 +258,6 @@ def describe_keys() -> list[tuple[str, str, str]]:
 
 
 GPU_UPLOADS = ("auto", "kernel", "copy_engine")
-GPU_DOWNLOADS = ("copy_engine", "kernel")
 ASYNC_LOADINGS = ("busy", "always", "never")
 PD_ROLES = ("sender", "receiver")
 PD_CHANNELS = ("tcp", "nixl", "cuda_ipc")
@@ -310,8 +303,6 @@ def _check_ranges(cfg: KvtierConfig) -> None:
         )
     if cfg.gpu_upload not in GPU_UPLOADS:
         raise ConfigError("gpu_upload", cfg.gpu_upload, " | ".join(GPU_UPLOADS))
-    if cfg.gpu_download not in GPU_DOWNLOADS:
-        raise ConfigError("gpu_download", cfg.gpu_download, " | ".join(GPU_DOWNLOADS))
     if cfg.async_loading not in ASYNC_LOADINGS:
         raise ConfigError("async_loading", cfg.async_loading, " | ".join(ASYNC_LOADINGS))
     if cfg.in_step_load_tokens < 0:

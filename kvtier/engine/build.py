@@ -69,11 +69,7 @@ def build(
         else None
     )
     fmt = fmt if quant is None else dataclasses.replace(fmt, dtype=f"{fmt.dtype}+{quant.name}")
-    mover = Mover(
-        kv,
-        make_transfer(kv, transfer, quant, upload=config.gpu_upload, download=config.gpu_download),
-        quant,
-    )
+    mover = Mover(kv, make_transfer(kv, transfer, quant, upload=config.gpu_upload), quant)
     shared_tier = cpu is not None
     if cpu is None:
         cpu = CpuTier(

@@ -12,16 +12,11 @@ from kvtier.transfer.quant import Quant
 
 
 def make_transfer(
-    kv: PagedKV,
-    backend: str = "auto",
-    quant: Quant | None = None,
-    upload: str = "auto",
-    download: str = "copy_engine",
+    kv: PagedKV, backend: str = "auto", quant: Quant | None = None, upload: str = "auto"
 ) -> Transfer:
     """Triton kernels for GPU caches, torch indexing for host caches; with `quant`,
     chunks hold that codec's quantized rows (quant.py). `upload`: how staged loads
-    cross PCIe, kernel | copy_engine | auto; `download`: how whole stores do, kernel |
-    copy_engine (triton_copy.py)."""
+    cross PCIe, kernel | copy_engine | auto (triton_copy.py)."""
     if backend == "auto":
         backend = "triton" if kv.device.type == "cuda" and not kv.split else "torch"
     if (
@@ -50,7 +45,5 @@ def make_transfer(
             )
         from kvtier.transfer.triton_copy import TritonTransfer
 
-        return TritonTransfer(
-            kv, direct=backend == "triton-direct", quant=quant, upload=upload, download=download
-        )
+        return TritonTransfer(kv, direct=backend == "triton-direct", quant=quant, upload=upload)
     raise ValueError(f"unknown transfer backend {backend!r}: auto, torch, triton, triton-direct")

@@ -281,10 +281,9 @@ def host_words_kernel(src, dst, n, BLOCK: tl.constexpr):
 
 @_jit
 def host_runs_kernel(table_addr, runs, BLOCK: tl.constexpr):
-    """Copy `runs` runs of rows between pinned host memory and the device, either way, by
-    the SMs' own loads and stores over PCIe, with no copy engine (whose queue vLLM's small
-    copies would wait behind: its next step's inputs behind a bulk load, each step's sampled
-    tokens behind a bulk store). table[r] = (source, destination, source
+    """Copy `runs` runs of rows, pinned host -> device, by the SMs' own loads over PCIe,
+    with no copy engine (whose queue vLLM's small input copies would wait behind: every
+    request's next step stalled by a bulk load). table[r] = (source, destination, source
     pitch, destination pitch, int64 words per row, rows), addresses and pitches in bytes;
     the table itself at `table_addr`, pinned host memory read in place. Persistent: the
     grid's few programs stride over every (run, row, block), leaving the other SMs to

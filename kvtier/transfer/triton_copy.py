@@ -65,9 +65,9 @@ from kvtier.transfer.staging import (
     Staging,
     Summing,
     Upload,
-    copy_runs,
     host_tables,
     run_table,
+    runs_up,
     summing,
     waiter,
 )
@@ -99,18 +99,11 @@ class TritonTransfer:
     name = "triton"
 
     def __init__(
-        self,
-        kv: PagedKV,
-        *,
-        direct: bool = False,
-        quant: Quant | None = None,
-        upload: str = "auto",
-        download: str = "copy_engine",
+        self, kv: PagedKV, *, direct: bool = False, quant: Quant | None = None, upload: str = "auto"
     ) -> None:
         self.kv = kv
         self.direct = direct
         self.upload_mode = upload
-        self.download_mode = download  # a store's copies to the host: kernel | copy_engine
         self.quant = quant
         layers = kv.joined()
         self._strides = layers[0].stride()[:4]
@@ -305,13 +298,6 @@ class TritonTransfer:
                 else None
             )
             size = chunks[0].shape[2]
-            runs = (
-                run_table(
-                    [staging.run_table(group=g) for g in range(len(staging.groups))], to_host=True
-                )
-                if self.download_mode == "kernel"
-                else None
-            )
             for g, group in enumerate(staging.groups):
                 a, b = group.start * size, min(group.stop * size, slots.shape[-1])
                 self._kernel(
@@ -320,16 +306,12 @@ class TritonTransfer:
                 if sums is not None:
                     sums.add(chunks=group)
                 copies.wait_stream(stream)
-                if runs is None:
-                    staging.copy(to_host=True, stream=copies, group=g)
-                else:  # by the SMs: vLLM's own copies to the host never queue behind it
-                    with torch.cuda.stream(copies):
-                        copy_runs(*runs[g])
+                staging.copy(to_host=True, stream=copies, group=g)
         if wait:
             copies.synchronize()
             return None
         current.wait_stream(stream)  # the kernels read the pages before anything later writes them
-        return InFlight(copies.record_event(), keep=(staging, dev_slots, ptrs, sums, runs))
+        return InFlight(copies.record_event(), keep=(staging, dev_slots, ptrs, sums))
 
     def gather_addressed(
         self, slots: torch.Tensor, addresses: Sequence[int], chunk_tokens: int
@@ -411,7 +393,7 @@ class TritonTransfer:
                         copies.wait_event(event)
                     if runs is not None:
                         with torch.cuda.stream(copies):
-                            copy_runs(*runs[k])
+                            runs_up(*runs[k])
                     else:
                         staging.copy(to_host=False, stream=copies, **part)
                     landed.append(torch.cuda.Event())

@@ -20,7 +20,7 @@ import time
 import torch
 
 from kvtier.transfer import cudart
-from kvtier.transfer.staging import copy_runs, run_table
+from kvtier.transfer.staging import run_table, runs_up
 from kvtier_tools.bench.offload import need_gpu
 
 
@@ -57,7 +57,7 @@ class Load:
     def by_kernel(self, stream, programs: int) -> None:
         with torch.cuda.stream(stream):
             for part in self.table:
-                copy_runs(*part, programs=programs)
+                runs_up(*part, programs=programs)
 
     def check(self) -> None:
         staged = (
