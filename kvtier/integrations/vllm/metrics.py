@@ -32,6 +32,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from kvtier.integrations.vllm.forward_wait import ForwardWaits
+
 COUNTERS = {
     "lookups": "lookups the vLLM scheduler made",
     "lookup_tokens": "prompt tokens looked up",
@@ -127,6 +129,36 @@ def deltas(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
         if change:
             out[key] = change
     return out
+
+
+class WorkerFigures:
+    """A worker's own figures beside its engine's (`counters`), and what changed since its
+    last report to vLLM (`report`)."""
+
+    def __init__(self) -> None:
+        self.failed_tokens = 0  # promised tokens that could not be loaded
+        self.forward_waits = ForwardWaits()  # the forward's waits on the GPU for its step's loads
+        self._longest = {"longest_step_wait_seconds": 0.0, "longest_background_load_seconds": 0.0}
+        self._reported: dict[str, float] = {}  # counters as last reported to vLLM
+
+    def note_longest(self, name: str, seconds: float) -> None:
+        self._longest[name] = max(self._longest[name], seconds)
+
+    def counters(self) -> dict[str, float]:
+        self.forward_waits.read()
+        return {
+            "load_failure_tokens": self.failed_tokens,
+            "load_wait_seconds": self.forward_waits.seconds,
+            "load_wait_steps": self.forward_waits.steps,
+            **self._longest,
+        }
+
+    def report(self, now: dict[str, float]) -> KvtierStats | None:
+        """`now` (the worker's cumulative counters and gauges) as vLLM's stats: what changed."""
+        changed = deltas(now, self._reported)
+        self._reported = now
+        stats = KvtierStats(changed)
+        return None if stats.is_empty() else stats
 
 
 class KvtierPromMetrics(KVConnectorPromMetrics):

@@ -29,11 +29,10 @@ from kvtier.engine.states import StateLoad
 from kvtier.errors import ConfigError, UnsupportedKVLayout, UnsupportedModel
 from kvtier.integrations.vllm.beside import Beside, BesideLoads
 from kvtier.integrations.vllm.events import KvtierKVEvents, to_vllm
-from kvtier.integrations.vllm.forward_wait import ForwardWaits
 from kvtier.integrations.vllm.groups import KvGroups, state_layers
 from kvtier.integrations.vllm.layout import vllm_kv
 from kvtier.integrations.vllm.lookup import Handlers, LookupServer, socket_path
-from kvtier.integrations.vllm.metrics import KvtierStats, deltas
+from kvtier.integrations.vllm.metrics import KvtierStats, WorkerFigures
 from kvtier.integrations.vllm.pd import WorkerPd
 from kvtier.integrations.vllm.spec import KvtierMetadata, Shape, TransferSpec
 from kvtier.keys import Identity, KVFormat
@@ -72,11 +71,8 @@ class WorkerSide:
         self._loads: list[tuple[Loading, TransferSpec, StateLoad | None]] = []
         self._layers_written = 0  # by this step's forward (save_kv_layer calls)
         self._beside: BesideLoads | None = None  # loads beside the steps (register_kv_caches)
-        self._failed_tokens = 0  # promised tokens that could not be loaded
-        self._reported: dict[str, float] = {}  # counters as last reported to vLLM
         self._step_wait = 0.0  # s this step has spent in kvtier so far (besides the forward)
-        self._forward_waits = ForwardWaits()  # the forward's waits on the GPU for its step's loads
-        self._longest = {"longest_step_wait_seconds": 0.0, "longest_background_load_seconds": 0.0}
+        self._figures = WorkerFigures()
 
     def register_kv_caches(
         self, vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor | list[torch.Tensor]]
@@ -231,7 +227,7 @@ class WorkerSide:
             timed = (
                 contextlib.nullcontext()
                 if self.config.use_layerwise
-                else self._forward_waits.around(self.engine.kv.device)
+                else self._figures.forward_waits.around(self.engine.kv.device)
             )
             with timed:
                 self._start_in_step(in_step)
@@ -328,7 +324,9 @@ class WorkerSide:
 
     def _landed(self, beside: Beside) -> None:
         self.pd.loaded(beside.spec.pd_req_id)
-        self._note_longest("longest_background_load_seconds", time.perf_counter() - beside.started)
+        self._figures.note_longest(
+            "longest_background_load_seconds", time.perf_counter() - beside.started
+        )
 
     def _loaded_with_state(self, spec: TransferSpec, loaded: int) -> int:
         if not self._state_names:
@@ -339,14 +337,11 @@ class WorkerSide:
         state.finish()
         return loaded
 
-    def _note_longest(self, name: str, seconds: float) -> None:
-        self._longest[name] = max(self._longest[name], seconds)
-
     def _check_loaded(self, spec: TransferSpec, loaded: int) -> None:
         """Blocks a load did not fill are reported: vLLM recomputes them."""
         loaded_end = spec.start + loaded
         if loaded_end < spec.end:
-            self._failed_tokens += spec.end - loaded_end
+            self._figures.failed_tokens += spec.end - loaded_end
             first, last = (
                 loaded_end // self.shape.block_size,
                 (spec.end - 1) // self.shape.block_size,
@@ -426,7 +421,9 @@ class WorkerSide:
                     self._save_state(spec)
                 self.pd.send(spec, self.shape.block_size)
         self._layers_written = 0
-        self._note_longest("longest_step_wait_seconds", self._step_wait + time.perf_counter() - t0)
+        self._figures.note_longest(
+            "longest_step_wait_seconds", self._step_wait + time.perf_counter() - t0
+        )
         self._step_wait = 0.0
 
     def _forward_wrote_every_layer(self) -> bool:
@@ -462,11 +459,7 @@ class WorkerSide:
     def stats(self) -> KvtierStats | None:
         if self.engine is None:
             return None
-        now = self._counters()
-        changed = deltas(now, self._reported)
-        self._reported = now
-        stats = KvtierStats(changed)
-        return None if stats.is_empty() else stats
+        return self._figures.report(self._counters())
 
     def _counters(self) -> dict[str, float]:
         """This worker's cumulative counters and current gauges (metrics.py names)."""
@@ -475,11 +468,7 @@ class WorkerSide:
             "pd" if self.pd.buffer is not None else "cpu"
         )  # a PD receiver's CPU tier is its buffer
         out = {_tier_named(k, here): v for k, v in self.engine.metrics().items()}
-        out["load_failure_tokens"] = self._failed_tokens
-        self._forward_waits.read()
-        out["load_wait_seconds"] = self._forward_waits.seconds
-        out["load_wait_steps"] = self._forward_waits.steps
-        out.update(self._longest)
+        out.update(self._figures.counters())
         if self.pd.sender is not None:
             out["stored_tokens:pd"] = self.pd.sender.stats.sent_tokens
             out["stored_bytes:pd"] = self.pd.sender.stats.sent_bytes
