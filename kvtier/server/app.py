@@ -29,9 +29,11 @@ one line and serves TCP; the RDMA design is in docs/rdma.md.
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
 import socket
 import threading
+from collections.abc import Callable
 
 from kvtier.errors import port_taken
 from kvtier.logs import get_logger
@@ -95,15 +97,13 @@ async def _accept(listener: socket.socket, state: ServerState, loops: _Loops) ->
             continue
         i = loops.pick()
         target = loops.loops[i]
-        serve_on = target.connect_accepted_socket(
-            lambda i=i: Connection(state, lambda: loops.gone(i)), sock, ssl=state.tls
-        )
+        serve_on = target.connect_accepted_socket(_serving(state, loops, i), sock, ssl=state.tls)
         started = (
             loop.create_task(serve_on)
             if target is loop
             else asyncio.run_coroutine_threadsafe(serve_on, target)
         )
-        started.add_done_callback(lambda f, i=i, sock=sock: _not_started(f, i, sock, loops))
+        started.add_done_callback(functools.partial(_not_started, i=i, sock=sock, loops=loops))
 
 
 def _refuse(sock: socket.socket, addr, state: ServerState) -> None:
@@ -123,6 +123,11 @@ def _refuse(sock: socket.socket, addr, state: ServerState) -> None:
         except OSError:
             pass
     sock.close()
+
+
+def _serving(state: ServerState, loops: _Loops, i: int) -> Callable[[], Connection]:
+    """The protocol factory of a connection served on loop `i`."""
+    return lambda: Connection(state, functools.partial(loops.gone, i))
 
 
 def _not_started(started, i: int, sock: socket.socket, loops: _Loops) -> None:

@@ -46,8 +46,8 @@ import platform
 import socket
 import sys
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, cast
 
 from kvtier.buffers import IOV_MAX, as_parts, unsent
 from kvtier.logs import get_logger
@@ -89,7 +89,7 @@ class Connection(asyncio.BufferedProtocol):
     def __init__(self, state: ServerState, on_lost: Callable[[], None] = lambda: None) -> None:
         self.state, self.index, self.pool = state, state.index, state.pool
         self._on_lost = on_lost
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport  # set by connection_made, before any other event
         self.peer = "?"
         self._read = _Read.HEADER
         self._hdr = bytearray(p.HEADER_SIZE)
@@ -120,8 +120,9 @@ class Connection(asyncio.BufferedProtocol):
     # -- transport events ------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-        transport.set_write_buffer_limits(high=0)
+        # a stream's: asyncio's, or uvloop's (not a subclass of asyncio.Transport, the same methods)
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(high=0)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -214,7 +215,13 @@ class Connection(asyncio.BufferedProtocol):
                     0,
                 )
                 return
-        self._on_frame(self._header, self._buf if self._read is _Read.META else memoryview(b""))
+        self._on_frame(self._frame, self._buf if self._read is _Read.META else memoryview(b""))
+
+    @property
+    def _frame(self) -> p.Header:
+        """The header of the frame being read (parsed before its meta and payload)."""
+        assert self._header is not None
+        return self._header
 
     def _next_frame(self) -> None:
         self._read, self._buf, self._got = _Read.HEADER, memoryview(self._hdr), 0
@@ -369,19 +376,22 @@ class Connection(asyncio.BufferedProtocol):
         (SO_RCVLOWAT): a value then comes in a few large reads, not dozens of
         small ones each with its wakeup and callbacks."""
         self._lowat = max(nbytes, 1)
+        assert self._sock is not None  # set where the kernel reads: no TLS
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, self._lowat)
 
     def _finish_put(self) -> None:
         put, self._put, self._targets = self._put, None, []
+        assert put is not None
         self.holdings.commit(put)
         self._next_frame()
-        self._reply(self._header)
+        self._reply(self._frame)
 
     def _finish_refused_put(self) -> None:
+        assert self._refusal is not None
         status, message = self._refusal
         self._refusal = None
         self._next_frame()
-        self._reply(self._header, meta=message.encode(), status=status)
+        self._reply(self._frame, meta=message.encode(), status=status)
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -391,29 +401,29 @@ class Connection(asyncio.BufferedProtocol):
         *,
         meta: bytes = b"",
         status: p.Status = p.Status.OK,
-        payload: list[memoryview] = (),
+        payload: Sequence[memoryview] = (),
         payload_len: int = 0,
-        pins: list[Entry] = (),
+        pins: Sequence[Entry] = (),
     ) -> None:
         head = p.pack_header(h.op | p.REPLY, h.req_id, len(meta), payload_len, flags=status) + meta
-        rest = self._send_now([head, *payload]) if self._sock is not None else [head, *payload]
+        parts = as_parts([head, *payload])
+        rest = self._send_now(self._sock, parts) if self._sock is not None else parts
         if rest:
             self.transport.writelines(rest)
         self.holdings.pin(list(pins))
         if self.transport.get_write_buffer_size() == 0:
             self.holdings.unpin()
 
-    def _send_now(self, parts: list) -> list[memoryview]:
+    def _send_now(self, sock: socket.socket, parts: list[memoryview]) -> list[memoryview]:
         """Send what the kernel takes at once, through our own socket object
         (its send releases the GIL, so other loops run meanwhile; the
         transport's first write holds it); the rest is for the transport."""
         if self.transport.get_write_buffer_size():
             return parts  # behind earlier bytes
-        views = as_parts(parts)
         try:
-            sent = self._sock.sendmsg(views[:IOV_MAX])
+            sent = sock.sendmsg(parts[:IOV_MAX])
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError:
-            return views  # the transport meets the same error and closes the connection
-        return unsent(views, sent)
+            return parts  # the transport meets the same error and closes the connection
+        return unsent(parts, sent)
