@@ -429,3 +429,13 @@ def test_a_request_of_any_size_runs_the_kernels_compiled_at_start():
                 assert len(keys) == 1, f"{kernel.fn.__name__}({p.name}) specializes: {keys}"
                 checked += 1
     assert checked == 16
+
+
+def test_a_run_goes_to_the_copy_kernel_as_source_then_destination_either_way():
+    """host_runs_kernel reads (source, destination, their pitches, int64 words, rows): a load's
+    runs from the host, a store's (`to_host`) from the device; bytes in whole words."""
+    from kvtier.transfer.staging import _directed
+
+    run = (1 << 40, 1 << 20, 4096, 1024, 1024, 7)  # host, device, their pitches, bytes, rows
+    assert _directed(run, to_host=False) == (1 << 40, 1 << 20, 4096, 1024, 128, 7)
+    assert _directed(run, to_host=True) == (1 << 20, 1 << 40, 1024, 4096, 128, 7)

@@ -281,13 +281,13 @@ def host_words_kernel(src, dst, n, BLOCK: tl.constexpr):
 
 @_jit
 def host_runs_kernel(table_addr, runs, BLOCK: tl.constexpr):
-    """Copy `runs` runs of rows, pinned host -> device, by the SMs' own loads over PCIe,
-    with no copy engine (whose queue vLLM's small input copies would wait behind: every
-    request's next step stalled by a bulk load). table[r] = (source, destination, source
-    pitch, destination pitch, int64 words per row, rows), addresses and pitches in bytes;
-    the table itself at `table_addr`, pinned host memory read in place. Persistent: the
-    grid's few programs stride over every (run, row, block), leaving the other SMs to
-    the forward that runs beside the copy."""
+    """Copy `runs` runs of rows between pinned host memory and the device, either way, by
+    the SMs' own loads and stores over PCIe, with no copy engine (whose queue vLLM's small
+    input copies would wait behind: every request's next step stalled by a bulk load).
+    table[r] = (source, destination, source pitch, destination pitch, int64 words per row,
+    rows), addresses and pitches in bytes; the table itself at `table_addr`, pinned host
+    memory read in place. Persistent: the grid's few programs stride over every (run, row,
+    block), leaving the other SMs to the forward that runs beside the copy."""
     table = table_addr.to(tl.pointer_type(tl.int64))
     pid = tl.program_id(0).to(tl.int64)
     programs = tl.num_programs(0).to(tl.int64)

@@ -274,15 +274,16 @@ RUN_BLOCK = 8192  # int64 words (64 KB) a program of host_runs_kernel moves at a
 RUN_PROGRAMS = 32  # its programs: enough loads in flight for PCIe, most SMs left to the forward
 
 
-def run_table(parts: Sequence[Sequence[Run]]) -> list[tuple[torch.Tensor, int, int]] | None:
+def run_table(
+    parts: Sequence[Sequence[Run]], to_host: bool = False
+) -> list[tuple[torch.Tensor, int, int]] | None:
     """Each part's runs in one pinned table that `host_runs_kernel` reads over PCIe: per part
-    (table, first run, runs). None where a row is not in whole, aligned int64 words (the copy
-    engine moves those)."""
-    if any(x % 8 for part in parts for run in part for x in run[:5]):
+    (table, first run, runs), host to device (`to_host`: device to host). None where a row is
+    not in whole, aligned int64 words (the copy engine moves those)."""
+    flat = [run for part in parts for run in part]
+    if any(x % 8 for run in flat for x in run[:5]):
         return None
-    table = torch.tensor(
-        [(*run[:4], run[4] // 8, run[5]) for part in parts for run in part], dtype=torch.int64
-    ).pin_memory()
+    table = torch.tensor([_directed(run, to_host) for run in flat], dtype=torch.int64).pin_memory()
     out, first = [], 0
     for part in parts:
         out.append((table, first, len(part)))
@@ -290,7 +291,15 @@ def run_table(parts: Sequence[Sequence[Run]]) -> list[tuple[torch.Tensor, int, i
     return out
 
 
-def runs_up(table: torch.Tensor, first: int, runs: int, programs: int = RUN_PROGRAMS) -> None:
+def _directed(run: Run, to_host: bool) -> tuple[int, ...]:
+    """A run as host_runs_kernel reads it: source, destination, their pitches, int64 words a
+    row, rows."""
+    host, dev, host_pitch, dev_pitch, width, rows = run
+    ends = (dev, host, dev_pitch, host_pitch) if to_host else (host, dev, host_pitch, dev_pitch)
+    return (*ends, width // 8, rows)
+
+
+def copy_runs(table: torch.Tensor, first: int, runs: int, programs: int = RUN_PROGRAMS) -> None:
     """host_runs_kernel over runs [first, first + runs) of `table`, on the current stream."""
     if runs:
         host_runs_kernel[(programs,)](

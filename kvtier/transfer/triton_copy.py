@@ -65,9 +65,9 @@ from kvtier.transfer.staging import (
     Staging,
     Summing,
     Upload,
+    copy_runs,
     host_tables,
     run_table,
-    runs_up,
     summing,
     waiter,
 )
@@ -393,7 +393,7 @@ class TritonTransfer:
                         copies.wait_event(event)
                     if runs is not None:
                         with torch.cuda.stream(copies):
-                            runs_up(*runs[k])
+                            copy_runs(*runs[k])
                     else:
                         staging.copy(to_host=False, stream=copies, **part)
                     landed.append(torch.cuda.Event())

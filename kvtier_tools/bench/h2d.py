@@ -1,13 +1,15 @@
 """`kvtier bench h2d`: a load's copies from pinned host memory into GPU
-staging, by the copy engine or by a kernel, and what each does to the GPU's other work.
+staging, by the copy engine or by a kernel, and what each does to the GPU's other work;
+with `--down`, a store's copies the other way.
 
 The geometry is a layerwise upload's: a pool of adjacent chunks [L, K, T, H, D];
 per layer, layer l of every chunk (one strided run) into layer-major staging: one
 cudaMemcpy2DAsync per layer, or one launch of host_runs_kernel per layer with
 `programs` programs. Timed alone, then twice more with other work queued 1 ms into
-it on another stream: a 128 KB host-to-device copy (vLLM's inputs for its next
-step: how long it waits), and bf16 matmuls (a forward beside the load: how much
-longer they take than alone). Staged bytes are checked against the pool.
+it on another stream: a 128 KB copy the same way (up: vLLM's inputs for its next
+step; down: its sampled tokens, which its engine waits for before the step after
+the next: how long it waits), and bf16 matmuls (a forward beside the copies: how
+much longer they take than alone). The bytes that arrived are checked.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ import time
 import torch
 
 from kvtier.transfer import cudart
-from kvtier.transfer.staging import run_table, runs_up
+from kvtier.transfer.staging import copy_runs, run_table
 from kvtier_tools.bench.offload import need_gpu
 
 
 class Load:
-    def __init__(self, chunks: int, layers: int, layer_mb: float, dev: torch.device) -> None:
-        self.layers = layers
+    def __init__(
+        self, chunks: int, layers: int, layer_mb: float, dev: torch.device, down: bool = False
+    ) -> None:
+        self.layers, self.down = layers, down
         self.layer_bytes = int(layer_mb * 2**20) // 8 * 8
         self.chunk_bytes = self.layer_bytes * layers
         self.chunks = chunks
@@ -48,26 +52,38 @@ class Load:
             ]
             for layer in range(layers)
         ]
-        self.table = run_table(self.runs)
+        self.table = run_table(self.runs, to_host=down)
+        # what the copies are checked for, at both ends: the pool's bytes (up), or back (down)
+        self.ends = (self.pool[:4096].clone(), self.pool[-4096:].clone())
+        if down:  # staging holds the pool's bytes in its layer-major order, to be copied back
+            self.staging.copy_(self._layer_major(self.pool))
 
     def by_engine(self, stream) -> None:
-        for [(src, dst, sp, dp, width, rows)] in self.runs:
-            cudart.memcpy2d(dst, dp, src, sp, width, rows, stream)
+        for [(host, dev, hp, dp, width, rows)] in self.runs:
+            if self.down:
+                cudart.memcpy2d(host, hp, dev, dp, width, rows, stream)
+            else:
+                cudart.memcpy2d(dev, dp, host, hp, width, rows, stream)
 
     def by_kernel(self, stream, programs: int) -> None:
         with torch.cuda.stream(stream):
             for part in self.table:
-                runs_up(*part, programs=programs)
+                copy_runs(*part, programs=programs)
+
+    def reset(self) -> None:
+        """Clear where the copies write."""
+        (self.pool if self.down else self.staging).zero_()
 
     def check(self) -> None:
-        staged = (
-            self.staging.view(self.layers, self.chunks, self.layer_bytes)
-            .transpose(0, 1)
-            .reshape(-1)
-        )
-        assert torch.equal(staged[-4096:].cpu(), self.pool[-4096:]) and torch.equal(
-            staged[:4096].cpu(), self.pool[:4096]
-        )
+        got = self.pool if self.down else self._chunk_major(self.staging)
+        head, tail = self.ends
+        assert torch.equal(got[:4096].cpu(), head) and torch.equal(got[-4096:].cpu(), tail)
+
+    def _layer_major(self, pool: torch.Tensor) -> torch.Tensor:
+        return pool.view(self.chunks, self.layers, self.layer_bytes).transpose(0, 1).reshape(-1)
+
+    def _chunk_major(self, staged: torch.Tensor) -> torch.Tensor:
+        return staged.view(self.layers, self.chunks, self.layer_bytes).transpose(0, 1).reshape(-1)
 
 
 def _median_ms(xs: list[float]) -> float:
@@ -77,7 +93,12 @@ def _median_ms(xs: list[float]) -> float:
 def measure(load: Load, go, repeats: int, dev: torch.device) -> dict:
     side = torch.cuda.Stream()
     small_h = torch.ones(128 * 1024, dtype=torch.uint8, pin_memory=True)
-    small_d = torch.empty_like(small_h, device=dev)
+    small_d = torch.ones_like(small_h, device=dev)
+    small = (
+        (lambda: small_h.copy_(small_d, non_blocking=True))
+        if load.down
+        else (lambda: small_d.copy_(small_h, non_blocking=True))
+    )
     a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
 
     def matmuls():
@@ -94,9 +115,9 @@ def measure(load: Load, go, repeats: int, dev: torch.device) -> dict:
         return start.elapsed_time(end) / 1e3
 
     matmul_alone = [timed(matmuls) for _ in range(repeats + 1)][1:]
-    alone, small, beside = [], [], []
+    alone, waits, beside = [], [], []
     for _ in range(repeats + 1):
-        load.staging.zero_()
+        load.reset()
         torch.cuda.synchronize()
         t = time.perf_counter()
         go()
@@ -105,17 +126,17 @@ def measure(load: Load, go, repeats: int, dev: torch.device) -> dict:
         load.check()
         go()
         time.sleep(0.001)
-        small.append(timed(lambda: small_d.copy_(small_h, non_blocking=True)))
+        waits.append(timed(small))
         torch.cuda.synchronize()
         go()
         time.sleep(0.001)
         beside.append(timed(matmuls))
         torch.cuda.synchronize()
-    alone, small, beside = alone[1:], small[1:], beside[1:]
+    alone, waits, beside = alone[1:], waits[1:], beside[1:]
     return {
         "GBps": load.pool.numel() / statistics.median(alone) / 1e9,
         "ms": _median_ms(alone),
-        "small_copy_wait_ms": _median_ms(small),
+        "small_copy_wait_ms": _median_ms(waits),
         "matmuls_beside_ms": _median_ms(beside),
         "matmuls_alone_ms": _median_ms(matmul_alone),
     }
@@ -129,18 +150,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--programs", type=int, nargs="+", default=[16, 32, 64, 132])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--down",
+        action="store_true",
+        help="GPU to pinned host, as a store copies (and the small copy)",
+    )
     p.add_argument("--output", default="", help="write the JSON record here")
 
 
 def run(args: argparse.Namespace) -> int:
     need_gpu("bench h2d times host-to-GPU copies")
     dev = torch.device("cuda")
-    load = Load(args.chunks, args.layers, args.layer_mb, dev)
+    load = Load(args.chunks, args.layers, args.layer_mb, dev, down=args.down)
     stream = torch.cuda.current_stream()
     ways = {"copy engine": lambda: load.by_engine(stream)}
     ways.update({f"kernel x{n}": (lambda n=n: load.by_kernel(stream, n)) for n in args.programs})
     result: dict = {
         "bytes": load.pool.numel(),
+        "direction": "GPU to host" if args.down else "host to GPU",
         "gpu": torch.cuda.get_device_name(),
         "date": time.strftime("%Y-%m-%d"),
     }
