@@ -34,6 +34,7 @@ class ForwardWaits:
         yield
         after = torch.cuda.Event(enable_timing=True)
         after.record()
+        self.read()  # what has passed, so that pairs do not pile up where no one asks
         self._open.append((before, after))
 
     def read(self) -> None:

@@ -49,9 +49,9 @@ COUNTERS = {
         "time the steps' forwards waited on the GPU for the loads queued in their step (copies "
         "not over when the forward reached them, and the scatter; CUDA events, whole loads)"
     ),
+    "load_wait_steps": "steps whose forward waited for loads queued in it (load_wait_seconds)",
     "step_loads": "loads from CPU RAM queued in the step that needs them (not beside the steps)",
     "step_loads_ahead": "of those, the loads whose copies to the GPU had started at the lookup",
-    "load_wait_steps": "steps whose forward waited for loads queued in it (load_wait_seconds)",
     "evictions": "chunks evicted, by tier",
     "dropped_writes": "chunks not written to a lower tier (its queue stayed full)",
     "skipped_store_tokens": "tokens not stored: every CPU block was in use",

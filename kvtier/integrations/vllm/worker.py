@@ -214,7 +214,7 @@ class WorkerSide:
         self.pd.dropped(meta.pd_dropped)  # before this step's forward is queued
         beside = self._beside_loads()
         beside.order_step()
-        in_step = []
+        in_step: list[TransferSpec] = []
         for spec in meta.loads:
             self._coming_up.pop(spec.req_id, None)
             if not spec.background:
