@@ -144,7 +144,7 @@ class ServerState:
 
 
 def _tls_context(opts: ServerOptions) -> ssl.SSLContext:
-    assert opts.tls_cert is not None  # (the caller's test)
+    assert opts.tls_cert is not None  # made only where --tls-cert is given
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
         ctx.load_cert_chain(opts.tls_cert, opts.tls_key)
