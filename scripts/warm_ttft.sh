@@ -20,7 +20,8 @@
 #              scripts/gpu_vllm.sh's `serving` step) at the 8B shape: kvtier bf16, native offloading
 #              and kvtier int4 (CHAT_SETUPS= others, e.g. kvtier-in-step: every hit loaded in its
 #              own step; plain-gpu-all: vLLM alone with every conversation in its GPU cache, the
-#              floor of the later turns), servers resident, CHAT_ROUNDS (3) rounds in turn
+#              floor of the later turns; kvtier-consumer: kvtier that never stores), servers
+#              resident, CHAT_ROUNDS (3) rounds in turn
 # Tables and plots from the records: `python -m kvtier_tools.bench.vllm_report RESULTS/<part> ...`
 # (docs/benchmarks/warm-ttft.md).
 set -uo pipefail

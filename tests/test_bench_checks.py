@@ -313,6 +313,16 @@ def test_the_all_on_gpu_setup_gets_a_gpu_kv_cache_for_every_conversation(tmp_pat
     assert asked["plain-gpu-all"]["kv_connector"] is None
 
 
+def test_the_consumer_setup_is_kvtier_that_never_stores(tmp_path, monkeypatch):
+    """kvtier-consumer: kvtier as a kv_consumer (loads, never stores), with kvtier's CPU RAM:
+    beside kvtier, what its stores cost the requests around them."""
+    from kvtier_tools.bench import serving
+
+    connector, env, _ = serving.setup("kvtier-consumer", 20.0)
+    mine, mine_env, _ = serving.setup("kvtier", 20.0)
+    assert connector == {**mine, "kv_role": "kv_consumer"} and env == mine_env
+
+
 def test_a_serving_runs_records_packed_lean_for_results(tmp_path, monkeypatch):
     import json
     import sys

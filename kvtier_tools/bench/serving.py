@@ -10,6 +10,8 @@ server at a time on this machine.
     kvtier-kernel  KvtierConnector, gpu_upload kernel (no load holds the copy engine)
     kvtier-in-step KvtierConnector, async_loading never (every CPU-RAM hit loads in its step)
     kvtier-layerwise KvtierConnector, use_layerwise (a load in its step waits layer by layer)
+    kvtier-consumer KvtierConnector as a kv_consumer: looks up and loads, never stores (what
+                   the stores cost the requests beside them, against kvtier)
     kvtier-dma     KvtierConnector, gpu_upload copy_engine (a hit beside the steps crosses by DMA
                    too)
     kvtier-int4    KvtierConnector, remote_serde int4 (lossy: 0.28 of the bytes in every tier)
@@ -68,6 +70,7 @@ def setup(name: str, cpu_gb: float) -> tuple[dict | None, dict, list[str]]:
         "kvtier-kernel": (KVTIER, {**size, "KVTIER_GPU_UPLOAD": "kernel"}, []),
         "kvtier-in-step": (KVTIER, {**size, "KVTIER_ASYNC_LOADING": "never"}, []),
         "kvtier-layerwise": (KVTIER, {**size, "LMCACHE_USE_LAYERWISE": "true"}, []),
+        "kvtier-consumer": ({**KVTIER, "kv_role": "kv_consumer"}, size, []),
         "kvtier-dma": (KVTIER, {**size, "KVTIER_GPU_UPLOAD": "copy_engine"}, []),
         "kvtier-int4": (KVTIER, {**size, "LMCACHE_REMOTE_SERDE": "int4"}, []),
         "lmcache": (LMCACHE_CONNECTOR, {**size, "LMCACHE_LOCAL_CPU": "true"}, []),
