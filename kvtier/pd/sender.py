@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +44,9 @@ from kvtier.pd import protocol as proto
 from kvtier.pd.channels import Placement, SenderChannel
 from kvtier.pd.ipc_writes import IpcWriter, Step
 from kvtier.pd.link import CONNECT_TIMEOUT, DecoderLink
+
+if TYPE_CHECKING:
+    from kvtier.engine import CacheEngine
 
 log = get_logger(__name__)
 
@@ -99,10 +103,7 @@ class _Open:
 
 
 class PdSender:
-    def __init__(self, engine: object, config: KvtierConfig, tp_rank: int) -> None:
-        from kvtier.engine import CacheEngine
-
-        assert isinstance(engine, CacheEngine)
+    def __init__(self, engine: CacheEngine, config: KvtierConfig, tp_rank: int) -> None:
         self.engine, self.config, self.tp_rank = engine, config, tp_rank
         # Staging for tcp and nixl: the sender's own pd_buffer_size on pd_buffer_device when
         # set (as in LMCache's prefiller config; on a GPU, NIXL then moves VRAM to VRAM),
