@@ -91,6 +91,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = get_logger(__name__)
@@ -191,8 +192,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def reset_cache(self) -> bool:
         return self._scheduler.reset_cache()
 
-    def update_connector_output(self, connector_output: Any) -> None:
-        self._scheduler.add_events(getattr(connector_output, "kv_cache_events", None))
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler.add_events(connector_output.kv_cache_events)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._scheduler.take_events()

@@ -30,7 +30,7 @@ from kvtier.pd.sender import Target
 from kvtier.stalls import traced
 
 if TYPE_CHECKING:
-    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -344,7 +344,8 @@ class SchedulerSide:
             return None
         return KvtierStats({**counts, **refused, "longest_lookup_seconds": self._longest_lookup})
 
-    def add_events(self, events: object) -> None:
+    def add_events(self, events: KVConnectorKVEvents | None) -> None:
+        """The workers' KV events, aggregated by vLLM (ours: None where no worker had any)."""
         if isinstance(events, KvtierKVEvents):
             self._kv_events.extend(events.get_all_events())
 
