@@ -1,4 +1,4 @@
-"""One client connection of the store server: frames in, replies out.
+"""One client connection of the store server: frames in, dispatched, replies out (replies.py).
 
 A connection lives on one of the server's event loops (app.py); what it
 shares with the other loops, it reaches through the index, under its lock.
@@ -10,18 +10,8 @@ straight into the pool. While a PUT's values arrive, SO_RCVLOWAT asks the
 kernel to wake the loop once per MiB (never for more than is still owed),
 so a value comes in a few large reads instead of dozens of small ones.
 
-Replies go out as views of pool pages. What the kernel takes at once is
-sent through our own socket object on the transport's descriptor, whose
-send releases the GIL (uvloop's first write holds it through the syscall,
-in which the kernel also delivers to the peer: half of the GIL time of two
-busy loops was 24-byte PUT acks); whatever it does not take goes to the
-transport. The values stay pinned until the transport has drained them.
-
-The write-buffer high-water mark is 0: any reply the kernel did not take at
-once pauses reading (back-pressure) until the transport drains, and the
-drain is also when the pins of the replies sent are dropped. Over TLS
-(the transport encrypts every byte, so no send of our own) reading is
-not paused: uvloop's TLS layer stops writing while reading is paused.
+Replies go out through `Replies` (replies.py): views of pool pages, pinned until
+the transport has drained them, with back-pressure on reading.
 
 Anything that is not the protocol (bad magic or version, an absurd length,
 truncated meta) closes this connection with the reason logged; other
@@ -46,16 +36,15 @@ import platform
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
-from kvtier.buffers import IOV_MAX, as_parts, unsent
 from kvtier.logs import get_logger
 from kvtier.server import auth
 from kvtier.server import protocol as p
 from kvtier.server.bounds import Holdings, PendingPut
-from kvtier.server.index import Entry
 from kvtier.server.ops import Handler, Ops
+from kvtier.server.replies import Replies
 
 if TYPE_CHECKING:
     from kvtier.server.state import ServerState
@@ -104,31 +93,34 @@ class Connection(asyncio.BufferedProtocol):
         self._lowat = 1  # the socket's SO_RCVLOWAT
         self._refusal: tuple[p.Status, str] | None = None
         self.holdings = Holdings(state)  # what it holds against its bounds (bounds.py)
-        self._sock: socket.socket | None = None  # the transport's socket, for `_send_now`
+        self._sock: socket.socket | None = None  # our own on the transport's: sends, SO_RCVLOWAT
+        self.replies: Replies  # set by connection_made
         self._authed = state.tokens is None
         self._challenge: bytes | None = None
         self._host_id: str | None = None
         self._prefix = b""  # the tenant's namespace
         self._last_rx = time.monotonic()
         self._timer: asyncio.TimerHandle | None = None
-        self._handlers: dict[int, Handler] = {
-            p.Op.HELLO: self._hello,
-            p.Op.AUTH: self._auth,
-            **Ops(state, self.holdings, self._keys, self._reply).handlers(),
-        }
+        self._handlers: dict[int, Handler] = {}  # set by connection_made, with the replies
 
     # -- transport events ------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # a stream's: asyncio's, or uvloop's (not a subclass of asyncio.Transport, the same methods)
         self.transport = cast(asyncio.Transport, transport)
-        self.transport.set_write_buffer_limits(high=0)
+        tls = self.state.tls is not None
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.state.tls is None:  # over TLS every byte goes through the transport
+            if not tls:  # over TLS every byte goes through the transport
                 self._sock = socket.socket(sock.family, sock.type, fileno=os.dup(sock.fileno()))
                 self._sock.setblocking(False)
+        self.replies = Replies(self.transport, self._sock, self.holdings, tls)
+        self._handlers = {
+            p.Op.HELLO: self._hello,
+            p.Op.AUTH: self._auth,
+            **Ops(self.state, self.holdings, self._keys, self.replies.send).handlers(),
+        }
         peer = transport.get_extra_info("peername") or ("?", "?")
         self.peer, self.peer_host = f"{peer[0]}:{peer[1]}", str(peer[0])
         self.holdings.peer_host = self.peer_host
@@ -151,15 +143,10 @@ class Connection(asyncio.BufferedProtocol):
         log.debug("connection from %s closed", self.peer)
 
     def pause_writing(self) -> None:
-        # Over TLS, reading goes on: uvloop's TLS layer stalls its own writes while
-        # reading is paused. What replies pin there is bounded by --max-held-per-conn.
-        if self.state.tls is None:
-            self.transport.pause_reading()
+        self.replies.paused()
 
     def resume_writing(self) -> None:
-        self.holdings.unpin()
-        if self.state.tls is None and not self.transport.is_closing():
-            self.transport.resume_reading()
+        self.replies.drained()
 
     # -- reading -----------------------------------------------------------------------
 
@@ -265,7 +252,7 @@ class Connection(asyncio.BufferedProtocol):
         self.index.count(auth_failures=1)
         self.state.note(self.peer_host, why, message)
         self._read = _Read.CLOSED
-        self._reply(h, meta=message.encode(), status=p.Status.UNAUTHORIZED)
+        self.replies.send(h, meta=message.encode(), status=p.Status.UNAUTHORIZED)
         self.transport.close()
 
     def _hello(self, h: p.Header, meta: memoryview) -> None:
@@ -290,11 +277,11 @@ class Connection(asyncio.BufferedProtocol):
         else:
             self._challenge = auth.new_challenge()
             info.update(auth=auth.SCHEME, challenge=self._challenge.hex(), shm=None)
-        self._reply(h, meta=p.encode_json(info))
+        self.replies.send(h, meta=p.encode_json(info))
 
     def _auth(self, h: p.Header, meta: memoryview) -> None:
         if self.state.tokens is None or self._authed:
-            self._reply(h, meta=b"AUTH: this connection needs none", status=p.Status.ERROR)
+            self.replies.send(h, meta=b"AUTH: this connection needs none", status=p.Status.ERROR)
             return
         challenge, self._challenge = self._challenge, None  # one try per challenge
         proof = p.decode_json(meta).get("proof")
@@ -311,7 +298,7 @@ class Connection(asyncio.BufferedProtocol):
             return
         self._authed, self._prefix = True, who.prefix
         log.debug("connection from %s is tenant %r", self.peer, who.name)
-        self._reply(h, meta=p.encode_json({"tenant": who.name, "shm": self._shm_offer()}))
+        self.replies.send(h, meta=p.encode_json({"tenant": who.name, "shm": self._shm_offer()}))
 
     def _shm_offer(self) -> dict | None:
         if self._host_id != self.state.host_id or not self.state.shm_enabled:
@@ -384,46 +371,11 @@ class Connection(asyncio.BufferedProtocol):
         assert put is not None
         self.holdings.commit(put)
         self._next_frame()
-        self._reply(self._frame)
+        self.replies.send(self._frame)
 
     def _finish_refused_put(self) -> None:
         assert self._refusal is not None
         status, message = self._refusal
         self._refusal = None
         self._next_frame()
-        self._reply(self._frame, meta=message.encode(), status=status)
-
-    # -- writing -------------------------------------------------------------------------------
-
-    def _reply(
-        self,
-        h: p.Header,
-        *,
-        meta: bytes = b"",
-        status: p.Status = p.Status.OK,
-        payload: Sequence[memoryview] = (),
-        payload_len: int = 0,
-        pins: Sequence[Entry] = (),
-    ) -> None:
-        head = p.pack_header(h.op | p.REPLY, h.req_id, len(meta), payload_len, flags=status) + meta
-        parts = as_parts([head, *payload])
-        rest = self._send_now(self._sock, parts) if self._sock is not None else parts
-        if rest:
-            self.transport.writelines(rest)
-        self.holdings.pin(list(pins))
-        if self.transport.get_write_buffer_size() == 0:
-            self.holdings.unpin()
-
-    def _send_now(self, sock: socket.socket, parts: list[memoryview]) -> list[memoryview]:
-        """Send what the kernel takes at once, through our own socket object
-        (its send releases the GIL, so other loops run meanwhile; the
-        transport's first write holds it); the rest is for the transport."""
-        if self.transport.get_write_buffer_size():
-            return parts  # behind earlier bytes
-        try:
-            sent = sock.sendmsg(parts[:IOV_MAX])
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
-            return parts  # the transport meets the same error and closes the connection
-        return unsent(parts, sent)
+        self.replies.send(self._frame, meta=message.encode(), status=status)
