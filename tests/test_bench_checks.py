@@ -313,7 +313,7 @@ def test_the_all_on_gpu_setup_gets_a_gpu_kv_cache_for_every_conversation(tmp_pat
     assert asked["plain-gpu-all"]["kv_connector"] is None
 
 
-def test_the_consumer_setup_is_kvtier_that_never_stores(tmp_path, monkeypatch):
+def test_the_consumer_setup_is_kvtier_that_never_stores():
     """kvtier-consumer: kvtier as a kv_consumer (loads, never stores), with kvtier's CPU RAM:
     beside kvtier, what its stores cost the requests around them."""
     from kvtier_tools.bench import serving
