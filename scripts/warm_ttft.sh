@@ -21,7 +21,10 @@
 #              and kvtier int4 (CHAT_SETUPS= others, e.g. kvtier-in-step: every hit loaded in its
 #              own step; plain-gpu-all: vLLM alone with every conversation in its GPU cache, the
 #              floor of the later turns; kvtier-consumer: kvtier that never stores), servers
-#              resident, CHAT_ROUNDS (3) rounds in turn
+#              resident, CHAT_ROUNDS (3) rounds in turn; CHAT_ARGS= more of the serving bench's
+#              flags (e.g. --profile: py-spy on each server, its wheel carried in .tools/; with
+#              KVTIER_TRACE_STALLS_MS=0 in the environment every kvtier call on vLLM's engine
+#              thread is logged with its time: the steps' timeline)
 # Tables and plots from the records: `python -m kvtier_tools.bench.vllm_report RESULTS/<part> ...`
 # (docs/benchmarks/warm-ttft.md).
 set -uo pipefail
@@ -57,7 +60,7 @@ run_part() {
         BENCH_ARGS="--no-eager --kv-cache-dtype fp8 $bench" ;;
     chat) STEPS=serving SETUPS=${CHAT_SETUPS:-kvtier native kvtier-int4} GPU_UTIL=0.28 \
         SERVING_ARGS="--model $llama8b --model-dir /tmp/kvtier-serving-8b --max-model-len 8192 \
-        --rounds ${CHAT_ROUNDS:-3} --resident" ;;
+        --rounds ${CHAT_ROUNDS:-3} --resident ${CHAT_ARGS:-}" ;;
     *) echo "unknown part $part"; return 2 ;;
     esac
     local left=$(( budget - ($(date +%s) - start) - 15 ))
