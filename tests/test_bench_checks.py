@@ -499,3 +499,61 @@ def test_the_back_to_back_table_pairs_each_warm_run_after_cold_with_the_landed_o
     (tmp_path / "kvtier.json").write_text(json.dumps(record))
     table = back_to_back_markdown(tmp_path, ["kvtier"])
     assert "| kvtier | 16,384 | 52.0 | 55.0 | 1.050 |" in table
+
+
+def test_steps_are_read_from_the_traced_calls_of_a_servers_log_round_by_round(tmp_path):
+    """kvtier's own tracer at 0 ms (every call logged) and store lines, written by kvtier's
+    logger as a server writes them: steps from each start_load_kv to the next, rounds parted by
+    an idle spell, kvtier's calls and the stores counted into the step they fall in."""
+    import logging
+    import time
+
+    from kvtier.logs import get_logger
+    from kvtier.stalls import Stalls
+    from kvtier_tools.bench.steps import read, report, rounds, steps
+
+    log_path = tmp_path / "vllm-1.log"
+    handler = logging.FileHandler(log_path)
+    handler.setFormatter(
+        logging.Formatter("(EngineCore pid=7) kvtier %(levelname)s %(asctime)s: %(message)s")
+    )
+    kvtier_log = get_logger("kvtier")
+    kvtier_log.addHandler(handler)
+    stalls = Stalls(0)
+
+    @stalls.traced("start_load_kv")
+    def start_load_kv():
+        time.sleep(0.001)
+
+    @stalls.traced("wait_for_save")
+    def wait_for_save(stores: int):
+        for _ in range(stores):
+            get_logger("kvtier.engine").info(
+                "Storing KV cache for 256 out of 4352 tokens for request r (33.6 MB)"
+            )
+        time.sleep(0.004)
+
+    try:
+        for round_steps in ([2, 0, 1], [0, 3]):
+            for stores in round_steps:
+                start_load_kv()
+                time.sleep(0.02)  # the forward
+                wait_for_save(stores)
+            time.sleep(0.3)
+    finally:
+        kvtier_log.removeHandler(handler)
+        handler.close()
+    calls, stores = read(log_path)
+    assert [c.name for c in calls[:2]] == ["start_load_kv", "wait_for_save"] and len(stores) == 6
+    parted = rounds(calls, idle=0.2)
+    assert [len(r) for r in parted] == [6, 4]
+    first = steps(parted[0], stores)
+    assert [s.stores for s in first] == [2, 0, 1] and first[0].stored_tokens == 512
+    assert first[0].begin == 0.0 and first[-1].length is None
+    assert all(0.02 <= s.length < 0.2 for s in first[:-1])  # ms stamps: a step is 25 ms or so
+    assert all(0.004 <= s.kvtier < 0.02 for s in first)
+    assert [s.stores for s in steps(parted[1], stores)] == [0, 3]
+    lines = report([log_path, log_path], window=1.0, idle=0.2)
+    assert sum(line.startswith("round ") for line in lines) == 2
+    assert sum(line.startswith("  vllm-1.log: 3 steps, kvtier's calls") for line in lines) == 2
+    assert sum(line.startswith("  vllm-1.log: 2 steps") for line in lines) == 2
