@@ -263,12 +263,10 @@ class SpanMemo:
     def __init__(
         self, fmt: KVFormat, chunk_size: int, save_unfull_chunk: bool, size: int = 64
     ) -> None:
-        self.fmt, self.chunk_size, self.save_unfull_chunk, self.size = (
-            fmt,
-            chunk_size,
-            save_unfull_chunk,
-            size,
-        )
+        self.fmt = fmt
+        self.chunk_size = chunk_size
+        self.save_unfull_chunk = save_unfull_chunk
+        self.size = size
         # request id -> its identity, the longest tokens hashed, their spans
         self._memo: OrderedDict[str, tuple[Identity, np.ndarray, list[ChunkSpan]]] = OrderedDict()
         self._lock = threading.Lock()  # lookups come on the lookup server's thread
@@ -282,9 +280,8 @@ class SpanMemo:
         if request_id:
             with self._lock:
                 entry = self._memo.get(request_id)
-            if (
-                entry is not None and entry[0] != identity
-            ):  # a request id used again, for another request
+            # a request id used again, for another request
+            if entry is not None and entry[0] != identity:
                 entry = None
             if entry is not None:  # the whole chunks before the first token that differs
                 both = min(len(tokens), len(entry[1]))

@@ -37,10 +37,8 @@ class Stalls:
     def __init__(self, threshold_ms: float | None) -> None:
         self.threshold_s = None if threshold_ms is None else threshold_ms / 1e3
         self._local = threading.local()  # .waits: {kind: s} of the call running on this thread
-        self._gc_s, self._gc_started = (
-            0.0,
-            0.0,
-        )  # collections' total time, and when the one running began
+        # collections' total time, and when the one running began
+        self._gc_s, self._gc_started = 0.0, 0.0
         if self.threshold_s is not None:
             gc.callbacks.append(self._on_gc)
 

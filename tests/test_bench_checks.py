@@ -101,13 +101,11 @@ def test_serving_rounds_give_each_setups_median_and_its_ratio_to_the_first_in_th
         f"{n}#{r}": Record({}, "", summary={"ttft_mean_ms": m, "requests_per_s": q})
         for n, r, m, q in means
     }
-    for r, (queue, prefill) in enumerate(
-        [(9.0, 30.0), (11.0, 33.0), (10.0, 40.0)], 1
-    ):  # vLLM's split, kvtier's
+    # vLLM's split, kvtier's
+    for r, (queue, prefill) in enumerate([(9.0, 30.0), (11.0, 33.0), (10.0, 40.0)], 1):
         records[f"kvtier#{r}"].summary |= {"queue_ms_mean": queue, "prefill_ms_mean": prefill}
-    for r, share in enumerate(
-        [0.05, 0.62, 0.1], 1
-    ):  # kvtier's sends in lockstep (plain's records predate it)
+    # kvtier's sends in lockstep (plain's records predate it)
+    for r, share in enumerate([0.05, 0.62, 0.1], 1):
         records[f"kvtier#{r}"].summary["sent_bunched"] = share
     lines = by_round(records)
     assert lines[2] == "| plain | 50.0 60.0 55.0 | 55.0 | 1.000 | 1.000 | 0 of 3 | — | — — — |"
@@ -116,9 +114,8 @@ def test_serving_rounds_give_each_setups_median_and_its_ratio_to_the_first_in_th
     assert lines[3] == (
         "| kvtier | 40.0 45.0 55.0 | 45.0 | 0.800 | 1.050 | 1 of 3 | 10.0 / 33.0 | 0.05 0.62 0.10 |"
     )
-    assert (
-        by_round({"plain": Record({}, "", summary={"ttft_mean_ms": 50.0})}) == []
-    )  # one round: no table
+    # one round: no table
+    assert by_round({"plain": Record({}, "", summary={"ttft_mean_ms": 50.0})}) == []
 
 
 def test_serving_turns_give_each_setups_mean_by_turn_as_the_median_over_rounds_even_packed():
@@ -151,9 +148,8 @@ def test_a_warm_run_faster_than_the_copy_of_its_kv_is_not_a_load():
     # LMCache 0.5.6 under vLLM 0.26's V2 model runner, 2026-11-27: 19.2 ms warm with a 39.2 ms copy
     assert under_the_copy("lmcache", {"warm_median": 0.0192, "copy_ms": 39.2})
     assert not under_the_copy("kvtier", {"warm_median": 0.0552, "copy_ms": 39.0})
-    assert not under_the_copy(
-        "plain", {"warm_median": 0.0192, "copy_ms": 39.2}
-    )  # plain loads nothing
+    # plain loads nothing
+    assert not under_the_copy("plain", {"warm_median": 0.0192, "copy_ms": 39.2})
 
 
 def test_bench_serve_prompts_random_or_over_shared_prefixes():
@@ -209,9 +205,8 @@ def test_a_runs_engine_time_leaves_out_the_front_end_before_the_scheduler():
         ("vllm update_from_output", 23.5, 24.25),
     ]
     assert engine_ms(spans) == pytest.approx(24.25 - 6.2)
-    assert math.isnan(
-        engine_ms([("vllm execute_model", 7.1, 20.0)])
-    )  # vLLM's methods not wrapped: unknown
+    # vLLM's methods not wrapped: unknown
+    assert math.isnan(engine_ms([("vllm execute_model", 7.1, 20.0)]))
 
 
 def test_the_chat_workload_reports_how_many_requests_were_in_flight():
@@ -226,9 +221,8 @@ def test_the_chat_workload_reports_how_many_requests_were_in_flight():
     alone = [res(0.25 * k, 0.2) for k in range(8)]
     mean, most, joined = in_flight(alone, 2.0)
     assert abs(mean - 0.8) < 1e-9 and most == 1 and joined == 0
-    crowded = [res(0.05 * k, 0.2) for k in range(8)] + [
-        res(0.0, None)
-    ]  # a request that never ended: left out
+    # a request that never ended: left out
+    crowded = [res(0.05 * k, 0.2) for k in range(8)] + [res(0.0, None)]
     mean, most, joined = in_flight(crowded, 0.55)
     assert abs(mean - 1.6 / 0.55) < 1e-9 and most == 4 and joined == 7 / 8
 
@@ -249,9 +243,8 @@ def test_the_chat_workloads_output_lengths_spread_around_max_tokens_alike_in_eve
         lengths
         == Workload(conversations=32, turns=6, max_tokens=48, output_spread=0.5).output_lengths()
     )
-    assert (
-        w.prompts() == Workload(conversations=32, turns=6, max_tokens=48).prompts()
-    )  # the prompts unchanged
+    # the prompts unchanged
+    assert w.prompts() == Workload(conversations=32, turns=6, max_tokens=48).prompts()
     assert {n for t in Workload(turns=3, max_tokens=16).output_lengths() for n in t} == {
         16
     }  # no spread: fixed
@@ -274,9 +267,8 @@ def test_the_gpu_kv_cache_for_a_share_of_the_chats_conversations():
     from kvtier_tools.bench.serving import gpu_kv_bytes
     from kvtier_tools.dev.tinymodel import TinyLlama
 
-    llama8b = TinyLlama(
-        num_hidden_layers=32, num_key_value_heads=8, head_dim=128
-    )  # 128 KiB of KV a token
+    # 128 KiB of KV a token
+    llama8b = TinyLlama(num_hidden_layers=32, num_key_value_heads=8, head_dim=128)
     w = Workload(
         conversations=32,
         system_tokens=4096,
@@ -286,9 +278,8 @@ def test_the_gpu_kv_cache_for_a_share_of_the_chats_conversations():
         max_tokens=48,
     )
     last_turn = 4096 + 6 * 256 + 5 * 128 + 48  # 6,320 tokens
-    assert (
-        gpu_kv_bytes(llama8b, w, 0.25, 8192) == 8 * last_turn * 128 * 1024
-    )  # 6.17 GiB: 8 of the 32
+    # 6.17 GiB: 8 of the 32
+    assert gpu_kv_bytes(llama8b, w, 0.25, 8192) == 8 * last_turn * 128 * 1024
     # never below one whole request and vLLM's null block
     assert gpu_kv_bytes(llama8b, w, 0.01, 8192) == (8192 + 256) * 128 * 1024
 
@@ -360,12 +351,13 @@ def test_a_serving_runs_records_packed_lean_for_results(tmp_path, monkeypatch):
     )
     pack.main()
     packed = json.loads(out.read_text())
+    # rounds in their order
     assert list(packed) == [
         "kvtier#2",
         "kvtier#10",
         "native#2",
         "_slow_calls",
-    ]  # rounds in their order
+    ]
     assert packed["kvtier#2"]["summary"] == {"ttft_mean_ms": 61.6} and packed["kvtier#2"][
         "workload"
     ] == {"rate": 24.0}
@@ -454,13 +446,14 @@ def test_a_serving_run_cut_by_its_limit_is_reported_from_the_records_it_left(tmp
             "results": [{"sent_s": 0.1, "ttft_s": ttft_ms / 1e3, "error": ""}],
         }
 
+    # native#3: cut
     for key, ttft, rps in (
         ("native#1", 66.8, 22.3),
         ("kvtier#1", 73.1, 22.5),
         ("kvtier#2", 67.7, 23.0),
         ("native#2", 74.1, 23.2),
         ("kvtier#3", 84.4, 22.3),
-    ):  # native#3: cut
+    ):
         (tmp_path / f"{key}.json").write_text(json.dumps(record(ttft, rps)))
     (tmp_path / "serving.log").write_text("not a record")
     records = report(tmp_path, ["kvtier", "lmcache", "native"])
@@ -468,9 +461,8 @@ def test_a_serving_run_cut_by_its_limit_is_reported_from_the_records_it_left(tmp
     assert (tmp_path / "serving.svg").read_text().startswith("<svg")
     lines = by_round(records)
     assert lines[2].startswith("| kvtier | 73.1 67.7 84.4 | 73.1 | 1.000 |")
-    assert lines[3].startswith(
-        "| native | 66.8 74.1 | 70.4 | 1.004 |"
-    )  # its two rounds, paired with kvtier's
+    # its two rounds, paired with kvtier's
+    assert lines[3].startswith("| native | 66.8 74.1 | 70.4 | 1.004 |")
 
 
 def test_each_setups_process_gets_every_flag_of_the_command_but_the_setups():

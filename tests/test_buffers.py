@@ -57,9 +57,8 @@ def test_work_begun_on_the_copy_threads_runs_before_its_results_are_asked_for(mo
         return x * x
 
     results = buffers.start_parallel(work, [1, 2, 3], nbytes=100)
-    assert (
-        started.wait(5) if threads > 1 else not ran
-    )  # begun at once on threads; small or one thread: on asking
+    # begun at once on threads; small or one thread: on asking
+    assert started.wait(5) if threads > 1 else not ran
     assert results() == [1, 4, 9] and results() == [1, 4, 9]
     assert sorted(ran) == [1, 2, 3]  # each item ran once, however often the results were asked for
     small = buffers.start_parallel(work, [4], nbytes=100)

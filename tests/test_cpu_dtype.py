@@ -23,9 +23,8 @@ def test_a_probe_that_hangs_or_fails_falls_back_to_float32():
 
 
 def test_the_real_probe_answers_and_covers_both_bf16_paths():
-    assert (
-        "a @ b" in PROBE and "weight_packed_linear_cpu" in PROBE
-    )  # torch's matmul and vLLM's packed GEMM
+    # torch's matmul and vLLM's packed GEMM
+    assert "a @ b" in PROBE and "weight_packed_linear_cpu" in PROBE
     choice = probe_bf16()
     assert choice.dtype in ("bfloat16", "float32")
     with open("/proc/cpuinfo") as f:

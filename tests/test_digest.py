@@ -28,9 +28,8 @@ def test_the_digest_of_slices_adds_up_and_any_word_changes_it():
     swapped = data.view(np.uint32).copy()
     swapped[[10, 20]] = swapped[[20, 10]]
     assert swapped[10] == swapped[20] or kv_digest(swapped) != whole
-    assert kv_digest(np.zeros(64, np.uint8)) != kv_digest(
-        np.zeros(68, np.uint8)
-    )  # zero words count
+    # zero words count
+    assert kv_digest(np.zeros(64, np.uint8)) != kv_digest(np.zeros(68, np.uint8))
 
 
 def test_a_value_with_a_digest_is_version_2_and_every_reader_still_checks_its_xxh3():
@@ -52,9 +51,8 @@ def test_a_value_with_a_digest_is_version_2_and_every_reader_still_checks_its_xx
     with pytest.raises(CorruptPayload, match="4096"):  # the length is still checked (it is raw_len)
         codec.check_header(header, 4000, 4096)
     plain, _ = codec.encode(memoryview(chunk), 16)
-    assert (
-        plain[4] == 1 and codec.check_header(plain, 4096, 4096)[2] == 0
-    )  # no digest: version 1, as before
+    # no digest: version 1, as before
+    assert plain[4] == 1 and codec.check_header(plain, 4096, 4096)[2] == 0
     lz4 = bytearray(header)
     lz4[5] = 1  # a version-2 header may only name the naive serde
     with pytest.raises(CorruptPayload, match="only naive"):

@@ -116,14 +116,12 @@ def test_full_pool_of_pinned_chunks_skips_store_and_logs_once(caplog):
     eng, _ = make_engine(pool_mb=2 * 16 * L * 2 * H * D * 4 / 1e6 * 1.0001 * 1e6 / 1024**2)
     assert eng.pool.num_blocks == 2
     eng.store(list(range(32)), torch.arange(32))
-    held = [
-        eng.tiers.cpu.get(s.key) for s in eng.spans(list(range(32)))
-    ]  # in-flight loads pin both
+    # in-flight loads pin both
+    held = [eng.tiers.cpu.get(s.key) for s in eng.spans(list(range(32)))]
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         assert eng.store(list(range(100, 164)), torch.arange(64), request_id="r") == 0
-        assert (
-            eng.store(list(range(100, 196)), torch.arange(96), request_id="r") == 0
-        )  # next prefill step
+        # next prefill step
+        assert eng.store(list(range(100, 196)), torch.arange(96), request_id="r") == 0
     warnings = [r for r in caplog.records if "pool full of chunks in use" in r.getMessage()]
     assert len(warnings) == 1 and "64 tokens" in warnings[0].getMessage()
     for chunk in held:

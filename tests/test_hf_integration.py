@@ -88,9 +88,8 @@ def test_layerwise_load_gives_the_same_result(model):
     assert layered.hit_tokens == whole.hit_tokens == 256
     assert torch.equal(layered.logits, whole.logits)
     assert (layered.logits - cold).abs().max().item() < 1e-4
-    assert (
-        session.engine.pool.used_bytes == 4 * session.engine.pool.block_bytes
-    )  # nothing left pinned
+    # nothing left pinned
+    assert session.engine.pool.used_bytes == 4 * session.engine.pool.block_bytes
     assert all(not c.block.pinned for c in session.engine.tiers.cpu._chunks.values())
 
 
@@ -99,9 +98,8 @@ def test_layerwise_store_stores_the_same_kv_as_storing_after(model):
     cfg = KvtierConfig(save_unfull_chunk=False, chunk_size=64, max_local_cpu_size=0.05)
     after, layered = HFSession(model, cfg, max_len=400), HFSession(model, cfg, max_len=400)
     cold = after.prefill(ids, layerwise=False).logits
-    assert torch.equal(
-        layered.prefill(ids, layerwise=True).logits, cold
-    )  # storing changes nothing computed
+    # storing changes nothing computed
+    assert torch.equal(layered.prefill(ids, layerwise=True).logits, cold)
     keys = [s.key for s in after.engine.spans(ids[0])]
     assert layered.engine.lookup(ids[0]) == after.engine.lookup(ids[0]) == 256
     for key in keys:

@@ -83,9 +83,8 @@ def test_span_memo_gives_the_spans_of_the_tokens_it_is_given():
     memo = SpanMemo(fmt, 4, save_unfull_chunk=False)
     prompt = np.arange(18)
     assert memo.spans(prompt, "r") == chunk_spans(prompt, fmt, 4, False)
-    assert memo.spans(prompt[:10], "r") == chunk_spans(
-        prompt[:10], fmt, 4, False
-    )  # a prefix: reused
+    # a prefix: reused
+    assert memo.spans(prompt[:10], "r") == chunk_spans(prompt[:10], fmt, 4, False)
     other = prompt.copy()
     other[0] = 99
     assert memo.spans(other, "r") == chunk_spans(other, fmt, 4, False)  # other tokens: hashed anew
@@ -145,9 +144,8 @@ def test_span_memo_with_partial_chunks_hashes_only_what_follows_the_shared_whole
         assert hashed == expected, (len(tokens), hashed)
         assert got == keys.chunk_spans(tokens, fmt, 4, True)
     changed = np.arange(23)
-    changed[9] = (
-        99  # a token inside the third chunk: the first two are shared, the rest hashed anew
-    )
+    # a token inside the third chunk: the first two are shared, the rest hashed anew
+    changed[9] = 99
     for tokens, rid, expected in [(changed, "r", [4, 4, 4, 3]), (prompt, "other", [4, 4, 4, 4, 2])]:
         want = keys.chunk_spans(tokens, fmt, 4, True)
         hashed.clear()
@@ -195,9 +193,8 @@ def test_an_image_changes_the_chunks_from_the_one_that_holds_it_and_no_earlier()
     assert a[:2] == b[:2] == plain[:2]  # [0, 512): before the image at 600
     assert all(x != y and x != z for x, y, z in zip(a[2:], b[2:], plain[2:]))
     assert _keys(tokens, Identity.of(items=[Item(600, 64, b"1" * 16)])) == a
-    moved = _keys(
-        tokens, Identity.of(items=[Item(601, 64, b"1" * 16)])
-    )  # another place: another KV
+    # another place: another KV
+    moved = _keys(tokens, Identity.of(items=[Item(601, 64, b"1" * 16)]))
     assert moved[:2] == a[:2] and moved[2] != a[2]
 
 

@@ -93,12 +93,13 @@ def test_lmcache_s_async_loading_switch_sets_kvtier_s_and_its_false_keeps_the_de
     value, expected
 ):
     assert load_config(env={"LMCACHE_ENABLE_ASYNC_LOADING": value}).async_loading == expected
+    # kvtier's own key, later, wins
     assert (
         load_config(
             env={"LMCACHE_ENABLE_ASYNC_LOADING": value, "KVTIER_ASYNC_LOADING": "never"}
         ).async_loading
         == "never"
-    )  # kvtier's own key, later, wins
+    )
 
 
 def test_deprecated_nixl_names_set_the_pd_keys():
@@ -188,12 +189,8 @@ def test_usable_hit(hit, prompt, granularity, minimum, usable):
 @pytest.mark.parametrize(
     "stored, prompt, computed, load",
     [
-        (
-            4352,
-            4352,
-            4336,
-            0,
-        ),  # 15 tokens past vLLM's GPU hit: computed with the last one, not loaded
+        # 15 tokens past vLLM's GPU hit: computed with the last one, not loaded
+        (4352, 4352, 4336, 0),
         (4608, 4736, 4352, 256),
         (4352, 4352, 0, 4351),
         (10, 100, 0, 10),

@@ -72,8 +72,8 @@ def test_a_malformed_request_is_answered_as_no_hit(served):
         encode(Op.LOOKUP, "r", b"\0" * 4)[:-1],
         encode(Op.LOOKUP, "r"),
         encode(Op.LOOKUP, "r", b"\0" * 4),  # no flags
-        encode(Op.LOOKUP, "r", b"\0" * 8 + b"\0" * 16 + b"\3\0\0\0"),
-    ):  # 3 items promised, none sent
+        encode(Op.LOOKUP, "r", b"\0" * 8 + b"\0" * 16 + b"\3\0\0\0"),  # 3 items promised, none sent
+    ):
         sock.send(bad)
         assert sock.recv() == b"\0" * 17
     sock.close(0)

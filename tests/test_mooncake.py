@@ -146,9 +146,8 @@ def test_where_memory_must_be_registered_other_buffers_are_copied_by_mooncake(po
     monkeypatch.setattr(type(st.settings), "needs_registration", property(lambda s: True))
     outside, header = os.urandom(1 << 20), bytearray(b"h" * 48)
     try:
-        assert st._in_place(
-            [memoryview(header), memoryview(registered)]
-        )  # headers go through the slots
+        # headers go through the slots
+        assert st._in_place([memoryview(header), memoryview(registered)])
         assert not st._in_place([memoryview(outside)])
         st.put(
             [b"copied", b"in-place"],
@@ -267,9 +266,8 @@ def test_a_chunk_evicted_between_lookup_and_load_is_loaded_up_to_it_and_the_rest
         other = open_store(pool.url, 5, extra=pool.extra_config)
         assert other.delete([wire_key(eng.spans(tokens)[4].key)]) == 1  # evicted under the hit
         other.close()
-        mask = eng.retrieve(
-            tokens, dst
-        )  # vLLM's connector reports the rest as failed blocks: recomputed
+        # vLLM's connector reports the rest as failed blocks: recomputed
+        mask = eng.retrieve(tokens, dst)
         assert mask.tolist() == [True] * 64 + [False] * 96  # loaded up to the gone chunk
         assert torch.equal(kv_at(layers, dst[:64]), kv_at(layers, src[:64]))
         assert eng.lookup(tokens) == 64

@@ -152,9 +152,8 @@ def test_sent_kv_is_a_hit_on_the_receiver_and_loads_bit_exact(channel, monkeypat
         p.buffer.release("r1")
         assert p.receiver_engine.lookup(toks) == 0
         assert p.buffer.pool.free_blocks == p.buffer.pool.num_blocks
-        assert (
-            p.sender_engine.pool.free_blocks == p.sender_engine.pool.num_blocks
-        )  # staging given back
+        # staging given back
+        assert p.sender_engine.pool.free_blocks == p.sender_engine.pool.num_blocks
     finally:
         p.close()
 
@@ -166,11 +165,9 @@ def test_a_request_larger_than_the_senders_staging_goes_batch_by_batch_intact(ch
         monkeypatch.setenv(name, value)
     p = Pair(channel=channel, staging_chunks=4)  # 2 chunks a batch, the prompt 7
     try:
-        toks, src, dst = (
-            list(range(500, 612)),
-            torch.randperm(NB * BS)[:112],
-            torch.randperm(NB * BS)[:112],
-        )
+        toks = list(range(500, 612))
+        src = torch.randperm(NB * BS)[:112]
+        dst = torch.randperm(NB * BS)[:112]
         assert p.sender.staging.num_blocks == 4
         channel, in_flight, most = p.sender.channel, {}, [0]
         push, finish = channel.push, channel.finish
@@ -243,19 +240,16 @@ def test_a_later_step_that_finds_no_room_frees_what_the_earlier_steps_reserved(p
     toks, slots = list(range(160)), torch.arange(160)
     assert pair.sender.send(pair.target("a"), toks[:64], slots[:64], start=0, last=False) == 64
     assert pair.buffer.pool.free_blocks == 2
-    assert (
-        pair.sender.send(pair.target("a"), toks, slots, start=64, last=False) == 0
-    )  # 6 more chunks: no room
+    # 6 more chunks: no room
+    assert pair.sender.send(pair.target("a"), toks, slots, start=64, last=False) == 0
     assert (
         pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks
         and pair.buffer.held_requests() == 0
     )
-    assert (
-        pair.sender.send(pair.target("a"), toks, slots, start=160, last=True) == 0
-    )  # its last step sends nothing
-    assert (
-        pair.sender.send(pair.target("b"), toks[:64], slots[:64], start=0, last=True) == 64
-    )  # the link still works
+    # its last step sends nothing
+    assert pair.sender.send(pair.target("a"), toks, slots, start=160, last=True) == 0
+    # the link still works
+    assert pair.sender.send(pair.target("b"), toks[:64], slots[:64], start=0, last=True) == 64
     assert pair.receiver_engine.lookup(toks[:64]) == 64
 
 
@@ -311,11 +305,9 @@ def test_a_piece_that_finds_no_room_waits_for_it_after_the_others_and_lands_inta
         pair.sender.send(pair.target("a"), list(range(48)), torch.arange(48), start=0, last=True)
         == 48
     )
-    toks, src, dst = (
-        list(range(900, 1012)),
-        torch.randperm(NB * BS)[:112],
-        torch.randperm(NB * BS)[:112],
-    )
+    toks = list(range(900, 1012))
+    src = torch.randperm(NB * BS)[:112]
+    dst = torch.randperm(NB * BS)[:112]
     free_while_waiting = []
 
     def release_a():
@@ -391,9 +383,8 @@ def test_a_sender_that_dies_mid_transfer_frees_its_reservation(pair):
     reply = proto.recv(conn)[0]
     assert isinstance(reply, proto.Allocated) and len(reply.blocks) == 3
     assert pair.buffer.pool.free_blocks == pair.buffer.pool.num_blocks - 3
-    conn.sendall(
-        proto.encode(proto.Write("x", reply.blocks[0]), CHUNK * BPT) + b"\0" * 100
-    )  # then dies
+    # then dies
+    conn.sendall(proto.encode(proto.Write("x", reply.blocks[0]), CHUNK * BPT) + b"\0" * 100)
     conn.close()
     deadline = time.monotonic() + 5
     while (
@@ -755,9 +746,8 @@ def test_idle_nixl_agents_cost_no_cpu(monkeypatch):
     p = Pair(channel="nixl")
     try:
         toks = list(range(2000, 2040))
-        assert (
-            p.sender.send(p.target("r1"), toks, torch.arange(40), start=0, last=True) == 40
-        )  # agents connected
+        # agents connected
+        assert p.sender.send(p.target("r1"), toks, torch.arange(40), start=0, last=True) == 40
         before = resource.getrusage(resource.RUSAGE_SELF)
         time.sleep(2.0)
         after = resource.getrusage(resource.RUSAGE_SELF)

@@ -71,9 +71,8 @@ def test_a_steps_groups_grow_from_the_first_to_a_slot(ring):
     step = ring_.start(lambda places: lambda first, end: None, list(range(16)), [chunk] * 16)
     assert [g.end - g.first for g in step.groups] == [1, 2, 4, 4, 4, 1]
     assert [g.slot for g in step.groups] == [0, 1, 0, 1, 0, 1]
-    big = IpcWriter(
-        torch.device("cuda:0"), chunk, 4 * chunk, chunk // 2
-    )  # a first group under a chunk: one chunk
+    # a first group under a chunk: one chunk
+    big = IpcWriter(torch.device("cuda:0"), chunk, 4 * chunk, chunk // 2)
     assert [
         g.end - g.first
         for g in big.start(lambda places: lambda a, b: None, [0, 1, 2], [chunk] * 3).groups
@@ -104,9 +103,8 @@ def test_every_group_of_a_step_lands_intact_when_the_ring_is_reused_many_times(
     sender, layers, receiver = ring
     seed = 10 + 2 * (pieces is None) + gather_early
     n = 1000
-    assert (
-        send(sender, receiver, "warm-up", _tokens(64, 999), torch.arange(64)) == 64
-    )  # connects: the ring
+    # connects: the ring
+    assert send(sender, receiver, "warm-up", _tokens(64, 999), torch.arange(64)) == 64
     small_ring(sender)
     sender.pieces, sender.gather_early = pieces, gather_early
     slots = _slots(sender.engine.kv.num_blocks, SHAPE.block_size, n, seed + 1)
@@ -123,10 +121,8 @@ def test_chunks_the_decoder_holds_are_gathered_ahead_but_not_copied(ring, held):
     sender.pieces, sender.gather_early = None, True
     small_ring(sender)
     seed, n = 40 + held, 1000
-    tokens, slots = (
-        _tokens(n, seed),
-        _slots(sender.engine.kv.num_blocks, SHAPE.block_size, n, seed + 1),
-    )
+    tokens = _tokens(n, seed)
+    slots = _slots(sender.engine.kv.num_blocks, SHAPE.block_size, n, seed + 1)
     m = min(held * SHAPE.chunk_size, n)
     assert send(sender, receiver, f"early{seed}", tokens[:m], slots[:m]) == m
     moved = sender.stats.sent_tokens

@@ -234,9 +234,8 @@ def test_a_decoder_lost_while_its_request_prefills_is_left_at_once(decoders):
             t0 = time.monotonic()
             nodes[0].close()
             client.join(30)
-            assert (
-                time.monotonic() - t0 < 3
-            )  # the probe runs every 0.5 s; the prefill would take 300 s
+            # the probe runs every 0.5 s; the prefill would take 300 s
+            assert time.monotonic() - t0 < 3
             if decoders == 1:
                 assert (
                     answer[0].status_code == 502
@@ -356,9 +355,8 @@ def test_with_lmcache_nodes_the_decoder_is_asked_after_lmcaches_proxynotif_and_a
     junk,
 ):
     notify = free_port()
-    alloc = socket.create_server(
-        ("127.0.0.1", 0)
-    )  # the decoder's alloc port: the proxy must not Release there
+    # the decoder's alloc port: the proxy must not Release there
+    alloc = socket.create_server(("127.0.0.1", 0))
     alloc.settimeout(0.01)
     prefiller, decoder = LmcachePrefiller(notify, delay=0.6, junk=junk), TimedDecoder()
     try:

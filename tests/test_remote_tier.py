@@ -78,9 +78,8 @@ def url(request, tmp_path_factory):
 
 @pytest.mark.parametrize("serde, local_cpu", [("naive", True), ("lz4", True), ("naive", False)])
 def test_a_prefix_stored_by_one_node_loads_on_another(url, serde, local_cpu):
-    tokens = [
-        t + 7 * (serde == "lz4") + 3 * (not local_cpu) for t in TOKENS
-    ]  # keys of their own per case
+    # keys of their own per case
+    tokens = [t + 7 * (serde == "lz4") + 3 * (not local_cpu) for t in TOKENS]
     a, a_kv = node(url, serde, local_cpu)
     b, b_kv = node(url, serde, local_cpu)
     src, dst = torch.randperm(NB * BS)[:100], torch.randperm(NB * BS)[:100]
@@ -174,9 +173,8 @@ def test_same_host_chunks_are_read_in_place_and_a_bad_one_is_not_loaded():
         assert mask[:48].all() and not mask[48:].any()  # loading counts up to the bad chunk only
         assert torch.equal(kv_at(b_kv, dst[:48]), kv_at(a_kv, src[:48]))
         assert b.lookup(tokens) == 96  # it is still there; a load just does not trust it
-        first = wire_key(
-            b.spans(tokens)[0].key
-        )  # a bad header on the first chunk: not lent, read by copy
+        # a bad header on the first chunk: not lent, read by copy
+        first = wire_key(b.spans(tokens)[0].key)
         value = bytearray(store.get([first])[0])
         value[0] ^= 0xFF  # the codec's magic
         store.put([first], [bytes(value)])
@@ -263,12 +261,10 @@ def test_a_layerwise_load_larger_than_one_lease_may_hold_loads_whole():
         tokens = [t + 29 for t in TOKENS]
         (a, a_kv, src), (b, b_kv, dst) = stored_by_one_lent_to_another(srv.url, tokens)
         load = b.start_retrieve(tokens, dst, layerwise=True)
-        assert (
-            load._handle is None and load.num_tokens == 96
-        )  # loaded already: no layer to wait for
-        assert (
-            load.finish()[:96].all() and b.tiers.tier("remote").stats.lent == 6
-        )  # each chunk counted once
+        # loaded already: no layer to wait for
+        assert load._handle is None and load.num_tokens == 96
+        # each chunk counted once
+        assert load.finish()[:96].all() and b.tiers.tier("remote").stats.lent == 6
         assert torch.equal(kv_at(b_kv, dst[:96]), kv_at(a_kv, src[:96]))
         a.close(), b.close()
 
@@ -333,9 +329,8 @@ def test_over_tcp_the_next_batch_is_read_while_this_one_loads_and_nothing_leaks(
         b.tiers._next_batch = lambda *args: (
             threads.append(threading.current_thread().name) or next_batch(*args)
         )
-        mask = b.retrieve(
-            tokens, dst
-        )  # 6 chunks through 2 blocks: batches of 1, the next read ahead
+        # 6 chunks through 2 blocks: batches of 1, the next read ahead
+        mask = b.retrieve(tokens, dst)
         assert len(threads) == 6 and sum(t.startswith("kvtier-fetch-ahead") for t in threads) == 5
         assert mask[:96].all() and torch.equal(kv_at(layers, dst[:96]), kv_at(a_kv, src[:96]))
         assert b.pool.free_blocks == 2
@@ -480,9 +475,8 @@ def test_on_a_gpu_lent_chunks_are_checked_by_their_digests_on_the_device(layerwi
         assert torch.equal(kv_at(layers[1], dst[:96].cuda()), kv_at(layers[0], src[:96].cuda()))
         if batch is not None:
             assert batch._sums is None and batch._device_sums is not None  # no CPU checksum ran
-        value[HEADER.size + 1000] ^= (
-            0x40  # the fourth chunk: one payload bit (its xxh3 left as it was)
-        )
+        # the fourth chunk: one payload bit (its xxh3 left as it was)
+        value[HEADER.size + 1000] ^= 0x40
         store.put([key], [bytes(value)])
         mask, _ = load()
         assert mask[:48].all() and not mask[48:].any()
@@ -496,9 +490,8 @@ def test_an_engine_connects_to_the_store_server_at_start_not_at_its_first_reques
     with kvtier_server(0.0625) as srv:
         before = srv.metrics()["accepted_connections"]  # the readiness probe's
         e, _ = node(srv.url)
-        assert (
-            srv.metrics()["accepted_connections"] == before + 1
-        )  # made while the engine was built
+        # made while the engine was built
+        assert srv.metrics()["accepted_connections"] == before + 1
         assert e.tiers.tier("remote").store.shm_active  # the same connection, its pool mapped
         assert srv.metrics()["accepted_connections"] == before + 1
         e.close()

@@ -265,12 +265,10 @@ def test_many_clients_at_once_share_a_fixed_set_of_loops_and_always_read_whole_v
     clients = [client(srv, shm=i % 2 == 0) for i in range(16)]
     for c in clients:
         c.server_info()  # all 16 connected before any works: the loops share them out evenly
-    spread = client(srv).stats()[
-        "loop_connections"
-    ]  # the 16 and this one, on the loop serving the fewest
-    assert len(spread) == 3 and min(spread) >= 5 and sum(spread) >= 17, (
-        spread
-    )  # every loop serves some
+    # the 16 and this one, on the loop serving the fewest
+    spread = client(srv).stats()["loop_connections"]
+    # every loop serves some
+    assert len(spread) == 3 and min(spread) >= 5 and sum(spread) >= 17, spread
 
     def work(i: int) -> None:
         try:
@@ -428,9 +426,8 @@ def test_the_pool_stays_mapped_across_an_idled_out_connection_and_is_mapped_anew
         value = os.urandom(MiB)
         c.put([b"k"], [value])
         assert c.shm_active and len(mapped) == 1
-        time.sleep(
-            1.5
-        )  # past the server's idle timeout: it closed the connection, the next call takes a new one
+        # past the server's idle timeout: it closed the connection, the next call takes a new one
+        time.sleep(1.5)
         lease = c.borrow([b"k"])
         assert lease is not None and lease.leading == 1
         offset, size = lease.places[0]
@@ -441,9 +438,8 @@ def test_the_pool_stays_mapped_across_an_idled_out_connection_and_is_mapped_anew
         s.kill()
         s.start()
         assert c.exists([b"k"]) == [False]  # a new, empty server (the connection idled: replaced)
-        assert (
-            len(unmapped) == 1 and len(mapped) == 2
-        )  # its pool is another memfd: the old one let go
+        # its pool is another memfd: the old one let go
+        assert len(unmapped) == 1 and len(mapped) == 2
         c.put([b"k"], [value[::-1]])
         assert bytes(c.get([b"k"])[0]) == value[::-1]
         assert len(mapped) == 2 and mapped[1] is not mapped[0]

@@ -84,9 +84,8 @@ def test_a_client_without_a_token_or_with_a_wrong_one_is_refused_by_name(tenants
         with pytest.raises(RemoteAuthFailed, match="authentication failed: wrong token"):
             client(tenants_srv, "not-the-token-0123456789").exists([b"k"])
     assert metrics(tenants_srv)["auth_failures"] == before + 3
-    assert (
-        tenants_srv.log().count("authentication failed: wrong token") == 1
-    )  # logged once per client host
+    # logged once per client host
+    assert tenants_srv.log().count("authentication failed: wrong token") == 1
     assert client(tenants_srv, TOKEN).exists([b"k"]) == [False]
 
 
@@ -95,9 +94,8 @@ def test_a_replayed_handshake_fails(tenants_srv):
     challenge = first.hello()["challenge"]
     from kvtier.server.auth import prove
 
-    recorded = p.encode_json(
-        {"proof": prove(ALICE, bytes.fromhex(challenge)).hex()}
-    )  # what a sniffer saw
+    # what a sniffer saw
+    recorded = p.encode_json({"proof": prove(ALICE, bytes.fromhex(challenge)).hex()})
     h, _, _ = first.call(p.Op.AUTH, recorded)
     assert h.flags == p.Status.OK
     again = Raw(tenants_srv.ports[0])
@@ -185,9 +183,8 @@ def test_a_client_that_leases_the_whole_pool_and_idles_loses_its_leases_after_th
         time.sleep(1.6)
         other.put([b"new"], [os.urandom(8 * MiB)])  # the leases were dropped: evicted, stored
         assert other.exists([b"new"]) == [True]
-        h, meta, _ = hog.call(
-            p.Op.EXISTS, p.encode_keys([b"new"])
-        )  # the hog's connection still works
+        # the hog's connection still works
+        h, meta, _ = hog.call(p.Op.EXISTS, p.encode_keys([b"new"]))
         assert h.flags == p.Status.OK and meta == b"\x01"
         assert metrics(srv, None)["lease_timeouts"] >= 1
         assert srv.log().count("held past --lease-timeout 1 s was dropped") == 1

@@ -35,14 +35,11 @@ from kvtier_tools.dev.localservers import kvtier_server
 
 MiB = 1 << 20
 FUZZ_SECONDS = float(os.environ.get("FUZZ_SECONDS", "40"))
-TOKEN, FUZZER, CHECKER = (
-    "fuzz-operator-0123456789",
-    "fuzz-tenant-0123456789",
-    "fuzz-checker-0123456789",
-)
-RSS_BOUND = (
-    160 * MiB
-)  # over the server's RSS before the fuzz (its 64 MiB pool is populated at start)
+TOKEN = "fuzz-operator-0123456789"
+FUZZER = "fuzz-tenant-0123456789"
+CHECKER = "fuzz-checker-0123456789"
+# over the server's RSS before the fuzz (its 64 MiB pool is populated at start)
+RSS_BOUND = 160 * MiB
 
 QUICK = settings(max_examples=300, deadline=None, database=None)
 

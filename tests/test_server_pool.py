@@ -14,10 +14,11 @@ def test_a_value_on_adjacent_pages_is_one_extent_and_split_ones_are_merged_per_r
         (2 * PAGE, 3 * PAGE),
         (11 * PAGE, PAGE - 1),
     ]
+    # descending is not one run
     assert pool.extents([5, 4], 2 * PAGE) == [
         (5 * PAGE, PAGE),
         (4 * PAGE, PAGE),
-    ]  # descending is not one run
+    ]
     assert pool.extents([9], 10) == [(9 * PAGE, 10)]
 
 

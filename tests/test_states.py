@@ -88,9 +88,8 @@ def test_states_go_to_disk_and_come_back_from_it(tmp_path):
     assert eng.flush(10)
     eng.tiers.cpu.clear()
     hit = eng.find(toks, hold_for="r")
-    assert (
-        hit.tokens == 32 and hit.in_cpu == 0
-    )  # from disk: the scheduler loads it in the background
+    # from disk: the scheduler loads it in the background
+    assert hit.tokens == 32 and hit.in_cpu == 0
     load = eng.load_state(toks, [9, 9], request_id="r")
     assert load is not None
     load.finish()

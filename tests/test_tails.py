@@ -32,9 +32,8 @@ def test_the_next_turn_finds_the_last_turns_partial_chunk_and_loads_it():
     assert eng.store(turn1, src) == 160
     hit = eng.find(turn2, hold_for="t2")
     assert (hit.tokens, hit.in_cpu) == (160, 160)  # where whole chunks alone end at 128
-    mask = eng.retrieve(
-        turn2[:160], dst[:160], request_id="t2"
-    )  # the keys of the stored prefix's tokens
+    # the keys of the stored prefix's tokens
+    mask = eng.retrieve(turn2[:160], dst[:160], request_id="t2")
     assert mask.all() and torch.equal(at(layers, dst[:160]), at(layers, src))
     eng.close()
 
@@ -47,9 +46,8 @@ def test_a_tail_is_found_only_where_the_tokens_continue_it():
     assert eng.lookup(other) == 128
     assert eng.lookup(turn1[:150]) == 128  # shorter than the tail: its whole chunks only
     assert eng.lookup(turn1[:32] + [1] * 200) == 0  # another prompt after the first chunk's tokens
-    short = list(
-        range(9000, 9020)
-    )  # a prompt shorter than a chunk: its tail has no chunk before it
+    # a prompt shorter than a chunk: its tail has no chunk before it
+    short = list(range(9000, 9020))
     eng.store(short, torch.arange(20))
     assert eng.lookup(short + [3] * 100) == 20
     eng.clear()

@@ -56,10 +56,11 @@ def test_a_store_ten_times_the_pool_streams_to_disk_and_loads_back(tmp_path):
     assert eng.lookup(TOKENS) == 160
     mask = eng.retrieve(TOKENS, DST)  # 8 chunks from disk through a 2-block pool
     assert mask.all() and torch.equal(kv_at(layers, DST), kv_at(layers, SRC))
+    # disk hits are promoted to RAM (the last that fit)
     assert where(eng, TOKENS)[-2:] == [
         CPU,
         CPU,
-    ]  # disk hits are promoted to RAM (the last that fit)
+    ]
     assert eng.pool.free_blocks + len(eng.tiers.cpu) == eng.pool.num_blocks  # no block leaked
     eng.close()
 
@@ -71,9 +72,8 @@ def test_a_restarted_engine_still_hits_from_disk(tmp_path):
     b, b_layers = engine(chunks=4, disk=tmp_path)
     for layer, src in zip(b_layers, a_layers):
         layer.zero_()
-        layer[:, :10] = src[
-            :, :10
-        ]  # b's pages 0-9 hold a's KV for the source slots; the rest is zero
+        # b's pages 0-9 hold a's KV for the source slots; the rest is zero
+        layer[:, :10] = src[:, :10]
     assert b.lookup(TOKENS) == 160
     assert b.retrieve(TOKENS, DST).all()
     assert torch.equal(kv_at(b_layers, DST), kv_at(a_layers, SRC))
@@ -85,9 +85,8 @@ def test_disk_write_filter_waits_for_the_nth_store(tmp_path):
     eng.store(TOKENS[:32], SRC[:32])
     eng.flush(timeout=10)
     assert len(eng.tiers.tier("disk")) == 0  # stored once: RAM only
-    eng.store(
-        TOKENS[:32], SRC[:32]
-    )  # the second store of chunks still in RAM writes them from there
+    # the second store of chunks still in RAM writes them from there
+    eng.store(TOKENS[:32], SRC[:32])
     eng.flush(timeout=10)
     assert len(eng.tiers.tier("disk")) == 2
     eng.tiers.cpu.clear()

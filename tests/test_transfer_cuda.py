@@ -306,9 +306,8 @@ def test_a_whole_store_not_waited_for_reads_the_pages_after_the_forward_and_befo
     )
     perm = torch.randperm(kv.num_slots)
     steps = [(list(range(256)), perm[:256]), (list(range(1000, 1256)), perm[256:512])]
-    pages = [
-        (s.cuda() // BS, s.cuda() % BS) for _, s in steps
-    ]  # before the sleeps (an upload waits for them)
+    # before the sleeps (an upload waits for them)
+    pages = [(s.cuda() // BS, s.cuda() % BS) for _, s in steps]
     expect = []
     for (toks, slots), (block, offset) in zip(steps, pages):
         # a slow forward on the current stream, then its writes (about 0.1 s: 20M cycles, ~10 ms,
@@ -322,9 +321,8 @@ def test_a_whole_store_not_waited_for_reads_the_pages_after_the_forward_and_befo
             x.copy_(v)
         assert eng.start_store(toks, slots).finish(wait=False) == 256
     assert len(eng.storing.landing) == 2  # both behind the sleeps: nothing waited
-    assert (
-        eng.start_store(*steps[0]).finish(wait=False) == 0
-    )  # in flight: not gathered again (from new pages)
+    # in flight: not gathered again (from new pages)
+    assert eng.start_store(*steps[0]).finish(wait=False) == 0
     for x in layers:
         x.zero_()  # the next forward
     for (toks, slots), _want in zip(steps, expect):
@@ -418,9 +416,8 @@ def test_the_lossy_codec_kernels_match_the_torch_codec(layout, backend, codec):
             transfer.scatter_layerwise(dst, chunks).finish()
         torch.cuda.synchronize()
         got = reference(kv, dst).float()
-        assert ((got - want).abs() <= want.abs() / 128).all(), (
-            scatter
-        )  # one bf16 rounding apart at most
+        # one bf16 rounding apart at most
+        assert ((got - want).abs() <= want.abs() / 128).all(), scatter
     saved = [torch.zeros_like(c) for c in chunks]
     saves = transfer.gather_layerwise(dst, saved)
     for layer in range(L):
@@ -434,6 +431,7 @@ def test_engine_with_the_int8_codec_through_the_store_server_on_gpu():
     from kvtier_tools.dev.localservers import kvtier_server
 
     with kvtier_server(0.0625) as srv:
+        # whole chunks: 4 lent by the server
         cfg = dict(
             chunk_size=64,
             max_local_cpu_size=0.05,
@@ -441,7 +439,7 @@ def test_engine_with_the_int8_codec_through_the_store_server_on_gpu():
             remote_serde="int8",
             blocking_timeout_secs=5,
             save_unfull_chunk=False,
-        )  # whole chunks: 4 lent by the server
+        )
         layers = [
             [torch.randn(SHAPES["flash_attn"], device="cuda").to(torch.bfloat16) for _ in range(L)]
             for _ in "ab"

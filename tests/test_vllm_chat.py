@@ -64,9 +64,8 @@ def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tm
     with vllm_server(
         tiny_model, tmp_path / "plain", kv_connector=None, max_model_len=4096, dtype=DTYPE
     ) as srv:
-        plain = run(
-            srv.url, str(tiny_model), replace(WORKLOAD, concurrency=1, rate=100.0)
-        )  # one at a time
+        # one at a time
+        plain = run(srv.url, str(tiny_model), replace(WORKLOAD, concurrency=1, rate=100.0))
     s = with_kv.summary
     assert s["requests"] == 18 and s["failed"] == 0 and plain.summary["failed"] == 0
     # served several at a time: at 30 req/s the next turn is sent before the last is answered
@@ -98,9 +97,8 @@ def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tm
         (a["output_ids"], b["output_ids"]) for a, b in zip(with_kv.results, plain.results)
     ]
     svg = ET.fromstring(plot({"kvtier": asdict(with_kv), "plain": asdict(plain)}))
-    assert (
-        len([e for e in svg.iter() if e.tag.endswith("circle")]) == 2 * 18 + 2
-    )  # the points, the legend
+    # the points, the legend
+    assert len([e for e in svg.iter() if e.tag.endswith("circle")]) == 2 * 18 + 2
     assert (tmp_path / "serving" / "kvtier.json").exists() and (
         tmp_path / "serving" / "serving.svg"
     ).exists()
@@ -139,9 +137,8 @@ def test_vllm_bench_serve_twice_per_setup_with_shared_prefixes(tiny_model, tmp_p
     # Greedy outputs: kvtier's second run, from its KV, gives what plain vLLM computed (each
     # `generated_texts` in the prompts' order; the tiny model's output follows its context).
     assert all(len(rows[n]["outputs"][r]) == 6 for n in rows for r in ("first", "second"))
-    assert (
-        len(set(rows["plain"]["outputs"]["first"])) > 1
-    )  # the prompts' outputs differ: equality means something
+    # the prompts' outputs differ: equality means something
+    assert len(set(rows["plain"]["outputs"]["first"])) > 1
     table = serve_twice_table(rows)
     assert table[2].startswith("| plain |") and table[2].endswith("| 0 | 6/6, 6/6 |")
     assert table[3].startswith("| kvtier |") and table[3].endswith("| 0 | 6/6, 6/6 |"), table[3]
@@ -156,9 +153,8 @@ def test_servers_started_once_run_paired_rounds_of_new_conversations(tiny_model,
     second starts)."""
     from kvtier_tools.bench.report_serving import by_round
 
-    work = replace(
-        WORKLOAD, conversations=3, turns=2, concurrency=2, output_spread=0.5
-    )  # 2 to 6 tokens
+    # 2 to 6 tokens
+    work = replace(WORKLOAD, conversations=3, turns=2, concurrency=2, output_spread=0.5)
     server = ServerSpec(
         cpu_gb=0.5, gpu_util=0.2, eager=True, prefix_caching=False, max_model_len=2048, dtype=DTYPE
     )
@@ -176,9 +172,8 @@ def test_servers_started_once_run_paired_rounds_of_new_conversations(tiny_model,
         name: re.findall(r"\d\d-\d\d \d\d:\d\d:\d\d", found[0].read_text())
         for name, found in logs.items()
     }
-    overlapped = (
-        stamps["plain"][-1] > stamps["kvtier"][0]
-    )  # plain's server still logging after kvtier's began
+    # plain's server still logging after kvtier's began
+    overlapped = stamps["plain"][-1] > stamps["kvtier"][0]
     assert overlapped == (servers == "resident")
     assert all(r.summary["failed"] == 0 and r.summary["requests"] == 6 for r in records.values())
     # each request generated its drawn length (the round's seed), the same in every setup

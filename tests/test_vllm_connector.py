@@ -29,6 +29,7 @@ def runs(tiny_model, prompts, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm")
     order = [prompts[k] for k in ("a", "a", "b", "b", "c", "d")]
     # As users run it: the engine core in a process of its own, the connector found by name.
+    # kvtier's default
     with_kv, log = run_vllm(
         tiny_model,
         order,
@@ -37,7 +38,7 @@ def runs(tiny_model, prompts, tmp_path_factory):
         engine_process=True,
         by_name=True,
         env={"LMCACHE_SAVE_UNFULL_CHUNK": "true"},
-    )  # kvtier's default
+    )
     plain, _ = run_vllm(tiny_model, [prompts[k] for k in ("a", "b", "c", "d")], tmp)
     return with_kv, plain, log
 
@@ -48,30 +49,33 @@ def test_second_request_hits_the_whole_prompt_and_the_next_turn_its_partial_chun
     hits = [tuple(map(int, m)) for m in HIT.findall(log)]
     g = hit_granularity()
     assert hits[0] == (3000, 0, 0)
+    # its partial last chunk too: all but the last token
     assert hits[1] == (
         3000,
         2999 - 2999 % g,
         2999 - 2999 % g,
-    )  # its partial last chunk too: all but the last token
+    )
     assert hits[2] == (2048, 0, 0)
     last = 2047 - 2047 % g  # all stored: vLLM computes the last token itself
     assert hits[3] == (2048, last, last)
     assert hits[4] == (3000, 0, 0)  # different first chunk: no key matches
+    # a's tail found inside the longer prompt
     assert hits[5] == (
         3300,
         3000 - 3000 % g,
         3000 - 3000 % g,
-    )  # a's tail found inside the longer prompt
+    )
 
 
 def test_stores_follow_chunked_prefill(runs):
     _, _, log = runs
     stores = [tuple(map(int, m)) for m in STORE.findall(log)]
+    # the partial last chunk too (save_unfull_chunk)
     assert stores[:3] == [
         (1024, 1024),
         (1024, 2048),
         (952, 3000),
-    ]  # the partial last chunk too (save_unfull_chunk)
+    ]
     assert stores[3:5] == [(1024, 1024), (1024, 2048)]  # b: whole chunks, step by step
 
 

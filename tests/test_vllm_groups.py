@@ -68,9 +68,8 @@ def test_a_sliding_window_shorter_than_a_chunk_makes_the_chunk_fit_in_it():
     groups = kv_groups(kv_cache_config(([names[3]], attention()), (names[:3], attention(128))))
     assert groups.window == 128
     assert groups.chunk_size(KvtierConfig(chunk_size=256)).chunk_size == 128
-    assert (
-        groups.chunk_size(KvtierConfig(chunk_size=96)).chunk_size == 96
-    )  # within the window: kept
+    # within the window: kept
+    assert groups.chunk_size(KvtierConfig(chunk_size=96)).chunk_size == 96
     odd = kv_groups(
         kv_cache_config(
             ([names[3]], attention()), (names[:2], attention(100)), ([names[2]], attention(1024))
@@ -106,9 +105,8 @@ def test_the_state_after_a_block_end_is_in_that_blocks_place_of_the_mamba_table(
     groups = kv_groups(kv_cache_config((["a"], attention()), (["m0"], mamba()), (["m1"], mamba())))
     ids = [[1, 2, 3, 4], [0, 0, 7, 8], [0, 5, 6, 0]]
     assert groups.state_blocks(ids, 48, ["m0", "m1"]) == [7, 6]
-    assert (
-        groups.state_blocks(ids, 32, ["m0", "m1"]) is None
-    )  # vLLM kept no state there (null block)
+    # vLLM kept no state there (null block)
+    assert groups.state_blocks(ids, 32, ["m0", "m1"]) is None
     assert groups.state_blocks(ids, 64, ["m0", "m1"]) is None
     spec = TransferSpec("r", list(range(40)), ids, 0, 40)
     assert spec.slots(16, groups.attention).tolist() == list(range(16, 56))  # attention only: [T]
@@ -190,10 +188,11 @@ def test_with_several_groups_a_disk_hit_is_promised_once_it_is_in_cpu_ram(tmp_pa
         request = vllm_request("r", toks)
         assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
         worker._coming_up["r"].result(timeout=10)
+        # from CPU RAM, loaded at once
         assert scheduler.get_num_new_matched_tokens(request, 0) == (
             48,
             False,
-        )  # from CPU RAM, loaded at once
+        )
         assert engine.find(toks, cpu_only=True).tokens == 48
     finally:
         scheduler.close()

@@ -171,10 +171,10 @@ def test_another_image_behind_the_same_text_shares_only_the_chunks_before_it(ide
     its image's first, plain vLLM's (nothing was stored then); image 2 loads only the whole
     chunks before the image's tokens (the text image 1 stored), and image 1 again hits all of
     its stored chunks."""
-    text = (
-        corpus_text()[5000:7000] + IMAGE_TOKEN + corpus_text()[9000:9040]
-    )  # close after it: it shows
+    # close after it: it shows
+    text = corpus_text()[5000:7000] + IMAGE_TOKEN + corpus_text()[9000:9040]
     one, two = {"text": text, "image": 1}, {"text": text, "image": 2}
+    # kvtier's default: the tail too
     out, log = run_vllm(
         idefics3,
         [two, "RESET", one, two, one],
@@ -182,14 +182,13 @@ def test_another_image_behind_the_same_text_shares_only_the_chunks_before_it(ide
         kv_role="kv_both",
         max_tokens=6,
         env={"LMCACHE_SAVE_UNFULL_CHUNK": "true"},
-    )  # kvtier's default: the tail too
+    )
     two_alone, _, one_first, two_after_one, one_again = out
     before = _image_offset(idefics3, text)
     total = [int(m[0]) for m in HIT.findall(log)][0]
     g = hit_granularity()
-    assert (
-        512 < before < total < 768
-    )  # two whole chunks before the image, which is in the partial third
+    # two whole chunks before the image, which is in the partial third
+    assert 512 < before < total < 768
     assert _hits(log) == [0, 0, 512 - 512 % g, total - 1 - (total - 1) % g]
     assert one_first["token_ids"] != two_alone["token_ids"]  # the images change the answer
     assert _close(two_after_one, two_alone) and _close(one_again, one_first)

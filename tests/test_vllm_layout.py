@@ -126,9 +126,8 @@ def test_the_installed_vllms_flash_attn_backend_moves_the_bytes_attention_reads(
         return
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    with set_current_vllm_config(
-        VllmConfig()
-    ):  # its stride order reads the configured cache layout
+    # its stride order reads the configured cache layout
+    with set_current_vllm_config(VllmConfig()):
         check_moves_the_right_bytes(vllm_026_layers(FlashAttentionBackend), FlashAttentionBackend)
 
 

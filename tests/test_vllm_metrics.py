@@ -62,9 +62,8 @@ def test_vllm_metrics_show_kvtier_lookups_hits_stores_and_loads(tiny_model, tmp_
     assert metric(text, "kvtier_lookup_tokens_total") == 2 * total
     assert metric(text, "kvtier_hit_tokens_total") == hit  # the log line's hit tokens
     assert metric(text, "kvtier_loaded_tokens_total", "cpu") == load
-    assert (
-        metric(text, "kvtier_stored_tokens_total", "cpu") == total
-    )  # its partial last chunk too (the default)
+    # its partial last chunk too (the default)
+    assert metric(text, "kvtier_stored_tokens_total", "cpu") == total
     assert (
         metric(text, "kvtier_pool_capacity_bytes") > 0
         and metric(text, "kvtier_pool_used_bytes") > 0
@@ -89,10 +88,8 @@ def test_with_enable_kv_events_vllm_publishes_kvtiers_stores_and_evictions(tiny_
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
     ids = tok.encode(corpus_text())
-    first, second = (
-        ids[12000:12600],
-        ids[20000:20600],
-    )  # two whole chunks each; the pool holds three
+    # two whole chunks each; the pool holds three
+    first, second = ids[12000:12600], ids[20000:20600]
     port = free_port()
     events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
     chunk = 256 * 8192  # bytes of a chunk of the tiny model in float32
@@ -131,10 +128,11 @@ def test_with_enable_kv_events_vllm_publishes_kvtiers_stores_and_evictions(tiny_
             max_model_len=4096,
             extra_args=["--kv-events-config", json.dumps(events_cfg), *lora],
         ) as server:
+            # the second under adapter A
             for prompt, model in (
                 (first, str(tiny_model)),
                 (second, "A"),
-            ):  # the second under adapter A
+            ):
                 r = httpx.post(
                     server.url + "/v1/completions",
                     timeout=300,
@@ -185,7 +183,6 @@ def test_with_enable_kv_events_vllm_publishes_kvtiers_stores_and_evictions(tiny_
     assert [(e.lora_name, e.lora_id is None) for e in stored] == [(None, True)] * 2 + [
         ("A", False)
     ] * 2
-    assert (
-        removed and removed[0].block_hashes == stored[0].block_hashes
-    )  # LRU: the first prompt's first chunk
+    # LRU: the first prompt's first chunk
+    assert removed and removed[0].block_hashes == stored[0].block_hashes
     assert disk_removed and disk_removed[0].block_hashes == stored[0].block_hashes

@@ -37,9 +37,8 @@ def prompt(tiny_model):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
-    return tok.decode(
-        tok.encode(corpus_text())[5000:5700]
-    )  # about 700 tokens: 2 whole chunks and a partial one
+    # about 700 tokens: 2 whole chunks and a partial one
+    return tok.decode(tok.encode(corpus_text())[5000:5700])
 
 
 def complete(url, prompt, stream=False, **extra):
@@ -75,13 +74,11 @@ def test_the_guides_1p1d_flow_gives_the_decoder_the_whole_prompt_and_the_same_ou
     n = len(cluster.decoder.hit_lines())
     via_proxy = complete(cluster.url, prompt, model=model)
     ((total, hit, need),) = new_hits(cluster.decoder, n)
-    assert (
-        hit == total - 1 and need == total - 1
-    )  # only the last prompt token is computed by the decoder
+    # only the last prompt token is computed by the decoder
+    assert hit == total - 1 and need == total - 1
     sent = [int(m.group(1)) for m in SENT_LINE.finditer(cluster.prefiller.log_text())]
-    assert (
-        sum(sent) == total
-    )  # the prefiller pushed every token's KV, the partial last chunk included
+    # the prefiller pushed every token's KV, the partial last chunk included
+    assert sum(sent) == total
     # Streaming through the proxy: the same text.
     assert complete(cluster.url, prompt, stream=True, model=model) == via_proxy
     # Without disaggregation: straight to the decoder, which now has nothing for it and computes

@@ -16,9 +16,8 @@ from kvtier_tools.dev.demo import HIT_LINE, query_ttft, vllm_server
 from kvtier_tools.dev.localservers import kvtier_server, mooncake_store, redis_server
 from kvtier_tools.dev.tinymodel import corpus_text
 
-ON_GPU = (
-    torch.cuda.is_available()
-)  # scripts/gpu_vllm.sh: real vLLM on a GPU (no redis-server there)
+# scripts/gpu_vllm.sh: real vLLM on a GPU (no redis-server there)
+ON_GPU = torch.cuda.is_available()
 
 pytestmark = pytest.mark.vllm
 

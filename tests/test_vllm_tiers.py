@@ -62,24 +62,23 @@ def test_a_prompt_larger_than_the_pool_hits_from_disk_also_after_a_restart(
         name="first",
         dtype=DTYPE,
     )
+    # vLLM's reset cleared RAM and disk
     assert hits(log) == [
         (3000, 0, 0),
         (3000, 2816, 2816),
         (3000, 0, 0),
-    ]  # vLLM's reset cleared RAM and disk
+    ]
     assert results[2] == {"reset": True} and "cleared the local tiers (CPU RAM and disk)" in log
     results = results[:2] + results[3:]
     assert (
         "hit tokens 2816, need to load 2816 "
         "(not all in CPU RAM: loading from disk/remote in the background)" in log
     )
-    assert (
-        "Storing KV cache for" not in log.split("hit tokens 2816")[1].split("cleared")[0]
-    )  # on disk already
+    # on disk already
+    assert "Storing KV cache for" not in log.split("hit tokens 2816")[1].split("cleared")[0]
     assert "skipping the store" not in log and not RECOMPUTED.search(log)
-    assert (
-        len(list((tmp_path / "disk").glob("*.kvc"))) == 11
-    )  # every whole chunk, through a 2-chunk pool
+    # every whole chunk, through a 2-chunk pool
+    assert len(list((tmp_path / "disk").glob("*.kvc"))) == 11
     assert [r["token_ids"] for r in results] == [plain["token_ids"]] * 3
     (again,), log = run_vllm(
         tiny_model, [prompt], tmp_path, "kv_both", env, name="restart", dtype=DTYPE
@@ -153,14 +152,12 @@ def test_save_decode_cache_stores_generated_tokens_for_a_follow_up(tiny_model, t
         tiny_model, [first], tmp_path, "kv_both", env, name="turn1", dtype=DTYPE, max_tokens=260
     )
     assert len(turn1["token_ids"]) == 260
-    assert (
-        "Storing KV cache for 256 out of 512 tokens" in log
-    )  # [256, 512): prompt tail + 212 generated
+    # [256, 512): prompt tail + 212 generated
+    assert "Storing KV cache for 256 out of 512 tokens" in log
     follow_up = first + turn1["token_ids"][:250]  # 550 tokens
     _, log = run_vllm(tiny_model, [follow_up], tmp_path, "kv_both", env, name="turn2", dtype=DTYPE)
-    assert hits(log) == [
-        (550, 512, 512)
-    ]  # without the decode cache: 256, the prompt's one whole chunk
+    # without the decode cache: 256, the prompt's one whole chunk
+    assert hits(log) == [(550, 512, 512)]
 
 
 def test_the_int8_codec_shares_a_prompt_through_a_kvtier_server(
@@ -180,9 +177,8 @@ def test_the_int8_codec_shares_a_prompt_through_a_kvtier_server(
         (b,), log_b = run_vllm(
             tiny_model, [prompt], tmp_path, "kv_both", env, name="b", dtype=DTYPE
         )
-    assert (
-        "lossy KV codec int8 (chunks 0.266 of the KV's bytes)" in log_a
-    )  # float32 KV: a quarter, plus scales
+    # float32 KV: a quarter, plus scales
+    assert "lossy KV codec int8 (chunks 0.266 of the KV's bytes)" in log_a
     assert hits(log_b) == [(3000, 2816, 2816)]
     assert not RECOMPUTED.search(log_b)
     assert a["token_ids"] == b["token_ids"] == plain["token_ids"]

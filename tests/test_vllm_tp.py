@@ -27,9 +27,8 @@ from kvtier_tools.dev.pdcluster import pd_dtype
 from kvtier_tools.dev.tinymodel import corpus_text
 
 pytestmark = pytest.mark.vllm
-DTYPE = (
-    pd_dtype()
-)  # float32 on CPU (every CPU runs it: kvtier_tools.dev.cpu_dtype), bfloat16 on GPUs
+# float32 on CPU (every CPU runs it: kvtier_tools.dev.cpu_dtype), bfloat16 on GPUs
+DTYPE = pd_dtype()
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +92,8 @@ def test_every_rank_stores_and_loads_its_shard_with_tp2(
     disk, first, log_a = stored_tp2
     assert hits(log_a) == [(3000, 0, 0)]
     for rank in (0, 1):
-        assert all(
-            p.exists() for p in rank_files(tiny_model, prompt, disk, rank)
-        )  # 11 whole chunks each
+        # 11 whole chunks each
+        assert all(p.exists() for p in rank_files(tiny_model, prompt, disk, rank))
     # A new instance with no disk tier: the prompt's KV, each rank its shard, from the store server.
     remote = {"LMCACHE_REMOTE_URL": store_server.url, "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.05"}
     (warm,), log_b = run_vllm(
@@ -112,9 +110,8 @@ def test_a_hit_counts_only_chunks_every_rank_holds(
 ):
     disk = tmp_path / "disk"
     shutil.copytree(stored_tp2[0], disk)
-    rank_files(tiny_model, prompt, disk, 1)[
-        4
-    ].unlink()  # rank 1 lost its fifth chunk; rank 0 holds all 11
+    # rank 1 lost its fifth chunk; rank 0 holds all 11
+    rank_files(tiny_model, prompt, disk, 1)[4].unlink()
     (warm,), log = run_vllm(
         tiny_model, [prompt], tmp_path, "kv_both", disk_env(disk), name="partial", dtype=DTYPE, tp=2
     )

@@ -67,9 +67,8 @@ def test_a_forward_that_raised_or_stopped_early_stores_nothing(raised):
                 if raised:
                     worker.wait_for_save(meta)
         if not raised:
-            worker.wait_for_save(
-                meta
-            )  # a forward that wrote one layer of three, no exception in flight
+            # a forward that wrote one layer of three, no exception in flight
+            worker.wait_for_save(meta)
         assert worker.engine.lookup(list(range(32))) == 0
         forward(worker, LAYERS)  # the next step is whole again
         worker.wait_for_save(meta)
@@ -104,15 +103,17 @@ def test_the_scheduler_asks_no_worker_when_vllm_has_all_but_less_than_a_block():
     scheduler = SchedulerSide(worker.config, worker.shape, "worker-test", 1, True, True)
     try:
         request = vllm_request("r", toks)
+        # 1 token past vLLM's
         assert scheduler.get_num_new_matched_tokens(request, 48) == (
             0,
             False,
-        )  # 1 token past vLLM's
+        )
         assert asked == []
+        # 2 chunks past it: loaded
         assert scheduler.get_num_new_matched_tokens(request, 16) == (
             32,
             False,
-        )  # 2 chunks past it: loaded
+        )
         assert asked == [16] and len(worker.engine.holds) == 1  # r's hit, held until its load
         # A prompt that shares only the first chunk, which vLLM has: kvtier's hit is that chunk,
         # nothing of it to load. The worker lets its hold go at once, and the scheduler sends
@@ -364,10 +365,8 @@ def test_on_a_gpu_a_load_beside_the_steps_never_waits_for_the_forward_queued_aft
         assert not torch.cuda.current_stream().query()  # landed while the forward still runs
         torch.cuda.synchronize()
         for layer in layers:  # tokens 0-254 in blocks 32-47
-            got, want = (
-                layer[:, 32:48].flatten(1, 2)[:, :255],
-                layer[:, 0:16].flatten(1, 2)[:, :255],
-            )
+            got = layer[:, 32:48].flatten(1, 2)[:, :255]
+            want = layer[:, 0:16].flatten(1, 2)[:, :255]
             assert torch.equal(got, want)
     finally:
         worker.close()
@@ -425,9 +424,8 @@ def test_on_a_gpu_a_queued_load_beside_the_steps_is_reported_and_the_next_forwar
         assert reported(worker) == {"r"} and not worker.load_errors()
         assert not worker._beside_loads().stream.query()  # reported while its copies still wait
         worker.start_load_kv(KvtierMetadata())  # the next step: its stream waits for the load
-        got = [
-            layer[:, 32:48].flatten(1, 2)[:, :255].clone() for layer in layers
-        ]  # its forward reads
+        # its forward reads
+        got = [layer[:, 32:48].flatten(1, 2)[:, :255].clone() for layer in layers]
         torch.cuda.synchronize()
         assert all(torch.equal(g, w) for g, w in zip(got, want))
     finally:

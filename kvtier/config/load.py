@@ -26,8 +26,8 @@ CONFIG_FILE_VARS = ("LMCACHE_CONFIG_FILE", "KVTIER_CONFIG_FILE")
 OWN_ENV_VARS = (
     "KVTIER_LOG_LEVEL",  # logs.py
     "KVTIER_SERVER_TOKEN",  # kvtier server's and its clients' bearer token (server/state.py)
-    "KVTIER_TRACE_STALLS_MS",
-)  # slow calls on the engine's thread, logged (stalls.py)
+    "KVTIER_TRACE_STALLS_MS",  # slow calls on the engine's thread, logged (stalls.py)
+)
 # LMCache env vars that carry no meaning here (they select LMCache code paths
 # that kvtier has only one of). Accepted so that old launch scripts still run.
 IGNORED_LMCACHE_KEYS = frozenset({"use_experimental"})

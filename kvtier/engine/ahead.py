@@ -37,9 +37,8 @@ log = get_logger(__name__)
 @dataclass
 class Ahead:
     request_id: str
-    held: list[
-        tuple[ChunkSpan, StoredChunk]
-    ]  # retained until the load ends, or the ahead is dropped
+    # retained until the load ends, or the ahead is dropped
+    held: list[tuple[ChunkSpan, StoredChunk]]
     upload: Upload
     layerwise: bool
 
@@ -57,9 +56,8 @@ class AheadSlot:
         self._ahead: Ahead | None = None
         self._lock = threading.Lock()
         self._thread: ThreadPoolExecutor | None = None  # start_later's, made at its first use
-        self._later: Future | None = (
-            None  # the last start_later's (done or not: waiting again is free)
-        )
+        # the last start_later's (done or not: waiting again is free)
+        self._later: Future | None = None
 
     @property
     def request_id(self) -> str | None:

@@ -180,17 +180,17 @@ def _other_tp_sizes(
 ) -> list[ReshardedSource]:
     """share_across_tp: per other tensor-parallel size, the chunks its ranks left in the remote
     store and in their disk directories, as this rank's (kvtier/tiers/reshard.py)."""
+    # one latent per token (no K and V): MLA
     geo = HeadGeometry(
         kv.num_layers, kv.kv, kv.heads, kv.head_size * kv.dtype.itemsize, mla=kv.kv == 1
-    )  # one latent per token (no K and V): MLA
+    )
     root, sizes = config.disk_path, share_sizes(fmt, geo)
     out: list[ReshardedSource] = []
     for size in sizes:
         if remote is not None:  # one store: every size's keys are in it
             out.append(ReshardedSource(fmt, size, geo, lambda rank: remote, f"remote-tp{size}"))
-        if (
-            disk is not None and root is not None
-        ):  # each rank of that size: its directory under the root
+        # each rank of that size: its directory under the root
+        if disk is not None and root is not None:
 
             def rank_files(rank: int, size: int = size) -> DiskFiles:
                 return DiskFiles(_rank_dir(root, rank, size), Codec("naive"))
@@ -219,10 +219,8 @@ def _remote_tier(config: KvtierConfig, kv: PagedKV, quant: Quant | None) -> Remo
     if kv.device.type == "cuda" and isinstance(store, LendingStore):
         # The server's pool, mapped here, is what the GPU copies lent chunks from:
         # page-locked, the copy is a DMA; unregistered it could not be lent.
-        store.on_map, store.on_unmap = (
-            _register_pool,
-            functools.partial(_unregister_pool, device=kv.device),
-        )
+        store.on_map = _register_pool
+        store.on_unmap = functools.partial(_unregister_pool, device=kv.device)
     if isinstance(store, LendingStore):
         # Its pool is mapped (and registered with CUDA) at the first connection: seconds for a
         # pool of tens of GB, which the first requests waited for (2026-11-27, two vLLM

@@ -74,12 +74,10 @@ class CacheEngine:
         parts = build(config, kv, fmt, transfer, cpu)
         self.config, self.kv, self.chunk_size = config, kv, config.chunk_size
         self.quant, self.fmt, self.mover = parts.quant, parts.fmt, parts.mover
-        self.tiers, self.holds, self.stats, self.events = (
-            parts.tiers,
-            parts.holds,
-            parts.stats,
-            parts.events,
-        )
+        self.tiers = parts.tiers
+        self.holds = parts.holds
+        self.stats = parts.stats
+        self.events = parts.events
         self._spans = parts.spans
         self.peers = parts.peers
         # stores whose copies to the host are in flight; in a fleet on a GPU, an idle instance's
@@ -127,9 +125,8 @@ class CacheEngine:
             self.states,
         )
         self.worker = _control_worker(self) if config.enable_controller else None
-        if (
-            kv.device.type == "cuda" and self.pool.device.type == "cpu"
-        ):  # host chunks, staged over PCIe
+        # host chunks, staged over PCIe
+        if kv.device.type == "cuda" and self.pool.device.type == "cpu":
             self.mover.warm_up(self.pool, self.chunk_size)
         if not self.tiers.keep_cpu and not self.tiers.lower and not config.enable_pd:
             log.warning("local_cpu is false and no other tier is configured: kvtier stores nothing")
@@ -405,11 +402,8 @@ class CacheEngine:
     def metrics(self) -> dict[str, float]:
         """A snapshot of the engine's counters (cumulative) and gauges; a per-tier
         one is `name:tier` (the names of integrations/vllm/metrics.py)."""
-        stats, tiers, bpt = (
-            self.stats,
-            self.tiers,
-            self.chunk_bytes_per_token,
-        )  # bytes the tiers hold
+        # bytes the tiers hold
+        stats, tiers, bpt = self.stats, self.tiers, self.chunk_bytes_per_token
         out: dict[str, float] = {
             "store_seconds": stats.store_seconds,
             "load_seconds": stats.retrieve_seconds,
@@ -422,10 +416,8 @@ class CacheEngine:
             "write_queue_depth": sum(w.pending for w in tiers.writers.values()),
         }
         if tiers.keep_cpu:
-            out["stored_tokens:cpu"], out["stored_bytes:cpu"] = (
-                stats.stored_tokens,
-                stats.stored_tokens * bpt,
-            )
+            out["stored_tokens:cpu"] = stats.stored_tokens
+            out["stored_bytes:cpu"] = stats.stored_tokens * bpt
         for name, writer in tiers.writers.items():
             out[f"stored_tokens:{name}"] = writer.stats.written_tokens
             out[f"stored_bytes:{name}"] = writer.stats.written_tokens * bpt

@@ -70,17 +70,14 @@ class FindPath:
         if self.states is not None:
             self._settle(keys)  # a hybrid model's stores of this prefix land first (waited for)
         where = locate(self.tiers, self.landing, keys)
-        if self.states is None and len(where) < len(
-            spans
-        ):  # a shorter prompt's end, stored (tails.py)?
+        # a shorter prompt's end, stored (tails.py)?
+        if self.states is None and len(where) < len(spans):
             tail = self._tail(tokens, spans, len(where), identity)
             if tail is not None:
                 n = len(where)
-                spans, keys, where = (
-                    spans[:n] + [tail[0]],
-                    keys[:n] + [tail[0].key],
-                    where + [tail[1]],
-                )
+                spans = spans[:n] + [tail[0]]
+                keys = keys[:n] + [tail[0].key]
+                where = where + [tail[1]]
         in_cpu = next((i for i, w in enumerate(where) if w not in (CPU, FLYING)), len(where))
         if cpu_only:
             where = where[:in_cpu]

@@ -73,9 +73,8 @@ class LoadPath:
                     loaded = self._load_batches(slots, batches, start, end)
                 finally:
                     batches.close()
-            if (
-                held and beside
-            ):  # its kernels on the load's own stream, after the copies (CacheEngine.retrieve)
+            # its kernels on the load's own stream, after the copies (CacheEngine.retrieve)
+            if held and beside:
                 upload = upload or self.mover.upload(held, layer_major=layerwise, beside=True)
             if held and not beside:
                 self.stats.step_loads += 1
@@ -148,24 +147,17 @@ class LoadPath:
         before it is checked and released, so the copy engine does not idle
         between them; a batch in pool blocks is settled at once (reading ahead
         needs its blocks)."""
-        loaded, inflight = (
-            0,
-            [],
-        )  # batches whose copies may still run, each with what waits for them
+        # batches whose copies may still run, each with what waits for them
+        loaded, inflight = 0, []
         try:
-            for batch in itertools.chain(
-                batches, [None]
-            ):  # None: the end, where every batch is settled
+            # None: the end, where every batch is settled
+            for batch in itertools.chain(batches, [None]):
                 keep = 0
                 if batch is not None:
                     pooled = any(c.block.pool is not None for _, c in batch)
-                    inflight.append(
-                        (batch, self.mover.device_idle)
-                    )  # until scatter returns: if it raises, wait for all
-                    inflight[-1] = (
-                        batch,
-                        self.mover.scatter(slots, batch, start, end, wait=pooled),
-                    )
+                    # until scatter returns: if it raises, wait for all
+                    inflight.append((batch, self.mover.device_idle))
+                    inflight[-1] = batch, self.mover.scatter(slots, batch, start, end, wait=pooled)
                     keep = 0 if pooled else 1
                 while len(inflight) > keep:
                     good, whole = _checked(*inflight.pop(0))
@@ -214,13 +206,11 @@ class Loading:
     ) -> None:
         self.mask = mask
         self._held: Held | None
-        self._path, self._job, self._held, self._handle, self._loaded = (
-            path,
-            job,
-            held,
-            handle,
-            loaded,
-        )
+        self._path = path
+        self._job = job
+        self._held = held
+        self._handle = handle
+        self._loaded = loaded
 
     @property
     def num_tokens(self) -> int:

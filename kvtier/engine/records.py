@@ -20,9 +20,8 @@ class EngineStats:
     step_loads_ahead: int = 0  # of them, those whose copies up had started at the lookup
     store_seconds: float = 0.0
     retrieve_seconds: float = 0.0
-    loaded_by_tier: dict[str, int] = field(
-        default_factory=dict
-    )  # tokens loaded, by the tier they came from
+    # tokens loaded, by the tier they came from
+    loaded_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 class SkipWarnings:

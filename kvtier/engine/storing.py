@@ -60,11 +60,12 @@ class StorePath:
                 before = spans[-2].key.digest if len(spans) > 1 else job.identity.root
                 self.tails.add(before, spans[-1].num_tokens)
             todo = [s for s in spans if s.end > job.start]
+            # (in flight: an earlier store's)
             todo = [
                 s
                 for s, new in zip(todo, self.tiers.to_gather([s.key for s in todo]))
                 if new and not self.landing.holds(s.key)
-            ]  # (in flight: an earlier store's)
+            ]
         owned: list[tuple[ChunkSpan, MemoryBlock]] = []
         handle = sums = None
         if layerwise and todo:
@@ -201,21 +202,17 @@ class Storing:
         flight = self._end_saves(chunks, wait)
         if self._handle is not None and self._handle.unsaved():
             return self._drop(chunks, rest, flight)
-        if (
-            self._handle is None and not wait
-        ):  # a whole store: the copies of what fits now not waited for
+        # a whole store: the copies of what fits now not waited for
+        if self._handle is None and not wait:
             chunks, flight = self._gather_later(rest)
             rest = rest[len(chunks) :]
-        path, job, digests, layerwise = (
-            self._path,
-            self._job,
-            self._digests,
-            self._handle is not None,
-        )
+        path = self._path
+        job = self._job
+        digests = self._digests
+        layerwise = self._handle is not None
         spans = [s for s, _ in chunks] + rest
-        if (
-            flight is None
-        ):  # the chunks are in: into the tiers before the rest streams through the pool
+        # the chunks are in: into the tiers before the rest streams through the pool
+        if flight is None:
             stamp(chunks, digests)
             path.put(chunks)
             stored = num_tokens(chunks) + path.stream(job.slots, rest, job.request_id)

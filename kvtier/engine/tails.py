@@ -21,9 +21,8 @@ from collections import OrderedDict
 class Tails:
     def __init__(self, size: int = 1 << 16) -> None:
         self.size = size
-        self._lengths: OrderedDict[bytes, set[int]] = (
-            OrderedDict()
-        )  # key before the tail -> lengths
+        # key before the tail -> lengths
+        self._lengths: OrderedDict[bytes, set[int]] = OrderedDict()
         self._lock = threading.Lock()  # stores on vLLM's thread, lookups on the lookup server's
 
     def add(self, at: bytes, length: int) -> None:

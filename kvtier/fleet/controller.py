@@ -264,10 +264,8 @@ class Controller:
 
     async def _move(self, request: web.Request) -> web.Response:
         body = await _body(request)
-        (src, src_loc), (dst, dst_loc) = (
-            _position(body, "old_position"),
-            _position(body, "new_position"),
-        )
+        src, src_loc = _position(body, "old_position")
+        dst, dst_loc = _position(body, "new_position")
         prompt, copy = _prompt(body), bool(body.get("should_copy", body.get("copy", False)))
         if src == dst and src_loc == dst_loc:
             raise CallError(400, "old_position and new_position are the same")

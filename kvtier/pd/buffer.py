@@ -165,9 +165,8 @@ class PdBuffer:
     def release(self, req_id: str) -> None:
         """The request is done with its chunks: free those no other request owns."""
         with self._lock:
-            if (
-                req_id in self._reserved
-            ):  # its sender may still be writing: free at its Commit/Abort
+            # its sender may still be writing: free at its Commit/Abort
+            if req_id in self._reserved:
                 self._released[req_id] = None
                 while len(self._released) > 4096:
                     self._released.popitem(last=False)

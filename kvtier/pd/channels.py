@@ -96,9 +96,8 @@ class ReceiverChannel:
         """What the sender needs to write into the buffer (Welcome's payload)."""
         if self.name == "nixl":
             return bytes(self._agent.get_agent_metadata())
-        if (
-            self.name == "cuda_ipc"
-        ):  # the arena is a cudaMalloc'd buffer (memory.py): its own IPC handle
+        # the arena is a cudaMalloc'd buffer (memory.py): its own IPC handle
+        if self.name == "cuda_ipc":
             from kvtier.transfer.cudart import ipc_handle
 
             return ipc_handle(self.pool.arena.data_ptr())

@@ -20,9 +20,8 @@ from typing import Any
 import torch
 
 Places = Sequence[tuple[torch.Tensor, int]]  # per chunk: a ring slot and its byte offset there
-MakeLaunch = Callable[
-    [Places], Callable[[int, int], None]
-]  # `CacheEngine.gather_addressed` for one step
+# `CacheEngine.gather_addressed` for one step
+MakeLaunch = Callable[[Places], Callable[[int, int], None]]
 
 
 class IpcWriter:
@@ -58,13 +57,11 @@ class IpcWriter:
             torch.empty(self.slot_bytes, dtype=torch.uint8, device=device)
             for _ in range(self.SLOTS)
         ]
-        self._free: list[torch.cuda.Event | None] = [
-            None
-        ] * self.SLOTS  # a slot's last copy out of it
+        # a slot's last copy out of it
+        self._free: list[torch.cuda.Event | None] = [None] * self.SLOTS
         self._next = 0
-        self._steps = (
-            0  # steps started: a step gathered ahead is written only if none started after it
-        )
+        # steps started: a step gathered ahead is written only if none started after it
+        self._steps = 0
         self.gather_stream = torch.cuda.Stream(device)
         self.copy_stream = torch.cuda.Stream(device)
 
@@ -184,8 +181,7 @@ def contiguous_runs(views: Sequence[torch.Tensor | None]) -> list[tuple[torch.Te
         first = views[start]
         if first is not None and prev is not None:
             n = prev.data_ptr() + prev.numel() - first.data_ptr()
-            runs.append(
-                (first.as_strided((n,), (1,), first.storage_offset()), start, k)
-            )  # within its storage
+            # within its storage
+            runs.append((first.as_strided((n,), (1,), first.storage_offset()), start, k))
         start = k
     return runs

@@ -104,9 +104,8 @@ class DecoderLink:
         of it is freed). `on_first(piece)` runs once the first piece's Alloc is on the wire
         (the caller's work that needs no block of the decoder's). After a failure a reply
         may be left unread: the caller closes this link (PdSender drops it on every failure)."""
-        if (
-            held + len(spans) > self.peer.welcome.num_blocks
-        ):  # the pieces would each fit, the request never
+        # the pieces would each fit, the request never
+        if held + len(spans) > self.peer.welcome.num_blocks:
             raise _too_big(held + len(spans), self.peer.welcome.num_blocks)
         ahead: deque[list[ChunkSpan]] = deque()
         no_room: list[list[ChunkSpan]] = []

@@ -28,9 +28,8 @@ from kvtier.pd import protocol as proto
 log = get_logger(__name__)
 
 OnDone = Callable[[proto.PrefillDone], None]
-ZMTP_SIGNATURE_START = (
-    b"\xff"  # a ZMQ peer's first byte (ZMTP 3 greeting); a kvtier frame starts with b"K"
-)
+# a ZMQ peer's first byte (ZMTP 3 greeting); a kvtier frame starts with b"K"
+ZMTP_SIGNATURE_START = b"\xff"
 
 
 class Notifications(Protocol):
@@ -55,12 +54,10 @@ class KvtierNotifications:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             first = await reader.readexactly(1)
-            if (
-                first == ZMTP_SIGNATURE_START
-            ):  # it waits for our greeting: it would sit here unheard
-                say = (
-                    log.debug if self._told else log.warning
-                )  # ZMQ reconnects every 0.1 s: said once
+            # it waits for our greeting: it would sit here unheard
+            if first == ZMTP_SIGNATURE_START:
+                # ZMQ reconnects every 0.1 s: said once
+                say = log.debug if self._told else log.warning
                 say(
                     "proxy: a ZMQ peer connected to the notification port %d, "
                     "as LMCache's PD senders do; "

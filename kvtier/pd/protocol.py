@@ -251,9 +251,8 @@ def _matches(value: Any, hint: Any) -> bool:
         (item,) = typing.get_args(hint)
         if not isinstance(value, list) or len(value) > MAX_LIST:
             return False
-        if (
-            item is int
-        ):  # an Alloc's or Allocated's one per chunk: checked at once, not value by value
+        # an Alloc's or Allocated's one per chunk: checked at once, not value by value
+        if item is int:
             return all(type(v) is int for v in value) and (
                 not value or (-(2**63) <= min(value) and max(value) < 2**64)
             )

@@ -80,9 +80,8 @@ class Proxy:
             settings.pd_engine, settings.proxy_host, settings.proxy_port, self._prefill_done
         )
         self._background: set[asyncio.Task] = set()
-        self._kvtier = (
-            settings.pd_engine == "kvtier"
-        )  # else LMCache's nodes: no pd_req_id, no Release
+        # else LMCache's nodes: no pd_req_id, no Release
+        self._kvtier = settings.pd_engine == "kvtier"
         interval, connect = settings.health_interval, settings.connect_timeout
         self._prefillers = Upstreams(
             "prefiller", settings.prefillers, interval, connect, self.metrics.node_up

@@ -35,9 +35,8 @@ class ProxySettings:
     kv_ready_timeout: float = 30.0  # s to wait for PrefillDone after the prefill answered
     connect_timeout: float = 5.0
     stats_interval: float = 5.0
-    health_interval: float = (
-        0.5  # s between the watch's probes of every node (kvtier.fleet.upstreams)
-    )
+    # s between the watch's probes of every node (kvtier.fleet.upstreams)
+    health_interval: float = 0.5
     pd_engine: str = "kvtier"  # the nodes' PD backend: a key of kvtier.pd.notify.ENGINES
     route: str = "round-robin"  # or "kv": kvtier.fleet.routing
     prefiller_kv_events: list[str] = field(default_factory=list)  # ZMQ endpoints, per prefiller

@@ -173,9 +173,8 @@ class PdReceiver:
 
     def _serve_alloc(self, conn: socket.socket) -> None:
         buffer, open_reservations = self.buffer, set()
-        bounce: TcpBounce | None = (
-            None  # tcp into a GPU buffer: made at this connection's first Write
-        )
+        # tcp into a GPU buffer: made at this connection's first Write
+        bounce: TcpBounce | None = None
         try:
             while True:
                 msg, payload_len = self._next(conn, max_payload=buffer.pool.block_bytes)

@@ -73,9 +73,8 @@ class SendStats:
     # Commit the log lines and the proxy's notice (what `kvtier bench pd` called "the rest")
     last_keys_ms: float = 0.0
     last_after_ms: float = 0.0
-    last_tail_ms: float = (
-        0.0  # cuda_ipc: GPU time from its last step's KV written to its last write done
-    )
+    # cuda_ipc: GPU time from its last step's KV written to its last write done
+    last_tail_ms: float = 0.0
 
 
 @dataclass
@@ -120,12 +119,10 @@ class PdSender:
         # 4, 8, 16 at 4k and 16k tokens, 4-5 %; staged channels pipeline their own batches
         # (`_push_staged`)
         self.pieces: tuple[int, int] | None = None
-        self.early_commit = (
-            True  # cuda_ipc: Commit before the writes are done (`DecoderLink.commit`)
-        )
-        self.gather_early = (
-            True  # cuda_ipc: gather into the ring while the Alloc travels (`_write`)
-        )
+        # cuda_ipc: Commit before the writes are done (`DecoderLink.commit`)
+        self.early_commit = True
+        # cuda_ipc: gather into the ring while the Alloc travels (`_write`)
+        self.gather_early = True
         self._hello = proto.Hello(
             f"{socket.gethostname()}:{os.getpid()}",
             engine.fmt.tag(),
@@ -167,9 +164,8 @@ class PdSender:
                 self._failed.discard(rid)
             return 0
         t0 = time.perf_counter()
-        spans = [
-            s for s in self.engine.spans(tokens, rid, identity) if s.end > start
-        ]  # hashed once a request
+        # hashed once a request
+        spans = [s for s in self.engine.spans(tokens, rid, identity) if s.end > start]
         t_keys = time.perf_counter()
         sent = 0
         try:
@@ -394,9 +390,8 @@ class PdSender:
                         [s for s, _ in owned],
                         [b.data[: s.num_tokens * per_token] for s, b in owned],
                     )
-                    if (
-                        self.staging.device.type == "cuda"
-                    ):  # the channel's DMA reads what the kernel wrote
+                    # the channel's DMA reads what the kernel wrote
+                    if self.staging.device.type == "cuda":
                         torch.cuda.synchronize(self.staging.device)
                     items = [
                         Placement(todo[i + j][1], s.num_tokens * per_token, b)
@@ -415,9 +410,8 @@ class PdSender:
             if done is not None:
                 self._finish(done, deadline)
         finally:
-            if (
-                pending is not None
-            ):  # a failure with a write under way: it is waited for before its blocks go
+            # a failure with a write under way: it is waited for before its blocks go
+            if pending is not None:
                 try:
                     self._finish(pending, time.monotonic() + 5.0)
                 except proto.PdPeerError:

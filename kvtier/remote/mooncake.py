@@ -143,9 +143,8 @@ class MooncakeStore:
         wait = RETRY_FIRST
         s = self.settings
         while not self._closed.is_set():
-            if not _listening(
-                s.master
-            ):  # setup holds the GIL while it retries (90 s): only when it will answer
+            # setup holds the GIL while it retries (90 s): only when it will answer
+            if not _listening(s.master):
                 self._why = "nothing listening there"
                 self._closed.wait(wait)
                 wait = min(wait * 2, RETRY_MAX)

@@ -47,11 +47,8 @@ class RedisStore:
         url: str,
         max_value: int = 512 << 20,
     ) -> None:
-        self.connect, self.url, self.max_value = (
-            connect,
-            url,
-            max_value,
-        )  # Redis strings stop at 512 MB
+        # Redis strings stop at 512 MB
+        self.connect, self.url, self.max_value = connect, url, max_value
         self._client: redis.Redis | RedisCluster | None = None
         # Made once: two threads making one each at first use (the P2P index's writer and a
         # lookup) dropped one, whose pool closed the socket a pipeline of it was reading.

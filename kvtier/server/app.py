@@ -144,9 +144,8 @@ def _not_started(started, i: int, sock: socket.socket, loops: _Loops) -> None:
 
 def _listen(host: str, port: int) -> socket.socket:
     families = [a[0] for a in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
-    family = (
-        socket.AF_INET if socket.AF_INET in families else families[0]
-    )  # "localhost": where clients look first
+    # "localhost": where clients look first
+    family = socket.AF_INET if socket.AF_INET in families else families[0]
     try:
         listener = socket.create_server((host, port), family=family, backlog=512)
     except OSError as e:
@@ -167,9 +166,8 @@ async def serve(state: ServerState, ready: asyncio.Event | None = None) -> None:
     try:
         runner = await start_management(state, opts.host, opts.manage_port, opts.auth_token)
         workers = [_LoopThread(f"kvtier-io-{i}") for i in range(1, opts.io_threads)]
-        listener = _listen(
-            opts.host, opts.service_port
-        )  # opens last: once it answers, the whole server is up
+        # opens last: once it answers, the whole server is up
+        listener = _listen(opts.host, opts.service_port)
         loops = _Loops([loop, *(w.loop for w in workers)], state.loop_connections)
         acceptor = loop.create_task(_accept(listener, state, loops))
         _log_started(state)

@@ -171,9 +171,8 @@ class Channel:
             link.recv_into(memoryview(head))
             h = p.parse_header(head, replies=True)
             link.replies += 1
-            parting = (
-                h.req_id == 0 and h.flags != p.Status.OK
-            )  # the server's last word before it closes
+            # the server's last word before it closes
+            parting = h.req_id == 0 and h.flags != p.Status.OK
             if not parting and (h.op != op | p.REPLY or h.req_id != req_id):
                 raise p.ProtocolError(f"reply {h.op:#x}/{h.req_id} to request {op:#x}/{req_id}")
             if h.payload_len and op != p.Op.GET:
@@ -199,9 +198,8 @@ class Channel:
         return h, meta_buf
 
     def fail(self, link: Link, e: Exception) -> NoReturn:
-        if isinstance(
-            e, (BlockingIOError, socket.timeout)
-        ):  # SO_RCVTIMEO / SO_SNDTIMEO (or TLS's) ran out
+        # SO_RCVTIMEO / SO_SNDTIMEO (or TLS's) ran out
+        if isinstance(e, (BlockingIOError, socket.timeout)):
             e = TimeoutError(f"no progress within {self.timeout} s")
         if link is self.link:
             self.drop()

@@ -261,9 +261,8 @@ class KVClient:
 
         def release() -> None:
             with self._ch.lock:
-                if (
-                    link is not self._ch.link
-                ):  # that connection closed: the server let go of the lease then
+                # that connection closed: the server let go of the lease then
+                if link is not self._ch.link:
                     return
                 try:
                     self._ch.send(link, p.Op.RELEASE, p.encode_u32(ticket))

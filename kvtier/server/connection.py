@@ -196,11 +196,9 @@ class Connection(asyncio.BufferedProtocol):
             if not self._authed and not self._may_pass(self._header):
                 return
             if self._header.meta_len:
-                self._read, self._buf, self._got = (
-                    _Read.META,
-                    memoryview(bytearray(self._header.meta_len)),
-                    0,
-                )
+                self._read = _Read.META
+                self._buf = memoryview(bytearray(self._header.meta_len))
+                self._got = 0
                 return
         self._on_frame(self._frame, self._buf if self._read is _Read.META else memoryview(b""))
 

@@ -89,9 +89,8 @@ class PagePool:
             and pages[-1] - pages[0] == len(pages) - 1
             and pages == list(range(pages[0], pages[-1] + 1))
         ):
-            return [
-                (pages[0] * self.page_size, nbytes)
-            ]  # one run (most values): no walk page by page
+            # one run (most values): no walk page by page
+            return [(pages[0] * self.page_size, nbytes)]
         out: Extents = []
         left = nbytes
         for page in pages:

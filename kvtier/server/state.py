@@ -37,9 +37,8 @@ class ServerOptions:
     max_connections: int = 1024
     max_held_bytes: int | None = None  # per connection, leased + reserved; None: half the pool
     lease_timeout: float = 30.0  # s a lease (or a reply's pin) may live
-    put_deadline: float = (
-        30.0  # s from a put's header (or PUT_ALLOC) to its last byte (or PUT_COMMIT)
-    )
+    # s from a put's header (or PUT_ALLOC) to its last byte (or PUT_COMMIT)
+    put_deadline: float = 30.0
     idle_timeout: float = 300.0  # s a connection may send nothing
     dev_name: str | None = None
     link_type: str = "IB"
@@ -120,9 +119,8 @@ class ServerState:
             0.05, min(1.0, min(opts.lease_timeout, opts.put_deadline, opts.idle_timeout) / 4)
         )
         self._noted: set[tuple[str, str]] = set()
-        self.loop_connections = [
-            0
-        ] * opts.io_threads  # open connections per I/O loop (app.py counts them)
+        # open connections per I/O loop (app.py counts them)
+        self.loop_connections = [0] * opts.io_threads
 
     def stats(self) -> dict:
         return {**self.index.snapshot(), "loop_connections": list(self.loop_connections)}

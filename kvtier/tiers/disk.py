@@ -97,15 +97,12 @@ class DiskTier(LocalTier, PinningTier):
         self.min_stores = min_stores  # local_disk_min_stores: the write filter
         self.stats = DiskStats()
         self.writable = True
-        self._retry_at, self._outages = (
-            0.0,
-            0,
-        )  # while not writable: when one write is tried again; stops so far
+        # while not writable: when one write is tried again; stops so far
+        self._retry_at, self._outages = 0.0, 0
         self._lock = threading.Lock()
         self._index: dict[str, int] = {}  # file name -> bytes
-        self._order: EvictionOrder[str] = EvictionOrder(
-            policy
-        )  # cache_policy (a restart keeps mtime order)
+        # cache_policy (a restart keeps mtime order)
+        self._order: EvictionOrder[str] = EvictionOrder(policy)
         self._pins: Counter[str] = Counter()
         self._digests: dict[str, bytes] = {}  # file name -> key digest, of the files written here
         self.on_removed: Callable[[bytes], None] | None = None  # KV events: each chunk removed
@@ -276,9 +273,8 @@ class DiskTier(LocalTier, PinningTier):
             self._order.add(name)
             self.stats.puts += 1
             self.stats.bytes_written += size
-            again = (
-                not self.writable and admitted == self._outages
-            )  # not one in flight before the stop
+            # not one in flight before the stop
+            again = not self.writable and admitted == self._outages
             self.writable = self.writable or again
         if again:
             log.warning(
@@ -345,9 +341,8 @@ class DiskTier(LocalTier, PinningTier):
         """Logged once per outage; writes are tried again after `retry_s`."""
         with self._lock:
             self.stats.write_errors += 1
-            first = (
-                self.writable or self.stats.write_errors == 1
-            )  # a read-only start is not writable yet
+            # a read-only start is not writable yet
+            first = self.writable or self.stats.write_errors == 1
             self.writable, self._outages = False, self._outages + (1 if self.writable else 0)
             self._retry_at = max(self._retry_at, time.monotonic() + self.retry_s)
         if not first:

@@ -25,9 +25,8 @@ class EvictionOrder(Generic[K]):
         self.policy = policy.upper()
         if self.policy not in POLICIES:
             raise ValueError(f"cache_policy {policy!r}: expected one of {', '.join(POLICIES)}")
-        self._seq: OrderedDict[K, None] = (
-            OrderedDict()
-        )  # stored, or (LRU, MRU, LFU) last used, order
+        # stored, or (LRU, MRU, LFU) last used, order
+        self._seq: OrderedDict[K, None] = OrderedDict()
         self._hits: dict[K, int] = {}
 
     def __len__(self) -> int:
@@ -58,7 +57,6 @@ class EvictionOrder(Generic[K]):
         if self.policy == "MRU":
             return reversed(self._seq)
         if self.policy == "LFU":
-            return iter(
-                sorted(self._seq, key=self._hits.__getitem__)
-            )  # stable: ties stay LRU-first
+            # stable: ties stay LRU-first
+            return iter(sorted(self._seq, key=self._hits.__getitem__))
         return iter(self._seq)

@@ -75,11 +75,8 @@ class _LentBatch:
         digests: list[int] | None,
     ) -> None:
         self.lease, self._left = lease, len(payloads)
-        self._payloads, self._checksums, self._digests = (
-            payloads,
-            checksums,
-            digests,
-        )  # payloads: (offset, bytes)
+        # payloads: (offset, bytes)
+        self._payloads, self._checksums, self._digests = payloads, checksums, digests
         self._device_sums: torch.Tensor | None = None
         self._sums = None if digests else self._start_checksums()
         self._good: int | None = None  # leading chunks whose check holds
@@ -105,9 +102,8 @@ class _LentBatch:
 
     def good(self, i: int) -> bool:
         if self._good is None:
-            if (
-                self._digests is not None and self._device_sums is not None
-            ):  # on the reader's stream
+            # on the reader's stream
+            if self._digests is not None and self._device_sums is not None:
                 bad = [
                     got & U64 != want
                     for got, want in zip(self._device_sums.tolist(), self._digests)
@@ -164,9 +160,8 @@ class RemoteTier(LendingTier):
 
     def __init__(self, store: KVStore, codec: Codec, url: str) -> None:
         self.store, self.codec, self.url = store, codec, url
-        self.digests_on_device = (
-            False  # the reader moves lent chunks on a GPU, which checks their digests
-        )
+        # the reader moves lent chunks on a GPU, which checks their digests
+        self.digests_on_device = False
         self.stats = RemoteStats()
         self._lock = threading.Lock()
         self._down_until = 0.0
@@ -232,9 +227,8 @@ class RemoteTier(LendingTier):
             else:
                 self.stats.hits += 1
             out.append(result)
-        if (
-            corrupt
-        ):  # so that the next store of these chunks lands (a store may keep a key's first value)
+        # so that the next store of these chunks lands (a store may keep a key's first value)
+        if corrupt:
             self._guard("delete", lambda: self.store.delete(corrupt), 0)
         return out
 
@@ -268,9 +262,8 @@ class RemoteTier(LendingTier):
             return None
         wanted = lease.leading if whole else len(keys)
         pool = memoryview(lease.pool)
-        lent: list[
-            tuple[tuple[int, int], int, int, int]
-        ] = []  # ((payload offset, bytes), tokens, checksum, digest)
+        # ((payload offset, bytes), tokens, checksum, digest)
+        lent: list[tuple[tuple[int, int], int, int, int]] = []
         for place, raw in zip(lease.places[:wanted], raw_sizes):
             if place is None:
                 break

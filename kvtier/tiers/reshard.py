@@ -81,9 +81,8 @@ class ReshardedSource:
             per = m // size
             self.source_heads, pieces = h * per, [(s // per, (s % per) * h, (s % per + 1) * h, 0)]
         b = geometry.head_bytes
-        self._pieces = [
-            (r, lo * b, hi * b, at * b) for r, lo, hi, at in pieces
-        ]  # in bytes of a token's row
+        # in bytes of a token's row
+        self._pieces = [(r, lo * b, hi * b, at * b) for r, lo, hi, at in pieces]
         self.ranks = [r for r, *_ in pieces]
         self._sources = {r: source_of_rank(r) for r in self.ranks}
 
@@ -100,9 +99,8 @@ class ReshardedSource:
 
     def get_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[int | None]:
         g = self.geo
-        src_row = (
-            self.source_heads * g.head_bytes
-        )  # one source rank's heads of one (layer, K|V, token)
+        # one source rank's heads of one (layer, K|V, token)
+        src_row = self.source_heads * g.head_bytes
         tokens = [len(out) // g.bytes_per_token for out in outs]
         parts = {r: [bytearray(g.layers * g.kv * t * src_row) for t in tokens] for r in self.ranks}
         got: list[int | None] = list(tokens)

@@ -222,9 +222,8 @@ class TieredStore:
             span = spans[i + len(batch)]
             tier: str | None = where[i + len(batch)]
             chunk = self.cpu.get(span.key) if tier == CPU else None
-            if (
-                tier == CPU and chunk is None
-            ):  # evicted since `locate` (maybe by this fetch): a copy below?
+            # evicted since `locate` (maybe by this fetch): a copy below?
+            if tier == CPU and chunk is None:
                 tier = next((t.name for t in self.sources if t.exists([span.key])[0]), None)
                 ended = tier is None
             if tier is not None and tier != CPU:

@@ -38,12 +38,10 @@ class Writer:
     def __init__(
         self, tier: LowerTier, max_pending: int, wait_s: float, progress: threading.Condition
     ) -> None:
-        self.tier, self.max_pending, self.wait_s, self._progress = (
-            tier,
-            max_pending,
-            wait_s,
-            progress,
-        )
+        self.tier = tier
+        self.max_pending = max_pending
+        self.wait_s = wait_s
+        self._progress = progress
         self.stats = WriterStats()
         # KV events: called (on this writer's thread) with the keys of each batch the tier took.
         self.on_written: Callable[[list[ChunkKey]], None] | None = None

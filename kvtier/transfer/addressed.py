@@ -14,9 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-Launch = Callable[
-    [torch.Tensor, torch.Tensor], None
-]  # (slots, chunk addresses) of the chunks of one launch
+# (slots, chunk addresses) of the chunks of one launch
+Launch = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 class AddressedGather:

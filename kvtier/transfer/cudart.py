@@ -146,13 +146,14 @@ def open_ipc_handle(handle: bytes) -> int:
     access), so kernels of this device can read and write it; the base address."""
     ptr, raw = ctypes.c_void_p(), _IpcHandle()
     ctypes.memmove(ctypes.addressof(raw), handle, 64)
+    # 1: cudaIpcMemLazyEnablePeerAccess
     _call(
         "cudaIpcOpenMemHandle",
         [ctypes.POINTER(ctypes.c_void_p), _IpcHandle, ctypes.c_uint],
         ctypes.byref(ptr),
         raw,
         1,
-    )  # 1: cudaIpcMemLazyEnablePeerAccess
+    )
     return _address(ptr, "cudaIpcOpenMemHandle")
 
 

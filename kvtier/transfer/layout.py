@@ -40,9 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-Layer = (
-    torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-)  # [K, NB, BS, NH, HS], or (K, V) each [NB, BS, NH, HS]
+# [K, NB, BS, NH, HS], or (K, V) each [NB, BS, NH, HS]
+Layer = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 # A layout's view of one layer's tensor (the bool: MLA) as a canonical Layer.
 Canon = Callable[[torch.Tensor, bool], Layer]
 

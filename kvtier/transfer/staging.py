@@ -130,13 +130,11 @@ class Upload:
         layer_major: bool,
         keep: object = None,
     ) -> None:
-        self.staging, self.ptrs, self.sums, self.landed, self.layer_major = (
-            staging,
-            ptrs,
-            sums,
-            landed,
-            layer_major,
-        )
+        self.staging = staging
+        self.ptrs = ptrs
+        self.sums = sums
+        self.landed = landed
+        self.layer_major = layer_major
         self._keep = keep  # what the copies read besides the chunks (a kernel's pinned run table)
 
     def chunks(self) -> list[torch.Tensor]:
@@ -317,12 +315,10 @@ class LayerEvents:
         copies: torch.cuda.Stream,
         keepalive: object,
     ) -> None:
-        self._events, self._stream, self._copies, self._keepalive = (
-            events,
-            stream,
-            copies,
-            keepalive,
-        )
+        self._events = events
+        self._stream = stream
+        self._copies = copies
+        self._keepalive = keepalive
 
     def wait(self, layer: int) -> None:
         torch.cuda.current_stream(self._stream.device).wait_event(self._events[layer])

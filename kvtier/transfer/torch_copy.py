@@ -64,9 +64,8 @@ class TorchTransfer:
                 else:
                     chunk[layer_idx].copy_(tokens[:, start : start + n], non_blocking=True)
                 start += n
-        if (
-            self.kv.device.type == "cuda"
-        ):  # (the fallback where Triton is absent) the chunks are read next
+        # (the fallback where Triton is absent) the chunks are read next
+        if self.kv.device.type == "cuda":
             torch.cuda.current_stream(self.kv.device).synchronize()
 
     def gather_addressed(

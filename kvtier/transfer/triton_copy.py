@@ -353,9 +353,8 @@ class TritonTransfer:
     ) -> Upload:
         """`upload` of chunks that are staged (`_staged`)."""
         stream, copies = self._kernel_stream, self._upload_stream
-        with torch.cuda.device(
-            self.kv.device
-        ):  # the caller may be a thread whose current device is another
+        # the caller may be a thread whose current device is another
+        with torch.cuda.device(self.kv.device):
             copies.wait_stream(stream)  # staging memory may still be read by earlier kernels
             with torch.cuda.stream(stream):
                 staging = Staging(
@@ -610,14 +609,12 @@ class LayerSaves:
     def finish_later(self) -> InFlight | None:
         if self._stream is None:
             return None
-        torch.cuda.current_stream(self._t.kv.device).wait_stream(
-            self._stream
-        )  # the gathers read the pages
+        # the gathers read the pages
+        torch.cuda.current_stream(self._t.kv.device).wait_stream(self._stream)
         last = self._t._copy_stream if self._staging else self._stream
         last.wait_stream(self._stream)
-        return InFlight(
-            last.record_event(), keep=self
-        )  # this saver holds the staging the copies read
+        # this saver holds the staging the copies read
+        return InFlight(last.record_event(), keep=self)
 
     def unsaved(self) -> list[int]:
         return [layer for layer, saved in enumerate(self._saved) if not saved]

@@ -290,9 +290,8 @@ def run_chaos(cfg: ChaosConfig, out: Path, model_dir: Path, work: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     requests = {name: part.pop("requests") for name, part in record["parts"].items()}
     (out / "chaos.json").write_text(json.dumps(record, indent=1) + "\n")
-    with open(
-        out / "chaos-requests.jsonl", "w"
-    ) as f:  # one line per request: the record stays readable
+    # one line per request: the record stays readable
+    with open(out / "chaos-requests.jsonl", "w") as f:
         for name, rs in requests.items():
             for r in rs:
                 f.write(json.dumps({"part": name, **r}) + "\n")

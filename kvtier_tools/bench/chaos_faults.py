@@ -178,9 +178,8 @@ class LeaseHog:
 class NodeKilled:
     server: Server
     name: str  # decoder-killed, prefiller-killed
-    busy: Callable[[], bool] | None = (
-        None  # when given: killed once it says the node is busy (or after 10 s)
-    )
+    # when given: killed once it says the node is busy (or after 10 s)
+    busy: Callable[[], bool] | None = None
 
     def inject(self) -> None:
         deadline = time.monotonic() + 10
@@ -278,9 +277,8 @@ class Watched:
     """The processes of a run by role; a role's pid changes when it is restarted."""
 
     pids: dict[str, Callable[[], int]] = field(default_factory=dict)  # role -> its current pid
-    alone: tuple[str, ...] = (
-        "harness",
-    )  # roles counted without their children (the servers it started)
+    # roles counted without their children (the servers it started)
+    alone: tuple[str, ...] = ("harness",)
 
     def snapshot(self) -> dict[str, dict]:
         out = {}

@@ -53,9 +53,8 @@ class ChaosConfig:
     sample_per_phase: int = 8  # requests per phase whose outputs are compared with plain vLLM's
     blocking_timeout_secs: float = 2.0
     request_timeout_s: float = 180.0  # a request past it counts as failed (a hang)
-    stall_s: float = (
-        30.0  # an answered request whose first token took longer is a violation (a stall)
-    )
+    # an answered request whose first token took longer is a violation (a stall)
+    stall_s: float = 30.0
     faults: tuple[str, ...] = (*TIERS_FAULTS, *cf.PD_FAULTS)
     vocab: int = 4000
     seed: int = 0
@@ -110,9 +109,8 @@ class Conversations:
 class ChaosResult(Result):
     phase: str = ""  # when it was sent
     index: int = 0
-    end_phase: str = (
-        ""  # when it ended: a failure counts there (a fault may strike a request sent before it)
-    )
+    # when it ended: a failure counts there (a fault may strike a request sent before it)
+    end_phase: str = ""
 
 
 @dataclass
@@ -138,13 +136,11 @@ class Run:
     def __init__(
         self, cfg: ChaosConfig, url: str, model: str, metrics_urls: list[str], watched: cf.Watched
     ) -> None:
-        self.cfg, self.url, self.model, self.metrics_urls, self.watched = (
-            cfg,
-            url,
-            model,
-            metrics_urls,
-            watched,
-        )
+        self.cfg = cfg
+        self.url = url
+        self.model = model
+        self.metrics_urls = metrics_urls
+        self.watched = watched
         self.prompts = Conversations(cfg)
         self.rate = cfg.rate
         self.results: list[ChaosResult] = []

@@ -277,9 +277,8 @@ def in_flight(results: list[Result], wall_s: float) -> tuple[float, int, float]:
     of requests sent while another was in flight (a rate the server finishes each request
     within leaves it serving one at a time, whatever `concurrency` allows)."""
     spans = [(r.sent_s, r.sent_s + r.latency_s) for r in results if r.latency_s is not None]
-    edges = sorted(
-        [(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans]
-    )  # an end before a send at one instant
+    # an end before a send at one instant
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
     now = most = joined = 0
     for _, step in edges:
         joined += step > 0 and now > 0  # sent while another ran

@@ -186,9 +186,8 @@ def _step_pass(
     engine.find(tokens, hold_for="bench")  # the scheduler's lookup: lease, and prefetch starts
     engine.start_prefetch(tokens, "bench")
     t1 = time.perf_counter()
-    future = loader.submit(
-        engine.retrieve, tokens, load_slots, request_id="bench"
-    )  # what start_load_kv does
+    # what start_load_kv does
+    future = loader.submit(engine.retrieve, tokens, load_slots, request_id="bench")
     step = time.perf_counter() - t1
     loaded = int(future.result().sum())
     request = time.perf_counter() - t0
@@ -231,9 +230,8 @@ def _bandwidths(
     """The tier's write and read GB/s against plain sequential files, in alternating order."""
     shape = result.shape
     chunks = _chunks(shape, kv.bytes_per_token())
-    _tier_pass(
-        directory, shape, chunks, kv.dtype.itemsize
-    )  # warm-up, no figures: the first pass of a
+    # warm-up, no figures: the first pass of a
+    _tier_pass(directory, shape, chunks, kv.dtype.itemsize)
     _file_pass(directory, chunks)  # process is the slowest (0.3 GB/s where later ones reach 1 GB/s)
     for i in range(repeats):
         passes = [
@@ -274,10 +272,8 @@ def _step_waits(
     engine = CacheEngine(config, kv, KVFormat("bench", shape.layout, shape.dtype))
     perm = torch.randperm(2 * n_blocks, generator=gen)
     slots = (perm[:, None] * shape.block_size + torch.arange(shape.block_size)).flatten()
-    store_slots, load_slots = (
-        slots[: shape.tokens],
-        slots[n_blocks * shape.block_size :][: shape.tokens],
-    )
+    store_slots = slots[: shape.tokens]
+    load_slots = slots[n_blocks * shape.block_size :][: shape.tokens]
     tokens = torch.randint(0, 32000, (shape.tokens,), generator=gen)
     if engine.store(tokens, store_slots) != shape.tokens or not engine.flush(timeout=600):
         raise AssertionError("the store did not reach the disk tier")

@@ -53,9 +53,8 @@ class Chat:
             )
             for _ in range(args.layers)
         ]
-        config = KvtierConfig(
-            chunk_size=args.chunk, max_local_cpu_size=args.cpu_gb
-        )  # kvtier's defaults otherwise
+        # kvtier's defaults otherwise
+        config = KvtierConfig(chunk_size=args.chunk, max_local_cpu_size=args.cpu_gb)
         self.engine = CacheEngine(
             config,
             PagedKV.wrap(self.layers, "flash_attn"),
@@ -235,9 +234,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=18, help="profile lines per call kind")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    if (
-        args.blocks * BLOCK < args.history + 4 * args.turn
-    ):  # room for four turns of growth (two run)
+    # room for four turns of growth (two run)
+    if args.blocks * BLOCK < args.history + 4 * args.turn:
         p.error(
             f"--blocks {args.blocks} hold {args.blocks * BLOCK} tokens: the histories grow to "
             f"{args.history + 4 * args.turn}"

@@ -50,18 +50,14 @@ class PdRun:
     load_ms: list[float] = field(default_factory=list)
     done_to_loaded_ms: list[float] = field(default_factory=list)
     copy_ms: list[float] = field(default_factory=list)
-    phases_ms: list[tuple[float, float, float]] = field(
-        default_factory=list
-    )  # the sender's Alloc, write, Commit
-    keys_ms: list[float] = field(
-        default_factory=list
-    )  # the sender's host work before the Alloc (the keys)
-    after_ms: list[float] = field(
-        default_factory=list
-    )  # and after the Commit (log lines, the proxy's notice)
-    tail_ms: list[float] = field(
-        default_factory=list
-    )  # GPU time from the KV written to the last write done (events)
+    # the sender's Alloc, write, Commit
+    phases_ms: list[tuple[float, float, float]] = field(default_factory=list)
+    # the sender's host work before the Alloc (the keys)
+    keys_ms: list[float] = field(default_factory=list)
+    # and after the Commit (log lines, the proxy's notice)
+    after_ms: list[float] = field(default_factory=list)
+    # GPU time from the KV written to the last write done (events)
+    tail_ms: list[float] = field(default_factory=list)
 
     def summary(self, bytes_per_token: int) -> dict:
         nbytes = self.tokens * bytes_per_token
@@ -316,12 +312,10 @@ def _channel_runs(
     from kvtier.keys import KVFormat
     from kvtier.pd.sender import PdSender
 
-    shape, channel, sender_device, receiver_device = (
-        bench.shape,
-        receiver.channel,
-        bench.sender_device,
-        bench.receiver_device,
-    )
+    shape = bench.shape
+    channel = receiver.channel
+    sender_device = bench.sender_device
+    receiver_device = bench.receiver_device
     # The sender's staging (tcp, nixl) sits where its KV is, as in the guide's config.
     config = _config(
         shape,
@@ -340,9 +334,8 @@ def _channel_runs(
         pairs = {v: PdRun(channel, n, v) for v in variants}
         src = torch.empty(n * per_token(shape), dtype=torch.uint8, device=sender_device)
         dst = torch.empty(n * per_token(shape), dtype=torch.uint8, device=receiver_device)
-        for r in range(
-            bench.repeats + 1
-        ):  # the first is a warm-up (connection, IPC mapping, kernels)
+        # the first is a warm-up (connection, IPC mapping, kernels)
+        for r in range(bench.repeats + 1):
             for k, (variant, run) in enumerate(pairs.items()):
                 _set_variant(sender, variant, default, rings)
                 forward_ms = (

@@ -60,9 +60,8 @@ def by_round(records: dict[str, Record]) -> list[str]:
     per round the share of requests sent in lockstep (chat.bunched), what a round's mean TTFT
     followed at capacity."""
     rounds: dict[str, dict[str, tuple[float, float]]] = {}  # setup -> round -> (mean TTFT, req/s)
-    phases: dict[
-        str, list[tuple[float, float]]
-    ] = {}  # setup -> vLLM's (queue, prefill) ms per round
+    # setup -> vLLM's (queue, prefill) ms per round
+    phases: dict[str, list[tuple[float, float]]] = {}
     lockstep: dict[str, list[float | None]] = {}  # setup -> share of sends bunched, per round
     for key, rec in records.items():
         name, _, r = key.partition("#")

@@ -70,9 +70,8 @@ TARGETS = (
 )
 
 
-MOONCAKE_SEGMENT_MB = (
-    384  # each of the pool's two segments: small enough to touch all of it before measuring
-)
+# each of the pool's two segments: small enough to touch all of it before measuring
+MOONCAKE_SEGMENT_MB = 384
 
 
 @dataclass
@@ -125,9 +124,8 @@ def run_server_bench(cfg: ServerBenchConfig, progress=print) -> dict:
             targets = {"raw": str(raw_port), "raw-ring": str(ring_port), **addresses}
             targets = {t: a for t, a in targets.items() if t in cfg.targets}
             kv_addr = targets.get("kvtier")
-            if (
-                "mooncake-py" in addresses
-            ):  # the segments' first touch, so that no target's puts pay it
+            # the segments' first touch, so that no target's puts pay it
+            if "mooncake-py" in addresses:
                 filled = clients.run(
                     1,
                     target="mooncake-py",
@@ -194,9 +192,10 @@ def _servers(targets: tuple[str, ...]):
             rd = stack.enter_context(redis_server())
             out.update({"redis": rd.url, "redis-unix": rd.unix_socket})
         if {"mooncake", "mooncake-py"} & set(targets):  # one pool for both: the same segments
+            # evicts at 90 %
             url = stack.enter_context(
                 mooncake_store(segments=2, segment_mb=MOONCAKE_SEGMENT_MB)
-            ).url  # evicts at 90 %
+            ).url
             out.update({"mooncake": url, "mooncake-py": url})
         yield out
 

@@ -36,9 +36,8 @@ def raw_server(port: int, ring: int) -> None:
 
 def _raw_serve(conn: socket.socket, ring: int) -> None:
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = memoryview(
-        np.ones(max(ring, 16 * MiB), np.uint8)
-    )  # written once: no first-touch faults later
+    # written once: no first-touch faults later
+    buf = memoryview(np.ones(max(ring, 16 * MiB), np.uint8))
     head = memoryview(bytearray(8))
     i = 0
     while _recv_exactly(conn, head):
@@ -110,9 +109,8 @@ class _RawClient:
     def __init__(self, port: int, ring: int = 0) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.buf = memoryview(
-            np.ones(max(ring, 16 * MiB), np.uint8)
-        )  # written once: no first-touch faults
+        # written once: no first-touch faults
+        self.buf = memoryview(np.ones(max(ring, 16 * MiB), np.uint8))
         self.ring, self.gets = ring, 0
         self.ack = memoryview(bytearray(1))
 

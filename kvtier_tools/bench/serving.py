@@ -87,16 +87,14 @@ class ServerSpec:
     """How every setup's vLLM server runs: the same for each offloader."""
 
     cpu_gb: float = 20.0  # CPU memory each offloader gets
-    gpu_util: float = (
-        0.2  # vLLM's share of the GPU (its KV cache what is left of it after the model)
-    )
+    # vLLM's share of the GPU (its KV cache what is left of it after the model)
+    gpu_util: float = 0.2
     eager: bool = False
     prefix_caching: bool = True
     max_model_len: int = 32768
     dtype: str = "auto"
-    gpu_kv_bytes: int | None = (
-        None  # vLLM's GPU KV cache, exactly (--kv-cache-memory-bytes; gpu_util then
-    )
+    # vLLM's GPU KV cache, exactly (--kv-cache-memory-bytes; gpu_util then
+    gpu_kv_bytes: int | None = None
     # only bounds the rest)
     gpu_kv_all_bytes: int | None = None  # the same for the setups of ALL_ON_GPU
 
@@ -417,9 +415,8 @@ def main() -> None:
         return
     # Token ids within the model's vocabulary (vLLM refuses others with a 400).
     workload = Workload(**{"vocab": spec.vocab_size, **args.workload})
-    if (
-        args.gpu_kv_share is not None
-    ):  # KV in the dtype vLLM runs the model in (float32 on an AMX CPU)
+    # KV in the dtype vLLM runs the model in (float32 on an AMX CPU)
+    if args.gpu_kv_share is not None:
         dtype_bytes = 4 if model_dtype().dtype == "float32" else 2
         server = replace(
             server,

@@ -192,9 +192,8 @@ def _store(name: str, how: Instances):
 
 
 CHUNK = 256  # both connectors' chunk size here
-CHECK = [
-    (7919 * i) % 3800 + 100 for i in range(6 * CHUNK + 1)
-]  # the check's prompt: 6 chunks and a token (vocab 4096)
+# the check's prompt: 6 chunks and a token (vocab 4096)
+CHECK = [(7919 * i) % 3800 + 100 for i in range(6 * CHUNK + 1)]
 CONTROL = [t + 1 for t in CHECK[:CHUNK]] + CHECK[CHUNK:]  # its first chunk changed
 
 

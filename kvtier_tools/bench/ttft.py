@@ -98,12 +98,10 @@ class TTFTPoint:
     warm_server_layerwise_s: float | None = None
     tcp_floor_s: float | None = None  # KV bytes / raw loopback TCP (pool to pool) + forward
     tcp_cached_floor_s: float | None = None  # the same with the cache-resident TCP figure
-    tcp_gbps: tuple[float, float] | None = (
-        None  # raw loopback TCP: pool to pool, and cache-resident
-    )
-    tcp_multi_gbps: float | None = (
-        None  # raw loopback TCP pool to pool over as many connections as KVClient uses
-    )
+    # raw loopback TCP: pool to pool, and cache-resident
+    tcp_gbps: tuple[float, float] | None = None
+    # raw loopback TCP pool to pool over as many connections as KVClient uses
+    tcp_multi_gbps: float | None = None
     warm_disk_s: float | None = None
     disk_floor_s: float | None = None  # KV bytes / file read bandwidth + forward
     kv_bytes: int = 0  # bf16 KV of the hit tokens
@@ -281,9 +279,8 @@ def measure(
         transfer=transfer,
     )
     samples = _cold(session, ids, repeats)
-    assert (
-        session.engine.lookup(ids[0]) == tokens - tokens % chunk_size
-    )  # stored, for the warm runs
+    # stored, for the warm runs
+    assert session.engine.lookup(ids[0]) == tokens - tokens % chunk_size
     hit = session.prefill(ids).hit_tokens
     remote = (
         ServerSession(model, ids, chunk_size, pool_gib, server_url, transfer)

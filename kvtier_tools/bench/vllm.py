@@ -241,9 +241,8 @@ class _Run:
         self.llm.apply_model(probe_clear)
         gpu_hit, _ = self.gen(ids, timed=True)
         gpu_hit_fwd = self.forward_ms()
-        spans = (
-            self.timelines[-1] if last else self.timelines.pop()
-        )  # the record keeps the last pair's
+        # the record keeps the last pair's
+        spans = self.timelines[-1] if last else self.timelines.pop()
         self.llm.reset_prefix_cache()
         self.flush()
         self.llm.apply_model(probe_clear)

@@ -231,9 +231,8 @@ class ForwardTimer:
 
         torch.cuda.synchronize()
         start, end = next((e for e in reversed(self.events) if e[1] is not None), (None, None))
-        return (
-            start.elapsed_time(end) if start is not None else float("nan")
-        )  # TP > 1: steps in the workers
+        # TP > 1: steps in the workers
+        return start.elapsed_time(end) if start is not None else float("nan")
 
     def clear(self) -> None:
         self.events.clear()
@@ -377,9 +376,8 @@ def engine_ms(spans: list[tuple[str, float, float]]) -> float:
     hashing and setup, which varies by several ms run to run and is no connector's)."""
     starts = [a for label, a, _ in spans if label == "vllm schedule"]
     ends = [b for label, _, b in spans if label == "vllm update_from_output"]
-    return (
-        max(ends) - min(starts) if starts and ends else float("nan")
-    )  # nan: vLLM's methods not wrapped
+    # nan: vLLM's methods not wrapped
+    return max(ends) - min(starts) if starts and ends else float("nan")
 
 
 def traced(call, path: Path):
@@ -436,11 +434,8 @@ def gpu_timeline(events: list[dict]) -> list[str]:
     ]
 
 
-WAITS = (
-    "Synchronize",
-    "cudaMemcpy",
-    "cudaStreamWaitEvent",
-)  # CUDA runtime calls a host may block in
+# CUDA runtime calls a host may block in
+WAITS = "Synchronize", "cudaMemcpy", "cudaStreamWaitEvent"
 
 
 def host_waits(events: list[dict]) -> list[str]:

@@ -22,16 +22,8 @@ from pathlib import Path
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 HELP_COLUMNS = "100"  # argparse wraps to $COLUMNS: the pages' width, whatever the terminal
 # The `kvtier` commands whose --help the CLI reference shows.
-HELP_OF = (
-    "",
-    "server",
-    "proxy",
-    "router",
-    "controller",
-    "config",
-    "demo",
-    "bench",
-)  # `kvtier vllm`: vLLM's own
+# `kvtier vllm`: vLLM's own
+HELP_OF = "", "server", "proxy", "router", "controller", "config", "demo", "bench"
 
 
 def _output(module: str, *args: str) -> str:

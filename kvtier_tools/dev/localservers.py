@@ -119,9 +119,8 @@ class LocalServer:
     log_path: Path | None = None
     manage_port: int | None = None
     unix_socket: str | None = None  # redis-server's, besides its TCP port
-    extra_config: dict = field(
-        default_factory=dict
-    )  # what a client needs besides the URL to join it
+    # what a client needs besides the URL to join it
+    extra_config: dict = field(default_factory=dict)
 
     def start(self) -> None:
         with open(self.log_path or os.devnull, "ab") as log:  # the children keep their own copies

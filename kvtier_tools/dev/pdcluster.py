@@ -153,9 +153,8 @@ def pd_cluster(
     )
     env = {**_engine_env(engine), "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     args = list(extra_args)
-    if (
-        tp > 1
-    ):  # decoder rank r listens on the init and alloc ports + r; the sender's rank r finds it there
+    # decoder rank r listens on the init and alloc ports + r; the sender's rank r finds it there
+    if tp > 1:
         args += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % 2) for r in range(tp))
     cores = _placement(tp, split_cores, two_gpus)

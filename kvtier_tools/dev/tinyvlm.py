@@ -17,9 +17,8 @@ from pathlib import Path
 
 from kvtier_tools.dev.tinymodel import TinyLlama, _write_tokenizer
 
-IMAGE_TOKEN = (
-    "<image>"  # where a prompt's image goes; the processor expands it to the image's tokens
-)
+# where a prompt's image goes; the processor expands it to the image's tokens
+IMAGE_TOKEN = "<image>"
 _IMAGE_TOKENS = ["<fake_token_around_image>", IMAGE_TOKEN, "<end_of_utterance>", "<global-img>"] + [
     f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)
 ]

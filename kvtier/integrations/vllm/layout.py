@@ -140,9 +140,8 @@ def map_layout(
 def declared_dims(backend: Any, spec: LayerSpec, cache_dtype: str, tensor: torch.Tensor) -> Dims:
     """The named dimensions of a layer's KV tensor, as its backend declares them."""
     name = backend.get_name()
-    shape_of = getattr(
-        backend, "get_kv_cache_shape", None
-    )  # vLLM < 0.32 declares the shape per backend
+    # vLLM < 0.32 declares the shape per backend
+    shape_of = getattr(backend, "get_kv_cache_shape", None)
     if shape_of is not None:
         dims = _probe(name, shape_of, spec, cache_dtype)
     elif tensor.dim() == 4:  # vLLM 0.32+: [B, H, N, C] for every attention layer

@@ -46,13 +46,11 @@ class RequestState:
     identity: Identity
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved_upto: int = 0
-    load: tuple[int, int, bool] | None = (
-        None  # tokens [start, end) to load next step, in the background?
-    )
+    # tokens [start, end) to load next step, in the background?
+    load: tuple[int, int, bool] | None = None
     load_from_cpu: bool = False  # that load's hit was all in CPU RAM at the lookup
-    stored: int = (
-        0  # the stored prefix the load reads: it may end inside a chunk (a tail: engine/tails.py)
-    )
+    # the stored prefix the load reads: it may end inside a chunk (a tail: engine/tails.py)
+    stored: int = 0
     pd_target: Target | None = None  # PD sender: where this request's KV goes
     pd_req_id: str = ""  # PD receiver: the proxy's id of this request
 
@@ -99,9 +97,8 @@ class SchedulerSide:
         self._counts = {"lookups": 0, "lookup_tokens": 0, "hit_tokens": 0, "lookup_seconds": 0.0}
         self._longest_lookup = 0.0  # s, since the start
         self._kv_events: list[KVCacheEvent] = []  # from the workers, until vLLM publishes them
-        self._live: dict[
-            str, Request
-        ] = {}  # save_decode_cache: requests whose decoded tokens are stored too
+        # save_decode_cache: requests whose decoded tokens are stored too
+        self._live: dict[str, Request] = {}
         self._pd_dropped: list[str] = []  # PD sends of finished requests, for the next metadata
 
     @traced("lookup")
@@ -157,9 +154,8 @@ class SchedulerSide:
         if need:
             self._pending[rid] = (num_computed_tokens + need, background, stored, not below_cpu)
             self._held.add(rid)
-        elif (
-            found.held
-        ):  # a rank holds what this request will not load (another rank's hit was shorter)
+        elif found.held:
+            # a rank holds what this request will not load (another rank's hit was shorter)
             self.lookup.release(rid)
         return need, background
 
@@ -283,9 +279,8 @@ class SchedulerSide:
             return
         tokens = state.prompt
         live = self._live.get(req_id)
-        if live is not None and computed_after_step > len(
-            tokens
-        ):  # save_decode_cache: the output too
+        # save_decode_cache: the output too
+        if live is not None and computed_after_step > len(tokens):
             tokens = list(live.all_token_ids)
         if state.saved_upto >= len(tokens):
             return
@@ -320,9 +315,8 @@ class SchedulerSide:
         self._running.discard(rid)
         state = self._requests.pop(rid, None)
         if state is not None and state.pd_target is not None:
-            self._pd_dropped.append(
-                state.pd_target.req_id
-            )  # a no-op on the worker once its last step sent
+            # a no-op on the worker once its last step sent
+            self._pd_dropped.append(state.pd_target.req_id)
         self._pending.pop(rid, None)
         self._identity.pop(rid, None)
         self.pd.forget(rid)

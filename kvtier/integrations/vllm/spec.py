@@ -33,28 +33,23 @@ class TransferSpec:
 
     req_id: str
     token_ids: list[int]  # the prompt up to `end` or beyond (for keys)
-    block_ids: list[
-        list[int]
-    ]  # per KV cache group (one unless vLLM's hybrid allocator makes several)
+    # per KV cache group (one unless vLLM's hybrid allocator makes several)
+    block_ids: list[list[int]]
     start: int
     end: int
-    background: bool = (
-        False  # load beside the steps, asynchronously (chunks below CPU RAM; async_loading)
-    )
-    from_cpu: bool = (
-        False  # background: the hit was all in CPU RAM at the lookup (held since): nothing blocks
-    )
+    # load beside the steps, asynchronously (chunks below CPU RAM; async_loading)
+    background: bool = False
+    # background: the hit was all in CPU RAM at the lookup (held since): nothing blocks
+    from_cpu: bool = False
     pd_target: Target | None = None  # save: push these chunks to a decoder (PD sender)
     last: bool = False  # save: the prompt's last chunk is in this one
     # save: the step ended at `end`, on a block end: a hybrid model's Mamba state is kept there
     state: bool = False
     pd_req_id: str = ""  # load: the proxy's id of this request; its PD chunks are freed once loaded
-    step_end: int = (
-        0  # load in the request's first step: its tokens computed after it (0: a background load)
-    )
-    identity: Identity = (
-        PLAIN  # what besides the tokens decides their KV (its adapter, images, salt: keys.py)
-    )
+    # load in the request's first step: its tokens computed after it (0: a background load)
+    step_end: int = 0
+    # what besides the tokens decides their KV (its adapter, images, salt: keys.py)
+    identity: Identity = PLAIN
 
     def slots(self, block_size: int, groups: Sequence[int] | None = None) -> torch.Tensor:
         """The slots of tokens [0, end) in the attention groups `groups` (default: every

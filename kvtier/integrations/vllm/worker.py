@@ -58,9 +58,8 @@ class WorkerSide:
         self.config, self.shape, self.engine_id, self.can_load = config, shape, engine_id, can_load
         self.groups = groups  # vLLM's hybrid allocator: several KV cache groups
         self._state_names: list[str] = []  # Mamba layers, whose state is stored at chunk ends
-        self._coming_up: dict[
-            str, Future
-        ] = {}  # several groups: hits coming up into CPU RAM before promised
+        # several groups: hits coming up into CPU RAM before promised
+        self._coming_up: dict[str, Future] = {}
         self.engine: CacheEngine | None = None
         self.pd = WorkerPd(config)
         self._server: LookupServer | None = None
@@ -85,9 +84,8 @@ class WorkerSide:
 
         everything = sorted(kv_caches, key=extract_layer_index)
         names = [n for n in everything if isinstance(kv_caches[n], torch.Tensor)]  # attention KV
-        self._state_names = [
-            n for n in everything if n not in names
-        ]  # Mamba: a list of state tensors
+        # Mamba: a list of state tensors
+        self._state_names = [n for n in everything if n not in names]
         if self._state_names and (self.groups is None or not self.groups.has_state):
             raise UnsupportedModel(
                 f"layers {', '.join(self._state_names[:3])} keep a Mamba state, but vLLM's "
@@ -95,9 +93,8 @@ class WorkerSide:
             )
         self._layer_index = {name: i for i, name in enumerate(names)}
         vkv = vllm_kv(vllm_config, kv_caches, names)
-        if (
-            vkv.whole_blocks != self.shape.whole_blocks
-        ):  # the scheduler rounded hits by what it expected
+        # the scheduler rounded hits by what it expected
+        if vkv.whole_blocks != self.shape.whole_blocks:
             raise UnsupportedKVLayout(
                 vkv.backend, f"layout {vkv.kv.layout}", "what the scheduler expected"
             )
@@ -120,10 +117,8 @@ class WorkerSide:
         if rows is not None:  # several attention groups: each layer's tokens in blocks of its group
             kv = kv.grouped(rows)
         rank = get_tensor_model_parallel_rank()
-        size, heads = (
-            get_tensor_model_parallel_world_size(),
-            vllm_config.model_config.get_total_num_kv_heads(),
-        )
+        size = get_tensor_model_parallel_world_size()
+        heads = vllm_config.model_config.get_total_num_kv_heads()
         if self.config.share_across_tp and not vllm_config.model_config.use_mla and size > heads:
             raise ConfigError(
                 "share_across_tp",
@@ -342,10 +337,8 @@ class WorkerSide:
         loaded_end = spec.start + loaded
         if loaded_end < spec.end:
             self._figures.failed_tokens += spec.end - loaded_end
-            first, last = (
-                loaded_end // self.shape.block_size,
-                (spec.end - 1) // self.shape.block_size,
-            )
+            first = loaded_end // self.shape.block_size
+            last = (spec.end - 1) // self.shape.block_size
             self._load_errors.update(spec.blocks_of(first, last))
             log.warning(
                 "request %s: %d of %d tokens could not be loaded (evicted, corrupt or "
@@ -395,9 +388,8 @@ class WorkerSide:
             load.finish()
             self.pd.loaded(spec.pd_req_id)
             loaded = load.num_tokens
-            if (
-                self._state_names
-            ):  # KV without its Mamba state is not the model's: all of it is recomputed
+            # KV without its Mamba state is not the model's: all of it is recomputed
+            if self._state_names:
                 if state is None or loaded < spec.end - spec.start:
                     loaded = 0
                 if state is not None:
@@ -464,9 +456,8 @@ class WorkerSide:
     def _counters(self) -> dict[str, float]:
         """This worker's cumulative counters and current gauges (metrics.py names)."""
         assert self.engine is not None
-        here = (
-            "pd" if self.pd.buffer is not None else "cpu"
-        )  # a PD receiver's CPU tier is its buffer
+        # a PD receiver's CPU tier is its buffer
+        here = "pd" if self.pd.buffer is not None else "cpu"
         out = {_tier_named(k, here): v for k, v in self.engine.metrics().items()}
         out.update(self._figures.counters())
         if self.pd.sender is not None:

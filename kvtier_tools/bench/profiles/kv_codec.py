@@ -133,9 +133,8 @@ def measure(model, tokens: int, new: int, repeats: int) -> dict:
         session = HFSession(model, cfg, max_len=tokens + new)
         row: dict = {}
         with torch.inference_mode():
-            session.prefill(
-                ids
-            )  # a miss: computes the prompt and stores its chunks through the codec
+            # a miss: computes the prompt and stores its chunks through the codec
+            session.prefill(ids)
             if cold_kv is None:  # the KV as computed
                 cold_kv = kv_of(session, tokens).clone()
                 cold_tokens = session.generate(ids, new, use_cache=False)

@@ -38,9 +38,8 @@ def main() -> None:
         config = _config(shape, "sender", "cuda_ipc", args.sender, 0, receiver.init, receiver.alloc)
         engine = CacheEngine(config, kv, KVFormat(FMT_MODEL, "flash_attn", shape.dtype))
         sender = PdSender(engine, config, 0)
-        _one_send(
-            bench, sender, receiver, args.tokens, 1
-        )  # warm-up: connection, IPC mapping, kernels
+        # warm-up: connection, IPC mapping, kernels
+        _one_send(bench, sender, receiver, args.tokens, 1)
         profile = cProfile.Profile()
         sends = []
         for r in range(args.sends):
