@@ -402,8 +402,8 @@ class CacheEngine:
     def metrics(self) -> dict[str, float]:
         """A snapshot of the engine's counters (cumulative) and gauges; a per-tier
         one is `name:tier` (the names of integrations/vllm/metrics.py)."""
-        # bytes the tiers hold
-        stats, tiers, bpt = self.stats, self.tiers, self.chunk_bytes_per_token
+        stats, tiers = self.stats, self.tiers
+        bpt = self.chunk_bytes_per_token  # a token's bytes in the tiers
         out: dict[str, float] = {
             "store_seconds": stats.store_seconds,
             "load_seconds": stats.retrieve_seconds,
