@@ -147,8 +147,8 @@ class LoadPath:
         before it is checked and released, so the copy engine does not idle
         between them; a batch in pool blocks is settled at once (reading ahead
         needs its blocks)."""
-        # batches whose copies may still run, each with what waits for them
-        loaded, inflight = 0, []
+        loaded = 0
+        inflight = []  # batches whose copies may still run, each with what waits for them
         try:
             # None: the end, where every batch is settled
             for batch in itertools.chain(batches, [None]):

@@ -47,8 +47,9 @@ class RedisStore:
         url: str,
         max_value: int = 512 << 20,
     ) -> None:
-        # Redis strings stop at 512 MB
-        self.connect, self.url, self.max_value = connect, url, max_value
+        self.connect = connect
+        self.url = url
+        self.max_value = max_value  # Redis strings stop at 512 MB
         self._client: redis.Redis | RedisCluster | None = None
         # Made once: two threads making one each at first use (the P2P index's writer and a
         # lookup) dropped one, whose pool closed the socket a pipeline of it was reading.

@@ -75,8 +75,9 @@ class _LentBatch:
         digests: list[int] | None,
     ) -> None:
         self.lease, self._left = lease, len(payloads)
-        # payloads: (offset, bytes)
-        self._payloads, self._checksums, self._digests = payloads, checksums, digests
+        self._payloads = payloads  # (offset, bytes)
+        self._checksums = checksums
+        self._digests = digests
         self._device_sums: torch.Tensor | None = None
         self._sums = None if digests else self._start_checksums()
         self._good: int | None = None  # leading chunks whose check holds
