@@ -132,7 +132,7 @@ class Landing:
                 if keys is not None:
                     due = not entry.keys.isdisjoint(keys)
                 else:
-                    due = wait or entry.flight.done.query()
+                    due = wait or entry.flight.arrived()
                 if due and entry.claimed:
                     theirs.append(entry)
                 elif due:
@@ -177,7 +177,7 @@ class Landing:
                 for entry in self._flying:
                     if entry.claimed:
                         continue
-                    if entry.arrived_at is None and entry.flight.done.query():
+                    if entry.arrived_at is None and entry.flight.arrived():
                         entry.arrived_at = now
                     if (
                         entry.arrived_at is not None

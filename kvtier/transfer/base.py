@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -11,13 +10,45 @@ import torch
 from kvtier.transfer.addressed import AddressedGather
 
 
-@dataclass(frozen=True)
+class Holds(Protocol):
+    """What holds back some copies of an InFlight until the copy engine has room (pacing.py)."""
+
+    def queue_through(self, flight: InFlight) -> None:
+        """Queue every held copy up to `flight`'s last now: its `done` is known on return."""
+
+
 class InFlight:
     """Copies to host chunks that were queued, not waited for: `done` completes once they
-    have landed; `keep` (their device staging and tables) lives until then."""
+    have landed; `keep` (their device staging and tables) lives until then. Some may still be
+    held back by `held` (pacing.py): asking for `done` queues them at once, since whoever
+    asks needs the bytes; `arrived()` asks without that."""
 
-    done: torch.cuda.Event
-    keep: object = None
+    def __init__(
+        self, done: torch.cuda.Event | None, keep: object = None, held: Holds | None = None
+    ) -> None:
+        self._done, self.keep, self._held = done, keep, held
+
+    @property
+    def done(self) -> torch.cuda.Event:
+        if self._done is None and self._held is not None:
+            self._held.queue_through(self)
+        if self._done is None:
+            raise RuntimeError("copies to the host neither queued nor held")
+        return self._done
+
+    def mark_queued(self, done: torch.cuda.Event) -> None:
+        """Its last copy is queued: `done` is recorded behind it (by what held it)."""
+        self._done = done
+
+    @property
+    def is_queued(self) -> bool:
+        """Whether every copy has been queued (none is held back)."""
+        return self._done is not None
+
+    def arrived(self) -> bool:
+        """Whether every copy was queued and has landed."""
+        done = self._done
+        return done is not None and done.query()
 
 
 class LayerHandle(Protocol):

@@ -58,10 +58,12 @@ from kvtier.transfer.kernels import (
     kv_quant_copy_kernel,
 )
 from kvtier.transfer.layout import PagedKV
+from kvtier.transfer.pacing import PacedCopies
 from kvtier.transfer.quant import Quant
 from kvtier.transfer.staging import (
     DigestTables,
     LayerEvents,
+    Run,
     Staging,
     Summing,
     Upload,
@@ -127,6 +129,8 @@ class TritonTransfer:
         # and up: two streams, so that a load's copies up run beside a store's copies down (the
         # two directions of the link at once), ordered by events where one reads the other's
         self._copies_up = torch.cuda.Stream(kv.device) if on_cuda else None
+        # the copies down of gathers not waited for, a few at a time (pacing.py)
+        self._paced = PacedCopies(self._copies) if self._copies is not None else None
         if on_cuda and not cudart.available():
             raise RuntimeError(
                 "the Triton transfer needs cudaMemcpy2DAsync from the CUDA runtime torch loaded, "
@@ -147,6 +151,13 @@ class TritonTransfer:
         if self._copies is None:
             raise RuntimeError("the Triton interpreter has no streams: nothing is staged there")
         return self._copies
+
+    @property
+    def _paced_copies(self) -> PacedCopies:
+        """The copies down of gathers not waited for (a KV cache on a GPU)."""
+        if self._paced is None:
+            raise RuntimeError("the Triton interpreter has no streams: nothing is staged there")
+        return self._paced
 
     @property
     def _upload_stream(self) -> torch.cuda.Stream:
@@ -298,6 +309,7 @@ class TritonTransfer:
                 else None
             )
             size = chunks[0].shape[2]
+            runs: list[tuple[Run, torch.cuda.Event]] = []  # not waited for: copied by the pacer
             for g, group in enumerate(staging.groups):
                 a, b = group.start * size, min(group.stop * size, slots.shape[-1])
                 self._kernel(
@@ -305,13 +317,17 @@ class TritonTransfer:
                 )
                 if sums is not None:
                     sums.add(chunks=group)
-                copies.wait_stream(stream)
-                staging.copy(to_host=True, stream=copies, group=g)
+                if wait:
+                    copies.wait_stream(stream)
+                    staging.copy(to_host=True, stream=copies, group=g)
+                else:
+                    kernel_done = stream.record_event()
+                    runs += [(run, kernel_done) for run in staging.run_table(None, g)]
         if wait:
             copies.synchronize()
             return None
         current.wait_stream(stream)  # the kernels read the pages before anything later writes them
-        return InFlight(copies.record_event(), keep=(staging, dev_slots, ptrs, sums))
+        return self._paced_copies.add(runs, keep=(staging, dev_slots, ptrs, sums))
 
     def gather_addressed(
         self, slots: torch.Tensor, addresses: Sequence[int], chunk_tokens: int
