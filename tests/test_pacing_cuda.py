@@ -7,9 +7,8 @@ import time
 import pytest
 import torch
 
-from kvtier.transfer import PagedKV
+from kvtier.transfer import InFlight, PagedKV
 from kvtier.transfer.factory import make_transfer
-from kvtier.transfer.pacing import AHEAD_BYTES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -39,25 +38,35 @@ def expected(kv: PagedKV, slots: torch.Tensor, i: int) -> torch.Tensor:
 
 def small_copy_wait(after_s: float) -> float:
     """Seconds a 128 KB copy to pinned host memory, queued `after_s` from now on a stream of its
-    own, takes from its queuing until it has landed."""
+    own, takes on the GPU from its queuing until it has landed (CUDA events around it)."""
     src = torch.ones(32768, dtype=torch.int32, device="cuda")
     dst = torch.empty(32768, dtype=torch.int32, pin_memory=True)
     stream = torch.cuda.Stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     time.sleep(after_s)
-    t0 = time.perf_counter()
     with torch.cuda.stream(stream):
+        start.record()
         dst.copy_(src, non_blocking=True)
-    stream.synchronize()
-    return time.perf_counter() - t0
+        end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
-def test_a_small_copy_down_waits_for_little_of_a_store_queued_before_it():
-    """1 GiB gathered, not waited for; 1 ms later a 128 KB copy down on another stream. Queued
-    whole, the store held it ~19 ms at 55 GB/s; paced, it waits for at most AHEAD_BYTES and a
-    piece (2 ms at 55 GB/s, with the thread's wakeups: 4). The store's bytes all land right,
-    at no less than half the bandwidth of one waited for."""
-    kv, slots, chunks = big_store(8192)
-    transfer = make_transfer(kv, "triton")
+def landed(flight: InFlight) -> None:
+    """Wait for a paced store's copies without queuing the held ones at once."""
+    while not flight.arrived():
+        time.sleep(0.0001)
+
+
+@pytest.mark.parametrize("ahead_mb", [64, 0])
+def test_a_small_copy_down_waits_for_little_of_a_store_queued_before_it(ahead_mb):
+    """2 GiB gathered, not waited for; 1 ms later a 128 KB copy down on another stream. Queued
+    whole (gpu_store_ahead_mb 0) the store holds it ~35 ms at 55 GB/s; paced, the store's
+    pieces queued ahead of it are at most `ahead_mb` and one piece. The store's bytes all land
+    right, paced at no less than half the bandwidth of one waited for."""
+    kv, slots, chunks = big_store(16384)
+    transfer = make_transfer(kv, "triton", store_ahead=ahead_mb << 20)
+    assert transfer.gather(slots[: 4 * CHUNK], chunks[:4]) is None  # its kernels compiled
     t0 = time.perf_counter()
     assert transfer.gather(slots, chunks) is None  # waited for: the copy engine's pace
     whole_s = time.perf_counter() - t0
@@ -68,14 +77,17 @@ def test_a_small_copy_down_waits_for_little_of_a_store_queued_before_it():
     flight = transfer.gather(slots, chunks, wait=False)
     assert flight is not None
     waited = small_copy_wait(0.001)
-    flight.done.synchronize()
+    landed(flight)
     paced_s = time.perf_counter() - t0
     print(
-        f"a 128 KB copy waited {waited * 1e3:.2f} ms; the store {paced_s * 1e3:.1f} ms paced, "
-        f"{whole_s * 1e3:.1f} ms waited for ({AHEAD_BYTES >> 20} MiB ahead at most)"
+        f"{ahead_mb} MiB ahead: a 128 KB copy waited {waited * 1e3:.2f} ms; the store took "
+        f"{paced_s * 1e3:.1f} ms not waited for, {whole_s * 1e3:.1f} ms waited for"
     )
-    assert waited < 0.004
-    assert paced_s < 2 * whole_s + 0.005
+    if ahead_mb:
+        assert waited < 0.008
+        assert paced_s < 2 * whole_s
+    else:
+        assert waited > 0.015  # what pacing removes: the copy waits for most of the store
     for i in (0, 13, len(chunks) - 1):
         assert torch.equal(chunks[i], expected(kv, slots, i))
 

@@ -69,7 +69,10 @@ def build(
         else None
     )
     fmt = fmt if quant is None else dataclasses.replace(fmt, dtype=f"{fmt.dtype}+{quant.name}")
-    mover = Mover(kv, make_transfer(kv, transfer, quant, upload=config.gpu_upload), quant)
+    moves = make_transfer(
+        kv, transfer, quant, upload=config.gpu_upload, store_ahead=config.gpu_store_ahead_mb << 20
+    )
+    mover = Mover(kv, moves, quant)
     shared_tier = cpu is not None
     if cpu is None:
         cpu = CpuTier(

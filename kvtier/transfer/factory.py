@@ -8,15 +8,21 @@ import torch
 
 from kvtier.transfer.base import Transfer
 from kvtier.transfer.layout import PagedKV
+from kvtier.transfer.pacing import AHEAD_BYTES
 from kvtier.transfer.quant import Quant
 
 
 def make_transfer(
-    kv: PagedKV, backend: str = "auto", quant: Quant | None = None, upload: str = "auto"
+    kv: PagedKV,
+    backend: str = "auto",
+    quant: Quant | None = None,
+    upload: str = "auto",
+    store_ahead: int = AHEAD_BYTES,
 ) -> Transfer:
     """Triton kernels for GPU caches, torch indexing for host caches; with `quant`,
     chunks hold that codec's quantized rows (quant.py). `upload`: how staged loads
-    cross PCIe, kernel | copy_engine | auto (triton_copy.py)."""
+    cross PCIe, kernel | copy_engine | auto (triton_copy.py). `store_ahead`: bytes of the
+    copies down of stores not waited for queued at a time (pacing.py; 0: all at once)."""
     if backend == "auto":
         backend = "triton" if kv.device.type == "cuda" and not kv.split else "torch"
     if (
@@ -45,5 +51,11 @@ def make_transfer(
             )
         from kvtier.transfer.triton_copy import TritonTransfer
 
-        return TritonTransfer(kv, direct=backend == "triton-direct", quant=quant, upload=upload)
+        return TritonTransfer(
+            kv,
+            direct=backend == "triton-direct",
+            quant=quant,
+            upload=upload,
+            store_ahead=store_ahead,
+        )
     raise ValueError(f"unknown transfer backend {backend!r}: auto, torch, triton, triton-direct")

@@ -23,13 +23,16 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvtier.logs import get_logger
 from kvtier.transfer import cudart
 from kvtier.transfer.base import InFlight
-from kvtier.transfer.staging import Run
+
+if TYPE_CHECKING:
+    from kvtier.transfer.staging import Run
 
 log = get_logger(__name__)
 
@@ -72,6 +75,7 @@ class PacedCopies:
         ahead_bytes: int = AHEAD_BYTES,
         piece_bytes: int = PIECE_BYTES,
     ) -> None:
+        """`ahead_bytes` 0: every piece queued at once (config gpu_store_ahead_mb)."""
         self._stream = stream
         self._ahead_bytes, self._piece_bytes = ahead_bytes, piece_bytes
         self._held: deque[_Piece] = deque()
@@ -92,7 +96,8 @@ class PacedCopies:
         cut[-1].flight = flight
         with self._lock:
             self._held.extend(cut)
-            if self._feeder is None:
+            self._queue_while_room()  # on this thread: what fits now needs no other
+            if self._held and self._feeder is None:
                 self._feeder = threading.Thread(
                     target=self._feed, name="kvtier-copies-down", daemon=True
                 )
@@ -119,13 +124,23 @@ class PacedCopies:
         self._ahead += piece.nbytes
         if piece.flight is not None:
             piece.flight.mark_queued(piece.done)
+            piece.flight = None  # what it keeps (the staging) goes once its landing is over
+
+    def _queue_while_room(self) -> None:
+        """Queue held pieces while the copy engine has room (the lock held)."""
+        while self._held and self._failed is None and self._room():
+            try:
+                self._queue_next()
+            except BaseException as e:  # every flight held behind it raises it
+                log.error("a store's copy to the host could not be queued: %s", e)
+                self._failed = e
 
     def _room(self) -> bool:
         """Whether the first held piece may be queued now (the lock held): what is done is
         forgotten first."""
         while self._queued and _ended(self._queued[0]):
             self._ahead -= self._queued.popleft().nbytes
-        if not self._queued:
+        if not self._queued or not self._ahead_bytes:
             return True
         return self._ahead + self._held[0].nbytes <= self._ahead_bytes
 
@@ -134,20 +149,13 @@ class PacedCopies:
         while True:
             oldest = None
             with self._lock:
+                self._queue_while_room()
                 if not self._held or self._failed is not None:
                     self._feeder = None
                     return
-                try:
-                    if self._room():
-                        self._queue_next()
-                        continue
-                except BaseException as e:  # every flight held behind it raises it
-                    log.error("a store's copy to the host could not be queued: %s", e)
-                    self._failed = e
-                    continue
                 oldest = self._queued[0].done
             assert oldest is not None
-            oldest.synchronize()
+            oldest.synchronize()  # a blocking event: this thread sleeps
 
 
 def _ended(piece: _Piece) -> bool:

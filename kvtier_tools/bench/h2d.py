@@ -5,11 +5,13 @@ with `--down`, a store's copies the other way.
 The geometry is a layerwise upload's: a pool of adjacent chunks [L, K, T, H, D];
 per layer, layer l of every chunk (one strided run) into layer-major staging: one
 cudaMemcpy2DAsync per layer, or one launch of host_runs_kernel per layer with
-`programs` programs. Timed alone, then twice more with other work queued 1 ms into
-it on another stream: a 128 KB copy the same way (up: vLLM's inputs for its next
-step; down: its sampled tokens, which its engine waits for before the step after
-the next: how long it waits), and bf16 matmuls (a forward beside the copies: how
-much longer they take than alone). The bytes that arrived are checked.
+`programs` programs, or (down, `--ahead-mb`) the copies cut in pieces and queued a few
+at a time as a store not waited for has them (kvtier/transfer/pacing.py). Timed alone,
+then twice more with other work queued 1 ms into it on another stream: a 128 KB copy
+the same way (up: vLLM's inputs for its next step; down: its sampled tokens, which its
+engine waits for before the step after the next: how long it waits), and bf16 matmuls
+(a forward beside the copies: how much longer they take than alone). The bytes that
+arrived are checked.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
-from kvtier.transfer import cudart
+from kvtier.transfer import InFlight, cudart
+from kvtier.transfer.pacing import PacedCopies
 from kvtier.transfer.staging import copy_runs, run_table
 from kvtier_tools.bench.offload import need_gpu
 
@@ -64,6 +68,11 @@ class Load:
                 cudart.memcpy2d(host, hp, dev, dp, width, rows, stream)
             else:
                 cudart.memcpy2d(dev, dp, host, hp, width, rows, stream)
+
+    def paced(self, pacer: PacedCopies, stream) -> InFlight:
+        """Down only: the copies as a store not waited for queues them (pacing.py)."""
+        after = stream.record_event()
+        return pacer.add([(run, after) for [run] in self.runs], keep=None)
 
     def by_kernel(self, stream, programs: int) -> None:
         with torch.cuda.stream(stream):
@@ -120,18 +129,17 @@ def measure(load: Load, go, repeats: int, dev: torch.device) -> dict:
         load.reset()
         torch.cuda.synchronize()
         t = time.perf_counter()
-        go()
-        torch.cuda.synchronize()
+        landed(go())
         alone.append(time.perf_counter() - t)
         load.check()
-        go()
+        flight = go()
         time.sleep(0.001)
         waits.append(timed(small))
-        torch.cuda.synchronize()
-        go()
+        landed(flight)
+        flight = go()
         time.sleep(0.001)
         beside.append(timed(matmuls))
-        torch.cuda.synchronize()
+        landed(flight)
     alone, waits, beside = alone[1:], waits[1:], beside[1:]
     return {
         "GBps": load.pool.numel() / statistics.median(alone) / 1e9,
@@ -142,13 +150,29 @@ def measure(load: Load, go, repeats: int, dev: torch.device) -> dict:
     }
 
 
+def landed(flight: InFlight | None) -> None:
+    """Wait for the copies `go` queued: a paced store's held pieces too, without queuing them
+    at once (as `flight.done` would)."""
+    while flight is not None and not flight.arrived():
+        time.sleep(0.0001)
+    torch.cuda.synchronize()
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=int, default=64, help="chunks of 256 tokens (64: 16k tokens)")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument(
         "--layer-mb", type=float, default=1.0, help="MB of one layer of one chunk (8B model: 1)"
     )
-    p.add_argument("--programs", type=int, nargs="+", default=[16, 32, 64, 132])
+    p.add_argument("--programs", type=int, nargs="*", default=[16, 32, 64, 132])
+    p.add_argument(
+        "--ahead-mb",
+        type=int,
+        nargs="*",
+        default=[],
+        help="with --down: also paced as a store not waited for, this many MiB queued at a time "
+        "(config gpu_store_ahead_mb)",
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
         "--down",
@@ -163,8 +187,11 @@ def run(args: argparse.Namespace) -> int:
     dev = torch.device("cuda")
     load = Load(args.chunks, args.layers, args.layer_mb, dev, down=args.down)
     stream = torch.cuda.current_stream()
-    ways = {"copy engine": lambda: load.by_engine(stream)}
+    ways: dict[str, Callable[[], InFlight | None]] = {"copy engine": lambda: load.by_engine(stream)}
     ways.update({f"kernel x{n}": (lambda n=n: load.by_kernel(stream, n)) for n in args.programs})
+    for mb in args.ahead_mb if args.down else ():
+        pacer = PacedCopies(torch.cuda.Stream(), ahead_bytes=mb << 20)
+        ways[f"paced {mb} MiB"] = lambda pacer=pacer: load.paced(pacer, stream)
     result: dict = {
         "bytes": load.pool.numel(),
         "direction": "GPU to host" if args.down else "host to GPU",
