@@ -525,7 +525,10 @@ def test_landing_a_done_store_does_not_make_the_host_wait_for_the_forward_queued
     assert eng.mover.digests
     first, second = list(range(256)), list(range(1000, 1256))
     assert eng.start_store(first, perm[:256]).finish(wait=False) == 256
-    torch.cuda.synchronize()  # step N's copies are done; its flight waits to be landed
+    # step N's copies are done (queued one piece at a time: pacing.py); its flight waits to be
+    # landed
+    while not eng.storing.landing._flying[0].flight.arrived():
+        time.sleep(0.0001)
     torch.cuda._sleep(1_000_000_000)  # step N+1's forward on the current stream: about a second
     t0 = time.perf_counter()
     storing = eng.start_store(second, perm[256:512])  # lands step N's store first

@@ -93,12 +93,13 @@ class KvtierConfig:
         "engine for whole ones)",
         default="auto",
     )
-    gpu_store_ahead_mb: int = _doc(
-        "stores' copies from GPU memory to CPU RAM queued on the copy engine at a time, MiB; a "
-        "thread queues the rest as those land, so vLLM's copy of each step's sampled tokens, "
-        "which its engine waits for, waits behind at most this much; 0: a store's copies all "
-        "at once",
-        default=64,
+    gpu_store_piece_mb: int = _doc(
+        "stores' copies from GPU memory to CPU RAM go one piece of this many MiB at a time, "
+        "each queued once the last has landed, so vLLM's copy of a step's sampled tokens, "
+        "which its engine waits for, waits for at most one piece (the copy engine serves one "
+        "stream's queue until it is empty); 0: a store's copies all queued at once (~20 % "
+        "faster; vLLM's copy waits for the whole store)",
+        default=32,
     )
     async_loading: str = _doc(
         "when a hit all in CPU RAM loads inside vLLM: busy (in the step that needs it while no "
@@ -310,8 +311,8 @@ def _check_ranges(cfg: KvtierConfig) -> None:
         )
     if cfg.gpu_upload not in GPU_UPLOADS:
         raise ConfigError("gpu_upload", cfg.gpu_upload, " | ".join(GPU_UPLOADS))
-    if cfg.gpu_store_ahead_mb < 0:
-        raise ConfigError("gpu_store_ahead_mb", cfg.gpu_store_ahead_mb, "MiB >= 0")
+    if cfg.gpu_store_piece_mb < 0:
+        raise ConfigError("gpu_store_piece_mb", cfg.gpu_store_piece_mb, "MiB >= 0")
     if cfg.async_loading not in ASYNC_LOADINGS:
         raise ConfigError("async_loading", cfg.async_loading, " | ".join(ASYNC_LOADINGS))
     if cfg.in_step_load_tokens < 0:

@@ -70,7 +70,7 @@ def build(
     )
     fmt = fmt if quant is None else dataclasses.replace(fmt, dtype=f"{fmt.dtype}+{quant.name}")
     moves = make_transfer(
-        kv, transfer, quant, upload=config.gpu_upload, store_ahead=config.gpu_store_ahead_mb << 20
+        kv, transfer, quant, upload=config.gpu_upload, store_piece=config.gpu_store_piece_mb << 20
     )
     mover = Mover(kv, moves, quant)
     shared_tier = cpu is not None

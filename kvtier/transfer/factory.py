@@ -8,7 +8,7 @@ import torch
 
 from kvtier.transfer.base import Transfer
 from kvtier.transfer.layout import PagedKV
-from kvtier.transfer.pacing import AHEAD_BYTES
+from kvtier.transfer.pacing import PIECE_BYTES
 from kvtier.transfer.quant import Quant
 
 
@@ -17,12 +17,12 @@ def make_transfer(
     backend: str = "auto",
     quant: Quant | None = None,
     upload: str = "auto",
-    store_ahead: int = AHEAD_BYTES,
+    store_piece: int = PIECE_BYTES,
 ) -> Transfer:
     """Triton kernels for GPU caches, torch indexing for host caches; with `quant`,
     chunks hold that codec's quantized rows (quant.py). `upload`: how staged loads
-    cross PCIe, kernel | copy_engine | auto (triton_copy.py). `store_ahead`: bytes of the
-    copies down of stores not waited for queued at a time (pacing.py; 0: all at once)."""
+    cross PCIe, kernel | copy_engine | auto (triton_copy.py). `store_piece`: bytes of the
+    copies down of a store not waited for queued at a time (pacing.py; 0: all at once)."""
     if backend == "auto":
         backend = "triton" if kv.device.type == "cuda" and not kv.split else "torch"
     if (
@@ -56,6 +56,6 @@ def make_transfer(
             direct=backend == "triton-direct",
             quant=quant,
             upload=upload,
-            store_ahead=store_ahead,
+            store_piece=store_piece,
         )
     raise ValueError(f"unknown transfer backend {backend!r}: auto, torch, triton, triton-direct")

@@ -1,17 +1,19 @@
-"""A store's copies to the host, queued a few at a time so that the copy engine's queue stays
-short.
+"""A store's copies to the host, queued one piece at a time so that other copies to the host
+get in between.
 
 On a GPU the copy engine that takes a store's copies down also takes vLLM's copy of each
-step's sampled tokens, which its engine waits for before it schedules again, and it runs what
-was queued on it in turn whatever the stream: a 128 KB copy queued 1 ms into a store of
-2.15 GB waited 37.8 ms on an H200 (`python -m kvtier_tools.bench.h2d --down`,
-results/gpu-h200-chat-deferred-2026-12-01), and in the chat workload the first tokens of the
-requests beside the cold prompts' stores came 18-42 ms late
-(results/gpu-h200-chat-aheads-2026-12-01, split/). So a store not waited for is cut in pieces
-(PIECE_BYTES) queued by a thread as the copy engine has room: at most AHEAD_BYTES of them
-queued and not done, what a small copy queued behind them waits for. Whoever needs a store's
-bytes (`InFlight.done`: a load that borrows its chunks, a landing that waits) has every piece
-up to its last queued at once.
+step's sampled tokens, which its engine waits for before it schedules again; and it serves
+one stream's queue until that is empty: a copy queued on another stream gets in only when
+the store's stream has nothing queued. All of a store queued at once, a 128 KB copy queued
+1 ms into 2 GiB waited 37.6 ms on an H200; with two 32 MiB pieces queued at a time, so that
+the queue never ran dry, 37.7 ms; one piece at a time, 0.42 ms, the store at 43 GB/s
+instead of 54 (`python -m kvtier_tools.bench.h2d --down --programs --piece-mb ...`,
+results/gpu-h200-pacing-2026-12-02). In the chat workload the first tokens of the requests
+beside the cold prompts' stores had come 18-42 ms late (results/gpu-h200-chat-aheads-2026-12-01,
+split/). So a store not waited for is cut in pieces (config gpu_store_piece_mb) and a thread
+queues the next once the last has landed. Whoever needs a store's bytes (`InFlight.done`: a
+load that borrows its chunks, a landing that waits) has every piece up to its last queued at
+once.
 
 PacedCopies.add(runs, keep)      the runs of a gather, each behind its kernel's event: an InFlight
 PacedCopies.queue_through(f)     every piece up to f's last queued now (InFlight.done asks)
@@ -37,7 +39,6 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 PIECE_BYTES = 32 << 20  # a chunk of Llama-3.1-8B's shape (256 tokens): 0.6 ms at 55 GB/s
-AHEAD_BYTES = 64 << 20  # queued and not done at most: 1.2 ms at 55 GB/s
 
 
 @dataclass
@@ -47,15 +48,11 @@ class _Piece:
     flight: InFlight | None = None  # on a flight's last piece
     done: torch.cuda.Event | None = None  # once queued
 
-    @property
-    def nbytes(self) -> int:
-        return self.run[4] * self.run[5]
-
 
 def pieces(run: Run, after: torch.cuda.Event, piece_bytes: int) -> list[_Piece]:
-    """`run` cut into pieces of whole rows, each at most `piece_bytes` (or one row)."""
+    """`run` cut into pieces of whole rows, each at most `piece_bytes` (or one row; 0: whole)."""
     host, dev, host_pitch, dev_pitch, width, rows = run
-    step = max(1, piece_bytes // width)
+    step = max(1, piece_bytes // width) if piece_bytes else rows
     out = []
     for first in range(0, rows, step):
         count = min(step, rows - first)
@@ -65,22 +62,17 @@ def pieces(run: Run, after: torch.cuda.Event, piece_bytes: int) -> list[_Piece]:
 
 
 class PacedCopies:
-    """Copies from device staging to pinned host memory on `stream`, queued in order, at most
-    `ahead_bytes` of them not yet done (one piece whatever its size). A thread queues them,
-    while some are held; it sleeps on the oldest queued piece's event when there is no room."""
+    """Copies from device staging to pinned host memory on `stream`, queued in order, one
+    piece at a time: the next once the last has landed. What can be queued is, on the thread
+    that adds it; a thread queues the rest, while some are held, sleeping on the last piece's
+    event in between."""
 
-    def __init__(
-        self,
-        stream: torch.cuda.Stream,
-        ahead_bytes: int = AHEAD_BYTES,
-        piece_bytes: int = PIECE_BYTES,
-    ) -> None:
-        """`ahead_bytes` 0: every piece queued at once (config gpu_store_ahead_mb)."""
+    def __init__(self, stream: torch.cuda.Stream, piece_bytes: int = PIECE_BYTES) -> None:
+        """`piece_bytes` 0: every copy queued at once, whole (config gpu_store_piece_mb 0)."""
         self._stream = stream
-        self._ahead_bytes, self._piece_bytes = ahead_bytes, piece_bytes
+        self._piece_bytes = piece_bytes
         self._held: deque[_Piece] = deque()
         self._queued: deque[_Piece] = deque()  # in the order queued: one stream, ends in order
-        self._ahead = 0  # bytes of the queued pieces not seen done
         self._lock = threading.Lock()
         self._feeder: threading.Thread | None = None  # runs while pieces are held
         self._failed: BaseException | None = None
@@ -121,7 +113,6 @@ class PacedCopies:
         piece.done = torch.cuda.Event(blocking=True)  # a wait for it sleeps, not spins
         piece.done.record(stream)
         self._queued.append(piece)
-        self._ahead += piece.nbytes
         if piece.flight is not None:
             piece.flight.mark_queued(piece.done)
             piece.flight = None  # what it keeps (the staging) goes once its landing is over
@@ -136,13 +127,11 @@ class PacedCopies:
                 self._failed = e
 
     def _room(self) -> bool:
-        """Whether the first held piece may be queued now (the lock held): what is done is
-        forgotten first."""
+        """Whether the first held piece may be queued now (the lock held): the ones queued
+        before have landed (forgotten then), or nothing is paced."""
         while self._queued and _ended(self._queued[0]):
-            self._ahead -= self._queued.popleft().nbytes
-        if not self._queued or not self._ahead_bytes:
-            return True
-        return self._ahead + self._held[0].nbytes <= self._ahead_bytes
+            self._queued.popleft()
+        return not self._queued or not self._piece_bytes
 
     def _feed(self) -> None:
         torch.cuda.set_device(self._stream.device)

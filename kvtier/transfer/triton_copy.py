@@ -58,7 +58,7 @@ from kvtier.transfer.kernels import (
     kv_quant_copy_kernel,
 )
 from kvtier.transfer.layout import PagedKV
-from kvtier.transfer.pacing import AHEAD_BYTES, PacedCopies
+from kvtier.transfer.pacing import PIECE_BYTES, PacedCopies
 from kvtier.transfer.quant import Quant
 from kvtier.transfer.staging import (
     DigestTables,
@@ -107,7 +107,7 @@ class TritonTransfer:
         direct: bool = False,
         quant: Quant | None = None,
         upload: str = "auto",
-        store_ahead: int = AHEAD_BYTES,
+        store_piece: int = PIECE_BYTES,
     ) -> None:
         self.kv = kv
         self.direct = direct
@@ -136,7 +136,7 @@ class TritonTransfer:
         # two directions of the link at once), ordered by events where one reads the other's
         self._copies_up = torch.cuda.Stream(kv.device) if on_cuda else None
         # the copies down of gathers not waited for, a few at a time (pacing.py)
-        self._paced = PacedCopies(self._copies, store_ahead) if self._copies is not None else None
+        self._paced = PacedCopies(self._copies, store_piece) if self._copies is not None else None
         if on_cuda and not cudart.available():
             raise RuntimeError(
                 "the Triton transfer needs cudaMemcpy2DAsync from the CUDA runtime torch loaded, "

@@ -5,8 +5,8 @@ with `--down`, a store's copies the other way.
 The geometry is a layerwise upload's: a pool of adjacent chunks [L, K, T, H, D];
 per layer, layer l of every chunk (one strided run) into layer-major staging: one
 cudaMemcpy2DAsync per layer, or one launch of host_runs_kernel per layer with
-`programs` programs, or (down, `--ahead-mb`) the copies cut in pieces and queued a few
-at a time as a store not waited for has them (kvtier/transfer/pacing.py). Timed alone,
+`programs` programs, or (down, `--piece-mb`) the copies cut in pieces and queued one at
+a time as a store not waited for has them (kvtier/transfer/pacing.py). Timed alone,
 then twice more with other work queued 1 ms into it on another stream: a 128 KB copy
 the same way (up: vLLM's inputs for its next step; down: its sampled tokens, which its
 engine waits for before the step after the next: how long it waits), and bf16 matmuls
@@ -166,12 +166,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--programs", type=int, nargs="*", default=[16, 32, 64, 132])
     p.add_argument(
-        "--ahead-mb",
+        "--piece-mb",
         type=int,
         nargs="*",
         default=[],
-        help="with --down: also paced as a store not waited for, this many MiB queued at a time "
-        "(config gpu_store_ahead_mb)",
+        help="with --down: also paced as a store not waited for, one piece of this many MiB at "
+        "a time (config gpu_store_piece_mb; 0: all its pieces at once)",
     )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
@@ -189,8 +189,8 @@ def run(args: argparse.Namespace) -> int:
     stream = torch.cuda.current_stream()
     ways: dict[str, Callable[[], InFlight | None]] = {"copy engine": lambda: load.by_engine(stream)}
     ways.update({f"kernel x{n}": (lambda n=n: load.by_kernel(stream, n)) for n in args.programs})
-    for mb in args.ahead_mb if args.down else ():
-        pacer = PacedCopies(torch.cuda.Stream(), ahead_bytes=mb << 20)
+    for mb in args.piece_mb if args.down else ():
+        pacer = PacedCopies(torch.cuda.Stream(), piece_bytes=mb << 20)
         ways[f"paced {mb} MiB"] = lambda pacer=pacer: load.paced(pacer, stream)
     result: dict = {
         "bytes": load.pool.numel(),
