@@ -107,11 +107,13 @@ class PacedCopies:
         """Queue the first held piece (the lock held)."""
         piece = self._held.popleft()
         stream = self._stream
-        stream.wait_event(piece.after)
         host, dev, host_pitch, dev_pitch, width, rows = piece.run
-        cudart.memcpy2d(host, host_pitch, dev, dev_pitch, width, rows, stream)
-        piece.done = torch.cuda.Event(blocking=True)  # a wait for it sleeps, not spins
-        piece.done.record(stream)
+        # the caller may be a thread whose current device is another (a lookup's borrow)
+        with torch.cuda.device(stream.device):
+            stream.wait_event(piece.after)
+            cudart.memcpy2d(host, host_pitch, dev, dev_pitch, width, rows, stream)
+            piece.done = torch.cuda.Event(blocking=True)  # a wait for it sleeps, not spins
+            piece.done.record(stream)
         self._queued.append(piece)
         if piece.flight is not None:
             piece.flight.mark_queued(piece.done)
@@ -134,7 +136,6 @@ class PacedCopies:
         return not self._queued or not self._piece_bytes
 
     def _feed(self) -> None:
-        torch.cuda.set_device(self._stream.device)
         while True:
             oldest = None
             with self._lock:

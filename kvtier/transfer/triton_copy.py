@@ -135,7 +135,7 @@ class TritonTransfer:
         # and up: two streams, so that a load's copies up run beside a store's copies down (the
         # two directions of the link at once), ordered by events where one reads the other's
         self._copies_up = torch.cuda.Stream(kv.device) if on_cuda else None
-        # the copies down of gathers not waited for, a few at a time (pacing.py)
+        # the copies down of gathers not waited for, one piece at a time (pacing.py)
         self._paced = PacedCopies(self._copies, store_piece) if self._copies is not None else None
         if on_cuda and not cudart.available():
             raise RuntimeError(
