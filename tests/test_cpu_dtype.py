@@ -1,4 +1,5 @@
-"""The CPU model dtype: bfloat16 where a probe runs it, float32 where the probe dies (AMX hosts)."""
+"""The CPU model dtype: bfloat16 where a probe runs it, float32 where it dies, on AMX and where
+bf16 is emulated."""
 
 import re
 
@@ -31,6 +32,18 @@ def test_the_real_probe_answers_and_covers_both_bf16_paths():
         amx = re.search(r"\bamx_tile\b", f.read()) is not None
     if not amx:  # without AMX tiles, nothing in torch or vLLM takes the path that dies
         assert choice.dtype == "bfloat16", choice.reason
+
+
+def test_an_x86_cpu_with_amx_runs_float32_without_probing():
+    """A Xeon with AMX (2026-12-02): its bf16 probe passed, and vLLM's attention took its amx
+    kernel (whole 128-token blocks), so hits and the guides' counts changed with the host."""
+    from kvtier_tools.dev.cpu_dtype import AMX_REASON, cpu_model_dtype, has_amx
+
+    assert has_amx("flags\t\t: fpu avx512f amx_bf16 amx_tile amx_int8\n")
+    assert not has_amx("flags\t\t: fpu avx512f avx512_bf16\n")
+    with open("/proc/cpuinfo") as f:
+        if has_amx(f.read()):
+            assert cpu_model_dtype().dtype == "float32" and cpu_model_dtype().reason == AMX_REASON
 
 
 def test_an_x86_cpu_without_native_bf16_runs_float32_without_probing():

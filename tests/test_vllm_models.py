@@ -73,16 +73,16 @@ def test_an_mla_model_hits_and_gives_plain_vllms_tokens(deepseek_v2, tmp_path):
 
     ids = AutoTokenizer.from_pretrained(str(deepseek_v2)).encode(corpus_text())
     prompt, other = ids[1000:1700], ids[3000:3700]
-    plain, _ = run_vllm(deepseek_v2, [prompt, other], tmp_path, dtype=DTYPE, name="plain")
+    # CPU_MLA named: on a CPU with AMX vLLM picks AMX_MLA, which takes bf16 weights only
+    mla = {"dtype": DTYPE, "attention_backend": "CPU_MLA"}
+    plain, _ = run_vllm(deepseek_v2, [prompt, other], tmp_path, name="plain", **mla)
     assert plain[0]["token_ids"] != plain[1]["token_ids"]  # the output follows the prompt
     env = {"LMCACHE_LOCAL_DISK": f"file://{tmp_path / 'disk'}", "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}
     stored, log_a = run_vllm(
-        deepseek_v2, [prompt, prompt], tmp_path, "kv_both", env, name="store", dtype=DTYPE
+        deepseek_v2, [prompt, prompt], tmp_path, "kv_both", env, name="store", **mla
     )
     assert "@vllm-mla/" in log_a and hits(log_a) == [(700, 0, 0), (700, 512, 512)]
-    (warm,), log_b = run_vllm(
-        deepseek_v2, [prompt], tmp_path, "kv_both", env, name="load", dtype=DTYPE
-    )
+    (warm,), log_b = run_vllm(deepseek_v2, [prompt], tmp_path, "kv_both", env, name="load", **mla)
     assert hits(log_b) == [(700, 512, 512)]
     for run in (*stored, warm):
         assert run["token_ids"] == plain[0]["token_ids"]

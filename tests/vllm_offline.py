@@ -43,6 +43,7 @@ def main() -> None:
         "--lora", action="append", default=[], help="NAME=PATH: a LoRA adapter prompts may name"
     )
     p.add_argument("--embeds", action="store_true", help="vLLM's enable_prompt_embeds")
+    p.add_argument("--attention-backend", default="", help="vLLM's attention_backend, by name")
     p.add_argument(
         "--mamba-align",
         action="store_true",
@@ -72,6 +73,8 @@ def main() -> None:
         options.update(enable_lora=True, max_lora_rank=8, max_loras=len(args.lora))
     if args.embeds:
         options["enable_prompt_embeds"] = True
+    if args.attention_backend:
+        options["attention_backend"] = args.attention_backend
     llm = LLM(
         model=args.model,
         seed=0,
@@ -173,6 +176,7 @@ def run_vllm(
     mamba_align: bool = False,
     lora: dict[str, Path] | None = None,
     embeds: bool = False,
+    attention_backend: str = "",
 ) -> tuple[list[dict], str]:
     """Run this file in a subprocess; returns the per-request results and vLLM's log.
 
@@ -200,6 +204,7 @@ def run_vllm(
     cmd += (["--by-name"] if by_name else []) + ["--tp", str(tp), "--max-batched", str(max_batched)]
     cmd += ["--mamba-align"] if mamba_align else []
     cmd += [f"--lora={n}={p}" for n, p in (lora or {}).items()] + (["--embeds"] if embeds else [])
+    cmd += ["--attention-backend", attention_backend] if attention_backend else []
     # Defaults under LMCACHE_ names: a test's own LMCACHE_ or KVTIER_ setting replaces or
     # overrides them.
     # Partial last chunks not stored (LMCache's default; kvtier's stores them): the tiers' tests

@@ -15,6 +15,12 @@ AMD EPYC with avx512_bf16, 8,000-token demo: cold TTFT 4.96 s in bf16 vs
 The probe runs in a subprocess because SIGILL kills the process that
 executes the instruction: in a subprocess it is an answer, not a crash.
 
+On any x86 CPU with AMX the models run in float32 without probing (2026-12-02: on a
+Xeon with AMX the probe passed, and vLLM's attention then took its amx kernel, which moves
+KV in whole 128-token blocks: a hit lost its partial last block, the guides' and tests'
+per-token counts changed with the host, and vLLM's AMX_MLA backend, chosen there for MLA
+models, takes no float32 weights: tests name CPU_MLA).
+
 An x86 CPU without native bf16 (neither `avx512_bf16` nor `amx_bf16`; e.g. an
 AMD EPYC with AVX2 only, 2026-11-29) runs float32 without probing: there
 torch and vLLM emulate bf16, slower, and its rounding followed the shape of
@@ -26,6 +32,7 @@ on this alone, at 247a0fe as at HEAD).
 from __future__ import annotations
 
 import functools
+import re
 import signal
 import subprocess
 import sys
@@ -83,6 +90,11 @@ def probe_bf16(code: str = PROBE, timeout: float = 120.0) -> DtypeChoice:
 
 
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of x86 CPUs that compute in bf16
+AMX_REASON = (
+    "this CPU has AMX: vLLM's CPU attention takes bf16 there in its amx kernel, whose KV moves "
+    "in whole 128-token blocks (a hit's partial last block is computed again), and on some AMX "
+    "hosts bf16 dies with SIGILL; float32 runs the vec kernel, a hit to the token"
+)
 
 
 def native_bf16(cpuinfo: str) -> bool | None:
@@ -98,19 +110,26 @@ def native_bf16(cpuinfo: str) -> bool | None:
     return None if flags is None else any(f in flags for f in NATIVE_BF16)
 
 
+def has_amx(cpuinfo: str) -> bool:
+    """Whether /proc/cpuinfo's flags name AMX tiles."""
+    return re.search(r"\bamx_tile\b", cpuinfo) is not None
+
+
 @functools.cache
 def cpu_model_dtype() -> DtypeChoice:
-    """float32 on an x86 CPU without native bf16; else the probe's answer. Asked once per
-    process."""
+    """float32 on an x86 CPU without native bf16 or with AMX; else the probe's answer. Asked
+    once per process."""
     try:
         with open("/proc/cpuinfo") as f:
-            native = native_bf16(f.read())
+            cpuinfo = f.read()
     except OSError:
-        native = None
-    if native is False:
+        cpuinfo = ""
+    if native_bf16(cpuinfo) is False:
         return DtypeChoice(
             "float32", f"this CPU has none of {', '.join(NATIVE_BF16)}: bf16 would be emulated"
         )
+    if has_amx(cpuinfo):
+        return DtypeChoice("float32", AMX_REASON)
     return probe_bf16()
 
 
