@@ -2,12 +2,13 @@
 (kvtier/transfer/pacing.py), so a small copy to the host queued after it (vLLM's sampled tokens)
 does not wait for the whole store, and whoever needs its bytes has them queued at once."""
 
+import threading
 import time
 
 import pytest
 import torch
 
-from kvtier.transfer import InFlight, PagedKV
+from kvtier.transfer import InFlight, PagedKV, pacing
 from kvtier.transfer.factory import make_transfer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -113,3 +114,34 @@ def test_a_store_held_back_is_queued_at_once_for_whoever_needs_its_bytes():
     assert first.arrived() and second.arrived()
     for i in (half, len(chunks) - 1):
         assert torch.equal(chunks[i], expected(kv, slots, i))
+
+
+def feeders() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "kvtier-copies-down"]
+
+
+def test_a_burst_of_stores_is_fed_by_one_thread_that_ends_once_they_stop(monkeypatch):
+    """Stores that come one after another (a burst of cold prompts) share one feeder thread:
+    none is started per store (its start and the GIL handed to it were the storing thread's
+    time); it ends once no store has come for FEEDER_IDLE_S, and every store lands right."""
+    monkeypatch.setattr(pacing, "FEEDER_IDLE_S", 0.2)
+    kv, slots, chunks = big_store(4096)
+    transfer = make_transfer(kv, "triton")
+    assert transfer.gather(slots[:CHUNK], chunks[:1]) is None  # its kernels compiled
+    earlier = set(feeders())  # the earlier tests' transfers', not yet idle long enough
+    seen, flights = set(), []
+    for i in range(0, len(chunks), 2):
+        torch.cuda._sleep(2_000_000)  # a short forward between the stores
+        flight = transfer.gather(slots[i * CHUNK : (i + 2) * CHUNK], chunks[i : i + 2], wait=False)
+        assert flight is not None
+        flights.append(flight)
+        seen |= set(feeders()) - earlier
+        time.sleep(0.001)
+    assert len(seen) == 1
+    (feeder,) = seen
+    for flight in flights:
+        landed(flight)
+    for i in (0, 5, len(chunks) - 1):
+        assert torch.equal(chunks[i], expected(kv, slots, i))
+    feeder.join(timeout=5)
+    assert not feeder.is_alive()

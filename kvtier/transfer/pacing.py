@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 PIECE_BYTES = 32 << 20  # a chunk of Llama-3.1-8B's shape (256 tokens): 0.6 ms at 55 GB/s
+FEEDER_IDLE_S = 2.0  # the feeder thread ends after this long with no store
 
 
 @dataclass
@@ -74,7 +75,8 @@ class PacedCopies:
         self._held: deque[_Piece] = deque()
         self._queued: deque[_Piece] = deque()  # in the order queued: one stream, ends in order
         self._lock = threading.Lock()
-        self._feeder: threading.Thread | None = None  # runs while pieces are held
+        self._more = threading.Condition(self._lock)  # pieces held: the feeder wakes
+        self._feeder: threading.Thread | None = None  # lives while stores come (FEEDER_IDLE_S)
         self._failed: BaseException | None = None
 
     def add(self, runs: Sequence[tuple[Run, torch.cuda.Event]], keep: object) -> InFlight:
@@ -89,12 +91,19 @@ class PacedCopies:
         with self._lock:
             self._held.extend(cut)
             self._queue_while_room()  # on this thread: what fits now needs no other
-            if self._held and self._feeder is None:
-                self._feeder = threading.Thread(
-                    target=self._feed, name="kvtier-copies-down", daemon=True
-                )
-                self._feeder.start()
+            if self._held:
+                self._wake_feeder()
         return flight
+
+    def _wake_feeder(self) -> None:
+        """The feeder to queue what is held (the lock held): started once, woken after."""
+        if self._feeder is None:
+            self._feeder = threading.Thread(
+                target=self._feed, name="kvtier-copies-down", daemon=True
+            )
+            self._feeder.start()
+        else:
+            self._more.notify()
 
     def queue_through(self, flight: InFlight) -> None:
         with self._lock:
@@ -136,11 +145,18 @@ class PacedCopies:
         return not self._queued or not self._piece_bytes
 
     def _feed(self) -> None:
+        """Queue held pieces as the last lands; with none held, wait for a store to add some,
+        and end after FEEDER_IDLE_S without one. One thread for a burst of stores: a thread
+        started per store cost the storing thread its start and the GIL handed to it."""
         while True:
-            oldest = None
             with self._lock:
                 self._queue_while_room()
-                if not self._held or self._failed is not None:
+                while not self._held and self._failed is None:
+                    if not self._more.wait(FEEDER_IDLE_S) and not self._held:
+                        self._feeder = None
+                        return
+                    self._queue_while_room()
+                if self._failed is not None:  # what is held stays: its flights raise
                     self._feeder = None
                     return
                 oldest = self._queued[0].done

@@ -15,7 +15,9 @@ random, as a busy vLLM's are), on a history of `--history` tokens growing by `--
               them
 
 Each call is timed on the host (perf_counter; the GPU is idle between turns, so no call
-waits behind an earlier turn's work), medians and p90 over `--requests`; then whole turns
+waits behind an earlier turn's work), medians and p90 over `--requests`, and a lookup's and a
+store's CPU time on their thread (`*_cpu`: what the wall time has beyond it was spent
+waiting, e.g. for the GIL while another thread ran: the store's pacer); then whole turns
 again under cProfile: the top functions by own time, and kvtier's and Triton's by time inside
 them (the profiler's overhead inflates them alike; it sees the calling thread only, so not an
 upload queued on the ahead slot's thread).
@@ -54,7 +56,9 @@ class Chat:
             for _ in range(args.layers)
         ]
         # kvtier's defaults otherwise
-        config = KvtierConfig(chunk_size=args.chunk, max_local_cpu_size=args.cpu_gb)
+        config = KvtierConfig(
+            chunk_size=args.chunk, max_local_cpu_size=args.cpu_gb, gpu_store_piece_mb=args.piece_mb
+        )
         self.engine = CacheEngine(
             config,
             PagedKV.wrap(self.layers, "flash_attn"),
@@ -131,10 +135,15 @@ class Chat:
         time.sleep(self.args.step_ms / 1e3)
 
 
-def timed(fn: Callable[[], object]) -> tuple[float, object]:
-    t0 = time.perf_counter()
+def timed(fn: Callable[[], object], cpu: list[float] | None = None) -> tuple[float, object]:
+    """The call's wall time; its thread's CPU time appended to `cpu` (where they differ, the
+    thread waited: for the GIL, a lock, the GPU)."""
+    c0, t0 = time.thread_time(), time.perf_counter()
     out = fn()
-    return time.perf_counter() - t0, out
+    spent = time.perf_counter() - t0
+    if cpu is not None:
+        cpu.append(time.thread_time() - c0)
+    return spent, out
 
 
 def profiled(fns: list[Callable[[], object]], chat: Chat, top: int) -> list[str]:
@@ -177,11 +186,12 @@ def run(args: argparse.Namespace) -> dict:
     for i in range(n):  # the histories stored (and the kernels compiled) before anything is timed
         chat.store(i)
         chat.sync()
-    times: dict[str, list[float]] = {"lookup": [], "load_queue": [], "load_finish": [], "store": []}
+    names = ("lookup", "lookup_cpu", "load_queue", "load_finish", "store", "store_cpu")
+    times: dict[str, list[float]] = {name: [] for name in names}
     hits = []
     for i in range(n):  # a turn of each conversation: its lookup, its load, its store
         chat.grow(i)
-        spent, hit = timed(lambda: chat.lookup(i))
+        spent, hit = timed(lambda: chat.lookup(i), times["lookup_cpu"])
         times["lookup"].append(spent)
         hits.append(hit)
         chat.step()
@@ -189,7 +199,7 @@ def run(args: argparse.Namespace) -> dict:
         times["load_queue"].append(spent)
         spent, _ = timed(finish)
         times["load_finish"].append(spent)
-        spent, _ = timed(lambda: chat.store(i))
+        spent, _ = timed(lambda: chat.store(i), times["store_cpu"])
         times["store"].append(spent)
         chat.sync()
     out = {
@@ -230,6 +240,12 @@ def main() -> None:
         type=float,
         default=3.0,
         help="the engine thread's wait for its step between a lookup and the load (sleep)",
+    )
+    p.add_argument(
+        "--piece-mb",
+        type=int,
+        default=KvtierConfig().gpu_store_piece_mb,
+        help="config gpu_store_piece_mb (0: a store's copies down queued at once)",
     )
     p.add_argument("--top", type=int, default=18, help="profile lines per call kind")
     p.add_argument("--out", default="")
