@@ -393,9 +393,11 @@ def test_the_host_time_bench_times_each_call_kind_of_a_chat_turn_on_this_machine
         top=30,
         out="",
         step_ms=1.0,
+        piece_mb=32,
     )
     out = run(args)
-    assert set(out["calls"]) == {"store", "lookup", "load_queue", "load_finish"}
+    kinds = {"store", "lookup", "load_queue", "load_finish", "store_cpu", "lookup_cpu"}
+    assert set(out["calls"]) == kinds
     assert all(c["n"] == 4 and c["median_us"] > 0 for c in out["calls"].values())
     # the lookup finds the stored history: 512 tokens, all but the last token of the 608 a turn
     # later being new (a lookup leaves the prompt's last token to compute)
