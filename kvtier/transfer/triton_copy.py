@@ -10,8 +10,8 @@ addresses, so chunks can live anywhere the GPU can address:
 
 Whole transfers stage chunk by chunk, in a few groups of chunks, so the kernel of one group
 runs while another group crosses PCIe (a store not waited for: one group, its copies paced);
-layerwise ones stage layer by layer (layer l of every
-chunk side by side), so each layer crosses PCIe in one copy per run and has its own kernel:
+layerwise ones stage layer by layer (layer l of every chunk side by side), so each layer
+crosses PCIe in one copy per run and has its own kernel:
 
     chunk-major  | c0: L0 L1 .. | c1: L0 L1 .. |       (store, retrieve)
     layer-major  | L0: c0 c1 .. | L1: c0 c1 .. |       (layerwise)
@@ -297,10 +297,10 @@ class TritonTransfer:
         digests: torch.Tensor | None = None,
         wait: bool = True,
     ) -> InFlight | None:
-        """Fill `chunks` with the KV of `slots` (base.Transfer.gather); waited for, a kernel per
-        group of chunks, each group's copy to the host behind it; not, one kernel and its copies
-        paced (pacing.py). `digests` (int64 zeros on the device,
-        one per chunk): their KV digests are added there."""
+        """Fill `chunks` with the KV of `slots` (base.Transfer.gather): waited for, a kernel per
+        group of chunks, each group's copy to the host behind it; not waited for, one kernel and
+        its copies paced (pacing.py). `digests` (int64 zeros on the device, one per chunk):
+        their KV digests are added there."""
         layers = range(self.kv.num_layers)
         if not self._staged(chunks):
             self._unstaged(lambda: self._in_place(slots, chunks, True, layers, digests), chunks)
