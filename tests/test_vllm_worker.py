@@ -386,7 +386,7 @@ def test_on_a_gpu_a_load_beside_the_steps_is_reported_while_its_upload_still_cro
     try:
         want = [layer[:, 0:16].flatten(1, 2)[:, :255].clone() for layer in layers]
         transfer = worker.engine.mover.transfer
-        with torch.cuda.stream(transfer._copies_up):
+        with torch.cuda.stream(transfer.streams.up):
             torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the upload's copies wait behind it
         assert worker._find(np.array(spec.token_ids, dtype=np.uint32), PLAIN, "r", 0, True) == (
             256,
@@ -395,8 +395,9 @@ def test_on_a_gpu_a_load_beside_the_steps_is_reported_while_its_upload_still_cro
         )
         worker.start_load_kv(KvtierMetadata(loads=[spec]))
         assert reported(worker) == {"r"} and not worker.load_errors()
-        assert not transfer._copies_up.query()  # reported while the upload still waits
-        assert transfer._stream.query()  # the steps' shared kernel stream holds nothing of it
+        assert not transfer.streams.up.query()  # reported while the upload still waits
+        # the steps' shared kernel stream holds nothing of it
+        assert transfer.streams.kernels.query()
         worker.start_load_kv(KvtierMetadata())  # the next step: its stream waits for the load
         got = [layer[:, 32:48].flatten(1, 2)[:, :255].clone() for layer in layers]
         torch.cuda.synchronize()
@@ -446,7 +447,7 @@ def test_on_a_gpu_how_long_a_steps_forward_waited_for_its_loads_is_counted():
     spec = replace(spec, background=False, from_cpu=True)
     tokens = np.array(spec.token_ids, dtype=np.uint32)
     try:
-        with torch.cuda.stream(worker.engine.mover.transfer._copies_up):
+        with torch.cuda.stream(worker.engine.mover.transfer.streams.up):
             torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the hit's copies up wait behind it
         assert worker._find(tokens, PLAIN, "r", 0) == (256, 256, True)
         worker.start_load_kv(KvtierMetadata(loads=[spec]))
