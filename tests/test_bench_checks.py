@@ -404,6 +404,9 @@ def test_the_host_time_bench_times_each_call_kind_of_a_chat_turn_on_this_machine
     assert out["hit_tokens_median"] == 512
     assert any("(store)" in line for line in out["profile_turn"])
     assert any("start_retrieve" in line for line in out["profile_turn"])
+    # the stores alone: a store's own calls, no lookup's
+    assert any("start_store" in line for line in out["profile_store"])
+    assert not any("start_retrieve" in line for line in out["profile_store"])
 
 
 def test_a_setup_whose_engine_died_ends_at_once_with_its_traceback(tmp_path):

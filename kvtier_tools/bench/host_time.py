@@ -18,9 +18,9 @@ Each call is timed on the host (perf_counter; the GPU is idle between turns, so 
 waits behind an earlier turn's work), medians and p90 over `--requests`, and a lookup's and a
 store's CPU time on their thread (`*_cpu`: what the wall time has beyond it was spent
 waiting, e.g. for the GIL while another thread ran: the store's pacer); then whole turns
-again under cProfile: the top functions by own time, and kvtier's and Triton's by time inside
-them (the profiler's overhead inflates them alike; it sees the calling thread only, so not an
-upload queued on the ahead slot's thread).
+again under cProfile, and a store alone: the top functions by own time, and kvtier's and
+Triton's by time inside them (the profiler's overhead inflates them alike; it sees the calling
+thread only, so not an upload queued on the ahead slot's thread).
 """
 
 from __future__ import annotations
@@ -212,6 +212,9 @@ def run(args: argparse.Namespace) -> dict:
         "hit_tokens_median": statistics.median(hits),
     }
     out["profile_turn"] = profiled([lambda i=i: chat.turn(i) for i in range(n)], chat, args.top)
+    for i in range(n):  # a store alone, of a turn's new chunks
+        chat.grow(i)
+    out["profile_store"] = profiled([lambda i=i: chat.store(i) for i in range(n)], chat, args.top)
     chat.engine.close()
     return out
 
@@ -250,7 +253,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=18, help="profile lines per call kind")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    # room for four turns of growth (two run)
+    # room for four turns of growth (three run)
     if args.blocks * BLOCK < args.history + 4 * args.turn:
         p.error(
             f"--blocks {args.blocks} hold {args.blocks * BLOCK} tokens: the histories grow to "
@@ -261,6 +264,7 @@ def main() -> None:
     for name, s in out["calls"].items():
         print(f"{name}: median {s['median_us']:.0f} us, p90 {s['p90_us']:.0f} us ({s['n']} calls)")
     print("\nprofile of whole turns (lookup, load, store):\n" + "\n".join(out["profile_turn"]))
+    print("\nprofile of stores alone:\n" + "\n".join(out["profile_store"]))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
