@@ -17,6 +17,8 @@ server at a time on this machine.
     kvtier-int4    KvtierConnector, remote_serde int4 (lossy: 0.28 of the bytes in every tier)
     kvtier-unpaced KvtierConnector, gpu_store_piece_mb 0 (a store's copies down all queued at
                    once, ahead of vLLM's copy of its next sampled tokens)
+    kvtier-base    KvtierConnector from the tree at $KVTIER_BASE (an earlier commit's kvtier/,
+                   `git archive REV kvtier | tar -x -C DIR`): before and after in one call
     lmcache        LMCacheConnectorV1, CPU RAM
     native         vLLM's OffloadingConnector (--kv-offloading-size, backend native)
 
@@ -44,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -62,9 +65,20 @@ from kvtier_tools.dev.tinymodel import TinyLlama, make_tiny_llama
 KVTIER = {"kv_connector": "KvtierConnector", "kv_role": "kv_both"}
 
 
+def base_tree() -> dict[str, str]:
+    """The environment that has a server import kvtier from $KVTIER_BASE first."""
+    base = os.environ.get("KVTIER_BASE")
+    if not base or not (Path(base) / "kvtier").is_dir():
+        raise SystemExit("setup kvtier-base needs KVTIER_BASE=<a folder that holds kvtier/>")
+    rest = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": f"{Path(base).resolve()}:{rest}" if rest else str(Path(base).resolve())}
+
+
 def setup(name: str, cpu_gb: float) -> tuple[dict | None, dict, list[str]]:
     """(kv-transfer-config, environment, more server arguments) of a setup."""
     size = {"LMCACHE_MAX_LOCAL_CPU_SIZE": str(cpu_gb), "LMCACHE_CHUNK_SIZE": "256"}
+    if name == "kvtier-base":
+        return KVTIER, {**size, **base_tree()}, []
     return {
         "plain": (None, {}, []),
         "plain-gpu-all": (None, {}, []),
