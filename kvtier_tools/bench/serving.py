@@ -17,7 +17,7 @@ server at a time on this machine.
     kvtier-int4    KvtierConnector, remote_serde int4 (lossy: 0.28 of the bytes in every tier)
     kvtier-unpaced KvtierConnector, gpu_store_piece_mb 0 (a store's copies down all queued at
                    once, ahead of vLLM's copy of its next sampled tokens)
-    kvtier-base    KvtierConnector from the tree at $KVTIER_BASE (an earlier commit's kvtier/,
+    kvtier-base    KvtierConnector from the tree at $BENCH_BASE_TREE (an earlier commit's kvtier/,
                    `git archive REV kvtier | tar -x -C DIR`): before and after in one call
     lmcache        LMCacheConnectorV1, CPU RAM
     native         vLLM's OffloadingConnector (--kv-offloading-size, backend native)
@@ -66,10 +66,10 @@ KVTIER = {"kv_connector": "KvtierConnector", "kv_role": "kv_both"}
 
 
 def base_tree() -> dict[str, str]:
-    """The environment that has a server import kvtier from $KVTIER_BASE first."""
-    base = os.environ.get("KVTIER_BASE")
+    """The environment that has a server import kvtier from $BENCH_BASE_TREE first."""
+    base = os.environ.get("BENCH_BASE_TREE")
     if not base or not (Path(base) / "kvtier").is_dir():
-        raise SystemExit("setup kvtier-base needs KVTIER_BASE=<a folder that holds kvtier/>")
+        raise SystemExit("setup kvtier-base needs BENCH_BASE_TREE=<a folder that holds kvtier/>")
     rest = os.environ.get("PYTHONPATH")
     return {"PYTHONPATH": f"{Path(base).resolve()}:{rest}" if rest else str(Path(base).resolve())}
 
