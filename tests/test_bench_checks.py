@@ -507,7 +507,7 @@ def test_steps_are_read_from_the_traced_calls_of_a_servers_log_round_by_round(tm
 
     from kvtier.logs import get_logger
     from kvtier.stalls import Stalls
-    from kvtier_tools.bench.steps import read, report, rounds, steps
+    from kvtier_tools.bench.steps import by_call, read, report, rounds, steps
 
     log_path = tmp_path / "vllm-1.log"
     handler = logging.FileHandler(log_path)
@@ -554,3 +554,10 @@ def test_steps_are_read_from_the_traced_calls_of_a_servers_log_round_by_round(tm
     assert sum(line.startswith("round ") for line in lines) == 2
     assert sum(line.startswith("  vllm-1.log: 3 steps, kvtier's calls") for line in lines) == 2
     assert sum(line.startswith("  vllm-1.log: 2 steps") for line in lines) == 2
+    assert all(0 <= c.cpu <= c.seconds + 0.001 for c in calls)  # sleeps are not CPU
+    table = by_call([log_path])
+    assert table[0] == "vllm-1.log: 10 calls, 0 lookups"
+    (row,) = [line for line in table if line.startswith("| wait_for_save |")]
+    count, total, mean, cpu_share, per_lookup = row.strip("| ").split(" | ")[1:]
+    assert count == "5" and 20 <= float(total) < 100 and 4 <= float(mean) < 20
+    assert float(cpu_share) < 0.5 and per_lookup == "-"

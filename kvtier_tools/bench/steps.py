@@ -11,6 +11,10 @@ logged there. Rounds are parted by `--idle` seconds without a call (the serving 
 are seconds apart). `--window` seconds of each round are printed, step by step, a column per
 log: e.g. kvtier and kvtier-consumer in the chat workload (scripts/warm_ttft.sh, `CHAT_ARGS`),
 where the cold burst's steps differ.
+
+`--by-call` prints instead, per log, each traced call's count, total, mean and CPU time, and
+its time per lookup (a lookup is one request): what kvtier holds vLLM's engine thread for,
+a request at a time (results/gpu-h200-ab-2026-12-02/README.md).
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from pathlib import Path
 
 STAMP = r"(?P<at>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
 CALL = re.compile(
-    STAMP + r": slow call on the engine's thread: (?P<name>\w+) took (?P<ms>[\d.]+) ms"
+    STAMP
+    + r": slow call on the engine's thread: (?P<name>\w+) took (?P<ms>[\d.]+) ms"
+    + r" \(cpu (?P<cpu>[\d.]+)"
 )
 STORE = re.compile(STAMP + r": Storing KV cache for (?P<tokens>\d+) out of")
 
@@ -33,6 +39,7 @@ class Call:
     name: str
     begin: float  # seconds (the epoch)
     seconds: float
+    cpu: float  # seconds of it on the thread's CPU
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,9 @@ def read(path: Path) -> tuple[list[Call], list[tuple[float, int]]]:
     for line in path.read_text(errors="replace").splitlines():
         if m := CALL.search(line):
             seconds = float(m["ms"]) / 1e3
-            calls.append(Call(m["name"], _seconds(m["at"]) - seconds, seconds))
+            calls.append(
+                Call(m["name"], _seconds(m["at"]) - seconds, seconds, float(m["cpu"]) / 1e3)
+            )
         elif m := STORE.search(line):
             stores.append((_seconds(m["at"]), int(m["tokens"])))
     calls.sort(key=lambda c: c.begin)
@@ -121,13 +130,43 @@ def report(paths: list[Path], window: float, idle: float) -> list[str]:
     return lines
 
 
+def by_call(paths: list[Path]) -> list[str]:
+    """Each log's traced calls by name: count, total, mean and CPU time, and time a lookup."""
+    lines = []
+    for path in paths:
+        calls, _ = read(path)
+        names = sorted({c.name for c in calls})
+        lookups = sum(c.name == "lookup" for c in calls)
+        lines += [
+            f"{path.name}: {len(calls)} calls, {lookups} lookups",
+            "| call | count | total ms | mean ms | CPU of it | ms a lookup |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name in names:
+            mine = [c for c in calls if c.name == name]
+            total = sum(c.seconds for c in mine)
+            cpu = sum(c.cpu for c in mine)
+            share = f"{cpu / total:.2f}" if total else "-"
+            each = f"{total * 1e3 / lookups:.3f}" if lookups else "-"
+            lines.append(
+                f"| {name} | {len(mine)} | {total * 1e3:.1f} | {total * 1e3 / len(mine):.3f} "
+                f"| {share} | {each} |"
+            )
+        total = sum(c.seconds for c in calls)
+        each = f"{total * 1e3 / lookups:.3f}" if lookups else "-"
+        lines.append(f"| all | {len(calls)} | {total * 1e3:.1f} | | | {each} |")
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("logs", nargs="+", type=Path, help="servers' logs (KVTIER_TRACE_STALLS_MS=0)")
     p.add_argument("--window", type=float, default=0.8, help="seconds of each round to print")
     p.add_argument("--idle", type=float, default=1.0, help="seconds without a call between rounds")
+    p.add_argument("--by-call", action="store_true", help="each call's totals, not the steps")
     args = p.parse_args()
-    print("\n".join(report(args.logs, args.window, args.idle)))
+    lines = by_call(args.logs) if args.by_call else report(args.logs, args.window, args.idle)
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":
