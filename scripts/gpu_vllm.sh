@@ -51,7 +51,8 @@ export PYTHONPATH=$PWD:/tmp/site:/tmp/kvtier-dist PYTHONUNBUFFERED=1 VLLM_USE_FL
   # the host's CPU and the GPU's clocks: calls on different hosts differ (vLLM's engine thread is
   # host-bound in the chat), and the same code has run 15 % apart from one call to the next
   lscpu | grep -E "^(Model name|CPU\(s\)|CPU max MHz)"
-  nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,pstate --format=csv
+  nvidia-smi --format=csv \
+      --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,pstate
   python3 -c "import torch, triton, vllm; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__)"
 } 2>&1 | tee "$work/machine.txt"
 # The workloads' defaults (JSON; WORKLOAD, BENCH_SERVE and SHARED_WORKLOAD replace them). Kept out

@@ -21,11 +21,11 @@
 #              and kvtier int4 (CHAT_SETUPS= others, e.g. kvtier-in-step: every hit loaded in its
 #              own step; plain-gpu-all: vLLM alone with every conversation in its GPU cache, the
 #              floor of the later turns; kvtier-consumer: kvtier that never stores; kvtier-base:
-#              kvtier from BENCH_BASE_TREE, an earlier commit's kvtier/ carried, beside main's), servers
-#              resident, CHAT_ROUNDS (3) rounds in turn; CHAT_ARGS= more of the serving bench's
-#              flags (e.g. --profile: py-spy on each server, its wheel carried in .tools/; with
-#              KVTIER_TRACE_STALLS_MS=0 in the environment every kvtier call on vLLM's engine
-#              thread is logged with its time: the steps' timeline)
+#              kvtier from BENCH_BASE_TREE, an earlier commit's kvtier/ carried, beside main's),
+#              servers resident, CHAT_ROUNDS (3) rounds in turn; CHAT_ARGS= more of the serving
+#              bench's flags (e.g. --profile: py-spy on each server, its wheel carried in
+#              .tools/; with KVTIER_TRACE_STALLS_MS=0 in the environment every kvtier call on
+#              vLLM's engine thread is logged with its time: the steps' timeline)
 # Tables and plots from the records: `python -m kvtier_tools.bench.vllm_report RESULTS/<part> ...`
 # (docs/benchmarks/warm-ttft.md).
 set -uo pipefail

@@ -2,6 +2,8 @@
 (H100, vLLM 0.26, 32k tokens, 2026-11-26): plain vLLM's own cold prefill and GPU prefix hit
 part at the 4th token, a near-tie in bf16. And the prompts `vllm bench serve` is given."""
 
+import os
+
 import pytest
 
 from kvtier_tools.bench.vllm_report import agrees, under_the_copy
@@ -260,6 +262,44 @@ def test_a_run_that_fell_into_lockstep_shows_in_its_bunched_sends():
     convoy = [Result(0, 0, 1, 0.2 * (k // 4) + 0.001 * (k % 4)) for k in range(12)]  # 3 bursts of 4
     assert bunched(convoy) == 9 / 11
     assert bunched([Result(0, 0, 1, 0.0)]) == 0
+
+
+def test_the_base_setup_runs_kvtier_from_an_earlier_tree_first_on_the_path(tmp_path, monkeypatch):
+    """kvtier-base: a server that imports kvtier from BENCH_BASE_TREE before this tree's, and
+    a clear stop where the variable is missing or names no tree."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvtier_tools.bench.serving import KVTIER, setup
+
+    monkeypatch.delenv("BENCH_BASE_TREE", raising=False)
+    with pytest.raises(SystemExit, match="BENCH_BASE_TREE"):
+        setup("kvtier-base", 20)
+    monkeypatch.setenv("BENCH_BASE_TREE", str(tmp_path))
+    with pytest.raises(SystemExit, match="holds kvtier/"):
+        setup("kvtier-base", 20)
+    (tmp_path / "kvtier").mkdir()
+    (tmp_path / "kvtier" / "__init__.py").write_text("BASE = True\n")
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "which_kvtier.py").write_text("import kvtier\nprint(kvtier.__file__)\n")
+    monkeypatch.setenv("PYTHONPATH", str(probe))
+    connector, env, extra = setup("kvtier-base", 20)
+    assert connector == KVTIER and extra == [] and env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "20"
+    assert env["PYTHONPATH"] == f"{tmp_path}:{probe}"
+    # run as the servers are: `python -m`, from the repository (this tree's kvtier/ in it)
+    repository = Path(__file__).resolve().parents[1]
+    assert (repository / "kvtier").is_dir()
+    found = subprocess.run(
+        [sys.executable, "-m", "which_kvtier"],
+        cwd=repository,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert found.stdout.strip() == str(tmp_path / "kvtier" / "__init__.py")
 
 
 def test_the_gpu_kv_cache_for_a_share_of_the_chats_conversations():

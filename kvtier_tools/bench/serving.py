@@ -66,12 +66,16 @@ KVTIER = {"kv_connector": "KvtierConnector", "kv_role": "kv_both"}
 
 
 def base_tree() -> dict[str, str]:
-    """The environment that has a server import kvtier from $BENCH_BASE_TREE first."""
+    """The environment that has a server import kvtier from $BENCH_BASE_TREE first. Python puts
+    a `-m` run's working directory (here the repository, with this tree's kvtier/) ahead of
+    PYTHONPATH unless PYTHONSAFEPATH is set: without it the base setup ran this tree's kvtier
+    (results/gpu-h200-ab-2026-12-02/README.md)."""
     base = os.environ.get("BENCH_BASE_TREE")
     if not base or not (Path(base) / "kvtier").is_dir():
         raise SystemExit("setup kvtier-base needs BENCH_BASE_TREE=<a folder that holds kvtier/>")
+    tree = str(Path(base).resolve())
     rest = os.environ.get("PYTHONPATH")
-    return {"PYTHONPATH": f"{Path(base).resolve()}:{rest}" if rest else str(Path(base).resolve())}
+    return {"PYTHONPATH": f"{tree}:{rest}" if rest else tree, "PYTHONSAFEPATH": "1"}
 
 
 def setup(name: str, cpu_gb: float) -> tuple[dict | None, dict, list[str]]:
