@@ -137,6 +137,10 @@ def by_call(paths: list[Path]) -> list[str]:
         calls, _ = read(path)
         names = sorted({c.name for c in calls})
         lookups = sum(c.name == "lookup" for c in calls)
+
+        def a_lookup(seconds: float) -> str:
+            return f"{seconds * 1e3 / lookups:.3f}" if lookups else "-"
+
         lines += [
             f"{path.name}: {len(calls)} calls, {lookups} lookups",
             "| call | count | total ms | mean ms | CPU of it | ms a lookup |",
@@ -147,14 +151,12 @@ def by_call(paths: list[Path]) -> list[str]:
             total = sum(c.seconds for c in mine)
             cpu = sum(c.cpu for c in mine)
             share = f"{cpu / total:.2f}" if total else "-"
-            each = f"{total * 1e3 / lookups:.3f}" if lookups else "-"
             lines.append(
                 f"| {name} | {len(mine)} | {total * 1e3:.1f} | {total * 1e3 / len(mine):.3f} "
-                f"| {share} | {each} |"
+                f"| {share} | {a_lookup(total)} |"
             )
         total = sum(c.seconds for c in calls)
-        each = f"{total * 1e3 / lookups:.3f}" if lookups else "-"
-        lines.append(f"| all | {len(calls)} | {total * 1e3:.1f} | | | {each} |")
+        lines.append(f"| all | {len(calls)} | {total * 1e3:.1f} | | | {a_lookup(total)} |")
     return lines
 
 
