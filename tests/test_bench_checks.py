@@ -146,6 +146,32 @@ def test_serving_turns_give_each_setups_mean_by_turn_as_the_median_over_rounds_e
         assert lines[3] == "| native | 90.0 | — | 90.0 |"
 
 
+def test_rounds_are_fitted_to_their_steps_past_512_tokens_per_setup():
+    """by_steps: per setup over its rounds (of any runs), the line of mean TTFT on steps past
+    512 tokens, their correlation and mean count; rounds without the count, and setups of too
+    few rounds, left out."""
+    from kvtier_tools.bench.report_serving import by_steps
+
+    def s(steps: float | None, ttft: float) -> dict:
+        return {"steps_over_512_tokens": steps, "ttft_mean_ms": ttft}
+
+    rounds = [
+        ("kvtier#1", s(5, 50.0)),
+        ("kvtier#2", s(10, 60.0)),
+        ("kvtier#1", s(15, 70.0)),  # the same name in another run: one more round
+        ("kvtier#3", s(None, 999.0)),  # an older record that does not count them
+        ("native#1", s(4, 60.0)),
+        ("native#2", s(8, 72.0)),
+        ("native#3", s(12, 80.0)),
+        ("plain#1", s(5, 40.0)),
+        ("plain#2", s(6, 41.0)),
+    ]
+    lines = by_steps(rounds)
+    assert lines[2] == "| kvtier | 3 | 40.0 + 2.00 x | 1.00 | 10.0 |"
+    assert lines[3] == "| native | 3 | 50.7 + 2.50 x | 0.99 | 8.0 |"
+    assert len(lines) == 4  # plain: two rounds
+
+
 def test_a_warm_run_faster_than_the_copy_of_its_kv_is_not_a_load():
     # LMCache 0.5.6 under vLLM 0.26's V2 model runner, 2026-11-27: 19.2 ms warm with a 39.2 ms copy
     assert under_the_copy("lmcache", {"warm_median": 0.0192, "copy_ms": 39.2})

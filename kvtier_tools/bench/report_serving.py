@@ -2,7 +2,9 @@
 mean TTFT by round and by turn, and `vllm bench serve`'s runs twice.
 
 `python -m kvtier_tools.bench.report_serving CHAT.json`: the tables by round and by turn of a
-run packed for results/ (kvtier_tools.bench.pack)."""
+run packed for results/ (kvtier_tools.bench.pack). With `--by-steps CHAT.json...`: over every
+round of those runs, each setup's mean TTFT fitted to the round's count of steps past 512
+tokens (results/gpu-h200-ab-2026-12-02/README.md)."""
 
 from __future__ import annotations
 
@@ -203,6 +205,32 @@ def by_turn(records: dict[str, Record]) -> list[str]:
     return lines
 
 
+def by_steps(rounds: list[tuple[str, dict]]) -> list[str]:
+    """(setup or setup#round, summary) of many rounds: per setup, the least-squares line of a
+    round's mean TTFT on its steps past 512 tokens, their correlation and the mean count (rounds
+    that do not count those steps left out; a setup with fewer than 3 rounds left out)."""
+    points: dict[str, list[tuple[float, float]]] = {}
+    for name, s in rounds:
+        if s.get("steps_over_512_tokens") is not None and s.get("ttft_mean_ms") is not None:
+            point = (float(s["steps_over_512_tokens"]), float(s["ttft_mean_ms"]))
+            points.setdefault(name.partition("#")[0], []).append(point)
+    lines = [
+        "| setup | rounds | mean TTFT ms = a + b x steps over 512 tokens | r | steps a round |",
+        "|---|---|---|---|---|",
+    ]
+    for name, xy in points.items():
+        steps, ttft = [x for x, _ in xy], [y for _, y in xy]
+        if len(xy) < 3 or len(set(steps)) < 2:
+            continue
+        slope, intercept = statistics.linear_regression(steps, ttft)
+        r = statistics.correlation(steps, ttft)
+        lines.append(
+            f"| {name} | {len(xy)} | {intercept:.1f} + {slope:.2f} x | {r:.2f} "
+            f"| {statistics.mean(steps):.1f} |"
+        )
+    return lines
+
+
 def unpacked(packed: dict) -> dict[str, Record]:
     """kvtier_tools.bench.pack's records as Records (no token ids: no outputs compared)."""
     return {
@@ -221,9 +249,21 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("packed", help="a serving run's records packed by kvtier_tools.bench.pack")
-    records = unpacked(json.loads(Path(p.parse_args().packed).read_text()))
-    print("\n".join(by_round(records) + [""] + by_turn(records)))
+    p.add_argument(
+        "packed", nargs="+", help="a serving run's records packed by kvtier_tools.bench.pack"
+    )
+    p.add_argument(
+        "--by-steps", action="store_true", help="fit every round of these runs, not the tables"
+    )
+    args = p.parse_args()
+    runs = [unpacked(json.loads(Path(f).read_text())) for f in args.packed]
+    if args.by_steps:
+        rounds = [(name, r.summary) for records in runs for name, r in records.items()]
+        print("\n".join(by_steps(rounds)))
+        return
+    if len(runs) != 1:
+        p.error("the tables are of one run: give one file, or --by-steps")
+    print("\n".join(by_round(runs[0]) + [""] + by_turn(runs[0])))
 
 
 if __name__ == "__main__":
