@@ -168,7 +168,6 @@ def step_running(*req_ids):
         scheduled_new_reqs=[],
         scheduled_cached_reqs=cached,
         preempted_req_ids=None,
-        finished_req_ids=set(),
     )
 
 
@@ -295,7 +294,6 @@ def test_the_scheduler_looks_up_and_saves_under_each_requests_identity():
             scheduled_new_reqs=new,
             scheduled_cached_reqs=cached,
             preempted_req_ids=None,
-            finished_req_ids=set(),
         )
         meta = scheduler.build_connector_meta(step)
         assert [(s.req_id, s.identity) for s in meta.saves] == [("salted", salted)]

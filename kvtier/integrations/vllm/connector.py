@@ -17,8 +17,7 @@ Per step:
     update_state_after_alloc   (plan load)
     build_connector_meta  ── KvtierMetadata ─▶ start_load_kv  → engine.start_retrieve
                                                (forward pass)   (or, async, in a thread)
-                                               wait_for_save  → engine.store, on the saver
-                                                                thread (saving.py)
+                                               wait_for_save  → engine.store
                                                get_finished   → async loads that are done
     request_finished      (forget request; release an unused lease)
 
@@ -68,7 +67,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
-    KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
 )
@@ -205,11 +203,6 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor | list[torch.Tensor]]) -> None:
         # vLLM declares tensors; a Mamba layer's value is the list of its state tensors
         self._worker.register_kv_caches(self._vllm_config, kv_caches)
-
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Before vLLM's step writes pages it freed: the stores that read them go first."""
-        assert isinstance(kv_connector_metadata, KvtierMetadata)
-        self._worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._worker.start_load_kv(self._meta())

@@ -232,15 +232,12 @@ class SchedulerSide:
                 for ids, more in zip(state.block_ids, new_blocks):
                     ids.extend(more)
             self._plan(meta, req_id, state, cached.num_computed_tokens[i] + sched.get(req_id, 0))
-        preempted = scheduler_output.preempted_req_ids or ()
-        for req_id in preempted:  # their pages are free now
+        for req_id in scheduler_output.preempted_req_ids or ():  # their pages are free now
             state = self._requests.get(req_id)
             if state is not None and state.pd_target is not None:
                 meta.pd_dropped.append(state.pd_target.req_id)
         meta.pd_dropped += self._pd_dropped
         self._pd_dropped = []
-        if self.can_save:
-            meta.freed = [*scheduler_output.finished_req_ids, *preempted]
         return meta
 
     def _plan_load(

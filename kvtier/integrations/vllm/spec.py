@@ -88,9 +88,6 @@ class KvtierMetadata(KVConnectorMetadata):
     # PD sender: proxy ids of requests whose pages vLLM freed before their last step
     # (preempted, or finished early): their queued writes must read them before the next forward
     pd_dropped: list[str] = field(default_factory=list)
-    # requests whose pages vLLM freed since the last step (finished, aborted, preempted): their
-    # stores must read them before this step writes any (saving.py)
-    freed: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

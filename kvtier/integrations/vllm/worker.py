@@ -6,11 +6,8 @@ or in the background), stores, and the load failures vLLM recomputes.
                          (beside the steps, on its own stream)
     wait_for_layer_load  layerwise: the forward waits for that layer
     save_kv_layer        counted (the store waits for a forward that wrote every layer)
-    handle_preemptions   the stores of requests vLLM freed since are queued before it
-                         writes their pages (saving.py)
-    wait_for_save        loads finished and checked; the step's stores handed to the saver
-                         thread (saving.py), or, with several KV cache groups, a Mamba state
-                         or PD, queued here (a GPU's not waited for); PD sends
+    wait_for_save        loads finished and checked; the step's stores (a GPU's not waited
+                         for); PD sends
     get_finished         background loads that are done, or whose copies are queued and
                          can no longer fail (later steps' streams wait for them)
 """
@@ -37,7 +34,6 @@ from kvtier.integrations.vllm.layout import vllm_kv
 from kvtier.integrations.vllm.lookup import Handlers, LookupServer, socket_path
 from kvtier.integrations.vllm.metrics import KvtierStats, WorkerFigures
 from kvtier.integrations.vllm.pd import WorkerPd
-from kvtier.integrations.vllm.saving import StepSaves
 from kvtier.integrations.vllm.spec import KvtierMetadata, Shape, TransferSpec
 from kvtier.keys import Identity, KVFormat
 from kvtier.logs import get_logger
@@ -74,7 +70,6 @@ class WorkerSide:
         self._loads: list[tuple[Loading, TransferSpec, StateLoad | None]] = []
         self._layers_written = 0  # by this step's forward (save_kv_layer calls)
         self._beside: BesideLoads | None = None  # loads beside the steps (register_kv_caches)
-        self._saves: StepSaves | None = None  # stores off vLLM's thread (register_kv_caches)
         self._step_wait = 0.0  # s this step has spent in kvtier so far (besides the forward)
         self._figures = WorkerFigures()
 
@@ -146,19 +141,11 @@ class WorkerSide:
             )
         self.engine = self.pd.make_engine(kv, fmt, rank, states)
         self._beside = BesideLoads(self.engine.kv.device)
-        if self.groups is None and states is None and not self.config.enable_pd:
-            self._saves = StepSaves(self._store, self.engine.kv.device, self.config.chunk_size)
         self._server = LookupServer(
             socket_path(self.engine_id, rank),
-            Handlers(lookup=self._find, release=self._release, reset=self._reset),
+            Handlers(lookup=self._find, release=self._release, reset=self.engine.clear),
             direct=True,
         )
-
-    def _reset(self) -> None:
-        assert self.engine is not None
-        if self._saves is not None:
-            self._saves.drain()  # no store lands after the tiers are cleared
-        self.engine.clear()
 
     def _release(self, request_id: str) -> None:
         assert self.engine is not None
@@ -185,8 +172,6 @@ class WorkerSide:
         # over, the part that made it is the hit.
         pending = self._coming_up.get(request_id)
         came_up = pending is not None and pending.done()
-        if self._saves is not None:
-            self._saves.wait_on_path(tokens, identity)  # a turn that follows at once hits them
         hit = self.engine.find(
             tokens,
             identity=identity,
@@ -217,18 +202,10 @@ class WorkerSide:
             )
         return hit.tokens, hit.in_cpu, True
 
-    @traced("handle_preemptions")
-    def handle_preemptions(self, meta: KvtierMetadata) -> None:
-        """Before vLLM's step writes anything (its zeroing and block copies too): the stores
-        of requests whose pages it freed are queued, and its stream waits for their reads."""
-        if self._saves is not None:
-            self._saves.order_freed(meta.freed)
-
     @traced("start_load_kv")
     def start_load_kv(self, meta: KvtierMetadata) -> None:
         assert self.engine is not None
         t0 = time.perf_counter()
-        self.handle_preemptions(meta)  # (a no-op where vLLM called it)
         self.pd.dropped(meta.pd_dropped)  # before this step's forward is queued
         beside = self._beside_loads()
         beside.order_step()
@@ -418,41 +395,28 @@ class WorkerSide:
                 if state is not None:
                     state.finish()
             self._check_loaded(spec, loaded)
+        # Copies to the host not waited for: the chunks land in the tiers at the engine's next
+        # store (or a lookup of them). A host waiting here for the step's copies left the GPU
+        # idle until vLLM queued the next step (its batch queue queues a step before the last
+        # one ends).
         if meta.saves and self._forward_wrote_every_layer():  # nor its states, nor a PD send
-            self._save(meta.saves)
+            for spec in meta.saves:
+                self.engine.start_store(
+                    spec.token_ids,
+                    self._slots(spec),
+                    start=spec.start,
+                    request_id=spec.req_id,
+                    identity=spec.identity,
+                ).finish(wait=False)
+            for spec in meta.saves:
+                if spec.state and self._state_names:
+                    self._save_state(spec)
+                self.pd.send(spec, self.shape.block_size)
         self._layers_written = 0
         self._figures.note_longest(
             "longest_step_wait_seconds", self._step_wait + time.perf_counter() - t0
         )
         self._step_wait = 0.0
-
-    def _save(self, specs: list[TransferSpec]) -> None:
-        """The step's saves: stores handed to the saver thread, or queued here with the Mamba
-        states and PD sends. Their copies to the host are not waited for: the chunks land in the
-        tiers at the engine's next store (or a lookup of them). A host waiting here for the
-        step's copies left the GPU idle until vLLM queued the next step (its batch queue queues
-        a step before the last one ends)."""
-        if self._saves is not None:
-            self._saves.submit(specs)
-            return
-        for spec in specs:
-            self._store(spec)
-        for spec in specs:
-            if spec.state and self._state_names:
-                self._save_state(spec)
-            self.pd.send(spec, self.shape.block_size)
-
-    def _store(self, spec: TransferSpec) -> None:
-        """A save's store queued on the current stream (on a GPU, its copies to the host not
-        waited for)."""
-        assert self.engine is not None
-        self.engine.start_store(
-            spec.token_ids,
-            self._slots(spec),
-            start=spec.start,
-            request_id=spec.req_id,
-            identity=spec.identity,
-        ).finish(wait=False)
 
     def _forward_wrote_every_layer(self) -> bool:
         """Whether this step's forward ran to its end: vLLM calls wait_for_save also after a
@@ -514,8 +478,6 @@ class WorkerSide:
     def close(self) -> None:
         if self._beside is not None:
             self._beside.close()
-        if self._saves is not None:
-            self._saves.close()  # before the engine closes
         if self._server is not None:
             self._server.close()
             self._server = None
