@@ -270,3 +270,33 @@ def test_a_tools_command_without_the_tools_is_one_line(command):
         f"kvtier {command[0]} runs from kvtier_tools, which is not installed here: it ships in "
         "kvtier's repository beside kvtier/ (pip install -e . from a checkout)"
     ]
+
+
+def test_a_kvtier_command_that_says_a_port_is_taken_is_started_again_and_another_failure_is_not(
+    monkeypatch,
+):
+    # The race test_proxy met in CI (2026-12-03): a port picked free was taken before the
+    # proxy bound it, and it exited. Here the proxy's notification port stays taken, so every
+    # start says so: it is started three times, each on a fresh port, then its output is shown.
+    from kvtier_tools.dev import localservers
+
+    picked = []
+
+    def pick() -> int:
+        picked.append(free_ports(1)[0])
+        return picked[-1]
+
+    monkeypatch.setattr(localservers, "free_port", pick)
+    args = OTHER_ARGS["proxy"]
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        notify = str(taken.getsockname()[1])
+        with pytest.raises(ServerDidNotStart) as failed:
+            with localservers.kvtier_command("proxy", *args, "--proxy-port", notify):
+                pass
+    assert len(set(picked)) == 3 and failed.value.port_taken
+    assert f"--proxy-port {notify} on 127.0.0.1 is in use" in str(failed.value)
+    with pytest.raises(ServerDidNotStart) as failed:  # another reason: not retried
+        with localservers.kvtier_command("router", "--instances", ""):
+            pass
+    assert len(picked) == 4 and not failed.value.port_taken
+    assert "--instances: at least one URL" in str(failed.value)

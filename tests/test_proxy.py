@@ -19,7 +19,7 @@ import pytest
 import torch
 from test_pd import Pair
 
-from kvtier_tools.dev.localservers import free_port, kvtier_command, wait_for_port
+from kvtier_tools.dev.localservers import free_port, free_ports, kvtier_command, wait_for_port
 
 
 def proxy(prefiller_port, decoder_port, alloc_port, notify_port, *extra):
@@ -291,8 +291,8 @@ def test_a_request_that_ends_early_frees_its_reservation_on_the_decoder(how):
 
 
 def test_garbage_on_the_notification_port_does_not_stop_the_proxy():
-    notify = free_port()
-    with proxy(free_port(), free_port(), free_port(), notify) as url:
+    prefiller, decoder, alloc, notify = free_ports(4)
+    with proxy(prefiller, decoder, alloc, notify) as url:
         for junk in (b"\x00" * 64, b"KP" + b"\xff" * 30, b"GET / HTTP/1.1\r\n\r\n"):
             with socket.create_connection(("127.0.0.1", notify)) as s:
                 s.sendall(junk)

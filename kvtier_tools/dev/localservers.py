@@ -193,17 +193,33 @@ def _running(make: Callable[[], LocalServer]) -> Iterator[LocalServer]:
 @contextlib.contextmanager
 def kvtier_command(*args: str, log: Path | None = None) -> Iterator[str]:
     """`kvtier ARGS --port P` (a proxy, a router, a controller) on a free loopback port, its
-    output into `log` (else dropped), until the block exits; yields http://127.0.0.1:P."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvtier.cli", *args, "--port", str(port)]
-    with open(log or os.devnull, "ab") as out:  # the child keeps its own copy
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_for_port(port, 60, proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    output into `log` (else a temporary file), until the block exits; yields
+    http://127.0.0.1:P. One that exits saying a port is taken (another process bound it
+    between its pick and the child's bind: test_proxy in CI, 2026-12-03) is started again on
+    a fresh port; one that fails otherwise raises ServerDidNotStart with its output's end."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = log or Path(tmp) / "out.log"
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            port = free_port()
+            cmd = [sys.executable, "-m", "kvtier.cli", *args, "--port", str(port)]
+            start = out_path.stat().st_size if out_path.exists() else 0
+            with open(out_path, "ab") as out:  # the child keeps its own copy
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+            try:
+                wait_for_port(port, 60, proc)
+            except (RuntimeError, TimeoutError) as e:  # it exited, or never listened
+                proc.kill()
+                proc.wait(10)
+                said = out_path.read_bytes()[start:].decode(errors="replace")
+                if attempt == _START_ATTEMPTS or not _PORT_TAKEN.search(said):
+                    raise ServerDidNotStart(f"kvtier {args[0]}: {e}", said) from None
+                continue
+            try:
+                yield f"http://127.0.0.1:{port}"
+            finally:
+                proc.terminate()
+                proc.wait(10)
+            return
 
 
 @contextlib.contextmanager
