@@ -121,6 +121,7 @@ class LocalServer:
     unix_socket: str | None = None  # redis-server's, besides its TCP port
     # what a client needs besides the URL to join it
     extra_config: dict = field(default_factory=dict)
+    start_timeout: float = 30.0  # s each port may take to answer
 
     def start(self) -> None:
         with open(self.log_path or os.devnull, "ab") as log:  # the children keep their own copies
@@ -129,7 +130,7 @@ class LocalServer:
             ]
         try:
             for port, proc in zip(self.ports, self.procs):
-                wait_for_port(port, proc=proc)
+                wait_for_port(port, self.start_timeout, proc)
         except (RuntimeError, TimeoutError) as e:
             self.stop()
             raise ServerDidNotStart(str(e), self.log()) from None
@@ -194,32 +195,23 @@ def _running(make: Callable[[], LocalServer]) -> Iterator[LocalServer]:
 def kvtier_command(*args: str, log: Path | None = None) -> Iterator[str]:
     """`kvtier ARGS --port P` (a proxy, a router, a controller) on a free loopback port, its
     output into `log` (else a temporary file), until the block exits; yields
-    http://127.0.0.1:P. One that exits saying a port is taken (another process bound it
-    between its pick and the child's bind: test_proxy in CI, 2026-12-03) is started again on
-    a fresh port; one that fails otherwise raises ServerDidNotStart with its output's end."""
+    http://127.0.0.1:P. Started again on a fresh port while another process took one first
+    (`_running`: test_proxy met that race in CI, 2026-12-03)."""
     with tempfile.TemporaryDirectory() as tmp:
-        out_path = log or Path(tmp) / "out.log"
-        for attempt in range(1, _START_ATTEMPTS + 1):
+
+        def make() -> LocalServer:
             port = free_port()
             cmd = [sys.executable, "-m", "kvtier.cli", *args, "--port", str(port)]
-            start = out_path.stat().st_size if out_path.exists() else 0
-            with open(out_path, "ab") as out:  # the child keeps its own copy
-                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-            try:
-                wait_for_port(port, 60, proc)
-            except (RuntimeError, TimeoutError) as e:  # it exited, or never listened
-                proc.kill()
-                proc.wait(10)
-                said = out_path.read_bytes()[start:].decode(errors="replace")
-                if attempt == _START_ATTEMPTS or not _PORT_TAKEN.search(said):
-                    raise ServerDidNotStart(f"kvtier {args[0]}: {e}", said) from None
-                continue
-            try:
-                yield f"http://127.0.0.1:{port}"
-            finally:
-                proc.terminate()
-                proc.wait(10)
-            return
+            return LocalServer(
+                f"http://127.0.0.1:{port}",
+                [port],
+                [cmd],
+                log_path=log or Path(tmp) / f"{port}.log",
+                start_timeout=60,
+            )
+
+        with _running(make) as server:
+            yield server.url
 
 
 @contextlib.contextmanager
