@@ -160,6 +160,37 @@ def test_a_hit_that_joins_a_running_request_loads_beside_its_steps_unless_small(
     assert max(abs(x - y) for x, y in zip(b["logprobs"], plain[1]["logprobs"])) < 0.05
 
 
+def test_with_vllms_prefix_cache_a_turn_it_holds_is_not_looked_up_and_one_kvtier_extends_is(
+    tiny_model, prompts, runs, tmp_path
+):
+    """vLLM's own prefix cache on (as `vllm serve` runs): d, a's next turn, right after a is
+    vLLM's own hit up to a's last whole block, and what kvtier saved of a ends there, so the
+    scheduler does not ask the worker (stored.py). Once vLLM's cache holds only a shorter
+    prompt's blocks, d is asked, kvtier loads the rest, and both d's give plain vLLM's tokens."""
+    _, plain, _ = runs
+    shorter = prompts["a"][:1500]
+    results, log = run_vllm(
+        tiny_model,
+        [prompts["a"], prompts["d"], "FORGET", shorter, prompts["d"]],
+        tmp_path,
+        kv_role="kv_both",
+        env={"LMCACHE_SAVE_UNFULL_CHUNK": "true"},
+        prefix_caching=True,
+        name="prefix-caching",
+    )
+    g = hit_granularity()
+    computed = 1500 - 1500 % 128  # vLLM's own hit on d: the shorter prompt's whole blocks
+    hit = 3299 - 3299 % g
+    assert [tuple(map(int, m)) for m in HIT.findall(log)] == [
+        (3000, 0, 0),
+        (1500, 1280, 1280),  # kvtier's 5 chunks of a (vLLM's cache forgot them)
+        (3300, hit, hit - computed),
+    ]
+    assert not re.search(r"tokens could not be loaded", log)
+    first_d, second_d = results[1], results[4]
+    assert first_d["token_ids"] == plain[3]["token_ids"] == second_d["token_ids"]
+
+
 def test_layerwise_loading_gives_the_same_output(tiny_model, prompts, runs, tmp_path):
     """use_layerwise: vLLM's wait_for_layer_load drives the load layer by layer, across
     chunked-prefill steps; each step's store is whole, after its forward."""

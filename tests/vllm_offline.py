@@ -50,6 +50,11 @@ def main() -> None:
         help="vLLM's prefix caching on, Mamba state kept at block ends (a hybrid model's only mode "
         "kvtier serves); a FORGET between prompts clears vLLM's own cache",
     )
+    p.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="vLLM's own prefix cache on (a FORGET between prompts clears it)",
+    )
     args = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.tp > 1:  # one core per rank
@@ -80,7 +85,7 @@ def main() -> None:
         seed=0,
         max_model_len=8192,
         dtype=args.dtype,
-        enable_prefix_caching=args.mamba_align,
+        enable_prefix_caching=args.mamba_align or args.prefix_caching,
         max_num_batched_tokens=args.max_batched,
         enforce_eager=True,
         kv_transfer_config=kv,
@@ -177,6 +182,7 @@ def run_vllm(
     lora: dict[str, Path] | None = None,
     embeds: bool = False,
     attention_backend: str = "",
+    prefix_caching: bool = False,
 ) -> tuple[list[dict], str]:
     """Run this file in a subprocess; returns the per-request results and vLLM's log.
 
@@ -203,6 +209,7 @@ def run_vllm(
     ]
     cmd += (["--by-name"] if by_name else []) + ["--tp", str(tp), "--max-batched", str(max_batched)]
     cmd += ["--mamba-align"] if mamba_align else []
+    cmd += ["--prefix-caching"] if prefix_caching else []
     cmd += [f"--lora={n}={p}" for n, p in (lora or {}).items()] + (["--embeds"] if embeds else [])
     cmd += ["--attention-backend", attention_backend] if attention_backend else []
     # Defaults under LMCACHE_ names: a test's own LMCACHE_ or KVTIER_ setting replaces or

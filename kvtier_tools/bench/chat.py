@@ -239,6 +239,7 @@ def scrape(url: str) -> dict[str, float]:
         f"{STEPS}_graphed",
         "vllm:num_preemptions",
         "kvtier_lookups",
+        "kvtier_lookups_skipped",
         "kvtier_lookup_seconds",
         "kvtier_longest_lookup_seconds",
         "kvtier_longest_step_wait_seconds",
@@ -327,6 +328,8 @@ def summarize(results: list[Result], wall_s: float, before: dict, after: dict) -
         if d["kvtier_lookups"]
         else None,
         "lookup_share": d["kvtier_lookup_seconds"] / wall_s if wall_s else None,
+        "lookups": d["kvtier_lookups"],
+        "lookups_skipped": d["kvtier_lookups_skipped"],
         # since the server's start (gauges): a lookup or a step that waited on the GPU shows here
         "lookup_ms_longest": after["kvtier_longest_lookup_seconds"] * 1e3,
         "step_wait_ms_longest": after["kvtier_longest_step_wait_seconds"] * 1e3,

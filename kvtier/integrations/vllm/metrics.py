@@ -5,8 +5,8 @@ step return a `KvtierStats` of what changed since the last one (counters as
 deltas, gauges as current values); vLLM aggregates them and hands the dict to
 `KvtierPromMetrics.observe` in its API server, which feeds Prometheus:
 
-    kvtier_lookups_total, kvtier_lookup_tokens_total, kvtier_lookup_seconds_total,
-    kvtier_hit_tokens_total, kvtier_hit_rate
+    kvtier_lookups_total, kvtier_lookups_skipped_total, kvtier_lookup_tokens_total,
+    kvtier_lookup_seconds_total, kvtier_hit_tokens_total, kvtier_hit_rate
     kvtier_stored_tokens_total{tier}, kvtier_loaded_tokens_total{tier}   (and _bytes_total)
     kvtier_store_seconds_total, kvtier_load_seconds_total, kvtier_store_gbps, kvtier_load_gbps
     kvtier_load_wait_seconds_total, kvtier_load_wait_steps_total, kvtier_step_loads_total,
@@ -36,6 +36,10 @@ from kvtier.integrations.vllm.forward_wait import ForwardWaits
 
 COUNTERS = {
     "lookups": "lookups the vLLM scheduler made",
+    "lookups_skipped": (
+        "requests not looked up: vLLM's GPU cache had every span this engine saved of them "
+        "(stored.py)"
+    ),
     "lookup_tokens": "prompt tokens looked up",
     "lookup_seconds": "time vLLM's scheduler waited on lookups (its steps wait meanwhile)",
     "hit_tokens": "prompt tokens vLLM was told kvtier holds (the log line's hit tokens)",

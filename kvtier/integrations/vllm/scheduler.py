@@ -3,7 +3,9 @@
 get_num_new_matched_tokens ── lookup ──▶ the workers (lookup.py): find and hold the hit;
                               loaded in the step, or beside the steps (async_loading);
                               the request's identity first (identity.py): a request
-                              kvtier cannot key is neither looked up nor stored
+                              kvtier cannot key is neither looked up nor stored; one
+                              whose covering span this engine never saved past vLLM's
+                              own hit is not looked up (stored.py)
 update_state_after_alloc      the load is planned for the blocks vLLM gave
 build_connector_meta          this step's loads and saves (whole chunks as prefill goes)
 request_finished              forget the request; release a hold it never used
@@ -24,6 +26,7 @@ from kvtier.integrations.vllm.lookup import LookupClient, socket_path
 from kvtier.integrations.vllm.metrics import KvtierStats
 from kvtier.integrations.vllm.pd import SchedulerPd
 from kvtier.integrations.vllm.spec import KvtierMetadata, Shape, TransferSpec
+from kvtier.integrations.vllm.stored import StoredEnds, applies
 from kvtier.keys import Identity
 from kvtier.logs import get_logger
 from kvtier.pd.sender import Target
@@ -94,7 +97,21 @@ class SchedulerSide:
         self._held: set[str] = set()  # looked up with a hit, load not planned yet
         self._async_loads: list[str] = []  # async loads planned, to send with the next metadata
         # since the last stats; lookup_seconds: vLLM's scheduler waiting on the workers' answers
-        self._counts = {"lookups": 0, "lookup_tokens": 0, "hit_tokens": 0, "lookup_seconds": 0.0}
+        self._counts = {
+            "lookups": 0,
+            "lookups_skipped": 0,
+            "lookup_tokens": 0,
+            "hit_tokens": 0,
+            "lookup_seconds": 0.0,
+        }
+        # what this engine saved, where no other way brings chunks in (stored.py); with the
+        # requests looked up, whose block hashes its saves record
+        self.saved_ends = (
+            StoredEnds(shape.block_size, shape.chunk_size)
+            if applies(config, can_save, groups is None)
+            else None
+        )
+        self._looked_up: dict[str, Request] = {}
         self._longest_lookup = 0.0  # s, since the start
         self._kv_events: list[KVCacheEvent] = []  # from the workers, until vLLM publishes them
         # save_decode_cache: requests whose decoded tokens are stored too
@@ -112,13 +129,11 @@ class SchedulerSide:
             self._identity.pop(rid, None)
             return 0, False
         self._identity[rid] = identity
+        if self.saved_ends is not None:
+            self._looked_up[rid] = request  # its saves are recorded under its block hashes
         if not self.can_load or not prompt:
             return 0, False
-        if num_computed_tokens and not self.shape.to_load(
-            len(prompt), len(prompt), num_computed_tokens
-        ):
-            # vLLM has all but less than a block, which the step computes anyway (Shape.to_load):
-            # nothing kvtier holds would be loaded, so no lookup.
+        if num_computed_tokens and self._adds_nothing(prompt, request, num_computed_tokens):
             return 0, False
         t0 = time.perf_counter()
         beside = self._loads_beside(rid, len(prompt) - 1 - num_computed_tokens)
@@ -158,6 +173,26 @@ class SchedulerSide:
             # a rank holds what this request will not load (another rank's hit was shorter)
             self.lookup.release(rid)
         return need, background
+
+    def _adds_nothing(self, prompt: list[int], request: Request, computed: int) -> bool:
+        """Whether nothing kvtier holds would load past vLLM's own hit of `computed` tokens,
+        known without asking the workers: vLLM has all but less than a block, which the step
+        computes anyway (Shape.to_load), or this engine never saved the span past it
+        (stored.py)."""
+        if not self.shape.to_load(len(prompt), len(prompt), computed):
+            return True
+        if self.saved_ends is None:
+            return False
+        if self.saved_ends.may_add(
+            request.block_hashes,
+            request.num_tokens,
+            len(prompt),
+            computed,
+            lambda end: self.shape.to_load(end, len(prompt), computed),
+        ):
+            return False
+        self._counts["lookups_skipped"] += 1
+        return True
 
     def _loads_beside(self, request_id: str, most: int) -> bool:
         """Whether a hit all in CPU RAM, of at most `most` tokens, would load beside the steps:
@@ -308,6 +343,14 @@ class SchedulerSide:
                     identity=state.identity,
                 )
             )
+            if self.saved_ends is not None:
+                looked_up = self._looked_up.get(req_id)
+                self.saved_ends.saved(
+                    None if looked_up is None else looked_up.block_hashes,
+                    0 if looked_up is None else looked_up.num_tokens,
+                    state.saved_upto,
+                    end,
+                )
             state.saved_upto = end
 
     def request_finished(self, request: Request) -> None:
@@ -321,6 +364,7 @@ class SchedulerSide:
         self._identity.pop(rid, None)
         self.pd.forget(rid)
         self._live.pop(rid, None)
+        self._looked_up.pop(rid, None)
         if rid in self._held:  # looked up, never loaded (aborted, or finished without it)
             self._held.discard(rid)
             self.lookup.release(rid)
