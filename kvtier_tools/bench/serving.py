@@ -15,6 +15,7 @@ server at a time on this machine.
     kvtier-dma     KvtierConnector, gpu_upload copy_engine (a hit beside the steps crosses by DMA
                    too)
     kvtier-int4    KvtierConnector, remote_serde int4 (lossy: 0.28 of the bytes in every tier)
+    kvtier-fp8     KvtierConnector, remote_serde fp8 (lossy: about half the bytes in every tier)
     kvtier-unpaced KvtierConnector, gpu_store_piece_mb 0 (a store's copies down all queued at
                    once, ahead of vLLM's copy of its next sampled tokens)
     kvtier-base    KvtierConnector from the tree at $BENCH_BASE_TREE (an earlier commit's kvtier/,
@@ -93,6 +94,7 @@ def setup(name: str, cpu_gb: float) -> tuple[dict | None, dict, list[str]]:
         "kvtier-consumer": ({**KVTIER, "kv_role": "kv_consumer"}, size, []),
         "kvtier-dma": (KVTIER, {**size, "KVTIER_GPU_UPLOAD": "copy_engine"}, []),
         "kvtier-int4": (KVTIER, {**size, "LMCACHE_REMOTE_SERDE": "int4"}, []),
+        "kvtier-fp8": (KVTIER, {**size, "LMCACHE_REMOTE_SERDE": "fp8"}, []),
         "kvtier-unpaced": (KVTIER, {**size, "KVTIER_GPU_STORE_PIECE_MB": "0"}, []),
         "lmcache": (LMCACHE_CONNECTOR, {**size, "LMCACHE_LOCAL_CPU": "true"}, []),
         "native": (
