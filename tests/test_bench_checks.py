@@ -146,6 +146,34 @@ def test_serving_turns_give_each_setups_mean_by_turn_as_the_median_over_rounds_e
         assert lines[3] == "| native | 90.0 | — | 90.0 |"
 
 
+def test_the_offloaders_floor_takes_plains_cold_turn_and_the_all_gpu_later_turns():
+    """offloader_floor: per round, plain's turn 0 with plain-gpu-all's later turns (failed
+    requests left out); each setup's mean TTFT over its round's floor (median); rounds
+    without both plains have no floor."""
+    from kvtier_tools.bench.chat import Record
+    from kvtier_tools.bench.report_serving import offloader_floor
+
+    def rec(ttfts: list[tuple[int, float]], mean: float = 0.0) -> Record:
+        rows = [{"turn": t, "ttft_s": s / 1e3, "error": ""} for t, s in ttfts]
+        rows.append({"turn": 1, "ttft_s": 0.001, "error": "timed out"})
+        return Record({}, "", rows, {"ttft_mean_ms": mean})
+
+    runs = {
+        "plain#1": rec([(0, 100.0), (1, 70.0)], 85.0),
+        "plain-gpu-all#1": rec([(0, 80.0), (1, 20.0)], 50.0),
+        "native#1": rec([], 90.0),
+        "plain#2": rec([(0, 120.0), (1, 80.0)], 100.0),
+        "plain-gpu-all#2": rec([(0, 90.0), (1, 40.0)], 65.0),
+        "native#2": rec([], 80.0),
+        "native#3": rec([], 10.0),  # no floor in round 3
+    }
+    lines = offloader_floor(runs)
+    # floors: (100 + 20) / 2 = 60 and (120 + 40) / 2 = 80; native 1.5 and 1.0, median 1.25
+    assert lines[2].endswith("| 1 | 60.0 80.0 ms |")
+    assert "| native | 1.250 | 2 |" in lines and "| plain | 1.333 | 2 |" in lines
+    assert offloader_floor({k: v for k, v in runs.items() if k.startswith("native")}) == []
+
+
 def test_rounds_are_fitted_to_their_steps_past_512_tokens_per_setup():
     """by_steps: per setup over its rounds (of any runs), the line of mean TTFT on steps past
     512 tokens, their correlation and mean count; rounds without the count, and setups of too

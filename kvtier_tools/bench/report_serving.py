@@ -205,6 +205,40 @@ def by_turn(records: dict[str, Record]) -> list[str]:
     return lines
 
 
+def offloader_floor(records: dict[str, Record]) -> list[str]:
+    """Where a round ran both `plain` (vLLM alone, the small GPU cache) and `plain-gpu-all`
+    (every conversation in its GPU cache): the floor of an offloader beside that small cache.
+    Its turn 0 is plain's (the cold prompts meet the same GPU cache; nothing to load), every
+    later turn plain-gpu-all's (a hit as fast as vLLM's own). Each setup's mean TTFT over the
+    floor's of its round (median), and the floor's mean by round."""
+    floors: dict[str, float] = {}  # round -> the floor's mean TTFT, ms
+    for key, rec in records.items():
+        name, _, r = key.partition("#")
+        other = records.get(f"plain-gpu-all#{r}")
+        if name != "plain" or other is None:
+            continue
+        cold = [x["ttft_s"] for x in rec.results if not x.get("error") and x["turn"] == 0]
+        hits = [x["ttft_s"] for x in other.results if not x.get("error") and x["turn"] > 0]
+        if cold and hits:
+            floors[r] = 1e3 * statistics.mean(cold + hits)
+    if not floors:
+        return []
+    lines = [
+        "| setup | mean TTFT / the offloader's floor, same round (median) | rounds |",
+        "|---|---|---|",
+        f"| the floor (plain's turn 0, plain-gpu-all's later turns) | 1 | "
+        f"{' '.join(f'{m:.1f}' for m in floors.values())} ms |",
+    ]
+    ratios: dict[str, list[float]] = {}
+    for key, rec in records.items():
+        name, _, r = key.partition("#")
+        if r in floors and rec.summary.get("ttft_mean_ms") is not None:
+            ratios.setdefault(name, []).append(rec.summary["ttft_mean_ms"] / floors[r])
+    for name, by in ratios.items():
+        lines.append(f"| {name} | {statistics.median(by):.3f} | {len(by)} |")
+    return lines
+
+
 def by_steps(rounds: list[tuple[str, dict]]) -> list[str]:
     """(setup or setup#round, summary) of many rounds: per setup, the least-squares line of a
     round's mean TTFT on its steps past 512 tokens, their correlation and the mean count (rounds
@@ -263,7 +297,8 @@ def main() -> None:
         return
     if len(runs) != 1:
         p.error("the tables are of one run: give one file, or --by-steps")
-    print("\n".join(by_round(runs[0]) + [""] + by_turn(runs[0])))
+    floor = offloader_floor(runs[0])
+    print("\n".join(by_round(runs[0]) + [""] + by_turn(runs[0]) + ([""] + floor if floor else [])))
 
 
 if __name__ == "__main__":
