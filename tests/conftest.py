@@ -80,7 +80,7 @@ def mooncake_srv():
 
 
 # Seconds each test file took in a whole run (setup, call and teardown of its tests): a run with
-# KVTIER_TEST_DURATIONS=<file> adds its own to <file> (start a whole run without one).
+# PYTEST_FILE_DURATIONS=<file> adds its own to <file> (start a whole run without one).
 # pytest-xdist (`--dist loadfile`) hands files to its workers in collection order, so the
 # longest go first: a long file collected last kept one worker busy while the other idled. A
 # file not recorded yet goes first (it may be long).
@@ -93,7 +93,7 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
-    out = os.environ.get("KVTIER_TEST_DURATIONS")
+    out = os.environ.get("PYTEST_FILE_DURATIONS")
     if out and _file_seconds and "PYTEST_XDIST_WORKER" not in os.environ:  # the controller
         merged = _recorded(Path(out))
         for f, s in _file_seconds.items():
