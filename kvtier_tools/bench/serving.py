@@ -18,6 +18,8 @@ server at a time on this machine.
     kvtier-fp8     KvtierConnector, remote_serde fp8 (lossy: about half the bytes in every tier)
     kvtier-unpaced KvtierConnector, gpu_store_piece_mb 0 (a store's copies down all queued at
                    once, ahead of vLLM's copy of its next sampled tokens)
+    kvtier-piece8  KvtierConnector, gpu_store_piece_mb 8 (a quarter of the default piece: vLLM's
+                   copy of its sampled tokens waits behind less of a store)
     kvtier-base    KvtierConnector from the tree at $BENCH_BASE_TREE (an earlier commit's kvtier/,
                    `git archive REV kvtier | tar -x -C DIR`): before and after in one call
     lmcache        LMCacheConnectorV1, CPU RAM
@@ -96,6 +98,7 @@ def setup(name: str, cpu_gb: float) -> tuple[dict | None, dict, list[str]]:
         "kvtier-int4": (KVTIER, {**size, "LMCACHE_REMOTE_SERDE": "int4"}, []),
         "kvtier-fp8": (KVTIER, {**size, "LMCACHE_REMOTE_SERDE": "fp8"}, []),
         "kvtier-unpaced": (KVTIER, {**size, "KVTIER_GPU_STORE_PIECE_MB": "0"}, []),
+        "kvtier-piece8": (KVTIER, {**size, "KVTIER_GPU_STORE_PIECE_MB": "8"}, []),
         "lmcache": (LMCACHE_CONNECTOR, {**size, "LMCACHE_LOCAL_CPU": "true"}, []),
         "native": (
             None,
