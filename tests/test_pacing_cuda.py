@@ -62,10 +62,10 @@ def landed(flight: InFlight) -> None:
 @pytest.mark.parametrize("piece_mb", [32, 8, 0])
 def test_a_small_copy_down_waits_for_little_of_a_store_queued_before_it(piece_mb):
     """2 GiB gathered, not waited for; 1 ms later a 128 KB copy down on another stream. Queued
-    whole (gpu_store_piece_mb 0) the store holds it ~35 ms at 55 GB/s; one piece (32 MiB, or a
-    quarter of a chunk: 8) at a
-    time, at most a piece (0.6 ms; 0.42 measured on an H200). The store's bytes all land right,
-    paced at no less than half the bandwidth of one waited for."""
+    whole (gpu_store_piece_mb 0) the store holds it ~35 ms at 55 GB/s; one piece at a time (32
+    MiB, a chunk; or 8, a quarter of one), at most a piece (0.6 ms for 32; 0.42 measured on an
+    H200). The store's bytes all land right, paced at no less than half the bandwidth of one
+    waited for."""
     kv, slots, chunks = big_store(16384)
     transfer = make_transfer(kv, "triton", store_piece=piece_mb << 20)
     assert transfer.gather(slots[: 4 * CHUNK], chunks[:4]) is None  # its kernels compiled
