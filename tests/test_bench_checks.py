@@ -3,6 +3,7 @@
 part at the 4th token, a near-tie in bf16. And the prompts `vllm bench serve` is given."""
 
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -172,6 +173,20 @@ def test_the_offloaders_floor_takes_plains_cold_turn_and_the_all_gpu_later_turns
     assert lines[2].endswith("| 1 | 60.0 80.0 ms |")
     assert "| native | 1.250 | 2 |" in lines and "| plain | 1.333 | 2 |" in lines
     assert offloader_floor({k: v for k, v in runs.items() if k.startswith("native")}) == []
+
+
+def test_a_servers_warm_up_shares_no_system_prompt_with_any_round():
+    """The chat's warm-up request is of a seed no round uses: every round's system prompts are
+    cold (round 1 of the same seed had one warm)."""
+    from kvtier_tools.bench.chat import Workload
+    from kvtier_tools.bench.serving import warm_up
+
+    w = Workload(conversations=8, system_prompts=4, system_tokens=64, turns=2, vocab=1000)
+    warm = {tuple(c[0][:64]) for c in warm_up(w).prompts()}
+    assert len(warm_up(w).prompts()) == 1 and len(warm_up(w).prompts()[0]) == 1
+    for r in range(3):
+        rounds = {tuple(c[0][:64]) for c in replace(w, seed=w.seed + r).prompts()}
+        assert len(rounds) == 4 and not warm & rounds
 
 
 def test_rounds_are_fitted_to_their_steps_past_512_tokens_per_setup():

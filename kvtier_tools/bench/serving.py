@@ -211,6 +211,16 @@ def sampled(pid: int, path: Path | None, rate: int = 200, idle: bool = True) -> 
         proc.wait(timeout=60)
 
 
+WARM_UP_SEED = 1_000_003  # past any round's
+
+
+def warm_up(w: Workload) -> Workload:
+    """One request before a server's rounds (its first compile and graphs), of a seed no round
+    uses (round k's is seed + k; random.Random takes -s as s): with round 1's own, that round
+    had one cold system prompt less than the others (results/gpu-h200-floor-2026-12-03)."""
+    return replace(w, rate=100.0, conversations=1, turns=1, seed=w.seed + WARM_UP_SEED)
+
+
 def compare(
     model: Path,
     names: list[str],
@@ -243,7 +253,7 @@ def compare(
         print(f"[{key}] {json.dumps(rec.summary)}", flush=True)
 
     def warm(srv) -> None:
-        run(srv.url, str(model), replace(w, rate=100.0, conversations=1, turns=1))
+        run(srv.url, str(model), warm_up(w))
 
     def key(name: str, r: int) -> str:
         return name if rounds == 1 else f"{name}#{r + 1}"
