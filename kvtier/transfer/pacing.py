@@ -60,21 +60,12 @@ def pieces(run: Run, after: torch.cuda.Event, piece_bytes: int) -> list[_Piece]:
     if width > piece_bytes:
         bands = -(-width // piece_bytes)
         band = -(-width // bands // BAND_ALIGN) * BAND_ALIGN
-        return [
-            _Piece(
-                (
-                    host + r * host_pitch + o,
-                    dev + r * dev_pitch + o,
-                    host_pitch,
-                    dev_pitch,
-                    min(band, width - o),
-                    1,
-                ),
-                after,
-            )
-            for r in range(rows)
-            for o in range(0, width, band)
-        ]
+        out = []
+        for r in range(rows):
+            for o in range(0, width, band):
+                at = (host + r * host_pitch + o, dev + r * dev_pitch + o, host_pitch, dev_pitch)
+                out.append(_Piece((*at, min(band, width - o), 1), after))
+        return out
     step = piece_bytes // width
     out = []
     for first in range(0, rows, step):
