@@ -169,10 +169,34 @@ def test_the_offloaders_floor_takes_plains_cold_turn_and_the_all_gpu_later_turns
         "native#3": rec([], 10.0),  # no floor in round 3
     }
     lines = offloader_floor(runs)
-    # floors: (100 + 20) / 2 = 60 and (120 + 40) / 2 = 80; native 1.5 and 1.0, median 1.25
-    assert lines[2].endswith("| 1 | 60.0 80.0 ms |")
-    assert "| native | 1.250 | 2 |" in lines and "| plain | 1.333 | 2 |" in lines
+    # floors: (100 + 20) / 2 = 60 and (120 + 40) / 2 = 80; native 1.5 and 1.0, median 1.25;
+    # plain-gpu-all 50 / 60 and 65 / 80; with plain's turn 0 (20 + 100) / 2 and (40 + 120) / 2
+    assert lines[2].endswith("| 1 | 60.0 80.0 ms | |")
+    assert "| plain | 1.333 | 2 | 85.0 100.0 |" in lines
+    assert "| plain-gpu-all | 0.823 | 2 | 60.0 80.0 |" in lines
     assert offloader_floor({k: v for k, v in runs.items() if k.startswith("native")}) == []
+
+
+def test_first_turns_are_listed_in_the_order_sent_over_the_rounds_after_the_first():
+    """first_turns: per setup, turn 0's TTFT by the order sent (failed ones and later turns
+    left out), the mean over rounds 2 on; the first `burst` one by one, then the rest's mean."""
+    from kvtier_tools.bench.chat import Record
+    from kvtier_tools.bench.report_serving import first_turns
+
+    def rec(rows: list[tuple[int, float, float]]) -> Record:
+        out = [{"turn": t, "sent_s": at, "ttft_s": s / 1e3, "error": ""} for t, at, s in rows]
+        out.append({"turn": 0, "sent_s": 0.0, "ttft_s": 9.0, "error": "timed out"})
+        return Record({}, "", out)
+
+    runs = {
+        "kvtier#1": rec([(0, 0.0, 999.0), (0, 0.1, 999.0), (0, 0.2, 999.0)]),
+        "kvtier#2": rec([(0, 0.2, 30.0), (0, 0.0, 100.0), (1, 0.05, 5.0), (0, 0.1, 50.0)]),
+        "kvtier#3": rec([(0, 0.0, 120.0), (0, 0.1, 70.0), (0, 0.2, 50.0)]),
+    }
+    lines = first_turns(runs, burst=2)
+    assert lines[0] == "| setup | 0 | 1 | the rest | rounds |"
+    assert lines[2] == "| kvtier | 110 | 60 | 40.0 | 2 |"
+    assert first_turns({"kvtier": runs["kvtier#2"]}) == []  # one round: none after the first
 
 
 def test_a_servers_warm_up_shares_no_system_prompt_with_any_round():
@@ -182,8 +206,9 @@ def test_a_servers_warm_up_shares_no_system_prompt_with_any_round():
     from kvtier_tools.bench.serving import warm_up
 
     w = Workload(conversations=8, system_prompts=4, system_tokens=64, turns=2, vocab=1000)
-    warm = {tuple(c[0][:64]) for c in warm_up(w).prompts()}
-    assert len(warm_up(w).prompts()) == 1 and len(warm_up(w).prompts()[0]) == 1
+    prompts = warm_up(w).prompts()
+    assert len(prompts) == 1 and len(prompts[0]) == 1
+    warm = {tuple(prompts[0][0][:64])}
     for r in range(3):
         rounds = {tuple(c[0][:64]) for c in replace(w, seed=w.seed + r).prompts()}
         assert len(rounds) == 4 and not warm & rounds

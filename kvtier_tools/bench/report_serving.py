@@ -178,7 +178,7 @@ def by_turn(records: dict[str, Record]) -> list[str]:
     turns: dict[str, list[dict[int, float]]] = {}  # setup -> per round: turn -> mean TTFT ms
     overall: dict[str, list[float]] = {}
     for key, rec in records.items():
-        done = [r for r in rec.results if not r.get("error")]
+        done = _done(rec)
         if not done:
             continue
         by: dict[int, list[float]] = {}
@@ -217,26 +217,62 @@ def offloader_floor(records: dict[str, Record]) -> list[str]:
         other = records.get(f"plain-gpu-all#{r}")
         if name != "plain" or other is None:
             continue
-        cold = [x["ttft_s"] for x in rec.results if not x.get("error") and x["turn"] == 0]
-        hits = [x["ttft_s"] for x in other.results if not x.get("error") and x["turn"] > 0]
+        cold = [x["ttft_s"] for x in _done(rec) if x["turn"] == 0]
+        hits = [x["ttft_s"] for x in _done(other) if x["turn"] > 0]
         if cold and hits:
             floors[r] = 1e3 * statistics.mean(cold + hits)
     if not floors:
         return []
     lines = [
-        "| setup | mean TTFT / the offloader's floor, same round (median) | rounds |",
-        "|---|---|---|",
+        "| setup | mean TTFT / the offloader's floor, same round (median) | rounds | "
+        "its mean TTFT with plain's turn 0, ms, by round |",
+        "|---|---|---|---|",
         f"| the floor (plain's turn 0, plain-gpu-all's later turns) | 1 | "
-        f"{' '.join(f'{m:.1f}' for m in floors.values())} ms |",
+        f"{' '.join(f'{m:.1f}' for m in floors.values())} ms | |",
     ]
     ratios: dict[str, list[float]] = {}
+    swapped: dict[str, list[float]] = {}  # its mean TTFT with plain's turn 0, ms, by round
     for key, rec in records.items():
         name, _, r = key.partition("#")
         if r in floors and rec.summary.get("ttft_mean_ms") is not None:
             ratios.setdefault(name, []).append(rec.summary["ttft_mean_ms"] / floors[r])
+            later = [x["ttft_s"] for x in _done(rec) if x["turn"] > 0]
+            cold = [x["ttft_s"] for x in _done(records[f"plain#{r}"]) if x["turn"] == 0]
+            swapped.setdefault(name, []).append(1e3 * statistics.mean(later + cold))
     for name, by in ratios.items():
-        lines.append(f"| {name} | {statistics.median(by):.3f} | {len(by)} |")
+        with_plains = " ".join(f"{m:.1f}" for m in swapped[name])
+        lines.append(f"| {name} | {statistics.median(by):.3f} | {len(by)} | {with_plains} |")
     return lines
+
+
+def first_turns(records: dict[str, Record], burst: int = 12) -> list[str]:
+    """Each setup's turn-0 TTFT by the order sent, the mean over its rounds after the first
+    (round 1 of records made before 2026-12-03 had a warm system prompt): the first `burst`
+    one by one (the cold prompts and those queued behind them), then the mean of the rest."""
+    rounds: dict[str, list[list[float]]] = {}
+    for key, rec in records.items():
+        name, _, r = key.partition("#")
+        if r in ("", "1"):
+            continue
+        first = sorted((x for x in _done(rec) if x["turn"] == 0), key=lambda x: x["sent_s"])
+        rounds.setdefault(name, []).append([1e3 * x["ttft_s"] for x in first])
+    if not rounds:
+        return []
+    lines = [
+        "| setup | " + " | ".join(str(i) for i in range(burst)) + " | the rest | rounds |",
+        "|---" * (burst + 3) + "|",
+    ]
+    for name, by in rounds.items():
+        means = [statistics.mean(v) for v in zip(*by)]
+        cells = " | ".join(f"{m:.0f}" for m in means[:burst])
+        rest = f"{statistics.mean(means[burst:]):.1f}" if means[burst:] else "—"
+        lines.append(f"| {name} | {cells} | {rest} | {len(by)} |")
+    return lines
+
+
+def _done(rec: Record) -> list[dict]:
+    """A record's requests that did not fail."""
+    return [x for x in rec.results if not x.get("error")]
 
 
 def by_steps(rounds: list[tuple[str, dict]]) -> list[str]:
@@ -297,8 +333,8 @@ def main() -> None:
         return
     if len(runs) != 1:
         p.error("the tables are of one run: give one file, or --by-steps")
-    floor = offloader_floor(runs[0])
-    print("\n".join(by_round(runs[0]) + [""] + by_turn(runs[0]) + ([""] + floor if floor else [])))
+    tables = [by_round(runs[0]), by_turn(runs[0]), offloader_floor(runs[0]), first_turns(runs[0])]
+    print("\n\n".join("\n".join(t) for t in tables if t))
 
 
 if __name__ == "__main__":
