@@ -25,7 +25,8 @@ venv_python=$PWD/"$VENV"/bin/python
 # The vLLM plugin entry point (pyproject.toml) is written at install, and the editable install
 # maps the top-level packages it found then (kvtier, kvtier_tools): reinstall if one is missing.
 [ -x "$VENV"/bin/kvtier ] && (cd / && "$venv_python" -c "import kvtier, kvtier_tools, importlib.metadata as m; \
-assert any(e.name == 'kvtier' for e in m.entry_points(group='vllm.general_plugins'))") 2>/dev/null \
+assert {'kvtier', 'kvtier_step_trace'} <= {e.name for e in m.entry_points(group='vllm.general_plugins')}") \
+    2>/dev/null \
     || pip install -q --no-deps -e .
 "$VENV"/bin/python -c "import pytest_timeout, xdist, psutil, xxhash, msgspec, openai, uvloop, aiohttp, prometheus_client, redis, hiredis, lz4, hypothesis" 2>/dev/null \
     || pip install -q pytest pytest-timeout pytest-xdist psutil xxhash pyyaml tqdm pyzmq msgspec openai uvloop aiohttp \

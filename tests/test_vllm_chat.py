@@ -145,13 +145,18 @@ def test_vllm_bench_serve_twice_per_setup_with_shared_prefixes(tiny_model, tmp_p
 
 
 @pytest.mark.parametrize("servers", ["resident", "alone"])
-def test_servers_started_once_run_paired_rounds_of_new_conversations(tiny_model, tmp_path, servers):
+def test_servers_started_once_run_paired_rounds_of_new_conversations(
+    tiny_model, tmp_path, servers, monkeypatch
+):
     """`--resident`: each setup's server starts once and stays up through the rounds; every
     round sends new conversations (its seed), in reverse setup order every other round, and
     each record's outputs are compared with the same round's first setup (the same prompts).
     `--alone`: the same rounds, one setup's server at a time (the first stopped before the
-    second starts)."""
+    second starts). Both with their engine steps recorded (STEP_TRACE=1, bench/step_trace.py)."""
     from kvtier_tools.bench.report_serving import by_round
+    from kvtier_tools.bench.report_steps import read, report, rounds, ttfts
+
+    monkeypatch.setenv("STEP_TRACE", "1")
 
     # 2 to 6 tokens
     work = replace(WORKLOAD, conversations=3, turns=2, concurrency=2, output_spread=0.5)
@@ -203,3 +208,16 @@ def test_servers_started_once_run_paired_rounds_of_new_conversations(tiny_model,
         row.startswith("| plain#2 |") and row.endswith("| 0 | 6/6 |") for row in table(records)
     )
     assert by_round(records)[3].startswith("| kvtier | ")
+    # The steps each server's engine took, plain vLLM's as kvtier's: per round, 3 conversations
+    # of 2 turns arrive (the warm-up is not a round), every one of them gets its first token in
+    # a step whose output came back, and its prefill's tokens were scheduled before.
+    for name in ("plain", "kvtier"):
+        arrivals, steps = read(tmp_path / name)
+        found = rounds(arrivals, steps, per_round=6)
+        assert len(found) == 2 and all(len(r.arrivals) == 6 for r in found), name
+        for r in found:
+            assert all(0 < t < 60_000 for t in ttfts(r)), (name, ttfts(r))
+            prefilled = sum(n for s in r.steps for rid, n in s.prefills.items())
+            assert prefilled >= 6 * 64 and all(s.host > 0 for s in r.steps if s.tokens)
+    lines = report([tmp_path / "plain", tmp_path / "kvtier"], 6, 5.0, 6)
+    assert sum(line.startswith("round ") for line in lines) == 4, lines

@@ -96,6 +96,8 @@ def vllm_server(
     port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"vllm-{port}.log"
+    # STEP_TRACE=1: the server's engine steps recorded in its folder (bench/step_trace.py)
+    traced = os.environ.get("STEP_TRACE") == "1"
     cmd = [
         sys.executable,
         "-m",
@@ -123,7 +125,12 @@ def vllm_server(
     cmd += list(extra_args)
     full_env = {
         k: v
-        for k, v in {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", **(env or {})}.items()
+        for k, v in {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "2",
+            **({"STEP_TRACE_DIR": str(workdir)} if traced else {}),
+            **(env or {}),
+        }.items()
         if v is not None
     }  # None in `env`: unset
     log_path.write_bytes(b"")
