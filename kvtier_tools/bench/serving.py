@@ -20,6 +20,9 @@ server at a time on this machine.
                    once, ahead of vLLM's copy of its next sampled tokens)
     kvtier-piece8  KvtierConnector, gpu_store_piece_mb 8 (a quarter of the default piece: vLLM's
                    copy of its sampled tokens waits behind less of a store)
+    kvtier-switch  KvtierConnector, every server process's GIL switch interval 0.5 ms (Python's
+                   5 ms; bench/step_trace.py): vLLM's threads that take requests in and send
+                   tokens out wait less for the engine thread's GIL
     kvtier-base    KvtierConnector from the tree at $BENCH_BASE_TREE (an earlier commit's kvtier/,
                    `git archive REV kvtier | tar -x -C DIR`): before and after in one call
     lmcache        LMCacheConnectorV1, CPU RAM
@@ -99,6 +102,7 @@ def setup(name: str, cpu_gb: float) -> tuple[dict | None, dict, list[str]]:
         "kvtier-fp8": (KVTIER, {**size, "LMCACHE_REMOTE_SERDE": "fp8"}, []),
         "kvtier-unpaced": (KVTIER, {**size, "KVTIER_GPU_STORE_PIECE_MB": "0"}, []),
         "kvtier-piece8": (KVTIER, {**size, "KVTIER_GPU_STORE_PIECE_MB": "8"}, []),
+        "kvtier-switch": (KVTIER, {**size, "BENCH_SWITCH_INTERVAL_MS": "0.5"}, []),
         "lmcache": (LMCACHE_CONNECTOR, {**size, "LMCACHE_LOCAL_CPU": "true"}, []),
         "native": (
             None,

@@ -26,12 +26,14 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
 DIR_ENV = "STEP_TRACE_DIR"
+SWITCH_ENV = "BENCH_SWITCH_INTERVAL_MS"
 
 
 class Recorder:
@@ -137,8 +139,13 @@ def install(folder: Path) -> None:
 
 def register() -> None:
     """vLLM's plugin entry point (pyproject.toml), called in each of its processes: the
-    patches, where `STEP_TRACE_DIR` is set."""
+    patches, where `STEP_TRACE_DIR` is set; the interpreter's switch interval, where
+    `BENCH_SWITCH_INTERVAL_MS` is set (an experiment's knob, any setup's: how long a thread
+    that wants the GIL waits before the thread that holds it must let go; Python's 5 ms)."""
     folder = os.environ.get(DIR_ENV)
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
         install(Path(folder))
+    switch_ms = os.environ.get(SWITCH_ENV)
+    if switch_ms:
+        sys.setswitchinterval(float(switch_ms) / 1e3)
