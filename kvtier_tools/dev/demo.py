@@ -178,7 +178,7 @@ def _wait_healthy(server: Server, timeout: float) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(0.25)  # a test waits for each start: ~0.4 s saved a start against 1 s
     raise TimeoutError(f"vLLM server not healthy after {timeout:.0f} s; log: {server.log_path}")
 
 
