@@ -9,10 +9,9 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from kvtier_tools.bench.chat import Workload, plot, run, same_outputs
+from kvtier_tools.bench.chat import Workload, plot, same_outputs
 from kvtier_tools.bench.report_serving import table
 from kvtier_tools.bench.serving import ServerSpec, compare, gpu_kv_bytes
-from kvtier_tools.dev.demo import vllm_server
 from kvtier_tools.dev.tinymodel import TinyLlama
 
 pytestmark = pytest.mark.vllm
@@ -38,6 +37,9 @@ DTYPE = "float32"
 
 
 def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tmp_path):
+    """kvtier's server, then plain vLLM's (`--alone`: one server at a time, each started once
+    for its two rounds), the same conversations in a round: kvtier's hits as vLLM counts them,
+    its answers plain vLLM's."""
     # vLLM's own KV cache sized to the workload (`--gpu-kv-share 1`): every conversation at its
     # last turn, as vLLM's log must say (CPU vLLM takes --kv-cache-memory-bytes as GPU vLLM does)
     kv_bytes = gpu_kv_bytes(TinyLlama(), WORKLOAD, 1.0, 4096, dtype_bytes=4)
@@ -50,8 +52,19 @@ def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tm
         dtype=DTYPE,
         gpu_kv_bytes=kv_bytes,
     )
-    records = compare(tiny_model, ["kvtier"], WORKLOAD, tmp_path / "serving", server)
-    log = next((tmp_path / "serving" / "kvtier").glob("vllm-*.log")).read_text()
+    out = tmp_path / "serving"
+    records = compare(
+        tiny_model, ["kvtier", "plain"], WORKLOAD, out, server, rounds=2, servers="alone"
+    )
+    assert list(records) == ["kvtier#1", "kvtier#2", "plain#1", "plain#2"]
+    logs = {name: list((out / name).glob("vllm-*.log")) for name in ("kvtier", "plain")}
+    assert all(len(found) == 1 for found in logs.values())  # one start for both rounds
+    log = logs["kvtier"][0].read_text()
+    stamps = {
+        name: re.findall(r"\d\d-\d\d \d\d:\d\d:\d\d", found[0].read_text())
+        for name, found in logs.items()
+    }
+    assert stamps["plain"][0] >= stamps["kvtier"][-1]  # alone: kvtier's server was stopped first
     last_turn = 768 + 3 * 64 + 2 * 32 + 4
     assert (
         abs(
@@ -60,12 +73,7 @@ def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tm
         )
         < 256
     )
-    with_kv = records["kvtier"]
-    with vllm_server(
-        tiny_model, tmp_path / "plain", kv_connector=None, max_model_len=4096, dtype=DTYPE
-    ) as srv:
-        # one at a time
-        plain = run(srv.url, str(tiny_model), replace(WORKLOAD, concurrency=1, rate=100.0))
+    with_kv, plain = records["kvtier#1"], records["plain#1"]
     s = with_kv.summary
     assert s["requests"] == 18 and s["failed"] == 0 and plain.summary["failed"] == 0
     # served several at a time: at 30 req/s the next turn is sent before the last is answered
@@ -92,17 +100,17 @@ def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tm
         1 <= s["steps_over_512_tokens"] < s["steps"]
         and s["tokens_per_step_mean"] * s["steps"] >= 18 * 64
     ), s
-    equal, both = same_outputs(with_kv, plain)
-    assert both == 18 and equal == both, [
-        (a["output_ids"], b["output_ids"]) for a, b in zip(with_kv.results, plain.results)
-    ]
+    # each round's answers, kvtier's from its KV, are plain vLLM's (float32: batching flips none)
+    for r in (1, 2):
+        equal, both = same_outputs(records[f"kvtier#{r}"], records[f"plain#{r}"])
+        assert both == 18 and equal == both, r
     svg = ET.fromstring(plot({"kvtier": asdict(with_kv), "plain": asdict(plain)}))
     # the points, the legend
     assert len([e for e in svg.iter() if e.tag.endswith("circle")]) == 2 * 18 + 2
-    assert (tmp_path / "serving" / "kvtier.json").exists() and (
-        tmp_path / "serving" / "serving.svg"
-    ).exists()
-    assert table(records)[2].startswith("| kvtier |") and "| 0 | 18/18 |" in table(records)[2]
+    assert (out / "kvtier#1.json").exists() and (out / "serving.svg").exists()
+    rows = table(records)
+    assert rows[2].startswith("| kvtier#1 |") and rows[4].startswith("| plain#1 |")
+    assert rows[4].endswith("| 0 | 18/18 |"), rows[4]
 
 
 def test_vllm_bench_serve_twice_per_setup_with_shared_prefixes(tiny_model, tmp_path):
@@ -144,15 +152,14 @@ def test_vllm_bench_serve_twice_per_setup_with_shared_prefixes(tiny_model, tmp_p
     assert table[3].startswith("| kvtier |") and table[3].endswith("| 0 | 6/6, 6/6 |"), table[3]
 
 
-@pytest.mark.parametrize("servers", ["resident", "alone"])
 def test_servers_started_once_run_paired_rounds_of_new_conversations(
-    tiny_model, tmp_path, servers, monkeypatch
+    tiny_model, tmp_path, monkeypatch
 ):
     """`--resident`: each setup's server starts once and stays up through the rounds; every
     round sends new conversations (its seed), in reverse setup order every other round, and
     each record's outputs are compared with the same round's first setup (the same prompts).
-    `--alone`: the same rounds, one setup's server at a time (the first stopped before the
-    second starts). Both with their engine steps recorded (STEP_TRACE=1, bench/step_trace.py)."""
+    The servers' engine steps recorded (STEP_TRACE=1, bench/step_trace.py). (`--alone`, one
+    server at a time: the test above.)"""
     from kvtier_tools.bench.report_serving import by_round
     from kvtier_tools.bench.report_steps import read, report, rounds, ttfts
 
@@ -164,13 +171,9 @@ def test_servers_started_once_run_paired_rounds_of_new_conversations(
         cpu_gb=0.5, gpu_util=0.2, eager=True, prefix_caching=False, max_model_len=2048, dtype=DTYPE
     )
     records = compare(
-        tiny_model, ["plain", "kvtier"], work, tmp_path, server, rounds=2, servers=servers
+        tiny_model, ["plain", "kvtier"], work, tmp_path, server, rounds=2, servers="resident"
     )
-    order = {
-        "resident": ["plain#1", "kvtier#1", "kvtier#2", "plain#2"],
-        "alone": ["plain#1", "plain#2", "kvtier#1", "kvtier#2"],
-    }
-    assert list(records) == order[servers]
+    assert list(records) == ["plain#1", "kvtier#1", "kvtier#2", "plain#2"]
     logs = {name: list((tmp_path / name).glob("vllm-*.log")) for name in ("plain", "kvtier")}
     assert all(len(found) == 1 for found in logs.values())  # one start for both rounds
     stamps = {
@@ -178,8 +181,7 @@ def test_servers_started_once_run_paired_rounds_of_new_conversations(
         for name, found in logs.items()
     }
     # plain's server still logging after kvtier's began
-    overlapped = stamps["plain"][-1] > stamps["kvtier"][0]
-    assert overlapped == (servers == "resident")
+    assert stamps["plain"][-1] > stamps["kvtier"][0]  # plain's server still up
     assert all(r.summary["failed"] == 0 and r.summary["requests"] == 6 for r in records.values())
     # each request generated its drawn length (the round's seed), the same in every setup
     for key, rec in records.items():
