@@ -19,6 +19,10 @@ has `STEP_TRACE=1`. Each vLLM process that runs a scheduler writes
 `t` is the wall clock (seconds) at the call's start, `d` its length. The patches wrap the
 scheduler's and the executors' classes in each process as vLLM loads its plugins.
 `python -m kvtier_tools.bench.report_steps` reads the files.
+
+The same plugin sets each process's GIL switch interval where `BENCH_SWITCH_INTERVAL_MS` is set
+(the serving bench's setup kvtier-switch; a shorter one made kvtier slower:
+results/gpu-h200-steps-2026-12-03).
 """
 
 from __future__ import annotations
