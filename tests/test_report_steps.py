@@ -18,46 +18,36 @@ from kvtier_tools.bench.report_steps import (
 )
 
 
+def step(at: float, ms: float, prefills: dict[str, int], decodes: int, new: dict) -> list[dict]:
+    """A step's lines: scheduled at `at` (its schedule 1 ms), its forward queued in `ms` and its
+    sampling in ms / 5, its output taken in `ms` + 10 ms after `at`, giving the first token of
+    the requests it finished (all its prefills here)."""
+    n = sum(prefills.values()) + decodes
+    sample = ms / 5
+    return [
+        {"k": "s", "t": at, "d": 1e-3, "n": n, "p": prefills, "dec": decodes,
+         "new": [[r, c] for r, c in new.items()]},
+        {"k": "x", "t": at + 1e-3, "d": ms * 1e-3},
+        {"k": "y", "t": at + (1 + ms) * 1e-3, "d": sample * 1e-3},
+        {"k": "u", "t": at + (ms + 10) * 1e-3, "d": 0, "n": n, "first": list(prefills)},
+    ]  # fmt: skip
+
+
+def arrival(at: float, rid: str, n: int) -> dict:
+    return {"k": "a", "t": at, "d": 0, "id": rid, "n": n}
+
+
 def write_server(folder: Path, t0: float) -> None:
-    """A warm-up request, then a round of two: r0 (turn 0, 600 tokens, two steps) and r1
-    (turn 1, 300 tokens, one step beside r0's first decode)."""
-    ms = 1e-3
+    """A warm-up request, then a round of two: r0 (turn 0, 600 tokens in one step) and r1
+    (turn 1, 300 new tokens on 100 cached, beside r0's first decode), then a decode step."""
     rows = [
-        {"k": "a", "t": t0, "d": 0, "id": "warm", "n": 10},
-        {"k": "s", "t": t0, "d": ms, "n": 10, "p": {"warm": 10}, "dec": 0, "new": [["warm", 0]]},
-        {"k": "x", "t": t0, "d": ms, "n": 0},
-        {"k": "y", "t": t0, "d": ms},
-        {"k": "u", "t": t0 + 5 * ms, "d": 0, "n": 10, "first": ["warm"]},
-        {"k": "a", "t": t0 + 1.0, "d": 0, "id": "r0", "n": 600},
-        {
-            "k": "s",
-            "t": t0 + 1.0,
-            "d": 2 * ms,
-            "n": 600,
-            "p": {"r0": 600},
-            "dec": 0,
-            "new": [["r0", 0]],
-        },
-        {"k": "x", "t": t0 + 1.0, "d": 20 * ms},
-        {"k": "y", "t": t0 + 1.02, "d": 4 * ms},
-        {"k": "u", "t": t0 + 1.05, "d": 0, "n": 600, "first": ["r0"]},
-        {"k": "a", "t": t0 + 1.051, "d": 0, "id": "r1", "n": 400},
-        {
-            "k": "s",
-            "t": t0 + 1.052,
-            "d": 1 * ms,
-            "n": 301,
-            "p": {"r1": 300},
-            "dec": 1,
-            "new": [["r1", 100]],
-        },
-        {"k": "x", "t": t0 + 1.053, "d": 10 * ms},
-        {"k": "y", "t": t0 + 1.063, "d": 2 * ms},
-        {"k": "u", "t": t0 + 1.08, "d": 0, "n": 301, "first": ["r1"]},
-        {"k": "s", "t": t0 + 1.081, "d": 0.5 * ms, "n": 2, "p": {}, "dec": 2, "new": []},
-        {"k": "x", "t": t0 + 1.082, "d": 1 * ms},
-        {"k": "y", "t": t0 + 1.083, "d": 1 * ms},
-        {"k": "u", "t": t0 + 1.09, "d": 0, "n": 2, "first": []},
+        arrival(t0, "warm", 10),
+        *step(t0, 1, {"warm": 10}, 0, {"warm": 0}),
+        arrival(t0 + 1.0, "r0", 600),
+        *step(t0 + 1.0, 40, {"r0": 600}, 0, {"r0": 0}),
+        arrival(t0 + 1.051, "r1", 400),
+        *step(t0 + 1.052, 18, {"r1": 300}, 1, {"r1": 100}),
+        *step(t0 + 1.081, 0, {}, 2, {}),
     ]
     folder.mkdir(parents=True)
     (folder / "steps-7.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -74,7 +64,7 @@ def test_a_round_after_the_warm_up_and_each_requests_first_token(tmp_path):
     write_server(tmp_path / "kvtier", 1000.0)
     arrivals, steps = read(tmp_path / "kvtier")
     assert [s.tokens for s in steps] == [10, 600, 301, 2]
-    assert steps[1].execute == pytest.approx(0.02) and steps[1].host == pytest.approx(0.024)
+    assert steps[1].execute == pytest.approx(0.04) and steps[1].host == pytest.approx(0.048)
     assert steps[2].cached == {"r1": 100} and steps[2].schedule == pytest.approx(0.001)
     (r,) = rounds(arrivals, steps, per_round=2)  # the warm-up is no round
     assert list(r.arrivals) == ["r0", "r1"] and len(r.steps) == 3
@@ -83,7 +73,7 @@ def test_a_round_after_the_warm_up_and_each_requests_first_token(tmp_path):
     assert rounds(arrivals, steps, per_round=3) == []
     lines = report([tmp_path / "kvtier"], per_round=2, window=1.0, requests=2)
     assert lines[1] == "round 1, kvtier: 3 steps in 1.0 s"
-    assert lines[2].split() == ["0.0", "50.0", "24.0", "600", "0:600", "first", "0"]
+    assert lines[2].split() == ["0.0", "50.0", "48.0", "600", "0:600", "first", "0"]
     assert lines[3].split()[-4:] == ["1:300+h100", "1d", "first", "1"]
 
 
@@ -98,9 +88,9 @@ def test_the_turn_and_step_tables_beside_the_clients_records(tmp_path):
     assert table[3] == "| 1 | 1 | 1.0 | 28.0 | 11.0 | 10.0 | 50.0 |"
     kinds = host_by_kind(rs, [REQUESTS])
     assert kinds[2:] == [
-        "| decodes | 1 | 0.50 | 1.00 | 1.00 |",
-        "| prefill <= 512, turns 1-2 | 1 | 1.00 | 10.00 | 2.00 |",
-        "| prefill > 512 | 1 | 2.00 | 20.00 | 4.00 |",
+        "| decodes | 1 | 1.00 | 0.00 | 0.00 |",
+        "| prefill <= 512, turns 1-2 | 1 | 1.00 | 18.00 | 3.60 |",
+        "| prefill > 512 | 1 | 1.00 | 40.00 | 8.00 |",
     ]
     packed = {
         "kvtier#1": {
