@@ -125,7 +125,7 @@ def _cell(step: Step, begin: float, numbers: dict[str, int]) -> str:
 
 def ttfts(r: Round) -> list[float]:
     """Each request's ms from arrival to first token, by arrival."""
-    got = {rid: s.out for s in r.steps for rid in s.first if s.out is not None}
+    got = firsts(r)[1]
     return [(got[rid] - t) * 1e3 if rid in got else float("nan") for rid, t in r.arrivals.items()]
 
 
@@ -139,7 +139,7 @@ def report(
             if n >= len(rs):
                 continue
             r = rs[n]
-            begin = min(r.arrivals.values())
+            begin = _begin(r.arrivals)
             numbers = {rid: i for i, rid in enumerate(r.arrivals)}
             shown = [s for s in r.steps if s.at - begin <= window]
             lines.append(f"round {n + 1}, {folder.name}: {len(shown)} steps in {window} s")
