@@ -36,6 +36,16 @@ WORKLOAD = Workload(
 DTYPE = "float32"
 
 
+def log_stamps(out, names) -> dict[str, list[str]]:
+    """Each setup's server log's time stamps, in order; each setup started one server."""
+    logs = {name: list((out / name).glob("vllm-*.log")) for name in names}
+    assert all(len(found) == 1 for found in logs.values()), logs
+    return {
+        name: re.findall(r"\d\d-\d\d \d\d:\d\d:\d\d", found[0].read_text())
+        for name, found in logs.items()
+    }
+
+
 def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tmp_path):
     """kvtier's server, then plain vLLM's (`--alone`: one server at a time, each started once
     for its two rounds), the same conversations in a round: kvtier's hits as vLLM counts them,
@@ -57,14 +67,9 @@ def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tm
         tiny_model, ["kvtier", "plain"], WORKLOAD, out, server, rounds=2, servers="alone"
     )
     assert list(records) == ["kvtier#1", "kvtier#2", "plain#1", "plain#2"]
-    logs = {name: list((out / name).glob("vllm-*.log")) for name in ("kvtier", "plain")}
-    assert all(len(found) == 1 for found in logs.values())  # one start for both rounds
-    log = logs["kvtier"][0].read_text()
-    stamps = {
-        name: re.findall(r"\d\d-\d\d \d\d:\d\d:\d\d", found[0].read_text())
-        for name, found in logs.items()
-    }
+    stamps = log_stamps(out, ("kvtier", "plain"))  # one start for both rounds
     assert stamps["plain"][0] >= stamps["kvtier"][-1]  # alone: kvtier's server was stopped first
+    log = next((out / "kvtier").glob("vllm-*.log")).read_text()
     last_turn = 768 + 3 * 64 + 2 * 32 + 4
     assert (
         abs(
@@ -103,7 +108,10 @@ def test_conversations_hit_their_history_and_answer_as_plain_vllm(tiny_model, tm
     # each round's answers, kvtier's from its KV, are plain vLLM's (float32: batching flips none)
     for r in (1, 2):
         equal, both = same_outputs(records[f"kvtier#{r}"], records[f"plain#{r}"])
-        assert both == 18 and equal == both, r
+        assert both == 18 and equal == both, [
+            (r, a["output_ids"], b["output_ids"])
+            for a, b in zip(records[f"kvtier#{r}"].results, records[f"plain#{r}"].results)
+        ]
     svg = ET.fromstring(plot({"kvtier": asdict(with_kv), "plain": asdict(plain)}))
     # the points, the legend
     assert len([e for e in svg.iter() if e.tag.endswith("circle")]) == 2 * 18 + 2
@@ -174,13 +182,7 @@ def test_servers_started_once_run_paired_rounds_of_new_conversations(
         tiny_model, ["plain", "kvtier"], work, tmp_path, server, rounds=2, servers="resident"
     )
     assert list(records) == ["plain#1", "kvtier#1", "kvtier#2", "plain#2"]
-    logs = {name: list((tmp_path / name).glob("vllm-*.log")) for name in ("plain", "kvtier")}
-    assert all(len(found) == 1 for found in logs.values())  # one start for both rounds
-    stamps = {
-        name: re.findall(r"\d\d-\d\d \d\d:\d\d:\d\d", found[0].read_text())
-        for name, found in logs.items()
-    }
-    # plain's server still logging after kvtier's began
+    stamps = log_stamps(tmp_path, ("plain", "kvtier"))  # one start for both rounds
     assert stamps["plain"][-1] > stamps["kvtier"][0]  # plain's server still up
     assert all(r.summary["failed"] == 0 and r.summary["requests"] == 6 for r in records.values())
     # each request generated its drawn length (the round's seed), the same in every setup

@@ -164,11 +164,10 @@ def firsts(r: Round) -> tuple[dict[str, float], dict[str, float]]:
     return scheduled, first
 
 
-def turns(r: Round, requests: list[dict]) -> dict[str, int]:
-    """Request id: its conversation turn, matched by order (the client's sends, the engine's
-    arrivals)."""
-    sent = sorted(requests, key=lambda q: q["sent_s"])
-    return {rid: q["turn"] for rid, q in zip(r.arrivals, sent)}
+def matched(r: Round, requests: list[dict]) -> list[tuple[str, dict]]:
+    """(request id, the client's record) of each request, matched by order (the client's sends,
+    the engine's arrivals)."""
+    return list(zip(r.arrivals, sorted(requests, key=lambda q: q["sent_s"])))
 
 
 def by_turn(rs: list[Round], records: list[list[dict]]) -> list[str]:
@@ -179,10 +178,9 @@ def by_turn(rs: list[Round], records: list[list[dict]]) -> list[str]:
     rows: dict[int, list[tuple[float, ...]]] = {}
     for r, requests in zip(rs, records):
         scheduled, first = firsts(r)
-        sent = sorted(requests, key=lambda q: q["sent_s"])
-        ids = list(r.arrivals)
-        a0, s0 = r.arrivals[ids[0]], sent[0]["sent_s"]
-        for q, rid in zip(sent, ids):
+        pairs = matched(r, requests)
+        a0, s0 = r.arrivals[pairs[0][0]], pairs[0][1]["sent_s"]
+        for rid, q in pairs:
             if rid not in first or q["ttft_s"] is None:
                 continue
             arrived = r.arrivals[rid]
@@ -210,7 +208,7 @@ def host_by_kind(rs: list[Round], records: list[list[dict]]) -> list[str]:
     prefills over 512 tokens, or up to 512 by their requests' turns."""
     kinds: dict[str, list[Step]] = {}
     for r, requests in zip(rs, records):
-        turn_of = turns(r, requests)
+        turn_of = {rid: q["turn"] for rid, q in matched(r, requests)}
         for s in r.steps:
             if not s.tokens:
                 continue

@@ -21,8 +21,9 @@ server at a time on this machine.
     kvtier-piece8  KvtierConnector, gpu_store_piece_mb 8 (a quarter of the default piece: vLLM's
                    copy of its sampled tokens waits behind less of a store)
     kvtier-switch  KvtierConnector, every server process's GIL switch interval 0.5 ms (Python's
-                   5 ms; bench/step_trace.py): vLLM's threads that take requests in and send
-                   tokens out wait less for the engine thread's GIL
+                   5 ms; bench/step_trace.py): do vLLM's threads that take requests in and send
+                   tokens out wait less for the engine thread? (No: 1.164x kvtier's mean TTFT,
+                   results/gpu-h200-steps-2026-12-03)
     kvtier-base    KvtierConnector from the tree at $BENCH_BASE_TREE (an earlier commit's kvtier/,
                    `git archive REV kvtier | tar -x -C DIR`): before and after in one call
     lmcache        LMCacheConnectorV1, CPU RAM
