@@ -19,7 +19,12 @@ import pytest
 import torch
 from test_pd import Pair
 
-from kvtier_tools.dev.localservers import free_port, free_ports, kvtier_command, wait_for_port
+from kvtier_tools.dev.localservers import (
+    free_port,
+    kvtier_command,
+    refusing_ports,
+    wait_for_port,
+)
 
 
 def proxy(prefiller_port, decoder_port, alloc_port, notify_port, *extra):
@@ -107,11 +112,19 @@ def completion(url, timeout=30):
     )
 
 
+@pytest.fixture
+def down():
+    """`down()`: a port whose node is down (it refuses connections) until the test ends."""
+    with contextlib.ExitStack() as held:
+        yield lambda: held.enter_context(refusing_ports(1))[0].getsockname()[1]
+
+
 class Decoder:
     """An HTTP node that answers every completion with 200 and keeps the bodies it got;
-    `before()` runs as a request comes, `after(body)` once it is answered."""
+    `before()` runs as a request comes, `after(body)` once it is answered. On `sock` (a
+    bound socket, from `refusing_ports`) where given: a node that comes up."""
 
-    def __init__(self, before=lambda: None, after=lambda body: None, port=0):
+    def __init__(self, before=lambda: None, after=lambda body: None, sock=None):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         bodies = self.bodies = []
@@ -131,7 +144,12 @@ class Decoder:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler, bind_and_activate=sock is None)
+        if sock is not None:
+            self.server.socket.close()
+            self.server.socket = sock
+            self.server.server_address = sock.getsockname()
+            self.server.server_activate()
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -140,10 +158,10 @@ class Decoder:
         self.server.server_close()
 
 
-def test_a_prefiller_that_is_down_costs_the_disaggregation_not_the_request():
+def test_a_prefiller_that_is_down_costs_the_disaggregation_not_the_request(down):
     decoder = Decoder()
     try:
-        with proxy(free_port(), decoder.port, free_port(), free_port()) as url:
+        with proxy(down(), decoder.port, down(), free_port()) as url:
             t0 = time.monotonic()
             r = completion(url)
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
@@ -161,8 +179,8 @@ def test_a_prefiller_that_is_down_costs_the_disaggregation_not_the_request():
         decoder.close()
 
 
-def test_prefiller_and_decoder_down_is_a_502_at_once():
-    with proxy(free_port(), free_port(), free_port(), free_port()) as url:
+def test_prefiller_and_decoder_down_is_a_502_at_once(down):
+    with proxy(down(), down(), down(), free_port()) as url:
         t0 = time.monotonic()
         r = completion(url)
         assert r.status_code == 502 and "decoder" in r.json()["error"]["message"]
@@ -173,14 +191,19 @@ def test_nodes_that_come_up_between_two_probes_get_the_next_request():
     """As a script starts vLLM, waits for its /health and asks at once: the proxy's watch
     last saw the nodes down (its next round is 60 s away), and still the request is
     disaggregated and answered."""
-    decoder_port, alloc_port = free_port(), free_port()
-    with proxy(
-        free_port(), decoder_port, alloc_port, free_port(), "--health-interval", "60"
-    ) as url:
+    with (
+        refusing_ports(3) as (prefiller, decoder_sock, alloc),
+        proxy(
+            *(s.getsockname()[1] for s in (prefiller, decoder_sock, alloc)),
+            free_port(),
+            "--health-interval",
+            "60",
+        ) as url,
+    ):
         metrics = httpx.get(url + "/metrics").text
         assert 'kvtier_proxy_node_up{node="decoder",' in metrics
         assert "} 0.0" in metrics  # the first round found them down
-        decoder = Decoder(port=decoder_port)
+        decoder = Decoder(sock=decoder_sock)
         try:
             r = completion(url)
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
@@ -189,12 +212,12 @@ def test_nodes_that_come_up_between_two_probes_get_the_next_request():
             decoder.close()
 
 
-def test_a_decoder_that_is_down_gets_no_request_while_another_is_up():
+def test_a_decoder_that_is_down_gets_no_request_while_another_is_up(down):
     live = Decoder()
-    dead = free_port()
+    dead = down()
     try:
         with proxy(
-            free_port(), f"{dead},{live.port}", free_port(), free_port(), "--num-decoders", "2"
+            down(), f"{dead},{live.port}", down(), free_port(), "--num-decoders", "2"
         ) as url:
             for _ in range(4):  # round robin would send two of them to the dead one
                 assert completion(url).status_code == 200
@@ -213,7 +236,7 @@ def test_a_decoder_that_is_down_gets_no_request_while_another_is_up():
 
 
 @pytest.mark.parametrize("decoders", [1, 2])
-def test_a_decoder_lost_while_its_request_prefills_is_left_at_once(decoders):
+def test_a_decoder_lost_while_its_request_prefills_is_left_at_once(decoders, down):
     """The prefill never ends; the decoder it pushes to goes away meanwhile: the prefill is
     dropped within the probe's interval, and the request goes to the other decoder as it
     came (that one prefills it itself), or, with none up, ends in a 502 at once."""
@@ -221,9 +244,7 @@ def test_a_decoder_lost_while_its_request_prefills_is_left_at_once(decoders):
     nodes = [Decoder() for _ in range(decoders)]
     ports = ",".join(str(d.port) for d in nodes)
     try:
-        with proxy(
-            hung.port, ports, free_port(), free_port(), "--num-decoders", str(decoders)
-        ) as url:
+        with proxy(hung.port, ports, down(), free_port(), "--num-decoders", str(decoders)) as url:
             answer: list[httpx.Response] = []
             client = threading.Thread(target=lambda: answer.append(completion(url)))
             client.start()
@@ -251,12 +272,10 @@ def test_a_decoder_lost_while_its_request_prefills_is_left_at_once(decoders):
             node.close()
 
 
-def test_a_prefiller_that_never_answers_is_left_after_the_timeout():
+def test_a_prefiller_that_never_answers_is_left_after_the_timeout(down):
     hung, decoder = HungPrefiller(), Decoder()
     try:
-        with proxy(
-            hung.port, decoder.port, free_port(), free_port(), "--prefill-timeout", "1"
-        ) as url:
+        with proxy(hung.port, decoder.port, down(), free_port(), "--prefill-timeout", "1") as url:
             t0 = time.monotonic()
             r = completion(url)
             assert r.status_code == 200 and decoder.bodies[0].get("kv_transfer_params") is None
@@ -290,9 +309,9 @@ def test_a_request_that_ends_early_frees_its_reservation_on_the_decoder(how):
         pair.close()
 
 
-def test_garbage_on_the_notification_port_does_not_stop_the_proxy():
-    prefiller, decoder, alloc, notify = free_ports(4)
-    with proxy(prefiller, decoder, alloc, notify) as url:
+def test_garbage_on_the_notification_port_does_not_stop_the_proxy(down):
+    notify = free_port()
+    with proxy(down(), down(), down(), notify) as url:
         for junk in (b"\x00" * 64, b"KP" + b"\xff" * 30, b"GET / HTTP/1.1\r\n\r\n"):
             with socket.create_connection(("127.0.0.1", notify)) as s:
                 s.sendall(junk)
@@ -389,14 +408,16 @@ def test_with_lmcache_nodes_the_decoder_is_asked_after_lmcaches_proxynotif_and_a
         alloc.close()
 
 
-def test_with_lmcache_nodes_a_missing_proxynotif_costs_the_kv_ready_timeout_not_the_request():
+def test_with_lmcache_nodes_a_missing_proxynotif_costs_the_kv_ready_timeout_not_the_request(
+    down,
+):
     notify = free_port()
     prefiller, decoder = Decoder(), Decoder()  # a prefiller that answers and never notifies
     try:
         with proxy(
             prefiller.port,
             decoder.port,
-            free_port(),
+            down(),
             notify,
             "--pd-engine",
             "lmcache",

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvtier_tools.dev.localservers import free_port, free_ports, kvtier_command
+from kvtier_tools.dev.localservers import free_ports, kvtier_command, refusing_ports
 
 
 class Instance:
@@ -98,12 +98,13 @@ def test_requests_go_in_turn_and_stream_through(pool):
 
 
 def test_a_dead_instance_gets_no_request_and_none_up_is_a_502(pool):
-    dead = f"http://127.0.0.1:{free_port()}"
-    with router([dead, pool[0].url]) as url:
-        assert [complete(url, "hi") for _ in range(4)] == ["alpha"] * 4
-    with router([dead]) as url:
-        r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
-        assert r.status_code == 502 and "no instance is up" in r.json()["error"]["message"]
+    with refusing_ports(1) as (sock,):
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        with router([dead, pool[0].url]) as url:
+            assert [complete(url, "hi") for _ in range(4)] == ["alpha"] * 4
+        with router([dead]) as url:
+            r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
+            assert r.status_code == 502 and "no instance is up" in r.json()["error"]["message"]
 
 
 def test_route_kv_sends_a_prompt_to_the_instance_holding_its_prefix(pool):

@@ -57,22 +57,38 @@ def free_ports(n: int) -> list[int]:
     starts after others, or one named in a config ahead of time) is never the one the kernel
     hands meanwhile to another process's bind(0) or outgoing connection. (A vLLM started
     after such a pick once took the PD proxy's notification port, CI 2026-11-28.)"""
-    low = _ephemeral_low()
     with contextlib.ExitStack() as held:
-        ports: list[int] = []
-        while len(ports) < n:
-            s = held.enter_context(socket.socket())
-            try:
-                s.bind(
-                    (
-                        "127.0.0.1",
-                        random.randrange(PORTS_FROM, low) if low > PORTS_FROM + 1000 else 0,
-                    )
+        return [s.getsockname()[1] for s in _bound(n, held)]
+
+
+@contextlib.contextmanager
+def refusing_ports(n: int) -> Iterator[list[socket.socket]]:
+    """`n` loopback sockets bound, never listening, held until the block ends: a node that
+    is down. A connection to one is refused, and no other process can take its port
+    meanwhile, as it could a port that `free_ports` picked and nobody bound. (CI
+    2026-12-03: a proxy test's request to a prefiller "down" on such a port waited 30 s,
+    most likely at another test's server that took the port, read the request and never
+    answered.) `listen()` on one brings its node up."""
+    with contextlib.ExitStack() as held:
+        yield _bound(n, held)
+
+
+def _bound(n: int, held: contextlib.ExitStack) -> list[socket.socket]:
+    low = _ephemeral_low()
+    sockets: list[socket.socket] = []
+    while len(sockets) < n:
+        s = held.enter_context(socket.socket())
+        try:
+            s.bind(
+                (
+                    "127.0.0.1",
+                    random.randrange(PORTS_FROM, low) if low > PORTS_FROM + 1000 else 0,
                 )
-            except OSError:
-                continue
-            ports.append(s.getsockname()[1])
-        return ports
+            )
+        except OSError:
+            continue
+        sockets.append(s)
+    return sockets
 
 
 PORTS_FROM = 10000  # above the well-known and most registered services' ports
