@@ -19,7 +19,7 @@ from kvtier.remote import open_store
 from kvtier.remote.mooncake import MooncakeStore
 from kvtier.remote.redis import RedisStore
 from kvtier.server.client import KVClient
-from kvtier_tools.dev.localservers import free_port
+from kvtier_tools.dev.localservers import refusing_ports
 
 
 @pytest.fixture(params=["kvtier-tcp", "kvtier-shm", "redis", "redis-cluster", "fs", "mooncake"])
@@ -135,8 +135,8 @@ def test_a_value_too_large_is_a_value_error_and_the_store_still_works(store):
 def test_an_unreachable_store_is_remote_unavailable_within_the_timeout(url):
     t0 = time.monotonic()
     opened = []
-    with pytest.raises(RemoteUnavailable):
-        opened.append(open_store(url.format(port=free_port()), 2))
+    with refusing_ports(1) as (down,), pytest.raises(RemoteUnavailable):
+        opened.append(open_store(url.format(port=down.getsockname()[1]), 2))
         opened[0].exists([b"k"])
     assert time.monotonic() - t0 < 5
     for st in opened:  # Mooncake's goes on trying in the background until closed

@@ -17,11 +17,11 @@ from kvtier.remote import open_store
 from kvtier.transfer import PagedKV
 from kvtier.transfer.staging import runs as _runs
 from kvtier_tools.dev.localservers import (
-    free_port,
     kvtier_server,
     mooncake_store,
     redis_cluster,
     redis_server,
+    refusing_ports,
 )
 
 L, NB, BS, H, D = 2, 64, 16, 2, 32
@@ -371,9 +371,10 @@ def test_a_dead_remote_store_is_a_fast_miss_and_is_used_again_once_back():
 
 
 def test_an_unreachable_url_at_start_is_not_fatal():
-    a, _ = node(f"kvtier://127.0.0.1:{free_port()}", timeout=0.5)
-    assert a.lookup(TOKENS) == 0
-    a.close()
+    with refusing_ports(1) as (down,):
+        a, _ = node(f"kvtier://127.0.0.1:{down.getsockname()[1]}", timeout=0.5)
+        assert a.lookup(TOKENS) == 0
+        a.close()
 
 
 @pytest.mark.parametrize("serde", ["naive", "lz4"])
